@@ -1,0 +1,157 @@
+"""Base class of attention backends.
+
+A backend is created once per model runner by its plugin's factory
+(``factory(runner_info) -> AttentionBackend``). For every batch the runner calls
+``init_forward_metadata`` once; then each attention layer calls ``forward``,
+which writes the new tokens' K/V into the paged pool (``out_cache_loc``) and
+attends over every token of each row (cached prefix + new tokens), reading the
+pool through ``req_to_token``.
+
+Tensor layouts (all backends share them):
+- ``q``: ``[num_tokens, num_heads * head_dim]``; ``k``/``v``: ``[num_tokens, num_kv_heads * head_dim]``
+  (``None`` when the layer re-uses K/V it already saved, e.g. cross-layer sharing);
+- K/V pool of layer L: ``[pool_rows, num_kv_heads, head_dim]``;
+- ``req_to_token[req_pool_idx, pos]``: KV slot of position ``pos`` of a row;
+- returns ``[num_tokens, num_heads * head_dim]`` in q's dtype.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from engine.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayerInfo:
+    """What a backend needs to know about the calling layer (RadixAttention satisfies this)."""
+
+    layer_id: int
+    num_heads: int  # query heads on this tensor-parallel rank
+    num_kv_heads: int  # key/value heads on this rank
+    head_dim: int
+    scaling: float  # softmax scale, usually head_dim ** -0.5
+    logit_cap: float = 0.0  # tanh soft cap on scores; 0 disables
+    sliding_window_size: int = -1  # attend to at most this many previous tokens; -1 = no window
+    v_head_dim: int = -1  # -1 means head_dim
+
+
+@dataclass
+class AttentionContext:
+    """What a backend factory receives: ``factory(ctx) -> AttentionBackend``."""
+
+    device: torch.device
+    dtype: torch.dtype  # activation / KV dtype
+    num_layers: int
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    head_dim: int
+    page_size: int
+    max_context_len: int
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+    # Options the user gave under the backend's name (``attention.<name>.<key>``).
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class AttentionBackend(ABC):
+    """One attention implementation over the paged KV pool."""
+
+    #: whether ``forward_extend`` accepts MIXED batches (extend rows then decode rows).
+    supports_mixed: bool = True
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plans the batch (indices, workspaces); called once before the layers run."""
+
+    @abstractmethod
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Attention for EXTEND/MIXED batches: new tokens over prefix + themselves, causal."""
+
+    @abstractmethod
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Attention for DECODE batches: one query token per row over its whole sequence."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    # -- CUDA graph support (optional) ---------------------------------------
+    #: whether the backend can be captured in CUDA graphs for decode.
+    supports_cuda_graph: bool = False
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocates static buffers the captured graphs will read (graph-capable backends)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Points the metadata at static buffers before capturing a decode graph of ``bs`` rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+    ) -> None:
+        """Refreshes the static buffers in place before replaying the graph of ``bs`` rows."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Sequence length written into padded rows of a captured batch."""
+        return 1
+
+    # -- helpers shared by backends -----------------------------------------
+    @staticmethod
+    def save_kv(
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> None:
+        """Writes the new tokens' K/V into the pool at ``out_cache_loc``."""
+        if k is None:
+            return
+        pool = forward_batch.token_to_kv_pool
+        assert pool is not None
+        head_dim_v = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
+        pool.set_kv_buffer(
+            layer.layer_id,
+            forward_batch.out_cache_loc,
+            k.view(-1, layer.num_kv_heads, layer.head_dim),
+            v.view(-1, layer.num_kv_heads, head_dim_v),
+        )

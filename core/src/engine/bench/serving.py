@@ -1,0 +1,273 @@
+"""``engine bench serving``: drive a running server over HTTP and report serving metrics.
+
+Field and flag names mirror SGLang's ``bench_serving`` so existing command lines carry over.
+Requests arrive as a seeded Poisson process (``request_rate``) and at most
+``max_concurrency`` run at once; failed requests are recorded, never fatal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+
+from engine.bench.backends import BACKENDS, RequestOptions, send_request
+from engine.bench.datasets import BenchRequest, TokenizerLike, sample_requests
+from engine.bench.metrics import (
+    BenchMetrics,
+    RequestResult,
+    compute_metrics,
+    format_report,
+    to_json_line,
+)
+from engine.bench.serving_args import BenchServingArgs
+
+__all__ = [
+    "BenchServingArgs",
+    "arrival_offsets",
+    "benchmark_serving",
+    "build_requests",
+    "load_tokenizer",
+    "resolve_model",
+    "run_benchmark",
+    "run_requests",
+]
+
+# Warmup only has to touch every code path (compile, CUDA graphs), not run long.
+WARMUP_MAX_OUTPUT_LEN = 32
+
+
+def benchmark_serving(
+    args: BenchServingArgs, tokenizer: TokenizerLike | None = None
+) -> BenchMetrics:
+    """Resolve model and tokenizer, build the dataset, run it and return the metrics.
+
+    Args:
+        args: benchmark settings.
+        tokenizer: an already loaded tokenizer; otherwise one is loaded from ``args.tokenizer``
+            or the model name unless ``args.skip_tokenizer_init``.
+    """
+    return asyncio.run(_benchmark_serving(args, tokenizer))
+
+
+async def _benchmark_serving(
+    args: BenchServingArgs, tokenizer: TokenizerLike | None
+) -> BenchMetrics:
+    args = await resolve_model(args)
+    if tokenizer is None and not args.skip_tokenizer_init:
+        name = args.tokenizer or args.model
+        if name is None:
+            raise ValueError("no tokenizer: pass --tokenizer, --model, or --skip-tokenizer-init")
+        tokenizer = load_tokenizer(name)
+    return await run_benchmark(args, build_requests(args, tokenizer), tokenizer)
+
+
+def load_tokenizer(name_or_path: str) -> TokenizerLike:
+    """Load a Hugging Face tokenizer; transformers is imported only here."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except Exception as exc:
+        raise ValueError(
+            f"cannot load tokenizer {name_or_path!r} ({exc}); pass --tokenizer with a local "
+            "path, or --skip-tokenizer-init with --vocab-size"
+        ) from exc
+
+
+def build_requests(args: BenchServingArgs, tokenizer: TokenizerLike | None) -> list[BenchRequest]:
+    """The dataset ``args`` names, as text when a tokenizer is loaded and ids otherwise."""
+    return_text = tokenizer is not None and not args.tokenize_prompt
+    if not return_text and not BACKENDS[args.backend].accepts_token_ids:
+        raise ValueError(
+            f"backend {args.backend!r} needs text prompts: pass --tokenizer and drop "
+            "--tokenize-prompt / --skip-tokenizer-init"
+        )
+    return sample_requests(args, tokenizer, return_text)
+
+
+async def resolve_model(args: BenchServingArgs) -> BenchServingArgs:
+    """``args`` with ``model`` filled from GET /v1/models when unset.
+
+    Native backends do not need a model name, so for them a failed lookup leaves it None.
+    """
+    if args.model is not None:
+        return args
+    url = args.server_url() + "/v1/models"
+    try:
+        async with httpx.AsyncClient(trust_env=False, timeout=30.0) as client:
+            response = await client.get(url, headers=_auth_headers(args))
+            response.raise_for_status()
+            models = response.json().get("data") or []
+        model = models[0]["id"] if models else None
+    except Exception as exc:  # noqa: BLE001 - reported below with the URL
+        model, reason = None, f"{type(exc).__name__}: {exc}"
+    else:
+        reason = "the server lists no model"
+    if model is None and BACKENDS[args.backend].needs_model:
+        raise ValueError(f"cannot detect the model from {url} ({reason}); pass --model")
+    return dataclasses.replace(args, model=model)
+
+
+async def run_benchmark(
+    args: BenchServingArgs, requests: list[BenchRequest], tokenizer: TokenizerLike | None = None
+) -> BenchMetrics:
+    """Warm up, send ``requests``, print the report and append the result line if asked.
+
+    Raises only when every warmup request fails (a misconfigured run); failures during
+    the measured run are counted in ``BenchMetrics.failed``.
+    """
+    if not requests:
+        raise ValueError("no requests to send: the dataset produced none")
+    args = await resolve_model(args)
+    results, duration = await run_requests(args, requests, tokenizer)
+    metrics = compute_metrics(results, duration)
+    settings = {
+        "Backend": args.backend,
+        "Traffic request rate": args.request_rate,
+        "Max request concurrency": args.max_concurrency or "not set",
+    }
+    print(format_report(metrics, settings=settings))
+    _print_errors(results)
+    if args.result_file:
+        with open(args.result_file, "a", encoding="utf-8") as f:
+            f.write(to_json_line(metrics, _result_extra(args, results)) + "\n")
+    return metrics
+
+
+async def run_requests(
+    args: BenchServingArgs, requests: list[BenchRequest], tokenizer: TokenizerLike | None = None
+) -> tuple[list[RequestResult], float]:
+    """Warm up, then send ``requests`` on schedule.
+
+    Returns:
+        Per-request results in ``requests`` order, and the seconds the measured part took.
+    """
+    if args.model is None and BACKENDS[args.backend].needs_model:
+        args = await resolve_model(args)
+    opts = RequestOptions(
+        model=args.model,
+        stream=not args.disable_stream,
+        ignore_eos=not args.disable_ignore_eos,
+        extra_body=dict(args.extra_request_body or {}),
+        headers=_auth_headers(args),
+    )
+    backend = BACKENDS[args.backend]
+    base_url = args.server_url()
+    # No pool cap: httpx's default of 100 connections would silently queue requests and
+    # hide the server's queueing behind the client's. trust_env=False keeps proxies out
+    # of the measured path.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(args.request_timeout_s)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+
+        async def send(req: BenchRequest) -> RequestResult:
+            return await send_request(client, base_url, backend, req, opts, tokenizer)
+
+        if args.warmup_requests > 0:
+            first = requests[0]
+            warm_len = min(first.output_len, WARMUP_MAX_OUTPUT_LEN)
+            warm = dataclasses.replace(first, output_len=warm_len)
+            outputs = await asyncio.gather(*(send(warm) for _ in range(args.warmup_requests)))
+            if not any(o.success for o in outputs):
+                raise RuntimeError(
+                    f"all {args.warmup_requests} warmup requests to {base_url}{backend.path} "
+                    f"failed; check --backend, --host/--port. First error: {outputs[0].error}"
+                )
+
+        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        progress = _ProgressPrinter(len(requests), enabled=not args.disable_tqdm)
+
+        async def limited(req: BenchRequest) -> RequestResult:
+            if semaphore is None:
+                result = await send(req)
+            else:
+                async with semaphore:
+                    result = await send(req)
+            progress.update(result)
+            return result
+
+        offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
+        start = time.perf_counter()
+        tasks = []
+        for req, offset in zip(requests, offsets):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(limited(req)))
+        results = list(await asyncio.gather(*tasks))
+        duration = time.perf_counter() - start
+    return results, duration
+
+
+def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:
+    """Send times in seconds after the start: a Poisson process of ``request_rate`` per second.
+
+    Gaps are exponential with mean ``1 / request_rate``; the first request goes at 0.
+    """
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, size=num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+class _ProgressPrinter:
+    """A progress line on stderr every ~10% of completions; tqdm is not required."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total = total
+        self.enabled = enabled
+        self.every = max(1, total // 10)
+        self.done = 0
+        self.failed = 0
+
+    def update(self, result: RequestResult) -> None:
+        self.done += 1
+        self.failed += not result.success
+        if self.enabled and (self.done % self.every == 0 or self.done == self.total):
+            line = f"[bench] {self.done}/{self.total} requests done, {self.failed} failed"
+            print(line, file=sys.stderr)
+
+
+def _auth_headers(args: BenchServingArgs) -> dict[str, str]:
+    key = args.api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _print_errors(results: list[RequestResult], limit: int = 3) -> None:
+    """Show the first few distinct errors so a failing run explains itself."""
+    distinct = list(dict.fromkeys(r.error for r in results if not r.success))
+    for error in distinct[:limit]:
+        print(f"[bench] request failed: {error}", file=sys.stderr)
+    if len(distinct) > limit:
+        print(f"[bench] ... and {len(distinct) - limit} more distinct errors", file=sys.stderr)
+
+
+def _result_extra(args: BenchServingArgs, results: list[RequestResult]) -> dict[str, Any]:
+    """Run settings (and per-request details if asked) stored next to the metrics."""
+    keys = [
+        "backend", "model", "dataset_name", "request_rate", "max_concurrency", "num_prompts",
+        "seed", "sharegpt_output_len", "random_input_len", "random_output_len",
+        "random_range_ratio",
+    ]  # fmt: skip
+    if args.dataset_name == "generated-shared-prefix":
+        keys += [f.name for f in dataclasses.fields(args) if f.name.startswith("gsp_")]
+    extra: dict[str, Any] = {key: getattr(args, key) for key in keys}
+    if args.output_details:
+        extra.update(
+            input_lens=[r.prompt_len for r in results],
+            output_lens=[r.output_len for r in results],
+            ttfts=[r.ttft for r in results],
+            itls=[r.itl for r in results],
+            generated_texts=[r.generated_text for r in results],
+            errors=[r.error for r in results],
+        )
+    return extra

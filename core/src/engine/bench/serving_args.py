@@ -1,0 +1,91 @@
+"""``BenchServingArgs``: the settings of ``engine bench serving``, free of any CLI library.
+
+Kept apart from engine.bench.serving so a CLI can build and validate it without importing
+the HTTP client.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from engine.bench.backends import BACKENDS
+from engine.bench.datasets import DatasetArgs
+
+DEFAULT_PORTS = {
+    "engine": 30000,
+    "sglang": 30000,
+    "openai": 30000,
+    "openai-chat": 30000,
+    "vllm": 8000,
+}
+
+
+@dataclass
+class BenchServingArgs(DatasetArgs):
+    """Settings of one serving benchmark.
+
+    Fields are SGLang's bench_serving flags with dashes as underscores (``--max-concurrency``
+    is ``max_concurrency``); comments mark the few that SGLang spells differently or lacks.
+    """
+
+    # Request format: "engine"/"sglang" (POST /generate), "openai"/"vllm" (/v1/completions),
+    # "openai-chat" (/v1/chat/completions).
+    backend: str = "engine"
+    # Server root such as "http://10.0.0.5:30000"; overrides host and port.
+    base_url: str | None = None
+    host: str = "127.0.0.1"
+    # None picks the backend's usual port (DEFAULT_PORTS).
+    port: int | None = None
+    # Model name sent to OpenAI APIs; None asks GET /v1/models.
+    model: str | None = None
+    # Tokenizer name or path for counting and decoding; None falls back to the model name.
+    tokenizer: str | None = None
+    # Load no tokenizer: prompts are random token ids from vocab_size (--skip-tokenizer-init).
+    skip_tokenizer_init: bool = False
+    # Send token ids even when a tokenizer is loaded, for exact prompt lengths (--tokenize-prompt).
+    tokenize_prompt: bool = False
+    # Requests per second; inf sends every request at time 0.
+    request_rate: float = math.inf
+    # Cap on requests in flight; None means no cap.
+    max_concurrency: int | None = None
+    # Ask for whole responses instead of SSE streams; TTFT then equals latency.
+    disable_stream: bool = False
+    # Let requests stop at EOS instead of always generating output_len tokens.
+    disable_ignore_eos: bool = False
+    # Merged into every request payload (--extra-request-body, parsed JSON).
+    extra_request_body: dict[str, Any] | None = None
+    # Append a JSON line of settings and metrics here (--result-file; SGLang: --output-file).
+    result_file: str | None = None
+    # Add per-request lengths, TTFTs, ITLs, texts and errors to that line (--output-details).
+    output_details: bool = False
+    # Requests sent and discarded before measuring (--warmup-requests).
+    warmup_requests: int = 1
+    # No progress lines on stderr (--disable-tqdm).
+    disable_tqdm: bool = False
+    # Bearer token; None reads OPENAI_API_KEY (not an SGLang flag).
+    api_key: str | None = None
+    # Per-request HTTP timeout in seconds; long generations under load can take hours
+    # (not an SGLang flag).
+    request_timeout_s: float = 6 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; accepted: {', '.join(BACKENDS)}")
+        if not self.request_rate > 0:
+            raise ValueError(
+                f"--request-rate must be > 0 (inf for all at once), got {self.request_rate}"
+            )
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be >= 1 or unset, got {self.max_concurrency}")
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
+        if self.warmup_requests < 0:
+            raise ValueError(f"--warmup-requests must be >= 0, got {self.warmup_requests}")
+
+    def server_url(self) -> str:
+        """Root URL of the server, without a trailing slash."""
+        if self.base_url:
+            return self.base_url.rstrip("/")
+        return f"http://{self.host}:{self.port or DEFAULT_PORTS[self.backend]}"

@@ -1,0 +1,227 @@
+"""``ServerArgs``: the one source of truth for configuration.
+
+CLI flags are generated from these fields (``--max-total-tokens`` for
+``max_total_tokens``), a YAML file (``--config deploy.yaml``) fills the same
+fields, explicit flags override the file, and ``Engine(**kwargs)`` takes the
+same names. Validation errors are ``ConfigError`` naming the field, the value
+and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import ConfigError, did_you_mean
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+EVICTION_POLICIES = ("lru", "lfu")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bool = True, **kw: Any) -> Any:
+    """A ServerArgs field with its help text (and accepted values, checked on validate)."""
+    meta = {"help": help, "choices": choices, "cli": cli}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass
+class ServerArgs:
+    # -- model --------------------------------------------------------------
+    model_path: str | None = opt(None, "Hugging Face model directory; default: the embedded tiny model")
+    tokenizer_path: str | None = opt(None, "Tokenizer directory (default: the model directory)")
+    served_model_name: str | None = opt(None, "Model name reported by the API (default: the directory name)")
+    load_format: str = opt("auto", "Weight format; 'dummy' makes random weights from config.json alone", LOAD_FORMATS)
+    dtype: str = opt("auto", "Activation and weight dtype; 'auto' takes the checkpoint's torch_dtype", DTYPES)
+    context_length: int | None = opt(None, "Maximum tokens per request (default: the model's max_position_embeddings)")
+    skip_tokenizer_init: bool = opt(False, "Run without a tokenizer: requests give input_ids, outputs are ids")
+    trust_remote_code: bool = opt(False, "Allow custom code from the model directory (transformers)")
+    # -- plugins ------------------------------------------------------------
+    attention: str | None = opt(None, "Attention backend plugin (default: the platform's choice)")
+    quant: str | None = opt(None, "Quantization method plugin (default: the checkpoint's quantization_config)")
+    platform: str | None = opt(None, "Hardware platform plugin (default: auto-detected)")
+    schedule_policy: str = opt("fcfs", "Schedule policy plugin ordering the waiting queue")
+    disable_plugin: list[str] = opt([], "Plugin (entry-point name) not to load; repeatable")
+    required_plugins: list[str] = opt([], "Plugins that must be installed, with optional version specifiers, e.g. 'engine-attention-triton>=0.1'")
+    plugin_options: dict[str, Any] = opt({}, "Options contributed by plugins, as {plugin: {key: value}}", cli=False)
+    # -- memory and scheduling ----------------------------------------------
+    max_total_tokens: int | None = opt(None, "KV-pool size in tokens (caps the pool; default: from --mem-fraction-static)")
+    mem_fraction_static: float | None = opt(None, "Fraction of device memory for weights + KV pool (default: platform's)")
+    max_running_requests: int | None = opt(None, "Most requests decoded at once")
+    max_prefill_tokens: int = opt(16384, "Most new prompt tokens admitted into one prefill batch")
+    chunked_prefill_size: int = opt(8192, "Split prompts into chunks of at most this many tokens; 0 or -1 disables")
+    page_size: int = opt(1, "Tokens per KV page")
+    disable_radix_cache: bool = opt(False, "Use a plain chunk cache instead of the radix prefix cache")
+    radix_eviction_policy: str = opt("lru", "Which unlocked radix-cache leaves are evicted first", EVICTION_POLICIES)
+    schedule_conservativeness: float = opt(1.0, "Higher reserves more KV for future decode tokens when admitting requests")
+    enable_mixed_chunk: bool = opt(False, "Run prefill chunks and decode rows in one mixed batch")
+    # -- device execution ---------------------------------------------------
+    disable_cuda_graph: bool = opt(False, "Do not capture decode steps in CUDA graphs")
+    cuda_graph_max_bs: int = opt(160, "Largest decode batch captured in a CUDA graph")
+    disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
+    tp_size: int = opt(1, "Tensor-parallel size")
+    random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
+    # -- server -------------------------------------------------------------
+    host: str = opt("127.0.0.1", "HTTP bind address")
+    port: int = opt(30000, "HTTP port")
+    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health")
+    stream_interval: int = opt(1, "Stream to the client every N generated tokens")
+    log_level: str = opt("info", "Log verbosity", LOG_LEVELS)
+    watchdog_timeout: float = opt(300.0, "Seconds a forward step may take before the scheduler is declared hung")
+
+    # ---------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], where: str = "") -> ServerArgs:
+        """Builds ServerArgs from a mapping; unknown keys are an error with a suggestion."""
+        names = cls.field_names()
+        for key in values:
+            if key not in names:
+                raise ConfigError(f"unknown key '{key}'{where}{did_you_mean(key, names)}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
+        args = cls(**kwargs)
+        args.validate()
+        return args
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: dict[str, Any] | None = None) -> ServerArgs:
+        """Reads a YAML deployment file; ``overrides`` (explicit flags) win over it."""
+        values = load_yaml(path)
+        values.update(overrides or {})
+        return cls.from_dict(values, where=f" in {path}")
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{_flag(f.name)}: invalid value {value!r}; accepted: {', '.join(choices)}")
+        _positive(self, "tp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
+        _positive_or_none(self, "max_total_tokens", "max_running_requests", "context_length")
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ConfigError(f"--mem-fraction-static: invalid value {self.mem_fraction_static}; accepted: a number between 0 and 1")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"--port: invalid value {self.port}; accepted: 1..65535")
+        if self.schedule_conservativeness <= 0:
+            raise ConfigError(f"--schedule-conservativeness: invalid value {self.schedule_conservativeness}; accepted: > 0")
+        if self.tp_size != 1:
+            raise ConfigError(f"--tp-size: invalid value {self.tp_size}; accepted: 1 (tensor parallelism is not implemented yet)")
+        if not isinstance(self.plugin_options, dict) or not all(isinstance(v, dict) for v in self.plugin_options.values()):
+            raise ConfigError("plugin_options: expected a mapping {plugin: {key: value}}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def chunked_prefill_enabled(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _positive(args: ServerArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(f"{_flag(name)}: invalid value {value}; accepted: an integer >= 1")
+
+
+def _positive_or_none(args: ServerArgs, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{_flag(name)}: invalid value {value}; accepted: an integer >= 1")
+
+
+def _coerce(name: str, value: Any, hint: Any) -> Any:
+    """Checks a YAML/kwarg value against the field's type, converting where lossless."""
+    if value is None:
+        return None
+    args = typing.get_args(hint)
+    base = next((a for a in args if a is not type(None)), hint) if args and type(None) in args else hint
+    origin = typing.get_origin(base) or base
+    bad = ConfigError(f"{name}: invalid value {value!r}; expected {_type_name(base)}")
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if origin is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if origin is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if origin is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            return [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise bad
+        return list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    return value
+
+
+def _type_name(t: Any) -> str:
+    origin = typing.get_origin(t) or t
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            list: "a list of strings", dict: "a mapping"}.get(origin, str(t))
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Reads a YAML mapping, turning every problem into a one-line ConfigError."""
+    import yaml
+
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config: file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"--config: invalid YAML in {path}{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of option names to values, got {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def check_required_plugins(requirements: list[str]) -> None:
+    """Checks ``required_plugins`` entries such as ``engine-attention-triton>=0.1``."""
+    from importlib_metadata import PackageNotFoundError, version
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for text in requirements:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement:
+            raise ConfigError(f"required_plugins: invalid requirement {text!r}; expected e.g. 'engine-attention-triton>=0.1'") from None
+        try:
+            installed = version(req.name)
+        except PackageNotFoundError:
+            raise ConfigError(f"required_plugins: '{req.name}' is not installed (pip install '{text}')") from None
+        if req.specifier and not req.specifier.contains(installed, prereleases=True):
+            raise ConfigError(f"required_plugins: '{req.name}' {installed} is installed but {text!r} is required")

@@ -1,0 +1,1 @@
+"""User-facing entry points: the offline Engine and the HTTP server."""

@@ -1,0 +1,118 @@
+"""Starting and stopping the scheduler and detokenizer processes."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine import plugins
+from engine.config import ServerArgs, check_required_plugins
+from engine.errors import ConfigError, EngineError
+from engine.managers.io_struct import SchedulerReady
+from engine.managers.process_utils import IpcNames
+
+logger = logging.getLogger(__name__)
+
+_READY_TIMEOUT_S = 1800.0
+
+
+def resolve_model_path(args: ServerArgs) -> str:
+    if args.model_path:
+        return args.model_path
+    from engine.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def preflight(args: ServerArgs, model_path: str) -> Any:
+    """Checks in this process what can be checked cheaply, so errors come fast and clean."""
+    from engine.model_executor.model_loader import load_hf_config
+
+    check_required_plugins(args.required_plugins)
+    disabled = args.disable_plugin
+    config = load_hf_config(model_path, args.trust_remote_code)
+    plugins.get_model_spec(config.architectures[0], disabled)
+    plugins.get_schedule_policy(args.schedule_policy, disabled)
+    platform = plugins.select_platform(args.platform, disabled)
+    plugins.get_attention_backend(args.attention or platform.default_attention_backend(), disabled)
+    if args.quant:
+        plugins.get_quantization_method(args.quant, disabled)
+    _check_plugin_options(args)
+    return config
+
+
+def _check_plugin_options(args: ServerArgs) -> None:
+    declared = plugins.plugin_options(args.disable_plugin)
+    for plugin, values in args.plugin_options.items():
+        for key in values:
+            if f"{plugin}.{key}" not in declared:
+                known = sorted(declared)
+                raise ConfigError(f"plugin_options: unknown option '{plugin}.{key}'; declared: {', '.join(known) or 'none'}")
+
+
+@dataclass
+class Runtime:
+    args: ServerArgs
+    model_path: str
+    ipc: IpcNames
+    processes: list[Any]
+    ready: SchedulerReady
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        self.ipc.remove()
+
+
+def launch_runtime(args: ServerArgs) -> Runtime:
+    """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
+    from engine.managers.detokenizer_manager import detokenizer_process
+    from engine.managers.scheduler_process import scheduler_process
+
+    model_path = resolve_model_path(args)
+    preflight(args, model_path)
+    ipc = IpcNames.create()
+    ctx = mp.get_context("spawn")
+    parent_pid = os.getpid()
+    reader, writer = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(target=scheduler_process, name="scheduler",
+                            args=(args, model_path, ipc, writer, parent_pid), daemon=True)
+    detok = ctx.Process(target=detokenizer_process, name="detokenizer",
+                        args=(args, model_path, ipc, parent_pid), daemon=True)
+    scheduler.start()
+    detok.start()
+    writer.close()
+    runtime_procs = [scheduler, detok]
+    try:
+        ready = _wait_ready(reader, scheduler)
+    except BaseException:
+        Runtime(args, model_path, ipc, runtime_procs, None).shutdown()  # type: ignore[arg-type]
+        raise
+    return Runtime(args, model_path, ipc, runtime_procs, ready)
+
+
+def _wait_ready(reader: Any, proc: Any) -> SchedulerReady:
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if reader.poll(0.2):
+            try:
+                status, payload = reader.recv()
+            except EOFError:
+                break
+            if status == "ok":
+                return payload
+            raise EngineError(payload)
+        if not proc.is_alive():
+            break
+    raise EngineError(f"the scheduler process exited during start-up (exit code {proc.exitcode}); see its log above")

@@ -1,0 +1,230 @@
+"""The plugin contract: hook specifications and the specs plugins register.
+
+Every implementation the engine runs (attention backends, quantization methods,
+model architectures, schedule policies, hardware platforms) arrives through
+these hooks from a distribution that declares an entry point in the group
+``engine.plugins``. A plugin module implements any subset of the hooks::
+
+    from engine.hookspecs import hookimpl, AttentionBackendSpec
+
+    @hookimpl
+    def register_attention_backends(register):
+        register(AttentionBackendSpec(name="mine", factory="my_pkg.backend:create"))
+
+Rules (hook API version ``HOOK_API_VERSION``):
+
+- Registration is cheap. Importing a plugin module must not import CUDA
+  libraries, compile kernels or touch a device: ``factory`` is a ``"module:attr"``
+  string imported only when the implementation is selected.
+- Hooks only ever gain arguments; an implementation may accept fewer arguments
+  than its spec (pluggy passes only the ones it names).
+- None of these hooks is ``firstresult``: every plugin is asked, and each calls
+  ``register`` zero or more times. Return values are ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+PROJECT_NAME = "engine"
+ENTRY_POINT_GROUP = "engine.plugins"
+
+#: Version of this hook API. Bumped when a hook or a spec field is added.
+#: 1: the five registration hooks and their spec classes.
+HOOK_API_VERSION = 1
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: A factory is either ``"module.path:attribute"`` (imported lazily) or a callable.
+Factory = str | Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class AttentionBackendSpec:
+    """An attention implementation over the paged KV pool.
+
+    ``factory(ctx: engine.attention.AttentionContext) -> engine.attention.AttentionBackend``.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+    #: device types (``Platform.device_type``) it runs on.
+    device_types: tuple[str, ...] = ("cuda",)
+    #: page sizes it supports; empty means any.
+    page_sizes: tuple[int, ...] = ()
+    #: whether its decode path can be captured in CUDA graphs.
+    supports_cuda_graph: bool = False
+
+
+@dataclass(frozen=True)
+class QuantMethodSpec:
+    """A quantization method (or family) for linear and MoE layers.
+
+    ``factory(quant_config: dict) -> engine.layers.quantization.QuantizationConfig``,
+    where ``quant_config`` is the checkpoint's ``quantization_config`` (empty dict when
+    the method is chosen with ``--quant`` for an unquantized checkpoint).
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+    device_types: tuple[str, ...] = ("cuda",)
+    #: ``quant_method`` values in a checkpoint's ``quantization_config`` this handles.
+    checkpoint_methods: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Model architectures, keyed by the ``architectures`` names of a HF config.json.
+
+    ``factory`` resolves to a class (or a callable returning one) constructed as
+    ``cls(config: transformers.PretrainedConfig, quant_config: QuantizationConfig | None)``
+    and exposing ``forward(input_ids, positions, forward_batch) -> LogitsProcessorOutput``
+    and ``load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> None``.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    factory: Factory
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class SchedulePolicySpec:
+    """An order for the scheduler's waiting queue.
+
+    ``factory() -> engine.managers.policy.SchedulePolicy``.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+    #: the policy reads prefix-match lengths; the scheduler computes them first.
+    cache_aware: bool = False
+
+
+@dataclass(frozen=True)
+class PlatformSpec:
+    """A hardware platform.
+
+    ``factory() -> engine.platforms.Platform``. A platform whose ``is_available()``
+    is True claims the machine; a ``fallback`` platform (cpu) is chosen only when
+    no other platform claims it.
+    """
+
+    name: str
+    factory: Factory
+    device_type: str
+    description: str = ""
+    fallback: bool = False
+
+
+@dataclass(frozen=True)
+class PluginOption:
+    """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``)."""
+
+    plugin: str
+    key: str
+    default: Any
+    help: str = ""
+
+
+Register = Callable[[Any], None]
+
+
+class EngineHookSpecs:
+    """Hook specifications of the ``engine`` project."""
+
+    @hookspec
+    def register_attention_backends(self, register: Callable[[AttentionBackendSpec], None]) -> None:
+        """Register attention backends by calling ``register(AttentionBackendSpec(...))``.
+
+        Args:
+            register: call once per backend.
+
+        Not firstresult. Since hook API 1.
+        """
+
+    @hookspec
+    def register_quantization_methods(self, register: Callable[[QuantMethodSpec], None]) -> None:
+        """Register quantization methods by calling ``register(QuantMethodSpec(...))``.
+
+        Not firstresult. Since hook API 1.
+        """
+
+    @hookspec
+    def register_models(self, register: Callable[[ModelSpec], None]) -> None:
+        """Register model architectures by calling ``register(ModelSpec(...))``.
+
+        Not firstresult. Since hook API 1.
+        """
+
+    @hookspec
+    def register_schedule_policies(self, register: Callable[[SchedulePolicySpec], None]) -> None:
+        """Register schedule policies by calling ``register(SchedulePolicySpec(...))``.
+
+        Not firstresult. Since hook API 1.
+        """
+
+    @hookspec
+    def register_platforms(self, register: Callable[[PlatformSpec], None]) -> None:
+        """Register hardware platforms by calling ``register(PlatformSpec(...))``.
+
+        Not firstresult. Since hook API 1.
+        """
+
+    @hookspec
+    def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
+        """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
+
+        Users set them in YAML under ``plugin_options: {<plugin>: {<key>: value}}`` or with
+        ``--plugin-option <plugin>.<key>=<value>``; unknown keys are an error.
+
+        Not firstresult. Since hook API 1.
+        """
+
+
+#: spec class -> (kind name used in listings and errors, hook name)
+SPEC_KINDS: dict[type, tuple[str, str]] = {
+    AttentionBackendSpec: ("attention", "register_attention_backends"),
+    QuantMethodSpec: ("quantization", "register_quantization_methods"),
+    ModelSpec: ("model", "register_models"),
+    SchedulePolicySpec: ("policy", "register_schedule_policies"),
+    PlatformSpec: ("platform", "register_platforms"),
+    PluginOption: ("option", "register_plugin_options"),
+}
+
+
+def resolve_factory(factory: Factory) -> Any:
+    """Imports ``"module:attr"`` (dotted attr allowed) or returns a callable as is."""
+    if not isinstance(factory, str):
+        return factory
+    import importlib
+
+    module_name, _, attr = factory.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "HOOK_API_VERSION",
+    "AttentionBackendSpec",
+    "EngineHookSpecs",
+    "ModelSpec",
+    "PlatformSpec",
+    "PluginOption",
+    "QuantMethodSpec",
+    "SchedulePolicySpec",
+    "hookimpl",
+    "hookspec",
+    "resolve_factory",
+]

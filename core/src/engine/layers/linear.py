@@ -1,0 +1,235 @@
+"""Linear layers of the model SDK, tensor-parallel from the start.
+
+``ColumnParallelLinear`` splits the output dimension across ranks,
+``RowParallelLinear`` the input dimension (then all-reduces);
+``MergedColumnParallelLinear`` (gate+up) and ``QKVParallelLinear`` hold several
+logical weights stacked along the output dimension and load each checkpoint
+shard into its place. The weight itself is created and applied by a
+``LinearMethodBase`` (unquantized, or a quant plugin's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from engine.layers.quantization import LinearMethodBase, QuantizationConfig
+
+
+def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """A plain ``[out, in]`` weight in the model dtype."""
+
+    def create_weights(self, layer: nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, weight_loader: Any) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, quant_config: QuantizationConfig | None,
+                 prefix: str, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.prefix = prefix
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+
+    def _make_bias(self, size: int) -> None:
+        bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
+        set_weight_attrs(bias, {"output_dim": 0, "weight_loader": self.weight_loader})
+        self.register_parameter("bias", bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        _copy_into(param, loaded)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"weight shape mismatch: parameter {tuple(dst.shape)}, checkpoint {tuple(src.shape)}")
+    dst.data.copy_(src)
+
+
+def _output_slice(param: nn.Parameter, loaded: torch.Tensor, tp_rank: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination view, source shard) for a shard at output offset ``start`` of ``size``."""
+    dim = getattr(param, "output_dim", None)
+    if dim is None:  # per-tensor scalar (e.g. a scale): nothing to slice
+        return param.data, loaded
+    if getattr(param, "packed_dim", None) == dim:
+        factor = param.packed_factor
+        start, size = start // factor, size // factor
+    dst = param.data.narrow(dim, start, size)
+    src = loaded.narrow(dim, tp_rank * size, size) if loaded.shape[dim] != size else loaded
+    return dst, src
+
+
+class ReplicatedLinear(LinearBase):
+    """A full weight on every rank."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__(input_size, output_size, quant_config, prefix, params_dtype)
+        self.quant_method.create_weights(self, input_size, [output_size], input_size, output_size,
+                                         self.params_dtype, self.weight_loader)
+        if bias:
+            self._make_bias(output_size)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output dimension split across tensor-parallel ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "", params_dtype: torch.dtype | None = None,
+                 output_sizes: list[int] | None = None) -> None:
+        super().__init__(input_size, output_size, quant_config, prefix, params_dtype)
+        self.gather_output = gather_output
+        self.output_sizes = output_sizes or [output_size]
+        self.output_partition_sizes = [divide(s, self.tp_size) for s in self.output_sizes]
+        self.output_size_per_partition = sum(self.output_partition_sizes)
+        self.quant_method.create_weights(self, input_size, self.output_partition_sizes, input_size,
+                                         output_size, self.params_dtype, self.weight_loader)
+        if bias:
+            self._make_bias(self.output_size_per_partition)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        dst, src = _output_slice(param, loaded, self.tp_rank, 0, self.output_size_per_partition)
+        _copy_into(dst, src)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.quant_method.apply(self, x, self.bias)
+        return tensor_model_parallel_all_gather(out) if self.gather_output else out
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel weights stacked (gate_proj + up_proj -> gate_up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__(input_size, sum(output_sizes), bias, False, quant_config, prefix,
+                         params_dtype, output_sizes=output_sizes)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None or getattr(param, "output_dim", None) is None:
+            return self._load_unsharded(param, loaded, shard_id)
+        start = sum(self.output_partition_sizes[:shard_id])
+        dst, src = _output_slice(param, loaded, self.tp_rank, start, self.output_partition_sizes[shard_id])
+        _copy_into(dst, src)
+
+    def _load_unsharded(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any) -> None:
+        # Per-shard scalars (e.g. one FP8 scale per logical weight) live in a vector.
+        if shard_id is not None and param.data.numel() == len(self.output_sizes):
+            param.data[shard_id].copy_(loaded.reshape(()))
+        else:
+            _copy_into(param, loaded)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections stacked; KV heads replicate when fewer than ranks."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int | None = None, bias: bool = False,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype | None = None) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        total_num_kv_heads = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.num_heads = divide(total_num_heads, tp_size)
+        self.num_kv_heads = max(1, total_num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
+        sizes = [self.num_heads * head_size * tp_size, self.num_kv_heads * head_size * tp_size,
+                 self.num_kv_heads * head_size * tp_size]
+        super().__init__(hidden_size, sum(sizes), bias, False, quant_config, prefix, params_dtype,
+                         output_sizes=sizes)
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+
+    _SHARDS = {"q": 0, "k": 1, "v": 2}
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is None:
+            return _copy_into(param, loaded)
+        idx = self._SHARDS[shard_id]
+        if getattr(param, "output_dim", None) is None:
+            if param.data.numel() == 3:
+                param.data[idx].copy_(loaded.reshape(()))
+                return
+            return _copy_into(param, loaded)
+        start = sum(self.output_partition_sizes[:idx])
+        size = self.output_partition_sizes[idx]
+        # KV shards are read by head group: ranks sharing a KV head read the same slice.
+        rank = self.tp_rank if idx == 0 else self.tp_rank // self.kv_replicas
+        dst, src = _output_slice(param, loaded, rank, start, size)
+        _copy_into(dst, src)
+
+
+class RowParallelLinear(LinearBase):
+    """Input dimension split across ranks; partial outputs are summed."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 input_is_parallel: bool = True, reduce_results: bool = True,
+                 quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype | None = None) -> None:
+        super().__init__(input_size, output_size, quant_config, prefix, params_dtype)
+        self.input_is_parallel = input_is_parallel
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size)
+        self.quant_method.create_weights(self, self.input_size_per_partition, [output_size],
+                                         input_size, output_size, self.params_dtype, self.weight_loader)
+        if bias:
+            self._make_bias(output_size)
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        dim = getattr(param, "input_dim", None)
+        if dim is not None and loaded.shape[dim] != param.data.shape[dim]:
+            size = param.data.shape[dim]
+            loaded = loaded.narrow(dim, self.tp_rank * size, size)
+        _copy_into(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel and self.tp_size > 1:
+            x = x.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+        # The bias is added once, after the reduction.
+        out = self.quant_method.apply(self, x, None)
+        if self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
+        if self.bias is not None:
+            out = out + self.bias
+        return out

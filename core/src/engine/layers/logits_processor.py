@@ -1,0 +1,51 @@
+"""Projects hidden states to logits at the positions that need them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from engine.layers.vocab_parallel_embedding import ParallelLMHead
+    from engine.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class LogitsProcessorOutput:
+    # [bs, vocab] float32 logits at each row's last new position.
+    next_token_logits: torch.Tensor
+    # [num_tokens, vocab] float32 logits at every new position, when prompt logprobs are wanted.
+    full_logits: torch.Tensor | None = None
+
+
+class LogitsProcessor(nn.Module):
+    def __init__(self, vocab_size: int, logit_scale: float = 1.0, final_logit_softcap: float = 0.0) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.logit_scale = logit_scale
+        self.final_logit_softcap = final_logit_softcap
+
+    def forward(self, hidden_states: torch.Tensor, lm_head: ParallelLMHead,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if forward_batch.forward_mode.is_decode():
+            last = hidden_states
+        else:
+            assert forward_batch.extend_seq_lens is not None and forward_batch.extend_start_loc is not None
+            last_index = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+            last = hidden_states[last_index]
+        logits = self._project(last, lm_head)
+        full = None
+        if forward_batch.return_logprob and forward_batch.forward_mode.is_extend():
+            full = self._project(hidden_states, lm_head)
+        return LogitsProcessorOutput(next_token_logits=logits, full_logits=full)
+
+    def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
+        logits = torch.matmul(h, lm_head.weight.t()).float()[:, : self.vocab_size]
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
+        if self.final_logit_softcap:
+            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+        return logits

@@ -1,0 +1,77 @@
+"""Rotary position embeddings (neox style), with the common rope scalings."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from a HF config of transformers 4.x or 5.x."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = dict(getattr(config, "rope_scaling", None) or params or {})
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None)) or 10000.0
+    return float(theta), scaling
+
+
+def _inv_freq(rotary_dim: int, base: float, scaling: dict[str, Any]) -> torch.Tensor:
+    inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in ("default", None):
+        return inv
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling type '{kind}'; supported: default, linear, llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies rotary embeddings to q and k given token positions."""
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv = _inv_freq(rotary_dim, base, scaling or {})
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        # float32 cache; cast per call to the activation dtype, as HF does.
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: ``[T, heads*head_dim]``, k: ``[T, kv_heads*head_dim]``; returns rotated copies."""
+        cos = self.cos_cache[positions].to(q.dtype)
+        sin = self.sin_cache[positions].to(q.dtype)
+        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        x = x.view(t, -1, self.head_dim)
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        x1, x2 = rot[..., :half], rot[..., half:]
+        c = torch.cat((cos, cos), dim=-1)[:, None, :]
+        s = torch.cat((sin, sin), dim=-1)[:, None, :]
+        rotated = rot * c + torch.cat((-x2, x1), dim=-1) * s
+        out = torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
+        return out.reshape(t, -1)
+
+
+def get_rope(head_dim: int, max_position: int, config: Any, rotary_dim: int | None = None) -> RotaryEmbedding:
+    theta, scaling = rope_parameters(config)
+    return RotaryEmbedding(head_dim, rotary_dim or head_dim, max_position, theta, scaling)

@@ -1,0 +1,119 @@
+"""Messages between the three processes (pickled over ZeroMQ).
+
+tokenizer manager --TokenizedGenerateReqInput/AbortReq/control--> scheduler
+scheduler --BatchTokenIDOut--> detokenizer --BatchStrOut--> tokenizer manager
+scheduler --control replies--> tokenizer manager
+This module is a contract like the hook specs: fields are only ever added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    # Unique request id (the tokenizer manager makes one when the client gave none).
+    rid: str
+    # Prompt token ids.
+    input_ids: list[int]
+    # SamplingParams fields as a dict (validated by the tokenizer manager).
+    sampling_params: dict[str, Any]
+    # Whether to return logprobs of output (and prompt) tokens.
+    return_logprob: bool = False
+    # Prompt logprobs are returned from this position on (-1: none).
+    logprob_start_len: int = -1
+    # Number of top alternatives per position in the logprob output.
+    top_logprobs_num: int = 0
+    # Stream tokens as they come (else one message at the end).
+    stream: bool = False
+    # Higher runs first under the priority policy.
+    priority: int = 0
+
+
+@dataclass
+class AbortReq:
+    # Request to abort; "" aborts every request.
+    rid: str
+    # Why (shown to the client in finish_reason.message).
+    message: str = "aborted"
+
+
+@dataclass
+class ControlReq:
+    # "flush_cache" | "server_info" | "health" | "shutdown".
+    kind: str
+    # Matches the reply to the request.
+    token: int = 0
+
+
+@dataclass
+class ControlReply:
+    kind: str
+    token: int
+    ok: bool = True
+    # Reply payload (server info, flush outcome...).
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BatchTokenIDOut:
+    """New output tokens of several requests after one scheduler step."""
+
+    rids: list[str]
+    # Per request: ids generated since the previous message for it.
+    new_token_ids: list[list[int]]
+    # Per request: None while running, else {"type": "stop"|"length"|"abort", ...}.
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    # Detokenization options and stop strings of each request.
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    stop_strings: list[list[str]]
+    no_stop_trim: list[bool]
+    # Per request, for the new tokens: [(logprob, token_id)] and [[(logprob, token_id)] * k].
+    output_token_logprobs: list[list[tuple[float, int]]] | None = None
+    output_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+    # Per request: prompt logprobs [(logprob or None, token_id)], sent once with the first tokens.
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None] | None = None
+    # Per request: the prompt's last tokens with the request's first message (decoding
+    # context for the first output tokens), else None.
+    prompt_tail_ids: list[list[int] | None] | None = None
+
+
+@dataclass
+class BatchStrOut:
+    """Detokenized increments, one entry per request."""
+
+    rids: list[str]
+    # Per request: text finalised since the previous message.
+    new_texts: list[str]
+    new_token_ids: list[list[int]]
+    finished_reasons: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_logprobs: list[list[tuple[float, int]]] | None = None
+    output_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+    input_token_logprobs: list[list[tuple[float | None, int]] | None] | None = None
+    input_top_logprobs: list[list[list[tuple[float, int]]] | None] | None = None
+
+
+@dataclass
+class SchedulerReady:
+    """First message of the scheduler process to its parent: what it loaded."""
+
+    max_total_num_tokens: int
+    max_running_requests: int
+    context_len: int
+    vocab_size: int
+    device: str
+    attention_backend: str
+    platform: str
+    dtype: str
+    eos_token_ids: list[int]
+    plugins: list[dict[str, Any]]

@@ -1,0 +1,230 @@
+"""Scheduler-side request and batch state (CPU lists), and the step from batch to forward.
+
+``Req`` is one request's life in the scheduler; ``ScheduleBatch`` the requests
+of one forward pass, which it turns into a ``ForwardBatch`` after allocating KV
+memory for the new tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
+
+_arrival = itertools.count()
+
+
+class OutOfKVMemory(RuntimeError):
+    """Raised when KV slots cannot be found even after evicting the prefix cache."""
+
+
+@dataclass
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind}
+        if self.kind == "stop":
+            out["matched"] = self.matched
+        elif self.kind == "length":
+            out["length"] = self.length
+        else:
+            out["message"] = self.message
+        return out
+
+
+class Req:
+    """One request inside the scheduler."""
+
+    def __init__(self, rid: str, input_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: set[int], return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                 stream: bool = False, priority: int = 0) -> None:
+        self.rid = rid
+        self.origin_input_ids = list(input_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.output_ids: list[int] = []
+        # Tokens whose KV exists (or will, after this round's extend).
+        self.fill_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.extend_input_len = 0
+        # >0 while the request is being prefilled in chunks.
+        self.is_chunked = 0
+        self.cached_tokens = 0
+        self.finished_reason: FinishReason | None = None
+        self.stream = stream
+        self.priority = priority
+        self.arrival_seq = next(_arrival)
+        # Prefix-match length seen by cache-aware policies (set before ordering).
+        self.prefix_len_hint = 0
+        # Logprobs.
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_logprobs: list[tuple[float | None, int]] | None = None
+        self.input_top_logprobs: list[list[tuple[float, int]]] | None = None
+        # Output tokens already sent to the detokenizer.
+        self.send_offset = 0
+        self.logprob_send_offset = 0
+        self.input_logprobs_sent = False
+        # Times retracted; a retracted request keeps its output and resumes.
+        self.retractions = 0
+
+    # -- lifecycle ----------------------------------------------------------
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids) and self.input_token_logprobs is None
+
+    def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
+        """Sets ``fill_ids`` and matches the longest cached prefix (leaving >= 1 token to run)."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None and self.req_pool_idx is None:
+            max_prefix = len(self.fill_ids) - 1
+            if self.wants_prompt_logprobs():
+                # Prompt logprobs need the logits of those positions: do not skip them.
+                max_prefix = min(max_prefix, max(self.logprob_start_len, 0))
+            match = tree_cache.match_prefix(self.fill_ids[:max_prefix])
+            self.prefix_indices, self.last_node = match.device_indices, match.last_node
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def check_finished(self) -> None:
+        if self.finished():
+            return
+        params = self.sampling_params
+        if len(self.output_ids) >= params.max_new_tokens:
+            self.finished_reason = FinishReason("length", length=params.max_new_tokens)
+            return
+        if not self.output_ids or len(self.output_ids) < params.min_new_tokens:
+            return
+        last = self.output_ids[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.req_pool_idx = None
+        self.extend_input_len = 0
+        self.is_chunked = 0
+        self.retractions += 1
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+class ScheduleBatch:
+    """The requests of one forward pass and their KV bookkeeping."""
+
+    def __init__(self, reqs: list[Req], req_to_token_pool: ReqToTokenPool,
+                 allocator: TokenToKVPoolAllocator, tree_cache: BasePrefixCache,
+                 device: torch.device) -> None:
+        self.reqs = reqs
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.tree_cache = tree_cache
+        self.device = device
+        self.forward_mode = ForwardMode.EXTEND
+        # Extend rows that continue a chunked prefill produce no token this round.
+        self.chunked_req: Req | None = None
+        # Requests in a MIXED batch that are decode rows (they come after the extend rows).
+        self.decoding_reqs: list[Req] = []
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    # -- memory -------------------------------------------------------------
+    def _alloc_req_slots(self, reqs: list[Req]) -> None:
+        need = [r for r in reqs if r.req_pool_idx is None]
+        slots = self.req_to_token_pool.alloc(len(need))
+        if slots is None:
+            raise OutOfKVMemory("out of request slots")
+        for req, slot in zip(need, slots):
+            req.req_pool_idx = slot
+            if len(req.prefix_indices):
+                self.req_to_token_pool.write(slot, 0, req.prefix_indices)
+
+    def _last_loc(self, req: Req, prefix_len: int) -> int:
+        if prefix_len == 0:
+            return -1
+        return int(self.req_to_token_pool.req_to_token[req.req_pool_idx, prefix_len - 1])
+
+    def _alloc_tokens(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
+        ps = self.allocator.page_size
+        need = sum(s - p for p, s in zip(prefix_lens, seq_lens)) + (ps * len(seq_lens) if ps > 1 else 0)
+        if self.allocator.available_size() < need:
+            self.tree_cache.evict(need - self.allocator.available_size())
+        out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out is None:
+            raise OutOfKVMemory(f"cannot allocate {need} KV slots")
+        return out
+
+    # -- building forward batches ---------------------------------------------
+    def prepare_for_extend(self, return_logprob: bool = False) -> ForwardBatch:
+        self.forward_mode = ForwardMode.EXTEND
+        self._alloc_req_slots(self.reqs)
+        prefix_lens = [len(r.prefix_indices) for r in self.reqs]
+        seq_lens = [len(r.fill_ids) for r in self.reqs]
+        last_locs = [self._last_loc(r, p) for r, p in zip(self.reqs, prefix_lens)]
+        out_cache_loc = self._alloc_tokens(prefix_lens, seq_lens, last_locs)
+        input_ids: list[int] = []
+        offset = 0
+        for req, p, s in zip(self.reqs, prefix_lens, seq_lens):
+            self.req_to_token_pool.write(req.req_pool_idx, p, out_cache_loc[offset : offset + s - p])
+            offset += s - p
+            input_ids.extend(req.fill_ids[p:])
+        return ForwardBatch.build(
+            ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in self.reqs], seq_lens,
+            prefix_lens, out_cache_loc, self.device, return_logprob=return_logprob)
+
+    def decode_tokens_needed(self) -> int:
+        """KV slots the next decode step needs (a whole page per row when pages are larger)."""
+        ps = self.allocator.page_size
+        if ps == 1:
+            return len(self.reqs)
+        return sum(1 for r in self.reqs if (r.seqlen - 1) % ps == 0) * ps
+
+    def prepare_for_decode(self) -> ForwardBatch:
+        self.forward_mode = ForwardMode.DECODE
+        seq_lens = [r.seqlen for r in self.reqs]
+        last_locs = [self._last_loc(r, s - 1) for r, s in zip(self.reqs, seq_lens)]
+        out_cache_loc = self._alloc_tokens([s - 1 for s in seq_lens], seq_lens, last_locs)
+        for req, s, loc in zip(self.reqs, seq_lens, out_cache_loc.tolist()):
+            self.req_to_token_pool.req_to_token[req.req_pool_idx, s - 1] = loc
+        input_ids = [r.output_ids[-1] for r in self.reqs]
+        return ForwardBatch.build(
+            ForwardMode.DECODE, input_ids, [r.req_pool_idx for r in self.reqs], seq_lens,
+            [s - 1 for s in seq_lens], out_cache_loc, self.device)
+
+    # -- membership -----------------------------------------------------------
+    def filter(self, keep: list[Req] | None = None) -> None:
+        """Keeps the unfinished requests (or exactly ``keep``)."""
+        self.reqs = [r for r in self.reqs if not r.finished()] if keep is None else keep
+
+    def merge(self, other: ScheduleBatch) -> None:
+        self.reqs.extend(other.reqs)

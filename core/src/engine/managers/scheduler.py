@@ -1,0 +1,443 @@
+"""The scheduler: continuous batching with chunked prefill over a prefix cache.
+
+One ``step()``: admit waiting requests into a prefill (EXTEND) batch under the
+token budgets, or else run one DECODE step of the running batch (retracting
+requests when KV memory runs out), then sample, append, check finish and queue
+outputs for the detokenizer. ``scheduler_process`` wraps it in the ZeroMQ loop;
+tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from engine import plugins
+from engine.config import ServerArgs
+from engine.hookspecs import resolve_factory
+from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
+from engine.managers.policy import PolicyContext
+from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
+from engine.model_executor.model_runner import ModelRunner
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Future decode tokens reserved per running request are clipped to this.
+_RESERVE_CLIP = 4096
+_INIT_NEW_TOKEN_RATIO = 0.7
+_MIN_NEW_TOKEN_RATIO = 0.1
+_NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
+    """EOS ids from config.json and generation_config.json (what HF generate stops on)."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    try:
+        from transformers import GenerationConfig
+
+        add(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except Exception:  # no generation_config.json: config.json's ids suffice
+        pass
+    return ids
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
+        self.args = args
+        self.runner = ModelRunner(args, model_path, platform)
+        self.device = self.runner.device
+        self.req_to_token_pool = self.runner.req_to_token_pool
+        self.allocator = self.runner.token_to_kv_pool_allocator
+        self.max_running_requests = self.runner.max_running_requests
+        self.context_len = self.runner.context_len
+        self.eos_token_ids = eos_token_ids_of(model_path, self.runner.hf_config)
+        self.tree_cache = self._create_cache()
+        spec = plugins.get_schedule_policy(args.schedule_policy, args.disable_plugin)
+        self.policy = resolve_factory(spec.factory)()
+        self.policy.cache_aware = spec.cache_aware
+        self.policy_ctx = PolicyContext(
+            parent_of=lambda node: getattr(node, "parent", None), enable_preemption=True)
+        self.waiting_queue: list[Req] = []
+        self.running_batch = self._new_batch([])
+        self.chunked_req: Req | None = None
+        self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
+        self.outbox: list[BatchTokenIDOut] = []
+        self.reqs: dict[str, Req] = {}
+        self.pending_aborts: dict[str, str] = {}
+        # Counters for /get_server_info and metrics.
+        self.num_retractions = 0
+        self.forward_steps = 0
+
+    def _create_cache(self) -> Any:
+        from engine.mem_cache.chunk_cache import ChunkCache
+        from engine.mem_cache.radix_cache import RadixCache
+
+        if self.args.disable_radix_cache:
+            return ChunkCache(self.req_to_token_pool, self.allocator, self.args.page_size)
+        return RadixCache(self.req_to_token_pool, self.allocator, self.args.page_size,
+                          eviction_policy=self.args.radix_eviction_policy)
+
+    def _new_batch(self, reqs: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(reqs, self.req_to_token_pool, self.allocator, self.tree_cache, self.device)
+
+    # -- input ---------------------------------------------------------------
+    def add_request(self, recv: TokenizedGenerateReqInput) -> None:
+        params = SamplingParams.from_dict(recv.sampling_params)
+        req = Req(recv.rid, recv.input_ids, params, self.eos_token_ids, recv.return_logprob,
+                  recv.logprob_start_len, recv.top_logprobs_num, recv.stream, recv.priority)
+        self.reqs[req.rid] = req
+        error = self._validate(req)
+        if error:
+            req.finished_reason = FinishReason("abort", message=error)
+            self._emit([req])
+            return
+        # Leave room for at least the prompt and one token within the context.
+        params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
+        self.waiting_queue.append(req)
+
+    def _validate(self, req: Req) -> str | None:
+        n = len(req.origin_input_ids)
+        if n == 0:
+            return "the prompt is empty"
+        if n >= self.context_len:
+            return f"the prompt has {n} tokens; this model's context length is {self.context_len}"
+        if n + 1 > self.runner.max_total_num_tokens:
+            return f"the prompt has {n} tokens but the KV pool holds {self.runner.max_total_num_tokens}"
+        vocab = self.runner.vocab_size
+        bad = next((t for t in req.origin_input_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
+        return None
+
+    def abort_request(self, rid: str, message: str = "aborted") -> None:
+        """Aborts one request (or all with rid ''); its KV is freed at the next step."""
+        targets = list(self.reqs) if rid == "" else [rid]
+        for r in targets:
+            if r in self.reqs:
+                self.pending_aborts[r] = message
+
+    def _apply_aborts(self) -> None:
+        if not self.pending_aborts:
+            return
+        aborted: list[Req] = []
+        for rid, message in self.pending_aborts.items():
+            req = self.reqs.get(rid)
+            if req is None or req.finished():
+                continue
+            req.finished_reason = FinishReason("abort", message=message)
+            aborted.append(req)
+            if req in self.waiting_queue:
+                self.waiting_queue.remove(req)
+            elif req is self.chunked_req:
+                self._release_partial(req)
+                self.chunked_req = None
+            elif req in self.running_batch.reqs:
+                self.tree_cache.cache_finished_req(req)
+        self.pending_aborts.clear()
+        self.running_batch.filter()
+        self._emit(aborted)
+
+    def _release_partial(self, req: Req) -> None:
+        """Frees a request stopped in the middle of a chunked prefill (KV exists for fill_ids)."""
+        origin, output = req.origin_input_ids, req.output_ids
+        req.origin_input_ids, req.output_ids = req.fill_ids + [0], []
+        try:
+            self.tree_cache.cache_finished_req(req)
+        finally:
+            req.origin_input_ids, req.output_ids = origin, output
+
+    # -- the loop --------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.pending_aborts)
+
+    def step(self) -> bool:
+        """Runs one batch; returns False when there was nothing to do."""
+        self._apply_aborts()
+        batch = self.get_new_batch_prefill()
+        if batch is not None:
+            self.run_extend(batch)
+            return True
+        if self.running_batch.reqs:
+            self.run_decode()
+            return True
+        return False
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise RuntimeError("scheduler did not become idle")
+
+    def take_outputs(self) -> list[BatchTokenIDOut]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # -- admission ---------------------------------------------------------------
+    def _reserve(self, req: Req) -> int:
+        left = req.sampling_params.max_new_tokens - len(req.output_ids)
+        return int(min(max(left, 0), _RESERVE_CLIP) * self.new_token_ratio)
+
+    def _order_waiting(self) -> None:
+        if self.policy.cache_aware:
+            for req in self.waiting_queue:
+                match = self.tree_cache.match_prefix(req.origin_input_ids[:-1] or [])
+                req.prefix_len_hint, req.last_node = len(match.device_indices), match.last_node
+        self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_ctx)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        running = len(self.running_batch.reqs)
+        if running >= self.max_running_requests and self.chunked_req is None:
+            return None
+        self._order_waiting()
+        page = self.args.page_size
+        rem_total = (self.allocator.available_size() + self.tree_cache.evictable_size()
+                     - sum(self._reserve(r) for r in self.running_batch.reqs))
+        rem_input = self.args.max_prefill_tokens
+        rem_chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else 1 << 62
+        can_run: list[Req] = []
+        new_chunked: Req | None = None
+
+        def take_chunk(req: Req, budget: int) -> bool:
+            """Truncates req to a chunk of ``budget`` tokens; True when it still has more."""
+            budget = budget // page * page if page > 1 else budget
+            if req.extend_input_len <= budget:
+                return False
+            req.fill_ids = req.fill_ids[: len(req.prefix_indices) + budget]
+            req.extend_input_len = budget
+            return True
+
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            req.init_next_round_input(None)
+            if take_chunk(req, rem_chunk):
+                req.is_chunked += 1
+                new_chunked = req
+            else:
+                req.is_chunked = 0
+            can_run.append(req)
+            rem_total -= req.extend_input_len + self._reserve(req)
+            rem_input -= req.extend_input_len
+            rem_chunk -= req.extend_input_len
+
+        if new_chunked is None:
+            for req in list(self.waiting_queue):
+                if running + len(can_run) >= self.max_running_requests:
+                    break
+                req.init_next_round_input(self.tree_cache)
+                cost = req.extend_input_len + self._reserve(req)
+                nothing_else = not can_run and running == 0
+                if cost > rem_total and not nothing_else:
+                    break
+                if req.extend_input_len > rem_input and can_run:
+                    break
+                if rem_chunk < max(page, 1):
+                    break
+                self.tree_cache.inc_lock_ref(req.last_node)
+                if req.retractions == 0 and not req.output_ids:
+                    req.cached_tokens = len(req.prefix_indices)
+                if take_chunk(req, min(rem_chunk, rem_input) if can_run else rem_chunk):
+                    req.is_chunked = 1
+                    new_chunked = req
+                can_run.append(req)
+                self.waiting_queue.remove(req)
+                rem_total -= cost
+                rem_input -= req.extend_input_len
+                rem_chunk -= req.extend_input_len
+                if new_chunked is not None:
+                    break
+        self.chunked_req = new_chunked
+        if not can_run:
+            return None
+        return self._new_batch(can_run)
+
+    # -- running -------------------------------------------------------------------
+    def run_extend(self, batch: ScheduleBatch) -> None:
+        want_logprob = any(r.return_logprob for r in batch.reqs)
+        try:
+            fb = batch.prepare_for_extend(return_logprob=want_logprob)
+        except OutOfKVMemory:
+            # Admission estimated memory that eviction could not deliver: requeue and retry later.
+            self._requeue_failed_extend(batch)
+            return
+        fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
+        logits = self.runner.forward(fb)
+        sample = self.runner.sample(logits, fb)
+        self.forward_steps += 1
+        ids = sample.next_token_ids.tolist()
+        finished_or_streamed: list[Req] = []
+        for i, req in enumerate(batch.reqs):
+            if req.wants_prompt_logprobs():
+                record_prompt_logprobs(req, i, fb, logits)
+            if req.is_chunked > 0:
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.output_ids.append(ids[i])
+            record_output_logprobs(req, i, sample)
+            req.check_finished()
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            else:
+                self.tree_cache.cache_unfinished_req(req)
+                self.running_batch.reqs.append(req)
+            finished_or_streamed.append(req)
+        self._emit(finished_or_streamed)
+
+    def _requeue_failed_extend(self, batch: ScheduleBatch) -> None:
+        for req in batch.reqs:
+            if req is self.chunked_req or req.is_chunked:
+                continue
+            self.tree_cache.dec_lock_ref(req.last_node)
+            if req.req_pool_idx is not None:
+                self.req_to_token_pool.free(req.req_pool_idx)
+            req.reset_for_retract()
+            req.retractions -= 1
+            self.waiting_queue.insert(0, req)
+
+    def run_decode(self) -> None:
+        batch = self.running_batch
+        self._ensure_decode_memory(batch)
+        if not batch.reqs:
+            return
+        fb = batch.prepare_for_decode()
+        fb.sampling_info = self._decode_sampling_info(batch)
+        logits = self.runner.forward(fb)
+        sample = self.runner.sample(logits, fb)
+        self.forward_steps += 1
+        ids = sample.next_token_ids.tolist()
+        if fb.sampling_info.penalizer is not None:
+            fb.sampling_info.penalizer.cumulate_output_tokens(sample.next_token_ids)
+        for i, req in enumerate(batch.reqs):
+            req.output_ids.append(ids[i])
+            record_output_logprobs(req, i, sample)
+            req.check_finished()
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+        self._emit(batch.reqs)
+        batch.filter()
+        self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+
+    def _decode_sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
+        # Rebuilt only when the batch's membership changed; penalty counts carry over otherwise.
+        key = [id(r) for r in batch.reqs]
+        cached = getattr(batch, "_sampling_cache", None)
+        if cached is not None and cached[0] == key:
+            info = cached[1]
+            info.steps = [len(r.output_ids) for r in batch.reqs]
+            return info
+        info = SamplingBatchInfo.from_reqs(batch.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
+        batch._sampling_cache = (key, info)  # type: ignore[attr-defined]
+        return info
+
+    def _ensure_decode_memory(self, batch: ScheduleBatch) -> None:
+        """Retracts requests until the next decode step's KV slots can be found."""
+        def enough() -> bool:
+            return self.allocator.available_size() + self.tree_cache.evictable_size() >= batch.decode_tokens_needed()
+
+        if enough():
+            return
+        # Retract the requests that cost least to redo: fewest generated tokens first.
+        order = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted: list[Req] = []
+        while not enough() and len(order) > 1:
+            req = order.pop()
+            self.tree_cache.cache_finished_req(req)
+            req.reset_for_retract()
+            retracted.append(req)
+        if not enough():
+            # A lone request that cannot grow: it does not fit the pool at all.
+            req = order.pop()
+            req.finished_reason = FinishReason("abort", message="out of KV cache memory for this request")
+            self.tree_cache.cache_finished_req(req)
+            self._emit([req])
+        batch.filter([r for r in order if not r.finished()])
+        if retracted:
+            self.num_retractions += len(retracted)
+            logger.info("retracted %d requests (KV memory full)", len(retracted))
+            self.waiting_queue = retracted + self.waiting_queue
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1 * len(retracted))
+
+    # -- output ---------------------------------------------------------------------
+    def _emit(self, reqs: list[Req]) -> None:
+        """Queues new tokens of ``reqs`` for the detokenizer (streaming ones every interval)."""
+        send = [r for r in reqs if r.finished() or (
+            r.stream and len(r.output_ids) - r.send_offset >= self.args.stream_interval)]
+        if not send:
+            return
+        out = BatchTokenIDOut(
+            rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
+            cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],
+            stop_strings=[], no_stop_trim=[], output_token_logprobs=[], output_top_logprobs=[],
+            input_token_logprobs=[], input_top_logprobs=[], prompt_tail_ids=[])
+        for req in send:
+            p = req.sampling_params
+            out.rids.append(req.rid)
+            out.new_token_ids.append(req.output_ids[req.send_offset :])
+            out.prompt_tail_ids.append(req.origin_input_ids[-16:] if req.send_offset == 0 else None)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.skip_special_tokens.append(p.skip_special_tokens)
+            out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
+            out.stop_strings.append(p.stop)
+            out.no_stop_trim.append(p.no_stop_trim)
+            out.output_token_logprobs.append(req.output_token_logprobs[req.send_offset :])
+            out.output_top_logprobs.append(req.output_top_logprobs[req.send_offset :])
+            if req.return_logprob and not req.input_logprobs_sent and req.input_token_logprobs is not None and not req.is_chunked:
+                out.input_token_logprobs.append(req.input_token_logprobs)
+                out.input_top_logprobs.append(req.input_top_logprobs)
+                req.input_logprobs_sent = True
+            else:
+                out.input_token_logprobs.append(None)
+                out.input_top_logprobs.append(None)
+            req.send_offset = len(req.output_ids)
+            if req.finished():
+                self.reqs.pop(req.rid, None)
+        self.outbox.append(out)
+
+    # -- introspection ----------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; refused while requests are running."""
+        if self.has_work():
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        total = self.runner.max_total_num_tokens
+        free = self.allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        return {
+            "max_total_num_tokens": total,
+            "kv_free_tokens": free,
+            "kv_evictable_tokens": evictable,
+            "kv_used_tokens": total - free - evictable,
+            "kv_usage": (total - free - evictable) / total,
+            "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_retractions": self.num_retractions,
+            "forward_steps": self.forward_steps,
+        }
+
+
+def check_no_leak(scheduler: Scheduler) -> None:
+    """Asserts that every KV slot is free or held by the cache (call when idle)."""
+    s = scheduler.stats()
+    held = scheduler.tree_cache.total_size() if hasattr(scheduler.tree_cache, "total_size") else 0
+    assert s["kv_free_tokens"] + held == s["max_total_num_tokens"], s
+    assert scheduler.tree_cache.protected_size() == 0, "locked prefix after all requests finished"

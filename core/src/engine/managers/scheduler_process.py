@@ -1,0 +1,113 @@
+"""The scheduler process: a ZeroMQ loop around ``Scheduler``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from typing import Any
+
+from engine.errors import EngineError
+from engine.managers.io_struct import (
+    AbortReq,
+    ControlReply,
+    ControlReq,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from engine.managers.process_utils import IpcNames, exit_if_orphaned, setup_child_logging
+
+logger = logging.getLogger(__name__)
+
+
+def _ready_info(scheduler: Any) -> SchedulerReady:
+    from engine import plugins
+
+    runner = scheduler.runner
+    return SchedulerReady(
+        max_total_num_tokens=runner.max_total_num_tokens,
+        max_running_requests=scheduler.max_running_requests,
+        context_len=runner.context_len,
+        vocab_size=runner.vocab_size,
+        device=str(runner.device),
+        attention_backend=runner.attention_backend_name,
+        platform=runner.platform.name,
+        dtype=str(runner.dtype).replace("torch.", ""),
+        eos_token_ids=sorted(scheduler.eos_token_ids),
+        plugins=[p.to_dict() for p in plugins.list_plugins(scheduler.args.disable_plugin)],
+    )
+
+
+def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any, parent_pid: int) -> None:
+    """Entry point: builds the Scheduler, reports readiness, then serves forever."""
+    import zmq
+
+    from engine.managers.scheduler import Scheduler
+
+    setup_child_logging(args.log_level, "scheduler")
+    try:
+        scheduler = Scheduler(args, model_path)
+    except EngineError as exc:
+        ready_conn.send(("error", str(exc)))
+        os._exit(1)
+    except Exception as exc:
+        logger.error("scheduler failed to start:\n%s", traceback.format_exc())
+        ready_conn.send(("error", f"scheduler failed to start: {type(exc).__name__}: {exc}"))
+        os._exit(1)
+    ready_conn.send(("ok", _ready_info(scheduler)))
+
+    ctx = zmq.Context()
+    recv = ctx.socket(zmq.PULL)
+    recv.bind(ipc.scheduler)
+    to_detok = ctx.socket(zmq.PUSH)
+    to_detok.connect(ipc.detokenizer)
+    to_tokenizer = ctx.socket(zmq.PUSH)
+    to_tokenizer.connect(ipc.tokenizer)
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    try:
+        while True:
+            timeout = 0 if scheduler.has_work() else 500
+            if poller.poll(timeout):
+                while True:
+                    try:
+                        msg = recv.recv_pyobj(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    reply = _dispatch(scheduler, msg)
+                    if reply is not None:
+                        to_tokenizer.send_pyobj(reply)
+            else:
+                exit_if_orphaned(parent_pid)
+            scheduler.step()
+            for out in scheduler.take_outputs():
+                to_detok.send_pyobj(out)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        os._exit(0)
+
+
+def _dispatch(scheduler: Any, msg: Any) -> ControlReply | None:
+    if isinstance(msg, TokenizedGenerateReqInput):
+        try:
+            scheduler.add_request(msg)
+        except EngineError as exc:  # validated upstream; a backstop for direct senders
+            from engine.managers.schedule_batch import FinishReason, Req
+            from engine.sampling.sampling_params import SamplingParams
+
+            req = Req(msg.rid, msg.input_ids, SamplingParams(), set())
+            req.finished_reason = FinishReason("abort", message=str(exc))
+            scheduler._emit([req])
+        return None
+    if isinstance(msg, AbortReq):
+        scheduler.abort_request(msg.rid, msg.message)
+        return None
+    if isinstance(msg, ControlReq):
+        if msg.kind == "flush_cache":
+            return ControlReply(msg.kind, msg.token, ok=scheduler.flush_cache())
+        if msg.kind in ("server_info", "health"):
+            return ControlReply(msg.kind, msg.token, data=scheduler.stats())
+        return ControlReply(msg.kind, msg.token, ok=False, data={"error": f"unknown control '{msg.kind}'"})
+    logger.warning("scheduler ignored a message of type %s", type(msg).__name__)
+    return None

@@ -1,0 +1,291 @@
+"""The tokenizer manager (main process, asyncio): validate, tokenize, track, stream.
+
+Keeps one ``ReqState`` per request, sends tokenized requests to the scheduler,
+and receives detokenized increments from the detokenizer. A watchdog fails
+every pending request within a second when a child process dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import EngineError
+from engine.managers.io_struct import (
+    AbortReq,
+    BatchStrOut,
+    ControlReply,
+    ControlReq,
+    SchedulerReady,
+    TokenizedGenerateReqInput,
+)
+from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """A child process of the engine died; no request can complete."""
+
+
+class RequestError(EngineError):
+    """A request is invalid; ``field`` names the offending field (for HTTP 400s)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass
+class GenerateRequest:
+    """One generation request (a batch is expanded into these by the caller)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    rid: str | None = None
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+    priority: int = 0
+
+
+@dataclass
+class ReqState:
+    rid: str
+    prompt_ids: list[int]
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished_reason: dict[str, Any] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    output_token_logprobs: list[Any] = field(default_factory=list)
+    output_top_logprobs: list[Any] = field(default_factory=list)
+    input_token_logprobs: list[Any] | None = None
+    input_top_logprobs: list[Any] | None = None
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    last_time: float | None = None
+    error: str | None = None
+
+
+class TokenizerManager:
+    def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady,
+                 processes: list[Any], tokenizer: Any | None) -> None:
+        import zmq
+        import zmq.asyncio
+
+        self.args = args
+        self.model_path = model_path
+        self.ready = ready
+        self.processes = processes
+        self.tokenizer = tokenizer
+        self.context_len = ready.context_len
+        self.zmq_ctx = zmq.asyncio.Context()
+        self.recv = self.zmq_ctx.socket(zmq.PULL)
+        self.recv.bind(ipc.tokenizer)
+        self.send = self.zmq_ctx.socket(zmq.PUSH)
+        self.send.connect(ipc.scheduler)
+        self.states: dict[str, ReqState] = {}
+        self.control_waiters: dict[int, asyncio.Future[ControlReply]] = {}
+        self._tokens = itertools.count(1)
+        self.dead: str | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        # Observers notified on each finished request (metrics).
+        self.on_finish: list[Any] = []
+
+    # -- background tasks ------------------------------------------------------
+    def start(self) -> None:
+        """Starts the receive loop and the watchdog on the running event loop (idempotent)."""
+        if self._tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._handle_loop()), loop.create_task(self._watchdog())]
+
+    async def _handle_loop(self) -> None:
+        while True:
+            msg = await self.recv.recv_pyobj()
+            if isinstance(msg, BatchStrOut):
+                self._handle_str_out(msg)
+            elif isinstance(msg, ControlReply):
+                fut = self.control_waiters.pop(msg.token, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+
+    async def _watchdog(self) -> None:
+        while self.dead is None:
+            await asyncio.sleep(0.25)
+            for proc in self.processes:
+                if not proc.is_alive():
+                    self.dead = f"engine process '{proc.name}' died (exit code {proc.exitcode})"
+                    logger.error("%s; failing %d pending requests", self.dead, len(self.states))
+                    for state in self.states.values():
+                        state.error = self.dead
+                        state.event.set()
+                    for fut in self.control_waiters.values():
+                        if not fut.done():
+                            fut.set_exception(EngineDeadError(self.dead))
+                    break
+
+    def _handle_str_out(self, msg: BatchStrOut) -> None:
+        now = time.perf_counter()
+        for i, rid in enumerate(msg.rids):
+            state = self.states.get(rid)
+            if state is None:
+                continue
+            state.text += msg.new_texts[i]
+            state.output_ids.extend(msg.new_token_ids[i])
+            if msg.output_token_logprobs and msg.output_token_logprobs[i]:
+                state.output_token_logprobs.extend(msg.output_token_logprobs[i])
+                state.output_top_logprobs.extend(msg.output_top_logprobs[i])
+            if msg.input_token_logprobs and msg.input_token_logprobs[i] is not None:
+                state.input_token_logprobs = msg.input_token_logprobs[i]
+                state.input_top_logprobs = msg.input_top_logprobs[i]
+            state.meta.update(prompt_tokens=msg.prompt_tokens[i], completion_tokens=msg.completion_tokens[i],
+                              cached_tokens=msg.cached_tokens[i])
+            if state.first_token_time is None and msg.new_token_ids[i]:
+                state.first_token_time = now
+            state.last_time = now
+            reason = msg.finished_reasons[i]
+            if reason is not None:
+                state.finished_reason = reason
+                if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
+                    # Ended by a stop string at the detokenizer: the scheduler may still run it.
+                    self.send.send_pyobj(AbortReq(rid, "stop string"))
+            state.event.set()
+
+    # -- requests ----------------------------------------------------------------
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        if req.input_ids is not None:
+            ids = req.input_ids
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("input_ids: expected a list of integers", "input_ids")
+            bad = next((t for t in ids if not 0 <= t < self.ready.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"input_ids: token id {bad} is outside the vocabulary (0..{self.ready.vocab_size - 1})", "input_ids")
+            return list(ids)
+        if req.text is None:
+            raise RequestError("either text or input_ids is required", "text")
+        if not isinstance(req.text, str):
+            raise RequestError("text: expected a string", "text")
+        if self.tokenizer is None:
+            raise RequestError("text: this server runs with --skip-tokenizer-init; send input_ids", "text")
+        return self.tokenizer.encode(req.text)
+
+    def validate(self, req: GenerateRequest, input_ids: list[int]) -> SamplingParams:
+        try:
+            params = SamplingParams.from_dict(req.sampling_params)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), exc.field) from None
+        except TypeError as exc:
+            raise RequestError(f"sampling_params: {exc}", "sampling_params") from None
+        if not input_ids:
+            raise RequestError("the prompt is empty", "text" if req.text is not None else "input_ids")
+        if len(input_ids) >= self.context_len:
+            raise RequestError(
+                f"the prompt has {len(input_ids)} tokens; this model's context length is {self.context_len}",
+                "text" if req.text is not None else "input_ids")
+        if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
+            raise RequestError(f"top_logprobs_num: invalid value {req.top_logprobs_num}; accepted: 0..20", "top_logprobs_num")
+        return params
+
+    def prepare(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """Tokenizes and validates without sending (raises RequestError)."""
+        ids = self.tokenize(req)
+        return ids, self.validate(req, ids)
+
+    async def generate(self, req: GenerateRequest, prepared: tuple[list[int], SamplingParams] | None = None) -> AsyncIterator[dict[str, Any]]:
+        """Sends one request and yields its output dicts (cumulative ``text``/``output_ids``).
+
+        Streaming requests yield after every increment; others yield once at the end.
+        The caller aborts by closing the generator (e.g. on client disconnect).
+        """
+        self._check_alive()
+        self.start()
+        input_ids, params = prepared or self.prepare(req)
+        rid = req.rid or uuid.uuid4().hex
+        if rid in self.states:
+            raise RequestError(f"rid: a request with id '{rid}' is already running", "rid")
+        state = ReqState(rid, input_ids)
+        self.states[rid] = state
+        logprob_start = req.logprob_start_len
+        if req.return_logprob and logprob_start < 0:
+            logprob_start = len(input_ids)  # output logprobs only
+        self.send.send_pyobj(TokenizedGenerateReqInput(
+            rid=rid, input_ids=input_ids, sampling_params=params.to_dict(),
+            return_logprob=req.return_logprob, logprob_start_len=logprob_start,
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority))
+        finished = False
+        try:
+            while True:
+                await state.event.wait()
+                state.event.clear()
+                if state.error is not None:
+                    raise EngineDeadError(state.error)
+                finished = state.finished_reason is not None
+                if req.stream or finished:
+                    yield self._output(state)
+                if finished:
+                    break
+        finally:
+            self.states.pop(rid, None)
+            if not finished and self.dead is None:
+                self.send.send_pyobj(AbortReq(rid, "client disconnected"))
+            elif finished:
+                for callback in self.on_finish:
+                    callback(state)
+
+    def _output(self, state: ReqState) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": state.rid,
+            "prompt_tokens": state.meta.get("prompt_tokens", len(state.prompt_ids)),
+            "completion_tokens": state.meta.get("completion_tokens", len(state.output_ids)),
+            "cached_tokens": state.meta.get("cached_tokens", 0),
+            "finish_reason": state.finished_reason,
+            "e2e_latency": (state.last_time or time.perf_counter()) - state.created,
+        }
+        if state.output_token_logprobs or state.input_token_logprobs is not None:
+            meta["output_token_logprobs"] = list(state.output_token_logprobs)
+            meta["output_top_logprobs"] = list(state.output_top_logprobs)
+            meta["input_token_logprobs"] = state.input_token_logprobs
+            meta["input_top_logprobs"] = state.input_top_logprobs
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    def abort(self, rid: str) -> None:
+        self.send.send_pyobj(AbortReq(rid, "aborted by request"))
+
+    async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
+        self._check_alive()
+        self.start()
+        token = next(self._tokens)
+        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self.control_waiters[token] = fut
+        self.send.send_pyobj(ControlReq(kind, token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(token, None)
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+        self.recv.close(0)
+        self.send.close(0)
+        self.zmq_ctx.term()

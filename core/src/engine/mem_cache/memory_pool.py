@@ -1,0 +1,210 @@
+"""Two-level KV memory: request slots -> token slots -> per-layer K/V tensors.
+
+``ReqToTokenPool`` maps (request slot, position) to a KV slot index.
+``TokenToKVPool`` (``MHATokenToKVPool``) holds K and V for every layer, indexed by
+KV slot. ``TokenToKVPoolAllocator`` hands out KV slots, page-aligned when the
+page size is larger than one. Slot 0 of the KV pool is never handed out: padded
+tokens (CUDA-graph padding, dummy decode rows) write there harmlessly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps a request slot and a position in that request to a KV slot index."""
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device) -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        # int32 so attention kernels can read it directly.
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        self.free_slots: list[int] = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> list[int] | None:
+        """Returns ``need_size`` request slots, or None when too few are free."""
+        if need_size > len(self.free_slots):
+            return None
+        slots, self.free_slots = self.free_slots[:need_size], self.free_slots[need_size:]
+        return slots
+
+    def free(self, slot: int | list[int]) -> None:
+        if isinstance(slot, int):
+            self.free_slots.append(slot)
+        else:
+            self.free_slots.extend(slot)
+
+    def write(self, slot: int, start: int, indices: torch.Tensor) -> None:
+        """Records ``indices`` as the KV slots of positions ``start..start+len`` of ``slot``."""
+        self.req_to_token[slot, start : start + len(indices)] = indices.to(torch.int32)
+
+    def clear(self) -> None:
+        self.free_slots = list(range(self.size))
+
+
+class MHATokenToKVPool:
+    """Per-layer K and V buffers of shape ``[size + page_size, num_kv_heads, head_dim]``."""
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        device: str | torch.device,
+        v_head_dim: int | None = None,
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.num_layers = num_layers
+        self.device = device
+        # The first page (slot 0 included) is reserved for padding writes.
+        rows = size + page_size
+        self.k_buffer = [
+            torch.zeros((rows, num_kv_heads, head_dim), dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+        self.v_buffer = [
+            torch.zeros((rows, num_kv_heads, self.v_head_dim), dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
+        """Writes K/V of shape ``[len(loc), num_kv_heads, head_dim]`` at KV slots ``loc``."""
+        if cache_k.dtype != self.dtype:
+            cache_k = cache_k.to(self.dtype)
+            cache_v = cache_v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = cache_k
+        self.v_buffer[layer_id][loc] = cache_v
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV slot indices ``1..size``; page-aligned when ``page_size > 1``.
+
+    With pages, a request's tokens fill its last page before a new page is taken,
+    so position ``p`` of a request always sits at offset ``p % page_size`` of a page.
+    """
+
+    def __init__(self, size: int, page_size: int = 1, device: str | torch.device = "cpu") -> None:
+        if size % page_size:
+            size -= size % page_size
+        self.size = size
+        self.page_size = page_size
+        self.device = device
+        self.clear()
+
+    # -- accounting -------------------------------------------------------
+    def available_size(self) -> int:
+        """Free KV slots (whole free pages times the page size)."""
+        return len(self.free_pages) * self.page_size
+
+    def clear(self) -> None:
+        # Page 0 (slots 0..page_size-1) is the padding page and never handed out.
+        num_pages = self.size // self.page_size
+        self.free_pages = torch.arange(1, num_pages + 1, dtype=torch.int64, device=self.device)
+
+    # -- allocation -------------------------------------------------------
+    def alloc(self, need_size: int) -> torch.Tensor | None:
+        """Allocates ``need_size`` slots; with pages, ``need_size`` must be a page multiple."""
+        if self.page_size == 1:
+            if need_size > len(self.free_pages):
+                return None
+            out = self.free_pages[:need_size]
+            self.free_pages = self.free_pages[need_size:]
+            return out
+        assert need_size % self.page_size == 0, "paged alloc needs whole pages"
+        pages = self._take_pages(need_size // self.page_size)
+        if pages is None:
+            return None
+        return self._pages_to_slots(pages)
+
+    def alloc_extend(
+        self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]
+    ) -> torch.Tensor | None:
+        """Slots for tokens ``prefix_len..seq_len`` of each request, in order.
+
+        ``last_locs[i]`` is the KV slot of request i's token at ``prefix_len - 1``
+        (ignored when ``prefix_len == 0``); new tokens continue that page first.
+        """
+        if self.page_size == 1:
+            return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+        ps = self.page_size
+        new_pages_needed = sum(
+            (s + ps - 1) // ps - (p + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens)
+        )
+        pages = self._take_pages(new_pages_needed)
+        if pages is None:
+            return None
+        out: list[torch.Tensor] = []
+        cursor = 0
+        for prefix_len, seq_len, last_loc in zip(prefix_lens, seq_lens, last_locs):
+            pieces = []
+            pos = prefix_len
+            if prefix_len % ps and seq_len > prefix_len:
+                # Continue the partially filled last page.
+                fill = min(ps - prefix_len % ps, seq_len - prefix_len)
+                pieces.append(torch.arange(last_loc + 1, last_loc + 1 + fill, device=self.device))
+                pos += fill
+            n_pages = (seq_len - pos + ps - 1) // ps
+            if n_pages:
+                slots = self._pages_to_slots(pages[cursor : cursor + n_pages])[: seq_len - pos]
+                pieces.append(slots)
+                cursor += n_pages
+            if pieces:
+                out.append(torch.cat(pieces))
+        if not out:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        return torch.cat(out)
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """One slot per request for the token at position ``seq_len - 1``."""
+        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
+
+    def free(self, indices: torch.Tensor) -> None:
+        """Frees KV slots; with pages, a page is freed once when any of its slots is given."""
+        if indices.numel() == 0:
+            return
+        indices = indices.to(device=self.device, dtype=torch.int64)
+        if self.page_size == 1:
+            self.free_pages = torch.cat((self.free_pages, indices))
+        else:
+            pages = torch.unique(indices // self.page_size)
+            self.free_pages = torch.cat((self.free_pages, pages))
+
+    # -- helpers ----------------------------------------------------------
+    def _take_pages(self, n: int) -> torch.Tensor | None:
+        if n > len(self.free_pages):
+            return None
+        pages = self.free_pages[:n]
+        self.free_pages = self.free_pages[n:]
+        return pages
+
+    def _pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
+        offsets = torch.arange(self.page_size, device=self.device)
+        return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)

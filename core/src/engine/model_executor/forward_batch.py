@@ -1,0 +1,135 @@
+"""The device-side description of one forward pass (the last of the three batch forms).
+
+``ScheduleBatch`` (scheduler, CPU lists) -> ``ModelWorkerBatch`` (what the worker
+needs) -> ``ForwardBatch`` (device tensors the model and attention backend read).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.attention import AttentionBackend
+    from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(enum.IntEnum):
+    # Prefill of new tokens, possibly on top of a cached prefix (chunked prefill too).
+    EXTEND = 1
+    # One new token per request.
+    DECODE = 2
+    # Extend rows followed by decode rows in one batch (chunked prefill + decode).
+    MIXED = 3
+    # Nothing to run on this rank (data-parallel padding).
+    IDLE = 4
+
+    def is_extend(self) -> bool:
+        """True for every mode whose rows may carry more than one new token."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass
+class ForwardBatch:
+    """Everything one model forward needs, on the model's device."""
+
+    forward_mode: ForwardMode
+    # Number of requests (rows) in the batch.
+    batch_size: int
+    # [num_tokens] token ids to run: all new tokens of every row, concatenated.
+    input_ids: torch.Tensor
+    # [batch_size] request slots in ReqToTokenPool.
+    req_pool_indices: torch.Tensor
+    # [batch_size] total length of each row after this pass (prefix + new tokens).
+    seq_lens: torch.Tensor
+    # [num_tokens] KV slots the new tokens' K/V are written to.
+    out_cache_loc: torch.Tensor
+    # [num_tokens] position ids of the new tokens.
+    positions: torch.Tensor
+    # Host copy of seq_lens: backends plan with it without a device sync.
+    seq_lens_cpu: list[int]
+    # Sum of seq_lens (used to size backend workspaces).
+    seq_lens_sum: int = 0
+    # EXTEND/MIXED: [batch_size] new tokens per row, cached-prefix lengths, start offsets.
+    extend_seq_lens: torch.Tensor | None = None
+    extend_prefix_lens: torch.Tensor | None = None
+    extend_start_loc: torch.Tensor | None = None
+    extend_seq_lens_cpu: list[int] | None = None
+    extend_prefix_lens_cpu: list[int] | None = None
+    # MIXED: the first `num_extend_reqs` rows are extend rows, the rest decode rows.
+    num_extend_reqs: int = 0
+    # Rows whose logits are wanted at every new position (prompt logprobs), else last only.
+    return_logprob: bool = False
+    # Pools and backend shared by every layer.
+    req_to_token_pool: ReqToTokenPool | None = None
+    token_to_kv_pool: MHATokenToKVPool | None = None
+    attn_backend: AttentionBackend | None = None
+    sampling_info: SamplingBatchInfo | None = None
+    # Per-backend metadata computed once per batch by attn_backend.init_forward_metadata.
+    attn_metadata: Any = None
+    # Free-form slot for extensions (speculative decoding, multimodal, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        forward_mode: ForwardMode,
+        input_ids: list[int],
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        prefix_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        device: torch.device | str,
+        num_extend_reqs: int = 0,
+        return_logprob: bool = False,
+    ) -> ForwardBatch:
+        """Builds a batch from host lists; decode rows have ``prefix_len == seq_len - 1``."""
+        bs = len(seq_lens)
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        positions = torch.cat(
+            [torch.arange(p, s, dtype=torch.int64) for p, s in zip(prefix_lens, seq_lens)]
+        ) if bs else torch.empty(0, dtype=torch.int64)
+        start_loc = [0] * bs
+        for i in range(1, bs):
+            start_loc[i] = start_loc[i - 1] + extend_lens[i - 1]
+
+        def dev(x: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+            return torch.tensor(x, dtype=dtype).to(device, non_blocking=True)
+
+        fb = cls(
+            forward_mode=forward_mode,
+            batch_size=bs,
+            input_ids=dev(input_ids),
+            req_pool_indices=dev(req_pool_indices),
+            seq_lens=dev(seq_lens),
+            out_cache_loc=out_cache_loc.to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            seq_lens_cpu=list(seq_lens),
+            seq_lens_sum=sum(seq_lens),
+            num_extend_reqs=num_extend_reqs,
+            return_logprob=return_logprob,
+        )
+        if forward_mode.is_extend():
+            fb.extend_seq_lens = dev(extend_lens)
+            fb.extend_prefix_lens = dev(prefix_lens)
+            fb.extend_start_loc = dev(start_loc)
+            fb.extend_seq_lens_cpu = extend_lens
+            fb.extend_prefix_lens_cpu = list(prefix_lens)
+        return fb

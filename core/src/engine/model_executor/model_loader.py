@@ -1,0 +1,124 @@
+"""Builds a model plugin's module from a Hugging Face directory and loads its weights."""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine import plugins
+from engine.errors import ModelLoadError
+from engine.hookspecs import resolve_factory
+
+if TYPE_CHECKING:
+    from engine.config import ServerArgs
+    from engine.layers.quantization import QuantizationConfig
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
+    """Reads config.json with transformers; every problem becomes a ModelLoadError."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model_path):
+        raise ModelLoadError(f"--model-path: not a directory: {model_path}")
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ModelLoadError(f"--model-path: {model_path} has no config.json (expected a Hugging Face model directory)")
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"--model-path: cannot read {model_path}/config.json: {exc}") from None
+    if not getattr(config, "architectures", None):
+        raise ModelLoadError(f"{model_path}/config.json names no 'architectures'; cannot pick a model plugin")
+    return config
+
+
+def resolve_dtype(dtype: str, config: Any, platform_default: torch.dtype) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = _DTYPES.get(cfg)
+    if isinstance(cfg, torch.dtype) and cfg in _DTYPES.values():
+        # float32 checkpoints run in the platform's dtype on accelerators, as in SGLang.
+        return platform_default if cfg == torch.float32 and platform_default != torch.float32 else cfg
+    return platform_default
+
+
+def resolve_quant_config(args: ServerArgs, config: Any) -> QuantizationConfig | None:
+    """The checkpoint's quantization_config, or ``--quant``; both given must agree."""
+    ckpt = getattr(config, "quantization_config", None)
+    if ckpt is not None and not isinstance(ckpt, dict):
+        ckpt = ckpt.to_dict()
+    disabled = args.disable_plugin
+    if ckpt:
+        method = str(ckpt.get("quant_method", ""))
+        spec = plugins.find_quantization_for_checkpoint(method, disabled)
+        if args.quant and args.quant != spec.name and args.quant not in spec.checkpoint_methods:
+            raise ModelLoadError(f"--quant {args.quant} conflicts with the checkpoint's quantization_config (quant_method '{method}')")
+        return resolve_factory(spec.factory)(ckpt)
+    if args.quant:
+        spec = plugins.get_quantization_method(args.quant, disabled)
+        return resolve_factory(spec.factory)({})
+    return None
+
+
+def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs from safetensors (preferred) or PyTorch .bin files."""
+    st_files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if st_files and load_format in ("auto", "safetensors"):
+        from safetensors import safe_open
+
+        for path in st_files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        return
+    bin_files = sorted(glob.glob(os.path.join(model_path, "*.bin")))
+    if bin_files and load_format in ("auto", "pt"):
+        for path in bin_files:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            yield from state.items()
+        return
+    raise ModelLoadError(
+        f"--model-path: no weights found in {model_path} for --load-format {load_format} "
+        "(expected *.safetensors or *.bin; use --load-format dummy for random weights)"
+    )
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for param in model.parameters():
+        if param.dtype.is_floating_point:
+            values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-2, 1e-2, generator=gen)
+            param.data.copy_(values.to(param.dtype))
+
+
+def load_model(args: ServerArgs, model_path: str, config: Any, dtype: torch.dtype,
+               device: torch.device) -> torch.nn.Module:
+    arch = config.architectures[0]
+    model_cls = plugins.get_model_class(arch, args.disable_plugin)
+    quant_config = resolve_quant_config(args, config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = model_cls(config, quant_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if args.load_format == "dummy":
+        _init_dummy(model, args.random_seed)
+    else:
+        model.load_weights(iterate_weights(model_path, args.load_format))
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+    return model.eval()

@@ -1,0 +1,127 @@
+"""ModelRunner: owns the model, the KV pools and the attention backend of one worker."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine import plugins
+from engine.attention import AttentionContext
+from engine.errors import ConfigError
+from engine.hookspecs import resolve_factory
+from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.layers.sampler import Sampler, SampleOutput
+from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from engine.model_executor.forward_batch import ForwardBatch
+from engine.model_executor.model_loader import load_hf_config, load_model, resolve_dtype
+
+if TYPE_CHECKING:
+    from engine.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Without --max-total-tokens a CPU pool is capped here: CPU memory is shared with everything.
+_CPU_MAX_POOL_TOKENS = 1 << 17
+_REQ_TO_TOKEN_BUDGET_BYTES = 512 << 20
+
+
+class ModelRunner:
+    def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
+        self.args = args
+        self.platform = platform or plugins.select_platform(args.platform, args.disable_plugin)
+        self.device = self.platform.device(0)
+        self.platform.set_device(self.device)
+        self.platform.seed_everything(args.random_seed)
+        self.hf_config = load_hf_config(model_path, args.trust_remote_code)
+        self.dtype = resolve_dtype(args.dtype, self.hf_config, self.platform.default_dtype())
+        cfg = self.hf_config
+        self.vocab_size = cfg.vocab_size
+        self.num_layers = cfg.num_hidden_layers
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        model_ctx = getattr(cfg, "max_position_embeddings", 2048)
+        if args.context_length and args.context_length > model_ctx:
+            raise ConfigError(f"--context-length: invalid value {args.context_length}; accepted: at most the model's max_position_embeddings ({model_ctx})")
+        self.context_len = args.context_length or model_ctx
+
+        free_before, _ = self.platform.memory_info(self.device)
+        self.model = load_model(args, model_path, cfg, self.dtype, self.device)
+        self._init_pools(free_before)
+        self.attn_backend = self._create_attention_backend()
+        self.sampler = Sampler()
+
+    # -- set-up -------------------------------------------------------------
+    def _init_pools(self, free_before: int) -> None:
+        args = self.args
+        kv = MHATokenToKVPool(0, 1, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, "cpu")
+        per_token = kv.bytes_per_token()
+        if args.max_total_tokens is not None:
+            tokens = args.max_total_tokens
+        else:
+            fraction = args.mem_fraction_static or self.platform.default_mem_fraction_static()
+            free_now, total = self.platform.memory_info(self.device)
+            weights = max(0, free_before - free_now)
+            budget = total * fraction - weights - (total - free_before)
+            tokens = int(max(budget, 0) // per_token)
+            if self.device.type == "cpu":
+                tokens = min(tokens, _CPU_MAX_POOL_TOKENS)
+        page = args.page_size
+        tokens = tokens // page * page
+        if tokens < max(page, 16):
+            raise ConfigError(
+                f"KV pool too small: {tokens} tokens ({per_token} bytes per token); "
+                "raise --mem-fraction-static or --max-total-tokens"
+            )
+        self.max_total_num_tokens = tokens
+        max_reqs = args.max_running_requests or max(64, min(4096, tokens // 8))
+        # req_to_token is [slots, context_len] int32; keep it within a fixed budget.
+        max_reqs = max(1, min(max_reqs, _REQ_TO_TOKEN_BUDGET_BYTES // (4 * (self.context_len + 8))))
+        self.max_running_requests = max_reqs
+        # +1 slot so a request can be prefilled while max_reqs decode.
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            tokens, page, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, self.device
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
+        logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", tokens, tokens * per_token / 2**20, max_reqs)
+
+    def _create_attention_backend(self) -> Any:
+        name = self.args.attention or self.platform.default_attention_backend()
+        spec = plugins.get_attention_backend(name, self.args.disable_plugin)
+        if self.device.type not in spec.device_types:
+            raise ConfigError(
+                f"--attention: backend '{name}' does not run on {self.device.type} "
+                f"(it supports: {', '.join(spec.device_types)})"
+            )
+        if spec.page_sizes and self.args.page_size not in spec.page_sizes:
+            raise ConfigError(f"--page-size: invalid value {self.args.page_size} for attention backend '{name}'; accepted: {', '.join(map(str, spec.page_sizes))}")
+        self.attention_backend_name = name
+        ctx = AttentionContext(
+            device=self.device, dtype=self.dtype, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            page_size=self.args.page_size, max_context_len=self.context_len,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+            options=dict(self.args.plugin_options.get(name, {})),
+        )
+        return resolve_factory(spec.factory)(ctx)
+
+    # -- execution ----------------------------------------------------------
+    def prepare(self, forward_batch: ForwardBatch) -> None:
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.attn_backend = self.attn_backend
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        self.prepare(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SampleOutput:
+        info = forward_batch.sampling_info
+        assert info is not None
+        return self.sampler(logits_output.next_token_logits, info)

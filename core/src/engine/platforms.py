@@ -1,0 +1,79 @@
+"""The hardware-platform contract (CUDA, ROCm, XPU, NPU, CPU).
+
+Platform plugins subclass ``Platform``; the core asks it everything device
+specific so that no other module tests for CUDA by hand.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Platform(ABC):
+    """Probes and policies of one kind of device."""
+
+    #: short name, as in ``--platform``.
+    name: str = ""
+    #: torch device type ("cuda", "cpu", "xpu", "npu"; ROCm reports "cuda").
+    device_type: str = ""
+
+    @abstractmethod
+    def is_available(self) -> bool:
+        """True when this machine has a usable device of this platform."""
+
+    def unavailable_reason(self) -> str:
+        """Why ``is_available()`` is False, for error messages."""
+        return "no device found"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """The torch device a worker of this local rank runs on."""
+        return torch.device(self.device_type, local_rank) if self.device_type != "cpu" else torch.device("cpu")
+
+    def set_device(self, device: torch.device) -> None:
+        """Makes ``device`` current for the calling process (no-op where meaningless)."""
+
+    @abstractmethod
+    def distributed_backend(self) -> str:
+        """torch.distributed backend for collectives ("nccl", "gloo", "hccl", "xccl")."""
+
+    @abstractmethod
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        """(free bytes, total bytes) of device memory available to the engine."""
+
+    @abstractmethod
+    def default_attention_backend(self) -> str:
+        """Attention backend used when ``--attention`` is not given."""
+
+    def default_mem_fraction_static(self) -> float:
+        """Share of device memory for weights + KV pool when ``--mem-fraction-static`` is unset."""
+        return 0.85
+
+    def default_dtype(self) -> torch.dtype:
+        """Activation dtype for ``--dtype auto`` when the checkpoint gives none usable."""
+        return torch.bfloat16
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        return True
+
+    def supports_graph_capture(self) -> bool:
+        """Whether decode steps can be captured and replayed as device graphs."""
+        return False
+
+    def supports_overlap_schedule(self) -> bool:
+        """Whether the CPU can prepare batch N+1 while the device runs batch N."""
+        return False
+
+    def synchronize(self) -> None:
+        """Blocks until the current device finished its queued work."""
+
+    def empty_cache(self) -> None:
+        """Returns cached allocator memory to the device."""
+
+    def seed_everything(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def describe(self) -> str:
+        """One line naming the device, for start-up logs."""
+        return self.name

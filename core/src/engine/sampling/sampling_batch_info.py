@@ -1,0 +1,68 @@
+"""Batched sampling state of the running requests, as device tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.managers.schedule_batch import Req
+
+
+@dataclass
+class SamplingBatchInfo:
+    # [bs, 1] temperatures (1.0 on greedy rows, which take the argmax instead).
+    temperatures: torch.Tensor
+    # [bs] nucleus, top-k (vocab size for "all") and min-p thresholds.
+    top_ps: torch.Tensor
+    top_ks: torch.Tensor
+    min_ps: torch.Tensor
+    # [bs] bool: rows that take the argmax.
+    greedy_mask: torch.Tensor
+    is_all_greedy: bool
+    need_top_p_top_k: bool
+    need_min_p: bool
+    # Per row: seed for reproducible sampling, or None for the global generator.
+    seeds: list[int | None]
+    # Per row: tokens generated so far (mixed into the seed so each step differs).
+    steps: list[int]
+    vocab_size: int
+    # Penalizers (frequency, presence, repetition, min_new_tokens), or None when unused.
+    penalizer: Any = None
+    # Per row: return logprobs, and how many top alternatives.
+    return_logprob: bool = False
+    top_logprobs_nums: list[int] | None = None
+
+    @classmethod
+    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
+                  eos_token_ids: set[int] | None = None) -> SamplingBatchInfo:
+        params = [r.sampling_params for r in reqs]
+        greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_ks = [vocab_size if p.top_k < 0 else min(p.top_k, vocab_size) for p in params]
+        info = cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(-1, 1),
+            top_ps=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            greedy_mask=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_all_greedy=all(greedy),
+            need_top_p_top_k=any(p.top_p < 1.0 or 0 < p.top_k < vocab_size for p in params),
+            need_min_p=any(p.min_p > 0 for p in params),
+            seeds=[p.seed for p in params],
+            steps=[len(r.output_ids) for r in reqs],
+            vocab_size=vocab_size,
+            return_logprob=any(r.return_logprob for r in reqs),
+            top_logprobs_nums=[r.top_logprobs_num for r in reqs],
+        )
+        info.penalizer = _make_penalizer(reqs, vocab_size, device, eos_token_ids or set())
+        return info
+
+
+def _make_penalizer(reqs: list[Req], vocab_size: int, device: torch.device, eos: set[int]) -> Any:
+    from engine.sampling.penalizers import BatchedPenalizerOrchestrator
+
+    orchestrator = BatchedPenalizerOrchestrator(vocab_size, device, reqs, eos)
+    return orchestrator if orchestrator.is_required else None

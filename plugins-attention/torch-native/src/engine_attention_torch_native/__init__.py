@@ -1,0 +1,15 @@
+"""The ``torch_native`` attention plugin: plain PyTorch over the paged KV pool."""
+
+from __future__ import annotations
+
+from engine.hookspecs import AttentionBackendSpec, hookimpl
+
+
+@hookimpl
+def register_attention_backends(register):  # type: ignore[no-untyped-def]
+    register(AttentionBackendSpec(
+        name="torch_native",
+        factory="engine_attention_torch_native.backend:create",
+        description="Reference attention in plain PyTorch (SDPA); runs on every device",
+        device_types=("cpu", "cuda", "xpu", "npu"),
+    ))

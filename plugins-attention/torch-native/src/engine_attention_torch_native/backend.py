@@ -1,0 +1,106 @@
+"""Attention in plain PyTorch: the reference every other backend is checked against.
+
+Extend rows run one at a time (each row's cached prefix is gathered from the pool
+through ``req_to_token``); decode rows run together, padded to the longest row.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
+from engine.model_executor.forward_batch import ForwardBatch
+
+
+def create(ctx: AttentionContext) -> TorchNativeAttnBackend:
+    return TorchNativeAttnBackend(ctx)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+            layer: AttentionLayerInfo) -> torch.Tensor:
+    """q ``[B, H, Lq, D]``, k/v ``[B, Hkv, Lk, D]``, mask ``[B, 1, Lq, Lk]`` (True = attend)."""
+    group = layer.num_heads // layer.num_kv_heads
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    if layer.logit_cap > 0:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling
+        scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
+
+
+def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window > 0:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+class TorchNativeAttnBackend(AttentionBackend):
+    supports_mixed = True
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        self.ctx = ctx
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if forward_batch.forward_mode.is_decode():
+            # Padded gather indices for the whole decode batch, computed once for all layers.
+            lens = forward_batch.seq_lens
+            max_len = max(forward_batch.seq_lens_cpu) if forward_batch.batch_size else 0
+            pool = forward_batch.req_to_token_pool
+            assert pool is not None
+            idx = pool.req_to_token[forward_batch.req_pool_indices, :max_len].long()
+            pos = torch.arange(max_len, device=idx.device)
+            valid = pos[None, :] < lens[:, None]
+            forward_batch.attn_metadata = (idx, valid, pos)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                       layer: AttentionLayerInfo, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        pool, r2t = forward_batch.token_to_kv_pool, forward_batch.req_to_token_pool
+        assert pool is not None and r2t is not None
+        assert forward_batch.extend_seq_lens_cpu is not None and forward_batch.extend_prefix_lens_cpu is not None
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        head_v = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
+        out = q.new_empty(q.shape[0], layer.num_heads * head_v)
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        start = 0
+        for row in range(forward_batch.batch_size):
+            ext = forward_batch.extend_seq_lens_cpu[row]
+            prefix = forward_batch.extend_prefix_lens_cpu[row]
+            seq = prefix + ext
+            slots = r2t.req_to_token[forward_batch.req_pool_indices[row], :seq].long()
+            kr = k_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vr = v_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            qr = q3[start : start + ext].transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(prefix, seq, device=q.device)
+            k_pos = torch.arange(seq, device=q.device)
+            mask = _causal_mask(q_pos, k_pos, layer.sliding_window_size)[None, None]
+            o = _attend(qr, kr, vr, mask, layer)
+            out[start : start + ext] = o.squeeze(0).transpose(0, 1).reshape(ext, -1)
+            start += ext
+        return out
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                       layer: AttentionLayerInfo, forward_batch: ForwardBatch,
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        if save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        pool = forward_batch.token_to_kv_pool
+        assert pool is not None
+        idx, valid, pos = forward_batch.attn_metadata
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        kb = k_buf[idx].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
+        vb = v_buf[idx].permute(0, 2, 1, 3).to(q.dtype)
+        qb = q.view(-1, layer.num_heads, 1, layer.head_dim)
+        mask = valid
+        if layer.sliding_window_size > 0:
+            last = (forward_batch.seq_lens - 1)[:, None]
+            mask = mask & (pos[None, :] > last - layer.sliding_window_size)
+        o = _attend(qb, kb, vb, mask[:, None, None, :], layer)
+        return o.reshape(q.shape[0], -1)

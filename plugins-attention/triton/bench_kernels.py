@@ -1,0 +1,141 @@
+"""Times the Triton decode and extend kernels at Llama-3-8B attention shapes on the current GPU.
+
+Run from the repository root:
+
+    PYTHONPATH=core/src:plugins-attention/triton/src python3 plugins-attention/triton/bench_kernels.py [--sweep]
+
+Decode is memory-bound: it reports the bytes it must move (K and V of every cached
+token once, plus the int32 slot indices) over the median time, beside the bandwidth
+of a large device-to-device copy measured on the same GPU (bytes read + written).
+Extend is mostly compute-bound: it reports causal TFLOP/s (the useful half of the
+score matrix only) and, where there is no prefix, torch's SDPA as a yardstick.
+Times are medians of ``triton.testing.do_bench``, which clears L2 before each run.
+``--sweep`` also times split counts and tile shapes, to tune the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from engine_attention_triton.extend_attention import default_extend_config, extend_attention_fwd
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+DTYPE = torch.bfloat16
+DEV = "cuda"
+
+
+def median_ms(fn) -> float:
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy of 1 GiB: bytes read plus written over time."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_(0, 255)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
+
+
+def paged_rows(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A page-size-1 pool with each row's slots shuffled; returns k, v, req_to_token, req indices."""
+    total = sum(seq_lens)
+    k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    v = torch.randn_like(k)
+    req_to_token = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int32, device=DEV)
+    perm = (torch.randperm(total, device=DEV) + 1).to(torch.int32)
+    cursor = 0
+    for row, n in enumerate(seq_lens):
+        req_to_token[row, :n] = perm[cursor : cursor + n]
+        cursor += n
+    return k, v, req_to_token, torch.arange(len(seq_lens), device=DEV)
+
+
+def bench_decode(bs: int, ctx: int, num_sms: int, sweep: bool) -> list[str]:
+    k, v, req_to_token, reqs = paged_rows([ctx] * bs)
+    seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=DEV)
+    q = torch.randn(bs, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    out = torch.empty_like(q)
+    part_out = torch.empty(bs, NUM_HEADS, 64, HEAD_DIM, dtype=torch.float32, device=DEV)
+    part_lse = torch.empty(bs, NUM_HEADS, 64, dtype=torch.float32, device=DEV)
+    kv_bytes = bs * ctx * NUM_KV_HEADS * HEAD_DIM * 2 * k.element_size() + bs * ctx * 4
+    default = choose_num_kv_splits(bs, NUM_KV_HEADS, num_sms, 16, ctx)
+
+    def run(splits: int, **tiles: int) -> float:
+        return median_ms(lambda: decode_attention_fwd(
+            q, k, v, out, req_to_token, reqs, seq_lens, part_out, part_lse, splits,
+            HEAD_DIM**-0.5, **tiles))
+
+    variants = [("default", default, {})]
+    if sweep:
+        variants += [(f"splits={s}", s, {}) for s in (1, 2, 4, 8, 16, 32, 64) if s != default]
+        variants += [(f"block_n={b}", default, {"block_n": b}) for b in (32, 128)]
+        variants += [("warps=8", default, {"num_warps": 8}), ("stages=3", default, {"num_stages": 3})]
+    lines = []
+    for name, splits, tiles in variants:
+        ms = run(splits, **tiles)
+        lines.append(f"decode bs={bs:<3} ctx={ctx:<5} {name:<12} splits={splits:<3} "
+                     f"{ms * 1e3:8.1f} us  {kv_bytes / (ms * 1e-3) / 1e9:7.0f} GB/s")
+    return lines
+
+
+def bench_extend(bs: int, prefix: int, ext: int, sweep: bool) -> list[str]:
+    k_pool, v_pool, req_to_token, reqs = paged_rows([prefix + ext] * bs)
+    tokens = bs * ext
+    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    k = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    v = torch.randn_like(k)
+    out = torch.empty_like(q)
+
+    def dev(x: int) -> torch.Tensor:
+        return torch.full((bs,), x, dtype=torch.int64, device=DEV)
+
+    starts = torch.arange(bs, device=DEV) * ext
+    flops = 4 * NUM_HEADS * HEAD_DIM * bs * (ext * prefix + ext * (ext + 1) / 2)
+    configs = [default_extend_config(HEAD_DIM, DTYPE)]
+    if sweep:
+        configs += [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                    (128, 32, 4, 2), (64, 128, 4, 2)]
+    lines = []
+    for config in configs:
+        ms = median_ms(lambda: extend_attention_fwd(
+            q, k, v, out, k_pool, v_pool, req_to_token, reqs, dev(prefix), dev(ext), starts,
+            ext, HEAD_DIM**-0.5, config=config))
+        lines.append(f"extend bs={bs:<3} prefix={prefix:<5} ext={ext:<5} cfg={config!s:<18} "
+                     f"{ms * 1e3:9.1f} us  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s")
+    if prefix == 0:
+        qs = q.view(bs, ext, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+        ks = k.view(bs, ext, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        vs = v.view(bs, ext, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+        ms = median_ms(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
+                                                              enable_gqa=True))
+        lines.append(f"extend bs={bs:<3} prefix={prefix:<5} ext={ext:<5} {'torch SDPA':<22} "
+                     f"{ms * 1e3:9.1f} us  {flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time split counts and tiles")
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
+          f"triton {triton.__version__}, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
+    print(f"# device-to-device copy: {copy_bandwidth_gbs():.0f} GB/s (read + write)")
+    print(f"# heads q/kv/dim = {NUM_HEADS}/{NUM_KV_HEADS}/{HEAD_DIM}, {DTYPE}")
+    for bs in (1, 64):
+        for ctx in (1024, 4096):
+            print("\n".join(bench_decode(bs, ctx, props.multi_processor_count, args.sweep)),
+                  flush=True)
+    for bs, prefix, ext in ((1, 0, 4096), (4, 3072, 1024), (16, 0, 512)):
+        print("\n".join(bench_extend(bs, prefix, ext, args.sweep)), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""``TritonAttnBackend``: the project's own Triton kernels behind the attention-backend contract.
+
+Both kernels read KV slots straight from ``req_to_token`` (one index per position,
+so any page size works unchanged), which leaves little to plan per batch:
+
+- decode: the number of sequence splits and the float32 workspaces of the split
+  kernel (partial outputs and log-sum-exps);
+- extend/MIXED: the longest new-token run, which sizes the launch grid.
+
+CUDA graphs capture decode only. The graph reads request slots and lengths from
+buffers this backend owns, refreshed in place before every replay, and uses a split
+count that depends on the batch size alone, so a replay neither allocates nor
+synchronises with the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
+from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from engine_attention_triton.extend_attention import extend_attention_fwd
+
+if TYPE_CHECKING:
+    from engine.model_executor.forward_batch import ForwardBatch
+
+#: Options accepted under ``attention.triton.<key>``, with their defaults.
+DEFAULT_OPTIONS: dict[str, int] = {
+    # Upper bound on decode splits per row; also the split count of CUDA-graph workspaces.
+    "max_kv_splits": 16,
+}
+
+
+@dataclass
+class DecodeMetadata:
+    """What the decode kernel needs for one batch."""
+
+    # [batch] request slots and total lengths the kernels read (static buffers under graphs).
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    # Splits per row of the first stage.
+    num_kv_splits: int
+    # float32 workspaces: [batch, num_heads, splits, v_dim] and [batch, num_heads, splits].
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+
+@dataclass
+class ExtendMetadata:
+    """What the extend kernel needs for one batch beyond the ForwardBatch tensors."""
+
+    # Longest run of new tokens in the batch (host int, sizes the grid without a sync).
+    max_extend_len: int
+
+
+@dataclass
+class _GraphState:
+    """Static buffers the captured decode graphs read."""
+
+    req_pool_indices: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+    part_out: torch.Tensor  # [max_bs, num_heads, max_kv_splits, v_dim]
+    part_lse: torch.Tensor  # [max_bs, num_heads, max_kv_splits]
+
+
+def _parse_options(options: dict[str, Any]) -> dict[str, int]:
+    unknown = sorted(set(options) - set(DEFAULT_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) for attention backend 'triton': {', '.join(unknown)}; "
+            f"accepted: {', '.join(sorted(DEFAULT_OPTIONS))}"
+        )
+    parsed = {**DEFAULT_OPTIONS, **{k: int(v) for k, v in options.items()}}
+    if parsed["max_kv_splits"] < 1:
+        raise ValueError(
+            f"attention.triton.max_kv_splits={parsed['max_kv_splits']}; accepted: an int >= 1"
+        )
+    return parsed
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Split-KV decode and paged extend attention written in Triton."""
+
+    supports_mixed = True
+    supports_cuda_graph = True
+
+    def __init__(self, ctx: AttentionContext) -> None:
+        options = _parse_options(ctx.options)
+        self.device = torch.device(ctx.device)
+        if self.device.type != "cuda":
+            raise ValueError(
+                f"attention backend 'triton' needs a CUDA device; got {self.device}"
+            )
+        self.num_heads = ctx.num_heads
+        self.num_kv_heads = ctx.num_kv_heads
+        self.v_head_dim = ctx.token_to_kv_pool.v_head_dim
+        self.max_kv_splits = options["max_kv_splits"]
+        self.req_to_token = ctx.req_to_token_pool.req_to_token
+        self.token_to_kv_pool = ctx.token_to_kv_pool
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
+        self._graph: _GraphState | None = None
+
+    # -- per-batch planning -------------------------------------------------
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plans the batch: decode splits and workspaces, or the extend grid size."""
+        if forward_batch.forward_mode.is_decode():
+            bs = forward_batch.batch_size
+            max_seq_len = max(forward_batch.seq_lens_cpu, default=1)
+            splits = choose_num_kv_splits(
+                bs, self.num_kv_heads, self.num_sms, self.max_kv_splits, max_seq_len
+            )
+            part_out, part_lse = self._workspaces(bs, splits)
+            self.forward_metadata = DecodeMetadata(
+                forward_batch.req_pool_indices, forward_batch.seq_lens, splits, part_out, part_lse
+            )
+        elif forward_batch.forward_mode.is_extend():
+            lens = forward_batch.extend_seq_lens_cpu
+            if lens is None:
+                raise ValueError("triton attention: an EXTEND/MIXED batch needs extend_seq_lens_cpu")
+            self.forward_metadata = ExtendMetadata(max_extend_len=max(lens, default=0))
+        else:
+            self.forward_metadata = None
+        forward_batch.attn_metadata = self.forward_metadata
+
+    def _workspaces(self, bs: int, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        part_out = torch.empty(
+            (bs, self.num_heads, splits, self.v_head_dim), dtype=torch.float32, device=self.device
+        )
+        part_lse = torch.empty((bs, self.num_heads, splits), dtype=torch.float32, device=self.device)
+        return part_out, part_lse
+
+    # -- forward ------------------------------------------------------------
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Saves the new K/V, then runs the extend kernel (MIXED decode rows included)."""
+        metadata = self.forward_metadata
+        if not isinstance(metadata, ExtendMetadata):
+            raise RuntimeError("triton attention: forward_extend before init_forward_metadata")
+        v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        if k is None or v is None:
+            # The layer re-uses K/V already in the pool: read the new tokens' from there.
+            k_new, v_new = k_buffer[forward_batch.out_cache_loc], v_buffer[forward_batch.out_cache_loc]
+        else:
+            if save_kv_cache:
+                self.save_kv(layer, forward_batch, k, v)
+            k_new = k.view(-1, layer.num_kv_heads, layer.head_dim)
+            v_new = v.view(-1, layer.num_kv_heads, v_dim)
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
+        assert forward_batch.extend_prefix_lens is not None
+        assert forward_batch.extend_seq_lens is not None
+        assert forward_batch.extend_start_loc is not None
+        extend_attention_fwd(
+            q3, k_new.to(q.dtype), v_new.to(q.dtype), out, k_buffer, v_buffer, self.req_to_token,
+            forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
+            forward_batch.extend_seq_lens, forward_batch.extend_start_loc,
+            metadata.max_extend_len, layer.scaling, layer.logit_cap, layer.sliding_window_size,
+        )
+        return out.view(-1, layer.num_heads * v_dim)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        """Saves the new token's K/V, then runs the two-stage split-KV decode kernel."""
+        metadata = self.forward_metadata
+        if not isinstance(metadata, DecodeMetadata):
+            raise RuntimeError("triton attention: forward_decode before init_forward_metadata")
+        if save_kv_cache and k is not None:
+            self.save_kv(layer, forward_batch, k, v)
+        v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
+        if layer.num_heads > metadata.part_out.shape[1] or v_dim > metadata.part_out.shape[3]:
+            raise ValueError(
+                f"triton attention: layer {layer.layer_id} has {layer.num_heads} heads of "
+                f"v_dim {v_dim}; the workspace was sized for {metadata.part_out.shape[1]} "
+                f"heads of v_dim {metadata.part_out.shape[3]}"
+            )
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
+        decode_attention_fwd(
+            q3, k_buffer, v_buffer, out, self.req_to_token,
+            metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
+            metadata.num_kv_splits, layer.scaling, layer.logit_cap, layer.sliding_window_size,
+        )
+        return out.view(-1, layer.num_heads * v_dim)
+
+    # -- CUDA graphs (decode) -----------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocates the static slot/length buffers and workspaces every captured graph reads."""
+        part_out, part_lse = self._workspaces(max_bs, self.max_kv_splits)
+        self._graph = _GraphState(
+            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            # Padded rows attend over one (harmless) position, as the fill value says.
+            seq_lens=torch.full(
+                (max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64,
+                device=self.device,
+            ),
+            part_out=part_out,
+            part_lse=part_lse,
+        )
+
+    def _graph_metadata(self, bs: int) -> DecodeMetadata:
+        graph = self._graph
+        if graph is None:
+            raise RuntimeError("triton attention: init_cuda_graph_state was not called")
+        if bs > graph.seq_lens.shape[0]:
+            raise ValueError(
+                f"triton attention: graph batch size {bs} exceeds max_bs={graph.seq_lens.shape[0]}"
+            )
+        # Batch size alone decides the split count, so capture and every replay agree.
+        splits = choose_num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+        return DecodeMetadata(
+            graph.req_pool_indices[:bs], graph.seq_lens[:bs], splits,
+            graph.part_out[:bs], graph.part_lse[:bs],
+        )
+
+    def init_forward_metadata_capture_cuda_graph(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        """Points the decode metadata at the static buffers before capturing ``bs`` rows."""
+        metadata = self._graph_metadata(bs)
+        metadata.req_pool_indices.copy_(req_pool_indices[:bs])
+        metadata.seq_lens.copy_(seq_lens[:bs])
+        self.forward_metadata = metadata
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+    ) -> None:
+        """Copies this step's slots and lengths into the static buffers (device-side, no sync)."""
+        metadata = self._graph_metadata(bs)
+        metadata.req_pool_indices.copy_(req_pool_indices[:bs], non_blocking=True)
+        metadata.seq_lens.copy_(seq_lens[:bs], non_blocking=True)
+        self.forward_metadata = metadata
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """Padded rows get length 1: one real (ignored) position, never an empty softmax."""
+        return 1
+
+
+def create(ctx: AttentionContext) -> TritonAttnBackend:
+    """Factory named by the plugin's registration (``engine_attention_triton.backend:create``)."""
+    return TritonAttnBackend(ctx)
+
+
+__all__ = ["DecodeMetadata", "ExtendMetadata", "TritonAttnBackend", "create"]

@@ -1,0 +1,284 @@
+"""Split-KV ("flash-decoding") attention for one query token per row over the paged pool.
+
+Stage 1 launches one program per (row, KV head, split). It loads the query heads that
+share the KV head (the GQA group) as one ``[BLOCK_H, head_dim]`` tile, so every K/V
+row is read from memory once for the whole group, and walks its share of the
+sequence in ``BLOCK_N`` blocks with an online softmax. It writes the split's
+normalised partial output and its log-sum-exp (base 2) to a float32 workspace.
+Stage 2 launches one program per (row, query head) and merges the splits:
+``out = sum_s 2^(lse_s - m) * o_s / sum_s 2^(lse_s - m)``.
+
+Splitting the sequence is what lets batch 1 or a handful of long rows fill the
+GPU: without it there are only ``batch * num_kv_heads`` programs (8 for Llama-3-8B
+at batch 1) against 132 SMs. Each row divides its own length by the split count
+(rounded up to whole blocks), so one split count works for every row and for
+every replay of a CUDA graph; splits past a short row's end are empty and write
+``lse = -inf``, which stage 2 weighs as zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_attention_triton.jit_math import (
+    block_size,
+    check_kernel_dtype,
+    dot_precision,
+    soft_cap,
+)
+
+#: A split shorter than this costs more in launch, workspace and merge than it saves.
+MIN_TOKENS_PER_SPLIT = 256
+#: Programs per SM stage 1 aims for: enough to hide the latency of the gathered loads.
+TARGET_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K_Buf, V_Buf, Req_To_Token, Req_Pool_Indices, Seq_Lens, Part_Out, Part_Lse,
+    sm_scale, logit_cap, num_kv_splits,
+    stride_qb, stride_qh,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_r2t,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(Seq_Lens + row).to(tl.int32)
+    req = tl.load(Req_Pool_Indices + row).to(tl.int64)
+    # The query sits at position seq_len - 1; a window of W sees positions >= seq_len - 1 - W.
+    kv_lo = 0
+    if SLIDING_WINDOW >= 0:
+        kv_lo = tl.maximum(seq_len - 1 - SLIDING_WINDOW, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - kv_lo, num_kv_splits), BLOCK_N) * BLOCK_N
+    lo = kv_lo + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_g
+    mask_h = offs_g < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_DIM
+
+    q = tl.load(
+        Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    token_row = Req_To_Token + req * stride_r2t
+
+    # Every block starts below hi, so it holds at least one live key and m_new stays finite.
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * sm_scale
+        if HAS_CAP:
+            qk = soft_cap(qk, logit_cap)
+        qk = tl.where(mask_n[None, :], qk * 1.4426950408889634, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        v = tl.load(
+            V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+    # An empty split (past the row's end) writes zeros and lse = -inf: weight zero in stage 2.
+    has_keys = l_i > 0
+    l_safe = tl.where(has_keys, l_i, 1.0)
+    lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
+    out_base = Part_Out + row * stride_pob + split * stride_pos
+    tl.store(
+        out_base + heads[:, None] * stride_poh + offs_dv[None, :],
+        acc / l_safe[:, None],
+        mask=mask_h[:, None] & mask_dv[None, :],
+    )
+    tl.store(Part_Lse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Part_Out, Part_Lse, Out,
+    num_kv_splits,
+    stride_pob, stride_poh, stride_pos,
+    stride_plb, stride_plh,
+    stride_ob, stride_oh,
+    V_DIM: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < num_kv_splits
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_DIM
+
+    lse = tl.load(
+        Part_Lse + row * stride_plb + head * stride_plh + offs_s, mask=mask_s, other=float("-inf")
+    )
+    # Split 0 always holds the row's first live block, so the maximum is finite.
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(
+        Part_Out + row * stride_pob + head * stride_poh
+        + offs_s[:, None] * stride_pos + offs_dv[None, :],
+        mask=mask_s[:, None] & mask_dv[None, :],
+        other=0.0,
+    )
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(
+        Out + row * stride_ob + head * stride_oh + offs_dv,
+        out.to(Out.dtype.element_ty),
+        mask=mask_dv,
+    )
+
+
+def choose_num_kv_splits(
+    batch_size: int,
+    num_kv_heads: int,
+    num_sms: int,
+    max_kv_splits: int,
+    max_seq_len: int | None = None,
+) -> int:
+    """How many sequence splits stage 1 should use for a decode batch.
+
+    Aims at ``TARGET_PROGRAMS_PER_SM`` programs per SM, never below one split
+    nor above ``max_kv_splits``; with ``max_seq_len`` known (eager mode) it also
+    keeps every split at least ``MIN_TOKENS_PER_SPLIT`` long. CUDA graphs pass
+    ``max_seq_len=None`` so the count depends on the batch size alone and stays
+    valid for every replay.
+    """
+    programs = max(1, batch_size * num_kv_heads)
+    splits = triton.cdiv(num_sms * TARGET_PROGRAMS_PER_SM, programs)
+    if max_seq_len is not None:
+        splits = min(splits, triton.cdiv(max(1, max_seq_len), MIN_TOKENS_PER_SPLIT))
+    return max(1, min(splits, max_kv_splits))
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    num_kv_splits: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    sliding_window_size: int = -1,
+    *,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    """Decode attention of ``q`` over each row's whole sequence in the paged pool.
+
+    Args:
+        q: ``[batch, num_heads, head_dim]`` (the last dim contiguous).
+        k_buffer, v_buffer: one layer's pool, ``[rows, num_kv_heads, head_dim|v_dim]``;
+            the new token's K/V must already be saved there.
+        out: ``[batch, num_heads, v_dim]``, written in place.
+        req_to_token: int32 ``[slots, max_context_len]``; ``req_pool_indices`` and
+            ``seq_lens``: ``[batch]`` (any integer dtype).
+        part_out, part_lse: float32 workspaces ``[>=batch, num_heads, >=num_kv_splits, v_dim]``
+            and ``[>=batch, num_heads, >=num_kv_splits]``.
+        num_kv_splits: splits per row (see ``choose_num_kv_splits``).
+        sm_scale: softmax scale; ``logit_cap`` > 0 enables the tanh soft cap;
+            ``sliding_window_size`` W >= 0 keeps keys at most W positions behind the query.
+        block_n, num_warps, num_stages: tile overrides for benchmarking.
+    """
+    check_kernel_dtype(q.dtype, "q")
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    v_dim = v_buffer.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"decode attention: num_heads={num_heads} is not a multiple of "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    if num_kv_splits < 1 or num_kv_splits > part_lse.shape[2]:
+        raise ValueError(
+            f"decode attention: num_kv_splits={num_kv_splits}; the workspace holds "
+            f"1..{part_lse.shape[2]}"
+        )
+    for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"decode attention: {name} needs a contiguous last dim")
+    if batch == 0:
+        return
+    group = num_heads // num_kv_heads
+    if block_n is None:
+        block_n = 32 if head_dim > 128 or q.dtype == torch.float32 else 64
+    precision = dot_precision(q.dtype)
+
+    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        sm_scale, logit_cap, num_kv_splits,
+        q.stride(0), q.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group,
+        BLOCK_H=block_size(group),
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        V_DIM=v_dim,
+        BLOCK_D=block_size(head_dim),
+        BLOCK_DV=block_size(v_dim),
+        SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
+        HAS_CAP=logit_cap > 0,
+        DOT_PRECISION=precision,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out,
+        num_kv_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        V_DIM=v_dim,
+        BLOCK_DV=block_size(v_dim),
+        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        num_warps=4,
+    )
+
+
+__all__ = ["choose_num_kv_splits", "decode_attention_fwd"]

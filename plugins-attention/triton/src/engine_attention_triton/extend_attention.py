@@ -1,0 +1,257 @@
+"""Extend (prefill) attention: new tokens over their row's cached prefix and themselves.
+
+One program per (query head, block of ``BLOCK_M`` new tokens, row). It runs one
+online softmax over two key ranges in turn:
+
+1. the row's cached prefix, positions ``0..prefix_len-1``, gathered from the paged
+   pool through ``req_to_token`` (every key is visible to every new token, except
+   where a sliding window cuts it off);
+2. the row's new tokens, read from the contiguous ``k``/``v`` the layer just
+   computed, masked causally; the loop stops at the block's last query, so the
+   upper triangle is never loaded.
+
+Query heads vary fastest in the launch grid, so the heads of one GQA group run side
+by side and their repeated reads of the same K/V tiles hit L2. Decode rows of a
+MIXED batch are rows with one new token and need nothing special.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_attention_triton.jit_math import (
+    block_size,
+    check_kernel_dtype,
+    dot_precision,
+    soft_cap,
+)
+
+
+@triton.jit
+def _online_softmax_step(qk, keep, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
+    """Folds one block of base-2 scores (``keep`` marks live entries) into the state."""
+    qk = tl.where(keep, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    # A query row can see no key of this block (causal/window mask, padding rows);
+    # subtracting 0 instead of -inf keeps exp2 at 0 instead of NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(qk - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K_New, V_New, Out, K_Buf, V_Buf, Req_To_Token,
+    Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start,
+    sm_scale, logit_cap,
+    stride_qt, stride_qh,
+    stride_knt, stride_knh,
+    stride_vnt, stride_vnh,
+    stride_ot, stride_oh,
+    stride_kbt, stride_kbh,
+    stride_vbt, stride_vbh,
+    stride_r2t,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head = tl.program_id(0)
+    m_start = tl.program_id(1) * BLOCK_M
+    row = tl.program_id(2).to(tl.int64)
+
+    ext_len = tl.load(Extend_Lens + row).to(tl.int32)
+    # The grid covers the longest row; shorter rows have nothing in their later blocks.
+    if m_start >= ext_len:
+        return
+    prefix_len = tl.load(Prefix_Lens + row).to(tl.int32)
+    tok0 = tl.load(Extend_Start + row).to(tl.int64)
+    req = tl.load(Req_Pool_Indices + row).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < ext_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask_dv = offs_dv < V_DIM
+    q_pos = prefix_len + offs_m
+
+    q = tl.load(
+        Q + (tok0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=mask_m[:, None] & mask_d[None, :],
+        other=0.0,
+    )
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # -- 1. the cached prefix, gathered from the pool -------------------------
+    lo = 0
+    if SLIDING_WINDOW >= 0:
+        # The block's first query (at prefix_len + m_start) sees nothing before this.
+        lo = tl.maximum(prefix_len + m_start - SLIDING_WINDOW, 0)
+    token_row = Req_To_Token + req * stride_r2t
+    for start in range(lo, prefix_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < prefix_len
+        loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        k = tl.load(
+            K_Buf + loc[:, None] * stride_kbt + kv_head * stride_kbh + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+        if HAS_CAP:
+            qk = soft_cap(qk, logit_cap)
+        keep = mask_n[None, :]
+        if SLIDING_WINDOW >= 0:
+            keep = keep & (q_pos[:, None] - offs_n[None, :] <= SLIDING_WINDOW)
+        v = tl.load(
+            V_Buf + loc[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(
+            qk * 1.4426950408889634, keep, m_i, l_i, acc, v, DOT_PRECISION
+        )
+
+    # -- 2. the new tokens themselves, causal ---------------------------------
+    lo_new = 0
+    if SLIDING_WINDOW >= 0:
+        lo_new = tl.maximum(m_start - SLIDING_WINDOW, 0)
+    hi_new = tl.minimum(ext_len, m_start + BLOCK_M)
+    for start in range(lo_new, hi_new, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi_new
+        k = tl.load(
+            K_New + (tok0 + offs_n)[:, None] * stride_knt + kv_head * stride_knh
+            + offs_d[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+        if HAS_CAP:
+            qk = soft_cap(qk, logit_cap)
+        keep = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
+        if SLIDING_WINDOW >= 0:
+            keep = keep & (offs_m[:, None] - offs_n[None, :] <= SLIDING_WINDOW)
+        v = tl.load(
+            V_New + (tok0 + offs_n)[:, None] * stride_vnt + kv_head * stride_vnh
+            + offs_dv[None, :],
+            mask=mask_n[:, None] & mask_dv[None, :],
+            other=0.0,
+        ).to(q.dtype)
+        m_i, l_i, acc = _online_softmax_step(
+            qk * 1.4426950408889634, keep, m_i, l_i, acc, v, DOT_PRECISION
+        )
+
+    # Every live query sees at least itself, so l_i > 0 on the rows that are stored.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + (tok0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_dv[None, :],
+    )
+
+
+def default_extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for the extend kernel on this shape."""
+    if dtype == torch.float32:
+        # Full-precision tiles are twice the bytes and registers of 16-bit ones.
+        return 32, 32, 4, 2
+    if head_dim > 128:
+        return 64, 32, 4, 2
+    return 64, 64, 4, 2
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    logit_cap: float = 0.0,
+    sliding_window_size: int = -1,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> None:
+    """Causal attention of each row's new tokens over its cached prefix and themselves.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_dim]``; ``k``, ``v``: the new tokens' keys and
+            values ``[num_tokens, num_kv_heads, head_dim|v_dim]`` (rows laid out back to
+            back as ``extend_start_loc`` says; last dims contiguous, other strides free).
+        out: ``[num_tokens, num_heads, v_dim]``, written in place.
+        k_buffer, v_buffer: one layer's pool ``[rows, num_kv_heads, head_dim|v_dim]``
+            holding each row's prefix at ``req_to_token[req, 0:prefix_len]``.
+        req_pool_indices, prefix_lens, extend_seq_lens, extend_start_loc: ``[batch]``.
+        max_extend_len: the largest ``extend_seq_lens`` entry (host int: sizes the grid).
+        sm_scale, logit_cap, sliding_window_size: as for decode attention.
+        config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` override for benchmarking.
+    """
+    check_kernel_dtype(q.dtype, "q")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    v_dim = v.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"extend attention: num_heads={num_heads} is not a multiple of "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", out), ("k_buffer", k_buffer),
+                    ("v_buffer", v_buffer)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"extend attention: {name} needs a contiguous last dim")
+    batch = extend_seq_lens.shape[0]
+    if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
+        return
+    block_m, block_n, num_warps, num_stages = config or default_extend_config(head_dim, q.dtype)
+
+    grid = (num_heads, triton.cdiv(max_extend_len, block_m), batch)
+    _extend_kernel[grid](
+        q, k, v, out, k_buffer, v_buffer, req_to_token,
+        req_pool_indices, prefix_lens, extend_seq_lens, extend_start_loc,
+        sm_scale, logit_cap,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1),
+        req_to_token.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        V_DIM=v_dim,
+        BLOCK_D=block_size(head_dim),
+        BLOCK_DV=block_size(v_dim),
+        SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
+        HAS_CAP=logit_cap > 0,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+__all__ = ["default_extend_config", "extend_attention_fwd"]

@@ -1,0 +1,354 @@
+"""The Triton kernels and backend against the float64 torch reference on random paged batches.
+
+Every test draws a fresh seed (printed on failure), fills the whole pool and the
+unused part of ``req_to_token`` with random data (a stray read changes the result),
+shuffles KV pages, and poisons outputs and workspaces with NaN before the kernels run
+(an unwritten element fails the check).
+
+Tolerances, against the reference computed in float64 from the same rounded inputs:
+max |err| <= 2e-2 and ||err|| / ||ref|| <= 1e-2 for bf16; 5e-3 and 3e-3 for fp16;
+1e-4 and 1e-5 for fp32 (IEEE products, no tf32).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest.importorskip("triton", reason="the triton backend needs the triton package")
+
+from engine.attention import AttentionContext, AttentionLayerInfo  # noqa: E402
+from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
+from engine.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from engine_attention_triton.backend import create  # noqa: E402
+from engine_attention_triton.decode_attention import decode_attention_fwd  # noqa: E402
+from engine_attention_triton.extend_attention import extend_attention_fwd  # noqa: E402
+from engine_attention_triton.reference import reference_decode, reference_extend  # noqa: E402
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+TOLERANCE = {BF16: (2e-2, 1e-2), FP16: (5e-3, 3e-3), FP32: (1e-4, 1e-5)}
+DEV = "cuda"
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed per test, applied to torch and random; quoted in failure messages."""
+    value = random.SystemRandom().randrange(2**31)
+    torch.manual_seed(value)
+    random.seed(value)
+    return value
+
+
+def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or bad math)"
+    err = (out.double() - ref.double()).abs()
+    max_abs = err.max().item()
+    rel = (err.norm() / ref.double().norm().clamp_min(1e-30)).item()
+    atol, rtol = TOLERANCE[dtype]
+    assert max_abs <= atol and rel <= rtol, (
+        f"{what}: max abs err {max_abs:.3g} (limit {atol}), rel L2 err {rel:.3g} (limit {rtol})"
+    )
+
+
+def random_lens(n: int, low: int, high: int) -> list[int]:
+    """``n`` lengths in ``[low, high]`` that include both ends when n allows."""
+    lens = [random.randint(low, high) for _ in range(n)]
+    if n >= 2:
+        lens[0], lens[-1] = high, low
+    random.shuffle(lens)
+    return lens
+
+
+class PagedPools:
+    """A pool holding rows of the given lengths on shuffled pages, everything else random."""
+
+    def __init__(self, seq_lens: list[int], page_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, spare_pages: int = 7) -> None:
+        ps = page_size
+        pages_per_row = [-(-s // ps) for s in seq_lens]
+        num_pages = sum(pages_per_row) + spare_pages
+        self.kv = MHATokenToKVPool(num_pages * ps, ps, dtype, num_kv_heads, head_dim, 1, DEV)
+        self.k_buffer, self.v_buffer = self.kv.get_kv_buffer(0)
+        self.k_buffer.normal_()
+        self.v_buffer.normal_()
+        self.req = ReqToTokenPool(len(seq_lens) + 5, max(seq_lens, default=1) + 33, DEV)
+        self.req.req_to_token.random_(0, self.k_buffer.shape[0])
+        # Page 0 is the padding page; rows get the others in random order.
+        pages = torch.randperm(num_pages, device=DEV) + 1
+        self.req_slots = torch.randperm(self.req.size)[: len(seq_lens)].tolist()
+        self.row_slots: list[torch.Tensor] = []
+        cursor = 0
+        offsets = torch.arange(ps, device=DEV)
+        for slot, seq_len, n in zip(self.req_slots, seq_lens, pages_per_row):
+            row_pages = pages[cursor : cursor + n]
+            cursor += n
+            slots = (row_pages[:, None] * ps + offsets[None, :]).reshape(-1)[:seq_len]
+            self.req.req_to_token[slot, :seq_len] = slots.to(torch.int32)
+            self.row_slots.append(slots)
+
+    def indices(self) -> torch.Tensor:
+        return torch.tensor(self.req_slots, dtype=torch.int64, device=DEV)
+
+    def context(self, num_heads: int, dtype: torch.dtype, **options: int) -> AttentionContext:
+        return AttentionContext(
+            device=torch.device(DEV), dtype=dtype, num_layers=1, num_heads=num_heads,
+            num_kv_heads=self.kv.num_kv_heads, head_dim=self.kv.head_dim,
+            page_size=self.kv.page_size, max_context_len=self.req.max_context_len,
+            req_to_token_pool=self.req, token_to_kv_pool=self.kv, options=dict(options),
+        )
+
+
+# id, dtype, group, kv heads, head_dim, page size, batch, max len, logit cap, window, splits
+DECODE_CASES = [
+    ("bf16-mha-bs1", BF16, 1, 4, 128, 1, 1, 2000, 0.0, -1, 8),
+    ("bf16-g4-ps16-bs64", BF16, 4, 2, 128, 16, 64, 2000, 0.0, -1, 4),
+    ("bf16-g8-ps16-1split", BF16, 8, 2, 128, 16, 7, 1500, 0.0, -1, 1),
+    ("fp16-g8-d64-bs33", FP16, 8, 2, 64, 1, 33, 700, 0.0, -1, 16),
+    ("fp16-g4-d64-ps16-4k", FP16, 4, 2, 64, 16, 1, 4000, 0.0, -1, 32),
+    ("bf16-g8-kv8-cap", BF16, 8, 8, 128, 16, 12, 1200, 20.0, -1, 8),
+    ("fp16-g4-window", FP16, 4, 2, 128, 1, 16, 1500, 0.0, 100, 8),
+    ("bf16-g4-window0-cap", BF16, 4, 2, 128, 16, 9, 600, 30.0, 0, 3),
+    ("fp32-g4", FP32, 4, 2, 128, 16, 8, 1000, 0.0, -1, 4),
+    ("bf16-g6-d96-window", BF16, 6, 2, 96, 16, 5, 900, 0.0, 300, 5),
+]
+
+
+@pytest.mark.parametrize(
+    "dtype,group,kv_heads,head_dim,page_size,bs,max_len,cap,window,splits",
+    [c[1:] for c in DECODE_CASES], ids=[c[0] for c in DECODE_CASES],
+)
+def test_decode_kernel_matches_reference(
+    seed: int, dtype: torch.dtype, group: int, kv_heads: int, head_dim: int, page_size: int,
+    bs: int, max_len: int, cap: float, window: int, splits: int,
+) -> None:
+    seq_lens = random_lens(bs, 1, max_len)
+    pools = PagedPools(seq_lens, page_size, kv_heads, head_dim, dtype)
+    num_heads = group * kv_heads
+    q_scale = 8.0 if cap > 0 else 1.0  # push scores into the cap's saturating range
+    q = torch.randn(bs, num_heads, head_dim, dtype=dtype, device=DEV) * q_scale
+    out = torch.full((bs, num_heads, head_dim), float("nan"), dtype=dtype, device=DEV)
+    # One spare split in the workspace: the kernels must use its strides, not its shape.
+    part_out = torch.full((bs, num_heads, splits + 1, head_dim), float("nan"), device=DEV)
+    part_lse = torch.full((bs, num_heads, splits + 1), float("nan"), device=DEV)
+    seq_lens_dev = torch.tensor(seq_lens, dtype=torch.int32, device=DEV)
+    scale = head_dim**-0.5
+    decode_attention_fwd(
+        q, pools.k_buffer, pools.v_buffer, out, pools.req.req_to_token, pools.indices(),
+        seq_lens_dev, part_out, part_lse, splits, scale, cap, window,
+    )
+    ref = reference_decode(q, pools.k_buffer, pools.v_buffer, pools.req.req_to_token,
+                           pools.req_slots, seq_lens, scale, cap, window)
+    assert_matches(out, ref, dtype, f"decode seed={seed} lens={seq_lens[:8]}")
+
+
+# id, dtype, group, kv heads, head_dim, page size, batch, max prefix, max extend, cap, window
+EXTEND_CASES = [
+    ("bf16-mha-bs1-noprefix", BF16, 1, 4, 128, 1, 1, 0, 1000, 0.0, -1),
+    ("bf16-g4-ps16-bs8", BF16, 4, 2, 128, 16, 8, 2000, 300, 0.0, -1),
+    ("fp16-g8-d64-ps16-bs64", FP16, 8, 2, 64, 16, 64, 500, 64, 0.0, -1),
+    ("bf16-g8-cap", BF16, 8, 2, 128, 1, 6, 800, 200, 20.0, -1),
+    ("fp16-g4-window", FP16, 4, 2, 128, 16, 5, 1000, 400, 0.0, 150),
+    ("bf16-g4-d64-window-cap", BF16, 4, 2, 64, 1, 4, 300, 130, 30.0, 37),
+    ("fp32-g4-d64", FP32, 4, 2, 64, 16, 4, 600, 100, 0.0, -1),
+    ("bf16-g6-d96", BF16, 6, 1, 96, 16, 3, 700, 150, 0.0, -1),
+]
+
+
+def run_extend_case(
+    dtype: torch.dtype, group: int, kv_heads: int, head_dim: int, page_size: int, bs: int,
+    max_prefix: int, max_extend: int, cap: float, window: int,
+    config: tuple[int, int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs the extend kernel on a random paged batch; returns (output, float64 reference)."""
+    prefix_lens = random_lens(bs, 0, max_prefix)
+    extend_lens = random_lens(bs, 1, max_extend)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pools = PagedPools(seq_lens, page_size, kv_heads, head_dim, dtype)
+    num_heads, tokens = group * kv_heads, sum(extend_lens)
+    q_scale = 8.0 if cap > 0 else 1.0
+    q = torch.randn(tokens, num_heads, head_dim, dtype=dtype, device=DEV) * q_scale
+    k = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=DEV)
+    v = torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    starts = [sum(extend_lens[:i]) for i in range(bs)]
+
+    def dev(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=DEV)
+
+    scale = head_dim**-0.5
+    # The new tokens' K/V are NOT in the pool (their slots hold noise): the kernel must use k/v.
+    extend_attention_fwd(
+        q, k, v, out, pools.k_buffer, pools.v_buffer, pools.req.req_to_token, pools.indices(),
+        dev(prefix_lens), dev(extend_lens), dev(starts), max(extend_lens), scale, cap, window,
+        config=config,
+    )
+    ref = reference_extend(q, k, v, pools.k_buffer, pools.v_buffer, pools.req.req_to_token,
+                           pools.req_slots, prefix_lens, extend_lens, scale, cap, window)
+    return out, ref
+
+
+@pytest.mark.parametrize(
+    "dtype,group,kv_heads,head_dim,page_size,bs,max_prefix,max_extend,cap,window",
+    [c[1:] for c in EXTEND_CASES], ids=[c[0] for c in EXTEND_CASES],
+)
+def test_extend_kernel_matches_reference(
+    seed: int, dtype: torch.dtype, group: int, kv_heads: int, head_dim: int, page_size: int,
+    bs: int, max_prefix: int, max_extend: int, cap: float, window: int,
+) -> None:
+    out, ref = run_extend_case(dtype, group, kv_heads, head_dim, page_size, bs, max_prefix,
+                               max_extend, cap, window)
+    assert_matches(out, ref, dtype, f"extend seed={seed}")
+
+
+@pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3),
+                                    (128, 128, 8, 2), (64, 32, 4, 3), (32, 32, 4, 2)])
+def test_extend_tile_configs(seed: int, config: tuple[int, int, int, int]) -> None:
+    out, ref = run_extend_case(BF16, 4, 2, 128, 16, 5, 700, 300, 0.0, 90, config=config)
+    assert_matches(out, ref, BF16, f"extend config={config} seed={seed}")
+
+
+@pytest.mark.parametrize("block_n,num_warps", [(16, 4), (32, 4), (128, 4), (64, 8)])
+def test_decode_tile_configs(seed: int, block_n: int, num_warps: int) -> None:
+    seq_lens = random_lens(6, 1, 1700)
+    pools = PagedPools(seq_lens, 16, 2, 128, BF16)
+    q = torch.randn(6, 8, 128, dtype=BF16, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    part_out = torch.full((6, 8, 7, 128), float("nan"), device=DEV)
+    part_lse = torch.full((6, 8, 7), float("nan"), device=DEV)
+    decode_attention_fwd(
+        q, pools.k_buffer, pools.v_buffer, out, pools.req.req_to_token, pools.indices(),
+        torch.tensor(seq_lens, device=DEV), part_out, part_lse, 7, 128**-0.5,
+        block_n=block_n, num_warps=num_warps,
+    )
+    ref = reference_decode(q, pools.k_buffer, pools.v_buffer, pools.req.req_to_token,
+                           pools.req_slots, seq_lens, 128**-0.5)
+    assert_matches(out, ref, BF16, f"decode block_n={block_n} warps={num_warps} seed={seed}")
+
+
+# -- the backend, through ForwardBatch -------------------------------------------------
+
+
+def layer_info(num_heads: int, kv_heads: int, head_dim: int, cap: float = 0.0,
+               window: int = -1) -> AttentionLayerInfo:
+    return AttentionLayerInfo(layer_id=0, num_heads=num_heads, num_kv_heads=kv_heads,
+                              head_dim=head_dim, scaling=head_dim**-0.5, logit_cap=cap,
+                              sliding_window_size=window)
+
+
+def split_qkv(tokens: int, num_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    """q, k, v as column views of one fused projection, like a real QKV layer gives them."""
+    qkv = torch.randn(tokens, (num_heads + 2 * kv_heads) * head_dim, dtype=dtype, device=DEV)
+    return qkv.split([num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+
+
+@pytest.mark.parametrize("dtype,page_size,window", [(BF16, 16, -1), (FP16, 1, 64)])
+def test_backend_mixed_batch(seed: int, dtype: torch.dtype, page_size: int, window: int) -> None:
+    num_heads, kv_heads, head_dim = 16, 2, 128
+    prefix_lens = random_lens(3, 0, 900) + [s - 1 for s in random_lens(5, 1, 1300)]
+    extend_lens = random_lens(3, 1, 200) + [1] * 5
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pools = PagedPools(seq_lens, page_size, kv_heads, head_dim, dtype)
+    backend = create(pools.context(num_heads, dtype))
+    out_cache_loc = torch.cat([s[p:] for s, p in zip(pools.row_slots, prefix_lens)])
+    fb = ForwardBatch.build(ForwardMode.MIXED, [0] * len(out_cache_loc), pools.req_slots,
+                            seq_lens, prefix_lens, out_cache_loc, DEV, num_extend_reqs=3)
+    fb.token_to_kv_pool, fb.req_to_token_pool = pools.kv, pools.req
+    q, k, v = split_qkv(len(out_cache_loc), num_heads, kv_heads, head_dim, dtype)
+    layer = layer_info(num_heads, kv_heads, head_dim, window=window)
+    prefix_k, prefix_v = pools.k_buffer.clone(), pools.v_buffer.clone()
+
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)
+
+    shape = (-1, kv_heads, head_dim)
+    assert torch.equal(pools.k_buffer[out_cache_loc], k.reshape(shape)), "K not saved"
+    assert torch.equal(pools.v_buffer[out_cache_loc], v.reshape(shape)), "V not saved"
+    ref = reference_extend(q.reshape(-1, num_heads, head_dim), k.reshape(shape), v.reshape(shape),
+                           prefix_k, prefix_v, pools.req.req_to_token, pools.req_slots,
+                           prefix_lens, extend_lens, layer.scaling, 0.0, window)
+    assert_matches(out.view(-1, num_heads, head_dim), ref, dtype, f"mixed seed={seed}")
+
+
+@pytest.mark.parametrize("bs,page_size,cap", [(1, 1, 0.0), (64, 16, 0.0), (5, 16, 25.0)])
+def test_backend_decode(seed: int, bs: int, page_size: int, cap: float) -> None:
+    num_heads, kv_heads, head_dim, dtype = 32, 8, 128, BF16
+    seq_lens = random_lens(bs, 1, 2000)
+    pools = PagedPools(seq_lens, page_size, kv_heads, head_dim, dtype)
+    backend = create(pools.context(num_heads, dtype))
+    out_cache_loc = torch.stack([s[-1] for s in pools.row_slots])
+    fb = ForwardBatch.build(ForwardMode.DECODE, [0] * bs, pools.req_slots, seq_lens,
+                            [s - 1 for s in seq_lens], out_cache_loc, DEV)
+    fb.token_to_kv_pool, fb.req_to_token_pool = pools.kv, pools.req
+    q, k, v = split_qkv(bs, num_heads, kv_heads, head_dim, dtype)
+    layer = layer_info(num_heads, kv_heads, head_dim, cap=cap)
+    expect_k, expect_v = pools.k_buffer.clone(), pools.v_buffer.clone()
+    expect_k[out_cache_loc] = k.reshape(bs, kv_heads, head_dim)
+    expect_v[out_cache_loc] = v.reshape(bs, kv_heads, head_dim)
+
+    backend.init_forward_metadata(fb)
+    out = backend.forward(q, k, v, layer, fb)
+
+    assert torch.equal(pools.k_buffer, expect_k) and torch.equal(pools.v_buffer, expect_v)
+    ref = reference_decode(q.reshape(bs, num_heads, head_dim), expect_k, expect_v,
+                           pools.req.req_to_token, pools.req_slots, seq_lens, layer.scaling, cap)
+    assert_matches(out.view(bs, num_heads, head_dim), ref, dtype, f"backend decode seed={seed}")
+
+
+def test_cuda_graph_decode_replays_new_lengths(seed: int) -> None:
+    """Captures decode at bs=8, then replays on other rows, lengths and inputs."""
+    bs, num_heads, kv_heads, head_dim, dtype = 8, 32, 8, 128, BF16
+    capacity = random_lens(16, 1, 3000)  # 16 candidate rows; each replay uses 8 of them
+    pools = PagedPools(capacity, 16, kv_heads, head_dim, dtype)
+    backend = create(pools.context(num_heads, dtype, max_kv_splits=16))
+    layer = layer_info(num_heads, kv_heads, head_dim)
+
+    def draw() -> tuple[list[int], list[int], torch.Tensor]:
+        rows = random.sample(range(16), bs)
+        lens = [random.randint(1, capacity[r]) for r in rows]
+        locs = torch.stack([pools.row_slots[r][n - 1] for r, n in zip(rows, lens)])
+        return [pools.req_slots[r] for r in rows], lens, locs
+
+    slots, lens, locs = draw()
+    fb = ForwardBatch.build(ForwardMode.DECODE, [0] * bs, slots, lens, [n - 1 for n in lens],
+                            locs, DEV)
+    fb.token_to_kv_pool, fb.req_to_token_pool = pools.kv, pools.req
+    q_s, k_s, v_s = (t.contiguous() for t in split_qkv(bs, num_heads, kv_heads, head_dim, dtype))
+    backend.init_cuda_graph_state(max_bs=bs, max_num_tokens=bs)
+    backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile the kernels outside the capture
+        backend.forward_decode(q_s, k_s, v_s, layer, fb)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_s = backend.forward_decode(q_s, k_s, v_s, layer, fb)
+
+    for replay in range(3):
+        slots, lens, locs = draw()
+        for t in (q_s, k_s, v_s):
+            t.copy_(torch.randn_like(t))
+        fb.out_cache_loc.copy_(locs)
+        out_s.fill_(float("nan"))
+        backend.init_forward_metadata_replay_cuda_graph(
+            bs, torch.tensor(slots, device=DEV), torch.tensor(lens, device=DEV), lens
+        )
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(pools.k_buffer[locs], k_s.view(bs, kv_heads, head_dim))
+        ref = reference_decode(q_s.view(bs, num_heads, head_dim), pools.k_buffer, pools.v_buffer,
+                               pools.req.req_to_token, slots, lens, layer.scaling)
+        assert_matches(out_s.view(bs, num_heads, head_dim), ref, dtype,
+                       f"graph replay {replay} seed={seed} lens={lens}")
+
+
+def test_unknown_option_is_a_clear_error() -> None:
+    pools = PagedPools([4], 1, 1, 64, BF16)
+    with pytest.raises(ValueError, match="max_kv_splits"):
+        create(pools.context(4, BF16, max_kv_split=4))

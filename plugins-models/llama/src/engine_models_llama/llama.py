@@ -1,0 +1,200 @@
+"""Llama-family decoder built on the engine's layer SDK.
+
+One implementation covers the four architectures; they differ only in switches
+read from the config: Qwen2 puts a bias on q/k/v, Qwen3 normalises q and k per
+head, Llama may bias every projection (``attention_bias``), Mistral and some
+Qwen layers use a sliding window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.distributed import get_tensor_model_parallel_world_size
+from engine.errors import ModelLoadError
+from engine.layers.activation import SiluAndMul
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.quantization import QuantizationConfig
+from engine.layers.radix_attention import RadixAttention
+from engine.layers.rotary_embedding import get_rope
+from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model_executor.forward_batch import ForwardBatch
+
+
+def _sliding_window(config: Any, layer_id: int) -> int:
+    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if layer_types is not None:
+        return int(window) if layer_types[layer_id] == "sliding_attention" and window else -1
+    if config.model_type == "mistral" and window:
+        return int(window)
+    return -1
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias,
+            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias,
+            quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = SiluAndMul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.total_heads = config.num_attention_heads
+        self.total_kv_heads = getattr(config, "num_key_value_heads", None) or self.total_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.total_heads
+        self.num_heads = self.total_heads // tp
+        self.num_kv_heads = max(1, self.total_kv_heads // tp)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        model_type = config.model_type
+        all_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = all_bias or model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, self.total_heads, self.total_kv_heads,
+            bias=qkv_bias, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(
+            self.total_heads * self.head_dim, config.hidden_size, bias=all_bias,
+            quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.qk_norm = model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config)
+        self.attn = RadixAttention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id,
+            sliding_window_size=_sliding_window(config, layer_id))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, quant_config, f"model.layers.{i}")
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name -> (our stacked parameter, shard id)
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
+    )
+
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, quant_config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        hidden = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.tie_word_embeddings and name.startswith("lm_head."):
+                continue
+            target, shard = name, None
+            for stacked, ckpt, shard_id in self.stacked_params:
+                if f".{ckpt}." in name:
+                    target, shard = name.replace(f".{ckpt}.", f".{stacked}."), shard_id
+                    break
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            elif shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+            loaded.add(target)
+        missing = sorted(n for n in params if n not in loaded and not (self.tie_word_embeddings and n.startswith("lm_head.")))
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} parameters, e.g. {', '.join(missing[:3])}")
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    pass
+
+
+_CLASSES = {cls.__name__: cls for cls in (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+
+
+def model_class_for(architecture: str) -> type[nn.Module]:
+    return _CLASSES[architecture]

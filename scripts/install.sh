@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs the engine and every built-in plugin (editable) into the current Python.
+# Torch comes first and pinned to the CPU wheel on machines without a GPU, so pip
+# never pulls a multi-GB CUDA build; an existing torch >= 2.5 is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! $PY -c 'import torch, sys; v=tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 5) else 1)' 2>/dev/null; then
+  $PY -m pip install -q "torch==2.13.0"
+fi
+pkgs=(core)
+for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do
+  [ -f "$d/pyproject.toml" ] || continue
+  case "$d" in *_template*) continue ;; esac
+  # GPU-only plugins install everywhere (registration is import-light); their kernels load lazily.
+  pkgs+=("$d")
+done
+args=()
+for p in "${pkgs[@]}"; do args+=(-e "$p"); done
+$PY -m pip install -q "${args[@]}" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "pydantic>=2" "openai>=1.30" "httpx" "pytest>=7" "hypothesis>=6"
