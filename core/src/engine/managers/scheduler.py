@@ -71,7 +71,8 @@ class Scheduler:
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
-        self.new_token_ratio = _INIT_NEW_TOKEN_RATIO
+        self.init_new_token_ratio = min(1.0, _INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
+        self.new_token_ratio = self.init_new_token_ratio
         self.outbox: list[BatchTokenIDOut] = []
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: dict[str, str] = {}
@@ -327,7 +328,7 @@ class Scheduler:
                 self.tree_cache.cache_finished_req(req)
         self._emit(batch.reqs)
         batch.filter()
-        self.new_token_ratio = max(_MIN_NEW_TOKEN_RATIO, self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+        self.new_token_ratio = max(min(_MIN_NEW_TOKEN_RATIO, self.init_new_token_ratio), self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
 
     def _decode_sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         # Rebuilt only when the batch's membership changed; penalty counts carry over otherwise.

@@ -61,7 +61,7 @@ class ChunkCache(BasePrefixCache):
         kv_len = len(kv_token_ids(req))
         kv = self.req_to_token_pool.req_to_token[req.req_pool_idx, :kv_len]
         self.token_to_kv_pool_allocator.free(kv.to(torch.int64))
-        pass
+        self.req_to_token_pool.free(req.req_pool_idx)
 
     def cache_unfinished_req(self, req: PrefixCacheReq) -> None:
         """Marks every computed token as the request's prefix for its next chunk."""

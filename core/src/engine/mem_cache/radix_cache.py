@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 EVICTION_POLICIES = ("lru", "lfu")
 
 ChildKey = int | tuple[int, ...]
+# Shared placeholder so creating a node allocates no tensor.
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
@@ -53,9 +55,11 @@ class TreeNode:
         # Keyed by the first token of the child's key (or its first page as a tuple).
         self.children: dict[ChildKey, TreeNode] = {}
         self.parent: TreeNode | None = None
-        self.key: list[int] = []
+        # Tuples, not lists: the GC stops tracking tuples of ints, so a big tree
+        # adds nothing to the cost of every full garbage collection.
+        self.key: tuple[int, ...] = ()
         # int64 KV slots, one per token of ``key``.
-        self.value: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.value: torch.Tensor = _NO_SLOTS
         # Number of running requests whose prefix passes through this node.
         self.lock_ref = 0
         # Logical clock, not wall time, so eviction order is deterministic.
@@ -69,7 +73,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
+def _common_prefix_len(edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
     """Length of the common prefix of ``edge`` and ``key[start:]``.
 
     Whole slices are compared in C first; only a mismatching edge (at most one
@@ -131,19 +135,21 @@ class RadixCache(BasePrefixCache):
     def reset(self) -> None:
         """Empties the tree; the pools are left to the caller."""
         self.root_node = TreeNode(next(self._ids))
-        self.root_node.value = torch.empty(0, dtype=torch.int64, device=self.device)
+        # Returned by every empty match; callers treat match results as read-only.
+        self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.root_node.value = self._no_slots
         # The root holds no tokens; a permanent lock keeps it out of eviction.
         self.root_node.lock_ref = 1
         self._evictable_size = 0
         self._protected_size = 0
 
     # -- lookups ------------------------------------------------------------
-    def _child_key(self, key: list[int], start: int) -> ChildKey:
+    def _child_key(self, key: tuple[int, ...], start: int) -> ChildKey:
         if self.page_size == 1:
             return key[start]
-        return tuple(key[start : start + self.page_size])
+        return key[start : start + self.page_size]
 
-    def _match_len(self, edge: list[int], key: list[int], start: int) -> int:
+    def _match_len(self, edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
         matched = _common_prefix_len(edge, key, start)
         if self.page_size > 1:
             matched -= matched % self.page_size
@@ -152,13 +158,14 @@ class RadixCache(BasePrefixCache):
     def _aligned(self, length: int) -> int:
         return length - length % self.page_size
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
         """Longest cached, page-aligned prefix of ``key``.
 
         Splits the last node when the match ends inside its edge, so that locking
         ``last_node`` protects exactly the matched tokens. Refreshes the access
         time and hit count of every node on the path.
         """
+        key = key if type(key) is tuple else tuple(key)
         # A trailing partial page never matches: _match_len rounds down to pages.
         end = self._aligned(len(key))
         node = self.root_node
@@ -181,14 +188,14 @@ class RadixCache(BasePrefixCache):
             node = child
             pos += matched
         if not values:
-            indices = torch.empty(0, dtype=torch.int64, device=self.device)
+            indices = self._no_slots
         elif len(values) == 1:
             indices = values[0]
         else:
             indices = torch.cat(values)
         return MatchResult(device_indices=indices, last_node=node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
         """Stores ``value`` under ``key``; see ``BasePrefixCache.insert``.
 
         With ``page_size > 1`` only whole pages are stored: a trailing partial
@@ -196,6 +203,7 @@ class RadixCache(BasePrefixCache):
         """
         if len(value) != len(key):
             raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)} slots")
+        key = key if type(key) is tuple else tuple(key)
         end = self._aligned(len(key))
         node = self.root_node
         now = next(self._clock)
@@ -217,7 +225,7 @@ class RadixCache(BasePrefixCache):
 
     # -- tree surgery -------------------------------------------------------
     def _add_leaf(
-        self, parent: TreeNode, child_key: ChildKey, key: list[int], value: torch.Tensor, now: int
+        self, parent: TreeNode, child_key: ChildKey, key: tuple[int, ...], value: torch.Tensor, now: int
     ) -> None:
         leaf = TreeNode(next(self._ids))
         leaf.parent = parent
@@ -349,7 +357,7 @@ class RadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         kv = row[: len(token_ids)].to(torch.int64)
         aligned_len = self._aligned(len(token_ids))
-        aligned_ids = token_ids[:aligned_len]
+        aligned_ids = tuple(token_ids[:aligned_len])  # converted once for both walks
         tree_prefix_len = self._aligned(len(req.prefix_indices))
         new_prefix_len = self.insert(aligned_ids, kv[:aligned_len])
         self.token_to_kv_pool_allocator.free(kv[tree_prefix_len:new_prefix_len])
@@ -409,7 +417,7 @@ class RadixCache(BasePrefixCache):
             node, depth = stack.pop()
             more = "..." if len(node.key) > 8 else ""
             lines.append(
-                f"{'  ' * depth}{node.key[:8]}{more} len={len(node.key)} lock={node.lock_ref} "
+                f"{'  ' * depth}{list(node.key[:8])}{more} len={len(node.key)} lock={node.lock_ref} "
                 f"t={node.last_access_time} hits={node.hit_count}"
             )
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))

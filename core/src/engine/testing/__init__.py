@@ -1,0 +1,28 @@
+"""The conformance kit: base test classes plugin authors subclass in their own tests.
+
+- ``AttentionBackendConformance``: the backend matches a float64 reference on random paged batches.
+- ``ModelConformance``: the model plugin matches Hugging Face transformers (logits and greedy tokens).
+- ``SchedulePolicyConformance``: the policy orders a queue deterministically, as a permutation.
+- ``PlatformConformance``: the platform answers its probes.
+- ``QuantMethodConformance``: a linear layer through the method round-trips within a stated error.
+
+Each class is a plain pytest class (no ``Test`` prefix, so it is not collected by
+itself); subclass it as ``TestMyBackend(AttentionBackendConformance)`` and set the
+class attributes it documents. Checkpoint helpers live in ``engine.testing.checkpoints``.
+"""
+
+from engine.testing.conformance import (
+    AttentionBackendConformance,
+    ModelConformance,
+    PlatformConformance,
+    QuantMethodConformance,
+    SchedulePolicyConformance,
+)
+
+__all__ = [
+    "AttentionBackendConformance",
+    "ModelConformance",
+    "PlatformConformance",
+    "QuantMethodConformance",
+    "SchedulePolicyConformance",
+]

@@ -1,0 +1,56 @@
+"""Driving a Scheduler in-process (no ZeroMQ) for tests and benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from engine.config import ServerArgs
+from engine.managers.io_struct import TokenizedGenerateReqInput
+
+_rids = itertools.count()
+
+
+def make_scheduler(model_path: str, **kwargs: Any) -> Any:
+    from engine.managers.scheduler import Scheduler
+
+    defaults: dict[str, Any] = {"model_path": model_path, "platform": "cpu", "max_total_tokens": 8192}
+    defaults.update(kwargs)
+    return Scheduler(ServerArgs.from_dict(defaults), model_path)
+
+
+def submit(scheduler: Any, input_ids: list[int], sampling_params: dict[str, Any] | None = None, **kw: Any) -> str:
+    rid = kw.pop("rid", None) or f"req-{next(_rids)}"
+    scheduler.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=list(input_ids),
+                                                    sampling_params=dict(sampling_params or {}), **kw))
+    return rid
+
+
+class OutputCollector:
+    """Accumulates BatchTokenIDOut messages per request id."""
+
+    def __init__(self) -> None:
+        self.ids: dict[str, list[int]] = {}
+        self.finish: dict[str, Any] = {}
+        self.meta: dict[str, dict[str, Any]] = {}
+
+    def collect(self, scheduler: Any) -> None:
+        for msg in scheduler.take_outputs():
+            for i, rid in enumerate(msg.rids):
+                self.ids.setdefault(rid, []).extend(msg.new_token_ids[i])
+                self.meta[rid] = {"prompt_tokens": msg.prompt_tokens[i],
+                                  "completion_tokens": msg.completion_tokens[i],
+                                  "cached_tokens": msg.cached_tokens[i]}
+                if msg.finished_reasons[i] is not None:
+                    self.finish[rid] = msg.finished_reasons[i]
+
+
+def generate_greedy(scheduler: Any, prompts: list[list[int]], max_new_tokens: int, **params: Any) -> list[list[int]]:
+    """Runs all prompts at once to completion; returns each one's output ids."""
+    sp = {"max_new_tokens": max_new_tokens, "temperature": 0.0, **params}
+    rids = [submit(scheduler, p, sp) for p in prompts]
+    col = OutputCollector()
+    while scheduler.step():
+        col.collect(scheduler)
+    col.collect(scheduler)
+    return [col.ids.get(r, []) for r in rids]

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+from engine.testing import AttentionBackendConformance
+
+
+class TestTorchNative(AttentionBackendConformance):
+    backend_name = "torch_native"
