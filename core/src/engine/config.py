@@ -211,7 +211,10 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def check_required_plugins(requirements: list[str]) -> None:
     """Checks ``required_plugins`` entries such as ``engine-attention-triton>=0.1``."""
-    from importlib_metadata import PackageNotFoundError, version
+    try:
+        from importlib_metadata import PackageNotFoundError, version
+    except ImportError:
+        from importlib.metadata import PackageNotFoundError, version  # type: ignore[assignment]
     from packaging.requirements import InvalidRequirement, Requirement
 
     for text in requirements:

@@ -115,7 +115,10 @@ class PluginRegistry:
 
     # -- discovery ---------------------------------------------------------
     def _load_entry_points(self) -> None:
-        from importlib_metadata import entry_points
+        try:
+            from importlib_metadata import entry_points
+        except ImportError:  # the stdlib's is enough on Python >= 3.10
+            from importlib.metadata import entry_points  # type: ignore[assignment]
 
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             dist = ep.dist.name if ep.dist else "?"

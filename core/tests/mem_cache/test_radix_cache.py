@@ -37,7 +37,9 @@ def make_cache(
     return RadixCache(req_pool, allocator, page_size, policy), req_pool, allocator
 
 
-def insert_fresh(cache: RadixCache, allocator: TokenToKVPoolAllocator, key: list[int]) -> torch.Tensor:
+def insert_fresh(
+    cache: RadixCache, allocator: TokenToKVPoolAllocator, key: list[int]
+) -> torch.Tensor:
     """Inserts ``key`` with newly allocated slots, freeing the duplicates as a caller must."""
     value = allocator.alloc(len(key))
     assert value is not None
@@ -47,8 +49,8 @@ def insert_fresh(cache: RadixCache, allocator: TokenToKVPoolAllocator, key: list
 
 
 def check_sizes(cache: RadixCache) -> None:
-    total = cache.total_size()
-    assert cache.evictable_size() + cache.protected_size() == total
+    total = sum(len(node.value) for node in cache._nodes())
+    assert cache.evictable_size() + cache.protected_size() == cache.total_size() == total
     assert len(cache.all_values_flatten()) == total
 
 
@@ -61,6 +63,14 @@ def test_match_on_empty_tree() -> None:
         assert result.device_indices.dtype == torch.int64
         assert result.last_node is cache.root_node
     assert cache.total_size() == 0
+
+
+def test_tuple_keys_behave_like_lists() -> None:
+    cache, _, _ = make_cache()
+    cache.insert((1, 2, 3), torch.tensor([4, 5, 6]))
+    assert cache.match_prefix([1, 2, 3]).prefix_len == 3
+    assert cache.insert([1, 2, 3, 4], torch.tensor([4, 5, 6, 7])) == 3
+    assert cache.match_prefix((1, 2, 3, 4)).device_indices.tolist() == [4, 5, 6, 7]
 
 
 def test_insert_match_round_trip() -> None:
@@ -174,9 +184,11 @@ def test_lfu_breaks_ties_by_lru() -> None:
     assert cache.match_prefix([1, 1]).prefix_len == 2
 
 
-def test_unknown_eviction_policy_is_rejected() -> None:
+def test_bad_config_is_rejected() -> None:
     with pytest.raises(ConfigError, match="lru, lfu"):
         make_cache(policy="fifo")
+    with pytest.raises(ConfigError, match="allocator's page_size 4"):
+        RadixCache(ReqToTokenPool(1, 8, "cpu"), TokenToKVPoolAllocator(16, 4), page_size=1)
 
 
 def test_evict_frees_exactly_the_evicted_slots() -> None:
@@ -282,7 +294,9 @@ def admit(cache: RadixCache, req_pool: ReqToTokenPool, req: FakeReq) -> None:
     req_pool.write(req.req_pool_idx, 0, result.device_indices)
 
 
-def extend(allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool, req: FakeReq, end: int) -> None:
+def extend(
+    allocator: TokenToKVPoolAllocator, req_pool: ReqToTokenPool, req: FakeReq, end: int
+) -> None:
     """Allocates KV for positions ``len(req.fill_ids)..end`` (one prefill chunk or decode)."""
     assert req.req_pool_idx is not None
     row = req_pool.req_to_token[req.req_pool_idx]

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from engine_attention_triton.reference import reference_decode, reference_extend
 
 
-def _paged_row(k_rows: torch.Tensor, page_size: int, pool_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_row(
+    k_rows: torch.Tensor, page_size: int, pool_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scatters a row's K into a pool on shuffled pages; returns (pool, slots per position)."""
     n = k_rows.shape[0]
     pages = torch.randperm(pool_rows // page_size - 1)[: -(-n // page_size)] + 1

@@ -38,7 +38,8 @@ class AttentionLayerInfo:
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
     logit_cap: float = 0.0  # tanh soft cap on scores; 0 disables
-    sliding_window_size: int = -1  # attend to at most this many previous tokens; -1 = no window
+    # Keys with q_pos - k_pos < sliding_window_size are attended (HF's convention); -1 = no window.
+    sliding_window_size: int = -1
     v_head_dim: int = -1  # -1 means head_dim
 
 

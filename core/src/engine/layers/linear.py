@@ -71,6 +71,8 @@ class LinearBase(nn.Module):
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.numel() == src.numel() == 1:
+        src = src.reshape(dst.shape)  # a scalar scale saved as [] or [1]
     if dst.shape != src.shape:
         raise ValueError(f"weight shape mismatch: parameter {tuple(dst.shape)}, checkpoint {tuple(src.shape)}")
     dst.data.copy_(src)

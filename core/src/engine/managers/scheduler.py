@@ -151,12 +151,7 @@ class Scheduler:
 
     def _release_partial(self, req: Req) -> None:
         """Frees a request stopped in the middle of a chunked prefill (KV exists for fill_ids)."""
-        origin, output = req.origin_input_ids, req.output_ids
-        req.origin_input_ids, req.output_ids = req.fill_ids + [0], []
-        try:
-            self.tree_cache.cache_finished_req(req)
-        finally:
-            req.origin_input_ids, req.output_ids = origin, output
+        self.tree_cache.cache_finished_req(req)
 
     # -- the loop --------------------------------------------------------------
     def has_work(self) -> bool:
@@ -166,8 +161,7 @@ class Scheduler:
         """Runs one batch; returns False when there was nothing to do."""
         self._apply_aborts()
         batch = self.get_new_batch_prefill()
-        if batch is not None:
-            self.run_extend(batch)
+        if batch is not None and self.run_extend(batch):
             return True
         if self.running_batch.reqs:
             self.run_decode()
@@ -204,8 +198,14 @@ class Scheduler:
             return None
         self._order_waiting()
         page = self.args.page_size
-        rem_total = (self.allocator.available_size() + self.tree_cache.evictable_size()
-                     - sum(self._reserve(r) for r in self.running_batch.reqs))
+        reserved = sum(self._reserve(r) for r in self.running_batch.reqs)
+        admitted_cost = 0
+
+        def rem_total() -> int:
+            # Live: locking an admitted request's prefix makes it unevictable.
+            return (self.allocator.available_size() + self.tree_cache.evictable_size()
+                    - reserved - admitted_cost)
+
         rem_input = self.args.max_prefill_tokens
         rem_chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else 1 << 62
         can_run: list[Req] = []
@@ -229,7 +229,7 @@ class Scheduler:
             else:
                 req.is_chunked = 0
             can_run.append(req)
-            rem_total -= req.extend_input_len + self._reserve(req)
+            admitted_cost += req.extend_input_len + self._reserve(req)
             rem_input -= req.extend_input_len
             rem_chunk -= req.extend_input_len
 
@@ -238,15 +238,18 @@ class Scheduler:
                 if running + len(can_run) >= self.max_running_requests:
                     break
                 req.init_next_round_input(self.tree_cache)
-                cost = req.extend_input_len + self._reserve(req)
-                nothing_else = not can_run and running == 0
-                if cost > rem_total and not nothing_else:
-                    break
                 if req.extend_input_len > rem_input and can_run:
                     break
                 if rem_chunk < max(page, 1):
                     break
                 self.tree_cache.inc_lock_ref(req.last_node)
+                cost = req.extend_input_len + self._reserve(req)
+                nothing_else = not can_run and running == 0
+                # Whole pages: a row's first and last pages may be partly empty.
+                need = cost + (2 * page if page > 1 else 0)
+                if need > rem_total() and not nothing_else:
+                    self.tree_cache.dec_lock_ref(req.last_node)
+                    break
                 if req.retractions == 0 and not req.output_ids:
                     req.cached_tokens = len(req.prefix_indices)
                 if take_chunk(req, min(rem_chunk, rem_input) if can_run else rem_chunk):
@@ -254,7 +257,7 @@ class Scheduler:
                     new_chunked = req
                 can_run.append(req)
                 self.waiting_queue.remove(req)
-                rem_total -= cost
+                admitted_cost += cost
                 rem_input -= req.extend_input_len
                 rem_chunk -= req.extend_input_len
                 if new_chunked is not None:
@@ -265,14 +268,15 @@ class Scheduler:
         return self._new_batch(can_run)
 
     # -- running -------------------------------------------------------------------
-    def run_extend(self, batch: ScheduleBatch) -> None:
+    def run_extend(self, batch: ScheduleBatch) -> bool:
+        """Runs a prefill batch; False when its KV could not be allocated (requeued)."""
         want_logprob = any(r.return_logprob for r in batch.reqs)
         try:
             fb = batch.prepare_for_extend(return_logprob=want_logprob)
         except OutOfKVMemory:
             # Admission estimated memory that eviction could not deliver: requeue and retry later.
             self._requeue_failed_extend(batch)
-            return
+            return False
         fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
         logits = self.runner.forward(fb)
         sample = self.runner.sample(logits, fb)
@@ -295,6 +299,7 @@ class Scheduler:
                 self.running_batch.reqs.append(req)
             finished_or_streamed.append(req)
         self._emit(finished_or_streamed)
+        return True
 
     def _requeue_failed_extend(self, batch: ScheduleBatch) -> None:
         for req in batch.reqs:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 EVICTION_POLICIES = ("lru", "lfu")
 
 ChildKey = int | tuple[int, ...]
-# Shared placeholder so creating a node allocates no tensor.
+# Shared placeholder so that creating a node allocates no tensor.
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)
 
 
@@ -55,9 +55,7 @@ class TreeNode:
         # Keyed by the first token of the child's key (or its first page as a tuple).
         self.children: dict[ChildKey, TreeNode] = {}
         self.parent: TreeNode | None = None
-        # Tuples, not lists: the GC stops tracking tuples of ints, so a big tree
-        # adds nothing to the cost of every full garbage collection.
-        self.key: tuple[int, ...] = ()
+        self.key: list[int] = []
         # int64 KV slots, one per token of ``key``.
         self.value: torch.Tensor = _NO_SLOTS
         # Number of running requests whose prefix passes through this node.
@@ -73,7 +71,7 @@ class TreeNode:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
 
-def _common_prefix_len(edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
     """Length of the common prefix of ``edge`` and ``key[start:]``.
 
     Whole slices are compared in C first; only a mismatching edge (at most one
@@ -117,11 +115,13 @@ class RadixCache(BasePrefixCache):
     ) -> None:
         policy = eviction_policy.lower()
         if policy not in EVICTION_POLICIES:
+            accepted = ", ".join(EVICTION_POLICIES)
+            raise ConfigError(f"unknown eviction policy {eviction_policy!r}; accepted: {accepted}")
+        if page_size < 1 or page_size != token_to_kv_pool_allocator.page_size:
             raise ConfigError(
-                f"unknown eviction policy {eviction_policy!r}; accepted: {', '.join(EVICTION_POLICIES)}"
+                f"radix cache page_size {page_size} must be >= 1 and equal the KV allocator's "
+                f"page_size {token_to_kv_pool_allocator.page_size}"
             )
-        if page_size < 1:
-            raise ConfigError(f"page_size must be >= 1, got {page_size}")
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
@@ -144,12 +144,12 @@ class RadixCache(BasePrefixCache):
         self._protected_size = 0
 
     # -- lookups ------------------------------------------------------------
-    def _child_key(self, key: tuple[int, ...], start: int) -> ChildKey:
+    def _child_key(self, key: list[int], start: int) -> ChildKey:
         if self.page_size == 1:
             return key[start]
-        return key[start : start + self.page_size]
+        return tuple(key[start : start + self.page_size])
 
-    def _match_len(self, edge: tuple[int, ...], key: tuple[int, ...], start: int) -> int:
+    def _match_len(self, edge: list[int], key: list[int], start: int) -> int:
         matched = _common_prefix_len(edge, key, start)
         if self.page_size > 1:
             matched -= matched % self.page_size
@@ -165,7 +165,8 @@ class RadixCache(BasePrefixCache):
         ``last_node`` protects exactly the matched tokens. Refreshes the access
         time and hit count of every node on the path.
         """
-        key = key if type(key) is tuple else tuple(key)
+        if type(key) is not list:  # slices must compare list to list
+            key = list(key)
         # A trailing partial page never matches: _match_len rounds down to pages.
         end = self._aligned(len(key))
         node = self.root_node
@@ -203,7 +204,8 @@ class RadixCache(BasePrefixCache):
         """
         if len(value) != len(key):
             raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)} slots")
-        key = key if type(key) is tuple else tuple(key)
+        if type(key) is not list:  # stored edges must compare list to list
+            key = list(key)
         end = self._aligned(len(key))
         node = self.root_node
         now = next(self._clock)
@@ -225,7 +227,7 @@ class RadixCache(BasePrefixCache):
 
     # -- tree surgery -------------------------------------------------------
     def _add_leaf(
-        self, parent: TreeNode, child_key: ChildKey, key: tuple[int, ...], value: torch.Tensor, now: int
+        self, parent: TreeNode, child_key: ChildKey, key: list[int], value: torch.Tensor, now: int
     ) -> None:
         leaf = TreeNode(next(self._ids))
         leaf.parent = parent
@@ -308,7 +310,9 @@ class RadixCache(BasePrefixCache):
         delta = 0
         while node is not None and node is not self.root_node:
             if node.lock_ref <= 0:
-                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}: lock/unlock calls unbalanced")
+                raise RuntimeError(
+                    f"dec_lock_ref on unlocked {node!r}: lock/unlock calls unbalanced"
+                )
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 delta += len(node.key)
@@ -357,7 +361,7 @@ class RadixCache(BasePrefixCache):
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         kv = row[: len(token_ids)].to(torch.int64)
         aligned_len = self._aligned(len(token_ids))
-        aligned_ids = tuple(token_ids[:aligned_len])  # converted once for both walks
+        aligned_ids = token_ids[:aligned_len]
         tree_prefix_len = self._aligned(len(req.prefix_indices))
         new_prefix_len = self.insert(aligned_ids, kv[:aligned_len])
         self.token_to_kv_pool_allocator.free(kv[tree_prefix_len:new_prefix_len])
@@ -385,9 +389,8 @@ class RadixCache(BasePrefixCache):
         return self._protected_size
 
     def total_size(self) -> int:
-        """Tokens stored in the tree, counted by walking it (an independent check
-        of the evictable and protected counters)."""
-        return sum(len(n.key) for n in self._nodes())
+        """Tokens stored in the tree (O(1); tests check it against a tree walk)."""
+        return self._evictable_size + self._protected_size
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children."""
@@ -417,7 +420,7 @@ class RadixCache(BasePrefixCache):
             node, depth = stack.pop()
             more = "..." if len(node.key) > 8 else ""
             lines.append(
-                f"{'  ' * depth}{list(node.key[:8])}{more} len={len(node.key)} lock={node.lock_ref} "
+                f"{'  ' * depth}{node.key[:8]}{more} len={len(node.key)} lock={node.lock_ref} "
                 f"t={node.last_access_time} hits={node.hit_count}"
             )
             stack.extend((c, depth + 1) for c in reversed(list(node.children.values())))

@@ -52,7 +52,13 @@ def resolve_dtype(dtype: str, config: Any, platform_default: torch.dtype) -> tor
     return platform_default
 
 
-def resolve_quant_config(args: ServerArgs, config: Any) -> QuantizationConfig | None:
+def _check_quant_device(spec: Any, device_type: str | None) -> None:
+    if device_type is not None and device_type not in spec.device_types:
+        raise ModelLoadError(
+            f"quantization method '{spec.name}' does not run on {device_type} (it supports: {', '.join(spec.device_types)})")
+
+
+def resolve_quant_config(args: ServerArgs, config: Any, device_type: str | None = None) -> QuantizationConfig | None:
     """The checkpoint's quantization_config, or ``--quant``; both given must agree."""
     ckpt = getattr(config, "quantization_config", None)
     if ckpt is not None and not isinstance(ckpt, dict):
@@ -63,9 +69,11 @@ def resolve_quant_config(args: ServerArgs, config: Any) -> QuantizationConfig | 
         spec = plugins.find_quantization_for_checkpoint(method, disabled)
         if args.quant and args.quant != spec.name and args.quant not in spec.checkpoint_methods:
             raise ModelLoadError(f"--quant {args.quant} conflicts with the checkpoint's quantization_config (quant_method '{method}')")
+        _check_quant_device(spec, device_type)
         return resolve_factory(spec.factory)(ckpt)
     if args.quant:
         spec = plugins.get_quantization_method(args.quant, disabled)
+        _check_quant_device(spec, device_type)
         return resolve_factory(spec.factory)({})
     return None
 
@@ -95,9 +103,11 @@ def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, to
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    for param in model.parameters():
-        if param.dtype.is_floating_point:
+    for name, param in model.named_parameters():
+        if param.dtype in (torch.float32, torch.float16, torch.bfloat16):
             values = torch.empty(param.shape, dtype=torch.float32).uniform_(-1e-2, 1e-2, generator=gen)
+            if "scale" in name:  # quantization scales must stay positive
+                values = values.abs() + 1e-3
             param.data.copy_(values.to(param.dtype))
 
 
@@ -105,7 +115,7 @@ def load_model(args: ServerArgs, model_path: str, config: Any, dtype: torch.dtyp
                device: torch.device) -> torch.nn.Module:
     arch = config.architectures[0]
     model_cls = plugins.get_model_class(arch, args.disable_plugin)
-    quant_config = resolve_quant_config(args, config)
+    quant_config = resolve_quant_config(args, config, device.type)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -252,7 +252,8 @@ class QuantMethodConformance:
                 layer = RowParallelLinear(128, 96, bias=False, quant_config=qcfg, prefix="model.layers.0.mlp.down_proj")
         finally:
             torch.set_default_dtype(prev)
-        layer.weight.weight_loader(layer.weight, weight.to(layer.weight.dtype)) if layer.weight.dtype == self.dtype else layer.weight_loader(layer.weight, weight)
+        assert layer.weight.dtype == self.dtype, "on-the-fly methods load the weight in the model dtype"
+        layer.weight.weight_loader(layer.weight, weight)
         layer.quant_method.process_weights_after_loading(layer)
         x = torch.randn(8, 128, dtype=self.dtype, device=device)
         ref = x.double() @ weight.double().to(device).t()

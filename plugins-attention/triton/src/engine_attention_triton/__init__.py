@@ -1,0 +1,26 @@
+"""The ``triton`` attention plugin: this project's own Triton kernels over the paged KV pool.
+
+Importing this module registers the backend only; triton and CUDA are imported
+when the backend is selected (``--attention triton``).
+"""
+
+from __future__ import annotations
+
+from engine.hookspecs import AttentionBackendSpec, PluginOption, hookimpl
+
+
+@hookimpl
+def register_attention_backends(register):  # type: ignore[no-untyped-def]
+    register(AttentionBackendSpec(
+        name="triton",
+        factory="engine_attention_triton.backend:create",
+        description="Triton kernels: split-KV paged decode (GQA-grouped), extend over a cached prefix",
+        device_types=("cuda",),
+        supports_cuda_graph=True,
+    ))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    register(PluginOption(plugin="triton", key="max_kv_splits", default=16,
+                          help="Most sequence splits of a decode row (also sizes the CUDA-graph workspace)"))

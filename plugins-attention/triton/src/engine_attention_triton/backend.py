@@ -120,7 +120,9 @@ class TritonAttnBackend(AttentionBackend):
         elif forward_batch.forward_mode.is_extend():
             lens = forward_batch.extend_seq_lens_cpu
             if lens is None:
-                raise ValueError("triton attention: an EXTEND/MIXED batch needs extend_seq_lens_cpu")
+                raise ValueError(
+                    "triton attention: an EXTEND/MIXED batch needs extend_seq_lens_cpu"
+                )
             self.forward_metadata = ExtendMetadata(max_extend_len=max(lens, default=0))
         else:
             self.forward_metadata = None
@@ -130,7 +132,9 @@ class TritonAttnBackend(AttentionBackend):
         part_out = torch.empty(
             (bs, self.num_heads, splits, self.v_head_dim), dtype=torch.float32, device=self.device
         )
-        part_lse = torch.empty((bs, self.num_heads, splits), dtype=torch.float32, device=self.device)
+        part_lse = torch.empty(
+            (bs, self.num_heads, splits), dtype=torch.float32, device=self.device
+        )
         return part_out, part_lse
 
     # -- forward ------------------------------------------------------------
@@ -151,7 +155,8 @@ class TritonAttnBackend(AttentionBackend):
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         if k is None or v is None:
             # The layer re-uses K/V already in the pool: read the new tokens' from there.
-            k_new, v_new = k_buffer[forward_batch.out_cache_loc], v_buffer[forward_batch.out_cache_loc]
+            loc = forward_batch.out_cache_loc
+            k_new, v_new = k_buffer[loc], v_buffer[loc]
         else:
             if save_kv_cache:
                 self.save_kv(layer, forward_batch, k, v)
@@ -166,7 +171,7 @@ class TritonAttnBackend(AttentionBackend):
             q3, k_new.to(q.dtype), v_new.to(q.dtype), out, k_buffer, v_buffer, self.req_to_token,
             forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens, forward_batch.extend_start_loc,
-            metadata.max_extend_len, layer.scaling, layer.logit_cap, layer.sliding_window_size,
+            metadata.max_extend_len, layer.scaling, layer.logit_cap, _kernel_window(layer),
         )
         return out.view(-1, layer.num_heads * v_dim)
 
@@ -198,7 +203,7 @@ class TritonAttnBackend(AttentionBackend):
         decode_attention_fwd(
             q3, k_buffer, v_buffer, out, self.req_to_token,
             metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
-            metadata.num_kv_splits, layer.scaling, layer.logit_cap, layer.sliding_window_size,
+            metadata.num_kv_splits, layer.scaling, layer.logit_cap, _kernel_window(layer),
         )
         return out.view(-1, layer.num_heads * v_dim)
 
@@ -257,6 +262,13 @@ class TritonAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded rows get length 1: one real (ignored) position, never an empty softmax."""
         return 1
+
+
+def _kernel_window(layer: AttentionLayerInfo) -> int:
+    """The engine's window W keeps keys with ``q_pos - k_pos < W`` (as Hugging Face does);
+    the kernels keep ``q_pos - k_pos <= w``, so they get ``W - 1``."""
+    w = layer.sliding_window_size
+    return w - 1 if w > 0 else -1
 
 
 def create(ctx: AttentionContext) -> TritonAttnBackend:

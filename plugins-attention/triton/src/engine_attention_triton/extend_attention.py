@@ -22,23 +22,30 @@ import triton
 import triton.language as tl
 
 from engine_attention_triton.jit_math import (
+    base2_scores,
     block_size,
     check_kernel_dtype,
     dot_precision,
-    soft_cap,
 )
 
 
 @triton.jit
-def _online_softmax_step(qk, keep, m_i, l_i, acc, v, DOT_PRECISION: tl.constexpr):
-    """Folds one block of base-2 scores (``keep`` marks live entries) into the state."""
-    qk = tl.where(keep, qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    # A query row can see no key of this block (causal/window mask, padding rows);
-    # subtracting 0 instead of -inf keeps exp2 at 0 instead of NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(qk - m_safe[:, None])
+def _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
+                MASKED: tl.constexpr, HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Folds one K/V block into the online-softmax state (``keep`` used when MASKED)."""
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
+    if MASKED:
+        qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A query row may see no key of this block (causal/window mask, padding rows);
+        # subtracting 0 instead of -inf keeps exp2 at 0 instead of NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(qk - m_use[:, None])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
@@ -87,6 +94,10 @@ def _extend_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_DIM
     q_pos = prefix_len + offs_m
+    k_cols = kv_head * stride_kbh + offs_d[None, :]
+    v_cols = kv_head * stride_vbh + offs_dv[None, :]
+    kn_cols = kv_head * stride_knh + offs_d[None, :]
+    vn_cols = kv_head * stride_vnh + offs_dv[None, :]
 
     q = tl.load(
         Q + (tok0 + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
@@ -96,66 +107,68 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    token_row = Req_To_Token + req * stride_r2t
 
-    # -- 1. the cached prefix, gathered from the pool -------------------------
-    lo = 0
+    # -- 1. the cached prefix, gathered from the pool ---------------------------
+    # Whole blocks need no score mask (only without a window); the rest are masked.
+    masked_lo = 0
     if SLIDING_WINDOW >= 0:
         # The block's first query (at prefix_len + m_start) sees nothing before this.
-        lo = tl.maximum(prefix_len + m_start - SLIDING_WINDOW, 0)
-    token_row = Req_To_Token + req * stride_r2t
-    for start in range(lo, prefix_len, BLOCK_N):
+        masked_lo = tl.maximum(prefix_len + m_start - SLIDING_WINDOW, 0)
+    else:
+        masked_lo = (prefix_len // BLOCK_N) * BLOCK_N
+        for start in range(0, masked_lo, BLOCK_N):
+            loc = tl.load(token_row + start + tl.arange(0, BLOCK_N)).to(tl.int64)
+            k = tl.load(K_Buf + loc[:, None] * stride_kbt + k_cols, mask=mask_d[None, :],
+                        other=0.0).to(q.dtype)
+            v = tl.load(V_Buf + loc[:, None] * stride_vbt + v_cols, mask=mask_dv[None, :],
+                        other=0.0).to(q.dtype)
+            m_i, l_i, acc = _fold_block(q, k, v, 0, m_i, l_i, acc, sm_scale, logit_cap,
+                                        False, HAS_CAP, DOT_PRECISION)
+    for start in range(masked_lo, prefix_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix_len
         loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K_Buf + loc[:, None] * stride_kbt + kv_head * stride_kbh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-        if HAS_CAP:
-            qk = soft_cap(qk, logit_cap)
+        k = tl.load(K_Buf + loc[:, None] * stride_kbt + k_cols,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        v = tl.load(V_Buf + loc[:, None] * stride_vbt + v_cols,
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q.dtype)
         keep = mask_n[None, :]
         if SLIDING_WINDOW >= 0:
             keep = keep & (q_pos[:, None] - offs_n[None, :] <= SLIDING_WINDOW)
-        v = tl.load(
-            V_Buf + loc[:, None] * stride_vbt + kv_head * stride_vbh + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(
-            qk * 1.4426950408889634, keep, m_i, l_i, acc, v, DOT_PRECISION
-        )
+        m_i, l_i, acc = _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
+                                    True, HAS_CAP, DOT_PRECISION)
 
-    # -- 2. the new tokens themselves, causal ---------------------------------
-    lo_new = 0
+    # -- 2. the new tokens themselves, causal -----------------------------------
+    # Blocks wholly before this query block are fully visible: no mask (without a
+    # window, and when BLOCK_N divides BLOCK_M so no block straddles m_start).
+    masked_lo = 0
     if SLIDING_WINDOW >= 0:
-        lo_new = tl.maximum(m_start - SLIDING_WINDOW, 0)
-    hi_new = tl.minimum(ext_len, m_start + BLOCK_M)
-    for start in range(lo_new, hi_new, BLOCK_N):
+        masked_lo = tl.maximum(m_start - SLIDING_WINDOW, 0)
+    elif BLOCK_M % BLOCK_N == 0:
+        masked_lo = m_start
+        for start in range(0, m_start, BLOCK_N):
+            offs_n = tok0 + start + tl.arange(0, BLOCK_N)
+            k = tl.load(K_New + offs_n[:, None] * stride_knt + kn_cols, mask=mask_d[None, :],
+                        other=0.0).to(q.dtype)
+            v = tl.load(V_New + offs_n[:, None] * stride_vnt + vn_cols, mask=mask_dv[None, :],
+                        other=0.0).to(q.dtype)
+            m_i, l_i, acc = _fold_block(q, k, v, 0, m_i, l_i, acc, sm_scale, logit_cap,
+                                        False, HAS_CAP, DOT_PRECISION)
+    # The loop stops at the block's last query: the upper triangle is never loaded.
+    hi = tl.minimum(ext_len, m_start + BLOCK_M)
+    for start in range(masked_lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi_new
-        k = tl.load(
-            K_New + (tok0 + offs_n)[:, None] * stride_knt + kv_head * stride_knh
-            + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-        if HAS_CAP:
-            qk = soft_cap(qk, logit_cap)
+        mask_n = offs_n < hi
+        k = tl.load(K_New + (tok0 + offs_n)[:, None] * stride_knt + kn_cols,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)
+        v = tl.load(V_New + (tok0 + offs_n)[:, None] * stride_vnt + vn_cols,
+                    mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q.dtype)
         keep = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
         if SLIDING_WINDOW >= 0:
             keep = keep & (offs_m[:, None] - offs_n[None, :] <= SLIDING_WINDOW)
-        v = tl.load(
-            V_New + (tok0 + offs_n)[:, None] * stride_vnt + kv_head * stride_vnh
-            + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        m_i, l_i, acc = _online_softmax_step(
-            qk * 1.4426950408889634, keep, m_i, l_i, acc, v, DOT_PRECISION
-        )
+        m_i, l_i, acc = _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
+                                    True, HAS_CAP, DOT_PRECISION)
 
     # Every live query sees at least itself, so l_i > 0 on the rows that are stored.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -173,7 +186,9 @@ def default_extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, 
         return 32, 32, 4, 2
     if head_dim > 128:
         return 64, 32, 4, 2
-    return 64, 64, 4, 2
+    # Measured on an H100 at Llama-3-8B shapes (bench_kernels.py --sweep): 64x64 tiles,
+    # 4 warps, 3 pipeline stages beat 128-row tiles and 8 warps at every shape tried.
+    return 64, 64, 4, 3
 
 
 def extend_attention_fwd(

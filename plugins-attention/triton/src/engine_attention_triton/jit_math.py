@@ -25,6 +25,17 @@ def soft_cap(x, cap):
     return cap * (1.0 - 2.0 / (e + 1.0))
 
 
+@triton.jit
+def base2_scores(qk, sm_scale, logit_cap, HAS_CAP: tl.constexpr):
+    """Raw ``q . k`` products -> base-2 softmax scores (scaled, soft-capped, times log2 e)."""
+    if HAS_CAP:
+        scores = soft_cap(qk * sm_scale, logit_cap) * 1.4426950408889634
+    else:
+        # One multiply per score: the scale and log2(e) fold into one scalar.
+        scores = qk * (sm_scale * 1.4426950408889634)
+    return scores
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """The ``input_precision`` for ``tl.dot`` on operands of ``dtype``.
 

@@ -1,0 +1,112 @@
+"""The CLI: version, plugins list, config show, generate, and exit status 2 on user errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from engine.cli import app
+
+runner = CliRunner()
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_version() -> None:
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and res.output.startswith("engine ")
+
+
+def test_plugins_list_json() -> None:
+    res = runner.invoke(app, ["plugins", "list", "--json"])
+    assert res.exit_code == 0
+    rows = {p["name"]: p for p in json.loads(res.output)}
+    assert rows["torch_native"]["distribution"] == "engine-attention-torch-native"
+    assert rows["torch_native"]["version"] == "0.1.0"
+    assert rows["torch_native"]["registers"] == {"attention": ["torch_native"]}
+
+
+def test_plugins_list_table() -> None:
+    res = runner.invoke(app, ["plugins", "list"])
+    assert res.exit_code == 0
+    assert "engine-models-llama" in res.output and "model: llama" in res.output
+
+
+def test_config_show_flags_override_yaml(tmp_path: pathlib.Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text("max_total_tokens: 4096\nschedule_policy: fcfs\npage_size: 4\n")
+    res = runner.invoke(app, ["config", "show", "--config", str(f), "--page-size", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["max_total_tokens"] == 4096 and data["page_size"] == 8
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["config", "show", "--dtype", "fp33"], "--dtype: invalid value 'fp33'"),
+    (["config", "show", "--plugin-option", "nodot"], "--plugin-option: invalid value 'nodot'"),
+])
+def test_config_errors_exit_2_one_line(args: list[str], needle: str) -> None:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.output
+
+
+def test_unknown_yaml_key_exit_2(tmp_path: pathlib.Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text("atention: torch_native\n")
+    res = runner.invoke(app, ["config", "show", "--config", str(f)])
+    assert res.exit_code == 2 and "unknown key 'atention' in" in res.output and "did you mean attention" in res.output
+
+
+def test_bad_yaml_exit_2(tmp_path: pathlib.Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text("a: [b\n")
+    res = runner.invoke(app, ["config", "show", "--config", str(f)])
+    assert res.exit_code == 2 and "invalid YAML" in res.output
+
+
+def test_generate_errors_exit_2(tmp_path: pathlib.Path, llama_ckpt: str) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [
+        (["--model-path", str(empty)], "has no config.json"),
+        (["--model-path", llama_ckpt, "--attention", "flashinfr"], "unknown attention backend 'flashinfr'"),
+        (["--model-path", llama_ckpt, "--schedule-policy", "lifo"], "unknown schedule policy 'lifo'"),
+        (["--model-path", llama_ckpt, "--platform", "tpu"], "unknown platform 'tpu'"),
+        (["--model-path", llama_ckpt, "--quant", "fp4"], "unknown quantization method 'fp4'"),
+    ]
+    for extra, needle in cases:
+        res = runner.invoke(app, ["generate", *extra])
+        assert res.exit_code == 2, (extra, res.output)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], res.output
+
+
+def test_unsupported_architecture_exit_2(tmp_path: pathlib.Path) -> None:
+    d = tmp_path / "gpt2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    res = runner.invoke(app, ["generate", "--model-path", str(d)])
+    assert res.exit_code == 2 and "no installed model plugin provides architecture 'GPT2LMHeadModel'" in res.output
+
+
+def test_generate_end_to_end_subprocess(llama_ckpt: str) -> None:
+    res = _run("generate", "--model-path", llama_ckpt, "--prompt", "Hello", "--max-new-tokens", "5")
+    assert res.returncode == 0, res.stderr
+    assert "5 generated tokens" in res.stderr
+
+
+def test_generate_error_subprocess_is_one_line(llama_ckpt: str) -> None:
+    res = _run("generate", "--model-path", llama_ckpt, "--attention", "nope")
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error: unknown attention backend 'nope'")

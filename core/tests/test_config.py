@@ -1,0 +1,84 @@
+"""ServerArgs: YAML, flags over file, validation messages, plugin options, required plugins."""
+
+from __future__ import annotations
+
+import pathlib
+import types
+
+import pytest
+
+from engine import plugins
+from engine.config import ServerArgs, check_required_plugins, load_yaml
+from engine.errors import ConfigError
+from engine.hookspecs import PluginOption, hookimpl
+
+
+def test_defaults_validate() -> None:
+    args = ServerArgs()
+    args.validate()
+    assert args.schedule_policy == "fcfs" and args.page_size == 1
+
+
+def test_unknown_key_suggests_closest() -> None:
+    with pytest.raises(ConfigError, match="unknown key 'max_total_token' .*did you mean max_total_tokens"):
+        ServerArgs.from_dict({"max_total_token": 5})
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("dtype", "fp32", "--dtype: invalid value 'fp32'; accepted: auto, float32, bfloat16, float16"),
+    ("page_size", 0, "--page-size: invalid value 0; accepted: an integer >= 1"),
+    ("mem_fraction_static", 1.5, "--mem-fraction-static: invalid value 1.5"),
+    ("max_total_tokens", "lots", "max_total_tokens: invalid value 'lots'; expected an integer"),
+    ("disable_radix_cache", "yes", "disable_radix_cache: invalid value 'yes'; expected true/false"),
+    ("tp_size", 2, "--tp-size: invalid value 2"),
+])
+def test_invalid_values_name_field_value_and_accepted(key: str, value: object, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        ServerArgs.from_dict({key: value})
+    assert needle in str(err.value)
+
+
+def test_yaml_and_overrides(tmp_path: pathlib.Path) -> None:
+    f = tmp_path / "deploy.yaml"
+    f.write_text("attention: torch_native\nmax-total-tokens: 4096\nschedule_policy: fcfs\n")
+    args = ServerArgs.from_yaml(str(f), overrides={"max_total_tokens": 1024})
+    assert args.attention == "torch_native" and args.max_total_tokens == 1024
+
+
+def test_bad_yaml_is_one_line_error(tmp_path: pathlib.Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("attention: [torch_native\n")
+    with pytest.raises(ConfigError, match=r"invalid YAML in .*bad.yaml at line \d+"):
+        load_yaml(str(f))
+    g = tmp_path / "list.yaml"
+    g.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_yaml(str(g))
+    with pytest.raises(ConfigError, match="file not found"):
+        load_yaml(str(tmp_path / "missing.yaml"))
+
+
+def test_required_plugins() -> None:
+    check_required_plugins(["engine-attention-torch-native>=0.1", "engine-core"])
+    with pytest.raises(ConfigError, match="'engine-attention-nope' is not installed"):
+        check_required_plugins(["engine-attention-nope"])
+    with pytest.raises(ConfigError, match="0.1.0 is installed but 'engine-core>=99' is required"):
+        check_required_plugins(["engine-core>=99"])
+    with pytest.raises(ConfigError, match="invalid requirement"):
+        check_required_plugins(["not a requirement !!"])
+
+
+def test_plugin_options_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.entrypoints.launch import _check_plugin_options
+
+    @hookimpl
+    def register_plugin_options(register):  # type: ignore[no-untyped-def]
+        register(PluginOption(plugin="torch_native", key="block", default=64, help="tile size"))
+
+    mod = types.ModuleType("opts")
+    mod.register_plugin_options = register_plugin_options  # type: ignore[attr-defined]
+    reg = plugins.PluginRegistry(extra_plugins=[("opts", mod)])
+    monkeypatch.setattr(plugins, "get_registry", lambda disabled=(): reg)
+    _check_plugin_options(ServerArgs.from_dict({"plugin_options": {"torch_native": {"block": 32}}}))
+    with pytest.raises(ConfigError, match="unknown option 'torch_native.blok'; declared: torch_native.block"):
+        _check_plugin_options(ServerArgs.from_dict({"plugin_options": {"torch_native": {"blok": 32}}}))

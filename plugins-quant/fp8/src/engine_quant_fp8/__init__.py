@@ -1,0 +1,19 @@
+"""The ``fp8`` quantization plugin: float8_e4m3fn weights with per-output-channel scales.
+
+Registration only; the config, method and kernels import when ``fp8`` is selected.
+"""
+
+from __future__ import annotations
+
+from engine.hookspecs import QuantMethodSpec, hookimpl
+
+
+@hookimpl
+def register_quantization_methods(register):  # type: ignore[no-untyped-def]
+    register(QuantMethodSpec(
+        name="fp8",
+        factory="engine_quant_fp8.config:Fp8Config.from_config",
+        description="FP8 e4m3 weights, per-channel scales; fp8 GEMM on CUDA sm89+, dequantized elsewhere",
+        device_types=("cuda", "cpu"),
+        checkpoint_methods=("fp8",),
+    ))

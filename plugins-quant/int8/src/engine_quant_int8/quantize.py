@@ -1,0 +1,45 @@
+"""Symmetric int8 quantize / dequantize maths for weights (per channel) and activations (per token).
+
+``x ~= q * scale`` with ``q`` in ``[-127, 127]``: -128 is never produced, so the grid is
+symmetric and negating a tensor negates its codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+# An all-zero row would give scale 0 and 0/0 = NaN; any positive floor keeps q = 0.
+_MIN_SCALE = 1e-12
+
+
+def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Float32 maths on every device, so CPU and CUDA produce bit-identical codes and scales.
+    x = x.float()
+    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=_MIN_SCALE)
+    q = torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``weight [out, in]`` with one scale per output row.
+
+    Returns:
+        ``(q [out, in] int8, scale [out] float32)``.
+    """
+    q, scale = _quantize_rows(weight)
+    return q, scale.squeeze(-1)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes activations ``x [tokens, in]`` with a dynamic scale per token.
+
+    Returns:
+        ``(q [tokens, in] int8, scale [tokens, 1] float32)``.
+    """
+    return _quantize_rows(x)
+
+
+def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q [out, in] * scale [out]`` in float32, then cast to ``dtype``."""
+    return (q.float() * scale.float()[:, None]).to(dtype)
