@@ -210,6 +210,15 @@ def config_show(server_args: ServerArgs, as_json: bool) -> None:
     typer.echo(json.dumps(data, indent=2) if as_json else yaml.safe_dump(data, sort_keys=False).rstrip())
 
 
+def _register_subcommands() -> None:
+    from engine.cli_bench import bench_app
+
+    app.add_typer(bench_app, name="bench")
+
+
+_register_subcommands()
+
+
 def main() -> None:
     try:
         app(standalone_mode=True)

@@ -73,7 +73,6 @@ class ServerArgs:
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health")
     stream_interval: int = opt(1, "Stream to the client every N generated tokens")
     log_level: str = opt("info", "Log verbosity", LOG_LEVELS)
-    watchdog_timeout: float = opt(300.0, "Seconds a forward step may take before the scheduler is declared hung")
 
     # ---------------------------------------------------------------------
     @classmethod

@@ -52,7 +52,21 @@ class ModelRunner:
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
         self.sampler = Sampler()
+        self.cuda_graph_runner = self._maybe_capture_graphs()
 
+    def _maybe_capture_graphs(self) -> Any:
+        args = self.args
+        if args.disable_cuda_graph or not self.platform.supports_graph_capture():
+            return None
+        if not getattr(self.attn_backend, "supports_cuda_graph", False):
+            logger.info("attention backend '%s' cannot be captured; CUDA graphs off", self.attention_backend_name)
+            return None
+        warmup = getattr(self.attn_backend, "warmup", None)
+        if callable(warmup):
+            warmup()
+        from engine.model_executor.cuda_graph_runner import CudaGraphRunner
+
+        return CudaGraphRunner(self, args.cuda_graph_max_bs)
     # -- set-up -------------------------------------------------------------
     def _init_pools(self, free_before: int) -> None:
         args = self.args
@@ -116,6 +130,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        graphs = self.cuda_graph_runner
+        if graphs is not None and graphs.can_run(forward_batch):
+            return graphs.replay(forward_batch)
         self.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)

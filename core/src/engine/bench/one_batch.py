@@ -1,0 +1,111 @@
+"""``engine bench one-batch``: latency of one static batch (prefill, then decode steps).
+
+Runs the real scheduler-side path in-process (ScheduleBatch -> ForwardBatch ->
+ModelRunner, CUDA graphs included) without queueing, like SGLang's bench_one_batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.config import ServerArgs
+
+
+@dataclass
+class OneBatchResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_latency_s: float
+    prefill_throughput: float  # input tokens / s
+    median_decode_latency_s: float
+    median_decode_throughput: float  # output tokens / s over the batch
+    total_latency_s: float
+    overall_throughput: float  # (input + output) tokens / s
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> OneBatchResult:
+    from engine.managers.schedule_batch import Req, ScheduleBatch
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+    from engine.sampling.sampling_params import SamplingParams
+
+    runner = scheduler.runner
+    gen = torch.Generator().manual_seed(seed)
+    vocab = runner.vocab_size
+    reqs = []
+    for i in range(batch_size):
+        ids = torch.randint(0, vocab, (input_len,), generator=gen).tolist()
+        req = Req(f"bench-{i}", ids, SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True), set())
+        req.fill_ids = list(ids)
+        req.extend_input_len = input_len
+        reqs.append(req)
+    batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
+                          scheduler.tree_cache, runner.device)
+    _sync(runner.device)
+    start = time.perf_counter()
+    fb = batch.prepare_for_extend()
+    fb.sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device)
+    ids = runner.sample(runner.forward(fb), fb).next_token_ids.tolist()
+    prefill = time.perf_counter() - start
+    for req, tok in zip(reqs, ids):
+        req.output_ids.append(tok)
+    decode_lat: list[float] = []
+    info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device)
+    for _ in range(output_len - 1):
+        t = time.perf_counter()
+        fb = batch.prepare_for_decode()
+        fb.sampling_info = info
+        ids = runner.sample(runner.forward(fb), fb).next_token_ids.tolist()
+        for req, tok in zip(reqs, ids):
+            req.output_ids.append(tok)
+        decode_lat.append(time.perf_counter() - t)
+    total = time.perf_counter() - start
+    # Give the KV back so the next configuration starts from an empty pool.
+    for req in reqs:
+        slots = runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1].long()
+        runner.token_to_kv_pool_allocator.free(slots)
+        runner.req_to_token_pool.free(req.req_pool_idx)
+    med = statistics.median(decode_lat) if decode_lat else float("nan")
+    return OneBatchResult(batch_size, input_len, output_len, prefill, batch_size * input_len / prefill, med,
+                          batch_size / med if decode_lat else float("nan"), total,
+                          batch_size * (input_len + output_len) / total)
+
+
+def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
+                    result_file: str | None = None, warmup: bool = True) -> list[OneBatchResult]:
+    from engine.entrypoints.launch import resolve_model_path
+    from engine.managers.scheduler import Scheduler
+
+    model_path = resolve_model_path(args)
+    scheduler = Scheduler(args, model_path)
+    results = []
+    if warmup:
+        run_one(scheduler, batch_sizes[0], min(input_lens[0], 32), 4)
+    for bs, il, ol in itertools.product(batch_sizes, input_lens, output_lens):
+        res = run_one(scheduler, bs, il, ol)
+        results.append(res)
+        print(f"batch {bs} input {il} output {ol}: prefill {res.prefill_latency_s * 1e3:.2f} ms "
+              f"({res.prefill_throughput:.0f} tok/s), median decode {res.median_decode_latency_s * 1e3:.3f} ms "
+              f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s", flush=True)
+        if result_file:
+            with open(result_file, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"bench": "one-batch", "device": scheduler.runner.platform.describe(),
+                                    "attention": scheduler.runner.attention_backend_name,
+                                    "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
+                                    **res.to_dict()}) + "\n")
+    return results

@@ -1,0 +1,123 @@
+"""``engine bench``: one-batch, offline, serving (SGLang-compatible flags and metrics)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import typing
+from typing import Any, Optional
+
+import typer
+
+from engine.cli import _opt, fail, with_server_args
+from engine.config import ServerArgs
+
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving.")
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        fail(f"{flag}: invalid value {text!r}; expected integers separated by spaces or commas")
+    if not values or min(values) < 1:
+        fail(f"{flag}: invalid value {text!r}; expected integers >= 1")
+    return values
+
+
+@bench_app.command("one-batch")
+@with_server_args([
+    _opt("batch_size", str, "1", "--batch-size", help="Batch sizes, e.g. '1 8 64'"),
+    _opt("input_len", str, "1024", "--input-len", help="Prompt lengths"),
+    _opt("output_len", str, "16", "--output-len", help="Generated tokens"),
+    _opt("result_file", Optional[str], None, "--result-file", help="Append JSON lines here"),
+])
+def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, output_len: str,
+                  result_file: str | None) -> None:
+    """Static-batch latency: prefill, then median decode step, for each size combination."""
+    from engine.bench.one_batch import bench_one_batch
+
+    bench_one_batch(server_args, _ints(batch_size, "--batch-size"), _ints(input_len, "--input-len"),
+                    _ints(output_len, "--output-len"), result_file)
+
+
+_DATASET_OPTS = [
+    _opt("dataset_name", str, "random", "--dataset-name", help="random | sharegpt-file | generated-shared-prefix"),
+    _opt("dataset_path", Optional[str], None, "--dataset-path", help="ShareGPT JSON file (sharegpt-file)"),
+    _opt("num_prompts", int, 1000, "--num-prompts", help="Requests to run"),
+    _opt("random_input_len", int, 1024, "--random-input-len", help="Longest random prompt"),
+    _opt("random_output_len", int, 1024, "--random-output-len", help="Longest random output"),
+    _opt("random_range_ratio", float, 0.0, "--random-range-ratio", help="Lengths drawn in [len*ratio, len]"),
+    _opt("gsp_num_groups", int, 64, "--gsp-num-groups", help="Shared system prompts"),
+    _opt("gsp_prompts_per_group", int, 16, "--gsp-prompts-per-group", help="Questions per system prompt"),
+    _opt("gsp_system_prompt_len", int, 2048, "--gsp-system-prompt-len", help="System prompt tokens"),
+    _opt("gsp_question_len", int, 128, "--gsp-question-len", help="Question tokens"),
+    _opt("gsp_output_len", int, 256, "--gsp-output-len", help="Output tokens"),
+    _opt("seed", int, 1, "--seed", help="Dataset seed"),
+]
+
+
+@bench_app.command("offline")
+@with_server_args(_DATASET_OPTS + [
+    _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),
+])
+def offline_cmd(server_args: ServerArgs, result_file: str | None, **dataset: Any) -> None:
+    """Offline throughput of the whole Engine on a dataset (every request submitted at once)."""
+    from engine.bench.datasets import DATASET_NAMES, DatasetArgs
+    from engine.bench.offline import bench_offline
+
+    if dataset["dataset_name"] not in DATASET_NAMES:
+        fail(f"--dataset-name: invalid value {dataset['dataset_name']!r}; accepted: {', '.join(DATASET_NAMES)}")
+    try:
+        data = DatasetArgs(**dataset)
+        bench_offline(server_args, data, result_file)
+    except (ValueError, FileNotFoundError) as exc:
+        fail(str(exc))
+
+
+def _serving_params() -> list[inspect.Parameter]:
+    from engine.bench.serving_args import BenchServingArgs
+
+    hints = typing.get_type_hints(BenchServingArgs)
+    params = []
+    for f in dataclasses.fields(BenchServingArgs):
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        base = typing.get_origin(args[0] if args else hint) or (args[0] if args else hint)
+        flag = "--" + f.name.replace("_", "-")
+        if base is bool:
+            ann: Any = bool
+            decls = [f"{flag}/--no-{flag[2:]}"]
+        elif base in (int, float, str):
+            ann = Optional[base] if type(None) in typing.get_args(hint) else base
+            decls = [flag]
+        else:  # dicts arrive as JSON text
+            ann, decls = Optional[str], [flag]
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, float) and math.isinf(default):
+            ann, default = str, "inf"
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=ann,
+                                        default=typer.Option(default, *decls)))
+    return params
+
+
+def serving_cmd(**kwargs: Any) -> None:
+    """Online serving benchmark against any OpenAI-compatible or /generate server."""
+    from engine.bench.serving import benchmark_serving
+    from engine.bench.serving_args import BenchServingArgs
+
+    try:
+        rate = kwargs.get("request_rate")
+        if isinstance(rate, str):
+            kwargs["request_rate"] = float(rate)
+        if isinstance(kwargs.get("extra_request_body"), str):
+            kwargs["extra_request_body"] = json.loads(kwargs["extra_request_body"])
+        benchmark_serving(BenchServingArgs(**kwargs))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        fail(str(exc))
+
+
+serving_cmd.__signature__ = inspect.Signature(_serving_params())  # type: ignore[attr-defined]
+bench_app.command("serving")(serving_cmd)

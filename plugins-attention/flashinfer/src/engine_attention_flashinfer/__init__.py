@@ -1,0 +1,28 @@
+"""The ``flashinfer`` attention plugin: FlashInfer's paged prefill and decode kernels.
+
+Importing this module registers the backend and its option only; neither
+flashinfer nor CUDA is imported until the backend is selected (``--attention flashinfer``).
+Install the library with the ``flashinfer`` extra: ``pip install engine-attention-flashinfer[flashinfer]``.
+"""
+
+from __future__ import annotations
+
+from engine.hookspecs import AttentionBackendSpec, PluginOption, hookimpl
+from engine_attention_flashinfer.options import DEFAULT_OPTIONS
+
+
+@hookimpl
+def register_attention_backends(register):  # type: ignore[no-untyped-def]
+    register(AttentionBackendSpec(
+        name="flashinfer",
+        factory="engine_attention_flashinfer.backend:create",
+        description="FlashInfer paged prefill/decode (GQA tensor cores, sliding window, soft cap, CUDA graphs)",
+        device_types=("cuda",),
+        supports_cuda_graph=True,
+    ))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    register(PluginOption(plugin="flashinfer", key="workspace_mb", default=DEFAULT_OPTIONS["workspace_mb"],
+                          help="FlashInfer float workspace shared by all wrappers, in MiB"))

@@ -1,0 +1,140 @@
+"""CUDA platform: NVIDIA GPUs through PyTorch's CUDA build.
+
+Every probe is lazy: constructing ``CudaPlatform`` or importing this module never
+initialises CUDA, so the registry can ask ``is_available()`` in any process
+(tokenizer side included) without creating a device context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from engine.platforms import Platform
+
+#: Attention backend preferred when its plugin is registered and ``flashinfer`` imports.
+PREFERRED_ATTENTION = "flashinfer"
+#: Always-available GPU attention backend (this project's own Triton kernels).
+FALLBACK_ATTENTION = "triton"
+
+# Share of GPU memory for weights + KV pool when --mem-fraction-static is unset. SGLang
+# uses 0.88 on 80 GB-class GPUs (H100/H200/A100-80G): the remaining 12% holds
+# activations, CUDA-graph memory pools, the NCCL buffers and the attention workspaces.
+# Smaller cards need a lower value; operators set --mem-fraction-static there.
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+
+# fp8 KV caches / weights need Ada (sm_89) or newer for native conversion instructions.
+_FP8_MIN_CAPABILITY = (8, 9)
+
+
+def _flashinfer_importable() -> bool:
+    """True when the ``flashinfer`` package can be found (found, not imported: importing
+    it pulls in CUDA libraries and JIT machinery)."""
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+class CudaPlatform(Platform):
+    """NVIDIA GPUs: NCCL collectives, CUDA graphs, overlap scheduling, bf16 by default."""
+
+    name = "cuda"
+    device_type = "cuda"
+
+    # -- availability ------------------------------------------------------
+    def is_available(self) -> bool:
+        """A CUDA (not ROCm) build of torch that sees at least one GPU."""
+        # ROCm builds also answer torch.cuda.is_available(); they belong to a rocm platform.
+        return torch.version.hip is None and torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if torch.version.hip is not None:
+            return (f"torch {torch.__version__} is a ROCm build (HIP {torch.version.hip}); "
+                    "the cuda platform needs a CUDA build (use a rocm platform plugin)")
+        if torch.version.cuda is None:
+            return (f"torch {torch.__version__} is a CPU-only build; "
+                    "install a CUDA build of torch to use the cuda platform")
+        if not torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            hint = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+            return f"no CUDA GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}){hint}"
+        return "available"
+
+    # -- devices -----------------------------------------------------------
+    def device(self, local_rank: int = 0) -> torch.device:
+        """``cuda:{local_rank}``: one GPU per local rank (CUDA_VISIBLE_DEVICES picks which)."""
+        count = torch.cuda.device_count()
+        if count and not 0 <= local_rank < count:
+            raise ValueError(
+                f"local rank {local_rank} has no GPU: {count} visible (cuda:0..cuda:{count - 1}); "
+                "lower --tp-size or widen CUDA_VISIBLE_DEVICES"
+            )
+        return torch.device("cuda", local_rank)
+
+    def set_device(self, device: torch.device) -> None:
+        """Makes ``device`` current so kernels and NCCL communicators of this process use it."""
+        torch.cuda.set_device(device)
+
+    def distributed_backend(self) -> str:
+        return "nccl"
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        """(free, total) bytes as the driver reports them (other processes' use included)."""
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+
+    def default_mem_fraction_static(self) -> float:
+        return DEFAULT_MEM_FRACTION_STATIC
+
+    # -- policies ----------------------------------------------------------
+    def default_attention_backend(self) -> str:
+        """``flashinfer`` when its plugin is registered and the library is installed, else ``triton``."""
+        from engine import plugins
+
+        if PREFERRED_ATTENTION in plugins.attention_backends() and _flashinfer_importable():
+            return PREFERRED_ATTENTION
+        return FALLBACK_ATTENTION
+
+    def default_dtype(self) -> torch.dtype:
+        """bfloat16 where the GPU has it (sm_80+), else float16 (V100, T4)."""
+        if self.is_available() and not torch.cuda.is_bf16_supported():
+            return torch.float16
+        return torch.bfloat16
+
+    def supports_dtype(self, dtype: torch.dtype) -> bool:
+        if not self.is_available():
+            return False
+        if dtype == torch.bfloat16:
+            return torch.cuda.is_bf16_supported()
+        if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return torch.cuda.get_device_capability() >= _FP8_MIN_CAPABILITY
+        return dtype in (torch.float16, torch.float32)
+
+    def supports_graph_capture(self) -> bool:
+        return True
+
+    def supports_overlap_schedule(self) -> bool:
+        return True
+
+    # -- housekeeping --------------------------------------------------------
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+    def seed_everything(self, seed: int) -> None:
+        # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
+        torch.manual_seed(seed)
+
+    def describe(self) -> str:
+        """e.g. ``cuda:0 NVIDIA H100 80GB HBM3 (sm_90, 79.1 GiB, 132 SMs), CUDA 13.0, torch 2.11.0``."""
+        if not self.is_available():
+            return f"cuda (unavailable: {self.unavailable_reason()})"
+        index = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return (
+            f"cuda:{index} {props.name} (sm_{props.major}{props.minor}, "
+            f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs), "
+            f"CUDA {torch.version.cuda}, torch {torch.__version__}"
+        )

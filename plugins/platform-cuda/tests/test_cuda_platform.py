@@ -1,0 +1,94 @@
+"""The cuda platform: conformance kit everywhere, device probes on a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine import plugins
+from engine.hookspecs import resolve_factory
+from engine.testing import PlatformConformance
+
+_HAS_GPU = torch.cuda.is_available() and torch.version.hip is None
+
+
+def _platform():  # type: ignore[no-untyped-def]
+    return resolve_factory(plugins.get_platform_spec("cuda").factory)()
+
+
+class TestCudaPlatform(PlatformConformance):
+    platform_name = "cuda"
+
+
+def test_registered_as_a_claimant_not_a_fallback() -> None:
+    spec = plugins.get_platform_spec("cuda")
+    assert spec.device_type == "cuda" and not spec.fallback
+
+
+def test_import_and_probe_do_not_initialise_cuda() -> None:
+    # The registry constructs every platform and asks is_available() in every process.
+    code = (
+        "import torch, engine_platform_cuda\n"
+        "from engine_platform_cuda.platform import CudaPlatform\n"
+        "p = CudaPlatform(); p.is_available(); p.unavailable_reason(); p.default_attention_backend()\n"
+        "print(torch.cuda.is_initialized())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_reports_why_unavailable() -> None:
+    platform = _platform()
+    if platform.is_available():
+        pytest.skip("a CUDA GPU is present")
+    reason = platform.unavailable_reason()
+    assert "torch" in reason and reason != "available"
+    assert "unavailable" in platform.describe()
+
+
+def test_default_attention_prefers_flashinfer_only_when_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_platform_cuda import platform as module
+
+    platform = _platform()
+    monkeypatch.setattr(module, "_flashinfer_importable", lambda: False)
+    assert platform.default_attention_backend() == "triton"
+    monkeypatch.setattr(module, "_flashinfer_importable", lambda: True)
+    expected = "flashinfer" if "flashinfer" in plugins.attention_backends() else "triton"
+    assert platform.default_attention_backend() == expected
+
+
+def test_policies() -> None:
+    platform = _platform()
+    assert platform.distributed_backend() == "nccl"
+    assert platform.default_mem_fraction_static() == 0.88
+    assert platform.supports_graph_capture() and platform.supports_overlap_schedule()
+    assert platform.default_dtype() in (torch.bfloat16, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_GPU, reason="needs a CUDA GPU")
+def test_device_and_memory_probes() -> None:
+    platform = _platform()
+    assert platform.is_available()
+    device = platform.device(0)
+    assert device == torch.device("cuda", 0)
+    platform.set_device(device)
+    assert torch.cuda.current_device() == 0
+    free, total = platform.memory_info(device)
+    assert 0 < free <= total
+    # Allocating 256 MiB must show up in the driver's free-memory count.
+    block = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    free_after, _ = platform.memory_info(device)
+    assert free_after <= free - (200 << 20)
+    del block
+    platform.empty_cache()
+    platform.synchronize()
+    with pytest.raises(ValueError, match="local rank"):
+        platform.device(torch.cuda.device_count())
+    text = platform.describe()
+    props = torch.cuda.get_device_properties(0)
+    assert props.name in text and f"sm_{props.major}{props.minor}" in text
+    assert platform.supports_dtype(torch.float16) and platform.supports_dtype(torch.float32)

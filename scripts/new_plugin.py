@@ -1,0 +1,97 @@
+"""Creates a new plugin distribution from plugins/_template.
+
+usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
+KIND: attention | quant | model | policy | platform
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "_template"
+
+KINDS = {
+    "attention": dict(
+        hook="register_attention_backends", spec_cls="AttentionBackendSpec", kit="AttentionBackendConformance",
+        spec='AttentionBackendSpec(name="{name}", factory="{package}.impl:create", device_types=("cpu", "cuda"))',
+        kit_attrs='    backend_name = "{name}"',
+        impl=('from engine.attention import AttentionContext\n'
+              'from engine_attention_torch_native.backend import TorchNativeAttnBackend\n\n\n'
+              'class Backend(TorchNativeAttnBackend):\n    """Starts as the reference backend; replace forward_extend/forward_decode."""\n\n\n'
+              'def create(ctx: AttentionContext) -> Backend:\n    return Backend(ctx)\n')),
+    "policy": dict(
+        hook="register_schedule_policies", spec_cls="SchedulePolicySpec", kit="SchedulePolicyConformance",
+        spec='SchedulePolicySpec(name="{name}", factory="{package}.impl:Policy")',
+        kit_attrs='    policy_name = "{name}"',
+        impl=('from engine.managers.policy import PolicyContext, SchedulePolicy\n\n\n'
+              'class Policy(SchedulePolicy):\n    def order(self, queue, ctx: PolicyContext):  # type: ignore[no-untyped-def]\n'
+              '        return sorted(queue, key=lambda r: r.arrival_seq)\n')),
+    "platform": dict(
+        hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",
+        spec='PlatformSpec(name="{name}", factory="{package}.impl:MyPlatform", device_type="cpu")',
+        kit_attrs='    platform_name = "{name}"',
+        impl=('from engine_platform_cpu.platform import CpuPlatform\n\n\n'
+              'class MyPlatform(CpuPlatform):\n    name = "{name}"\n\n    def is_available(self) -> bool:\n'
+              '        return False  # claim the machine only when your device is present\n\n'
+              '    def unavailable_reason(self) -> str:\n        return "not implemented yet"\n')),
+    "quant": dict(
+        hook="register_quantization_methods", spec_cls="QuantMethodSpec", kit="QuantMethodConformance",
+        spec='QuantMethodSpec(name="{name}", factory="{package}.impl:Config.from_config", device_types=("cpu", "cuda"))',
+        kit_attrs='    method_name = "{name}"\n    max_rel_error = 1e-6',
+        impl=('from engine.layers.linear import UnquantizedLinearMethod\n'
+              'from engine.layers.quantization import QuantizationConfig\n\n\n'
+              'class Config(QuantizationConfig):\n    name = "{name}"\n\n    @classmethod\n'
+              '    def from_config(cls, config):  # type: ignore[no-untyped-def]\n        return cls()\n\n'
+              '    def get_linear_method(self, layer, prefix):  # type: ignore[no-untyped-def]\n'
+              '        return UnquantizedLinearMethod()  # replace with your LinearMethodBase\n')),
+    "model": dict(
+        hook="register_models", spec_cls="ModelSpec", kit="ModelConformance",
+        spec='ModelSpec(name="{name}", architectures=("MyForCausalLM",), factory="{package}.impl:MyForCausalLM")',
+        kit_attrs='    architecture = "LlamaForCausalLM"  # the HF architecture your class reproduces',
+        impl=('from engine_models_llama.llama import LlamaForCausalLM\n\n\n'
+              'class MyForCausalLM(LlamaForCausalLM):\n    """Start from the Llama implementation and change what differs."""\n')),
+}
+
+
+def render(text: str, values: dict[str, str]) -> str:
+    for key, value in values.items():
+        text = text.replace("{{" + key + "}}", value)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("kind", choices=sorted(KINDS))
+    ap.add_argument("name")
+    ap.add_argument("--dest", default=None)
+    args = ap.parse_args(argv)
+    if not args.name.isidentifier():
+        print(f"error: name {args.name!r} must be a Python identifier (letters, digits, _)", file=sys.stderr)
+        return 2
+    kind = KINDS[args.kind]
+    package = f"engine_{args.kind}_{args.name}"
+    distribution = f"engine-{args.kind}-{args.name.replace('_', '-')}"
+    values = {"kind": args.kind, "name": args.name, "package": package, "distribution": distribution,
+              "class_name": "".join(p.title() for p in args.name.split("_")), "hook": kind["hook"],
+              "kit": kind["kit"], "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
+    for key in ("spec", "kit_attrs", "impl"):
+        values[key] = kind[key].format(name=args.name, package=package)
+    dest = pathlib.Path(args.dest or distribution)
+    if dest.exists() and any(dest.iterdir()):
+        print(f"error: --dest {dest} exists and is not empty", file=sys.stderr)
+        return 2
+    for src in TEMPLATE.rglob("*.tmpl"):
+        rel = str(src.relative_to(TEMPLATE))[: -len(".tmpl")]
+        rel = rel.replace("engine_KIND_NAME", package).replace("KIND_NAME", f"{args.kind}_{args.name}")
+        out = dest / rel
+        os.makedirs(out.parent, exist_ok=True)
+        out.write_text(render(src.read_text(encoding="utf-8"), values), encoding="utf-8")
+    print(f"created {distribution} in {dest}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
