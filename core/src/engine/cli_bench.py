@@ -121,3 +121,14 @@ def serving_cmd(**kwargs: Any) -> None:
 
 serving_cmd.__signature__ = inspect.Signature(_serving_params())  # type: ignore[attr-defined]
 bench_app.command("serving")(serving_cmd)
+
+
+@bench_app.command("scheduler")
+def scheduler_cmd(
+    running: str = typer.Option("64 256 1024", "--running-requests", help="Running-batch sizes to time"),
+    result_file: Optional[str] = typer.Option(None, "--result-file", help="Append JSON lines here"),
+) -> None:
+    """Scheduler and radix-cache CPU overhead with a null model (no device needed)."""
+    from engine.bench.scheduler_bench import bench_scheduler
+
+    bench_scheduler(_ints(running, "--running-requests"), result_file)

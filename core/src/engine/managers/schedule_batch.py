@@ -211,15 +211,26 @@ class ScheduleBatch:
 
     def prepare_for_decode(self) -> ForwardBatch:
         self.forward_mode = ForwardMode.DECODE
-        seq_lens = [r.seqlen for r in self.reqs]
-        last_locs = [self._last_loc(r, s - 1) for r, s in zip(self.reqs, seq_lens)]
+        reqs = self.reqs
+        seq_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        slots = [r.req_pool_idx for r in reqs]
+        r2t = self.req_to_token_pool.req_to_token
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        pos_t = torch.tensor(seq_lens, dtype=torch.int64) - 1
+        if self.allocator.page_size == 1:
+            last_locs = [-1] * len(reqs)  # unused without pages
+        else:
+            last_locs = r2t[slot_t.to(r2t.device), (pos_t - 1).to(r2t.device)].tolist()
         out_cache_loc = self._alloc_tokens([s - 1 for s in seq_lens], seq_lens, last_locs)
-        for req, s, loc in zip(self.reqs, seq_lens, out_cache_loc.tolist()):
-            self.req_to_token_pool.req_to_token[req.req_pool_idx, s - 1] = loc
-        input_ids = [r.output_ids[-1] for r in self.reqs]
-        return ForwardBatch.build(
-            ForwardMode.DECODE, input_ids, [r.req_pool_idx for r in self.reqs], seq_lens,
-            [s - 1 for s in seq_lens], out_cache_loc, self.device)
+        dev = self.device
+        slot_d, pos_d = slot_t.to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True)
+        r2t[slot_d, pos_d] = out_cache_loc.to(device=r2t.device, dtype=r2t.dtype)
+        input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
+            input_ids=input_ids.to(dev, non_blocking=True), req_pool_indices=slot_d,
+            seq_lens=(pos_d + 1), out_cache_loc=out_cache_loc.to(dev, non_blocking=True),
+            positions=pos_d, seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens))
 
     # -- membership -----------------------------------------------------------
     def filter(self, keep: list[Req] | None = None) -> None:

@@ -389,9 +389,10 @@ class Scheduler:
             input_token_logprobs=[], input_top_logprobs=[], prompt_tail_ids=[])
         for req in send:
             p = req.sampling_params
+            start = req.send_offset
             out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.send_offset :])
-            out.prompt_tail_ids.append(req.origin_input_ids[-16:] if req.send_offset == 0 else None)
+            out.new_token_ids.append(req.output_ids[start:])
+            out.prompt_tail_ids.append(req.origin_input_ids[-16:] if start == 0 else None)
             out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
@@ -400,17 +401,23 @@ class Scheduler:
             out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
             out.stop_strings.append(p.stop)
             out.no_stop_trim.append(p.no_stop_trim)
-            out.output_token_logprobs.append(req.output_token_logprobs[req.send_offset :])
-            out.output_top_logprobs.append(req.output_top_logprobs[req.send_offset :])
-            if req.return_logprob and not req.input_logprobs_sent and req.input_token_logprobs is not None and not req.is_chunked:
-                out.input_token_logprobs.append(req.input_token_logprobs)
-                out.input_top_logprobs.append(req.input_top_logprobs)
-                req.input_logprobs_sent = True
+            if req.return_logprob:
+                out.output_token_logprobs.append(req.output_token_logprobs[start:])
+                out.output_top_logprobs.append(req.output_top_logprobs[start:])
+                if not req.input_logprobs_sent and req.input_token_logprobs is not None and not req.is_chunked:
+                    out.input_token_logprobs.append(req.input_token_logprobs)
+                    out.input_top_logprobs.append(req.input_top_logprobs)
+                    req.input_logprobs_sent = True
+                else:
+                    out.input_token_logprobs.append(None)
+                    out.input_top_logprobs.append(None)
             else:
+                out.output_token_logprobs.append(None)
+                out.output_top_logprobs.append(None)
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
             req.send_offset = len(req.output_ids)
-            if req.finished():
+            if req.finished_reason is not None:
                 self.reqs.pop(req.rid, None)
         self.outbox.append(out)
 

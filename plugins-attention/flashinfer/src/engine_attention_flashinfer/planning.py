@@ -90,7 +90,7 @@ def build_paged_kv_layout(
     counts_cpu = pages_per_row(seq_lens_cpu, page_size)
     indptr = [0, *accumulate(counts_cpu)]
     total = indptr[-1]
-    last = [s - (n - 1) * page_size if n else 0 for s, n in zip(seq_lens_cpu, counts_cpu)]
+    last = [s - (n - 1) * page_size if n else 0 for s, n in zip(seq_lens_cpu, counts_cpu, strict=True)]
 
     counts = torch.div(seq_lens.to(torch.int64) + (page_size - 1), page_size, rounding_mode="floor")
     starts = torch.cumsum(counts, 0) - counts  # each row's first entry in the flat output

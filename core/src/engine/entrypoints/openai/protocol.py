@@ -1,0 +1,145 @@
+"""Request models of the HTTP API (pydantic, validated from the raw JSON body).
+
+Models are strict (``"10"`` is not an integer) and forbid unknown fields, so a
+typo such as ``temprature`` is a 400 naming the field instead of being silently
+ignored. Fields OpenAI clients commonly send that change nothing here are
+declared and ignored (``IGNORED_FIELDS``). Responses are plain dicts built by
+the serving modules; the tests check them against the ``openai`` package's types.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# Context-free limits OpenAI documents; the context length is checked per request.
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    # Send a last chunk with ``usage`` (and ``"usage": null`` on every other chunk).
+    include_usage: bool = False
+    # vLLM/SGLang extension: usage on every chunk. Accepted, treated as include_usage.
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Body):
+    """Sampling fields shared by chat and text completions (OpenAI names + SGLang extras)."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=0)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[dict[str, float]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    # -- SGLang extensions, passed to the sampler as they are ---------------------
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = Field(None, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stop_token_ids: Optional[list[int]] = None
+    # Higher runs first under ``--schedule-policy priority``.
+    priority: Optional[int] = None
+    # Request id for /abort_request (``-i`` is appended per choice when n > 1).
+    rid: Optional[str] = None
+    # -- accepted and ignored (OpenAI bookkeeping that does not change the output) --
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+
+
+class ContentPart(BaseModel):
+    """One part of a multi-part message; only ``text`` parts are supported."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(BaseModel):
+    # Extra keys (``tool_call_id``, ``refusal``...) are tolerated: clients echo
+    # back assistant messages they received, with whatever fields those had.
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Unsupported features: accepted only at their "off" value, else a clear 400.
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    # Extra variables for the tokenizer's chat template (e.g. enable_thinking).
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    echo: bool = False
+    # Legacy: the number of most likely tokens to report per position (0..20).
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    # Not supported (insertion needs a fill-in-the-middle model); rejected clearly.
+    suffix: Optional[str] = None
+
+
+class TokenizeRequest(_Body):
+    model: Optional[str] = None
+    prompt: Union[str, list[str], None] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: Optional[str] = None
+    tokens: Union[list[int], list[list[int]]]
+    skip_special_tokens: bool = True
+
+
+class GenerateReqInput(_Body):
+    """SGLang's native ``/generate`` body: one prompt or a batch."""
+
+    text: Union[str, list[str], None] = None
+    input_ids: Union[list[int], list[list[int]], None] = None
+    # SamplingParams fields (validated there, with their own error messages).
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    stream: bool = False
+    return_logprob: bool = False
+    # First prompt position to score (-1: output tokens only).
+    logprob_start_len: int = -1
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    # Add each token's text as the third element of every logprob entry.
+    return_text_in_logprobs: bool = False
+    rid: Union[str, list[str], None] = None
+    priority: Optional[int] = None
+
+
+class AbortRequest(_Body):
+    rid: str = ""
+    # Abort every request in flight (SGLang's abort_all).
+    abort_all: bool = False
