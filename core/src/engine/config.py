@@ -61,6 +61,7 @@ class ServerArgs:
     radix_eviction_policy: str = opt("lru", "Which unlocked radix-cache leaves are evicted first", EVICTION_POLICIES)
     schedule_conservativeness: float = opt(1.0, "Higher reserves more KV for future decode tokens when admitting requests")
     enable_mixed_chunk: bool = opt(False, "Run prefill chunks and decode rows in one mixed batch")
+    enable_priority_preemption: bool = opt(False, "Let the schedule policy retract running requests for more urgent waiting ones (priority policy)")
     # -- device execution ---------------------------------------------------
     disable_cuda_graph: bool = opt(False, "Do not capture decode steps in CUDA graphs")
     cuda_graph_max_bs: int = opt(160, "Largest decode batch captured in a CUDA graph")

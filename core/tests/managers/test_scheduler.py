@@ -44,6 +44,8 @@ def test_continuous_batching_joins_running_batch(llama_ckpt: str) -> None:
     {"chunked_prefill_size": 5, "page_size": 4},
     {"disable_radix_cache": True, "chunked_prefill_size": 16},
     {"page_size": 16},
+    {"enable_mixed_chunk": True, "chunked_prefill_size": 8},
+    {"enable_mixed_chunk": True, "page_size": 4, "chunked_prefill_size": 6},
 ])
 def test_greedy_matches_transformers_under_settings(llama_ckpt: str, hf_llama: Any, kwargs: dict[str, Any]) -> None:
     prompts = _prompts(2, 5)
@@ -80,9 +82,28 @@ def test_retraction_keeps_outputs_identical(llama_ckpt: str, page_size: int) -> 
     check_no_leak(sched)
 
 
+def test_mixed_batches_run_decode_rows_with_prefill(llama_ckpt: str, hf_llama: Any) -> None:
+    prompts = _prompts(9, 4, 30, 50)
+    sched = make_scheduler(llama_ckpt, enable_mixed_chunk=True, chunked_prefill_size=8)
+    col = OutputCollector()
+    rids = [submit(sched, prompts[0], {"max_new_tokens": 10, "temperature": 0})]
+    while sched.chunked_req is not None or sched.waiting_queue:
+        sched.step()
+    rids += [submit(sched, p, {"max_new_tokens": 10, "temperature": 0}) for p in prompts[1:]]
+    before = len(sched.running_batch.reqs[0].output_ids)
+    sched.step()  # a prefill chunk of the newcomers, with the running request as a decode row
+    assert len(sched.running_batch.reqs[0].output_ids) == before + 1
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    assert [col.ids[r] for r in rids] == [hf_greedy(hf_llama, p, 10) for p in prompts]
+    check_no_leak(sched)
+
+
 def test_random_workload_with_aborts_leaks_nothing(llama_ckpt: str) -> None:
     rng = random.Random(5)
-    for kwargs in ({}, {"page_size": 4, "chunked_prefill_size": 12}, {"disable_radix_cache": True}):
+    for kwargs in ({}, {"page_size": 4, "chunked_prefill_size": 12}, {"disable_radix_cache": True},
+                   {"enable_mixed_chunk": True, "chunked_prefill_size": 10}):
         sched = make_scheduler(llama_ckpt, max_total_tokens=512, schedule_conservativeness=0.3, **kwargs)
         rids: list[str] = []
         shared = _prompts(6, 1, 30, 30)[0]

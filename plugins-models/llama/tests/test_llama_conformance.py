@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from engine.testing import ModelConformance
 
 
@@ -25,3 +27,31 @@ class TestQwen2(ModelConformance):
 
 class TestQwen3(ModelConformance):
     architecture = "Qwen3ForCausalLM"
+
+
+# -- the CUDA path (bf16, as users run it); skipped without a GPU ------------------------------
+@pytest.mark.gpu
+class _Cuda(ModelConformance):
+    device = "cuda"
+    dtype = "bfloat16"
+    logits_atol = 0.1  # bf16 activations through different kernels than transformers'
+
+
+class TestLlamaCudaTriton(_Cuda):
+    architecture = "LlamaForCausalLM"
+    server_args = {"attention": "triton"}
+
+
+class TestLlamaCudaTritonNoGraph(_Cuda):
+    architecture = "LlamaForCausalLM"
+    server_args = {"attention": "triton", "disable_cuda_graph": True}
+
+
+class TestQwen3CudaTritonPaged(_Cuda):
+    architecture = "Qwen3ForCausalLM"
+    server_args = {"attention": "triton", "page_size": 16, "chunked_prefill_size": 32}
+
+
+class TestMistralCudaTorchNative(_Cuda):
+    architecture = "MistralForCausalLM"
+    server_args = {"attention": "torch_native"}

@@ -77,6 +77,7 @@ def test_device_and_memory_probes() -> None:
     assert device == torch.device("cuda", 0)
     platform.set_device(device)
     assert torch.cuda.current_device() == 0
+    platform.empty_cache()  # so the allocation below cannot reuse a block cached by earlier tests
     free, total = platform.memory_info(device)
     assert 0 < free <= total
     # Allocating 256 MiB must show up in the driver's free-memory count.

@@ -101,3 +101,30 @@ def test_greedy_outputs_match_fcfs(tiny_llama: str) -> None:
     assert isinstance(sched.policy, PriorityPolicy)
     assert got == _run(tiny_llama, "fcfs")[1]
     assert all(len(ids) == 8 for ids in got)
+
+
+def test_scheduler_preempts_for_urgent_request(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from engine.managers.scheduler import check_no_leak
+    from engine.testing.checkpoints import make_tiny_checkpoint
+    from engine.testing.harness import OutputCollector, generate_greedy, make_scheduler, submit
+
+    path = make_tiny_checkpoint(str(tmp_path / "m"), "LlamaForCausalLM")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    reference = generate_greedy(make_scheduler(path), prompts, 12, ignore_eos=True)
+    sched = make_scheduler(path, schedule_policy="priority", enable_priority_preemption=True, max_running_requests=2)
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    col = OutputCollector()
+    low = [submit(sched, p, params, priority=0) for p in prompts[:2]]
+    for _ in range(3):
+        sched.step()
+        col.collect(sched)
+    urgent = submit(sched, prompts[2], params, priority=5)
+    sched.step()
+    col.collect(sched)
+    running = {r.rid for r in sched.running_batch.reqs}
+    assert urgent in running and sched.num_retractions == 1
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    assert [col.ids[r] for r in low + [urgent]] == reference
+    check_no_leak(sched)

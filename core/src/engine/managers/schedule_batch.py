@@ -186,21 +186,26 @@ class ScheduleBatch:
 
     # -- building forward batches ---------------------------------------------
     def prepare_for_extend(self, return_logprob: bool = False) -> ForwardBatch:
-        self.forward_mode = ForwardMode.EXTEND
+        """EXTEND for ``reqs``; MIXED when ``decoding_reqs`` ride along as one-token rows."""
+        self.forward_mode = ForwardMode.MIXED if self.decoding_reqs else ForwardMode.EXTEND
+        num_extend = len(self.reqs)
         self._alloc_req_slots(self.reqs)
-        prefix_lens = [len(r.prefix_indices) for r in self.reqs]
-        seq_lens = [len(r.fill_ids) for r in self.reqs]
-        last_locs = [self._last_loc(r, p) for r, p in zip(self.reqs, prefix_lens)]
+        for req in self.decoding_reqs:
+            req.fill_ids = req.origin_input_ids + req.output_ids
+        prefix_lens = [len(r.prefix_indices) for r in self.reqs] + [r.seqlen - 1 for r in self.decoding_reqs]
+        rows = self.reqs + self.decoding_reqs
+        seq_lens = [len(r.fill_ids) for r in rows]
+        last_locs = [self._last_loc(r, p) for r, p in zip(rows, prefix_lens)]
         out_cache_loc = self._alloc_tokens(prefix_lens, seq_lens, last_locs)
         input_ids: list[int] = []
         offset = 0
-        for req, p, s in zip(self.reqs, prefix_lens, seq_lens):
+        for req, p, s in zip(rows, prefix_lens, seq_lens):
             self.req_to_token_pool.write(req.req_pool_idx, p, out_cache_loc[offset : offset + s - p])
             offset += s - p
             input_ids.extend(req.fill_ids[p:])
         return ForwardBatch.build(
-            ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in self.reqs], seq_lens,
-            prefix_lens, out_cache_loc, self.device, return_logprob=return_logprob)
+            self.forward_mode, input_ids, [r.req_pool_idx for r in rows], seq_lens,
+            prefix_lens, out_cache_loc, self.device, num_extend_reqs=num_extend, return_logprob=return_logprob)
 
     def decode_tokens_needed(self) -> int:
         """KV slots the next decode step needs (a whole page per row when pages are larger)."""

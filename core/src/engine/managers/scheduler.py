@@ -10,6 +10,7 @@ tests drive it directly.
 from __future__ import annotations
 
 import logging
+import random
 from typing import Any
 
 from engine import plugins
@@ -67,7 +68,9 @@ class Scheduler:
         self.policy = resolve_factory(spec.factory)()
         self.policy.cache_aware = spec.cache_aware
         self.policy_ctx = PolicyContext(
-            parent_of=lambda node: getattr(node, "parent", None), enable_preemption=True)
+            parent_of=lambda node: getattr(node, "parent", None),
+            rng=random.Random(args.random_seed),
+            enable_preemption=args.enable_priority_preemption)
         self.waiting_queue: list[Req] = []
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
@@ -193,10 +196,12 @@ class Scheduler:
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
         if not self.waiting_queue and self.chunked_req is None:
             return None
+        if self.waiting_queue:
+            self._order_waiting()
+            self._preempt_for_waiting()
         running = len(self.running_batch.reqs)
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
-        self._order_waiting()
         page = self.args.page_size
         reserved = sum(self._reserve(r) for r in self.running_batch.reqs)
         admitted_cost = 0
@@ -265,7 +270,41 @@ class Scheduler:
         self.chunked_req = new_chunked
         if not can_run:
             return None
-        return self._new_batch(can_run)
+        batch = self._new_batch(can_run)
+        if self._can_mix(can_run):
+            # Decode rows ride along with the prefill chunk instead of waiting a step.
+            batch.decoding_reqs = self.running_batch.reqs
+            self.running_batch.reqs = []
+        return batch
+
+    def _can_mix(self, extend_reqs: list[Req]) -> bool:
+        running = self.running_batch.reqs
+        if not (self.args.enable_mixed_chunk and running and self.runner.attn_backend.supports_mixed):
+            return False
+        if any(r.return_logprob for r in running + extend_reqs):
+            return False  # prompt-logprob rows need full logits; keep batches simple
+        need = len(running) * max(1, self.args.page_size)
+        return self.allocator.available_size() + self.tree_cache.evictable_size() >= need + sum(
+            r.extend_input_len for r in extend_reqs)
+
+    def _preempt_for_waiting(self) -> None:
+        """Retracts running requests the policy names in favour of more urgent waiting ones."""
+        if not self.policy_ctx.enable_preemption or not self.waiting_queue or not self.running_batch.reqs:
+            return
+        victims = self.policy.preempt(list(self.running_batch.reqs), list(self.waiting_queue), self.policy_ctx)
+        victims = [v for v in victims if v in self.running_batch.reqs]
+        if victims:
+            self._retract(victims)
+            self.running_batch.filter([r for r in self.running_batch.reqs if r not in victims])
+            self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_ctx)
+
+    def _retract(self, reqs: list[Req]) -> None:
+        """Frees (into the prefix cache) the KV of running requests and requeues them in front."""
+        for req in reqs:
+            self.tree_cache.cache_finished_req(req)
+            req.reset_for_retract()
+        self.num_retractions += len(reqs)
+        self.waiting_queue = list(reqs) + self.waiting_queue
 
     # -- running -------------------------------------------------------------------
     def run_extend(self, batch: ScheduleBatch) -> bool:
@@ -277,12 +316,23 @@ class Scheduler:
             # Admission estimated memory that eviction could not deliver: requeue and retry later.
             self._requeue_failed_extend(batch)
             return False
-        fb.sampling_info = SamplingBatchInfo.from_reqs(batch.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
+        rows = batch.reqs + batch.decoding_reqs
+        fb.sampling_info = SamplingBatchInfo.from_reqs(rows, self.runner.vocab_size, self.device, self.eos_token_ids)
         logits = self.runner.forward(fb)
         sample = self.runner.sample(logits, fb)
         self.forward_steps += 1
         ids = sample.next_token_ids.tolist()
         finished_or_streamed: list[Req] = []
+        num_extend = len(batch.reqs)
+        for i, req in enumerate(batch.decoding_reqs, start=num_extend):
+            req.output_ids.append(ids[i])
+            record_output_logprobs(req, i, sample)
+            req.check_finished()
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)
+            else:
+                self.running_batch.reqs.append(req)
+            finished_or_streamed.append(req)
         for i, req in enumerate(batch.reqs):
             if req.wants_prompt_logprobs():
                 record_prompt_logprobs(req, i, fb, logits)
@@ -302,6 +352,8 @@ class Scheduler:
         return True
 
     def _requeue_failed_extend(self, batch: ScheduleBatch) -> None:
+        self.running_batch.reqs = batch.decoding_reqs + self.running_batch.reqs
+        batch.decoding_reqs = []
         for req in batch.reqs:
             if req is self.chunked_req or req.is_chunked:
                 continue
@@ -359,8 +411,7 @@ class Scheduler:
         retracted: list[Req] = []
         while not enough() and len(order) > 1:
             req = order.pop()
-            self.tree_cache.cache_finished_req(req)
-            req.reset_for_retract()
+            self._retract([req])
             retracted.append(req)
         if not enough():
             # A lone request that cannot grow: it does not fit the pool at all.
@@ -370,9 +421,7 @@ class Scheduler:
             self._emit([req])
         batch.filter([r for r in order if not r.finished()])
         if retracted:
-            self.num_retractions += len(retracted)
             logger.info("retracted %d requests (KV memory full)", len(retracted))
-            self.waiting_queue = retracted + self.waiting_queue
             self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1 * len(retracted))
 
     # -- output ---------------------------------------------------------------------

@@ -60,21 +60,22 @@ def make_tiny_checkpoint(directory: str, architecture: str = "LlamaForCausalLM",
     return directory
 
 
-def load_hf_model(directory: str, dtype: str = "float32") -> Any:
+def load_hf_model(directory: str, dtype: str = "float32", device: str = "cpu") -> Any:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
-    return model.eval()
+    return model.to(device).eval()
 
 
 def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face ``generate(do_sample=False)`` output ids (without the prompt)."""
     import torch
 
+    ids = torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=max_new_tokens,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens,
+                             attention_mask=torch.ones_like(ids))
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -82,4 +83,4 @@ def hf_last_logits(model: Any, prompt_ids: list[int]) -> Any:
     import torch
 
     with torch.no_grad():
-        return model(torch.tensor([prompt_ids])).logits[0, -1].float()
+        return model(torch.tensor([prompt_ids], device=model.device)).logits[0, -1].float().cpu()

@@ -121,6 +121,9 @@ class ModelConformance:
     logits_atol: ClassVar[float] = 1e-3
     max_new_tokens: ClassVar[int] = 24
     server_args: ClassVar[dict[str, Any]] = {}
+    #: where and in what dtype both the engine and transformers run.
+    device: ClassVar[str] = "cpu"
+    dtype: ClassVar[str] = "float32"
 
     @pytest.fixture(scope="class")
     def checkpoint(self, tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -133,7 +136,12 @@ class ModelConformance:
     def hf_model(self, checkpoint: str) -> Any:
         from engine.testing.checkpoints import load_hf_model
 
-        return load_hf_model(checkpoint)
+        _device_or_skip(self.device)
+        return load_hf_model(checkpoint, self.dtype, self.device)
+
+    def _engine_args(self) -> dict[str, Any]:
+        platform = "cpu" if self.device == "cpu" else self.device.split(":")[0]
+        return {"platform": platform, "dtype": self.dtype, **self.server_args}
 
     @pytest.fixture(scope="class")
     def prompts(self) -> list[list[int]]:
@@ -145,7 +153,7 @@ class ModelConformance:
         from engine.testing.checkpoints import hf_last_logits
         from engine.testing.harness import make_scheduler
 
-        sched = make_scheduler(checkpoint, **self.server_args)
+        sched = make_scheduler(checkpoint, **self._engine_args())
         runner = sched.runner
         slots = runner.req_to_token_pool.alloc(len(prompts))
         lens = [len(p) for p in prompts]
@@ -166,7 +174,7 @@ class ModelConformance:
         from engine.testing.checkpoints import hf_greedy
         from engine.testing.harness import generate_greedy, make_scheduler
 
-        sched = make_scheduler(checkpoint, **self.server_args)
+        sched = make_scheduler(checkpoint, **self._engine_args())
         ours = generate_greedy(sched, prompts, self.max_new_tokens)
         for i, p in enumerate(prompts):
             assert ours[i] == hf_greedy(hf_model, p, self.max_new_tokens), f"prompt {i} differs"

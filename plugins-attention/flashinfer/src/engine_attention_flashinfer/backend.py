@@ -173,7 +173,9 @@ class FlashInferAttnBackend(AttentionBackend):
         return k_buf[:rows].view(shape), v_buf[:rows].view(shape)
 
     # -- start-up -----------------------------------------------------------------------
-    @torch.inference_mode()
+    # no_grad, not inference_mode: wrappers built here keep buffers that later plans
+    # update in place, which inference tensors forbid outside inference mode.
+    @torch.no_grad()
     def warmup(self, layers: Iterable[AttentionLayerInfo] | None = None) -> None:
         """Compiles (JIT) and loads the kernels before serving: a tiny extend and decode per key.
 

@@ -1,0 +1,119 @@
+"""What every HTTP handler needs: the tokenizer manager, the tokenizer and the model's names."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine.entrypoints.openai.errors import APIError, engine_dead_error
+
+if TYPE_CHECKING:
+    from engine.config import ServerArgs
+    from engine.managers.io_struct import SchedulerReady
+    from engine.managers.tokenizer_manager import TokenizerManager
+    from engine.metrics import ServerMetrics
+
+# The name the embedded default model is served under (its cache directory name is an artefact).
+DEFAULT_MODEL_NAME = "default"
+
+
+def served_model_name(args: ServerArgs, model_path: str) -> str:
+    """``--served-model-name``, else the model directory's name (``default`` for the embedded model)."""
+    if args.served_model_name:
+        return args.served_model_name
+    if not args.model_path:
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(model_path)) or model_path
+
+
+@dataclass
+class ServingContext:
+    args: ServerArgs
+    manager: TokenizerManager
+    ready: SchedulerReady
+    model_path: str
+    # The name clients put in ``model``; responses echo it.
+    model_name: str
+    # None with --skip-tokenizer-init: only token-id prompts work then.
+    tokenizer: Any | None
+    metrics: ServerMetrics | None = None
+    # Unix time the model was loaded (``created`` of /v1/models).
+    created: int = field(default_factory=lambda: int(time.time()))
+    # Memo of single-token texts for logprob outputs (decoding is the costly part).
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def context_len(self) -> int:
+        return self.ready.context_len
+
+    def check_model(self, name: str | None) -> None:
+        """404 unless ``name`` is this server's model (its served name or its path); None means it."""
+        if name is None or name in (self.model_name, self.model_path, self.args.model_path):
+            return
+        raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}'",
+                       param="model", code="model_not_found")
+
+    def check_alive(self) -> None:
+        if self.manager.dead is not None:
+            raise engine_dead_error(self.manager.dead)
+
+    def require_tokenizer(self, param: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, f"{param}: this server runs with --skip-tokenizer-init and cannot "
+                                "handle text; send token ids", param=param)
+        return self.tokenizer
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.ready.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param=param)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token (empty without a tokenizer)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            if len(self._token_texts) < 1 << 20:
+                self._token_texts[token_id] = text
+        return text
+
+    def render_chat(self, messages: list[Any], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of ``messages`` under the tokenizer's chat template."""
+        tokenizer = self.require_tokenizer("messages")
+        conversation = [chat_message_dict(m, i) for i, m in enumerate(messages)]
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, f"messages: model '{self.model_name}' has no chat template; "
+                                "use /v1/completions with a prompt", param="messages")
+        try:
+            prompt = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **(template_kwargs or {}))
+        except Exception as exc:  # jinja raise_exception(): the template's own rule, e.g. role order
+            raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
+                           param="messages") from None
+        # The template writes any BOS itself; adding special tokens again would double it.
+        return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+def chat_message_dict(message: Any, index: int) -> dict[str, Any]:
+    """One pydantic ChatMessage as the plain dict chat templates expect (text only)."""
+    where = f"messages[{index}]"
+    if message.tool_calls:
+        raise APIError(400, f"{where}.tool_calls: tool calls are not supported", param=f"{where}.tool_calls")
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"{where}.content[{j}].type: '{part.type}' parts are not supported; "
+                                    "only text parts", param=f"{where}.content[{j}].type")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out

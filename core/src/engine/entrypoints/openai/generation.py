@@ -1,0 +1,224 @@
+"""Running one HTTP request's generations on the tokenizer manager, shared by every route.
+
+A request becomes a list of ``Choice`` (one per prompt and per ``n`` copy), all
+validated before any is sent, so a bad element fails the whole request with a
+400 and nothing runs. Non-streamed requests wait for every choice and are
+aborted if the client goes away; streamed ones merge the choices' outputs as
+they come. Closing a stream (the client disconnected) closes every manager
+generator, which sends the scheduler an abort so the request's KV is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import StreamingResponse
+
+from engine.entrypoints.openai.errors import APIError, engine_dead_error, from_request_error
+from engine.managers.tokenizer_manager import EngineDeadError, GenerateRequest, RequestError
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.types import Receive, Scope, Send
+
+    from engine.entrypoints.openai.context import ServingContext
+    from engine.sampling.sampling_params import SamplingParams
+
+SSE_DONE = b"data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Choice:
+    """One generation of a response: a prompt, possibly one of ``n`` copies."""
+
+    # Position in the response's ``choices`` (prompt_index * n + copy).
+    index: int
+    # Which prompt of the request it answers (usage counts each prompt once).
+    prompt_index: int
+    request: GenerateRequest
+    # Token ids and validated sampling params from TokenizerManager.prepare.
+    prepared: tuple[list[int], SamplingParams]
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prepared[0]
+
+
+def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], n: int,
+                 renames: dict[str, str] | None = None) -> list[Choice]:
+    """Expands prompts into ``n`` copies each (seed + copy, as the offline Engine does) and
+    validates them all; a RequestError becomes a 400 with the API's field names."""
+    ctx.check_alive()
+    choices: list[Choice] = []
+    seen: set[str] = set()
+    for p, base in enumerate(prompts):
+        seed = base.sampling_params.get("seed")
+        for copy in range(n):
+            params = dict(base.sampling_params)
+            if n > 1 and seed is not None:
+                params["seed"] = seed + copy  # distinct but reproducible samples
+            rid = base.rid if base.rid is None or n == 1 else f"{base.rid}-{copy}"
+            req = dataclasses.replace(base, sampling_params=params, rid=rid)
+            if rid is not None:
+                if rid in seen or rid in ctx.manager.states:
+                    raise APIError(400, f"rid: a request with id '{rid}' is already running", param="rid")
+                seen.add(rid)
+            try:
+                prepared = ctx.manager.prepare(req)
+            except RequestError as exc:
+                raise from_request_error(exc, renames) from None
+            choices.append(Choice(len(choices), p, req, prepared))
+    return choices
+
+
+def finish_reason(meta: dict[str, Any]) -> str | None:
+    """OpenAI's finish_reason; raises the APIError for an aborted request."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    if reason.get("type") == "abort":
+        raise APIError(400, f"the request was aborted: {reason.get('message') or 'aborted'}",
+                       code="request_aborted")
+    return "length" if reason.get("type") == "length" else "stop"
+
+
+def matched_stop(meta: dict[str, Any]) -> int | str | None:
+    reason = meta.get("finish_reason") or {}
+    return reason.get("matched")
+
+
+def usage(choices: Sequence[Choice], outputs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """OpenAI usage: each prompt counted once, every choice's completion tokens summed."""
+    prompt = cached = completion = 0
+    counted: set[int] = set()
+    for choice in choices:
+        meta = outputs[choice.index]["meta_info"] if choice.index in outputs else {}
+        completion += meta.get("completion_tokens", 0)
+        if choice.prompt_index not in counted:
+            counted.add(choice.prompt_index)
+            prompt += meta.get("prompt_tokens", len(choice.prompt_ids))
+            cached += meta.get("cached_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+async def run_to_completion(ctx: ServingContext, choices: Sequence[Choice], request: Request) -> list[dict[str, Any]]:
+    """Final output of every choice, in order. Aborts them all if the client disconnects."""
+    tasks = [asyncio.ensure_future(_last_output(ctx, c)) for c in choices]
+    everything = asyncio.gather(*tasks)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait([everything, watcher], return_when=asyncio.FIRST_COMPLETED)
+        if not everything.done():
+            raise APIError(499, "the client closed the connection", code="client_closed_request")
+        try:
+            return list(everything.result())
+        except EngineDeadError as exc:
+            raise engine_dead_error(exc) from None
+    finally:
+        # Cancelling a running task closes its manager generator, which aborts the request.
+        for task in tasks:
+            task.cancel()
+        watcher.cancel()
+        if not everything.done():
+            everything.cancel()
+
+
+async def _last_output(ctx: ServingContext, choice: Choice) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    async for out in ctx.manager.generate(choice.request, choice.prepared):
+        pass
+    return out
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect (or never comes).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
+    """Every choice's cumulative outputs as they arrive, interleaved.
+
+    Closing this generator (or cancelling its consumer) aborts the choices still running.
+    """
+    for choice in choices:
+        choice.request.stream = True
+    if len(choices) == 1:
+        agen = ctx.manager.generate(choices[0].request, choices[0].prepared)
+        try:
+            async for out in agen:
+                yield choices[0], out
+        finally:
+            await agen.aclose()  # no-op when it finished; otherwise sends the abort
+        return
+    queue: asyncio.Queue[tuple[Choice, dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for out in ctx.manager.generate(choice.request, choice.prepared):
+                queue.put_nowait((choice, out, None))
+        except Exception as exc:
+            queue.put_nowait((choice, None, exc))
+            return
+        queue.put_nowait((choice, None, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        running = len(tasks)
+        while running:
+            choice, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                running -= 1
+                continue
+            yield choice, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def sse(data: dict[str, Any] | list[Any]) -> bytes:
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An in-band error event for a stream whose 200 header is already sent."""
+    if isinstance(exc, EngineDeadError):
+        exc = engine_dead_error(exc)
+    elif isinstance(exc, RequestError):
+        exc = from_request_error(exc)
+    if not isinstance(exc, APIError):
+        exc = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+    return sse(exc.body())
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` response that always closes its generator when done.
+
+    Starlette cancels the sending task when the client disconnects; if that
+    happens while a chunk is being written, the generator is left suspended and
+    would only be closed by the garbage collector. Closing it here makes the
+    abort (and the freeing of the request's KV) immediate.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._generator = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._generator, "aclose", None)
+            if aclose is not None:
+                await aclose()

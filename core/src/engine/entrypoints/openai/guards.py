@@ -1,0 +1,95 @@
+"""The front door: API-key check and request-body size limit, as one ASGI middleware.
+
+Pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so streamed responses and
+client-disconnect notifications pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from engine.entrypoints.openai.errors import APIError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# Load balancers probe /health without credentials.
+OPEN_PATHS = frozenset({"/health"})
+
+
+class FrontDoor:
+    """Rejects unauthenticated requests (401) and oversized bodies (413) before any handler runs."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.expected is not None and scope.get("path") not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
+                           else "invalid API key")
+                await _send_error(send, 401, message, "authentication_error", "invalid_api_key",
+                                  [(b"www-authenticate", b"Bearer")])
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _send_error(send, 413, self._too_large(int(declared)), "invalid_request_error",
+                              "request_too_large", [(b"connection", b"close")])
+            return
+        await self._call_limited(scope, receive, send)
+
+    async def _call_limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Chunked uploads carry no content-length: count what actually arrives.
+        received = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    # Raised into the handler reading the body; the app's APIError handler answers.
+                    raise APIError(413, self._too_large(received), code="request_too_large")
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except APIError as exc:
+            if started or exc.status != 413:
+                raise
+            await _send_error(send, 413, self._too_large(received), "invalid_request_error",
+                              "request_too_large", [(b"connection", b"close")])
+
+    def _too_large(self, size: int) -> str:
+        return (f"the request body has {size} bytes or more; the limit is {self.max_body_bytes} bytes "
+                f"({self.max_body_bytes // (1024 * 1024)} MiB)")
+
+
+async def _send_error(send: Send, status: int, message: str, type_: str, code: str,
+                      extra_headers: list[tuple[bytes, bytes]]) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

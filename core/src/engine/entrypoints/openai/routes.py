@@ -1,0 +1,87 @@
+"""The ``/v1`` routes: chat and text completions, models, tokenize and detokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from engine.entrypoints.openai.context import ServingContext
+from engine.entrypoints.openai.errors import APIError, parse_body
+from engine.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.openai.serving_chat import create_chat_completion
+from engine.entrypoints.openai.serving_completions import create_completion
+
+router = APIRouter()
+
+
+def serving_context(request: Request) -> ServingContext:
+    return request.app.state.ctx  # set by the app's lifespan before any request is served
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat completions (``messages`` through the tokenizer's chat template)."""
+    return await create_chat_completion(serving_context(request), request)
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    """OpenAI (legacy) text completions."""
+    return await create_completion(serving_context(request), request)
+
+
+def _model_card(ctx: ServingContext) -> dict[str, Any]:
+    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "engine",
+            "root": ctx.model_path, "parent": None, "max_model_len": ctx.context_len}
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    """The one model this server serves."""
+    return JSONResponse({"object": "list", "data": [_model_card(serving_context(request))]})
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> Response:
+    ctx = serving_context(request)
+    ctx.check_model(model)
+    return JSONResponse(_model_card(ctx))
+
+
+@router.post("/v1/tokenize")
+async def tokenize(request: Request) -> Response:
+    """Token ids of a prompt (or a batch of prompts), or of chat ``messages`` after the template."""
+    ctx = serving_context(request)
+    req = parse_body(await request.body(), TokenizeRequest)
+    ctx.check_model(req.model)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+    if req.messages is not None:
+        if not req.messages:
+            raise APIError(400, "messages: must contain at least one message", param="messages")
+        ids = ctx.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len})
+    tokenizer = ctx.require_tokenizer("prompt")
+    if isinstance(req.prompt, str):
+        ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len})
+    batch = [list(tokenizer.encode(p, add_special_tokens=req.add_special_tokens)) for p in req.prompt or []]
+    return JSONResponse({"tokens": batch, "count": [len(b) for b in batch], "max_model_len": ctx.context_len})
+
+
+@router.post("/v1/detokenize")
+async def detokenize(request: Request) -> Response:
+    """Text of token ids (or of a batch of id lists)."""
+    ctx = serving_context(request)
+    req = parse_body(await request.body(), DetokenizeRequest)
+    ctx.check_model(req.model)
+    tokenizer = ctx.require_tokenizer("tokens")
+    tokens = req.tokens
+    batch = bool(tokens) and isinstance(tokens[0], list)
+    rows: list[list[int]] = tokens if batch else [tokens]  # type: ignore[list-item,assignment]
+    for i, row in enumerate(rows):
+        ctx.check_token_ids(row, f"tokens[{i}]" if batch else "tokens")
+    texts = [tokenizer.decode(row, skip_special_tokens=req.skip_special_tokens) for row in rows]
+    return JSONResponse({"text": texts if batch else texts[0]})

@@ -1,0 +1,154 @@
+"""``POST /v1/chat/completions``: chat templates, n choices, logprobs, SSE streaming."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import JSONResponse, Response
+
+from engine.entrypoints.openai.errors import APIError, parse_body
+from engine.entrypoints.openai.generation import (
+    SSE_DONE,
+    Choice,
+    SSEResponse,
+    finish_reason,
+    make_choices,
+    matched_stop,
+    run_to_completion,
+    sse,
+    sse_error,
+    stream_outputs,
+    usage,
+)
+from engine.entrypoints.openai.logprobs import chat_logprobs
+from engine.entrypoints.openai.protocol import ChatCompletionRequest
+from engine.entrypoints.openai.sampling import (
+    RENAMES,
+    check_common,
+    check_max_tokens,
+    sampling_params,
+    stream_usage_wanted,
+)
+from engine.managers.tokenizer_manager import GenerateRequest
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from engine.entrypoints.openai.context import ServingContext
+
+logger = logging.getLogger(__name__)
+
+# The prompt is built from messages; the engine's names for it mean "messages" here.
+_RENAMES = {**RENAMES, "input_ids": "messages", "text": "messages"}
+
+
+async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
+    req = parse_body(await request.body(), ChatCompletionRequest)
+    ctx.check_model(req.model)
+    _check_supported(req)
+    prompt_ids = ctx.render_chat(req.messages, template_kwargs=req.chat_template_kwargs)
+    max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(ctx.context_len - len(prompt_ids), 1)  # OpenAI: until the context is full
+    elif max_tokens < 1:
+        raise APIError(400, f"{max_param}: must be at least 1", param=max_param)
+    else:
+        check_max_tokens(max_tokens, len(prompt_ids), ctx.context_len, max_param)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    base = GenerateRequest(
+        input_ids=prompt_ids, sampling_params=sampling_params(req, max_tokens), rid=req.rid or response_id,
+        return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0)
+    choices = make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param})
+    created = int(time.time())
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, choices, response_id, created))
+    outputs = await run_to_completion(ctx, choices, request)
+    by_index = {c.index: out for c, out in zip(choices, outputs)}
+    body_choices = []
+    for choice, out in zip(choices, outputs):
+        meta = out["meta_info"]
+        entry: dict[str, Any] = {
+            "index": choice.index,
+            "message": {"role": "assistant", "content": out["text"]},
+            "logprobs": _logprobs(ctx, req, meta, 0),
+            "finish_reason": finish_reason(meta),
+            "matched_stop": matched_stop(meta),
+        }
+        body_choices.append(entry)
+    return JSONResponse({
+        "id": response_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        "choices": body_choices, "usage": usage(choices, by_index), "system_fingerprint": None,
+    })
+
+
+def _check_supported(req: ChatCompletionRequest) -> None:
+    check_common(req)
+    if req.tools:
+        raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise APIError(400, "tool_choice: tool calling is not supported by this server; accepted: 'none'",
+                       param="tool_choice")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise APIError(400, f"response_format: type '{req.response_format.get('type')}' is not supported; "
+                            "accepted: 'text' (constrained decoding is not implemented)",
+                       param="response_format")
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+
+
+def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, meta: dict[str, Any], start: int) -> dict[str, Any] | None:
+    if not req.logprobs:
+        return None
+    entries = (meta.get("output_token_logprobs") or [])[start:]
+    tops = (meta.get("output_top_logprobs") or [])[start:]
+    return chat_logprobs(entries, tops, ctx.token_text, req.top_logprobs or 0)
+
+
+async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list[Choice],
+                  response_id: str, created: int) -> AsyncIterator[bytes]:
+    with_usage = stream_usage_wanted(req)
+
+    def chunk(parts: list[dict[str, Any]], usage_block: dict[str, Any] | None = None) -> bytes:
+        data: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                                "model": ctx.model_name, "choices": parts}
+        if with_usage:
+            data["usage"] = usage_block  # null on every chunk but the last, as OpenAI does
+        return sse(data)
+
+    for choice in choices:
+        yield chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                      "logprobs": None, "finish_reason": None}])
+    sent_chars = {c.index: 0 for c in choices}
+    sent_logprobs = {c.index: 0 for c in choices}
+    finals: dict[int, dict[str, Any]] = {}
+    try:
+        async for choice, out in stream_outputs(ctx, choices):
+            i = choice.index
+            meta = out["meta_info"]
+            reason = finish_reason(meta)
+            delta = out["text"][sent_chars[i]:]
+            sent_chars[i] = len(out["text"])
+            logprobs = _logprobs(ctx, req, meta, sent_logprobs[i])
+            sent_logprobs[i] = len(meta.get("output_token_logprobs") or [])
+            if logprobs is not None and not logprobs["content"]:
+                logprobs = None
+            if not delta and logprobs is None and reason is None:
+                continue  # the detokenizer held back a partial character
+            part: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
+                                    "logprobs": logprobs, "finish_reason": reason}
+            if reason is not None:
+                part["matched_stop"] = matched_stop(meta)
+                finals[i] = out
+            yield chunk([part])
+        if with_usage:
+            yield chunk([], usage(choices, finals))
+    except Exception as exc:
+        if not isinstance(exc, APIError):
+            logger.warning("chat stream %s failed: %s", response_id, exc)
+        yield sse_error(exc)
+    yield SSE_DONE

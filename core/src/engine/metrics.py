@@ -1,0 +1,97 @@
+"""Prometheus metrics of the HTTP server (``GET /metrics``).
+
+Counters and latency histograms are fed by the tokenizer manager's ``on_finish``
+callback, one call per finished request; the gauges (running and queued
+requests, KV use) are refreshed from the scheduler's ``server_info`` reply on
+each scrape. Everything lives in the server's own ``CollectorRegistry`` so
+several servers (or tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "engine_"
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Seconds; CPU test models sit at the low end, large models on busy GPUs at the high end.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    """The server's metrics; ``observe_finished`` per request, ``update_from_server_info`` per scrape."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests", labels, registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Generated tokens of finished requests",
+                                         labels, registry=r)
+        self.cached_tokens = Counter(f"{PREFIX}cached_tokens", "Prompt tokens served from the prefix cache",
+                                     labels, registry=r)
+        self.requests = Counter(f"{PREFIX}requests", "Finished requests by finish reason",
+                                [*labels, "finish_reason"], registry=r)
+        self.running = Gauge(f"{PREFIX}num_running_reqs", "Requests being decoded or prefilled", labels, registry=r)
+        self.queued = Gauge(f"{PREFIX}num_queue_reqs", "Requests waiting in the scheduler's queue", labels,
+                            registry=r)
+        self.kv_usage = Gauge(f"{PREFIX}kv_cache_usage", "Fraction of the KV pool held by running requests",
+                              labels, registry=r)
+        self.kv_used = Gauge(f"{PREFIX}kv_used_tokens", "KV slots held by running requests", labels, registry=r)
+        self.kv_total = Gauge(f"{PREFIX}kv_total_tokens", "KV pool size in tokens", labels, registry=r)
+        self.kv_evictable = Gauge(f"{PREFIX}kv_evictable_tokens", "KV slots held only by the prefix cache",
+                                  labels, registry=r)
+        self.cache_hit_rate = Gauge(f"{PREFIX}cache_hit_rate",
+                                    "Cached prompt tokens / prompt tokens, over all finished requests",
+                                    labels, registry=r)
+        self.ttft = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}inter_token_latency_seconds",
+                             "Mean time between output tokens, one observation per request", labels,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request latency, arrival to last token",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.model_name = model_name
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def observe_finished(self, state: Any) -> None:
+        """Records one finished request (a tokenizer manager ``ReqState``)."""
+        name = self.model_name
+        meta = state.meta
+        prompt = int(meta.get("prompt_tokens", len(state.prompt_ids)))
+        completion = int(meta.get("completion_tokens", len(state.output_ids)))
+        cached = int(meta.get("cached_tokens", 0))
+        self.prompt_tokens.labels(name).inc(prompt)
+        self.generation_tokens.labels(name).inc(completion)
+        self.cached_tokens.labels(name).inc(cached)
+        reason = (state.finished_reason or {}).get("type", "unknown")
+        self.requests.labels(name, reason).inc()
+        self._prompt_total += prompt
+        self._cached_total += cached
+        if self._prompt_total:
+            self.cache_hit_rate.labels(name).set(self._cached_total / self._prompt_total)
+        if state.first_token_time is not None:
+            self.ttft.labels(name).observe(state.first_token_time - state.created)
+            if state.last_time is not None and completion > 1:
+                self.itl.labels(name).observe((state.last_time - state.first_token_time) / (completion - 1))
+        end = state.last_time if state.last_time is not None else state.first_token_time
+        if end is not None:
+            self.e2e.labels(name).observe(end - state.created)
+
+    def update_from_server_info(self, info: dict[str, Any]) -> None:
+        """Refreshes the gauges from the scheduler's ``server_info`` control reply."""
+        name = self.model_name
+        self.running.labels(name).set(info.get("num_running_reqs", 0))
+        self.queued.labels(name).set(info.get("num_waiting_reqs", 0))
+        self.kv_usage.labels(name).set(info.get("kv_usage", 0.0))
+        self.kv_used.labels(name).set(info.get("kv_used_tokens", 0))
+        self.kv_total.labels(name).set(info.get("max_total_num_tokens", 0))
+        self.kv_evictable.labels(name).set(info.get("kv_evictable_tokens", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
