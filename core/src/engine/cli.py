@@ -141,6 +141,17 @@ def _opt(name: str, annotation: Any, default: Any, *decls: str, help: str) -> in
 
 
 # -- commands ----------------------------------------------------------------------------
+@app.command("serve")
+@with_server_args([])
+def serve_cmd(server_args: ServerArgs) -> None:
+    """Start the HTTP server (OpenAI-compatible and native APIs; see docs/api.md)."""
+    from engine.entrypoints.http_server import serve
+
+    code = serve(server_args)
+    if code:
+        raise typer.Exit(code)
+
+
 @app.command("generate")
 @with_server_args([
     _opt("prompt", str, "Hello, my name is", "--prompt", "-p", help="Prompt text"),

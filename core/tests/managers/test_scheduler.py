@@ -179,3 +179,32 @@ def test_penalties_change_outputs_and_counts_carry(llama_ckpt: str) -> None:
     assert plain != rep
     # Frequency penalty 2.0 on these logits forbids immediate repetition loops.
     assert max(rep.count(t) for t in set(rep)) <= max(plain.count(t) for t in set(plain))
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"page_size": 4}, {"max_total_tokens": 320, "schedule_conservativeness": 0.05}])
+def test_overlap_schedule_gives_identical_outputs(llama_ckpt: str, kwargs: dict[str, Any]) -> None:
+    """Overlap (launch N+1 before processing N) is exercised on the CPU by forcing it on."""
+    prompts = _prompts(10, 8, 10, 40)
+    rng = random.Random(11)
+    params = [{"max_new_tokens": rng.randint(3, 30), "temperature": rng.choice([0.0, 0.9]), "seed": i,
+               "ignore_eos": rng.random() < 0.5, "frequency_penalty": rng.choice([0.0, 0.5])}
+              for i in range(len(prompts))]
+    outputs = []
+    for overlap in (False, True):
+        sched = make_scheduler(llama_ckpt, **kwargs)
+        sched.enable_overlap = overlap
+        col = OutputCollector()
+        rids = [submit(sched, p, sp) for p, sp in zip(prompts[:5], params)]
+        for _ in range(12):
+            sched.step()
+            col.collect(sched)
+        if overlap:
+            assert sched.forward_steps > 0
+        rids += [submit(sched, p, sp) for p, sp in zip(prompts[5:], params[5:])]
+        sched.abort_request(rids[1], "test abort")
+        while sched.step():
+            col.collect(sched)
+        col.collect(sched)
+        check_no_leak(sched)
+        outputs.append(([col.ids.get(r) for r in rids], [col.finish.get(r) for r in rids]))
+    assert outputs[0] == outputs[1]

@@ -86,6 +86,8 @@ class Req:
         self.input_logprobs_sent = False
         # Times retracted; a retracted request keeps its output and resumes.
         self.retractions = 0
+        # Launched decode steps whose token is not appended yet (overlap scheduling).
+        self.inflight_steps = 0
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:
@@ -214,10 +216,12 @@ class ScheduleBatch:
             return len(self.reqs)
         return sum(1 for r in self.reqs if (r.seqlen - 1) % ps == 0) * ps
 
-    def prepare_for_decode(self) -> ForwardBatch:
+    def prepare_for_decode(self, lag: int = 0, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """One new token per row. With ``lag`` = 1 (overlap) each row's last sampled token is
+        not appended yet: it is the input (``input_ids``, on the device) at position seqlen."""
         self.forward_mode = ForwardMode.DECODE
         reqs = self.reqs
-        seq_lens = [len(r.origin_input_ids) + len(r.output_ids) for r in reqs]
+        seq_lens = [len(r.origin_input_ids) + len(r.output_ids) + lag for r in reqs]
         slots = [r.req_pool_idx for r in reqs]
         r2t = self.req_to_token_pool.req_to_token
         slot_t = torch.tensor(slots, dtype=torch.int64)
@@ -230,7 +234,8 @@ class ScheduleBatch:
         dev = self.device
         slot_d, pos_d = slot_t.to(dev, non_blocking=True), pos_t.to(dev, non_blocking=True)
         r2t[slot_d, pos_d] = out_cache_loc.to(device=r2t.device, dtype=r2t.dtype)
-        input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
+        if input_ids is None:
+            input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=len(reqs),
             input_ids=input_ids.to(dev, non_blocking=True), req_pool_indices=slot_d,

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import logging
 import random
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from engine import plugins
 from engine.config import ServerArgs
 from engine.hookspecs import resolve_factory
+from engine.layers.sampler import SampleOutput
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
@@ -31,6 +35,15 @@ _RESERVE_CLIP = 4096
 _INIT_NEW_TOKEN_RATIO = 0.7
 _MIN_NEW_TOKEN_RATIO = 0.1
 _NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+@dataclass
+class InflightDecode:
+    """A launched decode step whose tokens have not been appended yet."""
+
+    reqs: list[Req]
+    sample: SampleOutput
+    info: SamplingBatchInfo
 
 
 def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
@@ -77,6 +90,10 @@ class Scheduler:
         self.init_new_token_ratio = min(1.0, _INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
         self.new_token_ratio = self.init_new_token_ratio
         self.outbox: list[BatchTokenIDOut] = []
+        # Overlap: the CPU launches decode step N+1 before processing step N's tokens.
+        self.enable_overlap = (not args.disable_overlap_schedule
+                               and self.runner.platform.supports_overlap_schedule())
+        self.inflight: InflightDecode | None = None
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: dict[str, str] = {}
         # Counters for /get_server_info and metrics.
@@ -158,16 +175,25 @@ class Scheduler:
 
     # -- the loop --------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.pending_aborts)
+        return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req
+                    or self.pending_aborts or self.inflight)
 
     def step(self) -> bool:
         """Runs one batch; returns False when there was nothing to do."""
-        self._apply_aborts()
+        if self.pending_aborts:
+            self.drain()
+            self._apply_aborts()
+        if self.waiting_queue or self.chunked_req is not None:
+            # Admission reads and may change the running batch: settle the in-flight step first.
+            self.drain()
         batch = self.get_new_batch_prefill()
         if batch is not None and self.run_extend(batch):
             return True
         if self.running_batch.reqs:
             self.run_decode()
+            return True
+        if self.inflight is not None:
+            self.drain()
             return True
         return False
 
@@ -365,36 +391,101 @@ class Scheduler:
             self.waiting_queue.insert(0, req)
 
     def run_decode(self) -> None:
+        """One decode step; with overlap, launches step N+1 before processing step N."""
+        if self.enable_overlap:
+            self._run_decode_overlap()
+            return
         batch = self.running_batch
         self._ensure_decode_memory(batch)
-        if not batch.reqs:
-            return
-        fb = batch.prepare_for_decode()
-        fb.sampling_info = self._decode_sampling_info(batch)
-        logits = self.runner.forward(fb)
-        sample = self.runner.sample(logits, fb)
+        if batch.reqs:
+            self._process_decode(self._launch_decode(batch, None, lag=0))
+            batch.filter()
+
+    def _launch_decode(self, batch: ScheduleBatch, input_ids: Any, lag: int,
+                       info: SamplingBatchInfo | None = None) -> InflightDecode:
+        """Prepares and launches a decode step; ``lag`` = tokens sampled but not yet appended."""
+        fb = batch.prepare_for_decode(lag=lag, input_ids=input_ids)
+        if info is None:
+            info = self._decode_sampling_info(batch)
+        info.steps = [len(r.output_ids) + lag for r in batch.reqs]
+        fb.sampling_info = info
+        sample = self.runner.sample(self.runner.forward(fb), fb)
+        if info.penalizer is not None:
+            info.penalizer.cumulate_output_tokens(sample.next_token_ids)
         self.forward_steps += 1
-        ids = sample.next_token_ids.tolist()
-        if fb.sampling_info.penalizer is not None:
-            fb.sampling_info.penalizer.cumulate_output_tokens(sample.next_token_ids)
-        for i, req in enumerate(batch.reqs):
+        for req in batch.reqs:
+            req.inflight_steps += 1
+        return InflightDecode(list(batch.reqs), sample, info)
+
+    def _process_decode(self, step: InflightDecode) -> None:
+        """Appends a launched step's tokens (waits for the device) and finishes requests."""
+        ids = step.sample.next_token_ids.tolist()
+        live: list[Req] = []
+        for i, req in enumerate(step.reqs):
+            req.inflight_steps -= 1
+            if req.finished():
+                continue  # finished (or aborted) after this step was launched
             req.output_ids.append(ids[i])
-            record_output_logprobs(req, i, sample)
+            record_output_logprobs(req, i, step.sample)
             req.check_finished()
             if req.finished():
+                if req.inflight_steps:
+                    # A later step already took KV for this request's position seqlen-1: give
+                    # back the pages that position opened (a page it shares with kept tokens is
+                    # released with them by the cache).
+                    ps = self.allocator.page_size
+                    first = req.seqlen - 1
+                    opened = [p for p in range(first, first + req.inflight_steps) if p % ps == 0]
+                    if opened:
+                        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+                        self.allocator.free(row[opened].long())
                 self.tree_cache.cache_finished_req(req)
-        self._emit(batch.reqs)
+            live.append(req)
+        self._emit(live)
+        self.new_token_ratio = max(min(_MIN_NEW_TOKEN_RATIO, self.init_new_token_ratio),
+                                   self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+
+    def drain(self) -> None:
+        """Processes the in-flight decode step, if any (overlap mode)."""
+        step, self.inflight = self.inflight, None
+        if step is not None:
+            self._process_decode(step)
+            self.running_batch.filter()
+
+    def _run_decode_overlap(self) -> None:
+        prev = self.inflight
+        batch = self.running_batch
+        if prev is not None:
+            keep = [i for i, r in enumerate(prev.reqs) if not r.finished()]
+            same_rows = [prev.reqs[i] for i in keep] == [r for r in batch.reqs if not r.finished()]
+            enough = (self.allocator.available_size() + self.tree_cache.evictable_size()
+                      >= batch.decode_tokens_needed())
+            if not (same_rows and keep and enough):
+                self.drain()
+                prev = None
+        if prev is None:
+            self._ensure_decode_memory(batch)
+            if batch.reqs:
+                self.inflight = self._launch_decode(batch, None, lag=0)
+            return
+        batch.filter([prev.reqs[i] for i in keep])
+        ids = prev.sample.next_token_ids
+        info = prev.info
+        if len(keep) != len(prev.reqs):
+            keep_t = torch.tensor(keep, dtype=torch.int64, device=ids.device)
+            ids = ids.index_select(0, keep_t)
+            info = info.filter(keep)
+        self.inflight = self._launch_decode(batch, ids, lag=1, info=info)
+        self._process_decode(prev)
         batch.filter()
-        self.new_token_ratio = max(min(_MIN_NEW_TOKEN_RATIO, self.init_new_token_ratio), self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
+        batch._sampling_cache = None  # type: ignore[attr-defined]  (rows may have finished)
 
     def _decode_sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         # Rebuilt only when the batch's membership changed; penalty counts carry over otherwise.
         key = [id(r) for r in batch.reqs]
         cached = getattr(batch, "_sampling_cache", None)
         if cached is not None and cached[0] == key:
-            info = cached[1]
-            info.steps = [len(r.output_ids) for r in batch.reqs]
-            return info
+            return cached[1]
         info = SamplingBatchInfo.from_reqs(batch.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
         batch._sampling_cache = (key, info)  # type: ignore[attr-defined]
         return info

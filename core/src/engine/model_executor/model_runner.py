@@ -51,6 +51,12 @@ class ModelRunner:
         self.model = load_model(args, model_path, cfg, self.dtype, self.device)
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
+        warmup = getattr(self.attn_backend, "warmup", None)
+        if callable(warmup):
+            # JIT-compiling backends build their kernels now, not on the first request.
+            from engine.layers.radix_attention import RadixAttention
+
+            warmup([m for m in self.model.modules() if isinstance(m, RadixAttention)])
         self.sampler = Sampler()
         self.cuda_graph_runner = self._maybe_capture_graphs()
 
@@ -61,9 +67,6 @@ class ModelRunner:
         if not getattr(self.attn_backend, "supports_cuda_graph", False):
             logger.info("attention backend '%s' cannot be captured; CUDA graphs off", self.attention_backend_name)
             return None
-        warmup = getattr(self.attn_backend, "warmup", None)
-        if callable(warmup):
-            warmup()
         from engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
         return CudaGraphRunner(self, args.cuda_graph_max_bs)

@@ -35,6 +35,21 @@ class SamplingBatchInfo:
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
 
+    def filter(self, keep: list[int]) -> SamplingBatchInfo:
+        """The rows ``keep`` of this batch (penalty state carried over)."""
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.temperatures.device)
+        greedy = self.greedy_mask.index_select(0, idx)
+        if self.penalizer is not None:
+            self.penalizer.filter(keep)
+        return SamplingBatchInfo(
+            temperatures=self.temperatures.index_select(0, idx), top_ps=self.top_ps.index_select(0, idx),
+            top_ks=self.top_ks.index_select(0, idx), min_ps=self.min_ps.index_select(0, idx),
+            greedy_mask=greedy, is_all_greedy=self.is_all_greedy,
+            need_top_p_top_k=self.need_top_p_top_k, need_min_p=self.need_min_p,
+            seeds=[self.seeds[i] for i in keep], steps=[self.steps[i] for i in keep],
+            vocab_size=self.vocab_size, penalizer=self.penalizer, return_logprob=self.return_logprob,
+            top_logprobs_nums=[self.top_logprobs_nums[i] for i in keep] if self.top_logprobs_nums else None)
+
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
                   eos_token_ids: set[int] | None = None) -> SamplingBatchInfo:

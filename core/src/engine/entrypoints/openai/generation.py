@@ -50,15 +50,20 @@ class Choice:
         return self.prepared[0]
 
 
-def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], n: int,
+def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], n: int | Sequence[int],
                  renames: dict[str, str] | None = None) -> list[Choice]:
     """Expands prompts into ``n`` copies each (seed + copy, as the offline Engine does) and
-    validates them all; a RequestError becomes a 400 with the API's field names."""
+    validates them all; a RequestError becomes a 400 with the API's field names.
+
+    ``n`` is one count for every prompt or a count per prompt.
+    """
     ctx.check_alive()
+    counts = [n] * len(prompts) if isinstance(n, int) else list(n)
     choices: list[Choice] = []
     seen: set[str] = set()
     for p, base in enumerate(prompts):
         seed = base.sampling_params.get("seed")
+        n = counts[p]
         for copy in range(n):
             params = dict(base.sampling_params)
             if n > 1 and seed is not None:

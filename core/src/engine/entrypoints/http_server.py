@@ -1,0 +1,217 @@
+"""The HTTP server: the FastAPI app (OpenAI and native routes) and ``serve`` (uvicorn).
+
+``serve`` binds the port first (a busy port fails in a second, not after loading
+the model), starts the scheduler and detokenizer processes, then runs uvicorn
+with the tokenizer manager on its event loop. It returns the process exit code:
+0 after SIGTERM/SIGINT (in-flight requests get ``GRACEFUL_SHUTDOWN_S`` to finish,
+then are aborted), 1 when an engine process died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from engine import __version__
+from engine.entrypoints.openai.context import ServingContext, served_model_name
+from engine.entrypoints.openai.errors import install_error_handlers
+from engine.entrypoints.openai.guards import DEFAULT_MAX_BODY_BYTES, FrontDoor
+from engine.entrypoints.openai.native import router as native_router
+from engine.entrypoints.openai.routes import router as openai_router
+from engine.errors import ConfigError
+from engine.managers.tokenizer_manager import TokenizerManager
+from engine.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from engine.config import ServerArgs
+    from engine.entrypoints.launch import Runtime
+
+logger = logging.getLogger("engine.server")
+
+# Seconds in-flight requests may run after SIGTERM before they are aborted.
+GRACEFUL_SHUTDOWN_S = 10.0
+# After an engine process died: time for pending requests to receive their 500s.
+_FATAL_DRAIN_S = 0.5
+
+
+def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[str], None] | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               manager_factory: Callable[..., Any] = TokenizerManager) -> FastAPI:
+    """The ASGI app. The tokenizer manager is created in the lifespan, on the serving loop.
+
+    Args:
+        runtime: the started scheduler and detokenizer processes (``launch_runtime``).
+        tokenizer: the loaded tokenizer, or None with ``--skip-tokenizer-init``.
+        on_fatal: called with the reason when an engine process dies (the server then exits).
+        max_body_bytes: larger request bodies are refused with 413.
+        manager_factory: builds the tokenizer manager (tests pass a fake).
+    """
+    args = runtime.args
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        manager = manager_factory(args, runtime.model_path, runtime.ipc, runtime.ready, runtime.processes, tokenizer)
+        manager.start()
+        ctx = ServingContext(args=args, manager=manager, ready=runtime.ready, model_path=runtime.model_path,
+                             model_name=served_model_name(args, runtime.model_path), tokenizer=tokenizer)
+        ctx.metrics = ServerMetrics(ctx.model_name)
+        manager.on_finish.append(ctx.metrics.observe_finished)
+        app.state.ctx = ctx
+        watcher = asyncio.ensure_future(_watch_engine(manager, on_fatal))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            logger.info("stopping the tokenizer manager")
+            await manager.close()
+
+    app = FastAPI(title="engine", version=__version__, lifespan=lifespan,
+                  description="OpenAI-compatible and SGLang-native APIs; see docs/api.md")
+    install_error_handlers(app)
+    app.include_router(openai_router)
+    app.include_router(native_router)
+    app.add_middleware(FrontDoor, api_key=args.api_key, max_body_bytes=max_body_bytes)
+    return app
+
+
+async def _watch_engine(manager: Any, on_fatal: Callable[[str], None] | None) -> None:
+    """Ends the server shortly after an engine process died (the manager fails pending requests)."""
+    while manager.dead is None:
+        await asyncio.sleep(0.25)
+    logger.error("%s; the server exits", manager.dead)
+    await asyncio.sleep(_FATAL_DRAIN_S)
+    if on_fatal is not None:
+        on_fatal(manager.dead)
+
+
+# -- running it ----------------------------------------------------------------------------
+class _StartupInterrupted(BaseException):
+    """SIGTERM/SIGINT while the model loads (BaseException: it must unwind launch_runtime)."""
+
+
+class _Signals:
+    """SIGTERM/SIGINT handling outside uvicorn's own: abort the load, or stop the server."""
+
+    def __init__(self) -> None:
+        self.server: Any | None = None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle)
+
+    def handle(self, sig: int, frame: Any) -> None:
+        if self.server is None:
+            raise _StartupInterrupted(sig)
+        # uvicorn re-raises the signal it handled once it has shut down; by then nothing is left
+        # to do. Before it installs its own handlers, this asks it to stop as soon as it runs.
+        self.server.should_exit = True
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Binds (without listening, so clients get 'connection refused' while the model loads)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host: cannot resolve {host!r}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(f"--port: cannot listen on {host}:{port}: {exc.strerror} "
+                          "(is another server running? pick another --port)") from None
+    return sock
+
+
+def server_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def ready_line(ctx: ServingContext, url: str) -> str:
+    """The one start-up line: where, what model, which plugins, attention backend and platform."""
+    ready = ctx.ready
+    plugins = ", ".join(p["name"] for p in ready.plugins if p.get("status") == "ok") or "none"
+    return (f"engine {__version__} serving '{ctx.model_name}' on {url} | model {ctx.model_path} | "
+            f"attention {ready.attention_backend}, platform {ready.platform} ({ready.device}, {ready.dtype}), "
+            f"KV pool {ready.max_total_num_tokens} tokens, context {ready.context_len} | plugins: {plugins}")
+
+
+def serve(args: ServerArgs, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+    """Runs the server until SIGTERM/SIGINT (returns 0) or an engine process dies (returns 1)."""
+    from engine.entrypoints.launch import launch_runtime, resolve_model_path
+    from engine.managers.process_utils import setup_child_logging
+    from engine.managers.tokenizer_utils import load_tokenizer
+
+    setup_child_logging(args.log_level, "server")
+    signals = _Signals()
+    signals.install()
+    sock = bind_socket(args.host, args.port)
+    url = server_url(args.host, args.port)
+    try:
+        started = time.perf_counter()
+        logger.info("[1/3] model: %s", args.model_path or "embedded default model (building it on first use)")
+        model_path = resolve_model_path(args)
+        logger.info("[2/3] starting the scheduler and detokenizer processes; loading weights from %s", model_path)
+        runtime = launch_runtime(args)
+    except _StartupInterrupted:
+        logger.info("interrupted during start-up")
+        sock.close()
+        return 0
+    except BaseException:
+        sock.close()
+        raise
+    exit_code = 0
+    try:
+        ready = runtime.ready
+        logger.info("model loaded in %.1f s: KV pool %d tokens, context %d, %d request slots",
+                    time.perf_counter() - started, ready.max_total_num_tokens, ready.context_len,
+                    ready.max_running_requests)
+        tokenizer = None
+        if not args.skip_tokenizer_init:
+            logger.info("[3/3] loading the tokenizer")
+            tokenizer = load_tokenizer(args.tokenizer_path or runtime.model_path, args.trust_remote_code)
+
+        def on_fatal(reason: str) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            server.config.timeout_graceful_shutdown = 1  # pending requests have already failed
+            server.should_exit = True
+
+        app = create_app(runtime, tokenizer, on_fatal=on_fatal, max_body_bytes=max_body_bytes)
+        verbose = args.log_level == "debug"
+        config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
+                                timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S), lifespan="on")
+        server = _Server(config, lambda: ready_line(app.state.ctx, url))
+        signals.server = server
+        server.run(sockets=[sock])
+    except _StartupInterrupted:
+        logger.info("interrupted during start-up")
+    finally:
+        logger.info("shutting down the engine processes")
+        runtime.shutdown()
+        sock.close()
+    return exit_code
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's Server, printing the ready line once it accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, line: Callable[[], str]) -> None:
+        super().__init__(config)
+        self._line = line
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(self._line(), flush=True)

@@ -1,0 +1,222 @@
+"""SGLang's native routes: /generate, /abort_request, /flush_cache, /health, /get_server_info,
+/get_model_info and /metrics.
+
+They live beside the OpenAI routes because they share the request runner, the
+error bodies and the serving context of this package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from starlette.responses import JSONResponse, Response
+
+from engine import __version__
+from engine.entrypoints.openai.context import ServingContext
+from engine.entrypoints.openai.errors import APIError, engine_dead_error, parse_body
+from engine.entrypoints.openai.generation import (
+    SSE_DONE,
+    Choice,
+    SSEResponse,
+    finish_reason,
+    make_choices,
+    run_to_completion,
+    sse,
+    sse_error,
+    stream_outputs,
+)
+from engine.entrypoints.openai.logprobs import native_logprobs, native_top_logprobs
+from engine.entrypoints.openai.protocol import AbortRequest, GenerateReqInput
+from engine.managers.tokenizer_manager import EngineDeadError, GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+router = APIRouter()
+
+# /health fails when the scheduler does not answer within this many seconds.
+HEALTH_TIMEOUT_S = 5.0
+# /metrics and /get_server_info wait this long for the scheduler's numbers.
+_INFO_TIMEOUT_S = 5.0
+
+
+def _ctx(request: Request) -> ServingContext:
+    return request.app.state.ctx
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    """One prompt (``text`` or ``input_ids``) or a batch; streamed as SSE with ``stream``."""
+    ctx = _ctx(request)
+    req = parse_body(await request.body(), GenerateReqInput)
+    prompts, copies, batch = _requests(ctx, req)
+    choices = make_choices(ctx, prompts, copies)
+    batch = batch or len(choices) > 1
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, choices, batch))
+    outputs = await run_to_completion(ctx, choices, request)
+    bodies = [_output(ctx, req, out) for out in outputs]
+    for out in outputs:
+        finish_reason(out["meta_info"])  # an aborted request is an error (400)
+    return JSONResponse(bodies if batch else bodies[0])
+
+
+def _requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[GenerateRequest], list[int], bool]:
+    """The body's prompts as GenerateRequests, with each one's ``n``; and whether it is a batch."""
+    if (req.text is None) == (req.input_ids is None):
+        raise APIError(400, "give exactly one of text and input_ids", param="text")
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        texts: list[Any] = list(req.text) if batch else [req.text]
+        ids: list[Any] = [None] * len(texts)
+    else:
+        assert req.input_ids is not None
+        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        ids = list(req.input_ids) if batch else [req.input_ids]
+        texts = [None] * len(ids)
+    count = len(texts)
+    if count == 0:
+        raise APIError(400, "the batch is empty", param="text" if req.text is not None else "input_ids")
+    params = req.sampling_params
+    if isinstance(params, list):
+        if len(params) != count:
+            raise APIError(400, f"sampling_params: {len(params)} entries for {count} prompts", param="sampling_params")
+        per_prompt = [dict(p) for p in params]
+    else:
+        per_prompt = [dict(params or {}) for _ in range(count)]
+    rids = req.rid if isinstance(req.rid, list) else [req.rid] * count
+    if isinstance(req.rid, list) and len(req.rid) != count:
+        raise APIError(400, f"rid: {len(req.rid)} ids for {count} prompts", param="rid")
+    if req.rid is not None and not isinstance(req.rid, list) and count > 1:
+        raise APIError(400, "rid: a batch needs a list of ids, one per prompt", param="rid")
+    prompts, copies = [], []
+    for i in range(count):
+        n = per_prompt[i].pop("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise APIError(400, f"sampling_params.n: invalid value {n!r}; accepted: an integer >= 1",
+                           param="sampling_params.n")
+        copies.append(n)
+        prompts.append(GenerateRequest(
+            text=texts[i], input_ids=ids[i], sampling_params=per_prompt[i], rid=rids[i],
+            return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority or 0))
+    return prompts, copies, batch
+
+
+def _output(ctx: ServingContext, req: GenerateReqInput, out: dict[str, Any]) -> dict[str, Any]:
+    """SGLang's output dict; logprob entries become ``[logprob, token_id, text_or_null]``."""
+    meta = dict(out["meta_info"])
+    text_of = ctx.token_text if req.return_text_in_logprobs else None
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        if key in meta:
+            meta[key] = native_logprobs(meta[key], text_of)
+    for key in ("output_top_logprobs", "input_top_logprobs"):
+        if key in meta:
+            meta[key] = native_top_logprobs(meta[key], text_of)
+    return {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
+
+
+async def _stream(ctx: ServingContext, req: GenerateReqInput, choices: list[Choice], batch: bool) -> AsyncIterator[bytes]:
+    try:
+        async for choice, out in stream_outputs(ctx, choices):
+            finish_reason(out["meta_info"])
+            body = _output(ctx, req, out)
+            if batch:
+                body["index"] = choice.index
+            yield sse(body)
+    except Exception as exc:
+        if not isinstance(exc, APIError):
+            logger.warning("generate stream failed: %s", exc)
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """Aborts a request by ``rid`` (or every request with ``abort_all``); unknown ids are ignored."""
+    ctx = _ctx(request)
+    req = parse_body(await request.body(), AbortRequest)
+    if not req.rid and not req.abort_all:
+        raise APIError(400, "rid: required (or abort_all: true)", param="rid")
+    ctx.check_alive()
+    ctx.manager.abort("" if req.abort_all else req.rid)
+    return JSONResponse({"success": True})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request) -> Response:
+    """Empties the prefix cache; refused while requests are running or queued."""
+    ctx = _ctx(request)
+    reply = await _control(ctx, "flush_cache")
+    if not reply.ok:
+        raise APIError(400, "cannot flush the cache while requests are running or queued; retry when idle",
+                       code="cache_busy")
+    return JSONResponse({"success": True, "message": "cache flushed"})
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    """200 when the scheduler answers a health check in time, else 503."""
+    ctx = _ctx(request)
+    try:
+        await _control(ctx, "health", HEALTH_TIMEOUT_S)
+    except APIError as exc:
+        raise APIError(503, f"unhealthy: {exc.message}") from None
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> Response:
+    """Effective configuration, loaded plugins and the KV pool's size and use."""
+    ctx = _ctx(request)
+    reply = await _control(ctx, "server_info")
+    if ctx.metrics is not None:
+        ctx.metrics.update_from_server_info(reply.data)
+    ready = ctx.ready
+    config = ctx.args.to_dict()
+    if config.get("api_key"):
+        config["api_key"] = "<redacted>"
+    return JSONResponse({
+        **config, **reply.data, "version": __version__, "model_path": ctx.model_path,
+        "served_model_name": ctx.model_name, "context_len": ready.context_len, "vocab_size": ready.vocab_size,
+        "attention_backend": ready.attention_backend, "platform": ready.platform, "device": ready.device,
+        "dtype": ready.dtype, "max_running_requests": ready.max_running_requests, "plugins": ready.plugins,
+        "num_inflight_reqs": len(ctx.manager.states),
+    })
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> Response:
+    ctx = _ctx(request)
+    return JSONResponse({"model_path": ctx.model_path, "served_model_name": ctx.model_name,
+                         "tokenizer_path": ctx.args.tokenizer_path or ctx.model_path, "is_generation": True,
+                         "context_len": ctx.context_len})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text format; gauges refreshed from the scheduler when it answers."""
+    from engine.metrics import CONTENT_TYPE
+
+    ctx = _ctx(request)
+    assert ctx.metrics is not None
+    try:
+        reply = await _control(ctx, "server_info")
+        ctx.metrics.update_from_server_info(reply.data)
+    except APIError:
+        pass  # a busy or dead scheduler: serve the counters with the last gauges
+    return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _control(ctx: ServingContext, kind: str, timeout: float = _INFO_TIMEOUT_S) -> Any:
+    ctx.check_alive()
+    try:
+        return await ctx.manager.control(kind, timeout=timeout)
+    except EngineDeadError as exc:
+        raise engine_dead_error(exc) from None
+    except asyncio.TimeoutError:
+        raise APIError(503, f"the scheduler did not answer '{kind}' within {timeout:g} s",
+                       code="scheduler_timeout") from None
