@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs GPU tests and benchmarks on a lent GPU machine; every stage logs to $OUT (or ./out).
+# usage: bash scripts/device_bench.sh STAGE...   stages: tests one_batch offline gsp flashinfer hf
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+bash scripts/device_setup.sh > "$OUT/setup.log" 2>&1 || { tail -20 "$OUT/setup.log"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+CFG=docs/bench_configs/llama-3-8b
+RES="$OUT/results.jsonl"
+DUMMY=(--model-path "$CFG" --load-format dummy --skip-tokenizer-init --log-level warning)
+E() { python3 -m engine.cli "$@"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case "$stage" in
+    tests)
+      python3 -m pytest -q -m gpu -p no:cacheprovider core plugins plugins-attention plugins-quant plugins-models \
+        > "$OUT/gpu_tests.log" 2>&1; tail -25 "$OUT/gpu_tests.log" ;;
+    one_batch)
+      E bench one-batch "${DUMMY[@]}" --attention triton --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
+      E bench one-batch "${DUMMY[@]}" --attention triton --disable-cuda-graph --batch-size 1 --input-len 128 --output-len 64 --result-file "$RES" 2>&1 | tail -2
+      E bench one-batch "${DUMMY[@]}" --attention triton --batch-size 64 --input-len 1024 --output-len 16 --result-file "$RES" 2>&1 | tail -2 ;;
+    flashinfer)
+      E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
+      E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size 64 --input-len 1024 --output-len 16 --result-file "$RES" 2>&1 | tail -2 ;;
+    offline)
+      E bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -12 ;;
+    gsp)
+      for flag in "" "--disable-radix-cache"; do
+        E bench offline "${DUMMY[@]}" --attention triton $flag --dataset-name generated-shared-prefix --gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 64 --result-file "$RES" 2>&1 | grep -E "output_throughput|total_throughput|duration|cached"
+      done ;;
+    hf)
+      python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch 64 --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" 2>&1 | grep -v Warning | tail -6 ;;
+    profile)
+      python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
+  esac
+done
+echo "=== done $(date -u +%H:%M:%S)"
