@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 CFG=docs/bench_configs/llama-3-8b
 RES="$OUT/results.jsonl"
 DUMMY=(--model-path "$CFG" --load-format dummy --skip-tokenizer-init --log-level warning)
-E() { python3 -m engine.cli "$@"; }
+E() { python3 -m engine "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
@@ -17,6 +17,10 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q -m gpu -p no:cacheprovider core plugins plugins-attention plugins-quant plugins-models \
         > "$OUT/gpu_tests.log" 2>&1; tail -25 "$OUT/gpu_tests.log" ;;
+    tests_subset)
+      python3 -m pytest -q -m gpu -p no:cacheprovider plugins-attention/triton/tests/test_triton_kernels.py plugins-quant/int8 \
+        plugins-models plugins-attention/triton/tests/test_triton_conformance.py > "$OUT/gpu_tests_subset.log" 2>&1
+      tail -8 "$OUT/gpu_tests_subset.log" ;;
     one_batch)
       E bench one-batch "${DUMMY[@]}" --attention triton --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
       E bench one-batch "${DUMMY[@]}" --attention triton --disable-cuda-graph --batch-size 1 --input-len 128 --output-len 64 --result-file "$RES" 2>&1 | tail -2
@@ -25,13 +29,13 @@ for stage in "$@"; do
       E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
       E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size 64 --input-len 1024 --output-len 16 --result-file "$RES" 2>&1 | tail -2 ;;
     offline)
-      E bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -12 ;;
+      timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -12 ;;
     gsp)
       for flag in "" "--disable-radix-cache"; do
         E bench offline "${DUMMY[@]}" --attention triton $flag --dataset-name generated-shared-prefix --gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 64 --result-file "$RES" 2>&1 | grep -E "output_throughput|total_throughput|duration|cached"
       done ;;
     hf)
-      python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch 64 --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" 2>&1 | grep -v Warning | tail -6 ;;
+      python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch 64 --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac

@@ -274,7 +274,9 @@ def test_backend_mixed_batch(seed: int, dtype: torch.dtype, page_size: int, wind
     assert torch.equal(pools.v_buffer[out_cache_loc], v.reshape(shape)), "V not saved"
     ref = reference_extend(q.reshape(-1, num_heads, head_dim), k.reshape(shape), v.reshape(shape),
                            prefix_k, prefix_v, pools.req.req_to_token, pools.req_slots,
-                           prefix_lens, extend_lens, layer.scaling, 0.0, window)
+                           prefix_lens, extend_lens, layer.scaling, 0.0,
+                           # the layer's window W means q - k < W; the reference takes q - k <= w
+                           window - 1 if window > 0 else window)
     assert_matches(out.view(-1, num_heads, head_dim), ref, dtype, f"mixed seed={seed}")
 
 

@@ -55,3 +55,10 @@ class TestQwen3CudaTritonPaged(_Cuda):
 class TestMistralCudaTorchNative(_Cuda):
     architecture = "MistralForCausalLM"
     server_args = {"attention": "torch_native"}
+
+
+class TestLlamaBf16Cpu(ModelConformance):
+    # bf16 on the CPU: greedy tokens must agree until a rounding near-tie (see tie_tolerance).
+    architecture = "LlamaForCausalLM"
+    dtype = "bfloat16"
+    logits_atol = 0.1

@@ -184,6 +184,10 @@ def serve(args: ServerArgs, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int
 
         def on_fatal(reason: str) -> None:
             nonlocal exit_code
+            if server.should_exit:
+                # Already stopping: a signal sent to the whole process group (Ctrl-C, systemd,
+                # `timeout`) also reaches the children, whose exit is then expected.
+                return
             exit_code = 1
             server.config.timeout_graceful_shutdown = 1  # pending requests have already failed
             server.should_exit = True

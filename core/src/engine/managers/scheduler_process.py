@@ -84,9 +84,6 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
                 to_detok.send_pyobj(out)
     except KeyboardInterrupt:
         pass
-    except BaseException:
-        traceback.print_exc()
-        raise
     finally:
         os._exit(0)
 

@@ -8,7 +8,7 @@ message. Messages name the offending field and say what would be accepted.
 from __future__ import annotations
 
 import json
-import logging
+import re
 from http import HTTPStatus
 from typing import Any
 
@@ -19,8 +19,6 @@ from starlette.responses import JSONResponse
 
 from engine.errors import did_you_mean
 from engine.managers.tokenizer_manager import EngineDeadError, RequestError
-
-logger = logging.getLogger(__name__)
 
 # OpenAI's error "type" for each status we send.
 _TYPES = {
@@ -62,11 +60,10 @@ def engine_dead_error(exc: EngineDeadError | str) -> APIError:
 def from_request_error(exc: RequestError, renames: dict[str, str] | None = None) -> APIError:
     """A tokenizer-manager validation error as a 400, with engine field names mapped to the API's."""
     renames = renames or {}
-    field = exc.field
     message = str(exc)
-    if field in renames:
-        message = message.replace(f"'{field}'", f"'{renames[field]}'").replace(f"{field}:", f"{renames[field]}:")
-        field = renames[field]
+    for engine_name, api_name in renames.items():
+        message = re.sub(rf"\b{re.escape(engine_name)}\b", api_name, message)
+    field = renames.get(exc.field, exc.field) if exc.field else None
     return APIError(400, message, param=field)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 
     from engine.entrypoints.openai.context import ServingContext
     from engine.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -136,10 +139,10 @@ async def run_to_completion(ctx: ServingContext, choices: Sequence[Choice], requ
 
 
 async def _last_output(ctx: ServingContext, choice: Choice) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    last: dict[str, Any] = {}
     async for out in ctx.manager.generate(choice.request, choice.prepared):
-        pass
-    return out
+        last = out  # non-streamed: the one and only output
+    return last
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -194,6 +197,14 @@ async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> Asyn
 
 def sse(data: dict[str, Any] | list[Any]) -> bytes:
     return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def log_stream_failure(what: str, exc: BaseException) -> None:
+    """Logs a stream that ended in an error; a traceback only for the unexpected (bugs)."""
+    if isinstance(exc, APIError):
+        return  # the client's problem, reported to the client
+    expected = isinstance(exc, (EngineDeadError, RequestError))
+    logger.warning("%s failed: %s", what, exc, exc_info=None if expected else exc)
 
 
 def sse_error(exc: BaseException) -> bytes:

@@ -23,6 +23,7 @@ from engine.entrypoints.openai.generation import (
     Choice,
     SSEResponse,
     finish_reason,
+    log_stream_failure,
     make_choices,
     run_to_completion,
     sse,
@@ -128,8 +129,7 @@ async def _stream(ctx: ServingContext, req: GenerateReqInput, choices: list[Choi
                 body["index"] = choice.index
             yield sse(body)
     except Exception as exc:
-        if not isinstance(exc, APIError):
-            logger.warning("generate stream failed: %s", exc)
+        log_stream_failure("generate stream", exc)
         yield sse_error(exc)
     yield SSE_DONE
 

@@ -9,7 +9,7 @@ the serving modules; the tests check them against the ``openai`` package's types
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,37 +32,37 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """Sampling fields shared by chat and text completions (OpenAI names + SGLang extras)."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=0)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    logit_bias: Optional[dict[str, float]] = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    user: Optional[str] = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
     # -- SGLang extensions, passed to the sampler as they are ---------------------
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = Field(None, ge=0)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = Field(None, ge=0)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: list[int] | None = None
     # Higher runs first under ``--schedule-policy priority``.
-    priority: Optional[int] = None
+    priority: int | None = None
     # Request id for /abort_request (``-i`` is appended per choice when n > 1).
-    rid: Optional[str] = None
+    rid: str | None = None
     # -- accepted and ignored (OpenAI bookkeeping that does not change the output) --
-    store: Optional[bool] = None
-    metadata: Optional[dict[str, Any]] = None
-    service_tier: Optional[str] = None
+    store: bool | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
 
 
 class ContentPart(BaseModel):
@@ -70,7 +70,7 @@ class ContentPart(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -78,56 +78,56 @@ class ChatMessage(BaseModel):
     # back assistant messages they received, with whatever fields those had.
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Unsupported features: accepted only at their "off" value, else a clear 400.
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[str, Any]] = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     # Extra variables for the tokenizer's chat template (e.g. enable_thinking).
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     # Legacy: the number of most likely tokens to report per position (0..20).
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     # Not supported (insertion needs a fill-in-the-middle model); rejected clearly.
-    suffix: Optional[str] = None
+    suffix: str | None = None
 
 
 class TokenizeRequest(_Body):
-    model: Optional[str] = None
-    prompt: Union[str, list[str], None] = None
-    messages: Optional[list[ChatMessage]] = None
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Body):
-    model: Optional[str] = None
-    tokens: Union[list[int], list[list[int]]]
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
     skip_special_tokens: bool = True
 
 
 class GenerateReqInput(_Body):
     """SGLang's native ``/generate`` body: one prompt or a batch."""
 
-    text: Union[str, list[str], None] = None
-    input_ids: Union[list[int], list[list[int]], None] = None
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
     # SamplingParams fields (validated there, with their own error messages).
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: bool = False
     return_logprob: bool = False
     # First prompt position to score (-1: output tokens only).
@@ -135,8 +135,8 @@ class GenerateReqInput(_Body):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
     # Add each token's text as the third element of every logprob entry.
     return_text_in_logprobs: bool = False
-    rid: Union[str, list[str], None] = None
-    priority: Optional[int] = None
+    rid: str | list[str] | None = None
+    priority: int | None = None
 
 
 class AbortRequest(_Body):

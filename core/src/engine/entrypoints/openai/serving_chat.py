@@ -16,6 +16,7 @@ from engine.entrypoints.openai.generation import (
     Choice,
     SSEResponse,
     finish_reason,
+    log_stream_failure,
     make_choices,
     matched_stop,
     run_to_completion,
@@ -68,9 +69,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if req.stream:
         return SSEResponse(_stream(ctx, req, choices, response_id, created))
     outputs = await run_to_completion(ctx, choices, request)
-    by_index = {c.index: out for c, out in zip(choices, outputs)}
+    by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}
     body_choices = []
-    for choice, out in zip(choices, outputs):
+    for choice, out in zip(choices, outputs, strict=True):
         meta = out["meta_info"]
         entry: dict[str, Any] = {
             "index": choice.index,
@@ -148,7 +149,6 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
         if with_usage:
             yield chunk([], usage(choices, finals))
     except Exception as exc:
-        if not isinstance(exc, APIError):
-            logger.warning("chat stream %s failed: %s", response_id, exc)
+        log_stream_failure(f"chat stream {response_id}", exc)
         yield sse_error(exc)
     yield SSE_DONE

@@ -16,6 +16,7 @@ from engine.entrypoints.openai.generation import (
     Choice,
     SSEResponse,
     finish_reason,
+    log_stream_failure,
     make_choices,
     matched_stop,
     run_to_completion,
@@ -76,7 +77,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         return SSEResponse(_stream(ctx, req, choices, echoes, response_id, created))
     outputs = await run_to_completion(ctx, choices, request)
     body_choices = []
-    for choice, out, echo in zip(choices, outputs, echoes):
+    for choice, out, echo in zip(choices, outputs, echoes, strict=True):
         meta = out["meta_info"]
         reason = finish_reason(meta)
         body_choices.append({
@@ -84,7 +85,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             "logprobs": _logprobs(ctx, req, meta, 0, echo, first=True),
             "finish_reason": reason, "matched_stop": matched_stop(meta),
         })
-    by_index = {c.index: out for c, out in zip(choices, outputs)}
+    by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}
     return JSONResponse({
         "id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name,
         "choices": body_choices, "usage": usage(choices, by_index), "system_fingerprint": None,
@@ -199,7 +200,6 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, choices: list[Cho
         if with_usage:
             yield chunk([], usage(choices, finals))
     except Exception as exc:
-        if not isinstance(exc, APIError):
-            logger.warning("completion stream %s failed: %s", response_id, exc)
+        log_stream_failure(f"completion stream {response_id}", exc)
         yield sse_error(exc)
     yield SSE_DONE

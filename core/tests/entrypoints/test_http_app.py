@@ -1,0 +1,266 @@
+"""The HTTP app in-process, on a scripted tokenizer manager (no engine processes).
+
+Checks response shapes against the ``openai`` package's own types, SSE framing,
+the front door (API key, body limit), error bodies and request expansion.
+Engine-backed behaviour is covered end to end in ``tests/test_server_e2e*.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from starlette.testclient import TestClient
+
+from engine.config import ServerArgs
+from engine.entrypoints.http_server import create_app
+from engine.managers.io_struct import ControlReply, SchedulerReady
+from engine.managers.tokenizer_manager import GenerateRequest, ReqState, TokenizerManager
+
+KEY = "sekret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+VOCAB = 2048
+
+
+class ScriptedManager(TokenizerManager):
+    """Real validation (prepare), scripted generation: token k of a request is (last prompt id + k + 1)."""
+
+    def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady, processes: list[Any],
+                 tokenizer: Any) -> None:
+        self.args, self.ready, self.tokenizer, self.processes = args, ready, tokenizer, processes
+        self.context_len = ready.context_len
+        self.states: dict[str, ReqState] = {}
+        self.dead: str | None = None
+        self.on_finish: list[Any] = []
+        self.aborted: list[str] = []
+        self.sent: list[GenerateRequest] = []
+
+    def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+    async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
+        return ControlReply(kind, 0, True, {"max_total_num_tokens": 100, "kv_free_tokens": 100,
+                                            "kv_evictable_tokens": 0, "kv_used_tokens": 0, "kv_usage": 0.0,
+                                            "num_running_reqs": len(self.states), "num_waiting_reqs": 0})
+
+    async def generate(self, req: GenerateRequest, prepared: Any = None) -> AsyncIterator[dict[str, Any]]:
+        ids, params = prepared or self.prepare(req)
+        rid = req.rid or f"r{len(self.sent)}"
+        self.sent.append(req)
+        state = ReqState(rid, ids)
+        self.states[rid] = state
+        finished = False
+        try:
+            for k in range(params.max_new_tokens):
+                await asyncio.sleep(0)
+                token = (ids[-1] + k + 1) % VOCAB
+                state.output_ids.append(token)
+                if req.return_logprob:
+                    state.output_token_logprobs.append((-1.0 - k, token))
+                    state.output_top_logprobs.append([(-0.5, token), (-2.0, (token + 1) % VOCAB)][: req.top_logprobs_num])
+                done = k + 1 == params.max_new_tokens
+                if done:
+                    state.finished_reason = {"type": "length", "length": params.max_new_tokens}
+                    finished = True
+                state.text = self.tokenizer.decode(state.output_ids) if self.tokenizer else ""
+                if req.stream or done:
+                    out = self._output(state)
+                    out["meta_info"]["cached_tokens"] = 2
+                    yield out
+        finally:
+            self.states.pop(rid, None)
+            if not finished:
+                self.aborted.append(rid)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llama_ckpt: str) -> Any:
+    from engine.managers.tokenizer_utils import load_tokenizer
+
+    return load_tokenizer(llama_ckpt)
+
+
+def _app(tokenizer: Any, **kwargs: Any) -> Any:
+    args = ServerArgs(model_path="/models/tiny", api_key=KEY)
+    ready = SchedulerReady(max_total_num_tokens=100, max_running_requests=8, context_len=64, vocab_size=VOCAB,
+                           device="cpu", attention_backend="torch_native", platform="cpu", dtype="float32",
+                           eos_token_ids=[3], plugins=[{"name": "cpu", "status": "ok"}])
+    runtime = SimpleNamespace(args=args, model_path="/models/tiny", ipc=None, ready=ready, processes=[])
+    return create_app(runtime, tokenizer, manager_factory=ScriptedManager, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def client(tokenizer: Any) -> Iterator[TestClient]:
+    with TestClient(_app(tokenizer), headers=AUTH) as c:
+        yield c
+
+
+def _events(body: str) -> list[Any]:
+    lines = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_chat_completion_matches_openai_schema(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                  "max_tokens": 3, "n": 2, "seed": 5, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    body = ChatCompletion.model_validate(r.json())
+    assert body.id.startswith("chatcmpl-") and body.object == "chat.completion" and body.model == "tiny"
+    assert [c.index for c in body.choices] == [0, 1]
+    assert all(c.finish_reason == "length" for c in body.choices)
+    assert body.usage is not None and body.usage.completion_tokens == 6  # both choices
+    assert body.usage.prompt_tokens == len(client.app.state.ctx.manager.sent[0].input_ids)  # counted once
+    assert body.usage.prompt_tokens_details.cached_tokens == 2
+    lp = body.choices[0].logprobs
+    assert lp is not None and lp.content is not None and len(lp.content) == 3 and len(lp.content[0].top_logprobs) == 2
+    seeds = [req.sampling_params["seed"] for req in client.app.state.ctx.manager.sent]
+    assert seeds == [5, 6]
+
+
+def test_chat_stream_chunks_and_usage(client: TestClient) -> None:
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+               "stream_options": {"include_usage": True}}
+    r = client.post("/v1/chat/completions", json=payload)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = _events(r.text)
+    chunks = [ChatCompletionChunk.model_validate(e) for e in events]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-2].choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    plain = client.post("/v1/chat/completions", json={**payload, "stream": False, "stream_options": None})
+    assert text == plain.json()["choices"][0]["message"]["content"]
+
+
+def test_completions_batch_echo_and_legacy_logprobs(client: TestClient, tokenizer: Any) -> None:
+    r = client.post("/v1/completions", json={"prompt": [[5, 6, 7], [9, 10]], "max_tokens": 2, "n": 2,
+                                             "logprobs": 1, "echo": True})
+    assert r.status_code == 200, r.text
+    body = Completion.model_validate(r.json())
+    assert body.id.startswith("cmpl-") and len(body.choices) == 4
+    assert [c.index for c in body.choices] == [0, 1, 2, 3]
+    assert body.usage is not None and body.usage.prompt_tokens == 5 and body.usage.completion_tokens == 8
+    first = body.choices[0]
+    echo = tokenizer.decode([5, 6, 7])
+    assert first.text.startswith(echo)
+    assert first.logprobs is not None and first.logprobs.tokens is not None
+    assert len(first.logprobs.tokens) == 2 and len(first.logprobs.top_logprobs or []) == 2
+    # Offsets point into the choice's text, after the echoed prompt.
+    assert first.logprobs.text_offset == [len(echo), len(echo) + len(first.logprobs.tokens[0])]
+
+
+def test_completion_stream_text_equals_plain(client: TestClient) -> None:
+    payload = {"prompt": "Hello there", "max_tokens": 5, "echo": True}
+    plain = client.post("/v1/completions", json=payload).json()["choices"][0]["text"]
+    events = _events(client.post("/v1/completions", json={**payload, "stream": True}).text)
+    assert "".join(e["choices"][0]["text"] for e in events) == plain
+    assert plain.startswith("Hello there")
+
+
+def test_native_generate_single_batch_and_stream(client: TestClient) -> None:
+    one = client.post("/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2},
+                                         "return_logprob": True, "return_text_in_logprobs": True})
+    assert one.status_code == 200, one.text
+    out = one.json()
+    assert out["output_ids"] == [7, 8] and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["meta_info"]["output_token_logprobs"][0][:2] == [-1.0, 7]
+    assert isinstance(out["meta_info"]["output_token_logprobs"][0][2], str)
+    batch = client.post("/generate", json={"text": ["a", "b"], "sampling_params": {"max_new_tokens": 1, "n": 2}})
+    assert batch.status_code == 200 and len(batch.json()) == 4
+    events = _events(client.post("/generate", json={"input_ids": [5], "sampling_params": {"max_new_tokens": 3},
+                                                    "stream": True}).text)
+    assert [e["output_ids"] for e in events] == [[6], [6, 7], [6, 7, 8]]
+
+
+@pytest.mark.parametrize("payload, status, param, needle", [
+    ({"messages": []}, 400, "messages", "at least 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3}, 400, "temperature", "less than or equal to 2"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ({"messages": [{"role": "user", "content": "x"}], "temprature": 1}, 400, "temprature", "did you mean temperature"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 400, "max_tokens", "too large"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model", "does not exist"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0].type", "not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop", "invalid value 5"),
+    ({"model": "tiny"}, 400, "messages", "required"),
+])
+def test_chat_bad_inputs(client: TestClient, payload: dict[str, Any], status: int, param: str, needle: str) -> None:
+    r = client.post("/v1/chat/completions", json=payload)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and needle in error["message"], error
+
+
+def test_invalid_json_and_non_object(client: TestClient) -> None:
+    r = client.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and "must be a JSON object" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    assert client.get("/v2/nothing").json()["error"]["type"] == "not_found_error"
+    assert client.get("/v1/chat/completions").status_code == 405
+
+
+def test_api_key_guards_everything_but_health(tokenizer: Any) -> None:
+    with TestClient(_app(tokenizer)) as c:
+        assert c.get("/health").status_code == 200
+        r = c.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert c.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.get("/v1/models", headers=AUTH).status_code == 200
+
+
+def test_body_limit(tokenizer: Any) -> None:
+    with TestClient(_app(tokenizer, max_body_bytes=1000), headers=AUTH) as c:
+        big = {"prompt": "x" * 2000}
+        r = c.post("/v1/completions", json=big)
+        assert r.status_code == 413 and "limit is 1000 bytes" in r.json()["error"]["message"]
+
+        def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
+            yield b'{"prompt": "'
+            yield b"x" * 2000
+            yield b'"}'
+
+        r = c.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert r.status_code == 413
+
+
+def test_tokenize_detokenize_models_and_info(client: TestClient, tokenizer: Any) -> None:
+    ids = client.post("/v1/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["tokens"] == tokenizer.encode("Hello world") and ids["count"] == len(ids["tokens"])
+    text = client.post("/v1/detokenize", json={"tokens": ids["tokens"]}).json()["text"]
+    assert text == "Hello world"
+    bad = client.post("/v1/detokenize", json={"tokens": [99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    chat = client.post("/v1/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 3
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 64
+    info = client.get("/get_server_info").json()
+    assert info["api_key"] == "<redacted>" and info["kv_used_tokens"] == 0 and info["plugins"]
+    metrics = client.get("/metrics")
+    assert metrics.status_code == 200 and "engine_num_running_reqs" in metrics.text
+
+
+def test_abort_request_and_duplicate_rid(client: TestClient) -> None:
+    assert client.post("/abort_request", json={"rid": "abc"}).json() == {"success": True}
+    assert client.app.state.ctx.manager.aborted[-1] == "abc"
+    assert client.post("/abort_request", json={}).status_code == 400
+    r = client.post("/generate", json={"text": ["a", "b"], "rid": ["same", "same"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"

@@ -1,0 +1,152 @@
+"""Starting ``engine serve`` as a subprocess for the end-to-end tests (this module holds no tests).
+
+The e2e modules import it by path (``sys.path`` gets this directory); one server
+on the session's tiny checkpoint (``llama_ckpt_dir`` from tests/conftest.py) is
+shared by the whole session through ``config.stash`` and stopped at the end
+with ``config.add_cleanup``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny-llama"
+_START_TIMEOUT_S = 180.0
+_SERVER_KEY = pytest.StashKey["Server"]()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log_path: str
+    api_key: str | None = API_KEY
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def get(self, path: str, **kw: Any) -> httpx.Response:
+        return httpx.get(self.url + path, headers=self.headers, timeout=30, **kw)
+
+    def post(self, path: str, **kw: Any) -> httpx.Response:
+        kw.setdefault("headers", self.headers)
+        return httpx.post(self.url + path, timeout=60, **kw)
+
+    def descendants(self) -> list[int]:
+        """Pids of every process below the server (Linux /proc)."""
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except FileNotFoundError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/children") as f:
+                        kids = [int(k) for k in f.read().split()]
+                except FileNotFoundError:
+                    kids = []
+                out.extend(kids)
+                todo.extend(kids)
+        return out
+
+    def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine serve exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"engine serve did not become healthy in {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_KEY) -> Server:
+    """Starts ``engine serve`` on a free 127.0.0.1 port (does not wait for it)."""
+    port = free_port()
+    # Not `-m engine.cli`: run as __main__, cli.py would be imported twice (engine.cli_bench imports it).
+    cmd = [sys.executable, "-c", "from engine.cli import main; main()", "serve", "--model-path", model_path, "--port", str(port),
+           "--host", "127.0.0.1", "--served-model-name", MODEL_NAME, "--max-total-tokens", "32768", *args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    log_path = os.path.join(log_dir, f"server-{port}.log")
+    log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it for its whole life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    return Server(proc, port, log_path, api_key)
+
+
+def shared_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Server:
+    """The session's shared server on ``model_path``, started on first use and stopped when pytest ends."""
+    if _SERVER_KEY not in config.stash:
+        server = launch(model_path, str(tmp_path_factory.mktemp("e2e-logs")))
+        config.add_cleanup(server.stop)
+        server.wait_ready()
+        config.stash[_SERVER_KEY] = server
+    return config.stash[_SERVER_KEY]
+
+
+def server_info(server: Server) -> dict[str, Any]:
+    r = server.get("/get_server_info")
+    r.raise_for_status()
+    return r.json()
+
+
+def wait_idle(server: Server, timeout: float = 20.0) -> dict[str, Any]:
+    """Polls /get_server_info until nothing runs and no KV is held by requests (bounded)."""
+    deadline = time.monotonic() + timeout
+    info = server_info(server)
+    while time.monotonic() < deadline:
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0:
+            return info
+        time.sleep(0.2)
+        info = server_info(server)
+    return info
+
+
+def assert_no_kv_leak(info: dict[str, Any]) -> None:
+    assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0, info
+    assert info["kv_used_tokens"] == 0, info
+    assert info["kv_free_tokens"] + info["kv_evictable_tokens"] == info["max_total_num_tokens"], info

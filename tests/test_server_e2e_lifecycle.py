@@ -1,0 +1,129 @@
+"""End to end: start-up errors, SIGTERM shutdown and the death of an engine process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_server_e2e_harness import Server, free_port, launch  # noqa: E402
+
+_CLI = [sys.executable, "-c", "from engine.cli import main; main()"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Iterator[tuple[Server, Server]]:
+    """Two private servers (each test ends one), started side by side."""
+    ckpt = llama_ckpt_dir
+    logs = str(tmp_path_factory.mktemp("lifecycle-logs"))
+    pair = (launch(ckpt, logs, api_key=None), launch(ckpt, logs, api_key=None))
+    try:
+        for server in pair:
+            server.wait_ready()
+        yield pair
+    finally:
+        for server in pair:
+            server.stop(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def _engine_children(server: Server) -> list[int]:
+    out = []
+    for pid in server.descendants():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(pid)
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def test_sigterm_finishes_inflight_then_exits_cleanly(servers: tuple[Server, Server]) -> None:
+    server = servers[0]
+    children = server.descendants()
+    assert len(_engine_children(server)) == 2, children
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}, "stream": True}
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+            result["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    for _ in range(200):  # until the request runs (bounded)
+        if httpx.get(server.url + "/get_server_info", timeout=10).json()["num_inflight_reqs"]:
+            break
+        time.sleep(0.01)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0, server.log()[-3000:]
+    thread.join(30)
+    events = result["events"]
+    assert events[-1] == "data: [DONE]" and '"finish_reason":{"type":"length"' in events[-2], events[-2:]
+    assert not [pid for pid in children if _alive(pid)], "processes left behind after SIGTERM"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
+
+
+def test_engine_process_death_fails_requests_and_exits(servers: tuple[Server, Server]) -> None:
+    server = servers[1]
+    children = server.descendants()
+    result: dict[str, Any] = {}
+
+    def long_request() -> None:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+        result["r"] = httpx.post(server.url + "/generate", json=body, timeout=60)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    time.sleep(0.3)
+    os.kill(_engine_children(server)[0], signal.SIGKILL)
+    thread.join(30)
+    r = result["r"]
+    assert r.status_code == 500 and "died" in r.json()["error"]["message"], r.text
+    started = time.monotonic()
+    code = server.proc.wait(15)
+    assert code != 0 and time.monotonic() - started < 5, (code, server.log()[-2000:])
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*_CLI, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_port_in_use_fails_fast_with_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        done = _run_cli("serve", "--port", str(port))
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: --port:") and "in use" in lines[-1], done.stderr
+
+
+def test_unknown_plugin_fails_with_one_line(llama_ckpt_dir: str) -> None:
+    done = _run_cli("serve", "--model-path", llama_ckpt_dir, "--port", str(free_port()), "--attention", "flashinfr")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("error: ") and "flashinfr" in done.stderr
