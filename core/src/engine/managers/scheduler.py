@@ -44,6 +44,15 @@ class InflightDecode:
     reqs: list[Req]
     sample: SampleOutput
     info: SamplingBatchInfo
+    # Host copy of the sampled ids, filled asynchronously; ``ready`` is recorded after the copy
+    # so processing waits for this step only, not for the step launched after it.
+    host_ids: torch.Tensor | None = None
+    ready: Any = None
+
+    def token_ids(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return (self.host_ids if self.host_ids is not None else self.sample.next_token_ids).tolist()
 
 
 def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
@@ -415,11 +424,18 @@ class Scheduler:
         self.forward_steps += 1
         for req in batch.reqs:
             req.inflight_steps += 1
-        return InflightDecode(list(batch.reqs), sample, info)
+        step = InflightDecode(list(batch.reqs), sample, info)
+        ids = sample.next_token_ids
+        if ids.is_cuda:
+            step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            step.host_ids.copy_(ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
 
     def _process_decode(self, step: InflightDecode) -> None:
         """Appends a launched step's tokens (waits for the device) and finishes requests."""
-        ids = step.sample.next_token_ids.tolist()
+        ids = step.token_ids()
         live: list[Req] = []
         for i, req in enumerate(step.reqs):
             req.inflight_steps -= 1
