@@ -106,8 +106,7 @@ class Server:
 def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_KEY) -> Server:
     """Starts ``engine serve`` on a free 127.0.0.1 port (does not wait for it)."""
     port = free_port()
-    # Not `-m engine.cli`: run as __main__, cli.py would be imported twice (engine.cli_bench imports it).
-    cmd = [sys.executable, "-c", "from engine.cli import main; main()", "serve", "--model-path", model_path, "--port", str(port),
+    cmd = [sys.executable, "-m", "engine", "serve", "--model-path", model_path, "--port", str(port),
            "--host", "127.0.0.1", "--served-model-name", MODEL_NAME, "--max-total-tokens", "32768", *args]
     if api_key:
         cmd += ["--api-key", api_key]

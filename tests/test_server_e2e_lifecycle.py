@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server_e2e_harness import Server, free_port, launch  # noqa: E402
 
-_CLI = [sys.executable, "-c", "from engine.cli import main; main()"]
+_CLI = [sys.executable, "-m", "engine"]
 
 
 @pytest.fixture(scope="module")
@@ -64,23 +64,33 @@ def test_sigterm_finishes_inflight_then_exits_cleanly(servers: tuple[Server, Ser
 
     def stream() -> None:
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}, "stream": True}
-        with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
-            result["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+        try:
+            with httpx.stream("POST", server.url + "/generate", json=body, timeout=60) as r:
+                result["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+        except httpx.HTTPError as exc:
+            result["error"] = repr(exc)
 
     thread = threading.Thread(target=stream)
     thread.start()
-    for _ in range(200):  # until the request runs (bounded)
-        if httpx.get(server.url + "/get_server_info", timeout=10).json()["num_inflight_reqs"]:
-            break
-        time.sleep(0.01)
+    assert _wait_until_inflight(server), "the streamed request never started"
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.log()[-3000:]
     thread.join(30)
-    events = result["events"]
+    events = result.get("events")
+    assert events, (result, server.log()[-3000:])
     assert events[-1] == "data: [DONE]" and '"finish_reason":{"type":"length"' in events[-2], events[-2:]
     assert not [pid for pid in children if _alive(pid)], "processes left behind after SIGTERM"
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
+
+
+def _wait_until_inflight(server: Server, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(server.url + "/get_server_info", timeout=10).json()["num_inflight_reqs"]:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def test_engine_process_death_fails_requests_and_exits(servers: tuple[Server, Server]) -> None:
@@ -94,7 +104,7 @@ def test_engine_process_death_fails_requests_and_exits(servers: tuple[Server, Se
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(0.3)
+    assert _wait_until_inflight(server), "the request never started"
     os.kill(_engine_children(server)[0], signal.SIGKILL)
     thread.join(30)
     r = result["r"]

@@ -7,6 +7,7 @@ specific so that no other module tests for CUDA by hand.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
@@ -64,6 +65,15 @@ class Platform(ABC):
     def supports_overlap_schedule(self) -> bool:
         """Whether the CPU can prepare batch N+1 while the device runs batch N."""
         return False
+
+    def layer_kernels(self) -> dict[str, Any]:
+        """Fused kernels the layer SDK may use on this platform, by name.
+
+        Known names: ``rms_norm(x, weight, eps, residual=None)``, ``silu_and_mul(x)``,
+        ``rotary_inplace(positions, x, cos_cache, sin_cache, head_dim, rotary_dim)``.
+        Layers fall back to their PyTorch code for names not given. Default: none.
+        """
+        return {}
 
     def synchronize(self) -> None:
         """Blocks until the current device finished its queued work."""

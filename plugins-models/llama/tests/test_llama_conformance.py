@@ -62,3 +62,16 @@ class TestLlamaBf16Cpu(ModelConformance):
     architecture = "LlamaForCausalLM"
     dtype = "bfloat16"
     logits_atol = 0.1
+
+
+class TestLlamaCudaTritonHeadDim128(_Cuda):
+    # Llama-3-like head size, so the fused kernels and attention run their real tile shapes.
+    architecture = "LlamaForCausalLM"
+    config_overrides = {"hidden_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128}
+    server_args = {"attention": "triton"}
+
+
+class TestLlamaCudaFlashinfer(_Cuda):
+    architecture = "LlamaForCausalLM"
+    config_overrides = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64}
+    server_args = {"attention": "flashinfer"}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -11,17 +14,24 @@ class RMSNorm(nn.Module):
 
     ``forward(x, residual)`` first adds ``residual`` to ``x`` and returns
     ``(normed, x + residual)`` so decoder layers need one call per norm.
-    Platforms may swap ``forward_impl`` for a fused kernel.
+    Platforms may provide a fused kernel (``Platform.layer_kernels()['rms_norm']``).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.variance_epsilon = eps
+        self.fused: Callable[..., Any] | None = None
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's fused ``rms_norm`` when it offers one."""
+        self.fused = kernels.get("rms_norm")
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and x.is_cuda:
+            return self.fused(x, self.weight, self.variance_epsilon, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x

@@ -52,9 +52,19 @@ class RotaryEmbedding(nn.Module):
         # float32 cache; cast per call to the activation dtype, as HF does.
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.fused: Any = None
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's in-place ``rotary_inplace`` kernel when it offers one."""
+        self.fused = kernels.get("rotary_inplace")
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: ``[T, heads*head_dim]``, k: ``[T, kv_heads*head_dim]``; returns rotated copies."""
+        """q: ``[T, heads*head_dim]``, k: ``[T, kv_heads*head_dim]``; returns rotated q and k
+        (new tensors, or q and k themselves rotated in place by a fused kernel)."""
+        if self.fused is not None and q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            self.fused(positions, q, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+            self.fused(positions, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+            return q, k
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)

@@ -107,6 +107,9 @@ def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int) -
     from engine.managers.tokenizer_utils import load_tokenizer
 
     setup_child_logging(args.log_level, "detokenizer")
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_path, args.trust_remote_code)
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context()
@@ -125,8 +128,9 @@ def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int) -
             out = manager.handle(msg)
             if out.rids:
                 send.send_pyobj(out)
-    except KeyboardInterrupt:
-        pass
+    except Exception:
+        logger.exception("detokenizer crashed")
+        os._exit(1)
     finally:
         recv.close(0)
         send.close(0)

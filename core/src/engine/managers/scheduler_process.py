@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from typing import Any
 
@@ -45,6 +46,8 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
     from engine.managers.scheduler import Scheduler
 
     setup_child_logging(args.log_level, "scheduler")
+    # Ctrl-C reaches the whole process group: the parent decides when children stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         scheduler = Scheduler(args, model_path)
     except EngineError as exc:
@@ -82,10 +85,11 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
             scheduler.step()
             for out in scheduler.take_outputs():
                 to_detok.send_pyobj(out)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        os._exit(0)
+    except Exception:
+        # The parent's watchdog sees the exit code and fails pending requests.
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
 
 
 def _dispatch(scheduler: Any, msg: Any) -> ControlReply | None:

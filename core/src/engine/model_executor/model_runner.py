@@ -49,6 +49,7 @@ class ModelRunner:
 
         free_before, _ = self.platform.memory_info(self.device)
         self.model = load_model(args, model_path, cfg, self.dtype, self.device)
+        self._install_layer_kernels()
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
         warmup = getattr(self.attn_backend, "warmup", None)
@@ -71,6 +72,17 @@ class ModelRunner:
 
         return CudaGraphRunner(self, args.cuda_graph_max_bs)
     # -- set-up -------------------------------------------------------------
+    def _install_layer_kernels(self) -> None:
+        """Offers the platform's fused kernels to every layer that can use them."""
+        kernels = self.platform.layer_kernels()
+        if not kernels:
+            return
+        for module in self.model.modules():
+            use = getattr(module, "use_kernels", None)
+            if callable(use):
+                use(kernels)
+        logger.info("fused layer kernels from platform '%s': %s", self.platform.name, ", ".join(sorted(kernels)))
+
     def _init_pools(self, free_before: int) -> None:
         args = self.args
         kv = MHATokenToKVPool(0, 1, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, "cpu")

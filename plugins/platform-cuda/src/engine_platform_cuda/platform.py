@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from typing import Any
+
 import torch
 
 from engine.platforms import Platform
@@ -117,6 +119,16 @@ class CudaPlatform(Platform):
         return True
 
     # -- housekeeping --------------------------------------------------------
+    def layer_kernels(self) -> dict[str, Any]:
+        """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary)."""
+        import importlib.util
+
+        if importlib.util.find_spec("triton") is None:
+            return {}
+        from engine_platform_cuda.kernels import layer_kernels
+
+        return layer_kernels()
+
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
