@@ -21,6 +21,11 @@ for stage in "$@"; do
       python3 -m pytest -q -m gpu -p no:cacheprovider plugins-attention/triton/tests/test_triton_kernels.py plugins-quant/int8 \
         plugins-models plugins-attention/triton/tests/test_triton_conformance.py > "$OUT/gpu_tests_subset.log" 2>&1
       tail -8 "$OUT/gpu_tests_subset.log" ;;
+    kernels)
+      python3 -m pytest -q -m gpu -p no:cacheprovider plugins/platform-cuda plugins-models -k "not Flashinfer" \
+        > "$OUT/gpu_kernels.log" 2>&1; tail -6 "$OUT/gpu_kernels.log" ;;
+    one_batch_quick)
+      E bench one-batch "${DUMMY[@]}" --attention triton --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -3 ;;
     one_batch)
       E bench one-batch "${DUMMY[@]}" --attention triton --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
       E bench one-batch "${DUMMY[@]}" --attention triton --disable-cuda-graph --batch-size 1 --input-len 128 --output-len 64 --result-file "$RES" 2>&1 | tail -2
