@@ -208,3 +208,14 @@ def test_overlap_schedule_gives_identical_outputs(llama_ckpt: str, kwargs: dict[
         check_no_leak(sched)
         outputs.append(([col.ids.get(r) for r in rids], [col.finish.get(r) for r in rids]))
     assert outputs[0] == outputs[1]
+
+
+def test_sampling_state_is_not_reused_across_requests(llama_ckpt: str) -> None:
+    """A finished request's batched sampling state must never be applied to a new request."""
+    sched = make_scheduler(llama_ckpt)
+    sampled = {"max_new_tokens": 8, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    first = generate_greedy(sched, [[5, 6, 7]], 8, **{k: v for k, v in sampled.items() if k != "max_new_tokens"})[0]
+    for _ in range(5):  # greedy requests in between leave a greedy batch state behind
+        generate_greedy(sched, [[5, 6, 7]], 8, ignore_eos=True)
+        again = generate_greedy(sched, [[5, 6, 7]], 8, **{k: v for k, v in sampled.items() if k != "max_new_tokens"})[0]
+        assert again == first

@@ -498,7 +498,8 @@ class Scheduler:
 
     def _decode_sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
         # Rebuilt only when the batch's membership changed; penalty counts carry over otherwise.
-        key = [id(r) for r in batch.reqs]
+        # Keyed by arrival number, unique per request (an id() can be reused by a new request).
+        key = [r.arrival_seq for r in batch.reqs]
         cached = getattr(batch, "_sampling_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
