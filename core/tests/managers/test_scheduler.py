@@ -219,3 +219,18 @@ def test_sampling_state_is_not_reused_across_requests(llama_ckpt: str) -> None:
         generate_greedy(sched, [[5, 6, 7]], 8, ignore_eos=True)
         again = generate_greedy(sched, [[5, 6, 7]], 8, **{k: v for k, v in sampled.items() if k != "max_new_tokens"})[0]
         assert again == first
+
+
+def test_parallel_samples_share_the_prompt_kv(llama_ckpt: str) -> None:
+    """n > 1: copies of one prompt are prefilled once; the others hit the prefix cache."""
+    sched = make_scheduler(llama_ckpt)
+    prompt = _prompts(12, 1, 40, 40)[0]
+    col = OutputCollector()
+    rids = [submit(sched, prompt, {"max_new_tokens": 6, "temperature": 1.0, "seed": i}) for i in range(4)]
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    cached = sorted(col.meta[r]["cached_tokens"] for r in rids)
+    assert cached[0] == 0 and all(c >= len(prompt) - 1 for c in cached[1:]), cached
+    assert len({tuple(col.ids[r]) for r in rids}) > 1
+    check_no_leak(sched)

@@ -35,6 +35,8 @@ _RESERVE_CLIP = 4096
 _INIT_NEW_TOKEN_RATIO = 0.7
 _MIN_NEW_TOKEN_RATIO = 0.1
 _NEW_TOKEN_RATIO_DECAY = 0.001
+# Identical prompts at least this long are prefilled once per round (n > 1 sharing).
+_SHARE_MIN_PROMPT = 8
 
 
 @dataclass
@@ -274,9 +276,17 @@ class Scheduler:
             rem_chunk -= req.extend_input_len
 
         if new_chunked is None:
+            # Prompts admitted in this round: an identical prompt (parallel samples, n > 1) waits
+            # one round so it reuses the first copy's KV from the prefix cache instead of
+            # computing the same prompt again in the same batch.
+            admitted_prompts: set[tuple[int, ...]] = set()
+            share = not self.args.disable_radix_cache
             for req in list(self.waiting_queue):
                 if running + len(can_run) >= self.max_running_requests:
                     break
+                key = tuple(req.origin_input_ids) if share and len(req.origin_input_ids) >= _SHARE_MIN_PROMPT else None
+                if key is not None and key in admitted_prompts:
+                    continue
                 req.init_next_round_input(self.tree_cache)
                 if req.extend_input_len > rem_input and can_run:
                     break
@@ -297,6 +307,8 @@ class Scheduler:
                     new_chunked = req
                 can_run.append(req)
                 self.waiting_queue.remove(req)
+                if key is not None:
+                    admitted_prompts.add(key)
                 admitted_cost += cost
                 rem_input -= req.extend_input_len
                 rem_chunk -= req.extend_input_len
