@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pytest
 
 from engine import plugins
 from engine.managers.policy import PolicyContext
@@ -90,34 +89,3 @@ def test_parent_is_asked_once_per_node() -> None:
     reqs = [_req(f"r{i}", leaf) for i, leaf in enumerate(leaves)]
     DfsWeightPolicy().order(reqs, PolicyContext(parent_of=parent_of))
     assert len(asked) == len(set(map(id, asked))) == 12
-
-
-# -- end to end through the scheduler ------------------------------------------------------
-_SHARED = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-_PROMPTS = [[40, 41, 42], _SHARED + [1, 2, 3], [40, 41, 43, 44], _SHARED + [1, 2, 4, 5],
-            _SHARED[:4] + [60], _SHARED + [30, 31]]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.testing.checkpoints import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM")
-
-
-def _run(path: str, policy: str) -> tuple[object, list[list[int]]]:
-    from engine.testing.harness import generate_greedy, make_scheduler
-
-    # Two at a time so the order matters across several prefill rounds.
-    sched = make_scheduler(path, schedule_policy=policy, max_total_tokens=4096, max_running_requests=2)
-    # Warm the radix cache so the policy sees real nodes below the root.
-    generate_greedy(sched, [_SHARED + [1, 2], [40, 41]], 2)
-    return sched, generate_greedy(sched, _PROMPTS, 8)
-
-
-@pytest.mark.slow
-def test_greedy_outputs_match_fcfs(tiny_llama: str) -> None:
-    sched, got = _run(tiny_llama, "dfs-weight")
-    assert isinstance(sched.policy, DfsWeightPolicy) and sched.policy.cache_aware
-    assert got == _run(tiny_llama, "fcfs")[1]
-    assert all(len(ids) == 8 for ids in got)

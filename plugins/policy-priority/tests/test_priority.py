@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import pytest
 
 from engine.managers.policy import PolicyContext
 from engine.managers.schedule_batch import Req
@@ -63,44 +62,6 @@ def test_latest_arrival_is_preempted_first_within_a_level() -> None:
 def test_empty_sides_preempt_nothing() -> None:
     assert PriorityPolicy().preempt([], [_req("w", 9)], _PREEMPT) == []
     assert PriorityPolicy().preempt([_req("r", 0)], [], _PREEMPT) == []
-
-
-# -- end to end through the scheduler ------------------------------------------------------
-_SHARED = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
-_PROMPTS = [[40, 41, 42], _SHARED + [1, 2, 3], [40, 41, 43, 44], _SHARED + [1, 2, 4, 5],
-            _SHARED[:4] + [60], _SHARED + [30, 31]]
-# Later prompts more urgent, so the priority order reverses arrival.
-_PRIORITIES = [0, 1, 1, 2, 3, 3]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from engine.testing.checkpoints import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM")
-
-
-def _run(path: str, policy: str) -> tuple[object, list[list[int]]]:
-    from engine.testing.harness import OutputCollector, make_scheduler, submit
-
-    # Two at a time so the order matters across several prefill rounds.
-    sched = make_scheduler(path, schedule_policy=policy, max_total_tokens=4096, max_running_requests=2)
-    params = {"max_new_tokens": 8, "temperature": 0.0}
-    rids = [submit(sched, p, params, priority=prio)
-            for p, prio in zip(_PROMPTS, _PRIORITIES, strict=True)]
-    out = OutputCollector()
-    while sched.step():
-        out.collect(sched)
-    out.collect(sched)
-    return sched, [out.ids.get(r, []) for r in rids]
-
-
-@pytest.mark.slow
-def test_greedy_outputs_match_fcfs(tiny_llama: str) -> None:
-    sched, got = _run(tiny_llama, "priority")
-    assert isinstance(sched.policy, PriorityPolicy)
-    assert got == _run(tiny_llama, "fcfs")[1]
-    assert all(len(ids) == 8 for ids in got)
 
 
 def test_scheduler_preempts_for_urgent_request(tmp_path) -> None:  # type: ignore[no-untyped-def]
