@@ -110,3 +110,9 @@ def test_generate_error_subprocess_is_one_line(llama_ckpt: str) -> None:
     res = _run("generate", "--model-path", llama_ckpt, "--attention", "nope")
     assert res.returncode == 2
     assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error: unknown attention backend 'nope'")
+
+
+def test_disabled_default_attention_backend_is_a_clear_error(llama_ckpt: str) -> None:
+    res = runner.invoke(app, ["generate", "--model-path", llama_ckpt, "--disable-plugin", "torch_native"])
+    assert res.exit_code == 2
+    assert "defaults to attention backend 'torch_native', which is not available" in res.output

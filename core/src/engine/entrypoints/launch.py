@@ -37,8 +37,10 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     config = load_hf_config(model_path, args.trust_remote_code)
     plugins.get_model_spec(config.architectures[0], disabled)
     plugins.get_schedule_policy(args.schedule_policy, disabled)
+    from engine.model_executor.model_runner import resolve_attention_name
+
     platform = plugins.select_platform(args.platform, disabled)
-    plugins.get_attention_backend(args.attention or platform.default_attention_backend(), disabled)
+    plugins.get_attention_backend(resolve_attention_name(args, platform), disabled)
     if args.quant:
         plugins.get_quantization_method(args.quant, disabled)
     _check_plugin_options(args)

@@ -4,7 +4,8 @@ Policy plugins subclass ``SchedulePolicy``. Before calling a cache-aware policy
 the scheduler sets ``req.prefix_len_hint`` (tokens of the prompt already in the
 prefix cache) and ``req.last_node`` (an opaque node of the cache), and hands the
 policy a ``PolicyContext`` whose ``parent_of`` walks towards the cache's root, so
-a policy never imports the cache.
+a policy never imports the cache. Nodes are hashable by identity and may be used as
+dict keys within one ``order`` call.
 """
 
 from __future__ import annotations
@@ -34,6 +35,14 @@ class SchedulePolicy(ABC):
 
     #: set by the plugin spec: whether prefix-match information is needed.
     cache_aware: bool = False
+
+    def needs_prefix_match(self, queue_len: int) -> bool:
+        """Whether the scheduler should compute prefix matches before this ``order`` call.
+
+        Defaults to ``cache_aware``; a policy that ignores them for long queues says so here,
+        sparing the scheduler a radix-tree walk per waiting request.
+        """
+        return self.cache_aware
 
     @abstractmethod
     def order(self, queue: list[Req], ctx: PolicyContext) -> list[Req]:

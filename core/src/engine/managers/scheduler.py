@@ -224,9 +224,11 @@ class Scheduler:
         return int(min(max(left, 0), _RESERVE_CLIP) * self.new_token_ratio)
 
     def _order_waiting(self) -> None:
-        if self.policy.cache_aware:
+        if self.policy.needs_prefix_match(len(self.waiting_queue)):
             for req in self.waiting_queue:
-                match = self.tree_cache.match_prefix(req.origin_input_ids[:-1] or [])
+                # Retracted requests resume from prompt + output: match what admission will.
+                tokens = req.origin_input_ids + req.output_ids
+                match = self.tree_cache.match_prefix(tokens[:-1])
                 req.prefix_len_hint, req.last_node = len(match.device_indices), match.last_node
         self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_ctx)
 

@@ -27,6 +27,19 @@ _CPU_MAX_POOL_TOKENS = 1 << 17
 _REQ_TO_TOKEN_BUDGET_BYTES = 512 << 20
 
 
+def resolve_attention_name(args: ServerArgs, platform: Any) -> str:
+    """``--attention``, else the platform's default, which must be installed and enabled."""
+    if args.attention:
+        return args.attention
+    name = platform.default_attention_backend()
+    if name not in plugins.attention_backends(args.disable_plugin):
+        raise ConfigError(
+            f"platform '{platform.name}' defaults to attention backend '{name}', which is not available "
+            f"(disabled or not installed); choose one with --attention "
+            f"(available: {', '.join(plugins.attention_backends(args.disable_plugin)) or 'none'})")
+    return name
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
         self.args = args
@@ -118,7 +131,7 @@ class ModelRunner:
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", tokens, tokens * per_token / 2**20, max_reqs)
 
     def _create_attention_backend(self) -> Any:
-        name = self.args.attention or self.platform.default_attention_backend()
+        name = resolve_attention_name(self.args, self.platform)
         spec = plugins.get_attention_backend(name, self.args.disable_plugin)
         if self.device.type not in spec.device_types:
             raise ConfigError(

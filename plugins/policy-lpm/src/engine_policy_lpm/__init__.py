@@ -23,6 +23,10 @@ class LpmPolicy(SchedulePolicy):
     before each ordering because the spec says ``cache_aware=True``.
     """
 
+    def needs_prefix_match(self, queue_len: int) -> bool:
+        # Past the fallback length the order ignores prefixes: skip matching them.
+        return queue_len <= FCFS_FALLBACK_QUEUE_LEN
+
     def order(self, queue: list[Req], ctx: PolicyContext) -> list[Req]:
         if len(queue) > FCFS_FALLBACK_QUEUE_LEN:
             return sorted(queue, key=lambda r: r.arrival_seq)
