@@ -126,25 +126,28 @@ class ModelConformance:
     dtype: ClassVar[str] = "float32"
 
     @pytest.fixture(scope="class")
-    def checkpoint(self, tmp_path_factory: pytest.TempPathFactory) -> str:
+    @classmethod
+    def checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> str:
         from engine.testing.checkpoints import make_tiny_checkpoint
 
-        path = tmp_path_factory.mktemp(self.architecture or "model")
-        return make_tiny_checkpoint(str(path), self.architecture, **self.config_overrides)
+        path = tmp_path_factory.mktemp(cls.architecture or "model")
+        return make_tiny_checkpoint(str(path), cls.architecture, **cls.config_overrides)
 
     @pytest.fixture(scope="class")
-    def hf_model(self, checkpoint: str) -> Any:
+    @classmethod
+    def hf_model(cls, checkpoint: str) -> Any:
         from engine.testing.checkpoints import load_hf_model
 
-        _device_or_skip(self.device)
-        return load_hf_model(checkpoint, self.dtype, self.device)
+        _device_or_skip(cls.device)
+        return load_hf_model(checkpoint, cls.dtype, cls.device)
 
     def _engine_args(self) -> dict[str, Any]:
         platform = "cpu" if self.device == "cpu" else self.device.split(":")[0]
         return {"platform": platform, "dtype": self.dtype, **self.server_args}
 
     @pytest.fixture(scope="class")
-    def prompts(self) -> list[list[int]]:
+    @classmethod
+    def prompts(cls) -> list[list[int]]:
         rng = random.Random(1234)
         return [[rng.randrange(4, 2048) for _ in range(n)] for n in (5, 17, 40, 3, 63)]
 
@@ -227,7 +230,8 @@ class SchedulePolicyConformance:
         return policy
 
     @pytest.fixture(scope="class")
-    def tiny_checkpoint(self, tmp_path_factory: pytest.TempPathFactory) -> str:
+    @classmethod
+    def tiny_checkpoint(cls, tmp_path_factory: pytest.TempPathFactory) -> str:
         from engine.testing.checkpoints import make_tiny_checkpoint
 
         return make_tiny_checkpoint(str(tmp_path_factory.mktemp("policy-model")), "LlamaForCausalLM")
