@@ -64,7 +64,7 @@ class ServerArgs:
     enable_priority_preemption: bool = opt(False, "Let the schedule policy retract running requests for more urgent waiting ones (priority policy)")
     # -- device execution ---------------------------------------------------
     disable_cuda_graph: bool = opt(False, "Do not capture decode steps in CUDA graphs")
-    cuda_graph_max_bs: int = opt(160, "Largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: int = opt(256, "Largest decode batch captured in a CUDA graph")
     disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
     tp_size: int = opt(1, "Tensor-parallel size")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
