@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from engine import plugins
 from engine.config import ServerArgs
 from engine.hookspecs import resolve_factory
-from engine.layers.sampler import SampleOutput
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
+from engine.managers.scheduler_decode import DecodeMixin, InflightDecode
+from engine.managers.scheduler_output import OutputMixin
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
@@ -33,28 +31,8 @@ logger = logging.getLogger(__name__)
 # Future decode tokens reserved per running request are clipped to this.
 _RESERVE_CLIP = 4096
 _INIT_NEW_TOKEN_RATIO = 0.7
-_MIN_NEW_TOKEN_RATIO = 0.1
-_NEW_TOKEN_RATIO_DECAY = 0.001
 # Identical prompts at least this long are prefilled once per round (n > 1 sharing).
 _SHARE_MIN_PROMPT = 8
-
-
-@dataclass
-class InflightDecode:
-    """A launched decode step whose tokens have not been appended yet."""
-
-    reqs: list[Req]
-    sample: SampleOutput
-    info: SamplingBatchInfo
-    # Host copy of the sampled ids, filled asynchronously; ``ready`` is recorded after the copy
-    # so processing waits for this step only, not for the step launched after it.
-    host_ids: torch.Tensor | None = None
-    ready: Any = None
-
-    def token_ids(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return (self.host_ids if self.host_ids is not None else self.sample.next_token_ids).tolist()
 
 
 def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
@@ -77,7 +55,7 @@ def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
     return ids
 
 
-class Scheduler:
+class Scheduler(DecodeMixin, OutputMixin):
     def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
         self.args = args
         self.runner = ModelRunner(args, model_path, platform)
@@ -412,211 +390,6 @@ class Scheduler:
             req.reset_for_retract()
             req.retractions -= 1
             self.waiting_queue.insert(0, req)
-
-    def run_decode(self) -> None:
-        """One decode step; with overlap, launches step N+1 before processing step N."""
-        if self.enable_overlap:
-            self._run_decode_overlap()
-            return
-        batch = self.running_batch
-        self._ensure_decode_memory(batch)
-        if batch.reqs:
-            self._process_decode(self._launch_decode(batch, None, lag=0))
-            batch.filter()
-
-    def _launch_decode(self, batch: ScheduleBatch, input_ids: Any, lag: int,
-                       info: SamplingBatchInfo | None = None) -> InflightDecode:
-        """Prepares and launches a decode step; ``lag`` = tokens sampled but not yet appended."""
-        fb = batch.prepare_for_decode(lag=lag, input_ids=input_ids)
-        if info is None:
-            info = self._decode_sampling_info(batch)
-        info.steps = [len(r.output_ids) + lag for r in batch.reqs]
-        fb.sampling_info = info
-        sample = self.runner.sample(self.runner.forward(fb), fb)
-        if info.penalizer is not None:
-            info.penalizer.cumulate_output_tokens(sample.next_token_ids)
-        self.forward_steps += 1
-        for req in batch.reqs:
-            req.inflight_steps += 1
-        step = InflightDecode(list(batch.reqs), sample, info)
-        ids = sample.next_token_ids
-        if ids.is_cuda:
-            step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            step.host_ids.copy_(ids, non_blocking=True)
-            step.ready = torch.cuda.Event()
-            step.ready.record()
-        return step
-
-    def _process_decode(self, step: InflightDecode) -> None:
-        """Appends a launched step's tokens (waits for the device) and finishes requests."""
-        ids = step.token_ids()
-        live: list[Req] = []
-        for i, req in enumerate(step.reqs):
-            req.inflight_steps -= 1
-            if req.finished():
-                continue  # finished (or aborted) after this step was launched
-            req.output_ids.append(ids[i])
-            record_output_logprobs(req, i, step.sample)
-            req.check_finished()
-            if req.finished():
-                if req.inflight_steps:
-                    # A later step already took KV for this request's position seqlen-1: give
-                    # back the pages that position opened (a page it shares with kept tokens is
-                    # released with them by the cache).
-                    ps = self.allocator.page_size
-                    first = req.seqlen - 1
-                    opened = [p for p in range(first, first + req.inflight_steps) if p % ps == 0]
-                    if opened:
-                        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-                        self.allocator.free(row[opened].long())
-                self.tree_cache.cache_finished_req(req)
-            live.append(req)
-        self._emit(live)
-        self.new_token_ratio = max(min(_MIN_NEW_TOKEN_RATIO, self.init_new_token_ratio),
-                                   self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
-
-    def drain(self) -> None:
-        """Processes the in-flight decode step, if any (overlap mode)."""
-        step, self.inflight = self.inflight, None
-        if step is not None:
-            self._process_decode(step)
-            self.running_batch.filter()
-
-    def _run_decode_overlap(self) -> None:
-        prev = self.inflight
-        batch = self.running_batch
-        if prev is not None:
-            keep = [i for i, r in enumerate(prev.reqs) if not r.finished()]
-            same_rows = [prev.reqs[i] for i in keep] == [r for r in batch.reqs if not r.finished()]
-            enough = (self.allocator.available_size() + self.tree_cache.evictable_size()
-                      >= batch.decode_tokens_needed())
-            if not (same_rows and keep and enough):
-                self.drain()
-                prev = None
-        if prev is None:
-            self._ensure_decode_memory(batch)
-            if batch.reqs:
-                self.inflight = self._launch_decode(batch, None, lag=0)
-            return
-        batch.filter([prev.reqs[i] for i in keep])
-        ids = prev.sample.next_token_ids
-        info = prev.info
-        if len(keep) != len(prev.reqs):
-            keep_t = torch.tensor(keep, dtype=torch.int64, device=ids.device)
-            ids = ids.index_select(0, keep_t)
-            info = info.filter(keep)
-        self.inflight = self._launch_decode(batch, ids, lag=1, info=info)
-        self._process_decode(prev)
-        batch.filter()
-        batch._sampling_cache = None  # type: ignore[attr-defined]  (rows may have finished)
-
-    def _decode_sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
-        # Rebuilt only when the batch's membership changed; penalty counts carry over otherwise.
-        # Keyed by arrival number, unique per request (an id() can be reused by a new request).
-        key = [r.arrival_seq for r in batch.reqs]
-        cached = getattr(batch, "_sampling_cache", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        info = SamplingBatchInfo.from_reqs(batch.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
-        batch._sampling_cache = (key, info)  # type: ignore[attr-defined]
-        return info
-
-    def _ensure_decode_memory(self, batch: ScheduleBatch) -> None:
-        """Retracts requests until the next decode step's KV slots can be found."""
-        def enough() -> bool:
-            return self.allocator.available_size() + self.tree_cache.evictable_size() >= batch.decode_tokens_needed()
-
-        if enough():
-            return
-        # Retract the requests that cost least to redo: fewest generated tokens first.
-        order = sorted(batch.reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
-        retracted: list[Req] = []
-        while not enough() and len(order) > 1:
-            req = order.pop()
-            self._retract([req])
-            retracted.append(req)
-        if not enough():
-            # A lone request that cannot grow: it does not fit the pool at all.
-            req = order.pop()
-            req.finished_reason = FinishReason("abort", message="out of KV cache memory for this request")
-            self.tree_cache.cache_finished_req(req)
-            self._emit([req])
-        batch.filter([r for r in order if not r.finished()])
-        if retracted:
-            logger.info("retracted %d requests (KV memory full)", len(retracted))
-            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1 * len(retracted))
-
-    # -- output ---------------------------------------------------------------------
-    def _emit(self, reqs: list[Req]) -> None:
-        """Queues new tokens of ``reqs`` for the detokenizer (streaming ones every interval)."""
-        send = [r for r in reqs if r.finished() or (
-            r.stream and len(r.output_ids) - r.send_offset >= self.args.stream_interval)]
-        if not send:
-            return
-        out = BatchTokenIDOut(
-            rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
-            cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],
-            stop_strings=[], no_stop_trim=[], output_token_logprobs=[], output_top_logprobs=[],
-            input_token_logprobs=[], input_top_logprobs=[], prompt_tail_ids=[])
-        for req in send:
-            p = req.sampling_params
-            start = req.send_offset
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[start:])
-            out.prompt_tail_ids.append(req.origin_input_ids[-16:] if start == 0 else None)
-            out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.skip_special_tokens.append(p.skip_special_tokens)
-            out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
-            out.stop_strings.append(p.stop)
-            out.no_stop_trim.append(p.no_stop_trim)
-            if req.return_logprob:
-                out.output_token_logprobs.append(req.output_token_logprobs[start:])
-                out.output_top_logprobs.append(req.output_top_logprobs[start:])
-                if not req.input_logprobs_sent and req.input_token_logprobs is not None and not req.is_chunked:
-                    out.input_token_logprobs.append(req.input_token_logprobs)
-                    out.input_top_logprobs.append(req.input_top_logprobs)
-                    req.input_logprobs_sent = True
-                else:
-                    out.input_token_logprobs.append(None)
-                    out.input_top_logprobs.append(None)
-            else:
-                out.output_token_logprobs.append(None)
-                out.output_top_logprobs.append(None)
-                out.input_token_logprobs.append(None)
-                out.input_top_logprobs.append(None)
-            req.send_offset = len(req.output_ids)
-            if req.finished_reason is not None:
-                self.reqs.pop(req.rid, None)
-        self.outbox.append(out)
-
-    # -- introspection ----------------------------------------------------------------
-    def flush_cache(self) -> bool:
-        """Empties the prefix cache; refused while requests are running."""
-        if self.has_work():
-            return False
-        self.tree_cache.reset()
-        self.allocator.clear()
-        self.req_to_token_pool.clear()
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        total = self.runner.max_total_num_tokens
-        free = self.allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        return {
-            "max_total_num_tokens": total,
-            "kv_free_tokens": free,
-            "kv_evictable_tokens": evictable,
-            "kv_used_tokens": total - free - evictable,
-            "kv_usage": (total - free - evictable) / total,
-            "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
-            "num_waiting_reqs": len(self.waiting_queue),
-            "num_retractions": self.num_retractions,
-            "forward_steps": self.forward_steps,
-        }
 
 
 def check_no_leak(scheduler: Scheduler) -> None:

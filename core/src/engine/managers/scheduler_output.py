@@ -1,0 +1,93 @@
+"""Output emission and introspection of the scheduler. Mixed into ``Scheduler``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.managers.io_struct import BatchTokenIDOut
+from engine.managers.schedule_batch import Req
+
+
+class OutputMixin:
+    """Queues new tokens for the detokenizer; reports pool and queue state."""
+
+    # Provided by Scheduler.
+    args: Any
+    runner: Any
+    allocator: Any
+    tree_cache: Any
+    req_to_token_pool: Any
+    outbox: list[BatchTokenIDOut]
+    reqs: dict[str, Req]
+
+    # -- output ---------------------------------------------------------------------
+    def _emit(self, reqs: list[Req]) -> None:
+        """Queues new tokens of ``reqs`` for the detokenizer (streaming ones every interval)."""
+        send = [r for r in reqs if r.finished() or (
+            r.stream and len(r.output_ids) - r.send_offset >= self.args.stream_interval)]
+        if not send:
+            return
+        out = BatchTokenIDOut(
+            rids=[], new_token_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
+            cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],
+            stop_strings=[], no_stop_trim=[], output_token_logprobs=[], output_top_logprobs=[],
+            input_token_logprobs=[], input_top_logprobs=[], prompt_tail_ids=[])
+        for req in send:
+            p = req.sampling_params
+            start = req.send_offset
+            out.rids.append(req.rid)
+            out.new_token_ids.append(req.output_ids[start:])
+            out.prompt_tail_ids.append(req.origin_input_ids[-16:] if start == 0 else None)
+            out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens)
+            out.skip_special_tokens.append(p.skip_special_tokens)
+            out.spaces_between_special_tokens.append(p.spaces_between_special_tokens)
+            out.stop_strings.append(p.stop)
+            out.no_stop_trim.append(p.no_stop_trim)
+            if req.return_logprob:
+                out.output_token_logprobs.append(req.output_token_logprobs[start:])
+                out.output_top_logprobs.append(req.output_top_logprobs[start:])
+                if not req.input_logprobs_sent and req.input_token_logprobs is not None and not req.is_chunked:
+                    out.input_token_logprobs.append(req.input_token_logprobs)
+                    out.input_top_logprobs.append(req.input_top_logprobs)
+                    req.input_logprobs_sent = True
+                else:
+                    out.input_token_logprobs.append(None)
+                    out.input_top_logprobs.append(None)
+            else:
+                out.output_token_logprobs.append(None)
+                out.output_top_logprobs.append(None)
+                out.input_token_logprobs.append(None)
+                out.input_top_logprobs.append(None)
+            req.send_offset = len(req.output_ids)
+            if req.finished_reason is not None:
+                self.reqs.pop(req.rid, None)
+        self.outbox.append(out)
+
+    # -- introspection ----------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        """Empties the prefix cache; refused while requests are running."""
+        if self.has_work():
+            return False
+        self.tree_cache.reset()
+        self.allocator.clear()
+        self.req_to_token_pool.clear()
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        total = self.runner.max_total_num_tokens
+        free = self.allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        return {
+            "max_total_num_tokens": total,
+            "kv_free_tokens": free,
+            "kv_evictable_tokens": evictable,
+            "kv_used_tokens": total - free - evictable,
+            "kv_usage": (total - free - evictable) / total,
+            "num_running_reqs": len(self.running_batch.reqs) + (1 if self.chunked_req else 0),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "num_retractions": self.num_retractions,
+            "forward_steps": self.forward_steps,
+        }
