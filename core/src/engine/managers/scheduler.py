@@ -31,8 +31,10 @@ logger = logging.getLogger(__name__)
 # Future decode tokens reserved per running request are clipped to this.
 _RESERVE_CLIP = 4096
 _INIT_NEW_TOKEN_RATIO = 0.7
-# Identical prompts at least this long are prefilled once per round (n > 1 sharing).
+# In-batch prefix sharing: requests with at least this many uncached tokens whose next
+# _SHARE_PROBE tokens equal an admitted request's wait one round for the cache (n > 1, system prompts).
 _SHARE_MIN_PROMPT = 8
+_SHARE_PROBE = 32
 
 
 def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
@@ -256,18 +258,22 @@ class Scheduler(DecodeMixin, OutputMixin):
             rem_chunk -= req.extend_input_len
 
         if new_chunked is None:
-            # Prompts admitted in this round: an identical prompt (parallel samples, n > 1) waits
-            # one round so it reuses the first copy's KV from the prefix cache instead of
-            # computing the same prompt again in the same batch.
-            admitted_prompts: set[tuple[int, ...]] = set()
+            # In-batch prefix sharing: a request whose next uncached tokens start like those of a
+            # request admitted this round (same cached depth, same next _SHARE_PROBE tokens: a
+            # shared system prompt, or parallel samples n > 1) waits one round, then finds that
+            # prefix in the cache instead of computing it twice in one batch.
+            admitted_prefixes: set[tuple[int, tuple[int, ...]]] = set()
             share = not self.args.disable_radix_cache
             for req in list(self.waiting_queue):
                 if running + len(can_run) >= self.max_running_requests:
                     break
-                key = tuple(req.origin_input_ids) if share and len(req.origin_input_ids) >= _SHARE_MIN_PROMPT else None
-                if key is not None and key in admitted_prompts:
-                    continue
                 req.init_next_round_input(self.tree_cache)
+                key = None
+                if share and req.extend_input_len >= _SHARE_MIN_PROMPT:
+                    depth = len(req.prefix_indices)
+                    key = (depth, tuple(req.fill_ids[depth : depth + _SHARE_PROBE]))
+                    if key in admitted_prefixes:
+                        continue
                 if req.extend_input_len > rem_input and can_run:
                     break
                 if rem_chunk < max(page, 1):
@@ -288,7 +294,7 @@ class Scheduler(DecodeMixin, OutputMixin):
                 can_run.append(req)
                 self.waiting_queue.remove(req)
                 if key is not None:
-                    admitted_prompts.add(key)
+                    admitted_prefixes.add(key)
                 admitted_cost += cost
                 rem_input -= req.extend_input_len
                 rem_chunk -= req.extend_input_len
