@@ -15,6 +15,7 @@ TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "_templa
 
 KINDS = {
     "attention": dict(
+        deps=["engine-attention-torch-native>=0.1"],
         hook="register_attention_backends", spec_cls="AttentionBackendSpec", kit="AttentionBackendConformance",
         spec='AttentionBackendSpec(name="{name}", factory="{package}.impl:create", device_types=("cpu", "cuda"))',
         kit_attrs='    backend_name = "{name}"',
@@ -23,6 +24,7 @@ KINDS = {
               'class Backend(TorchNativeAttnBackend):\n    """Starts as the reference backend; replace forward_extend/forward_decode."""\n\n\n'
               'def create(ctx: AttentionContext) -> Backend:\n    return Backend(ctx)\n')),
     "policy": dict(
+        deps=[],
         hook="register_schedule_policies", spec_cls="SchedulePolicySpec", kit="SchedulePolicyConformance",
         spec='SchedulePolicySpec(name="{name}", factory="{package}.impl:Policy")',
         kit_attrs='    policy_name = "{name}"',
@@ -30,6 +32,7 @@ KINDS = {
               'class Policy(SchedulePolicy):\n    def order(self, queue, ctx: PolicyContext):  # type: ignore[no-untyped-def]\n'
               '        return sorted(queue, key=lambda r: r.arrival_seq)\n')),
     "platform": dict(
+        deps=["engine-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",
         spec='PlatformSpec(name="{name}", factory="{package}.impl:MyPlatform", device_type="cpu")',
         kit_attrs='    platform_name = "{name}"',
@@ -38,6 +41,7 @@ KINDS = {
               '        return False  # claim the machine only when your device is present\n\n'
               '    def unavailable_reason(self) -> str:\n        return "not implemented yet"\n')),
     "quant": dict(
+        deps=[],
         hook="register_quantization_methods", spec_cls="QuantMethodSpec", kit="QuantMethodConformance",
         spec='QuantMethodSpec(name="{name}", factory="{package}.impl:Config.from_config", device_types=("cpu", "cuda"))',
         kit_attrs='    method_name = "{name}"\n    max_rel_error = 1e-6',
@@ -48,6 +52,7 @@ KINDS = {
               '    def get_linear_method(self, layer, prefix):  # type: ignore[no-untyped-def]\n'
               '        return UnquantizedLinearMethod()  # replace with your LinearMethodBase\n')),
     "model": dict(
+        deps=["engine-models-llama>=0.1"],
         hook="register_models", spec_cls="ModelSpec", kit="ModelConformance",
         spec='ModelSpec(name="{name}", architectures=("MyForCausalLM",), factory="{package}.impl:MyForCausalLM")',
         kit_attrs='    architecture = "LlamaForCausalLM"  # the HF architecture your class reproduces',
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     values = {"kind": args.kind, "name": args.name, "package": package, "distribution": distribution,
               "class_name": "".join(p.title() for p in args.name.split("_")), "hook": kind["hook"],
               "kit": kind["kit"], "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
+    # The starting implementation subclasses a built-in plugin: declare it as a dependency.
+    values["extra_deps"] = "".join(f', "{d}"' for d in kind["deps"])
     for key in ("spec", "kit_attrs", "impl"):
         values[key] = kind[key].format(name=args.name, package=package)
     dest = pathlib.Path(args.dest or distribution)

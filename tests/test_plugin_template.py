@@ -1,0 +1,42 @@
+"""Every kind the template makes is a plugin the registry accepts and whose factory loads."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from engine import plugins
+from engine.hookspecs import resolve_factory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KIND_TO_REGISTRY = {"attention": "attention", "policy": "policy", "platform": "platform",
+                    "quant": "quantization", "model": "model"}
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_TO_REGISTRY))
+def test_template_plugin_registers_and_loads(kind: str, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = f"tmpl_{kind}"
+    dest = tmp_path / name
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), kind, name, "--dest", str(dest)],
+                   check=True, capture_output=True)
+    text = (dest / "pyproject.toml").read_text()
+    assert f'{name} = "engine_{kind}_{name}"' in text and '[project.entry-points."engine.plugins"]' in text
+    monkeypatch.syspath_prepend(str(dest / "src"))
+    module = importlib.import_module(f"engine_{kind}_{name}")
+    reg = plugins.PluginRegistry(load_entry_points=True, extra_plugins=[(name, module)])
+    assert reg.plugins[name].status == "ok", reg.plugins[name].error
+    registry_kind = KIND_TO_REGISTRY[kind]
+    (key,) = reg.plugins[name].kinds[registry_kind]
+    spec = reg.entries[registry_kind][key].spec
+    assert resolve_factory(spec.factory) is not None  # the implementation module imports
+    assert (dest / "tests" / f"test_{kind}_{name}.py").exists() and (dest / "README.md").exists()
+
+
+def test_bad_name_is_refused(tmp_path: pathlib.Path) -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), "policy", "bad-name",
+                          "--dest", str(tmp_path / "x")], capture_output=True, text=True)
+    assert res.returncode == 2 and "must be a Python identifier" in res.stderr
