@@ -11,11 +11,11 @@ import pytest
 
 from engine.config import ServerArgs
 from engine.entrypoints.http_server import bind_socket, ready_line, server_url
-from engine.entrypoints.openai.context import DEFAULT_MODEL_NAME, ServingContext, served_model_name
-from engine.entrypoints.openai.errors import APIError, from_request_error, parse_body
-from engine.entrypoints.openai.generation import Choice, finish_reason, usage
-from engine.entrypoints.openai.logprobs import chat_logprobs, completion_logprobs, native_logprobs
-from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from engine.entrypoints.http.context import DEFAULT_MODEL_NAME, ServingContext, served_model_name
+from engine.entrypoints.http.errors import APIError, from_request_error, parse_body
+from engine.entrypoints.http.generation import Choice, finish_reason, usage
+from engine.entrypoints.http.logprobs import chat_logprobs, completion_logprobs, native_logprobs
+from engine.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
 from engine.errors import ConfigError
 from engine.managers.io_struct import SchedulerReady
 from engine.managers.tokenizer_manager import GenerateRequest, ReqState, RequestError

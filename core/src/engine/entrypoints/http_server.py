@@ -22,11 +22,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine import __version__
-from engine.entrypoints.openai.context import ServingContext, served_model_name
-from engine.entrypoints.openai.errors import install_error_handlers
-from engine.entrypoints.openai.guards import DEFAULT_MAX_BODY_BYTES, FrontDoor
-from engine.entrypoints.openai.native import router as native_router
-from engine.entrypoints.openai.routes import router as openai_router
+from engine.entrypoints.http.context import ServingContext, served_model_name
+from engine.entrypoints.http.errors import install_error_handlers
+from engine.entrypoints.http.guards import DEFAULT_MAX_BODY_BYTES, FrontDoor
+from engine.entrypoints.http.native import router as native_router
+from engine.entrypoints.http.routes import router as openai_router
 from engine.errors import ConfigError
 from engine.managers.tokenizer_manager import TokenizerManager
 from engine.metrics import ServerMetrics

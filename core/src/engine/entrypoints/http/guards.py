@@ -11,7 +11,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from engine.entrypoints.openai.errors import APIError
+from engine.entrypoints.http.errors import APIError
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

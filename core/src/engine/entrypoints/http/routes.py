@@ -7,11 +7,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from engine.entrypoints.openai.context import ServingContext
-from engine.entrypoints.openai.errors import APIError, parse_body
-from engine.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from engine.entrypoints.openai.serving_chat import create_chat_completion
-from engine.entrypoints.openai.serving_completions import create_completion
+from engine.entrypoints.http.context import ServingContext
+from engine.entrypoints.http.errors import APIError, parse_body
+from engine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.http.serving_chat import create_chat_completion
+from engine.entrypoints.http.serving_completions import create_completion
 
 router = APIRouter()
 

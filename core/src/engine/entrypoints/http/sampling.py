@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.entrypoints.openai.errors import APIError
-from engine.entrypoints.openai.protocol import SamplingFields
+from engine.entrypoints.http.errors import APIError
+from engine.entrypoints.http.protocol import SamplingFields
 
 # Engine field names in RequestError messages, as the OpenAI API calls them.
 RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}

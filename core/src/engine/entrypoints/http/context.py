@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.entrypoints.openai.errors import APIError, engine_dead_error
+from engine.entrypoints.http.errors import APIError, engine_dead_error
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs

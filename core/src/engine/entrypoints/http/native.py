@@ -16,9 +16,9 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from engine import __version__
-from engine.entrypoints.openai.context import ServingContext
-from engine.entrypoints.openai.errors import APIError, engine_dead_error, parse_body
-from engine.entrypoints.openai.generation import (
+from engine.entrypoints.http.context import ServingContext
+from engine.entrypoints.http.errors import APIError, engine_dead_error, parse_body
+from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     SSEResponse,
@@ -30,8 +30,8 @@ from engine.entrypoints.openai.generation import (
     sse_error,
     stream_outputs,
 )
-from engine.entrypoints.openai.logprobs import native_logprobs, native_top_logprobs
-from engine.entrypoints.openai.protocol import AbortRequest, GenerateReqInput
+from engine.entrypoints.http.logprobs import native_logprobs, native_top_logprobs
+from engine.entrypoints.http.protocol import AbortRequest, GenerateReqInput
 from engine.managers.tokenizer_manager import EngineDeadError, GenerateRequest
 
 logger = logging.getLogger(__name__)

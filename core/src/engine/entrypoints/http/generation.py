@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import StreamingResponse
 
-from engine.entrypoints.openai.errors import APIError, engine_dead_error, from_request_error
+from engine.entrypoints.http.errors import APIError, engine_dead_error, from_request_error
 from engine.managers.tokenizer_manager import EngineDeadError, GenerateRequest, RequestError
 
 if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.types import Receive, Scope, Send
 
-    from engine.entrypoints.openai.context import ServingContext
+    from engine.entrypoints.http.context import ServingContext
     from engine.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
-from engine.entrypoints.openai.errors import APIError, parse_body
-from engine.entrypoints.openai.generation import (
+from engine.entrypoints.http.errors import APIError, parse_body
+from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     SSEResponse,
@@ -25,9 +25,9 @@ from engine.entrypoints.openai.generation import (
     stream_outputs,
     usage,
 )
-from engine.entrypoints.openai.logprobs import chat_logprobs
-from engine.entrypoints.openai.protocol import ChatCompletionRequest
-from engine.entrypoints.openai.sampling import (
+from engine.entrypoints.http.logprobs import chat_logprobs
+from engine.entrypoints.http.protocol import ChatCompletionRequest
+from engine.entrypoints.http.sampling import (
     RENAMES,
     check_common,
     check_max_tokens,
@@ -39,7 +39,7 @@ from engine.managers.tokenizer_manager import GenerateRequest
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from engine.entrypoints.openai.context import ServingContext
+    from engine.entrypoints.http.context import ServingContext
 
 logger = logging.getLogger(__name__)
 
