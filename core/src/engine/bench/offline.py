@@ -10,6 +10,33 @@ from engine.bench.datasets import DatasetArgs, sample_requests
 from engine.config import ServerArgs
 
 
+async def _run_with_progress(engine: Any, prompts: list[list[int]], params: list[dict[str, Any]],
+                             progress: bool) -> list[dict[str, Any]]:
+    """Runs every request at once; prints a progress line at each tenth of completions."""
+    import asyncio
+    import sys
+
+    from engine.managers.tokenizer_manager import GenerateRequest
+
+    manager = engine.tokenizer_manager
+
+    async def one(i: int) -> tuple[int, dict[str, Any]]:
+        out: dict[str, Any] = {}
+        async for out in manager.generate(GenerateRequest(input_ids=prompts[i], sampling_params=params[i])):
+            pass
+        return i, out
+
+    results: list[dict[str, Any]] = [{}] * len(prompts)
+    step = max(1, len(prompts) // 10)
+    start = time.perf_counter()
+    for done, fut in enumerate(asyncio.as_completed([one(i) for i in range(len(prompts))]), start=1):
+        i, out = await fut
+        results[i] = out
+        if progress and (done % step == 0 or done == len(prompts)):
+            print(f"  {done}/{len(prompts)} requests done, {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return results
+
+
 def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None = None,
                   progress: bool = True) -> dict[str, Any]:
     from engine import Engine
@@ -27,7 +54,7 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         if progress:
             print(f"running {len(prompts)} requests...", flush=True)
         start = time.perf_counter()
-        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        outs = engine.loop.run_until_complete(_run_with_progress(engine, prompts, params, progress))
         duration = time.perf_counter() - start
         info = engine.get_server_info()
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
