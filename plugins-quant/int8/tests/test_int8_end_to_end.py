@@ -15,9 +15,8 @@ import shutil
 
 import pytest
 import torch
-from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.testing.checkpoints import make_tiny_checkpoint
-from engine.testing.harness import generate_greedy, make_scheduler
+from engine.testing.harness import generate_greedy, last_position_logits, make_scheduler
 from engine_quant_int8.quantize import quantize_per_channel
 from safetensors.torch import load_file, save_file
 
@@ -39,22 +38,7 @@ def prompts() -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference_logits(checkpoint: str, prompts: list[list[int]]) -> torch.Tensor:
-    return _last_logits(make_scheduler(checkpoint), prompts)
-
-
-def _last_logits(scheduler: object, prompts: list[list[int]]) -> torch.Tensor:
-    """One EXTEND forward over all prompts; the logits at each prompt's last position."""
-    runner = scheduler.runner  # type: ignore[attr-defined]
-    lens = [len(p) for p in prompts]
-    slots = runner.req_to_token_pool.alloc(len(prompts))
-    loc = runner.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
-    offset = 0
-    for slot, n in zip(slots, lens, strict=True):
-        runner.req_to_token_pool.write(slot, 0, loc[offset:offset + n])
-        offset += n
-    batch = ForwardBatch.build(ForwardMode.EXTEND, [t for p in prompts for t in p], slots, lens,
-                               [0] * len(lens), loc, runner.device)
-    return runner.forward(batch).next_token_logits.float().cpu()
+    return last_position_logits(make_scheduler(checkpoint), prompts)
 
 
 def _assert_close_to_reference(logits: torch.Tensor, reference: torch.Tensor) -> None:
@@ -95,15 +79,15 @@ def test_on_the_fly_int8(checkpoint: str, prompts: list[list[int]], reference_lo
     layer = scheduler.runner.model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.int8
     assert layer.mlp.gate_up_proj.weight_scale.shape == (2 * 128,)  # per output channel
-    _assert_close_to_reference(_last_logits(scheduler, prompts), reference_logits)
+    _assert_close_to_reference(last_position_logits(scheduler, prompts), reference_logits)
     _assert_generates(checkpoint, prompts, quant="w8a8_int8")
 
 
 def test_int8_checkpoint(checkpoint: str, prompts: list[list[int]], reference_logits: torch.Tensor,
                          tmp_path: object) -> None:
     path = _write_int8_checkpoint(checkpoint, str(tmp_path))
-    logits = _last_logits(make_scheduler(path), prompts)  # the quant method comes from config.json
+    logits = last_position_logits(make_scheduler(path), prompts)  # the quant method comes from config.json
     # Same quantizer, so a serialized checkpoint and on-the-fly quantization agree exactly.
-    assert torch.equal(logits, _last_logits(make_scheduler(checkpoint, quant="w8a8_int8"), prompts))
+    assert torch.equal(logits, last_position_logits(make_scheduler(checkpoint, quant="w8a8_int8"), prompts))
     _assert_close_to_reference(logits, reference_logits)
     _assert_generates(path, prompts)

@@ -152,22 +152,10 @@ class ModelConformance:
         return [[rng.randrange(4, 2048) for _ in range(n)] for n in (5, 17, 40, 3, 63)]
 
     def test_logits_match_transformers(self, checkpoint: str, hf_model: Any, prompts: list[list[int]]) -> None:
-        from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
         from engine.testing.checkpoints import hf_last_logits
-        from engine.testing.harness import make_scheduler
+        from engine.testing.harness import last_position_logits, make_scheduler
 
-        sched = make_scheduler(checkpoint, **self._engine_args())
-        runner = sched.runner
-        slots = runner.req_to_token_pool.alloc(len(prompts))
-        lens = [len(p) for p in prompts]
-        loc = runner.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
-        off = 0
-        for s, n in zip(slots, lens):
-            runner.req_to_token_pool.write(s, 0, loc[off : off + n])
-            off += n
-        fb = ForwardBatch.build(ForwardMode.EXTEND, [t for p in prompts for t in p], slots, lens,
-                                [0] * len(lens), loc, runner.device)
-        ours = runner.forward(fb).next_token_logits.cpu()
+        ours = last_position_logits(make_scheduler(checkpoint, **self._engine_args()), prompts)
         for i, p in enumerate(prompts):
             ref = hf_last_logits(hf_model, p)
             err = (ours[i] - ref).abs().max().item()

@@ -54,3 +54,21 @@ def generate_greedy(scheduler: Any, prompts: list[list[int]], max_new_tokens: in
         col.collect(scheduler)
     col.collect(scheduler)
     return [col.ids.get(r, []) for r in rids]
+
+
+def last_position_logits(scheduler: Any, prompts: list[list[int]]) -> Any:
+    """One EXTEND forward over all prompts (no cache, no sampling): float32 logits at each
+    prompt's last position, on the CPU."""
+    from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    runner = scheduler.runner
+    lens = [len(p) for p in prompts]
+    slots = runner.req_to_token_pool.alloc(len(prompts))
+    loc = runner.token_to_kv_pool_allocator.alloc_extend([0] * len(lens), lens, [-1] * len(lens))
+    offset = 0
+    for slot, n in zip(slots, lens):
+        runner.req_to_token_pool.write(slot, 0, loc[offset : offset + n])
+        offset += n
+    batch = ForwardBatch.build(ForwardMode.EXTEND, [t for p in prompts for t in p], slots, lens,
+                               [0] * len(lens), loc, runner.device)
+    return runner.forward(batch).next_token_logits.float().cpu()
