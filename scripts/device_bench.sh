@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs GPU tests and benchmarks on a lent GPU machine; every stage logs to $OUT (or ./out).
-# usage: bash scripts/device_bench.sh STAGE...   stages: tests one_batch offline gsp flashinfer hf
+# usage: bash scripts/device_bench.sh STAGE...   stages: see the case below (ATTN=flashinfer picks the backend
+# where a stage honours it)
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -30,11 +31,20 @@ for stage in "$@"; do
       E bench one-batch "${DUMMY[@]}" --attention triton --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
       E bench one-batch "${DUMMY[@]}" --attention triton --disable-cuda-graph --batch-size 1 --input-len 128 --output-len 64 --result-file "$RES" 2>&1 | tail -2
       E bench one-batch "${DUMMY[@]}" --attention triton --batch-size 64 --input-len 1024 --output-len 16 --result-file "$RES" 2>&1 | tail -2 ;;
+    one_batch_modes)
+      # Overlapped decode (the default on CUDA, as in the server) and the synchronous loop.
+      E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2
+      E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --disable-overlap-schedule --batch-size 1 --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -1 ;;
+    profile_sizes)
+      for spec in "1 128" "200 1536"; do
+        read -r bs il <<< "$spec"
+        python3 scripts/profile_decode.py "$CFG" --attention "${ATTN:-triton}" --batch-size "$bs" --input-len "$il" --steps 10 2>&1 | grep -v Warning | tail -24
+      done ;;
     flashinfer)
       E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
       E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size 64 --input-len 1024 --output-len 16 --result-file "$RES" 2>&1 | tail -2 ;;
     offline)
-      timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -12 ;;
+      timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -16 ;;
     gsp)
       for flag in "" "--disable-radix-cache"; do
         E bench offline "${DUMMY[@]}" --attention triton $flag --dataset-name generated-shared-prefix --gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 64 --result-file "$RES" 2>&1 | grep -E "output_throughput|total_throughput|duration|cached"

@@ -1,19 +1,37 @@
-"""torch.profiler summary of batch-1 decode steps (CUDA graphs off, so kernels are visible).
+"""torch.profiler summary of decode steps: GPU time per step by kernel class and the top kernels.
 
-usage: python scripts/profile_decode.py CONFIG_DIR [--attention triton] [--steps 20]
+CUDA graphs are off so every kernel is attributed; the sum of kernel time per step is the
+device-busy time a captured graph would need, to compare with `engine bench one-batch`'s step.
+
+usage: python scripts/profile_decode.py CONFIG_DIR [--attention triton] [--batch-size 1]
+       [--input-len 128] [--steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 
 import torch
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    if any(k in low for k in ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "splitk")):
+        return "gemm"
+    if any(k in low for k in ("attn", "attention", "decode", "extend", "prefill", "flashinfer")):
+        return "attention"
+    if any(k in low for k in ("rms", "norm", "silu", "rotary", "rope")):
+        return "fused layer kernels"
+    return "other"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config_dir")
     ap.add_argument("--attention", default="triton")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -25,10 +43,37 @@ def main() -> None:
     args = ServerArgs.from_dict({"model_path": a.config_dir, "load_format": "dummy", "skip_tokenizer_init": True,
                                  "attention": a.attention, "disable_cuda_graph": True})
     sched = Scheduler(args, a.config_dir)
-    run_one(sched, 1, 128, 8)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_one(sched, 1, 128, a.steps)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    run_one(sched, a.batch_size, a.input_len, 4, overlap=False)
+    # Profile the prefill alone, then prefill + decode; the difference is the decode steps.
+    on_gpu = sched.runner.device.type == "cuda"
+    activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU  # CPU: a dry run of the script
+    with profile(activities=[activity]) as pre:
+        run_one(sched, a.batch_size, a.input_len, 1, overlap=False)
+    with profile(activities=[activity]) as prof:
+        run_one(sched, a.batch_size, a.input_len, a.steps + 1, overlap=False)
+
+    def kernels(p: profile) -> dict[str, float]:
+        out: dict[str, float] = collections.defaultdict(float)
+        for evt in p.key_averages():
+            if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
+                out[evt.key] += evt.self_device_time_total
+            elif not on_gpu and evt.key.startswith("aten::"):
+                out[evt.key] += evt.self_cpu_time_total
+        return out
+
+    base, full = kernels(pre), kernels(prof)
+    per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
+    total = sum(per_step.values())
+    print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}: "
+          f"GPU kernel time per step {total / 1e3:.3f} ms")
+    groups: dict[str, float] = collections.defaultdict(float)
+    for k, v in per_step.items():
+        groups[classify(k)] += v
+    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {g:<22}{v / 1e3:8.3f} ms  {100 * v / total:5.1f}%")
+    print("top kernels (per step):")
+    for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {v:9.1f} us  {k[:110]}")
 
 
 if __name__ == "__main__":

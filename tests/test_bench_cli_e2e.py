@@ -45,6 +45,10 @@ def test_offline_random_and_shared_prefix(tmp_path: pathlib.Path, llama_ckpt_dir
     assert res.exit_code == 0, res.output
     random_row, gsp_row = _lines(out)
     assert random_row["num_prompts"] == 12 and random_row["total_output_tokens"] == 12 * 6
+    # The step breakdown counts only the timed run: 12 prompts of 24 tokens, 5 decode tokens each.
+    assert random_row["extend_tokens"] == 12 * 24 - random_row["cached_tokens"] and random_row["retractions"] == 0
+    assert random_row["decode_steps"] >= 5 and 1 <= random_row["mean_decode_batch"] <= 12
+    assert 0 < random_row["prefill_time_share"] < 1
     assert gsp_row["num_prompts"] == 8 and gsp_row["cached_tokens"] >= 6 * 64  # later questions reuse the system prompt
 
 

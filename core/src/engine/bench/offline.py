@@ -53,6 +53,7 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         engine.flush_cache()
         if progress:
             print(f"running {len(prompts)} requests...", flush=True)
+        before = engine.get_server_info()
         start = time.perf_counter()
         outs = engine.loop.run_until_complete(_run_with_progress(engine, prompts, params, progress))
         duration = time.perf_counter() - start
@@ -66,14 +67,32 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         "request_throughput": len(prompts) / duration, "input_throughput": in_tokens / duration,
         "output_throughput": out_tokens / duration, "total_throughput": (in_tokens + out_tokens) / duration,
         "attention": info["attention_backend"], "device": info["device"], "platform": info["platform"],
-        "disable_radix_cache": args.disable_radix_cache, "retractions": info.get("num_retractions"),
+        "disable_radix_cache": args.disable_radix_cache,
+        **_step_breakdown(before, info, duration),
     }
     print("============ Offline Throughput Benchmark Result ============")
     for key in ("num_prompts", "duration_s", "total_input_tokens", "total_output_tokens", "cached_tokens",
                 "request_throughput", "input_throughput", "output_throughput", "total_throughput"):
         value = result[key]
         print(f"{key:<28}{value:>14.2f}" if isinstance(value, float) else f"{key:<28}{value:>14}")
+    print(f"{'decode steps':<28}{result['decode_steps']:>14}  (mean batch {result['mean_decode_batch']:.1f})")
+    print(f"{'prefill tokens computed':<28}{result['extend_tokens']:>14}  ({result['retractions']} retractions)")
+    print(f"{'prefill share of time':<28}{result['prefill_time_share']:>14.2f}")
     if result_file:
         with open(result_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(result) + "\n")
     return result
+
+
+def _step_breakdown(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
+    """Where the timed run went, from the scheduler's counters (differences over the run)."""
+    def diff(key: str) -> Any:
+        return after.get(key, 0) - before.get(key, 0)
+
+    steps = diff("decode_steps")
+    return {
+        "retractions": diff("num_retractions"), "decode_steps": steps,
+        "mean_decode_batch": diff("decode_rows") / steps if steps else 0.0,
+        "extend_tokens": diff("extend_tokens"),
+        "prefill_time_share": diff("extend_time_s") / duration if duration > 0 else 0.0,
+    }

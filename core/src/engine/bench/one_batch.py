@@ -10,7 +10,7 @@ import itertools
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,9 +29,12 @@ class OneBatchResult:
     median_decode_throughput: float  # output tokens / s over the batch
     total_latency_s: float
     overall_throughput: float  # (input + output) tokens / s
+    overlap: bool = False
+    # Every request's generated ids (not written to the result file).
+    output_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "output_ids"}
 
 
 def _sync(device: torch.device) -> None:
@@ -39,11 +42,22 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, seed: int = 0) -> OneBatchResult:
+def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, seed: int = 0,
+            overlap: bool | None = None) -> OneBatchResult:
+    """Prefill ``batch_size`` random prompts, then decode ``output_len - 1`` steps.
+
+    With ``overlap`` (default: the scheduler's setting, on for CUDA) each decode step is
+    launched before the previous step's tokens are copied to the host, as the server's
+    overlapped loop does; the input of step N+1 is step N's sampled ids, still on the device.
+    Without it every step waits for its tokens (SGLang's bench_one_batch measures that way).
+    """
     from engine.managers.schedule_batch import Req, ScheduleBatch
+    from engine.managers.scheduler_decode import InflightDecode
     from engine.sampling.sampling_batch_info import SamplingBatchInfo
     from engine.sampling.sampling_params import SamplingParams
 
+    if overlap is None:
+        overlap = bool(getattr(scheduler, "enable_overlap", False))
     runner = scheduler.runner
     gen = torch.Generator().manual_seed(seed)
     vocab = runner.vocab_size
@@ -54,36 +68,64 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
         req.fill_ids = list(ids)
         req.extend_input_len = input_len
         reqs.append(req)
-    batch = ScheduleBatch(reqs, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
-                          scheduler.tree_cache, runner.device)
+    def new_batch(rows: list[Req]) -> ScheduleBatch:
+        return ScheduleBatch(rows, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
+                             scheduler.tree_cache, runner.device)
+
+    # Prefill in groups of whole prompts of at most --chunked-prefill-size tokens (one prompt at
+    # least), as the scheduler would batch them; a 64 x 1024 prefill in one pass needs far more
+    # activation memory than serving ever uses.
+    chunk = scheduler.args.chunked_prefill_size if scheduler.args.chunked_prefill_enabled else 1 << 62
+    rows_per_group = max(1, chunk // max(1, input_len))
     _sync(runner.device)
     start = time.perf_counter()
-    fb = batch.prepare_for_extend()
-    fb.sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device)
-    ids = runner.sample(runner.forward(fb), fb).next_token_ids.tolist()
+    for g in range(0, batch_size, rows_per_group):
+        group = reqs[g : g + rows_per_group]
+        fb = new_batch(group).prepare_for_extend()
+        fb.sampling_info = SamplingBatchInfo.from_reqs(group, vocab, runner.device)
+        ids = runner.sample(runner.forward(fb), fb).next_token_ids.tolist()
+        for req, tok in zip(group, ids):
+            req.output_ids.append(tok)
     prefill = time.perf_counter() - start
-    for req, tok in zip(reqs, ids):
-        req.output_ids.append(tok)
+    batch = new_batch(reqs)
     decode_lat: list[float] = []
     info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device)
+
+    def append(step: InflightDecode) -> None:
+        for req, tok in zip(reqs, step.token_ids()):
+            req.output_ids.append(tok)
+
+    inflight: InflightDecode | None = None
     for _ in range(output_len - 1):
         t = time.perf_counter()
-        fb = batch.prepare_for_decode()
+        if inflight is None:
+            fb = batch.prepare_for_decode()
+        else:
+            fb = batch.prepare_for_decode(lag=1, input_ids=inflight.sample.next_token_ids)
         fb.sampling_info = info
-        ids = runner.sample(runner.forward(fb), fb).next_token_ids.tolist()
-        for req, tok in zip(reqs, ids):
-            req.output_ids.append(tok)
+        step = InflightDecode.start(reqs, runner.sample(runner.forward(fb), fb), info)
+        if inflight is not None:
+            append(inflight)  # waits for the previous step only; this one is still running
+        inflight = step
+        if not overlap:
+            append(inflight)
+            inflight = None
         decode_lat.append(time.perf_counter() - t)
+    if inflight is not None:
+        append(inflight)
     total = time.perf_counter() - start
     # Give the KV back so the next configuration starts from an empty pool.
     for req in reqs:
         slots = runner.req_to_token_pool.req_to_token[req.req_pool_idx, : req.seqlen - 1].long()
         runner.token_to_kv_pool_allocator.free(slots)
         runner.req_to_token_pool.free(req.req_pool_idx)
+    if overlap and len(decode_lat) > 1:
+        decode_lat = decode_lat[1:]  # the first launch waits for nothing
     med = statistics.median(decode_lat) if decode_lat else float("nan")
     return OneBatchResult(batch_size, input_len, output_len, prefill, batch_size * input_len / prefill, med,
                           batch_size / med if decode_lat else float("nan"), total,
-                          batch_size * (input_len + output_len) / total)
+                          batch_size * (input_len + output_len) / total, overlap,
+                          [list(r.output_ids) for r in reqs])
 
 
 def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
@@ -101,7 +143,8 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
         results.append(res)
         print(f"batch {bs} input {il} output {ol}: prefill {res.prefill_latency_s * 1e3:.2f} ms "
               f"({res.prefill_throughput:.0f} tok/s), median decode {res.median_decode_latency_s * 1e3:.3f} ms "
-              f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s", flush=True)
+              f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s"
+              f"{' (overlapped decode)' if res.overlap else ''}", flush=True)
         if result_file:
             with open(result_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"bench": "one-batch", "device": scheduler.runner.platform.describe(),

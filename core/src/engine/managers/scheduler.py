@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any
 
 from engine import plugins
@@ -90,6 +91,10 @@ class Scheduler(DecodeMixin, OutputMixin):
         # Counters for /get_server_info and metrics.
         self.num_retractions = 0
         self.forward_steps = 0
+        self.decode_steps = 0
+        self.decode_rows = 0  # sum of decode batch sizes: / decode_steps = mean running batch
+        self.extend_tokens = 0  # prompt tokens computed (re-prefill after retraction included)
+        self.extend_time_s = 0.0  # wall time of prefill/mixed steps, device work included
 
     def _create_cache(self) -> Any:
         from engine.mem_cache.chunk_cache import ChunkCache
@@ -343,6 +348,7 @@ class Scheduler(DecodeMixin, OutputMixin):
     def run_extend(self, batch: ScheduleBatch) -> bool:
         """Runs a prefill batch; False when its KV could not be allocated (requeued)."""
         want_logprob = any(r.return_logprob for r in batch.reqs)
+        started = time.perf_counter()
         try:
             fb = batch.prepare_for_extend(return_logprob=want_logprob)
         except OutOfKVMemory:
@@ -355,6 +361,8 @@ class Scheduler(DecodeMixin, OutputMixin):
         sample = self.runner.sample(logits, fb)
         self.forward_steps += 1
         ids = sample.next_token_ids.tolist()
+        self.extend_tokens += sum(r.extend_input_len for r in batch.reqs)
+        self.extend_time_s += time.perf_counter() - started
         finished_or_streamed: list[Req] = []
         num_extend = len(batch.reqs)
         for i, req in enumerate(batch.decoding_reqs, start=num_extend):

@@ -36,6 +36,18 @@ class InflightDecode:
     host_ids: torch.Tensor | None = None
     ready: Any = None
 
+    @classmethod
+    def start(cls, reqs: list[Req], sample: SampleOutput, info: SamplingBatchInfo) -> InflightDecode:
+        """Wraps a launched step and starts the asynchronous host copy of its sampled ids."""
+        step = cls(list(reqs), sample, info)
+        ids = sample.next_token_ids
+        if ids.is_cuda:
+            step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+            step.host_ids.copy_(ids, non_blocking=True)
+            step.ready = torch.cuda.Event()
+            step.ready.record()
+        return step
+
     def token_ids(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
@@ -78,16 +90,11 @@ class DecodeMixin:
         if info.penalizer is not None:
             info.penalizer.cumulate_output_tokens(sample.next_token_ids)
         self.forward_steps += 1
+        self.decode_steps += 1
+        self.decode_rows += len(batch.reqs)
         for req in batch.reqs:
             req.inflight_steps += 1
-        step = InflightDecode(list(batch.reqs), sample, info)
-        ids = sample.next_token_ids
-        if ids.is_cuda:
-            step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
-            step.host_ids.copy_(ids, non_blocking=True)
-            step.ready = torch.cuda.Event()
-            step.ready.record()
-        return step
+        return InflightDecode.start(batch.reqs, sample, info)
 
     def _process_decode(self, step: InflightDecode) -> None:
         """Appends a launched step's tokens (waits for the device) and finishes requests."""

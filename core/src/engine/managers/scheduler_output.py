@@ -90,4 +90,8 @@ class OutputMixin:
             "num_waiting_reqs": len(self.waiting_queue),
             "num_retractions": self.num_retractions,
             "forward_steps": self.forward_steps,
+            "decode_steps": self.decode_steps,
+            "decode_rows": self.decode_rows,
+            "extend_tokens": self.extend_tokens,
+            "extend_time_s": self.extend_time_s,
         }
