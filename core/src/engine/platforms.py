@@ -70,8 +70,10 @@ class Platform(ABC):
         """Fused kernels the layer SDK may use on this platform, by name.
 
         Known names: ``rms_norm(x, weight, eps, residual=None)``, ``silu_and_mul(x)``,
-        ``rotary_inplace(positions, x, cos_cache, sin_cache, head_dim, rotary_dim)``.
-        Layers fall back to their PyTorch code for names not given. Default: none.
+        ``rotary_inplace(positions, x, cos_cache, sin_cache, head_dim, rotary_dim)``,
+        ``rotary_qk_inplace(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)`` and
+        ``store_kv(k_cache, v_cache, loc, k, v)`` (the KV pool's write). Layers and the pool
+        fall back to their PyTorch code for names not given. Default: none.
         """
         return {}
 

@@ -73,11 +73,26 @@ def test_prefix_cache_hits_keep_outputs(llama_ckpt: str, hf_llama: Any) -> None:
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_retraction_keeps_outputs_identical(llama_ckpt: str, page_size: int) -> None:
     prompts = _prompts(4, 8, 20, 40)
-    reference = generate_greedy(make_scheduler(llama_ckpt), prompts, 40, ignore_eos=True)
+    # A stop id makes each request able to end early, so admission reserves only a fraction
+    # of its remaining tokens (a request that must run to max_new_tokens reserves them all).
+    params = {"ignore_eos": True, "stop_token_ids": [1]}
+    reference = generate_greedy(make_scheduler(llama_ckpt), prompts, 40, **params)
     # A pool too small for all eight, and an optimistic admission policy: decode must retract.
     sched = make_scheduler(llama_ckpt, max_total_tokens=320, page_size=page_size, schedule_conservativeness=0.05)
-    ours = generate_greedy(sched, prompts, 40, ignore_eos=True)
+    ours = generate_greedy(sched, prompts, 40, **params)
     assert sched.num_retractions > 0
+    assert ours == reference
+    check_no_leak(sched)
+
+
+def test_requests_that_run_to_length_reserve_all_their_tokens(llama_ckpt: str) -> None:
+    prompts = _prompts(4, 8, 20, 40)
+    reference = generate_greedy(make_scheduler(llama_ckpt), prompts, 40, ignore_eos=True)
+    # Same small pool and optimistic ratio, but ignore_eos with no stop conditions: every request
+    # needs exactly max_new_tokens, admission reserves that, and nothing is retracted.
+    sched = make_scheduler(llama_ckpt, max_total_tokens=320, schedule_conservativeness=0.05)
+    ours = generate_greedy(sched, prompts, 40, ignore_eos=True)
+    assert sched.num_retractions == 0
     assert ours == reference
     check_no_leak(sched)
 
@@ -208,6 +223,22 @@ def test_overlap_schedule_gives_identical_outputs(llama_ckpt: str, kwargs: dict[
         check_no_leak(sched)
         outputs.append(([col.ids.get(r) for r in rids], [col.finish.get(r) for r in rids]))
     assert outputs[0] == outputs[1]
+
+
+def test_overlap_stays_on_while_requests_wait(llama_ckpt: str) -> None:
+    """Requests queued behind a full pool must not force every decode step to be synchronous."""
+    sched = make_scheduler(llama_ckpt, max_total_tokens=320)
+    sched.enable_overlap = True
+    for p in _prompts(12, 10, 20, 30):
+        submit(sched, p, {"max_new_tokens": 30, "temperature": 0.0, "ignore_eos": True})
+    overlapped_while_waiting = 0
+    while True:
+        waiting, before = bool(sched.waiting_queue), sched.overlapped_decode_steps
+        if not sched.step():
+            break
+        overlapped_while_waiting += waiting and sched.overlapped_decode_steps > before
+    check_no_leak(sched)
+    assert overlapped_while_waiting > 10
 
 
 def test_sampling_state_is_not_reused_across_requests(llama_ckpt: str) -> None:

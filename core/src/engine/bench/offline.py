@@ -75,7 +75,8 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
                 "request_throughput", "input_throughput", "output_throughput", "total_throughput"):
         value = result[key]
         print(f"{key:<28}{value:>14.2f}" if isinstance(value, float) else f"{key:<28}{value:>14}")
-    print(f"{'decode steps':<28}{result['decode_steps']:>14}  (mean batch {result['mean_decode_batch']:.1f})")
+    print(f"{'decode steps':<28}{result['decode_steps']:>14}  (mean batch {result['mean_decode_batch']:.1f}, "
+          f"{result['overlapped_decode_steps']} overlapped)")
     print(f"{'prefill tokens computed':<28}{result['extend_tokens']:>14}  ({result['retractions']} retractions)")
     print(f"{'prefill share of time':<28}{result['prefill_time_share']:>14.2f}")
     if result_file:
@@ -92,6 +93,7 @@ def _step_breakdown(before: dict[str, Any], after: dict[str, Any], duration: flo
     steps = diff("decode_steps")
     return {
         "retractions": diff("num_retractions"), "decode_steps": steps,
+        "overlapped_decode_steps": diff("overlapped_decode_steps"),
         "mean_decode_batch": diff("decode_rows") / steps if steps else 0.0,
         "extend_tokens": diff("extend_tokens"),
         "prefill_time_share": diff("extend_time_s") / duration if duration > 0 else 0.0,

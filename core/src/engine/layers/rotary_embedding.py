@@ -53,17 +53,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self.fused: Any = None
+        self.fused_qk: Any = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's in-place ``rotary_inplace`` kernel when it offers one."""
+        """Takes the platform's in-place kernels when it offers them: ``rotary_qk_inplace``
+        (q and k in one launch), else ``rotary_inplace`` (one tensor per launch)."""
         self.fused = kernels.get("rotary_inplace")
+        self.fused_qk = kernels.get("rotary_qk_inplace")
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: ``[T, heads*head_dim]``, k: ``[T, kv_heads*head_dim]``; returns rotated q and k
         (new tensors, or q and k themselves rotated in place by a fused kernel)."""
-        if self.fused is not None and q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
-            self.fused(positions, q, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
-            self.fused(positions, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+        if (self.fused or self.fused_qk) is not None and q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1:
+            if self.fused_qk is not None:
+                self.fused_qk(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+            else:
+                self.fused(positions, q, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
+                self.fused(positions, k, self.cos_cache, self.sin_cache, self.head_dim, self.rotary_dim)
             return q, k
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)

@@ -20,9 +20,9 @@ from engine.hookspecs import resolve_factory
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
+from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
 from engine.managers.scheduler_decode import DecodeMixin, InflightDecode
 from engine.managers.scheduler_output import OutputMixin
-from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sampling.sampling_params import SamplingParams
@@ -92,6 +92,7 @@ class Scheduler(DecodeMixin, OutputMixin):
         self.num_retractions = 0
         self.forward_steps = 0
         self.decode_steps = 0
+        self.overlapped_decode_steps = 0  # launched before the previous step's tokens were processed
         self.decode_rows = 0  # sum of decode batch sizes: / decode_steps = mean running batch
         self.extend_tokens = 0  # prompt tokens computed (re-prefill after retraction included)
         self.extend_time_s = 0.0  # wall time of prefill/mixed steps, device work included
@@ -179,8 +180,7 @@ class Scheduler(DecodeMixin, OutputMixin):
         if self.pending_aborts:
             self.drain()
             self._apply_aborts()
-        if self.waiting_queue or self.chunked_req is not None:
-            # Admission reads and may change the running batch: settle the in-flight step first.
+        if self.chunked_req is not None or (self.waiting_queue and self._admission_needs_settled_batch()):
             self.drain()
         batch = self.get_new_batch_prefill()
         if batch is not None and self.run_extend(batch):
@@ -192,6 +192,16 @@ class Scheduler(DecodeMixin, OutputMixin):
             self.drain()
             return True
         return False
+
+    def _admission_needs_settled_batch(self) -> bool:
+        """Whether admission must see the in-flight decode step's tokens appended first.
+
+        Plain admission does not: the in-flight step already holds its KV slots, and its rows
+        count as running with one token less generated, so the estimate only errs towards
+        reserving more. Mixing decode rows into the prefill (their input is that step's
+        token) and preemption (it retracts running rows) need the settled batch.
+        """
+        return bool(self.args.enable_mixed_chunk or self.policy_ctx.enable_preemption)
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):
@@ -205,8 +215,18 @@ class Scheduler(DecodeMixin, OutputMixin):
 
     # -- admission ---------------------------------------------------------------
     def _reserve(self, req: Req) -> int:
-        left = req.sampling_params.max_new_tokens - len(req.output_ids)
-        return int(min(max(left, 0), _RESERVE_CLIP) * self.new_token_ratio)
+        """KV slots to set aside for a request's future tokens.
+
+        Most requests may stop early (EOS, stop ids or strings), so they reserve
+        ``new_token_ratio`` of what is left (SGLang's estimate). A request that cannot stop
+        before ``max_new_tokens`` (``ignore_eos`` and no stop conditions) will use all of it:
+        reserving less only admits requests that must later be retracted and recomputed.
+        """
+        params = req.sampling_params
+        left = min(max(params.max_new_tokens - len(req.output_ids), 0), _RESERVE_CLIP)
+        runs_to_length = ((params.ignore_eos or not req.eos_token_ids)
+                          and not params.stop and not params.stop_token_ids)
+        return left if runs_to_length else int(left * self.new_token_ratio)
 
     def _order_waiting(self) -> None:
         if self.policy.needs_prefix_match(len(self.waiting_queue)):

@@ -91,6 +91,7 @@ class DecodeMixin:
             info.penalizer.cumulate_output_tokens(sample.next_token_ids)
         self.forward_steps += 1
         self.decode_steps += 1
+        self.overlapped_decode_steps += lag
         self.decode_rows += len(batch.reqs)
         for req in batch.reqs:
             req.inflight_steps += 1

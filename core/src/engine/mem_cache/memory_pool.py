@@ -9,6 +9,8 @@ tokens (CUDA-graph padding, dummy decode rows) write there harmlessly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -69,6 +71,7 @@ class MHATokenToKVPool:
         self.v_head_dim = v_head_dim or head_dim
         self.num_layers = num_layers
         self.device = device
+        self.store_kv: Any = None
         # The first page (slot 0 included) is reserved for padding writes.
         rows = size + page_size
         self.k_buffer = [
@@ -89,6 +92,10 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's ``store_kv`` kernel (K and V written in one launch) if offered."""
+        self.store_kv = kernels.get("store_kv")
+
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     ) -> None:
@@ -96,6 +103,9 @@ class MHATokenToKVPool:
         if cache_k.dtype != self.dtype:
             cache_k = cache_k.to(self.dtype)
             cache_v = cache_v.to(self.dtype)
+        if self.store_kv is not None and cache_k.is_cuda:
+            self.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v)
+            return
         self.k_buffer[layer_id][loc] = cache_k
         self.v_buffer[layer_id][loc] = cache_v
 

@@ -127,6 +127,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             tokens, page, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, self.device
         )
+        self.token_to_kv_pool.use_kernels(self.platform.layer_kernels())
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", tokens, tokens * per_token / 2**20, max_reqs)
 

@@ -1,5 +1,5 @@
-"""Fused Triton kernels for the layer SDK on CUDA: RMSNorm (+residual add), SiLU-and-mul and
-neox rotary embedding applied in place.
+"""Fused Triton kernels for the layer SDK on CUDA: RMSNorm (+residual add), SiLU-and-mul,
+neox rotary embedding applied in place (q and k in one launch) and the KV-cache store.
 
 Each kernel reproduces the rounding of the PyTorch layer it replaces (values are rounded to
 the activation dtype where PyTorch rounds), so outputs agree to within one ulp. They replace
@@ -86,14 +86,18 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_tok, head_dim, half,
+def _rotary_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_x, stride_y, x_heads, head_dim, half,
                    cos_stride, BLOCK: tl.constexpr):
+    # Heads 0..x_heads-1 are x's (q), the rest y's (k): one launch rotates both.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < half
     pos = tl.load(pos_ptr + tok).to(tl.int64)
-    base = x_ptr + tok * stride_tok + head * head_dim
+    if head < x_heads:
+        base = x_ptr + tok * stride_x + head * head_dim
+    else:
+        base = y_ptr + tok * stride_y + (head - x_heads) * head_dim
     x1 = tl.load(base + offs, mask=mask, other=0.0)
     x2 = tl.load(base + half + offs, mask=mask, other=0.0)
     dt = x1.dtype
@@ -117,10 +121,60 @@ def rotary_inplace(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Te
         raise ValueError("rotary_inplace needs unit stride in the last dimension")
     heads = x.shape[1] // head_dim
     half = rotary_dim // 2
-    _rotary_kernel[(tokens, heads)](x, positions, cos_cache, sin_cache, x.stride(0), head_dim, half,
-                                    cos_cache.stride(0), BLOCK=triton.next_power_of_2(half), num_warps=1)
+    _rotary_kernel[(tokens, heads)](x, x, positions, cos_cache, sin_cache, x.stride(0), x.stride(0), heads,
+                                    head_dim, half, cos_cache.stride(0), BLOCK=triton.next_power_of_2(half),
+                                    num_warps=1)
     return x
 
 
+def rotary_qk_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor,
+                      sin_cache: torch.Tensor, head_dim: int, rotary_dim: int) -> None:
+    """Rotates ``q`` ``[tokens, heads * head_dim]`` and ``k`` ``[tokens, kv_heads * head_dim]``
+    (rows may be strided views, e.g. of the fused qkv output) in place, in one launch."""
+    tokens = q.shape[0]
+    if tokens == 0:
+        return
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.shape[0] != tokens:
+        raise ValueError("rotary_qk_inplace needs q and k with the same rows and unit stride in the last dimension")
+    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    half = rotary_dim // 2
+    _rotary_kernel[(tokens, q_heads + k_heads)](
+        q, k, positions, cos_cache, sin_cache, q.stride(0), k.stride(0), q_heads, head_dim, half,
+        cos_cache.stride(0), BLOCK=triton.next_power_of_2(half), num_warps=1)
+
+
+@triton.jit
+def _store_kv_kernel(k_cache_ptr, v_cache_ptr, loc_ptr, k_ptr, v_ptr, stride_k, stride_v,
+                     k_row, v_row, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(loc_ptr + tok).to(tl.int64)
+    ok = tl.arange(0, BLOCK_K)
+    tl.store(k_cache_ptr + slot * k_row + ok, tl.load(k_ptr + tok * stride_k + ok, mask=ok < k_row), mask=ok < k_row)
+    ov = tl.arange(0, BLOCK_V)
+    tl.store(v_cache_ptr + slot * v_row + ov, tl.load(v_ptr + tok * stride_v + ov, mask=ov < v_row), mask=ov < v_row)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """``k_cache[loc] = k; v_cache[loc] = v`` in one launch.
+
+    Caches are ``[slots, kv_heads, head_dim]`` contiguous; ``k``/``v`` are ``[tokens, kv_heads,
+    head_dim]`` with contiguous rows (a row stride may skip, as in views of the qkv output), in
+    the cache dtype.
+    """
+    tokens = loc.shape[0]
+    if tokens == 0:
+        return
+    k_row, v_row = k_cache[0].numel(), v_cache[0].numel()
+    # Views when each row is contiguous (a copy otherwise); the row stride is passed on.
+    k2, v2 = k.reshape(tokens, -1), v.reshape(tokens, -1)
+    if k2.stride(-1) != 1 or v2.stride(-1) != 1:
+        raise ValueError("store_kv needs unit stride in the last dimension")
+    _store_kv_kernel[(tokens,)](k_cache, v_cache, loc, k2, v2, k2.stride(0), v2.stride(0), k_row, v_row,
+                                BLOCK_K=triton.next_power_of_2(k_row), BLOCK_V=triton.next_power_of_2(v_row),
+                                num_warps=4)
+
+
 def layer_kernels() -> dict[str, Callable[..., Any]]:
-    return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_inplace": rotary_inplace}
+    return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_inplace": rotary_inplace,
+            "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
