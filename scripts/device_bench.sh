@@ -23,8 +23,11 @@ for stage in "$@"; do
         plugins-models plugins-attention/triton/tests/test_triton_conformance.py > "$OUT/gpu_tests_subset.log" 2>&1
       tail -8 "$OUT/gpu_tests_subset.log" ;;
     kernels)
-      python3 -m pytest -q -m gpu -p no:cacheprovider plugins/platform-cuda plugins-models -k "not Flashinfer" \
+      timeout "${KERNELS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider plugins/platform-cuda plugins-models -k "not Flashinfer" \
         > "$OUT/gpu_kernels.log" 2>&1; tail -6 "$OUT/gpu_kernels.log" ;;
+    server_gpu)
+      timeout "${SERVER_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_server_e2e_gpu.py \
+        > "$OUT/gpu_server.log" 2>&1; tail -6 "$OUT/gpu_server.log" ;;
     one_batch_quick)
       E bench one-batch "${DUMMY[@]}" --attention triton --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -3 ;;
     one_batch)
