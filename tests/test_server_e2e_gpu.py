@@ -36,15 +36,24 @@ def _backends() -> list[Any]:
 
 
 @pytest.fixture(scope="module")
-def hf_model(llama_ckpt_dir: str) -> Any:
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    # head_dim 64: a size FlashInfer has kernels for (the default tiny model's 16 is not).
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("gpu-serve")), "LlamaForCausalLM",
+                                hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def hf_model(ckpt: str) -> Any:
     from engine.testing.checkpoints import load_hf_model
 
-    return load_hf_model(llama_ckpt_dir, "bfloat16", "cuda")
+    return load_hf_model(ckpt, "bfloat16", "cuda")
 
 
 @pytest.fixture(params=_backends())
-def gpu_server(request: pytest.FixtureRequest, llama_ckpt_dir: str, tmp_path: pathlib.Path) -> Any:
-    server = launch(llama_ckpt_dir, str(tmp_path), "--attention", request.param, "--dtype", "bfloat16",
+def gpu_server(request: pytest.FixtureRequest, ckpt: str, tmp_path: pathlib.Path) -> Any:
+    server = launch(ckpt, str(tmp_path), "--attention", request.param, "--dtype", "bfloat16",
                     "--cuda-graph-max-bs", "16")
     try:
         server.wait_ready(timeout=600)  # FlashInfer compiles its kernels at start-up

@@ -110,3 +110,21 @@ def test_alloc_decode_fills_page_before_taking_new_one() -> None:
     nxt = alloc.alloc_decode([5], [int(slot[0])])
     assert nxt is not None and int(nxt[0]) % ps == 0
     assert alloc.available_size() == used - ps
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_prefill_after_scattered_frees_gets_ascending_slots(page_size: int) -> None:
+    alloc = TokenToKVPoolAllocator(64, page_size)
+    taken = alloc.alloc(64 - page_size)  # everything but the last page
+    assert taken is not None
+    pages = list(taken.split(page_size))
+    order = torch.randperm(len(pages), generator=torch.Generator().manual_seed(3)).tolist()
+    for i in order:  # freed in a scrambled order, a page at a time
+        alloc.free(pages[i])
+    # A decode step (one token per row) takes the list as it is: no per-step sort.
+    one = alloc.alloc_extend([5], [6], [-1] if page_size == 1 else [int(taken[0])])
+    assert one is not None and one.numel() == 1
+    # A prefill sorts the free list first: its slots ascend.
+    slots = alloc.alloc_extend([0, 0], [12, 8], [-1, -1])
+    assert slots is not None and slots.numel() == 20
+    assert torch.equal(slots, torch.sort(slots).values)

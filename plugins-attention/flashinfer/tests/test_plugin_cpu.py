@@ -93,3 +93,13 @@ def test_small_host_helpers() -> None:
     assert one.kv_indices.tolist() == [0, 0] and one.kv_last_page_len_cpu.tolist() == [1]
     paged = padding_layout(2, 16, torch.device("cpu"))
     assert paged.kv_indices.tolist() == [0] and paged.kv_last_page_len_cpu.tolist() == [2]
+
+
+
+def test_unsupported_head_dim_is_refused_with_the_accepted_sizes() -> None:
+    from engine_attention_flashinfer.planning import check_head_dim
+
+    for ok in (64, 128, 256):
+        check_head_dim(ok)
+    with pytest.raises(ValueError, match="head_dim 16 is not supported; accepted: 64, 128, 256"):
+        check_head_dim(16)

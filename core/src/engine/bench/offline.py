@@ -76,7 +76,7 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         value = result[key]
         print(f"{key:<28}{value:>14.2f}" if isinstance(value, float) else f"{key:<28}{value:>14}")
     print(f"{'decode steps':<28}{result['decode_steps']:>14}  (mean batch {result['mean_decode_batch']:.1f}, "
-          f"{result['overlapped_decode_steps']} overlapped)")
+          f"{result['mean_decode_step_ms']:.2f} ms, {result['overlapped_decode_steps']} overlapped)")
     print(f"{'prefill tokens computed':<28}{result['extend_tokens']:>14}  ({result['retractions']} retractions)")
     print(f"{'prefill share of time':<28}{result['prefill_time_share']:>14.2f}")
     if result_file:
@@ -95,6 +95,7 @@ def _step_breakdown(before: dict[str, Any], after: dict[str, Any], duration: flo
         "retractions": diff("num_retractions"), "decode_steps": steps,
         "overlapped_decode_steps": diff("overlapped_decode_steps"),
         "mean_decode_batch": diff("decode_rows") / steps if steps else 0.0,
+        "mean_decode_step_ms": 1e3 * diff("decode_time_s") / steps if steps else 0.0,
         "extend_tokens": diff("extend_tokens"),
         "prefill_time_share": diff("extend_time_s") / duration if duration > 0 else 0.0,
     }

@@ -96,6 +96,7 @@ class Scheduler(DecodeMixin, OutputMixin):
         self.decode_rows = 0  # sum of decode batch sizes: / decode_steps = mean running batch
         self.extend_tokens = 0  # prompt tokens computed (re-prefill after retraction included)
         self.extend_time_s = 0.0  # wall time of prefill/mixed steps, device work included
+        self.decode_time_s = 0.0  # wall time of decode steps
 
     def _create_cache(self) -> Any:
         from engine.mem_cache.chunk_cache import ChunkCache

@@ -8,6 +8,7 @@ docs/architecture.md. Mixed into ``Scheduler``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,14 +70,17 @@ class DecodeMixin:
 
     def run_decode(self) -> None:
         """One decode step; with overlap, launches step N+1 before processing step N."""
+        started = time.perf_counter()
         if self.enable_overlap:
             self._run_decode_overlap()
-            return
-        batch = self.running_batch
-        self._ensure_decode_memory(batch)
-        if batch.reqs:
-            self._process_decode(self._launch_decode(batch, None, lag=0))
-            batch.filter()
+        else:
+            batch = self.running_batch
+            self._ensure_decode_memory(batch)
+            if batch.reqs:
+                self._process_decode(self._launch_decode(batch, None, lag=0))
+                batch.filter()
+        # Overlapped, this waits for the previous step: in a steady state, one device step.
+        self.decode_time_s += time.perf_counter() - started
 
     def _launch_decode(self, batch: ScheduleBatch, input_ids: Any, lag: int,
                        info: SamplingBatchInfo | None = None) -> InflightDecode:

@@ -97,4 +97,5 @@ class OutputMixin:
             "decode_rows": self.decode_rows,
             "extend_tokens": self.extend_tokens,
             "extend_time_s": self.extend_time_s,
+            "decode_time_s": self.decode_time_s,
         }

@@ -138,6 +138,10 @@ class TokenToKVPoolAllocator:
         # Page 0 (slots 0..page_size-1) is the padding page and never handed out.
         num_pages = self.size // self.page_size
         self.free_pages = torch.arange(1, num_pages + 1, dtype=torch.int64, device=self.device)
+        # Freed slots are appended in whatever order requests finished; prefills sort the list
+        # first so a prompt's KV lands in ascending, mostly contiguous slots (attention reads
+        # it faster than KV scattered slot by slot).
+        self._unsorted = False
 
     # -- allocation -------------------------------------------------------
     def alloc(self, need_size: int) -> torch.Tensor | None:
@@ -162,8 +166,13 @@ class TokenToKVPoolAllocator:
         ``last_locs[i]`` is the KV slot of request i's token at ``prefix_len - 1``
         (ignored when ``prefix_len == 0``); new tokens continue that page first.
         """
+        total = sum(s - p for p, s in zip(prefix_lens, seq_lens))
+        if self._unsorted and total > len(seq_lens):
+            # A prefill (more new tokens than rows); decode steps skip this per-step sort.
+            self.free_pages = torch.sort(self.free_pages).values
+            self._unsorted = False
         if self.page_size == 1:
-            return self.alloc(sum(s - p for p, s in zip(prefix_lens, seq_lens)))
+            return self.alloc(total)
         ps = self.page_size
         new_pages_needed = sum(
             (s + ps - 1) // ps - (p + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens)
@@ -201,6 +210,7 @@ class TokenToKVPoolAllocator:
         if indices.numel() == 0:
             return
         indices = indices.to(device=self.device, dtype=torch.int64)
+        self._unsorted = True
         if self.page_size == 1:
             self.free_pages = torch.cat((self.free_pages, indices))
         else:

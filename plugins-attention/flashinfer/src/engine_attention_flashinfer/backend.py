@@ -30,6 +30,7 @@ from engine_attention_flashinfer.planning import (
     LayerKey,
     PagedKVLayout,
     build_paged_kv_layout,
+    check_head_dim,
     padding_layout,
     pages_per_row,
     qo_indptr,
@@ -38,6 +39,7 @@ from engine_attention_flashinfer.wrappers import GraphBuffers, WrapperFactory
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch import ForwardBatch
+
 
 
 @dataclass
@@ -64,6 +66,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def __init__(self, ctx: AttentionContext) -> None:
         options = parse_options(ctx.options)
+        check_head_dim(ctx.head_dim)
         self.device = torch.device(ctx.device)
         if self.device.type != "cuda":
             raise ValueError(f"attention backend 'flashinfer' needs a CUDA device; got {self.device}")

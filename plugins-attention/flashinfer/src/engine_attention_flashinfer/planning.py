@@ -123,3 +123,16 @@ def padding_layout(seq_len: int, page_size: int, device: torch.device) -> PagedK
         kv_indices=torch.zeros(n, dtype=torch.int32, device=device),
         kv_last_page_len_cpu=torch.tensor([seq_len - (n - 1) * page_size], dtype=torch.int32),
     )
+
+
+# Head sizes FlashInfer's prefill and decode kernels are built for.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Refuses head sizes FlashInfer has no kernels for (it would fail deep inside a kernel)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(
+            f"attention backend 'flashinfer': head_dim {head_dim} is not supported; accepted: "
+            f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))} (use --attention triton for other sizes)"
+        )
