@@ -48,11 +48,12 @@ def main() -> None:
     t = _time_generate(model, ids, a.output_len)
     results["hf_eager_bs1_tok_s"] = a.output_len / t
     print(f"HF eager batch 1: {results['hf_eager_bs1_tok_s']:.1f} tok/s", flush=True)
-    big = torch.randint(0, vocab, (a.batch, a.batch_input_len), device="cuda")
-    t = _time_generate(model, big, a.batch_output_len)
-    results[f"hf_eager_bs{a.batch}_tok_s"] = a.batch * a.batch_output_len / t
-    print(f"HF eager batch {a.batch} ({a.batch_input_len} in / {a.batch_output_len} out): "
-          f"{results[f'hf_eager_bs{a.batch}_tok_s']:.1f} output tok/s", flush=True)
+    if a.batch > 0:  # --batch 0 skips the batched eager run
+        big = torch.randint(0, vocab, (a.batch, a.batch_input_len), device="cuda")
+        t = _time_generate(model, big, a.batch_output_len)
+        results[f"hf_eager_bs{a.batch}_tok_s"] = a.batch * a.batch_output_len / t
+        print(f"HF eager batch {a.batch} ({a.batch_input_len} in / {a.batch_output_len} out): "
+              f"{results[f'hf_eager_bs{a.batch}_tok_s']:.1f} output tok/s", flush=True)
     if not a.skip_compile:
         # transformers compiles the decode forward itself when the cache is static.
         from transformers import CompileConfig

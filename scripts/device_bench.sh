@@ -53,7 +53,7 @@ for stage in "$@"; do
         E bench offline "${DUMMY[@]}" --attention triton $flag --dataset-name generated-shared-prefix --gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 64 --result-file "$RES" 2>&1 | grep -E "output_throughput|total_throughput|duration|cached"
       done ;;
     hf)
-      timeout "${HF_TIMEOUT:-300}" python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch 64 --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
+      timeout "${HF_TIMEOUT:-300}" python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch "${HF_BATCH:-64}" --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac
