@@ -116,6 +116,10 @@ DECODE_CASES = [
     ("bf16-g4-window0-cap", BF16, 4, 2, 128, 16, 9, 600, 30.0, 0, 3),
     ("fp32-g4", FP32, 4, 2, 128, 16, 8, 1000, 0.0, -1, 4),
     ("bf16-g6-d96-window", BF16, 6, 2, 96, 16, 5, 900, 0.0, 300, 5),
+    # One split: stage 1 writes the output itself and the merge pass is skipped.
+    ("fp16-g4-window-1split", FP16, 4, 2, 128, 1, 16, 1500, 0.0, 100, 1),
+    ("bf16-mha-cap-1split", BF16, 1, 4, 128, 1, 5, 800, 20.0, -1, 1),
+    ("fp32-g4-d96-1split", FP32, 4, 2, 96, 16, 9, 700, 0.0, -1, 1),
 ]
 
 

@@ -13,7 +13,9 @@ GPU: without it there are only ``batch * num_kv_heads`` programs (8 for Llama-3-
 at batch 1) against 132 SMs. Each row divides its own length by the split count
 (rounded up to whole blocks), so one split count works for every row and for
 every replay of a CUDA graph; splits past a short row's end are empty and write
-``lse = -inf``, which stage 2 weighs as zero.
+``lse = -inf``, which stage 2 weighs as zero. With a single split (batches large
+enough to fill the GPU on their own) stage 1 writes the output directly and stage 2
+is skipped.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def _decode_split_kernel(
     SLIDING_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):
+    # DIRECT (one split): Part_Out is the output itself; no log-sum-exp, no merge pass.
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,10 +127,11 @@ def _decode_split_kernel(
     out_base = Part_Out + row * stride_pob + split * stride_pos
     tl.store(
         out_base + heads[:, None] * stride_poh + offs_dv[None, :],
-        acc / l_safe[:, None],
+        (acc / l_safe[:, None]).to(Part_Out.dtype.element_ty),
         mask=mask_h[:, None] & mask_dv[None, :],
     )
-    tl.store(Part_Lse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
+    if not DIRECT:
+        tl.store(Part_Lse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
 
 @triton.jit
@@ -246,15 +251,20 @@ def decode_attention_fwd(
     if block_n is None:
         block_n = 32 if head_dim > 128 or q.dtype == torch.float32 else 64
     precision = dot_precision(q.dtype)
+    # One split (large batches fill the GPU without splitting): stage 1 writes the output.
+    direct = num_kv_splits == 1
+    dest = out if direct else part_out
+    dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
+        part_out.stride(0), part_out.stride(1), part_out.stride(2))
 
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
-        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, part_out, part_lse,
+        q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
         sm_scale, logit_cap, num_kv_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),
         req_to_token.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        *dest_strides,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group,
         BLOCK_H=block_size(group),
@@ -266,9 +276,12 @@ def decode_attention_fwd(
         SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
         HAS_CAP=logit_cap > 0,
         DOT_PRECISION=precision,
+        DIRECT=direct,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    if direct:
+        return
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,
         num_kv_splits,
