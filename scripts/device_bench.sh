@@ -25,6 +25,9 @@ for stage in "$@"; do
     kernels)
       timeout "${KERNELS_TIMEOUT:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider plugins/platform-cuda plugins-models -k "not Flashinfer" \
         > "$OUT/gpu_kernels.log" 2>&1; tail -6 "$OUT/gpu_kernels.log" ;;
+    triton_kernels)
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider plugins-attention/triton/tests/test_triton_kernels.py \
+        plugins-attention/triton/tests/test_triton_conformance.py > "$OUT/gpu_triton.log" 2>&1; tail -4 "$OUT/gpu_triton.log" ;;
     server_gpu)
       timeout "${SERVER_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_server_e2e_gpu.py \
         > "$OUT/gpu_server.log" 2>&1; tail -6 "$OUT/gpu_server.log" ;;
