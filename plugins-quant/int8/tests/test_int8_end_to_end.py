@@ -16,7 +16,7 @@ import shutil
 import pytest
 import torch
 from engine.testing.checkpoints import make_tiny_checkpoint
-from engine.testing.harness import generate_greedy, last_position_logits, make_scheduler
+from engine.testing.harness import assert_cosine_close, assert_generates, last_position_logits, make_scheduler
 from engine_quant_int8.quantize import quantize_per_channel
 from safetensors.torch import load_file, save_file
 
@@ -42,13 +42,11 @@ def reference_logits(checkpoint: str, prompts: list[list[int]]) -> torch.Tensor:
 
 
 def _assert_close_to_reference(logits: torch.Tensor, reference: torch.Tensor) -> None:
-    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
-    assert bool((cosine > MIN_COSINE).all()), f"cosine similarity per prompt: {cosine.tolist()}"
+    assert_cosine_close(logits, reference, MIN_COSINE)
 
 
 def _assert_generates(path: str, prompts: list[list[int]], **server_args: object) -> None:
-    outputs = generate_greedy(make_scheduler(path, **server_args), prompts, MAX_NEW_TOKENS, ignore_eos=True)
-    assert [len(o) for o in outputs] == [MAX_NEW_TOKENS] * len(prompts)
+    assert_generates(path, prompts, MAX_NEW_TOKENS, **server_args)
 
 
 def _write_int8_checkpoint(src: str, dst: str) -> str:

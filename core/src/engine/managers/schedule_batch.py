@@ -56,6 +56,9 @@ class Req:
         self.origin_input_ids = list(input_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids
+        # Nothing can end this request before max_new_tokens (an abort aside).
+        self.runs_to_length = ((sampling_params.ignore_eos or not eos_token_ids)
+                               and not sampling_params.stop and not sampling_params.stop_token_ids)
         self.output_ids: list[int] = []
         # Tokens whose KV exists (or will, after this round's extend).
         self.fill_ids: list[int] = []

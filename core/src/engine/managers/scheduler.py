@@ -223,11 +223,8 @@ class Scheduler(DecodeMixin, OutputMixin):
         before ``max_new_tokens`` (``ignore_eos`` and no stop conditions) will use all of it:
         reserving less only admits requests that must later be retracted and recomputed.
         """
-        params = req.sampling_params
-        left = min(max(params.max_new_tokens - len(req.output_ids), 0), _RESERVE_CLIP)
-        runs_to_length = ((params.ignore_eos or not req.eos_token_ids)
-                          and not params.stop and not params.stop_token_ids)
-        return left if runs_to_length else int(left * self.new_token_ratio)
+        left = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), _RESERVE_CLIP)
+        return left if req.runs_to_length else int(left * self.new_token_ratio)
 
     def _order_waiting(self) -> None:
         if self.policy.needs_prefix_match(len(self.waiting_queue)):

@@ -72,3 +72,17 @@ def last_position_logits(scheduler: Any, prompts: list[list[int]]) -> Any:
     batch = ForwardBatch.build(ForwardMode.EXTEND, [t for p in prompts for t in p], slots, lens,
                                [0] * len(lens), loc, runner.device)
     return runner.forward(batch).next_token_logits.float().cpu()
+
+
+def assert_cosine_close(logits: Any, reference: Any, min_cosine: float) -> None:
+    """Every row of ``logits`` points the way ``reference``'s does (quantized vs full precision)."""
+    import torch
+
+    cosine = torch.nn.functional.cosine_similarity(logits, reference, dim=-1)
+    assert bool((cosine > min_cosine).all()), f"cosine similarity per prompt: {cosine.tolist()}"
+
+
+def assert_generates(path: str, prompts: list[list[int]], max_new_tokens: int, **server_args: Any) -> None:
+    """A scheduler on ``path`` decodes ``max_new_tokens`` for every prompt (EOS ignored)."""
+    outputs = generate_greedy(make_scheduler(path, **server_args), prompts, max_new_tokens, ignore_eos=True)
+    assert [len(o) for o in outputs] == [max_new_tokens] * len(prompts)

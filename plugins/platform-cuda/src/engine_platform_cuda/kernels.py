@@ -114,16 +114,7 @@ def _rotary_kernel(x_ptr, y_ptr, pos_ptr, cos_ptr, sin_ptr, stride_x, stride_y, 
 def rotary_inplace(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
                    sin_cache: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
     """Rotates ``x`` ``[tokens, heads * head_dim]`` (rows may be strided views) in place."""
-    tokens = x.shape[0]
-    if tokens == 0:
-        return x
-    if x.stride(-1) != 1:
-        raise ValueError("rotary_inplace needs unit stride in the last dimension")
-    heads = x.shape[1] // head_dim
-    half = rotary_dim // 2
-    _rotary_kernel[(tokens, heads)](x, x, positions, cos_cache, sin_cache, x.stride(0), x.stride(0), heads,
-                                    head_dim, half, cos_cache.stride(0), BLOCK=triton.next_power_of_2(half),
-                                    num_warps=1)
+    rotary_qk_inplace(positions, x, x[:, :0], cos_cache, sin_cache, head_dim, rotary_dim)  # no k heads
     return x
 
 
