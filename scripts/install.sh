@@ -8,6 +8,20 @@ PY=${PYTHON:-python3}
 if ! $PY -c 'import torch, sys; v=tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(0 if v >= (2, 5) else 1)' 2>/dev/null; then
   $PY -m pip install -q "torch==2.13.0"
 fi
+# Our distributions were named engine-* before they became plugserve-* (engine-core on PyPI is an
+# unrelated project): drop stale editable installs of this tree so no entry point registers twice.
+$PY - <<'PYEOF'
+import importlib.metadata as md, json, pathlib, subprocess, sys
+root = pathlib.Path.cwd().resolve()
+stale = []
+for dist in md.distributions():
+    name = dist.metadata["Name"] or ""
+    url = dist.read_text("direct_url.json")
+    if name.startswith("engine-") and url and str(root) in json.loads(url).get("url", ""):
+        stale.append(name)
+if stale:
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", *stale], check=True)
+PYEOF
 pkgs=(core)
 for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do
   [ -f "$d/pyproject.toml" ] || continue

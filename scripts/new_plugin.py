@@ -12,10 +12,16 @@ import pathlib
 import sys
 
 TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "_template"
+# Every distribution of ours and of the template's plugins starts with this prefix (free on PyPI;
+# `engine-core` belongs to an unrelated project, so depending on it would pull that in).
+DISTRIBUTION_PREFIX = "plugserve"
+# The kind's segment in distribution and package names, as the built-in plugins spell it
+# (plugserve-models-llama / engine_models_llama).
+NAME_SEGMENT = {"model": "models"}
 
 KINDS = {
     "attention": dict(
-        deps=["engine-attention-torch-native>=0.1"],
+        deps=["plugserve-attention-torch-native>=0.1"],
         hook="register_attention_backends", spec_cls="AttentionBackendSpec", kit="AttentionBackendConformance",
         spec='AttentionBackendSpec(name="{name}", factory="{package}.impl:create", device_types=("cpu", "cuda"))',
         kit_attrs='    backend_name = "{name}"',
@@ -32,7 +38,7 @@ KINDS = {
               'class Policy(SchedulePolicy):\n    def order(self, queue, ctx: PolicyContext):  # type: ignore[no-untyped-def]\n'
               '        return sorted(queue, key=lambda r: r.arrival_seq)\n')),
     "platform": dict(
-        deps=["engine-platform-cpu>=0.1"],
+        deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",
         spec='PlatformSpec(name="{name}", factory="{package}.impl:MyPlatform", device_type="cpu")',
         kit_attrs='    platform_name = "{name}"',
@@ -52,7 +58,7 @@ KINDS = {
               '    def get_linear_method(self, layer, prefix):  # type: ignore[no-untyped-def]\n'
               '        return UnquantizedLinearMethod()  # replace with your LinearMethodBase\n')),
     "model": dict(
-        deps=["engine-models-llama>=0.1"],
+        deps=["plugserve-models-llama>=0.1"],
         hook="register_models", spec_cls="ModelSpec", kit="ModelConformance",
         spec='ModelSpec(name="{name}", architectures=("MyForCausalLM",), factory="{package}.impl:MyForCausalLM")',
         kit_attrs='    architecture = "LlamaForCausalLM"  # the HF architecture your class reproduces',
@@ -77,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: name {args.name!r} must be a Python identifier (letters, digits, _)", file=sys.stderr)
         return 2
     kind = KINDS[args.kind]
-    package = f"engine_{args.kind}_{args.name}"
-    distribution = f"engine-{args.kind}-{args.name.replace('_', '-')}"
+    segment = NAME_SEGMENT.get(args.kind, args.kind)
+    package = f"engine_{segment}_{args.name}"
+    distribution = f"{DISTRIBUTION_PREFIX}-{segment}-{args.name.replace('_', '-')}"
     values = {"kind": args.kind, "name": args.name, "package": package, "distribution": distribution,
               "class_name": "".join(p.title() for p in args.name.split("_")), "hook": kind["hook"],
               "kit": kind["kit"], "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
@@ -92,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for src in TEMPLATE.rglob("*.tmpl"):
         rel = str(src.relative_to(TEMPLATE))[: -len(".tmpl")]
-        rel = rel.replace("engine_KIND_NAME", package).replace("KIND_NAME", f"{args.kind}_{args.name}")
+        rel = rel.replace("engine_KIND_NAME", package).replace("KIND_NAME", f"{segment}_{args.name}")
         out = dest / rel
         os.makedirs(out.parent, exist_ok=True)
         out.write_text(render(src.read_text(encoding="utf-8"), values), encoding="utf-8")

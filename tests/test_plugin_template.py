@@ -15,6 +15,7 @@ from engine.hookspecs import resolve_factory
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KIND_TO_REGISTRY = {"attention": "attention", "policy": "policy", "platform": "platform",
                     "quant": "quantization", "model": "model"}
+SEGMENT = {"model": "models"}  # distribution/package segment, as the built-in plugins spell it
 
 
 @pytest.mark.parametrize("kind", sorted(KIND_TO_REGISTRY))
@@ -24,16 +25,18 @@ def test_template_plugin_registers_and_loads(kind: str, tmp_path: pathlib.Path, 
     subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), kind, name, "--dest", str(dest)],
                    check=True, capture_output=True)
     text = (dest / "pyproject.toml").read_text()
-    assert f'{name} = "engine_{kind}_{name}"' in text and '[project.entry-points."engine.plugins"]' in text
+    segment = SEGMENT.get(kind, kind)
+    assert f'{name} = "engine_{segment}_{name}"' in text and '[project.entry-points."engine.plugins"]' in text
+    assert f'name = "plugserve-{segment}-{name.replace("_", "-")}"' in text and '"plugserve-core>=0.1"' in text
     monkeypatch.syspath_prepend(str(dest / "src"))
-    module = importlib.import_module(f"engine_{kind}_{name}")
+    module = importlib.import_module(f"engine_{segment}_{name}")
     reg = plugins.PluginRegistry(load_entry_points=True, extra_plugins=[(name, module)])
     assert reg.plugins[name].status == "ok", reg.plugins[name].error
     registry_kind = KIND_TO_REGISTRY[kind]
     (key,) = reg.plugins[name].kinds[registry_kind]
     spec = reg.entries[registry_kind][key].spec
     assert resolve_factory(spec.factory) is not None  # the implementation module imports
-    assert (dest / "tests" / f"test_{kind}_{name}.py").exists() and (dest / "README.md").exists()
+    assert (dest / "tests" / f"test_{segment}_{name}.py").exists() and (dest / "README.md").exists()
 
 
 def test_bad_name_is_refused(tmp_path: pathlib.Path) -> None:

@@ -23,15 +23,15 @@ def _pip(*args: str) -> None:
 
 @pytest.mark.slow
 def test_third_party_attention_plugin_lifecycle(tmp_path: pathlib.Path, llama_ckpt_dir: str) -> None:
-    dest = tmp_path / "engine-attention-thirdparty"
+    dest = tmp_path / "plugserve-attention-thirdparty"
     made = subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), "attention", "thirdparty", "--dest", str(dest)],
                           capture_output=True, text=True, check=True)
-    assert "created engine-attention-thirdparty" in made.stdout
+    assert "created plugserve-attention-thirdparty" in made.stdout
     _pip("install", "--no-deps", "--no-build-isolation", str(dest))
     try:
         listed = json.loads(_engine("plugins", "list", "--json").stdout)
         mine = next(p for p in listed if p["name"] == "thirdparty")
-        assert mine["distribution"] == "engine-attention-thirdparty" and mine["status"] == "ok"
+        assert mine["distribution"] == "plugserve-attention-thirdparty" and mine["status"] == "ok"
         assert mine["registers"] == {"attention": ["thirdparty"]}
         ran = _engine("generate", "--model-path", llama_ckpt_dir, "--attention", "thirdparty", "--max-new-tokens", "3")
         assert ran.returncode == 0, ran.stderr
@@ -40,7 +40,7 @@ def test_third_party_attention_plugin_lifecycle(tmp_path: pathlib.Path, llama_ck
                              capture_output=True, text=True, timeout=300, cwd=str(dest))
         assert kit.returncode == 0, kit.stdout[-2000:]
     finally:
-        _pip("uninstall", "-y", "engine-attention-thirdparty")
+        _pip("uninstall", "-y", "plugserve-attention-thirdparty")
     gone = _engine("generate", "--model-path", llama_ckpt_dir, "--attention", "thirdparty")
     assert gone.returncode == 2
     assert "unknown attention backend 'thirdparty'; installed: " in gone.stderr and "torch_native" in gone.stderr

@@ -30,7 +30,7 @@ def test_plugins_list_json() -> None:
     res = runner.invoke(app, ["plugins", "list", "--json"])
     assert res.exit_code == 0
     rows = {p["name"]: p for p in json.loads(res.output)}
-    assert rows["torch_native"]["distribution"] == "engine-attention-torch-native"
+    assert rows["torch_native"]["distribution"] == "plugserve-attention-torch-native"
     assert rows["torch_native"]["version"] == "0.1.0"
     assert rows["torch_native"]["registers"] == {"attention": ["torch_native"]}
 
@@ -38,7 +38,7 @@ def test_plugins_list_json() -> None:
 def test_plugins_list_table() -> None:
     res = runner.invoke(app, ["plugins", "list"])
     assert res.exit_code == 0
-    assert "engine-models-llama" in res.output and "model: llama" in res.output
+    assert "plugserve-models-llama" in res.output and "model: llama" in res.output
 
 
 def test_config_show_flags_override_yaml(tmp_path: pathlib.Path) -> None:

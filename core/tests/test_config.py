@@ -59,11 +59,11 @@ def test_bad_yaml_is_one_line_error(tmp_path: pathlib.Path) -> None:
 
 
 def test_required_plugins() -> None:
-    check_required_plugins(["engine-attention-torch-native>=0.1", "engine-core"])
-    with pytest.raises(ConfigError, match="'engine-attention-nope' is not installed"):
-        check_required_plugins(["engine-attention-nope"])
-    with pytest.raises(ConfigError, match="0.1.0 is installed but 'engine-core>=99' is required"):
-        check_required_plugins(["engine-core>=99"])
+    check_required_plugins(["plugserve-attention-torch-native>=0.1", "plugserve-core"])
+    with pytest.raises(ConfigError, match="'plugserve-attention-nope' is not installed"):
+        check_required_plugins(["plugserve-attention-nope"])
+    with pytest.raises(ConfigError, match="0.1.0 is installed but 'plugserve-core>=99' is required"):
+        check_required_plugins(["plugserve-core>=99"])
     with pytest.raises(ConfigError, match="invalid requirement"):
         check_required_plugins(["not a requirement !!"])
 

@@ -21,8 +21,8 @@ def _module(name: str, **hooks: object) -> types.ModuleType:
 
 def test_builtin_plugins_are_discovered() -> None:
     infos = {p.name: p for p in plugins.list_plugins()}
-    for name, dist in [("torch_native", "engine-attention-torch-native"), ("cpu", "engine-platform-cpu"),
-                       ("llama", "engine-models-llama"), ("fcfs", "engine-policy-fcfs")]:
+    for name, dist in [("torch_native", "plugserve-attention-torch-native"), ("cpu", "plugserve-platform-cpu"),
+                       ("llama", "plugserve-models-llama"), ("fcfs", "plugserve-policy-fcfs")]:
         assert infos[name].distribution == dist and infos[name].status == "ok"
     assert "torch_native" in plugins.attention_backends()
     assert "LlamaForCausalLM" in plugins.model_architectures()
@@ -36,7 +36,7 @@ def test_unknown_backend_names_installed_and_closest() -> None:
 
 
 def test_known_but_uninstalled_name_suggests_distribution() -> None:
-    with pytest.raises(PluginError, match="pip install engine-attention-flashinfer"):
+    with pytest.raises(PluginError, match="pip install plugserve-attention-flashinfer"):
         plugins.PluginRegistry(load_entry_points=False).get("attention", "flashinfer", "attention backend")
 
 

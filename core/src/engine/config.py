@@ -48,7 +48,7 @@ class ServerArgs:
     platform: str | None = opt(None, "Hardware platform plugin (default: auto-detected)")
     schedule_policy: str = opt("fcfs", "Schedule policy plugin ordering the waiting queue")
     disable_plugin: list[str] = opt([], "Plugin (entry-point name) not to load; repeatable")
-    required_plugins: list[str] = opt([], "Plugins that must be installed, with optional version specifiers, e.g. 'engine-attention-triton>=0.1'")
+    required_plugins: list[str] = opt([], "Plugins that must be installed, with optional version specifiers, e.g. 'plugserve-attention-triton>=0.1'")
     plugin_options: dict[str, Any] = opt({}, "Options contributed by plugins, as {plugin: {key: value}}", cli=False)
     # -- memory and scheduling ----------------------------------------------
     max_total_tokens: int | None = opt(None, "KV-pool size in tokens (caps the pool; default: from --mem-fraction-static)")
@@ -210,7 +210,7 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 
 def check_required_plugins(requirements: list[str]) -> None:
-    """Checks ``required_plugins`` entries such as ``engine-attention-triton>=0.1``."""
+    """Checks ``required_plugins`` entries such as ``plugserve-attention-triton>=0.1``."""
     try:
         from importlib_metadata import PackageNotFoundError, version
     except ImportError:
@@ -221,7 +221,7 @@ def check_required_plugins(requirements: list[str]) -> None:
         try:
             req = Requirement(text)
         except InvalidRequirement:
-            raise ConfigError(f"required_plugins: invalid requirement {text!r}; expected e.g. 'engine-attention-triton>=0.1'") from None
+            raise ConfigError(f"required_plugins: invalid requirement {text!r}; expected e.g. 'plugserve-attention-triton>=0.1'") from None
         try:
             installed = version(req.name)
         except PackageNotFoundError:

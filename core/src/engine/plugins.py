@@ -46,13 +46,13 @@ DISABLE_ENV = "ENGINE_DISABLE_PLUGINS"
 
 # Distributions that provide the built-in names, for install hints in errors.
 KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
-    ("attention", "torch_native"): "engine-attention-torch-native",
-    ("attention", "triton"): "engine-attention-triton",
-    ("attention", "flashinfer"): "engine-attention-flashinfer",
-    ("platform", "cpu"): "engine-platform-cpu",
-    ("platform", "cuda"): "engine-platform-cuda",
-    ("quantization", "fp8"): "engine-quant-fp8",
-    ("quantization", "w8a8_int8"): "engine-quant-int8",
+    ("attention", "torch_native"): "plugserve-attention-torch-native",
+    ("attention", "triton"): "plugserve-attention-triton",
+    ("attention", "flashinfer"): "plugserve-attention-flashinfer",
+    ("platform", "cpu"): "plugserve-platform-cpu",
+    ("platform", "cuda"): "plugserve-platform-cuda",
+    ("quantization", "fp8"): "plugserve-quant-fp8",
+    ("quantization", "w8a8_int8"): "plugserve-quant-int8",
 }
 
 
@@ -351,7 +351,7 @@ def select_platform(name: str | None = None, disabled: Iterable[str] = ()) -> An
         return fallbacks[0][1]
     if not fallbacks:
         raise PluginError(
-            f"no available platform; installed: {', '.join(reg.names('platform')) or 'none'}; pip install engine-platform-cpu"
+            f"no available platform; installed: {', '.join(reg.names('platform')) or 'none'}; pip install plugserve-platform-cpu"
         )
     names = ", ".join(n for n, _ in fallbacks)
     raise PluginError(f"several fallback platforms ({names}); choose one with --platform")

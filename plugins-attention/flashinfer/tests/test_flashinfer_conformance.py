@@ -13,7 +13,7 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
-                       reason="needs flashinfer (pip install engine-attention-flashinfer[flashinfer])"),
+                       reason="needs flashinfer (pip install plugserve-attention-flashinfer[flashinfer])"),
 ]
 
 

@@ -2,7 +2,7 @@
 
 Importing this module registers the backend and its option only; neither
 flashinfer nor CUDA is imported until the backend is selected (``--attention flashinfer``).
-Install the library with the ``flashinfer`` extra: ``pip install engine-attention-flashinfer[flashinfer]``.
+Install the library with the ``flashinfer`` extra: ``pip install plugserve-attention-flashinfer[flashinfer]``.
 """
 
 from __future__ import annotations

@@ -43,14 +43,14 @@ class Fp8Config(QuantizationConfig):
             return cls()
         method = config.get("quant_method", "fp8")
         if method != "fp8":
-            raise ModelLoadError(f"engine-quant-fp8: quantization_config.quant_method is '{method}'; accepted: fp8")
+            raise ModelLoadError(f"plugserve-quant-fp8: quantization_config.quant_method is '{method}'; accepted: fp8")
         scheme = config.get("activation_scheme", "dynamic")
         if scheme not in ACTIVATION_SCHEMES:
             raise ModelLoadError(f"fp8 quantization_config.activation_scheme: invalid value '{scheme}'; "
                                  f"accepted: {', '.join(ACTIVATION_SCHEMES)}")
         if config.get("weight_block_size"):
             raise ModelLoadError(f"fp8 quantization_config.weight_block_size {config['weight_block_size']}: "
-                                 "block-wise FP8 checkpoints are not supported by engine-quant-fp8 "
+                                 "block-wise FP8 checkpoints are not supported by plugserve-quant-fp8 "
                                  "(per-tensor weight_scale only)")
         ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
         return cls(checkpoint_serialized=True, activation_scheme=scheme, ignored=tuple(ignored))

@@ -37,7 +37,7 @@ class W8A8Int8Config(QuantizationConfig):
             return cls()
         method = config.get("quant_method", "w8a8_int8")
         if method not in CHECKPOINT_METHODS:
-            raise ModelLoadError(f"engine-quant-int8: quantization_config.quant_method is '{method}'; "
+            raise ModelLoadError(f"plugserve-quant-int8: quantization_config.quant_method is '{method}'; "
                                  f"accepted: {', '.join(CHECKPOINT_METHODS)}")
         return cls(checkpoint_serialized=True)
 
