@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Downloads (here, where PyPI is reachable) the wheels the lent GPU machine lacks into .whl/,
+# for its Python 3.12; scripts/device_setup.sh installs them there. .whl/ is git-ignored and
+# travels with `carry: [".whl"]` (64 MiB limit for the whole working tree).
+# The image already has torch, triton, transformers, accelerate, numpy, einops, ninja, click,
+# requests, tqdm, nvidia-ml-py, cuda-bindings, httpx, anyio, h11, jinja2, pluggy, typer, rich,
+# prometheus-client (KINDS.md, tool library).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
+      --platform manylinux1_x86_64)
+WHEELS=(
+  flashinfer-python==0.6.18.post1 apache-tvm-ffi==0.1.15.post2 tabulate==0.10.0  # attention: flashinfer (JIT)
+  pyzmq==27.3.0                                                                   # the three processes
+  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4
+  annotated-types==0.7.0 typing-inspection==0.4.2                                 # the HTTP server
+  openai==3.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1                       # end-to-end tests' client
+  gguf==0.19.0                                                                    # GGUF checkpoints
+)
+python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "${WHEELS[@]}"
+du -sh .whl
