@@ -37,6 +37,7 @@ class FakeServer(ThreadingHTTPServer):
         self.payloads: list[dict[str, Any]] = []
         self.send_usage = True  # False: OpenAI chunks carry no usage, the client must count
         self.tokens_per_event = 1  # >1: /generate batches tokens into one SSE event
+        self.ids_only = False  # /generate streams output_ids with empty text (--skip-tokenizer-init)
         self.active = 0
         self.peak_active = 0
         self.lock = threading.Lock()
@@ -106,8 +107,9 @@ class _Handler(BaseHTTPRequestHandler):
             if native and (i + 1) % self.server.tokens_per_event and i + 1 < n:
                 continue
             if native:
-                text = "".join(pieces[: i + 1])
-                self._event({"text": text, "meta_info": {"completion_tokens": i + 1}})
+                text = "" if self.server.ids_only else "".join(pieces[: i + 1])
+                ids = list(range(i + 1))
+                self._event({"text": text, "output_ids": ids, "meta_info": {"completion_tokens": i + 1}})
             elif self.path == "/v1/completions":
                 self._event({"choices": [{"index": 0, "text": piece}]})
             else:
@@ -169,6 +171,20 @@ def test_multi_token_events_spread_their_gap_over_the_tokens(server: FakeServer)
         # give two equal gaps.
         assert len(r.itl) == 4
         assert r.itl[0] == r.itl[1] and r.itl[2] == r.itl[3]
+
+
+def test_token_id_streams_time_the_first_token_not_the_end(server: FakeServer) -> None:
+    # A server without a tokenizer streams output_ids and empty text: TTFT and ITL must come
+    # from the ids (it used to wait for text that never came, so TTFT equalled the latency).
+    server.ids_only = True
+    args = _args(server, skip_tokenizer_init=True, vocab_size=50)
+    results, _ = asyncio.run(run_requests(args, _requests(3, 8)))
+    for r in results:
+        assert r.success and r.output_len == 8 and r.generated_text == ""
+        assert len(r.itl) == 7 and all(gap > 0 for gap in r.itl)
+        # Seven token gaps of >= TOKEN_DELAY_S each come after the first token.
+        assert r.ttft <= r.latency - 7 * TOKEN_DELAY_S
+        assert r.ttft + sum(r.itl) == pytest.approx(r.latency, abs=0.05)
 
 
 def test_payloads_follow_each_api(server: FakeServer) -> None:

@@ -32,6 +32,11 @@ class ResponseUpdate:
     completion_tokens: int | None
     # Error reported in-band (an SSE event with "error"); fails the request.
     error: str | None = None
+    # Running count of generated tokens, when the response carries one (native /generate:
+    # its ``output_ids``). New tokens are timed by this count, not by text: a server started
+    # with --skip-tokenizer-init streams ids with empty text, and a partial character's bytes
+    # are held back, so text can lag the tokens or never come.
+    tokens_so_far: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,15 @@ def _native_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
 
 def _native_parse(data: dict[str, Any]) -> ResponseUpdate:
     meta = data.get("meta_info") or {}
+    ids = data.get("output_ids")
     return ResponseUpdate(
         text=data.get("text") or "",
         cumulative=True,
         completion_tokens=meta.get("completion_tokens"),
         error=_error_text(data),
+        # Every event of a /generate stream is cumulative: its output_ids (or, from servers
+        # that omit them, meta_info.completion_tokens) count all tokens so far.
+        tokens_so_far=len(ids) if isinstance(ids, list) else meta.get("completion_tokens"),
     )
 
 
@@ -158,23 +167,30 @@ class _StreamState:
         if update.completion_tokens is not None:
             self.reported_tokens = update.completion_tokens
         if update.cumulative:
-            grew = len(update.text) > len(self.text)
-            self.text = update.text if grew else self.text
+            text_grew = len(update.text) > len(self.text)
+            self.text = update.text if text_grew else self.text
         else:
-            grew = bool(update.text)
+            text_grew = bool(update.text)
             self.text += update.text
-        if not grew:
+        if update.tokens_so_far is not None:
+            new_tokens = update.tokens_so_far - self.tokens_seen
+            if new_tokens <= 0:
+                return  # a repeated count (e.g. the finish event) carries no new token
+            self.chunks += 1
+        elif text_grew:
+            self.chunks += 1
+            # Deltas with no running count: the last usage figure, else one token per chunk.
+            count = self.reported_tokens if self.reported_tokens is not None else self.chunks
+            new_tokens = max(count - self.tokens_seen, 1)
+        else:
             return  # usage-only chunks and held-back partial characters carry no token timing
-        self.chunks += 1
         # A chunk may carry several tokens (server-side batching of the stream); spread its
         # gap over them so ITL stays per token, as SGLang does for /generate.
-        count = self.reported_tokens if self.reported_tokens is not None else self.chunks
-        new_tokens = max(count - self.tokens_seen, 1)
         if self.first_token_at is None:
             self.first_token_at = now
         else:
             self.itl.extend([(now - self.last_token_at) / new_tokens] * new_tokens)
-        self.tokens_seen = max(count, self.tokens_seen + 1)
+        self.tokens_seen += new_tokens
         self.last_token_at = now
 
 
@@ -232,7 +248,7 @@ async def send_request(
     result.success = True
     result.latency = end - start
     result.generated_text = progress.text
-    # Without any text there is no first token; TTFT is then the whole wait.
+    # Without any token there is no first token; TTFT is then the whole wait.
     result.ttft = (progress.first_token_at or end) - start
     result.itl = progress.itl
     if progress.reported_tokens is not None:
