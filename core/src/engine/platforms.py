@@ -7,6 +7,7 @@ specific so that no other module tests for CUDA by hand.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -44,12 +45,37 @@ class Platform(ABC):
         """(free bytes, total bytes) of device memory available to the engine."""
 
     @abstractmethod
-    def default_attention_backend(self) -> str:
-        """Attention backend used when ``--attention`` is not given."""
+    def default_attention_backend(self, available: Collection[str]) -> str:
+        """Attention backend used when ``--attention`` is not given.
+
+        Args:
+            available: the attention backends installed and enabled in this run (hook API 2;
+                an implementation may leave the argument out). Never return a name outside it
+                when one of yours is in it: the engine fails on a default that is not available.
+        """
 
     def default_mem_fraction_static(self) -> float:
         """Share of device memory for weights + KV pool when ``--mem-fraction-static`` is unset."""
         return 0.85
+
+    def kv_cache_budget(self, free_at_start: int, free_now: int, total: int, weight_bytes: int,
+                        fraction: float | None) -> int:
+        """Bytes the KV pool may take when ``--max-total-tokens`` is not given.
+
+        Args:
+            free_at_start: ``memory_info()[0]`` before the weights were loaded.
+            free_now: ``memory_info()[0]`` after the weights were loaded.
+            total: ``memory_info()[1]``.
+            weight_bytes: bytes of the model's parameters and buffers.
+            fraction: ``--mem-fraction-static``; None means the platform's default.
+
+        The default suits a device the engine owns (a GPU, as in SGLang): weights and pool
+        together take ``fraction`` of the device, less what other processes held at start.
+        A platform whose memory is shared with everything (the CPU) overrides it.
+        """
+        fraction = fraction or self.default_mem_fraction_static()
+        weights = max(0, free_at_start - free_now)
+        return int(total * fraction - weights - (total - free_at_start))
 
     def default_dtype(self) -> torch.dtype:
         """Activation dtype for ``--dtype auto`` when the checkpoint gives none usable."""
@@ -87,5 +113,5 @@ class Platform(ABC):
         torch.manual_seed(seed)
 
     def describe(self) -> str:
-        """One line naming the device, for start-up logs."""
+        """One line naming the device; the scheduler logs it at start-up (``platform: ...``)."""
         return self.name

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Without --max-total-tokens a CPU pool is capped here: CPU memory is shared with everything.
+# Without --max-total-tokens a CPU pool is capped here as well as by the platform's byte budget:
+# the allocator sorts its free list before each prefill, so a longer list costs every prefill.
 _CPU_MAX_POOL_TOKENS = 1 << 17
 _REQ_TO_TOKEN_BUDGET_BYTES = 512 << 20
 
@@ -103,20 +104,16 @@ class ModelRunner:
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:
-            fraction = args.mem_fraction_static or self.platform.default_mem_fraction_static()
             free_now, total = self.platform.memory_info(self.device)
-            weights = max(0, free_before - free_now)
-            budget = total * fraction - weights - (total - free_before)
+            budget = self.platform.kv_cache_budget(free_before, free_now, total, self._weight_bytes(),
+                                                   args.mem_fraction_static)
             tokens = int(max(budget, 0) // per_token)
             if self.device.type == "cpu":
                 tokens = min(tokens, _CPU_MAX_POOL_TOKENS)
         page = args.page_size
         tokens = tokens // page * page
         if tokens < max(page, 16):
-            raise ConfigError(
-                f"KV pool too small: {tokens} tokens ({per_token} bytes per token); "
-                "raise --mem-fraction-static or --max-total-tokens"
-            )
+            raise ConfigError(self._pool_too_small(tokens, per_token, free_before))
         self.max_total_num_tokens = tokens
         max_reqs = args.max_running_requests or max(64, min(4096, tokens // 8))
         # req_to_token is [slots, context_len] int32; keep it within a fixed budget.
@@ -130,6 +127,23 @@ class ModelRunner:
         self.token_to_kv_pool.use_kernels(self.platform.layer_kernels())
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", tokens, tokens * per_token / 2**20, max_reqs)
+
+    def _weight_bytes(self) -> int:
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _pool_too_small(self, tokens: int, per_token: int, free_at_start: int) -> str:
+        """The error names both ways to size the pool, as a CLI flag and as an Engine keyword."""
+        if self.args.max_total_tokens is not None:
+            source = f"--max-total-tokens {self.args.max_total_tokens}"
+        else:
+            fraction = self.args.mem_fraction_static
+            source = (f"--mem-fraction-static {fraction}" if fraction is not None else "the platform's default share")
+            source += (f" of {free_at_start / 2**30:.2f} GiB available at start, weights "
+                       f"{self._weight_bytes() / 2**30:.2f} GiB")
+        return (f"KV pool too small: {tokens} tokens ({per_token} bytes per token) from {source}; accepted: at least "
+                f"{max(self.args.page_size, 16)} tokens. Set the size with --max-total-tokens N "
+                f"(Engine(max_total_tokens=N)) or raise --mem-fraction-static F (Engine(mem_fraction_static=F))")
 
     def _create_attention_backend(self) -> Any:
         name = resolve_attention_name(self.args, self.platform)

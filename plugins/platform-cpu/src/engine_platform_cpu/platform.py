@@ -1,25 +1,22 @@
-"""CPU platform: gloo collectives, memory from /proc/meminfo, torch_native attention."""
+"""CPU platform: gloo collectives, memory this process can use, torch_native attention."""
 
 from __future__ import annotations
 
 import os
 import platform as _platform
+from collections.abc import Collection
 
 import torch
 
 from engine.platforms import Platform
+from engine_platform_cpu.memory import usable_memory
 
-
-def _meminfo() -> dict[str, int]:
-    values: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                values[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return values
+# Default KV pool: this share of the memory available when the engine starts, less the
+# weights, kept between a floor (a busy machine still gets a working pool) and a cap (a big
+# machine is not taken over: CPU memory is shared with everything, and zeroing it takes time).
+DEFAULT_MEM_FRACTION_STATIC = 0.2
+DEFAULT_KV_FLOOR_BYTES = 128 << 20
+DEFAULT_KV_CAP_BYTES = 1 << 30
 
 
 class CpuPlatform(Platform):
@@ -33,15 +30,29 @@ class CpuPlatform(Platform):
         return "gloo"
 
     def memory_info(self, device: torch.device) -> tuple[int, int]:
-        info = _meminfo()
-        total = info.get("MemTotal", 8 << 30)
-        return info.get("MemAvailable", total // 2), total
+        """(available, total) bytes for this process: MemAvailable, bounded by its memory cgroup."""
+        return usable_memory()
 
     def default_mem_fraction_static(self) -> float:
-        # The CPU's memory is everyone's; take a small share by default.
-        return 0.1
+        return DEFAULT_MEM_FRACTION_STATIC
 
-    def default_attention_backend(self) -> str:
+    def kv_cache_budget(self, free_at_start: int, free_now: int, total: int, weight_bytes: int,
+                        fraction: float | None) -> int:
+        """A share of what was available at start, less the weights; never of what others use.
+
+        ``free_now`` is not used: other processes allocate and free while the weights load,
+        so the weights are counted from the model's tensors instead.
+        """
+        after_weights = max(0, free_at_start - weight_bytes)
+        if fraction is not None:  # an explicit --mem-fraction-static is taken as given
+            return min(int(free_at_start * fraction) - weight_bytes, after_weights)
+        share = int(free_at_start * DEFAULT_MEM_FRACTION_STATIC) - weight_bytes
+        # Never more than half of what the weights leave: the process still needs activations.
+        floor = min(DEFAULT_KV_FLOOR_BYTES, after_weights // 2)
+        return min(max(share, floor), DEFAULT_KV_CAP_BYTES)
+
+    def default_attention_backend(self, available: Collection[str] = ()) -> str:
+        # The reference backend is the only CPU one we ship; if it is disabled the engine says so.
         return "torch_native"
 
     def default_dtype(self) -> torch.dtype:

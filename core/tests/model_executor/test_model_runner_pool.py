@@ -1,0 +1,83 @@
+"""KV pool sizing of ModelRunner on the CPU platform: simulated readings and a real memory hog."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from engine import plugins
+from engine.config import ServerArgs
+from engine.errors import ConfigError
+from engine.model_executor.model_runner import ModelRunner
+
+GiB = 1 << 30
+
+# A second process that fills memory (writing every page, so the kernel really hands it over),
+# says so, and holds it until its stdin closes.
+_HOG = """
+import sys
+held = b"\\x01" * int(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def _runner(path: str, **kwargs: Any) -> ModelRunner:
+    return ModelRunner(ServerArgs.from_dict({"model_path": path, "platform": "cpu", **kwargs}), path)
+
+
+def test_default_pool_on_a_simulated_busy_machine(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Others use 22.5 of 24 GiB: the old rule (10% of total minus others' use) gave 0 tokens."""
+    import engine_platform_cpu.platform as cpu_platform
+
+    monkeypatch.setattr(cpu_platform, "usable_memory", lambda: (int(1.5 * GiB), 24 * GiB))
+    runner = _runner(llama_ckpt)
+    per_token = runner.token_to_kv_pool.bytes_per_token()
+    weights = runner._weight_bytes()
+    expected = (int(1.5 * GiB * cpu_platform.DEFAULT_MEM_FRACTION_STATIC) - weights) // per_token
+    assert runner.max_total_num_tokens == min(expected, 1 << 17)
+
+
+def test_too_small_pool_names_the_flag_and_the_engine_keyword(llama_ckpt: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        _runner(llama_ckpt, max_total_tokens=8)
+    message = str(info.value)
+    assert "8 tokens" in message and "--max-total-tokens 8" in message
+    for name in ("--max-total-tokens N", "Engine(max_total_tokens=N)", "--mem-fraction-static F",
+                 "Engine(mem_fraction_static=F)"):
+        assert name in message
+
+
+def test_explicit_fraction_too_small_says_what_was_available(llama_ckpt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine_platform_cpu.platform as cpu_platform
+
+    monkeypatch.setattr(cpu_platform, "usable_memory", lambda: (1 << 20, 24 * GiB))
+    with pytest.raises(ConfigError, match=r"--mem-fraction-static 0.01 of 0.00 GiB available at start"):
+        _runner(llama_ckpt, mem_fraction_static=0.01)
+
+
+def test_default_pool_beside_a_process_holding_most_free_memory(llama_ckpt: str) -> None:
+    platform = plugins.select_platform("cpu")
+    available, total = platform.memory_info(platform.device(0))
+    # Enough that other processes then use more than the old rule's share (10% of total, which
+    # made it answer 0 tokens), with a 1 GiB margin; at most half of what is free, since the
+    # machine is shared and filling memory is slow on some VMs.
+    hold = min(available // 2, max(0, int(total * 0.1) - (total - available)) + GiB)
+    if total - (available - hold) <= total * 0.1:
+        pytest.skip(f"holding {hold >> 20} MiB would not load this machine enough to test anything")
+    hog = subprocess.Popen([sys.executable, "-c", _HOG, str(hold)], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert hog.stdout is not None and hog.stdout.readline().strip() == "held"
+        now_available, _ = platform.memory_info(platform.device(0))
+        assert now_available < available - hold // 2, "the second process's memory is not seen"
+        runner = _runner(llama_ckpt)
+        pool_bytes = runner.max_total_num_tokens * runner.token_to_kv_pool.bytes_per_token()
+        assert runner.max_total_num_tokens >= 16
+        assert pool_bytes <= now_available * platform.default_mem_fraction_static()
+    finally:
+        hog.kill()
+        hog.wait(10)
