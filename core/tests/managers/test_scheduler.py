@@ -165,6 +165,33 @@ def test_min_new_tokens_and_max_new_tokens(llama_ckpt: str) -> None:
     assert len(late) >= 4 and stop not in late[:3]
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"chunked_prefill_size": 5}])
+def test_max_new_tokens_zero_is_prompt_only(llama_ckpt: str, hf_llama: Any, kwargs: dict[str, Any]) -> None:
+    sched = make_scheduler(llama_ckpt, **kwargs)
+    prompt = _prompts(9, 1, 12, 12)[0]
+    scored = submit(sched, prompt, {"max_new_tokens": 0, "temperature": 0}, return_logprob=True,
+                    top_logprobs_num=2, logprob_start_len=0)
+    plain = submit(sched, prompt[:6], {"max_new_tokens": 0})
+    sched.run_until_idle()
+    msgs = sched.take_outputs()
+    rows = [(m, i) for m in msgs for i in range(len(m.rids))]
+    assert [m.new_token_ids[i] for m, i in rows] == [[], []]  # one finishing message each, no token
+    row = {m.rids[i]: (m, i) for m, i in rows}
+    m, i = row[scored]
+    assert m.finished_reasons[i] == {"type": "length", "length": 0}
+    assert (m.prompt_tokens[i], m.completion_tokens[i]) == (12, 0)
+    assert m.output_token_logprobs[i] == []
+    prompt_lp = m.input_token_logprobs[i]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_llama(torch.tensor([prompt])).logits[0].float(), -1)
+    assert prompt_lp[0] == (None, prompt[0]) and len(prompt_lp) == len(prompt)
+    for j in range(1, len(prompt)):
+        assert abs(prompt_lp[j][0] - ref[j - 1, prompt[j]].item()) < 1e-3
+    m, i = row[plain]
+    assert m.finished_reasons[i] == {"type": "length", "length": 0} and m.completion_tokens[i] == 0
+    check_no_leak(sched)
+
+
 def test_output_logprobs_match_transformers(llama_ckpt: str, hf_llama: Any) -> None:
     sched = make_scheduler(llama_ckpt)
     prompt = _prompts(8, 1, 12, 12)[0]

@@ -101,7 +101,13 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     def wants_prompt_logprobs(self) -> bool:
-        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids) and self.input_token_logprobs is None
+        """Whether prompt positions remain to be scored: every chunk of a chunked prefill scores
+        its part; once all are scored, a retracted request's re-prefill scores nothing again."""
+        if not self.return_logprob or not 0 <= self.logprob_start_len < len(self.origin_input_ids):
+            return False
+        # One entry per prompt token from logprob_start_len on (token 0's is None).
+        scored = len(self.input_token_logprobs or [])
+        return scored < len(self.origin_input_ids) - self.logprob_start_len
 
     def init_next_round_input(self, tree_cache: BasePrefixCache | None) -> None:
         """Sets ``fill_ids`` and matches the longest cached prefix (leaving >= 1 token to run)."""

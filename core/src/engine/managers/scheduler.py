@@ -14,9 +14,7 @@ import random
 import time
 from typing import Any
 
-from engine import plugins
 from engine.config import ServerArgs
-from engine.hookspecs import resolve_factory
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
@@ -69,9 +67,7 @@ class Scheduler(DecodeMixin, OutputMixin):
         self.context_len = self.runner.context_len
         self.eos_token_ids = eos_token_ids_of(model_path, self.runner.hf_config)
         self.tree_cache = self._create_cache()
-        spec = plugins.get_schedule_policy(args.schedule_policy, args.disable_plugin)
-        self.policy = resolve_factory(spec.factory)()
-        self.policy.cache_aware = spec.cache_aware
+        self.policy = self.runner.selection.create_policy()
         self.policy_ctx = PolicyContext(
             parent_of=lambda node: getattr(node, "parent", None),
             rng=random.Random(args.random_seed),
@@ -397,6 +393,13 @@ class Scheduler(DecodeMixin, OutputMixin):
                 record_prompt_logprobs(req, i, fb, logits)
             if req.is_chunked > 0:
                 self.tree_cache.cache_unfinished_req(req)
+                continue
+            if req.sampling_params.max_new_tokens == 0:
+                # Prompt only (scoring, prefix warm-up): the sampled token is not part of the
+                # answer, as in SGLang; its prompt logprobs were recorded above.
+                req.finished_reason = FinishReason("length", length=0)
+                self.tree_cache.cache_finished_req(req)
+                finished_or_streamed.append(req)
                 continue
             req.output_ids.append(ids[i])
             record_output_logprobs(req, i, sample)
