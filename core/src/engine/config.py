@@ -73,6 +73,9 @@ class ServerArgs:
     port: int = opt(30000, "HTTP port")
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health")
     stream_interval: int = opt(1, "Stream to the client every N generated tokens")
+    tokenizer_workers: int = opt(2, "Threads tokenizing prompts and rendering chat templates off the HTTP event loop; 0 tokenizes on the loop")
+    max_body_bytes: int = opt(32 * 1024 * 1024, "Largest HTTP request body in bytes; larger ones are refused with 413")
+    shutdown_grace_s: float = opt(10.0, "On SIGTERM/SIGINT, seconds in-flight requests may run before they are ended with a 503 error")
     log_level: str = opt("info", "Log verbosity", LOG_LEVELS)
 
     # ---------------------------------------------------------------------
@@ -108,6 +111,11 @@ class ServerArgs:
                 raise ConfigError(f"{_flag(f.name)}: invalid value {value!r}; accepted: {', '.join(choices)}")
         _positive(self, "tp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
         _positive_or_none(self, "max_total_tokens", "max_running_requests", "context_length")
+        _positive(self, "max_body_bytes")
+        if self.tokenizer_workers < 0:
+            raise ConfigError(f"--tokenizer-workers: invalid value {self.tokenizer_workers}; accepted: an integer >= 0")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"--shutdown-grace-s: invalid value {self.shutdown_grace_s}; accepted: a number of seconds >= 0")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"--mem-fraction-static: invalid value {self.mem_fraction_static}; accepted: a number between 0 and 1")
         if not 0 < self.port < 65536:

@@ -65,9 +65,12 @@ class Runtime:
     ready: SchedulerReady
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        for proc in self.processes:
-            if proc.is_alive():
-                proc.terminate()
+        """Stops the engine processes: asks them over IPC (they ignore SIGTERM, which a supervisor
+        sends the whole group), waits up to ``timeout`` s, then kills what is left."""
+        if self.ready is None:
+            timeout = 0.0  # still loading the model: it reads no messages until it is done
+        else:
+            _ask_to_stop(self.ipc)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -75,6 +78,27 @@ class Runtime:
                 proc.kill()
                 proc.join(1.0)
         self.ipc.remove()
+
+
+def _ask_to_stop(ipc: IpcNames) -> None:
+    """Sends ``ControlReq("shutdown")`` to the scheduler and the detokenizer (never blocks)."""
+    import zmq
+
+    from engine.managers.io_struct import ControlReq
+
+    ctx = zmq.Context()
+    try:
+        for endpoint in (ipc.scheduler, ipc.detokenizer):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 500)  # time to deliver; a dead peer is killed below anyway
+            sock.connect(endpoint)
+            try:
+                sock.send_pyobj(ControlReq("shutdown"), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            sock.close()
+    finally:
+        ctx.term()
 
 
 def launch_runtime(args: ServerArgs) -> Runtime:

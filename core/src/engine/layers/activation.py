@@ -1,4 +1,9 @@
-"""Gated activations."""
+"""Gated activations: ``act(x[..., :d]) * x[..., d:]`` on a gate+up projection of width ``2d``.
+
+One class per activation, so the name says what runs: ``SiluAndMul`` (Llama, Mistral, Qwen)
+and ``GeluAndMul`` (Gemma-style GELU gates). ``get_act_and_mul(config.hidden_act)`` picks the
+class for a Hugging Face ``hidden_act`` value.
+"""
 
 from __future__ import annotations
 
@@ -9,26 +14,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
 
 class SiluAndMul(nn.Module):
-    """``act(x[..., :d]) * x[..., d:]`` for a gate+up projection of width ``2d``."""
+    """``silu(x[..., :d]) * x[..., d:]``; on CUDA the platform's fused ``silu_and_mul`` kernel."""
 
-    def __init__(self, act: str = "silu") -> None:
+    def __init__(self) -> None:
         super().__init__()
-        if act not in _ACTS:
-            raise ValueError(f"unsupported hidden_act '{act}'; supported: {', '.join(_ACTS)}")
-        self.act = _ACTS[act]
-        self.is_silu = act == "silu"
         self.fused: Callable[..., Any] | None = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's fused ``silu_and_mul`` for SiLU gates."""
-        self.fused = kernels.get("silu_and_mul") if self.is_silu else None
+        """Takes the platform's fused ``silu_and_mul`` when it offers one."""
+        self.fused = kernels.get("silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and x.is_cuda:
             return self.fused(x)
         d = x.shape[-1] // 2
-        return self.act(x[..., :d]) * x[..., d:]
+        return F.silu(x[..., :d]) * x[..., d:]
+
+
+class GeluAndMul(nn.Module):
+    """``gelu(x[..., :d]) * x[..., d:]``, exact (``approximate="none"``) or tanh-approximated.
+
+    PyTorch code on every platform: no platform offers a fused GELU kernel yet.
+    """
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GeluAndMul: invalid approximate '{approximate}'; accepted: none, tanh")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+
+# Hugging Face ``hidden_act`` values -> the gated module computing them.
+_GATED: dict[str, Callable[[], nn.Module]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,  # transformers' alias of silu
+    "gelu": lambda: GeluAndMul("none"),
+    "gelu_pytorch_tanh": lambda: GeluAndMul("tanh"),
+    "gelu_new": lambda: GeluAndMul("tanh"),  # the tanh approximation under its GPT-2 name
+}
+
+
+def get_act_and_mul(hidden_act: str) -> nn.Module:
+    """The gated activation module for a Hugging Face ``hidden_act`` value.
+
+    Raises:
+        ValueError: ``hidden_act`` is not one of the supported names (listed in the message).
+    """
+    make = _GATED.get(hidden_act)
+    if make is None:
+        raise ValueError(f"unsupported hidden_act '{hidden_act}'; supported: {', '.join(_GATED)}")
+    return make()

@@ -6,7 +6,8 @@ import os
 import shutil
 from typing import Any
 
-_DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "default_model")
+# The test checkpoints' byte-level BPE (2,048 tokens, ChatML template); scripts/build_tiny_tokenizer.py.
+_TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "tiny_tokenizer")
 
 # Small but real shapes: GQA (4 query heads over 2 KV heads), several layers.
 _BASE = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -16,40 +17,73 @@ _BASE = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
-def tiny_config(architecture: str, **overrides: Any) -> Any:
-    """A transformers config of ``architecture`` with tiny shapes."""
+def reference_model_class(reference: str | type) -> type:
+    """A transformers model class, given itself or its name in ``transformers``."""
     import transformers
 
+    if isinstance(reference, type):
+        return reference
+    cls = getattr(transformers, reference, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"'{reference}' is not a transformers model class; give the class your model reproduces "
+                         "(e.g. reference_model='LlamaForCausalLM') and, for a new architecture name, its own "
+                         "`architecture`")
+    return cls
+
+
+def tiny_config(architecture: str, config_class: type | str | None = None, reference: str | type | None = None,
+                **overrides: Any) -> Any:
+    """A transformers config with tiny shapes whose ``architectures`` is ``[architecture]``.
+
+    Args:
+        architecture: written into ``architectures``: the name the engine looks its model plugin up by.
+        config_class: a transformers config class, or a registered ``model_type`` (``"llama"``); default:
+            the ``config_class`` of ``reference``.
+        reference: the transformers model class (or its name) the checkpoint is built with; default
+            ``architecture``.
+        overrides: config values over the tiny defaults.
+    """
+    import transformers
+
+    ref_name = reference if isinstance(reference, str) else getattr(reference, "__name__", architecture)
     values = dict(_BASE)
-    if architecture == "MistralForCausalLM":
+    if ref_name == "MistralForCausalLM":
         values["sliding_window"] = 24  # short, so the tests exercise the window
-    if architecture == "Qwen3ForCausalLM":
+    if ref_name == "Qwen3ForCausalLM":
         values["head_dim"] = 32  # Qwen3 decouples head_dim from hidden_size / heads
-    if architecture == "Qwen2ForCausalLM":
+    if ref_name == "Qwen2ForCausalLM":
         values["tie_word_embeddings"] = True
     values.update(overrides)
-    config_cls = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
-    config = config_cls(**values)
+    if isinstance(config_class, str):
+        config = transformers.AutoConfig.for_model(config_class, **values)
+    else:
+        cls = config_class or reference_model_class(reference or architecture).config_class
+        config = cls(**values)
     config.architectures = [architecture]
     return config
 
 
 def copy_tokenizer(directory: str) -> None:
-    """Copies the embedded default model's byte-level BPE tokenizer (2048 tokens)."""
+    """Copies the tiny byte-level BPE tokenizer (2048 tokens) the test checkpoints share."""
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(os.path.join(_DEFAULT_MODEL_DIR, name), os.path.join(directory, name))
+        shutil.copy(os.path.join(_TOKENIZER_DIR, name), os.path.join(directory, name))
 
 
 def make_tiny_checkpoint(directory: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                         dtype: str = "float32", **overrides: Any) -> str:
-    """Writes config.json, tokenizer files and model.safetensors of a random tiny model."""
+                         dtype: str = "float32", *, reference: str | type | None = None,
+                         config_class: type | str | None = None, **overrides: Any) -> str:
+    """Writes config.json, tokenizer files and model.safetensors of a random tiny model.
+
+    The weights come from the transformers class ``reference`` (default: ``architecture``, which
+    must then be a transformers class); config.json names ``architecture``, so a new architecture
+    name is served by the plugin that registers it while transformers stays the oracle.
+    """
     import torch
-    import transformers
 
     os.makedirs(directory, exist_ok=True)
-    config = tiny_config(architecture, **overrides)
+    config = tiny_config(architecture, config_class, reference, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config)
+    model = reference_model_class(reference or architecture)(config)
     # Random init has tiny logits; scale the output so greedy choices are not near-ties.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,11 +94,15 @@ def make_tiny_checkpoint(directory: str, architecture: str = "LlamaForCausalLM",
     return directory
 
 
-def load_hf_model(directory: str, dtype: str = "float32", device: str = "cpu") -> Any:
+def load_hf_model(directory: str, dtype: str = "float32", device: str = "cpu",
+                  reference: str | type | None = None) -> Any:
+    """The transformers model of a checkpoint: ``reference`` (a class or its name) when given, else
+    whatever ``AutoModelForCausalLM`` picks from the config's ``model_type``."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype))
+    cls = reference_model_class(reference) if reference is not None else transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(directory, dtype=getattr(torch, dtype))
     return model.to(device).eval()
 
 

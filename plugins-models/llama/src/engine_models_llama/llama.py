@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.distributed import get_tensor_model_parallel_world_size
 from engine.errors import ModelLoadError
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import get_act_and_mul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -47,7 +47,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(
             config.intermediate_size, config.hidden_size, bias=bias,
             quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = SiluAndMul(config.hidden_act)
+        self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))

@@ -22,12 +22,14 @@ from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     SSEResponse,
+    aborted_error,
     finish_reason,
     log_stream_failure,
     make_choices,
     run_to_completion,
     sse,
     sse_error,
+    stream_finish_reason,
     stream_outputs,
 )
 from engine.entrypoints.http.logprobs import native_logprobs, native_top_logprobs
@@ -54,7 +56,7 @@ async def generate(request: Request) -> Response:
     ctx = _ctx(request)
     req = parse_body(await request.body(), GenerateReqInput)
     prompts, copies, batch = _requests(ctx, req)
-    choices = make_choices(ctx, prompts, copies)
+    choices = await make_choices(ctx, prompts, copies)
     batch = batch or len(choices) > 1
     if req.stream:
         return SSEResponse(_stream(ctx, req, choices, batch))
@@ -121,13 +123,18 @@ def _output(ctx: ServingContext, req: GenerateReqInput, out: dict[str, Any]) -> 
 
 
 async def _stream(ctx: ServingContext, req: GenerateReqInput, choices: list[Choice], batch: bool) -> AsyncIterator[bytes]:
+    aborted: list[dict[str, Any]] = []
     try:
         async for choice, out in stream_outputs(ctx, choices):
-            finish_reason(out["meta_info"])
             body = _output(ctx, req, out)
             if batch:
                 body["index"] = choice.index
+            # An aborted choice's last event carries finish_reason {"type": "abort"}, as SGLang's.
+            if stream_finish_reason(out["meta_info"]) == "abort":
+                aborted.append(out["meta_info"])
             yield sse(body)
+        if aborted:
+            yield sse_error(aborted_error(aborted))
     except Exception as exc:
         log_stream_failure("generate stream", exc)
         yield sse_error(exc)
@@ -136,14 +143,18 @@ async def _stream(ctx: ServingContext, req: GenerateReqInput, choices: list[Choi
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> Response:
-    """Aborts a request by ``rid`` (or every request with ``abort_all``); unknown ids are ignored."""
+    """Aborts a request by ``rid`` — a request's own id aborts all its choices (``n`` > 1, a
+    batch) — or every request with ``abort_all``. An id that nothing runs under is a 404."""
     ctx = _ctx(request)
     req = parse_body(await request.body(), AbortRequest)
     if not req.rid and not req.abort_all:
         raise APIError(400, "rid: required (or abort_all: true)", param="rid")
     ctx.check_alive()
-    ctx.manager.abort("" if req.abort_all else req.rid)
-    return JSONResponse({"success": True})
+    aborted = ctx.manager.abort("" if req.abort_all else req.rid)
+    if not aborted and not req.abort_all:
+        raise APIError(404, f"rid: no running request has id '{req.rid}' (it finished, was never sent, "
+                            "or the id is misspelt)", param="rid", code="request_not_found")
+    return JSONResponse({"success": True, "aborted": aborted})
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])
@@ -161,6 +172,8 @@ async def flush_cache(request: Request) -> Response:
 async def health(request: Request) -> Response:
     """200 when the scheduler answers a health check in time, else 503."""
     ctx = _ctx(request)
+    if ctx.manager.draining:
+        raise APIError(503, "the server is shutting down", code="server_shutting_down")
     try:
         await _control(ctx, "health", HEALTH_TIMEOUT_S)
     except APIError as exc:

@@ -1,0 +1,86 @@
+"""The layer SDK model plugins build on: one import surface.
+
+``from engine.layers import RMSNorm, QKVParallelLinear, RadixAttention, ...`` gives every
+public name listed in ``__all__`` (docs/plugins.md, "The layer SDK", lists them with what
+each is for). The modules themselves (``engine.layers.linear`` and so on) stay importable.
+
+Names are resolved on first access (PEP 562): importing ``engine.layers`` imports neither
+torch.distributed nor the sampler, so a plugin's registration module may import it cheaply.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> module under engine (relative to ``engine.``) that defines it
+_EXPORTS: dict[str, str] = {
+    # activations on a gate+up projection of width 2d
+    "SiluAndMul": "layers.activation",
+    "GeluAndMul": "layers.activation",
+    "get_act_and_mul": "layers.activation",
+    # normalisation
+    "RMSNorm": "layers.layernorm",
+    # linear layers (tensor-parallel) and the hooks quant methods fill in
+    "LinearBase": "layers.linear",
+    "ReplicatedLinear": "layers.linear",
+    "ColumnParallelLinear": "layers.linear",
+    "MergedColumnParallelLinear": "layers.linear",
+    "QKVParallelLinear": "layers.linear",
+    "RowParallelLinear": "layers.linear",
+    "UnquantizedLinearMethod": "layers.linear",
+    "set_weight_attrs": "layers.linear",
+    "QuantizationConfig": "layers.quantization",
+    "LinearMethodBase": "layers.quantization",
+    "FusedMoEMethodBase": "layers.quantization",
+    # positions
+    "RotaryEmbedding": "layers.rotary_embedding",
+    "get_rope": "layers.rotary_embedding",
+    "rope_parameters": "layers.rotary_embedding",
+    # embeddings, attention, output
+    "VocabParallelEmbedding": "layers.vocab_parallel_embedding",
+    "ParallelLMHead": "layers.vocab_parallel_embedding",
+    "RadixAttention": "layers.radix_attention",
+    "LogitsProcessor": "layers.logits_processor",
+    "LogitsProcessorOutput": "layers.logits_processor",
+    # what a model's forward receives (defined by the model executor, re-exported here)
+    "ForwardBatch": "model_executor.forward_batch",
+    "ForwardMode": "model_executor.forward_batch",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine.layers' has no attribute '{name}'; the layer SDK exports: "
+                             f"{', '.join(__all__)}")
+    value = getattr(importlib.import_module(f"engine.{module}"), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from engine.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul
+    from engine.layers.layernorm import RMSNorm
+    from engine.layers.linear import (
+        ColumnParallelLinear,
+        LinearBase,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+        UnquantizedLinearMethod,
+        set_weight_attrs,
+    )
+    from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+    from engine.layers.quantization import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
+    from engine.layers.radix_attention import RadixAttention
+    from engine.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
+    from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+    from engine.model_executor.forward_batch import ForwardBatch, ForwardMode

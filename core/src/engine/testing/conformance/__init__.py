@@ -1,0 +1,16 @@
+"""Base test classes of the conformance kit, one module per plugin kind (see ``engine.testing``)."""
+
+from engine.testing.conformance.attention import AttentionBackendConformance
+from engine.testing.conformance.model import ModelConformance, check_greedy_until_near_tie
+from engine.testing.conformance.platform import PlatformConformance
+from engine.testing.conformance.policy import SchedulePolicyConformance
+from engine.testing.conformance.quant import QuantMethodConformance
+
+__all__ = [
+    "AttentionBackendConformance",
+    "ModelConformance",
+    "PlatformConformance",
+    "QuantMethodConformance",
+    "SchedulePolicyConformance",
+    "check_greedy_until_near_tie",
+]

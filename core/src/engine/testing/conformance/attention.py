@@ -1,0 +1,175 @@
+"""``AttentionBackendConformance``: a backend against a float64 reference on random paged batches."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+from engine import plugins
+from engine.hookspecs import resolve_factory
+from engine.testing.conformance._common import KIT_SEED, derive_seed, device_or_skip, generator, randn
+
+# How a random batch of each mode is drawn: (rows, prefix range, new tokens per row).
+_MAX_PREFIX, _MAX_EXTEND = 90, 40
+
+
+@dataclass
+class _Rows:
+    """The rows of one drawn batch: extend rows first, then decode rows (the MIXED layout)."""
+
+    prefix: list[int]  # cached tokens per row
+    extend: list[int]  # new tokens per row (1 for decode rows)
+    num_extend_reqs: int  # leading rows that are extend rows
+
+
+def _draw_rows(rng: random.Random, mode: str) -> _Rows:
+    if mode == "decode":
+        bs = rng.randint(1, 6)
+        return _Rows([rng.randint(0, _MAX_PREFIX) for _ in range(bs)], [1] * bs, 0)
+    n_ext = rng.randint(1, 6) if mode == "extend" else rng.randint(1, 3)
+    n_dec = 0 if mode == "extend" else rng.randint(1, 4)
+    prefix = [rng.randint(0, _MAX_PREFIX) for _ in range(n_ext)]
+    prefix += [rng.randint(1, _MAX_PREFIX) for _ in range(n_dec)]  # a decode row follows its prompt
+    extend = [rng.randint(1, _MAX_EXTEND) for _ in range(n_ext)] + [1] * n_dec
+    return _Rows(prefix, extend, n_ext)
+
+
+class AttentionBackendConformance:
+    """Set ``backend_name``; optionally ``device``, ``dtypes``, ``page_sizes``, ``atol``, shapes.
+
+    The backend must declare the kit's device in ``AttentionBackendSpec.device_types`` (default
+    ``("cuda",)``) and accept the kit's page sizes: the engine would refuse it otherwise.
+    Every batch is drawn from a seed derived from ``seed`` and the test's parameters; a
+    failure message names that seed.
+    """
+
+    backend_name: ClassVar[str] = ""
+    device: ClassVar[str] = "cpu"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    page_sizes: ClassVar[tuple[int, ...]] = (1, 4)
+    atol: ClassVar[dict[torch.dtype, float]] = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+    num_heads: ClassVar[int] = 4
+    num_kv_heads: ClassVar[int] = 2
+    head_dim: ClassVar[int] = 32
+    #: base of every test's seed; change it to draw other batches.
+    seed: ClassVar[int] = KIT_SEED
+
+    def _spec(self) -> Any:
+        return plugins.get_attention_backend(self.backend_name)
+
+    def _require_selectable(self, device: torch.device, page_size: int) -> None:
+        from engine.attention import check_backend_selectable
+        from engine.errors import ConfigError
+
+        spec = self._spec()
+        try:
+            check_backend_selectable(spec, device.type, page_size)
+        except ConfigError as exc:
+            default = " (the default when a spec names none)" if spec.device_types == ("cuda",) else ""
+            pytest.fail(
+                f"the kit runs attention backend '{spec.name}' on {device.type} with page size {page_size}, "
+                f"but the engine would refuse that configuration: {exc}. Its AttentionBackendSpec declares "
+                f"device_types={spec.device_types!r}{default} and page_sizes={spec.page_sizes!r}: declare what "
+                f"the backend runs on, or set the kit's `device` / `page_sizes` to match.", pytrace=False)
+
+    def _setup(self, dtype: torch.dtype, page_size: int, gen: torch.Generator) -> tuple[Any, Any, Any, Any]:
+        from engine.attention import AttentionContext
+        from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+
+        device = device_or_skip(self.device)
+        self._require_selectable(device, page_size)
+        pool_tokens = 4096
+        r2t = ReqToTokenPool(16, 1024, device)
+        kv = MHATokenToKVPool(pool_tokens, page_size, dtype, self.num_kv_heads, self.head_dim, 1, device)
+        alloc = TokenToKVPoolAllocator(pool_tokens, page_size, device)
+        # Shuffle free pages so rows are scattered through the pool.
+        order = torch.randperm(len(alloc.free_pages), generator=gen).to(alloc.free_pages.device)
+        alloc.free_pages = alloc.free_pages[order]
+        ctx = AttentionContext(device=device, dtype=dtype, num_layers=1, num_heads=self.num_heads,
+                               num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=page_size,
+                               max_context_len=1024, req_to_token_pool=r2t, token_to_kv_pool=kv)
+        return resolve_factory(self._spec().factory)(ctx), r2t, kv, alloc
+
+    def _run(self, mode: str, dtype: torch.dtype, page_size: int, window: int = -1, cap: float = 0.0) -> None:
+        from engine.layers.radix_attention import RadixAttention
+        from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+        from engine.testing.reference import reference_attention
+
+        seed = derive_seed(self.seed, self.backend_name, mode, dtype, page_size, window, cap)
+        where = f"{mode}, {dtype}, page {page_size}, window {window}, cap {cap}, seed {seed}"
+        gen = generator(seed)
+        backend, r2t, kv, alloc = self._setup(dtype, page_size, gen)
+        if mode == "mixed" and not backend.supports_mixed:
+            pytest.skip(f"{type(backend).__name__}.supports_mixed is False: the scheduler never sends it MIXED batches")
+        device = kv.device
+        rows = _draw_rows(random.Random(seed), mode)
+        prefix, ext, bs = rows.prefix, rows.extend, len(rows.prefix)
+        seq = [p + e for p, e in zip(prefix, ext)]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        slots = r2t.alloc(bs)
+        # Allocate the prefix, fill it with random K/V, then allocate the new tokens.
+        pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
+        off = 0
+        for i in range(bs):
+            r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
+            off += prefix[i]
+        kv.k_buffer[0][pre_loc] = randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype)
+        kv.v_buffer[0][pre_loc] = randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype)
+        last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
+        new_loc = alloc.alloc_extend(prefix, seq, last)
+        off = 0
+        for i in range(bs):
+            r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
+            off += ext[i]
+        n = sum(ext)
+        q = randn(gen, n, H * D, device=device, dtype=dtype)
+        k = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        v = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        fmode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}[mode]
+        fb = ForwardBatch.build(fmode, [0] * n, slots, seq, prefix, new_loc, device,
+                                num_extend_reqs=rows.num_extend_reqs)
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
+        layer = RadixAttention(H, D, D**-0.5, Hkv, 0, logit_cap=cap, sliding_window_size=window)
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, layer, fb)
+        assert out.shape == (n, H * D), f"output shape {tuple(out.shape)} != {(n, H * D)} ({where})"
+        assert torch.isfinite(out).all(), f"non-finite output ({where})"
+        off = 0
+        for i in range(bs):
+            kv_rows = r2t.req_to_token[slots[i], : seq[i]].long()
+            ref = reference_attention(
+                q[off : off + ext[i]].view(-1, H, D), kv.k_buffer[0][kv_rows], kv.v_buffer[0][kv_rows],
+                torch.arange(prefix[i], seq[i], device=device), D**-0.5, window, cap)
+            got = out[off : off + ext[i]].view(-1, H, D).double()
+            err = (got - ref).abs().max().item()
+            kind = "extend" if i < rows.num_extend_reqs else "decode"
+            assert err <= self.atol[dtype], (
+                f"row {i} ({kind}, prefix {prefix[i]}, {ext[i]} new): max abs error {err} > {self.atol[dtype]} "
+                f"({where})")
+            off += ext[i]
+
+    def test_declares_the_kit_device_and_page_sizes(self) -> None:
+        """What the kit runs is what the engine would select: the spec names the device and pages."""
+        device = device_or_skip(self.device)
+        for page_size in self.page_sizes:
+            self._require_selectable(device, page_size)
+
+    @pytest.mark.parametrize("mode", ["extend", "decode"])
+    def test_matches_reference(self, mode: str) -> None:
+        for dtype in self.dtypes:
+            for page_size in self.page_sizes:
+                self._run(mode, dtype, page_size)
+
+    def test_mixed_batch_matches_reference(self) -> None:
+        """Extend rows then decode rows in one batch (``--enable-mixed-chunk``)."""
+        for dtype in self.dtypes:
+            for page_size in self.page_sizes:
+                self._run("mixed", dtype, page_size)
+
+    @pytest.mark.parametrize("mode", ["extend", "decode", "mixed"])
+    def test_sliding_window_and_logit_cap(self, mode: str) -> None:
+        self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0)
