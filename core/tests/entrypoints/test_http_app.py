@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -22,6 +24,7 @@ from engine.config import ServerArgs
 from engine.entrypoints.http_server import create_app
 from engine.managers.io_struct import ControlReply, SchedulerReady
 from engine.managers.tokenizer_manager import GenerateRequest, ReqState, TokenizerManager
+from engine.managers.tokenizer_pool import TokenizerPool
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -40,6 +43,12 @@ class ScriptedManager(TokenizerManager):
         self.on_finish: list[Any] = []
         self.aborted: list[str] = []
         self.sent: list[GenerateRequest] = []
+        self.draining = False
+        self.abort_messages: dict[str, str] = {}
+        self.token_delay = 0.0  # seconds per scripted token (tests that act mid-request raise it)
+        self.groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, list[str]] = {}
+        self.pool = TokenizerPool(tokenizer, 1, ready.context_len)
 
     def start(self) -> None:
         pass
@@ -47,8 +56,12 @@ class ScriptedManager(TokenizerManager):
     async def close(self) -> None:
         pass
 
-    def abort(self, rid: str) -> None:
-        self.aborted.append(rid)
+    def abort(self, rid: str, message: str = "aborted by request") -> list[str]:
+        targets = self.abort_targets(rid)
+        self.aborted.extend(targets)
+        for target in targets:  # the scheduler ends it with SGLang's abort finish reason
+            self.abort_messages[target] = message
+        return targets
 
     async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
         return ControlReply(kind, 0, True, {"max_total_num_tokens": 100, "kv_free_tokens": 100,
@@ -64,14 +77,17 @@ class ScriptedManager(TokenizerManager):
         finished = False
         try:
             for k in range(params.max_new_tokens):
-                await asyncio.sleep(0)
+                await asyncio.sleep(self.token_delay)
                 token = (ids[-1] + k + 1) % VOCAB
                 state.output_ids.append(token)
                 if req.return_logprob:
                     state.output_token_logprobs.append((-1.0 - k, token))
                     state.output_top_logprobs.append([(-0.5, token), (-2.0, (token + 1) % VOCAB)][: req.top_logprobs_num])
-                done = k + 1 == params.max_new_tokens
-                if done:
+                done = k + 1 == params.max_new_tokens or rid in self.abort_messages
+                if rid in self.abort_messages:
+                    state.finished_reason = {"type": "abort", "message": self.abort_messages.pop(rid)}
+                    finished = True
+                elif done:
                     state.finished_reason = {"type": "length", "length": params.max_new_tokens}
                     finished = True
                 state.text = self.tokenizer.decode(state.output_ids) if self.tokenizer else ""
@@ -79,8 +95,11 @@ class ScriptedManager(TokenizerManager):
                     out = self._output(state)
                     out["meta_info"]["cached_tokens"] = 2
                     yield out
+                if finished:
+                    break
         finally:
             self.states.pop(rid, None)
+            self._leave_groups(rid)
             if not finished:
                 self.aborted.append(rid)
 
@@ -259,8 +278,82 @@ def test_tokenize_detokenize_models_and_info(client: TestClient, tokenizer: Any)
 
 
 def test_abort_request_and_duplicate_rid(client: TestClient) -> None:
-    assert client.post("/abort_request", json={"rid": "abc"}).json() == {"success": True}
-    assert client.app.state.ctx.manager.aborted[-1] == "abc"
+    unknown = client.post("/abort_request", json={"rid": "abc"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "rid", unknown.text
+    assert "abc" in unknown.json()["error"]["message"]
     assert client.post("/abort_request", json={}).status_code == 400
     r = client.post("/generate", json={"text": ["a", "b"], "rid": ["same", "same"]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+
+
+def _stream_in_thread(client: TestClient, path: str, body: dict[str, Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        result["response"] = client.post(path, json=body)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_abort_parent_rid_ends_every_choice_with_abort_reason(client: TestClient) -> None:
+    manager = client.app.state.ctx.manager
+    manager.token_delay = 0.05
+    thread, result = _stream_in_thread(client, "/generate", {
+        "text": "hi", "rid": "parent", "stream": True, "sampling_params": {"n": 2, "max_new_tokens": 50}})
+    _wait_for(lambda: {"parent-0", "parent-1"} <= set(manager.states))
+    r = client.post("/abort_request", json={"rid": "parent"})
+    assert r.status_code == 200 and r.json()["aborted"] == ["parent-0", "parent-1"], r.text
+    thread.join(30)
+    events = _events(result["response"].text)
+    finals = [e for e in events if "meta_info" in e and e["meta_info"]["finish_reason"]]
+    assert sorted(e["index"] for e in finals) == [0, 1]
+    assert all(e["meta_info"]["finish_reason"]["type"] == "abort" for e in finals), finals
+    assert all(len(e["output_ids"]) < 50 for e in finals)
+    assert events[-1]["error"]["code"] == "request_aborted"  # then [DONE] (checked by _events)
+    assert not manager.groups  # the group id is released with its requests
+
+
+def test_abort_one_choice_lets_the_others_finish(client: TestClient) -> None:
+    manager = client.app.state.ctx.manager
+    manager.token_delay = 0.02
+    thread, result = _stream_in_thread(client, "/v1/completions", {
+        "model": "tiny", "prompt": "hi", "rid": "cmp", "n": 2, "max_tokens": 40, "stream": True})
+    _wait_for(lambda: {"cmp-0", "cmp-1"} <= set(manager.states))
+    assert client.post("/abort_request", json={"rid": "cmp-1"}).json()["aborted"] == ["cmp-1"]
+    thread.join(30)
+    events = _events(result["response"].text)
+    reasons = {c["index"]: c["finish_reason"] for e in events if "choices" in e for c in e["choices"]
+               if c["finish_reason"]}
+    assert reasons == {0: "length", 1: "abort"}, reasons
+    assert events[-1]["error"]["code"] == "request_aborted"
+
+
+def test_draining_refuses_new_requests_and_health(client: TestClient) -> None:
+    client.app.state.ctx.manager.draining = True
+    health = client.get("/health")
+    assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+
+
+def test_over_long_text_is_refused_before_tokenizing(client: TestClient) -> None:
+    pool = client.app.state.ctx.manager.pool
+    assert pool.max_chars > 0
+    huge = "x" * (pool.max_chars + 1)
+    for path, body, param in [("/v1/completions", {"model": "tiny", "prompt": huge}, "prompt"),
+                              ("/generate", {"text": huge}, "text"),
+                              ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": huge}]},
+                               "messages")]:
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and f"{pool.max_chars} characters" in error["message"], error

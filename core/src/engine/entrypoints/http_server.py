@@ -3,8 +3,14 @@
 ``serve`` binds the port first (a busy port fails in a second, not after loading
 the model), starts the scheduler and detokenizer processes, then runs uvicorn
 with the tokenizer manager on its event loop. It returns the process exit code:
-0 after SIGTERM/SIGINT (in-flight requests get ``GRACEFUL_SHUTDOWN_S`` to finish,
-then are aborted), 1 when an engine process died.
+0 after SIGTERM/SIGINT, 1 when an engine process died.
+
+Shutdown drains: the listening socket closes and ``/health`` answers 503 (load
+balancers stop sending), requests already generating get ``--shutdown-grace-s`` to
+finish, then the rest end with a 503 body or, for streams, an error event and
+``[DONE]``; only then does uvicorn close the connections, so no handler is cancelled
+mid-response. The engine processes ignore a SIGTERM sent to the whole process group
+(systemd, Docker, Kubernetes) and stop when this process tells them, afterwards.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from fastapi import FastAPI
 from engine import __version__
 from engine.entrypoints.http.context import ServingContext, served_model_name
 from engine.entrypoints.http.errors import install_error_handlers
-from engine.entrypoints.http.guards import DEFAULT_MAX_BODY_BYTES, FrontDoor
+from engine.entrypoints.http.guards import FrontDoor
 from engine.entrypoints.http.native import router as native_router
 from engine.entrypoints.http.routes import router as openai_router
 from engine.errors import ConfigError
@@ -37,14 +43,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("engine.server")
 
-# Seconds in-flight requests may run after SIGTERM before they are aborted.
-GRACEFUL_SHUTDOWN_S = 10.0
 # After an engine process died: time for pending requests to receive their 500s.
 _FATAL_DRAIN_S = 0.5
+# After the grace period every request has its answer; this bounds writing it to slow clients.
+_FLUSH_S = 5
 
 
 def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[str], None] | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_body_bytes: int | None = None,
                manager_factory: Callable[..., Any] = TokenizerManager) -> FastAPI:
     """The ASGI app. The tokenizer manager is created in the lifespan, on the serving loop.
 
@@ -52,7 +58,7 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
         runtime: the started scheduler and detokenizer processes (``launch_runtime``).
         tokenizer: the loaded tokenizer, or None with ``--skip-tokenizer-init``.
         on_fatal: called with the reason when an engine process dies (the server then exits).
-        max_body_bytes: larger request bodies are refused with 413.
+        max_body_bytes: larger request bodies are refused with 413 (default: ``--max-body-bytes``).
         manager_factory: builds the tokenizer manager (tests pass a fake).
     """
     args = runtime.args
@@ -79,7 +85,8 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(native_router)
-    app.add_middleware(FrontDoor, api_key=args.api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(FrontDoor, api_key=args.api_key,
+                       max_body_bytes=args.max_body_bytes if max_body_bytes is None else max_body_bytes)
     return app
 
 
@@ -147,7 +154,7 @@ def ready_line(ctx: ServingContext, url: str) -> str:
             f"KV pool {ready.max_total_num_tokens} tokens, context {ready.context_len} | plugins: {plugins}")
 
 
-def serve(args: ServerArgs, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int:
+def serve(args: ServerArgs) -> int:
     """Runs the server until SIGTERM/SIGINT (returns 0) or an engine process dies (returns 1)."""
     from engine.entrypoints.launch import launch_runtime, resolve_model_path
     from engine.managers.process_utils import setup_child_logging
@@ -192,11 +199,11 @@ def serve(args: ServerArgs, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int
             server.config.timeout_graceful_shutdown = 1  # pending requests have already failed
             server.should_exit = True
 
-        app = create_app(runtime, tokenizer, on_fatal=on_fatal, max_body_bytes=max_body_bytes)
+        app = create_app(runtime, tokenizer, on_fatal=on_fatal)
         verbose = args.log_level == "debug"
         config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
-                                timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_S), lifespan="on")
-        server = _Server(config, lambda: ready_line(app.state.ctx, url))
+                                timeout_graceful_shutdown=_FLUSH_S, lifespan="on")
+        server = _Server(config, lambda: ready_line(app.state.ctx, url), app, args.shutdown_grace_s)
         signals.server = server
         server.run(sockets=[sock])
     except _StartupInterrupted:
@@ -209,11 +216,30 @@ def serve(args: ServerArgs, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> int
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, printing the ready line once it accepts connections."""
+    """uvicorn's Server, printing the ready line once it accepts connections, and draining the
+    tokenizer manager's requests before uvicorn's own shutdown closes connections."""
 
-    def __init__(self, config: uvicorn.Config, line: Callable[[], str]) -> None:
+    def __init__(self, config: uvicorn.Config, line: Callable[[], str], app: FastAPI, grace_s: float) -> None:
         super().__init__(config)
         self._line = line
+        self._app = app
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        ctx = getattr(self._app.state, "ctx", None)
+        if ctx is not None and ctx.manager.dead is None and not self.force_exit:
+            logger.info("shutting down: no new connections; %d request(s) get up to %g s to finish",
+                        len(ctx.manager.states), self._grace_s)
+            # Stop accepting first (uvicorn does it again below, harmlessly).
+            for server in self.servers:
+                server.close()
+            for sock in sockets or []:
+                sock.close()
+            ended = await ctx.manager.drain(self._grace_s)
+            if ended:
+                # Give the handlers a moment to write the 503s and error events they now hold.
+                await asyncio.sleep(0.1)
+        await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.managers.incremental_detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.managers.io_struct import BatchStrOut, BatchTokenIDOut
+from engine.managers.io_struct import BatchStrOut, BatchTokenIDOut, ControlReq
 
 logger = logging.getLogger(__name__)
 
@@ -103,13 +103,11 @@ def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int) -
     """Entry point of the detokenizer process."""
     import zmq
 
-    from engine.managers.process_utils import exit_if_orphaned, setup_child_logging
+    from engine.managers.process_utils import exit_if_orphaned, ignore_group_signals, setup_child_logging
     from engine.managers.tokenizer_utils import load_tokenizer
 
     setup_child_logging(args.log_level, "detokenizer")
-    import signal
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    ignore_group_signals()
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_path, args.trust_remote_code)
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context()
@@ -122,9 +120,13 @@ def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int) -
     try:
         while True:
             if not poller.poll(500):
-                exit_if_orphaned(parent_pid)
+                exit_if_orphaned(parent_pid, ipc)
                 continue
             msg = recv.recv_pyobj()
+            if isinstance(msg, ControlReq):
+                if msg.kind == "shutdown":
+                    break  # the server asked, after draining its requests
+                continue
             out = manager.handle(msg)
             if out.rids:
                 send.send_pyobj(out)

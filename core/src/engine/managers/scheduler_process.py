@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
+import time
 import traceback
 from typing import Any
 
@@ -16,9 +16,12 @@ from engine.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
-from engine.managers.process_utils import IpcNames, exit_if_orphaned, setup_child_logging
+from engine.managers.process_utils import IpcNames, exit_if_orphaned, ignore_group_signals, setup_child_logging
 
 logger = logging.getLogger(__name__)
+
+# Seconds between checks that the parent still exists while the scheduler is busy.
+_ORPHAN_CHECK_S = 0.5
 
 
 def _ready_info(scheduler: Any) -> SchedulerReady:
@@ -46,8 +49,7 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
     from engine.managers.scheduler import Scheduler
 
     setup_child_logging(args.log_level, "scheduler")
-    # Ctrl-C reaches the whole process group: the parent decides when children stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_group_signals()
     try:
         scheduler = Scheduler(args, model_path)
     except EngineError as exc:
@@ -68,6 +70,7 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
     to_tokenizer.connect(ipc.tokenizer)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
+    next_orphan_check = 0.0
     try:
         while True:
             timeout = 0 if scheduler.has_work() else 500
@@ -77,11 +80,16 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
                         msg = recv.recv_pyobj(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if isinstance(msg, ControlReq) and msg.kind == "shutdown":
+                        logger.info("stopping: the server asked")
+                        os._exit(0)
                     reply = _dispatch(scheduler, msg)
                     if reply is not None:
                         to_tokenizer.send_pyobj(reply)
-            else:
-                exit_if_orphaned(parent_pid)
+            now = time.monotonic()
+            if now >= next_orphan_check:  # also while busy: outputs to a dead parent would block forever
+                exit_if_orphaned(parent_pid, ipc)
+                next_orphan_check = now + _ORPHAN_CHECK_S
             scheduler.step()
             for out in scheduler.take_outputs():
                 to_detok.send_pyobj(out)

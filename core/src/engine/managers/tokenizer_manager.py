@@ -2,7 +2,9 @@
 
 Keeps one ``ReqState`` per request, sends tokenized requests to the scheduler,
 and receives detokenized increments from the detokenizer. A watchdog fails
-every pending request within a second when a child process dies.
+every pending request within a second when a child process dies. Tokenization
+runs on a small thread pool (``managers/tokenizer_pool.py``) so one huge prompt
+cannot stall the event loop; graceful shutdown drains through ``drain``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from engine.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from engine.managers.tokenizer_pool import TextTooLongError, TokenizerPool
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """A child process of the engine died; no request can complete."""
+
+
+class ServerShuttingDownError(RuntimeError):
+    """The server is draining for shutdown: the request was not started, or ran past the grace period."""
 
 
 class RequestError(EngineError):
@@ -73,7 +80,8 @@ class ReqState:
     created: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     last_time: float | None = None
-    error: str | None = None
+    # Set when the request is failed from outside (engine death, end of the shutdown grace period).
+    error: BaseException | None = None
 
 
 class TokenizerManager:
@@ -97,6 +105,12 @@ class TokenizerManager:
         self.control_waiters: dict[int, asyncio.Future[ControlReply]] = {}
         self._tokens = itertools.count(1)
         self.dead: str | None = None
+        # Set by ``drain``: new requests are refused with ServerShuttingDownError.
+        self.draining = False
+        self.pool = TokenizerPool(tokenizer, getattr(args, "tokenizer_workers", 0), ready.context_len)
+        # Ids that stand for several requests (a request's rid when n > 1 or a batch) -> their rids.
+        self.groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, list[str]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         # Observers notified on each finished request (metrics).
         self.on_finish: list[Any] = []
@@ -126,9 +140,7 @@ class TokenizerManager:
                 if not proc.is_alive():
                     self.dead = f"engine process '{proc.name}' died (exit code {proc.exitcode})"
                     logger.error("%s; failing %d pending requests", self.dead, len(self.states))
-                    for state in self.states.values():
-                        state.error = self.dead
-                        state.event.set()
+                    self._fail_all(EngineDeadError(self.dead))
                     for fut in self.control_waiters.values():
                         if not fut.done():
                             fut.set_exception(EngineDeadError(self.dead))
@@ -177,7 +189,19 @@ class TokenizerManager:
             raise RequestError("text: expected a string", "text")
         if self.tokenizer is None:
             raise RequestError("text: this server runs with --skip-tokenizer-init; send input_ids", "text")
-        return self.tokenizer.encode(req.text)
+        try:
+            return self.pool.encode_sync(req.text)
+        except TextTooLongError as exc:
+            raise RequestError(f"text: {exc}", "text") from None
+
+    async def tokenize_async(self, req: GenerateRequest) -> list[int]:
+        """``tokenize`` with long texts on the tokenizer pool (the event loop stays free)."""
+        if isinstance(req.text, str) and req.input_ids is None and self.tokenizer is not None:
+            try:
+                return await self.pool.encode(req.text)
+            except TextTooLongError as exc:
+                raise RequestError(f"text: {exc}", "text") from None
+        return self.tokenize(req)
 
     def validate(self, req: GenerateRequest, input_ids: list[int]) -> SamplingParams:
         try:
@@ -197,8 +221,13 @@ class TokenizerManager:
         return params
 
     def prepare(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """Tokenizes and validates without sending (raises RequestError)."""
+        """Tokenizes and validates without sending (raises RequestError); blocks the caller."""
         ids = self.tokenize(req)
+        return ids, self.validate(req, ids)
+
+    async def prepare_async(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
+        """``prepare`` for the server: long texts are tokenized on the pool."""
+        ids = await self.tokenize_async(req)
         return ids, self.validate(req, ids)
 
     async def generate(self, req: GenerateRequest, prepared: tuple[list[int], SamplingParams] | None = None) -> AsyncIterator[dict[str, Any]]:
@@ -208,6 +237,8 @@ class TokenizerManager:
         The caller aborts by closing the generator (e.g. on client disconnect).
         """
         self._check_alive()
+        if self.draining:
+            raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         self.start()
         input_ids, params = prepared or self.prepare(req)
         rid = req.rid or uuid.uuid4().hex
@@ -228,7 +259,7 @@ class TokenizerManager:
                 await state.event.wait()
                 state.event.clear()
                 if state.error is not None:
-                    raise EngineDeadError(state.error)
+                    raise state.error
                 finished = state.finished_reason is not None
                 if req.stream or finished:
                     yield self._output(state)
@@ -236,6 +267,7 @@ class TokenizerManager:
                     break
         finally:
             self.states.pop(rid, None)
+            self._leave_groups(rid)
             if not finished and self.dead is None:
                 self.send.send_pyobj(AbortReq(rid, "client disconnected"))
             elif finished:
@@ -258,8 +290,58 @@ class TokenizerManager:
             meta["input_top_logprobs"] = state.input_top_logprobs
         return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
-    def abort(self, rid: str) -> None:
-        self.send.send_pyobj(AbortReq(rid, "aborted by request"))
+    def add_group(self, group_rid: str, rids: list[str]) -> None:
+        """Makes ``group_rid`` stand for ``rids`` in ``abort`` (the n choices or batch of one request)."""
+        self.groups.setdefault(group_rid, set()).update(rids)
+        for rid in rids:
+            self._group_of.setdefault(rid, []).append(group_rid)
+
+    def _leave_groups(self, rid: str) -> None:
+        for group_rid in self._group_of.pop(rid, []):
+            members = self.groups.get(group_rid)
+            if members is not None:
+                members.discard(rid)
+                if not members:
+                    del self.groups[group_rid]
+
+    def abort(self, rid: str, message: str = "aborted by request") -> list[str]:
+        """Aborts a request, every request a group id stands for, or all with ``rid`` "".
+
+        Returns the ids of the running requests aborted (empty: nothing by that id runs).
+        """
+        targets = self.abort_targets(rid)
+        for target in targets:
+            self.send.send_pyobj(AbortReq(target, message))
+        return targets
+
+    def abort_targets(self, rid: str) -> list[str]:
+        """The running requests ``rid`` names: itself, a group's members, or all for ""."""
+        if rid == "":
+            return sorted(self.states)
+        if rid in self.groups:
+            return sorted(r for r in self.groups[rid] if r in self.states)
+        return [rid] if rid in self.states else []
+
+    async def drain(self, grace_s: float) -> int:
+        """Graceful shutdown: refuse new requests, let running ones finish within ``grace_s``,
+        then fail the rest with ServerShuttingDownError. Returns how many were failed."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while (self.states or self.pool.in_flight) and self.dead is None and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = len(self.states)
+        if left and self.dead is None:
+            logger.warning("%d request(s) still running after the %.3g s shutdown grace period; ending them",
+                           left, grace_s)
+            self._fail_all(ServerShuttingDownError(
+                f"the server is shutting down; the request did not finish within the {grace_s:g} s grace period"))
+        return left
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in self.states.values():
+            state.error = error
+            state.event.set()
 
     async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
         self._check_alive()
@@ -286,6 +368,7 @@ class TokenizerManager:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks = []
+        self.pool.close()
         self.recv.close(0)
         self.send.close(0)
         self.zmq_ctx.term()

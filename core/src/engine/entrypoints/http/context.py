@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.entrypoints.http.errors import APIError, engine_dead_error
+from engine.managers.tokenizer_pool import TextTooLongError
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
@@ -59,6 +60,21 @@ class ServingContext:
         if self.manager.dead is not None:
             raise engine_dead_error(self.manager.dead)
 
+    def check_accepting(self) -> None:
+        """Alive and not draining for shutdown (503 then: load balancers retry elsewhere)."""
+        self.check_alive()
+        if self.manager.draining:
+            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another replica",
+                           code="server_shutting_down")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, tokenized off the event loop; over-long texts are a 400."""
+        self.require_tokenizer(param)
+        try:
+            return await self.manager.pool.encode(text, add_special_tokens)
+        except TextTooLongError as exc:
+            raise APIError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
+
     def require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
             raise APIError(400, f"{param}: this server runs with --skip-tokenizer-init and cannot "
@@ -80,23 +96,22 @@ class ServingContext:
                 self._token_texts[token_id] = text
         return text
 
-    def render_chat(self, messages: list[Any], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of ``messages`` under the tokenizer's chat template."""
+    async def render_chat(self, messages: list[Any], add_generation_prompt: bool = True,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of ``messages`` under the tokenizer's chat template (rendered and tokenized
+        off the event loop)."""
         tokenizer = self.require_tokenizer("messages")
         conversation = [chat_message_dict(m, i) for i, m in enumerate(messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"messages: model '{self.model_name}' has no chat template; "
                                 "use /v1/completions with a prompt", param="messages")
         try:
-            prompt = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                                   add_generation_prompt=add_generation_prompt,
-                                                   **(template_kwargs or {}))
+            return await self.manager.pool.render_chat(conversation, add_generation_prompt, template_kwargs)
+        except TextTooLongError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages", code="context_length_exceeded") from None
         except Exception as exc:  # jinja raise_exception(): the template's own rule, e.g. role order
             raise APIError(400, f"messages: the chat template rejected the conversation: {exc}",
                            param="messages") from None
-        # The template writes any BOS itself; adding special tokens again would double it.
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
 
 
 def chat_message_dict(message: Any, index: int) -> dict[str, Any]:

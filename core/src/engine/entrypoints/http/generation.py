@@ -6,6 +6,9 @@ validated before any is sent, so a bad element fails the whole request with a
 aborted if the client goes away; streamed ones merge the choices' outputs as
 they come. Closing a stream (the client disconnected) closes every manager
 generator, which sends the scheduler an abort so the request's KV is freed.
+
+An aborted choice ends with finish reason ``abort`` (SGLang's ``{"type": "abort"}`` in
+``meta_info``) and the response with an error; the other choices of a stream run on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,12 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import StreamingResponse
 
 from engine.entrypoints.http.errors import APIError, engine_dead_error, from_request_error
-from engine.managers.tokenizer_manager import EngineDeadError, GenerateRequest, RequestError
+from engine.managers.tokenizer_manager import (
+    EngineDeadError,
+    GenerateRequest,
+    RequestError,
+    ServerShuttingDownError,
+)
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -53,17 +61,20 @@ class Choice:
         return self.prepared[0]
 
 
-def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], n: int | Sequence[int],
-                 renames: dict[str, str] | None = None) -> list[Choice]:
+async def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], n: int | Sequence[int],
+                       renames: dict[str, str] | None = None, group_rid: str | None = None) -> list[Choice]:
     """Expands prompts into ``n`` copies each (seed + copy, as the offline Engine does) and
     validates them all; a RequestError becomes a 400 with the API's field names.
 
-    ``n`` is one count for every prompt or a count per prompt.
+    ``n`` is one count for every prompt or a count per prompt. Texts are tokenized on the
+    tokenizer pool. A prompt's rid with ``n > 1``, and ``group_rid`` (the request's own id
+    when its prompts got derived ids), become group ids ``/abort_request`` accepts.
     """
-    ctx.check_alive()
+    ctx.check_accepting()
     counts = [n] * len(prompts) if isinstance(n, int) else list(n)
     choices: list[Choice] = []
     seen: set[str] = set()
+    groups: dict[str, list[str]] = {}
     for p, base in enumerate(prompts):
         seed = base.sampling_params.get("seed")
         n = counts[p]
@@ -74,26 +85,59 @@ def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], n: int
             rid = base.rid if base.rid is None or n == 1 else f"{base.rid}-{copy}"
             req = dataclasses.replace(base, sampling_params=params, rid=rid)
             if rid is not None:
-                if rid in seen or rid in ctx.manager.states:
-                    raise APIError(400, f"rid: a request with id '{rid}' is already running", param="rid")
+                _check_rid_free(ctx, rid, seen)
                 seen.add(rid)
+                if n > 1 and base.rid is not None:
+                    groups.setdefault(base.rid, []).append(rid)
+                if group_rid is not None and group_rid != rid:
+                    groups.setdefault(group_rid, []).append(rid)
             try:
-                prepared = ctx.manager.prepare(req)
+                prepared = await ctx.manager.prepare_async(req)
             except RequestError as exc:
                 raise from_request_error(exc, renames) from None
             choices.append(Choice(len(choices), p, req, prepared))
+    for parent, rids in groups.items():
+        if parent not in seen:
+            _check_rid_free(ctx, parent, set())
+        ctx.manager.add_group(parent, rids)
+    ctx.check_accepting()  # the server may have begun draining while the prompts were tokenized
     return choices
+
+
+def _check_rid_free(ctx: ServingContext, rid: str, seen: set[str]) -> None:
+    if rid in seen or rid in ctx.manager.states or rid in ctx.manager.groups:
+        raise APIError(400, f"rid: a request with id '{rid}' is already running", param="rid")
 
 
 def finish_reason(meta: dict[str, Any]) -> str | None:
     """OpenAI's finish_reason; raises the APIError for an aborted request."""
+    reason = stream_finish_reason(meta)
+    if reason == "abort":
+        raise aborted_error([meta])
+    return reason
+
+
+def stream_finish_reason(meta: dict[str, Any]) -> str | None:
+    """OpenAI's finish_reason, ``abort`` for an aborted choice (SGLang's name)."""
     reason = meta.get("finish_reason")
     if reason is None:
         return None
-    if reason.get("type") == "abort":
-        raise APIError(400, f"the request was aborted: {reason.get('message') or 'aborted'}",
-                       code="request_aborted")
-    return "length" if reason.get("type") == "length" else "stop"
+    kind = reason.get("type")
+    if kind == "abort":
+        return "abort"
+    return "length" if kind == "length" else "stop"
+
+
+def aborted_error(metas: Sequence[dict[str, Any]]) -> APIError:
+    """The error that ends a response in which these choices were aborted."""
+    messages = sorted({(m.get("finish_reason") or {}).get("message") or "aborted" for m in metas})
+    ids = ", ".join(str(m.get("id")) for m in metas if m.get("id") is not None)
+    which = f" ({ids})" if ids and len(metas) > 1 else ""
+    return APIError(400, f"the request was aborted{which}: {'; '.join(messages)}", code="request_aborted")
+
+
+def shutting_down_error(exc: ServerShuttingDownError | str) -> APIError:
+    return APIError(503, str(exc), code="server_shutting_down")
 
 
 def matched_stop(meta: dict[str, Any]) -> int | str | None:
@@ -120,22 +164,28 @@ async def run_to_completion(ctx: ServingContext, choices: Sequence[Choice], requ
     """Final output of every choice, in order. Aborts them all if the client disconnects."""
     tasks = [asyncio.ensure_future(_last_output(ctx, c)) for c in choices]
     everything = asyncio.gather(*tasks)
+    # A gather left holding a CancelledError logs "exception was never retrieved": retrieve it.
+    everything.add_done_callback(lambda f: f.cancelled() or f.exception())
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
         await asyncio.wait([everything, watcher], return_when=asyncio.FIRST_COMPLETED)
         if not everything.done():
+            # Normal, not an error: the client gave up (a timeout, a closed tab).
+            logger.debug("client disconnected; aborting %d choice(s)", len(tasks))
             raise APIError(499, "the client closed the connection", code="client_closed_request")
         try:
             return list(everything.result())
         except EngineDeadError as exc:
             raise engine_dead_error(exc) from None
+        except ServerShuttingDownError as exc:
+            raise shutting_down_error(exc) from None
     finally:
         # Cancelling a running task closes its manager generator, which aborts the request.
         for task in tasks:
             task.cancel()
         watcher.cancel()
-        if not everything.done():
-            everything.cancel()
+        # Let the cancellations run, so the aborts are sent before the response goes out.
+        await asyncio.gather(*tasks, watcher, return_exceptions=True)
 
 
 async def _last_output(ctx: ServingContext, choice: Choice) -> dict[str, Any]:
@@ -203,7 +253,7 @@ def log_stream_failure(what: str, exc: BaseException) -> None:
     """Logs a stream that ended in an error; a traceback only for the unexpected (bugs)."""
     if isinstance(exc, APIError):
         return  # the client's problem, reported to the client
-    expected = isinstance(exc, (EngineDeadError, RequestError))
+    expected = isinstance(exc, (EngineDeadError, RequestError, ServerShuttingDownError))
     logger.warning("%s failed: %s", what, exc, exc_info=None if expected else exc)
 
 
@@ -211,6 +261,8 @@ def sse_error(exc: BaseException) -> bytes:
     """An in-band error event for a stream whose 200 header is already sent."""
     if isinstance(exc, EngineDeadError):
         exc = engine_dead_error(exc)
+    elif isinstance(exc, ServerShuttingDownError):
+        exc = shutting_down_error(exc)
     elif isinstance(exc, RequestError):
         exc = from_request_error(exc)
     if not isinstance(exc, APIError):

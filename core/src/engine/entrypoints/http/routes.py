@@ -61,13 +61,13 @@ async def tokenize(request: Request) -> Response:
     if req.messages is not None:
         if not req.messages:
             raise APIError(400, "messages: must contain at least one message", param="messages")
-        ids = ctx.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
+        ids = await ctx.render_chat(req.messages, add_generation_prompt=req.add_generation_prompt)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len})
-    tokenizer = ctx.require_tokenizer("prompt")
     if isinstance(req.prompt, str):
-        ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+        ids = await ctx.encode(req.prompt, "prompt", add_special_tokens=req.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": ctx.context_len})
-    batch = [list(tokenizer.encode(p, add_special_tokens=req.add_special_tokens)) for p in req.prompt or []]
+    batch = [await ctx.encode(p, f"prompt[{i}]", add_special_tokens=req.add_special_tokens)
+             for i, p in enumerate(req.prompt or [])]
     return JSONResponse({"tokens": batch, "count": [len(b) for b in batch], "max_model_len": ctx.context_len})
 
 

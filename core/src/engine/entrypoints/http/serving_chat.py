@@ -15,6 +15,7 @@ from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     SSEResponse,
+    aborted_error,
     finish_reason,
     log_stream_failure,
     make_choices,
@@ -22,6 +23,7 @@ from engine.entrypoints.http.generation import (
     run_to_completion,
     sse,
     sse_error,
+    stream_finish_reason,
     stream_outputs,
     usage,
 )
@@ -51,7 +53,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     req = parse_body(await request.body(), ChatCompletionRequest)
     ctx.check_model(req.model)
     _check_supported(req)
-    prompt_ids = ctx.render_chat(req.messages, template_kwargs=req.chat_template_kwargs)
+    ctx.check_accepting()
+    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=req.chat_template_kwargs)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -64,7 +67,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     base = GenerateRequest(
         input_ids=prompt_ids, sampling_params=sampling_params(req, max_tokens), rid=req.rid or response_id,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0)
-    choices = make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param})
+    choices = await make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param})
     created = int(time.time())
     if req.stream:
         return SSEResponse(_stream(ctx, req, choices, response_id, created))
@@ -127,11 +130,14 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
     sent_chars = {c.index: 0 for c in choices}
     sent_logprobs = {c.index: 0 for c in choices}
     finals: dict[int, dict[str, Any]] = {}
+    aborted: list[dict[str, Any]] = []
     try:
         async for choice, out in stream_outputs(ctx, choices):
             i = choice.index
             meta = out["meta_info"]
-            reason = finish_reason(meta)
+            reason = stream_finish_reason(meta)  # "abort" ends this choice; the others run on
+            if reason == "abort":
+                aborted.append(meta)
             delta = out["text"][sent_chars[i]:]
             sent_chars[i] = len(out["text"])
             logprobs = _logprobs(ctx, req, meta, sent_logprobs[i])
@@ -148,6 +154,8 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
             yield chunk([part])
         if with_usage:
             yield chunk([], usage(choices, finals))
+        if aborted:
+            yield sse_error(aborted_error(aborted))
     except Exception as exc:
         log_stream_failure(f"chat stream {response_id}", exc)
         yield sse_error(exc)

@@ -15,6 +15,7 @@ from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     SSEResponse,
+    aborted_error,
     finish_reason,
     log_stream_failure,
     make_choices,
@@ -22,6 +23,7 @@ from engine.entrypoints.http.generation import (
     run_to_completion,
     sse,
     sse_error,
+    stream_finish_reason,
     stream_outputs,
     usage,
 )
@@ -52,7 +54,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     req = parse_body(await request.body(), CompletionRequest)
     ctx.check_model(req.model)
     _check_supported(req)
-    prompts = _prompt_ids(ctx, req)
+    ctx.check_accepting()
+    prompts = await _prompt_ids(ctx, req)
     max_tokens = _DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     if max_tokens < 1:
         raise APIError(400, "max_tokens: must be at least 1 (prompt scoring with max_tokens 0 is not "
@@ -68,7 +71,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         top_logprobs_num=req.logprobs or 0, priority=req.priority or 0,
     ) for p, ids in enumerate(prompts)]
-    choices = make_choices(ctx, bases, req.n, renames=_RENAMES)
+    choices = await make_choices(ctx, bases, req.n, renames=_RENAMES, group_rid=rid)
     for choice in choices:
         check_max_tokens(max_tokens, len(choice.prompt_ids), ctx.context_len, "max_tokens")
     created = int(time.time())
@@ -102,8 +105,8 @@ def _check_supported(req: CompletionRequest) -> None:
                        param="best_of")
 
 
-def _prompt_ids(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
-    """The request's prompts as token-id lists (text is tokenized as /generate would)."""
+async def _prompt_ids(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
+    """The request's prompts as token-id lists (text is tokenized as /generate would, off the loop)."""
     prompt = req.prompt
     if isinstance(prompt, str):
         texts: list[Any] = [prompt]
@@ -116,8 +119,8 @@ def _prompt_ids(ctx: ServingContext, req: CompletionRequest) -> list[list[int]]:
     out: list[list[int]] = []
     for item in texts:
         if isinstance(item, str):
-            tokenizer = ctx.require_tokenizer("prompt")
-            out.append(list(tokenizer.encode(item)))
+            param = "prompt" if isinstance(prompt, str) else f"prompt[{len(out)}]"
+            out.append(await ctx.encode(item, param))
         else:
             out.append(list(item))
     return out
@@ -168,11 +171,14 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, choices: list[Cho
     text_so_far = {c.index: len(echoes[c.index]) for c in choices}
     started: set[int] = set()
     finals: dict[int, dict[str, Any]] = {}
+    aborted: list[dict[str, Any]] = []
     try:
         async for choice, out in stream_outputs(ctx, choices):
             i = choice.index
             meta = out["meta_info"]
-            reason = finish_reason(meta)
+            reason = stream_finish_reason(meta)  # "abort" ends this choice; the others run on
+            if reason == "abort":
+                aborted.append(meta)
             first = i not in started
             started.add(i)
             delta = out["text"][sent_chars[i]:]
@@ -199,6 +205,8 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, choices: list[Cho
             yield chunk([part])
         if with_usage:
             yield chunk([], usage(choices, finals))
+        if aborted:
+            yield sse_error(aborted_error(aborted))
     except Exception as exc:
         log_stream_failure(f"completion stream {response_id}", exc)
         yield sse_error(exc)
