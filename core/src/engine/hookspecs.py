@@ -54,7 +54,9 @@ class AttentionBackendSpec:
     name: str
     factory: Factory
     description: str = ""
-    #: device types (``Platform.device_type``) it runs on.
+    #: device types (``Platform.device_type``: "cpu", "cuda", ...) it runs on. The default is
+    #: ``("cuda",)``: a backend for any other device must list it, or the engine refuses to
+    #: select it there (and the conformance kit fails when run on that device).
     device_types: tuple[str, ...] = ("cuda",)
     #: page sizes it supports; empty means any.
     page_sizes: tuple[int, ...] = ()
@@ -74,6 +76,7 @@ class QuantMethodSpec:
     name: str
     factory: Factory
     description: str = ""
+    #: device types it runs on; default ``("cuda",)``, like ``AttentionBackendSpec.device_types``.
     device_types: tuple[str, ...] = ("cuda",)
     #: ``quant_method`` values in a checkpoint's ``quantization_config`` this handles.
     checkpoint_methods: tuple[str, ...] = ()
