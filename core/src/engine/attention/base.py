@@ -1,17 +1,30 @@
-"""Base class of attention backends.
+"""Base class of attention backends (docs/plugins.md, "Attention backends", is the guide).
 
-A backend is created once per model runner by its plugin's factory
-(``factory(runner_info) -> AttentionBackend``). For every batch the runner calls
-``init_forward_metadata`` once; then each attention layer calls ``forward``,
-which writes the new tokens' K/V into the paged pool (``out_cache_loc``) and
-attends over every token of each row (cached prefix + new tokens), reading the
-pool through ``req_to_token``.
+A backend is created once per model runner by its plugin's factory,
+``factory(ctx: AttentionContext) -> AttentionBackend``; ``ctx`` carries the model's head
+shapes, the device and dtype, the page size, both KV pools and the options of the backend's
+plugin (``PluginOption`` defaults overridden by the user's ``plugin_options: {<plugin>: {<key>: value}}``
+in YAML or ``--plugin-option <plugin>.<key>=<value>``, ``<plugin>`` being the plugin's entry-point
+name). For every batch the runner calls
+``init_forward_metadata(forward_batch)`` once; then each attention layer calls ``forward``,
+which writes the new tokens' K/V into the paged pool at ``out_cache_loc`` and attends over
+every token of each row (cached prefix + new tokens), reading the pool through ``req_to_token``.
+
+Batches (``forward_batch.forward_mode``):
+- DECODE: one new token per row; ``seq_lens`` includes it.
+- EXTEND: each row adds ``extend_seq_lens[i]`` tokens after ``extend_prefix_lens[i]`` cached
+  ones (a prompt, a chunk of one, or the uncached tail after a prefix-cache hit).
+- MIXED (``--enable-mixed-chunk``, only when ``supports_mixed``): EXTEND's fields for every row;
+  the first ``num_extend_reqs`` rows are extend rows, the rest decode rows with one new token.
+  ``forward`` sends MIXED to ``forward_extend``.
 
 Tensor layouts (all backends share them):
 - ``q``: ``[num_tokens, num_heads * head_dim]``; ``k``/``v``: ``[num_tokens, num_kv_heads * head_dim]``
-  (``None`` when the layer re-uses K/V it already saved, e.g. cross-layer sharing);
-- K/V pool of layer L: ``[pool_rows, num_kv_heads, head_dim]``;
-- ``req_to_token[req_pool_idx, pos]``: KV slot of position ``pos`` of a row;
+  (``None`` when the layer re-uses K/V it already saved, e.g. cross-layer sharing), rows in
+  batch order (row 0's new tokens, then row 1's, ...);
+- K/V pool of layer L (``token_to_kv_pool.get_kv_buffer(L)``): ``[pool_rows, num_kv_heads, head_dim]``;
+- ``req_to_token_pool.req_to_token[req_pool_indices[i], pos]``: KV slot of position ``pos`` of row ``i``
+  (int32, already written for the new tokens too);
 - returns ``[num_tokens, num_heads * head_dim]`` in q's dtype.
 """
 
@@ -57,7 +70,8 @@ class AttentionContext:
     max_context_len: int
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
-    # Options the user gave under the backend's name (``attention.<name>.<key>``).
+    # The backend plugin's options: its PluginOption defaults overridden by the user's
+    # ``plugin_options: {<plugin entry-point name>: {<key>: value}}``.
     options: dict[str, Any] = field(default_factory=dict)
 
 
