@@ -103,8 +103,13 @@ class Server:
         return self.proc.returncode
 
 
-def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_KEY) -> Server:
-    """Starts ``engine serve`` on a free 127.0.0.1 port (does not wait for it)."""
+def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_KEY,
+           new_session: bool = False) -> Server:
+    """Starts ``engine serve`` on a free 127.0.0.1 port (does not wait for it).
+
+    ``new_session`` gives the server its own process group, which a test may then signal
+    as a whole, as systemd, Docker and Kubernetes do.
+    """
     port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--model-path", model_path, "--port", str(port),
            "--host", "127.0.0.1", "--served-model-name", MODEL_NAME, "--max-total-tokens", "32768", *args]
@@ -112,7 +117,8 @@ def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_
         cmd += ["--api-key", api_key]
     log_path = os.path.join(log_dir, f"server-{port}.log")
     log = open(log_path, "wb")  # noqa: SIM115 - the child writes to it for its whole life
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=new_session)
     log.close()
     return Server(proc, port, log_path, api_key)
 

@@ -1,0 +1,219 @@
+"""End to end: availability under hostile input and shutdown (issue 10).
+
+Huge prompts are refused without stalling /health; aborting a request's own id ends
+all its choices; disconnects are not logged as errors; SIGTERM — to the main pid or
+to the whole process group — drains and exits 0; a SIGKILLed server leaves no IPC
+directory behind. No timing thresholds: every wait is bounded generously and the
+assertions are about outcomes (status codes, events, exit codes, files).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_server_e2e_harness import MODEL_NAME, Server, assert_no_kv_leak, launch, wait_idle  # noqa: E402
+
+# A request that cannot finish by itself within any test's patience (the test checkpoint's context is 1024 tokens).
+_LONG = {"max_new_tokens": 1000, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Iterator[dict[str, Server]]:
+    """Three private servers started side by side; the tests that end one say which."""
+    logs = str(tmp_path_factory.mktemp("availability-logs"))
+    started = {
+        # Shared by the request-level tests, then stopped by a SIGTERM to its process group.
+        "group": launch(llama_ckpt_dir, logs, "--shutdown-grace-s", "20", api_key=None, new_session=True),
+        "drain": launch(llama_ckpt_dir, logs, "--shutdown-grace-s", "1", api_key=None),
+        "kill": launch(llama_ckpt_dir, logs, api_key=None),
+    }
+    try:
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        for server in started.values():
+            server.stop(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait(predicate: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def _inflight(server: Server) -> int:
+    return int(httpx.get(server.url + "/get_server_info", timeout=30).json()["num_inflight_reqs"])
+
+
+def _stream_events(server: Server, path: str, body: dict[str, Any], out: dict[str, Any]) -> None:
+    try:
+        with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
+            out["status"] = r.status_code
+            out["events"] = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+
+
+def _in_thread(fn: Any, *args: Any) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_huge_prompts_are_refused_and_health_keeps_answering(servers: dict[str, Server]) -> None:
+    server = servers["group"]
+    huge = "All work and no play makes Jack a dull boy. " * 120_000  # 5.3 MB
+    results: list[httpx.Response] = []
+
+    def send(i: int) -> None:
+        body = ({"model": MODEL_NAME, "prompt": huge, "max_tokens": 4} if i % 2 == 0
+                else {"model": MODEL_NAME, "messages": [{"role": "user", "content": huge}], "max_tokens": 4})
+        path = "/v1/completions" if i % 2 == 0 else "/v1/chat/completions"
+        results.append(httpx.post(server.url + path, json=body, timeout=120))
+
+    threads = [_in_thread(send, i) for i in range(6)]
+    health = []
+    while any(t.is_alive() for t in threads):
+        health.append(httpx.get(server.url + "/health", timeout=60).status_code)
+    small = httpx.post(server.url + "/v1/completions", timeout=60,
+                       json={"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 2})
+    assert small.status_code == 200, small.text
+    assert all(code == 200 for code in health), health
+    assert len(results) == 6
+    for r in results:
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["code"] == "context_length_exceeded", r.text
+        assert error["param"] in ("prompt", "messages") and "characters" in error["message"], error
+
+
+def test_abort_parent_rid_of_n2_aborts_both_choices(servers: dict[str, Server]) -> None:
+    server = servers["group"]
+    out: dict[str, Any] = {}
+    body = {"model": MODEL_NAME, "prompt": "Abort me", "n": 2, "max_tokens": 900, "ignore_eos": True,
+            "stream": True, "rid": "parent-n2"}
+    thread = _in_thread(_stream_events, server, "/v1/completions", body, out)
+    assert _wait(lambda: _inflight(server) == 2), "the two choices never started"
+    r = httpx.post(server.url + "/abort_request", json={"rid": "parent-n2"}, timeout=30)
+    assert r.status_code == 200 and r.json()["aborted"] == ["parent-n2-0", "parent-n2-1"], r.text
+    thread.join(60)
+    events = out["events"]
+    assert events[-1] == "[DONE]", events[-3:]
+    parsed = [json.loads(e) for e in events[:-1]]
+    reasons = {c["index"]: c["finish_reason"] for e in parsed for c in e.get("choices", []) if c["finish_reason"]}
+    assert reasons == {0: "abort", 1: "abort"}, reasons
+    assert parsed[-1]["error"]["code"] == "request_aborted"
+    unknown = httpx.post(server.url + "/abort_request", json={"rid": "parent-n2"}, timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "request_not_found"
+    assert_no_kv_leak(wait_idle(server))
+
+
+def test_native_abort_reports_the_abort_finish_reason(servers: dict[str, Server]) -> None:
+    server = servers["group"]
+    out: dict[str, Any] = {}
+    body = {"input_ids": [5, 6, 7], "rid": "native-abort", "stream": True, "sampling_params": _LONG}
+    thread = _in_thread(_stream_events, server, "/generate", body, out)
+    assert _wait(lambda: _inflight(server) == 1)
+    assert httpx.post(server.url + "/abort_request", json={"rid": "native-abort"}, timeout=30).status_code == 200
+    thread.join(60)
+    events = out["events"]
+    assert events[-1] == "[DONE]"
+    last, error = json.loads(events[-3]), json.loads(events[-2])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort", last["meta_info"]
+    assert error["error"]["code"] == "request_aborted"
+
+
+def test_client_disconnects_are_not_logged_as_errors(servers: dict[str, Server]) -> None:
+    server = servers["group"]
+    for i in range(5):
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/generate", json={"input_ids": [9, i], "sampling_params": _LONG}, timeout=0.5)
+    assert_no_kv_leak(wait_idle(server))
+    log = server.log()
+    assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None:
+    server = servers["group"]
+    children = server.descendants()
+    out: dict[str, Any] = {}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+    def stream() -> None:
+        chunks = client.completions.create(model=MODEL_NAME, prompt="Drain me", max_tokens=60, stream=True,
+                                           extra_body={"ignore_eos": True})
+        out["reasons"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+    thread = _in_thread(stream)
+    assert _wait(lambda: _inflight(server) == 1)
+    os.killpg(server.proc.pid, signal.SIGTERM)  # what systemd, Docker and Kubernetes send
+    assert server.proc.wait(60) == 0, server.log()[-3000:]
+    thread.join(30)
+    assert out.get("reasons") == ["length"], (out, server.log()[-3000:])
+    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 10), "engine processes left behind"
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*"))
+
+
+def test_sigterm_past_the_grace_period_ends_requests_cleanly(servers: dict[str, Server]) -> None:
+    server = servers["drain"]
+    stream: dict[str, Any] = {}
+    plain: dict[str, Any] = {}
+
+    def non_streamed() -> None:
+        try:
+            plain["r"] = httpx.post(server.url + "/generate", timeout=120,
+                                    json={"input_ids": [5, 6], "sampling_params": _LONG})
+        except httpx.HTTPError as exc:
+            plain["error"] = repr(exc)
+
+    threads = [_in_thread(_stream_events, server, "/v1/completions",
+                          {"model": MODEL_NAME, "prompt": "Long", "max_tokens": 900, "ignore_eos": True,
+                           "stream": True}, stream),
+               _in_thread(non_streamed)]
+    assert _wait(lambda: _inflight(server) == 2)
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(60) == 0, server.log()[-3000:]
+    for thread in threads:
+        thread.join(30)
+    events = stream["events"]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down", events[-2:]
+    r = plain["r"]
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
+    log = server.log()
+    assert "Cancel" not in log and "Traceback" not in log, log[-3000:]
+
+
+def test_sigkill_of_the_server_leaves_no_ipc_directory(servers: dict[str, Server]) -> None:
+    server = servers["kill"]
+    pattern = os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*")
+    assert glob.glob(pattern), "the IPC directory is named after the server's pid"
+    children = server.descendants()
+    server.proc.kill()
+    server.proc.wait(10)
+    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 15), "children outlived a SIGKILLed server"
+    assert _wait(lambda: not glob.glob(pattern), 10), glob.glob(pattern)
