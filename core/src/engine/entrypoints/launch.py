@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
-import multiprocessing as mp
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,31 +102,77 @@ def _ask_to_stop(ipc: IpcNames) -> None:
         ctx.term()
 
 
-def launch_runtime(args: ServerArgs) -> Runtime:
-    """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
-    from engine.managers.detokenizer_manager import detokenizer_process
-    from engine.managers.scheduler_process import scheduler_process
+@dataclass
+class StartingRuntime:
+    """Child processes started, model still loading: do other start-up work, then ``wait_ready``."""
+
+    args: ServerArgs
+    model_path: str
+    ipc: IpcNames
+    processes: list[Any]
+    ready_reader: Any  # the scheduler writes ("ok", SchedulerReady) or ("error", message) here
+
+    def wait_ready(self) -> Runtime:
+        """Blocks until the scheduler has loaded the model; on failure stops the children and raises."""
+        try:
+            ready = _wait_ready(self.ready_reader, self.processes[0])
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.ready_reader.close()
+        runtime = Runtime(self.args, self.model_path, self.ipc, self.processes, ready)
+        _running[id(runtime)] = runtime
+        return runtime
+
+    def abort(self) -> None:
+        Runtime(self.args, self.model_path, self.ipc, self.processes, None).shutdown()  # type: ignore[arg-type]
+
+
+def start_runtime(args: ServerArgs) -> StartingRuntime:
+    """Starts the scheduler and detokenizer processes and returns while they load.
+
+    The children are fresh interpreters (``child_process``), never importers of the user's
+    ``__main__``; they start before this process's own checks so that their imports and the
+    model load overlap with them.
+    """
+    from engine.entrypoints.child_process import ChildProcess, pipe
 
     model_path = resolve_model_path(args)
-    preflight(args, model_path)
     ipc = IpcNames.create()
-    ctx = mp.get_context("spawn")
     parent_pid = os.getpid()
-    reader, writer = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(target=scheduler_process, name="scheduler",
-                            args=(args, model_path, ipc, writer, parent_pid), daemon=True)
-    detok = ctx.Process(target=detokenizer_process, name="detokenizer",
-                        args=(args, model_path, ipc, parent_pid), daemon=True)
-    scheduler.start()
-    detok.start()
-    writer.close()
-    runtime_procs = [scheduler, detok]
+    reader, writer = pipe()
+    processes = [
+        ChildProcess("engine.managers.scheduler_process:scheduler_process",
+                     (args, model_path, ipc, writer, parent_pid), name="scheduler"),
+        ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
+                     (args, model_path, ipc, parent_pid), name="detokenizer"),
+    ]
+    starting = StartingRuntime(args, model_path, ipc, processes, reader)
     try:
-        ready = _wait_ready(reader, scheduler)
+        preflight(args, model_path)
     except BaseException:
-        Runtime(args, model_path, ipc, runtime_procs, None).shutdown()  # type: ignore[arg-type]
+        starting.abort()
+        reader.close()
         raise
-    return Runtime(args, model_path, ipc, runtime_procs, ready)
+    return starting
+
+
+def launch_runtime(args: ServerArgs) -> Runtime:
+    """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
+    return start_runtime(args).wait_ready()
+
+
+# Runtimes not yet shut down: stopped at interpreter exit, so a script that never calls
+# Engine.shutdown() leaves no processes behind and exits at once.
+_running: weakref.WeakValueDictionary[int, Runtime] = weakref.WeakValueDictionary()
+
+
+@atexit.register
+def _shutdown_running() -> None:
+    for runtime in list(_running.values()):
+        if any(proc.is_alive() for proc in runtime.processes):
+            runtime.shutdown(timeout=2.0)
 
 
 def _wait_ready(reader: Any, proc: Any) -> SchedulerReady:

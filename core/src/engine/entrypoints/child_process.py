@@ -1,0 +1,97 @@
+"""Starting the engine's child processes as fresh interpreters.
+
+multiprocessing's ``spawn`` and ``forkserver`` re-import the parent's ``__main__`` module in the
+child, so a user script without an ``if __name__ == "__main__":`` guard would build a second
+``Engine`` inside the scheduler process and crash it. A child here is ``python -c`` running
+``bootstrap()``, which reads what to call from a pipe: it never sees the user's main module.
+
+The child gets the parent's ``sys.path`` (as multiprocessing does), its arguments pickled, and
+may be handed the write end of a pipe (``InheritedConnection``) for the ready handshake.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+# -P (3.11+): the child does not put its working directory first on sys.path, so a user's file
+# named like one of our modules cannot shadow it before the parent's sys.path is installed.
+_SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
+_BOOTSTRAP = "import sys; from engine.entrypoints.child_process import bootstrap; bootstrap(int(sys.argv[1]))"
+
+@dataclass(frozen=True)
+class InheritedConnection:
+    """Stands in, among a child's arguments, for the write end of a pipe the child inherits."""
+
+    fd: int
+
+
+def pipe() -> tuple[Connection, InheritedConnection]:
+    """A one-way channel: the parent reads a ``Connection``; the child writes to the other end."""
+    read_fd, write_fd = os.pipe()
+    return Connection(read_fd, writable=False), InheritedConnection(write_fd)
+
+
+class ChildProcess:
+    """A child interpreter running ``target(*args)``, with ``multiprocessing.Process``'s methods.
+
+    ``target`` is ``"package.module:function"``; the function must take picklable arguments.
+    """
+
+    def __init__(self, target: str, args: tuple[Any, ...], name: str) -> None:
+        self.name = name
+        inherited = [a.fd for a in args if isinstance(a, InheritedConnection)]
+        payload_read, payload_write = os.pipe()
+        try:
+            self._popen = subprocess.Popen(
+                [sys.executable, *_SAFE_PATH, "-c", _BOOTSTRAP, str(payload_read)],
+                stdin=subprocess.DEVNULL, pass_fds=(payload_read, *inherited), close_fds=True)
+        finally:
+            os.close(payload_read)
+            for fd in inherited:
+                os.close(fd)  # the child holds its own copy; ours would hide its exit from the reader
+        # Small payloads (ServerArgs and names) fit the pipe's buffer: this does not wait for the child.
+        with os.fdopen(payload_write, "wb") as f:
+            pickle.dump(list(sys.path), f)
+            pickle.dump((target, args), f)
+        self.pid = self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """None while running; negative signal number when killed by a signal (as multiprocessing)."""
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def bootstrap(payload_fd: int) -> None:
+    """The child's side: read sys.path and the call from the parent, then run it."""
+    with os.fdopen(payload_fd, "rb") as f:
+        sys.path[:] = pickle.load(f)
+        target, args = pickle.load(f)
+    module_name, _, func_name = target.partition(":")
+    import importlib
+
+    func = getattr(importlib.import_module(module_name), func_name)
+    args = tuple(Connection(a.fd, readable=False) if isinstance(a, InheritedConnection) else a for a in args)
+    func(*args)

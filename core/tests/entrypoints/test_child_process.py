@@ -1,0 +1,75 @@
+"""Engine children are fresh interpreters: a script without a __main__ guard can use Engine."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from engine.entrypoints.child_process import ChildProcess
+
+# Every run of the script's top level appends a line to the marker file: multiprocessing's
+# spawn would run it again in each child (and crash building a second Engine there).
+_GUARDLESS = textwrap.dedent("""
+    import os, sys
+    with open(sys.argv[2], "a") as marker:
+        marker.write(f"{os.getpid()}\\n")
+    from engine import Engine
+    engine = Engine(model_path=sys.argv[1], max_total_tokens=1024)
+    out = engine.generate("Hello", {"max_new_tokens": 3})
+    print("children", *[p.pid for p in engine.runtime.processes])
+    print("completion_tokens", out["meta_info"]["completion_tokens"])
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_engine_in_a_script_without_main_guard(llama_ckpt: str, tmp_path: Path) -> None:
+    script = tmp_path / "guardless.py"
+    script.write_text(_GUARDLESS)
+    marker = tmp_path / "ran"
+    proc = subprocess.run([sys.executable, str(script), llama_ckpt, str(marker)], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
+    assert lines["completion_tokens"] == "3"
+    assert len(marker.read_text().split()) == 1, "a child re-ran the user's main module"
+    # The script never called shutdown(): its children went with it.
+    deadline = time.monotonic() + 5
+    children = [int(pid) for pid in lines["children"].split()]
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def test_child_exit_codes_follow_multiprocessing() -> None:
+    child = ChildProcess("os:_exit", (3,), name="exits")
+    child.join(30)
+    assert child.exitcode == 3 and not child.is_alive()
+    sleeper = ChildProcess("time:sleep", (60,), name="sleeps")
+    assert sleeper.is_alive() and sleeper.exitcode is None
+    sleeper.kill()
+    sleeper.join(10)
+    assert sleeper.exitcode == -9
+
+
+def test_a_users_file_cannot_shadow_our_modules(tmp_path: Path) -> None:
+    """The child imports ``engine`` before the parent's sys.path is installed: not from the cwd."""
+    (tmp_path / "engine.py").write_text("raise SystemExit(7)\n")
+    old = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        child = ChildProcess("os:_exit", (0,), name="shadowed")
+        child.join(30)
+    finally:
+        os.chdir(old)
+    assert child.exitcode == 0
