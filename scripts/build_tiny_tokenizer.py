@@ -1,8 +1,8 @@
-"""Rebuilds the embedded default model's tokenizer (core/src/engine/default_model/).
+"""Rebuilds the tiny test checkpoints' tokenizer (core/src/engine/testing/tiny_tokenizer/).
 
 A byte-level BPE with 2,048 tokens trained on the Python license text and the
 Zen of Python, both shipped with CPython, so the result needs no download.
-Run: python scripts/build_default_tokenizer.py
+Run: python scripts/build_tiny_tokenizer.py
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import this  # noqa: F401  (prints the Zen once; its text is what we train on)
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-OUT = os.path.join(os.path.dirname(__file__), "..", "core", "src", "engine", "default_model")
+OUT = os.path.join(os.path.dirname(__file__), "..", "core", "src", "engine", "testing", "tiny_tokenizer")
 
 
 def corpus() -> list[str]:

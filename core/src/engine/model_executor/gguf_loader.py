@@ -1,0 +1,122 @@
+"""GGUF checkpoints: find the file behind ``--model-path``, convert it once, reuse the cache.
+
+A GGUF is turned into a normal Hugging Face checkpoint directory (config.json, tokenizer files,
+dequantized safetensors; see ``gguf_convert``) under ``$ENGINE_CACHE_DIR/gguf/`` (default
+``~/.cache/engine/gguf/``), keyed by the file's SHA-256, so the scheduler, the tokenizer manager
+and the detokenizer all load it through the one Hugging Face path. Later starts find the cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+
+from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# llama.cpp's split files (model-00001-of-00003.gguf) need merging first.
+_SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
+
+
+def cache_root() -> str:
+    """The engine's cache directory: ``$ENGINE_CACHE_DIR`` or ``~/.cache/engine``."""
+    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
+
+
+def find_gguf(model_path: str) -> str | None:
+    """The GGUF file ``model_path`` names (the file, or the one GGUF in a directory without a
+    config.json); None for anything else (a Hugging Face directory, or a path that is wrong in
+    a way the Hugging Face loader reports).
+
+    Raises:
+        ModelLoadError: several GGUF files, or a split GGUF.
+    """
+    if os.path.isfile(model_path):
+        found = model_path if model_path.endswith(".gguf") else None
+    elif os.path.isdir(model_path) and not os.path.isfile(os.path.join(model_path, "config.json")):
+        names = sorted(n for n in os.listdir(model_path) if n.endswith(".gguf"))
+        if len(names) > 1:
+            raise ModelLoadError(f"--model-path: {model_path} holds {len(names)} GGUF files ({', '.join(names)}); "
+                                 "accepted: a directory with one GGUF, or the path of the file to load")
+        found = os.path.join(model_path, names[0]) if names else None
+    else:
+        found = None
+    if found is not None and _SPLIT.search(found):
+        raise ModelLoadError(f"--model-path: {found} is one part of a split GGUF; accepted: a single-file GGUF "
+                             "(merge the parts with llama.cpp's `llama-gguf-split --merge FIRST-PART OUT.gguf`)")
+    return found
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of the file, remembered by (path, size, mtime) so later starts skip re-reading GBs."""
+    stat = os.stat(path)
+    key = os.path.realpath(path)
+    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    memo_path = os.path.join(cache_root(), "gguf", "digests.json")
+    try:
+        with open(memo_path) as f:
+            memo = json.load(f)
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(key)
+    if isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items()) and "sha256" in entry:
+        return str(entry["sha256"])
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            h.update(chunk)
+    memo[key] = {**stamp, "sha256": h.hexdigest()}
+    os.makedirs(os.path.dirname(memo_path), exist_ok=True)
+    # Written whole then renamed: a concurrent reader sees the old memo or the new, never half.
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(memo_path), suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(memo, f, indent=1)
+    os.replace(tmp, memo_path)
+    return h.hexdigest()
+
+
+def converted_dir(gguf_path: str) -> str:
+    """Where the conversion of ``gguf_path`` lives (whether or not it exists yet)."""
+    from engine.model_executor.gguf_convert import CONVERTER_VERSION
+
+    stem = os.path.basename(gguf_path)[: -len(".gguf")]
+    return os.path.join(cache_root(), "gguf", f"{stem}-{file_digest(gguf_path)[:16]}-v{CONVERTER_VERSION}")
+
+
+def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], None]) -> str:
+    """The Hugging Face directory converted from ``gguf_path``, converting it on first use.
+
+    Args:
+        check_architecture: raises when no model plugin provides the Hugging Face architecture
+            the GGUF holds (called before the slow part of a conversion).
+    """
+    from engine.model_executor.gguf_convert import SOURCE_FILE, convert_gguf
+
+    target = converted_dir(gguf_path)
+    if os.path.isfile(os.path.join(target, SOURCE_FILE)):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(target))
+    started = time.perf_counter()
+    logger.info("converting GGUF %s to a safetensors checkpoint in %s (once; later starts reuse it)", gguf_path, target)
+    try:
+        convert_gguf(gguf_path, tmp, check_architecture)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished the same conversion first
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isfile(os.path.join(target, SOURCE_FILE)):
+                raise ModelLoadError(f"GGUF cache {target} is incomplete and in the way; delete it and retry") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("GGUF converted in %.1f s", time.perf_counter() - started)
+    return target
