@@ -39,6 +39,12 @@ def test_third_party_attention_plugin_lifecycle(tmp_path: pathlib.Path, llama_ck
         kit = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(dest / "tests")],
                              capture_output=True, text=True, timeout=300, cwd=str(dest))
         assert kit.returncode == 0, kit.stdout[-2000:]
+        # Installed but disabled: the error names the plugin and what disabled it, before any model load.
+        off = _engine("generate", "--model-path", llama_ckpt_dir, "--attention", "thirdparty",
+                      "--disable-plugin", "thirdparty")
+        assert off.returncode == 2
+        assert off.stderr.strip() == ("error: attention backend 'thirdparty' is provided by plugin 'thirdparty' "
+                                      "(plugserve-attention-thirdparty 0.1.0), which is disabled (--disable-plugin thirdparty)")
     finally:
         _pip("uninstall", "-y", "plugserve-attention-thirdparty")
     gone = _engine("generate", "--model-path", llama_ckpt_dir, "--attention", "thirdparty")

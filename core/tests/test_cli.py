@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
 import pytest
 from typer.testing import CliRunner
 
-from engine.cli import app
+from engine.cli import app, build_server_args
+from engine.errors import EngineError
 
 runner = CliRunner()
 
@@ -115,4 +117,56 @@ def test_generate_error_subprocess_is_one_line(llama_ckpt: str) -> None:
 def test_disabled_default_attention_backend_is_a_clear_error(llama_ckpt: str) -> None:
     res = runner.invoke(app, ["generate", "--model-path", llama_ckpt, "--disable-plugin", "torch_native"])
     assert res.exit_code == 2
-    assert "defaults to attention backend 'torch_native', which is not available" in res.output
+    assert ("attention backend 'torch_native' is provided by plugin 'torch_native' (plugserve-attention-torch-native "
+            "0.1.0), which is disabled (--disable-plugin torch_native); platform 'cpu' picks it") in res.output
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--plugin-option", "triton.max_kv_split=8"],
+     "plugin_options: unknown option 'triton.max_kv_split'; declared: triton.max_kv_splits (did you mean triton.max_kv_splits?)"),
+    (["--disable-plugin", "flashinfr"], "--disable-plugin: unknown plugin 'flashinfr'; installed: "),
+])
+def test_config_show_runs_the_start_up_checks(args: list[str], needle: str) -> None:
+    res = runner.invoke(app, ["config", "show", *args])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.output
+
+
+def test_checks_fail_before_the_model_loads(llama_ckpt: str) -> None:
+    from engine.entrypoints.launch import preflight
+
+    cases = [
+        # (a third-party CPU backend installed by a concurrent test may be listed too)
+        (["--attention", "triton"], "--attention: backend 'triton' does not run on cpu (it supports: cuda); "
+                                    "backends for platform 'cpu': "),
+        (["--disable-plugin", "llama"], "architecture 'LlamaForCausalLM' is provided by plugin 'llama' "
+                                        "(plugserve-models-llama 0.1.0), which is disabled (--disable-plugin llama)"),
+        (["--schedule-policy", "dfs-weight", "--disable-plugin", "dfs_weight"],
+         "schedule policy 'dfs-weight' is provided by plugin 'dfs_weight' (plugserve-policy-dfs-weight 0.1.0), "
+         "which is disabled (--disable-plugin dfs_weight)"),
+        (["--plugin-option", "torch_native.x=1"], "plugin_options: unknown option 'torch_native.x'"),
+    ]
+    for extra, needle in cases:
+        # The main process's preflight (no weights, no child process) raises it ...
+        args = build_server_args({"model_path": llama_ckpt, **_flags(extra)})
+        with pytest.raises(EngineError, match=re.escape(needle)):
+            preflight(args, llama_ckpt)
+        # ... and the command prints it on one line with exit status 2.
+        res = runner.invoke(app, ["generate", "--model-path", llama_ckpt, *extra])
+        assert res.exit_code == 2, (extra, res.output)
+        lines = [line for line in res.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and needle in lines[0], res.output
+
+
+def _flags(extra: list[str]) -> dict[str, object]:
+    values: dict[str, object] = {}
+    for flag, value in zip(extra[::2], extra[1::2]):
+        key = flag[2:].replace("-", "_")
+        if key == "disable_plugin":
+            values[key] = [value]
+        elif key == "plugin_option":
+            values[key] = [value]
+        else:
+            values[key] = value
+    return values

@@ -9,7 +9,7 @@ import pytest
 
 from engine import plugins
 from engine.config import ServerArgs, check_required_plugins, load_yaml
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineError
 from engine.hookspecs import PluginOption, hookimpl
 
 
@@ -68,17 +68,50 @@ def test_required_plugins() -> None:
         check_required_plugins(["not a requirement !!"])
 
 
-def test_plugin_options_hook(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.entrypoints.launch import _check_plugin_options
-
+def _options_registry(monkeypatch: pytest.MonkeyPatch) -> plugins.PluginRegistry:
     @hookimpl
     def register_plugin_options(register):  # type: ignore[no-untyped-def]
-        register(PluginOption(plugin="torch_native", key="block", default=64, help="tile size"))
+        register(PluginOption(plugin="opts", key="block", default=64, help="tile size"))
 
     mod = types.ModuleType("opts")
     mod.register_plugin_options = register_plugin_options  # type: ignore[attr-defined]
     reg = plugins.PluginRegistry(extra_plugins=[("opts", mod)])
     monkeypatch.setattr(plugins, "get_registry", lambda disabled=(): reg)
-    _check_plugin_options(ServerArgs.from_dict({"plugin_options": {"torch_native": {"block": 32}}}))
-    with pytest.raises(ConfigError, match=r"unknown option 'torch_native.blok'; declared: .*torch_native\.block"):
-        _check_plugin_options(ServerArgs.from_dict({"plugin_options": {"torch_native": {"blok": 32}}}))
+    return reg
+
+
+def test_plugin_options_are_checked_against_declarations(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = _options_registry(monkeypatch)
+    plugins.check_plugin_options({"opts": {"block": 32}})
+    assert reg.options_for("opts", {"opts": {"block": 32}}) == {"block": 32}
+    assert reg.options_for("opts", {}) == {"block": 64}  # the declared default reaches the factory
+    with pytest.raises(ConfigError, match=r"unknown option 'opts.blok'; declared: opts\.block \(did you mean opts.block\?\)"):
+        plugins.check_plugin_options({"opts": {"blok": 32}})
+    with pytest.raises(ConfigError, match=r"opts.block: invalid value 'big'; expected int like the default 64"):
+        plugins.check_plugin_options({"opts": {"block": "big"}})
+    with pytest.raises(ConfigError, match=r"unknown plugin 'optz'; installed: .*opts.*\(did you mean opts\?\)"):
+        plugins.check_plugin_options({"optz": {"block": 1}})
+
+
+def test_options_of_a_disabled_plugin_are_an_error() -> None:
+    with pytest.raises(ConfigError, match=r"plugin 'triton' is disabled \(--disable-plugin triton\)"):
+        plugins.check_plugin_options({"triton": {"max_kv_splits": 8}}, ["triton"])
+
+
+def test_option_declared_under_another_plugins_name_marks_it_broken() -> None:
+    @hookimpl
+    def register_plugin_options(register):  # type: ignore[no-untyped-def]
+        register(PluginOption(plugin="torch_native", key="block", default=64))
+
+    mod = types.ModuleType("squatter")
+    mod.register_plugin_options = register_plugin_options  # type: ignore[attr-defined]
+    reg = plugins.PluginRegistry(load_entry_points=False, extra_plugins=[("squatter", mod)])
+    info = reg.plugins["squatter"]
+    assert info.status == "broken" and "must be declared under this plugin's own name 'squatter'" in info.error
+
+
+def test_unknown_disable_plugin_name_is_an_error() -> None:
+    ServerArgs.from_dict({"disable_plugin": ["triton"]})
+    with pytest.raises(EngineError, match=r"--disable-plugin: unknown plugin 'flashinfr'; installed: .*torch_native.*"
+                                          r"\(did you mean flashinfer\?\)"):
+        ServerArgs.from_dict({"disable_plugin": ["flashinfr"]})

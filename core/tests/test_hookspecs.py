@@ -44,3 +44,20 @@ def test_core_imports_no_plugin_package() -> None:
                 names = [node.module]
             offenders += [f"{path.name}: {n}" for n in names if n.split(".")[0].startswith("engine_")]
     assert not offenders, offenders
+
+
+def test_call_with_accepted_passes_only_what_a_factory_accepts() -> None:
+    from engine.hookspecs import call_with_accepted
+
+    def old(config: dict) -> tuple:  # type: ignore[type-arg]
+        return (config,)
+
+    def new(config: dict, options: dict) -> tuple:  # type: ignore[type-arg]
+        return (config, options)
+
+    def loose(config: dict, **kwargs: object) -> tuple:  # type: ignore[type-arg]
+        return (config, kwargs)
+
+    assert call_with_accepted(old, {}, options={"a": 1}) == ({},)
+    assert call_with_accepted(new, {}, options={"a": 1}) == ({}, {"a": 1})
+    assert call_with_accepted(loose, {}, options={"a": 1}) == ({}, {"options": {"a": 1}})

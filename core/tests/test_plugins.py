@@ -48,8 +48,26 @@ def test_unknown_architecture_lists_supported() -> None:
 def test_disabled_plugin_is_listed_and_unusable() -> None:
     reg = plugins.PluginRegistry(disabled={"fcfs"})
     assert reg.plugins["fcfs"].status == "disabled"
-    with pytest.raises(PluginError, match="'fcfs' comes from plugin 'fcfs', which is disabled|unknown schedule policy 'fcfs'"):
+    with pytest.raises(PluginError) as err:
         reg.get("policy", "fcfs", "schedule policy")
+    assert str(err.value) == ("schedule policy 'fcfs' is provided by plugin 'fcfs' (plugserve-policy-fcfs 0.1.0), "
+                              "which is disabled (--disable-plugin fcfs)")
+
+
+def test_disabled_by_env_and_allowlist_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = plugins.PluginRegistry(env_disabled={"lpm"})
+    with pytest.raises(PluginError, match=r"plugin 'lpm' \(plugserve-policy-lpm 0.1.0\), which is disabled "
+                                          r"\(ENGINE_DISABLE_PLUGINS=lpm\)"):
+        reg.get("policy", "lpm", "schedule policy")
+    reg = plugins.PluginRegistry(allowlist={"cpu", "llama", "fcfs"})
+    with pytest.raises(PluginError, match=r"disabled \(not in ENGINE_PLUGINS=cpu,fcfs,llama\)"):
+        reg.get("attention", "torch_native", "attention backend")
+
+
+def test_unknown_name_with_nothing_disabled_lists_installed() -> None:
+    # No disabled plugin provides it: the message lists what is installed, as before.
+    with pytest.raises(PluginError, match=r"unknown schedule policy 'lifo'; installed: .*fcfs"):
+        plugins.PluginRegistry(disabled={"lpm"}).get("policy", "lifo", "schedule policy")
 
 
 def test_allowlist_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,3 +170,38 @@ def test_fallback_platform_when_nothing_else_claims() -> None:
     reg = plugins.PluginRegistry()
     names = [n for n, e in reg.entries["platform"].items() if e.spec.fallback]
     assert names == ["cpu"]
+
+
+class _OptionedPlatform(_FakeAccel):
+    """A hook-API-2 platform: its factory takes options; its default sees the enabled backends."""
+
+    def __init__(self, options: dict) -> None:  # type: ignore[type-arg]
+        self.options = options
+        self.told: tuple[str, ...] = ()
+
+    def default_attention_backend(self, available) -> str:  # type: ignore[no-untyped-def, override]
+        self.told = tuple(available)
+        return "torch_native"
+
+
+def test_platform_factory_gets_options_and_default_sees_enabled_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.hookspecs import PluginOption
+
+    @hookimpl
+    def register_platforms(register):  # type: ignore[no-untyped-def]
+        register(PlatformSpec(name="opt_plat", factory=_OptionedPlatform, device_type="cpu"))
+
+    @hookimpl
+    def register_plugin_options(register):  # type: ignore[no-untyped-def]
+        register(PluginOption(plugin="optplat", key="cores", default=4))
+
+    mod = _module("optplat", register_platforms=register_platforms, register_plugin_options=register_plugin_options)
+    reg = plugins.PluginRegistry(disabled={"triton"}, extra_plugins=[("optplat", mod)])
+    monkeypatch.setattr(plugins, "get_registry", lambda disabled=(): reg)
+    spec, platform = plugins.choose_platform("opt_plat", plugin_options={"optplat": {"cores": 2}})
+    assert spec.name == "opt_plat" and platform.options == {"cores": 2}
+    assert plugins.select_platform("opt_plat").options == {"cores": 4}  # the declared default
+    assert plugins.default_attention_backend(platform) == "torch_native"
+    assert "torch_native" in platform.told and "triton" not in platform.told
+    # A hook-API-1 platform (no ``available`` argument) still answers.
+    assert plugins.default_attention_backend(_FakeAccel()) == "torch_native"

@@ -217,6 +217,10 @@ def config_show(server_args: ServerArgs, as_json: bool) -> None:
     """Print the effective configuration (file + flags) after validation."""
     import yaml
 
+    from engine import plugins
+
+    # The same check start-up runs: a configuration shown as valid must not be rejected at start.
+    plugins.check_plugin_options(server_args.plugin_options, server_args.disable_plugin)
     data = server_args.to_dict()
     typer.echo(json.dumps(data, indent=2) if as_json else yaml.safe_dump(data, sort_keys=False).rstrip())
 

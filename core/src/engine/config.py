@@ -126,6 +126,11 @@ class ServerArgs:
             raise ConfigError(f"--tp-size: invalid value {self.tp_size}; accepted: 1 (tensor parallelism is not implemented yet)")
         if not isinstance(self.plugin_options, dict) or not all(isinstance(v, dict) for v in self.plugin_options.values()):
             raise ConfigError("plugin_options: expected a mapping {plugin: {key: value}}")
+        if self.disable_plugin:
+            from engine.plugins import check_plugin_names
+
+            # A misspelt name would otherwise disable nothing, silently.
+            check_plugin_names(self.disable_plugin, "--disable-plugin")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -18,6 +18,9 @@ Rules (hook API version ``HOOK_API_VERSION``):
   string imported only when the implementation is selected.
 - Hooks only ever gain arguments; an implementation may accept fewer arguments
   than its spec (pluggy passes only the ones it names).
+- Factories, like hooks, only ever gain arguments: the engine passes an optional
+  argument (``options=``) only to a factory whose signature names it (or takes
+  ``**kwargs``), so factories written for an older API keep working.
 - None of these hooks is ``firstresult``: every plugin is asked, and each calls
   ``register`` zero or more times. Return values are ignored.
 """
@@ -33,9 +36,14 @@ import pluggy
 PROJECT_NAME = "engine"
 ENTRY_POINT_GROUP = "engine.plugins"
 
-#: Version of this hook API. Bumped when a hook or a spec field is added.
+#: Version of this hook API. Bumped when a hook, a spec field or a factory argument is added.
 #: 1: the five registration hooks and their spec classes.
-HOOK_API_VERSION = 1
+#: 2: factories of quantization methods, schedule policies and platforms, and model classes,
+#:    receive their plugin's options as the keyword ``options``; attention backends get them
+#:    in ``AttentionContext.options`` as before. ``Platform.default_attention_backend`` receives
+#:    ``available`` (the enabled attention backend names). A ``PluginOption`` must be declared
+#:    under the declaring plugin's own (entry-point) name.
+HOOK_API_VERSION = 2
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -68,9 +76,10 @@ class AttentionBackendSpec:
 class QuantMethodSpec:
     """A quantization method (or family) for linear and MoE layers.
 
-    ``factory(quant_config: dict) -> engine.layers.quantization.QuantizationConfig``,
+    ``factory(quant_config: dict, options: dict = ...) -> engine.layers.quantization.QuantizationConfig``,
     where ``quant_config`` is the checkpoint's ``quantization_config`` (empty dict when
-    the method is chosen with ``--quant`` for an unquantized checkpoint).
+    the method is chosen with ``--quant`` for an unquantized checkpoint) and ``options``
+    the plugin's options (hook API 2; optional).
     """
 
     name: str
@@ -87,7 +96,8 @@ class ModelSpec:
     """Model architectures, keyed by the ``architectures`` names of a HF config.json.
 
     ``factory`` resolves to a class (or a callable returning one) constructed as
-    ``cls(config: transformers.PretrainedConfig, quant_config: QuantizationConfig | None)``
+    ``cls(config: transformers.PretrainedConfig, quant_config: QuantizationConfig | None,
+    options: dict = ...)`` (``options``: the plugin's options, hook API 2; optional)
     and exposing ``forward(input_ids, positions, forward_batch) -> LogitsProcessorOutput``
     and ``load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> None``.
     """
@@ -102,7 +112,8 @@ class ModelSpec:
 class SchedulePolicySpec:
     """An order for the scheduler's waiting queue.
 
-    ``factory() -> engine.managers.policy.SchedulePolicy``.
+    ``factory(options: dict = ...) -> engine.managers.policy.SchedulePolicy``
+    (``options``: the plugin's options, hook API 2; optional).
     """
 
     name: str
@@ -116,7 +127,8 @@ class SchedulePolicySpec:
 class PlatformSpec:
     """A hardware platform.
 
-    ``factory() -> engine.platforms.Platform``. A platform whose ``is_available()``
+    ``factory(options: dict = ...) -> engine.platforms.Platform`` (``options``: the
+    plugin's options, hook API 2; optional). A platform whose ``is_available()``
     is True claims the machine; a ``fallback`` platform (cpu) is chosen only when
     no other platform claims it.
     """
@@ -130,10 +142,15 @@ class PlatformSpec:
 
 @dataclass(frozen=True)
 class PluginOption:
-    """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``)."""
+    """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``).
+
+    ``plugin`` must be the declaring plugin's entry-point name: the engine hands the
+    values (defaults overridden by the user's) to that plugin's factories.
+    """
 
     plugin: str
     key: str
+    #: used when the user sets nothing; its type (when not None) is the accepted type.
     default: Any
     help: str = ""
 
@@ -187,9 +204,11 @@ class EngineHookSpecs:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
         Users set them in YAML under ``plugin_options: {<plugin>: {<key>: value}}`` or with
-        ``--plugin-option <plugin>.<key>=<value>``; unknown keys are an error.
+        ``--plugin-option <plugin>.<key>=<value>``; unknown keys are an error before the
+        model loads. The plugin's factories receive the values (hook API 2).
 
-        Not firstresult. Since hook API 1.
+        Not firstresult. Since hook API 1; ``PluginOption.plugin`` must be the plugin's own
+        name since hook API 2.
         """
 
 
@@ -202,6 +221,26 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     PlatformSpec: ("platform", "register_platforms"),
     PluginOption: ("option", "register_plugin_options"),
 }
+
+
+def call_with_accepted(fn: Callable[..., Any], *args: Any, **optional: Any) -> Any:
+    """``fn(*args, **optional)``, leaving out the optional keywords ``fn`` does not accept.
+
+    This is how the factory API grows without breaking older plugins (the pluggy rule
+    applied to factories): an argument added in a later hook-API version reaches only
+    the factories whose signature names it or that take ``**kwargs``.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: pass only what is required
+        return fn(*args)
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return fn(*args, **optional)
+    named = {p.name for p in params
+             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    return fn(*args, **{k: v for k, v in optional.items() if k in named})
 
 
 def resolve_factory(factory: Factory) -> Any:
@@ -227,6 +266,7 @@ __all__ = [
     "PluginOption",
     "QuantMethodSpec",
     "SchedulePolicySpec",
+    "call_with_accepted",
     "hookimpl",
     "hookspec",
     "resolve_factory",

@@ -13,7 +13,9 @@ process. Control:
 - a plugin that fails to import or to register is listed as broken with its error.
 
 Selecting an unknown, broken or disabled implementation is a ``PluginError`` that
-names what is installed; nothing falls back silently.
+names what is installed (for a disabled plugin: which plugin and distribution would
+provide it, and what disabled it); nothing falls back silently. ``options_for`` gives
+a plugin's options (declared defaults overridden by the user's) to its factories.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ from typing import Any
 import pluggy
 
 from engine import hookspecs
-from engine.errors import PluginError, did_you_mean
+from engine.errors import ConfigError, PluginError, did_you_mean
 from engine.hookspecs import (
     ENTRY_POINT_GROUP,
+    Factory,
     SPEC_KINDS,
     AttentionBackendSpec,
     ModelSpec,
@@ -38,6 +41,7 @@ from engine.hookspecs import (
     PluginOption,
     QuantMethodSpec,
     SchedulePolicySpec,
+    call_with_accepted,
     resolve_factory,
 )
 
@@ -65,6 +69,8 @@ class PluginInfo:
     version: str
     status: str = "ok"  # ok | broken | disabled
     error: str = ""
+    # what disabled it, for errors: "--disable-plugin NAME", "ENGINE_DISABLE_PLUGINS=...", ...
+    disabled_by: str = ""
     kinds: dict[str, list[str]] = field(default_factory=dict)  # kind -> registered names
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,6 +80,7 @@ class PluginInfo:
             "version": self.version,
             "status": self.status,
             "error": self.error,
+            "disabled_by": self.disabled_by,
             "registers": self.kinds,
         }
 
@@ -97,6 +104,7 @@ class PluginRegistry:
         allowlist: Iterable[str] | None = None,
         extra_plugins: Iterable[tuple[str, Any]] = (),
         load_entry_points: bool = True,
+        env_disabled: Iterable[str] = (),
     ) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         self.pm.add_hookspecs(hookspecs.EngineHookSpecs)
@@ -104,8 +112,11 @@ class PluginRegistry:
         self.entries: dict[str, dict[str, Registered]] = {kind: {} for kind, _ in SPEC_KINDS.values()}
         # name collisions: kind -> name -> plugins that registered it
         self.conflicts: dict[str, dict[str, list[str]]] = {}
-        self.disabled = frozenset(disabled)
+        # --disable-plugin and ENGINE_DISABLE_PLUGINS are kept apart only to say which one disabled a plugin.
+        self.env_disabled = frozenset(env_disabled)
+        self.disabled = frozenset(disabled) | self.env_disabled
         self.allowlist = frozenset(allowlist) if allowlist is not None else None
+        self._shadow: PluginRegistry | None = None
         if load_entry_points:
             self._load_entry_points()
         for name, obj in extra_plugins:
@@ -125,8 +136,9 @@ class PluginRegistry:
             version = ep.dist.version if ep.dist else "?"
             if ep.name in self.plugins:
                 continue  # the same distribution seen twice on sys.path
-            if ep.name in self.disabled or (self.allowlist is not None and ep.name not in self.allowlist):
-                self.plugins[ep.name] = PluginInfo(ep.name, dist, version, status="disabled")
+            why = self._disabled_reason(ep.name)
+            if why:
+                self.plugins[ep.name] = PluginInfo(ep.name, dist, version, status="disabled", disabled_by=why)
                 continue
             try:
                 obj = ep.load()
@@ -136,6 +148,15 @@ class PluginRegistry:
                 )
                 continue
             self._register_object(ep.name, obj, dist, version)
+
+    def _disabled_reason(self, name: str) -> str:
+        if name in self.disabled - self.env_disabled:
+            return f"--disable-plugin {name}"
+        if name in self.env_disabled:
+            return f"{DISABLE_ENV}={','.join(sorted(self.env_disabled))}"
+        if self.allowlist is not None and name not in self.allowlist:
+            return f"not in {ALLOWLIST_ENV}={','.join(sorted(self.allowlist))}"
+        return ""
 
     def _register_object(self, name: str, obj: Any, dist: str, version: str) -> None:
         info = PluginInfo(name, dist, version)
@@ -154,9 +175,14 @@ class PluginRegistry:
                     continue
                 collected: list[Any] = []
 
-                def register(spec: Any, _cls: type = spec_cls, _out: list[Any] = collected) -> None:
+                def register(spec: Any, _cls: type = spec_cls, _out: list[Any] = collected,
+                             _owner: str = info.name) -> None:
                     if not isinstance(spec, _cls):
                         raise TypeError(f"{hook_name} expects {_cls.__name__}, got {type(spec).__name__}")
+                    if isinstance(spec, PluginOption) and spec.plugin != _owner:
+                        # Options reach the factories of the plugin named here; a foreign name reaches nobody.
+                        raise ValueError(f"option '{spec.plugin}.{spec.key}' must be declared under this "
+                                         f"plugin's own name '{_owner}'")
                     _out.append(spec)
 
                 kwargs = {"register": register}
@@ -197,6 +223,11 @@ class PluginRegistry:
             return entry.spec
         installed = self.names(kind)
         hint = did_you_mean(name, installed + [n for (k, n) in KNOWN_DISTRIBUTIONS if k == kind])
+        disabled_owner = self.disabled_provider(kind, lambda spec: spec.name == name)
+        if disabled_owner is not None:
+            raise PluginError(f"{label} '{name}' is provided by plugin {disabled_owner.name!r} "
+                              f"({disabled_owner.distribution} {disabled_owner.version}), which is disabled "
+                              f"({disabled_owner.disabled_by})")
         dist = KNOWN_DISTRIBUTIONS.get((kind, name))
         unusable = [p for p in self.plugins.values() if p.status != "ok" and dist and p.distribution == dist]
         if unusable:
@@ -209,6 +240,37 @@ class PluginRegistry:
         return _raise(
             f"unknown {label} '{name}'; installed: {', '.join(installed) or 'none'}{hint}{install}{broken_note}"
         )
+
+
+    def disabled_provider(self, kind: str, matches: Any) -> PluginInfo | None:
+        """The disabled plugin that would register a ``kind`` spec for which ``matches(spec)``.
+
+        Disabled plugins are not loaded for running; only when an error needs to say who
+        provides a name are they loaded, once, into a separate registry (registration is
+        cheap by contract). Returns None when no disabled plugin provides it.
+        """
+        disabled = [p.name for p in self.plugins.values() if p.status == "disabled"]
+        if not disabled:
+            return None
+        if self._shadow is None:
+            try:
+                self._shadow = PluginRegistry(allowlist=disabled)
+            except Exception:  # a disabled plugin may well be unloadable: then nobody is named
+                return None
+        for entry in self._shadow.entries[kind].values():
+            if matches(entry.spec):
+                return self.plugins[entry.plugin.name]
+        return None
+
+    def provider(self, kind: str, name: str) -> PluginInfo | None:
+        """The plugin that registered ``name`` (None for an unregistered name)."""
+        entry = self.entries[kind].get(name)
+        return entry.plugin if entry is not None else None
+
+    def options_for(self, plugin: str, plugin_options: dict[str, dict[str, Any]]) -> dict[str, Any]:
+        """``plugin``'s declared option defaults, overridden by the user's ``plugin_options``."""
+        declared = {e.spec.key: e.spec.default for e in self.entries["option"].values() if e.spec.plugin == plugin}
+        return {**declared, **dict(plugin_options.get(plugin) or {})}
 
 
 def _raise(message: str) -> Any:
@@ -224,27 +286,52 @@ def _one_line(exc: BaseException) -> str:
 
 # -- process-wide registry -------------------------------------------------
 _lock = threading.Lock()
-_registries: dict[tuple[frozenset[str], frozenset[str] | None], PluginRegistry] = {}
+_registries: dict[tuple[frozenset[str], frozenset[str], frozenset[str] | None], PluginRegistry] = {}
+_installed: dict[str, tuple[str, str]] | None = None
 
 
 def get_registry(disabled: Iterable[str] = ()) -> PluginRegistry:
     """The registry for this process (loaded once per allowlist/disabled combination)."""
-    dis = frozenset(disabled) | _split_env(os.environ.get(DISABLE_ENV))
+    dis = frozenset(disabled)
+    env = _split_env(os.environ.get(DISABLE_ENV))
     allow_env = os.environ.get(ALLOWLIST_ENV)
     allow = _split_env(allow_env) if allow_env is not None else None
-    key = (dis, allow)
+    key = (dis, env, allow)
     with _lock:
         if key not in _registries:
-            _registries[key] = PluginRegistry(disabled=dis, allowlist=allow)
+            _registries[key] = PluginRegistry(disabled=dis, allowlist=allow, env_disabled=env)
         return _registries[key]
+
+
+def installed_plugins() -> dict[str, tuple[str, str]]:
+    """Entry-point name -> (distribution, version) of every installed plugin, none of them loaded."""
+    global _installed
+    with _lock:
+        if _installed is None:
+            from importlib.metadata import entry_points
+
+            _installed = {ep.name: (ep.dist.name if ep.dist else "?", ep.dist.version if ep.dist else "?")
+                          for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        return dict(_installed)
+
+
+def check_plugin_names(names: Iterable[str], label: str) -> None:
+    """Each of ``names`` must be an installed plugin (``label`` names the flag in the error)."""
+    installed = installed_plugins()
+    for name in names:
+        if name not in installed:
+            raise PluginError(f"{label}: unknown plugin '{name}'; installed: {', '.join(sorted(installed)) or 'none'}"
+                              f"{did_you_mean(name, installed)}")
 
 
 def reset_registry() -> None:
     """Forgets loaded registries (after installing or removing a plugin in-process)."""
     import importlib
 
+    global _installed
     with _lock:
         _registries.clear()
+        _installed = None
     importlib.invalidate_caches()
 
 
@@ -296,6 +383,10 @@ def get_model_spec(architecture: str, disabled: Iterable[str] = ()) -> ModelSpec
         raise PluginError(f"architecture '{architecture}' is provided by several plugins ({names}); disable all but one with --disable-plugin")
     if owners:
         return owners[0].spec
+    off = reg.disabled_provider("model", lambda spec: architecture in spec.architectures)
+    if off is not None:
+        raise PluginError(f"architecture '{architecture}' is provided by plugin {off.name!r} "
+                          f"({off.distribution} {off.version}), which is disabled ({off.disabled_by})")
     known = model_architectures(disabled)
     raise PluginError(
         f"no installed model plugin provides architecture '{architecture}'; "
@@ -304,7 +395,12 @@ def get_model_spec(architecture: str, disabled: Iterable[str] = ()) -> ModelSpec
 
 
 def get_model_class(architecture: str, disabled: Iterable[str] = ()) -> Any:
-    factory = resolve_factory(get_model_spec(architecture, disabled).factory)
+    return model_class_of(get_model_spec(architecture, disabled), architecture)
+
+
+def model_class_of(spec: ModelSpec, architecture: str) -> Any:
+    """The class a model spec builds for ``architecture``."""
+    factory = resolve_factory(spec.factory)
     # A factory may be the class itself or a function(architecture) returning it.
     if isinstance(factory, type):
         return factory
@@ -323,38 +419,104 @@ def plugin_options(disabled: Iterable[str] = ()) -> dict[str, PluginOption]:
     return {k: e.spec for k, e in get_registry(disabled).entries["option"].items()}
 
 
-def select_platform(name: str | None = None, disabled: Iterable[str] = ()) -> Any:
-    """Instantiates the platform to run on.
+def plugin_options_for(kind: str, name: str, plugin_options: dict[str, dict[str, Any]],
+                       disabled: Iterable[str] = ()) -> dict[str, Any]:
+    """Options for the plugin that registered the ``kind`` spec ``name`` (empty when none does)."""
+    reg = get_registry(disabled)
+    owner = reg.provider(kind, name)
+    return reg.options_for(owner.name, plugin_options) if owner is not None else {}
+
+
+def check_plugin_options(plugin_options: dict[str, dict[str, Any]], disabled: Iterable[str] = ()) -> None:
+    """Every ``plugin_options`` entry must name an enabled plugin and an option it declares,
+    with a value of the default's type. Start-up and ``engine config show`` both run this."""
+    reg = get_registry(disabled)
+    declared = {k: e.spec for k, e in reg.entries["option"].items()}
+    for plugin, values in plugin_options.items():
+        info = reg.plugins.get(plugin)
+        if info is None:
+            raise ConfigError(f"plugin_options: unknown plugin '{plugin}'; installed: "
+                              f"{', '.join(sorted(reg.plugins)) or 'none'}{did_you_mean(plugin, reg.plugins)}")
+        if info.status != "ok":
+            why = info.disabled_by or info.error
+            raise ConfigError(f"plugin_options: plugin '{plugin}' is {info.status} ({why}); its options cannot be set")
+        mine = sorted(k for k, spec in declared.items() if spec.plugin == plugin)
+        for key, value in values.items():
+            spec = declared.get(f"{plugin}.{key}")
+            if spec is None:
+                raise ConfigError(f"plugin_options: unknown option '{plugin}.{key}'; declared: "
+                                  f"{', '.join(mine) or f'none by {plugin}'}{did_you_mean(f'{plugin}.{key}', mine)}")
+            if not _same_kind(value, spec.default):
+                raise ConfigError(f"plugin_options: {plugin}.{key}: invalid value {value!r}; expected "
+                                  f"{type(spec.default).__name__} like the default {spec.default!r}")
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    if default is None or value is None:
+        return True
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def create(factory: Factory, *args: Any, options: dict[str, Any]) -> Any:
+    """Calls a plugin factory, passing ``options`` only if it accepts them (hook API 2)."""
+    return call_with_accepted(resolve_factory(factory), *args, options=options)
+
+
+def choose_platform(name: str | None = None, disabled: Iterable[str] = (),
+                    plugin_options: dict[str, dict[str, Any]] | None = None) -> tuple[PlatformSpec, Any]:
+    """(spec, instance) of the platform to run on.
 
     With ``name`` the named platform must be available. Without it, exactly one
     non-fallback platform may claim the machine; a fallback one (cpu) is chosen only
-    when none does; two claimants is an error that asks for ``--platform``.
+    when none does; two claimants is an error that asks for ``--platform``. Each
+    platform's factory receives its plugin's options.
     """
     reg = get_registry(disabled)
+    opts = plugin_options or {}
+
+    def build(entry_name: str) -> Any:
+        entry = reg.entries["platform"][entry_name]
+        return create(entry.spec.factory, options=reg.options_for(entry.plugin.name, opts))
+
     if name is not None:
         spec = reg.get("platform", name, "platform")
-        platform = resolve_factory(spec.factory)()
+        platform = build(name)
         if not platform.is_available():
             raise PluginError(f"platform '{name}' is not available on this machine: {platform.unavailable_reason()}")
-        return platform
+        return spec, platform
     claimants, fallbacks = [], []
-    for entry in reg.entries["platform"].values():
-        platform = resolve_factory(entry.spec.factory)()
+    for entry_name, entry in reg.entries["platform"].items():
+        platform = build(entry_name)
         if platform.is_available():
-            (fallbacks if entry.spec.fallback else claimants).append((entry.spec.name, platform))
+            (fallbacks if entry.spec.fallback else claimants).append((entry.spec, platform))
     if len(claimants) > 1:
-        names = ", ".join(n for n, _ in claimants)
+        names = ", ".join(s.name for s, _ in claimants)
         raise PluginError(f"several platforms claim this machine ({names}); choose one with --platform")
     if claimants:
-        return claimants[0][1]
+        return claimants[0]
     if len(fallbacks) == 1:
-        return fallbacks[0][1]
+        return fallbacks[0]
     if not fallbacks:
         raise PluginError(
             f"no available platform; installed: {', '.join(reg.names('platform')) or 'none'}; pip install plugserve-platform-cpu"
         )
-    names = ", ".join(n for n, _ in fallbacks)
+    names = ", ".join(s.name for s, _ in fallbacks)
     raise PluginError(f"several fallback platforms ({names}); choose one with --platform")
+
+
+def select_platform(name: str | None = None, disabled: Iterable[str] = (),
+                    plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The platform instance ``choose_platform`` picks."""
+    return choose_platform(name, disabled, plugin_options)[1]
+
+
+def default_attention_backend(platform: Any, disabled: Iterable[str] = ()) -> str:
+    """The platform's default attention backend, told which backends are enabled (hook API 2)."""
+    return str(call_with_accepted(platform.default_attention_backend, available=tuple(attention_backends(disabled))))
 
 
 def list_plugins(disabled: Iterable[str] = ()) -> list[PluginInfo]:

@@ -33,7 +33,7 @@ def test_import_and_probe_do_not_initialise_cuda() -> None:
     code = (
         "import torch, engine_platform_cuda\n"
         "from engine_platform_cuda.platform import CudaPlatform\n"
-        "p = CudaPlatform(); p.is_available(); p.unavailable_reason(); p.default_attention_backend()\n"
+        "p = CudaPlatform(); p.is_available(); p.unavailable_reason(); p.default_attention_backend(('triton', 'flashinfer'))\n"
         "print(torch.cuda.is_initialized())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -53,11 +53,23 @@ def test_default_attention_prefers_flashinfer_only_when_importable(monkeypatch: 
     from engine_platform_cuda import platform as module
 
     platform = _platform()
+    both = ("flashinfer", "torch_native", "triton")
     monkeypatch.setattr(module, "_flashinfer_importable", lambda: False)
-    assert platform.default_attention_backend() == "triton"
+    assert platform.default_attention_backend(both) == "triton"
     monkeypatch.setattr(module, "_flashinfer_importable", lambda: True)
-    expected = "flashinfer" if "flashinfer" in plugins.attention_backends() else "triton"
-    assert platform.default_attention_backend() == expected
+    assert platform.default_attention_backend(both) == "flashinfer"
+    # A disabled (or uninstalled) flashinfer is never the default, importable or not.
+    assert platform.default_attention_backend(("torch_native", "triton")) == "triton"
+
+
+def test_engine_tells_the_default_which_backends_are_enabled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_platform_cuda import platform as module
+
+    monkeypatch.setattr(module, "_flashinfer_importable", lambda: True)
+    platform = _platform()
+    if "flashinfer" in plugins.attention_backends():
+        assert plugins.default_attention_backend(platform) == "flashinfer"
+    assert plugins.default_attention_backend(platform, ["flashinfer"]) == "triton"
 
 
 def test_policies() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from engine import plugins
 from engine.config import ServerArgs, check_required_plugins
-from engine.errors import ConfigError, EngineError
+from engine.errors import EngineError
 from engine.managers.io_struct import SchedulerReady
 from engine.managers.process_utils import IpcNames
 
@@ -29,31 +29,19 @@ def resolve_model_path(args: ServerArgs) -> str:
 
 
 def preflight(args: ServerArgs, model_path: str) -> Any:
-    """Checks in this process what can be checked cheaply, so errors come fast and clean."""
+    """Runs in this process every check that needs no weights, so errors come fast and clean.
+
+    The selection is the same ``select_components`` the scheduler process builds from, so a
+    run that passes here fails later only for reasons that need the weights or the device.
+    """
     from engine.model_executor.model_loader import load_hf_config
+    from engine.selection import select_components
 
     check_required_plugins(args.required_plugins)
-    disabled = args.disable_plugin
+    plugins.check_plugin_options(args.plugin_options, args.disable_plugin)
     config = load_hf_config(model_path, args.trust_remote_code)
-    plugins.get_model_spec(config.architectures[0], disabled)
-    plugins.get_schedule_policy(args.schedule_policy, disabled)
-    from engine.model_executor.model_runner import resolve_attention_name
-
-    platform = plugins.select_platform(args.platform, disabled)
-    plugins.get_attention_backend(resolve_attention_name(args, platform), disabled)
-    if args.quant:
-        plugins.get_quantization_method(args.quant, disabled)
-    _check_plugin_options(args)
+    select_components(args, config)
     return config
-
-
-def _check_plugin_options(args: ServerArgs) -> None:
-    declared = plugins.plugin_options(args.disable_plugin)
-    for plugin, values in args.plugin_options.items():
-        for key in values:
-            if f"{plugin}.{key}" not in declared:
-                known = sorted(declared)
-                raise ConfigError(f"plugin_options: unknown option '{plugin}.{key}'; declared: {', '.join(known) or 'none'}")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from engine.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from engine.layers.quantization import LinearMethodBase, QuantizationConfig
+from engine.layers.quantization import LinearMethodBase, QuantizationConfig, is_layer_ignored
 
 
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
@@ -56,7 +56,9 @@ class LinearBase(nn.Module):
         self.output_size = output_size
         self.prefix = prefix
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        method = quant_config.get_linear_method(self, prefix) if quant_config else None
+        method = None
+        if quant_config is not None and not is_layer_ignored(prefix, quant_config.ignored_layers()):
+            method = quant_config.get_linear_method(self, prefix)
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()

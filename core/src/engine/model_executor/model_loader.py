@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine import plugins
 from engine.errors import ModelLoadError
-from engine.hookspecs import resolve_factory
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
-    from engine.layers.quantization import QuantizationConfig
+    from engine.selection import Selection
 
 logger = logging.getLogger(__name__)
 
@@ -74,32 +72,6 @@ def resolve_dtype(dtype: str, config: Any, platform_default: torch.dtype) -> tor
     return platform_default
 
 
-def _check_quant_device(spec: Any, device_type: str | None) -> None:
-    if device_type is not None and device_type not in spec.device_types:
-        raise ModelLoadError(
-            f"quantization method '{spec.name}' does not run on {device_type} (it supports: {', '.join(spec.device_types)})")
-
-
-def resolve_quant_config(args: ServerArgs, config: Any, device_type: str | None = None) -> QuantizationConfig | None:
-    """The checkpoint's quantization_config, or ``--quant``; both given must agree."""
-    ckpt = getattr(config, "quantization_config", None)
-    if ckpt is not None and not isinstance(ckpt, dict):
-        ckpt = ckpt.to_dict()
-    disabled = args.disable_plugin
-    if ckpt:
-        method = str(ckpt.get("quant_method", ""))
-        spec = plugins.find_quantization_for_checkpoint(method, disabled)
-        if args.quant and args.quant != spec.name and args.quant not in spec.checkpoint_methods:
-            raise ModelLoadError(f"--quant {args.quant} conflicts with the checkpoint's quantization_config (quant_method '{method}')")
-        _check_quant_device(spec, device_type)
-        return resolve_factory(spec.factory)(ckpt)
-    if args.quant:
-        spec = plugins.get_quantization_method(args.quant, disabled)
-        _check_quant_device(spec, device_type)
-        return resolve_factory(spec.factory)({})
-    return None
-
-
 def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) pairs from safetensors (preferred) or PyTorch .bin files."""
     st_files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
@@ -138,15 +110,13 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
 
 
 def load_model(args: ServerArgs, model_path: str, config: Any, dtype: torch.dtype,
-               device: torch.device) -> torch.nn.Module:
-    arch = config.architectures[0]
-    model_cls = plugins.get_model_class(arch, args.disable_plugin)
-    quant_config = resolve_quant_config(args, config, device.type)
+               device: torch.device, selection: Selection) -> torch.nn.Module:
+    """Builds ``selection``'s model plugin (with its quant config and options) and loads weights."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_cls(config, quant_config)
+            model = selection.create_model(config)
     finally:
         torch.set_default_dtype(previous)
     if args.load_format == "dummy":

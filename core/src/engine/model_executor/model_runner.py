@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine import plugins
 from engine.attention import AttentionContext
 from engine.errors import ConfigError
 from engine.hookspecs import resolve_factory
@@ -15,7 +14,8 @@ from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.sampler import Sampler, SampleOutput
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_executor.forward_batch import ForwardBatch
-from engine.model_executor.model_loader import load_hf_config, load_model, resolve_dtype
+from engine.model_executor.model_loader import load_hf_config, load_model
+from engine.selection import select_components
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
@@ -28,28 +28,19 @@ _CPU_MAX_POOL_TOKENS = 1 << 17
 _REQ_TO_TOKEN_BUDGET_BYTES = 512 << 20
 
 
-def resolve_attention_name(args: ServerArgs, platform: Any) -> str:
-    """``--attention``, else the platform's default, which must be installed and enabled."""
-    if args.attention:
-        return args.attention
-    name = platform.default_attention_backend()
-    if name not in plugins.attention_backends(args.disable_plugin):
-        raise ConfigError(
-            f"platform '{platform.name}' defaults to attention backend '{name}', which is not available "
-            f"(disabled or not installed); choose one with --attention "
-            f"(available: {', '.join(plugins.attention_backends(args.disable_plugin)) or 'none'})")
-    return name
-
-
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
         self.args = args
-        self.platform = platform or plugins.select_platform(args.platform, args.disable_plugin)
+        self.hf_config = load_hf_config(model_path, args.trust_remote_code)
+        # The same choice and checks as the main process's preflight (engine.selection).
+        self.selection = select_components(args, self.hf_config, platform)
+        self.platform = self.selection.platform
         self.device = self.platform.device(0)
         self.platform.set_device(self.device)
         self.platform.seed_everything(args.random_seed)
-        self.hf_config = load_hf_config(model_path, args.trust_remote_code)
-        self.dtype = resolve_dtype(args.dtype, self.hf_config, self.platform.default_dtype())
+        for line in self.selection.log_lines():
+            logger.info(line)
+        self.dtype = self.selection.dtype
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
@@ -62,7 +53,7 @@ class ModelRunner:
         self.context_len = args.context_length or model_ctx
 
         free_before, _ = self.platform.memory_info(self.device)
-        self.model = load_model(args, model_path, cfg, self.dtype, self.device)
+        self.model = load_model(args, model_path, cfg, self.dtype, self.device, self.selection)
         self._install_layer_kernels()
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
@@ -146,24 +137,16 @@ class ModelRunner:
                 f"(Engine(max_total_tokens=N)) or raise --mem-fraction-static F (Engine(mem_fraction_static=F))")
 
     def _create_attention_backend(self) -> Any:
-        name = resolve_attention_name(self.args, self.platform)
-        spec = plugins.get_attention_backend(name, self.args.disable_plugin)
-        if self.device.type not in spec.device_types:
-            raise ConfigError(
-                f"--attention: backend '{name}' does not run on {self.device.type} "
-                f"(it supports: {', '.join(spec.device_types)})"
-            )
-        if spec.page_sizes and self.args.page_size not in spec.page_sizes:
-            raise ConfigError(f"--page-size: invalid value {self.args.page_size} for attention backend '{name}'; accepted: {', '.join(map(str, spec.page_sizes))}")
-        self.attention_backend_name = name
+        chosen = self.selection.attention  # checked against the platform and page size already
+        self.attention_backend_name = chosen.name
         ctx = AttentionContext(
             device=self.device, dtype=self.dtype, num_layers=self.num_layers,
             num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
             page_size=self.args.page_size, max_context_len=self.context_len,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
-            options=dict(self.args.plugin_options.get(name, {})),
+            options=dict(chosen.options),
         )
-        return resolve_factory(spec.factory)(ctx)
+        return resolve_factory(chosen.spec.factory)(ctx)
 
     # -- execution ----------------------------------------------------------
     def prepare(self, forward_batch: ForwardBatch) -> None:

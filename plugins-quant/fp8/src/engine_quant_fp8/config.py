@@ -12,8 +12,6 @@ if TYPE_CHECKING:
     from torch import nn
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
-# A fused layer is ignored only when every checkpoint projection it stacks is.
-_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass
@@ -56,26 +54,10 @@ class Fp8Config(QuantizationConfig):
         return cls(checkpoint_serialized=True, activation_scheme=scheme, ignored=tuple(ignored))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
-        if self._is_ignored(prefix):
-            return None
+        # Layers in ignored_layers() never get here: the layer SDK leaves them unquantized.
         from engine_quant_fp8.method import Fp8LinearMethod
 
         return Fp8LinearMethod(self)
 
     def ignored_layers(self) -> list[str]:
         return list(self.ignored)
-
-    def _is_ignored(self, prefix: str) -> bool:
-        parent, _, leaf = prefix.rpartition(".")
-        parts = [f"{parent}.{p}" if parent else p for p in _FUSED_PARTS.get(leaf, (leaf,))]
-        hits = [any(_matches(part, pattern) for pattern in self.ignored) for part in parts]
-        if any(hits) and not all(hits):
-            # One fused weight cannot be part float8, part 16-bit.
-            raise ModelLoadError(f"fp8 ignored_layers leaves only some of {', '.join(parts)} unquantized; "
-                                 f"the engine fuses them into {prefix}, so ignore all or none")
-        return all(hits)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    # Checkpoints list full prefixes ("model.layers.0.mlp.down_proj") or short names ("lm_head").
-    return name == pattern or name.endswith("." + pattern)

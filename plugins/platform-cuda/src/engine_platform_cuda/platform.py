@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -89,11 +89,13 @@ class CudaPlatform(Platform):
         return DEFAULT_MEM_FRACTION_STATIC
 
     # -- policies ----------------------------------------------------------
-    def default_attention_backend(self) -> str:
-        """``flashinfer`` when its plugin is registered and the library is installed, else ``triton``."""
-        from engine import plugins
+    def default_attention_backend(self, available: Collection[str]) -> str:
+        """``flashinfer`` when it is enabled and the library is installed, else ``triton``.
 
-        if PREFERRED_ATTENTION in plugins.attention_backends() and _flashinfer_importable():
+        ``available`` holds the enabled backends (``--disable-plugin`` applied), so a disabled
+        flashinfer is never picked; if triton is not available either, the engine reports it.
+        """
+        if PREFERRED_ATTENTION in available and _flashinfer_importable():
             return PREFERRED_ATTENTION
         return FALLBACK_ATTENTION
 

@@ -1,7 +1,7 @@
 """The quantization-method contract (what quant plugins implement).
 
-A quant plugin's factory returns a ``QuantizationConfig``. For each linear layer
-the layer asks ``quant_config.get_linear_method(layer, prefix)`` for a
+A quant plugin's factory returns a ``QuantizationConfig``. For each linear layer not
+listed by ``ignored_layers()`` the layer asks ``quant_config.get_linear_method(layer, prefix)`` for a
 ``LinearMethodBase`` that creates the layer's parameters, post-processes them
 after loading, and computes the layer's output.
 """
@@ -85,8 +85,45 @@ class QuantizationConfig(ABC):
         return None
 
     def supported_act_dtypes(self) -> list[torch.dtype]:
+        """Activation dtypes the method runs with; the engine refuses any other ``--dtype``
+        before the model loads."""
         return [torch.float32, torch.bfloat16, torch.float16]
 
     def ignored_layers(self) -> list[str]:
-        """Prefixes left unquantized (e.g. ``lm_head``)."""
+        """Layers left unquantized, as the checkpoint names them (its ``quantization_config``'s
+        ``ignored_layers``): full prefixes (``model.layers.0.mlp.down_proj``) or short names
+        (``lm_head``). The linear layers check it before ``get_linear_method`` (see
+        ``is_layer_ignored``), so a method need not; the start-up log lists them."""
         return []
+
+
+#: Fused layers of the layer SDK and the checkpoint projections each one stacks (as SGLang's
+#: ``packed_modules_mapping`` for the Llama family): checkpoints name the parts.
+FUSED_LAYER_PARTS: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def is_layer_ignored(prefix: str, ignored: list[str]) -> bool:
+    """Whether the linear layer at ``prefix`` stays unquantized under ``ignored``.
+
+    A fused layer is ignored only when every projection it stacks is; some but not all is a
+    ``ModelLoadError``, since one fused weight cannot be part quantized, part not.
+    """
+    if not ignored:
+        return False
+    from engine.errors import ModelLoadError
+
+    parent, _, leaf = prefix.rpartition(".")
+    parts = [f"{parent}.{p}" if parent else p for p in FUSED_LAYER_PARTS.get(leaf, (leaf,))]
+    hits = [any(_names_layer(part, pattern) for pattern in ignored) for part in parts]
+    if any(hits) and not all(hits):
+        raise ModelLoadError(f"ignored_layers leaves only some of {', '.join(parts)} unquantized; "
+                             f"the engine fuses them into {prefix}, so ignore all or none")
+    return all(hits)
+
+
+def _names_layer(name: str, pattern: str) -> bool:
+    # Checkpoints list full prefixes ("model.layers.0.mlp.down_proj") or short names ("lm_head").
+    return name == pattern or name.endswith("." + pattern)
