@@ -419,14 +419,6 @@ def plugin_options(disabled: Iterable[str] = ()) -> dict[str, PluginOption]:
     return {k: e.spec for k, e in get_registry(disabled).entries["option"].items()}
 
 
-def plugin_options_for(kind: str, name: str, plugin_options: dict[str, dict[str, Any]],
-                       disabled: Iterable[str] = ()) -> dict[str, Any]:
-    """Options for the plugin that registered the ``kind`` spec ``name`` (empty when none does)."""
-    reg = get_registry(disabled)
-    owner = reg.provider(kind, name)
-    return reg.options_for(owner.name, plugin_options) if owner is not None else {}
-
-
 def check_plugin_options(plugin_options: dict[str, dict[str, Any]], disabled: Iterable[str] = ()) -> None:
     """Every ``plugin_options`` entry must name an enabled plugin and an option it declares,
     with a value of the default's type. Start-up and ``engine config show`` both run this."""
