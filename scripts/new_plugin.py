@@ -51,8 +51,7 @@ KINDS = {
         hook="register_quantization_methods", spec_cls="QuantMethodSpec", kit="QuantMethodConformance",
         spec='QuantMethodSpec(name="{name}", factory="{package}.impl:Config.from_config", device_types=("cpu", "cuda"))',
         kit_attrs='    method_name = "{name}"\n    max_rel_error = 1e-6',
-        impl=('from engine.layers.linear import UnquantizedLinearMethod\n'
-              'from engine.layers.quantization import QuantizationConfig\n\n\n'
+        impl=('from engine.layers import QuantizationConfig, UnquantizedLinearMethod\n\n\n'
               'class Config(QuantizationConfig):\n    name = "{name}"\n\n    @classmethod\n'
               '    def from_config(cls, config):  # type: ignore[no-untyped-def]\n        return cls()\n\n'
               '    def get_linear_method(self, layer, prefix):  # type: ignore[no-untyped-def]\n'
@@ -60,10 +59,14 @@ KINDS = {
     "model": dict(
         deps=["plugserve-models-llama>=0.1"],
         hook="register_models", spec_cls="ModelSpec", kit="ModelConformance",
-        spec='ModelSpec(name="{name}", architectures=("MyForCausalLM",), factory="{package}.impl:MyForCausalLM")',
-        kit_attrs='    architecture = "LlamaForCausalLM"  # the HF architecture your class reproduces',
+        # The architecture name is the plugin's own, so the engine selects this plugin (not the
+        # built-in llama one) for a checkpoint whose config.json names it.
+        spec='ModelSpec(name="{name}", architectures=("{arch}",), factory="{package}.impl:{arch}")',
+        kit_attrs=('    architecture = "{arch}"  # what your plugin registers; the kit writes it into config.json\n'
+                   '    reference_model = "LlamaForCausalLM"  # the transformers class your model must reproduce\n'
+                   '    plugin_name = "{name}"  # fail if another plugin serves the architecture'),
         impl=('from engine_models_llama.llama import LlamaForCausalLM\n\n\n'
-              'class MyForCausalLM(LlamaForCausalLM):\n    """Start from the Llama implementation and change what differs."""\n')),
+              'class {arch}(LlamaForCausalLM):\n    """Starts as the Llama implementation; change what differs."""\n')),
 }
 
 
@@ -91,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
               "kit": kind["kit"], "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
     # The starting implementation subclasses a built-in plugin: declare it as a dependency.
     values["extra_deps"] = "".join(f', "{d}"' for d in kind["deps"])
+    arch = f"{values['class_name']}ForCausalLM"  # a model plugin's own architecture name
     for key in ("spec", "kit_attrs", "impl"):
-        values[key] = kind[key].format(name=args.name, package=package)
+        values[key] = kind[key].format(name=args.name, package=package, arch=arch)
     dest = pathlib.Path(args.dest or distribution)
     if dest.exists() and any(dest.iterdir()):
         print(f"error: --dest {dest} exists and is not empty", file=sys.stderr)

@@ -36,6 +36,11 @@ def test_template_plugin_registers_and_loads(kind: str, tmp_path: pathlib.Path, 
     (key,) = reg.plugins[name].kinds[registry_kind]
     spec = reg.entries[registry_kind][key].spec
     assert resolve_factory(spec.factory) is not None  # the implementation module imports
+    if kind == "model":
+        # A name of its own, so the engine (and its kit) select this plugin, not the built-in llama one.
+        assert spec.architectures == ("TmplModelForCausalLM",)
+        test_text = (dest / "tests" / f"test_{segment}_{name}.py").read_text()
+        assert 'architecture = "TmplModelForCausalLM"' in test_text and f'plugin_name = "{name}"' in test_text
     assert (dest / "tests" / f"test_{segment}_{name}.py").exists() and (dest / "README.md").exists()
 
 

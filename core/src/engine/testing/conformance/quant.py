@@ -74,6 +74,12 @@ class QuantMethodConformance:
     # -- helpers -------------------------------------------------------------------
     def _config(self, source: str) -> Any:
         spec = plugins.get_quantization_method(self.method_name)
+        device_type = torch.device(self.device).type
+        if device_type not in spec.device_types:
+            default = " (the default when a spec names none)" if spec.device_types == ("cuda",) else ""
+            pytest.fail(f"the kit runs quantization method '{spec.name}' on {device_type}, but its QuantMethodSpec "
+                        f"declares device_types={spec.device_types!r}{default}: the engine would refuse it there. "
+                        "Declare the devices it runs on, or set the kit's `device`.", pytrace=False)
         if source == "on_the_fly":
             if not self.on_the_fly:
                 pytest.skip(f"{type(self).__name__}.on_the_fly is False: the method only loads its own checkpoints")
