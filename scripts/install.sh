@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the engine and every built-in plugin (editable) into the current Python.
-# Torch comes first and pinned to the CPU wheel on machines without a GPU, so pip
-# never pulls a multi-GB CUDA build; an existing torch >= 2.5 is kept.
+# Torch comes first: an existing torch >= 2.5 is kept, else torch==2.13.0 comes from whatever index
+# pip uses (PyPI's Linux wheel is the CUDA build; install the CPU wheel beforehand to avoid it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

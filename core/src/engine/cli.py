@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import os
 import sys
+import types
 import typing
 from collections.abc import Callable
 from typing import Any, Optional
@@ -55,16 +57,20 @@ def _server_arg_params() -> list[inspect.Parameter]:
         if not f.metadata.get("cli", True):
             continue
         hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        base = args[0] if args else hint
-        origin = typing.get_origin(base) or base
+        # Unwrap only Optional[X] (a Union with None); list[str]'s own argument is not the type.
+        if typing.get_origin(hint) in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(hint) if a is not type(None)]
+            hint = args[0] if len(args) == 1 else hint
+        origin = typing.get_origin(hint) or hint
         flag = "--" + f.name.replace("_", "-")
         decls = [flag]
         if f.name == "model_path":
             decls.append("--model")
         if origin is list:
+            # Repeatable: each use adds one item (``--disable-plugin a --disable-plugin b``).
             annotation: Any = Optional[list[str]]
-            decls = ["--" + f.name.replace("_", "-").rstrip("s") if f.name == "required_plugins" else flag]
+            if f.name == "required_plugins":
+                decls.append("--required-plugin")  # one requirement per use reads better singular
         elif origin is bool:
             annotation = Optional[bool]
             decls = [f"{flag}/--no-{flag[2:]}"]
@@ -234,7 +240,25 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
+# Help is a table as wide as the terminal; piped or captured it would be 80 columns, where rich
+# cuts long option names (``--mem-fraction-st…``). This width fits every option name and type
+# with room for the descriptions to wrap; tests/test_cli_help.py checks that nothing is cut.
+_HELP_WIDTH_OFF_TERMINAL = 160
+
+
+def _widen_help_off_terminal() -> None:
+    """Lets help written to a pipe or file use ``_HELP_WIDTH_OFF_TERMINAL`` columns.
+
+    Rich sizes its console from ``COLUMNS`` (typer from ``TERMINAL_WIDTH``); a width the user
+    set either way is kept. A terminal keeps its own width.
+    """
+    if sys.stdout.isatty() or os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH"):
+        return
+    os.environ["COLUMNS"] = str(_HELP_WIDTH_OFF_TERMINAL)
+
+
 def main() -> None:
+    _widen_help_off_terminal()
     try:
         app(standalone_mode=True)
     except EngineError as exc:
