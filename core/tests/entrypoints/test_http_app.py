@@ -357,3 +357,27 @@ def test_over_long_text_is_refused_before_tokenizing(client: TestClient) -> None
         assert r.status_code == 400, r.text
         error = r.json()["error"]
         assert error["param"] == param and f"{pool.max_chars} characters" in error["message"], error
+
+
+def test_openapi_schema_builds_without_warnings(client: TestClient) -> None:
+    # A route serving two methods under one function gave both one operation id, and FastAPI
+    # warned "Duplicate Operation ID" each time /openapi.json was built.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        schema = client.get("/openapi.json").json()
+    assert {"get", "post"} <= set(schema["paths"]["/flush_cache"])
+    ids = [op["operationId"] for path in schema["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids))
+
+
+def test_server_info_has_sglang_layout(client: TestClient) -> None:
+    for route in ("/get_server_info", "/server_info"):
+        info = client.get(route).json()
+        (state,) = info["internal_states"]  # one data-parallel rank
+        assert state["max_total_num_tokens"] == info["max_total_num_tokens"] == 100
+        assert state["memory_usage"]["token_capacity"] == 100 and state["last_gen_throughput"] == 0.0
+        assert "avg_spec_accept_length" not in state
+        assert info["max_req_input_len"] == 63 and info["version"]
+    assert client.get("/model_info").json() == client.get("/get_model_info").json()

@@ -30,18 +30,28 @@ def _error(raw: bytes, model: Any = ChatCompletionRequest) -> APIError:
 
 @pytest.mark.parametrize("raw, param, needle", [
     (b'{"messages": [{"role": "user", "content": 1}]}', "messages[0].content", "invalid value 1"),
-    (b'{"messages": [{"role": "user"}], "stop": 3}', "stop", "valid string; or input should be a valid array"),
-    (b'{"messages": [{"role": "user"}], "max_tokens": "5"}', "max_tokens", "valid integer"),
-    (b'{"messages": [{"role": "user"}], "stream": "yes"}', "stream", "valid boolean"),
-    (b'{"messages": [{"role": "user"}], "n": 1.5}', "n", "valid integer"),
-    (b'{"messages": [{"role": "user"}], "max_tokns": 5}', "max_tokns", "did you mean max_tokens"),
-    (b'{"messages": [{"role": "user"}], "stream_options": {"include": true}}', "stream_options.include", "unknown field"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stop": 3}', "stop", "valid string; or input should be a valid array"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}', "max_tokens", "valid integer"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream": "yes"}', "stream", "valid boolean"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "n": 1.5}', "n", "valid integer"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokns": 5}', "max_tokns", "did you mean max_tokens"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include": true}}', "stream_options.include", "unknown field"),
     (b'{}', "messages", "required"),
+    # OpenAI answers 400 for these; only an assistant message may omit content.
+    (b'{"messages": [{"role": "user"}]}', "messages[0].content", "a user message needs content"),
+    (b'{"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": null}]}',
+     "messages[1].content", "a user message needs content"),
+    (b'{"messages": [{"role": "tool"}]}', "messages[0].content", "a tool message needs content"),
 ])
 def test_validation_errors_name_the_field(raw: bytes, param: str, needle: str) -> None:
     err = _error(raw)
     assert err.status == 400 and err.param == param and needle in err.message, err.message
     assert err.message.startswith(param + ":")
+
+
+def test_assistant_message_may_omit_content() -> None:
+    body = b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}, {"role": "user", "content": "y"}]}'
+    assert parse_body(body, ChatCompletionRequest).messages[1].content is None
 
 
 def test_body_level_errors() -> None:

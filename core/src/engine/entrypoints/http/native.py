@@ -33,8 +33,9 @@ from engine.entrypoints.http.generation import (
     stream_outputs,
 )
 from engine.entrypoints.http.logprobs import native_logprobs, native_top_logprobs
+from engine.entrypoints.http.native_request import build_requests
 from engine.entrypoints.http.protocol import AbortRequest, GenerateReqInput
-from engine.managers.tokenizer_manager import EngineDeadError, GenerateRequest
+from engine.managers.tokenizer_manager import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ async def generate(request: Request) -> Response:
     """One prompt (``text`` or ``input_ids``) or a batch; streamed as SSE with ``stream``."""
     ctx = _ctx(request)
     req = parse_body(await request.body(), GenerateReqInput)
-    prompts, copies, batch = _requests(ctx, req)
+    prompts, copies, batch = build_requests(ctx, req)
     choices = await make_choices(ctx, prompts, copies)
     batch = batch or len(choices) > 1
     if req.stream:
@@ -65,48 +66,6 @@ async def generate(request: Request) -> Response:
     for out in outputs:
         finish_reason(out["meta_info"])  # an aborted request is an error (400)
     return JSONResponse(bodies if batch else bodies[0])
-
-
-def _requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[GenerateRequest], list[int], bool]:
-    """The body's prompts as GenerateRequests, with each one's ``n``; and whether it is a batch."""
-    if (req.text is None) == (req.input_ids is None):
-        raise APIError(400, "give exactly one of text and input_ids", param="text")
-    if req.text is not None:
-        batch = isinstance(req.text, list)
-        texts: list[Any] = list(req.text) if batch else [req.text]
-        ids: list[Any] = [None] * len(texts)
-    else:
-        assert req.input_ids is not None
-        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        ids = list(req.input_ids) if batch else [req.input_ids]
-        texts = [None] * len(ids)
-    count = len(texts)
-    if count == 0:
-        raise APIError(400, "the batch is empty", param="text" if req.text is not None else "input_ids")
-    params = req.sampling_params
-    if isinstance(params, list):
-        if len(params) != count:
-            raise APIError(400, f"sampling_params: {len(params)} entries for {count} prompts", param="sampling_params")
-        per_prompt = [dict(p) for p in params]
-    else:
-        per_prompt = [dict(params or {}) for _ in range(count)]
-    rids = req.rid if isinstance(req.rid, list) else [req.rid] * count
-    if isinstance(req.rid, list) and len(req.rid) != count:
-        raise APIError(400, f"rid: {len(req.rid)} ids for {count} prompts", param="rid")
-    if req.rid is not None and not isinstance(req.rid, list) and count > 1:
-        raise APIError(400, "rid: a batch needs a list of ids, one per prompt", param="rid")
-    prompts, copies = [], []
-    for i in range(count):
-        n = per_prompt[i].pop("n", 1)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise APIError(400, f"sampling_params.n: invalid value {n!r}; accepted: an integer >= 1",
-                           param="sampling_params.n")
-        copies.append(n)
-        prompts.append(GenerateRequest(
-            text=texts[i], input_ids=ids[i], sampling_params=per_prompt[i], rid=rids[i],
-            return_logprob=req.return_logprob, logprob_start_len=req.logprob_start_len,
-            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority or 0))
-    return prompts, copies, batch
 
 
 def _output(ctx: ServingContext, req: GenerateReqInput, out: dict[str, Any]) -> dict[str, Any]:
@@ -157,10 +116,21 @@ async def abort_request(request: Request) -> Response:
     return JSONResponse({"success": True, "aborted": aborted})
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+# One route per method: a single route with both methods gives both the same OpenAPI
+# operation id, which FastAPI warns about each time /openapi.json is built.
+@router.post("/flush_cache")
 async def flush_cache(request: Request) -> Response:
     """Empties the prefix cache; refused while requests are running or queued."""
-    ctx = _ctx(request)
+    return await _flush_cache(_ctx(request))
+
+
+@router.get("/flush_cache")
+async def flush_cache_get(request: Request) -> Response:
+    """``GET /flush_cache``, as SGLang also allows."""
+    return await _flush_cache(_ctx(request))
+
+
+async def _flush_cache(ctx: ServingContext) -> Response:
     reply = await _control(ctx, "flush_cache")
     if not reply.ok:
         raise APIError(400, "cannot flush the cache while requests are running or queued; retry when idle",
@@ -183,8 +153,20 @@ async def health(request: Request) -> Response:
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> Response:
-    """Effective configuration, loaded plugins and the KV pool's size and use."""
-    ctx = _ctx(request)
+    """Effective configuration, loaded plugins and the KV pool's size and use, in SGLang's shape."""
+    return JSONResponse(await _server_info(_ctx(request)))
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> Response:
+    """SGLang's newer name for /get_server_info (its current clients read this one)."""
+    return JSONResponse(await _server_info(_ctx(request)))
+
+
+async def _server_info(ctx: ServingContext) -> dict[str, Any]:
+    """SGLang's layout: the server's arguments and the scheduler's numbers at the top level, and
+    ``internal_states``, one entry per data-parallel rank (we have one), which SGLang clients
+    index (``bench_serving`` reads ``internal_states[0]["avg_spec_accept_length"]``)."""
     reply = await _control(ctx, "server_info")
     if ctx.metrics is not None:
         ctx.metrics.update_from_server_info(reply.data)
@@ -192,21 +174,41 @@ async def get_server_info(request: Request) -> Response:
     config = ctx.args.to_dict()
     if config.get("api_key"):
         config["api_key"] = "<redacted>"
-    return JSONResponse({
-        **config, **reply.data, "version": __version__, "model_path": ctx.model_path,
-        "served_model_name": ctx.model_name, "context_len": ready.context_len, "vocab_size": ready.vocab_size,
+    live: dict[str, Any] = reply.data
+    decode_time = live.get("decode_time_s") or 0.0
+    internal_state = {
+        **config, **live,
+        # SGLang reports its last log interval; the scheduler keeps totals, so this is the
+        # mean over every decode step so far: tokens decoded per second of decode time.
+        "last_gen_throughput": live.get("decode_rows", 0) / decode_time if decode_time else 0.0,
+        "memory_usage": {"token_capacity": live.get("max_total_num_tokens", ready.max_total_num_tokens)},
+        # No speculative decoding here, so no avg_spec_accept_length (SGLang omits it too).
+    }
+    return {
+        **config, **live, "version": __version__, "model_path": ctx.model_path,
+        "served_model_name": ctx.model_name, "context_len": ready.context_len,
+        "max_req_input_len": ready.context_len - 1, "vocab_size": ready.vocab_size,
         "attention_backend": ready.attention_backend, "platform": ready.platform, "device": ready.device,
         "dtype": ready.dtype, "max_running_requests": ready.max_running_requests, "plugins": ready.plugins,
-        "num_inflight_reqs": len(ctx.manager.states),
-    })
+        "num_inflight_reqs": len(ctx.manager.states), "internal_states": [internal_state],
+    }
+
+
+def _model_info(ctx: ServingContext) -> dict[str, Any]:
+    return {"model_path": ctx.model_path, "served_model_name": ctx.model_name,
+            "tokenizer_path": ctx.args.tokenizer_path or ctx.model_path, "is_generation": True,
+            "context_len": ctx.context_len}
 
 
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> Response:
-    ctx = _ctx(request)
-    return JSONResponse({"model_path": ctx.model_path, "served_model_name": ctx.model_name,
-                         "tokenizer_path": ctx.args.tokenizer_path or ctx.model_path, "is_generation": True,
-                         "context_len": ctx.context_len})
+    return JSONResponse(_model_info(_ctx(request)))
+
+
+@router.get("/model_info")
+async def model_info(request: Request) -> Response:
+    """SGLang's newer name for /get_model_info."""
+    return JSONResponse(_model_info(_ctx(request)))
 
 
 @router.get("/metrics")

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 # Context-free limits OpenAI documents; the context length is checked per request.
 MAX_N = 128
@@ -78,9 +79,20 @@ class ChatMessage(BaseModel):
     # back assistant messages they received, with whatever fields those had.
     model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # Validated even when absent: only an assistant message may leave it out (OpenAI's rule:
+    # its reply may be tool calls alone).
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, content: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if content is None and role is not None and role != "assistant":
+            raise PydanticCustomError("missing_content", "a {role} message needs content: a string or a list of "
+                                      "text parts", {"role": role})
+        return content
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -122,21 +134,55 @@ class DetokenizeRequest(_Body):
 
 
 class GenerateReqInput(_Body):
-    """SGLang's native ``/generate`` body: one prompt or a batch."""
+    """SGLang's native ``/generate`` body: one prompt or a batch.
+
+    Every field of SGLang's ``GenerateReqInput`` is declared, so its clients' bodies pass;
+    ``native_request`` says what each does (acts, ignored, or a 400 unless "off"). Null is
+    accepted wherever SGLang's clients send it and means the default.
+    """
 
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
-    # SamplingParams fields (validated there, with their own error messages).
+    # SamplingParams fields (checked by native_request, then SamplingParams, with their own messages).
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    stream: bool = False
-    return_logprob: bool = False
+    stream: bool | None = False
+    # The logprob fields take one value for every prompt or a list with one per prompt.
+    return_logprob: bool | list[bool] | None = None
     # First prompt position to score (-1: output tokens only).
-    logprob_start_len: int = -1
-    top_logprobs_num: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)
+    logprob_start_len: int | list[int] | None = None
+    # 0..20, checked per prompt by the tokenizer manager.
+    top_logprobs_num: int | list[int] | None = None
     # Add each token's text as the third element of every logprob entry.
-    return_text_in_logprobs: bool = False
+    return_text_in_logprobs: bool | None = False
     rid: str | list[str] | None = None
     priority: int | None = None
+    no_logs: bool | None = False
+    # -- SGLang features this server lacks: any type here, native_request accepts only "off" --
+    input_embeds: Any = None
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    modalities: Any = None
+    token_ids_logprob: Any = None
+    return_hidden_states: Any = False
+    session_params: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    data_parallel_rank: Any = None
+    background: Any = False
+    extra_key: Any = None
+    custom_labels: Any = None
+    return_bytes: Any = False
+    return_entropy: Any = False
+    log_metrics: Any = True
+    # -- bookkeeping of SGLang's own server and logs; ignored --
+    validation_time: float | int | None = None
+    conversation_id: str | None = None
 
 
 class AbortRequest(_Body):
