@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any
@@ -90,6 +91,14 @@ def make_tiny_checkpoint(directory: str, architecture: str = "LlamaForCausalLM",
             if "norm" not in name:
                 p.mul_(3.0)
     model.to(getattr(torch, dtype)).save_pretrained(directory, safe_serialization=True)
+    # save_pretrained writes the saving class's name into `architectures`; the engine must see
+    # `architecture`, or a reference model would pick the built-in plugin instead of the one tested.
+    config_path = os.path.join(directory, "config.json")
+    with open(config_path, encoding="utf-8") as f:
+        saved = json.load(f)
+    saved["architectures"] = [architecture]
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump(saved, f, indent=2)
     copy_tokenizer(directory)
     return directory
 

@@ -1,0 +1,190 @@
+"""The conformance kit fails, with a message naming the cause (and the seed), on plugins that are
+wrong in each way it claims to check; its draws reproduce."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from typing import Any
+
+import pytest
+import torch
+
+from engine import plugins
+from engine.hookspecs import AttentionBackendSpec, ModelSpec, QuantMethodSpec, hookimpl
+from engine.testing import AttentionBackendConformance, ModelConformance, QuantMethodConformance
+from engine.testing.conformance._common import KIT_SEED, derive_seed
+
+Failed = pytest.fail.Exception
+
+
+def _install(monkeypatch: pytest.MonkeyPatch, name: str, **hooks: Any) -> None:
+    """Makes a plugin module with ``hooks`` part of the registry the kit (and the engine) reads."""
+    module = types.ModuleType(name)
+    for hook_name, fn in hooks.items():
+        setattr(module, hook_name, hookimpl(fn))
+    registry = plugins.PluginRegistry(extra_plugins=[(name, module)])
+    assert registry.plugins[name].status == "ok", registry.plugins[name].error
+    monkeypatch.setattr(plugins, "get_registry", lambda disabled=(): registry)
+
+
+def test_seeds_do_not_depend_on_the_process() -> None:
+    code = "from engine.testing.conformance._common import derive_seed, KIT_SEED; print(derive_seed(KIT_SEED, 'x', 4))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert int(out.stdout) == derive_seed(KIT_SEED, "x", 4) != derive_seed(KIT_SEED, "x", 1)
+
+
+# -- attention ------------------------------------------------------------------------------
+def test_cpu_backend_with_the_default_device_types_fails_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    def register_attention_backends(register: Any) -> None:
+        register(AttentionBackendSpec(name="cpu_mine", factory="engine_attention_torch_native.backend:create"))
+
+    _install(monkeypatch, "cpu_mine", register_attention_backends=register_attention_backends)
+
+    class Kit(AttentionBackendConformance):
+        backend_name = "cpu_mine"
+
+    with pytest.raises(Failed, match=r"on cpu.*device_types=\('cuda',\) \(the default when a spec names none\)"):
+        Kit().test_declares_the_kit_device_and_page_sizes()
+    with pytest.raises(Failed, match="would refuse"):
+        Kit().test_matches_reference("extend")  # every test checks it first
+
+
+class _DropsDecodeRowsOfMixed:
+    """A backend that gets MIXED batches wrong: decode rows come out as zeros."""
+
+    @staticmethod
+    def create(ctx: Any) -> Any:
+        from engine_attention_torch_native.backend import TorchNativeAttnBackend
+
+        class Backend(TorchNativeAttnBackend):
+            def forward_extend(self, q: Any, k: Any, v: Any, layer: Any, fb: Any, save_kv_cache: bool = True) -> Any:
+                out = super().forward_extend(q, k, v, layer, fb, save_kv_cache)
+                if fb.forward_mode.is_mixed():
+                    first_decode = sum(fb.extend_seq_lens_cpu[: fb.num_extend_reqs])
+                    out[first_decode:] = 0
+                return out
+
+        return Backend(ctx)
+
+
+def test_mixed_batches_catch_a_backend_wrong_on_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    def register_attention_backends(register: Any) -> None:
+        register(AttentionBackendSpec(name="bad_mixed", factory=_DropsDecodeRowsOfMixed.create, device_types=("cpu",)))
+
+    _install(monkeypatch, "bad_mixed", register_attention_backends=register_attention_backends)
+
+    class Kit(AttentionBackendConformance):
+        backend_name = "bad_mixed"
+
+    Kit().test_matches_reference("extend")
+    Kit().test_matches_reference("decode")
+    with pytest.raises(AssertionError, match=r"\(decode, .*mixed, torch.float32, page 1, .*seed \d+\)"):
+        Kit().test_mixed_batch_matches_reference()
+
+
+# -- quantization ---------------------------------------------------------------------------
+class _RowsReversed:
+    """A method that stores its weight with the output rows reversed: fused shards land in each
+    other's places."""
+
+    @staticmethod
+    def create(config: dict[str, Any]) -> Any:
+        from engine.layers import QuantizationConfig, UnquantizedLinearMethod
+
+        class Method(UnquantizedLinearMethod):
+            def process_weights_after_loading(self, layer: Any) -> None:
+                layer.weight.data = layer.weight.data.flip(0)
+
+        class Config(QuantizationConfig):
+            @classmethod
+            def from_config(cls, config: dict[str, Any]) -> Config:
+                return cls()
+
+            def get_linear_method(self, layer: Any, prefix: str) -> Any:
+                return Method()
+
+        return Config()
+
+
+def test_fused_shards_out_of_place_fail_naming_the_shard(monkeypatch: pytest.MonkeyPatch) -> None:
+    def register_quantization_methods(register: Any) -> None:
+        register(QuantMethodSpec(name="reversed", factory=_RowsReversed.create, device_types=("cpu",)))
+
+    _install(monkeypatch, "reversed", register_quantization_methods=register_quantization_methods)
+
+    class Kit(QuantMethodConformance):
+        method_name = "reversed"
+
+    with pytest.raises(AssertionError, match=r"qkv_proj: shard q_proj relative error .* seed \d+"):
+        Kit().test_fused_shards_load_into_place("qkv_proj")
+
+
+def test_serialized_format_must_be_one_the_engine_picks(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    def register_quantization_methods(register: Any) -> None:
+        register(QuantMethodSpec(name="fp8_alias", factory="engine_quant_fp8.config:Fp8Config.from_config",
+                                 device_types=("cpu",), checkpoint_methods=()))
+
+    _install(monkeypatch, "fp8_alias", register_quantization_methods=register_quantization_methods)
+
+    class Kit(QuantMethodConformance):
+        method_name = "fp8_alias"
+        serialized_config = {"quant_method": "fp8"}
+
+    with pytest.raises(AssertionError, match=r"quant_method 'fp8' is not in QuantMethodSpec.checkpoint_methods"):
+        Kit().test_serialized_checkpoint_loads("down_proj", tmp_path)
+
+
+def test_a_method_without_a_checkpoint_format_skips_with_the_reason(tmp_path: Any) -> None:
+    class Kit(QuantMethodConformance):
+        method_name = "fp8"
+
+    with pytest.raises(pytest.skip.Exception, match="serialized_config is None"):
+        Kit().test_serialized_checkpoint_loads("down_proj", tmp_path)
+
+
+# -- models ---------------------------------------------------------------------------------
+class _LogitsOffByOnePercent:
+    @staticmethod
+    def model_class(architecture: str) -> type:
+        from engine_models_llama.llama import LlamaForCausalLM
+
+        class Wrong(LlamaForCausalLM):
+            def forward(self, input_ids: Any, positions: Any, forward_batch: Any) -> Any:
+                out = super().forward(input_ids, positions, forward_batch)
+                out.next_token_logits = out.next_token_logits * 1.01
+                return out
+
+        return Wrong
+
+
+def test_a_new_architecture_is_served_by_its_plugin_and_checked(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Any) -> None:
+    from engine.testing.checkpoints import load_hf_model, make_tiny_checkpoint
+
+    def register_models(register: Any) -> None:
+        register(ModelSpec(name="wrong_model", architectures=("WrongForCausalLM",),
+                           factory=_LogitsOffByOnePercent.model_class))
+
+    _install(monkeypatch, "wrong_model", register_models=register_models)
+
+    class Kit(ModelConformance):
+        architecture = "WrongForCausalLM"
+        reference_model = "LlamaForCausalLM"
+        plugin_name = "wrong_model"
+
+    Kit().test_architecture_is_served_by_the_plugin()
+    path = make_tiny_checkpoint(str(tmp_path), "WrongForCausalLM", reference="LlamaForCausalLM")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    with pytest.raises(AssertionError, match=r"max abs logit error .*WrongForCausalLM, seeds"):
+        Kit().test_logits_match_transformers(path, load_hf_model(path, reference="LlamaForCausalLM"), prompts)
+
+
+def test_plugin_name_catches_the_builtin_answering() -> None:
+    class Kit(ModelConformance):
+        architecture = "LlamaForCausalLM"
+        plugin_name = "my_model"
+
+    with pytest.raises(AssertionError, match="served by plugin 'llama', not 'my_model'"):
+        Kit().test_architecture_is_served_by_the_plugin()
