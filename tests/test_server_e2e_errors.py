@@ -117,7 +117,7 @@ def test_abort_request_by_rid(server: Server) -> None:
     for _ in range(100):  # until the scheduler has it (bounded)
         if server.get("/get_server_info").json()["num_running_reqs"]:
             break
-    assert server.post("/abort_request", json={"rid": "to-abort"}).json() == {"success": True}
+    assert server.post("/abort_request", json={"rid": "to-abort"}).json() == {"success": True, "aborted": ["to-abort"]}
     thread.join(60)
     r = result["r"]
     assert r.status_code == 400 and "aborted" in r.json()["error"]["message"], r.text
