@@ -1,4 +1,4 @@
-"""``engine bench``: one-batch, offline, serving (SGLang-compatible flags and metrics)."""
+"""``engine bench``: one-batch, offline, serving (SGLang-compatible flags and metrics), startup."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import typer
 from engine.cli import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup.")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -57,6 +57,31 @@ _DATASET_OPTS = [
     _opt("gsp_output_len", int, 256, "--gsp-output-len", help="Output tokens"),
     _opt("seed", int, 1, "--seed", help="Dataset seed"),
 ]
+
+
+@bench_app.command("startup")
+@with_server_args([
+    _opt("rounds", int, 3, "--rounds", help="Rounds of floor / Engine / engine serve, alternated"),
+    _opt("mode", str, "generate serve", "--mode", help="What to time besides the floor: 'generate', 'serve' or both"),
+    _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),
+])
+def startup_cmd(server_args: ServerArgs, rounds: int, mode: str, result_file: str | None) -> None:
+    """Seconds to the first answer (Engine and engine serve) against the import floor."""
+    from engine.bench.startup import bench_startup, format_summary
+
+    modes = mode.replace(",", " ").split()
+    if not modes or any(m not in ("generate", "serve") for m in modes):
+        fail(f"--mode: invalid value {mode!r}; accepted: generate, serve, or both")
+    if rounds < 1:
+        fail(f"--rounds: invalid value {rounds}; accepted: >= 1")
+    try:
+        result = bench_startup(server_args, rounds, modes)
+    except RuntimeError as exc:
+        fail(str(exc))
+    typer.echo(format_summary(result))
+    if result_file:
+        with open(result_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(result.to_dict()) + "\n")
 
 
 @bench_app.command("offline")

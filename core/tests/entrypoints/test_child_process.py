@@ -9,6 +9,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from engine.entrypoints.child_process import ChildProcess
 
 # Every run of the script's top level appends a line to the marker file: multiprocessing's
@@ -73,3 +75,18 @@ def test_a_users_file_cannot_shadow_our_modules(tmp_path: Path) -> None:
     finally:
         os.chdir(old)
     assert child.exitcode == 0
+
+
+def test_detokenizer_gets_the_tokenizer_and_never_loads_torch(llama_ckpt: str) -> None:
+    from engine import Engine
+
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs /proc to see a process's shared libraries")
+    with Engine(model_path=llama_ckpt, max_total_tokens=1024) as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 2})
+        assert out["meta_info"]["completion_tokens"] == 2 and engine.tokenizer is engine.runtime.tokenizer
+        scheduler, detokenizer = engine.runtime.processes
+        with open(f"/proc/{scheduler.pid}/maps") as f:
+            assert "libtorch" in f.read()  # the probe sees torch where it is loaded
+        with open(f"/proc/{detokenizer.pid}/maps") as f:
+            assert "libtorch" not in f.read(), "the detokenizer imported torch"

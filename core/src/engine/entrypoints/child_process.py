@@ -26,14 +26,20 @@ _BOOTSTRAP = "import sys; from engine.entrypoints.child_process import bootstrap
 
 @dataclass(frozen=True)
 class InheritedConnection:
-    """Stands in, among a child's arguments, for the write end of a pipe the child inherits."""
+    """Stands in, among a child's arguments, for one end of a pipe the child inherits."""
 
     fd: int
+    child_writes: bool = True  # False: the parent writes, the child reads
 
 
-def pipe() -> tuple[Connection, InheritedConnection]:
-    """A one-way channel: the parent reads a ``Connection``; the child writes to the other end."""
+def pipe(to_child: bool = False) -> tuple[Connection, InheritedConnection]:
+    """A one-way channel between this process (the ``Connection``) and one child (the other end).
+
+    By default the child writes and the parent reads; ``to_child=True`` turns it around.
+    """
     read_fd, write_fd = os.pipe()
+    if to_child:
+        return Connection(write_fd, readable=False), InheritedConnection(read_fd, child_writes=False)
     return Connection(read_fd, writable=False), InheritedConnection(write_fd)
 
 
@@ -93,5 +99,6 @@ def bootstrap(payload_fd: int) -> None:
     import importlib
 
     func = getattr(importlib.import_module(module_name), func_name)
-    args = tuple(Connection(a.fd, readable=False) if isinstance(a, InheritedConnection) else a for a in args)
+    args = tuple(Connection(a.fd, readable=not a.child_writes, writable=a.child_writes)
+                 if isinstance(a, InheritedConnection) else a for a in args)
     func(*args)

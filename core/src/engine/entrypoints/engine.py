@@ -7,9 +7,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from engine.config import ServerArgs
-from engine.entrypoints.launch import start_runtime
+from engine.entrypoints.launch import launch_runtime
 from engine.managers.tokenizer_manager import GenerateRequest, TokenizerManager
-from engine.managers.tokenizer_utils import load_tokenizer
 
 
 class Engine:
@@ -24,15 +23,9 @@ class Engine:
             values["model_path"] = model_path
         self.server_args = ServerArgs.from_dict(values, where=" (Engine argument)")
         args = self.server_args
-        starting = start_runtime(args)
-        try:
-            # Loaded while the scheduler loads the model, not after it.
-            tokenizer = None if args.skip_tokenizer_init else load_tokenizer(
-                args.tokenizer_path or starting.model_path, args.trust_remote_code)
-        except BaseException:
-            starting.abort()
-            raise
-        self.runtime = starting.wait_ready()
+        # The tokenizer is loaded while the scheduler loads the model (launch_runtime).
+        self.runtime = launch_runtime(args)
+        tokenizer = self.runtime.tokenizer
         self.loop = asyncio.new_event_loop()
         self.tokenizer_manager: TokenizerManager = self.loop.run_until_complete(self._make_manager(tokenizer))
         self._closed = False

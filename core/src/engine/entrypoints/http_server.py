@@ -158,7 +158,6 @@ def serve(args: ServerArgs) -> int:
     """Runs the server until SIGTERM/SIGINT (returns 0) or an engine process dies (returns 1)."""
     from engine.entrypoints.launch import launch_runtime, resolve_model_path
     from engine.managers.process_utils import setup_child_logging
-    from engine.managers.tokenizer_utils import load_tokenizer
 
     setup_child_logging(args.log_level, "server")
     signals = _Signals()
@@ -167,9 +166,9 @@ def serve(args: ServerArgs) -> int:
     url = server_url(args.host, args.port)
     try:
         started = time.perf_counter()
-        logger.info("[1/3] model: %s", args.model_path or "embedded default model (building it on first use)")
+        logger.info("[1/2] model: %s", args.model_path or "embedded default model (building it on first use)")
         model_path = resolve_model_path(args)
-        logger.info("[2/3] starting the scheduler and detokenizer processes; loading weights from %s", model_path)
+        logger.info("[2/2] starting the scheduler and detokenizer processes; loading weights from %s and the tokenizer", model_path)
         runtime = launch_runtime(args)
     except _StartupInterrupted:
         logger.info("interrupted during start-up")
@@ -184,10 +183,7 @@ def serve(args: ServerArgs) -> int:
         logger.info("model loaded in %.1f s: KV pool %d tokens, context %d, %d request slots",
                     time.perf_counter() - started, ready.max_total_num_tokens, ready.context_len,
                     ready.max_running_requests)
-        tokenizer = None
-        if not args.skip_tokenizer_init:
-            logger.info("[3/3] loading the tokenizer")
-            tokenizer = load_tokenizer(args.tokenizer_path or runtime.model_path, args.trust_remote_code)
+        tokenizer = runtime.tokenizer  # loaded while the model loaded (None with --skip-tokenizer-init)
 
         def on_fatal(reason: str) -> None:
             nonlocal exit_code

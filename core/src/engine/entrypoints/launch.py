@@ -51,6 +51,8 @@ class Runtime:
     ipc: IpcNames
     processes: list[Any]
     ready: SchedulerReady
+    # The tokenizer this process loaded (None with --skip-tokenizer-init), shared with the detokenizer.
+    tokenizer: Any = None
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the engine processes: asks them over IPC (they ignore SIGTERM, which a supervisor
@@ -98,10 +100,17 @@ class StartingRuntime:
     ipc: IpcNames
     processes: list[Any]
     ready_reader: Any  # the scheduler writes ("ok", SchedulerReady) or ("error", message) here
+    tokenizer_writer: Any  # this process sends the detokenizer its tokenizer (or None) here
 
     def wait_ready(self) -> Runtime:
-        """Blocks until the scheduler has loaded the model; on failure stops the children and raises."""
+        """Loads the tokenizer while the scheduler loads the model, then waits for the model.
+
+        The tokenizer is loaded once, here, and handed to the detokenizer, which so never
+        imports what ``AutoTokenizer`` pulls in (torch among it). On failure stops the
+        children and raises.
+        """
         try:
+            tokenizer = self._share_tokenizer()
             ready = _wait_ready(self.ready_reader, self.processes[0])
         except BaseException:
             self.abort()
@@ -109,10 +118,29 @@ class StartingRuntime:
         finally:
             self.ready_reader.close()
         runtime = Runtime(self.args, self.model_path, self.ipc, self.processes, ready)
+        runtime.tokenizer = tokenizer
         _running[id(runtime)] = runtime
         return runtime
 
+    def _share_tokenizer(self) -> Any:
+        args = self.args
+        tokenizer = None
+        try:
+            if not args.skip_tokenizer_init:
+                from engine.managers.tokenizer_utils import load_tokenizer
+
+                tokenizer = load_tokenizer(args.tokenizer_path or self.model_path, args.trust_remote_code)
+            try:
+                self.tokenizer_writer.send(tokenizer)
+            except Exception as exc:  # not picklable (remote code): the detokenizer loads its own
+                logger.debug("tokenizer not shared with the detokenizer (%s)", exc)
+                self.tokenizer_writer.send(None)
+        finally:
+            self.tokenizer_writer.close()
+        return tokenizer
+
     def abort(self) -> None:
+        self.tokenizer_writer.close()
         Runtime(self.args, self.model_path, self.ipc, self.processes, None).shutdown()  # type: ignore[arg-type]
 
 
@@ -129,13 +157,14 @@ def start_runtime(args: ServerArgs) -> StartingRuntime:
     ipc = IpcNames.create()
     parent_pid = os.getpid()
     reader, writer = pipe()
+    tokenizer_writer, tokenizer_reader = pipe(to_child=True)
     processes = [
         ChildProcess("engine.managers.scheduler_process:scheduler_process",
                      (args, model_path, ipc, writer, parent_pid), name="scheduler"),
         ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
-                     (args, model_path, ipc, parent_pid), name="detokenizer"),
+                     (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer"),
     ]
-    starting = StartingRuntime(args, model_path, ipc, processes, reader)
+    starting = StartingRuntime(args, model_path, ipc, processes, reader, tokenizer_writer)
     try:
         preflight(args, model_path)
     except BaseException:

@@ -99,8 +99,12 @@ class DetokenizerManager:
         return piece, reason
 
 
-def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int) -> None:
-    """Entry point of the detokenizer process."""
+def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int, tokenizer_conn: Any = None) -> None:
+    """Entry point of the detokenizer process.
+
+    ``tokenizer_conn``: the main process sends its tokenizer here (None: load it here), so
+    the tokenizer is loaded once and this process never imports torch.
+    """
     import zmq
 
     from engine.managers.process_utils import exit_if_orphaned, ignore_group_signals, setup_child_logging
@@ -108,7 +112,15 @@ def detokenizer_process(args: Any, model_path: str, ipc: Any, parent_pid: int) -
 
     setup_child_logging(args.log_level, "detokenizer")
     ignore_group_signals()
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer_path or model_path, args.trust_remote_code)
+    tokenizer = None
+    if tokenizer_conn is not None:
+        try:
+            tokenizer = tokenizer_conn.recv()
+        except EOFError:
+            os._exit(0)  # the main process ended before it had a tokenizer to send
+        tokenizer_conn.close()
+    if tokenizer is None and not args.skip_tokenizer_init:
+        tokenizer = load_tokenizer(args.tokenizer_path or model_path, args.trust_remote_code)
     manager = DetokenizerManager(tokenizer)
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
