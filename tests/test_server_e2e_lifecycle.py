@@ -49,7 +49,7 @@ def _engine_children(server: Server) -> list[int]:
     for pid in server.descendants():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
+                if b"engine.entrypoints.child_process" in f.read():  # how launch_runtime starts them
                     out.append(pid)
         except FileNotFoundError:
             pass
