@@ -34,7 +34,7 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bo
 @dataclass
 class ServerArgs:
     # -- model --------------------------------------------------------------
-    model_path: str | None = opt(None, "Hugging Face model directory; default: the embedded tiny model")
+    model_path: str | None = opt(None, "Hugging Face model directory, or a GGUF file (or a directory holding one); default: the embedded SmolLM2-135M-Instruct")
     tokenizer_path: str | None = opt(None, "Tokenizer directory (default: the model directory)")
     served_model_name: str | None = opt(None, "Model name reported by the API (default: the directory name)")
     load_format: str = opt("auto", "Weight format; 'dummy' makes random weights from config.json alone", LOAD_FORMATS)

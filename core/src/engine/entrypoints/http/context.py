@@ -21,12 +21,13 @@ DEFAULT_MODEL_NAME = "default"
 
 
 def served_model_name(args: ServerArgs, model_path: str) -> str:
-    """``--served-model-name``, else the model directory's name (``default`` for the embedded model)."""
+    """``--served-model-name``, else the name of what ``--model-path`` names (the directory, or the
+    GGUF file, not its cache directory), ``default`` for the embedded model."""
     if args.served_model_name:
         return args.served_model_name
     if not args.model_path:
         return DEFAULT_MODEL_NAME
-    return os.path.basename(os.path.normpath(model_path)) or model_path
+    return os.path.basename(os.path.normpath(args.model_path)) or model_path
 
 
 @dataclass
