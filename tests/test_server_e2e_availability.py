@@ -27,19 +27,31 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server_e2e_harness import MODEL_NAME, Server, assert_no_kv_leak, launch, wait_idle  # noqa: E402
 
-# A request that cannot finish by itself within any test's patience (the test checkpoint's context is 1024 tokens).
-_LONG = {"max_new_tokens": 1000, "ignore_eos": True}
+# The tiny model decodes ~700 tokens/s on an idle 2-core machine, so a request that must outlast a
+# test's polling and signalling needs a long context: these servers' checkpoint allows 32,768 tokens.
+_CONTEXT = 32768
+# A request that cannot finish by itself within any test's patience (~40 s at full speed).
+_LONG = {"max_new_tokens": 30000, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Iterator[dict[str, Server]]:
+def long_context_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama-long")), "LlamaForCausalLM",
+                                max_position_embeddings=_CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, long_context_ckpt: str) -> Iterator[dict[str, Server]]:
     """Three private servers started side by side; the tests that end one say which."""
     logs = str(tmp_path_factory.mktemp("availability-logs"))
     started = {
         # Shared by the request-level tests, then stopped by a SIGTERM to its process group.
-        "group": launch(llama_ckpt_dir, logs, "--shutdown-grace-s", "20", api_key=None, new_session=True),
-        "drain": launch(llama_ckpt_dir, logs, "--shutdown-grace-s", "1", api_key=None),
-        "kill": launch(llama_ckpt_dir, logs, api_key=None),
+        # Its grace is an upper bound the drained request (~3,000 tokens) never comes near.
+        "group": launch(long_context_ckpt, logs, "--shutdown-grace-s", "120", api_key=None, new_session=True),
+        "drain": launch(long_context_ckpt, logs, "--shutdown-grace-s", "1", api_key=None),
+        "kill": launch(long_context_ckpt, logs, api_key=None),
     }
     try:
         for server in started.values():
@@ -115,7 +127,7 @@ def test_huge_prompts_are_refused_and_health_keeps_answering(servers: dict[str, 
 def test_abort_parent_rid_of_n2_aborts_both_choices(servers: dict[str, Server]) -> None:
     server = servers["group"]
     out: dict[str, Any] = {}
-    body = {"model": MODEL_NAME, "prompt": "Abort me", "n": 2, "max_tokens": 900, "ignore_eos": True,
+    body = {"model": MODEL_NAME, "prompt": "Abort me", "n": 2, "max_tokens": _LONG["max_new_tokens"], "ignore_eos": True,
             "stream": True, "rid": "parent-n2"}
     thread = _in_thread(_stream_events, server, "/v1/completions", body, out)
     assert _wait(lambda: _inflight(server) == 2), "the two choices never started"
@@ -165,16 +177,22 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
     def stream() -> None:
-        chunks = client.completions.create(model=MODEL_NAME, prompt="Drain me", max_tokens=60, stream=True,
+        chunks = client.completions.create(model=MODEL_NAME, prompt="Drain me", max_tokens=3000, stream=True,
                                            extra_body={"ignore_eos": True})
-        out["reasons"] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        reasons = []
+        for chunk in chunks:
+            out["chunks"] = out.get("chunks", 0) + 1
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        out["reasons"] = reasons
 
     thread = _in_thread(stream)
-    assert _wait(lambda: _inflight(server) == 1)
+    assert _wait(lambda: out.get("chunks", 0) > 0), "the stream never started"
+    at_signal = out["chunks"]
     os.killpg(server.proc.pid, signal.SIGTERM)  # what systemd, Docker and Kubernetes send
-    assert server.proc.wait(60) == 0, server.log()[-3000:]
+    assert server.proc.wait(180) == 0, server.log()[-3000:]
     thread.join(30)
     assert out.get("reasons") == ["length"], (out, server.log()[-3000:])
+    assert out["chunks"] > at_signal, "nothing was streamed after the SIGTERM: the drain was not exercised"
     assert _wait(lambda: not [pid for pid in children if _alive(pid)], 10), "engine processes left behind"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*"))
 
@@ -192,7 +210,7 @@ def test_sigterm_past_the_grace_period_ends_requests_cleanly(servers: dict[str, 
             plain["error"] = repr(exc)
 
     threads = [_in_thread(_stream_events, server, "/v1/completions",
-                          {"model": MODEL_NAME, "prompt": "Long", "max_tokens": 900, "ignore_eos": True,
+                          {"model": MODEL_NAME, "prompt": "Long", "max_tokens": _LONG["max_new_tokens"], "ignore_eos": True,
                            "stream": True}, stream),
                _in_thread(non_streamed)]
     assert _wait(lambda: _inflight(server) == 2)
