@@ -23,6 +23,7 @@ CHATS = [
     [{"role": "user", "content": "Write one sentence about the sea."}],
 ]
 MAX_NEW = 32
+BF16_TIE = 0.25
 
 
 def _backends() -> list[Any]:
@@ -78,6 +79,8 @@ def test_bf16_greedy_matches_transformers(attention: str, model_dir: str, hf_mod
     ours = generate_greedy(sched, prompts, MAX_NEW)
     for i, (prompt, got) in enumerate(zip(prompts, ours)):
         ref = hf_greedy(hf_model, prompt, MAX_NEW)
-        check_greedy_until_near_tie(hf_model, prompt, got, ref, MAX_NEW, 0.1, f"{attention} chat {i}")
+        # A real model's logits reach 15-30, where bfloat16 (transformers computes them in bf16 here)
+        # steps by 0.125: a gap of up to two such steps is a rounding tie, not a wrong token.
+        check_greedy_until_near_tie(hf_model, prompt, got, ref, MAX_NEW, BF16_TIE, f"{attention} chat {i}")
     answer = AutoTokenizer.from_pretrained(model_dir).decode(ours[0], skip_special_tokens=True)
     assert "Paris" in answer, answer
