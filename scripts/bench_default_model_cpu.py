@@ -49,7 +49,7 @@ def main() -> None:
     from engine.bench.one_batch import run_one
     from engine.config import ServerArgs
     from engine.managers.scheduler import Scheduler
-    from engine.model_executor.model_loader import resolve_checkpoint
+    from engine.model_executor.checkpoint import resolve_checkpoint
 
     path = resolve_checkpoint(None)
     args = ServerArgs.from_dict({"platform": "cpu", "max_total_tokens": 16384, "dtype": "float32"})

@@ -38,7 +38,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(gguf_path: str) -> str:
-    from engine.model_executor.model_loader import resolve_checkpoint
+    from engine.model_executor.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(None)  # converted once into $ENGINE_CACHE_DIR; the server reuses it
 

@@ -39,7 +39,7 @@ def _backends() -> list[Any]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from engine.model_executor.model_loader import resolve_checkpoint
+    from engine.model_executor.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(None)
 

@@ -21,7 +21,8 @@ from engine.cli import app
 from engine.errors import ModelLoadError
 from engine.model_executor import gguf_convert
 from engine.model_executor.gguf_convert import iterate_gguf_weights, load_gguf_config
-from engine.model_executor.model_loader import load_hf_config, resolve_checkpoint, resolve_dtype
+from engine.model_executor.checkpoint import load_hf_config, resolve_checkpoint
+from engine.model_executor.model_loader import resolve_dtype
 from engine.testing.checkpoints import hf_greedy, hf_last_logits, load_hf_model, make_tiny_checkpoint
 from engine.testing.gguf_files import write_tiny_gguf
 from engine.testing.harness import generate_greedy, last_position_logits, make_scheduler

@@ -23,7 +23,7 @@ _READY_TIMEOUT_S = 1800.0
 
 def resolve_model_path(args: ServerArgs) -> str:
     """The Hugging Face directory to load: the default model or a GGUF converted once, or the path."""
-    from engine.model_executor.model_loader import resolve_checkpoint
+    from engine.model_executor.checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(args.model_path or None, args.disable_plugin)
 
@@ -34,7 +34,7 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     The selection is the same ``select_components`` the scheduler process builds from, so a
     run that passes here fails later only for reasons that need the weights or the device.
     """
-    from engine.model_executor.model_loader import load_hf_config
+    from engine.model_executor.checkpoint import load_hf_config
     from engine.selection import select_components
 
     check_required_plugins(args.required_plugins)

@@ -14,7 +14,8 @@ from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.sampler import Sampler, SampleOutput
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from engine.model_executor.forward_batch import ForwardBatch
-from engine.model_executor.model_loader import load_hf_config, load_model
+from engine.model_executor.checkpoint import load_hf_config
+from engine.model_executor.model_loader import load_model
 from engine.selection import select_components
 
 if TYPE_CHECKING:

@@ -1,0 +1,53 @@
+"""Which checkpoint directory to load, and its config: nothing here imports torch.
+
+The main process resolves the checkpoint (the default model, a GGUF converted once, or the given
+directory) before it starts the engine's processes, so keeping torch out of this path keeps that
+serial part of start-up short.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from typing import Any
+
+from engine.errors import ModelLoadError
+
+
+def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = ()) -> str:
+    """The Hugging Face directory the engine loads for ``--model-path``.
+
+    None means the embedded default model (SmolLM2-135M-Instruct's GGUF); a GGUF file, or a
+    directory holding one GGUF and no config.json, is converted once into the cache
+    (``gguf_loader``); anything else is returned as given for ``load_hf_config`` to check.
+    """
+    from engine import plugins
+    from engine.model_executor.gguf_loader import find_gguf, prepare_gguf_checkpoint
+
+    if model_path is None:
+        from engine.default_model import default_model_gguf
+
+        gguf_path: str | None = default_model_gguf()
+    else:
+        gguf_path = find_gguf(model_path)
+    if gguf_path is None:
+        return model_path  # type: ignore[return-value]  # not None here: None took the branch above
+    blocked = tuple(disabled)
+    return prepare_gguf_checkpoint(gguf_path, lambda arch: plugins.get_model_spec(arch, blocked))
+
+
+def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
+    """Reads config.json with transformers; every problem becomes a ModelLoadError."""
+    from transformers import AutoConfig
+
+    if not os.path.isdir(model_path):
+        raise ModelLoadError(f"--model-path: not a directory: {model_path}")
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ModelLoadError(f"--model-path: {model_path} has no config.json (expected a Hugging Face model directory)")
+    try:
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"--model-path: cannot read {model_path}/config.json: {exc}") from None
+    if not getattr(config, "architectures", None):
+        raise ModelLoadError(f"{model_path}/config.json names no 'architectures'; cannot pick a model plugin")
+    return config
