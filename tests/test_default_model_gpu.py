@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.testing.harness import cuda_attention_backends
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -24,17 +26,6 @@ CHATS = [
 ]
 MAX_NEW = 32
 BF16_TIE = 0.25
-
-
-def _backends() -> list[Any]:
-    try:
-        import flashinfer  # noqa: F401
-
-        flashinfer_ok = True
-    except ImportError:
-        flashinfer_ok = False
-    skip = pytest.mark.skip(reason="flashinfer is not installed")
-    return ["triton", pytest.param("flashinfer", marks=[] if flashinfer_ok else [skip])]
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,7 @@ def prompts(model_dir: str) -> list[list[int]]:
     return [list(o["input_ids"] if hasattr(o, "keys") else o) for o in out]
 
 
-@pytest.mark.parametrize("attention", _backends())
+@pytest.mark.parametrize("attention", cuda_attention_backends())
 def test_bf16_greedy_matches_transformers(attention: str, model_dir: str, hf_model: Any,
                                           prompts: list[list[int]]) -> None:
     from transformers import AutoTokenizer

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.testing.harness import cuda_attention_backends
+
 pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
@@ -22,17 +24,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_server_e2e_harness import API_KEY, MODEL_NAME, Server, launch  # noqa: E402
 
 MAX_NEW = 24
-
-
-def _backends() -> list[Any]:
-    try:
-        import flashinfer  # noqa: F401
-
-        flashinfer_ok = True
-    except ImportError:
-        flashinfer_ok = False
-    skip = pytest.mark.skip(reason="flashinfer is not installed")
-    return ["triton", pytest.param("flashinfer", marks=[] if flashinfer_ok else [skip])]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +42,7 @@ def hf_model(ckpt: str) -> Any:
     return load_hf_model(ckpt, "bfloat16", "cuda")
 
 
-@pytest.fixture(params=_backends())
+@pytest.fixture(params=cuda_attention_backends())
 def gpu_server(request: pytest.FixtureRequest, ckpt: str, tmp_path: pathlib.Path) -> Any:
     server = launch(ckpt, str(tmp_path), "--attention", request.param, "--dtype", "bfloat16",
                     "--cuda-graph-max-bs", "16")

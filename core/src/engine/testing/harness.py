@@ -86,3 +86,13 @@ def assert_generates(path: str, prompts: list[list[int]], max_new_tokens: int, *
     """A scheduler on ``path`` decodes ``max_new_tokens`` for every prompt (EOS ignored)."""
     outputs = generate_greedy(make_scheduler(path, **server_args), prompts, max_new_tokens, ignore_eos=True)
     assert [len(o) for o in outputs] == [max_new_tokens] * len(prompts)
+
+
+def cuda_attention_backends() -> list[Any]:
+    """``triton`` and ``flashinfer`` as pytest parameters, flashinfer skipped where not installed."""
+    import importlib.util
+
+    import pytest
+
+    skip = [] if importlib.util.find_spec("flashinfer") else [pytest.mark.skip(reason="flashinfer is not installed")]
+    return ["triton", pytest.param("flashinfer", marks=skip)]
