@@ -9,7 +9,6 @@ import types
 from typing import Any
 
 import pytest
-import torch
 
 from engine import plugins
 from engine.hookspecs import AttentionBackendSpec, ModelSpec, QuantMethodSpec, hookimpl
