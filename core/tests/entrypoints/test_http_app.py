@@ -322,6 +322,21 @@ def test_abort_parent_rid_ends_every_choice_with_abort_reason(client: TestClient
     assert not manager.groups  # the group id is released with its requests
 
 
+def test_non_streamed_native_abort_is_a_400_that_carries_meta_info(client: TestClient) -> None:
+    manager = client.app.state.ctx.manager
+    manager.token_delay = 0.05
+    thread, result = _stream_in_thread(client, "/generate", {
+        "text": "hi", "rid": "plain", "sampling_params": {"max_new_tokens": 50}})
+    _wait_for(lambda: "plain" in manager.states)
+    assert client.post("/abort_request", json={"rid": "plain"}).json()["aborted"] == ["plain"]
+    thread.join(30)
+    r = result["response"]
+    body = r.json()
+    assert r.status_code == 400 and body["error"]["code"] == "request_aborted", r.text
+    assert body["meta_info"]["finish_reason"]["type"] == "abort" and body["meta_info"]["id"] == "plain", body
+    assert len(body["output_ids"]) < 50
+
+
 def test_abort_one_choice_lets_the_others_finish(client: TestClient) -> None:
     manager = client.app.state.ctx.manager
     manager.token_delay = 0.02

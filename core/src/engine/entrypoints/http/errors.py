@@ -37,16 +37,19 @@ class APIError(Exception):
     """An error to send as an HTTP response (raised anywhere inside a handler)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None) -> None:
+                 type: str | None = None, extra: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        # Top-level keys beside "error" (an aborted native request's outputs, as SGLang clients read them).
+        self.extra = extra or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code},
+                **self.extra}
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)

@@ -23,7 +23,6 @@ from engine.entrypoints.http.generation import (
     Choice,
     SSEResponse,
     aborted_error,
-    finish_reason,
     log_stream_failure,
     make_choices,
     run_to_completion,
@@ -63,8 +62,11 @@ async def generate(request: Request) -> Response:
         return SSEResponse(_stream(ctx, req, choices, batch))
     outputs = await run_to_completion(ctx, choices, request)
     bodies = [_output(ctx, req, out) for out in outputs]
-    for out in outputs:
-        finish_reason(out["meta_info"])  # an aborted request is an error (400)
+    aborted = [out["meta_info"] for out in outputs if stream_finish_reason(out["meta_info"]) == "abort"]
+    if aborted:  # a 400, whose body also holds the outputs: meta_info.finish_reason is {"type": "abort"}
+        error = aborted_error(aborted)
+        error.extra = bodies[0] if not batch else {"outputs": bodies}
+        raise error
     return JSONResponse(bodies if batch else bodies[0])
 
 
