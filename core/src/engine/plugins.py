@@ -150,10 +150,10 @@ class PluginRegistry:
             self._register_object(ep.name, obj, dist, version)
 
     def _disabled_reason(self, name: str) -> str:
-        if name in self.disabled - self.env_disabled:
-            return f"--disable-plugin {name}"
         if name in self.env_disabled:
             return f"{DISABLE_ENV}={','.join(sorted(self.env_disabled))}"
+        if name in self.disabled:  # the rest of ``disabled`` came from --disable-plugin
+            return f"--disable-plugin {name}"
         if self.allowlist is not None and name not in self.allowlist:
             return f"not in {ALLOWLIST_ENV}={','.join(sorted(self.allowlist))}"
         return ""
@@ -240,7 +240,6 @@ class PluginRegistry:
         return _raise(
             f"unknown {label} '{name}'; installed: {', '.join(installed) or 'none'}{hint}{install}{broken_note}"
         )
-
 
     def disabled_provider(self, kind: str, matches: Any) -> PluginInfo | None:
         """The disabled plugin that would register a ``kind`` spec for which ``matches(spec)``.

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from engine import plugins
 from engine.attention.selection import check_backend_selectable
 from engine.errors import ConfigError, ModelLoadError, PluginError
+from engine.hookspecs import call_with_accepted
 
 if TYPE_CHECKING:
     import torch
@@ -70,8 +71,6 @@ class Selection:
 
     def create_model(self, hf_config: Any) -> Any:
         """The model plugin's module, built as ``cls(hf_config, quant_config[, options])``."""
-        from engine.hookspecs import call_with_accepted
-
         cls = plugins.model_class_of(self.model.spec, self.model.name)
         return call_with_accepted(cls, hf_config, self.quant_config, options=self.model.options)
 
@@ -132,10 +131,14 @@ def _selected(reg: Any, kind: str, name: str, spec: Any, opts: dict[str, Any]) -
     return Selected(kind, name, spec, owner, reg.options_for(owner.name, opts) if owner else {})
 
 
+def _names_for_device(reg: Any, kind: str, device: str) -> str:
+    """The ``kind`` implementations whose spec lists ``device``, for error messages (``"none"`` if none)."""
+    return ", ".join(n for n in reg.names(kind) if device in reg.entries[kind][n].spec.device_types) or "none"
+
+
 def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
     disabled = args.disable_plugin
     device = platform.device_type
-    runs_here = [n for n in reg.names("attention") if device in reg.entries["attention"][n].spec.device_types]
     if args.attention:
         name = args.attention
         spec = reg.get("attention", name, "attention backend")
@@ -146,7 +149,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
         except PluginError as exc:
             raise PluginError(f"{exc}; platform '{platform.name}' picks it when --attention is not given: "
                               f"choose one with --attention (backends for platform '{platform.name}': "
-                              f"{', '.join(runs_here) or 'none'})") from None
+                              f"{_names_for_device(reg, 'attention', device)})") from None
     try:
         check_backend_selectable(spec, device, args.page_size)
     except ConfigError as exc:
@@ -154,7 +157,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
             raise
         # The check knows the spec only; say what would run on this platform instead.
         raise ConfigError(f"{exc}; backends for platform '{platform.name}': "
-                          f"{', '.join(runs_here) or 'none'}") from None
+                          f"{_names_for_device(reg, 'attention', device)}") from None
     return _selected(reg, "attention", name, spec, args.plugin_options)
 
 
@@ -176,9 +179,8 @@ def _select_quant(args: ServerArgs, hf_config: Any, platform: Any, reg: Any,
         return None, None
     device = platform.device_type
     if device not in spec.device_types:
-        runs_here = [n for n in reg.names("quantization") if device in reg.entries["quantization"][n].spec.device_types]
         raise ConfigError(f"quantization method '{spec.name}' does not run on platform '{platform.name}' "
-                          f"(runs on: {', '.join(spec.device_types)}); methods for {device}: {', '.join(runs_here) or 'none'}")
+                          f"(runs on: {', '.join(spec.device_types)}); methods for {device}: {_names_for_device(reg, 'quantization', device)}")
     selected = _selected(reg, "quantization", spec.name, spec, args.plugin_options)
     quant_config = plugins.create(spec.factory, dict(ckpt or {}), options=selected.options)
     accepted = list(quant_config.supported_act_dtypes())

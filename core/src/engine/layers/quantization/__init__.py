@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.errors import ModelLoadError
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -113,8 +115,6 @@ def is_layer_ignored(prefix: str, ignored: list[str]) -> bool:
     """
     if not ignored:
         return False
-    from engine.errors import ModelLoadError
-
     parent, _, leaf = prefix.rpartition(".")
     parts = [f"{parent}.{p}" if parent else p for p in FUSED_LAYER_PARTS.get(leaf, (leaf,))]
     hits = [any(_names_layer(part, pattern) for pattern in ignored) for part in parts]
