@@ -125,7 +125,8 @@ def bench_startup(args: ServerArgs, rounds: int, modes: list[str], timeout: floa
 
     model_path = resolve_model_path(args)  # builds/converts the default model once, untimed
     tokenizer_dir = args.tokenizer_path or model_path
-    overrides = {k: v for k, v in args.to_dict().items() if v != getattr(ServerArgs(), k, None)}
+    defaults = ServerArgs()
+    overrides = {k: v for k, v in args.to_dict().items() if v != getattr(defaults, k, None)}
     overrides.setdefault("model_path", model_path)
     overrides.pop("port", None)
     result = StartupResult(model_path)

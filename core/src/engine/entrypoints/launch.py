@@ -117,8 +117,7 @@ class StartingRuntime:
             raise
         finally:
             self.ready_reader.close()
-        runtime = Runtime(self.args, self.model_path, self.ipc, self.processes, ready)
-        runtime.tokenizer = tokenizer
+        runtime = Runtime(self.args, self.model_path, self.ipc, self.processes, ready, tokenizer)
         _running[id(runtime)] = runtime
         return runtime
 

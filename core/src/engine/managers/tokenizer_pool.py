@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -143,17 +144,11 @@ class TokenizerPool:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
 
-_TRIM: Any = None
-
-
+@functools.cache
 def _malloc_trim() -> Any | None:
-    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
-    global _TRIM
-    if _TRIM is None:
-        _TRIM = False
-        name = ctypes.util.find_library("c")
-        try:
-            _TRIM = ctypes.CDLL(name).malloc_trim if name else False
-        except (OSError, AttributeError):
-            _TRIM = False
-    return _TRIM or None
+    """glibc's ``malloc_trim`` (None elsewhere: musl, macOS); looked up once."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.entrypoints.http.errors import APIError, engine_dead_error
+from engine.entrypoints.http.errors import APIError, engine_dead_error, shutting_down_error
 from engine.managers.tokenizer_pool import TextTooLongError
 
 if TYPE_CHECKING:
@@ -65,8 +65,8 @@ class ServingContext:
         """Alive and not draining for shutdown (503 then: load balancers retry elsewhere)."""
         self.check_alive()
         if self.manager.draining:
-            raise APIError(503, "the server is shutting down and accepts no new requests; retry on another replica",
-                           code="server_shutting_down")
+            raise shutting_down_error("the server is shutting down and accepts no new requests; "
+                                      "retry on another replica")
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, tokenized off the event loop; over-long texts are a 400."""

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from engine.errors import did_you_mean
-from engine.managers.tokenizer_manager import EngineDeadError, RequestError
+from engine.managers.tokenizer_manager import EngineDeadError, RequestError, ServerShuttingDownError
 
 # OpenAI's error "type" for each status we send.
 _TYPES = {
@@ -58,6 +58,11 @@ class APIError(Exception):
 def engine_dead_error(exc: EngineDeadError | str) -> APIError:
     return APIError(500, f"the engine is not running: {exc}; the server is shutting down",
                     code="engine_dead")
+
+
+def shutting_down_error(exc: ServerShuttingDownError | str) -> APIError:
+    """The 503 of a server draining for shutdown (load balancers retry elsewhere)."""
+    return APIError(503, str(exc), code="server_shutting_down")
 
 
 def from_request_error(exc: RequestError, renames: dict[str, str] | None = None) -> APIError:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import StreamingResponse
 
-from engine.entrypoints.http.errors import APIError, engine_dead_error, from_request_error
+from engine.entrypoints.http.errors import APIError, engine_dead_error, from_request_error, shutting_down_error
 from engine.managers.tokenizer_manager import (
     EngineDeadError,
     GenerateRequest,
@@ -134,10 +134,6 @@ def aborted_error(metas: Sequence[dict[str, Any]]) -> APIError:
     ids = ", ".join(str(m.get("id")) for m in metas if m.get("id") is not None)
     which = f" ({ids})" if ids and len(metas) > 1 else ""
     return APIError(400, f"the request was aborted{which}: {'; '.join(messages)}", code="request_aborted")
-
-
-def shutting_down_error(exc: ServerShuttingDownError | str) -> APIError:
-    return APIError(503, str(exc), code="server_shutting_down")
 
 
 def matched_stop(meta: dict[str, Any]) -> int | str | None:

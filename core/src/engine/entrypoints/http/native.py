@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine import __version__
 from engine.entrypoints.http.context import ServingContext
-from engine.entrypoints.http.errors import APIError, engine_dead_error, parse_body
+from engine.entrypoints.http.errors import APIError, engine_dead_error, parse_body, shutting_down_error
 from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
@@ -145,7 +145,7 @@ async def health(request: Request) -> Response:
     """200 when the scheduler answers a health check in time, else 503."""
     ctx = _ctx(request)
     if ctx.manager.draining:
-        raise APIError(503, "the server is shutting down", code="server_shutting_down")
+        raise shutting_down_error("the server is shutting down")
     try:
         await _control(ctx, "health", HEALTH_TIMEOUT_S)
     except APIError as exc:
