@@ -90,7 +90,7 @@ def test_greedy_answers_equal_transformers_on_the_same_gguf(model_dir: str, gguf
     prompts = [_chat_ids(tokenizer, chat) for chat in CHATS]
     sched = make_scheduler(model_dir)
     assert sched.runner.dtype == torch.float32  # --dtype auto on the CPU
-    ours = generate_greedy(sched, prompts, MAX_NEW_TOKENS)  # all four in one batch
+    ours = generate_greedy(sched, prompts, MAX_NEW_TOKENS)  # all three in one batch
     for chat, prompt, got in zip(CHATS, prompts, ours):
         want = hf_greedy(hf, prompt, MAX_NEW_TOKENS)
         assert got == want, f"{chat[-1]['content']!r}: {tokenizer.decode(got)!r} vs {tokenizer.decode(want)!r}"

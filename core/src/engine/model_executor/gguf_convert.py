@@ -39,6 +39,13 @@ def load_gguf_config(gguf_path: str) -> Any:
     Raises:
         ModelLoadError: transformers cannot read this GGUF architecture.
     """
+    return _load_config_and_reader(gguf_path)[0]
+
+
+def _load_config_and_reader(gguf_path: str) -> tuple[Any, Any]:
+    """``load_gguf_config`` and the ``GGUFReader`` it opened, which a conversion reuses for the
+    tensors (parsing the metadata takes seconds on a real model's 49k-token vocabulary)."""
+    from gguf import GGUFReader
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -52,19 +59,17 @@ def load_gguf_config(gguf_path: str) -> Any:
         raise ModelLoadError(f"--model-path: GGUF {gguf_path} holds a '{config.model_type}' model, "
                              "which is not a causal language model transformers knows")
     config.architectures = [arch]
-    _fix_head_dim(config, gguf_path)
+    reader = GGUFReader(gguf_path)
+    _fix_head_dim(config, reader)
     # Dequantized weights are float32: ``--dtype auto`` then runs float32 on the CPU and the
     # platform's dtype (bfloat16) on accelerators, as for any float32 checkpoint.
     config.dtype = "float32"
-    return config
+    return config, reader
 
 
-def _fix_head_dim(config: Any, gguf_path: str) -> None:
+def _fix_head_dim(config: Any, reader: Any) -> None:
     """transformers maps no head size for qwen2/qwen3 GGUFs and keeps the config class's default
     (128), wrong for any model whose heads differ; llama.cpp writes it as attention.key_length."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
     arch = str(reader.get_field("general.architecture").contents())
     field = reader.get_field(f"{arch}.attention.key_length")
     if field is not None and hasattr(config, "head_dim"):
@@ -82,7 +87,7 @@ def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str]
     """
     from transformers import AutoTokenizer
 
-    config = load_gguf_config(gguf_path)
+    config, reader = _load_config_and_reader(gguf_path)
     check_architecture(config.architectures[0])
     directory, name = _split(gguf_path)
     try:
@@ -91,14 +96,17 @@ def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str]
         raise ModelLoadError(f"--model-path: cannot build a tokenizer from the GGUF metadata of {gguf_path}: {exc}") from None
     tokenizer.save_pretrained(target)
     config.save_pretrained(target)
-    count = _write_weights(gguf_path, config, target)
+    count = _write_weights(gguf_path, config, target, reader)
     with open(os.path.join(target, SOURCE_FILE), "w") as f:
         json.dump({"gguf": os.path.abspath(gguf_path), "converter_version": CONVERTER_VERSION,
                    "tensors": count}, f, indent=1)
 
 
-def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True) -> Iterator[tuple[str, Any]]:
+def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True,
+                         reader: Any = None) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, dequantized torch tensor) for every tensor the model uses.
+
+    ``reader`` is the file's ``GGUFReader`` where the caller has one already; else it is opened here.
 
     Tensors llama.cpp stores in float16/bfloat16 keep that dtype (exactly); quantized ones and
     float32 ones come out float32. Tensors the model has no parameter for (e.g. ``rope_freqs``,
@@ -115,11 +123,13 @@ def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True) -> 
         get_gguf_hf_weights_map,
     )
 
-    reader = GGUFReader(gguf_path)
+    if reader is None:
+        reader = GGUFReader(gguf_path)
     gguf_arch = str(reader.get_field("general.architecture").contents())
     with torch.device("meta"):  # only the parameter names are needed, not memory
         skeleton = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config.to_dict())
+    config_dict = config.to_dict()  # once: the processor reads it for every tensor
+    processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config_dict)
     name_map = get_gguf_hf_weights_map(skeleton, processor)
     keep = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
     # disable=None: a bar on a terminal, nothing in a log file.
@@ -128,7 +138,7 @@ def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True) -> 
     for tensor in bar:
         weights = dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
-                                   parsed_parameters={"tensors": {}, "config": config.to_dict()})
+                                   parsed_parameters={"tensors": {}, "config": config_dict})
         hf_name = name_map.get(result.name)
         if hf_name is None:
             logger.debug("GGUF tensor %s has no counterpart in %s; skipped", tensor.name, config.architectures[0])
@@ -137,7 +147,7 @@ def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True) -> 
         yield hf_name, out.to(keep.get(tensor.tensor_type, torch.float32))
 
 
-def _write_weights(gguf_path: str, config: Any, target: str) -> int:
+def _write_weights(gguf_path: str, config: Any, target: str, reader: Any) -> int:
     """Streams the tensors into safetensors shards (with an index when there is more than one)."""
     from safetensors.torch import save_file
 
@@ -151,7 +161,7 @@ def _write_weights(gguf_path: str, config: Any, target: str) -> int:
         written.append((path, list(shard)))
 
     count = 0
-    for name, tensor in iterate_gguf_weights(gguf_path, config):
+    for name, tensor in iterate_gguf_weights(gguf_path, config, reader=reader):
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > _SHARD_BYTES:
             flush()

@@ -70,11 +70,12 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
             param.data.abs_().add_(1e-3)
 
 
-def load_model(args: ServerArgs, model_path: str, config: Any, dtype: torch.dtype,
-               device: torch.device, selection: Selection) -> torch.nn.Module:
-    """Builds ``selection``'s model plugin (with its quant config and options) and loads weights."""
+def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.device,
+               selection: Selection) -> torch.nn.Module:
+    """Builds ``selection``'s model plugin (with its quant config and options, in its dtype) and
+    loads weights."""
     previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
+    torch.set_default_dtype(selection.dtype)
     try:
         with torch.device(device):
             model = selection.create_model(config)

@@ -54,7 +54,7 @@ class ModelRunner:
         self.context_len = args.context_length or model_ctx
 
         free_before, _ = self.platform.memory_info(self.device)
-        self.model = load_model(args, model_path, cfg, self.dtype, self.device, self.selection)
+        self.model = load_model(args, model_path, cfg, self.device, self.selection)
         self._install_layer_kernels()
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
