@@ -414,6 +414,13 @@ def get_platform_spec(name: str, disabled: Iterable[str] = ()) -> PlatformSpec:
     return get_registry(disabled).get("platform", name, "platform")
 
 
+def declared_options(kind: str, name: str, disabled: Iterable[str] = ()) -> dict[str, Any]:
+    """The option defaults declared by the plugin that registered ``kind`` ``name``: what the
+    engine hands that implementation when the user sets none (the conformance kit builds with it)."""
+    reg = get_registry(disabled)
+    return reg.options_for(reg.entries[kind][name].plugin.name, {})
+
+
 def plugin_options(disabled: Iterable[str] = ()) -> dict[str, PluginOption]:
     return {k: e.spec for k, e in get_registry(disabled).entries["option"].items()}
 

@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 
 from engine import plugins
-from engine.hookspecs import AttentionBackendSpec, ModelSpec, QuantMethodSpec, hookimpl
-from engine.testing import AttentionBackendConformance, ModelConformance, QuantMethodConformance
+from engine.hookspecs import AttentionBackendSpec, ModelSpec, PluginOption, QuantMethodSpec, SchedulePolicySpec, hookimpl
+from engine.testing import (
+    AttentionBackendConformance,
+    ModelConformance,
+    QuantMethodConformance,
+    SchedulePolicyConformance,
+)
 from engine.testing.conformance._common import KIT_SEED, derive_seed
 
 Failed = pytest.fail.Exception
@@ -32,6 +37,31 @@ def test_seeds_do_not_depend_on_the_process() -> None:
     code = "from engine.testing.conformance._common import derive_seed, KIT_SEED; print(derive_seed(KIT_SEED, 'x', 4))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert int(out.stdout) == derive_seed(KIT_SEED, "x", 4) != derive_seed(KIT_SEED, "x", 1)
+
+
+def test_kit_builds_plugins_with_their_declared_options_as_the_engine_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def make_policy(options: dict[str, Any]) -> Any:  # hook API 2: a factory that needs its options
+        from engine_policy_fcfs import FcfsPolicy
+
+        seen.append(options)
+        return FcfsPolicy()
+
+    def register_schedule_policies(register: Any) -> None:
+        register(SchedulePolicySpec(name="opt_policy", factory=make_policy))
+
+    def register_plugin_options(register: Any) -> None:
+        register(PluginOption(plugin="opt_policy", key="depth", default=3, help="a test option"))
+
+    _install(monkeypatch, "opt_policy", register_schedule_policies=register_schedule_policies,
+             register_plugin_options=register_plugin_options)
+
+    class Kit(SchedulePolicyConformance):
+        policy_name = "opt_policy"
+
+    Kit().test_orders_deterministically()
+    assert seen and all(o == {"depth": 3} for o in seen), seen
 
 
 # -- attention ------------------------------------------------------------------------------

@@ -91,7 +91,8 @@ class AttentionBackendConformance:
         alloc.free_pages = alloc.free_pages[order]
         ctx = AttentionContext(device=device, dtype=dtype, num_layers=1, num_heads=self.num_heads,
                                num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, page_size=page_size,
-                               max_context_len=1024, req_to_token_pool=r2t, token_to_kv_pool=kv)
+                               max_context_len=1024, req_to_token_pool=r2t, token_to_kv_pool=kv,
+                               options=plugins.declared_options("attention", self.backend_name))
         return resolve_factory(self._spec().factory)(ctx), r2t, kv, alloc
 
     def _run(self, mode: str, dtype: torch.dtype, page_size: int, window: int = -1, cap: float = 0.0) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import ClassVar
 
 from engine import plugins
-from engine.hookspecs import resolve_factory
 
 
 class PlatformConformance:
@@ -15,7 +14,7 @@ class PlatformConformance:
 
     def test_answers_probes(self) -> None:
         spec = plugins.get_platform_spec(self.platform_name)
-        platform = resolve_factory(spec.factory)()
+        platform = plugins.create(spec.factory, options=plugins.declared_options("platform", spec.name))
         assert isinstance(platform.is_available(), bool)
         assert platform.device_type == spec.device_type
         assert isinstance(platform.distributed_backend(), str) and platform.distributed_backend()

@@ -9,7 +9,6 @@ from typing import Any, ClassVar
 import pytest
 
 from engine import plugins
-from engine.hookspecs import resolve_factory
 
 
 class SchedulePolicyConformance:
@@ -32,7 +31,7 @@ class SchedulePolicyConformance:
 
     def _policy(self) -> Any:
         spec = plugins.get_schedule_policy(self.policy_name)
-        policy = resolve_factory(spec.factory)()
+        policy = plugins.create(spec.factory, options=plugins.declared_options("policy", spec.name))
         policy.cache_aware = spec.cache_aware
         return policy
 

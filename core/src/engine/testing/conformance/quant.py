@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from engine import plugins
-from engine.hookspecs import resolve_factory
 from engine.testing.conformance._common import KIT_SEED, derive_seed, device_or_skip, generator, randn
 
 # The fused layers a model builds, as (layer, checkpoint projections with their shard ids).
@@ -83,14 +82,15 @@ class QuantMethodConformance:
         if source == "on_the_fly":
             if not self.on_the_fly:
                 pytest.skip(f"{type(self).__name__}.on_the_fly is False: the method only loads its own checkpoints")
-            return resolve_factory(spec.factory)({})
+            return plugins.create(spec.factory, {}, options=plugins.declared_options("quantization", spec.name))
         if self.serialized_config is None:
             pytest.skip(f"{type(self).__name__}.serialized_config is None: the method has no checkpoint format")
         method = self.serialized_config.get("quant_method")
         assert method in spec.checkpoint_methods, (
             f"serialized_config's quant_method {method!r} is not in QuantMethodSpec.checkpoint_methods "
             f"{spec.checkpoint_methods!r}: the engine would not pick '{spec.name}' for such a checkpoint")
-        return resolve_factory(spec.factory)(dict(self.serialized_config))
+        return plugins.create(spec.factory, dict(self.serialized_config),
+                              options=plugins.declared_options("quantization", spec.name))
 
     def _make(self, kind: str, qcfg: Any, device: torch.device) -> Any:
         prev = torch.get_default_dtype()
