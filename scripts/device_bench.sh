@@ -66,6 +66,36 @@ for stage in "$@"; do
         E bench one-batch --attention "$attn" --batch-size "1 64" --input-len 128 --output-len 256 --log-level warning \
           --result-file "$RES" 2>&1 | tail -2
       done ;;
+    quant_kernels)
+      # Each quant plugin's kernel micro-benchmark (one JSON line per shape and M).
+      for b in plugins-quant/*/bench_kernels.py; do
+        echo "--- $b"; timeout "${KBENCH_TIMEOUT:-150}" python3 "$b" 2>&1 | tee -a "$OUT/quant_kernels.log" | tail -40
+      done ;;
+    quant_one_batch)
+      # Decode speed of every quantization against bf16, one process per method, same shapes (QUANTS overrides).
+      for q in ${QUANTS:-none fp8 w8a8_int8 awq gptq gguf}; do
+        case "$q" in
+          none) a=("${DUMMY[@]}") ;;
+          awq|gptq) a=(--model-path "$CFG-$q" --load-format dummy --skip-tokenizer-init --log-level warning) ;;
+          gguf) a=("${DUMMY[@]}" --quant gguf --plugin-option gguf.dummy_type="${GGUF_TYPE:-Q4_K}") ;;
+          *) a=("${DUMMY[@]}" --quant "$q") ;;
+        esac
+        echo "--- quant $q"
+        timeout 240 python3 -m engine bench one-batch "${a[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 \
+          --output-len 256 --result-file "$RES" 2>&1 | tail -2
+      done ;;
+    quant_offline)
+      # FP8 weights + FP8 KV cache, offline random 1024/1024 (the 14,000 out tok/s goal).
+      timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-flashinfer}" --quant fp8 \
+        --kv-cache-dtype fp8_e4m3 --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 \
+        --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -16 ;;
+    quant_profile)
+      for q in ${QUANTS:-fp8}; do
+        python3 scripts/profile_decode.py "$CFG" --attention "${ATTN:-triton}" --quant "$q" --batch-size "${PROFILE_BS:-1}" --steps 10 2>&1 | grep -v Warning | tail -24
+      done ;;
+    quant_tests)
+      timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider plugins-quant plugins-attention \
+        > "$OUT/gpu_quant_tests.log" 2>&1; tail -25 "$OUT/gpu_quant_tests.log" ;;
     hf)
       timeout "${HF_TIMEOUT:-300}" python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch "${HF_BATCH:-64}" --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
     profile)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 
 import torch
 
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quant", default=None, help="quantization plugin, as engine serve --quant")
+    ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}'")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
@@ -41,7 +44,8 @@ def main() -> None:
     from engine.managers.scheduler import Scheduler
 
     args = ServerArgs.from_dict({"model_path": a.config_dir, "load_format": "dummy", "skip_tokenizer_init": True,
-                                 "attention": a.attention, "disable_cuda_graph": True})
+                                 "attention": a.attention, "disable_cuda_graph": True, "quant": a.quant,
+                                 **json.loads(a.extra)})
     sched = Scheduler(args, a.config_dir)
     run_one(sched, a.batch_size, a.input_len, 4, overlap=False)
     # Profile the prefill alone, then prefill + decode; the difference is the decode steps.
@@ -64,7 +68,7 @@ def main() -> None:
     base, full = kernels(pre), kernels(prof)
     per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
     total = sum(per_step.values())
-    print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}: "
+    print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}: "
           f"GPU kernel time per step {total / 1e3:.3f} ms")
     groups: dict[str, float] = collections.defaultdict(float)
     for k, v in per_step.items():
