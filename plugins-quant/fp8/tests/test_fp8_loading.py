@@ -131,7 +131,9 @@ def test_partly_ignored_fused_layer_is_an_error() -> None:
 
 @pytest.mark.parametrize(("config", "message"), [
     ({"quant_method": "fp8", "activation_scheme": "per_tensor"}, "activation_scheme"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 0]}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"}, "static"),
     ({"quant_method": "awq"}, "quant_method"),
 ])
 def test_bad_checkpoint_configs_are_named(config: dict, message: str) -> None:

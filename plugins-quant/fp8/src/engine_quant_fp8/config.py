@@ -1,4 +1,17 @@
-"""``Fp8Config``: on-the-fly FP8 (``--quant fp8``) or an FP8-serialized checkpoint."""
+"""``Fp8Config``: on-the-fly FP8 (``--quant fp8``) or an FP8-serialized checkpoint.
+
+Two ways to build one:
+
+- ``Fp8Config.from_config(quantization_config)`` for Hugging Face ``quant_method: "fp8"``
+  checkpoints (AutoFP8 per-tensor, or DeepSeek-V3-style ``weight_block_size``), and ``{}`` for
+  ``--quant fp8``;
+- the dataclass directly, for other front ends of the same storage (the compressed-tensors
+  plugin's float-quantized checkpoints)::
+
+      Fp8Config(checkpoint_serialized=True, activation_scheme="dynamic", weight_strategy="channel")
+      Fp8Config(checkpoint_serialized=True, weight_strategy="block", weight_block_size=(128, 128),
+                block_scale_name="weight_scale")
+"""
 
 from __future__ import annotations
 
@@ -12,6 +25,8 @@ if TYPE_CHECKING:
     from torch import nn
 
 ACTIVATION_SCHEMES = ("dynamic", "static")
+#: How a serialized checkpoint scales each projection's weight.
+WEIGHT_STRATEGIES = ("tensor", "channel", "block")
 
 
 @dataclass
@@ -20,9 +35,16 @@ class Fp8Config(QuantizationConfig):
 
     ``checkpoint_serialized`` False (``--quant fp8`` on a 16/32-bit checkpoint): weights
     load in the model dtype and are quantized per output channel after loading.
-    True (``quantization_config.quant_method == "fp8"``): the checkpoint holds
-    float8_e4m3fn ``weight`` plus a per-tensor ``weight_scale`` per projection, and with
-    ``activation_scheme: static`` an ``input_scale`` per projection.
+    True: the checkpoint holds float8_e4m3fn ``weight`` per projection and, by
+    ``weight_strategy``:
+
+    - ``tensor``: a per-tensor ``weight_scale`` (``[]`` or ``[1]``), AutoFP8's layout;
+    - ``channel``: ``weight_scale`` of shape ``[out, 1]`` or ``[out]``;
+    - ``block``: a ``[ceil(out/bn), ceil(in/bk)]`` float32 multiplier per
+      ``weight_block_size = (bn, bk)`` tile, named ``block_scale_name``.
+
+    With ``activation_scheme: static`` (tensor and channel only) there is also an
+    ``input_scale`` per projection.
     """
 
     #: the checkpoint already stores float8 weights and scales.
@@ -31,8 +53,40 @@ class Fp8Config(QuantizationConfig):
     activation_scheme: str = "dynamic"
     #: layer prefixes the checkpoint left in 16-bit (``ignored_layers``).
     ignored: tuple[str, ...] = ()
+    #: ``tensor``, ``channel`` or ``block`` (see the class docstring); serialized checkpoints only.
+    weight_strategy: str = "tensor"
+    #: ``(rows, cols)`` of one weight tile sharing a scale; set exactly when ``weight_strategy == "block"``.
+    weight_block_size: tuple[int, int] | None = None
+    #: the checkpoint's name of the block-scale tensor: HF fp8 ``weight_scale_inv``,
+    #: compressed-tensors ``weight_scale``. Either way it is the multiplier that dequantizes.
+    block_scale_name: str = "weight_scale_inv"
 
     name = "fp8"
+
+    def __post_init__(self) -> None:
+        self.ignored = tuple(self.ignored)
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ModelLoadError(f"fp8 activation_scheme: invalid value '{self.activation_scheme}'; "
+                                 f"accepted: {', '.join(ACTIVATION_SCHEMES)}")
+        if self.weight_strategy not in WEIGHT_STRATEGIES:
+            raise ModelLoadError(f"fp8 weight_strategy: invalid value '{self.weight_strategy}'; "
+                                 f"accepted: {', '.join(WEIGHT_STRATEGIES)}")
+        if self.weight_block_size is not None:
+            size = tuple(self.weight_block_size)
+            if len(size) != 2 or not all(isinstance(v, int) and v > 0 for v in size):
+                raise ModelLoadError(f"fp8 weight_block_size: invalid value {list(self.weight_block_size)}; "
+                                     "accepted: two positive integers [rows, cols], e.g. [128, 128]")
+            self.weight_block_size = (size[0], size[1])
+        if (self.weight_strategy == "block") != (self.weight_block_size is not None):
+            raise ModelLoadError(f"fp8 weight_block_size {self.weight_block_size} with weight_strategy "
+                                 f"'{self.weight_strategy}': a block size goes with weight_strategy 'block' only, "
+                                 "and 'block' needs one")
+        if self.weight_strategy == "block" and self.activation_scheme != "dynamic":
+            raise ModelLoadError("fp8 activation_scheme 'static' with block-wise weights is not supported; "
+                                 "accepted with weight_block_size: dynamic")
+        if self.weight_strategy != "tensor" and not self.checkpoint_serialized:
+            raise ModelLoadError(f"fp8 weight_strategy '{self.weight_strategy}' describes a serialized checkpoint; "
+                                 "on the fly (checkpoint_serialized=False) weights are always quantized per channel")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Fp8Config:
@@ -46,12 +100,14 @@ class Fp8Config(QuantizationConfig):
         if scheme not in ACTIVATION_SCHEMES:
             raise ModelLoadError(f"fp8 quantization_config.activation_scheme: invalid value '{scheme}'; "
                                  f"accepted: {', '.join(ACTIVATION_SCHEMES)}")
-        if config.get("weight_block_size"):
-            raise ModelLoadError(f"fp8 quantization_config.weight_block_size {config['weight_block_size']}: "
-                                 "block-wise FP8 checkpoints are not supported by plugserve-quant-fp8 "
-                                 "(per-tensor weight_scale only)")
         ignored = config.get("ignored_layers") or config.get("modules_to_not_convert") or ()
-        return cls(checkpoint_serialized=True, activation_scheme=scheme, ignored=tuple(ignored))
+        block = config.get("weight_block_size")
+        if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2):
+            raise ModelLoadError(f"fp8 quantization_config.weight_block_size: invalid value {block!r}; "
+                                 "accepted: [rows, cols], e.g. [128, 128]")
+        return cls(checkpoint_serialized=True, activation_scheme=scheme, ignored=tuple(ignored),
+                   weight_strategy="block" if block is not None else "tensor",
+                   weight_block_size=tuple(block) if block is not None else None)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         # Layers in ignored_layers() never get here: the layer SDK leaves them unquantized.

@@ -1,11 +1,18 @@
-"""``y = x @ W.T`` for an FP8 weight: an fp8 GEMM where the hardware has one, else dequantize.
+"""``y = x @ W.T`` for an FP8 weight: which kernel runs where.
 
-On CUDA devices of compute capability 8.9 or newer (Ada, Hopper, Blackwell) the
-activations are quantized per token and ``torch._scaled_mm`` multiplies fp8 by fp8
-with float32 accumulation. Everywhere else (CPU, older GPUs, ROCm, shapes the fp8
-kernels reject) the weight is dequantized to the activation dtype and ``F.linear``
-runs: numerically a weight-only scheme (activations stay unquantized), correct but
-slower than the unquantized model because every call rebuilds the dense weight.
+On CUDA devices of compute capability 8.9 or newer (Ada, Hopper, Blackwell):
+
+- up to ``WEIGHT_ONLY_MAX_M`` tokens, and always for block-wise scales: a Triton
+  weight-only GEMM (``engine_quant_fp8.kernels.w8a16_linear``) reads the fp8 weight once,
+  dequantizes it in registers and multiplies the unquantized activations (decode is
+  bound by reading the weight, so halving its bytes is the whole game);
+- above that, with per-channel scales: the activations are quantized per token in one
+  Triton launch and ``torch._scaled_mm`` multiplies fp8 by fp8 on the fp8 tensor cores,
+  row-wise scales applied in its float32 epilogue.
+
+Everywhere else (CPU, older GPUs, ROCm) the weight is dequantized to the activation dtype and
+``F.linear`` runs: the reference, numerically weight-only, correct but slower than the
+unquantized model because every call rebuilds the dense weight.
 """
 
 from __future__ import annotations
@@ -15,10 +22,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine_quant_fp8.quantize import dequantize_per_channel, quantize_per_token
+from engine_quant_fp8.quantize import dequantize_per_block, dequantize_per_channel, quantize_per_token
 
 # cuBLASLt's fp8 GEMM needs the inner and output dims to be multiples of 16.
 _SCALED_MM_ALIGN = 16
+
+#: Largest token count that takes the weight-only Triton GEMM rather than quantizing the
+#: activations for ``torch._scaled_mm`` (per-channel scales). See README.md for the measurement.
+WEIGHT_ONLY_MAX_M = 64
 
 
 @functools.cache
@@ -29,36 +40,65 @@ def _device_has_fp8_gemm(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``fp8_linear`` takes the ``torch._scaled_mm`` path for these operands."""
-    if x.device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
-        return False
-    out_features, in_features = weight.shape
-    if in_features % _SCALED_MM_ALIGN or out_features % _SCALED_MM_ALIGN:
+def _on_fp8_cuda(x: torch.Tensor) -> bool:
+    if x.device.type != "cuda":
         return False
     return _device_has_fp8_gemm(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
+def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` takes the ``torch._scaled_mm`` path for these (per-channel) operands."""
+    if not hasattr(torch, "_scaled_mm") or x.reshape(-1, x.shape[-1]).shape[0] <= WEIGHT_ONLY_MAX_M:
+        return False
+    out_features, in_features = weight.shape
+    if in_features % _SCALED_MM_ALIGN or out_features % _SCALED_MM_ALIGN:
+        return False
+    return _on_fp8_cuda(x)
+
+
+def uses_triton_weight_only(x: torch.Tensor) -> bool:
+    """Whether ``fp8_linear`` runs the Triton weight-only kernel for activations ``x`` on this device
+    (and these operands, when ``uses_fp8_gemm`` is false)."""
+    return _on_fp8_cuda(x)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (weight * weight_scale[:, None]).T + bias`` in ``x.dtype``.
+               bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+               block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` in ``x.dtype``.
 
     Args:
         x: activations ``[..., in]`` (float32, bfloat16 or float16).
         weight: ``[out, in]`` float8_e4m3fn, row-major.
-        weight_scale: ``[out]`` float32 per-output-channel scales.
+        weight_scale: ``[out]`` float32 per-output-channel scales, or with ``block_size``
+            ``[ceil(out/bn), ceil(in/bk)]`` per-tile multipliers.
         bias: optional ``[out]``.
         input_scale: a static per-tensor activation scale; None quantizes per token.
-            Only the fp8 GEMM path quantizes activations at all.
+            Only the ``torch._scaled_mm`` path quantizes activations at all.
+        block_size: ``(bn, bk)`` for block-wise scales, else None.
     """
     x2d = x.reshape(-1, x.shape[-1])
-    if uses_fp8_gemm(x2d, weight):
+    if block_size is None and uses_fp8_gemm(x2d, weight):
         out = _scaled_mm_linear(x2d.contiguous(), weight, weight_scale, input_scale)
+        if bias is not None:
+            out = out + bias
+    elif uses_triton_weight_only(x2d):
+        from engine_quant_fp8.kernels import w8a16_linear
+
+        out = w8a16_linear(x2d, weight, weight_scale, bias, block_size)
     else:
-        out = F.linear(x2d, dequantize_per_channel(weight, weight_scale, x.dtype))
-    if bias is not None:
-        out = out + bias
+        out = reference_linear(x2d, weight, weight_scale, bias, block_size)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def reference_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Dequantize, then ``F.linear``: the CPU path and the kernels' oracle."""
+    if block_size is None:
+        dense = dequantize_per_channel(weight, weight_scale, x2d.dtype)
+    else:
+        dense = dequantize_per_block(weight, weight_scale, block_size, x2d.dtype)
+    return F.linear(x2d, dense, bias)
 
 
 def _scaled_mm_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -43,10 +43,23 @@ def quantize_per_tensor(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes activations ``x [tokens, in]``: a dynamic scale per token, or a static one.
 
+    On CUDA this is one Triton launch (``engine_quant_fp8.kernels.quantize_per_token_triton``);
+    elsewhere the torch ops below, which are also its reference.
+
     Returns:
         ``(q [tokens, in] float8_e4m3fn, scale [tokens, 1] float32)``; a static scale is
         broadcast to every token so the GEMM sees one layout.
     """
+    if x.is_cuda and x.dim() == 2 and x.shape[-1] > 0:
+        from engine_quant_fp8.kernels import quantize_per_token_triton
+
+        return quantize_per_token_triton(x, static_scale)
+    return quantize_per_token_reference(x, static_scale)
+
+
+def quantize_per_token_reference(x: torch.Tensor,
+                                 static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch-op version of ``quantize_per_token`` (CPU path and test oracle)."""
     if static_scale is None:
         scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp(min=_MIN_SCALE)
     else:
@@ -57,3 +70,34 @@ def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
 def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q [out, in] * scale [out]`` in float32, then cast to ``dtype`` (one rounding)."""
     return (q.float() * scale.float()[:, None]).to(dtype)
+
+
+def quantize_per_block(weight: torch.Tensor, block_size: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``weight [out, in]`` with one scale per ``block_size`` tile (DeepSeek-V3 layout).
+
+    Edge tiles (``out`` or ``in`` not a multiple of the block) take the max of the part that exists.
+
+    Returns:
+        ``(q [out, in] float8_e4m3fn, scale [ceil(out/bn), ceil(in/bk)] float32)``, ``scale``
+        being the multiplier that dequantizes (the checkpoint's ``weight_scale_inv``).
+    """
+    bn, bk = block_size
+    rows, cols = weight.shape
+    nb, kb = -(-rows // bn), -(-cols // bk)
+    padded = torch.zeros(nb * bn, kb * bk, dtype=torch.float32, device=weight.device)
+    padded[:rows, :cols] = weight.float()
+    amax = padded.abs().reshape(nb, bn, kb, bk).amax(dim=(1, 3))
+    scale = (amax / FP8_MAX).clamp(min=_MIN_SCALE)
+    return _to_fp8(weight, expand_block_scale(scale, block_size, rows, cols)), scale
+
+
+def expand_block_scale(scale: torch.Tensor, block_size: tuple[int, int], rows: int, cols: int) -> torch.Tensor:
+    """``scale [ceil(rows/bn), ceil(cols/bk)]`` repeated to one float32 value per element ``[rows, cols]``."""
+    bn, bk = block_size
+    return scale.float().repeat_interleave(bn, dim=0)[:rows].repeat_interleave(bk, dim=1)[:, :cols]
+
+
+def dequantize_per_block(q: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int],
+                         dtype: torch.dtype) -> torch.Tensor:
+    """``q [out, in]`` times its tile's scale, in float32, then cast to ``dtype`` (one rounding)."""
+    return (q.float() * expand_block_scale(scale, block_size, *q.shape)).to(dtype)

@@ -1,0 +1,251 @@
+"""Triton kernels of the fp8 plugin (imported only when a CUDA fp8 layer runs, or by tests).
+
+- ``w8a16_linear``: ``y = x @ dequant(W).T (+ bias)`` with an fp8 e4m3 weight ``[N, K]``
+  dequantized in registers and 16/32-bit activations, float32 accumulation, output in the
+  activation dtype. Two shapes of kernel:
+
+  * a GEMV (``_w8a16_gemv_kernel``) for a handful of tokens: one program per (token, BLOCK_N
+    rows); each reads its rows' fp8 codes once with wide coalesced loads, multiplies in float32
+    and reduces at the end. Small BLOCK_N gives enough programs to fill every SM without split-K.
+  * a tiled ``tl.dot`` GEMM (``_w8a16_gemm_kernel``) for more tokens: the fp8 tile is widened to
+    the activation dtype (exact: every e4m3 value is a bf16 and an fp16 value) and fed to the
+    tensor cores.
+
+  Scales are per output channel (``scale [N]``, applied once to the accumulator) or per
+  ``(bn, bk)`` weight tile (``scale [ceil(N/bn), ceil(K/bk)]``, applied per K step, so BLOCK_K
+  never spans two scale columns).
+- ``quantize_per_token_triton``: dynamic (or static) per-token fp8 quantization of the
+  activations in one launch, for ``torch._scaled_mm`` at large M.
+
+``K`` (the reduction length) is a compile-time constant: a model has two or three, the loop
+bounds are then known to the compiler, and Triton 3.6's interpreter cannot run a ``range`` over a
+runtime argument under numpy 2.4 (``int()`` of a 1-element array), which the CPU tests need.
+
+No host syncs and no shape-dependent allocation beyond the output, so the callers stay
+capturable in CUDA graphs. Launch parameters come from ``_gemv_config`` / ``_gemm_config``,
+tables measured on an H100 (see README.md); ``config=`` overrides them (bench_kernels.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_quant_fp8.quantize import _MIN_SCALE, FP8_DTYPE, FP8_MAX
+
+# Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
+# to float32 first, which on a GPU is the float32-activation path (exact, IEEE products).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+#: Token counts up to this run the GEMV kernel, above it the tl.dot kernel.
+GEMV_MAX_M = 4
+
+
+@triton.jit
+def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_ym,
+                       HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    # Token index varies fastest, so programs sharing weight rows run together and hit L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    # Clamp out-of-range rows to row 0 instead of masking: loads stay unpredicated and wide.
+    rows = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            mask_k = k0 + offs_k < K
+            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=mask_k, other=0.0)
+        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if BLOCK_SCALES:
+            # BLOCK_K <= SCALE_BK and divides it: one scale column per step.
+            s = tl.load(s_ptr + (rows // SCALE_BN) * stride_sn + k0 // SCALE_BK)
+            prod = prod * s[:, None]
+        acc += prod
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    if not BLOCK_SCALES:
+        out = out * tl.load(s_ptr + rows)
+    if HAS_BIAS:
+        out = out + tl.load(b_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + offs_n, out.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_ym,
+                       HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped order: GROUP_M row tiles sweep the same weight columns while they sit in L2.
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
+    pid_n = (pid % (GROUP_M * num_n)) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # Out-of-range rows / tokens read row 0 (never stored): unpredicated loads.
+    rows_x = tl.where(mask_m, offs_m, 0).to(tl.int64)
+    rows_w = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_w[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of W.T
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            mask_k = k0 + offs_k < K
+            x = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None], other=0.0)
+        # e4m3 -> fp16 is exact and native on sm89+ (cvt.f16x2.e4m3x2); fp16 -> bf16 is exact for e4m3
+        # values. (Triton 3.6's interpreter also mis-converts e4m3 straight to bf16.)
+        w = w.to(tl.float16).to(x_ptr.dtype.element_ty)
+        if IEEE_DOT:
+            part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(x, w)
+        if BLOCK_SCALES:
+            s = tl.load(s_ptr + (rows_w // SCALE_BN) * stride_sn + k0 // SCALE_BK)
+            acc += part * s[None, :]
+        else:
+            acc += part
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if not BLOCK_SCALES:
+        acc = acc * tl.load(s_ptr + rows_w)[None, :]
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rows_w).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K: tl.constexpr, stride_xm, stride_qm,
+                               HAS_STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+                               QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    if HAS_STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0) / QMAX, MIN_SCALE)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        mask = k0 + offs < K
+        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+        # Round-to-nearest division and a clamp: the torch reference's maths exactly
+        # (a float -> e4m3fn cast saturates to NaN, not to 448).
+        q = tl.clamp(tl.math.div_rn(v, scale), -QMAX, QMAX)
+        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def quantize_per_token_triton(x: torch.Tensor,
+                              static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token`` in one launch: ``(q [M, K] e4m3fn, scale [M, 1] float32)``."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block_k = min(triton.next_power_of_2(k), 4096)
+    static = static_scale.reshape(()) if static_scale is not None else scale  # unused when dynamic
+    _quantize_per_token_kernel[(m,)](x, q, scale, static, k, x.stride(0), q.stride(0),
+                                     HAS_STATIC=static_scale is not None, BLOCK_K=block_k,
+                                     QMAX=FP8_MAX, MIN_SCALE=_MIN_SCALE, num_warps=4 if block_k <= 2048 else 8)
+    return q, scale
+
+
+def _gemv_config(m: int, n: int, k: int) -> dict[str, int]:
+    # H100 sweep (README.md): small BLOCK_N keeps >= ~2 programs per SM on the 4096-wide outputs.
+    block_n = 8 if n <= 8192 else 16
+    return {"BLOCK_N": block_n, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1}
+
+
+def _gemm_config(m: int, n: int, k: int) -> dict[str, int]:
+    if m <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    if m <= 32:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    if m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 block_size: tuple[int, int] | None = None, config: dict[str, Any] | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T + bias`` in ``x.dtype``, weight-only (activations unquantized).
+
+    Args:
+        x: ``[M, K]`` float32 / bfloat16 / float16.
+        weight: ``[N, K]`` float8_e4m3fn with unit stride along K.
+        scale: ``[N]`` float32 per channel, or ``[ceil(N/bn), ceil(K/bk)]`` float32 with ``block_size``.
+        bias: optional ``[N]``.
+        block_size: ``(bn, bk)``, powers of two, for block scales.
+        config: launch parameters (``kind`` ``"gemv"`` or ``"gemm"`` and the block sizes), for tuning.
+    """
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    blocked = block_size is not None
+    scale_bn, scale_bk = block_size if blocked else (1, 1)
+    if blocked and (scale_bn & (scale_bn - 1) or scale_bk & (scale_bk - 1)):
+        raise ValueError(f"w8a16_linear: block_size {block_size} must be powers of two")
+    cfg = dict(config) if config else {}
+    kind = cfg.pop("kind", "gemv" if m <= GEMV_MAX_M else "gemm")
+    if not cfg:
+        cfg = _gemv_config(m, n, k) if kind == "gemv" else _gemm_config(m, n, k)
+    if blocked:  # one scale column per K step
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_bk)
+    cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    stride_sn = scale.stride(0) if blocked else 0
+    bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
+    common = {"HAS_BIAS": bias is not None, "BLOCK_SCALES": blocked, "SCALE_BN": scale_bn, "SCALE_BK": scale_bk,
+              "EVEN_K": k % cfg["BLOCK_K"] == 0}
+    if kind == "gemv":
+        grid = (m, triton.cdiv(n, cfg["BLOCK_N"]))
+        _w8a16_gemv_kernel[grid](x, weight, scale, bias_arg, y, n, k,
+                                 x.stride(0), weight.stride(0), stride_sn, y.stride(0), **common, **cfg)
+    else:
+        cfg.setdefault("GROUP_M", 8)
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+        _w8a16_gemm_kernel[grid](x, weight, scale, bias_arg, y, m, n, k,
+                                 x.stride(0), weight.stride(0), stride_sn, y.stride(0),
+                                 IEEE_DOT=x.dtype == torch.float32 or _INTERPRETED, **common, **cfg)
+    return y
