@@ -18,6 +18,7 @@ from typing import Any
 from engine.errors import ConfigError, did_you_mean
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EVICTION_POLICIES = ("lru", "lfu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -57,6 +58,7 @@ class ServerArgs:
     max_prefill_tokens: int = opt(16384, "Most new prompt tokens admitted into one prefill batch")
     chunked_prefill_size: int = opt(8192, "Split prompts into chunks of at most this many tokens; 0 or -1 disables")
     page_size: int = opt(1, "Tokens per KV page")
+    kv_cache_dtype: str = opt("auto", "KV-cache storage dtype; 'auto' is the activation dtype, fp8_* store K/V in 8 bits with per-layer scales (from the checkpoint, else 1.0), doubling the tokens the pool holds", KV_CACHE_DTYPES)
     disable_radix_cache: bool = opt(False, "Use a plain chunk cache instead of the radix prefix cache")
     radix_eviction_policy: str = opt("lru", "Which unlocked radix-cache leaves are evicted first", EVICTION_POLICIES)
     schedule_conservativeness: float = opt(1.0, "Higher reserves more KV for future decode tokens when admitting requests")

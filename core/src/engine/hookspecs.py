@@ -43,7 +43,9 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    in ``AttentionContext.options`` as before. ``Platform.default_attention_backend`` receives
 #:    ``available`` (the enabled attention backend names). A ``PluginOption`` must be declared
 #:    under the declaring plugin's own (entry-point) name.
-HOOK_API_VERSION = 2
+#: 3: ``AttentionBackendSpec.kv_cache_dtypes`` and ``AttentionLayerInfo.k_scale``/``v_scale``
+#:    (FP8 KV cache); the KV pool's ``set_kv_buffer`` takes the scales.
+HOOK_API_VERSION = 3
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -70,6 +72,9 @@ class AttentionBackendSpec:
     page_sizes: tuple[int, ...] = ()
     #: whether its decode path can be captured in CUDA graphs.
     supports_cuda_graph: bool = False
+    #: ``--kv-cache-dtype`` values it accepts ("auto": the activation dtype; "fp8_e4m3",
+    #: "fp8_e5m2": float8 K/V with per-layer scales, see ``engine.attention.base``). Since hook API 3.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
 
 
 @dataclass(frozen=True)

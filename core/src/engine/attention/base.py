@@ -26,6 +26,14 @@ Tensor layouts (all backends share them):
 - ``req_to_token_pool.req_to_token[req_pool_indices[i], pos]``: KV slot of position ``pos`` of row ``i``
   (int32, already written for the new tokens too);
 - returns ``[num_tokens, num_heads * head_dim]`` in q's dtype.
+
+FP8 KV cache (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): the pool's ``dtype`` (storage) is then a
+float8 type while q stays in the activation dtype. ``save_kv`` stores ``k / layer.k_scale`` and
+``v / layer.v_scale`` (saturated); a backend reads ``stored * scale`` (``k_scale``/``v_scale`` are
+per-layer Python floats, 1.0 unless the checkpoint gives them). Attention is computed over K/V as
+stored, the new tokens' included, so every backend sees the same values. A backend accepts the
+values of ``--kv-cache-dtype`` listed in ``AttentionBackendSpec.kv_cache_dtypes``; the engine
+refuses the others before allocating the pool.
 """
 
 from __future__ import annotations
@@ -54,6 +62,9 @@ class AttentionLayerInfo:
     # Keys with q_pos - k_pos < sliding_window_size are attended (HF's convention); -1 = no window.
     sliding_window_size: int = -1
     v_head_dim: int = -1  # -1 means head_dim
+    # FP8 KV cache: the pool stores k / k_scale and v / v_scale; readers multiply back.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
 
 @dataclass
@@ -61,7 +72,7 @@ class AttentionContext:
     """What a backend factory receives: ``factory(ctx) -> AttentionBackend``."""
 
     device: torch.device
-    dtype: torch.dtype  # activation / KV dtype
+    dtype: torch.dtype  # activation dtype (q, outputs); the pool's storage dtype is token_to_kv_pool.dtype
     num_layers: int
     num_heads: int  # query heads on this rank
     num_kv_heads: int  # KV heads on this rank
@@ -158,7 +169,8 @@ class AttentionBackend(ABC):
         k: torch.Tensor | None,
         v: torch.Tensor | None,
     ) -> None:
-        """Writes the new tokens' K/V into the pool at ``out_cache_loc``."""
+        """Writes the new tokens' K/V into the pool at ``out_cache_loc`` (an fp8 pool quantizes
+        them with the layer's ``k_scale``/``v_scale``)."""
         if k is None:
             return
         pool = forward_batch.token_to_kv_pool
@@ -169,4 +181,6 @@ class AttentionBackend(ABC):
             forward_batch.out_cache_loc,
             k.view(-1, layer.num_kv_heads, layer.head_dim),
             v.view(-1, layer.num_kv_heads, head_dim_v),
+            getattr(layer, "k_scale", 1.0),
+            getattr(layer, "v_scale", 1.0),
         )

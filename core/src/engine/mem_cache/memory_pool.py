@@ -5,6 +5,11 @@
 KV slot. ``TokenToKVPoolAllocator`` hands out KV slots, page-aligned when the
 page size is larger than one. Slot 0 of the KV pool is never handed out: padded
 tokens (CUDA-graph padding, dummy decode rows) write there harmlessly.
+
+With ``--kv-cache-dtype fp8_e4m3|fp8_e5m2`` the pool stores K and V as float8: a write
+stores ``x / scale`` (clamped to the format's largest finite value, since a float -> fp8
+cast overflows to NaN on GPUs), a read is ``stored * scale``, with one float32 scale per
+layer for K and one for V (``RadixAttention.k_scale`` / ``v_scale``: the checkpoint's, else 1.0).
 """
 
 from __future__ import annotations
@@ -12,6 +17,48 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from engine.errors import ConfigError
+
+#: ``--kv-cache-dtype`` values that store K/V in another dtype than the activations'.
+KV_CACHE_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+_FP8_DTYPES = frozenset(KV_CACHE_STORAGE_DTYPES.values())
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, activation_dtype: torch.dtype) -> torch.dtype:
+    """The pool's storage dtype for ``--kv-cache-dtype`` ("auto": the activation dtype)."""
+    if kv_cache_dtype == "auto":
+        return activation_dtype
+    try:
+        return KV_CACHE_STORAGE_DTYPES[kv_cache_dtype]
+    except KeyError:
+        raise ConfigError(f"--kv-cache-dtype: invalid value {kv_cache_dtype!r}; accepted: auto, "
+                          f"{', '.join(KV_CACHE_STORAGE_DTYPES)}") from None
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in _FP8_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x / scale`` in ``dtype``, saturating at the format's largest finite value (fp8)."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    y = x.float()
+    if scale != 1.0:
+        y = y / scale
+    return y.clamp_(-limit, limit).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Stored K/V back in ``dtype`` (``stored * scale``; fp8 widens exactly to any float)."""
+    if scale == 1.0 or not is_fp8(x.dtype):
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
 
 
 class ReqToTokenPool:
@@ -50,7 +97,10 @@ class ReqToTokenPool:
 
 
 class MHATokenToKVPool:
-    """Per-layer K and V buffers of shape ``[size + page_size, num_kv_heads, head_dim]``."""
+    """Per-layer K and V buffers of shape ``[size + page_size, num_kv_heads, head_dim]``.
+
+    ``dtype`` is the storage dtype: the activation dtype, or a float8 type (``is_fp8``).
+    """
 
     def __init__(
         self,
@@ -96,13 +146,23 @@ class MHATokenToKVPool:
         """Takes the platform's ``store_kv`` kernel (K and V written in one launch) if offered."""
         self.store_kv = kernels.get("store_kv")
 
+    @property
+    def is_fp8(self) -> bool:
+        """Whether K/V are stored as float8 (readers multiply by the layer's scales)."""
+        return is_fp8(self.dtype)
+
     def set_kv_buffer(
-        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+        k_scale: float = 1.0, v_scale: float = 1.0,
     ) -> None:
-        """Writes K/V of shape ``[len(loc), num_kv_heads, head_dim]`` at KV slots ``loc``."""
+        """Writes K/V of shape ``[len(loc), num_kv_heads, head_dim]`` at KV slots ``loc``.
+
+        An fp8 pool stores ``k / k_scale`` and ``v / v_scale`` (saturated); other pools ignore
+        the scales.
+        """
         if cache_k.dtype != self.dtype:
-            cache_k = cache_k.to(self.dtype)
-            cache_v = cache_v.to(self.dtype)
+            cache_k = quantize_kv(cache_k, self.dtype, k_scale)
+            cache_v = quantize_kv(cache_v, self.dtype, v_scale)
         if self.store_kv is not None and cache_k.is_cuda:
             self.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v)
             return

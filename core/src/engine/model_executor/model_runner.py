@@ -7,12 +7,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention import AttentionContext
+from engine.attention import AttentionContext, check_backend_selectable
 from engine.errors import ConfigError
 from engine.hookspecs import resolve_factory
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.sampler import Sampler, SampleOutput
-from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from engine.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    resolve_kv_cache_dtype,
+)
 from engine.model_executor.forward_batch import ForwardBatch
 from engine.model_executor.checkpoint import load_hf_config
 from engine.model_executor.model_loader import load_model
@@ -52,9 +57,14 @@ class ModelRunner:
         if args.context_length and args.context_length > model_ctx:
             raise ConfigError(f"--context-length: invalid value {args.context_length}; accepted: at most the model's max_position_embeddings ({model_ctx})")
         self.context_len = args.context_length or model_ctx
+        self.kv_cache_dtype = self._resolve_kv_cache_dtype()
 
         free_before, _ = self.platform.memory_info(self.device)
         self.model = load_model(args, model_path, cfg, self.device, self.selection)
+        # Weights quantized while loading (fp8 from a bf16 checkpoint, ...) freed their
+        # full-precision copies into the allocator's cache; give that back to the device so the
+        # pool is sized from the weights in their final form, not from the loading peak.
+        self.platform.empty_cache()
         self._install_layer_kernels()
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
@@ -89,15 +99,36 @@ class ModelRunner:
                 use(kernels)
         logger.info("fused layer kernels from platform '%s': %s", self.platform.name, ", ".join(sorted(kernels)))
 
+    def _resolve_kv_cache_dtype(self) -> torch.dtype:
+        """``--kv-cache-dtype`` as a storage dtype, checked against the platform and the backend."""
+        name = self.args.kv_cache_dtype
+        dtype = resolve_kv_cache_dtype(name, self.dtype)
+        if name == "auto":
+            return dtype
+        if not self.platform.supports_dtype(dtype):
+            raise ConfigError(f"--kv-cache-dtype {name}: platform '{self.platform.name}' cannot store "
+                              f"{str(dtype).replace('torch.', '')} on this device ({self.platform.describe()}); "
+                              "accepted here: auto")
+        attention = self.selection.attention
+        check_backend_selectable(attention.spec, self.platform.device_type, self.args.page_size, name)
+        return dtype
+
     def _init_pools(self, free_before: int) -> None:
         args = self.args
-        kv = MHATokenToKVPool(0, 1, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, "cpu")
+        kv = MHATokenToKVPool(0, 1, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, self.num_layers, "cpu")
         per_token = kv.bytes_per_token()
+        weight_bytes = self._weight_bytes()
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
+            logger.info("weights: %.2f GiB", weight_bytes / 2**30)
         else:
             free_now, total = self.platform.memory_info(self.device)
-            budget = self.platform.kv_cache_budget(free_before, free_now, total, self._weight_bytes(),
+            held = free_before - free_now
+            # What loading left allocated beyond the weights' own bytes (allocator slack or
+            # memory the device counts differently); the budget subtracts it all the same.
+            logger.info("weights: %.2f GiB in their final form; device memory taken by loading: %.2f GiB",
+                        weight_bytes / 2**30, held / 2**30)
+            budget = self.platform.kv_cache_budget(free_before, free_now, total, weight_bytes,
                                                    args.mem_fraction_static)
             tokens = int(max(budget, 0) // per_token)
             if self.device.type == "cpu":
@@ -114,11 +145,26 @@ class ModelRunner:
         # +1 slot so a request can be prefilled while max_reqs decode.
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, page, self.dtype, self.num_kv_heads, self.head_dim, self.num_layers, self.device
+            tokens, page, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, self.num_layers, self.device
         )
         self.token_to_kv_pool.use_kernels(self.platform.layer_kernels())
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
-        logger.info("KV pool: %d tokens (%.1f MiB), %d request slots", tokens, tokens * per_token / 2**20, max_reqs)
+        logger.info("KV pool: %d tokens (%.1f MiB, %s, %d bytes per token), %d request slots", tokens,
+                    tokens * per_token / 2**20, str(self.kv_cache_dtype).replace("torch.", ""), per_token, max_reqs)
+        if self.token_to_kv_pool.is_fp8:
+            self._log_kv_scales()
+
+    def _log_kv_scales(self) -> None:
+        from engine.layers.radix_attention import RadixAttention
+
+        layers = [m for m in self.model.modules() if isinstance(m, RadixAttention)]
+        scaled = [m for m in layers if (m.k_scale, m.v_scale) != (1.0, 1.0)]
+        if scaled:
+            ks, vs = [m.k_scale for m in scaled], [m.v_scale for m in scaled]
+            logger.info("fp8 KV cache: scales from the checkpoint on %d of %d layers (k %.3g..%.3g, v %.3g..%.3g)",
+                        len(scaled), len(layers), min(ks), max(ks), min(vs), max(vs))
+        else:
+            logger.info("fp8 KV cache: the checkpoint has no k_scale/v_scale; every scale is 1.0")
 
     def _weight_bytes(self) -> int:
         tensors = list(self.model.parameters()) + list(self.model.buffers())

@@ -12,4 +12,5 @@ def register_attention_backends(register):  # type: ignore[no-untyped-def]
         factory="engine_attention_torch_native.backend:create",
         description="Reference attention in plain PyTorch (SDPA); runs on every device",
         device_types=("cpu", "cuda", "xpu", "npu"),
+        kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
     ))

@@ -2,6 +2,8 @@
 
 Extend rows run one at a time (each row's cached prefix is gathered from the pool
 through ``req_to_token``); decode rows run together, padded to the longest row.
+An fp8 pool (``--kv-cache-dtype fp8_*``) is read as ``stored * scale`` in float32, then
+attended in q's dtype: the reference for the other backends' fp8 paths.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
+from engine.mem_cache.memory_pool import dequantize_kv
 from engine.model_executor.forward_batch import ForwardBatch
 
 
@@ -75,8 +78,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             prefix = forward_batch.extend_prefix_lens_cpu[row]
             seq = prefix + ext
             slots = r2t.req_to_token[forward_batch.req_pool_indices[row], :seq].long()
-            kr = k_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-            vr = v_buf[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
+            kr = dequantize_kv(k_buf[slots], q.dtype, layer.k_scale).transpose(0, 1).unsqueeze(0)
+            vr = dequantize_kv(v_buf[slots], q.dtype, layer.v_scale).transpose(0, 1).unsqueeze(0)
             qr = q3[start : start + ext].transpose(0, 1).unsqueeze(0)
             q_pos = torch.arange(prefix, seq, device=q.device)
             k_pos = torch.arange(seq, device=q.device)
@@ -95,8 +98,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None
         idx, valid, pos = forward_batch.attn_metadata
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        kb = k_buf[idx].permute(0, 2, 1, 3).to(q.dtype)  # [B, Hkv, L, D]
-        vb = v_buf[idx].permute(0, 2, 1, 3).to(q.dtype)
+        kb = dequantize_kv(k_buf[idx], q.dtype, layer.k_scale).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+        vb = dequantize_kv(v_buf[idx], q.dtype, layer.v_scale).permute(0, 2, 1, 3)
         qb = q.view(-1, layer.num_heads, 1, layer.head_dim)
         mask = valid
         if layer.sliding_window_size > 0:

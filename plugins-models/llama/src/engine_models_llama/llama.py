@@ -21,7 +21,7 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from engine.layers.quantization import QuantizationConfig
-from engine.layers.radix_attention import RadixAttention
+from engine.layers.radix_attention import RadixAttention, kv_scale_target
 from engine.layers.rotary_embedding import get_rope
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model_executor.forward_batch import ForwardBatch
@@ -160,6 +160,12 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue
+            kv_scale = kv_scale_target(name)
+            if kv_scale is not None:
+                # A per-tensor KV-cache scale: kept by the layer's RadixAttention, used when the KV
+                # cache is stored in fp8 (the engine decides; the model does not need to know).
+                self._load_kv_scale(name, *kv_scale, tensor)
+                continue
             target, shard = name, None
             for stacked, ckpt, shard_id in self.stacked_params:
                 if f".{ckpt}." in name:
@@ -179,6 +185,16 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(n for n in params if n not in loaded and not (self.tie_word_embeddings and n.startswith("lm_head.")))
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} parameters, e.g. {', '.join(missing[:3])}")
+
+    def _load_kv_scale(self, name: str, prefix: str, kind: str, tensor: torch.Tensor) -> None:
+        try:
+            attn = self.get_submodule(f"{prefix}.attn")
+        except AttributeError:
+            attn = None
+        if not isinstance(attn, RadixAttention):
+            raise ModelLoadError(f"checkpoint tensor '{name}' (a KV-cache scale) names no attention layer of "
+                                 f"{type(self).__name__} (expected one at '{prefix}')")
+        attn.load_kv_scale(kind, tensor)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
