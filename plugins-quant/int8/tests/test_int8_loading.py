@@ -7,7 +7,7 @@ import torch
 from engine.errors import ModelLoadError
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine_quant_int8.config import W8A8Int8Config
-from engine_quant_int8.gemm import w8a8_linear
+from engine_quant_int8.gemm import int8_linear
 from engine_quant_int8.method import W8A8Int8LinearMethod
 from engine_quant_int8.quantize import quantize_per_channel
 
@@ -41,7 +41,7 @@ def test_qkv_per_channel_scales_follow_their_rows() -> None:
     assert torch.equal(layer.weight, torch.cat([q for q, _ in shards]))
     assert torch.equal(layer.weight_scale, torch.cat([s.reshape(-1) for _, s in shards]))
     x = torch.randn(5, 64)
-    assert torch.equal(layer(x), w8a8_linear(x, layer.weight, layer.weight_scale))
+    assert torch.equal(layer(x), int8_linear(x, layer.weight, layer.weight_scale))
 
 
 def test_gate_up_and_row_parallel_accept_flat_scales() -> None:

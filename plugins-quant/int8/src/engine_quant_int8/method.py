@@ -1,7 +1,8 @@
 """``W8A8Int8LinearMethod``: parameters, post-load quantization and the forward of one linear layer.
 
 After ``process_weights_after_loading`` every layer holds ``weight [out, in]`` int8 and
-``weight_scale [out]`` float32, whether it came from a checkpoint or was quantized here.
+``weight_scale [out]`` float32, whether it came from a checkpoint or was quantized here, plus
+``input_scale [1]`` float32 for static-activation checkpoints.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 from engine.layers.quantization import LinearMethodBase
 from torch import nn
 
-from engine_quant_int8.gemm import w8a8_linear
+from engine_quant_int8.gemm import int8_linear
 from engine_quant_int8.quantize import quantize_per_channel
 
 if TYPE_CHECKING:
@@ -28,13 +29,22 @@ def _flat_scale_loader(weight_loader: Any) -> Any:
     return load
 
 
+def _input_scale_loader(weight_loader: Any) -> Any:
+    """Wraps the layer's loader so a per-projection input scale stored as ``[]`` or ``[1]`` fits its slot."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        weight_loader(param, loaded.reshape(1), shard_id)
+
+    return load
+
+
 def _replace(layer: nn.Module, name: str, value: torch.Tensor) -> None:
     # A fresh Parameter (not .data surgery): dtype and shape change, loader attrs are done with.
     setattr(layer, name, nn.Parameter(value, requires_grad=False))
 
 
 class W8A8Int8LinearMethod(LinearMethodBase):
-    """int8 x int8 -> int32 GEMM, rescaled by per-token and per-channel scales."""
+    """int8 weights; the forward is ``gemm.int8_linear`` (weight-only at small M, W8A8 above)."""
 
     def __init__(self, config: W8A8Int8Config) -> None:
         self.config = config
@@ -55,8 +65,19 @@ class W8A8Int8LinearMethod(LinearMethodBase):
             scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
             scale.output_dim, scale.weight_loader = 0, _flat_scale_loader(weight_loader)
             layer.register_parameter("weight_scale", scale)
+        if self.config.activation_scheme == "static":
+            # One scalar per logical shard (q/k/v, gate/up); no output_dim, so the fused layers'
+            # loaders place shard i's scalar at index i.
+            scale = nn.Parameter(torch.empty(len(output_partition_sizes), dtype=torch.float32),
+                                 requires_grad=False)
+            scale.weight_loader = _input_scale_loader(weight_loader)
+            layer.register_parameter("input_scale", scale)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.config.activation_scheme == "static":
+            # One activation scale feeds the fused GEMM; the largest never clips any shard's input.
+            # Kept as a one-element tensor: the kernel reads it on the device (no host sync).
+            _replace(layer, "input_scale", layer.input_scale.data.float().max().reshape(1))
         if self.config.checkpoint_serialized:
             return
         weight, scale = quantize_per_channel(layer.weight.data)
@@ -64,4 +85,4 @@ class W8A8Int8LinearMethod(LinearMethodBase):
         _replace(layer, "weight_scale", scale)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return w8a8_linear(x, layer.weight, layer.weight_scale, bias)
+        return int8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None))

@@ -10,13 +10,13 @@ import torch
 
 INT8_MAX = 127.0
 # An all-zero row would give scale 0 and 0/0 = NaN; any positive floor keeps q = 0.
-_MIN_SCALE = 1e-12
+MIN_SCALE = 1e-12
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Float32 maths on every device, so CPU and CUDA produce bit-identical codes and scales.
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=_MIN_SCALE)
+    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=MIN_SCALE)
     q = torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
@@ -31,13 +31,18 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q, scale.squeeze(-1)
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantizes activations ``x [tokens, in]`` with a dynamic scale per token.
+def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes activations ``x [tokens, in]`` with a dynamic scale per token, or with the
+    checkpoint's static per-tensor ``input_scale`` (one float32 element) for every token.
 
     Returns:
         ``(q [tokens, in] int8, scale [tokens, 1] float32)``.
     """
-    return _quantize_rows(x)
+    if input_scale is None:
+        return _quantize_rows(x)
+    scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    q = torch.round(x.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
 
 
 def dequantize_per_channel(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
