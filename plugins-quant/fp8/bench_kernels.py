@@ -1,0 +1,239 @@
+"""Micro-benchmark of the fp8 plugin's GEMM paths on the Llama-3-8B linear shapes (needs a CUDA GPU).
+
+    python plugins-quant/fp8/bench_kernels.py                 # one JSON line per (shape, M)
+    python plugins-quant/fp8/bench_kernels.py --sweep 120     # tune launch configs (seconds per shape)
+
+Each line: the time of ``fp8_linear`` as dispatched (``fp8_us``, ``path``), of bf16 ``F.linear``
+on the same shape (``bf16_us``), the GB/s achieved over the bytes each must read (weights +
+activations + output), and the candidate paths: the weight-only Triton kernel (per-channel and
+128x128 block scales), per-token quant (Triton) + ``torch._scaled_mm``, and the old torch-op quant
++ ``torch._scaled_mm``. Times are GPU times of a CUDA graph replaying the op over several weight
+copies (more than L2 holds), so launch overhead and L2 reuse flatter nothing, as in decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from typing import Any
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+MS = (1, 16, 64, 256)
+SWEEP_MS = (1, 4, 8, 16, 32, 64, 128, 256)
+_ROTATE_BYTES = 256 << 20  # weight copies per graph: more than the H100's 50 MB L2
+
+
+def _time_us(fn: Callable[[int], Any], copies: int, reps: int = 5) -> float:
+    """Median GPU microseconds of one ``fn(i)``, from a CUDA graph of ``fn`` over all copies."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(copies):  # warm-up: compiles, and cuBLAS picks its kernels
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / copies)
+    return sorted(times)[len(times) // 2]
+
+
+class _Operands:
+    """Weight copies of one shape in every layout the paths need."""
+
+    def __init__(self, n: int, k: int) -> None:
+        import torch
+        from engine_quant_fp8.quantize import quantize_per_block, quantize_per_channel
+
+        self.n, self.k = n, k
+        self.copies = max(2, min(16, _ROTATE_BYTES // (n * k)))
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        q, s = quantize_per_channel(w)
+        qb, sb = quantize_per_block(w)
+        self.bf16 = [w.clone() for _ in range(self.copies)]
+        self.fp8 = [(q.clone(), s.clone()) for _ in range(self.copies)]
+        self.block = [(qb.clone(), sb.clone()) for _ in range(self.copies)]
+        del w
+
+    def x(self, m: int) -> Any:
+        import torch
+
+        return torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
+
+
+def _gbps(n: int, k: int, m: int, weight_bytes: int, us: float) -> float:
+    return round((n * k * weight_bytes + 2 * m * (k + n)) / (us * 1e-6) / 1e9, 1)
+
+
+def run_default(ms: tuple[int, ...]) -> None:
+    import torch
+    import torch.nn.functional as F
+    from engine_quant_fp8 import gemm
+    from engine_quant_fp8.kernels import w8a16_linear
+    from engine_quant_fp8.quantize import quantize_per_token_reference
+
+    def old_path(x: Any, q: Any, s: Any) -> Any:
+        qx, sx = quantize_per_token_reference(x)
+        return torch._scaled_mm(qx, q.t(), scale_a=sx, scale_b=s[None, :], out_dtype=x.dtype)
+
+    for name, (n, k) in SHAPES.items():
+        ops = _Operands(n, k)
+        for m in ms:
+            x = ops.x(m)
+            row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
+            row["fp8_us"] = _time_us(lambda i: gemm.fp8_linear(x, *ops.fp8[i]), ops.copies)
+            row["path"] = "scaled_mm" if gemm.uses_fp8_gemm(x, ops.fp8[0][0]) else "weight_only"
+            row["bf16_us"] = _time_us(lambda i: F.linear(x, ops.bf16[i]), ops.copies)
+            row["fp8_gbps"] = _gbps(n, k, m, 1, row["fp8_us"])
+            row["bf16_gbps"] = _gbps(n, k, m, 2, row["bf16_us"])
+            row["speedup_vs_bf16"] = round(row["bf16_us"] / row["fp8_us"], 2)
+            row["weight_only_us"] = _time_us(lambda i: w8a16_linear(x, *ops.fp8[i]), ops.copies)
+            row["block_weight_only_us"] = _time_us(lambda i: w8a16_linear(x, *ops.block[i], None, (128, 128)),
+                                                   ops.copies)
+            row["scaled_mm_us"] = _time_us(lambda i: gemm._scaled_mm_linear(x, *ops.fp8[i], None), ops.copies)
+            row["scaled_mm_torch_quant_us"] = _time_us(lambda i: old_path(x, *ops.fp8[i]), ops.copies)
+            row.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                       date=time.strftime("%Y-%m-%d", time.gmtime()))
+            for key, value in row.items():
+                if key.endswith("_us"):
+                    row[key] = round(value, 2)
+            print(json.dumps(row), flush=True)
+        del ops
+        torch.cuda.empty_cache()
+
+
+def _gemv_grid() -> list[dict[str, Any]]:
+    out = []
+    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 3)):
+        if 2048 <= bn * bk <= 32768:
+            out.append({"kind": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def _gemm_grid(m: int) -> list[dict[str, Any]]:
+    bms = [min(max(16, 1 << (m - 1).bit_length()), 64)] + ([128] if m >= 128 else [])
+    out = []
+    for bm, bn, bk, warps, stages in itertools.product(bms, (32, 64, 128), (64, 128, 256), (4, 8), (3, 4)):
+        if warps == 8 and bm * bn < 64 * 128:
+            continue
+        out.append({"kind": "gemm", "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+                    "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def _jobs() -> list[tuple[int, int, int, dict[str, Any], bool]]:
+    jobs = []
+    for (n, k), m in itertools.product(SHAPES.values(), SWEEP_MS):
+        grid = (_gemv_grid() if m <= 8 else []) + (_gemm_grid(m) if m >= 2 else [])
+        for cfg in grid:
+            for blocked in (False, True):
+                if blocked and cfg["kind"] == "gemm" and cfg["BLOCK_K"] > 128:
+                    continue  # block scales cap BLOCK_K at 128: same kernel as BLOCK_K=128
+                jobs.append((n, k, m, cfg, blocked))
+    return jobs
+
+
+def _compile_worker(jobs: list[tuple[int, int, int, dict[str, Any], bool]]) -> int:
+    """Runs each job once so Triton's on-disk cache holds its kernel (a spawned process per CPU)."""
+    import torch
+    from engine_quant_fp8.kernels import w8a16_linear
+
+    done = 0
+    cache: dict[tuple[int, int], Any] = {}
+    for n, k, m, cfg, blocked in jobs:
+        if (n, k) not in cache:
+            cache.clear()
+            w = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+            cache[(n, k)] = (w, torch.ones(n, device="cuda"), torch.ones(-(-n // 128), -(-k // 128), device="cuda"))
+        w, s, sb = cache[(n, k)]
+        x = torch.zeros(m, k, device="cuda", dtype=torch.bfloat16)
+        try:
+            if blocked:
+                w8a16_linear(x, w, sb, None, (128, 128), config=cfg)
+            else:
+                w8a16_linear(x, w, s, config=cfg)
+            done += 1
+        except Exception:  # out of shared memory etc.: the timing pass skips it too
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def run_sweep(seconds_per_shape: float, workers: int) -> None:
+    import torch
+    from engine_quant_fp8 import gemm
+    from engine_quant_fp8.kernels import w8a16_linear
+
+    # One job per distinct compiled kernel (Triton specializes M on divisibility by 16).
+    unique: dict[str, tuple[int, int, int, dict[str, Any], bool]] = {}
+    for n, k, m, cfg, blocked in _jobs():
+        unique.setdefault(json.dumps([k, cfg, blocked, m % 16 == 0, m == 1], sort_keys=True), (n, k, m, cfg, blocked))
+    jobs = sorted(unique.values(), key=lambda j: (j[0], j[1]))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        compiled = sum(pool.map(_compile_worker, [jobs[i::workers] for i in range(workers)]))
+    print(json.dumps({"compiled": compiled, "jobs": len(jobs), "seconds": round(time.time() - t0, 1)}), flush=True)
+    for name, (n, k) in SHAPES.items():
+        ops = _Operands(n, k)
+        for m in SWEEP_MS:
+            deadline = time.time() + seconds_per_shape / len(SWEEP_MS)
+            x = ops.x(m)
+            row: dict[str, Any] = {"sweep": name, "M": m}
+            row["bf16_us"] = round(_time_us(lambda i: torch.nn.functional.linear(x, ops.bf16[i]), ops.copies), 2)
+            row["scaled_mm_us"] = round(_time_us(lambda i: gemm._scaled_mm_linear(x, *ops.fp8[i], None),
+                                                 ops.copies), 2)
+            for blocked in (False, True):
+                operands = ops.block if blocked else ops.fp8
+                extra = (None, (128, 128)) if blocked else ()
+                results = []
+                for cfg in (_gemv_grid() if m <= 8 else []) + (_gemm_grid(m) if m >= 2 else []):
+                    if time.time() > deadline:
+                        break
+                    if blocked and cfg["kind"] == "gemm" and cfg["BLOCK_K"] > 128:
+                        continue
+                    try:
+                        us = _time_us(lambda i, cfg=cfg: w8a16_linear(x, *operands[i], *extra, config=cfg),
+                                      ops.copies, reps=3)
+                    except Exception as exc:  # noqa: BLE001 - a config the GPU cannot run
+                        us = float("inf")
+                        row.setdefault("errors", str(exc)[:80])
+                    results.append((us, cfg))
+                results.sort(key=lambda r: r[0])
+                key = "block" if blocked else "channel"
+                row[f"{key}_default_us"] = round(_time_us(lambda i: w8a16_linear(x, *operands[i], *extra),
+                                                          ops.copies), 2)
+                row[f"{key}_best"] = [[round(us, 2), cfg] for us, cfg in results[:3]]
+            print(json.dumps(row), flush=True)
+        del ops
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma separated")
+    parser.add_argument("--sweep", type=float, default=0.0, help="tune configs: seconds of timing per shape")
+    parser.add_argument("--workers", type=int, default=12, help="processes compiling kernels before a sweep")
+    args = parser.parse_args()
+    if args.sweep:
+        run_sweep(args.sweep, args.workers)
+    else:
+        run_default(tuple(int(m) for m in args.ms.split(",")))
+
+
+if __name__ == "__main__":
+    main()
