@@ -74,3 +74,25 @@ def test_on_the_fly_quantizes_after_loading() -> None:
 def test_other_checkpoint_methods_are_rejected() -> None:
     with pytest.raises(ModelLoadError, match="w8a8_int8"):
         W8A8Int8Config.from_config({"quant_method": "w8a8_fp8"})
+
+
+def test_static_input_scales_load_per_shard_and_keep_the_largest() -> None:
+    config = W8A8Int8Config.from_config({"quant_method": "w8a8_int8", "activation_scheme": "static"})
+    layer = QKVParallelLinear(64, 16, 4, 2, quant_config=config, prefix="model.layers.0.self_attn.qkv_proj")
+    assert layer.input_scale.shape == (3,)
+    for shard_id, (rows, value) in zip("qkv", [(64, 0.02), (32, 0.05), (32, 0.03)], strict=True):
+        q, s = _shard(rows, 64, 1.0, rows)
+        _load(layer, "weight", q, shard_id)
+        _load(layer, "weight_scale", s, shard_id)
+        _load(layer, "input_scale", torch.tensor(value), shard_id)  # stored as a 0-d tensor
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.input_scale.shape == (1,) and layer.input_scale.item() == pytest.approx(0.05)
+    down = RowParallelLinear(64, 32, quant_config=config, prefix="mlp.down_proj")
+    _load(down, "input_scale", torch.tensor([0.07]))
+    down.quant_method.process_weights_after_loading(down)
+    assert down.input_scale.item() == pytest.approx(0.07)
+
+
+def test_unknown_activation_scheme_is_rejected() -> None:
+    with pytest.raises(ModelLoadError, match="activation_scheme.*'per_group'.*dynamic, static"):
+        W8A8Int8Config.from_config({"quant_method": "w8a8_int8", "activation_scheme": "per_group"})
