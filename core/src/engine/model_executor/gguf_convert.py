@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -112,6 +112,25 @@ def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True,
     float32 ones come out float32. Tensors the model has no parameter for (e.g. ``rope_freqs``,
     which transformers recomputes from the config) are skipped.
     """
+    return iterate_gguf_blocks(gguf_path, config, frozenset(), progress, reader)
+
+
+# transformers' tensor processors whose change to a tensor is a permutation of whole rows (or
+# nothing), so it applies to a quantized tensor's byte rows as to its dequantized rows.
+_ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
+
+
+def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str], progress: bool = True,
+                        reader: Any = None) -> Iterator[tuple[str, Any]]:
+    """``iterate_gguf_weights``, except that the tensors named in ``block_names`` (Hugging Face
+    names, e.g. ``model.layers.0.self_attn.q_proj.weight``) come as they are stored.
+
+    For each of those the stream holds ``<name less .weight>.weight_type`` (``int32 [1]``, the GGML
+    type) first, then the tensor: a quantized one as its blocks, ``uint8 [rows, row_bytes]``
+    (llama.cpp's Q/K row order undone on whole rows), a float one (F32/F16/BF16) as floats. Where
+    the architecture's tensor processor does more than permute rows, the tensor comes dequantized,
+    with type F32.
+    """
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFReader, dequantize
@@ -131,17 +150,29 @@ def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True,
     config_dict = config.to_dict()  # once: the processor reads it for every tensor
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config_dict)
     name_map = get_gguf_hf_weights_map(skeleton, processor)
+    rows_only = type(processor).__name__ in _ROW_PROCESSORS
     keep = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
+    floats = {GGMLQuantizationType.F32, *keep}
     # disable=None: a bar on a terminal, nothing in a log file.
-    bar = tqdm(reader.tensors, desc=f"dequantizing {os.path.basename(gguf_path)}", unit="tensor",
+    verb = "reading" if block_names else "dequantizing"
+    bar = tqdm(reader.tensors, desc=f"{verb} {os.path.basename(gguf_path)}", unit="tensor",
                disable=None if progress else True)
     for tensor in bar:
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        hf_name = name_map.get(tensor.name)
+        as_blocks = hf_name in block_names
+        raw = as_blocks and rows_only and tensor.tensor_type not in floats
+        weights = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
                                    parsed_parameters={"tensors": {}, "config": config_dict})
         hf_name = name_map.get(result.name)
         if hf_name is None:
             logger.debug("GGUF tensor %s has no counterpart in %s; skipped", tensor.name, config.architectures[0])
+            continue
+        if as_blocks:
+            qtype = tensor.tensor_type if raw or tensor.tensor_type in floats else GGMLQuantizationType.F32
+            yield hf_name.removesuffix(".weight") + ".weight_type", torch.tensor([int(qtype)], dtype=torch.int32)
+        if raw:
+            yield hf_name, torch.from_numpy(np.array(result.weights, dtype=np.uint8))  # a copy, as below
             continue
         out = torch.from_numpy(np.array(result.weights, dtype=np.float32))  # a copy: the file is mapped read-only
         yield hf_name, out.to(keep.get(tensor.tensor_type, torch.float32))

@@ -120,3 +120,35 @@ def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], 
         raise
     logger.info("GGUF converted in %.1f s", time.perf_counter() - started)
     return target
+
+
+def gguf_source(model_dir: str) -> str | None:
+    """The GGUF file a converted directory was made from (None: not a conversion, or the file
+    has gone), for the ``gguf`` quant method, which reads the blocks from the file itself."""
+    from engine.model_executor.gguf_convert import SOURCE_FILE
+
+    try:
+        with open(os.path.join(model_dir, SOURCE_FILE)) as f:
+            path = json.load(f).get("gguf")
+    except (OSError, ValueError):
+        return None
+    return path if isinstance(path, str) and os.path.isfile(path) else None
+
+
+# Whether a GGUF checkpoint on a CUDA device runs with its linear weights kept in GGUF blocks
+# (the ``gguf`` quant method) when no --quant is given; on the CPU the default stays dequantized.
+# The one place to flip that default (selection reads it through ``default_gguf_quant``).
+KEEP_GGUF_QUANTIZED_ON_CUDA = False
+
+
+def default_gguf_quant(model_path: str | None, device_type: str) -> str | None:
+    """``"gguf"`` where a run with no --quant should keep this GGUF quantized, else None.
+
+    Args:
+        model_path: ``--model-path`` as given (None: the embedded default model, a GGUF).
+        device_type: the selected platform's device type.
+    """
+    if not KEEP_GGUF_QUANTIZED_ON_CUDA or device_type != "cuda":
+        return None
+    return "gguf" if model_path is None or find_gguf(model_path) is not None else None
+

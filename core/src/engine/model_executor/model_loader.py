@@ -74,6 +74,17 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
                selection: Selection) -> torch.nn.Module:
     """Builds ``selection``'s model plugin (with its quant config and options, in its dtype) and
     loads weights."""
+    quant = selection.quant_config
+    # A method that keeps GGUF blocks (the gguf plugin) reads them from the GGUF file itself.
+    gguf_file = None
+    if getattr(quant, "loads_gguf_blocks", False) and args.load_format != "dummy":
+        from engine.model_executor.gguf_loader import gguf_source
+
+        gguf_file = gguf_source(model_path)
+        if gguf_file is None:
+            raise ModelLoadError(f"--quant {quant.name}: {args.model_path or model_path} is not a GGUF checkpoint; "
+                                 f"accepted: a GGUF file (--model-path FILE.gguf, or the default model), "
+                                 f"or --load-format dummy")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(selection.dtype)
     try:
@@ -83,10 +94,36 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
         torch.set_default_dtype(previous)
     if args.load_format == "dummy":
         _init_dummy(model, args.random_seed)
+        for module in model.modules():
+            init = getattr(getattr(module, "quant_method", None), "init_dummy_weights", None)
+            if callable(init):  # methods whose parameters are not floats draw their own
+                init(module, args.random_seed)
+    elif gguf_file is not None:
+        from engine.model_executor.gguf_convert import iterate_gguf_blocks
+
+        model.load_weights(iterate_gguf_blocks(gguf_file, config, _gguf_block_names(model)))
     else:
         model.load_weights(iterate_weights(model_path, args.load_format))
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    report = getattr(quant, "load_report", None)
+    if callable(report):
+        logger.info(report())
     return model.eval()
+
+
+def _gguf_block_names(model: torch.nn.Module) -> set[str]:
+    """Checkpoint names (``....q_proj.weight``) of the weights whose layers take GGUF blocks:
+    each such layer's own name, and for a fused layer the projections it stacks."""
+    from engine.layers.quantization import FUSED_LAYER_PARTS
+
+    names = set()
+    for prefix, module in model.named_modules():
+        if not getattr(getattr(module, "quant_method", None), "accepts_gguf_blocks", False):
+            continue
+        parent, _, leaf = prefix.rpartition(".")
+        for part in FUSED_LAYER_PARTS.get(leaf, (leaf,)):
+            names.add(f"{parent}.{part}.weight" if parent else f"{part}.weight")
+    return names
