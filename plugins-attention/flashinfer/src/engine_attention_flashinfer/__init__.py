@@ -19,6 +19,8 @@ def register_attention_backends(register):  # type: ignore[no-untyped-def]
         description="FlashInfer paged prefill/decode (GQA tensor cores, sliding window, soft cap, CUDA graphs)",
         device_types=("cuda",),
         supports_cuda_graph=True,
+        # fp8 K/V with bf16/fp16 queries: the wrappers are planned with kv_data_type = the pool's.
+        kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
     ))
 
 

@@ -14,6 +14,11 @@ with its key runs in the batch, i.e. once per batch for a uniform model.
 
 CUDA graphs capture decode only: one wrapper per (batch size, key) built over static
 index buffers; the capture hook plans it, the replay hook re-plans it in place.
+
+FP8 KV cache: the wrappers are planned with ``kv_data_type`` = the pool's float8 dtype and q in
+the activation dtype; ``run()`` gets the layer's ``k_scale``/``v_scale`` (FlashInfer folds
+``k_scale`` into the softmax scale and multiplies the output by ``v_scale``). Scales of 1.0 are
+not passed, so a pool without checkpoint scales costs no extra multiply.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ class FlashInferAttnBackend(AttentionBackend):
             ctx.head_dim, ctx.page_size, ctx.dtype, pool.dtype,
         )
         self.q_dtype = ctx.dtype
+        self.kv_fp8 = pool.is_fp8
         self._prefill_wrappers: dict[LayerKey, Any] = {}
         self._decode_wrappers: dict[LayerKey, Any] = {}
         # Every key seen so far: capture plans them all before the graph records.
@@ -165,8 +171,15 @@ class FlashInferAttnBackend(AttentionBackend):
         q3 = q.reshape(-1, layer.num_heads, layer.head_dim)  # a view unless q is strided oddly
         if q3.dtype != self.q_dtype:
             q3 = q3.to(self.q_dtype)  # the kernels were planned (and compiled) for this dtype
-        out = wrapper.run(q3, self._kv_pages(layer.layer_id))
+        out = wrapper.run(q3, self._kv_pages(layer.layer_id), **self._kv_scales(layer))
         return out.view(-1, layer.num_heads * layer.head_dim).to(q.dtype)
+
+    def _kv_scales(self, layer: AttentionLayerInfo) -> dict[str, float]:
+        """``run()``'s ``k_scale``/``v_scale`` for an fp8 pool (left out when 1.0 or unused)."""
+        if not self.kv_fp8:
+            return {}
+        scales = {"k_scale": float(layer.k_scale), "v_scale": float(layer.v_scale)}
+        return {name: value for name, value in scales.items() if value != 1.0}
 
     def _kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K/V pool as ``[num_pages, page_size, num_kv_heads, head_dim]`` views."""

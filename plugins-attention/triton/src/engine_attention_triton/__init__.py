@@ -6,7 +6,15 @@ when the backend is selected (``--attention triton``).
 
 from __future__ import annotations
 
+import os
+
 from engine.hookspecs import AttentionBackendSpec, PluginOption, hookimpl
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, numpy on the CPU):
+    the backend then also runs on the cpu platform, slowly, so tests check it without a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @hookimpl
@@ -15,8 +23,9 @@ def register_attention_backends(register):  # type: ignore[no-untyped-def]
         name="triton",
         factory="engine_attention_triton.backend:create",
         description="Triton kernels: split-KV paged decode (GQA-grouped), extend over a cached prefix",
-        device_types=("cuda",),
+        device_types=("cuda", "cpu") if interpreting() else ("cuda",),
         supports_cuda_graph=True,
+        kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
     ))
 
 

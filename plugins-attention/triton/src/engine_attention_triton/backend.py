@@ -7,6 +7,11 @@ so any page size works unchanged), which leaves little to plan per batch:
   kernel (partial outputs and log-sum-exps);
 - extend/MIXED: the longest new-token run, which sizes the launch grid.
 
+FP8 KV cache: the kernels load the pool's float8 K/V and widen them to q's dtype (exact);
+``k_scale`` is folded into the softmax scale and ``v_scale`` multiplies the normalised output,
+both in float32, which equals dequantizing every element first. Extend rows then read their new
+tokens back from the pool too, so they attend over K/V as stored, like every other backend.
+
 CUDA graphs capture decode only. The graph reads request slots and lengths from
 buffers this backend owns, refreshed in place before every replay, and uses a split
 count that depends on the batch size alone, so a replay neither allocates nor
@@ -21,11 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
+from engine_attention_triton import interpreting
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
 from engine_attention_triton.extend_attention import extend_attention_fwd
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch import ForwardBatch
+
+#: Split-count heuristic's SM count under Triton's interpreter (no GPU to ask).
+_INTERPRETER_SMS = 4
 
 #: Options accepted under ``attention.triton.<key>``, with their defaults.
 DEFAULT_OPTIONS: dict[str, int] = {
@@ -90,9 +99,10 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         options = _parse_options(ctx.options)
         self.device = torch.device(ctx.device)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not (self.device.type == "cpu" and interpreting()):
             raise ValueError(
-                f"attention backend 'triton' needs a CUDA device; got {self.device}"
+                f"attention backend 'triton' needs a CUDA device (or the CPU under "
+                f"TRITON_INTERPRET=1); got {self.device}"
             )
         self.num_heads = ctx.num_heads
         self.num_kv_heads = ctx.num_kv_heads
@@ -100,7 +110,15 @@ class TritonAttnBackend(AttentionBackend):
         self.max_kv_splits = options["max_kv_splits"]
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.token_to_kv_pool = ctx.token_to_kv_pool
-        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if self.device.type == "cpu":
+            from engine_attention_triton.interpreter_compat import patch_interpreter_index
+
+            patch_interpreter_index()
+        self.kv_fp8 = ctx.token_to_kv_pool.is_fp8
+        self.num_sms = (
+            torch.cuda.get_device_properties(self.device).multi_processor_count
+            if self.device.type == "cuda" else _INTERPRETER_SMS
+        )
         self.forward_metadata: DecodeMetadata | ExtendMetadata | None = None
         self._graph: _GraphState | None = None
 
@@ -153,25 +171,28 @@ class TritonAttnBackend(AttentionBackend):
             raise RuntimeError("triton attention: forward_extend before init_forward_metadata")
         v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        if k is None or v is None:
-            # The layer re-uses K/V already in the pool: read the new tokens' from there.
+        if k is not None and v is not None and save_kv_cache:
+            self.save_kv(layer, forward_batch, k, v)
+        if k is None or v is None or self.kv_fp8:
+            # The layer re-uses K/V already in the pool, or the pool is fp8 and the new tokens
+            # are attended as stored (quantized): read them from there.
             loc = forward_batch.out_cache_loc
             k_new, v_new = k_buffer[loc], v_buffer[loc]
         else:
-            if save_kv_cache:
-                self.save_kv(layer, forward_batch, k, v)
-            k_new = k.view(-1, layer.num_kv_heads, layer.head_dim)
-            v_new = v.view(-1, layer.num_kv_heads, v_dim)
+            k_new = k.view(-1, layer.num_kv_heads, layer.head_dim).to(q.dtype)
+            v_new = v.view(-1, layer.num_kv_heads, v_dim).to(q.dtype)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
         assert forward_batch.extend_prefix_lens is not None
         assert forward_batch.extend_seq_lens is not None
         assert forward_batch.extend_start_loc is not None
+        k_scale, v_scale = self._kv_scales(layer)
         extend_attention_fwd(
-            q3, k_new.to(q.dtype), v_new.to(q.dtype), out, k_buffer, v_buffer, self.req_to_token,
+            q3, k_new, v_new, out, k_buffer, v_buffer, self.req_to_token,
             forward_batch.req_pool_indices, forward_batch.extend_prefix_lens,
             forward_batch.extend_seq_lens, forward_batch.extend_start_loc,
             metadata.max_extend_len, layer.scaling, layer.logit_cap, _kernel_window(layer),
+            k_scale=k_scale, v_scale=v_scale,
         )
         return out.view(-1, layer.num_heads * v_dim)
 
@@ -200,12 +221,20 @@ class TritonAttnBackend(AttentionBackend):
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
+        k_scale, v_scale = self._kv_scales(layer)
         decode_attention_fwd(
             q3, k_buffer, v_buffer, out, self.req_to_token,
             metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
             metadata.num_kv_splits, layer.scaling, layer.logit_cap, _kernel_window(layer),
+            k_scale=k_scale, v_scale=v_scale,
         )
         return out.view(-1, layer.num_heads * v_dim)
+
+    def _kv_scales(self, layer: AttentionLayerInfo) -> tuple[float, float]:
+        """The layer's fp8 KV scales; 1.0 for a pool in the activation dtype (scales unused)."""
+        if not self.kv_fp8:
+            return 1.0, 1.0
+        return float(layer.k_scale), float(layer.v_scale)
 
     # -- CUDA graphs (decode) -----------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

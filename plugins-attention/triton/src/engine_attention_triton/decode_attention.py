@@ -42,7 +42,7 @@ TARGET_PROGRAMS_PER_SM = 4
 @triton.jit
 def _decode_split_kernel(
     Q, K_Buf, V_Buf, Req_To_Token, Req_Pool_Indices, Seq_Lens, Part_Out, Part_Lse,
-    sm_scale, logit_cap, num_kv_splits,
+    sm_scale, logit_cap, v_scale, num_kv_splits,
     stride_qb, stride_qh,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
@@ -104,6 +104,7 @@ def _decode_split_kernel(
             mask=mask_n[:, None] & mask_d[None, :],
             other=0.0,
         )
+        # An fp8 pool widens exactly to q's dtype; its k_scale is folded into sm_scale.
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -125,9 +126,10 @@ def _decode_split_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     out_base = Part_Out + row * stride_pob + split * stride_pos
+    # v_scale (an fp8 pool's; 1.0 otherwise, an exact no-op) is linear: stage 2's merge keeps it.
     tl.store(
         out_base + heads[:, None] * stride_poh + offs_dv[None, :],
-        (acc / l_safe[:, None]).to(Part_Out.dtype.element_ty),
+        (acc / l_safe[:, None] * v_scale).to(Part_Out.dtype.element_ty),
         mask=mask_h[:, None] & mask_dv[None, :],
     )
     if not DIRECT:
@@ -208,6 +210,8 @@ def decode_attention_fwd(
     logit_cap: float = 0.0,
     sliding_window_size: int = -1,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
@@ -217,7 +221,8 @@ def decode_attention_fwd(
     Args:
         q: ``[batch, num_heads, head_dim]`` (the last dim contiguous).
         k_buffer, v_buffer: one layer's pool, ``[rows, num_kv_heads, head_dim|v_dim]``;
-            the new token's K/V must already be saved there.
+            the new token's K/V must already be saved there. q's dtype, or float8 (an fp8
+            KV cache) holding ``k / k_scale`` and ``v / v_scale``.
         out: ``[batch, num_heads, v_dim]``, written in place.
         req_to_token: int32 ``[slots, max_context_len]``; ``req_pool_indices`` and
             ``seq_lens``: ``[batch]`` (any integer dtype).
@@ -226,6 +231,7 @@ def decode_attention_fwd(
         num_kv_splits: splits per row (see ``choose_num_kv_splits``).
         sm_scale: softmax scale; ``logit_cap`` > 0 enables the tanh soft cap;
             ``sliding_window_size`` W >= 0 keeps keys at most W positions behind the query.
+        k_scale, v_scale: an fp8 pool's per-tensor scales (the kernel reads ``stored * scale``).
         block_n, num_warps, num_stages: tile overrides for benchmarking.
     """
     check_kernel_dtype(q.dtype, "q")
@@ -259,7 +265,7 @@ def decode_attention_fwd(
 
     _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
-        sm_scale, logit_cap, num_kv_splits,
+        sm_scale * k_scale, logit_cap, float(v_scale), num_kv_splits,
         q.stride(0), q.stride(1),
         k_buffer.stride(0), k_buffer.stride(1),
         v_buffer.stride(0), v_buffer.stride(1),

@@ -55,7 +55,7 @@ def _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
 def _extend_kernel(
     Q, K_New, V_New, Out, K_Buf, V_Buf, Req_To_Token,
     Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start,
-    sm_scale, logit_cap,
+    sm_scale, logit_cap, v_scale,
     stride_qt, stride_qh,
     stride_knt, stride_knh,
     stride_vnt, stride_vnh,
@@ -171,7 +171,8 @@ def _extend_kernel(
                                     True, HAS_CAP, DOT_PRECISION)
 
     # Every live query sees at least itself, so l_i > 0 on the rows that are stored.
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # v_scale: an fp8 pool's (every V here, new tokens' included, came from it); else 1.0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None] * v_scale
     tl.store(
         Out + (tok0 + offs_m)[:, None] * stride_ot + head * stride_oh + offs_dv[None, :],
         out.to(Out.dtype.element_ty),
@@ -208,6 +209,8 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     sliding_window_size: int = -1,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     config: tuple[int, int, int, int] | None = None,
 ) -> None:
     """Causal attention of each row's new tokens over its cached prefix and themselves.
@@ -222,6 +225,10 @@ def extend_attention_fwd(
         req_pool_indices, prefix_lens, extend_seq_lens, extend_start_loc: ``[batch]``.
         max_extend_len: the largest ``extend_seq_lens`` entry (host int: sizes the grid).
         sm_scale, logit_cap, sliding_window_size: as for decode attention.
+        k_scale, v_scale: with an fp8 KV cache, ``k``/``v`` and the pool both hold float8
+            ``x / scale`` (the new tokens read back from the pool); the kernel widens them to
+            q's dtype, folds ``k_scale`` into the softmax scale and multiplies the output by
+            ``v_scale``, in float32. 1.0 otherwise.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` override for benchmarking.
     """
     check_kernel_dtype(q.dtype, "q")
@@ -246,7 +253,7 @@ def extend_attention_fwd(
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer, req_to_token,
         req_pool_indices, prefix_lens, extend_seq_lens, extend_start_loc,
-        sm_scale, logit_cap,
+        sm_scale * k_scale, logit_cap, float(v_scale),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),

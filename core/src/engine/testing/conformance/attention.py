@@ -15,6 +15,10 @@ from engine.testing.conformance._common import KIT_SEED, derive_seed, device_or_
 
 # How a random batch of each mode is drawn: (rows, prefix range, new tokens per row).
 _MAX_PREFIX, _MAX_EXTEND = 90, 40
+# FP8 KV case: per-layer scales that are not powers of two (so a scale applied wrongly or not
+# at all changes the result), and one key/value element far past the format's range (the write
+# must saturate: a float -> fp8 cast of an overflowing value gives NaN on GPUs).
+_FP8_K_SCALE, _FP8_V_SCALE, _FP8_OUTLIER = 0.0371, 0.0219, 1.0e4
 
 
 @dataclass
@@ -42,7 +46,9 @@ class AttentionBackendConformance:
     """Set ``backend_name``; optionally ``device``, ``dtypes``, ``page_sizes``, ``atol``, shapes.
 
     The backend must declare the kit's device in ``AttentionBackendSpec.device_types`` (default
-    ``("cuda",)``) and accept the kit's page sizes: the engine would refuse it otherwise.
+    ``("cuda",)``) and accept the kit's page sizes: the engine would refuse it otherwise. A backend
+    whose spec lists ``fp8_e4m3``/``fp8_e5m2`` in ``kv_cache_dtypes`` must pass the fp8-KV cases
+    (the reference attends over the pool's dequantized values, so the tolerance is the dtype's).
     Every batch is drawn from a seed derived from ``seed`` and the test's parameters; a
     failure message names that seed.
     """
@@ -76,15 +82,22 @@ class AttentionBackendConformance:
                 f"device_types={spec.device_types!r}{default} and page_sizes={spec.page_sizes!r}: declare what "
                 f"the backend runs on, or set the kit's `device` / `page_sizes` to match.", pytrace=False)
 
-    def _setup(self, dtype: torch.dtype, page_size: int, gen: torch.Generator) -> tuple[Any, Any, Any, Any]:
+    def _setup(self, dtype: torch.dtype, page_size: int, gen: torch.Generator,
+               kv_cache_dtype: str = "auto") -> tuple[Any, Any, Any, Any]:
         from engine.attention import AttentionContext
-        from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+        from engine.mem_cache.memory_pool import (
+            MHATokenToKVPool,
+            ReqToTokenPool,
+            TokenToKVPoolAllocator,
+            resolve_kv_cache_dtype,
+        )
 
         device = device_or_skip(self.device)
         self._require_selectable(device, page_size)
         pool_tokens = 4096
         r2t = ReqToTokenPool(16, 1024, device)
-        kv = MHATokenToKVPool(pool_tokens, page_size, dtype, self.num_kv_heads, self.head_dim, 1, device)
+        kv = MHATokenToKVPool(pool_tokens, page_size, resolve_kv_cache_dtype(kv_cache_dtype, dtype),
+                              self.num_kv_heads, self.head_dim, 1, device)
         alloc = TokenToKVPoolAllocator(pool_tokens, page_size, device)
         # Shuffle free pages so rows are scattered through the pool.
         order = torch.randperm(len(alloc.free_pages), generator=gen).to(alloc.free_pages.device)
@@ -95,15 +108,24 @@ class AttentionBackendConformance:
                                options=plugins.declared_options("attention", self.backend_name))
         return resolve_factory(self._spec().factory)(ctx), r2t, kv, alloc
 
-    def _run(self, mode: str, dtype: torch.dtype, page_size: int, window: int = -1, cap: float = 0.0) -> None:
+    def _run(self, mode: str, dtype: torch.dtype, page_size: int, window: int = -1, cap: float = 0.0,
+             kv_cache_dtype: str = "auto") -> None:
         from engine.layers.radix_attention import RadixAttention
         from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
         from engine.testing.reference import reference_attention
 
-        seed = derive_seed(self.seed, self.backend_name, mode, dtype, page_size, window, cap)
-        where = f"{mode}, {dtype}, page {page_size}, window {window}, cap {cap}, seed {seed}"
+        parts: tuple[object, ...] = (mode, dtype, page_size, window, cap)
+        if kv_cache_dtype != "auto":  # the other cases keep the seeds they had
+            parts += (kv_cache_dtype,)
+        seed = derive_seed(self.seed, self.backend_name, *parts)
+        where = f"{mode}, {dtype}, page {page_size}, window {window}, cap {cap}, KV {kv_cache_dtype}, seed {seed}"
         gen = generator(seed)
-        backend, r2t, kv, alloc = self._setup(dtype, page_size, gen)
+        backend, r2t, kv, alloc = self._setup(dtype, page_size, gen, kv_cache_dtype)
+        fp8 = kv.is_fp8
+        layer = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, 0,
+                               logit_cap=cap, sliding_window_size=window)
+        if fp8:
+            layer.k_scale, layer.v_scale = _FP8_K_SCALE, _FP8_V_SCALE
         if mode == "mixed" and not backend.supports_mixed:
             pytest.skip(f"{type(backend).__name__}.supports_mixed is False: the scheduler never sends it MIXED batches")
         device = kv.device
@@ -118,8 +140,9 @@ class AttentionBackendConformance:
         for i in range(bs):
             r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
             off += prefix[i]
-        kv.k_buffer[0][pre_loc] = randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype)
-        kv.v_buffer[0][pre_loc] = randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype)
+        # Through the pool's own write, so an fp8 pool holds x / scale as the engine stores it.
+        kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
+                         randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), layer.k_scale, layer.v_scale)
         last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
         new_loc = alloc.alloc_extend(prefix, seq, last)
         off = 0
@@ -130,20 +153,26 @@ class AttentionBackendConformance:
         q = randn(gen, n, H * D, device=device, dtype=dtype)
         k = randn(gen, n, Hkv * D, device=device, dtype=dtype)
         v = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        if fp8:
+            k[0, 0], v[-1, -1] = _FP8_OUTLIER, -_FP8_OUTLIER
         fmode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}[mode]
         fb = ForwardBatch.build(fmode, [0] * n, slots, seq, prefix, new_loc, device,
                                 num_extend_reqs=rows.num_extend_reqs)
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
-        layer = RadixAttention(H, D, D**-0.5, Hkv, 0, logit_cap=cap, sliding_window_size=window)
         backend.init_forward_metadata(fb)
         out = backend.forward(q, k, v, layer, fb)
         assert out.shape == (n, H * D), f"output shape {tuple(out.shape)} != {(n, H * D)} ({where})"
         assert torch.isfinite(out).all(), f"non-finite output ({where})"
+        if fp8:
+            _check_fp8_store(kv, new_loc, k.view(n, Hkv, D), v.view(n, Hkv, D), where)
         off = 0
         for i in range(bs):
             kv_rows = r2t.req_to_token[slots[i], : seq[i]].long()
+            # The pool's values as every reader must see them: stored * scale (scales are 1.0
+            # unless the pool is fp8).
             ref = reference_attention(
-                q[off : off + ext[i]].view(-1, H, D), kv.k_buffer[0][kv_rows], kv.v_buffer[0][kv_rows],
+                q[off : off + ext[i]].view(-1, H, D), kv.k_buffer[0][kv_rows].double() * layer.k_scale,
+                kv.v_buffer[0][kv_rows].double() * layer.v_scale,
                 torch.arange(prefix[i], seq[i], device=device), D**-0.5, window, cap)
             got = out[off : off + ext[i]].view(-1, H, D).double()
             err = (got - ref).abs().max().item()
@@ -174,3 +203,32 @@ class AttentionBackendConformance:
     @pytest.mark.parametrize("mode", ["extend", "decode", "mixed"])
     def test_sliding_window_and_logit_cap(self, mode: str) -> None:
         self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0)
+
+    @pytest.mark.parametrize("mode", ["extend", "decode", "mixed"])
+    def test_fp8_kv_cache_matches_reference(self, mode: str) -> None:
+        """``--kv-cache-dtype fp8_*``: writes store x / scale saturated, reads give stored * scale."""
+        kinds = [d for d in self._spec().kv_cache_dtypes if d.startswith("fp8")]
+        if not kinds:
+            pytest.skip(f"attention backend '{self.backend_name}' declares no fp8 KV cache "
+                        f"(AttentionBackendSpec.kv_cache_dtypes={self._spec().kv_cache_dtypes!r})")
+        for kind in kinds:
+            for page_size in self.page_sizes:
+                self._run(mode, self.dtypes[0], page_size, kv_cache_dtype=kind)
+        self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0, kv_cache_dtype=kinds[0])
+
+
+def _check_fp8_store(kv: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
+    """The new tokens' K/V in an fp8 pool are ``x / scale``, saturated and rounded to the format."""
+    finfo = torch.finfo(kv.dtype)
+    # Half an ulp relative (3 mantissa bits for e4m3, 2 for e5m2); near zero, half the subnormal step.
+    mantissa = 3 if kv.dtype == torch.float8_e4m3fn else 2
+    rel, tiny = 2.0 ** -(mantissa + 1), finfo.smallest_normal * 2.0 ** -(mantissa + 1)
+    for name, stored, x, scale in (("K", kv.k_buffer[0][loc], k, _FP8_K_SCALE),
+                                   ("V", kv.v_buffer[0][loc], v, _FP8_V_SCALE)):
+        want = (x.double() / scale).clamp(-finfo.max, finfo.max)
+        got = stored.double()
+        assert torch.isfinite(got).all(), f"{name}: non-finite values stored in the fp8 pool ({where})"
+        excess = (got - want).abs() - (rel * want.abs() + tiny)
+        assert bool((excess <= 0).all()), (
+            f"{name}: the fp8 pool holds values off x / {name.lower()}_scale (saturated) by "
+            f"{excess.max().item():.3g} beyond the format's rounding ({where})")
