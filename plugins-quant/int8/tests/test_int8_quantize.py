@@ -88,3 +88,11 @@ def test_w8a8_linear_is_rescaled_int32_accumulator() -> None:
 def test_w8a8_linear_keeps_the_activation_dtype() -> None:
     q, scale = quantize_per_channel(_weight())
     assert w8a8_linear(torch.randn(4, 64, dtype=torch.bfloat16), q, scale).dtype == torch.bfloat16
+
+
+def test_static_input_scale_clips_and_repeats_per_token() -> None:
+    x = torch.tensor([[0.5, -3.0, 0.26], [0.0, 10.0, -0.25]])
+    q, scale = quantize_per_token(x, torch.tensor(0.02))
+    assert scale.shape == (2, 1) and bool((scale == 0.02).all())
+    # 0.26 / 0.02 = 13, 0.25 / 0.02 = 12.5 -> 12 (half to even); out-of-range values clip at +-127.
+    assert q.tolist() == [[25, -127, 13], [0, 127, -12]]
