@@ -161,7 +161,12 @@ def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str
         hf_name = name_map.get(tensor.name)
         as_blocks = hf_name in block_names
         raw = as_blocks and rows_only and tensor.tensor_type not in floats
-        weights = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
+        try:
+            weights = tensor.data if raw else dequantize(tensor.data, tensor.tensor_type)
+        except NotImplementedError:
+            raise ModelLoadError(f"--model-path: GGUF tensor {tensor.name} of {gguf_path} is stored as "
+                                 f"{tensor.tensor_type.name}, which the gguf package cannot dequantize; accepted: "
+                                 "the float types and the quantized types gguf.quants dequantizes") from None
         result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=name_map,
                                    parsed_parameters={"tensors": {}, "config": config_dict})
         hf_name = name_map.get(result.name)

@@ -64,7 +64,13 @@ def _stored(w: np.ndarray, qtype: Any, rng: np.random.Generator) -> np.ndarray:
         return w.astype(np.float16)
     if qtype.name in _K_SCALES:
         return _random_k_blocks(w.shape, qtype, rng)
-    return quants.quantize(w.astype(np.float32), qtype)
+    try:
+        return quants.quantize(w.astype(np.float32), qtype)
+    except NotImplementedError:  # a type gguf cannot make (e.g. Q8_1): random bytes, for error tests
+        from gguf import GGML_QUANT_SIZES
+
+        elems, nbytes = GGML_QUANT_SIZES[qtype]
+        return rng.integers(0, 256, size=(w.shape[0], w.shape[1] // elems * nbytes), dtype=np.uint8)
 
 
 def _write_tokenizer(writer: Any) -> None:
@@ -85,8 +91,13 @@ def _write_tokenizer(writer: Any) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_tiny_gguf(path: str, model: Any, qtype_name: str, seed: int = 0) -> dict[str, np.ndarray]:
+def write_tiny_gguf(path: str, model: Any, qtype_name: str, seed: int = 0,
+                    overrides: dict[str, str] | None = None) -> dict[str, np.ndarray]:
     """Writes ``model`` (a tiny transformers Llama/Qwen2/Qwen3) to ``path`` as GGUF.
+
+    Args:
+        overrides: projection name (``v_proj``, ``down_proj``, ...) -> the GGML type its 2-D
+            weights take instead of ``qtype_name`` (mixed files, like llama.cpp's Q4_K_M).
 
     Returns:
         Hugging Face parameter name -> the float32 array a loader must produce for it.
@@ -131,10 +142,15 @@ def write_tiny_gguf(path: str, model: Any, qtype_name: str, seed: int = 0) -> di
         permuted = arch_name == "llama" and n_head is not None
         if permuted:
             w = llama_cpp_permute(w, n_head)
-        data = _stored(w, qtype, rng) if w.ndim == 2 else w.astype(np.float32)
-        raw = None if data.dtype in (np.float32, np.float16) else qtype
+        this = next((gguf.GGMLQuantizationType[t] for key, t in (overrides or {}).items() if f".{key}." in hf_name),
+                    qtype)
+        data = _stored(w, this, rng) if w.ndim == 2 else w.astype(np.float32)
+        raw = None if data.dtype in (np.float32, np.float16) else this
         writer.add_tensor(f"{gguf_name}.{suffix}", data, raw_dtype=raw)
-        back = gguf.quants.dequantize(data, raw) if raw is not None else data.astype(np.float32)
+        try:
+            back = gguf.quants.dequantize(data, raw) if raw is not None else data.astype(np.float32)
+        except NotImplementedError:
+            continue  # no reference for a type gguf cannot dequantize
         expected[hf_name] = _unpermute(back, n_head) if permuted else back
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
