@@ -105,7 +105,7 @@ class KernelWeight:
     qweight: torch.Tensor
     #: ``[K / group_size, N]`` float16, bfloat16 or float32 (the narrowest that holds them exactly).
     scales: torch.Tensor
-    #: uint8 ``[K / group_size, N]``; None: symmetric.
+    #: uint8 ``[K / group_size, N]`` (int16 for a zero of 256); None: symmetric.
     zeros: torch.Tensor | None
     #: int32 ``[K]``: input channel of each kernel row; None: identity.
     perm: torch.Tensor | None
@@ -168,7 +168,10 @@ def to_kernel_layout(w: IntWeight, where: str) -> KernelWeight:
                                  f"(group_size {w.group_size}); the checkpoint's g_idx and group_size disagree")
         if not bool(torch.equal(order, torch.arange(k, device=order.device))):
             codes, perm = codes[order], order.to(torch.int32).contiguous()
-    zeros = None if w.zeros is None else w.zeros.to(torch.uint8).contiguous()
+    zeros = None
+    if w.zeros is not None:
+        # uint8 unless a GPTQ v1 checkpoint's wrapped zero (2**bits, see the gptq plugin) needs more.
+        zeros = w.zeros.to(torch.uint8 if int(w.zeros.max()) < 256 else torch.int16).contiguous()
     return KernelWeight(pack_int32(codes, w.bits, 0), compact_scales(w.scales), zeros, perm, w.bits, w.group_size)
 
 
