@@ -86,6 +86,7 @@ def run_default(ms: tuple[int, ...]) -> None:
     from engine_quant_fp8 import gemm
     from engine_quant_fp8.kernels import w8a16_linear
     from engine_quant_fp8.quantize import quantize_per_token_reference
+    from engine_quant_fp8.w8a8 import w8a8_linear
 
     def old_path(x: Any, q: Any, s: Any) -> Any:
         qx, sx = quantize_per_token_reference(x)
@@ -105,6 +106,10 @@ def run_default(ms: tuple[int, ...]) -> None:
             row["weight_only_us"] = _time_us(lambda i: w8a16_linear(x, *ops.fp8[i]), ops.copies)
             row["block_weight_only_us"] = _time_us(lambda i: w8a16_linear(x, *ops.block[i], None, (128, 128)),
                                                    ops.copies)
+            row["block_fp8_us"] = _time_us(lambda i: gemm.fp8_linear(x, *ops.block[i], block_size=(128, 128)),
+                                           ops.copies)
+            row["w8a8_us"] = _time_us(lambda i: w8a8_linear(x, *ops.fp8[i]), ops.copies)
+            row["block_w8a8_us"] = _time_us(lambda i: w8a8_linear(x, *ops.block[i], None, (128, 128)), ops.copies)
             row["scaled_mm_us"] = _time_us(lambda i: gemm._scaled_mm_linear(x, *ops.fp8[i], None), ops.copies)
             row["scaled_mm_torch_quant_us"] = _time_us(lambda i: old_path(x, *ops.fp8[i]), ops.copies)
             row.update(device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -223,13 +228,89 @@ def run_sweep(seconds_per_shape: float, workers: int) -> None:
         torch.cuda.empty_cache()
 
 
+W8A8_MS = (32, 64, 128, 256, 1024, 4096)
+
+
+def _w8a8_grid() -> list[dict[str, Any]]:
+    out = []
+    for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)):
+        if (warps == 8) != (bm * bn >= 128 * 128) or (bn == 256 and bk == 128 and stages == 5):
+            continue
+        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages})
+    return out
+
+
+def _w8a8_compile_worker(jobs: list[tuple[int, int, dict[str, Any], bool]]) -> int:
+    import torch
+    from engine_quant_fp8.w8a8 import w8a8_linear
+
+    done = 0
+    for n, k, cfg, blocked in jobs:
+        w = torch.zeros(n, k, device="cuda", dtype=torch.float8_e4m3fn)
+        s = torch.ones(-(-n // 128), -(-k // 128), device="cuda") if blocked else torch.ones(n, device="cuda")
+        try:
+            w8a8_linear(torch.zeros(64, k, device="cuda", dtype=torch.bfloat16), w, s, None,
+                        (128, 128) if blocked else None, config=cfg)
+            done += 1
+        except Exception:  # noqa: BLE001 - out of shared memory: the timing pass skips it too
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def run_w8a8_sweep(seconds: float, workers: int) -> None:
+    import torch
+    from engine_quant_fp8 import gemm
+    from engine_quant_fp8.w8a8 import w8a8_linear
+
+    jobs = [(n, k, cfg, blocked) for n, k in {(4096, 4096), (4096, 14336)} for cfg in _w8a8_grid()
+            for blocked in (False, True) if not (blocked and cfg["BLOCK_K"] > 128)]
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        compiled = sum(pool.map(_w8a8_compile_worker, [jobs[i::workers] for i in range(workers)]))
+    print(json.dumps({"w8a8_compiled": compiled, "jobs": len(jobs), "seconds": round(time.time() - t0, 1)}), flush=True)
+    for name, (n, k) in SHAPES.items():
+        ops = _Operands(n, k)
+        for m in W8A8_MS:
+            deadline = time.time() + seconds / len(SHAPES) / len(W8A8_MS)
+            x = ops.x(m)
+            row: dict[str, Any] = {"w8a8_sweep": name, "M": m}
+            row["bf16_us"] = round(_time_us(lambda i: torch.nn.functional.linear(x, ops.bf16[i]), ops.copies), 2)
+            row["scaled_mm_us"] = round(_time_us(lambda i: gemm._scaled_mm_linear(x, *ops.fp8[i], None),
+                                                 ops.copies), 2)
+            for blocked in (False, True):
+                operands, extra = (ops.block, (None, (128, 128))) if blocked else (ops.fp8, ())
+                results = []
+                for cfg in _w8a8_grid():
+                    if time.time() > deadline:
+                        break
+                    try:
+                        us = _time_us(lambda i, cfg=cfg: w8a8_linear(x, *operands[i], *extra, config=cfg),
+                                      ops.copies, reps=3)
+                    except Exception:  # noqa: BLE001
+                        continue
+                    results.append((round(us, 2), cfg))
+                results.sort(key=lambda r: r[0])
+                key = "block" if blocked else "channel"
+                row[f"{key}_default_us"] = round(_time_us(lambda i: w8a8_linear(x, *operands[i], *extra),
+                                                          ops.copies), 2)
+                row[f"{key}_best"] = [[us, {k2: v for k2, v in c.items() if k2 != "GROUP_M"}] for us, c in results[:3]]
+            print(json.dumps(row), flush=True)
+        del ops
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma separated")
     parser.add_argument("--sweep", type=float, default=0.0, help="tune configs: seconds of timing per shape")
+    parser.add_argument("--sweep-w8a8", type=float, default=0.0,
+                        help="tune the fp8 x fp8 Triton GEMM: seconds of timing in all")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernels before a sweep")
     args = parser.parse_args()
-    if args.sweep:
+    if args.sweep_w8a8:
+        run_w8a8_sweep(args.sweep_w8a8, args.workers)
+    elif args.sweep:
         run_sweep(args.sweep, args.workers)
     else:
         run_default(tuple(int(m) for m in args.ms.split(",")))

@@ -110,3 +110,45 @@ def test_quantize_per_token_kernel_static_scale_clamps() -> None:
     clamped = q_ref.float().abs() == FP8_MAX
     assert torch.equal(q.float()[clamped], q_ref.float()[clamped])
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.07, atol=2**-9)
+
+
+# ---- fp8 x fp8 (activations quantized too), for large M ------------------------------------------------
+
+
+def _representable_groups(m: int, k: int, group: int, seed: int) -> torch.Tensor:
+    """Activations whose per-token(-group) quantization is exact: codes times a power of two per
+    token, each group's first code 448 (see ``_exactly_representable``)."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = (torch.randn(m, k, generator=gen) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).float()
+    codes[:, ::group] = FP8_MAX
+    return codes * 2.0 ** torch.randint(-8, 3, (m, 1), generator=gen).float()
+
+
+@pytest.mark.parametrize(("m", "n", "k", "block"), [
+    (5, 48, 200, None), (40, 96, 256, None), (9, 200, 320, (128, 128)), (33, 64, 96, (32, 32)),
+])
+def test_w8a8_gemm_matches_dequantized_operands(m: int, n: int, k: int, block: tuple[int, int] | None) -> None:
+    from engine_quant_fp8.quantize import expand_block_scale
+    from engine_quant_fp8.w8a8 import quantize_per_token_group_reference, w8a8_linear
+
+    _, q, s, bias = _operands(m, n, k, block, seed=m + k)
+    x = _representable_groups(m, k, block[1] if block else k, seed=m)
+    got = w8a8_linear(x, q, s, bias, block, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2})
+    if block:
+        qx, sx = quantize_per_token_group_reference(x, block[1])
+        xd, wd = qx.float() * expand_block_scale(sx, (1, block[1]), m, k), q.float() * expand_block_scale(s, block, n, k)
+    else:
+        qx, sx = quantize_per_token_reference(x)
+        xd, wd = qx.float() * sx, q.float() * s[:, None]
+    assert _max_rel(got, xd @ wd.t() + bias) < 1e-5
+
+
+def test_quantize_per_token_group_kernel() -> None:
+    from engine_quant_fp8.w8a8 import quantize_per_token_group, quantize_per_token_group_reference
+
+    x = _representable_groups(5, 200, 32, seed=2)  # 7 groups, the last one partial
+    x[2] = 0.0
+    q, s = quantize_per_token_group(x, 32)
+    q_ref, s_ref = quantize_per_token_group_reference(x, 32)
+    assert s.shape == (5, 7)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

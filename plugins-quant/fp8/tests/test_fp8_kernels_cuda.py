@@ -67,15 +67,44 @@ def test_quantize_kernel_equals_torch_ops(m: int, k: int) -> None:
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("m", [1, 16, gemm.WEIGHT_ONLY_MAX_M, gemm.WEIGHT_ONLY_MAX_M + 1, 512])
-def test_dispatch_paths(m: int) -> None:
-    x, q, s, bias = _operands(m, 4096, 4096, None, torch.bfloat16)
-    expect_scaled_mm = m > gemm.WEIGHT_ONLY_MAX_M
-    assert gemm.uses_fp8_gemm(x, q) == expect_scaled_mm
-    got = fp8_linear(x, q, s, bias)
-    ref = reference_linear(x.float(), q, s, bias.float())
-    # The scaled_mm path also quantizes activations to e4m3: ~3% error per element, <= 0.05 overall.
-    assert _rel(got, ref) <= (0.05 if expect_scaled_mm else TOL[torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 16, gemm.WEIGHT_ONLY_MAX_M, gemm.WEIGHT_ONLY_MAX_M + 1, 100, 512])
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block"])
+def test_dispatch_paths(m: int, block: tuple[int, int] | None) -> None:
+    x, q, s, bias = _operands(m, 4096, 4096, block, torch.bfloat16)
+    quantizes_x = m > (gemm.WEIGHT_ONLY_MAX_M if block is None else gemm.BLOCK_WEIGHT_ONLY_MAX_M)
+    got = fp8_linear(x, q, s, bias, block_size=block)
+    ref = reference_linear(x.float(), q, s, bias.float(), block)
+    # Paths that also quantize activations to e4m3: ~3% error per element, <= 0.05 overall.
+    assert _rel(got, ref) <= (0.05 if quantizes_x else TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("m", [64, 200, 1024])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=["channel", "block"])
+def test_w8a8_kernel_matches_dequantized_operands(m: int, n: int, k: int, block: tuple[int, int] | None) -> None:
+    from engine_quant_fp8.quantize import expand_block_scale
+    from engine_quant_fp8.w8a8 import quantize_per_token_group_reference, w8a8_linear
+
+    x, q, s, bias = _operands(m, n, k, block, torch.bfloat16)
+    got = w8a8_linear(x, q, s, bias, block)
+    if block:
+        qx, sx = quantize_per_token_group_reference(x, block[1])
+        xd = qx.float() * expand_block_scale(sx, (1, block[1]), m, k)
+        wd = q.float() * expand_block_scale(s, block, n, k)
+    else:
+        qx, sx = quantize_per_token_reference(x)
+        xd, wd = qx.float() * sx, q.float() * s[:, None]
+    # Same fp8 operands: accumulation order and the bf16 output rounding only.
+    assert _rel(got, xd @ wd.t() + bias.float()) <= TOL[torch.bfloat16]
+
+
+def test_group_quantize_kernel_equals_torch_ops() -> None:
+    from engine_quant_fp8.w8a8 import quantize_per_token_group, quantize_per_token_group_reference
+
+    x = torch.randn(37, 14336 + 64, device=DEV, dtype=torch.bfloat16) * 3
+    q, s = quantize_per_token_group(x, 128)
+    q_ref, s_ref = quantize_per_token_group_reference(x, 128)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 @pytest.mark.parametrize("m", [1, 4, 40, 300])

@@ -2,13 +2,16 @@
 
 On CUDA devices of compute capability 8.9 or newer (Ada, Hopper, Blackwell):
 
-- up to ``WEIGHT_ONLY_MAX_M`` tokens, and always for block-wise scales: a Triton
+- up to ``WEIGHT_ONLY_MAX_M`` tokens (``BLOCK_WEIGHT_ONLY_MAX_M`` for block scales): a Triton
   weight-only GEMM (``engine_quant_fp8.kernels.w8a16_linear``) reads the fp8 weight once,
   dequantizes it in registers and multiplies the unquantized activations (decode is
   bound by reading the weight, so halving its bytes is the whole game);
 - above that, with per-channel scales: the activations are quantized per token in one
-  Triton launch and ``torch._scaled_mm`` multiplies fp8 by fp8 on the fp8 tensor cores,
-  row-wise scales applied in its float32 epilogue.
+  Triton launch and ``torch._scaled_mm`` (or, up to ``W8A8_TRITON_MAX_M`` tokens, the Triton
+  fp8 x fp8 GEMM of ``engine_quant_fp8.w8a8``) multiplies fp8 by fp8 on the fp8 tensor cores,
+  row-wise scales applied in its float32 epilogue;
+- above that, with block scales: activations quantized per token and 128-column group in one
+  launch, then the block-scaled Triton fp8 x fp8 GEMM (``w8a8.w8a8_linear``).
 
 Everywhere else (CPU, older GPUs, ROCm) the weight is dequantized to the activation dtype and
 ``F.linear`` runs: the reference, numerically weight-only, correct but slower than the
@@ -27,9 +30,15 @@ from engine_quant_fp8.quantize import dequantize_per_block, dequantize_per_chann
 # cuBLASLt's fp8 GEMM needs the inner and output dims to be multiples of 16.
 _SCALED_MM_ALIGN = 16
 
-#: Largest token count that takes the weight-only Triton GEMM rather than quantizing the
-#: activations for ``torch._scaled_mm`` (per-channel scales). See README.md for the measurement.
-WEIGHT_ONLY_MAX_M = 64
+#: Per-channel scales: token counts up to this take the weight-only Triton kernel; above, the
+#: activations are quantized per token and an fp8 x fp8 GEMM runs. See README.md for the measurement.
+WEIGHT_ONLY_MAX_M = 48
+#: Per-channel scales, above WEIGHT_ONLY_MAX_M: up to this many tokens the Triton fp8 x fp8 GEMM
+#: (``w8a8.w8a8_linear``), above it ``torch._scaled_mm``.
+W8A8_TRITON_MAX_M = 0
+#: Block-wise scales: the weight-only kernel up to this many tokens, above it per-token-group (1 x bk)
+#: activation quantization and the block-scaled Triton fp8 x fp8 GEMM.
+BLOCK_WEIGHT_ONLY_MAX_M = 48
 
 
 @functools.cache
@@ -48,17 +57,12 @@ def _on_fp8_cuda(x: torch.Tensor) -> bool:
 
 def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``fp8_linear`` takes the ``torch._scaled_mm`` path for these (per-channel) operands."""
-    if not hasattr(torch, "_scaled_mm") or x.reshape(-1, x.shape[-1]).shape[0] <= WEIGHT_ONLY_MAX_M:
+    m = x.reshape(-1, x.shape[-1]).shape[0]
+    if not hasattr(torch, "_scaled_mm") or m <= max(WEIGHT_ONLY_MAX_M, W8A8_TRITON_MAX_M):
         return False
     out_features, in_features = weight.shape
     if in_features % _SCALED_MM_ALIGN or out_features % _SCALED_MM_ALIGN:
         return False
-    return _on_fp8_cuda(x)
-
-
-def uses_triton_weight_only(x: torch.Tensor) -> bool:
-    """Whether ``fp8_linear`` runs the Triton weight-only kernel for activations ``x`` on this device
-    (and these operands, when ``uses_fp8_gemm`` is false)."""
     return _on_fp8_cuda(x)
 
 
@@ -78,17 +82,26 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         block_size: ``(bn, bk)`` for block-wise scales, else None.
     """
     x2d = x.reshape(-1, x.shape[-1])
-    if block_size is None and uses_fp8_gemm(x2d, weight):
-        out = _scaled_mm_linear(x2d.contiguous(), weight, weight_scale, input_scale)
-        if bias is not None:
-            out = out + bias
-    elif uses_triton_weight_only(x2d):
+    m = x2d.shape[0]
+    if not _on_fp8_cuda(x2d) or (block_size is not None and not _pow2(block_size)):
+        out = reference_linear(x2d, weight, weight_scale, bias, block_size)
+    elif m <= (WEIGHT_ONLY_MAX_M if block_size is None else BLOCK_WEIGHT_ONLY_MAX_M):
         from engine_quant_fp8.kernels import w8a16_linear
 
         out = w8a16_linear(x2d, weight, weight_scale, bias, block_size)
+    elif block_size is not None or m <= W8A8_TRITON_MAX_M or not uses_fp8_gemm(x2d, weight):
+        from engine_quant_fp8.w8a8 import w8a8_linear
+
+        out = w8a8_linear(x2d, weight, weight_scale, bias, block_size, input_scale)
     else:
-        out = reference_linear(x2d, weight, weight_scale, bias, block_size)
+        out = _scaled_mm_linear(x2d.contiguous(), weight, weight_scale, input_scale)
+        if bias is not None:
+            out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _pow2(block_size: tuple[int, int]) -> bool:
+    return all(v & (v - 1) == 0 for v in block_size)
 
 
 def reference_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -41,8 +41,9 @@ from engine_quant_fp8.quantize import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 # to float32 first, which on a GPU is the float32-activation path (exact, IEEE products).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-#: Token counts up to this run the GEMV kernel, above it the tl.dot kernel.
-GEMV_MAX_M = 4
+#: Token counts up to this run the GEMV kernel, above it the tl.dot kernel (H100: at M = 4 the
+#: best tl.dot config beat the best GEMV on all four Llama shapes, by 1.3-1.7x).
+GEMV_MAX_M = 1
 
 
 @triton.jit
@@ -186,20 +187,31 @@ def quantize_per_token_triton(x: torch.Tensor,
     return q, scale
 
 
-def _gemv_config(m: int, n: int, k: int) -> dict[str, int]:
-    # H100 sweep (README.md): small BLOCK_N keeps >= ~2 programs per SM on the 4096-wide outputs.
-    block_n = 8 if n <= 8192 else 16
-    return {"BLOCK_N": block_n, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1}
+def _gemv_config(m: int, n: int, k: int, blocked: bool) -> dict[str, int]:
+    # H100 sweep, M = 1 (bench_kernels.py --sweep, 2026-11-23; README.md): 4 rows x 2048 columns per
+    # program for the large weights, 8 x 512-1024 for the 4096/6144-row ones.
+    if n * k >= 32 * 1024 * 1024:
+        return {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8 if n > k else 4, "num_stages": 1}
+    if blocked:
+        return {"BLOCK_N": 16 if n > 4096 else 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1}
+    return {"BLOCK_N": 8, "BLOCK_K": 512 if n > 4096 else 1024, "num_warps": 4, "num_stages": 1}
 
 
 def _gemm_config(m: int, n: int, k: int) -> dict[str, int]:
-    if m <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
-    if m <= 32:
-        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+    # H100 sweep (as above): narrow N tiles keep >= 128 programs on the 4096/6144-row weights at
+    # small M; the 28672-row gate_up prefers 128-wide tiles. (Block scales cap BLOCK_K at 128.)
+    block_n = 32 if n <= 4096 else 64 if n <= 8192 else 128
+    block_k = 128 if block_n == 128 else 256
     if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        block_m = max(16, triton.next_power_of_2(m))
+        stages = 3 if block_n == 128 or (block_m == 32 and block_n == 64) else 4
+        return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": 8,
+                "num_warps": 4, "num_stages": stages}
+    if block_n == 128:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+    if m <= 128 and n <= 4096:
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 256, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
 
 
 def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -230,7 +242,7 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     cfg = dict(config) if config else {}
     kind = cfg.pop("kind", "gemv" if m <= GEMV_MAX_M else "gemm")
     if not cfg:
-        cfg = _gemv_config(m, n, k) if kind == "gemv" else _gemm_config(m, n, k)
+        cfg = _gemv_config(m, n, k, blocked) if kind == "gemv" else _gemm_config(m, n, k)
     if blocked:  # one scale column per K step
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_bk)
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
