@@ -3,6 +3,7 @@ wrong in each way it claims to check; its draws reproduce."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import types
@@ -111,6 +112,59 @@ def test_mixed_batches_catch_a_backend_wrong_on_them(monkeypatch: pytest.MonkeyP
     Kit().test_matches_reference("decode")
     with pytest.raises(AssertionError, match=r"\(decode, .*mixed, torch.float32, page 1, .*seed \d+\)"):
         Kit().test_mixed_batch_matches_reference()
+
+
+class _Fp8ScalesIgnored:
+    """A backend that declares an fp8 KV cache but reads the pool without its scales."""
+
+    @staticmethod
+    def create(ctx: Any) -> Any:
+        from engine_attention_torch_native.backend import TorchNativeAttnBackend
+
+        class Backend(TorchNativeAttnBackend):
+            def forward(self, q: Any, k: Any, v: Any, layer: Any, fb: Any, save_kv_cache: bool = True) -> Any:
+                if save_kv_cache:
+                    self.save_kv(layer, fb, k, v)  # stored with the scales...
+                unscaled = dataclasses.replace(_info(layer), k_scale=1.0, v_scale=1.0)
+                return super().forward(q, k, v, unscaled, fb, save_kv_cache=False)  # ...read without
+
+        return Backend(ctx)
+
+
+def _info(layer: Any) -> Any:
+    from engine.attention import AttentionLayerInfo
+
+    return AttentionLayerInfo(layer.layer_id, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scaling,
+                              layer.logit_cap, layer.sliding_window_size, layer.v_head_dim, layer.k_scale, layer.v_scale)
+
+
+def test_fp8_kv_case_catches_a_backend_that_ignores_the_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    def register_attention_backends(register: Any) -> None:
+        register(AttentionBackendSpec(name="fp8_unscaled", factory=_Fp8ScalesIgnored.create, device_types=("cpu",),
+                                      kv_cache_dtypes=("auto", "fp8_e4m3")))
+
+    _install(monkeypatch, "fp8_unscaled", register_attention_backends=register_attention_backends)
+
+    class Kit(AttentionBackendConformance):
+        backend_name = "fp8_unscaled"
+
+    Kit().test_matches_reference("decode")  # right without an fp8 pool (scales of 1.0)
+    with pytest.raises(AssertionError, match=r"KV fp8_e4m3, seed \d+"):
+        Kit().test_fp8_kv_cache_matches_reference("decode")
+
+
+def test_fp8_kv_case_skips_a_backend_that_does_not_declare_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    def register_attention_backends(register: Any) -> None:
+        register(AttentionBackendSpec(name="bf16_only", factory="engine_attention_torch_native.backend:create",
+                                      device_types=("cpu",)))
+
+    _install(monkeypatch, "bf16_only", register_attention_backends=register_attention_backends)
+
+    class Kit(AttentionBackendConformance):
+        backend_name = "bf16_only"
+
+    with pytest.raises(pytest.skip.Exception, match="declares no fp8 KV cache"):
+        Kit().test_fp8_kv_cache_matches_reference("extend")
 
 
 # -- quantization ---------------------------------------------------------------------------
