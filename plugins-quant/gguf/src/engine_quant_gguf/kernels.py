@@ -41,19 +41,24 @@ def _to_f32(q):
 
 
 @triton.jit
-def _load_f16(ptr, offs, mask):
+def _load_f16(ptr, offs):
     """A little-endian float16 at byte offsets ``offs`` (even), as float32."""
+    return tl.load((ptr + offs).to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+
+@triton.jit
+def _load_f16_masked(ptr, offs, mask):
     return tl.load((ptr + offs).to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _q4k_scale_min(w_ptr, sb, s, mask):
+def _q4k_scale_min(w_ptr, sb, s):
     """Q4_K (scale, min) of sub-blocks ``s`` (int tensor of 0..7) of the super-blocks at ``sb``."""
     sc_ptr = w_ptr + sb + 4
     low = s < 4
-    a = tl.load(sc_ptr + tl.where(low, s, s + 4), mask=mask, other=0).to(tl.int32)   # b[s] | b[s+4]
-    b = tl.load(sc_ptr + tl.where(low, s + 4, s - 4), mask=mask, other=0).to(tl.int32)  # b[s+4] | b[s-4]
-    c = tl.load(sc_ptr + s, mask=mask, other=0).to(tl.int32)  # b[s] (read for s >= 4)
+    a = tl.load(sc_ptr + tl.where(low, s, s + 4)).to(tl.int32)      # b[s] | b[s+4]
+    b = tl.load(sc_ptr + tl.where(low, s + 4, s - 4)).to(tl.int32)  # b[s+4] | b[s-4]
+    c = tl.load(sc_ptr + s).to(tl.int32)                            # b[s] (used for s >= 4)
     sc = tl.where(low, a & 63, (a & 15) | ((b >> 6) << 4))
     mn = tl.where(low, b & 63, (a >> 4) | ((c >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
@@ -84,10 +89,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, row_bytes, out_stride_split,
         for i_u in range(UNITS):
             u = u_start + i_u
             sb = row_off[:, None] + u * 144                        # [BLOCK_N, 1]
-            d = _load_f16(w_ptr, sb, True)                          # [BLOCK_N, 1]
-            dmin = _load_f16(w_ptr, sb + 2, True)
-            sc_lo, mn_lo = _q4k_scale_min(w_ptr, sb, 2 * j[None, :], True)       # [BLOCK_N, 4]
-            sc_hi, mn_hi = _q4k_scale_min(w_ptr, sb, 2 * j[None, :] + 1, True)
+            d = _load_f16(w_ptr, sb)                          # [BLOCK_N, 1]
+            dmin = _load_f16(w_ptr, sb + 2)
+            sc_lo, mn_lo = _q4k_scale_min(w_ptr, sb, 2 * j[None, :])       # [BLOCK_N, 4]
+            sc_hi, mn_hi = _q4k_scale_min(w_ptr, sb, 2 * j[None, :] + 1)
             qs = tl.load(w_ptr + sb[:, :, None] + q_cols[None, :, :]).to(tl.int32)  # [BLOCK_N, 4, 32]
             x_lo = tl.load(x_ptr + u * 256 + x_cols).to(tl.float32)               # [4, 32]
             x_hi = tl.load(x_ptr + u * 256 + 32 + x_cols).to(tl.float32)
@@ -107,7 +112,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, row_bytes, out_stride_split,
             u = u_start + i_u
             sb = row_off[:, None, None, None] + u * 210              # [BLOCK_N, 1, 1, 1]
             sb3 = row_off[:, None, None] + u * 210                   # [BLOCK_N, 1, 1]
-            d = _load_f16(w_ptr, row_off + u * 210 + 208, True)     # [BLOCK_N]
+            d = _load_f16(w_ptr, row_off + u * 210 + 208)     # [BLOCK_N]
             ql0 = tl.load(w_ptr + sb + (64 * h + pos)[None]).to(tl.int32)        # [BLOCK_N, 2, 2, 16]
             ql1 = tl.load(w_ptr + sb + (64 * h + 32 + pos)[None]).to(tl.int32)
             qh = tl.load(w_ptr + sb + (128 + 32 * h + pos)[None]).to(tl.int32)
@@ -136,7 +141,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, row_bytes, out_stride_split,
             blk = u * 8 + bi                                      # [8]
             ok = blk < n_blocks
             boff = row_off[:, None] + blk[None, :] * BYTES        # [BLOCK_N, 8]
-            d = _load_f16(w_ptr, boff, ok[None, :])
+            d = _load_f16_masked(w_ptr, boff, ok[None, :])
             if QTYPE == 8:
                 e = tl.arange(0, 32)
                 qs = tl.load(w_ptr + boff[:, :, None] + 2 + e[None, None, :], mask=ok[None, :, None], other=0)
@@ -156,7 +161,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, row_bytes, out_stride_split,
                 if QTYPE == 2:
                     acc += tl.sum(d * (s - 8.0 * xs), axis=1)
                 else:
-                    m = _load_f16(w_ptr, boff + 2, ok[None, :])
+                    m = _load_f16_masked(w_ptr, boff + 2, ok[None, :])
                     acc += tl.sum(d * s + m * xs, axis=1)
     tl.store(out_ptr + pid_k * out_stride_split + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
 
@@ -192,10 +197,10 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, row_bytes, x_stride, out_stride, K
         x_cols = tl.reshape(64 * j[:, None] + l[None, :], (128,))
         for u in range(N_UNITS):
             sb = row_off[:, None] + u * 144
-            d = _load_f16(w_ptr, sb, True)
-            dmin = _load_f16(w_ptr, sb + 2, True)
-            sc_lo, mn_lo = _q4k_scale_min(w_ptr, sb, 2 * j[None, :], True)
-            sc_hi, mn_hi = _q4k_scale_min(w_ptr, sb, 2 * j[None, :] + 1, True)
+            d = _load_f16(w_ptr, sb)
+            dmin = _load_f16(w_ptr, sb + 2)
+            sc_lo, mn_lo = _q4k_scale_min(w_ptr, sb, 2 * j[None, :])
+            sc_hi, mn_hi = _q4k_scale_min(w_ptr, sb, 2 * j[None, :] + 1)
             qs = tl.load(w_ptr + sb[:, :, None] + q_cols[None, :, :]).to(tl.int32)   # [BLOCK_N, 4, 32]
             w_lo = (d * sc_lo)[:, :, None] * (qs & 15).to(tl.float32) - (dmin * mn_lo)[:, :, None]
             w_hi = (d * sc_hi)[:, :, None] * (qs >> 4).to(tl.float32) - (dmin * mn_hi)[:, :, None]
@@ -210,7 +215,7 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, row_bytes, x_stride, out_stride, K
         pos = 16 * g + i
         for u in range(N_UNITS):
             sb = row_off[:, None, None, None] + u * 210
-            d = _load_f16(w_ptr, row_off + u * 210 + 208, True)[:, None, None, None]
+            d = _load_f16(w_ptr, row_off + u * 210 + 208)[:, None, None, None]
             ql0 = tl.load(w_ptr + sb + (64 * h + pos)[None]).to(tl.int32)
             ql1 = tl.load(w_ptr + sb + (64 * h + 32 + pos)[None]).to(tl.int32)
             qh = tl.load(w_ptr + sb + (128 + 32 * h + pos)[None]).to(tl.int32)
@@ -237,7 +242,7 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, row_bytes, x_stride, out_stride, K
             blk = u * 8 + bi
             ok = blk < n_blocks
             boff = row_off[:, None] + blk[None, :] * BYTES
-            d = _load_f16(w_ptr, boff, ok[None, :])[:, :, None]       # [BLOCK_N, 8, 1]
+            d = _load_f16_masked(w_ptr, boff, ok[None, :])[:, :, None]       # [BLOCK_N, 8, 1]
             if QTYPE == 8:
                 e = tl.arange(0, 32)
                 qs = tl.load((w_ptr + boff[:, :, None] + 2 + e[None, None, :]).to(tl.pointer_type(tl.int8)),
@@ -255,7 +260,7 @@ def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, row_bytes, x_stride, out_stride, K
                     w_lo = d * ((qs & 15) - 8).to(tl.float32)
                     w_hi = d * ((qs >> 4) - 8).to(tl.float32)
                 else:
-                    m = _load_f16(w_ptr, boff + 2, ok[None, :])[:, :, None]
+                    m = _load_f16_masked(w_ptr, boff + 2, ok[None, :])[:, :, None]
                     w_lo = d * (qs & 15).to(tl.float32) + m
                     w_hi = d * (qs >> 4).to(tl.float32) + m
                 cols = tl.reshape(blk[:, None] * 32 + e[None, :], (128,))
@@ -296,8 +301,7 @@ def gemv_config(n: int, k: int, qtype: int, sms: int) -> tuple[int, int, int]:
 def gemm_config(m: int, n: int, qtype: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) for M >= 2 (tl.dot needs tiles of 16 or more)."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 64 if m <= 64 else 128
-    return block_m, block_n, 4 if block_m * block_n <= 64 * 64 else 8
+    return block_m, 64, 4 if block_m < 64 else 8
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, qtype: int, n: int,
