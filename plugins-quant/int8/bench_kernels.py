@@ -1,6 +1,7 @@
 """Micro-benchmark of the w8a8_int8 kernels at the Llama-3-8B linear shapes (needs a CUDA GPU).
 
     python plugins-quant/int8/bench_kernels.py [--m 1,2,4,8,16,32,64,128,256] [--shapes qkv,o,gate_up,down]
+    python plugins-quant/int8/bench_kernels.py --sweep [--m 1,4,16,64,256]   # tune the launch configs
 
 One JSON line per (shape, M): the time in microseconds of
 - ``path1_us``: the weight-only path (``gemm.w8a16_linear``: GEMV kernel at M <= GEMV_MAX_M, tl.dot above),
@@ -14,19 +15,25 @@ the smallest M at which path 2 beats path 1: ``gemm.WEIGHT_ONLY_MAX_M`` should s
 
 Each timing replays a CUDA graph of 20 calls (decode runs under graphs, so launch overhead is not
 counted) cycling over enough copies of the weight to overflow the L2 cache, as a model's layers do.
+
+``--sweep`` times a grid of launch configs per (shape, M) for the kernel each path uses at that M
+(GEMV, tl.dot weight-only, int8 GEMM) and prints the default's time and the best config; the
+defaults live in ``kernels_w8a16`` (module constants, ``w8a16_config``) and
+``kernels_w8a8.gemm_config``. About 36 configs per kernel, mostly compile time: minutes per shape.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from engine_quant_int8 import gemm
-from engine_quant_int8.kernels_w8a16 import w8a16_config
+from engine_quant_int8 import gemm, kernels_w8a8
+from engine_quant_int8.kernels_w8a16 import w8a16_config, w8a16_linear_triton
 from engine_quant_int8.quantize import quantize_per_channel
 
 LLAMA_8B = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
@@ -98,10 +105,64 @@ def _path2(x: torch.Tensor, w_int8: list[tuple[torch.Tensor, torch.Tensor]], var
         gemm.LARGE_M_GEMM = saved
 
 
+def _candidates(kernel: str) -> list[dict[str, int]]:
+    if kernel == "gemv":
+        grid = itertools.product([8, 16, 32], [256, 512, 1024], [1, 2], [4, 8])
+        return [{"BLOCK_M": 1, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w, "num_stages": 1}
+                for bn, bk, sk, w in grid]
+    if kernel == "dot":
+        grid = itertools.product([16, 32, 64], [128, 256], [1, 2, 4], [3, 4])
+        return [{"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": 4, "num_stages": st}
+                for bn, bk, sk, st in grid]
+    grid = itertools.product([64, 128], [64, 128, 256], [64, 128], [(4, 3), (8, 3), (8, 4)])
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": w, "num_stages": st}
+            for bm, bn, bk, (w, st) in grid]
+
+
+def sweep_shape(name: str, k: int, n: int, ms: list[int]) -> None:
+    dev = torch.device("cuda")
+    copies = max(1, math.ceil(L2_OVERFLOW_BYTES / (n * k)))
+    w_int8 = [quantize_per_channel(torch.randn(n, k, device=dev) * k ** -0.5) for _ in range(copies)]
+    sms = gemm.num_sms(dev)
+    for m in ms:
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        kernels = ["gemv" if m <= gemm.GEMV_MAX_M else "dot", "w8a8_gemm"]
+        if m <= 4 and m > gemm.GEMV_MAX_M:
+            kernels.append("gemv")
+        for kernel in kernels:
+            if kernel == "w8a8_gemm":
+                qx, sx = kernels_w8a8.quantize_per_token(x)
+                default = kernels_w8a8.gemm_config(m, n, sms)
+
+                def run(cfg: dict[str, int], q: torch.Tensor, s: torch.Tensor, qx: torch.Tensor = qx,
+                        sx: torch.Tensor = sx) -> object:
+                    return kernels_w8a8.w8a8_gemm(qx, sx, q, s, None, torch.bfloat16, sms, cfg)
+            else:
+                default = w8a16_config(m, n, k, kernel == "gemv", sms, x.dtype)
+                block_m = default["BLOCK_M"]
+
+                def run(cfg: dict[str, int], q: torch.Tensor, s: torch.Tensor, kernel: str = kernel,
+                        block_m: int = block_m, x: torch.Tensor = x) -> object:
+                    return w8a16_linear_triton(x, q, s, None, kernel == "gemv", sms, {"BLOCK_M": block_m, **cfg})
+            results = []
+            for cfg in [default, *_candidates(kernel)]:
+                try:
+                    us = time_us([lambda q=q, s=s, cfg=cfg, run=run: run(cfg, q, s) for q, s in w_int8])
+                except Exception as exc:  # a config the GPU cannot hold (shared memory, registers)
+                    results.append((math.inf, cfg, type(exc).__name__))
+                    continue
+                results.append((us, cfg, None))
+            best = min(results, key=lambda r: r[0])
+            print(json.dumps({"shape": name, "m": m, "kernel": kernel, "default_us": round(results[0][0], 2),
+                              "default": default, "best_us": round(best[0], 2), "best": best[1],
+                              "failed_configs": sum(r[2] is not None for r in results)}), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--m", default="1,2,4,8,16,32,64,128,256", help="token counts, comma-separated")
     parser.add_argument("--shapes", default=",".join(LLAMA_8B), help=f"of {', '.join(LLAMA_8B)}")
+    parser.add_argument("--sweep", action="store_true", help="tune launch configs instead of comparing paths")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
@@ -110,7 +171,7 @@ def main() -> None:
                       "LARGE_M_GEMM": gemm.LARGE_M_GEMM}), flush=True)
     with torch.inference_mode():
         for name in args.shapes.split(","):
-            bench_shape(name, *LLAMA_8B[name], [int(m) for m in args.m.split(",")])
+            (sweep_shape if args.sweep else bench_shape)(name, *LLAMA_8B[name], [int(m) for m in args.m.split(",")])
 
 
 if __name__ == "__main__":

@@ -151,14 +151,17 @@ def w8a16_config(m: int, n: int, k: int, gemv: bool, sms: int, dtype: torch.dtyp
         block_n, block_k = _DOT_BLOCK_N, _DOT_BLOCK_K_F32 if dtype == torch.float32 else _DOT_BLOCK_K
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     split = split_k_for(tiles, k, block_k, sms)
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split,
+            "num_warps": 4, "num_stages": 3}
 
 
 def w8a16_linear_triton(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        bias: torch.Tensor | None, gemv: bool, sms: int) -> torch.Tensor:
+                        bias: torch.Tensor | None, gemv: bool, sms: int,
+                        config: dict[str, int] | None = None) -> torch.Tensor:
     """``x2d [M, K] @ (weight [N, K] int8 * weight_scale [N]).T + bias`` in ``x2d.dtype``.
 
     ``gemv`` picks ``_gemv_kernel`` (meant for M = 1) over ``_dot_kernel``; both are correct at any M.
+    ``config`` overrides ``w8a16_config`` (bench_kernels.py --sweep tunes with it).
     """
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
@@ -167,7 +170,7 @@ def w8a16_linear_triton(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: t
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     if m == 0:
         return out
-    cfg = w8a16_config(m, n, k, gemv, sms, x2d.dtype)
+    cfg = config or w8a16_config(m, n, k, gemv, sms, x2d.dtype)
     split = cfg["SPLIT_K"]
     # Each split covers whole BLOCK_K steps, so only the last one meets the end of K.
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
@@ -177,13 +180,13 @@ def w8a16_linear_triton(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: t
     if gemv:
         _gemv_kernel[(grid_n, split, m)](x2d, weight, weight_scale, b, out, part, m, n, k, x2d.stride(0),
                                          out.stride(0), k_per_split, HAS_BIAS=bias is not None, SPLIT_K=split,
-                                         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=4)
+                                         BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
     else:
         grid = (grid_n, split, triton.cdiv(m, cfg["BLOCK_M"]))
         _dot_kernel[grid](x2d, weight, weight_scale, b, out, part, m, n, k, x2d.stride(0), out.stride(0),
                           k_per_split, HAS_BIAS=bias is not None, SPLIT_K=split,
                           IEEE=x2d.dtype == torch.float32, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                          BLOCK_K=cfg["BLOCK_K"], num_warps=4, num_stages=3)
+                          BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         _splitk_reduce_kernel[(triton.cdiv(n, 256), m)](part, weight_scale, b, out, m, n, out.stride(0),
                                                         HAS_BIAS=bias is not None, SPLIT_K=split, BLOCK_N=256)

@@ -126,7 +126,7 @@ def _store_rescaled(acc, a_scale, w_scale, bias_ptr, out_ptr, rm, rn, M, N, stri
     tl.store(out_ptrs, y, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def _gemm_config(m: int, n: int, sms: int) -> dict[str, int]:
+def gemm_config(m: int, n: int, sms: int) -> dict[str, int]:
     """Tile sizes from the shape alone. 128x128 tiles with K steps of 128 int8 are the usual
     sm90 choice; when they would leave SMs idle (M in the low hundreds) the row tile halves."""
     block_m = 128 if triton.cdiv(m, 128) * triton.cdiv(n, 128) >= sms else 64
@@ -135,14 +135,16 @@ def _gemm_config(m: int, n: int, sms: int) -> dict[str, int]:
 
 
 def w8a8_gemm(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-              bias: torch.Tensor | None, out_dtype: torch.dtype, sms: int) -> torch.Tensor:
-    """``qx [M, K] int8 @ weight [N, K] int8 .T`` rescaled by ``x_scale [M]`` and ``weight_scale [N]``."""
+              bias: torch.Tensor | None, out_dtype: torch.dtype, sms: int,
+              config: dict[str, int] | None = None) -> torch.Tensor:
+    """``qx [M, K] int8 @ weight [N, K] int8 .T`` rescaled by ``x_scale [M]`` and ``weight_scale [N]``;
+    ``config`` overrides ``gemm_config`` (bench_kernels.py --sweep)."""
     m, k = qx.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     if m == 0:
         return out
-    cfg = _gemm_config(m, n, sms)
+    cfg = config or gemm_config(m, n, sms)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _w8a8_gemm_kernel[grid](qx, weight, x_scale, weight_scale, bias if bias is not None else weight_scale,
                             out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, **cfg)
