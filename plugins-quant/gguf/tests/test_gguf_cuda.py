@@ -6,7 +6,6 @@ bfloat16 activations: bar 1e-2 relative (their own rounding and the bf16 tl.dot 
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import pytest

@@ -11,7 +11,6 @@ greedy tokens are equal.
 from __future__ import annotations
 
 import logging
-import os
 import pathlib
 from typing import Any
 
