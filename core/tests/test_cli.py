@@ -138,8 +138,9 @@ def test_checks_fail_before_the_model_loads(llama_ckpt: str) -> None:
 
     cases = [
         # (a third-party CPU backend installed by a concurrent test may be listed too)
-        (["--attention", "triton"], "--attention: backend 'triton' does not run on cpu (it supports: cuda); "
-                                    "backends for platform 'cpu': "),
+        # (flashinfer, not triton: under TRITON_INTERPRET=1, set for CPU test runs, triton declares cpu too)
+        (["--attention", "flashinfer"], "--attention: backend 'flashinfer' does not run on cpu (it supports: cuda); "
+                                        "backends for platform 'cpu': "),
         (["--disable-plugin", "llama"], "architecture 'LlamaForCausalLM' is provided by plugin 'llama' "
                                         "(plugserve-models-llama 0.1.0), which is disabled (--disable-plugin llama)"),
         (["--schedule-policy", "dfs-weight", "--disable-plugin", "dfs_weight"],
