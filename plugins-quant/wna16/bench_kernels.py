@@ -1,0 +1,92 @@
+"""Micro-benchmark of the W4A16 dequantize-GEMV/GEMM on a CUDA GPU (run by hand, not a test).
+
+One JSON line per (linear, M): the kernel's time, bf16 ``F.linear`` on the same shape, the
+speed-up and the kernel's achieved bandwidth (packed weights + scales + zeros + activations +
+output). Shapes: the Llama-3-8B linears at M = 1, 16, 64, 256. Timed with CUDA graphs
+(``triton.testing.do_bench_cudagraph``), as the engine's decode runs.
+
+    python plugins-quant/wna16/bench_kernels.py                       # AWQ-like: 4-bit, groups of 128, zeros
+    python plugins-quant/wna16/bench_kernels.py --symmetric --act-order   # GPTQ act-order
+    python plugins-quant/wna16/bench_kernels.py --sweep               # also every alternative tile config
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from engine_quant_wna16.kernels import KernelConfig, choose_config, wna16_gemm
+from engine_quant_wna16.layout import to_kernel_layout
+from engine_quant_wna16.rtn import act_order_g_idx, quantize_rtn
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+BATCHES = (1, 16, 64, 256)
+
+
+def _time_ms(fn) -> float:  # type: ignore[no-untyped-def]
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=50)
+    except Exception:  # noqa: BLE001 - fall back where graph capture is unavailable
+        return triton.testing.do_bench(fn, warmup=20, rep=100)
+
+
+def _alternatives(m: int, group: int) -> list[KernelConfig]:
+    """Tile configs the kernels accept for ``m`` rows and groups of ``group`` inputs."""
+    configs = []
+    if m <= 16:
+        for bn in (16, 32, 64):
+            for bk in (128, 256, 512):
+                if group % bk == 0 or bk % group == 0:
+                    configs += [KernelConfig("gemv", 1, bn, bk, 4, stages) for stages in (1, 3)]
+    block_ms = (16, 32) if m <= 16 else (32, 64) if m <= 64 else (64, 128)
+    for bm in block_ms:
+        for bn in (32, 64, 128):
+            for bk in (32, 64, 128):
+                if group % bk == 0:  # the GEMM's K tile lies inside one group
+                    configs += [KernelConfig("gemm", bm, bn, bk, w, s) for w, s in ((4, 3), (4, 4), (8, 3))]
+    return configs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--symmetric", action="store_true", help="no zero points (GPTQ sym)")
+    parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act: activations gathered by perm")
+    parser.add_argument("--sweep", action="store_true", help="time every alternative tile config too")
+    parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    for name, (k, n) in SHAPES.items():
+        weight = torch.randn(n, k, device=dev) * 0.02
+        group = k if args.group_size == -1 else args.group_size
+        g_idx = act_order_g_idx(k, group).to(dev) if args.act_order else None
+        kw = to_kernel_layout(quantize_rtn(weight, args.bits, args.group_size, args.symmetric, g_idx), name)
+        dense = weight.to(torch.bfloat16)
+        weight_bytes = (kw.qweight.numel() * 4 + kw.scales.numel() * kw.scales.element_size()
+                        + (kw.zeros.numel() * kw.zeros.element_size() if kw.zeros is not None else 0))
+        for m in args.batches:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            bf16_ms = _time_ms(lambda: F.linear(x, dense))
+            chosen = choose_config(m, n, k, kw.group_size, dev)
+            configs = [chosen] + ([c for c in _alternatives(m, kw.group_size) if c != chosen] if args.sweep else [])
+            for cfg in configs:
+                try:
+                    ms = _time_ms(lambda cfg=cfg: wna16_gemm(x, kw, config=cfg))
+                except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
+                    print(json.dumps({"linear": name, "m": m, "config": cfg.__dict__, "error": str(exc)[:200]}))
+                    continue
+                moved = weight_bytes + m * k * 2 + m * n * 2
+                print(json.dumps({
+                    "linear": name, "m": m, "k": k, "n": n, "bits": args.bits, "group_size": args.group_size,
+                    "symmetric": args.symmetric, "act_order": args.act_order, "chosen": cfg == chosen,
+                    "config": cfg.__dict__, "kernel_us": round(ms * 1e3, 2), "bf16_linear_us": round(bf16_ms * 1e3, 2),
+                    "speedup_vs_bf16": round(bf16_ms / ms, 2), "kernel_gb_s": round(moved / (ms * 1e-3) / 1e9, 1),
+                }), flush=True)
+
+
+if __name__ == "__main__":
+    main()
