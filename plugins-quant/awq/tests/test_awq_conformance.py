@@ -1,7 +1,8 @@
 """The conformance kit for ``awq``: AutoAWQ GEMM checkpoints of the kit's random layers.
 
 The kit's bar is ``||y - y_ref|| / ||y_ref||`` against float64 with the original weights; 4-bit
-round-to-nearest in groups of 32 measures about 0.08 on CPU (float32: the expected step / sqrt(12) of a 4-bit grid over a group's range), and the bar is 0.12.
+round-to-nearest in groups of 32 measures about 0.08 on CPU (float32: the 4-bit grid's
+step / sqrt(12) over a group's range), and the bar is 0.12.
 """
 
 from __future__ import annotations
