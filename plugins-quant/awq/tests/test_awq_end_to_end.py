@@ -3,7 +3,7 @@
 Each checkpoint is written by ``pack_awq`` from a round-to-nearest quantization; the reference is
 the same model with every projection replaced by its dequantized float32 weight. Bar: last-position
 logits within relative L2 error 1e-4 of the reference (measured on CPU: 0, bit-identical)
-only) and identical greedy outputs. Against the unquantized model the 4-bit error is far larger
+and identical greedy outputs. Against the unquantized model the 4-bit error is far larger
 (cosine of logits 0.95-0.97 at groups of 128, 0.98 at 32), which is the format's, not the loader's.
 """
 
