@@ -151,7 +151,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
                               f"choose one with --attention (backends for platform '{platform.name}': "
                               f"{_names_for_device(reg, 'attention', device)})") from None
     try:
-        check_backend_selectable(spec, device, args.page_size)
+        check_backend_selectable(spec, device, args.page_size, args.kv_cache_dtype)
     except ConfigError as exc:
         if device in spec.device_types:
             raise
