@@ -31,7 +31,7 @@ for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do
 done
 args=()
 for p in "${pkgs[@]}"; do args+=(-e "$p"); done
-$PY -m pip install -q "${args[@]}" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "pydantic>=2" "openai>=1.30" "httpx" "pytest>=7" "hypothesis>=6"
+$PY -m pip install -q "${args[@]}" "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "pydantic>=2" "openai>=1.30" "httpx" "pytest>=7" "hypothesis>=6" "compressed-tensors>=0.10"
 # Triton comes with CUDA builds of torch; the CPU wheel lacks it. Installed anyway: without a GPU the
 # tests run the project's Triton kernels under Triton's interpreter (see conftest.py).
 $PY -c "import triton" 2>/dev/null || $PY -m pip install -q "triton==3.6.0"
