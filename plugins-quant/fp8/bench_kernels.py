@@ -53,6 +53,16 @@ def _time_us(fn: Callable[[int], Any], copies: int, reps: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _spin_up() -> None:
+    """A few hundred ms of dense work, so the GPU's clocks are up before the first timing."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(40):
+        a @ a
+    torch.cuda.synchronize()
+
+
 class _Operands:
     """Weight copies of one shape in every layout the paths need."""
 
@@ -94,6 +104,7 @@ def run_default(ms: tuple[int, ...]) -> None:
 
     for name, (n, k) in SHAPES.items():
         ops = _Operands(n, k)
+        _spin_up()
         for m in ms:
             x = ops.x(m)
             row: dict[str, Any] = {"shape": name, "M": m, "N": n, "K": k}
@@ -124,9 +135,9 @@ def run_default(ms: tuple[int, ...]) -> None:
 
 def _gemv_grid() -> list[dict[str, Any]]:
     out = []
-    for bn, bk, warps, stages in itertools.product((4, 8, 16, 32), (512, 1024, 2048), (4, 8), (1, 3)):
+    for bn, bk, warps in itertools.product((2, 4, 8, 16), (512, 1024, 2048, 4096), (2, 4, 8)):
         if 2048 <= bn * bk <= 32768:
-            out.append({"kind": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages})
+            out.append({"kind": "gemv", "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": 1})
     return out
 
 
@@ -141,14 +152,14 @@ def _gemm_grid(m: int) -> list[dict[str, Any]]:
     return out
 
 
-def _jobs() -> list[tuple[int, int, int, dict[str, Any], bool]]:
+def _jobs(ms: tuple[int, ...]) -> list[tuple[int, int, int, dict[str, Any], bool]]:
     jobs = []
-    for (n, k), m in itertools.product(SHAPES.values(), SWEEP_MS):
+    for (n, k), m in itertools.product(SHAPES.values(), ms):
         grid = (_gemv_grid() if m <= 8 else []) + (_gemm_grid(m) if m >= 2 else [])
         for cfg in grid:
             for blocked in (False, True):
                 if blocked and cfg["kind"] == "gemm" and cfg["BLOCK_K"] > 128:
-                    continue  # block scales cap BLOCK_K at 128: same kernel as BLOCK_K=128
+                    continue  # block scales cap the tl.dot kernel's BLOCK_K at 128: same kernel as 128
                 jobs.append((n, k, m, cfg, blocked))
     return jobs
 
@@ -179,14 +190,14 @@ def _compile_worker(jobs: list[tuple[int, int, int, dict[str, Any], bool]]) -> i
     return done
 
 
-def run_sweep(seconds_per_shape: float, workers: int) -> None:
+def run_sweep(seconds_per_shape: float, workers: int, ms: tuple[int, ...]) -> None:
     import torch
     from engine_quant_fp8 import gemm
     from engine_quant_fp8.kernels import w8a16_linear
 
     # One job per distinct compiled kernel (Triton specializes M on divisibility by 16).
     unique: dict[str, tuple[int, int, int, dict[str, Any], bool]] = {}
-    for n, k, m, cfg, blocked in _jobs():
+    for n, k, m, cfg, blocked in _jobs(ms):
         unique.setdefault(json.dumps([k, cfg, blocked, m % 16 == 0, m == 1], sort_keys=True), (n, k, m, cfg, blocked))
     jobs = sorted(unique.values(), key=lambda j: (j[0], j[1]))
     t0 = time.time()
@@ -195,8 +206,9 @@ def run_sweep(seconds_per_shape: float, workers: int) -> None:
     print(json.dumps({"compiled": compiled, "jobs": len(jobs), "seconds": round(time.time() - t0, 1)}), flush=True)
     for name, (n, k) in SHAPES.items():
         ops = _Operands(n, k)
-        for m in SWEEP_MS:
-            deadline = time.time() + seconds_per_shape / len(SWEEP_MS)
+        _spin_up()
+        for m in ms:
+            deadline = time.time() + seconds_per_shape / len(ms)
             x = ops.x(m)
             row: dict[str, Any] = {"sweep": name, "M": m}
             row["bf16_us"] = round(_time_us(lambda i: torch.nn.functional.linear(x, ops.bf16[i]), ops.copies), 2)
@@ -233,10 +245,11 @@ W8A8_MS = (32, 64, 128, 256, 1024, 4096)
 
 def _w8a8_grid() -> list[dict[str, Any]]:
     out = []
-    for bm, bn, bk, warps, stages in itertools.product((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5)):
-        if (warps == 8) != (bm * bn >= 128 * 128) or (bn == 256 and bk == 128 and stages == 5):
+    for bn, bk, stages in itertools.product((32, 64, 128, 256), (128, 256), (3, 4, 5)):
+        if bn * bk > 128 * 256 or (bn == 256 and stages == 5):
             continue
-        out.append({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages})
+        out.append({"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8,
+                    "num_warps": 8 if bn == 256 else 4, "num_stages": stages})
     return out
 
 
@@ -258,7 +271,7 @@ def _w8a8_compile_worker(jobs: list[tuple[int, int, dict[str, Any], bool]]) -> i
     return done
 
 
-def run_w8a8_sweep(seconds: float, workers: int) -> None:
+def run_w8a8_sweep(seconds: float, workers: int, ms: tuple[int, ...]) -> None:
     import torch
     from engine_quant_fp8 import gemm
     from engine_quant_fp8.w8a8 import w8a8_linear
@@ -271,8 +284,9 @@ def run_w8a8_sweep(seconds: float, workers: int) -> None:
     print(json.dumps({"w8a8_compiled": compiled, "jobs": len(jobs), "seconds": round(time.time() - t0, 1)}), flush=True)
     for name, (n, k) in SHAPES.items():
         ops = _Operands(n, k)
-        for m in W8A8_MS:
-            deadline = time.time() + seconds / len(SHAPES) / len(W8A8_MS)
+        _spin_up()
+        for m in ms:
+            deadline = time.time() + seconds / len(SHAPES) / len(ms)
             x = ops.x(m)
             row: dict[str, Any] = {"w8a8_sweep": name, "M": m}
             row["bf16_us"] = round(_time_us(lambda i: torch.nn.functional.linear(x, ops.bf16[i]), ops.copies), 2)
@@ -284,6 +298,8 @@ def run_w8a8_sweep(seconds: float, workers: int) -> None:
                 for cfg in _w8a8_grid():
                     if time.time() > deadline:
                         break
+                    if blocked and cfg["BLOCK_K"] > 128:
+                        continue
                     try:
                         us = _time_us(lambda i, cfg=cfg: w8a8_linear(x, *operands[i], *extra, config=cfg),
                                       ops.copies, reps=3)
@@ -306,12 +322,14 @@ def main() -> None:
     parser.add_argument("--sweep", type=float, default=0.0, help="tune configs: seconds of timing per shape")
     parser.add_argument("--sweep-w8a8", type=float, default=0.0,
                         help="tune the fp8 x fp8 Triton GEMM: seconds of timing in all")
+    parser.add_argument("--sweep-ms", default=None, help="token counts of a sweep, comma separated")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernels before a sweep")
     args = parser.parse_args()
+    sweep_ms = tuple(int(m) for m in args.sweep_ms.split(",")) if args.sweep_ms else None
     if args.sweep_w8a8:
-        run_w8a8_sweep(args.sweep_w8a8, args.workers)
+        run_w8a8_sweep(args.sweep_w8a8, args.workers, sweep_ms or W8A8_MS)
     elif args.sweep:
-        run_sweep(args.sweep, args.workers)
+        run_sweep(args.sweep, args.workers, sweep_ms or SWEEP_MS)
     else:
         run_default(tuple(int(m) for m in args.ms.split(",")))
 

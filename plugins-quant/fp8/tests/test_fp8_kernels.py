@@ -73,6 +73,14 @@ def test_block_scales_with_the_real_block_and_partial_tiles() -> None:
         assert _max_rel(got, reference_linear(x, q, s, bias, (128, 128))) < 1e-5
 
 
+@pytest.mark.parametrize("k", [320, 1000])
+def test_gemv_steps_spanning_several_scale_columns(k: int) -> None:
+    # BLOCK_K 512 covers 4 columns of 128-wide scales per step, the last step partly past K.
+    x, q, s, bias = _operands(2, 24, k, (128, 128), seed=k)
+    got = w8a16_linear(x, q, s, bias, (128, 128), {"kind": "gemv", "BLOCK_N": 8, "BLOCK_K": 512})
+    assert _max_rel(got, reference_linear(x, q, s, bias, (128, 128))) < 1e-5
+
+
 def test_non_contiguous_activations() -> None:
     x, q, s, _ = _operands(4, 32, 64, None, seed=4)
     wide = torch.cat([x, x], dim=1)[:, ::2]  # stride 2 along K

@@ -30,15 +30,27 @@ from engine_quant_fp8.quantize import dequantize_per_block, dequantize_per_chann
 # cuBLASLt's fp8 GEMM needs the inner and output dims to be multiples of 16.
 _SCALED_MM_ALIGN = 16
 
+# Switch points, measured on an H100 80GB HBM3 (torch 2.11, Triton 3.6) on 2026-11-23 with
+# `python plugins-quant/fp8/bench_kernels.py --ms 1,32,48,64,256` and `--sweep-w8a8 28`: sum of the
+# four Llama-3-8B linears' GPU times (qkv, o, gate_up, down; bf16 activations), microseconds.
+#
+#   per-channel      M=32    M=48    M=64    M=128   M=256
+#   weight-only      124     165     148     -       -
+#   w8a8 Triton      145     147     124*    133*    172*     (* best swept config)
+#   scaled_mm        140     145   136-141   136     154
+#   block weight-only 154    203
+#   block w8a8       156     160
+#
 #: Per-channel scales: token counts up to this take the weight-only Triton kernel; above, the
-#: activations are quantized per token and an fp8 x fp8 GEMM runs. See README.md for the measurement.
-WEIGHT_ONLY_MAX_M = 48
+#: activations are quantized per token and an fp8 x fp8 GEMM runs.
+WEIGHT_ONLY_MAX_M = 32
 #: Per-channel scales, above WEIGHT_ONLY_MAX_M: up to this many tokens the Triton fp8 x fp8 GEMM
-#: (``w8a8.w8a8_linear``), above it ``torch._scaled_mm``.
-W8A8_TRITON_MAX_M = 0
+#: (``w8a8.w8a8_linear``), above it ``torch._scaled_mm`` (cuBLASLt wins from M=256 on: 154 vs 172
+#: above, and 1.3x at M=1024-4096).
+W8A8_TRITON_MAX_M = 128
 #: Block-wise scales: the weight-only kernel up to this many tokens, above it per-token-group (1 x bk)
 #: activation quantization and the block-scaled Triton fp8 x fp8 GEMM.
-BLOCK_WEIGHT_ONLY_MAX_M = 48
+BLOCK_WEIGHT_ONLY_MAX_M = 32
 
 
 @functools.cache

@@ -12,8 +12,8 @@
     tensor cores.
 
   Scales are per output channel (``scale [N]``, applied once to the accumulator) or per
-  ``(bn, bk)`` weight tile (``scale [ceil(N/bn), ceil(K/bk)]``, applied per K step, so BLOCK_K
-  never spans two scale columns).
+  ``(bn, bk)`` weight tile (``scale [ceil(N/bn), ceil(K/bk)]``): the GEMV sums each bk-wide group
+  of a K step before scaling it, the tl.dot kernel keeps BLOCK_K <= bk (one scale column per step).
 - ``quantize_per_token_triton``: dynamic (or static) per-token fp8 quantization of the
   activations in one launch, for ``torch._scaled_mm`` at large M.
 
@@ -62,21 +62,32 @@ def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K: tl.constexpr,
     rows = tl.where(mask_n, offs_n, 0).to(tl.int64)
     w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + pid_m.to(tl.int64) * stride_xm + offs_k
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if BLOCK_SCALES:
+        # BLOCK_K spans GROUPS scale columns: each step sums its products per column group,
+        # then scales the [BLOCK_N, GROUPS] partial sums.
+        GROUPS: tl.constexpr = BLOCK_K // SCALE_BK
+        acc = tl.zeros([BLOCK_N, GROUPS], dtype=tl.float32)
+        s_ptrs = s_ptr + (rows // SCALE_BN)[:, None] * stride_sn + tl.arange(0, GROUPS)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        # The weight streams through once: keep it from evicting the activations in L2.
         if EVEN_K:
-            w = tl.load(w_ptrs)
+            w = tl.load(w_ptrs, eviction_policy="evict_first")
             x = tl.load(x_ptrs)
         else:
             mask_k = k0 + offs_k < K
-            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[None, :], other=0.0, eviction_policy="evict_first")
             x = tl.load(x_ptrs, mask=mask_k, other=0.0)
         prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
         if BLOCK_SCALES:
-            # BLOCK_K <= SCALE_BK and divides it: one scale column per step.
-            s = tl.load(s_ptr + (rows // SCALE_BN) * stride_sn + k0 // SCALE_BK)
-            prod = prod * s[:, None]
-        acc += prod
+            part = tl.sum(tl.reshape(prod, [BLOCK_N, GROUPS, SCALE_BK]), axis=2)
+            col = k0 // SCALE_BK + tl.arange(0, GROUPS)
+            s = tl.load(s_ptrs, mask=(col < tl.cdiv(K, SCALE_BK))[None, :], other=0.0)
+            acc += part * s
+            s_ptrs += GROUPS
+        else:
+            acc += prod
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
@@ -192,8 +203,6 @@ def _gemv_config(m: int, n: int, k: int, blocked: bool) -> dict[str, int]:
     # program for the large weights, 8 x 512-1024 for the 4096/6144-row ones.
     if n * k >= 32 * 1024 * 1024:
         return {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8 if n > k else 4, "num_stages": 1}
-    if blocked:
-        return {"BLOCK_N": 16 if n > 4096 else 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 1}
     return {"BLOCK_N": 8, "BLOCK_K": 512 if n > 4096 else 1024, "num_warps": 4, "num_stages": 1}
 
 
@@ -243,9 +252,11 @@ def w8a16_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bia
     kind = cfg.pop("kind", "gemv" if m <= GEMV_MAX_M else "gemm")
     if not cfg:
         cfg = _gemv_config(m, n, k, blocked) if kind == "gemv" else _gemm_config(m, n, k)
-    if blocked:  # one scale column per K step
-        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_bk)
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(16, triton.next_power_of_2(k)))
+    if blocked and kind == "gemv":  # whole scale columns per K step
+        cfg["BLOCK_K"] = max(cfg["BLOCK_K"], scale_bk)
+    elif blocked:  # one scale column per K step
+        cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_bk)
     stride_sn = scale.stride(0) if blocked else 0
     bias_arg = bias if bias is not None else scale  # never read without HAS_BIAS
     common = {"HAS_BIAS": bias is not None, "BLOCK_SCALES": blocked, "SCALE_BN": scale_bn, "SCALE_BK": scale_bk,

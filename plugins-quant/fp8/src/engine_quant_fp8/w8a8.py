@@ -121,10 +121,17 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, K: tl.co
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _w8a8_config(m: int, n: int, k: int) -> dict[str, int]:
-    if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+def _w8a8_config(m: int, n: int, k: int, blocked: bool) -> dict[str, int]:
+    # H100 sweep (bench_kernels.py --sweep-w8a8, 2026-11-23; README.md). 64-row tiles throughout:
+    # 128-row ones never won below M = 1024.
+    if not blocked and m <= 32:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
+    if m <= 64 or (m <= 128 and n <= 8192):
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
+    if n <= 8192 and k > n:  # down: 256-wide tiles for large M
+        return {"BLOCK_M": 64, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+            "num_stages": 3 if blocked else 4}
 
 
 def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -144,7 +151,7 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
     else:
         scale_bn, scale_bk = 1, 1
         qx, sx = quantize_per_token_triton(x, input_scale)
-    cfg = dict(config) if config else _w8a8_config(m, n, k)
+    cfg = dict(config) if config else _w8a8_config(m, n, k, blocked)
     if blocked:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_bk)
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(32, triton.next_power_of_2(k)))
