@@ -129,7 +129,6 @@ def run_default(ms: tuple[int, ...]) -> None:
                 if key.endswith("_us"):
                     row[key] = round(value, 2)
             print(json.dumps(row), flush=True)
-        del ops
         torch.cuda.empty_cache()
 
 
@@ -236,7 +235,6 @@ def run_sweep(seconds_per_shape: float, workers: int, ms: tuple[int, ...]) -> No
                                                           ops.copies), 2)
                 row[f"{key}_best"] = [[round(us, 2), cfg] for us, cfg in results[:3]]
             print(json.dumps(row), flush=True)
-        del ops
         torch.cuda.empty_cache()
 
 
@@ -312,7 +310,6 @@ def run_w8a8_sweep(seconds: float, workers: int, ms: tuple[int, ...]) -> None:
                                                           ops.copies), 2)
                 row[f"{key}_best"] = [[us, {k2: v for k2, v in c.items() if k2 != "GROUP_M"}] for us, c in results[:3]]
             print(json.dumps(row), flush=True)
-        del ops
         torch.cuda.empty_cache()
 
 

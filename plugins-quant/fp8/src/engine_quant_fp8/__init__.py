@@ -13,7 +13,7 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
     register(QuantMethodSpec(
         name="fp8",
         factory="engine_quant_fp8.config:Fp8Config.from_config",
-        description="FP8 e4m3 weights, per-channel scales; fp8 GEMM on CUDA sm89+, dequantized elsewhere",
+        description="FP8 e4m3 weights, per-channel or 128x128-block scales; Triton weight-only and fp8 GEMMs on CUDA sm89+, dequantized elsewhere",
         device_types=("cuda", "cpu"),
         checkpoint_methods=("fp8",),
     ))
