@@ -1,5 +1,5 @@
-"""The CUDA fp8 GEMM path (``torch._scaled_mm``, above ``gemm.WEIGHT_ONLY_MAX_M`` tokens) against
-float64 maths on the same fp8 operands.
+"""The CUDA fp8 GEMM path (``torch._scaled_mm``, above ``SCALED_MM_M`` tokens) against float64 maths
+on the same fp8 operands.
 
 Tolerances (||err|| / ||ref||) against the float64 product of the dequantized fp8
 operands, which the GEMM reproduces up to accumulation and output rounding: 5e-3 for
@@ -28,6 +28,8 @@ pytestmark = [
 DEV = "cuda"
 GEMM_TOL = {torch.float32: 5e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 MAX_REL_ERROR = 0.1
+#: The smallest token count that takes torch._scaled_mm (fewer run the Triton kernels).
+SCALED_MM_M = max(gemm.WEIGHT_ONLY_MAX_M, gemm.W8A8_TRITON_MAX_M) + 1
 
 
 def _needs_fp8_gemm() -> None:
@@ -56,12 +58,12 @@ def scaled_mm_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_capability_gate_matches_the_device() -> None:
     q, _ = quantize_per_channel(torch.randn(32, 64, device=DEV))
     expected = torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
-    assert gemm.uses_fp8_gemm(torch.randn(gemm.WEIGHT_ONLY_MAX_M + 1, 64, device=DEV), q) == expected
-    assert not gemm.uses_fp8_gemm(torch.randn(gemm.WEIGHT_ONLY_MAX_M, 64, device=DEV), q)
+    assert gemm.uses_fp8_gemm(torch.randn(SCALED_MM_M, 64, device=DEV), q) == expected
+    assert not gemm.uses_fp8_gemm(torch.randn(SCALED_MM_M - 1, 64, device=DEV), q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [gemm.WEIGHT_ONLY_MAX_M + 1, gemm.WEIGHT_ONLY_MAX_M + 13, gemm.WEIGHT_ONLY_MAX_M + 200])
+@pytest.mark.parametrize("tokens", [SCALED_MM_M, SCALED_MM_M + 13, SCALED_MM_M + 200])
 def test_scaled_mm_matches_dequantized_operands(dtype: torch.dtype, tokens: int, scaled_mm_calls: list[int]) -> None:
     _needs_fp8_gemm()
     torch.manual_seed(tokens)
@@ -81,7 +83,7 @@ def test_static_input_scale_is_used(scaled_mm_calls: list[int]) -> None:
     _needs_fp8_gemm()
     torch.manual_seed(0)
     qw, sw = quantize_per_channel(torch.randn(64, 128, device=DEV))
-    x = torch.randn(gemm.WEIGHT_ONLY_MAX_M + 9, 128, device=DEV)
+    x = torch.randn(SCALED_MM_M + 8, 128, device=DEV)
     static = x.abs().max() / 448 * 2  # calibrated on a larger range than this batch
     got = gemm.fp8_linear(x, qw, sw, input_scale=static)
     qx, sx = quantize_per_token(x, static)
@@ -89,13 +91,15 @@ def test_static_input_scale_is_used(scaled_mm_calls: list[int]) -> None:
     assert scaled_mm_calls and _rel(got, exact) <= GEMM_TOL[torch.float32]
 
 
-def test_unaligned_shapes_stay_weight_only(scaled_mm_calls: list[int]) -> None:
+def test_unaligned_shapes_take_the_triton_gemm(scaled_mm_calls: list[int]) -> None:
     _needs_fp8_gemm()
     qw, sw = quantize_per_channel(torch.randn(24, 40, device=DEV))  # not multiples of 16
-    x = torch.randn(gemm.WEIGHT_ONLY_MAX_M + 5, 40, device=DEV)
+    x = torch.randn(SCALED_MM_M + 4, 40, device=DEV)
     got = gemm.fp8_linear(x, qw, sw)
-    assert not scaled_mm_calls
-    torch.testing.assert_close(got, F.linear(x, qw.float() * sw[:, None]), rtol=1e-4, atol=1e-4)
+    assert not scaled_mm_calls  # cuBLASLt refuses these shapes; the Triton fp8 x fp8 GEMM takes them
+    qx, sx = quantize_per_token(x)
+    exact = (qx.double() * sx.double()) @ (qw.double() * sw.double()[:, None]).t()
+    assert _rel(got, exact) <= GEMM_TOL[torch.float32]
 
 
 def test_fused_qkv_checkpoint_layer_on_cuda(scaled_mm_calls: list[int]) -> None:
@@ -109,7 +113,7 @@ def test_fused_qkv_checkpoint_layer_on_cuda(scaled_mm_calls: list[int]) -> None:
         layer.weight.weight_loader(layer.weight, q, shard_id)
         layer.weight_scale.weight_loader(layer.weight_scale, s, shard_id)
     layer.quant_method.process_weights_after_loading(layer)
-    x = torch.randn(gemm.WEIGHT_ONLY_MAX_M + 6, 64, device=DEV)
+    x = torch.randn(SCALED_MM_M + 5, 64, device=DEV)
     got = layer(x)
     assert scaled_mm_calls
     # Each shard keeps its own scale through the fused GEMM.
