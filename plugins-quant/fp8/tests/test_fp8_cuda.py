@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from engine.layers.linear import QKVParallelLinear
 from engine_quant_fp8 import gemm
 from engine_quant_fp8.config import Fp8Config
