@@ -67,7 +67,11 @@ def test_fp8_kv_logits_close_to_bf16_kv(ckpt: str, attention: str, kind: str) ->
     scheduler = _scheduler(ckpt, attention=attention, kv_cache_dtype=kind, disable_cuda_graph=True)
     assert scheduler.runner.token_to_kv_pool.k_buffer[0].element_size() == 1
     rel = _rel(last_position_logits(scheduler, PROMPTS), reference)
-    limit = 0.05 if kind == "fp8_e4m3" else 0.10
+    # bf16 activations: measured on an H100 (2026-11-23) 0.066-0.083 for e4m3 and 0.098-0.133 for
+    # e5m2 on this tiny random model, triton and flashinfer within 0.002 of each other (the CPU
+    # float32 figures are 0.022-0.024 and 0.053-0.063: bf16 rounding of q, k and the baseline adds
+    # to the float8 rounding). A scale that is ignored or applied twice gives errors above 1.
+    limit = 0.12 if kind == "fp8_e4m3" else 0.20
     print(f"{attention} {kind}: relative L2 error of the logits {rel.tolist()}")
     assert bool((rel <= limit).all()), rel.tolist()
 
