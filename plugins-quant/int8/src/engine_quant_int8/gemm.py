@@ -26,12 +26,15 @@ import torch.nn.functional as F
 from engine_quant_int8.quantize import quantize_per_token
 
 #: Most tokens for which ``int8_linear`` takes the weight-only (W8A16) path; more take W8A8.
-#: To be measured on an H100 with ``bench_kernels.py`` (the M where path 2 starts to win).
-WEIGHT_ONLY_MAX_M = 64
+#: Measured on an H100 (``python plugins-quant/int8/bench_kernels.py``, 2026-11-23), summed over
+#: the four Llama-3-8B linears: M=32 weight-only 138 us vs W8A8 145 us; M=64 222 vs 147 us. A
+#: graph-captured batch size (32), so padding never moves a batch across the switch.
+WEIGHT_ONLY_MAX_M = 32
 #: Most tokens for which the weight-only path runs the GEMV kernel rather than tl.dot tiles.
 GEMV_MAX_M = 1
 #: The large-M GEMM on CUDA: ``"triton"`` (int8 tl.dot, rescale and bias in its epilogue) or
 #: ``"int_mm"`` (torch._int_mm, then a Triton rescale). Both quantize in one Triton launch first.
+#: Same measurement, four linears summed: M=128 triton 152 us vs int_mm 167; M=256 188 vs 250.
 LARGE_M_GEMM = "triton"
 #: SMs assumed where no CUDA device is asked (the Triton interpreter in tests): an H100's.
 _DEFAULT_SMS = 132
