@@ -7,7 +7,11 @@ output). Shapes: the Llama-3-8B linears at M = 1, 16, 64, 256. Timed with CUDA g
 
     python plugins-quant/wna16/bench_kernels.py                       # AWQ-like: 4-bit, groups of 128, zeros
     python plugins-quant/wna16/bench_kernels.py --symmetric --act-order   # GPTQ act-order
+    python plugins-quant/wna16/bench_kernels.py --alts                # also a few alternatives per M
     python plugins-quant/wna16/bench_kernels.py --sweep               # also every alternative tile config
+
+Each line also gives ``rel_err``: the relative L2 error of the kernel's output against the
+float32 reference (``wna16_linear_torch``), so a wrong fast kernel shows.
 """
 
 from __future__ import annotations
@@ -19,18 +23,33 @@ import torch
 import torch.nn.functional as F
 import triton
 from engine_quant_wna16.kernels import KernelConfig, choose_config, wna16_gemm
-from engine_quant_wna16.layout import to_kernel_layout
+from engine_quant_wna16.layout import to_kernel_layout, wna16_linear_torch
 from engine_quant_wna16.rtn import act_order_g_idx, quantize_rtn
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 BATCHES = (1, 16, 64, 256)
 
 
+_REP_MS = 50
+
+
 def _time_ms(fn) -> float:  # type: ignore[no-untyped-def]
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=50)
+        return triton.testing.do_bench_cudagraph(fn, rep=_REP_MS)
     except Exception:  # noqa: BLE001 - fall back where graph capture is unavailable
         return triton.testing.do_bench(fn, warmup=20, rep=100)
+
+
+def _focused(m: int) -> list[KernelConfig]:
+    """A handful of alternatives per M (``--alts``): the GEMV's row/K tiles, tl.dot vs dequant."""
+    if m == 1:
+        return [KernelConfig("gemv", 1, bn, bk, w, 1) for bn, bk, w in
+                ((4, 2048, 4), (8, 2048, 4), (16, 1024, 4), (16, 2048, 8), (32, 512, 4))]
+    if m <= 16:
+        return [KernelConfig("gemv", m, 8, 512, 4, 1), KernelConfig("gemv", 8, 8, 1024, 4, 1),
+                KernelConfig("gemm", 16, 32, 128, 4, 4)]
+    return [KernelConfig("gemm", 64, 64, 64, 4, 4), KernelConfig("dequant", 1, 32, 256, 4, 1),
+            KernelConfig("dequant", 1, 16, 512, 4, 1)]
 
 
 def _alternatives(m: int, group: int) -> list[KernelConfig]:
@@ -57,10 +76,16 @@ def main() -> None:
     parser.add_argument("--symmetric", action="store_true", help="no zero points (GPTQ sym)")
     parser.add_argument("--act-order", action="store_true", help="GPTQ desc_act: activations gathered by perm")
     parser.add_argument("--sweep", action="store_true", help="time every alternative tile config too")
+    parser.add_argument("--alts", action="store_true", help="time a few alternatives per M too")
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--rep-ms", type=int, default=50, help="timing window per measurement")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     args = parser.parse_args()
     dev = torch.device("cuda")
-    for name, (k, n) in SHAPES.items():
+    global _REP_MS
+    _REP_MS = args.rep_ms
+    for name in args.shapes:
+        k, n = SHAPES[name]
         weight = torch.randn(n, k, device=dev) * 0.02
         group = k if args.group_size == -1 else args.group_size
         g_idx = act_order_g_idx(k, group).to(dev) if args.act_order else None
@@ -72,9 +97,13 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             bf16_ms = _time_ms(lambda: F.linear(x, dense))
             chosen = choose_config(m, n, k, kw.group_size, dev)
-            configs = [chosen] + ([c for c in _alternatives(m, kw.group_size) if c != chosen] if args.sweep else [])
+            alts = _alternatives(m, kw.group_size) if args.sweep else _focused(m) if args.alts else []
+            configs = [chosen] + [c for c in alts if c != chosen]
+            want = wna16_linear_torch(x.float(), kw)
             for cfg in configs:
                 try:
+                    got = wna16_gemm(x, kw, config=cfg).float()
+                    rel = float((got - want).norm() / want.norm())
                     ms = _time_ms(lambda cfg=cfg: wna16_gemm(x, kw, config=cfg))
                 except Exception as exc:  # noqa: BLE001 - a config the compiler rejects (shared memory)
                     print(json.dumps({"linear": name, "m": m, "config": cfg.__dict__, "error": str(exc)[:200]}))
@@ -85,6 +114,7 @@ def main() -> None:
                     "symmetric": args.symmetric, "act_order": args.act_order, "chosen": cfg == chosen,
                     "config": cfg.__dict__, "kernel_us": round(ms * 1e3, 2), "bf16_linear_us": round(bf16_ms * 1e3, 2),
                     "speedup_vs_bf16": round(bf16_ms / ms, 2), "kernel_gb_s": round(moved / (ms * 1e-3) / 1e9, 1),
+                    "rel_err": float(f"{rel:.2e}"),
                 }), flush=True)
 
 

@@ -54,6 +54,8 @@ def test_kernel_matches_reference(bits: int, group_size: int, symmetric: bool, a
 @pytest.mark.parametrize("config", [
     KernelConfig("gemv", 1, 32, 64, 4, 1),   # groups of 128 span two K tiles
     KernelConfig("gemv", 1, 16, 256, 4, 1),  # four groups of 64 in one K tile
+    KernelConfig("gemv", 4, 16, 128, 4, 1),  # 3 rows in a block of 4, partial N tile
+    KernelConfig("dequant", 1, 32, 64, 4, 1),  # dequantize + F.linear, partial N tile
     KernelConfig("gemm", 16, 32, 32, 4, 1),  # several K steps per group, partial N tile
     KernelConfig("gemm", 32, 64, 64, 4, 1),
 ])
@@ -69,12 +71,30 @@ def test_explicit_tiles(config: KernelConfig, dtype: torch.dtype) -> None:
     assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
 
 
+@pytest.mark.parametrize(("bits", "symmetric", "act_order"), [(4, False, False), (8, True, True)])
+@pytest.mark.parametrize("kind", ["gemv", "dequant"])
+def test_uneven_k_and_row_major_weight(bits: int, symmetric: bool, act_order: bool, kind: str) -> None:
+    """K = 384 is not a multiple of the 256-code K tile (masked tail); the same weight stored
+    K-major (a ``.contiguous()`` copy) gives the same result through the strides."""
+    device = "cuda" if _CUDA else "cpu"
+    kw = _weight(40, 384, bits, 128, symmetric, act_order, device, seed=3)
+    assert kw.qweight.stride() == (1, 384 * bits // 32)  # output-major storage
+    x = torch.randn(2, 384, generator=torch.Generator().manual_seed(4)).to(device)
+    want = wna16_linear_torch(x, kw)
+    cfg = KernelConfig(kind, 2, 16, 256, 4, 1)
+    got = wna16_gemm(x, kw, config=cfg)
+    kw.qweight = kw.qweight.contiguous()
+    got_row_major = wna16_gemm(x, kw, config=cfg)
+    assert _rel(got, want) < 1e-5 and _rel(got_row_major, want) < 1e-5
+
+
 def test_choose_config_fills_an_h100() -> None:
     cpu = torch.device("cpu")  # counts as 132 SMs
     for n in (4096, 6144, 28672):
         cfg = choose_config(1, n, 4096, 128, cpu)
-        assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 132  # no SM idle, no split-K
+        assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 3 * 132  # >= 3 programs per SM, no split-K
     assert choose_config(64, 4096, 4096, 128, cpu).kind == "gemm"
+    assert choose_config(4096, 4096, 4096, 128, cpu).kind == "dequant"
     # One group over K = 14336 (not a power of two): the GEMV's K tile must still tile it.
     assert 14336 % choose_config(1, 4096, 14336, 14336, cpu).block_k == 0
 

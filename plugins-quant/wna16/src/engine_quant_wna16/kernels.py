@@ -28,6 +28,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -37,61 +38,111 @@ from engine_quant_wna16.layout import KernelWeight
 # to float32 first (on a GPU that is the float32-activation path: exact IEEE products).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-#: up to this many rows the GEMV kernel runs (one program row per activation row).
-GEMV_MAX_M = 1
-
 
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
-                 N, K: tl.constexpr, stride_xm, stride_om,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, SUB: tl.constexpr, NG: tl.constexpr,
+                 M, N, K: tl.constexpr, stride_xm, stride_om, stride_qk, stride_qn,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, SUBW: tl.constexpr, NG: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # SUB = min(GROUP, BLOCK_K) rows per group slice, NG = BLOCK_K // SUB slices per K tile.
+                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A K tile is NG group slices of SUBW words (SUBW * PACK = min(GROUP, BLOCK_K) codes each).
     PACK: tl.constexpr = 32 // BITS
-    pid_n = tl.program_id(0)
-    m = tl.program_id(1).to(tl.int64)
+    HALF: tl.constexpr = PACK // 2
+    MASK: tl.constexpr = (1 << BITS) - 1
+    SUB: tl.constexpr = SUBW * PACK
+    NUM_WORDS: tl.constexpr = K // PACK
+    pid_m = tl.program_id(0)  # rows fastest: the programs sharing a weight tile run together
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
     n_mask = offs_n < N
-    offs_w = tl.arange(0, BLOCK_K // PACK)
-    shifts = tl.arange(0, PACK) * BITS
-    offs_kk = tl.arange(0, BLOCK_K)
     offs_g = tl.arange(0, NG)
-    num_words = K // PACK
-    num_groups = K // GROUP
-    x_row = x_ptr + m * stride_xm
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tile_w = offs_g[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NG, SUBW] word within the tile
+    w_ptrs = qw_ptr + offs_n[:, None, None].to(tl.int64) * stride_qn + tile_w[None, :, :] * stride_qk
+    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
+    # Per group slice: summed over NG once after the loop (NG spans warps: no smem per step).
+    acc = tl.zeros((BLOCK_M, BLOCK_N, NG), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rows = k0 // PACK + offs_w
-        w = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :],
-                    mask=(rows[:, None] < num_words) & n_mask[None, :], other=0)
-        q = (w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (NG, SUB, BLOCK_N)).to(tl.float32)
-        offs_k = k0 + offs_kk
-        k_mask = offs_k < K
-        if HAS_PERM:
-            src = tl.load(perm_ptr + offs_k, mask=k_mask, other=0)
+        words = k0 // PACK + tile_w
+        k_ok = words < NUM_WORDS
+        if EVEN_K:
+            w = tl.load(w_ptrs + (k0 // PACK) * stride_qk, mask=n_mask[:, None, None], other=0,
+                        eviction_policy="evict_first")
         else:
-            src = offs_k
-        xv = tl.reshape(tl.load(x_row + src, mask=k_mask, other=0.0).to(tl.float32), (NG, SUB))
-        part = tl.sum(q * xv[:, :, None], axis=1)
-        x_sum = tl.sum(xv, axis=1)
-        g = k0 // GROUP + offs_g
-        g_mask = (g[:, None] < num_groups) & n_mask[None, :]
-        s = tl.load(s_ptr + g[:, None] * N + offs_n[None, :], mask=g_mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs + (k0 // PACK) * stride_qk, mask=n_mask[:, None, None] & k_ok[None, :, :],
+                        other=0, eviction_policy="evict_first")
+        hi = w >> 16
+        x_mask = m_mask[:, None, None] & k_ok[None, :, :]
+        t = tl.zeros((BLOCK_M, BLOCK_N, NG, SUBW), dtype=tl.float32)
+        x_sum = tl.zeros((BLOCK_M, NG, SUBW), dtype=tl.float32)
+        for i in tl.static_range(PACK):
+            k = words * PACK + i
+            if HAS_PERM:
+                k = tl.load(perm_ptr + k, mask=k_ok, other=0)
+            xi = tl.load(x_rows + k[None, :, :], mask=x_mask, other=0.0).to(tl.float32)
+            x_sum += xi
+            # Code i sits at bits SHIFT.. of the low or high half-word. OR-ed into the mantissa of
+            # 2**(23 - SHIFT) (exponent 150 - SHIFT), the float is 2**(23 - SHIFT) + code exactly:
+            # one LOP3 and one FADD, no int->float conversion (a quarter of the FMA rate).
+            SHIFT: tl.constexpr = BITS * (i % HALF)
+            EXP: tl.constexpr = (150 - SHIFT) << 23
+            OFFSET: tl.constexpr = (1 << (23 - SHIFT)) * 1.0
+            if i < HALF:
+                bits = (w & (MASK << SHIFT)) | EXP
+            else:
+                bits = (hi & (MASK << SHIFT)) | EXP
+            f = bits.to(tl.float32, bitcast=True) - OFFSET
+            t += f[None, :, :, :] * xi[:, None, :, :]
+        part = tl.sum(t, axis=3)  # [BLOCK_M, BLOCK_N, NG]: sum of code * x per group slice
+        xg = tl.sum(x_sum, axis=2)  # [BLOCK_M, NG]
+        g = (k0 + offs_g * SUB) // GROUP
+        sz_off = g[None, :] * N + offs_n[:, None]
+        sz_mask = n_mask[:, None] & (g < K // GROUP)[None, :]
+        s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + g[:, None] * N + offs_n[None, :], mask=g_mask, other=0).to(tl.float32)
-            acc += tl.sum(s * (part - z * x_sum[:, None]), axis=0)
+            z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0).to(tl.float32)
+            acc += s[None, :, :] * (part - z[None, :, :] * xg[:, None, :])
         else:
-            acc += tl.sum(s * (part - (1 << (BITS - 1)) * x_sum[:, None]), axis=0)
+            acc += s[None, :, :] * (part - (1 << (BITS - 1)) * xg[:, None, :])
+    y = tl.sum(acc, axis=2)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+        y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, y.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, stride_qk, stride_qn,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # W[n, k] = (code - zero) * scale in the output's dtype, W row-major [N, K] (for F.linear).
+    PACK: tl.constexpr = 32 // BITS
+    BW: tl.constexpr = BLOCK_K // PACK
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = pid_k * BW + tl.arange(0, BW)
+    mask = (offs_n < N)[:, None] & (offs_w < K // PACK)[None, :]
+    w = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_w[None, :] * stride_qk, mask=mask, other=0)
+    shifts = tl.arange(0, PACK) * BITS
+    q = ((w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    g = (offs_w * PACK) // GROUP
+    sz_off = g[None, :] * N + offs_n[:, None]
+    s = tl.load(s_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        z = tl.load(z_ptr + sz_off, mask=mask, other=0).to(tl.float32)
+    else:
+        z = tl.full((BLOCK_N, BW), 1 << (BITS - 1), tl.float32)
+    val = (q - z[:, :, None]) * s[:, :, None]
+    k = offs_w[None, :, None] * PACK + tl.arange(0, PACK)[None, None, :]
+    out = out_ptr + offs_n[:, None, None].to(tl.int64) * K + k
+    tl.store(out, val.to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
 
 
 @triton.jit
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
-                 M, N, K: tl.constexpr, stride_xm, stride_om,
+                 M, N, K: tl.constexpr, stride_xm, stride_om, stride_qk, stride_qn,
                  BITS: tl.constexpr, GROUP: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  DOT_FP32: tl.constexpr,
@@ -120,7 +171,8 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
             src = offs_k
         a = tl.load(x_rows + src[None, :], mask=m_mask[:, None], other=0.0)
         rows = k0 // PACK + offs_w
-        w = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=n_mask[None, :], other=0)
+        w = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :].to(tl.int64) * stride_qn,
+                    mask=n_mask[None, :], other=0)
         q = tl.reshape((w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -142,9 +194,14 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Which kernel runs and its tile sizes (``block_m`` is unused by the GEMV kernel)."""
+    """Which kernel runs and its tile sizes.
 
-    kind: str  # "gemv" or "gemm"
+    ``gemv``: ``block_m`` rows per program (the weight tile is read once for them);
+    ``gemm``: ``tl.dot`` tiles; ``dequant``: the weight is dequantized to the activation dtype into
+    a scratch ``[N, K]`` (``block_n`` x ``block_k`` per program) and ``F.linear`` (cuBLAS) runs.
+    """
+
+    kind: str  # "gemv", "gemm" or "dequant"
     block_m: int
     block_n: int
     block_k: int
@@ -179,26 +236,44 @@ def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, wa
     return candidates[-1]
 
 
+#: up to this many rows the GEMV kernel runs (``block_m`` rows per program).
+GEMV_MAX_M = 8
+#: from this many rows on, dequantize + cuBLAS; between, the ``tl.dot`` kernel.
+DEQUANT_MIN_M = 128
+
+
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> KernelConfig:
-    """Tile sizes for an ``[m, k] x [k, n]`` product (heuristics; ``bench_kernels.py --sweep``
-    measures the alternatives)."""
+    """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # About 8K weights per program and iteration: 4 KB of int4 words, 64 per thread.
-        bn = _widest_block_n((64, 32, 16), n, m, 2 * sms)
-        bk = fit_block_k(group_size, 8192 // bn, inside_group=False)
-        return KernelConfig("gemv", 1, bn, bk, 4, 3)
+        # 8 KB of packed words per program and step (BLOCK_N rows of BLOCK_K codes, each row a
+        # contiguous run of BLOCK_K / 2 bytes), and at least 3 programs per SM.
+        bm = triton.next_power_of_2(m)
+        bn = _widest_block_n((16, 8, 4), n, 1, 3 * sms)
+        bk = fit_block_k(group_size, max(256, 16384 // (bn * bm)), inside_group=False)
+        return KernelConfig("gemv", bm, bn, bk, 4, 1)
+    if m >= DEQUANT_MIN_M:
+        return KernelConfig("dequant", 1, 32, fit_block_k(group_size, 256, inside_group=False), 4, 1)
     if m <= 16:
         bn = _widest_block_n((64, 32, 16), n, 1, 2 * sms)
         return KernelConfig("gemm", 16, bn, fit_block_k(group_size, 128, True), 4, 4)
-    if m <= 64:
-        bm = 32 if m <= 32 else 64
-        bn = _widest_block_n((128, 64, 32), n, triton.cdiv(m, bm), sms)
-        return KernelConfig("gemm", bm, bn, fit_block_k(group_size, 64, True), 4, 4)
-    bm = 64 if m <= 128 else 128
-    bn = _widest_block_n((128, 64), n, triton.cdiv(m, bm), sms)
-    warps = 8 if bm * bn >= 128 * 128 else 4
-    return KernelConfig("gemm", bm, bn, fit_block_k(group_size, 64, True), warps, 3)
+    bm = 32 if m <= 32 else 64
+    bn = _widest_block_n((128, 64, 32), n, triton.cdiv(m, bm), sms)
+    return KernelConfig("gemm", bm, bn, fit_block_k(group_size, 64, True), 4, 4)
+
+
+def dequantize_weight(kw: KernelWeight, dtype: torch.dtype, config: KernelConfig | None = None) -> torch.Tensor:
+    """``W [N, K]`` in ``dtype`` (kernel row order: act-order's rows stay permuted), one Triton pass."""
+    k, n = kw.in_features, kw.out_features
+    cfg = config or KernelConfig("dequant", 1, 32, fit_block_k(kw.group_size, 256, inside_group=False), 4, 1)
+    out = torch.empty((n, k), dtype=dtype, device=kw.qweight.device)
+    zeros = kw.zeros if kw.zeros is not None else kw.qweight
+    grid = (triton.cdiv(k, cfg.block_k), triton.cdiv(n, cfg.block_n))
+    _dequant_kernel[grid](kw.qweight, kw.scales, zeros, out, n, K=k, stride_qk=kw.qweight.stride(0),
+                          stride_qn=kw.qweight.stride(1), BITS=kw.bits, GROUP=kw.group_size,
+                          HAS_ZEROS=kw.zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
 
 
 def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = None,
@@ -216,27 +291,35 @@ def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = No
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()
     m = x2d.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return out.reshape(*x.shape[:-1], n)
+        return torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
     cfg = config or choose_config(m, n, k, kw.group_size, x.device)
+    if cfg.kind == "dequant":
+        # Large M: compute-bound, so the weight is rebuilt in x's dtype (a scratch [N, K] whose
+        # size depends on the shape only) and cuBLAS runs; act-order gathers x's columns instead.
+        w = dequantize_weight(kw, x.dtype, cfg)
+        xs = x2d.index_select(1, kw.perm) if kw.perm is not None else x2d
+        return F.linear(xs, w, bias).reshape(*x.shape[:-1], n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     # Absent operands get a placeholder pointer; their constexpr flag keeps it unread.
     zeros = kw.zeros if kw.zeros is not None else kw.qweight
     perm = kw.perm if kw.perm is not None else kw.qweight
     bias_arg = bias if bias is not None else kw.qweight
     flags = dict(HAS_ZEROS=kw.zeros is not None, HAS_PERM=kw.perm is not None, HAS_BIAS=bias is not None)
+    strides = dict(stride_xm=x2d.stride(0), stride_om=out.stride(0), stride_qk=kw.qweight.stride(0),
+                   stride_qn=kw.qweight.stride(1))
     if cfg.kind == "gemv":
         sub = min(kw.group_size, cfg.block_k)
-        grid = (triton.cdiv(n, cfg.block_n), m)
-        _gemv_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, n, K=k,
-                           stride_xm=x2d.stride(0), stride_om=out.stride(0), BITS=kw.bits,
-                           GROUP=kw.group_size, SUB=sub,
-                           NG=cfg.block_k // sub, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        pack = 32 // kw.bits
+        grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+        _gemv_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k, BITS=kw.bits,
+                           GROUP=kw.group_size, SUBW=sub // pack, NG=cfg.block_k // sub, EVEN_K=k % cfg.block_k == 0,
+                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
     else:
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _gemm_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k,
-                           stride_xm=x2d.stride(0), stride_om=out.stride(0), BITS=kw.bits, GROUP=kw.group_size,
-                           DOT_FP32=x.dtype == torch.float32 or _INTERPRETED, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                           BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags)
+        _gemm_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k, BITS=kw.bits,
+                           GROUP=kw.group_size, DOT_FP32=x.dtype == torch.float32 or _INTERPRETED,
+                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
     return out.reshape(*x.shape[:-1], n)

@@ -8,8 +8,10 @@ a zero point per (group, output channel), and optionally GPTQ's ``g_idx``. Dequa
 ``to_kernel_layout`` turns that into the one layout the kernels read, ``KernelWeight``:
 
 - ``qweight`` int32 ``[K / P, N]`` with ``P = 32 // bits`` codes per word packed along K
-  (code of row ``k`` at bits ``(k % P) * bits`` of word ``k // P``). Along N the words of one
-  K-slice are contiguous, so a block of output channels reads coalesced rows.
+  (code of row ``k`` at bits ``(k % P) * bits`` of word ``k // P``), stored output-major
+  (strides ``(1, K / P)``: a transposed view of a contiguous ``[N, K / P]``), so the words of
+  one output channel are contiguous along K and a decode GEMV streams long rows. The kernels
+  take any strides (a ``.contiguous()`` copy is still correct, only slower at decode).
 - ``scales`` ``[K / G, N]`` and ``zeros`` uint8 ``[K / G, N]`` (None when symmetric: the zero
   is ``2 ** (bits - 1)``), groups of ``G`` consecutive rows.
 - ``perm`` int32 ``[K]`` or None. With act-order (GPTQ ``desc_act``), ``g_idx`` scatters the
@@ -101,7 +103,7 @@ class IntWeight:
 class KernelWeight:
     """The packed layout the kernels read (see the module doc); one per linear layer."""
 
-    #: int32 ``[K / P, N]``, ``P = 32 // bits`` codes per word along K.
+    #: int32 ``[K / P, N]``, ``P = 32 // bits`` codes per word along K; strides ``(1, K / P)``.
     qweight: torch.Tensor
     #: ``[K / group_size, N]`` float16, bfloat16 or float32 (the narrowest that holds them exactly).
     scales: torch.Tensor
@@ -172,7 +174,13 @@ def to_kernel_layout(w: IntWeight, where: str) -> KernelWeight:
     if w.zeros is not None:
         # uint8 unless a GPTQ v1 checkpoint's wrapped zero (2**bits, see the gptq plugin) needs more.
         zeros = w.zeros.to(torch.uint8 if int(w.zeros.max()) < 256 else torch.int16).contiguous()
-    return KernelWeight(pack_int32(codes, w.bits, 0), compact_scales(w.scales), zeros, perm, w.bits, w.group_size)
+    return KernelWeight(output_major(pack_int32(codes, w.bits, 0)), compact_scales(w.scales), zeros, perm,
+                        w.bits, w.group_size)
+
+
+def output_major(qweight: torch.Tensor) -> torch.Tensor:
+    """``qweight`` ``[K / P, N]`` with strides ``(1, K / P)`` (each output channel's words contiguous)."""
+    return qweight.t().contiguous().t()
 
 
 def dequantize_kernel_weight(kw: KernelWeight) -> torch.Tensor:
