@@ -5,10 +5,11 @@ and the kernel's achieved bandwidth (block bytes + activations + output over its
 Shapes: Llama-3-8B's linears (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096)
 at M = 1, 16, 64, 256.
 
-    python plugins-quant/gguf/bench_kernels.py [--types Q4_K,Q6_K] [--m 1,16] [--sweep]
+    python plugins-quant/gguf/bench_kernels.py [--types Q4_K,Q6_K] [--m 1,16] [--shapes qkv,o] [--sweep]
 
-``--sweep`` also times every (BLOCK_N, SPLIT_K) of the M = 1 kernel and prints the best per shape
-(to tune ``kernels.gemv_config``).
+``--sweep`` also times (BLOCK_N, SPLIT_K, num_warps) of the word kernel at M = 1 and prints the
+best per shape (to tune ``kernels.word_config``), and the word kernel against dequantize + cuBLAS
+at M = 2..16 (to place ``kernels.DENSE_MIN_M``).
 """
 
 from __future__ import annotations
@@ -41,13 +42,17 @@ def main() -> None:
     parser.add_argument("--types", default="Q4_K,Q6_K,Q8_0,Q4_0,Q4_1")
     parser.add_argument("--m", default="1,16,64,256")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for tname in args.types.split(","):
         qtype = formats.type_from_name(tname)
         for shape, (n, k) in SHAPES.items():
-            blocks = formats.random_blocks(n, k, qtype, gen, torch.device("cuda"))
-            dense = formats.dequantize(blocks, qtype).bfloat16()
+            if shape not in args.shapes.split(","):
+                continue
+            raw = formats.random_blocks(n, k, qtype, gen, torch.device("cuda"))
+            dense = formats.dequantize(raw, qtype).bfloat16()
+            blocks = formats.pack(raw, qtype)
             for m in (int(v) for v in args.m.split(",")):
                 x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
                 out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -56,31 +61,52 @@ def main() -> None:
                 moved = blocks.numel() + x.numel() * 2 + out.numel() * 2
                 row = {"type": tname, "shape": shape, "n": n, "k": k, "m": m, "kernel_us": round(t_kernel, 2),
                        "bf16_linear_us": round(t_bf16, 2), "speedup": round(t_bf16 / t_kernel, 2),
-                       "kernel_gbps": round(moved / t_kernel / 1e3, 1), "config": list(
-                           kernels.gemv_config(n, k, qtype, kernels._sm_count(0)) if m == 1
-                           else kernels.gemm_config(m, n, qtype))}
+                       "kernel_gbps": round(moved / t_kernel / 1e3, 1), "config": _config(kernels, m, n, k, qtype)}
                 print(json.dumps(row), flush=True)
             if args.sweep:
-                _sweep(tname, qtype, shape, n, k, blocks)
+                _sweep(tname, qtype, shape, n, k, blocks, dense)
 
 
-def _sweep(tname: str, qtype: int, shape: str, n: int, k: int, blocks: torch.Tensor) -> None:
+def _config(kernels, m: int, n: int, k: int, qtype: int) -> object:  # type: ignore[no-untyped-def]
+    if m >= kernels.DENSE_MIN_M.get(qtype, kernels.DENSE_MIN_M_DEFAULT):
+        return "dequantize+cuBLAS"
+    return list(kernels.word_config(qtype, m, n, k, kernels._sm_count(0)))
+
+
+def _sweep(tname: str, qtype: int, shape: str, n: int, k: int, blocks: torch.Tensor, dense: torch.Tensor) -> None:
+    """Times (BLOCK_N, SPLIT_K, num_warps) of the word kernel at M = 1, and at M = 2..16 the word
+    kernel against dequantize + cuBLAS (to place ``DENSE_MIN_M``)."""
     from engine_quant_gguf import kernels
 
-    x = torch.randn(1, k, device="cuda").bfloat16()
+    original, switch = kernels.word_config, dict(kernels.DENSE_MIN_M)
+    sms = kernels._sm_count(0)
     units = -(-k // 256)
+    x1 = torch.randn(1, k, device="cuda").bfloat16()
     results = []
-    original = kernels.gemv_config
-    for block_n in (4, 8, 16, 32, 64):
-        for split in (s for s in (1, 2, 4, 7, 8, 14, 16) if units % s == 0 and units // s >= 1):
-            for warps in (2, 4, 8):
-                kernels.gemv_config = lambda *_a, b=block_n, s=split, w=warps: (b, s, w)  # type: ignore[misc]
+    for block_n in (16, 32, 64):
+        for warps in (2, 4):
+            auto = original(qtype, 1, n, k, sms)[2]
+            for split in sorted({s for s in (1, auto * 32 // block_n) if units % s == 0 and units // s >= 2}):
+                kernels.word_config = lambda *_a, b=block_n, s=split, w=warps: (1, b, s, w)  # type: ignore[misc]
                 try:
-                    results.append((_time(lambda: kernels.gguf_matmul(x, blocks, qtype, n)), block_n, split, warps))
+                    results.append((round(_time(lambda: kernels.gguf_matmul(x1, blocks, qtype, n)), 2), block_n,
+                                    split, warps))
                 finally:
-                    kernels.gemv_config = original
-    best = sorted(results)[:3]
-    print(json.dumps({"sweep": tname, "shape": shape, "m": 1, "best_us_block_n_split_warps": best}), flush=True)
+                    kernels.word_config = original
+    results.sort()
+    print(json.dumps({"sweep": tname, "shape": shape, "m": 1, "default": list(original(qtype, 1, n, k, sms)),
+                      "best_us_block_n_split_warps": results[:4], "worst": results[-1]}), flush=True)
+    for m in (2, 4, 8, 16):
+        x = torch.randn(m, k, device="cuda").bfloat16()
+        row: dict[str, object] = {"switch": tname, "shape": shape, "m": m}
+        kernels.DENSE_MIN_M[qtype] = 10 ** 9
+        row["word_kernel_us"] = round(_time(lambda: kernels.gguf_matmul(x, blocks, qtype, n)), 2)
+        kernels.DENSE_MIN_M[qtype] = 1
+        row["dense_us"] = round(_time(lambda: kernels.gguf_matmul(x, blocks, qtype, n)), 2)
+        kernels.DENSE_MIN_M.clear()
+        kernels.DENSE_MIN_M.update(switch)
+        row["bf16_us"] = round(_time(lambda: F.linear(x, dense)), 2)
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

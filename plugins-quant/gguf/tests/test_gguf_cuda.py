@@ -27,14 +27,14 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 3, 7, 64, 300])
 def test_kernel_at_llama_8b_shapes(name: str, n: int, k: int, m: int) -> None:
     qtype = TYPES[name]
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     w = formats.random_blocks(n, k, qtype, gen, torch.device("cuda"))
     x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
     want = x.double() @ formats.dequantize(w, qtype).double().T
-    got = gguf_matmul(x, w, qtype, n)
+    got = gguf_matmul(x, formats.pack(w, qtype), qtype, n)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert _rel(got, want) < 1e-2
 
@@ -48,14 +48,14 @@ def test_float32_and_float16_activations(name: str) -> None:
         for m in (1, 33):
             x = torch.randn(m, 1024, device="cuda", generator=gen).to(dtype)
             want = x.double() @ formats.dequantize(w, qtype).double().T
-            assert _rel(gguf_matmul(x, w, qtype, 512), want) < bar, (dtype, m)
+            assert _rel(gguf_matmul(x, formats.pack(w, qtype), qtype, 512), want) < bar, (dtype, m)
 
 
 def test_captured_in_a_cuda_graph_and_replayed() -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
-    w = formats.random_blocks(4096, 4096, formats.Q4_K, gen, torch.device("cuda"))
+    w = formats.pack(formats.random_blocks(4096, 4096, formats.Q4_K, gen, torch.device("cuda")), formats.Q4_K)
     outs = {}
-    for m in (1, 8):  # M = 1 uses split-K partial sums at this shape, M = 8 the tl.dot kernel
+    for m in (1, 32):  # M = 1: the word kernel with split-K partial sums; M = 32: dequantize + cuBLAS
         x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
         eager = gguf_matmul(x, w, formats.Q4_K, 4096).clone()
         stream = torch.cuda.Stream()

@@ -134,6 +134,46 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return _DEQUANT[qtype](b).reshape(rows, b.shape[1] * elems)
 
 
+# --------------------------------------------------------------------------------------------
+# The CUDA kernels' row layout
+
+
+def packed_row_bytes(qtype: int, in_features: int) -> int:
+    """Bytes of one row in the kernels' layout (``pack``): the GGUF row's bytes, padded to 16."""
+    return -(-row_bytes(qtype, in_features) // 16) * 16
+
+
+def pack(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
+    """GGUF blocks ``uint8 [rows, row_bytes]`` -> the CUDA kernels' layout, same bytes regrouped.
+
+    Within each row the fields of all its blocks are gathered into contiguous runs, codes first,
+    so that a row's codes are 4-byte aligned and read as int32 words (the GGUF blocks of Q4_0
+    (18 bytes), Q8_0 (34) and Q6_K (210) are only 2-byte aligned); each row is padded to a multiple
+    of 16 bytes. Memory stays the same (up to 15 bytes a row). Per row, NB = blocks:
+
+    | type | runs |
+    |---|---|
+    | Q4_K | unchanged (144-byte super-blocks are 16-byte aligned) |
+    | Q8_0 | codes ``int8 [32 NB]``, ``d`` f16 ``[NB]`` |
+    | Q4_0 | codes ``[16 NB]`` (each block's 16 bytes as in GGUF), ``d`` f16 ``[NB]`` |
+    | Q4_1 | codes ``[16 NB]``, ``d`` f16 ``[NB]``, ``m`` f16 ``[NB]`` |
+    | Q6_K | ``ql [128 NB]``, ``qh [64 NB]``, ``scales`` int8 ``[16 NB]``, ``d`` f16 ``[NB]`` |
+    """
+    if qtype == Q4_K:
+        return blocks
+    rows = blocks.shape[0]
+    nbytes = KEPT[qtype][1]
+    b = blocks.reshape(rows, -1, nbytes)
+    fields = {Q8_0: ((2, 34), (0, 2)), Q4_0: ((2, 18), (0, 2)), Q4_1: ((4, 20), (0, 2), (2, 4)),
+              Q6_K: ((0, 128), (128, 192), (192, 208), (208, 210))}[qtype]
+    parts = [b[..., lo:hi].reshape(rows, -1) for lo, hi in fields]
+    width = blocks.shape[1]
+    pad = -(-width // 16) * 16 - width
+    if pad:
+        parts.append(blocks.new_zeros(rows, pad))
+    return torch.cat(parts, dim=1)
+
+
 # Scale fields of each type (byte offsets) and the magnitude a random block's scale gets, so a
 # dummy weight's entries stay near 1e-2 like the engine's float dummies.
 _SCALE_FIELDS = {Q4_0: ((0, 2),), Q4_1: ((0, 2), (2, 4)), Q8_0: ((0, 2),), Q4_K: ((0, 2), (2, 4)),

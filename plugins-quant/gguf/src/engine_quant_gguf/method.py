@@ -49,7 +49,8 @@ def _where(layer: nn.Module, idx: int) -> str:
 
 
 class GGUFLinearMethod(LinearMethodBase):
-    """GGUF blocks in memory; Triton dequantize-GEMM on CUDA, dequantize + ``F.linear`` elsewhere."""
+    """GGUF blocks in memory (on CUDA regrouped by ``formats.pack``); Triton kernels on CUDA,
+    dequantize + ``F.linear`` elsewhere."""
 
     #: the model loader hands this layer raw GGUF blocks (see ``GGUFConfig.loads_gguf_blocks``).
     accepts_gguf_blocks = True
@@ -197,6 +198,8 @@ class GGUFLinearMethod(LinearMethodBase):
                 data = data.to(layer.gguf_dtype)
                 self.config.float_bytes += data.numel() * data.element_size()
             else:
+                if data.is_cuda:  # the CUDA kernels' layout: the same bytes regrouped (formats.pack)
+                    data = formats.pack(data, qtype)
                 self.config.kept_bytes[qtype] += data.numel()
             self.config.dequantized_bytes += data.shape[0] * layer.gguf_in_features * elem
             layer.register_parameter(name, nn.Parameter(data, requires_grad=False))
@@ -218,7 +221,7 @@ class GGUFLinearMethod(LinearMethodBase):
             w = getattr(layer, name)
             if qtype is None:
                 out[:, first:first + cols] = F.linear(x2, w)
-            elif x.is_cuda:
+            elif w.is_cuda:  # packed at load (formats.pack)
                 from engine_quant_gguf.kernels import gguf_matmul
 
                 gguf_matmul(x2, w, qtype, cols, out=out, col0=first)
