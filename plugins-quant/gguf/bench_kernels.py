@@ -7,8 +7,8 @@ at M = 1, 16, 64, 256.
 
     python plugins-quant/gguf/bench_kernels.py [--types Q4_K,Q6_K] [--m 1,16] [--shapes qkv,o] [--sweep]
 
-``--sweep`` also times (BLOCK_N, SPLIT_K, num_warps) of the word kernel at M = 1 and prints the
-best per shape (to tune ``kernels.word_config``), and the word kernel against dequantize + cuBLAS
+``--sweep`` also times (R, SPLIT_K, num_warps) of the rows kernel at M = 1 (to tune
+``kernels.rows_config``), and the rows kernel against dequantize + cuBLAS
 at M = 2..16 (to place ``kernels.DENSE_MIN_M``).
 """
 
@@ -70,37 +70,36 @@ def main() -> None:
 def _config(kernels, m: int, n: int, k: int, qtype: int) -> object:  # type: ignore[no-untyped-def]
     if m >= kernels.DENSE_MIN_M.get(qtype, kernels.DENSE_MIN_M_DEFAULT):
         return "dequantize+cuBLAS"
-    return list(kernels.word_config(qtype, m, n, k, kernels._sm_count(0)))
+    return list(kernels.rows_config(qtype, m, n, k, kernels._sm_count(0)))
 
 
 def _sweep(tname: str, qtype: int, shape: str, n: int, k: int, blocks: torch.Tensor, dense: torch.Tensor) -> None:
-    """Times (BLOCK_N, SPLIT_K, num_warps) of the word kernel at M = 1, and at M = 2..16 the word
-    kernel against dequantize + cuBLAS (to place ``DENSE_MIN_M``)."""
+    """Times (R, num_warps) of the rows kernel at M = 1 (SPLIT_K by rows_config's rule), and at
+    M = 2..16 the rows kernel against dequantize + cuBLAS (to place ``DENSE_MIN_M``)."""
     from engine_quant_gguf import kernels
 
-    original, switch = kernels.word_config, dict(kernels.DENSE_MIN_M)
+    original, switch = kernels.rows_config, dict(kernels.DENSE_MIN_M)
     sms = kernels._sm_count(0)
     units = -(-k // 256)
     x1 = torch.randn(1, k, device="cuda").bfloat16()
     results = []
-    for block_n in (16, 32, 64):
-        for warps in (2, 4):
-            auto = original(qtype, 1, n, k, sms)[2]
-            for split in sorted({s for s in (1, auto * 32 // block_n) if units % s == 0 and units // s >= 2}):
-                kernels.word_config = lambda *_a, b=block_n, s=split, w=warps: (1, b, s, w)  # type: ignore[misc]
-                try:
-                    results.append((round(_time(lambda: kernels.gguf_matmul(x1, blocks, qtype, n)), 2), block_n,
-                                    split, warps))
-                finally:
-                    kernels.word_config = original
+    for r, warps in ((1, 4), (2, 4), (4, 4), (2, 2), (4, 2), (8, 2)):
+        tiles = -(-n // (r * 32 * warps))
+        want = max(1, -(-4 * sms // tiles))
+        split = max(s for s in range(1, min(want, units) + 1) if units % s == 0)
+        kernels.rows_config = lambda *_a, r=r, s=split, w=warps: (1, r, s, w)  # type: ignore[misc]
+        try:
+            results.append((round(_time(lambda: kernels.gguf_matmul(x1, blocks, qtype, n)), 2), r, split, warps))
+        finally:
+            kernels.rows_config = original
     results.sort()
     print(json.dumps({"sweep": tname, "shape": shape, "m": 1, "default": list(original(qtype, 1, n, k, sms)),
-                      "best_us_block_n_split_warps": results[:4], "worst": results[-1]}), flush=True)
+                      "us_r_split_warps": results}), flush=True)
     for m in (2, 4, 8, 16):
         x = torch.randn(m, k, device="cuda").bfloat16()
         row: dict[str, object] = {"switch": tname, "shape": shape, "m": m}
         kernels.DENSE_MIN_M[qtype] = 10 ** 9
-        row["word_kernel_us"] = round(_time(lambda: kernels.gguf_matmul(x, blocks, qtype, n)), 2)
+        row["rows_kernel_us"] = round(_time(lambda: kernels.gguf_matmul(x, blocks, qtype, n)), 2)
         kernels.DENSE_MIN_M[qtype] = 1
         row["dense_us"] = round(_time(lambda: kernels.gguf_matmul(x, blocks, qtype, n)), 2)
         kernels.DENSE_MIN_M.clear()

@@ -27,7 +27,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 3, 7, 64, 300])
+@pytest.mark.parametrize("m", [1, 5, 300])  # rows kernel (BLOCK_M 1, 8), dequantize + cuBLAS
 def test_kernel_at_llama_8b_shapes(name: str, n: int, k: int, m: int) -> None:
     qtype = TYPES[name]
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -55,7 +55,7 @@ def test_captured_in_a_cuda_graph_and_replayed() -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
     w = formats.pack(formats.random_blocks(4096, 4096, formats.Q4_K, gen, torch.device("cuda")), formats.Q4_K)
     outs = {}
-    for m in (1, 32):  # M = 1: the word kernel with split-K partial sums; M = 32: dequantize + cuBLAS
+    for m in (1, 32):  # M = 1: the rows kernel with split-K partial sums; M = 32: dequantize + cuBLAS
         x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
         eager = gguf_matmul(x, w, formats.Q4_K, 4096).clone()
         stream = torch.cuda.Stream()

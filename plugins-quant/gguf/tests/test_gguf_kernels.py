@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_quant_gguf import formats
 from engine_quant_gguf import kernels
-from engine_quant_gguf.kernels import dequantize_blocks, gguf_matmul, word_config
+from engine_quant_gguf.kernels import dequantize_blocks, gguf_matmul, rows_config
 
 TYPES = {"Q4_0": formats.Q4_0, "Q4_1": formats.Q4_1, "Q8_0": formats.Q8_0, "Q4_K": formats.Q4_K,
          "Q6_K": formats.Q6_K}
@@ -52,9 +52,9 @@ def test_kernel_in_half_precision_writes_its_columns_only(name: str, dtype: torc
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
-def test_split_k_word_kernel_adds_the_partial_sums(name: str) -> None:
+def test_split_k_rows_kernel_adds_the_partial_sums(name: str) -> None:
     qtype = TYPES[name]
-    _, _, split, _ = word_config(qtype, 1, 32, 2048, sms=8)
+    _, _, split, _ = rows_config(qtype, 1, 32, 2048, sms=8)
     assert split > 1, "the shape must exercise the split-K path"
     gen = torch.Generator().manual_seed(3)
     w = formats.random_blocks(32, 2048, qtype, gen, torch.device("cpu"))
@@ -64,10 +64,10 @@ def test_split_k_word_kernel_adds_the_partial_sums(name: str) -> None:
         assert _rel(gguf_matmul(x, formats.pack(w, qtype), qtype, 32), x.double() @ want_w.T) < BAR[torch.float32], m
 
 
-def test_word_config_fills_the_gpu_for_llama_8b_shapes() -> None:
+def test_rows_config_fills_the_gpu_for_llama_8b_shapes() -> None:
     for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-        _, block_n, split, _ = word_config(formats.Q4_K, 1, n, k, sms=132)
-        assert -(-n // block_n) * split >= 2 * 132, (n, k)
+        _, r, split, warps = rows_config(formats.Q4_K, 1, n, k, sms=132)
+        assert -(-n // (r * 32 * warps)) * split >= 132, (n, k)
         assert (k // 256) % split == 0
 
 

@@ -65,7 +65,11 @@ def _q4k_scale_min(w_ptr, sb, s):
 
 
 # --------------------------------------------------------------------------------------------
-# M < DENSE_MIN_M: the word kernel (codes read as int32 words)
+# M < DENSE_MIN_M: the rows kernel. Tensors are [BLOCK_M, R, T, 4]: T = 32 * num_warps threads
+# side by side, R weight rows per thread, 4 consecutive code words (one 16-byte load) per row,
+# BLOCK_M activation rows. Every product and sum happens inside a thread (no shuffles, no layout
+# conversions); the activations of a group of 4 words are the same for all threads (broadcast
+# loads) and serve R rows; each row's sums are reduced once, at the end.
 
 
 @triton.jit
@@ -75,229 +79,127 @@ def _f16_bits(bits):
 
 
 @triton.jit
-def _q4k_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0,
-               UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``BLOCK_N`` rows x ``UNITS`` super-blocks x ``BLOCK_M`` activation rows per program.
-
-    A Q4_K super-block is 36 int32 words (144 bytes, so every block is 4-byte aligned): word 0
-    holds d | dmin, words 1-3 the 12 scale bytes, words 4-35 the 128 code bytes. Code word
-    ``4 + 8j + w`` holds, in byte ``b``, element ``64j + 4w + b`` (low nibble, sub-block 2j) and
-    ``64j + 32 + 4w + b`` (high nibble, sub-block 2j+1). Each row's 32 code words are one
-    contiguous 128-byte run (16-byte vector loads); the next super-block's words are loaded
-    before the current one is used (a hand-made two-stage pipeline). Per sub-block:
-    ``y += d*sc * sum(x*q) - dmin*m * sum(x)``: the scales are applied to sums, not to elements.
-    """
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    j = tl.arange(0, 4)
-    w = tl.arange(0, 8)
-    b = tl.arange(0, 4)
-    jw = (8 * j[:, None] + w[None, :])                                   # [4, 8] code word
-    x_cols = 64 * j[:, None, None] + 4 * w[None, :, None] + b[None, None, :]   # [4, 8, 4]
-    shift = (8 * b)[None, None, None, :]                                  # [1, 1, 1, 4]
-    s_lo = 2 * j[None, :]                                                 # sub-blocks [1, 4]
-    s_hi = s_lo + 1
-    low = s_lo < 4                                                        # same for s_hi
-    sh = 8 * (s_lo & 3)                                                   # == 8 * (s_hi & 3)
-    wp = w32 + rbase[:, None, None] + 4 + jw[None, :, :]                  # [BLOCK_N, 4, 8]
-    hp = w32 + rbase[:, None]                                             # [BLOCK_N, 1]
-    m_sel = tl.arange(0, BLOCK_M)[:, None]
-    words = tl.load(wp + u0 * 36)
-    for i in range(UNITS):
-        u = u0 + i
-        nxt = tl.load(wp + tl.minimum(u + 1, u0 + UNITS - 1) * 36)       # prefetch (the last one re-reads)
-        h0 = tl.load(hp + u * 36)
-        h1 = tl.load(hp + u * 36 + 1)
-        h2 = tl.load(hp + u * 36 + 2)
-        h3 = tl.load(hp + u * 36 + 3)
-        d = _f16_bits(h0)                                                 # [BLOCK_N, 1]
-        dmin = _f16_bits(h0 >> 16)
-        # 6-bit (scale, min) of sub-block s: bytes 0-3 of the scales are h1, 4-7 h2, 8-11 h3
-        sc_lo = tl.where(low, (h1 >> sh) & 63, ((h3 >> sh) & 15) | (((h1 >> (sh + 6)) & 3) << 4))
-        mn_lo = tl.where(low, (h2 >> sh) & 63, ((h3 >> (sh + 4)) & 15) | (((h2 >> (sh + 6)) & 3) << 4))
-        sh_hi = sh + 8
-        sc_hi = tl.where(low, (h1 >> sh_hi) & 63, ((h3 >> sh_hi) & 15) | (((h1 >> (sh_hi + 6)) & 3) << 4))
-        mn_hi = tl.where(low, (h2 >> sh_hi) & 63, ((h3 >> (sh_hi + 4)) & 15) | (((h2 >> (sh_hi + 6)) & 3) << 4))
-        dsc_lo = d * sc_lo.to(tl.float32)                                # [BLOCK_N, 4]
-        dsc_hi = d * sc_hi.to(tl.float32)
-        dm_lo = dmin * mn_lo.to(tl.float32)
-        dm_hi = dmin * mn_hi.to(tl.float32)
-        q = words[:, :, :, None] >> shift                                 # [BLOCK_N, 4, 8, 4]
-        q_lo = _to_f32(q & 15)
-        q_hi = _to_f32((q >> 4) & 15)
-        for mi in tl.static_range(BLOCK_M):
-            xrow = x_ptr + tl.minimum(pid_m * BLOCK_M + mi, M - 1).to(tl.int64) * x_stride + u * 256
-            x_lo = tl.load(xrow + x_cols).to(tl.float32)                  # [4, 8, 4]
-            x_hi = tl.load(xrow + 32 + x_cols).to(tl.float32)
-            t_lo = tl.sum(tl.sum(q_lo * x_lo[None], axis=3), axis=2)       # [BLOCK_N, 4]
-            t_hi = tl.sum(tl.sum(q_hi * x_hi[None], axis=3), axis=2)
-            xs_lo = tl.sum(tl.sum(x_lo, axis=2), axis=1)[None, :]          # [1, 4]
-            xs_hi = tl.sum(tl.sum(x_hi, axis=2), axis=1)[None, :]
-            part = tl.sum(dsc_lo * t_lo + dsc_hi * t_hi - dm_lo * xs_lo - dm_hi * xs_hi, axis=1)  # [BLOCK_N]
-            acc += tl.where(m_sel == mi, part[None, :], 0.0)
-        words = nxt
-    return acc
-
-
-@triton.jit
-def _q8_0_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, K: tl.constexpr,
-                UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Q8_0 (packed): a unit is 8 blocks of 8 code words; byte b of word w of block i is element
-    ``32i + 4w + b``. Codes are biased to unsigned (``^ 0x80``): y += d * (sum(x*(q+128)) - 128*sum(x))."""
-    NB: tl.constexpr = K // 32
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    f16 = w_ptr.to(tl.pointer_type(tl.float16))
-    bi = tl.arange(0, 8)
-    w = tl.arange(0, 8)
-    b = tl.arange(0, 4)
-    x_cols = 32 * bi[:, None, None] + 4 * w[None, :, None] + b[None, None, :]   # [8, 8, 4]
-    shift = (8 * b)[None, None, None, :]
-    cp = w32 + rbase[:, None, None] + (8 * bi[:, None] + w[None, :])[None]       # [BLOCK_N, 8, 8]
-    dp = f16 + 2 * rbase[:, None] + K // 2 + bi[None, :]                       # [BLOCK_N, 8]
-    m_sel = tl.arange(0, BLOCK_M)[:, None]
-    words = tl.load(cp + u0 * 64, mask=(8 * u0 + bi < NB)[None, :, None], other=0)
-    for i in range(UNITS):
-        u = u0 + i
-        un = tl.minimum(u + 1, u0 + UNITS - 1)
-        nxt = tl.load(cp + un * 64, mask=(8 * un + bi < NB)[None, :, None], other=0)
-        ok = 8 * u + bi < NB                                                    # [8]
-        d = tl.load(dp + 8 * u, mask=ok[None, :], other=0.0).to(tl.float32)    # [BLOCK_N, 8]
-        q = _to_f32(((words ^ -2139062144)[:, :, :, None] >> shift) & 255)      # q + 128, [BLOCK_N, 8, 8, 4]
-        for mi in tl.static_range(BLOCK_M):
-            xrow = x_ptr + tl.minimum(pid_m * BLOCK_M + mi, M - 1).to(tl.int64) * x_stride + u * 256
-            xv = tl.load(xrow + x_cols, mask=ok[:, None, None], other=0.0).to(tl.float32)
-            t = tl.sum(tl.sum(q * xv[None], axis=3), axis=2)                    # [BLOCK_N, 8]
-            xs = tl.sum(tl.sum(xv, axis=2), axis=1)[None, :]
-            part = tl.sum(d * (t - 128.0 * xs), axis=1)
-            acc += tl.where(m_sel == mi, part[None, :], 0.0)
-        words = nxt
-    return acc
-
-
-@triton.jit
-def _q4_x_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, K: tl.constexpr, QTYPE: tl.constexpr,
-                UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Q4_0 / Q4_1 (packed): a unit is 8 blocks of 4 code words; byte b of word w of block i holds
-    element ``32i + 4w + b`` (low nibble) and ``32i + 16 + 4w + b`` (high)."""
-    NB: tl.constexpr = K // 32
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    f16 = w_ptr.to(tl.pointer_type(tl.float16))
-    bi = tl.arange(0, 8)
-    w = tl.arange(0, 4)
-    b = tl.arange(0, 4)
-    x_cols = 32 * bi[:, None, None] + 4 * w[None, :, None] + b[None, None, :]   # [8, 4, 4]
-    shift = (8 * b)[None, None, None, :]
-    cp = w32 + rbase[:, None, None] + (4 * bi[:, None] + w[None, :])[None]       # [BLOCK_N, 8, 4]
-    dp = f16 + 2 * rbase[:, None] + K // 4 + bi[None, :]                       # [BLOCK_N, 8]
-    m_sel = tl.arange(0, BLOCK_M)[:, None]
-    words = tl.load(cp + u0 * 32, mask=(8 * u0 + bi < NB)[None, :, None], other=0)
-    for i in range(UNITS):
-        u = u0 + i
-        un = tl.minimum(u + 1, u0 + UNITS - 1)
-        nxt = tl.load(cp + un * 32, mask=(8 * un + bi < NB)[None, :, None], other=0)
-        ok = 8 * u + bi < NB
-        d = tl.load(dp + 8 * u, mask=ok[None, :], other=0.0).to(tl.float32)
-        if QTYPE == 3:
-            mn = tl.load(dp + NB + 8 * u, mask=ok[None, :], other=0.0).to(tl.float32)
-        q = words[:, :, :, None] >> shift                                       # [BLOCK_N, 8, 4, 4]
-        q_lo = _to_f32(q & 15)
-        q_hi = _to_f32((q >> 4) & 15)
-        for mi in tl.static_range(BLOCK_M):
-            xrow = x_ptr + tl.minimum(pid_m * BLOCK_M + mi, M - 1).to(tl.int64) * x_stride + u * 256
-            x_lo = tl.load(xrow + x_cols, mask=ok[:, None, None], other=0.0).to(tl.float32)
-            x_hi = tl.load(xrow + 16 + x_cols, mask=ok[:, None, None], other=0.0).to(tl.float32)
-            t = tl.sum(tl.sum(q_lo * x_lo[None] + q_hi * x_hi[None], axis=3), axis=2)   # [BLOCK_N, 8]
-            xs = tl.sum(tl.sum(x_lo + x_hi, axis=2), axis=1)[None, :]
-            if QTYPE == 2:
-                part = tl.sum(d * (t - 8.0 * xs), axis=1)
-            else:
-                part = tl.sum(d * t + mn * xs, axis=1)
-            acc += tl.where(m_sel == mi, part[None, :], 0.0)
-        words = nxt
-    return acc
-
-
-@triton.jit
-def _q6k_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, K: tl.constexpr,
-               UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Q6_K (packed: ql, qh, scales, d runs). Element ``128h + 32t + 16g + 4w + b`` (half h,
-    quarter t, group g, word w, byte b; ``hg = 2h + g``): low 4 bits in ql word ``16h + 8(t%2) + 4g + w``
-    (nibble t//2 of byte b), high 2 bits in qh word ``8h + 4g + w`` (bits 2t of byte b), scale
-    ``8h + 2t + g``. y += d * sum(sc * (sum(x*q) - 32*sum(x))) per 16 elements."""
-    w32 = w_ptr.to(tl.pointer_type(tl.int32))
-    i8 = w_ptr.to(tl.pointer_type(tl.int8))
-    f16 = w_ptr.to(tl.pointer_type(tl.float16))
-    hg = tl.arange(0, 4)
-    w = tl.arange(0, 4)
-    b = tl.arange(0, 4)
-    hh = hg >> 1
-    gg = hg & 1
-    x_cols = (128 * hh + 16 * gg)[:, None, None] + 4 * w[None, :, None] + b[None, None, :]  # [4, 4, 4] (+32t)
-    ql_w = (16 * hh + 4 * gg)[:, None] + w[None, :]                            # [4, 4] (+8 for odd t)
-    qh_w = (4 * hg)[:, None] + w[None, :]
-    sc_i = 8 * hh + gg                                                          # [4] (+2t)
-    b4 = b[None, None, None, :]
-    pa = w32 + rbase[:, None, None] + ql_w[None]                                # [BLOCK_N, 4, 4]
-    ph = w32 + rbase[:, None, None] + K // 8 + qh_w[None]
-    ps = i8 + 4 * rbase[:, None] + (3 * K) // 4 + sc_i[None, :]                 # [BLOCK_N, 4]
-    pd = f16 + 2 * rbase + (3 * K) // 8 + K // 32                               # [BLOCK_N]
-    m_sel = tl.arange(0, BLOCK_M)[:, None]
-    a0 = tl.load(pa + u0 * 32)
-    a1 = tl.load(pa + u0 * 32 + 8)
-    qh = tl.load(ph + u0 * 16)
-    for i in range(UNITS):
-        u = u0 + i
-        un = tl.minimum(u + 1, u0 + UNITS - 1)
-        n0 = tl.load(pa + un * 32)
-        n1 = tl.load(pa + un * 32 + 8)
-        nh = tl.load(ph + un * 16)
-        d = tl.load(pd + u).to(tl.float32)                                      # [BLOCK_N]
-        qhe = qh[:, :, :, None]
-        part4 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for t in tl.static_range(4):
-            if t % 2 == 0:
-                lw = a0[:, :, :, None]
-            else:
-                lw = a1[:, :, :, None]
-            q = _to_f32(((lw >> (8 * b4 + 4 * (t // 2))) & 15) | (((qhe >> (8 * b4 + 2 * t)) & 3) << 4))  # [BN, 4, 4, 4]
-            sc = tl.load(ps + 16 * u + 2 * t).to(tl.float32)                    # [BLOCK_N, 4]
-            for mi in tl.static_range(BLOCK_M):
-                xrow = x_ptr + tl.minimum(pid_m * BLOCK_M + mi, M - 1).to(tl.int64) * x_stride + u * 256
-                xv = tl.load(xrow + 32 * t + x_cols).to(tl.float32)            # [4, 4, 4]
-                s = tl.sum(tl.sum(q * xv[None], axis=3), axis=2)                # [BLOCK_N, 4]
-                xs = tl.sum(tl.sum(xv, axis=2), axis=1)[None, :]
-                part = tl.sum(sc * (s - 32.0 * xs), axis=1)
-                part4 += tl.where(m_sel == mi, part[None, :], 0.0)
-        acc += part4 * d[None, :]
-        a0 = n0
-        a1 = n1
-        qh = nh
-    return acc
-
-
-@triton.jit
-def _word_kernel(x_ptr, w_ptr, out_ptr, M, N, row_words, x_stride, out_stride, split_stride, K: tl.constexpr,
-                 QTYPE: tl.constexpr, UNITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out[m, n] (+ split partials) = x[m] . W[n]`` for ``BLOCK_M`` activation rows x ``BLOCK_N``
-    weight rows x ``UNITS`` units of 256 elements (``program_id(1)`` picks the K split)."""
+def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, row_words, x_stride, out_stride, split_stride, K: tl.constexpr,
+                 QTYPE: tl.constexpr, UNITS: tl.constexpr, BLOCK_M: tl.constexpr, R: tl.constexpr,
+                 T: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = pid_n * (R * T) + tl.arange(0, R)[:, None] * T + tl.arange(0, T)[None, :]     # [R, T]
     # Rows past N read row N-1 (valid memory, result dropped): no masks on the hot loads.
-    rbase = tl.minimum(rows, N - 1).to(tl.int64) * row_words
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u0 = pid_k * UNITS
-    if QTYPE == 12:
-        acc = _q4k_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, UNITS, BLOCK_M, BLOCK_N)
-    elif QTYPE == 14:
-        acc = _q6k_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, K, UNITS, BLOCK_M, BLOCK_N)
-    elif QTYPE == 8:
-        acc = _q8_0_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, K, UNITS, BLOCK_M, BLOCK_N)
-    else:
-        acc = _q4_x_words(x_ptr, w_ptr, acc, pid_m, M, rbase, x_stride, u0, K, QTYPE, UNITS, BLOCK_M, BLOCK_N)
+    rb = (tl.minimum(rows, N - 1).to(tl.int64) * row_words)[None, :, :, None]             # [1, R, T, 1] words
+    kk = tl.arange(0, 4)[None, None, None, :]                                              # [1, 1, 1, 4]
     ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    out = out_ptr + pid_k * split_stride + ms.to(tl.int64)[:, None] * out_stride + rows[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(ms < M)[:, None] & (rows < N)[None, :])
+    xrow = (tl.minimum(ms, M - 1).to(tl.int64) * x_stride)[:, None, None, None]            # [BLOCK_M, 1, 1, 1]
+    w32 = w_ptr.to(tl.pointer_type(tl.int32))
+    i8 = w_ptr.to(tl.pointer_type(tl.int8))
+    f16 = w_ptr.to(tl.pointer_type(tl.float16))
+    acc = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+    u0 = pid_k * UNITS
+    if QTYPE == 12:  # Q4_K: 36 words a super-block: d|dmin, 3 of scales, 32 of codes
+        for i in range(UNITS):
+            u = u0 + i
+            sb = w32 + rb + u * 36
+            h0 = tl.load(sb)
+            h1 = tl.load(sb + 1)
+            h2 = tl.load(sb + 2)
+            h3 = tl.load(sb + 3)
+            d = _f16_bits(h0)
+            dmin = _f16_bits(h0 >> 16)
+            for j in tl.static_range(4):  # sub-blocks 2j (low nibbles) and 2j+1 (high)
+                if j < 2:
+                    sc_lo = (h1 >> (16 * j)) & 63
+                    mn_lo = (h2 >> (16 * j)) & 63
+                    sc_hi = (h1 >> (16 * j + 8)) & 63
+                    mn_hi = (h2 >> (16 * j + 8)) & 63
+                else:
+                    t0 = 16 * (j - 2)
+                    sc_lo = ((h3 >> t0) & 15) | (((h1 >> (t0 + 6)) & 3) << 4)
+                    mn_lo = ((h3 >> (t0 + 4)) & 15) | (((h2 >> (t0 + 6)) & 3) << 4)
+                    sc_hi = ((h3 >> (t0 + 8)) & 15) | (((h1 >> (t0 + 14)) & 3) << 4)
+                    mn_hi = ((h3 >> (t0 + 12)) & 15) | (((h2 >> (t0 + 14)) & 3) << 4)
+                dsc_lo = d * sc_lo.to(tl.float32)
+                dsc_hi = d * sc_hi.to(tl.float32)
+                dm_lo = dmin * mn_lo.to(tl.float32)
+                dm_hi = dmin * mn_hi.to(tl.float32)
+                for half in tl.static_range(2):
+                    words = tl.load(sb + 4 + 8 * j + 4 * half + kk)                        # [1, R, T, 4]
+                    xc = x_ptr + xrow + u * 256 + 64 * j + 16 * half + 4 * kk              # element of byte 0
+                    s_lo = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+                    s_hi = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+                    xs_lo = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
+                    xs_hi = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
+                    for b in tl.static_range(4):
+                        x_lo = tl.load(xc + b).to(tl.float32)                               # [BLOCK_M, 1, 1, 4]
+                        x_hi = tl.load(xc + 32 + b).to(tl.float32)
+                        s_lo += _to_f32((words >> (8 * b)) & 15) * x_lo
+                        s_hi += _to_f32((words >> (8 * b + 4)) & 15) * x_hi
+                        xs_lo += x_lo
+                        xs_hi += x_hi
+                    acc += dsc_lo * s_lo + dsc_hi * s_hi - dm_lo * xs_lo - dm_hi * xs_hi
+    elif QTYPE == 14:  # Q6_K (packed): ql [K/8 words], qh [K/16 words], scales int8, d f16
+        for i in range(UNITS):
+            u = u0 + i
+            d = tl.load(f16 + 2 * rb + (3 * K) // 8 + K // 32 + u).to(tl.float32)         # [1, R, T, 1]
+            for hg in tl.static_range(4):  # element 128h + 32t + 16g + 4w + b, hg = 2h + g
+                h: tl.constexpr = hg // 2
+                g: tl.constexpr = hg % 2
+                ql0 = tl.load(w32 + rb + 32 * u + 16 * h + 4 * g + kk)
+                ql1 = tl.load(w32 + rb + 32 * u + 16 * h + 8 + 4 * g + kk)
+                qh = tl.load(w32 + rb + K // 8 + 16 * u + 8 * h + 4 * g + kk)
+                for t in tl.static_range(4):
+                    if t % 2 == 0:
+                        lw = ql0
+                    else:
+                        lw = ql1
+                    sc = tl.load(i8 + 4 * rb + (3 * K) // 4 + 16 * u + 8 * h + 2 * t + g).to(tl.float32)
+                    xc = x_ptr + xrow + u * 256 + 128 * h + 32 * t + 16 * g + 4 * kk
+                    s = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+                    xs = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
+                    for b in tl.static_range(4):
+                        xv = tl.load(xc + b).to(tl.float32)
+                        q = ((lw >> (8 * b + 4 * (t // 2))) & 15) | (((qh >> (8 * b + 2 * t)) & 3) << 4)
+                        s += _to_f32(q) * xv
+                        xs += xv
+                    acc += (d * sc) * (s - 32.0 * xs)
+    else:  # Q4_0 / Q4_1 / Q8_0 (packed): codes, then d (then m); 8 blocks of 32 a unit
+        NB: tl.constexpr = K // 32
+        WPB: tl.constexpr = 8 if QTYPE == 8 else 4                                         # code words a block
+        for i in range(UNITS):
+            u = u0 + i
+            for bi in tl.static_range(8):
+                blk = 8 * u + bi
+                ok = blk < NB
+                d = tl.load(f16 + 2 * rb + (WPB * NB) * 2 + blk, mask=ok, other=0.0).to(tl.float32)
+                if QTYPE == 8:
+                    for half in tl.static_range(2):
+                        words = tl.load(w32 + rb + WPB * blk + 4 * half + kk, mask=ok, other=0) ^ -2139062144
+                        xc = x_ptr + xrow + 32 * blk + 16 * half + 4 * kk
+                        s = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+                        xs = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
+                        for b in tl.static_range(4):
+                            xv = tl.load(xc + b, mask=ok, other=0.0).to(tl.float32)
+                            s += _to_f32((words >> (8 * b)) & 255) * xv                    # q + 128
+                            xs += xv
+                        acc += d * (s - 128.0 * xs)
+                else:
+                    words = tl.load(w32 + rb + WPB * blk + kk, mask=ok, other=0)
+                    xc = x_ptr + xrow + 32 * blk + 4 * kk
+                    s = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+                    xs = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
+                    for b in tl.static_range(4):
+                        x_lo = tl.load(xc + b, mask=ok, other=0.0).to(tl.float32)
+                        x_hi = tl.load(xc + 16 + b, mask=ok, other=0.0).to(tl.float32)
+                        s += _to_f32((words >> (8 * b)) & 15) * x_lo + _to_f32((words >> (8 * b + 4)) & 15) * x_hi
+                        xs += x_lo + x_hi
+                    if QTYPE == 2:
+                        acc += d * (s - 8.0 * xs)
+                    else:
+                        mn = tl.load(f16 + 2 * rb + (WPB * NB) * 2 + NB + blk, mask=ok, other=0.0).to(tl.float32)
+                        acc += d * s + mn * xs
+    res = tl.sum(acc, axis=3)                                                               # [BLOCK_M, R, T]
+    out = out_ptr + pid_k * split_stride + ms.to(tl.int64)[:, None, None] * out_stride + rows[None, :, :]
+    tl.store(out, res.to(out_ptr.dtype.element_ty), mask=(ms < M)[:, None, None] & (rows < N)[None, :, :])
 
 
 # --------------------------------------------------------------------------------------------
@@ -399,22 +301,22 @@ DENSE_MIN_M: dict[int, int] = {}
 DENSE_MIN_M_DEFAULT = 9
 
 
-def word_config(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, SPLIT_K, num_warps) of the word kernel: the one place to tune it.
+def rows_config(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, R, SPLIT_K, num_warps) of the rows kernel: the one place to tune it.
 
-    ``BLOCK_N`` rows per program so that each thread holds several rows of the same code words
-    (the activations it loads serve them all); K is split (partial sums added in a fixed order)
-    until the grid has about 4 programs per SM, keeping at least 2 units per split.
+    A program covers ``R * 32 * num_warps`` weight rows; K is split (partial sums added in a
+    fixed order) until the grid has about 4 programs per SM.
     """
     units = -(-k // 256)
-    block_m = 1 if m == 1 else min(triton.next_power_of_2(m), 4)
-    block_n = 32
-    tiles = -(-n // block_n) * -(-m // block_m)
+    block_m = 1 if m == 1 else min(triton.next_power_of_2(m), 8)
+    r = 2 if block_m <= 2 else 1
+    warps = 4
+    tiles = -(-n // (r * 32 * warps)) * -(-m // block_m)
     split = 1
     if tiles < 4 * sms:
         want = -(-4 * sms // tiles)
-        split = max(s for s in range(1, min(want, max(units // 2, 1)) + 1) if units % s == 0)
-    return block_m, block_n, split, 4
+        split = max(s for s in range(1, min(want, units) + 1) if units % s == 0)
+    return block_m, r, split, warps
 
 
 def dequantize_blocks(packed: torch.Tensor, qtype: int, k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -433,7 +335,7 @@ def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
 
     Writes columns ``col0 .. col0 + n`` of ``out`` (``[M, >= col0 + n]``, x's dtype, last dim
     contiguous) when given, else a new ``[M, n]`` tensor; returns the ``[M, n]`` view.
-    M < ``DENSE_MIN_M``: the word kernel (weights read once per ``BLOCK_M`` rows); else dequantize
+    M < ``DENSE_MIN_M``: the rows kernel (weights read once per ``BLOCK_M`` activation rows); else dequantize
     into a scratch tensor and ``torch.mm`` (cuBLAS). No host synchronisation: graph-safe.
     """
     assert qtype in KEPT and packed.dtype == torch.uint8 and x.dim() == 2
@@ -454,17 +356,17 @@ def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
             target.copy_(torch.mm(x, dense.t()))
         return target
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 8
-    block_m, block_n, split, warps = word_config(qtype, m, n, k, sms)
+    block_m, r, split, warps = rows_config(qtype, m, n, k, sms)
     units = -(-k // 256)
-    grid = (triton.cdiv(n, block_n), split, triton.cdiv(m, block_m))
+    grid = (triton.cdiv(n, r * 32 * warps), split, triton.cdiv(m, block_m))
     row_words = packed.shape[1] // 4
     if split == 1:
-        _word_kernel[grid](x, packed, target, m, n, row_words, x.stride(0), out.stride(0), 0, K=k, QTYPE=qtype,
-                           UNITS=units, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _rows_kernel[grid](x, packed, target, m, n, row_words, x.stride(0), out.stride(0), 0, K=k, QTYPE=qtype,
+                           UNITS=units, BLOCK_M=block_m, R=r, T=32 * warps, num_warps=warps)
     else:  # partial sums per split, added in a fixed order: deterministic, graph-safe
         partial = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        _word_kernel[grid](x, packed, partial, m, n, row_words, x.stride(0), n, m * n, K=k, QTYPE=qtype,
-                           UNITS=units // split, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _rows_kernel[grid](x, packed, partial, m, n, row_words, x.stride(0), n, m * n, K=k, QTYPE=qtype,
+                           UNITS=units // split, BLOCK_M=block_m, R=r, T=32 * warps, num_warps=warps)
         if target.is_contiguous():
             torch.sum(partial, 0, out=target)
         else:
@@ -472,4 +374,4 @@ def gguf_matmul(x: torch.Tensor, packed: torch.Tensor, qtype: int, n: int,
     return target
 
 
-__all__ = ["gguf_matmul", "word_config", "dequantize_blocks", "DENSE_MIN_M", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
+__all__ = ["gguf_matmul", "rows_config", "dequantize_blocks", "DENSE_MIN_M", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"]
