@@ -32,7 +32,7 @@ def _time(fn) -> float:  # type: ignore[no-untyped-def]
     with torch.cuda.graph(graph):
         for _ in range(10):
             fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1000 / 10
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=100, return_mode="median") * 1000 / 10
 
 
 def main() -> None:
