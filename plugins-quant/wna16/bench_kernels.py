@@ -44,12 +44,11 @@ def _focused(m: int) -> list[KernelConfig]:
     """A handful of alternatives per M (``--alts``): the GEMV's row/K tiles, tl.dot vs dequant."""
     if m == 1:
         return [KernelConfig("gemv", 1, bn, bk, w, 1) for bn, bk, w in
-                ((4, 2048, 4), (8, 2048, 4), (16, 1024, 4), (16, 2048, 8), (32, 512, 4))]
+                ((16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 2048, 8))]
     if m <= 16:
-        return [KernelConfig("gemv", m, 8, 512, 4, 1), KernelConfig("gemv", 8, 8, 1024, 4, 1),
-                KernelConfig("gemm", 16, 32, 128, 4, 4)]
-    return [KernelConfig("gemm", 64, 64, 64, 4, 4), KernelConfig("dequant", 1, 32, 256, 4, 1),
-            KernelConfig("dequant", 1, 16, 512, 4, 1)]
+        return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 512, 4, 1), KernelConfig("gemm", 16, 32, 128, 4, 4)]
+    return [KernelConfig("gemm", 64, 64, 64, 4, 4), KernelConfig("dequant", 1, 16, 512, 4, 1),
+            KernelConfig("dequant", 1, 8, 1024, 4, 1)]
 
 
 def _alternatives(m: int, group: int) -> list[KernelConfig]:
@@ -78,6 +77,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every alternative tile config too")
     parser.add_argument("--alts", action="store_true", help="time a few alternatives per M too")
     parser.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--brief", action="store_true", help="one short text line per measurement")
     parser.add_argument("--rep-ms", type=int, default=50, help="timing window per measurement")
     parser.add_argument("--batches", type=int, nargs="*", default=list(BATCHES))
     args = parser.parse_args()
@@ -109,6 +109,12 @@ def main() -> None:
                     print(json.dumps({"linear": name, "m": m, "config": cfg.__dict__, "error": str(exc)[:200]}))
                     continue
                 moved = weight_bytes + m * k * 2 + m * n * 2
+                if args.brief:
+                    print(f"{name:8s} m={m:<4d} {'*' if cfg == chosen else ' '}{cfg.kind:7s} bm={cfg.block_m:<3d} "
+                          f"bn={cfg.block_n:<3d} bk={cfg.block_k:<5d} w={cfg.num_warps} {ms * 1e3:8.2f} us "
+                          f"bf16 {bf16_ms * 1e3:8.2f} x{bf16_ms / ms:5.2f} {moved / (ms * 1e-3) / 1e9:7.1f} GB/s "
+                          f"err {rel:.1e}", flush=True)
+                    continue
                 print(json.dumps({
                     "linear": name, "m": m, "k": k, "n": n, "bits": args.bits, "group_size": args.group_size,
                     "symmetric": args.symmetric, "act_order": args.act_order, "chosen": cfg == chosen,

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine_quant_wna16.layout import KernelWeight
+from engine_quant_wna16.layout import KernelWeight, plane_words
 
 # Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
 # to float32 first (on a GPU that is the float32-activation path: exact IEEE products).
@@ -42,14 +42,16 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
                  M, N, K: tl.constexpr, stride_xm, stride_om, stride_qk, stride_qn,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, SUBW: tl.constexpr, NG: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, PLANE: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # A K tile is NG group slices of SUBW words (SUBW * PACK = min(GROUP, BLOCK_K) codes each).
+                 EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # A K tile is NG plane blocks of PLANE words (SUB = PACK * PLANE inputs, inside one group).
     PACK: tl.constexpr = 32 // BITS
     HALF: tl.constexpr = PACK // 2
     MASK: tl.constexpr = (1 << BITS) - 1
-    SUB: tl.constexpr = SUBW * PACK
+    SUB: tl.constexpr = PACK * PLANE
+    NG: tl.constexpr = BLOCK_K // SUB
     NUM_WORDS: tl.constexpr = K // PACK
     pid_m = tl.program_id(0)  # rows fastest: the programs sharing a weight tile run together
     pid_n = tl.program_id(1)
@@ -58,54 +60,76 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_g = tl.arange(0, NG)
-    tile_w = offs_g[:, None] * SUBW + tl.arange(0, SUBW)[None, :]  # [NG, SUBW] word within the tile
-    w_ptrs = qw_ptr + offs_n[:, None, None].to(tl.int64) * stride_qn + tile_w[None, :, :] * stride_qk
-    x_rows = x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm
-    # Per group slice: summed over NG once after the loop (NG spans warps: no smem per step).
-    acc = tl.zeros((BLOCK_M, BLOCK_N, NG), dtype=tl.float32)
+    offs_j = tl.arange(0, PLANE)
+    tile_w = offs_g[:, None] * PLANE + offs_j[None, :]  # [NG, PLANE]: word within the K tile
+    # Weight tile [1, NG, BLOCK_N, PLANE]: with the blocks ahead of the output channels, Triton lays
+    # threads along K (4 words each, then the blocks) and warps along N, so a warp reads contiguous
+    # runs of a row. Bit slot i of the PLANE words of a block holds PLANE consecutive inputs, so the
+    # activation tile of slot i is contiguous too; it is addressed with the weight's shape (stride 0
+    # over N), which gives it the weight's layout: no data moves between layouts in the loop.
+    w_ptrs = (qw_ptr + offs_n[None, None, :, None].to(tl.int64) * stride_qn
+              + tile_w[None, :, None, :] * stride_qk)
+    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm
+    no_n = tl.zeros((BLOCK_N,), dtype=tl.int32)[None, None, :, None]
+    k_in = offs_g[:, None] * SUB + offs_j[None, :]  # [NG, PLANE]: input of slot 0
+    offs_sub = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NG, SUB]: the blocks' inputs
+    acc = tl.zeros((BLOCK_M, NG, BLOCK_N), dtype=tl.float32)  # per block; summed after the loop
     for k0 in range(0, K, BLOCK_K):
-        words = k0 // PACK + tile_w
-        k_ok = words < NUM_WORDS
         if EVEN_K:
-            w = tl.load(w_ptrs + (k0 // PACK) * stride_qk, mask=n_mask[:, None, None], other=0,
+            w = tl.load(w_ptrs + (k0 // PACK) * stride_qk, mask=n_mask[None, None, :, None], other=0,
                         eviction_policy="evict_first")
         else:
-            w = tl.load(w_ptrs + (k0 // PACK) * stride_qk, mask=n_mask[:, None, None] & k_ok[None, :, :],
-                        other=0, eviction_policy="evict_first")
+            w_ok = (k0 // PACK + tile_w) < NUM_WORDS
+            w = tl.load(w_ptrs + (k0 // PACK) * stride_qk,
+                        mask=n_mask[None, None, :, None] & w_ok[None, :, None, :], other=0,
+                        eviction_policy="evict_first")
         hi = w >> 16
-        x_mask = m_mask[:, None, None] & k_ok[None, :, :]
-        t = tl.zeros((BLOCK_M, BLOCK_N, NG, SUBW), dtype=tl.float32)
-        x_sum = tl.zeros((BLOCK_M, NG, SUBW), dtype=tl.float32)
+        k_ok = (k0 + k_in) < K
+        x_mask = m_mask[:, None, None, None] & k_ok[None, :, None, :]
         for i in tl.static_range(PACK):
-            k = words * PACK + i
+            k = k0 + k_in + i * PLANE
             if HAS_PERM:
                 k = tl.load(perm_ptr + k, mask=k_ok, other=0)
-            xi = tl.load(x_rows + k[None, :, :], mask=x_mask, other=0.0).to(tl.float32)
-            x_sum += xi
-            # Code i sits at bits SHIFT.. of the low or high half-word. OR-ed into the mantissa of
-            # 2**(23 - SHIFT) (exponent 150 - SHIFT), the float is 2**(23 - SHIFT) + code exactly:
-            # one LOP3 and one FADD, no int->float conversion (a quarter of the FMA rate).
-            SHIFT: tl.constexpr = BITS * (i % HALF)
-            EXP: tl.constexpr = (150 - SHIFT) << 23
-            OFFSET: tl.constexpr = (1 << (23 - SHIFT)) * 1.0
+            xi = tl.load(x_rows + (k[None, :, None, :] + no_n), mask=x_mask, other=0.0).to(tl.float32)
+            # Slot i sits at bits SHIFT = BITS * (i % HALF) of the low or high half-word. OR-ed into the
+            # mantissa of 2**(23 - SHIFT) (exponent 150 - SHIFT), the float is 2**(23 - SHIFT) + code
+            # exactly: one LOP3 and one FADD, no int->float conversion (a quarter of the FMA rate).
             if i < HALF:
-                bits = (w & (MASK << SHIFT)) | EXP
+                half = w
             else:
-                bits = (hi & (MASK << SHIFT)) | EXP
-            f = bits.to(tl.float32, bitcast=True) - OFFSET
-            t += f[None, :, :, :] * xi[:, None, :, :]
-        part = tl.sum(t, axis=3)  # [BLOCK_M, BLOCK_N, NG]: sum of code * x per group slice
-        xg = tl.sum(x_sum, axis=2)  # [BLOCK_M, NG]
+                half = hi
+            if USE_ASM:  # one LOP3 (LLVM's and + or reach ptxas as two)
+                bits = tl.inline_asm_elementwise(
+                    "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+                    [half, tl.full(half.shape, MASK << (BITS * (i % HALF)), tl.int32),
+                     tl.full(half.shape, (150 - BITS * (i % HALF)) << 23, tl.int32)],
+                    dtype=tl.int32, is_pure=True, pack=1)
+            else:
+                bits = (half & (MASK << (BITS * (i % HALF)))) | ((150 - BITS * (i % HALF)) << 23)
+            f = bits.to(tl.float32, bitcast=True) - (1 << (23 - BITS * (i % HALF))) * 1.0
+            if i == 0:
+                t = f * xi
+            else:
+                t += f * xi
+        part = tl.sum(t, axis=3)  # [BLOCK_M, NG, BLOCK_N]: sum of code * x per block
+        # Sum of x per block, from one contiguous load of the tile's activations.
+        ks = k0 + offs_sub
+        sub_ok = ks < K
+        if HAS_PERM:
+            ks = tl.load(perm_ptr + ks, mask=sub_ok, other=0)
+        xs = tl.load(x_ptr + offs_m[:, None, None].to(tl.int64) * stride_xm + ks[None, :, :],
+                     mask=m_mask[:, None, None] & sub_ok[None, :, :], other=0.0).to(tl.float32)
+        xg = tl.sum(xs, axis=2)[:, :, None]  # [BLOCK_M, NG, 1]
         g = (k0 + offs_g * SUB) // GROUP
-        sz_off = g[None, :] * N + offs_n[:, None]
-        sz_mask = n_mask[:, None] & (g < K // GROUP)[None, :]
+        sz_off = g[:, None] * N + offs_n[None, :]
+        sz_mask = (g < K // GROUP)[:, None] & n_mask[None, :]
         s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
             z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0).to(tl.float32)
-            acc += s[None, :, :] * (part - z[None, :, :] * xg[:, None, :])
+            acc += s[None, :, :] * (part - z[None, :, :] * xg)
         else:
-            acc += s[None, :, :] * (part - (1 << (BITS - 1)) * xg[:, None, :])
-    y = tl.sum(acc, axis=2)
+            acc += s[None, :, :] * (part - (1 << (BITS - 1)) * xg)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -114,9 +138,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
 
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, stride_qk, stride_qn,
-                    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                    BITS: tl.constexpr, GROUP: tl.constexpr, PLANE: tl.constexpr, HAS_ZEROS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # W[n, k] = (code - zero) * scale in the output's dtype, W row-major [N, K] (for F.linear).
+    # BLOCK_K is a multiple of PACK * PLANE: the tile holds whole plane blocks.
     PACK: tl.constexpr = 32 // BITS
     BW: tl.constexpr = BLOCK_K // PACK
     pid_k = tl.program_id(0)
@@ -127,7 +152,8 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, stride_qk
     w = tl.load(qw_ptr + offs_n[:, None].to(tl.int64) * stride_qn + offs_w[None, :] * stride_qk, mask=mask, other=0)
     shifts = tl.arange(0, PACK) * BITS
     q = ((w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
-    g = (offs_w * PACK) // GROUP
+    k_first = (offs_w // PLANE) * (PACK * PLANE) + offs_w % PLANE  # input of each word's slot 0
+    g = k_first // GROUP
     sz_off = g[None, :] * N + offs_n[:, None]
     s = tl.load(s_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
@@ -135,7 +161,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, stride_qk
     else:
         z = tl.full((BLOCK_N, BW), 1 << (BITS - 1), tl.float32)
     val = (q - z[:, :, None]) * s[:, :, None]
-    k = offs_w[None, :, None] * PACK + tl.arange(0, PACK)[None, None, :]
+    k = k_first[None, :, None] + tl.arange(0, PACK)[None, None, :] * PLANE
     out = out_ptr + offs_n[:, None, None].to(tl.int64) * K + k
     tl.store(out, val.to(out_ptr.dtype.element_ty), mask=mask[:, :, None])
 
@@ -143,7 +169,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, stride_qk
 @triton.jit
 def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
                  M, N, K: tl.constexpr, stride_xm, stride_om, stride_qk, stride_qn,
-                 BITS: tl.constexpr, GROUP: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, PLANE: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
                  DOT_FP32: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -160,11 +186,14 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
     n_mask = offs_n < N
     offs_w = tl.arange(0, BLOCK_K // PACK)
     shifts = tl.arange(0, PACK) * BITS
-    offs_kk = tl.arange(0, BLOCK_K)
+    # Packed row r of the tile is word k0 / PACK + r // PACK, slot r % PACK: its input (plane order).
+    r = tl.arange(0, BLOCK_K)
+    slot_k = (r % PACK) * PLANE
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + offs_kk
+        word = k0 // PACK + r // PACK
+        offs_k = (word // PLANE) * (PACK * PLANE) + slot_k + word % PLANE
         if HAS_PERM:
             src = tl.load(perm_ptr + offs_k)
         else:
@@ -246,14 +275,16 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # 8 KB of packed words per program and step (BLOCK_N rows of BLOCK_K codes, each row a
-        # contiguous run of BLOCK_K / 2 bytes), and at least 3 programs per SM.
+        # At least 4 programs per SM; rows of BLOCK_K / 2 contiguous bytes, 8 KB per program and step.
         bm = triton.next_power_of_2(m)
-        bn = _widest_block_n((16, 8, 4), n, 1, 3 * sms)
-        bk = fit_block_k(group_size, max(256, 16384 // (bn * bm)), inside_group=False)
-        return KernelConfig("gemv", bm, bn, bk, 4, 1)
+        if bm == 1:
+            bn = _widest_block_n((16, 8, 4), n, 1, 4 * sms)
+            bk = 1024 if bn == 16 else 2048
+        else:
+            bn, bk = 8, 512
+        return KernelConfig("gemv", bm, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
     if m >= DEQUANT_MIN_M:
-        return KernelConfig("dequant", 1, 32, fit_block_k(group_size, 256, inside_group=False), 4, 1)
+        return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
     if m <= 16:
         bn = _widest_block_n((64, 32, 16), n, 1, 2 * sms)
         return KernelConfig("gemm", 16, bn, fit_block_k(group_size, 128, True), 4, 4)
@@ -265,13 +296,15 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
 def dequantize_weight(kw: KernelWeight, dtype: torch.dtype, config: KernelConfig | None = None) -> torch.Tensor:
     """``W [N, K]`` in ``dtype`` (kernel row order: act-order's rows stay permuted), one Triton pass."""
     k, n = kw.in_features, kw.out_features
-    cfg = config or KernelConfig("dequant", 1, 32, fit_block_k(kw.group_size, 256, inside_group=False), 4, 1)
+    cfg = config or KernelConfig("dequant", 1, 16, fit_block_k(kw.group_size, 512, inside_group=False), 4, 1)
+    plane = plane_words(kw.group_size, kw.bits)
+    block_k = max(cfg.block_k, 32 // kw.bits * plane)  # whole plane blocks
     out = torch.empty((n, k), dtype=dtype, device=kw.qweight.device)
     zeros = kw.zeros if kw.zeros is not None else kw.qweight
-    grid = (triton.cdiv(k, cfg.block_k), triton.cdiv(n, cfg.block_n))
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, cfg.block_n))
     _dequant_kernel[grid](kw.qweight, kw.scales, zeros, out, n, K=k, stride_qk=kw.qweight.stride(0),
                           stride_qn=kw.qweight.stride(1), BITS=kw.bits, GROUP=kw.group_size,
-                          HAS_ZEROS=kw.zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                          PLANE=plane, HAS_ZEROS=kw.zeros is not None, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -306,20 +339,20 @@ def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = No
     perm = kw.perm if kw.perm is not None else kw.qweight
     bias_arg = bias if bias is not None else kw.qweight
     flags = dict(HAS_ZEROS=kw.zeros is not None, HAS_PERM=kw.perm is not None, HAS_BIAS=bias is not None)
+    plane = plane_words(kw.group_size, kw.bits)
     strides = dict(stride_xm=x2d.stride(0), stride_om=out.stride(0), stride_qk=kw.qweight.stride(0),
                    stride_qn=kw.qweight.stride(1))
     if cfg.kind == "gemv":
-        sub = min(kw.group_size, cfg.block_k)
-        pack = 32 // kw.bits
+        block_k = max(cfg.block_k, 32 // kw.bits * plane)  # whole plane blocks
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
         _gemv_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k, BITS=kw.bits,
-                           GROUP=kw.group_size, SUBW=sub // pack, NG=cfg.block_k // sub, EVEN_K=k % cfg.block_k == 0,
-                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                           GROUP=kw.group_size, PLANE=plane, EVEN_K=k % block_k == 0, USE_ASM=not _INTERPRETED,
+                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
     else:
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
         _gemm_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k, BITS=kw.bits,
-                           GROUP=kw.group_size, DOT_FP32=x.dtype == torch.float32 or _INTERPRETED,
+                           GROUP=kw.group_size, PLANE=plane, DOT_FP32=x.dtype == torch.float32 or _INTERPRETED,
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
     return out.reshape(*x.shape[:-1], n)

@@ -7,8 +7,11 @@ a zero point per (group, output channel), and optionally GPTQ's ``g_idx``. Dequa
 
 ``to_kernel_layout`` turns that into the one layout the kernels read, ``KernelWeight``:
 
-- ``qweight`` int32 ``[K / P, N]`` with ``P = 32 // bits`` codes per word packed along K
-  (code of row ``k`` at bits ``(k % P) * bits`` of word ``k // P``), stored output-major
+- ``qweight`` int32 ``[K / P, N]`` with ``P = 32 // bits`` codes per word packed along K in
+  planes: K is cut into blocks of ``P * L`` rows held by ``L`` words (``L = plane_words``, 16
+  for groups of 128); code ``k`` sits in word ``(k // (P * L)) * L + k % L`` at bits
+  ``((k % (P * L)) // L) * bits``. So the codes at one bit position of ``L`` consecutive words
+  are ``L`` consecutive inputs: a kernel pairs them with a contiguous run of activations. Stored output-major
   (strides ``(1, K / P)``: a transposed view of a contiguous ``[N, K / P]``), so the words of
   one output channel are contiguous along K and a decode GEMV streams long rows. The kernels
   take any strides (a ``.contiguous()`` copy is still correct, only slower at decode).
@@ -174,8 +177,27 @@ def to_kernel_layout(w: IntWeight, where: str) -> KernelWeight:
     if w.zeros is not None:
         # uint8 unless a GPTQ v1 checkpoint's wrapped zero (2**bits, see the gptq plugin) needs more.
         zeros = w.zeros.to(torch.uint8 if int(w.zeros.max()) < 256 else torch.int16).contiguous()
-    return KernelWeight(output_major(pack_int32(codes, w.bits, 0)), compact_scales(w.scales), zeros, perm,
+    rows = plane_order(k, w.bits, w.group_size).to(codes.device)
+    return KernelWeight(output_major(pack_int32(codes[rows], w.bits, 0)), compact_scales(w.scales), zeros, perm,
                         w.bits, w.group_size)
+
+
+def plane_words(group_size: int, bits: int) -> int:
+    """``L``: words per plane block (see the module doc), the largest power of two <= 16 dividing
+    the words of one group, so a block never straddles groups."""
+    words = group_size // (32 // bits)
+    plane = 1
+    while plane < 16 and words % (2 * plane) == 0:
+        plane *= 2
+    return plane
+
+
+def plane_order(k: int, bits: int, group_size: int) -> torch.Tensor:
+    """For packed row ``r`` (word ``r // P``, bit slot ``r % P``), the input row it holds."""
+    per_word, plane = 32 // bits, plane_words(group_size, bits)
+    r = torch.arange(k)
+    word, slot = r // per_word, r % per_word
+    return (word // plane) * (per_word * plane) + slot * plane + word % plane
 
 
 def output_major(qweight: torch.Tensor) -> torch.Tensor:
@@ -185,7 +207,9 @@ def output_major(qweight: torch.Tensor) -> torch.Tensor:
 
 def dequantize_kernel_weight(kw: KernelWeight) -> torch.Tensor:
     """``W [N, K]`` float32 in the original input-channel order (the reference's weight)."""
-    codes = unpack_int32(kw.qweight, kw.bits, 0).float()
+    packed = unpack_int32(kw.qweight, kw.bits, 0).float()
+    rows = plane_order(packed.shape[0], kw.bits, kw.group_size).to(packed.device)
+    codes = torch.empty_like(packed).index_copy_(0, rows, packed)
     rows = torch.arange(codes.shape[0], device=codes.device) // kw.group_size
     zeros = kw.zeros.float()[rows] if kw.zeros is not None else float(1 << (kw.bits - 1))
     w = (codes - zeros) * kw.scales.float()[rows]
