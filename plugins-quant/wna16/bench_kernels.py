@@ -44,7 +44,7 @@ def _focused(m: int) -> list[KernelConfig]:
     """A handful of alternatives per M (``--alts``): the GEMV's row/K tiles, tl.dot vs dequant."""
     if m == 1:
         return [KernelConfig("gemv", 1, bn, bk, w, 1) for bn, bk, w in
-                ((16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 2048, 8))]
+                ((16, 2048, 4), (8, 2048, 4), (4, 2048, 4), (16, 1024, 4), (32, 2048, 8))]
     if m <= 16:
         return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 512, 4, 1), KernelConfig("gemm", 16, 32, 128, 4, 4)]
     return [KernelConfig("gemm", 64, 64, 64, 4, 4), KernelConfig("dequant", 1, 16, 512, 4, 1),

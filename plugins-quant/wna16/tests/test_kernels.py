@@ -92,7 +92,7 @@ def test_choose_config_fills_an_h100() -> None:
     cpu = torch.device("cpu")  # counts as 132 SMs
     for n in (4096, 6144, 28672):
         cfg = choose_config(1, n, 4096, 128, cpu)
-        assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 4 * 132  # >= 4 programs per SM, no split-K
+        assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 2 * 132  # >= 2 programs per SM, no split-K
     assert choose_config(64, 4096, 4096, 128, cpu).kind == "gemm"
     assert choose_config(4096, 4096, 4096, 128, cpu).kind == "dequant"
     # One group over K = 14336 (not a power of two): the GEMV's K tile must still tile it.

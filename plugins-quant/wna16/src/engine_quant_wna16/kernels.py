@@ -275,11 +275,11 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # At least 4 programs per SM; rows of BLOCK_K / 2 contiguous bytes, 8 KB per program and step.
+        # At least 2 programs per SM; each warp streams one row's BLOCK_K / 2 contiguous bytes.
         bm = triton.next_power_of_2(m)
         if bm == 1:
-            bn = _widest_block_n((16, 8, 4), n, 1, 4 * sms)
-            bk = 1024 if bn == 16 else 2048
+            bn = _widest_block_n((16, 8, 4), n, 1, 2 * sms)
+            bk = 2048
         else:
             bn, bk = 8, 512
         return KernelConfig("gemv", bm, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
