@@ -44,9 +44,11 @@ def _focused(m: int) -> list[KernelConfig]:
     """A handful of alternatives per M (``--alts``): the GEMV's row/K tiles, tl.dot vs dequant."""
     if m == 1:
         return [KernelConfig("gemv", 1, bn, bk, w, 1) for bn, bk, w in
-                ((16, 2048, 4), (8, 2048, 4), (4, 2048, 4), (16, 1024, 4), (32, 2048, 8))]
+                ((16, 2048, 4), (8, 2048, 4), (4, 2048, 4), (32, 2048, 8))] + [
+            KernelConfig("gemv", 1, 16, 2048, 4, 1, x_f32=True)]
     if m <= 16:
-        return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 512, 4, 1), KernelConfig("gemm", 16, 32, 128, 4, 4)]
+        return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 1024, 4, 1), KernelConfig("gemm", 16, 32, 128, 4, 4),
+                KernelConfig("gemm", 16, 64, 128, 4, 4)][0 if m <= 4 else 1:]
     return [KernelConfig("gemm", 64, 64, 64, 4, 4), KernelConfig("dequant", 1, 16, 512, 4, 1),
             KernelConfig("dequant", 1, 8, 1024, 4, 1)]
 
@@ -111,7 +113,7 @@ def main() -> None:
                 moved = weight_bytes + m * k * 2 + m * n * 2
                 if args.brief:
                     print(f"{name:8s} m={m:<4d} {'*' if cfg == chosen else ' '}{cfg.kind:7s} bm={cfg.block_m:<3d} "
-                          f"bn={cfg.block_n:<3d} bk={cfg.block_k:<5d} w={cfg.num_warps} {ms * 1e3:8.2f} us "
+                          f"bn={cfg.block_n:<3d} bk={cfg.block_k:<5d} w={cfg.num_warps}{'f' if cfg.x_f32 else ' '} {ms * 1e3:8.2f} us "
                           f"bf16 {bf16_ms * 1e3:8.2f} x{bf16_ms / ms:5.2f} {moved / (ms * 1e-3) / 1e9:7.1f} GB/s "
                           f"err {rel:.1e}", flush=True)
                     continue

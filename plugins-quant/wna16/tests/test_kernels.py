@@ -55,6 +55,7 @@ def test_kernel_matches_reference(bits: int, group_size: int, symmetric: bool, a
     KernelConfig("gemv", 1, 32, 64, 4, 1),   # groups of 128 span two K tiles
     KernelConfig("gemv", 1, 16, 256, 4, 1),  # four groups of 64 in one K tile
     KernelConfig("gemv", 4, 16, 128, 4, 1),  # 3 rows in a block of 4, partial N tile
+    KernelConfig("gemv", 2, 16, 256, 4, 1, x_f32=True),  # activations widened first
     KernelConfig("dequant", 1, 32, 64, 4, 1),  # dequantize + F.linear, partial N tile
     KernelConfig("gemm", 16, 32, 32, 4, 1),  # several K steps per group, partial N tile
     KernelConfig("gemm", 32, 64, 64, 4, 1),

@@ -69,7 +69,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
     # over N), which gives it the weight's layout: no data moves between layouts in the loop.
     w_ptrs = (qw_ptr + offs_n[None, None, :, None].to(tl.int64) * stride_qn
               + tile_w[None, :, None, :] * stride_qk)
-    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm
+    # Rows past M read row M - 1 (their results are not stored): the activation loads need no mask.
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None, None, None].to(tl.int64) * stride_xm
     no_n = tl.zeros((BLOCK_N,), dtype=tl.int32)[None, None, :, None]
     k_in = offs_g[:, None] * SUB + offs_j[None, :]  # [NG, PLANE]: input of slot 0
     offs_sub = offs_g[:, None] * SUB + tl.arange(0, SUB)[None, :]  # [NG, SUB]: the blocks' inputs
@@ -90,7 +91,10 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
             k = k0 + k_in + i * PLANE
             if HAS_PERM:
                 k = tl.load(perm_ptr + k, mask=k_ok, other=0)
-            xi = tl.load(x_rows + (k[None, :, None, :] + no_n), mask=x_mask, other=0.0).to(tl.float32)
+            if EVEN_K:
+                xi = tl.load(x_rows + (k[None, :, None, :] + no_n)).to(tl.float32)
+            else:
+                xi = tl.load(x_rows + (k[None, :, None, :] + no_n), mask=x_mask, other=0.0).to(tl.float32)
             # Slot i sits at bits SHIFT = BITS * (i % HALF) of the low or high half-word. OR-ed into the
             # mantissa of 2**(23 - SHIFT) (exponent 150 - SHIFT), the float is 2**(23 - SHIFT) + code
             # exactly: one LOP3 and one FADD, no int->float conversion (a quarter of the FMA rate).
@@ -185,7 +189,12 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
     m_mask = offs_m < M
     n_mask = offs_n < N
     offs_w = tl.arange(0, BLOCK_K // PACK)
-    shifts = tl.arange(0, PACK) * BITS
+    slot = tl.arange(0, PACK)
+    slot_shift = (slot % (PACK // 2)) * BITS
+    hi_shift = (slot // (PACK // 2)) * 16
+    slot_mask = ((1 << BITS) - 1) << slot_shift
+    slot_exp = (150 - slot_shift) << 23
+    slot_off = slot_exp.to(tl.float32, bitcast=True)  # 2**(23 - SHIFT)
     # Packed row r of the tile is word k0 / PACK + r // PACK, slot r % PACK: its input (plane order).
     r = tl.arange(0, BLOCK_K)
     slot_k = (r % PACK) * PLANE
@@ -202,14 +211,18 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
         rows = k0 // PACK + offs_w
         w = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :].to(tl.int64) * stride_qn,
                     mask=n_mask[None, :], other=0)
-        q = tl.reshape((w[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
         s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.int32)
-            b = (q - z[None, :]).to(a.dtype)
+            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
         else:
-            b = (q - (1 << (BITS - 1))).to(a.dtype)
+            z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+        # code - zero, exact, without int->float conversions (see _gemv_kernel): slot i's bits ORed
+        # into the mantissa of 2**(23 - SHIFT), minus that power of two and the zero.
+        half = w[:, None, :] >> hi_shift[None, :, None]
+        bits = (half & slot_mask[None, :, None]) | slot_exp[None, :, None]
+        f = bits.to(tl.float32, bitcast=True) - (slot_off[None, :, None] + z[None, None, :])
+        b = tl.reshape(f, (BLOCK_K, BLOCK_N)).to(a.dtype)
         if DOT_FP32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
@@ -236,6 +249,9 @@ class KernelConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    #: GEMV only: activations widened to float32 first (one small extra kernel; the GEMV then does
+    #: no bf16/fp16 -> float32 conversion per weight).
+    x_f32: bool = False
 
 
 @functools.cache
@@ -266,7 +282,7 @@ def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, wa
 
 
 #: up to this many rows the GEMV kernel runs (``block_m`` rows per program).
-GEMV_MAX_M = 8
+GEMV_MAX_M = 2
 #: from this many rows on, dequantize + cuBLAS; between, the ``tl.dot`` kernel.
 DEQUANT_MIN_M = 128
 
@@ -281,7 +297,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
             bn = _widest_block_n((16, 8, 4), n, 1, 2 * sms)
             bk = 2048
         else:
-            bn, bk = 8, 512
+            bn, bk = 8, 1024
         return KernelConfig("gemv", bm, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
     if m >= DEQUANT_MIN_M:
         return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
@@ -344,6 +360,9 @@ def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = No
                    stride_qn=kw.qweight.stride(1))
     if cfg.kind == "gemv":
         block_k = max(cfg.block_k, 32 // kw.bits * plane)  # whole plane blocks
+        if cfg.x_f32 and x2d.dtype != torch.float32:
+            x2d = x2d.float()
+            strides["stride_xm"] = x2d.stride(0)
         grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
         _gemv_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k, BITS=kw.bits,
                            GROUP=kw.group_size, PLANE=plane, EVEN_K=k % block_k == 0, USE_ASM=not _INTERPRETED,
