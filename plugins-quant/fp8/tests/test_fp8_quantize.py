@@ -99,3 +99,23 @@ def test_scaled_mm_arguments_compute_the_fp8_product() -> None:
     qx, x_scale = quantize_per_token(x)
     exact = (qx.double() * x_scale.double()) @ dequantize_per_channel(q, scale, torch.float64).t()
     assert ((got.double() - exact).norm() / exact.norm()).item() < 1e-5
+
+
+def test_a_gpu_without_fp8_kernels_is_logged_once(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """An A100-class device (compute capability 8.0) takes the dequantize path, and says so once."""
+    import logging
+
+    from engine_quant_fp8 import gemm
+
+    gemm._device_has_fp8_gemm.cache_clear()
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA A100")
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine_quant_fp8.gemm"):
+            assert gemm._device_has_fp8_gemm(0) is False
+            assert gemm._device_has_fp8_gemm(0) is False
+        warnings = [r for r in caplog.records if "no FP8 kernels" in r.getMessage()]
+        assert len(warnings) == 1 and "A100" in warnings[0].getMessage()
+    finally:
+        gemm._device_has_fp8_gemm.cache_clear()

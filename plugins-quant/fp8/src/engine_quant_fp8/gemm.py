@@ -21,11 +21,14 @@ unquantized model because every call rebuilds the dense weight.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
 from engine_quant_fp8.quantize import dequantize_per_block, dequantize_per_channel, quantize_per_token
+
+logger = logging.getLogger(__name__)
 
 # cuBLASLt's fp8 GEMM needs the inner and output dims to be multiples of 16.
 _SCALED_MM_ALIGN = 16
@@ -57,8 +60,14 @@ BLOCK_WEIGHT_ONLY_MAX_M = 32
 def _device_has_fp8_gemm(index: int) -> bool:
     # ROCm builds name their fp8 types differently (e4m3fnuz); keep them on the fallback.
     if torch.version.hip is not None:
-        return False
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+        has = False
+    else:
+        has = torch.cuda.get_device_capability(index) >= (8, 9)
+    if not has:  # once per device (cached): the run is correct but slower than 16-bit
+        logger.warning("fp8: device %d (%s) has no FP8 kernels here (compute capability >= 8.9 on CUDA "
+                       "needed); weights are dequantized for every matmul, slower than the unquantized model",
+                       index, torch.cuda.get_device_name(index))
+    return has
 
 
 def _on_fp8_cuda(x: torch.Tensor) -> bool:
