@@ -93,8 +93,8 @@ def test_choose_config_fills_an_h100() -> None:
     cpu = torch.device("cpu")  # counts as 132 SMs
     for n in (4096, 6144, 28672):
         cfg = choose_config(1, n, 4096, 128, cpu)
-        assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 2 * 132  # >= 2 programs per SM, no split-K
-    assert choose_config(64, 4096, 4096, 128, cpu).kind == "gemm"
+        assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 132  # no SM idle, no split-K
+    assert choose_config(2, 4096, 4096, 128, cpu).kind == "gemv"
     assert choose_config(4096, 4096, 4096, 128, cpu).kind == "dequant"
     # One group over K = 14336 (not a power of two): the GEMV's K tile must still tile it.
     assert 14336 % choose_config(1, 4096, 14336, 14336, cpu).block_k == 0
@@ -118,3 +118,17 @@ def test_llama_8b_shapes_on_gpu(shape: str, m: int, group_size: int, symmetric: 
     # bf16 activations both ways; the kernel's own error is the bf16 output rounding and the
     # order of float32 sums (the reference's weight is exact in float32).
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", [KernelConfig("gemm", 16, 64, 128, 4, 4), KernelConfig("gemm", 64, 64, 64, 4, 4),
+                                    KernelConfig("gemv", 2, 8, 1024, 4, 1), KernelConfig("gemv", 1, 16, 2048, 4, 1, x_f32=True)])
+@pytest.mark.parametrize(("group_size", "symmetric", "act_order"), [(128, False, False), (32, True, True)])
+def test_explicit_kernels_on_gpu(config: KernelConfig, group_size: int, symmetric: bool, act_order: bool) -> None:
+    """The kernels ``choose_config`` does not pick by default (tl.dot, x_f32) on a Llama-8B shape."""
+    k, n = _LLAMA_8B["qkv"]
+    kw = _weight(n, k, 4, group_size, symmetric, act_order, "cuda", seed=5)
+    x = torch.randn(max(config.block_m, 3), k, device="cuda", dtype=torch.bfloat16)
+    got = wna16_gemm(x, kw, config=config)
+    assert _rel(got, wna16_linear_torch(x.float(), kw)) < 1e-2

@@ -1,24 +1,27 @@
-"""Triton dequantize-GEMM for ``KernelWeight`` (see ``layout``): ``y = x @ W.T + bias``.
+"""Triton kernels for ``KernelWeight`` (see ``layout``): ``y = x @ W.T + bias``.
 
-Two kernels, both with float32 accumulation and bf16/fp16 (or fp32) activations:
+Three paths, float32 accumulation, bf16/fp16 (or fp32) activations; ``choose_config`` picks by
+the number of rows M (switch points measured on an H100, see the README):
 
-- ``_gemv_kernel`` (decode, M = 1): one program per ``BLOCK_N`` output channels and row,
-  walking all of K. Small ``BLOCK_N`` (16 to 64) gives a Llama-8B linear 256 to 900 programs,
-  two or more per SM of an H100 (132), so no split-K is needed and the sum is
-  deterministic. Each weight word is loaded once. Per group, codes times activations are
-  summed first and the scale and zero applied once:
-  ``sum_k (q_k - z) s x_k = s (sum_k q_k x_k - z sum_k x_k)``, so the inner loop costs a
-  shift, a mask, a convert and an FMA per weight.
-- ``_gemm_kernel`` (M > 1): ``tl.dot`` tiles. A K tile never straddles a group; the tile
-  of ``q - z`` (integers of at most 9 bits, exact in bf16/fp16) feeds the tensor cores and
-  the group's scale multiplies the float32 partial product, so the weight is never rounded
-  to the activation dtype.
+- ``_gemv_kernel`` (decode, M <= ``GEMV_MAX_M``): one program per ``BLOCK_N`` output channels
+  walking all of K; no split-K, a deterministic sum. The weight is stored output-major in plane
+  order (``layout``), so a warp streams 1 KB of one row per step (16-byte loads) and bit slot i
+  of a thread's words pairs with a contiguous run of activations: the activation loads get the
+  weight tile's register layout and are shared by the 4 rows a thread holds; nothing crosses
+  shared memory in the loop. A code becomes a float with one LOP3 (``code | exponent``, the
+  float ``2**e + code``) and one FADD, never an int->float conversion (a quarter of the FMA
+  rate on Hopper); per plane block (inside a group) the sum of ``code * x`` and the sum of x
+  take the scale and zero once: ``s (sum q x - z sum x)``.
+- ``_gemm_kernel``: ``tl.dot`` tiles, ``q - z`` built the same way (exact in bf16/fp16) and the
+  group scale applied to the float32 partial product. Off by default (``GEMM_MAX_M = 0``).
+- ``dequant`` (larger M): ``_dequant_kernel`` writes W in the activation dtype into a scratch
+  ``[N, K]`` (size from the shape alone) and ``F.linear`` (cuBLAS) multiplies.
 
-``K`` is a compile-time constant in both (a model has two or three): the loop bounds are known
-to the compiler, and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4.
+``K`` is a compile-time constant (a model has two or three): the loop bounds are known to the
+compiler, and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4.
 
-Both are CUDA-graph safe: block sizes depend on shapes only (Python ints), no host syncs,
-and the only allocation is the output.
+CUDA-graph safe: block sizes depend on shapes only (Python ints), no host syncs; allocations are
+the output (and, on the dequant path, the scratch weight; with ``x_f32`` a float32 copy of x).
 """
 
 from __future__ import annotations
@@ -195,19 +198,26 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
     slot_mask = ((1 << BITS) - 1) << slot_shift
     slot_exp = (150 - slot_shift) << 23
     slot_off = slot_exp.to(tl.float32, bitcast=True)  # 2**(23 - SHIFT)
-    # Packed row r of the tile is word k0 / PACK + r // PACK, slot r % PACK: its input (plane order).
-    r = tl.arange(0, BLOCK_K)
-    slot_k = (r % PACK) * PLANE
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    # The tile's BW words are NB runs of PT words of plane blocks; both operands are flattened in
+    # (run, slot, word) order, so the activations load as contiguous runs of PT inputs.
+    BW: tl.constexpr = BLOCK_K // PACK
+    PT: tl.constexpr = PLANE if PLANE < BW else BW
+    NB: tl.constexpr = BW // PT
+    k_rel = ((tl.arange(0, NB) * (PACK * PLANE))[:, None, None] + (slot * PLANE)[None, :, None]
+             + tl.arange(0, PT)[None, None, :])  # [NB, PACK, PT]
+    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        word = k0 // PACK + r // PACK
-        offs_k = (word // PLANE) * (PACK * PLANE) + slot_k + word % PLANE
+        # First input of the tile's first run: its plane block's start plus the word offset in it.
+        if NB > 1:  # whole plane blocks
+            base = k0
+        else:  # part of one block (k0 is a multiple of BLOCK_K, so the word offset one of PT)
+            base = tl.multiple_of((k0 // (PACK * PLANE)) * (PACK * PLANE) + (k0 // PACK) % PLANE, PT)
+        src = base + k_rel
         if HAS_PERM:
-            src = tl.load(perm_ptr + offs_k)
-        else:
-            src = offs_k
-        a = tl.load(x_rows + src[None, :], mask=m_mask[:, None], other=0.0)
+            src = tl.load(perm_ptr + src)
+        a = tl.load(x_rows + src[None, :, :, :], mask=m_mask[:, None, None, None], other=0.0)
+        a = tl.reshape(a, (BLOCK_M, BLOCK_K))
         rows = k0 // PACK + offs_w
         w = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :].to(tl.int64) * stride_qn,
                     mask=n_mask[None, :], other=0)
@@ -221,7 +231,8 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
         # into the mantissa of 2**(23 - SHIFT), minus that power of two and the zero.
         half = w[:, None, :] >> hi_shift[None, :, None]
         bits = (half & slot_mask[None, :, None]) | slot_exp[None, :, None]
-        f = bits.to(tl.float32, bitcast=True) - (slot_off[None, :, None] + z[None, None, :])
+        f = bits.to(tl.float32, bitcast=True) - (slot_off[None, :, None] + z[None, None, :])  # [BW, PACK, BN]
+        f = tl.permute(tl.reshape(f, (NB, PT, PACK, BLOCK_N)), (0, 2, 1, 3))
         b = tl.reshape(f, (BLOCK_K, BLOCK_N)).to(a.dtype)
         if DOT_FP32:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -281,32 +292,34 @@ def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, wa
     return candidates[-1]
 
 
-#: up to this many rows the GEMV kernel runs (``block_m`` rows per program).
+#: up to this many rows the GEMV kernel runs (measured on an H100: README).
 GEMV_MAX_M = 2
-#: from this many rows on, dequantize + cuBLAS; between, the ``tl.dot`` kernel.
-DEQUANT_MIN_M = 128
+#: up to this many rows the tl.dot kernel runs, above them dequantize + cuBLAS. 0: the tl.dot kernel
+#: is off by default, as its current form (after the plane-order fix of its activation loads) has
+#: not been timed yet; the form timed before that fix lost to dequantize + cuBLAS (README).
+GEMM_MAX_M = 0
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> KernelConfig:
     """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # At least 2 programs per SM; each warp streams one row's BLOCK_K / 2 contiguous bytes.
+        # H100: 16 rows x 2048 inputs per program and step (4 rows per thread sharing their
+        # activations, each warp streaming 1 KB of one row) was the fastest on all Llama-8B linears.
         bm = triton.next_power_of_2(m)
         if bm == 1:
-            bn = _widest_block_n((16, 8, 4), n, 1, 2 * sms)
-            bk = 2048
+            bn, bk = _widest_block_n((16, 8, 4), n, 1, sms), 2048
         else:
             bn, bk = 8, 1024
         return KernelConfig("gemv", bm, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
-    if m >= DEQUANT_MIN_M:
-        return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
-    if m <= 16:
-        bn = _widest_block_n((64, 32, 16), n, 1, 2 * sms)
-        return KernelConfig("gemm", 16, bn, fit_block_k(group_size, 128, True), 4, 4)
-    bm = 32 if m <= 32 else 64
-    bn = _widest_block_n((128, 64, 32), n, triton.cdiv(m, bm), sms)
-    return KernelConfig("gemm", bm, bn, fit_block_k(group_size, 64, True), 4, 4)
+    if m <= GEMM_MAX_M:
+        if m <= 16:
+            bn = _widest_block_n((64, 32, 16), n, 1, 2 * sms)
+            return KernelConfig("gemm", 16, bn, fit_block_k(group_size, 128, True), 4, 4)
+        bm = 32 if m <= 32 else 64
+        bn = _widest_block_n((128, 64, 32), n, triton.cdiv(m, bm), sms)
+        return KernelConfig("gemm", bm, bn, fit_block_k(group_size, 64, True), 4, 4)
+    return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
 
 
 def dequantize_weight(kw: KernelWeight, dtype: torch.dtype, config: KernelConfig | None = None) -> torch.Tensor:
