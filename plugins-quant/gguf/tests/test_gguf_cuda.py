@@ -27,7 +27,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 5, 300])  # rows kernel (BLOCK_M 1, 8), dequantize + cuBLAS
+@pytest.mark.parametrize("m", [1, 2, 5, 300])  # rows kernel (BLOCK_M 1, 2), dequantize + cuBLAS
 def test_kernel_at_llama_8b_shapes(name: str, n: int, k: int, m: int) -> None:
     qtype = TYPES[name]
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)

@@ -24,7 +24,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("name", list(TYPES))
-@pytest.mark.parametrize("m", [1, 5, 20])  # 20: dequantize + matmul for every type
+@pytest.mark.parametrize("m", [1, 2, 20])  # 1, 2: the rows kernel; 20: dequantize + matmul
 def test_kernel_matches_the_torch_path(name: str, m: int) -> None:
     qtype = TYPES[name]
     gen = torch.Generator().manual_seed(qtype * 10 + m)
@@ -59,7 +59,7 @@ def test_split_k_rows_kernel_adds_the_partial_sums(name: str) -> None:
     gen = torch.Generator().manual_seed(3)
     w = formats.random_blocks(32, 2048, qtype, gen, torch.device("cpu"))
     want_w = formats.dequantize(w, qtype).double()
-    for m in (1, 3):
+    for m in (1, 2):
         x = torch.randn(m, 2048, generator=gen)
         assert _rel(gguf_matmul(x, formats.pack(w, qtype), qtype, 32), x.double() @ want_w.T) < BAR[torch.float32], m
 
@@ -83,6 +83,6 @@ def test_packed_dequantize_kernel_is_bit_identical_to_the_torch_path(name: str) 
 
 
 def test_every_path_is_taken_by_the_tests_above() -> None:
-    # M = 1 and 5 stay below the dense switch point for every type, M = 20 is above it.
+    # M = 1 and 2 stay below the dense switch point for every type, M = 20 is above it.
     for qtype in TYPES.values():
-        assert 5 < kernels.DENSE_MIN_M.get(qtype, kernels.DENSE_MIN_M_DEFAULT) <= 20
+        assert 2 < kernels.DENSE_MIN_M.get(qtype, kernels.DENSE_MIN_M_DEFAULT) <= 20

@@ -1,37 +1,32 @@
-"""Triton dequantize-GEMM for GGUF blocks: ``y[m, n] = sum_k x[m, k] * W[n, k]`` with ``W`` read
-straight from its ``uint8 [N, row_bytes]`` blocks (layouts in ``formats``).
+"""Triton kernels for GGUF weights on CUDA: ``y[m, n] = sum_k x[m, k] * W[n, k]`` with ``W`` held
+in ``formats.pack``'s layout (the GGUF bytes regrouped per row so codes are int32-aligned).
 
-Two kernels, one per shape of work, each specialised per GGML type (``QTYPE`` is a constexpr):
+- ``_rows_kernel`` (M < ``DENSE_MIN_M``, decode): each thread owns ``R`` weight rows and loads 4
+  consecutive code words (16 bytes) of each per step; every multiply and sum stays inside the
+  thread (no shuffles, no layout conversions), the activations of a step are the same for all
+  threads, and the block scale (and min) is applied per sub-block to the sums:
+  ``y += d*sc * sum(x*q) - dmin*m * sum(x)``. Codes become floats by the exponent trick
+  (``(q | 0x4B000000)`` as float32 minus 2**23). K is split across programs (``SPLIT_K``) until
+  the grid fills the GPU; the float32 partial sums are added in a fixed order (deterministic).
+- ``_dequant_kernel`` + ``torch.mm`` (M >= ``DENSE_MIN_M``): the weight is dequantized into a
+  scratch tensor of the activation dtype (the float operations of ``formats.dequantize``, so
+  bit-identical before the cast) and multiplied by cuBLAS, as vLLM does for GGUF at large M.
 
-- ``_gemv_kernel`` (M = 1, decode at batch 1): one program per ``BLOCK_N`` rows and K split
-  ``SPLIT_K`` ways, sized so the grid has several programs per SM; each block byte is read once.
-  Codes are multiplied with ``x`` per sub-block first and the block's scale (and min) applied to
-  the sums, so the per-element work is an extract and an FMA. Codes become floats by the
-  exponent trick (``(q | 0x4B000000)`` as float32 minus 2**23: integer ops at full rate, where
-  an int-to-float conversion runs at a quarter).
-- ``_gemm_kernel`` (M >= 2): ``BLOCK_M x BLOCK_N`` tiles; each unit of 256 elements is
-  dequantized into registers in the activation dtype and fed to ``tl.dot`` (K pieces of 64-256).
-
-Both accumulate in float32 and write ``out[:, col0:col0 + N]`` of a wider output (so the shards of
-a fused layer with different types fill one tensor). No host synchronisation: CUDA-graph safe.
-A "unit" is 256 elements of a row: one super-block for Q4_K/Q6_K, eight 32-element blocks for
-Q4_0/Q4_1/Q8_0 (the last unit of a row may be partial for those; the loads are masked).
+Both write ``out[:, col0:col0 + N]`` of a wider output (so the shards of a fused layer with
+different types fill one tensor). No host synchronisation: CUDA-graph safe. A "unit" is 256
+elements of a row: one super-block for Q4_K/Q6_K, eight 32-element blocks for Q4_0/Q4_1/Q8_0
+(the last unit of a row may be partial for those; the loads are masked).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from engine_quant_gguf.formats import KEPT, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, packed_row_bytes
-
-# Triton's interpreter (CPU tests) multiplies bfloat16 tl.dot inputs wrongly; there the tiles are
-# multiplied in float32 instead (the dequantization, the part under test, is the same code).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -142,8 +137,8 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, row_words, x_stride, out_stride, s
             u = u0 + i
             d = tl.load(f16 + 2 * rb + (3 * K) // 8 + K // 32 + u).to(tl.float32)         # [1, R, T, 1]
             for hg in tl.static_range(4):  # element 128h + 32t + 16g + 4w + b, hg = 2h + g
-                h: tl.constexpr = hg // 2
-                g: tl.constexpr = hg % 2
+                h = hg // 2
+                g = hg % 2
                 ql0 = tl.load(w32 + rb + 32 * u + 16 * h + 4 * g + kk)
                 ql1 = tl.load(w32 + rb + 32 * u + 16 * h + 8 + 4 * g + kk)
                 qh = tl.load(w32 + rb + K // 8 + 16 * u + 8 * h + 4 * g + kk)
@@ -165,38 +160,36 @@ def _rows_kernel(x_ptr, w_ptr, out_ptr, M, N, row_words, x_stride, out_stride, s
     else:  # Q4_0 / Q4_1 / Q8_0 (packed): codes, then d (then m); 8 blocks of 32 a unit
         NB: tl.constexpr = K // 32
         WPB: tl.constexpr = 8 if QTYPE == 8 else 4                                         # code words a block
-        for i in range(UNITS):
-            u = u0 + i
-            for bi in tl.static_range(8):
-                blk = 8 * u + bi
-                ok = blk < NB
-                d = tl.load(f16 + 2 * rb + (WPB * NB) * 2 + blk, mask=ok, other=0.0).to(tl.float32)
-                if QTYPE == 8:
-                    for half in tl.static_range(2):
-                        words = tl.load(w32 + rb + WPB * blk + 4 * half + kk, mask=ok, other=0) ^ -2139062144
-                        xc = x_ptr + xrow + 32 * blk + 16 * half + 4 * kk
-                        s = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
-                        xs = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
-                        for b in tl.static_range(4):
-                            xv = tl.load(xc + b, mask=ok, other=0.0).to(tl.float32)
-                            s += _to_f32((words >> (8 * b)) & 255) * xv                    # q + 128
-                            xs += xv
-                        acc += d * (s - 128.0 * xs)
-                else:
-                    words = tl.load(w32 + rb + WPB * blk + kk, mask=ok, other=0)
-                    xc = x_ptr + xrow + 32 * blk + 4 * kk
+        for i in range(UNITS * 8):  # one 32-element block an iteration (a static unroll spills registers)
+            blk = 8 * u0 + i
+            ok = blk < NB
+            d = tl.load(f16 + 2 * rb + (WPB * NB) * 2 + blk, mask=ok, other=0.0).to(tl.float32)
+            if QTYPE == 8:
+                for half in tl.static_range(2):
+                    words = tl.load(w32 + rb + WPB * blk + 4 * half + kk, mask=ok, other=0) ^ -2139062144
+                    xc = x_ptr + xrow + 32 * blk + 16 * half + 4 * kk
                     s = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
                     xs = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
                     for b in tl.static_range(4):
-                        x_lo = tl.load(xc + b, mask=ok, other=0.0).to(tl.float32)
-                        x_hi = tl.load(xc + 16 + b, mask=ok, other=0.0).to(tl.float32)
-                        s += _to_f32((words >> (8 * b)) & 15) * x_lo + _to_f32((words >> (8 * b + 4)) & 15) * x_hi
-                        xs += x_lo + x_hi
-                    if QTYPE == 2:
-                        acc += d * (s - 8.0 * xs)
-                    else:
-                        mn = tl.load(f16 + 2 * rb + (WPB * NB) * 2 + NB + blk, mask=ok, other=0.0).to(tl.float32)
-                        acc += d * s + mn * xs
+                        xv = tl.load(xc + b, mask=ok, other=0.0).to(tl.float32)
+                        s += _to_f32((words >> (8 * b)) & 255) * xv                    # q + 128
+                        xs += xv
+                    acc += d * (s - 128.0 * xs)
+            else:
+                words = tl.load(w32 + rb + WPB * blk + kk, mask=ok, other=0)
+                xc = x_ptr + xrow + 32 * blk + 4 * kk
+                s = tl.zeros([BLOCK_M, R, T, 4], dtype=tl.float32)
+                xs = tl.zeros([BLOCK_M, 1, 1, 4], dtype=tl.float32)
+                for b in tl.static_range(4):
+                    x_lo = tl.load(xc + b, mask=ok, other=0.0).to(tl.float32)
+                    x_hi = tl.load(xc + 16 + b, mask=ok, other=0.0).to(tl.float32)
+                    s += _to_f32((words >> (8 * b)) & 15) * x_lo + _to_f32((words >> (8 * b + 4)) & 15) * x_hi
+                    xs += x_lo + x_hi
+                if QTYPE == 2:
+                    acc += d * (s - 8.0 * xs)
+                else:
+                    mn = tl.load(f16 + 2 * rb + (WPB * NB) * 2 + NB + blk, mask=ok, other=0.0).to(tl.float32)
+                    acc += d * s + mn * xs
     res = tl.sum(acc, axis=3)                                                               # [BLOCK_M, R, T]
     out = out_ptr + pid_k * split_stride + ms.to(tl.int64)[:, None, None] * out_stride + rows[None, :, :]
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=(ms < M)[:, None, None] & (rows < N)[None, :, :])
@@ -298,7 +291,7 @@ def _sm_count(device_index: int) -> int:
 #: from this many activation rows on, the weight is dequantized into a scratch tensor of the
 #: activation dtype and multiplied by cuBLAS (``torch.mm``); below it the word kernel runs.
 DENSE_MIN_M: dict[int, int] = {}
-DENSE_MIN_M_DEFAULT = 9
+DENSE_MIN_M_DEFAULT = 3
 
 
 def rows_config(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
@@ -308,8 +301,8 @@ def rows_config(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int,
     fixed order) until the grid has about 4 programs per SM.
     """
     units = -(-k // 256)
-    block_m = 1 if m == 1 else min(triton.next_power_of_2(m), 8)
-    r = 2 if block_m <= 2 else 1
+    block_m = min(m, 2)  # BLOCK_M 4 spills registers (ptxas) and ran 7x slower than 2 on the H100
+    r = 2 if m == 1 and qtype != Q6_K else 1  # R = 2 at M = 2 (and Q6_K) spills on the larger K splits
     warps = 4
     tiles = -(-n // (r * 32 * warps)) * -(-m // block_m)
     split = 1
