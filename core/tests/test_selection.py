@@ -161,3 +161,35 @@ def test_start_up_log_names_every_component(llama_ckpt: str, caplog: pytest.LogC
                      "model: llama for LlamaForCausalLM (plugserve-models-llama 0.1.0)",
                      "policy: lpm (plugserve-policy-lpm 0.1.0)"):
         assert expected in lines, lines
+
+
+def test_gguf_blocks_on_a_checkpoint_that_is_not_gguf_fail_in_preflight(llama_ckpt: str) -> None:
+    """``--quant gguf`` reads blocks from a GGUF file: a Hugging Face directory is refused before
+    any process starts; ``--load-format dummy`` (benchmarks) needs no file."""
+    from engine.errors import ModelLoadError
+
+    pytest.importorskip("engine_quant_gguf")
+    hf = _hf_config("LlamaForCausalLM")
+    with pytest.raises(ModelLoadError, match=r"--quant gguf: .* is not a GGUF checkpoint; accepted: a GGUF file"):
+        select_components(_args(model_path=llama_ckpt, quant="gguf"), hf)
+    assert select_components(_args(model_path=llama_ckpt, quant="gguf", load_format="dummy"), hf).quant is not None
+
+
+def test_gguf_default_follows_the_one_switch(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """With no --quant, a GGUF runs dequantized unless ``KEEP_GGUF_QUANTIZED_ON_CUDA`` says to keep
+    its blocks, and then only on CUDA and only where the gguf plugin is installed and enabled."""
+    from engine import selection
+    from engine.model_executor import gguf_loader
+
+    pytest.importorskip("engine_quant_gguf")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    reg = plugins.get_registry()
+    cuda, cpu = types.SimpleNamespace(device_type="cuda"), types.SimpleNamespace(device_type="cpu")
+    assert selection._default_gguf_method(_args(model_path=str(gguf)), cuda, reg) is None  # the shipped default
+    monkeypatch.setattr(gguf_loader, "KEEP_GGUF_QUANTIZED_ON_CUDA", True)
+    assert selection._default_gguf_method(_args(model_path=str(gguf)), cuda, reg).name == "gguf"
+    assert selection._default_gguf_method(_args(), cuda, reg).name == "gguf"  # the default model is a GGUF
+    assert selection._default_gguf_method(_args(model_path=str(gguf)), cpu, reg) is None
+    assert selection._default_gguf_method(_args(model_path=str(tmp_path / "x.safetensors")), cuda, reg) is None
+    assert selection._default_gguf_method(_args(model_path=str(gguf), disable_plugin=["gguf"]), cuda, reg) is None

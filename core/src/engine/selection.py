@@ -176,13 +176,17 @@ def _select_quant(args: ServerArgs, hf_config: Any, platform: Any, reg: Any,
     elif args.quant:
         spec = plugins.get_quantization_method(args.quant, disabled)
     else:
-        return None, None
+        default = _default_gguf_method(args, platform, reg)
+        if default is None:
+            return None, None
+        spec = default
     device = platform.device_type
     if device not in spec.device_types:
         raise ConfigError(f"quantization method '{spec.name}' does not run on platform '{platform.name}' "
                           f"(runs on: {', '.join(spec.device_types)}); methods for {device}: {_names_for_device(reg, 'quantization', device)}")
     selected = _selected(reg, "quantization", spec.name, spec, args.plugin_options)
     quant_config = plugins.create(spec.factory, dict(ckpt or {}), options=selected.options)
+    _check_gguf_blocks_source(args, quant_config)
     accepted = list(quant_config.supported_act_dtypes())
     if dtype not in accepted:
         names = ", ".join(str(d).replace("torch.", "") for d in accepted)
@@ -190,3 +194,30 @@ def _select_quant(args: ServerArgs, hf_config: Any, platform: Any, reg: Any,
         given = f"--dtype {args.dtype}" + (f" (resolved to {resolved})" if args.dtype == "auto" else "")
         raise ConfigError(f"{given}: quantization method '{spec.name}' cannot run activations in {resolved}; accepted: {names}")
     return selected, quant_config
+
+
+def _default_gguf_method(args: ServerArgs, platform: Any, reg: Any) -> Any:
+    """The ``gguf`` method's spec where a GGUF with no --quant keeps its blocks on this device
+    (``gguf_loader.default_gguf_quant``, off unless flipped there), else None."""
+    from engine.model_executor.gguf_loader import default_gguf_quant
+
+    name = default_gguf_quant(args.model_path, platform.device_type)
+    if name is None or name in args.disable_plugin:
+        return None
+    try:
+        return reg.get("quantization", name, "quantization method")
+    except PluginError:  # not installed: the GGUF runs dequantized
+        return None
+
+
+def _check_gguf_blocks_source(args: ServerArgs, quant_config: Any) -> None:
+    """A method that reads GGUF blocks (``loads_gguf_blocks``) needs a GGUF checkpoint: said here,
+    before any process starts, rather than when the scheduler loads the weights."""
+    if not getattr(quant_config, "loads_gguf_blocks", False) or args.load_format == "dummy" or args.model_path is None:
+        return
+    from engine.model_executor.gguf_loader import find_gguf, gguf_source
+
+    # A GGUF file (or a directory holding one), or the engine's conversion of one.
+    if find_gguf(args.model_path) is None and gguf_source(args.model_path) is None:
+        raise ModelLoadError(f"--quant {quant_config.name}: {args.model_path} is not a GGUF checkpoint; accepted: a GGUF "
+                             "file (--model-path FILE.gguf, or the default model), or --load-format dummy")
