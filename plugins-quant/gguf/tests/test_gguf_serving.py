@@ -11,7 +11,9 @@ greedy tokens are equal.
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
+import shutil
 from typing import Any
 
 import pytest
@@ -172,3 +174,24 @@ class TestGGUFQ4_1Conformance(TestGGUFQ8_0Conformance):
 
     max_rel_error = 0.1
     qtype = "Q4_1"
+
+
+def test_quant_gguf_needs_no_dequantized_copy_on_disk(tmp_path: pathlib.Path, source: tuple[str, Any]) -> None:
+    """``--quant gguf`` reads every tensor from the GGUF: its conversion holds config and tokenizer
+    only (``-config``), serves exactly as the full conversion does, and a later full conversion is
+    reused by ``--quant gguf`` rather than a second directory."""
+    import glob
+
+    path = str(tmp_path / "tiny-Q4_K.gguf")
+    write_tiny_gguf(path, source[1], "Q4_K")
+    light = resolve_checkpoint(path, weights=False)
+    assert light.endswith("-config") and os.path.isfile(os.path.join(light, "config.json"))
+    assert not glob.glob(os.path.join(light, "*.safetensors"))
+    full = resolve_checkpoint(path)
+    assert glob.glob(os.path.join(full, "*.safetensors"))
+    assert generate_greedy(make_scheduler(light, quant="gguf"), PROMPTS, 8) == \
+        generate_greedy(make_scheduler(full, quant="gguf"), PROMPTS, 8)
+    with pytest.raises(ModelLoadError, match="no weights found"):
+        make_scheduler(light)  # without --quant gguf the weights would have to be on disk
+    shutil.rmtree(light)
+    assert resolve_checkpoint(path, weights=False) == full

@@ -25,7 +25,8 @@ def resolve_model_path(args: ServerArgs) -> str:
     """The Hugging Face directory to load: the default model or a GGUF converted once, or the path."""
     from engine.model_executor.checkpoint import resolve_checkpoint
 
-    return resolve_checkpoint(args.model_path or None, args.disable_plugin)
+    # --quant gguf reads every tensor from the GGUF: its conversion needs no dequantized weights.
+    return resolve_checkpoint(args.model_path or None, args.disable_plugin, weights=args.quant != "gguf")
 
 
 def preflight(args: ServerArgs, model_path: str) -> Any:

@@ -14,12 +14,14 @@ from typing import Any
 from engine.errors import ModelLoadError
 
 
-def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = ()) -> str:
+def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = (), weights: bool = True) -> str:
     """The Hugging Face directory the engine loads for ``--model-path``.
 
     None means the embedded default model (SmolLM2-135M-Instruct's GGUF); a GGUF file, or a
     directory holding one GGUF and no config.json, is converted once into the cache
     (``gguf_loader``); anything else is returned as given for ``load_hf_config`` to check.
+    ``weights=False``: the caller reads the weights from the GGUF itself (``--quant gguf``), so a
+    GGUF's conversion may hold config and tokenizer only.
     """
     from engine import plugins
     from engine.model_executor.gguf_loader import find_gguf, prepare_gguf_checkpoint
@@ -33,7 +35,7 @@ def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = ()) -> 
     if gguf_path is None:
         return model_path  # type: ignore[return-value]  # not None here: None took the branch above
     blocked = tuple(disabled)
-    return prepare_gguf_checkpoint(gguf_path, lambda arch: plugins.get_model_spec(arch, blocked))
+    return prepare_gguf_checkpoint(gguf_path, lambda arch: plugins.get_model_spec(arch, blocked), weights)
 
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:

@@ -76,7 +76,8 @@ def _fix_head_dim(config: Any, reader: Any) -> None:
         config.head_dim = int(field.contents())
 
 
-def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str], None]) -> None:
+def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str], None],
+                 weights: bool = True) -> None:
     """Writes config.json, the tokenizer files and safetensors weights of ``gguf_path`` into ``target``.
 
     Args:
@@ -84,6 +85,8 @@ def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str]
         target: an existing, empty directory.
         check_architecture: called with the Hugging Face architecture name before the slow part;
             raises when no model plugin provides it.
+        weights: False writes config and tokenizer only, for a method that reads every tensor
+            from the GGUF itself (``--quant gguf``).
     """
     from transformers import AutoTokenizer
 
@@ -96,10 +99,10 @@ def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str]
         raise ModelLoadError(f"--model-path: cannot build a tokenizer from the GGUF metadata of {gguf_path}: {exc}") from None
     tokenizer.save_pretrained(target)
     config.save_pretrained(target)
-    count = _write_weights(gguf_path, config, target, reader)
+    count = _write_weights(gguf_path, config, target, reader) if weights else 0
     with open(os.path.join(target, SOURCE_FILE), "w") as f:
         json.dump({"gguf": os.path.abspath(gguf_path), "converter_version": CONVERTER_VERSION,
-                   "tensors": count}, f, indent=1)
+                   "tensors": count, "weights": weights}, f, indent=1)
 
 
 def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True,

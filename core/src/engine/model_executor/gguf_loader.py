@@ -91,24 +91,32 @@ def converted_dir(gguf_path: str) -> str:
     return os.path.join(cache_root(), "gguf", f"{stem}-{file_digest(gguf_path)[:16]}-v{CONVERTER_VERSION}")
 
 
-def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], None]) -> str:
+def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], None],
+                            weights: bool = True) -> str:
     """The Hugging Face directory converted from ``gguf_path``, converting it on first use.
 
     Args:
         check_architecture: raises when no model plugin provides the Hugging Face architecture
             the GGUF holds (called before the slow part of a conversion).
+        weights: False (``--quant gguf``, which reads every tensor from the GGUF itself) needs
+            config and tokenizer only: a full conversion is reused where one exists, else a
+            ``-config`` directory without weights is written (seconds, and no dequantized copy
+            of the model on disk).
     """
     from engine.model_executor.gguf_convert import SOURCE_FILE, convert_gguf
 
-    target = converted_dir(gguf_path)
-    if os.path.isfile(os.path.join(target, SOURCE_FILE)):
-        return target
+    full = converted_dir(gguf_path)
+    target = full if weights else full + "-config"
+    for ready in (full, target):
+        if os.path.isfile(os.path.join(ready, SOURCE_FILE)):
+            return ready
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(target))
     started = time.perf_counter()
-    logger.info("converting GGUF %s to a safetensors checkpoint in %s (once; later starts reuse it)", gguf_path, target)
+    logger.info("converting GGUF %s to a %s in %s (once; later starts reuse it)", gguf_path,
+                "safetensors checkpoint" if weights else "config and tokenizer (weights stay in the GGUF)", target)
     try:
-        convert_gguf(gguf_path, tmp, check_architecture)
+        convert_gguf(gguf_path, tmp, check_architecture, weights)
         try:
             os.rename(tmp, target)
         except OSError:  # another process finished the same conversion first
