@@ -22,6 +22,10 @@ if TYPE_CHECKING:
 class LinearMethodBase(ABC):
     """How one linear layer stores its weight and multiplies by it."""
 
+    #: The layer takes a GGUF tensor as stored (``uint8`` blocks after a ``weight_type``), when the
+    #: config ``loads_gguf_blocks``; False: the model loader hands it dequantized floats.
+    accepts_gguf_blocks: bool = False
+
     @abstractmethod
     def create_weights(
         self,
@@ -43,6 +47,11 @@ class LinearMethodBase(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Repacks or quantizes loaded weights (e.g. dynamic FP8); default: nothing."""
+
+    def init_dummy_weights(self, layer: nn.Module, seed: int) -> None:
+        """Fills the parameters ``--load-format dummy`` leaves alone (those not float32/16-bit:
+        packed integers, blocks, fp8 codes) with valid random data, before
+        ``process_weights_after_loading``; default: nothing (they stay as allocated)."""
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,6 +81,9 @@ class QuantizationConfig(ABC):
 
     #: plugin name, as in ``--quant``.
     name: str = ""
+    #: The method reads the weights from the GGUF file itself (the ``gguf`` plugin): the model
+    #: loader streams its layers' tensors as stored, and the checkpoint must be a GGUF.
+    loads_gguf_blocks: bool = False
 
     @classmethod
     @abstractmethod
