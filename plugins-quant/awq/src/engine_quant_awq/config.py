@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from engine.errors import ModelLoadError
 from engine.layers.quantization import LinearMethodBase, QuantizationConfig
+from engine_quant_wna16.layout import check_group_size_field
 from engine_quant_wna16.method import WNA16LinearMethod, resolve_group_size
 
 from engine_quant_awq.format import BITS, unpack_awq
@@ -15,8 +16,6 @@ from engine_quant_awq.format import BITS, unpack_awq
 if TYPE_CHECKING:
     from engine_quant_wna16.layout import IntWeight
     from torch import nn
-
-GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass
@@ -50,9 +49,7 @@ class AwqConfig(QuantizationConfig):
         if not config.get("zero_point", True):
             raise ModelLoadError("awq quantization_config.zero_point: false is not supported; accepted: true")
         group_size = config.get("group_size", config.get("q_group_size", 128))
-        if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 16)):
-            raise ModelLoadError(f"awq quantization_config.group_size: invalid value {group_size!r}; "
-                                 f"accepted: {', '.join(map(str, GROUP_SIZES))} (any multiple of 16), or -1")
+        check_group_size_field(group_size, "awq quantization_config.group_size", one_group="-1")
         ignored = config.get("modules_to_not_convert") or ()
         return cls(group_size=group_size, ignored=tuple(ignored))
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from engine.errors import ModelLoadError
 from engine.layers.quantization import FUSED_LAYER_PARTS, LinearMethodBase, QuantizationConfig
+from engine_quant_wna16.layout import check_group_size_field
 
 if TYPE_CHECKING:
     from torch import nn
@@ -66,9 +67,7 @@ def _parse_int(where: str, weights: dict[str, Any], inputs: Any, fmt: str) -> In
     strategy = _strategy(weights)
     if strategy == "group":
         group_size = weights.get("group_size")
-        if not isinstance(group_size, int) or group_size <= 0 or group_size % 16:
-            raise ModelLoadError(f"{where}.weights.group_size: invalid value {group_size!r}; "
-                                 "accepted: 32, 64, 128 (any multiple of 16)")
+        check_group_size_field(group_size, f"{where}.weights.group_size")
     elif strategy == "channel":
         group_size = -1
     else:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from engine.errors import ModelLoadError
 from engine.layers.quantization import LinearMethodBase, QuantizationConfig
+from engine_quant_wna16.layout import check_group_size_field
 from engine_quant_wna16.method import WNA16LinearMethod, resolve_group_size
 
 from engine_quant_gptq.format import unpack_gptq
@@ -51,9 +52,7 @@ class GptqConfig(QuantizationConfig):
         if bits not in BITS:
             raise ModelLoadError(f"gptq quantization_config.bits: {bits} is not supported; accepted: 4, 8")
         group_size = config.get("group_size", 128)
-        if not isinstance(group_size, int) or (group_size != -1 and (group_size <= 0 or group_size % 16)):
-            raise ModelLoadError(f"gptq quantization_config.group_size: invalid value {group_size!r}; "
-                                 "accepted: 32, 64, 128 (any multiple of 16), or -1 (one group)")
+        check_group_size_field(group_size, "gptq quantization_config.group_size", one_group="-1 (one group)")
         fmt = str(config.get("checkpoint_format", "gptq")).lower()
         if fmt not in CHECKPOINT_FORMATS:
             raise ModelLoadError(f"gptq quantization_config.checkpoint_format: '{fmt}' is not supported; "

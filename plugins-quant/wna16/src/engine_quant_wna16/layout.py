@@ -139,6 +139,15 @@ def check_shape(bits: int, group_size: int, in_features: int, where: str) -> Non
                              "accepted: 32, 64, 128 (any multiple of 16), or -1")
 
 
+def check_group_size_field(value: object, field: str, one_group: str | None = None) -> None:
+    """Raises ``ModelLoadError`` unless a config's ``group_size`` is a positive multiple of
+    ``GROUP_ALIGN`` (or -1, where ``one_group`` says how the format spells one group per channel)."""
+    if isinstance(value, int) and ((one_group is not None and value == -1) or (value > 0 and not value % GROUP_ALIGN)):
+        return
+    accepted = f"32, 64, 128 (any multiple of {GROUP_ALIGN})" + (f", or {one_group}" if one_group else "")
+    raise ModelLoadError(f"{field}: invalid value {value!r}; accepted: {accepted}")
+
+
 def compact_scales(scales: torch.Tensor) -> torch.Tensor:
     """The scales in float16 or bfloat16 when that loses nothing, else float32."""
     if scales.dtype in (torch.float16, torch.bfloat16):
