@@ -99,12 +99,9 @@ def _w8a16_gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, K: tl.constexpr,
 
 
 @triton.jit
-def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
-                       stride_xm, stride_wn, stride_sn, stride_ym,
-                       HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
-                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+def _gemm_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's output tile of the fp8 GEMMs: token and weight-row offsets, their masks, and
+    the rows to read (out-of-range ones read row 0, never stored: unpredicated loads)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -114,15 +111,24 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
     group_size = tl.minimum(num_m - first_m, GROUP_M)
     pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
     pid_n = (pid % (GROUP_M * num_n)) // group_size
-
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    # Out-of-range rows / tokens read row 0 (never stored): unpredicated loads.
     rows_x = tl.where(mask_m, offs_m, 0).to(tl.int64)
     rows_w = tl.where(mask_n, offs_n, 0).to(tl.int64)
+    return offs_m, offs_n, mask_m, mask_n, rows_x, rows_w
+
+
+@triton.jit
+def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
+                       stride_xm, stride_wn, stride_sn, stride_ym,
+                       HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
+                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+    offs_m, offs_n, mask_m, mask_n, rows_x, rows_w = _gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows_w[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N] view of W.T
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

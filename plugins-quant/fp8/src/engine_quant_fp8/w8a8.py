@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_quant_fp8.kernels import _INTERPRETED, quantize_per_token_triton
+from engine_quant_fp8.kernels import _INTERPRETED, _gemm_tile, quantize_per_token_triton
 from engine_quant_fp8.quantize import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
 
@@ -74,22 +74,8 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, K: tl.co
                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % group_size
-    pid_n = (pid % (GROUP_M * num_n)) // group_size
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m, offs_n, mask_m, mask_n, rows_x, rows_w = _gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-    rows_x = tl.where(mask_m, offs_m, 0).to(tl.int64)
-    rows_w = tl.where(mask_n, offs_n, 0).to(tl.int64)
     x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + rows_w[None, :] * stride_wn + offs_k[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
