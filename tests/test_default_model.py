@@ -19,13 +19,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server_e2e_harness import Server, free_port, server_info  # noqa: E402
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Name three primary colors."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "How many legs does a spider have?"}],
-]
-MAX_NEW_TOKENS = 24
+from engine.testing.default_model import CHATS, MAX_NEW_TOKENS, chat_prompt_ids  # noqa: E402
+
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -50,11 +45,6 @@ def tokenizer(model_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
 def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_path: str, tokenizer: Any) -> None:
     from gguf import GGUFReader
 
@@ -72,7 +62,7 @@ def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_path: str, tokenize
     text = tokenizer.apply_chat_template(CHATS[0], add_generation_prompt=True, tokenize=False)
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
-    ids = _chat_ids(tokenizer, CHATS[0])
+    ids = chat_prompt_ids(tokenizer, CHATS[0])
     assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> first; two turns closed by <|im_end|>
     assert tokenizer.decode(ids) == text
 
@@ -87,7 +77,7 @@ def test_greedy_answers_equal_transformers_on_the_same_gguf(model_dir: str, gguf
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32).eval()
-    prompts = [_chat_ids(tokenizer, chat) for chat in CHATS]
+    prompts = [chat_prompt_ids(tokenizer, chat) for chat in CHATS]
     sched = make_scheduler(model_dir)
     assert sched.runner.dtype == torch.float32  # --dtype auto on the CPU
     ours = generate_greedy(sched, prompts, MAX_NEW_TOKENS)  # all three in one batch
@@ -131,7 +121,7 @@ def test_server_answers_paris_and_stops_at_im_end(default_server: Server, client
     assert choice.finish_reason == "stop"
     assert reply.usage.completion_tokens < 64  # ended by the end-of-turn token, not by the limit
     # The prompt is the GGUF's own chat template (with SmolLM2's default system prompt).
-    assert reply.usage.prompt_tokens == len(_chat_ids(tokenizer, QUESTION))
+    assert reply.usage.prompt_tokens == len(chat_prompt_ids(tokenizer, QUESTION))
 
     stream = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=64,
                                             stream=True)

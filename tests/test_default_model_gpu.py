@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from engine.testing.default_model import CHATS as DEFAULT_MODEL_CHATS
+from engine.testing.default_model import chat_prompt_ids
 from engine.testing.harness import cuda_attention_backends
 
 pytestmark = pytest.mark.gpu
@@ -17,13 +19,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Name three primary colors."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "How many legs does a spider have?"}],
-    [{"role": "user", "content": "Write one sentence about the sea."}],
-]
+CHATS = [*DEFAULT_MODEL_CHATS, [{"role": "user", "content": "Write one sentence about the sea."}]]
 MAX_NEW = 32
 BF16_TIE = 0.25
 
@@ -52,8 +48,7 @@ def prompts(model_dir: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    out = [tokenizer.apply_chat_template(chat, add_generation_prompt=True) for chat in CHATS]
-    return [list(o["input_ids"] if hasattr(o, "keys") else o) for o in out]
+    return [chat_prompt_ids(tokenizer, chat) for chat in CHATS]
 
 
 @pytest.mark.parametrize("attention", cuda_attention_backends())

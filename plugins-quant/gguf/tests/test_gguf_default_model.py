@@ -11,14 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "user", "content": "Name three primary colors."}],
-    [{"role": "system", "content": "You are a terse assistant."},
-     {"role": "user", "content": "How many legs does a spider have?"}],
-]
-MAX_NEW_TOKENS = 24
+from engine.testing.default_model import CHATS, MAX_NEW_TOKENS, chat_prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +27,7 @@ def test_kept_q4_1_blocks_answer_like_the_dequantized_model(model_dir: str) -> N
     from transformers import AutoTokenizer
 
     tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
-    prompts = []
-    for chat in CHATS:
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    prompts = [chat_prompt_ids(tokenizer, chat) for chat in CHATS]
     kept = make_scheduler(model_dir, quant="gguf")
     config = kept.runner.selection.quant_config
     assert dict(config.kept_bytes) == {formats.Q4_1: 106_168_320 * 20 // 32}  # 20 bytes per 32 weights
