@@ -215,9 +215,8 @@ def _check_gguf_blocks_source(args: ServerArgs, quant_config: Any) -> None:
     before any process starts, rather than when the scheduler loads the weights."""
     if not getattr(quant_config, "loads_gguf_blocks", False) or args.load_format == "dummy" or args.model_path is None:
         return
-    from engine.model_executor.gguf_loader import find_gguf, gguf_source
+    from engine.model_executor.gguf_loader import find_gguf, gguf_source, not_a_gguf_error
 
     # A GGUF file (or a directory holding one), or the engine's conversion of one.
     if find_gguf(args.model_path) is None and gguf_source(args.model_path) is None:
-        raise ModelLoadError(f"--quant {quant_config.name}: {args.model_path} is not a GGUF checkpoint; accepted: a GGUF "
-                             "file (--model-path FILE.gguf, or the default model), or --load-format dummy")
+        raise not_a_gguf_error(quant_config.name, args.model_path)

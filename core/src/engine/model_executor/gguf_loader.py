@@ -130,6 +130,12 @@ def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], 
     return target
 
 
+def not_a_gguf_error(method: str, model_path: str) -> ModelLoadError:
+    """The error for a method that reads GGUF blocks (``--quant gguf``) given another checkpoint."""
+    return ModelLoadError(f"--quant {method}: {model_path} is not a GGUF checkpoint; accepted: a GGUF file "
+                          "(--model-path FILE.gguf, or the default model), or --load-format dummy")
+
+
 def gguf_source(model_dir: str) -> str | None:
     """The GGUF file a converted directory was made from (None: not a conversion, or the file
     has gone), for the ``gguf`` quant method, which reads the blocks from the file itself."""

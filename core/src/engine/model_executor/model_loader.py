@@ -78,13 +78,11 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
     # A method that keeps GGUF blocks (the gguf plugin) reads them from the GGUF file itself.
     gguf_file = None
     if getattr(quant, "loads_gguf_blocks", False) and args.load_format != "dummy":
-        from engine.model_executor.gguf_loader import gguf_source
+        from engine.model_executor.gguf_loader import gguf_source, not_a_gguf_error
 
         gguf_file = gguf_source(model_path)
         if gguf_file is None:
-            raise ModelLoadError(f"--quant {quant.name}: {args.model_path or model_path} is not a GGUF checkpoint; "
-                                 f"accepted: a GGUF file (--model-path FILE.gguf, or the default model), "
-                                 f"or --load-format dummy")
+            raise not_a_gguf_error(quant.name, args.model_path or model_path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(selection.dtype)
     try:
@@ -108,9 +106,9 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
-    report = getattr(quant, "load_report", None)
-    if callable(report):
-        logger.info(report())
+    report = quant.load_report() if quant is not None else None
+    if report:
+        logger.info(report)
     return model.eval()
 
 

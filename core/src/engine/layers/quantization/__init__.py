@@ -103,6 +103,11 @@ class QuantizationConfig(ABC):
         before the model loads."""
         return [torch.float32, torch.bfloat16, torch.float16]
 
+    def load_report(self) -> str | None:
+        """One line the engine logs once the weights are loaded (e.g. the memory a method saved);
+        None logs nothing."""
+        return None
+
     def ignored_layers(self) -> list[str]:
         """Layers left unquantized, as the checkpoint names them (its ``quantization_config``'s
         ``ignored_layers``): full prefixes (``model.layers.0.mlp.down_proj``) or short names
