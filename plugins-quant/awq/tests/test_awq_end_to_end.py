@@ -9,12 +9,14 @@ and identical greedy outputs. Against the unquantized model the 4-bit error is f
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from engine.testing.checkpoints import make_tiny_checkpoint
 from engine_quant_awq.format import pack_awq
-from engine_quant_wna16.checkpoints import compare_with_reference, write_quantized_checkpoint
+from engine_quant_wna16.checkpoints import (
+    compare_with_reference,
+    make_base_checkpoint,
+    random_prompts,
+    write_quantized_checkpoint,
+)
 
 MAX_REL_ERROR = 1e-4
 MAX_NEW_TOKENS = 8
@@ -22,15 +24,12 @@ MAX_NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # hidden 128, intermediate 256: every input size is a multiple of each group size (32-128).
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+    return make_base_checkpoint(str(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(11)
-    return [[rng.randrange(4, 2048) for _ in range(n)] for n in (5, 19)]
+    return random_prompts(11)
 
 
 def awq_config(group_size: int) -> dict[str, object]:

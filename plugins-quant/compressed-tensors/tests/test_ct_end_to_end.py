@@ -9,15 +9,18 @@ L2 error 1e-4 of the reference (measured on CPU: 0, bit-identical) and identical
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import pytest
 import torch
-from engine.testing.checkpoints import make_tiny_checkpoint
 from engine_quant_compressed_tensors.format import pack_compressed
 from engine_quant_compressed_tensors.testing import fp8_config, int_config, library_pack
-from engine_quant_wna16.checkpoints import compare_with_reference, write_quantized_checkpoint
+from engine_quant_wna16.checkpoints import (
+    compare_with_reference,
+    make_base_checkpoint,
+    random_prompts,
+    write_quantized_checkpoint,
+)
 
 MAX_REL_ERROR = 1e-4
 MAX_NEW_TOKENS = 8
@@ -27,14 +30,12 @@ _IGNORED = "model.layers.1.mlp.down_proj"
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+    return make_base_checkpoint(str(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(17)
-    return [[rng.randrange(4, 2048) for _ in range(n)] for n in (5, 19)]
+    return random_prompts(17)
 
 
 def _check(quantized: str, reference: str, prompts: list[list[int]]) -> None:

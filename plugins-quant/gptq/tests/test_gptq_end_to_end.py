@@ -10,12 +10,15 @@ outputs.
 from __future__ import annotations
 
 import functools
-import random
 
 import pytest
-from engine.testing.checkpoints import make_tiny_checkpoint
 from engine_quant_gptq.format import pack_gptq
-from engine_quant_wna16.checkpoints import compare_with_reference, write_quantized_checkpoint
+from engine_quant_wna16.checkpoints import (
+    compare_with_reference,
+    make_base_checkpoint,
+    random_prompts,
+    write_quantized_checkpoint,
+)
 
 MAX_REL_ERROR = 1e-4
 MAX_NEW_TOKENS = 8
@@ -23,14 +26,12 @@ MAX_NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("llama")), "LlamaForCausalLM",
-                                hidden_size=128, intermediate_size=256)
+    return make_base_checkpoint(str(tmp_path_factory.mktemp("llama")))
 
 
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
-    rng = random.Random(13)
-    return [[rng.randrange(4, 2048) for _ in range(n)] for n in (5, 19)]
+    return random_prompts(13)
 
 
 def gptq_config(bits: int, group_size: int, sym: bool, desc_act: bool, v2: bool) -> dict[str, object]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import zlib
 from collections.abc import Callable
@@ -24,6 +25,20 @@ from engine_quant_wna16.rtn import act_order_g_idx, quantize_rtn
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Inputs shared by fused projections: one act-order per input, as GPTQ's shared Hessian gives.
 _INPUT_OF = {"q_proj": "attn_in", "k_proj": "attn_in", "v_proj": "attn_in", "gate_proj": "mlp_in", "up_proj": "mlp_in"}
+
+
+def make_base_checkpoint(directory: str) -> str:
+    """The tiny random Llama the formats' tests quantize: hidden 128 and intermediate 256, so every
+    input size is a multiple of each group size (32-128)."""
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(directory, "LlamaForCausalLM", hidden_size=128, intermediate_size=256)
+
+
+def random_prompts(seed: int) -> list[list[int]]:
+    """Two prompts (5 and 19 tokens) of ids drawn with ``seed``."""
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 2048) for _ in range(n)] for n in (5, 19)]
 
 
 def write_quantized_checkpoint(src: str, dst: str, ref_dst: str, quantization_config: dict[str, Any],
