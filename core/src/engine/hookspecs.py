@@ -45,7 +45,9 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    under the declaring plugin's own (entry-point) name.
 #: 3: ``AttentionBackendSpec.kv_cache_dtypes`` and ``AttentionLayerInfo.k_scale``/``v_scale``
 #:    (FP8 KV cache); the KV pool's ``set_kv_buffer`` takes the scales.
-HOOK_API_VERSION = 3
+#: 4: ``register_grammar_backends`` / ``GrammarBackendSpec`` (structured output; the backend
+#:    interface is ``engine.constrained.GrammarBackend``).
+HOOK_API_VERSION = 4
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -146,6 +148,26 @@ class PlatformSpec:
 
 
 @dataclass(frozen=True)
+class GrammarBackendSpec:
+    """A grammar backend for structured output (JSON schema, regex, EBNF, structural tags).
+
+    ``factory(tokenizer_info: engine.constrained.TokenizerInfo, options: dict = ...)
+    -> engine.constrained.GrammarBackend``; the backend compiles grammar keys into
+    compiled grammars and hands out per-request matchers that fill token bitmasks.
+    Since hook API 4.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+    #: grammar kinds it compiles: a subset of ``("json", "json_schema", "regex", "ebnf",
+    #: "structural_tag")``; a request of another kind is a 400 naming the field.
+    grammar_kinds: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf")
+    #: whether its matchers can roll back accepted tokens (else retraction re-runs the request).
+    supports_rollback: bool = False
+
+
+@dataclass(frozen=True)
 class PluginOption:
     """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``).
 
@@ -205,6 +227,13 @@ class EngineHookSpecs:
         """
 
     @hookspec
+    def register_grammar_backends(self, register: Callable[[GrammarBackendSpec], None]) -> None:
+        """Register grammar backends by calling ``register(GrammarBackendSpec(...))``.
+
+        Not firstresult. Since hook API 4.
+        """
+
+    @hookspec
     def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
@@ -224,6 +253,7 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     ModelSpec: ("model", "register_models"),
     SchedulePolicySpec: ("policy", "register_schedule_policies"),
     PlatformSpec: ("platform", "register_platforms"),
+    GrammarBackendSpec: ("grammar", "register_grammar_backends"),
     PluginOption: ("option", "register_plugin_options"),
 }
 
@@ -266,6 +296,7 @@ __all__ = [
     "HOOK_API_VERSION",
     "AttentionBackendSpec",
     "EngineHookSpecs",
+    "GrammarBackendSpec",
     "ModelSpec",
     "PlatformSpec",
     "PluginOption",

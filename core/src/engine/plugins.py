@@ -36,6 +36,7 @@ from engine.hookspecs import (
     Factory,
     SPEC_KINDS,
     AttentionBackendSpec,
+    GrammarBackendSpec,
     ModelSpec,
     PlatformSpec,
     PluginOption,
@@ -57,6 +58,8 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("platform", "cuda"): "plugserve-platform-cuda",
     ("quantization", "fp8"): "plugserve-quant-fp8",
     ("quantization", "w8a8_int8"): "plugserve-quant-int8",
+    ("grammar", "xgrammar"): "plugserve-grammar-xgrammar",
+    ("grammar", "llguidance"): "plugserve-grammar-llguidance",
 }
 
 
@@ -412,6 +415,24 @@ def platforms(disabled: Iterable[str] = ()) -> list[str]:
 
 def get_platform_spec(name: str, disabled: Iterable[str] = ()) -> PlatformSpec:
     return get_registry(disabled).get("platform", name, "platform")
+
+
+def grammar_backends(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("grammar")
+
+
+def get_grammar_backend(name: str, disabled: Iterable[str] = ()) -> GrammarBackendSpec:
+    return get_registry(disabled).get("grammar", name, "grammar backend")
+
+
+def create_grammar_backend(name: str, tokenizer_info: Any, disabled: Iterable[str] = (),
+                           plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """An ``engine.constrained.GrammarBackend`` instance of the grammar backend ``name``,
+    built for ``tokenizer_info`` with its plugin's options (hook API 4)."""
+    reg = get_registry(disabled)
+    spec = reg.get("grammar", name, "grammar backend")
+    entry = reg.entries["grammar"][name]
+    return create(spec.factory, tokenizer_info, options=reg.options_for(entry.plugin.name, plugin_options or {}))
 
 
 def declared_options(kind: str, name: str, disabled: Iterable[str] = ()) -> dict[str, Any]:
