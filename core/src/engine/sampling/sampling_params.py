@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,12 +38,24 @@ class SamplingParams:
     no_stop_trim: bool = False  # keep the matched stop string in the output
     n: int = 1
     seed: int | None = None
+    # Structured output (at most one of the four; see docs/structured_output.md). ``json_schema``
+    # is a JSON Schema as a JSON string (a dict is serialized); ``regex`` a regular expression;
+    # ``ebnf`` an EBNF/GBNF grammar (root rule ``root``); ``structural_tag`` xgrammar's
+    # structural-tag JSON.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    # token id -> bias added to its logit (OpenAI's logit_bias; values in [-100, 100]).
+    logit_bias: dict[int, float] | None = None
 
     FIELDS = (
         "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
         "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
         "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n", "seed",
+        "json_schema", "regex", "ebnf", "structural_tag", "logit_bias",
     )
+    GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
@@ -57,6 +70,11 @@ class SamplingParams:
             d.pop("stop", None)
         if d.get("stop_token_ids") is None:
             d.pop("stop_token_ids", None)
+        for key in ("json_schema", "structural_tag"):
+            if isinstance(d.get(key), (dict, list)):
+                d[key] = json.dumps(d[key])
+        if isinstance(d.get("logit_bias"), dict):
+            d["logit_bias"] = _token_keys(d["logit_bias"])
         params = cls(**d)
         params.validate()
         return params
@@ -101,6 +119,40 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
+        given = [name for name in self.GRAMMAR_FIELDS if getattr(self, name) is not None]
+        for name in given:
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise bad(name, "a non-empty string")
+        if len(given) > 1:
+            raise SamplingParamsError(given[1], f"sampling parameters {' and '.join(given)} were both given; "
+                                                f"at most one of {', '.join(self.GRAMMAR_FIELDS)} may be set")
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                parsed = json.loads(value)
+            except ValueError as exc:
+                raise SamplingParamsError(name, f"sampling parameter '{name}': not valid JSON: {exc}") from None
+            if not isinstance(parsed, (dict, bool)):
+                raise SamplingParamsError(name, f"sampling parameter '{name}': must be a JSON object, got {type(parsed).__name__}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and isinstance(b, (int, float)) and not isinstance(b, bool) and -100.0 <= b <= 100.0
+                for t, b in self.logit_bias.items()
+            ):
+                raise bad("logit_bias", "a map of token ids (integers >= 0) to numbers in [-100, 100]")
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """``(kind, text)`` of the structured-output constraint, or None: kind is one of
+        ``json_schema``, ``regex``, ``ebnf``, ``structural_tag``."""
+        for name in self.GRAMMAR_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -108,3 +160,14 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.FIELDS}
+
+
+def _token_keys(bias: dict[Any, Any]) -> dict[Any, Any]:
+    """JSON object keys are strings: ``{"50256": -100}`` -> ``{50256: -100}``; a key that is no
+    integer is kept as is for ``validate`` to reject."""
+    out: dict[Any, Any] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            key = int(key)
+        out[key] = value
+    return out
