@@ -69,6 +69,8 @@ class ServerArgs:
     cuda_graph_max_bs: int = opt(256, "Largest decode batch captured in a CUDA graph")
     disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
     tp_size: int = opt(1, "Tensor-parallel size")
+    dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
+    router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
     # -- server -------------------------------------------------------------
     host: str = opt("127.0.0.1", "HTTP bind address")
@@ -111,7 +113,7 @@ class ServerArgs:
             value = getattr(self, f.name)
             if choices and value not in choices:
                 raise ConfigError(f"{_flag(f.name)}: invalid value {value!r}; accepted: {', '.join(choices)}")
-        _positive(self, "tp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
+        _positive(self, "tp_size", "dp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
         _positive_or_none(self, "max_total_tokens", "max_running_requests", "context_length")
         _positive(self, "max_body_bytes")
         if self.tokenizer_workers < 0:

@@ -47,6 +47,10 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    (FP8 KV cache); the KV pool's ``set_kv_buffer`` takes the scales.
 #: 4: ``register_grammar_backends`` / ``GrammarBackendSpec`` (structured output; the backend
 #:    interface is ``engine.constrained.GrammarBackend``).
+#:    ``register_router_policies`` / ``RouterPolicySpec`` (which data-parallel replica serves a
+#:    request; the policy interface is ``engine.router.RouterPolicy``).
+#:    ``register_tool_call_parsers`` / ``ToolCallParserSpec`` and ``register_reasoning_parsers`` /
+#:    ``ReasoningParserSpec`` (``engine.parsers.ToolCallParser`` / ``ReasoningParser``).
 HOOK_API_VERSION = 4
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -160,11 +164,52 @@ class GrammarBackendSpec:
     name: str
     factory: Factory
     description: str = ""
-    #: grammar kinds it compiles: a subset of ``("json", "json_schema", "regex", "ebnf",
-    #: "structural_tag")``; a request of another kind is a 400 naming the field.
-    grammar_kinds: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf")
+    #: grammar kinds it compiles: a subset of ``("json_schema", "regex", "ebnf",
+    #: "structural_tag")`` (the sampling parameters); a request of another kind is a 400
+    #: naming the field.
+    grammar_kinds: tuple[str, ...] = ("json_schema", "regex", "ebnf")
     #: whether its matchers can roll back accepted tokens (else retraction re-runs the request).
     supports_rollback: bool = False
+
+
+@dataclass(frozen=True)
+class RouterPolicySpec:
+    """How the router spreads requests over the ``--dp-size`` replicas (``--router-policy NAME``).
+
+    ``factory(num_replicas: int, options: dict = ...) -> engine.router.RouterPolicy``; one
+    instance per server, called in the main process for every request. Since hook API 4.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCallParserSpec:
+    """A tool-call format (``--tool-call-parser NAME``): reads calls out of a model's output.
+
+    ``factory(options: dict = ...) -> engine.parsers.ToolCallParser``; built once per server
+    (parsers are stateless: each streamed response gets its own ``parser.stream()``).
+    Since hook API 4.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ReasoningParserSpec:
+    """A reasoning format (``--reasoning-parser NAME``): splits ``reasoning_content`` off.
+
+    ``factory(options: dict = ...) -> engine.parsers.ReasoningParser``; built once per server.
+    Since hook API 4.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -234,6 +279,27 @@ class EngineHookSpecs:
         """
 
     @hookspec
+    def register_router_policies(self, register: Callable[[RouterPolicySpec], None]) -> None:
+        """Register data-parallel router policies by calling ``register(RouterPolicySpec(...))``.
+
+        Not firstresult. Since hook API 4.
+        """
+
+    @hookspec
+    def register_tool_call_parsers(self, register: Callable[[ToolCallParserSpec], None]) -> None:
+        """Register tool-call parsers by calling ``register(ToolCallParserSpec(...))``.
+
+        Not firstresult. Since hook API 4.
+        """
+
+    @hookspec
+    def register_reasoning_parsers(self, register: Callable[[ReasoningParserSpec], None]) -> None:
+        """Register reasoning parsers by calling ``register(ReasoningParserSpec(...))``.
+
+        Not firstresult. Since hook API 4.
+        """
+
+    @hookspec
     def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
@@ -254,6 +320,9 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     SchedulePolicySpec: ("policy", "register_schedule_policies"),
     PlatformSpec: ("platform", "register_platforms"),
     GrammarBackendSpec: ("grammar", "register_grammar_backends"),
+    RouterPolicySpec: ("router", "register_router_policies"),
+    ToolCallParserSpec: ("tool-parser", "register_tool_call_parsers"),
+    ReasoningParserSpec: ("reasoning-parser", "register_reasoning_parsers"),
     PluginOption: ("option", "register_plugin_options"),
 }
 
@@ -301,7 +370,10 @@ __all__ = [
     "PlatformSpec",
     "PluginOption",
     "QuantMethodSpec",
+    "ReasoningParserSpec",
+    "RouterPolicySpec",
     "SchedulePolicySpec",
+    "ToolCallParserSpec",
     "call_with_accepted",
     "hookimpl",
     "hookspec",

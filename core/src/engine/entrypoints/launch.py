@@ -7,7 +7,7 @@ import logging
 import os
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine import plugins
@@ -40,9 +40,37 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
 
     check_required_plugins(args.required_plugins)
     plugins.check_plugin_options(args.plugin_options, args.disable_plugin)
+    check_router_policy(args)
     config = load_hf_config(model_path, args.trust_remote_code)
-    select_components(args, config)
+    selection = select_components(args, config)
+    check_parallel_layout(args, config, selection.platform)
     return config
+
+
+def check_router_policy(args: ServerArgs) -> None:
+    """``--router-policy`` names an installed router policy (checked when it matters: several
+    replicas, or a policy named explicitly), so a typo fails before any model loads."""
+    from engine.config import ServerArgs as _Defaults
+
+    if args.dp_size > 1 or args.router_policy != _Defaults.router_policy:
+        try:
+            plugins.get_router_policy(args.router_policy, args.disable_plugin)
+        except EngineError as exc:
+            raise EngineError(f"--router-policy: {exc}") from None
+
+
+def check_parallel_layout(args: ServerArgs, hf_config: Any, platform: Any) -> None:
+    """The model splits ``--tp-size`` x ``--pp-size`` ways, and this node has a device per rank."""
+    from engine.distributed import check_model_parallel
+
+    check_model_parallel(hf_config, args.tp_size, args.pp_size)
+    per_node = args.tp_size * args.pp_size // args.nnodes * args.dp_size
+    if per_node > 1 and platform.device_type != "cpu":
+        try:
+            platform.device(per_node - 1)
+        except ValueError as exc:
+            raise EngineError(f"--tp-size {args.tp_size} x --pp-size {args.pp_size} x --dp-size {args.dp_size} "
+                              f"needs {per_node} devices on this node: {exc}") from None
 
 
 @dataclass
@@ -54,6 +82,8 @@ class Runtime:
     ready: SchedulerReady
     # The tokenizer this process loaded (None with --skip-tokenizer-init), shared with the detokenizer.
     tokenizer: Any = None
+    # What each data-parallel replica loaded (``ready`` is replica 0's).
+    replicas: list[SchedulerReady] = field(default_factory=list)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the engine processes: asks them over IPC (they ignore SIGTERM, which a supervisor
@@ -61,7 +91,7 @@ class Runtime:
         if self.ready is None:
             timeout = 0.0  # still loading the model: it reads no messages until it is done
         else:
-            _ask_to_stop(self.ipc)
+            _ask_to_stop(self.ipc, self.args.dp_size)
         deadline = time.monotonic() + timeout
         for proc in self.processes:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -71,15 +101,15 @@ class Runtime:
         self.ipc.remove()
 
 
-def _ask_to_stop(ipc: IpcNames) -> None:
-    """Sends ``ControlReq("shutdown")`` to the scheduler and the detokenizer (never blocks)."""
+def _ask_to_stop(ipc: IpcNames, dp_size: int = 1) -> None:
+    """Sends ``ControlReq("shutdown")`` to every replica's scheduler and the detokenizer (never blocks)."""
     import zmq
 
     from engine.managers.io_struct import ControlReq
 
     ctx = zmq.Context()
     try:
-        for endpoint in (ipc.scheduler, ipc.detokenizer):
+        for endpoint in [*(ipc.replica_scheduler(i) for i in range(dp_size)), ipc.detokenizer]:
             sock = ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 500)  # time to deliver; a dead peer is killed below anyway
             sock.connect(endpoint)
@@ -100,8 +130,11 @@ class StartingRuntime:
     model_path: str
     ipc: IpcNames
     processes: list[Any]
-    ready_reader: Any  # the scheduler writes ("ok", SchedulerReady) or ("error", message) here
+    # One per data-parallel replica: its scheduler writes ("ok", SchedulerReady) or ("error", message) here.
+    ready_readers: list[Any]
     tokenizer_writer: Any  # this process sends the detokenizer its tokenizer (or None) here
+    # The processes of each replica (``processes`` holds them all, then the detokenizer).
+    replica_processes: list[list[Any]] = field(default_factory=list)
 
     def wait_ready(self) -> Runtime:
         """Loads the tokenizer while the scheduler loads the model, then waits for the model.
@@ -112,13 +145,15 @@ class StartingRuntime:
         """
         try:
             tokenizer = self._share_tokenizer()
-            ready = _wait_ready(self.ready_reader, self.processes[0])
+            replicas = [_wait_ready(reader, procs, dp_rank, self.args.dp_size) for dp_rank, (reader, procs)
+                        in enumerate(zip(self.ready_readers, self.replica_processes))]
         except BaseException:
             self.abort()
             raise
         finally:
-            self.ready_reader.close()
-        runtime = Runtime(self.args, self.model_path, self.ipc, self.processes, ready, tokenizer)
+            for reader in self.ready_readers:
+                reader.close()
+        runtime = Runtime(self.args, self.model_path, self.ipc, self.processes, replicas[0], tokenizer, replicas)
         _running[id(runtime)] = runtime
         return runtime
 
@@ -156,22 +191,42 @@ def start_runtime(args: ServerArgs) -> StartingRuntime:
     model_path = resolve_model_path(args)
     ipc = IpcNames.create()
     parent_pid = os.getpid()
-    reader, writer = pipe()
     tokenizer_writer, tokenizer_reader = pipe(to_child=True)
-    processes = [
-        ChildProcess("engine.managers.scheduler_process:scheduler_process",
-                     (args, model_path, ipc, writer, parent_pid), name="scheduler"),
-        ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
-                     (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer"),
-    ]
-    starting = StartingRuntime(args, model_path, ipc, processes, reader, tokenizer_writer)
+    readers, replica_processes = [], []
+    for dp_rank in range(args.dp_size):
+        procs, reader = launch_replica(args, model_path, ipc.for_replica(dp_rank), dp_rank, parent_pid)
+        readers.append(reader)
+        replica_processes.append(procs)
+    processes = [p for procs in replica_processes for p in procs]
+    processes.append(ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
+                                  (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer"))
+    starting = StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes)
     try:
         preflight(args, model_path)
     except BaseException:
         starting.abort()
-        reader.close()
+        for reader in readers:
+            reader.close()
         raise
     return starting
+
+
+def launch_replica(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_rank: int,
+                   parent_pid: int) -> tuple[list[Any], Any]:
+    """Starts this node's scheduler ranks of data-parallel replica ``dp_rank``.
+
+    One process per tensor/pipeline rank (``--tp-size`` x ``--pp-size``, spread over
+    ``--nnodes``); rank 0 binds ``ipc.scheduler``, the replica's own endpoint
+    (``IpcNames.for_replica``), and alone sends outputs to the shared detokenizer and control
+    replies to the tokenizer manager. ``ipc`` is None on nodes other than 0. On a GPU platform
+    the replica's devices start at local device ``dp_rank`` x (ranks per node).
+
+    Returns the replica's processes and one reader of their readiness (``ReplicaReady``: rank
+    0's ``SchedulerReady`` once every rank is ready, or the first rank's error).
+    """
+    from engine.distributed.ranks import launch_ranks
+
+    return launch_ranks(args, model_path, ipc, dp_rank, parent_pid)
 
 
 def launch_runtime(args: ServerArgs) -> Runtime:
@@ -191,8 +246,10 @@ def _shutdown_running() -> None:
             runtime.shutdown(timeout=2.0)
 
 
-def _wait_ready(reader: Any, proc: Any) -> SchedulerReady:
+def _wait_ready(reader: Any, procs: list[Any], dp_rank: int = 0, dp_size: int = 1) -> SchedulerReady:
+    where = f" of data-parallel replica {dp_rank}" if dp_size > 1 else ""
     deadline = time.monotonic() + _READY_TIMEOUT_S
+    dead = None
     while time.monotonic() < deadline:
         if reader.poll(0.2):
             try:
@@ -201,7 +258,9 @@ def _wait_ready(reader: Any, proc: Any) -> SchedulerReady:
                 break
             if status == "ok":
                 return payload
-            raise EngineError(payload)
-        if not proc.is_alive():
+            raise EngineError(f"{payload}{' (data-parallel replica ' + str(dp_rank) + ')' if dp_size > 1 else ''}")
+        dead = next((p for p in procs if not p.is_alive()), None)
+        if dead is not None:
             break
-    raise EngineError(f"the scheduler process exited during start-up (exit code {proc.exitcode}); see its log above")
+    proc = dead or procs[0]
+    raise EngineError(f"the scheduler process{where} exited during start-up (exit code {proc.exitcode}); see its log above")

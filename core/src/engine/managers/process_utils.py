@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import os
@@ -36,6 +37,14 @@ class IpcNames:
         os.chmod(directory, 0o700)
         return cls(directory, f"ipc://{directory}/scheduler", f"ipc://{directory}/detokenizer",
                    f"ipc://{directory}/tokenizer")
+
+    def replica_scheduler(self, dp_rank: int) -> str:
+        """The endpoint data-parallel replica ``dp_rank`` receives on (replica 0: ``scheduler``)."""
+        return self.scheduler if dp_rank == 0 else f"{self.scheduler}-dp{dp_rank}"
+
+    def for_replica(self, dp_rank: int) -> IpcNames:
+        """The names as replica ``dp_rank`` sees them: ``scheduler`` is its own endpoint."""
+        return dataclasses.replace(self, scheduler=self.replica_scheduler(dp_rank))
 
     def remove(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)

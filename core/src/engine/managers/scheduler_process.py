@@ -42,13 +42,18 @@ def _ready_info(scheduler: Any) -> SchedulerReady:
     )
 
 
-def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any, parent_pid: int) -> None:
-    """Entry point: builds the Scheduler, reports readiness, then serves forever."""
+def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any, parent_pid: int,
+                      dp_rank: int = 0) -> None:
+    """Entry point: builds the Scheduler, reports readiness, then serves forever.
+
+    ``dp_rank``: the data-parallel replica this scheduler serves (``ipc.scheduler`` is that
+    replica's own endpoint).
+    """
     import zmq
 
     from engine.managers.scheduler import Scheduler
 
-    setup_child_logging(args.log_level, "scheduler")
+    setup_child_logging(args.log_level, "scheduler" if dp_rank == 0 and args.dp_size == 1 else f"scheduler dp{dp_rank}")
     ignore_group_signals()
     try:
         scheduler = Scheduler(args, model_path)

@@ -28,6 +28,7 @@ from engine.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from engine.managers.tokenizer_pool import TextTooLongError, TokenizerPool
+from engine.router.router import Router, merge_control_replies
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,16 @@ class TokenizerManager:
         self.zmq_ctx = zmq.asyncio.Context()
         self.recv = self.zmq_ctx.socket(zmq.PULL)
         self.recv.bind(ipc.tokenizer)
-        self.send = self.zmq_ctx.socket(zmq.PUSH)
-        self.send.connect(ipc.scheduler)
+        # One PUSH socket per data-parallel replica's scheduler; ``send`` is replica 0's.
+        self.sends = []
+        for dp_rank in range(getattr(args, "dp_size", 1)):
+            sock = self.zmq_ctx.socket(zmq.PUSH)
+            sock.connect(ipc.replica_scheduler(dp_rank))
+            self.sends.append(sock)
+        self.send = self.sends[0]
+        self.router = _make_router(args)
+        # Observers notified of each routing decision: (request id, RouteDecision) (metrics).
+        self.on_route: list[Any] = []
         self.states: dict[str, ReqState] = {}
         self.control_waiters: dict[int, asyncio.Future[ControlReply]] = {}
         self._tokens = itertools.count(1)
@@ -170,7 +179,7 @@ class TokenizerManager:
                 state.finished_reason = reason
                 if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
                     # Ended by a stop string at the detokenizer: the scheduler may still run it.
-                    self.send.send_pyobj(AbortReq(rid, "stop string"))
+                    self._send_for(rid, AbortReq(rid, "stop string"))
             state.event.set()
 
     # -- requests ----------------------------------------------------------------
@@ -245,11 +254,16 @@ class TokenizerManager:
         if rid in self.states:
             raise RequestError(f"rid: a request with id '{rid}' is already running", "rid")
         state = ReqState(rid, input_ids)
+        decision = self.router.route(rid, input_ids)
+        if self.router.num_replicas > 1:
+            state.meta["dp_rank"] = decision.replica
+        for callback in self.on_route:
+            callback(rid, decision)
         self.states[rid] = state
         logprob_start = req.logprob_start_len
         if req.return_logprob and logprob_start < 0:
             logprob_start = len(input_ids)  # output logprobs only
-        self.send.send_pyobj(TokenizedGenerateReqInput(
+        self.sends[decision.replica].send_pyobj(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=params.to_dict(),
             return_logprob=req.return_logprob, logprob_start_len=logprob_start,
             top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority))
@@ -269,8 +283,9 @@ class TokenizerManager:
             self.states.pop(rid, None)
             self._leave_groups(rid)
             if not finished and self.dead is None:
-                self.send.send_pyobj(AbortReq(rid, "client disconnected"))
-            elif finished:
+                self._send_for(rid, AbortReq(rid, "client disconnected"))
+            self.router.finish(rid)
+            if finished:
                 for callback in self.on_finish:
                     callback(state)
 
@@ -283,6 +298,8 @@ class TokenizerManager:
             "finish_reason": state.finished_reason,
             "e2e_latency": (state.last_time or time.perf_counter()) - state.created,
         }
+        if "dp_rank" in state.meta:  # the data-parallel replica that served it (--dp-size > 1)
+            meta["dp_rank"] = state.meta["dp_rank"]
         if state.output_token_logprobs or state.input_token_logprobs is not None:
             meta["output_token_logprobs"] = list(state.output_token_logprobs)
             meta["output_top_logprobs"] = list(state.output_top_logprobs)
@@ -311,8 +328,14 @@ class TokenizerManager:
         """
         targets = self.abort_targets(rid)
         for target in targets:
-            self.send.send_pyobj(AbortReq(target, message))
+            self._send_for(target, AbortReq(target, message))
         return targets
+
+    def _send_for(self, rid: str, msg: Any) -> None:
+        """Sends ``msg`` to the replica serving ``rid`` (every replica when none is known)."""
+        replica = self.router.replica_of(rid)
+        for sock in self.sends if replica is None else [self.sends[replica]]:
+            sock.send_pyobj(msg)
 
     def abort_targets(self, rid: str) -> list[str]:
         """The running requests ``rid`` names: itself, a group's members, or all for ""."""
@@ -344,16 +367,32 @@ class TokenizerManager:
             state.event.set()
 
     async def control(self, kind: str, timeout: float = 10.0) -> ControlReply:
+        """Sends a control request to every replica; one reply (merged over the replicas with
+        ``--dp-size`` > 1: ``ok`` when all are, numbers summed, ``data["dp_replicas"]`` each one's)."""
+        replies = await self.control_replicas(kind, timeout)
+        reply = replies[0] if len(replies) == 1 else merge_control_replies(replies)
+        if kind == "flush_cache" and reply.ok:
+            self.router.flushed()
+        return reply
+
+    async def control_replicas(self, kind: str, timeout: float = 10.0) -> list[ControlReply]:
+        """The control reply of each data-parallel replica, in replica order."""
         self._check_alive()
         self.start()
-        token = next(self._tokens)
-        fut: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
-        self.control_waiters[token] = fut
-        self.send.send_pyobj(ControlReq(kind, token))
+        loop = asyncio.get_running_loop()
+        tokens, futures = [], []
+        for sock in self.sends:
+            token = next(self._tokens)
+            fut: asyncio.Future[ControlReply] = loop.create_future()
+            self.control_waiters[token] = fut
+            tokens.append(token)
+            futures.append(fut)
+            sock.send_pyobj(ControlReq(kind, token))
         try:
-            return await asyncio.wait_for(fut, timeout)
+            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
         finally:
-            self.control_waiters.pop(token, None)
+            for token in tokens:
+                self.control_waiters.pop(token, None)
 
     def _check_alive(self) -> None:
         if self.dead is not None:
@@ -370,5 +409,17 @@ class TokenizerManager:
         self._tasks = []
         self.pool.close()
         self.recv.close(0)
-        self.send.close(0)
+        for sock in self.sends:
+            sock.close(0)
         self.zmq_ctx.term()
+
+
+def _make_router(args: Any) -> Router:
+    """The router over ``--dp-size`` replicas with the ``--router-policy`` plugin (none for one)."""
+    dp_size = getattr(args, "dp_size", 1)
+    if dp_size == 1:
+        return Router(1)
+    from engine import plugins
+
+    policy = plugins.create_router_policy(args.router_policy, dp_size, args.disable_plugin, args.plugin_options)
+    return Router(dp_size, policy, args.router_policy)
