@@ -49,6 +49,8 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    interface is ``engine.constrained.GrammarBackend``).
 #:    ``register_router_policies`` / ``RouterPolicySpec`` (which data-parallel replica serves a
 #:    request; the policy interface is ``engine.router.RouterPolicy``).
+#:    ``register_tool_call_parsers`` / ``ToolCallParserSpec`` and ``register_reasoning_parsers`` /
+#:    ``ReasoningParserSpec`` (``engine.parsers.ToolCallParser`` / ``ReasoningParser``).
 HOOK_API_VERSION = 4
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -183,6 +185,33 @@ class RouterPolicySpec:
 
 
 @dataclass(frozen=True)
+class ToolCallParserSpec:
+    """A tool-call format (``--tool-call-parser NAME``): reads calls out of a model's output.
+
+    ``factory(options: dict = ...) -> engine.parsers.ToolCallParser``; built once per server
+    (parsers are stateless: each streamed response gets its own ``parser.stream()``).
+    Since hook API 4.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ReasoningParserSpec:
+    """A reasoning format (``--reasoning-parser NAME``): splits ``reasoning_content`` off.
+
+    ``factory(options: dict = ...) -> engine.parsers.ReasoningParser``; built once per server.
+    Since hook API 4.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class PluginOption:
     """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``).
 
@@ -256,6 +285,20 @@ class EngineHookSpecs:
         """
 
     @hookspec
+    def register_tool_call_parsers(self, register: Callable[[ToolCallParserSpec], None]) -> None:
+        """Register tool-call parsers by calling ``register(ToolCallParserSpec(...))``.
+
+        Not firstresult. Since hook API 4.
+        """
+
+    @hookspec
+    def register_reasoning_parsers(self, register: Callable[[ReasoningParserSpec], None]) -> None:
+        """Register reasoning parsers by calling ``register(ReasoningParserSpec(...))``.
+
+        Not firstresult. Since hook API 4.
+        """
+
+    @hookspec
     def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
@@ -277,6 +320,8 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     PlatformSpec: ("platform", "register_platforms"),
     GrammarBackendSpec: ("grammar", "register_grammar_backends"),
     RouterPolicySpec: ("router", "register_router_policies"),
+    ToolCallParserSpec: ("tool-parser", "register_tool_call_parsers"),
+    ReasoningParserSpec: ("reasoning-parser", "register_reasoning_parsers"),
     PluginOption: ("option", "register_plugin_options"),
 }
 
@@ -324,8 +369,10 @@ __all__ = [
     "PlatformSpec",
     "PluginOption",
     "QuantMethodSpec",
+    "ReasoningParserSpec",
     "RouterPolicySpec",
     "SchedulePolicySpec",
+    "ToolCallParserSpec",
     "call_with_accepted",
     "hookimpl",
     "hookspec",

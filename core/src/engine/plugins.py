@@ -41,8 +41,10 @@ from engine.hookspecs import (
     PlatformSpec,
     PluginOption,
     QuantMethodSpec,
+    ReasoningParserSpec,
     RouterPolicySpec,
     SchedulePolicySpec,
+    ToolCallParserSpec,
     call_with_accepted,
     resolve_factory,
 )
@@ -60,6 +62,11 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("quantization", "fp8"): "plugserve-quant-fp8",
     ("quantization", "w8a8_int8"): "plugserve-quant-int8",
     ("grammar", "xgrammar"): "plugserve-grammar-xgrammar",
+    ("tool-parser", "hermes"): "plugserve-toolparser-hermes",
+    ("tool-parser", "llama3"): "plugserve-toolparser-llama3",
+    ("tool-parser", "mistral"): "plugserve-toolparser-mistral",
+    ("reasoning-parser", "qwen3"): "plugserve-reasoning-qwen3",
+    ("reasoning-parser", "deepseek-r1"): "plugserve-reasoning-deepseek-r1",
     ("grammar", "llguidance"): "plugserve-grammar-llguidance",
     ("router", "cache-aware"): "plugserve-router-policies",
     ("router", "round-robin"): "plugserve-router-policies",
@@ -455,6 +462,42 @@ def create_router_policy(name: str, num_replicas: int, disabled: Iterable[str] =
     spec = reg.get("router", name, "router policy")
     entry = reg.entries["router"][name]
     return create(spec.factory, num_replicas, options=reg.options_for(entry.plugin.name, plugin_options or {}))
+
+
+def tool_call_parsers(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("tool-parser")
+
+
+def get_tool_call_parser(name: str, disabled: Iterable[str] = ()) -> ToolCallParserSpec:
+    return get_registry(disabled).get("tool-parser", name, "tool-call parser")
+
+
+def create_tool_call_parser(name: str, disabled: Iterable[str] = (),
+                            plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The ``engine.parsers.ToolCallParser`` registered as ``name``, built with its plugin's options."""
+    return _create_parser("tool-parser", name, "tool-call parser", disabled, plugin_options)
+
+
+def reasoning_parsers(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("reasoning-parser")
+
+
+def get_reasoning_parser(name: str, disabled: Iterable[str] = ()) -> ReasoningParserSpec:
+    return get_registry(disabled).get("reasoning-parser", name, "reasoning parser")
+
+
+def create_reasoning_parser(name: str, disabled: Iterable[str] = (),
+                            plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The ``engine.parsers.ReasoningParser`` registered as ``name``, built with its plugin's options."""
+    return _create_parser("reasoning-parser", name, "reasoning parser", disabled, plugin_options)
+
+
+def _create_parser(kind: str, name: str, label: str, disabled: Iterable[str],
+                   plugin_options: dict[str, dict[str, Any]] | None) -> Any:
+    reg = get_registry(disabled)
+    spec = reg.get(kind, name, label)
+    entry = reg.entries[kind][name]
+    return create(spec.factory, options=reg.options_for(entry.plugin.name, plugin_options or {}))
 
 
 def declared_options(kind: str, name: str, disabled: Iterable[str] = ()) -> dict[str, Any]:

@@ -5,6 +5,8 @@
 - ``SchedulePolicyConformance``: the policy orders a queue deterministically, as a permutation.
 - ``PlatformConformance``: the platform answers its probes.
 - ``QuantMethodConformance``: a linear layer through the method round-trips within a stated error.
+- ``ToolCallParserConformance`` / ``ReasoningParserConformance``: a parser reads its recorded
+  outputs right, whole and streamed with every chunk boundary (``ToolCallCase``, ``ReasoningCase``).
 
 Each class is a plain pytest class (no ``Test`` prefix, so it is not collected by
 itself); subclass it as ``TestMyBackend(AttentionBackendConformance)`` and set the
@@ -16,7 +18,11 @@ from engine.testing.conformance import (
     ModelConformance,
     PlatformConformance,
     QuantMethodConformance,
+    ReasoningCase,
+    ReasoningParserConformance,
     SchedulePolicyConformance,
+    ToolCallCase,
+    ToolCallParserConformance,
 )
 
 __all__ = [
@@ -24,5 +30,9 @@ __all__ = [
     "ModelConformance",
     "PlatformConformance",
     "QuantMethodConformance",
+    "ReasoningCase",
+    "ReasoningParserConformance",
     "SchedulePolicyConformance",
+    "ToolCallCase",
+    "ToolCallParserConformance",
 ]

@@ -2,6 +2,12 @@
 
 from engine.testing.conformance.attention import AttentionBackendConformance
 from engine.testing.conformance.model import ModelConformance, check_greedy_until_near_tie
+from engine.testing.conformance.parsers import (
+    ReasoningCase,
+    ReasoningParserConformance,
+    ToolCallCase,
+    ToolCallParserConformance,
+)
 from engine.testing.conformance.platform import PlatformConformance
 from engine.testing.conformance.policy import SchedulePolicyConformance
 from engine.testing.conformance.quant import QuantMethodConformance
@@ -11,6 +17,10 @@ __all__ = [
     "ModelConformance",
     "PlatformConformance",
     "QuantMethodConformance",
+    "ReasoningCase",
+    "ReasoningParserConformance",
     "SchedulePolicyConformance",
+    "ToolCallCase",
+    "ToolCallParserConformance",
     "check_greedy_until_near_tie",
 ]
