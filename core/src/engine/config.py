@@ -48,6 +48,8 @@ class ServerArgs:
     quant: str | None = opt(None, "Quantization method plugin (default: the checkpoint's quantization_config)")
     platform: str | None = opt(None, "Hardware platform plugin (default: auto-detected)")
     schedule_policy: str = opt("fcfs", "Schedule policy plugin ordering the waiting queue")
+    tool_call_parser: str | None = opt(None, "Tool-call parser plugin reading calls from the output of requests with tools and tool_choice auto (hermes, llama3, mistral); default: none, the output stays text")
+    reasoning_parser: str | None = opt(None, "Reasoning parser plugin splitting reasoning_content from content (qwen3, deepseek-r1); default: none")
     disable_plugin: list[str] = opt([], "Plugin (entry-point name) not to load; repeatable")
     required_plugins: list[str] = opt([], "Plugins that must be installed, with optional version specifiers, e.g. 'plugserve-attention-triton>=0.1'")
     plugin_options: dict[str, Any] = opt({}, "Options contributed by plugins, as {plugin: {key: value}}", cli=False)
@@ -135,6 +137,21 @@ class ServerArgs:
 
             # A misspelt name would otherwise disable nothing, silently.
             check_plugin_names(self.disable_plugin, "--disable-plugin")
+        self._validate_parsers()
+
+    def _validate_parsers(self) -> None:
+        """``--tool-call-parser`` and ``--reasoning-parser`` name registered parsers (before any process starts)."""
+        from engine import plugins
+        from engine.errors import PluginError
+
+        for flag, name, get in (("--tool-call-parser", self.tool_call_parser, plugins.get_tool_call_parser),
+                                ("--reasoning-parser", self.reasoning_parser, plugins.get_reasoning_parser)):
+            if name is None:
+                continue
+            try:
+                get(name, self.disable_plugin)
+            except PluginError as exc:
+                raise PluginError(f"{flag}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
