@@ -30,7 +30,10 @@ def test_unknown_key_suggests_closest() -> None:
     ("mem_fraction_static", 1.5, "--mem-fraction-static: invalid value 1.5"),
     ("max_total_tokens", "lots", "max_total_tokens: invalid value 'lots'; expected an integer"),
     ("disable_radix_cache", "yes", "disable_radix_cache: invalid value 'yes'; expected true/false"),
-    ("tp_size", 2, "--tp-size: invalid value 2"),
+    ("tp_size", 0, "--tp-size: invalid value 0"),
+    ("pp_size", 0, "--pp-size: invalid value 0"),
+    ("node_rank", 2, "--node-rank: invalid value 2; accepted: 0..0"),
+    ("dist_init_addr", "nohost", "--dist-init-addr: invalid value 'nohost'; accepted: HOST:PORT"),
 ])
 def test_invalid_values_name_field_value_and_accepted(key: str, value: object, needle: str) -> None:
     with pytest.raises(ConfigError) as err:

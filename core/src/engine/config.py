@@ -70,7 +70,12 @@ class ServerArgs:
     disable_cuda_graph: bool = opt(False, "Do not capture decode steps in CUDA graphs")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch captured in a CUDA graph")
     disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
-    tp_size: int = opt(1, "Tensor-parallel size")
+    tp_size: int = opt(1, "Tensor-parallel size: ranks (one process and device each) splitting every layer's heads and MLP")
+    pp_size: int = opt(1, "Pipeline-parallel size: stages splitting the layers; a replica runs tp_size * pp_size ranks")
+    nnodes: int = opt(1, "Machines one replica's ranks are spread over (each runs tp_size * pp_size / nnodes of them)")
+    node_rank: int = opt(0, "This machine's index among --nnodes; node 0 runs the HTTP server, the others only their ranks")
+    dist_init_addr: str | None = opt(None, "HOST:PORT where rank 0 meets the other ranks (torch.distributed rendezvous); required with --nnodes > 1, default a free port on 127.0.0.1")
+    dist_timeout_s: float = opt(300.0, "Seconds the ranks wait for each other: for all nodes to join at start-up, and for any one collective")
     dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
     router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
@@ -128,8 +133,7 @@ class ServerArgs:
             raise ConfigError(f"--port: invalid value {self.port}; accepted: 1..65535")
         if self.schedule_conservativeness <= 0:
             raise ConfigError(f"--schedule-conservativeness: invalid value {self.schedule_conservativeness}; accepted: > 0")
-        if self.tp_size != 1:
-            raise ConfigError(f"--tp-size: invalid value {self.tp_size}; accepted: 1 (tensor parallelism is not implemented yet)")
+        self._validate_parallel()
         if not isinstance(self.plugin_options, dict) or not all(isinstance(v, dict) for v in self.plugin_options.values()):
             raise ConfigError("plugin_options: expected a mapping {plugin: {key: value}}")
         if self.disable_plugin:
@@ -152,6 +156,23 @@ class ServerArgs:
                 get(name, self.disable_plugin)
             except PluginError as exc:
                 raise PluginError(f"{flag}: {exc}") from None
+
+    def _validate_parallel(self) -> None:
+        _positive(self, "pp_size", "nnodes")
+        world = self.tp_size * self.pp_size
+        if world % self.nnodes:
+            raise ConfigError(f"--nnodes: invalid value {self.nnodes}; accepted: a divisor of --tp-size x --pp-size "
+                              f"({world}), so each node runs the same number of ranks")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank: invalid value {self.node_rank}; accepted: 0..{self.nnodes - 1} (--nnodes {self.nnodes})")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ConfigError("--dist-init-addr: required with --nnodes > 1 (HOST:PORT of node 0, reachable from every node)")
+        if self.dist_init_addr is not None:
+            host, sep, port = self.dist_init_addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"--dist-init-addr: invalid value {self.dist_init_addr!r}; accepted: HOST:PORT, e.g. 10.0.0.1:29500")
+        if self.dist_timeout_s <= 0:
+            raise ConfigError(f"--dist-timeout-s: invalid value {self.dist_timeout_s}; accepted: a number of seconds > 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

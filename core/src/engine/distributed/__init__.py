@@ -1,15 +1,75 @@
-"""Process groups for tensor parallelism.
+"""Process groups for tensor and pipeline parallelism, on torch.distributed.
 
-Only a tensor-parallel size of 1 runs today; layers already ask these functions
-for their rank and size so that adding tensor parallelism changes no model plugin.
+One replica runs ``tp_size * pp_size`` ranks, one process each. Rank ``r`` is pipeline stage
+``r // tp_size`` and tensor-parallel rank ``r % tp_size``. Three kinds of group:
+
+- the world group, on the platform's device backend (NCCL on GPUs, gloo on the CPU): the
+  point-to-point hidden states between pipeline stages;
+- a gloo CPU group over the whole world: the scheduler's control traffic (rank 0 broadcasts the
+  requests it received so every rank builds the same batch; the KV pool size is agreed on);
+- one tensor-parallel group per pipeline stage, on the device backend: the all-reduce after
+  row-parallel layers, the all-gather of the vocabulary-parallel LM head, the broadcast of
+  sampled ids.
+
+At size 1 (the default) nothing is initialised and every collective is the identity, so a
+single-process run never imports or touches torch.distributed. Layers ask these functions for
+their rank and size, so a model plugin needs no change for tensor parallelism.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where one scheduler process sits in its replica (picklable: handed to the child)."""
+
+    # Rank in the replica's world, 0 .. tp_size * pp_size - 1; rank 0 talks to the tokenizer.
+    rank: int
+    tp_size: int
+    pp_size: int
+    # Index of this rank's device on its node (cuda:local_rank).
+    local_rank: int
+    # torch.distributed rendezvous, "tcp://HOST:PORT" (rank 0 listens there).
+    init_method: str
+    # Seconds a collective (and a node joining at start-up) may wait before failing.
+    timeout_s: float
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    def describe(self) -> str:
+        return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size})"
+
+
+SINGLE = RankPlacement(rank=0, tp_size=1, pp_size=1, local_rank=0, init_method="", timeout_s=0.0)
+
+_PLACEMENT = SINGLE
 _TP_RANK = 0
 _TP_SIZE = 1
+_TP_GROUP: Any = None  # device-backend group of this rank's pipeline stage
+_CPU_GROUP: Any = None  # gloo group over the world (control messages)
+
+
+def get_placement() -> RankPlacement:
+    return _PLACEMENT
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -20,11 +80,84 @@ def get_tensor_model_parallel_world_size() -> int:
     return _TP_SIZE
 
 
+def get_pipeline_model_parallel_rank() -> int:
+    return _PLACEMENT.pp_rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _PLACEMENT.pp_size
+
+
+def is_first_pp_rank() -> bool:
+    return _PLACEMENT.pp_rank == 0
+
+
+def is_last_pp_rank() -> bool:
+    return _PLACEMENT.pp_rank == _PLACEMENT.pp_size - 1
+
+
+def set_tensor_model_parallel(rank: int, size: int) -> None:
+    """Sets the rank and size layers see, without process groups (tests building one shard)."""
+    global _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = rank, size
+
+
+def init_distributed(placement: RankPlacement, backend: str) -> None:
+    """Joins the replica's process groups (every rank calls this, in any order).
+
+    Raises ``EngineError`` with one line when the other ranks do not join within
+    ``placement.timeout_s`` (a node that never started, a wrong ``--dist-init-addr``).
+    """
+    import torch.distributed as dist
+
+    from engine.errors import EngineError
+
+    global _PLACEMENT, _TP_GROUP, _CPU_GROUP
+    set_tensor_model_parallel(placement.tp_rank, placement.tp_size)
+    _PLACEMENT = placement
+    if placement.world_size == 1:
+        return
+    timeout = datetime.timedelta(seconds=placement.timeout_s)
+    try:
+        dist.init_process_group(backend=backend, init_method=placement.init_method, rank=placement.rank,
+                                world_size=placement.world_size, timeout=timeout)
+        _CPU_GROUP = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        for stage in range(placement.pp_size):
+            ranks = list(range(stage * placement.tp_size, (stage + 1) * placement.tp_size))
+            group = dist.new_group(ranks, backend=backend, timeout=timeout)
+            if stage == placement.pp_rank:
+                _TP_GROUP = group
+        # A first collective: every rank is in before any of them loads weights.
+        dist.barrier(group=_CPU_GROUP)
+    except Exception as exc:
+        # torch's own text spans many lines; the first says what happened.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EngineError(
+            f"{placement.describe()}: the {placement.world_size} ranks did not all join at "
+            f"{placement.init_method} within {placement.timeout_s:g} s (--dist-timeout-s): {first}. "
+            "Check that every node was started with the same --dist-init-addr, --nnodes, --tp-size "
+            "and --pp-size") from None
+    logger.info("%s joined %s (%s)", placement.describe(), placement.init_method, backend)
+
+
+def destroy_distributed() -> None:
+    global _PLACEMENT, _TP_GROUP, _CPU_GROUP
+    if _PLACEMENT.world_size > 1:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _PLACEMENT, _TP_GROUP, _CPU_GROUP = SINGLE, None, None
+    set_tensor_model_parallel(0, 1)
+
+
+# -- tensor-parallel collectives ------------------------------------------------------------
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums ``x`` over the tensor-parallel group (identity at size 1)."""
+    """Sums ``x`` over the tensor-parallel group, in place (identity at size 1)."""
     if _TP_SIZE == 1:
         return x
-    torch.distributed.all_reduce(x)
+    torch.distributed.all_reduce(x, group=_TP_GROUP)
     return x
 
 
@@ -32,9 +165,92 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     """Concatenates ``x`` from every rank along ``dim`` (identity at size 1)."""
     if _TP_SIZE == 1:
         return x
+    x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
-    torch.distributed.all_gather(parts, x.contiguous())
+    torch.distributed.all_gather(parts, x, group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def tensor_model_parallel_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Overwrites ``x`` with the stage's tensor-parallel rank 0's (in place; identity at size 1)."""
+    if _TP_SIZE == 1:
+        return x
+    src = _PLACEMENT.pp_rank * _PLACEMENT.tp_size
+    torch.distributed.broadcast(x, src=src, group=_TP_GROUP)
+    return x
+
+
+# -- control traffic over the CPU group -----------------------------------------------------
+def broadcast_objects(objects: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``objects`` on every rank (the others pass anything, e.g. None)."""
+    if _PLACEMENT.world_size == 1:
+        return objects
+    box = [objects]
+    torch.distributed.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    return box[0]
+
+
+def all_reduce_min(value: int) -> int:
+    """The smallest ``value`` over every rank of the replica (e.g. the KV pool size they agree on)."""
+    if _PLACEMENT.world_size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=_CPU_GROUP)
+    return int(t.item())
+
+
+# -- pipeline point-to-point ----------------------------------------------------------------
+def pp_send(tensors: list[torch.Tensor]) -> None:
+    """Sends ``tensors`` to the same tensor-parallel rank of the next pipeline stage."""
+    dst = _PLACEMENT.rank + _PLACEMENT.tp_size
+    for t in tensors:
+        torch.distributed.send(t.contiguous(), dst=dst)
+
+
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Receives tensors of ``shapes`` from the same tensor-parallel rank of the previous stage."""
+    src = _PLACEMENT.rank - _PLACEMENT.tp_size
+    out = []
+    for shape in shapes:
+        t = torch.empty(shape, dtype=dtype, device=device)
+        torch.distributed.recv(t, src=src)
+        out.append(t)
+    return out
+
+
+def last_stage_rank() -> int:
+    """World rank of tensor-parallel rank 0 of the last pipeline stage (where sampling happens)."""
+    return (_PLACEMENT.pp_size - 1) * _PLACEMENT.tp_size
+
+
+def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int) -> None:
+    """Raises ``ConfigError`` (one line) when the model cannot be split ``tp_size`` x ``pp_size`` ways.
+
+    The vocabulary never limits ``tp_size``: embedding and LM head rows are padded to a multiple
+    of it (the padding rows are zero and their logits are cut off).
+    """
+    from engine.errors import ConfigError
+
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    intermediate = getattr(hf_config, "intermediate_size", None)
+
+    def fits(tp: int) -> bool:
+        kv_ok = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+        return heads % tp == 0 and kv_ok and (intermediate is None or int(intermediate) % tp == 0)
+
+    if not fits(tp_size):
+        accepted = ", ".join(str(t) for t in range(1, heads + 1) if fits(t))
+        what = f"{heads} attention heads, {kv_heads} KV heads"
+        if intermediate is not None:
+            what += f", MLP size {intermediate}"
+        raise ConfigError(f"--tp-size: invalid value {tp_size} for this model ({what}): each must split "
+                          f"evenly across ranks (KV heads may instead be replicated when fewer than ranks); "
+                          f"accepted: {accepted}")
+    layers = int(hf_config.num_hidden_layers)
+    if pp_size > layers:
+        raise ConfigError(f"--pp-size: invalid value {pp_size}; accepted: at most the model's {layers} layers "
+                          "(each pipeline stage needs one)")
 
 
 def divide(numerator: int, denominator: int) -> int:

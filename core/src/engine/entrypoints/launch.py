@@ -42,7 +42,8 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     plugins.check_plugin_options(args.plugin_options, args.disable_plugin)
     check_router_policy(args)
     config = load_hf_config(model_path, args.trust_remote_code)
-    select_components(args, config)
+    selection = select_components(args, config)
+    check_parallel_layout(args, config, selection.platform)
     return config
 
 
@@ -56,6 +57,20 @@ def check_router_policy(args: ServerArgs) -> None:
             plugins.get_router_policy(args.router_policy, args.disable_plugin)
         except EngineError as exc:
             raise EngineError(f"--router-policy: {exc}") from None
+
+
+def check_parallel_layout(args: ServerArgs, hf_config: Any, platform: Any) -> None:
+    """The model splits ``--tp-size`` x ``--pp-size`` ways, and this node has a device per rank."""
+    from engine.distributed import check_model_parallel
+
+    check_model_parallel(hf_config, args.tp_size, args.pp_size)
+    per_node = args.tp_size * args.pp_size // args.nnodes * args.dp_size
+    if per_node > 1 and platform.device_type != "cpu":
+        try:
+            platform.device(per_node - 1)
+        except ValueError as exc:
+            raise EngineError(f"--tp-size {args.tp_size} x --pp-size {args.pp_size} x --dp-size {args.dp_size} "
+                              f"needs {per_node} devices on this node: {exc}") from None
 
 
 @dataclass
@@ -196,22 +211,22 @@ def start_runtime(args: ServerArgs) -> StartingRuntime:
     return starting
 
 
-def launch_replica(args: ServerArgs, model_path: str, ipc: IpcNames, dp_rank: int,
+def launch_replica(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_rank: int,
                    parent_pid: int) -> tuple[list[Any], Any]:
-    """Starts the processes of data-parallel replica ``dp_rank`` (today: one scheduler process).
+    """Starts this node's scheduler ranks of data-parallel replica ``dp_rank``.
 
-    ``ipc.scheduler`` is the replica's own endpoint (``IpcNames.for_replica``); its outputs go to
-    the shared detokenizer and its control replies to the tokenizer manager.
+    One process per tensor/pipeline rank (``--tp-size`` x ``--pp-size``, spread over
+    ``--nnodes``); rank 0 binds ``ipc.scheduler``, the replica's own endpoint
+    (``IpcNames.for_replica``), and alone sends outputs to the shared detokenizer and control
+    replies to the tokenizer manager. ``ipc`` is None on nodes other than 0. On a GPU platform
+    the replica's devices start at local device ``dp_rank`` x (ranks per node).
 
-    Returns the replica's processes and the reader its (first) scheduler reports readiness on.
+    Returns the replica's processes and one reader of their readiness (``ReplicaReady``: rank
+    0's ``SchedulerReady`` once every rank is ready, or the first rank's error).
     """
-    from engine.entrypoints.child_process import ChildProcess, pipe
+    from engine.distributed.ranks import launch_ranks
 
-    reader, writer = pipe()
-    name = "scheduler" if args.dp_size == 1 else f"scheduler dp{dp_rank}"
-    proc = ChildProcess("engine.managers.scheduler_process:scheduler_process",
-                        (args, model_path, ipc, writer, parent_pid, dp_rank), name=name)
-    return [proc], reader
+    return launch_ranks(args, model_path, ipc, dp_rank, parent_pid)
 
 
 def launch_runtime(args: ServerArgs) -> Runtime:

@@ -43,6 +43,12 @@ _EXPORTS: dict[str, str] = {
     "RadixAttention": "layers.radix_attention",
     "LogitsProcessor": "layers.logits_processor",
     "LogitsProcessorOutput": "layers.logits_processor",
+    # pipeline parallelism: this stage's layers, placeholders, what passes between stages
+    "make_layers": "layers.pipeline",
+    "pp_layer_range": "layers.pipeline",
+    "pp_stage": "layers.pipeline",
+    "PPMissingLayer": "layers.pipeline",
+    "PPProxyTensors": "layers.pipeline",
     # what a model's forward receives (defined by the model executor, re-exported here)
     "ForwardBatch": "model_executor.forward_batch",
     "ForwardMode": "model_executor.forward_batch",
@@ -79,6 +85,7 @@ if TYPE_CHECKING:
         set_weight_attrs,
     )
     from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+    from engine.layers.pipeline import PPMissingLayer, PPProxyTensors, make_layers, pp_layer_range, pp_stage
     from engine.layers.quantization import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
     from engine.layers.radix_attention import RadixAttention
     from engine.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters

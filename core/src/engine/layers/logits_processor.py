@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine.distributed import tensor_model_parallel_all_gather
+
 if TYPE_CHECKING:
     from engine.layers.vocab_parallel_embedding import ParallelLMHead
     from engine.model_executor.forward_batch import ForwardBatch
@@ -43,7 +45,10 @@ class LogitsProcessor(nn.Module):
         return LogitsProcessorOutput(next_token_logits=logits, full_logits=full)
 
     def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
-        logits = torch.matmul(h, lm_head.weight.t()).float()[:, : self.vocab_size]
+        # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,
+        # then cut the padding off.
+        logits = tensor_model_parallel_all_gather(torch.matmul(h, lm_head.weight.t()))
+        logits = logits.float()[:, : self.vocab_size]
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
         if self.final_logit_softcap:

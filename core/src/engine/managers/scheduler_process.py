@@ -1,13 +1,23 @@
-"""The scheduler process: a ZeroMQ loop around ``Scheduler``."""
+"""The scheduler process: a ZeroMQ loop around ``Scheduler``; one per tensor/pipeline rank.
+
+With several ranks every rank runs the same scheduler on the same inputs, in lockstep: rank 0
+alone receives from the tokenizer manager, and each loop turn broadcasts what it received (an
+empty list when idle) over the gloo CPU group, so every rank admits, batches and retracts
+identically. Only rank 0 replies to control requests and sends outputs to the detokenizer
+(ranks of other nodes have no IPC at all). A collective that fails (a rank died: gloo sees its
+connection close) ends the rank with an error; the launcher then stops the rest.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 import traceback
 from typing import Any
 
+from engine.distributed import RankPlacement
 from engine.errors import EngineError
 from engine.managers.io_struct import (
     AbortReq,
@@ -42,21 +52,29 @@ def _ready_info(scheduler: Any) -> SchedulerReady:
     )
 
 
-def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any, parent_pid: int,
-                      dp_rank: int = 0) -> None:
-    """Entry point: builds the Scheduler, reports readiness, then serves forever.
+def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_conn: Any, parent_pid: int,
+                      dp_rank: int = 0, placement: RankPlacement | None = None) -> None:
+    """Entry point: joins the replica's process groups, builds the Scheduler, reports readiness,
+    then serves forever.
 
     ``dp_rank``: the data-parallel replica this scheduler serves (``ipc.scheduler`` is that
-    replica's own endpoint).
+    replica's own endpoint). ``placement``: this process's tensor/pipeline rank in the replica
+    (default: the replica's only rank, on local device ``dp_rank * tp_size``). ``ipc`` is None
+    on ranks of nodes other than the first; ``ready_conn`` is this rank's own readiness pipe.
     """
-    import zmq
-
+    from engine import distributed
     from engine.managers.scheduler import Scheduler
 
-    setup_child_logging(args.log_level, "scheduler" if dp_rank == 0 and args.dp_size == 1 else f"scheduler dp{dp_rank}")
+    if placement is None:
+        placement = dataclasses.replace(distributed.SINGLE, local_rank=dp_rank * args.tp_size)
+    name = "scheduler" if dp_rank == 0 and args.dp_size == 1 else f"scheduler dp{dp_rank}"
+    if placement.world_size > 1:
+        name += f" r{placement.rank}"
+    setup_child_logging(args.log_level, name)
     ignore_group_signals()
     try:
-        scheduler = Scheduler(args, model_path)
+        platform = _join(args, placement)
+        scheduler = Scheduler(args, model_path, platform)
     except EngineError as exc:
         ready_conn.send(("error", str(exc)))
         os._exit(1)
@@ -65,7 +83,41 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
         ready_conn.send(("error", f"scheduler failed to start: {type(exc).__name__}: {exc}"))
         os._exit(1)
     ready_conn.send(("ok", _ready_info(scheduler)))
+    ready_conn.close()
+    if placement.rank != 0:
+        _follow(scheduler, parent_pid, placement)
+    assert ipc is not None
+    _serve(scheduler, ipc, parent_pid, placement)
 
+
+def _join(args: Any, placement: RankPlacement) -> Any:
+    """Joins the replica's process groups; returns the platform (None: the runner selects it).
+
+    A single rank only records its placement (its device index); several select the platform,
+    pin this rank's device and join the groups on the platform's backend.
+    """
+    from engine import distributed, plugins
+
+    if placement.world_size == 1:
+        distributed.init_distributed(placement, "")
+        return None
+    platform = plugins.select_platform(args.platform, args.disable_plugin, args.plugin_options)
+    try:
+        device = platform.device(placement.local_rank)
+    except ValueError as exc:  # more ranks on this node than devices
+        raise EngineError(f"{placement.describe()}: {exc}") from None
+    platform.set_device(device)
+    distributed.init_distributed(placement, platform.distributed_backend())
+    return platform
+
+
+def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacement) -> None:
+    """Rank 0: receive from the tokenizer manager, share with the other ranks, step, emit."""
+    import zmq
+
+    from engine import distributed
+
+    shared = placement.world_size > 1
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
     recv.bind(ipc.scheduler)
@@ -79,18 +131,22 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
     try:
         while True:
             timeout = 0 if scheduler.has_work() else 500
+            msgs = []
             if poller.poll(timeout):
                 while True:
                     try:
-                        msg = recv.recv_pyobj(zmq.NOBLOCK)
+                        msgs.append(recv.recv_pyobj(zmq.NOBLOCK))
                     except zmq.Again:
                         break
-                    if isinstance(msg, ControlReq) and msg.kind == "shutdown":
-                        logger.info("stopping: the server asked")
-                        os._exit(0)
-                    reply = _dispatch(scheduler, msg)
-                    if reply is not None:
-                        to_tokenizer.send_pyobj(reply)
+            if shared:  # every turn, even empty: the other ranks step when rank 0 does
+                distributed.broadcast_objects(msgs)
+            for msg in msgs:
+                if isinstance(msg, ControlReq) and msg.kind == "shutdown":
+                    logger.info("stopping: the server asked")
+                    os._exit(0)
+                reply = _dispatch(scheduler, msg)
+                if reply is not None:
+                    to_tokenizer.send_pyobj(reply)
             now = time.monotonic()
             if now >= next_orphan_check:  # also while busy: outputs to a dead parent would block forever
                 exit_if_orphaned(parent_pid, ipc)
@@ -98,11 +154,50 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames, ready_conn: Any
             scheduler.step()
             for out in scheduler.take_outputs():
                 to_detok.send_pyobj(out)
-    except Exception:
+    except Exception as exc:
         # The parent's watchdog sees the exit code and fails pending requests.
-        logger.error("scheduler crashed:\n%s", traceback.format_exc())
-        os._exit(1)
+        _crashed(exc, placement)
     os._exit(0)
+
+
+def _follow(scheduler: Any, parent_pid: int, placement: RankPlacement) -> None:
+    """Ranks other than 0: take rank 0's messages each turn and step in lockstep; emit nothing."""
+    from engine import distributed
+
+    next_orphan_check = 0.0
+    try:
+        while True:
+            for msg in distributed.broadcast_objects(None):
+                if isinstance(msg, ControlReq) and msg.kind == "shutdown":
+                    logger.info("stopping: rank 0 asked")
+                    os._exit(0)
+                _dispatch(scheduler, msg)
+            now = time.monotonic()
+            if now >= next_orphan_check:
+                exit_if_orphaned(parent_pid)
+                next_orphan_check = now + _ORPHAN_CHECK_S
+            scheduler.step()
+            scheduler.take_outputs()
+    except Exception as exc:
+        _crashed(exc, placement)
+    os._exit(0)
+
+
+def _crashed(exc: BaseException, placement: RankPlacement) -> None:
+    if placement.world_size > 1 and _is_peer_failure(exc):
+        # Another rank died or hung: one line, not a traceback of torch.distributed internals.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        logger.error("%s: a collective with the other ranks failed (%s): another rank has exited; stopping",
+                     placement.describe(), first[:300])
+    else:
+        logger.error("scheduler crashed:\n%s", traceback.format_exc())
+    os._exit(1)
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(k in text for k in ("gloo", "nccl", "connection", "timed out", "timeout", "distbackenderror",
+                                   "peer", "socket"))
 
 
 def _dispatch(scheduler: Any, msg: Any) -> ControlReply | None:

@@ -112,8 +112,11 @@ class MHATokenToKVPool:
         num_layers: int,
         device: str | torch.device,
         v_head_dim: int | None = None,
+        start_layer: int = 0,
     ) -> None:
         self.size = size
+        # Pipeline parallelism: this pool holds layers start_layer .. start_layer + num_layers - 1.
+        self.start_layer = start_layer
         self.page_size = page_size
         self.dtype = dtype
         self.num_kv_heads = num_kv_heads
@@ -134,13 +137,13 @@ class MHATokenToKVPool:
         ]
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id]
+        return self.k_buffer[layer_id - self.start_layer]
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
+        return self.v_buffer[layer_id - self.start_layer]
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+        return self.k_buffer[layer_id - self.start_layer], self.v_buffer[layer_id - self.start_layer]
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's ``store_kv`` kernel (K and V written in one launch) if offered."""
@@ -163,11 +166,12 @@ class MHATokenToKVPool:
         if cache_k.dtype != self.dtype:
             cache_k = quantize_kv(cache_k, self.dtype, k_scale)
             cache_v = quantize_kv(cache_v, self.dtype, v_scale)
+        k_buf, v_buf = self.get_kv_buffer(layer_id)
         if self.store_kv is not None and cache_k.is_cuda:
-            self.store_kv(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, cache_k, cache_v)
+            self.store_kv(k_buf, v_buf, loc, cache_k, cache_v)
             return
-        self.k_buffer[layer_id][loc] = cache_k
-        self.v_buffer[layer_id][loc] = cache_v
+        k_buf[loc] = cache_k
+        v_buf[loc] = cache_v
 
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()

@@ -80,6 +80,9 @@ class ForwardBatch:
     sampling_info: SamplingBatchInfo | None = None
     # Per-backend metadata computed once per batch by attn_backend.init_forward_metadata.
     attn_metadata: Any = None
+    # Pipeline parallelism: the previous stage's hidden states (and residual), on every stage
+    # but the first (an ``engine.layers.pipeline.PPProxyTensors``).
+    pp_proxy: Any = None
     # Free-form slot for extensions (speculative decoding, multimodal, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 

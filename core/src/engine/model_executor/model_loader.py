@@ -101,7 +101,7 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
 
         model.load_weights(iterate_gguf_blocks(gguf_file, config, _gguf_block_names(model)))
     else:
-        model.load_weights(iterate_weights(model_path, args.load_format))
+        model.load_weights(this_stage_weights(model, config, iterate_weights(model_path, args.load_format)))
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
@@ -110,6 +110,28 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
     if report:
         logger.info(report)
     return model.eval()
+
+
+def this_stage_weights(model: torch.nn.Module, config: Any,
+                       weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors of this pipeline stage's layers (all of them without pipelining).
+
+    Tensors under a ``PPMissingLayer`` belong to another stage and are skipped. A tied LM head
+    split from its embedding (the last stage of several) gets the embedding's tensor as
+    ``lm_head.weight``.
+    """
+    from engine.layers.pipeline import missing_prefixes
+
+    missing = tuple(f"{p}." for p in missing_prefixes(model))
+    if not missing:
+        yield from weights
+        return
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for name, tensor in weights:
+        if tied and name.endswith("embed_tokens.weight") and "lm_head." not in missing:
+            yield "lm_head.weight", tensor
+        if not name.startswith(missing):
+            yield name, tensor
 
 
 def _gguf_block_names(model: torch.nn.Module) -> set[str]:

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine import distributed
 from engine.attention import AttentionContext, check_backend_selectable
 from engine.errors import ConfigError
 from engine.hookspecs import resolve_factory
@@ -41,7 +42,9 @@ class ModelRunner:
         # The same choice and checks as the main process's preflight (engine.selection).
         self.selection = select_components(args, self.hf_config, platform)
         self.platform = self.selection.platform
-        self.device = self.platform.device(0)
+        # Tensor/pipeline rank of this process (rank 0 of 1 unless the launcher started several).
+        self.placement = distributed.get_placement()
+        self.device = self.platform.device(self.placement.local_rank)
         self.platform.set_device(self.device)
         self.platform.seed_everything(args.random_seed)
         for line in self.selection.log_lines():
@@ -50,9 +53,17 @@ class ModelRunner:
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        tp = self.placement.tp_size
+        distributed.check_model_parallel(cfg, tp, self.placement.pp_size)
+        # Heads of this tensor-parallel rank; KV heads are replicated when fewer than ranks.
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.num_heads = cfg.num_attention_heads // tp
+        self.num_kv_heads = max(1, total_kv_heads // tp)
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # Layers of this pipeline stage: the KV pool holds only these.
+        from engine.layers.pipeline import pp_layer_range
+
+        self.start_layer, self.end_layer = pp_layer_range(self.num_layers)
         model_ctx = getattr(cfg, "max_position_embeddings", 2048)
         if args.context_length and args.context_length > model_ctx:
             raise ConfigError(f"--context-length: invalid value {args.context_length}; accepted: at most the model's max_position_embeddings ({model_ctx})")
@@ -80,6 +91,9 @@ class ModelRunner:
     def _maybe_capture_graphs(self) -> Any:
         args = self.args
         if args.disable_cuda_graph or not self.platform.supports_graph_capture():
+            return None
+        if self.placement.pp_size > 1:
+            logger.info("pipeline parallelism: decode steps run eagerly (CUDA graphs off)")
             return None
         if not getattr(self.attn_backend, "supports_cuda_graph", False):
             logger.info("attention backend '%s' cannot be captured; CUDA graphs off", self.attention_backend_name)
@@ -115,7 +129,8 @@ class ModelRunner:
 
     def _init_pools(self, free_before: int) -> None:
         args = self.args
-        kv = MHATokenToKVPool(0, 1, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, self.num_layers, "cpu")
+        stage_layers = self.end_layer - self.start_layer
+        kv = MHATokenToKVPool(0, 1, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, stage_layers, "cpu")
         per_token = kv.bytes_per_token()
         weight_bytes = self._weight_bytes()
         if args.max_total_tokens is not None:
@@ -134,6 +149,8 @@ class ModelRunner:
             if self.device.type == "cpu":
                 tokens = min(tokens, _CPU_MAX_POOL_TOKENS)
         page = args.page_size
+        # Every rank schedules the same batches: they agree on the smallest pool any can hold.
+        tokens = distributed.all_reduce_min(tokens)
         tokens = tokens // page * page
         if tokens < max(page, 16):
             raise ConfigError(self._pool_too_small(tokens, per_token, free_before))
@@ -145,8 +162,8 @@ class ModelRunner:
         # +1 slot so a request can be prefilled while max_reqs decode.
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, page, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, self.num_layers, self.device
-        )
+            tokens, page, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, stage_layers, self.device,
+            start_layer=self.start_layer)
         self.token_to_kv_pool.use_kernels(self.platform.layer_kernels())
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB, %s, %d bytes per token), %d request slots", tokens,
@@ -203,15 +220,65 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """Runs the model; with pipeline parallelism, this stage's part of it.
+
+        A stage other than the first receives the previous stage's hidden states first; one
+        other than the last sends its own on and returns logits of None (the last stage samples,
+        ``sample`` shares the result).
+        """
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(forward_batch):
             return graphs.replay(forward_batch)
         self.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        if self.placement.pp_size == 1:
+            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self._forward_stage(forward_batch)
+
+    def _forward_stage(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        from engine.layers.pipeline import PPProxyTensors
+
+        hidden_size = self.hf_config.hidden_size
+        shape = (forward_batch.num_tokens, hidden_size)
+        if not distributed.is_first_pp_rank():
+            hidden, residual = distributed.pp_recv([shape, shape], self.dtype, self.device)
+            forward_batch.pp_proxy = PPProxyTensors(hidden, residual)
+        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        if isinstance(out, PPProxyTensors):
+            residual = out.residual if out.residual is not None else torch.zeros_like(out.hidden_states)
+            distributed.pp_send([out.hidden_states, residual])
+            out = LogitsProcessorOutput(next_token_logits=None)  # type: ignore[arg-type]
+        if forward_batch.return_logprob and forward_batch.forward_mode.is_extend():
+            # Prompt logprobs are read on every rank (rank 0 reports them): share the last stage's.
+            full = out.full_logits.cpu() if out.full_logits is not None else None
+            full = distributed.broadcast_objects(full, src=distributed.last_stage_rank())
+            out.full_logits = full.to(self.device) if full is not None else None
+        return out
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SampleOutput:
+        """Samples the next tokens; every rank returns the same ids.
+
+        Tensor-parallel ranks hold identical logits after the LM head's gather, but sampling is
+        not trusted to be bit-identical everywhere (kernels, random streams), so rank 0 of the
+        group samples and broadcasts its ids. With pipeline parallelism the last stage samples
+        and its whole result (ids and logprobs) goes to every rank.
+        """
         info = forward_batch.sampling_info
         assert info is not None
-        return self.sampler(logits_output.next_token_logits, info)
+        if self.placement.pp_size > 1:
+            return self._sample_from_last_stage(logits_output, info)
+        out = self.sampler(logits_output.next_token_logits, info)
+        if self.placement.tp_size > 1:
+            distributed.tensor_model_parallel_broadcast(out.next_token_ids)
+        return out
+
+    def _sample_from_last_stage(self, logits_output: LogitsProcessorOutput, info: Any) -> SampleOutput:
+        out = None
+        if distributed.is_last_pp_rank():
+            out = self.sampler(logits_output.next_token_logits, info)
+            out = SampleOutput(*(t.cpu() if t is not None else None for t in (
+                out.next_token_ids, out.next_token_logprobs, out.top_logprobs, out.top_logprob_ids)))
+        out = distributed.broadcast_objects(out, src=distributed.last_stage_rank())
+        return SampleOutput(*(t.to(self.device) if t is not None else None for t in (
+            out.next_token_ids, out.next_token_logprobs, out.top_logprobs, out.top_logprob_ids)))

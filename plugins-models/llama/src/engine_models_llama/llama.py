@@ -20,6 +20,7 @@ from engine.layers.activation import get_act_and_mul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.pipeline import PPMissingLayer, PPProxyTensors, make_layers, pp_stage
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import RadixAttention, kv_scale_target
 from engine.layers.rotary_embedding import get_rope
@@ -115,17 +116,27 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, quant_config, f"model.layers.{i}")
-            for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Pipeline parallelism: this stage builds only its layers (the first also embeds, the
+        # last also norms); the rest are placeholders.
+        self.stage = pp_stage()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.stage.is_first else PPMissingLayer())
+        self.layers, self.start_layer, self.end_layer = make_layers(
+            config.num_hidden_layers, lambda i, prefix: LlamaDecoderLayer(config, i, quant_config, prefix),
+            prefix="model.layers")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor | PPProxyTensors:
+        if self.stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert forward_batch.pp_proxy is not None
+            hidden, residual = forward_batch.pp_proxy.hidden_states, forward_batch.pp_proxy.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if not self.stage.is_last:
+            return PPProxyTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -141,15 +152,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        stage = self.model.stage
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if stage.is_last else PPMissingLayer()
+        # Split over pipeline stages, a tied LM head is its own copy of the embedding (the loader
+        # hands it the embedding's tensor under the name lm_head.weight).
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and stage.size == 1
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput | PPProxyTensors:
         hidden = self.model(input_ids, positions, forward_batch)
+        if isinstance(hidden, PPProxyTensors):
+            return hidden
         return self.logits_processor(hidden, self.lm_head, forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,197 @@
+"""Starting the scheduler ranks of one replica on this node, and watching them.
+
+A replica is ``tp_size * pp_size`` ranks spread evenly over ``--nnodes`` machines: node ``n``
+runs ranks ``n * per_node .. (n + 1) * per_node - 1``, on its local devices starting at
+``dp_rank * per_node``. Rank 0 (node 0) talks to the tokenizer manager over IPC; the others
+get their work from it over torch.distributed. Each rank reports readiness on its own pipe;
+``ReplicaReady`` reads them as one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import time
+from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING, Any
+
+from engine.distributed import RankPlacement
+
+if TYPE_CHECKING:
+    from engine.config import ServerArgs
+    from engine.managers.process_utils import IpcNames
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_DIST_PORT = 29500
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def init_method(args: ServerArgs, dp_rank: int) -> str:
+    """The rendezvous of replica ``dp_rank``: ``--dist-init-addr`` (its port + dp_rank), or a free
+    local port on a single node."""
+    if args.dist_init_addr:
+        host, _, port = args.dist_init_addr.rpartition(":")
+        return f"tcp://{host}:{int(port) + dp_rank}"
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
+def node_placements(args: ServerArgs, dp_rank: int, method: str) -> list[RankPlacement]:
+    """The ranks of replica ``dp_rank`` this node (``--node-rank``) runs."""
+    world = args.tp_size * args.pp_size
+    per_node = world // args.nnodes
+    first = args.node_rank * per_node
+    return [RankPlacement(rank=r, tp_size=args.tp_size, pp_size=args.pp_size,
+                          local_rank=dp_rank * per_node + (r - first), init_method=method,
+                          timeout_s=args.dist_timeout_s)
+            for r in range(first, first + per_node)]
+
+
+def rank_name(dp_rank: int, args: ServerArgs, placement: RankPlacement) -> str:
+    """The process name the watchdog reports ("scheduler", "scheduler dp1", "scheduler rank 1 (tp 1, pp 0)")."""
+    name = "scheduler" if args.dp_size == 1 else f"scheduler dp{dp_rank}"
+    if placement.world_size > 1:
+        name += f" rank {placement.rank} (tp {placement.tp_rank}, pp {placement.pp_rank})"
+    return name
+
+
+def launch_ranks(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_rank: int,
+                 parent_pid: int) -> tuple[list[Any], ReplicaReady]:
+    """Starts this node's scheduler ranks of replica ``dp_rank``.
+
+    ``ipc`` is the replica's endpoints on node 0, None on the other nodes (their ranks talk only
+    to the other ranks). Returns the processes (rank order) and their readiness as one reader.
+    """
+    from engine.entrypoints.child_process import ChildProcess, pipe
+
+    if args.nnodes > 1 or args.tp_size * args.pp_size > 1:
+        method = init_method(args, dp_rank)
+    else:
+        method = ""
+    processes, readers = [], []
+    try:
+        for placement in node_placements(args, dp_rank, method):
+            reader, writer = pipe()
+            readers.append(reader)
+            rank_ipc = ipc if placement.rank == 0 else None
+            processes.append(ChildProcess("engine.managers.scheduler_process:scheduler_process",
+                                          (args, model_path, rank_ipc, writer, parent_pid, dp_rank, placement),
+                                          name=rank_name(dp_rank, args, placement)))
+    except BaseException:
+        for proc in processes:
+            proc.kill()
+        raise
+    return processes, ReplicaReady(readers, processes)
+
+
+class ReplicaReady:
+    """Several ranks' readiness pipes read as one, like the single scheduler's pipe.
+
+    ``recv()`` gives the first ``("error", message)`` any rank sends, or, once every rank said
+    ``("ok", info)``, the first rank's ``("ok", info)``. A rank that exits without a word makes
+    ``recv()`` raise ``EOFError`` (the caller then reports the dead process).
+    """
+
+    def __init__(self, readers: list[Connection], processes: list[Any]) -> None:
+        self.readers = readers
+        self.processes = processes
+        self._pending = dict(enumerate(readers))
+        self._ok: dict[int, Any] = {}
+        self._result: tuple[str, Any] | None = None
+        self._eof = False
+
+    def poll(self, timeout: float = 0.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._result is None and not self._eof:
+            left = deadline - time.monotonic()
+            ready = wait(list(self._pending.values()), max(0.0, left)) if self._pending else []
+            for conn in ready:
+                index = next(i for i, c in self._pending.items() if c is conn)
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    self._eof = True
+                    break
+                del self._pending[index]
+                if status != "ok":
+                    where = self.processes[index].name if len(self.readers) > 1 else ""
+                    self._result = (status, f"{where}: {payload}" if where and where not in str(payload) else payload)
+                    break
+                self._ok[index] = payload
+            if not self._pending and self._result is None:
+                self._result = ("ok", self._ok[0])
+            if left <= 0 or not ready:
+                break
+        return self._result is not None or self._eof
+
+    def recv(self) -> tuple[str, Any]:
+        if self._result is None and not self._eof:
+            self.poll(3600.0)
+        if self._result is None:
+            raise EOFError
+        return self._result
+
+    def close(self) -> None:
+        for conn in self.readers:
+            conn.close()
+
+
+def watch_node_ranks(processes: list[Any], ready: ReplicaReady, node_rank: int) -> int:
+    """A node other than 0: waits for its ranks to be ready, then until they exit.
+
+    Returns the exit code: 0 when every rank stopped cleanly (the server on node 0 stopped
+    them), 1 when one failed, in which case the others are killed (no rank is left hanging).
+    """
+    stopping = False
+
+    def on_signal(sig: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    announced = False
+    try:
+        while True:
+            if not announced and ready.poll(0.0):
+                try:
+                    status, payload = ready.recv()
+                except EOFError:
+                    status, payload = "error", None
+                if status != "ok":
+                    if payload:
+                        logger.error("node %d: %s", node_rank, payload)
+                    return _stop_all(processes, 1)
+                logger.info("node %d: %d rank(s) ready; serving for node 0", node_rank, len(processes))
+                announced = True
+            if stopping:
+                logger.info("node %d: stopping on a signal", node_rank)
+                return _stop_all(processes, 0)
+            dead = [p for p in processes if not p.is_alive()]
+            if dead:
+                bad = [p for p in dead if p.exitcode != 0]
+                if bad:
+                    logger.error("node %d: engine process '%s' exited (exit code %s); stopping this node's ranks",
+                                 node_rank, bad[0].name, bad[0].exitcode)
+                    return _stop_all(processes, 1)
+                if len(dead) == len(processes):
+                    logger.info("node %d: the server stopped; every rank exited", node_rank)
+                    return 0
+            time.sleep(0.25)
+    finally:
+        ready.close()
+
+
+def _stop_all(processes: list[Any], code: int) -> int:
+    for proc in processes:
+        proc.kill()
+    for proc in processes:
+        proc.join(2.0)
+    return code
+
