@@ -55,6 +55,20 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Request latency, arrival to last token",
                              labels, buckets=_LATENCY_BUCKETS, registry=r)
+        # Data parallelism (--dp-size > 1): the router's decisions and each replica's load.
+        replica = [*labels, "replica"]
+        self.router_requests = Counter(f"{PREFIX}router_requests",
+                                       "Requests routed to each data-parallel replica, by the router policy's reason "
+                                       "(cache_hit: its cached prefixes matched the prompt)",
+                                       [*replica, "reason"], registry=r)
+        self.router_in_flight = Gauge(f"{PREFIX}router_in_flight_requests",
+                                      "Requests routed to the replica and not finished", replica, registry=r)
+        self.replica_running = Gauge(f"{PREFIX}replica_num_running_reqs", "Requests the replica is decoding or prefilling",
+                                     replica, registry=r)
+        self.replica_queued = Gauge(f"{PREFIX}replica_num_queue_reqs", "Requests waiting in the replica's queue",
+                                    replica, registry=r)
+        self.replica_kv_usage = Gauge(f"{PREFIX}replica_kv_cache_usage",
+                                      "Fraction of the replica's KV pool held by running requests", replica, registry=r)
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
@@ -83,9 +97,25 @@ class ServerMetrics:
         if end is not None:
             self.e2e.labels(name).observe(end - state.created)
 
+    def observe_route(self, rid: str, decision: Any) -> None:
+        """Records one routing decision (a ``RouteDecision``; none are counted with one replica)."""
+        if decision.reason != "single":
+            self.router_requests.labels(self.model_name, str(decision.replica), decision.reason).inc()
+
+    def update_router(self, router_stats: dict[str, Any]) -> None:
+        """Refreshes the per-replica in-flight gauges from ``Router.stats()`` (several replicas only)."""
+        if router_stats.get("dp_size", 1) > 1:
+            for replica in router_stats["replicas"]:
+                self.router_in_flight.labels(self.model_name, str(replica["index"])).set(replica["in_flight_requests"])
+
     def update_from_server_info(self, info: dict[str, Any]) -> None:
-        """Refreshes the gauges from the scheduler's ``server_info`` control reply."""
+        """Refreshes the gauges from the scheduler's ``server_info`` control reply (summed over the
+        replicas, with each replica's own numbers in ``dp_replicas``)."""
         name = self.model_name
+        for i, replica in enumerate(info.get("dp_replicas") or []):
+            self.replica_running.labels(name, str(i)).set(replica.get("num_running_reqs", 0))
+            self.replica_queued.labels(name, str(i)).set(replica.get("num_waiting_reqs", 0))
+            self.replica_kv_usage.labels(name, str(i)).set(replica.get("kv_usage", 0.0))
         self.running.labels(name).set(info.get("num_running_reqs", 0))
         self.queued.labels(name).set(info.get("num_waiting_reqs", 0))
         self.kv_usage.labels(name).set(info.get("kv_usage", 0.0))

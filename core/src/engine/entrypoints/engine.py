@@ -147,7 +147,8 @@ class Engine:
         ready = self.runtime.ready
         return {**self.server_args.to_dict(), **reply.data, "model_path": self.runtime.model_path,
                 "context_len": ready.context_len, "attention_backend": ready.attention_backend,
-                "platform": ready.platform, "dtype": ready.dtype, "device": ready.device}
+                "platform": ready.platform, "dtype": ready.dtype, "device": ready.device,
+                "router": self.tokenizer_manager.router.stats()}
 
     def shutdown(self) -> None:
         if self._closed:

@@ -71,6 +71,7 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
                              model_name=served_model_name(args, runtime.model_path), tokenizer=tokenizer)
         ctx.metrics = ServerMetrics(ctx.model_name)
         manager.on_finish.append(ctx.metrics.observe_finished)
+        manager.on_route.append(ctx.metrics.observe_route)
         app.state.ctx = ctx
         watcher = asyncio.ensure_future(_watch_engine(manager, on_fatal))
         try:

@@ -5,6 +5,7 @@
 - ``SchedulePolicyConformance``: the policy orders a queue deterministically, as a permutation.
 - ``PlatformConformance``: the platform answers its probes.
 - ``QuantMethodConformance``: a linear layer through the method round-trips within a stated error.
+- ``RouterPolicyConformance``: a data-parallel router policy picks valid replicas, deterministically.
 - ``ToolCallParserConformance`` / ``ReasoningParserConformance``: a parser reads its recorded
   outputs right, whole and streamed with every chunk boundary (``ToolCallCase``, ``ReasoningCase``).
 
@@ -20,6 +21,7 @@ from engine.testing.conformance import (
     QuantMethodConformance,
     ReasoningCase,
     ReasoningParserConformance,
+    RouterPolicyConformance,
     SchedulePolicyConformance,
     ToolCallCase,
     ToolCallParserConformance,
@@ -32,6 +34,7 @@ __all__ = [
     "QuantMethodConformance",
     "ReasoningCase",
     "ReasoningParserConformance",
+    "RouterPolicyConformance",
     "SchedulePolicyConformance",
     "ToolCallCase",
     "ToolCallParserConformance",

@@ -166,9 +166,11 @@ async def server_info(request: Request) -> Response:
 
 
 async def _server_info(ctx: ServingContext) -> dict[str, Any]:
-    """SGLang's layout: the server's arguments and the scheduler's numbers at the top level, and
-    ``internal_states``, one entry per data-parallel rank (we have one), which SGLang clients
-    index (``bench_serving`` reads ``internal_states[0]["avg_spec_accept_length"]``)."""
+    """SGLang's layout: the server's arguments and the scheduler's numbers at the top level
+    (summed over the data-parallel replicas, each one's in ``dp_replicas``), and
+    ``internal_states``, one entry per data-parallel replica, which SGLang clients index
+    (``bench_serving`` reads ``internal_states[0]["avg_spec_accept_length"]``); ``router``: the
+    router policy and, per replica, the requests routed there and its load."""
     reply = await _control(ctx, "server_info")
     if ctx.metrics is not None:
         ctx.metrics.update_from_server_info(reply.data)
@@ -177,22 +179,37 @@ async def _server_info(ctx: ServingContext) -> dict[str, Any]:
     if config.get("api_key"):
         config["api_key"] = "<redacted>"
     live: dict[str, Any] = reply.data
-    decode_time = live.get("decode_time_s") or 0.0
-    internal_state = {
-        **config, **live,
-        # SGLang reports its last log interval; the scheduler keeps totals, so this is the
-        # mean over every decode step so far: tokens decoded per second of decode time.
-        "last_gen_throughput": live.get("decode_rows", 0) / decode_time if decode_time else 0.0,
-        "memory_usage": {"token_capacity": live.get("max_total_num_tokens", ready.max_total_num_tokens)},
-        # No speculative decoding here, so no avg_spec_accept_length (SGLang omits it too).
-    }
+    replicas = live.get("dp_replicas") or [live]
+    internal_states = [_internal_state(config, replica, ready.max_total_num_tokens) for replica in replicas]
+    router = ctx.manager.router.stats()
+    if ctx.metrics is not None:
+        ctx.metrics.update_router(router)
+    for entry, replica in zip(router["replicas"], replicas):
+        entry.update({key: replica.get(key, 0) for key in _REPLICA_LOAD_KEYS})
     return {
         **config, **live, "version": __version__, "model_path": ctx.model_path,
         "served_model_name": ctx.model_name, "context_len": ready.context_len,
         "max_req_input_len": ready.context_len - 1, "vocab_size": ready.vocab_size,
         "attention_backend": ready.attention_backend, "platform": ready.platform, "device": ready.device,
         "dtype": ready.dtype, "max_running_requests": ready.max_running_requests, "plugins": ready.plugins,
-        "num_inflight_reqs": len(ctx.manager.states), "internal_states": [internal_state],
+        "num_inflight_reqs": len(ctx.manager.states), "internal_states": internal_states, "router": router,
+    }
+
+
+# A replica's numbers copied into ``router.replicas[i]`` of /get_server_info (its load at a glance).
+_REPLICA_LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs", "kv_usage", "kv_used_tokens", "max_total_num_tokens")
+
+
+def _internal_state(config: dict[str, Any], live: dict[str, Any], capacity: int) -> dict[str, Any]:
+    """One entry of ``internal_states``: a data-parallel replica's configuration and numbers."""
+    decode_time = live.get("decode_time_s") or 0.0
+    return {
+        **config, **live,
+        # SGLang reports its last log interval; the scheduler keeps totals, so this is the
+        # mean over every decode step so far: tokens decoded per second of decode time.
+        "last_gen_throughput": live.get("decode_rows", 0) / decode_time if decode_time else 0.0,
+        "memory_usage": {"token_capacity": live.get("max_total_num_tokens", capacity)},
+        # No speculative decoding here, so no avg_spec_accept_length (SGLang omits it too).
     }
 
 
@@ -220,6 +237,7 @@ async def metrics(request: Request) -> Response:
 
     ctx = _ctx(request)
     assert ctx.metrics is not None
+    ctx.metrics.update_router(ctx.manager.router.stats())
     try:
         reply = await _control(ctx, "server_info")
         ctx.metrics.update_from_server_info(reply.data)

@@ -11,12 +11,14 @@ from engine.testing.conformance.parsers import (
 from engine.testing.conformance.platform import PlatformConformance
 from engine.testing.conformance.policy import SchedulePolicyConformance
 from engine.testing.conformance.quant import QuantMethodConformance
+from engine.testing.conformance.router import RouterPolicyConformance
 
 __all__ = [
     "AttentionBackendConformance",
     "ModelConformance",
     "PlatformConformance",
     "QuantMethodConformance",
+    "RouterPolicyConformance",
     "ReasoningCase",
     "ReasoningParserConformance",
     "SchedulePolicyConformance",
