@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -12,9 +13,11 @@ from engine.managers.tokenizer_pool import TextTooLongError
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
+    from engine.entrypoints.http.tool_calling import ToolPlan
     from engine.managers.io_struct import SchedulerReady
     from engine.managers.tokenizer_manager import TokenizerManager
     from engine.metrics import ServerMetrics
+    from engine.parsers import ReasoningParser, ToolCallParser
 
 # The name the embedded default model is served under (its cache directory name is an artefact).
 DEFAULT_MODEL_NAME = "default"
@@ -45,6 +48,20 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     # Memo of single-token texts for logprob outputs (decoding is the costly part).
     _token_texts: dict[int, str] = field(default_factory=dict)
+    # --tool-call-parser / --reasoning-parser, built once (parsers are stateless); None when unset.
+    tool_parser: ToolCallParser | None = field(init=False, default=None)
+    reasoning_parser: ReasoningParser | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        from engine import plugins
+
+        args = self.args
+        if args.tool_call_parser:
+            self.tool_parser = plugins.create_tool_call_parser(args.tool_call_parser, args.disable_plugin,
+                                                               args.plugin_options)
+        if args.reasoning_parser:
+            self.reasoning_parser = plugins.create_reasoning_parser(args.reasoning_parser, args.disable_plugin,
+                                                                    args.plugin_options)
 
     @property
     def context_len(self) -> int:
@@ -98,14 +115,19 @@ class ServingContext:
         return text
 
     async def render_chat(self, messages: list[Any], add_generation_prompt: bool = True,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None) -> list[int]:
         """Token ids of ``messages`` under the tokenizer's chat template (rendered and tokenized
-        off the event loop)."""
+        off the event loop); ``tools`` (a chat request's validated tool fields) are rendered
+        through the template, or into the system prompt where the template ignores them."""
+        from engine.entrypoints.http.tool_calling import ToolPlan, template_messages
+
         tokenizer = self.require_tokenizer("messages")
         conversation = [chat_message_dict(m, i) for i, m in enumerate(messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"messages: model '{self.model_name}' has no chat template; "
                                 "use /v1/completions with a prompt", param="messages")
+        conversation, tool_kwargs = template_messages(conversation, tools or ToolPlan(), tokenizer, self.tool_parser)
+        template_kwargs = {**(template_kwargs or {}), **tool_kwargs}
         try:
             return await self.manager.pool.render_chat(conversation, add_generation_prompt, template_kwargs)
         except TextTooLongError as exc:
@@ -116,10 +138,10 @@ class ServingContext:
 
 
 def chat_message_dict(message: Any, index: int) -> dict[str, Any]:
-    """One pydantic ChatMessage as the plain dict chat templates expect (text only)."""
+    """One pydantic ChatMessage as the plain dict chat templates expect: text content, an
+    assistant's ``tool_calls`` with their arguments decoded (templates write them as JSON), a
+    tool message's ``tool_call_id``."""
     where = f"messages[{index}]"
-    if message.tool_calls:
-        raise APIError(400, f"{where}.tool_calls: tool calls are not supported", param=f"{where}.tool_calls")
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -132,4 +154,28 @@ def chat_message_dict(message: Any, index: int) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        if message.role != "assistant":
+            raise APIError(400, f"{where}.tool_calls: only assistant messages carry tool calls",
+                           param=f"{where}.tool_calls")
+        out["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+    extra = message.model_extra or {}
+    if message.role == "tool" and isinstance(extra.get("tool_call_id"), str):
+        out["tool_call_id"] = extra["tool_call_id"]
+    return out
+
+
+def _template_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError(400, f"{where}.function.name: required, a string", param=f"{where}.function.name")
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments or "{}")
+        except ValueError:
+            raise APIError(400, f"{where}.function.arguments: not valid JSON", param=f"{where}.function.arguments") from None
+    out = {"type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
     return out

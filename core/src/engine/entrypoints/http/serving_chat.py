@@ -36,12 +36,21 @@ from engine.entrypoints.http.sampling import (
     sampling_params,
     stream_usage_wanted,
 )
+from engine.entrypoints.http.tool_calling import (
+    ToolPlan,
+    delta_dict,
+    message,
+    output_parser,
+    plan_tools,
+)
+from engine.entrypoints.http.tool_calling import finish_reason as tool_finish_reason
 from engine.managers.tokenizer_manager import GenerateRequest
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
     from engine.entrypoints.http.context import ServingContext
+    from engine.parsers import ChatOutputParser
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +63,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     ctx.check_model(req.model)
     _check_supported(req)
     ctx.check_accepting()
-    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=req.chat_template_kwargs)
+    plan = plan_tools(req)
+    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=req.chat_template_kwargs, tools=plan)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -65,22 +75,27 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         check_max_tokens(max_tokens, len(prompt_ids), ctx.context_len, max_param)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     base = GenerateRequest(
-        input_ids=prompt_ids, sampling_params=sampling_params(req, max_tokens), rid=req.rid or response_id,
+        input_ids=prompt_ids, sampling_params=plan.sampling(sampling_params(req, max_tokens), ctx.tool_parser),
+        rid=req.rid or response_id,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0)
-    choices = await make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param})
+    # A forced tool_choice is a JSON schema made from the tools: its errors are the tools'.
+    forced = {"json_schema": "tools"} if plan.forced else {}
+    choices = await make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param, **forced})
+    reader = output_parser(ctx, plan)
     created = int(time.time())
     if req.stream:
-        return SSEResponse(_stream(ctx, req, choices, response_id, created))
+        return SSEResponse(_stream(ctx, req, choices, response_id, created, plan, reader))
     outputs = await run_to_completion(ctx, choices, request)
     by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}
     body_choices = []
     for choice, out in zip(choices, outputs, strict=True):
         meta = out["meta_info"]
+        msg, called = message(reader, out["text"], ctx.reasoning_parser is not None)
         entry: dict[str, Any] = {
             "index": choice.index,
-            "message": {"role": "assistant", "content": out["text"]},
+            "message": msg,
             "logprobs": _logprobs(ctx, req, meta, 0),
-            "finish_reason": finish_reason(meta),
+            "finish_reason": tool_finish_reason(finish_reason(meta), plan, called),
             "matched_stop": matched_stop(meta),
         }
         body_choices.append(entry)
@@ -92,11 +107,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 def _check_supported(req: ChatCompletionRequest) -> None:
     check_common(req)
-    if req.tools:
-        raise APIError(400, "tools: tool calling is not supported by this server", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise APIError(400, "tool_choice: tool calling is not supported by this server; accepted: 'none'",
-                       param="tool_choice")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
         raise APIError(400, f"response_format: type '{req.response_format.get('type')}' is not supported; "
                             "accepted: 'text' (constrained decoding is not implemented)",
@@ -114,8 +124,11 @@ def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, meta: dict[str, A
 
 
 async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list[Choice],
-                  response_id: str, created: int) -> AsyncIterator[bytes]:
+                  response_id: str, created: int, plan: ToolPlan, reader: ChatOutputParser | None) -> AsyncIterator[bytes]:
     with_usage = stream_usage_wanted(req)
+    # Per choice: the output read as it streams (reasoning, content, tool-call deltas).
+    readers = {c.index: reader.stream() for c in choices} if reader is not None else {}
+    with_reasoning = ctx.reasoning_parser is not None
 
     def chunk(parts: list[dict[str, Any]], usage_block: dict[str, Any] | None = None) -> bytes:
         data: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
@@ -138,15 +151,20 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
             reason = stream_finish_reason(meta)  # "abort" ends this choice; the others run on
             if reason == "abort":
                 aborted.append(meta)
-            delta = out["text"][sent_chars[i]:]
+            text = out["text"][sent_chars[i]:]
             sent_chars[i] = len(out["text"])
+            if i in readers:
+                delta = delta_dict(readers[i].feed(text, final=reason is not None), with_reasoning)
+                reason = tool_finish_reason(reason, plan, readers[i].called)
+            else:
+                delta = {"content": text} if text else {}
             logprobs = _logprobs(ctx, req, meta, sent_logprobs[i])
             sent_logprobs[i] = len(meta.get("output_token_logprobs") or [])
             if logprobs is not None and not logprobs["content"]:
                 logprobs = None
             if not delta and logprobs is None and reason is None:
                 continue  # the detokenizer held back a partial character
-            part: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {},
+            part: dict[str, Any] = {"index": i, "delta": delta,
                                     "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 part["matched_stop"] = matched_stop(meta)
