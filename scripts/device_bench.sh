@@ -49,6 +49,22 @@ for stage in "$@"; do
     flashinfer)
       E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -4
       E bench one-batch "${DUMMY[@]}" --attention flashinfer --batch-size 64 --input-len 1024 --output-len 16 --result-file "$RES" 2>&1 | tail -2 ;;
+    tp_tests)
+      # Tensor/pipeline parallelism on 2 GPUs (NCCL; nvidia-h200-x2): parity with transformers, triton and flashinfer.
+      timeout "${TP_TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider core/tests/distributed \
+        > "$OUT/gpu_tp_tests.log" 2>&1; tail -8 "$OUT/gpu_tp_tests.log" ;;
+    tp)
+      # TP=1 vs TP=2 on the Llama-3-8B-shaped dummy model: batch-1 and batch-64 decode, then offline 1024/1024.
+      for tp in 1 2; do
+        E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size "$tp" --batch-size "1 64" --input-len 128 \
+          --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=$tp /"
+      done
+      for tp in 1 2; do
+        echo "--- offline tp=$tp"
+        timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size "$tp" \
+          --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
+          --result-file "$RES" 2>&1 | tail -16
+      done ;;
     offline)
       timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -16 ;;
     gsp)

@@ -129,18 +129,26 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
 
 
 def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
-                    result_file: str | None = None, warmup: bool = True) -> list[OneBatchResult]:
+                    result_file: str | None = None, warmup: bool = True, platform: Any = None) -> list[OneBatchResult]:
+    """Runs every (batch size, input, output) combination; with ``--tp-size``/``--pp-size`` above 1,
+    in one process per rank, all running the same batches (rank 0 prints and records)."""
+    from engine import distributed
     from engine.entrypoints.launch import resolve_model_path
     from engine.managers.scheduler import Scheduler
 
+    if args.tp_size * args.pp_size > 1 and distributed.get_placement().world_size == 1:
+        return _bench_in_ranks(args, batch_sizes, input_lens, output_lens, result_file, warmup)
     model_path = resolve_model_path(args)
-    scheduler = Scheduler(args, model_path)
+    scheduler = Scheduler(args, model_path, platform)
+    lead = distributed.get_placement().rank == 0
     results = []
     if warmup:
         run_one(scheduler, batch_sizes[0], min(input_lens[0], 32), 4)
     for bs, il, ol in itertools.product(batch_sizes, input_lens, output_lens):
         res = run_one(scheduler, bs, il, ol)
         results.append(res)
+        if not lead:
+            continue
         print(f"batch {bs} input {il} output {ol}: prefill {res.prefill_latency_s * 1e3:.2f} ms "
               f"({res.prefill_throughput:.0f} tok/s), median decode {res.median_decode_latency_s * 1e3:.3f} ms "
               f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s"
@@ -150,5 +158,52 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
                 f.write(json.dumps({"bench": "one-batch", "device": scheduler.runner.platform.describe(),
                                     "attention": scheduler.runner.attention_backend_name,
                                     "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
+                                    "tp_size": args.tp_size, "pp_size": args.pp_size,
                                     **res.to_dict()}) + "\n")
     return results
+
+
+def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
+                    result_file: str | None, warmup: bool) -> list[OneBatchResult]:
+    """One child process per rank (as the server starts them); returns rank 0's results."""
+    from engine.distributed.ranks import init_method, node_placements
+    from engine.entrypoints.child_process import ChildProcess, pipe
+    from engine.errors import EngineError
+
+    procs, readers = [], []
+    try:
+        for placement in node_placements(args, 0, init_method(args, 0)):
+            reader, writer = pipe()
+            readers.append(reader)
+            procs.append(ChildProcess("engine.bench.one_batch:_rank_main",
+                                      (args, batch_sizes, input_lens, output_lens,
+                                       result_file if placement.rank == 0 else None, warmup, placement, writer),
+                                      name=f"bench rank {placement.rank}"))
+        while True:
+            if readers[0].poll(0.5):
+                status, payload = readers[0].recv()
+                if status != "ok":
+                    raise EngineError(payload)
+                return payload
+            dead = next((p for p in procs if not p.is_alive()), None)
+            if dead is not None:
+                raise EngineError(f"{dead.name} exited (exit code {dead.exitcode}); see its log above")
+    finally:
+        for proc in procs:
+            proc.join(10.0)
+            proc.kill()
+
+
+def _rank_main(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
+               result_file: str | None, warmup: bool, placement: Any, conn: Any) -> None:
+    from engine.managers.process_utils import setup_child_logging
+    from engine.managers.scheduler_process import join_replica
+
+    setup_child_logging(args.log_level, f"bench r{placement.rank}")
+    try:
+        platform = join_replica(args, placement)
+        results = bench_one_batch(args, batch_sizes, input_lens, output_lens, result_file, warmup, platform)
+    except Exception as exc:
+        conn.send(("error", f"rank {placement.rank}: {type(exc).__name__}: {exc}"))
+        raise
+    conn.send(("ok", results))

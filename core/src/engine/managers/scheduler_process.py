@@ -73,7 +73,7 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
     setup_child_logging(args.log_level, name)
     ignore_group_signals()
     try:
-        platform = _join(args, placement)
+        platform = join_replica(args, placement)
         scheduler = Scheduler(args, model_path, platform)
     except EngineError as exc:
         ready_conn.send(("error", str(exc)))
@@ -90,8 +90,10 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
     _serve(scheduler, ipc, parent_pid, placement)
 
 
-def _join(args: Any, placement: RankPlacement) -> Any:
+def join_replica(args: Any, placement: RankPlacement) -> Any:
     """Joins the replica's process groups; returns the platform (None: the runner selects it).
+
+    Every process of a rank calls it first (the scheduler, ``engine bench one-batch``'s ranks).
 
     A single rank only records its placement (its device index); several select the platform,
     pin this rank's device and join the groups on the platform's backend.
