@@ -1,7 +1,7 @@
 """Creates a new plugin distribution from plugins/_template.
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
-KIND: attention | quant | model | policy | platform
+KIND: attention | quant | model | policy | platform | router
 """
 
 from __future__ import annotations
@@ -37,6 +37,17 @@ KINDS = {
         impl=('from engine.managers.policy import PolicyContext, SchedulePolicy\n\n\n'
               'class Policy(SchedulePolicy):\n    def order(self, queue, ctx: PolicyContext):  # type: ignore[no-untyped-def]\n'
               '        return sorted(queue, key=lambda r: r.arrival_seq)\n')),
+    "router": dict(
+        deps=[],
+        hook="register_router_policies", spec_cls="RouterPolicySpec", kit="RouterPolicyConformance",
+        spec='RouterPolicySpec(name="{name}", factory="{package}.impl:Policy")',
+        kit_attrs='    policy_name = "{name}"',
+        impl=('from collections.abc import Sequence\n\n'
+              'from engine.router import ReplicaLoad, RouteDecision, RouteRequest, RouterPolicy\n\n\n'
+              'class Policy(RouterPolicy):\n    """Starts as shortest-queue: the replica with the fewest requests in flight."""\n\n'
+              '    def route(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> RouteDecision:\n'
+              '        best = min(loads, key=lambda r: (r.in_flight_requests, r.routed_requests, r.index))\n'
+              '        return RouteDecision(best.index, "least_loaded")\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",

@@ -137,7 +137,9 @@ def test_a_dying_replica_ends_the_server(dp_server: Server) -> None:
     os.kill(sorted(children)[1], signal.SIGKILL)  # started second: replica 1's scheduler
     started = time.monotonic()
     code = dp_server.proc.wait(15)
-    assert code != 0 and time.monotonic() - started < 5
+    # Seconds, not minutes (the single-scheduler test asks < 5 s; with one more process to stop
+    # on a loaded 2-core machine, allow 10).
+    assert code != 0 and time.monotonic() - started < 10
     assert re.search(r"engine process '(scheduler dp\d|detokenizer)' died", dp_server.log()), dp_server.log()[-2000:]
 
 

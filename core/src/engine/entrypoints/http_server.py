@@ -150,9 +150,11 @@ def ready_line(ctx: ServingContext, url: str) -> str:
     """The one start-up line: where, what model, which plugins, attention backend and platform."""
     ready = ctx.ready
     plugins = ", ".join(p["name"] for p in ready.plugins if p.get("status") == "ok") or "none"
+    dp = ctx.args.dp_size
+    replicas = f"{dp} data-parallel replicas, router {ctx.args.router_policy}, each " if dp > 1 else ""
     return (f"engine {__version__} serving '{ctx.model_name}' on {url} | model {ctx.model_path} | "
             f"attention {ready.attention_backend}, platform {ready.platform} ({ready.device}, {ready.dtype}), "
-            f"KV pool {ready.max_total_num_tokens} tokens, context {ready.context_len} | plugins: {plugins}")
+            f"{replicas}KV pool {ready.max_total_num_tokens} tokens, context {ready.context_len} | plugins: {plugins}")
 
 
 def serve(args: ServerArgs) -> int:
