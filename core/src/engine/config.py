@@ -48,6 +48,7 @@ class ServerArgs:
     quant: str | None = opt(None, "Quantization method plugin (default: the checkpoint's quantization_config)")
     platform: str | None = opt(None, "Hardware platform plugin (default: auto-detected)")
     schedule_policy: str = opt("fcfs", "Schedule policy plugin ordering the waiting queue")
+    grammar_backend: str = opt("xgrammar", "Grammar backend plugin for structured output (json_schema, regex, ebnf, response_format)")
     tool_call_parser: str | None = opt(None, "Tool-call parser plugin reading calls from the output of requests with tools and tool_choice auto (hermes, llama3, mistral); default: none, the output stays text")
     reasoning_parser: str | None = opt(None, "Reasoning parser plugin splitting reasoning_content from content (qwen3, deepseek-r1); default: none")
     disable_plugin: list[str] = opt([], "Plugin (entry-point name) not to load; repeatable")
@@ -142,6 +143,17 @@ class ServerArgs:
             # A misspelt name would otherwise disable nothing, silently.
             check_plugin_names(self.disable_plugin, "--disable-plugin")
         self._validate_parsers()
+        self._validate_grammar_backend()
+
+    def _validate_grammar_backend(self) -> None:
+        """``--grammar-backend`` names an installed grammar backend (the error lists them)."""
+        from engine import plugins
+        from engine.errors import PluginError
+
+        try:
+            plugins.get_grammar_backend(self.grammar_backend, self.disable_plugin)
+        except PluginError as exc:
+            raise PluginError(f"--grammar-backend: {exc}") from None
 
     def _validate_parsers(self) -> None:
         """``--tool-call-parser`` and ``--reasoning-parser`` name registered parsers (before any process starts)."""

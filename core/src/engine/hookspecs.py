@@ -164,9 +164,10 @@ class GrammarBackendSpec:
     name: str
     factory: Factory
     description: str = ""
-    #: grammar kinds it compiles: a subset of ``("json", "json_schema", "regex", "ebnf",
-    #: "structural_tag")``; a request of another kind is a 400 naming the field.
-    grammar_kinds: tuple[str, ...] = ("json", "json_schema", "regex", "ebnf")
+    #: grammar kinds it compiles: a subset of ``("json_schema", "regex", "ebnf",
+    #: "structural_tag")`` (the sampling parameters); a request of another kind is a 400
+    #: naming the field.
+    grammar_kinds: tuple[str, ...] = ("json_schema", "regex", "ebnf")
     #: whether its matchers can roll back accepted tokens (else retraction re-runs the request).
     supports_rollback: bool = False
 

@@ -35,6 +35,12 @@ class Sampler(nn.Module):
         raw_logprobs = torch.log_softmax(logits, dim=-1) if info.return_logprob else None
         if info.penalizer is not None:
             info.penalizer.apply(logits)
+        if info.logit_bias is not None:
+            logits += info.logit_bias
+        if info.vocab_mask is not None:
+            # Structured output: disallowed tokens to -inf, the whole batch in one op (outside
+            # any CUDA graph: the graph ends at the logits).
+            info.apply_vocab_mask(logits, info.vocab_mask)
         if info.is_all_greedy:
             ids = torch.argmax(logits, dim=-1)
         else:

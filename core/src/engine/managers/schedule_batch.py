@@ -91,6 +91,11 @@ class Req:
         self.retractions = 0
         # Launched decode steps whose token is not appended yet (overlap scheduling).
         self.inflight_steps = 0
+        # Structured output: the grammar key, its compile while the request waits, then the
+        # matcher, which has accepted exactly ``output_ids`` (a retracted request keeps it).
+        self.grammar_key: Any = None
+        self.grammar_future: Any = None
+        self.grammar: Any = None
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:
@@ -121,6 +126,14 @@ class Req:
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
+    def append_output(self, token_id: int) -> None:
+        """Appends a sampled token; a constrained request's matcher accepts it (a token the
+        grammar refuses cannot be sampled under the mask: it ends the request with an error)."""
+        self.output_ids.append(token_id)
+        if self.grammar is not None and not self.finished() and not self.grammar.accept_token(token_id):
+            self.finished_reason = FinishReason(
+                "abort", message=f"structured output: the grammar refused token {token_id}")
+
     def check_finished(self) -> None:
         if self.finished():
             return
@@ -132,6 +145,8 @@ class Req:
             return
         last = self.output_ids[-1]
         if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            self.finished_reason = FinishReason("stop", matched=last)
+        elif self.grammar is not None and self.grammar.is_terminated():
             self.finished_reason = FinishReason("stop", matched=last)
 
     def reset_for_retract(self) -> None:

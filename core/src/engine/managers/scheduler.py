@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from engine.config import ServerArgs
+from engine.constrained.scheduling import GrammarQueue
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
@@ -73,6 +74,11 @@ class Scheduler(DecodeMixin, OutputMixin):
             rng=random.Random(args.random_seed),
             enable_preemption=args.enable_priority_preemption)
         self.waiting_queue: list[Req] = []
+        # Requests whose grammar compiles (structured output) wait here, not in the batch.
+        self.grammar_queue = GrammarQueue(
+            args.grammar_backend, None if args.skip_tokenizer_init else (args.tokenizer_path or model_path),
+            self.runner.vocab_size, self.eos_token_ids, self.device, args.disable_plugin, args.plugin_options,
+            args.trust_remote_code)
         self.running_batch = self._new_batch([])
         self.chunked_req: Req | None = None
         self.init_new_token_ratio = min(1.0, _INIT_NEW_TOKEN_RATIO * args.schedule_conservativeness)
@@ -119,7 +125,19 @@ class Scheduler(DecodeMixin, OutputMixin):
             return
         # Leave room for at least the prompt and one token within the context.
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
-        self.waiting_queue.append(req)
+        if not self.grammar_queue.submit(req):
+            self.waiting_queue.append(req)
+
+    def _admit_compiled_grammars(self) -> None:
+        """Moves requests whose grammar compiled to the waiting queue; ends those whose compile
+        failed. Waits briefly for a compile only when nothing else can run."""
+        idle = not (self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.inflight)
+        ready, failed = self.grammar_queue.poll(wait_s=0.005 if idle else 0.0)
+        self.waiting_queue.extend(ready)
+        for req, message in failed:
+            req.finished_reason = FinishReason("abort", message=message)
+        if failed:
+            self._emit([req for req, _ in failed])
 
     def _validate(self, req: Req) -> str | None:
         n = len(req.origin_input_ids)
@@ -152,6 +170,7 @@ class Scheduler(DecodeMixin, OutputMixin):
                 continue
             req.finished_reason = FinishReason("abort", message=message)
             aborted.append(req)
+            self.grammar_queue.remove(req)  # still compiling: it is in no other queue
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
             elif req is self.chunked_req:
@@ -170,13 +189,15 @@ class Scheduler(DecodeMixin, OutputMixin):
     # -- the loop --------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req
-                    or self.pending_aborts or self.inflight)
+                    or self.pending_aborts or self.inflight or self.grammar_queue.waiting)
 
     def step(self) -> bool:
         """Runs one batch; returns False when there was nothing to do."""
         if self.pending_aborts:
             self.drain()
             self._apply_aborts()
+        if self.grammar_queue.waiting:
+            self._admit_compiled_grammars()
         if self.chunked_req is not None or (self.waiting_queue and self._admission_needs_settled_batch()):
             self.drain()
         batch = self.get_new_batch_prefill()
@@ -188,7 +209,7 @@ class Scheduler(DecodeMixin, OutputMixin):
         if self.inflight is not None:
             self.drain()
             return True
-        return False
+        return bool(self.grammar_queue.waiting)
 
     def _admission_needs_settled_batch(self) -> bool:
         """Whether admission must see the in-flight decode step's tokens appended first.
@@ -372,6 +393,9 @@ class Scheduler(DecodeMixin, OutputMixin):
         rows = batch.reqs + batch.decoding_reqs
         fb.sampling_info = SamplingBatchInfo.from_reqs(rows, self.runner.vocab_size, self.device, self.eos_token_ids)
         logits = self.runner.forward(fb)
+        # Rows that keep their token: the last (or only) chunk of a prompt, and decode rows.
+        produces = [r.is_chunked == 0 and r.sampling_params.max_new_tokens > 0 for r in batch.reqs]
+        self.grammar_queue.set_mask(fb.sampling_info, rows, produces + [True] * len(batch.decoding_reqs))
         sample = self.runner.sample(logits, fb)
         self.forward_steps += 1
         ids = sample.next_token_ids.tolist()
@@ -380,7 +404,7 @@ class Scheduler(DecodeMixin, OutputMixin):
         finished_or_streamed: list[Req] = []
         num_extend = len(batch.reqs)
         for i, req in enumerate(batch.decoding_reqs, start=num_extend):
-            req.output_ids.append(ids[i])
+            req.append_output(ids[i])
             record_output_logprobs(req, i, sample)
             req.check_finished()
             if req.finished():
@@ -401,7 +425,7 @@ class Scheduler(DecodeMixin, OutputMixin):
                 self.tree_cache.cache_finished_req(req)
                 finished_or_streamed.append(req)
                 continue
-            req.output_ids.append(ids[i])
+            req.append_output(ids[i])
             record_output_logprobs(req, i, sample)
             req.check_finished()
             if req.finished():

@@ -67,6 +67,7 @@ class DecodeMixin:
     waiting_queue: list[Req]
     enable_overlap: bool
     inflight: InflightDecode | None
+    grammar_queue: Any
 
     def run_decode(self) -> None:
         """One decode step; with overlap, launches step N+1 before processing step N."""
@@ -83,22 +84,33 @@ class DecodeMixin:
         self.decode_time_s += time.perf_counter() - started
 
     def _launch_decode(self, batch: ScheduleBatch, input_ids: Any, lag: int,
-                       info: SamplingBatchInfo | None = None) -> InflightDecode:
-        """Prepares and launches a decode step; ``lag`` = tokens sampled but not yet appended."""
+                       info: SamplingBatchInfo | None = None, prev: InflightDecode | None = None) -> InflightDecode:
+        """Prepares and launches a decode step; ``lag`` = tokens sampled but not yet appended.
+
+        ``prev`` (overlap, constrained rows in the batch): the previous step, processed after
+        this step's forward is launched and before it samples. Its tokens must reach the
+        grammar matchers before this step's bitmask can be filled, so the host does that work
+        while the device runs the forward (SGLang's order), then the mask is applied and the
+        step samples.
+        """
         fb = batch.prepare_for_decode(lag=lag, input_ids=input_ids)
         if info is None:
             info = self._decode_sampling_info(batch)
         info.steps = [len(r.output_ids) + lag for r in batch.reqs]
         fb.sampling_info = info
-        sample = self.runner.sample(self.runner.forward(fb), fb)
+        for req in batch.reqs:  # the step holds a KV slot per row from here on
+            req.inflight_steps += 1
+        logits = self.runner.forward(fb)
+        if prev is not None:
+            self._process_decode(prev)
+        self.grammar_queue.set_mask(info, batch.reqs)
+        sample = self.runner.sample(logits, fb)
         if info.penalizer is not None:
             info.penalizer.cumulate_output_tokens(sample.next_token_ids)
         self.forward_steps += 1
         self.decode_steps += 1
         self.overlapped_decode_steps += lag
         self.decode_rows += len(batch.reqs)
-        for req in batch.reqs:
-            req.inflight_steps += 1
         return InflightDecode.start(batch.reqs, sample, info)
 
     def _process_decode(self, step: InflightDecode) -> None:
@@ -109,7 +121,7 @@ class DecodeMixin:
             req.inflight_steps -= 1
             if req.finished():
                 continue  # finished (or aborted) after this step was launched
-            req.output_ids.append(ids[i])
+            req.append_output(ids[i])
             record_output_logprobs(req, i, step.sample)
             req.check_finished()
             if req.finished():
@@ -159,8 +171,11 @@ class DecodeMixin:
             keep_t = torch.tensor(keep, dtype=torch.int64, device=ids.device)
             ids = ids.index_select(0, keep_t)
             info = info.filter(keep)
-        self.inflight = self._launch_decode(batch, ids, lag=1, info=info)
-        self._process_decode(prev)
+        if any(r.grammar is not None for r in batch.reqs):
+            self.inflight = self._launch_decode(batch, ids, lag=1, info=info, prev=prev)
+        else:
+            self.inflight = self._launch_decode(batch, ids, lag=1, info=info)
+            self._process_decode(prev)
         batch.filter()
         batch._sampling_cache = None  # type: ignore[attr-defined]  (rows may have finished)
 

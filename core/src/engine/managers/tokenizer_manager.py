@@ -10,6 +10,7 @@ cannot stall the event loop; graceful shutdown drains through ``drain``.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import time
@@ -27,6 +28,8 @@ from engine.managers.io_struct import (
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
+from engine.constrained.base import GrammarError, GrammarKey
+from engine.constrained.validation import GrammarValidator
 from engine.managers.tokenizer_pool import TextTooLongError, TokenizerPool
 from engine.router.router import Router, merge_control_replies
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
@@ -227,7 +230,29 @@ class TokenizerManager:
                 "text" if req.text is not None else "input_ids")
         if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
             raise RequestError(f"top_logprobs_num: invalid value {req.top_logprobs_num}; accepted: 0..20", "top_logprobs_num")
+        self._check_structured(params)
         return params
+
+    @functools.cached_property
+    def grammar_validator(self) -> GrammarValidator:
+        """Checks grammars before they are queued (a bad schema, regex or EBNF is a 400 here)."""
+        args = self.args
+        return GrammarValidator(getattr(args, "grammar_backend", "xgrammar"), self.tokenizer, self.ready.vocab_size,
+                                self.ready.eos_token_ids, getattr(args, "disable_plugin", []),
+                                getattr(args, "plugin_options", {}))
+
+    def _check_structured(self, params: SamplingParams) -> None:
+        """Grammar (json_schema, regex, ebnf, structural_tag) and logit_bias token ids."""
+        key = GrammarKey.of(params)
+        if key is not None:
+            try:
+                self.grammar_validator.check(key)
+            except GrammarError as exc:
+                raise RequestError(str(exc), exc.field) from None
+        vocab = self.ready.vocab_size
+        bad = next((t for t in (params.logit_bias or {}) if t >= vocab), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab - 1})", "logit_bias")
 
     def prepare(self, req: GenerateRequest) -> tuple[list[int], SamplingParams]:
         """Tokenizes and validates without sending (raises RequestError); blocks the caller."""

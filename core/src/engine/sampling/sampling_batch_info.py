@@ -34,6 +34,13 @@ class SamplingBatchInfo:
     # Per row: return logprobs, and how many top alternatives.
     return_logprob: bool = False
     top_logprobs_nums: list[int] | None = None
+    # [bs, vocab] float32 added to the logits (OpenAI logit_bias), or None when no row has one.
+    logit_bias: torch.Tensor | None = None
+    # Structured output, set every step by the scheduler's GrammarQueue (None: no constrained
+    # row): [bs, ceil(vocab/32)] int32 token bitmask on the device, and the grammar backend's
+    # batched apply(logits, bitmask).
+    vocab_mask: torch.Tensor | None = None
+    apply_vocab_mask: Any = None
 
     def filter(self, keep: list[int]) -> SamplingBatchInfo:
         """The rows ``keep`` of this batch (penalty state carried over)."""
@@ -48,7 +55,8 @@ class SamplingBatchInfo:
             need_top_p_top_k=self.need_top_p_top_k, need_min_p=self.need_min_p,
             seeds=[self.seeds[i] for i in keep], steps=[self.steps[i] for i in keep],
             vocab_size=self.vocab_size, penalizer=self.penalizer, return_logprob=self.return_logprob,
-            top_logprobs_nums=[self.top_logprobs_nums[i] for i in keep] if self.top_logprobs_nums else None)
+            top_logprobs_nums=[self.top_logprobs_nums[i] for i in keep] if self.top_logprobs_nums else None,
+            logit_bias=self.logit_bias.index_select(0, idx) if self.logit_bias is not None else None)
 
     @classmethod
     def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
@@ -73,7 +81,19 @@ class SamplingBatchInfo:
             top_logprobs_nums=[r.top_logprobs_num for r in reqs],
         )
         info.penalizer = _make_penalizer(reqs, vocab_size, device, eos_token_ids or set())
+        info.logit_bias = _logit_bias(params, vocab_size, device)
         return info
+
+
+def _logit_bias(params: list[Any], vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    if not any(p.logit_bias for p in params):
+        return None
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32)
+    for row, p in enumerate(params):
+        for token_id, value in (p.logit_bias or {}).items():
+            if 0 <= token_id < vocab_size:  # checked against the vocabulary upstream
+                bias[row, token_id] = float(value)
+    return bias.to(device, non_blocking=True)
 
 
 def _make_penalizer(reqs: list[Req], vocab_size: int, device: torch.device, eos: set[int]) -> Any:

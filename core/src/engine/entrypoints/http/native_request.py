@@ -78,18 +78,13 @@ UNSUPPORTED_FIELDS = (
     Unsupported("log_metrics", "leaving a request out of /metrics", (None, True)),
 )
 
-# SamplingParams fields of SGLang's that this server's sampler lacks.
-_GRAMMAR = "structured output"
+# SamplingParams fields of SGLang's that this server's sampler lacks. (json_schema, regex, ebnf,
+# structural_tag and logit_bias go to the engine's SamplingParams, which checks them.)
 UNSUPPORTED_SAMPLING = (
     Unsupported("stop_regex", "regular-expression stop conditions", (None, [], "")),
-    Unsupported("json_schema", f"{_GRAMMAR} (json_schema)"),
-    Unsupported("regex", f"{_GRAMMAR} (regex)"),
-    Unsupported("ebnf", f"{_GRAMMAR} (ebnf)"),
-    Unsupported("structural_tag", f"{_GRAMMAR} (structural_tag)"),
     Unsupported("custom_params", "custom logit processors", (None, {})),
     # This server streams every token, which is SGLang's interval 1.
     Unsupported("stream_interval", "per-request stream intervals (every token is streamed)", (None, 1)),
-    Unsupported("logit_bias", "logit_bias", (None, {})),
 )
 
 

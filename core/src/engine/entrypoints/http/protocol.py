@@ -56,6 +56,9 @@ class SamplingFields(_Body):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     stop_token_ids: list[int] | None = None
+    # Structured output beyond response_format (SGLang): the output matches a regex / an EBNF grammar.
+    regex: str | None = None
+    ebnf: str | None = None
     # Higher runs first under ``--schedule-policy priority``.
     priority: int | None = None
     # Request id for /abort_request (``-i`` is appended per choice when n > 1).
@@ -117,6 +120,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(None, ge=1, le=MAX_N)
     # Not supported (insertion needs a fill-in-the-middle model); rejected clearly.
     suffix: str | None = None
+    # Structured output, as in chat: text, json_object, json_schema (vLLM and SGLang accept it here too).
+    response_format: dict[str, Any] | None = None
 
 
 class TokenizeRequest(_Body):

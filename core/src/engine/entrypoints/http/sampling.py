@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from engine.entrypoints.http.errors import APIError
@@ -21,8 +22,6 @@ _COPIED = (
 
 def check_common(req: SamplingFields) -> None:
     """Rejects what the engine cannot honour, instead of silently ignoring it."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias: not supported by this server; omit it or send {}", param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
@@ -36,7 +35,89 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
     params.update(ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
                   spaces_between_special_tokens=req.spaces_between_special_tokens,
                   no_stop_trim=req.no_stop_trim)
+    if req.logit_bias:
+        params["logit_bias"] = _logit_bias(req.logit_bias)
+    # SGLang's extensions of the OpenAI API: a regex or EBNF grammar on the output.
+    for name in ("regex", "ebnf"):
+        if getattr(req, name) is not None:
+            params[name] = getattr(req, name)
+    grammar = response_format_params(getattr(req, "response_format", None))
+    given = [name for name in ("regex", "ebnf") if name in params]
+    if grammar and given:
+        raise APIError(400, f"response_format: cannot be combined with {given[0]}; send one of them",
+                       param="response_format")
+    params.update(grammar)
     return params
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(400, f"logit_bias: key {key!r} is not a token id; accepted: token ids as strings, "
+                                'e.g. {"50256": -100}', param="logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise APIError(400, f"logit_bias: the bias of token {key} is {value}; accepted: -100 to 100",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+#: The schema OpenAI's ``json_object`` stands for: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+def response_format_params(response_format: dict[str, Any] | None) -> dict[str, str]:
+    """OpenAI's ``response_format`` as the engine's grammar parameter ({} for text or none).
+
+    ``json_object`` is any JSON object; ``json_schema`` takes ``json_schema.schema`` (``strict``
+    is accepted either way: the output always follows the schema); ``structural_tag`` (SGLang)
+    is passed to the grammar backend as it is.
+    """
+    if response_format is None:
+        return {}
+    if not isinstance(response_format, dict):
+        raise APIError(400, "response_format: expected an object with a 'type'", param="response_format")
+    kind = response_format.get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": JSON_OBJECT_SCHEMA}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise APIError(400, "response_format.json_schema: required with type 'json_schema': an object with "
+                                "'name' and 'schema'", param="response_format.json_schema")
+        schema = spec.get("schema", spec.get("schema_"))
+        if schema is None:
+            # OpenAI allows leaving the schema out: then any JSON object.
+            return {"json_schema": JSON_OBJECT_SCHEMA}
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema: expected a JSON Schema object, got "
+                                f"{type(schema).__name__}", param="response_format.json_schema.schema")
+        if not isinstance(spec.get("strict", False), (bool, type(None))):
+            raise APIError(400, "response_format.json_schema.strict: expected true or false",
+                           param="response_format.json_schema.strict")
+        return {"json_schema": json.dumps(schema)}
+    if kind == "structural_tag":
+        return {"structural_tag": json.dumps(response_format)}
+    raise APIError(400, f"response_format.type: invalid value {kind!r}; accepted: text, json_object, "
+                        "json_schema, structural_tag", param="response_format.type")
+
+
+def grammar_renames(response_format: dict[str, Any] | None) -> dict[str, str]:
+    """Engine field -> API field for grammar errors: a bad schema from ``response_format`` is a
+    400 naming ``response_format.json_schema.schema``, not the engine's ``json_schema``."""
+    if not isinstance(response_format, dict):
+        return {}
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        return {"json_schema": "response_format.json_schema.schema"}
+    if kind == "json_object":
+        return {"json_schema": "response_format"}
+    if kind == "structural_tag":
+        return {"structural_tag": "response_format"}
+    return {}
 
 
 def check_max_tokens(max_tokens: int, prompt_len: int, context_len: int, param: str) -> None:

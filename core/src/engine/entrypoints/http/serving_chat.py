@@ -33,6 +33,7 @@ from engine.entrypoints.http.sampling import (
     RENAMES,
     check_common,
     check_max_tokens,
+    grammar_renames,
     sampling_params,
     stream_usage_wanted,
 )
@@ -79,9 +80,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         rid=req.rid or response_id,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0)
     # A forced tool_choice is a JSON schema made from the tools: its errors are the tools'.
-    forced = {"json_schema": "tools"} if plan.forced else {}
+    forced = {"json_schema": "tools"} if plan.forced else grammar_renames(req.response_format)
     choices = await make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param, **forced})
-    reader = output_parser(ctx, plan)
+    reader = output_parser(ctx, plan, base.sampling_params)
     created = int(time.time())
     if req.stream:
         return SSEResponse(_stream(ctx, req, choices, response_id, created, plan, reader))
@@ -107,10 +108,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
 def _check_supported(req: ChatCompletionRequest) -> None:
     check_common(req)
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise APIError(400, f"response_format: type '{req.response_format.get('type')}' is not supported; "
-                            "accepted: 'text' (constrained decoding is not implemented)",
-                       param="response_format")
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
 

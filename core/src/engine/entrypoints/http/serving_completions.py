@@ -33,6 +33,7 @@ from engine.entrypoints.http.sampling import (
     RENAMES,
     check_common,
     check_max_tokens,
+    grammar_renames,
     sampling_params,
     stream_usage_wanted,
 )
@@ -71,7 +72,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         top_logprobs_num=req.logprobs or 0, priority=req.priority or 0,
     ) for p, ids in enumerate(prompts)]
-    choices = await make_choices(ctx, bases, req.n, renames=_RENAMES, group_rid=rid)
+    choices = await make_choices(ctx, bases, req.n, renames={**_RENAMES, **grammar_renames(req.response_format)},
+                                 group_rid=rid)
     for choice in choices:
         check_max_tokens(max_tokens, len(choice.prompt_ids), ctx.context_len, "max_tokens")
     created = int(time.time())
