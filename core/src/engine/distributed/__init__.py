@@ -200,11 +200,25 @@ def all_reduce_min(value: int) -> int:
 
 
 # -- pipeline point-to-point ----------------------------------------------------------------
-def pp_send(tensors: list[torch.Tensor]) -> None:
-    """Sends ``tensors`` to the same tensor-parallel rank of the next pipeline stage."""
+class PendingSends:
+    """Sends in flight (``pp_isend``); the tensors stay referenced until ``wait``."""
+
+    def __init__(self, works: list[Any], tensors: list[torch.Tensor]) -> None:
+        self.works = works
+        self.tensors = tensors
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        self.tensors = []
+
+
+def pp_isend(tensors: list[torch.Tensor]) -> PendingSends:
+    """Sends ``tensors`` to the same tensor-parallel rank of the next pipeline stage, without
+    waiting for it to receive them (``wait()`` on the result does)."""
     dst = _PLACEMENT.rank + _PLACEMENT.tp_size
-    for t in tensors:
-        torch.distributed.send(t.contiguous(), dst=dst)
+    tensors = [t.contiguous() for t in tensors]
+    return PendingSends([torch.distributed.isend(t, dst=dst) for t in tensors], tensors)
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

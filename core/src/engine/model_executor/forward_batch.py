@@ -90,6 +90,47 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
+    def split_rows(self, parts: int) -> list[ForwardBatch]:
+        """This batch as up to ``parts`` batches of consecutive rows (pipeline micro-batches).
+
+        Each part shares this batch's pools, backend and sampling info; its own attention
+        metadata is computed when it runs. A batch of fewer rows than ``parts`` gives one part
+        per row; one row gives ``[self]``.
+        """
+        bs = self.batch_size
+        parts = max(1, min(parts, bs))
+        if parts == 1:
+            return [self]
+        bounds = [bs * i // parts for i in range(parts + 1)]
+        if self.forward_mode.is_extend():
+            assert self.extend_seq_lens_cpu is not None
+            tok = [0]
+            for n in self.extend_seq_lens_cpu:
+                tok.append(tok[-1] + n)
+        else:
+            tok = list(range(bs + 1))
+        out = []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            t0, t1 = tok[lo], tok[hi]
+            sub = ForwardBatch(
+                forward_mode=self.forward_mode, batch_size=hi - lo, input_ids=self.input_ids[t0:t1],
+                req_pool_indices=self.req_pool_indices[lo:hi], seq_lens=self.seq_lens[lo:hi],
+                out_cache_loc=self.out_cache_loc[t0:t1], positions=self.positions[t0:t1],
+                seq_lens_cpu=self.seq_lens_cpu[lo:hi], seq_lens_sum=sum(self.seq_lens_cpu[lo:hi]),
+                num_extend_reqs=max(0, min(hi, self.num_extend_reqs) - lo), return_logprob=self.return_logprob,
+                req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
+                attn_backend=self.attn_backend, sampling_info=self.sampling_info, extra=self.extra)
+            if self.forward_mode.is_extend():
+                assert self.extend_seq_lens is not None and self.extend_prefix_lens is not None
+                assert self.extend_prefix_lens_cpu is not None and self.extend_seq_lens_cpu is not None
+                sub.extend_seq_lens = self.extend_seq_lens[lo:hi]
+                sub.extend_prefix_lens = self.extend_prefix_lens[lo:hi]
+                sub.extend_start_loc = self.extend_start_loc[lo:hi] - t0  # type: ignore[index]
+                sub.extend_seq_lens_cpu = self.extend_seq_lens_cpu[lo:hi]
+                sub.extend_prefix_lens_cpu = self.extend_prefix_lens_cpu[lo:hi]
+            out.append(sub)
+        return out
+
     @classmethod
     def build(
         cls,

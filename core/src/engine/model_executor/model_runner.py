@@ -229,24 +229,46 @@ class ModelRunner:
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(forward_batch):
             return graphs.replay(forward_batch)
+        if self.placement.pp_size > 1:
+            return self._forward_stage(forward_batch)
         self.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-        if self.placement.pp_size == 1:
-            return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        return self._forward_stage(forward_batch)
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def _forward_stage(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """This pipeline stage's part of the forward, in micro-batches.
+
+        The batch's rows are split into up to ``pp_size`` micro-batches. A stage receives each
+        micro-batch's hidden states from the previous stage, runs its layers, and sends the result
+        on without waiting (``isend``), so while stage ``s`` runs micro-batch ``k``, stage ``s + 1``
+        runs micro-batch ``k - 1``. The last stage concatenates the micro-batches' logits; the
+        other stages return logits of None (``sample`` shares the last stage's result).
+        """
         from engine.layers.pipeline import PPProxyTensors
 
         hidden_size = self.hf_config.hidden_size
-        shape = (forward_batch.num_tokens, hidden_size)
-        if not distributed.is_first_pp_rank():
-            hidden, residual = distributed.pp_recv([shape, shape], self.dtype, self.device)
-            forward_batch.pp_proxy = PPProxyTensors(hidden, residual)
-        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
-        if isinstance(out, PPProxyTensors):
-            residual = out.residual if out.residual is not None else torch.zeros_like(out.hidden_states)
-            distributed.pp_send([out.hidden_states, residual])
+        outputs, sends = [], []
+        for sub in forward_batch.split_rows(self.placement.pp_size):
+            self.prepare(sub)
+            self.attn_backend.init_forward_metadata(sub)
+            if not distributed.is_first_pp_rank():
+                hidden, residual = distributed.pp_recv([(sub.num_tokens, hidden_size)] * 2, self.dtype,
+                                                       self.device)
+                sub.pp_proxy = PPProxyTensors(hidden, residual)
+            out = self.model(sub.input_ids, sub.positions, sub)
+            if isinstance(out, PPProxyTensors):
+                residual = out.residual if out.residual is not None else torch.zeros_like(out.hidden_states)
+                sends.append(distributed.pp_isend([out.hidden_states, residual]))
+            else:
+                outputs.append(out)
+        for pending in sends:
+            pending.wait()
+        if outputs:
+            fulls = [o.full_logits for o in outputs]
+            out = LogitsProcessorOutput(
+                next_token_logits=torch.cat([o.next_token_logits for o in outputs]),
+                full_logits=torch.cat(fulls) if all(f is not None for f in fulls) else None)  # type: ignore[arg-type]
+        else:
             out = LogitsProcessorOutput(next_token_logits=None)  # type: ignore[arg-type]
         if forward_batch.return_logprob and forward_batch.forward_mode.is_extend():
             # Prompt logprobs are read on every rank (rank 0 reports them): share the last stage's.
