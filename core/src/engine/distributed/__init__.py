@@ -130,6 +130,11 @@ def init_distributed(placement: RankPlacement, backend: str) -> None:
                 _TP_GROUP = group
         # A first collective: every rank is in before any of them loads weights.
         dist.barrier(group=_CPU_GROUP)
+        if backend != "gloo":
+            # Create the device communicator now (NCCL does it lazily), before the KV pool is
+            # sized from free memory and never inside a CUDA-graph capture.
+            dist.all_reduce(torch.zeros(1, device=torch.device(placement_device_type(backend), placement.local_rank)),
+                            group=_TP_GROUP)
     except Exception as exc:
         # torch's own text spans many lines; the first says what happened.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -139,6 +144,11 @@ def init_distributed(placement: RankPlacement, backend: str) -> None:
             "Check that every node was started with the same --dist-init-addr, --nnodes, --tp-size "
             "and --pp-size") from None
     logger.info("%s joined %s (%s)", placement.describe(), placement.init_method, backend)
+
+
+def placement_device_type(backend: str) -> str:
+    """The device type of a torch.distributed device backend ("nccl" -> "cuda", ...)."""
+    return {"nccl": "cuda", "hccl": "npu", "xccl": "xpu"}.get(backend, "cuda")
 
 
 def destroy_distributed() -> None:
