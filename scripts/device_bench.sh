@@ -65,6 +65,24 @@ for stage in "$@"; do
           --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
           --result-file "$RES" 2>&1 | tail -16
       done ;;
+    dp)
+      # Data parallelism on 2 GPUs (nvidia-h200-x2): DP=2 (one replica per GPU, cache-aware router) vs TP=1
+      # offline 1024/1024 on the Llama-3-8B-shaped dummy model; then cache-aware vs round-robin with DP=2 on a
+      # shared-prefix workload; then the DP GPU test (each replica on its own GPU, greedy = DP=1).
+      for dp in 1 2; do
+        echo "--- offline dp=$dp"
+        timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-triton}" --dp-size "$dp" \
+          --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
+          --result-file "$RES" 2>&1 | tail -17
+      done
+      for policy in cache-aware round-robin; do
+        echo "--- gsp dp=2 $policy"
+        timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-triton}" --dp-size 2 \
+          --router-policy "$policy" --dataset-name generated-shared-prefix --gsp-num-groups 64 --gsp-prompts-per-group 16 \
+          --gsp-system-prompt-len 2048 --gsp-question-len 128 --gsp-output-len 256 --result-file "$RES" 2>&1 | tail -17
+      done
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dp_gpu.py > "$OUT/gpu_dp_tests.log" 2>&1
+      tail -4 "$OUT/gpu_dp_tests.log" ;;
     offline)
       timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention triton --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -16 ;;
     gsp)

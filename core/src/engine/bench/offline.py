@@ -70,6 +70,10 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         "disable_radix_cache": args.disable_radix_cache,
         **_step_breakdown(before, info, duration),
     }
+    if args.dp_size > 1:  # which replica got what, and why (cache_hit, least_loaded, round_robin, ...)
+        result.update(dp_size=args.dp_size, router_policy=args.router_policy,
+                      router_decisions=[_decisions_diff(b, a) for b, a in
+                                        zip(before["router"]["replicas"], info["router"]["replicas"])])
     print("============ Offline Throughput Benchmark Result ============")
     for key in ("num_prompts", "duration_s", "total_input_tokens", "total_output_tokens", "cached_tokens",
                 "request_throughput", "input_throughput", "output_throughput", "total_throughput"):
@@ -79,10 +83,18 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
           f"{result['mean_decode_step_ms']:.2f} ms, {result['overlapped_decode_steps']} overlapped)")
     print(f"{'prefill tokens computed':<28}{result['extend_tokens']:>14}  ({result['retractions']} retractions)")
     print(f"{'prefill share of time':<28}{result['prefill_time_share']:>14.2f}")
+    if args.dp_size > 1:
+        print(f"{'router':<28}{args.router_policy:>14}  decisions per replica: {result['router_decisions']}")
     if result_file:
         with open(result_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(result) + "\n")
     return result
+
+
+def _decisions_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """A replica's routing decisions by reason over the timed run."""
+    counts = {k: v - before["decisions"].get(k, 0) for k, v in after["decisions"].items()}
+    return {k: v for k, v in counts.items() if v}
 
 
 def _step_breakdown(before: dict[str, Any], after: dict[str, Any], duration: float) -> dict[str, Any]:
