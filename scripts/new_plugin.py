@@ -1,7 +1,7 @@
 """Creates a new plugin distribution from plugins/_template.
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
-KIND: attention | quant | model | policy | platform | router
+KIND: attention | quant | model | policy | platform | router | toolparser | reasoning
 """
 
 from __future__ import annotations
@@ -48,6 +48,29 @@ KINDS = {
               '    def route(self, request: RouteRequest, loads: Sequence[ReplicaLoad]) -> RouteDecision:\n'
               '        best = min(loads, key=lambda r: (r.in_flight_requests, r.routed_requests, r.index))\n'
               '        return RouteDecision(best.index, "least_loaded")\n')),
+    "toolparser": dict(
+        deps=["plugserve-toolparser-hermes>=0.1"],
+        hook="register_tool_call_parsers", spec_cls="ToolCallParserSpec", kit="ToolCallParserConformance",
+        kit_imports="ToolCallCase, ToolCallParserConformance",
+        spec='ToolCallParserSpec(name="{name}", factory="{package}.impl:Parser")',
+        kit_attrs=('    parser_name = "{name}"\n'
+                   '    # Recorded outputs of your model and what they must parse to (replace with your format\'s).\n'
+                   '    cases = (ToolCallCase(\'<tool_call>{{"name": "f", "arguments": {{"a": 1}}}}</tool_call>\', '
+                   'calls=(("f", {{"a": 1}}),)),)'),
+        impl=('from engine_toolparser_hermes.parser import HermesToolCallParser\n\n\n'
+              'class Parser(HermesToolCallParser):\n'
+              '    """Starts as the hermes format; override parse_partial and render_calls for yours."""\n')),
+    "reasoning": dict(
+        deps=[],
+        hook="register_reasoning_parsers", spec_cls="ReasoningParserSpec", kit="ReasoningParserConformance",
+        kit_imports="ReasoningCase, ReasoningParserConformance",
+        spec='ReasoningParserSpec(name="{name}", factory="{package}.impl:Parser")',
+        kit_attrs=('    parser_name = "{name}"\n'
+                   '    cases = (ReasoningCase("<think>hmm</think>Answer", "hmm", "Answer"),)'),
+        impl=('from engine.parsers import ThinkTagReasoningParser\n\n\n'
+              'class Parser(ThinkTagReasoningParser):\n'
+              '    """Starts as <think>...</think> written by the model; set start, end, starts_in_reasoning."""\n\n'
+              '    starts_in_reasoning = False\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",
@@ -102,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     distribution = f"{DISTRIBUTION_PREFIX}-{segment}-{args.name.replace('_', '-')}"
     values = {"kind": args.kind, "name": args.name, "package": package, "distribution": distribution,
               "class_name": "".join(p.title() for p in args.name.split("_")), "hook": kind["hook"],
-              "kit": kind["kit"], "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
+              "kit": kind["kit"], "kit_imports": kind.get("kit_imports", kind["kit"]), "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
     # The starting implementation subclasses a built-in plugin: declare it as a dependency.
     values["extra_deps"] = "".join(f', "{d}"' for d in kind["deps"])
     arch = f"{values['class_name']}ForCausalLM"  # a model plugin's own architecture name

@@ -16,6 +16,8 @@ _WS = " \t\r\n"
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _LITERAL = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
 _PARTIAL_NUMBER = re.compile(r"-?\d*(?:\.\d*)?(?:[eE][+-]?\d*)?")
+# What may follow a number or literal (anything else means it is not over, or is malformed).
+_AFTER_LITERAL = _WS + ",}]:"
 # The characters that change a container's depth or start a string.
 _STRUCTURE = re.compile(r'[\[\]{}"]')
 
@@ -73,7 +75,7 @@ def scan_value(text: str, i: int, final: bool) -> int | None:
             if depth == 0:
                 return j
     m = _LITERAL.match(text, i)
-    if m is not None and (m.end() < n or final):
+    if m is not None and ((m.end() < n and text[m.end()] in _AFTER_LITERAL) or (m.end() == n and final)):
         return m.end()
     rest = text[i:]
     if not final and (any(word.startswith(rest) for word in ("true", "false", "null"))

@@ -70,6 +70,10 @@ class ToolPlan:
         """``params`` with the forced schema (as ``json_schema``) and the parser's token needs."""
         schema = self.schema()
         if schema is not None:
+            taken = [k for k in GRAMMAR_FIELDS if params.get(k) is not None]
+            if taken:
+                raise APIError(400, f"tool_choice: '{self.named or self.mode}' constrains the output to a tool "
+                                    "call and cannot be combined with response_format", param="tool_choice")
             params["json_schema"] = json.dumps(schema)
         elif self.mode == "auto" and parser is not None and parser.needs_special_tokens:
             params["skip_special_tokens"] = False
@@ -167,15 +171,24 @@ def _calls_as_text(message: dict[str, Any], writer: ToolCallParser) -> dict[str,
     return out
 
 
-def output_parser(ctx: ServingContext, plan: ToolPlan) -> ChatOutputParser | None:
-    """The reader of this request's output; None when the output is plain text."""
+GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def output_parser(ctx: ServingContext, plan: ToolPlan, params: dict[str, Any]) -> ChatOutputParser | None:
+    """The reader of this request's output (``params``: its sampling params); None when the
+    output is plain text."""
+    max_calls = None if plan.parallel else 1
     if plan.forced:
         # Constrained from the first token: there is no reasoning to split off.
-        return ChatOutputParser(None, plan.forced_parser(), None if plan.parallel else 1)
-    tools = ctx.tool_parser if plan.mode == "auto" else None
-    if tools is None and ctx.reasoning_parser is None:
+        return ChatOutputParser(None, plan.forced_parser(), max_calls)
+    # Output under a grammar (response_format) is constrained from its first token too: no
+    # reasoning, and no markup a tool parser could find.
+    constrained = any(params.get(k) is not None for k in GRAMMAR_FIELDS)
+    tools = ctx.tool_parser if plan.mode == "auto" and not constrained else None
+    reasoning = None if constrained else ctx.reasoning_parser
+    if tools is None and reasoning is None:
         return None
-    return ChatOutputParser(ctx.reasoning_parser, tools, None if plan.parallel else 1)
+    return ChatOutputParser(reasoning, tools, max_calls)
 
 
 def message(parser: ChatOutputParser | None, text: str, with_reasoning: bool) -> tuple[dict[str, Any], bool]:
