@@ -22,7 +22,7 @@ for dist in md.distributions():
 if stale:
     subprocess.run([sys.executable, "-m", "pip", "uninstall", "-q", "-y", *stale], check=True)
 PYEOF
-pkgs=("core[test]")  # [test]: accelerate, for the GGUF tests' transformers oracle
+pkgs=("core[test]")  # [test]: accelerate (the GGUF tests' transformers oracle); jsonschema and langchain-openai (tool-calling e2e tests)
 for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do
   [ -f "$d/pyproject.toml" ] || continue
   case "$d" in *_template*) continue ;; esac
