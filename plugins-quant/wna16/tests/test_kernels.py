@@ -1,8 +1,8 @@
 """The Triton dequantize-GEMV/GEMM against the torch reference (``wna16_linear_torch``).
 
 Without a CUDA device these run under Triton's interpreter (root conftest.py) on small shapes:
-every kernel path (GEMV and tl.dot tiles, groups inside and across K tiles, zeros or not,
-act-order permutation, bias, 4 and 8 bits). The GPU tests take the Llama-3-8B shapes.
+every kernel path (GEMV and fused tl.dot tiles, groups inside and across K tiles, K splits,
+zeros or not, act-order permutation, bias, 4 and 8 bits, groups of 32/64/128 and one group). The GPU tests take the Llama-3-8B shapes.
 Measured under the interpreter: relative L2 error below 2e-6 in float32 and below 5e-4 in
 float16 (output rounding) against the float32 reference.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_quant_wna16.kernels import KernelConfig, choose_config, wna16_gemm
+from engine_quant_wna16.kernels import GEMM_MAX_M, GEMV_MAX_M, KernelConfig, choose_config, wna16_gemm
 from engine_quant_wna16.layout import to_kernel_layout, wna16_linear_torch
 from engine_quant_wna16.rtn import act_order_g_idx, quantize_rtn
 
@@ -59,6 +59,8 @@ def test_kernel_matches_reference(bits: int, group_size: int, symmetric: bool, a
     KernelConfig("dequant", 1, 32, 64, 4, 1),  # dequantize + F.linear, partial N tile
     KernelConfig("gemm", 16, 32, 32, 4, 1),  # several K steps per group, partial N tile
     KernelConfig("gemm", 32, 64, 64, 4, 1),
+    KernelConfig("gemm", 16, 16, 128, 4, 1, split_k=2),  # K split, float32 partials + reduce
+    KernelConfig("gemm", 16, 32, 256, 4, 1, scale_first=True),  # K tile over several groups
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_explicit_tiles(config: KernelConfig, dtype: torch.dtype) -> None:
@@ -70,6 +72,26 @@ def test_explicit_tiles(config: KernelConfig, dtype: torch.dtype) -> None:
     want = wna16_linear_torch(x.float(), kw)
     assert got.dtype == dtype
     assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
+
+
+@pytest.mark.parametrize(("bits", "group_size", "symmetric", "act_order"), [
+    (4, 32, False, False), (4, 32, True, True), (4, 64, False, True), (4, 64, True, False),
+    (4, 128, False, True), (4, 128, True, False), (4, -1, False, False), (4, -1, True, True),
+    (8, 32, False, True), (8, 64, True, False), (8, 128, True, True), (8, -1, False, False),
+])
+def test_fused_gemm_formats(bits: int, group_size: int, symmetric: bool, act_order: bool) -> None:
+    """The fused dequantize-GEMM on every format: a K tile of 128 inputs inside one group (scale on
+    the partial product), spanning 2-4 groups (weights scaled first; the case the previous kernel
+    got wrong: 0.19-0.41 relative error), and split in two along K; 5 rows in a tile of 16."""
+    device = "cuda" if _CUDA else "cpu"
+    n, k = 48, 256
+    kw = _weight(n, k, bits, group_size, symmetric, act_order, device, seed=7)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(8)).to(device)
+    bias = torch.randn(n).to(device)
+    want = wna16_linear_torch(x, kw, bias)
+    for cfg in (KernelConfig("gemm", 16, 16, 128, 4, 1), KernelConfig("gemm", 16, 32, 64, 4, 1, split_k=2)):
+        got = wna16_gemm(x, kw, bias, config=cfg)
+        assert _rel(got, want) < 1e-5, (cfg, _rel(got, want))
 
 
 @pytest.mark.parametrize(("bits", "symmetric", "act_order"), [(4, False, False), (8, True, True)])
@@ -94,8 +116,12 @@ def test_choose_config_fills_an_h100() -> None:
     for n in (4096, 6144, 28672):
         cfg = choose_config(1, n, 4096, 128, cpu)
         assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 132  # no SM idle, no split-K
-    assert choose_config(2, 4096, 4096, 128, cpu).kind == "gemv"
-    assert choose_config(4096, 4096, 4096, 128, cpu).kind == "dequant"
+    for m in (2, 4, 16, 64, 256):
+        cfg = choose_config(m, 4096, 14336, 128, cpu)
+        assert cfg.kind == ("gemv" if m <= GEMV_MAX_M else "gemm" if m <= GEMM_MAX_M else "dequant")
+        if cfg.kind == "gemm":  # 4096 outputs alone give too few tiles: K is split to fill the SMs
+            assert -(-4096 // cfg.block_n) * -(-m // cfg.block_m) * cfg.split_k >= 132
+            assert 14336 % (cfg.split_k * cfg.block_k) == 0
     # One group over K = 14336 (not a power of two): the GEMV's K tile must still tile it.
     assert 14336 % choose_config(1, 4096, 14336, 14336, cpu).block_k == 0
 
@@ -122,11 +148,13 @@ def test_llama_8b_shapes_on_gpu(shape: str, m: int, group_size: int, symmetric: 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("config", [KernelConfig("gemm", 16, 64, 128, 4, 4), KernelConfig("gemm", 64, 64, 64, 4, 4),
-                                    KernelConfig("gemv", 2, 8, 1024, 4, 1), KernelConfig("gemv", 1, 16, 2048, 4, 1, x_f32=True)])
+@pytest.mark.parametrize("config", [
+    KernelConfig("gemm", 16, 64, 128, 4, 4), KernelConfig("gemm", 16, 64, 256, 4, 3, split_k=2),
+    KernelConfig("gemm", 64, 128, 64, 4, 4, scale_first=True), KernelConfig("gemm", 128, 128, 64, 8, 4, scale_first=True),
+    KernelConfig("gemv", 2, 8, 1024, 4, 1), KernelConfig("gemv", 1, 16, 2048, 4, 1, x_f32=True)])
 @pytest.mark.parametrize(("group_size", "symmetric", "act_order"), [(128, False, False), (32, True, True)])
 def test_explicit_kernels_on_gpu(config: KernelConfig, group_size: int, symmetric: bool, act_order: bool) -> None:
-    """The kernels ``choose_config`` does not pick by default (tl.dot, x_f32) on a Llama-8B shape."""
+    """Non-default tiles (K tiles over several groups of 32, K splits, x_f32) on a Llama-8B shape."""
     k, n = _LLAMA_8B["qkv"]
     kw = _weight(n, k, 4, group_size, symmetric, act_order, "cuda", seed=5)
     x = torch.randn(max(config.block_m, 3), k, device="cuda", dtype=torch.bfloat16)

@@ -174,15 +174,98 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K: tl.constexpr, stride_qk
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
+def _slot_minus_zero(w, hi, i: tl.constexpr, BITS: tl.constexpr, USE_ASM: tl.constexpr):
+    """Slot ``i`` of the words ``w`` (``hi = w >> 16``) as the float32 ``2**(23 - SHIFT) + code``
+    (see ``_gemv_kernel``: the code ORed into the mantissa, one LOP3, no int->float conversion)."""
+    HALF: tl.constexpr = 16 // BITS
+    SHIFT: tl.constexpr = BITS * (i % HALF)
+    if i < HALF:
+        half = w
+    else:
+        half = hi
+    if USE_ASM:
+        bits = tl.inline_asm_elementwise(
+            "lop3.b32 $0, $1, $2, $3, 0xEA;", "=r,r,r,r",
+            [half, tl.full(half.shape, ((1 << BITS) - 1) << SHIFT, tl.int32),
+             tl.full(half.shape, (150 - SHIFT) << 23, tl.int32)],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        bits = (half & (((1 << BITS) - 1) << SHIFT)) | ((150 - SHIFT) << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dequant_tile(w, zc, s, BITS: tl.constexpr, SCALE_FIRST: tl.constexpr, USE_ASM: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """Words ``w [R, NB, LT]`` (``NB`` runs of ``LT`` plane words) -> ``[R, NB * PACK * LT]`` in
+    ``DTYPE``, position ``(nb * PACK + i) * LT + j`` = slot ``i`` of word ``nb * LT + j``: in plane
+    order that is input ``i * PLANE + j`` of run ``nb``'s block, so whole plane blocks come out in
+    input order. Values: ``code - zero`` (exact in bf16/fp16), times ``s`` when ``SCALE_FIRST``;
+    ``zc`` (the zero point) and ``s`` broadcast to ``w``."""
+    hi = w >> 16
+    HALF: tl.constexpr = 16 // BITS
+    # Per slot: float32 (2**(23 - SHIFT) + code) - (2**(23 - SHIFT) + zero) = code - zero, exact.
+    v0 = _slot_minus_zero(w, hi, 0, BITS, USE_ASM) - (zc + (1 << 23) * 1.0)
+    v1 = _slot_minus_zero(w, hi, 1, BITS, USE_ASM) - (zc + (1 << (23 - BITS)) * 1.0)
+    v2 = _slot_minus_zero(w, hi, 2, BITS, USE_ASM) - (zc + (1 << (23 - (2 % HALF) * BITS)) * 1.0)
+    v3 = _slot_minus_zero(w, hi, 3, BITS, USE_ASM) - (zc + (1 << (23 - (3 % HALF) * BITS)) * 1.0)
+    if SCALE_FIRST:
+        v0, v1, v2, v3 = v0 * s, v1 * s, v2 * s, v3 * s
+    if BITS == 4:
+        v4 = _slot_minus_zero(w, hi, 4, BITS, USE_ASM) - (zc + (1 << 23) * 1.0)
+        v5 = _slot_minus_zero(w, hi, 5, BITS, USE_ASM) - (zc + (1 << 19) * 1.0)
+        v6 = _slot_minus_zero(w, hi, 6, BITS, USE_ASM) - (zc + (1 << 15) * 1.0)
+        v7 = _slot_minus_zero(w, hi, 7, BITS, USE_ASM) - (zc + (1 << 11) * 1.0)
+        if SCALE_FIRST:
+            v4, v5, v6, v7 = v4 * s, v5 * s, v6 * s, v7 * s
+        # tl.join appends an in-thread dim of 2 (the last, so the outermost join picks the slot's
+        # lowest bit): [R, NB, LT, 2, 2, 2] holds slot 4a + 2b + c at [.., a, b, c].
+        even = tl.join(tl.join(v0.to(DTYPE), v4.to(DTYPE)), tl.join(v2.to(DTYPE), v6.to(DTYPE)))
+        odd = tl.join(tl.join(v1.to(DTYPE), v5.to(DTYPE)), tl.join(v3.to(DTYPE), v7.to(DTYPE)))
+        t = tl.reshape(tl.join(even, odd), (w.shape[0], w.shape[1], w.shape[2], 8))
+    else:
+        t = tl.reshape(tl.join(tl.join(v0.to(DTYPE), v2.to(DTYPE)), tl.join(v1.to(DTYPE), v3.to(DTYPE))),
+                       (w.shape[0], w.shape[1], w.shape[2], 4))
+    # [R, NB, LT, PACK] -> [R, NB, PACK, LT]: a relabelling of each thread's registers (the
+    # layout's dims are permuted), then the flattening is a relabelling too.
+    t = tl.permute(t, (0, 1, 3, 2))
+    return tl.reshape(t, (w.shape[0], w.shape[1] * w.shape[2] * (32 // BITS)))
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_ptr,
                  M, N, K: tl.constexpr, stride_xm, stride_om, stride_qk, stride_qn,
                  BITS: tl.constexpr, GROUP: tl.constexpr, PLANE: tl.constexpr,
                  HAS_ZEROS: tl.constexpr, HAS_PERM: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 DOT_FP32: tl.constexpr,
+                 DOT_FP32: tl.constexpr, USE_ASM: tl.constexpr, SCALE_FIRST: tl.constexpr,
+                 SPLIT_K: tl.constexpr, K_SPLIT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # BLOCK_K divides GROUP (and so K): a K tile lies inside one group, with no K mask.
+    """Fused dequantize-GEMM: ``tl.dot`` on K tiles whose weights are dequantized in registers.
+
+    The weight tile ``[BLOCK_N, BLOCK_K / PACK]`` words is loaded output-major (contiguous runs
+    of one channel's words) as ``NB`` runs of ``LT`` plane words and unpacked (``_dequant_tile``)
+    so that whole plane blocks come out in input order: the activation tile is then plain
+    contiguous runs (``[BLOCK_M, NB, PACK, LT]``, one run per slot when a tile is part of a block),
+    copied to shared memory as is. A K tile inside one group (``BLOCK_K <= GROUP``) multiplies
+    ``code - zero`` and takes the scale on its float32 partial product; ``SCALE_FIRST`` scales
+    the weights before the dot (bf16 rounding of ``(code - zero) * scale``, as the dequantize
+    path) so ``tl.dot`` accumulates in place (one wgmma chain); it is required when a K tile
+    spans several groups (each word's scale and zero are then picked per group of the tile).
+    The product is ``out^T = W x^T``: the weight is the dot's left operand, so wgmma's 64-row side
+    is the output channels and 16 activation rows take a 64 x 16 instruction, with no padding; the
+    dequantized tile reaches wgmma from registers. (The ``x W^T`` form with 64-row activation
+    tiles crashed Triton 3.6's compiler, OptimizeDotOperands, on sm90.)
+    ``SPLIT_K`` > 1: program ``(tile, s)`` sums K ``[s * K_SPLIT, (s + 1) * K_SPLIT)`` into the
+    float32 ``part [SPLIT_K, M, N]``; ``_splitk_reduce_kernel`` adds them in order.
+    """
     PACK: tl.constexpr = 32 // BITS
+    BW: tl.constexpr = BLOCK_K // PACK
+    LT: tl.constexpr = PLANE if PLANE < BW else BW
+    NB: tl.constexpr = BW // LT
+    MULTI_GROUP: tl.constexpr = BLOCK_K > GROUP
+    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     # Neighbouring programs share a weight tile (same pid_n), so it is read from DRAM once.
     pid_m = pid % num_pid_m
@@ -191,58 +274,81 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr,
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    offs_w = tl.arange(0, BLOCK_K // PACK)
-    slot = tl.arange(0, PACK)
-    slot_shift = (slot % (PACK // 2)) * BITS
-    hi_shift = (slot // (PACK // 2)) * 16
-    slot_mask = ((1 << BITS) - 1) << slot_shift
-    slot_exp = (150 - slot_shift) << 23
-    slot_off = slot_exp.to(tl.float32, bitcast=True)  # 2**(23 - SHIFT)
-    # The tile's BW words are NB runs of PT words of plane blocks; both operands are flattened in
-    # (run, slot, word) order, so the activations load as contiguous runs of PT inputs.
-    BW: tl.constexpr = BLOCK_K // PACK
-    PT: tl.constexpr = PLANE if PLANE < BW else BW
-    NB: tl.constexpr = BW // PT
-    k_rel = ((tl.arange(0, NB) * (PACK * PLANE))[:, None, None] + (slot * PLANE)[None, :, None]
-             + tl.arange(0, PT)[None, None, :])  # [NB, PACK, PT]
-    x_rows = x_ptr + offs_m[:, None, None, None].to(tl.int64) * stride_xm
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        # First input of the tile's first run: its plane block's start plus the word offset in it.
+    offs_nq = tl.where(n_mask, offs_n, 0).to(tl.int64)  # clamped: the weight loads need no mask
+    # Word (nb, j) of a K tile is word nb * LT + j; slot i of a run holds LT consecutive inputs.
+    word3 = tl.arange(0, NB)[:, None] * LT + tl.arange(0, LT)[None, :]  # [NB, LT]
+    k_rel = ((tl.arange(0, NB) * (PACK * PLANE))[:, None, None] + (tl.arange(0, PACK) * PLANE)[None, :, None]
+             + tl.arange(0, LT)[None, None, :])  # [NB, PACK, LT]: input of each tile position
+    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None, None, None].to(tl.int64) * stride_xm
+    w_ptrs = qw_ptr + offs_nq[:, None, None] * stride_qn + word3[None, :, :] * stride_qk  # [BLOCK_N, NB, LT]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    k_start = pid_k * K_SPLIT
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        k0 = k_start + kk
+        gw0 = k0 // PACK  # first word of the tile
         if NB > 1:  # whole plane blocks
             base = k0
-        else:  # part of one block (k0 is a multiple of BLOCK_K, so the word offset one of PT)
-            base = tl.multiple_of((k0 // (PACK * PLANE)) * (PACK * PLANE) + (k0 // PACK) % PLANE, PT)
+        else:  # inside one block: its start plus the word offset
+            base = tl.multiple_of((gw0 // PLANE) * (PACK * PLANE) + gw0 % PLANE, LT)
         src = base + k_rel
         if HAS_PERM:
             src = tl.load(perm_ptr + src)
-        a = tl.load(x_rows + src[None, :, :, :], mask=m_mask[:, None, None, None], other=0.0)
-        a = tl.reshape(a, (BLOCK_M, BLOCK_K))
-        rows = k0 // PACK + offs_w
-        w = tl.load(qw_ptr + rows[:, None] * stride_qk + offs_n[None, :].to(tl.int64) * stride_qn,
-                    mask=n_mask[None, :], other=0)
-        g = k0 // GROUP
-        s = tl.load(s_ptr + g * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        a = tl.load(x_rows + src[None, :, :, :])  # [BLOCK_M, NB, PACK, LT]
+        a = tl.reshape(a, (BLOCK_M, BLOCK_K)).to(DTYPE)
+        w = tl.load(w_ptrs + gw0 * stride_qk)
+        g0 = k0 // GROUP
+        s = tl.load(s_ptr + g0 * N + offs_nq)[:, None, None].to(tl.float32)
         if HAS_ZEROS:
-            z = tl.load(z_ptr + g * N + offs_n, mask=n_mask, other=0).to(tl.float32)
+            zc = tl.load(z_ptr + g0 * N + offs_nq)[:, None, None].to(tl.float32)
         else:
-            z = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
-        # code - zero, exact, without int->float conversions (see _gemv_kernel): slot i's bits ORed
-        # into the mantissa of 2**(23 - SHIFT), minus that power of two and the zero.
-        half = w[:, None, :] >> hi_shift[None, :, None]
-        bits = (half & slot_mask[None, :, None]) | slot_exp[None, :, None]
-        f = bits.to(tl.float32, bitcast=True) - (slot_off[None, :, None] + z[None, None, :])  # [BW, PACK, BN]
-        f = tl.permute(tl.reshape(f, (NB, PT, PACK, BLOCK_N)), (0, 2, 1, 3))
-        b = tl.reshape(f, (BLOCK_K, BLOCK_N)).to(a.dtype)
-        if DOT_FP32:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            zc = tl.full((BLOCK_N, 1, 1), 1 << (BITS - 1), tl.float32)
+        if MULTI_GROUP:
+            # Several groups in the tile: each word takes its group's scale and zero (a group's
+            # words are consecutive, GROUP / PACK of them; plane blocks never straddle groups).
+            wg = (word3 // (GROUP // PACK))[None, :, :]
+            for j in tl.static_range(1, BLOCK_K // GROUP):
+                s = tl.where(wg == j, tl.load(s_ptr + (g0 + j) * N + offs_nq)[:, None, None].to(tl.float32), s)
+                if HAS_ZEROS:
+                    zj = tl.load(z_ptr + (g0 + j) * N + offs_nq)[:, None, None].to(tl.float32)
+                    zc = tl.where(wg == j, zj, zc)
+        b = _dequant_tile(w, zc, s, BITS, SCALE_FIRST, USE_ASM, DTYPE)  # [BLOCK_N, BLOCK_K]
+        # out^T = W x^T: the weight tile is the left operand (wgmma's 64-row side, from registers).
+        if SCALE_FIRST:
+            if DOT_FP32:
+                acc = tl.dot(b, tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(b, tl.trans(a), acc)
         else:
-            part = tl.dot(a, b)
-        acc += part * s[None, :]
+            if DOT_FP32:
+                part = tl.dot(b, tl.trans(a), input_precision="ieee")
+            else:
+                part = tl.dot(b, tl.trans(a))
+            acc += part * tl.reshape(s, (BLOCK_N, 1))
+    acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+    mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        part_out = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(part_out, acc, mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, stride_om, HAS_BIAS: tl.constexpr,
+                          SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[m] = sum_s part[s, m] (+ bias)``, the splits added in order (deterministic)."""
+    m = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + (split * M + m) * N + offs_n, mask=n_mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
 @dataclass(frozen=True)
@@ -263,6 +369,10 @@ class KernelConfig:
     #: GEMV only: activations widened to float32 first (one small extra kernel; the GEMV then does
     #: no bf16/fp16 -> float32 conversion per weight).
     x_f32: bool = False
+    #: GEMM only: programs per output tile along K (> 1: float32 partials and a reduce launch).
+    split_k: int = 1
+    #: GEMM only: scale the weights before the dot (forced when ``block_k`` spans several groups).
+    scale_first: bool = False
 
 
 @functools.cache
@@ -285,6 +395,16 @@ def fit_block_k(group_size: int, block_k: int, inside_group: bool) -> int:
     return bk
 
 
+def gemm_block_k(block_k: int, k: int, bits: int, split_k: int = 1) -> int:
+    """The GEMM's K tile: the largest power of two ``<= block_k`` dividing ``k / split_k`` (at least
+    16 inputs and one word per channel: the kernel has no K mask)."""
+    bk = block_k
+    per = k // split_k if k % split_k == 0 else k
+    while bk > 16 and per % bk:
+        bk //= 2
+    return max(bk, 32 // bits)
+
+
 def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, want: int) -> int:
     for bn in candidates:
         if triton.cdiv(n, bn) * programs_per_n >= want:
@@ -293,11 +413,27 @@ def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, wa
 
 
 #: up to this many rows the GEMV kernel runs (measured on an H100: README).
-GEMV_MAX_M = 2
-#: up to this many rows the tl.dot kernel runs, above them dequantize + cuBLAS. 0: the tl.dot kernel
-#: is off by default, as its current form (after the plane-order fix of its activation loads) has
-#: not been timed yet; the form timed before that fix lost to dequantize + cuBLAS (README).
-GEMM_MAX_M = 0
+GEMV_MAX_M = 1
+#: up to this many rows the fused tl.dot kernel runs, above them dequantize + cuBLAS (README).
+GEMM_MAX_M = 1 << 30
+
+
+def split_k_for(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) -> int:
+    """K splits (a power of two) so that ``tiles * split`` programs fill the SMs, each keeping at
+    least ``min_steps`` K tiles (fewer and the float32 partials and the reduce launch dominate)."""
+    split = 1
+    while tiles * split < sms and k % (2 * split * block_k) == 0 and k // (2 * split * block_k) >= min_steps:
+        split *= 2
+    return split
+
+
+def gemm_config(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_warps: int,
+                num_stages: int, sms: int, scale_first: bool = False) -> KernelConfig:
+    """A fused-GEMM config with its K split chosen for the shape (``split_k_for``)."""
+    bk = gemm_block_k(block_k, k, 4)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    return KernelConfig("gemm", block_m, block_n, bk, num_warps, num_stages,
+                        split_k=split_k_for(tiles, k, bk, sms), scale_first=scale_first)
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> KernelConfig:
@@ -313,12 +449,16 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
             bn, bk = 8, 1024
         return KernelConfig("gemv", bm, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
     if m <= GEMM_MAX_M:
+        # Fused dequantize-GEMM, weights as wgmma's 64-row operand, K split to fill the SMs.
         if m <= 16:
-            bn = _widest_block_n((64, 32, 16), n, 1, 2 * sms)
-            return KernelConfig("gemm", 16, bn, fit_block_k(group_size, 128, True), 4, 4)
-        bm = 32 if m <= 32 else 64
-        bn = _widest_block_n((128, 64, 32), n, triton.cdiv(m, bm), sms)
-        return KernelConfig("gemm", bm, bn, fit_block_k(group_size, 64, True), 4, 4)
+            return gemm_config(m, n, k, 16, 64, 128, 4, 4, sms)
+        if m <= 32:
+            return gemm_config(m, n, k, 32, 64, 128, 4, 4, sms)
+        if m <= 64:
+            return gemm_config(m, n, k, 64, 64, 128, 4, 4, sms)
+        if m <= 128:
+            return gemm_config(m, n, k, 128, 128, 64, 8, 4, sms, scale_first=True)
+        return gemm_config(m, n, k, 128, 128, 64, 8, 4, sms, scale_first=True)
     return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
 
 
@@ -382,9 +522,21 @@ def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = No
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
     else:
-        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-        _gemm_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, m, n, K=k, BITS=kw.bits,
-                           GROUP=kw.group_size, PLANE=plane, DOT_FP32=x.dtype == torch.float32 or _INTERPRETED,
-                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        block_k = gemm_block_k(cfg.block_k, k, kw.bits, cfg.split_k)
+        split = cfg.split_k if k % (cfg.split_k * block_k) == 0 else 1
+        scale_first = cfg.scale_first or block_k > kw.group_size
+        dot_fp32 = x.dtype == torch.float32 or _INTERPRETED
+        part = out
+        if split > 1:
+            part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
+        _gemm_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, part, m, n, K=k, BITS=kw.bits,
+                           GROUP=kw.group_size, PLANE=plane, DOT_FP32=dot_fp32, USE_ASM=not _INTERPRETED,
+                           SCALE_FIRST=scale_first, SPLIT_K=split, K_SPLIT=k // split,
+                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
+        if split > 1:
+            _splitk_reduce_kernel[(m, triton.cdiv(n, 1024))](part, bias_arg, out, m, n, out.stride(0),
+                                                             HAS_BIAS=bias is not None, SPLIT_K=split,
+                                                             BLOCK_N=1024, num_warps=4)
     return out.reshape(*x.shape[:-1], n)
