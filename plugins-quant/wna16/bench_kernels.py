@@ -49,7 +49,8 @@ def _focused(m: int, n: int, k: int) -> list[KernelConfig]:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if m == 1:
         return [KernelConfig("gemv", 1, bn, bk, w, s) for bn, bk, w, s in
-                ((16, 2048, 4, 1), (16, 4096, 4, 1), (8, 4096, 4, 1), (32, 2048, 8, 1), (16, 1024, 4, 3))]
+                ((16, 2048, 4, 1), (16, 4096, 4, 1), (8, 4096, 4, 1), (32, 2048, 8, 1), (16, 1024, 4, 3))] + [
+            gemm_config(m, n, k, 16, 64, 128, 4, 4, sms)]
     if m <= 4:
         return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 1024, 4, 1), gemm_config(m, n, k, 16, 64, 128, 4, 4, sms)]
     if m <= 16:
