@@ -192,12 +192,30 @@ def tensor_model_parallel_broadcast(x: torch.Tensor) -> torch.Tensor:
 
 # -- control traffic over the CPU group -----------------------------------------------------
 def broadcast_objects(objects: Any, src: int = 0) -> Any:
-    """Rank ``src``'s picklable ``objects`` on every rank (the others pass anything, e.g. None)."""
+    """Rank ``src``'s picklable ``objects`` on every rank (the others pass anything, e.g. None).
+
+    An empty list (what rank 0 has on most scheduler turns) costs one small collective (the
+    pickled size, 0); anything else a second one with the pickled bytes.
+    """
     if _PLACEMENT.world_size == 1:
         return objects
-    box = [objects]
-    torch.distributed.broadcast_object_list(box, src=src, group=_CPU_GROUP)
-    return box[0]
+    import pickle
+
+    dist = torch.distributed
+    payload = b""
+    if _PLACEMENT.rank == src and not (isinstance(objects, list) and not objects):
+        payload = pickle.dumps(objects, protocol=pickle.HIGHEST_PROTOCOL)
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=_CPU_GROUP)
+    n = int(size.item())
+    if n == 0:
+        return objects if _PLACEMENT.rank == src else []
+    if _PLACEMENT.rank == src:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=_CPU_GROUP)
+    return objects if _PLACEMENT.rank == src else pickle.loads(data.numpy().tobytes())
 
 
 def all_reduce_min(value: int) -> int:
