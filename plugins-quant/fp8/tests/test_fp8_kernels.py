@@ -132,16 +132,20 @@ def _representable_groups(m: int, k: int, group: int, seed: int) -> torch.Tensor
     return codes * 2.0 ** torch.randint(-8, 3, (m, 1), generator=gen).float()
 
 
-@pytest.mark.parametrize(("m", "n", "k", "block"), [
-    (5, 48, 200, None), (40, 96, 256, None), (9, 200, 320, (128, 128)), (33, 64, 96, (32, 32)),
+@pytest.mark.parametrize(("m", "n", "k", "block", "split_k"), [
+    (5, 48, 200, None, 1), (40, 96, 256, None, 1), (9, 200, 320, (128, 128), 1), (33, 64, 96, (32, 32), 1),
+    (40, 96, 256, None, 2), (7, 80, 512, None, 4),  # split-K: partial sums, then the reduce kernel
+    (9, 200, 320, (128, 128), 2),  # block scales ignore SPLIT_K
 ])
-def test_w8a8_gemm_matches_dequantized_operands(m: int, n: int, k: int, block: tuple[int, int] | None) -> None:
+def test_w8a8_gemm_matches_dequantized_operands(m: int, n: int, k: int, block: tuple[int, int] | None,
+                                                split_k: int) -> None:
     from engine_quant_fp8.quantize import expand_block_scale
     from engine_quant_fp8.w8a8 import quantize_per_token_group_reference, w8a8_linear
 
     _, q, s, bias = _operands(m, n, k, block, seed=m + k)
     x = _representable_groups(m, k, block[1] if block else k, seed=m)
-    got = w8a8_linear(x, q, s, bias, block, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2})
+    got = w8a8_linear(x, q, s, bias, block, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2,
+                                                    "SPLIT_K": split_k})
     if block:
         qx, sx = quantize_per_token_group_reference(x, block[1])
         xd, wd = qx.float() * expand_block_scale(sx, (1, block[1]), m, k), q.float() * expand_block_scale(s, block, n, k)

@@ -14,19 +14,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.quantization import ActivationQuantizer
+
 
 class SiluAndMul(nn.Module):
-    """``silu(x[..., :d]) * x[..., d:]``; on CUDA the platform's fused ``silu_and_mul`` kernel."""
+    """``silu(x[..., :d]) * x[..., d:]``; on CUDA the platform's fused ``silu_and_mul`` kernel, or
+    the consumer's quantizing one (``out_quant``, see ``quantization.fusion``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fused: Callable[..., Any] | None = None
+        self.out_quant: ActivationQuantizer | None = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's fused ``silu_and_mul`` when it offers one."""
         self.fused = kernels.get("silu_and_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.out_quant is not None and self.out_quant.wants(x):
+            return self.out_quant.silu_and_mul(x)  # type: ignore[return-value]
         if self.fused is not None and x.is_cuda:
             return self.fused(x)
         d = x.shape[-1] // 2

@@ -12,6 +12,7 @@ from engine.attention import AttentionContext, check_backend_selectable
 from engine.errors import ConfigError
 from engine.hookspecs import resolve_factory
 from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.layers.quantization.fusion import link_activation_quantizers
 from engine.layers.sampler import Sampler, SampleOutput
 from engine.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -77,6 +78,7 @@ class ModelRunner:
         # pool is sized from the weights in their final form, not from the loading peak.
         self.platform.empty_cache()
         self._install_layer_kernels()
+        link_activation_quantizers(self.model)
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
         warmup = getattr(self.attn_backend, "warmup", None)

@@ -94,6 +94,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    #: Each producer's output is read only by that linear: a quantization method may have it
+    #: come quantized (engine.layers.quantization.fusion).
+    activation_consumers = {"input_layernorm": "self_attn.qkv_proj",
+                            "post_attention_layernorm": "mlp.gate_up_proj",
+                            "mlp.act_fn": "mlp.down_proj"}
+
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, quant_config, f"{prefix}.self_attn")

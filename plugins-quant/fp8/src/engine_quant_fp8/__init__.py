@@ -5,7 +5,7 @@ Registration only; the config, method and kernels import when ``fp8`` is selecte
 
 from __future__ import annotations
 
-from engine.hookspecs import QuantMethodSpec, hookimpl
+from engine.hookspecs import PluginOption, QuantMethodSpec, hookimpl
 
 
 @hookimpl
@@ -17,3 +17,11 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
         device_types=("cuda", "cpu"),
         checkpoint_methods=("fp8",),
     ))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    register(PluginOption(
+        plugin="fp8", key="fuse_activation_quant", default=True,
+        help="quantize a per-channel fp8 linear's activations in the RMSNorm / SiLU-and-mul that "
+             "produces them (one launch fewer per linear above 32 tokens); false: a separate launch"))

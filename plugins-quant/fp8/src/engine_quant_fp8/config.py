@@ -60,6 +60,10 @@ class Fp8Config(QuantizationConfig):
     #: the checkpoint's name of the block-scale tensor: HF fp8 ``weight_scale_inv``,
     #: compressed-tensors ``weight_scale``. Either way it is the multiplier that dequantizes.
     block_scale_name: str = "weight_scale_inv"
+    #: per-channel weights with dynamic activations: RMSNorm and SiLU-and-mul quantize the
+    #: activations of the linears they feed (``engine_quant_fp8.fused``) instead of a separate
+    #: launch per linear (plugin option ``fp8.fuse_activation_quant``).
+    fuse_activation_quant: bool = True
 
     name = "fp8"
 
@@ -89,10 +93,11 @@ class Fp8Config(QuantizationConfig):
                                  "on the fly (checkpoint_serialized=False) weights are always quantized per channel")
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
-        """``{}`` (on-the-fly) or a checkpoint's ``quantization_config``."""
+    def from_config(cls, config: dict[str, Any], options: dict[str, Any] | None = None) -> Fp8Config:
+        """``{}`` (on-the-fly) or a checkpoint's ``quantization_config``; ``options``: the plugin's."""
+        fuse = bool((options or {}).get("fuse_activation_quant", True))
         if not config:
-            return cls()
+            return cls(fuse_activation_quant=fuse)
         method = config.get("quant_method", "fp8")
         if method != "fp8":
             raise ModelLoadError(f"plugserve-quant-fp8: quantization_config.quant_method is '{method}'; accepted: fp8")
@@ -107,7 +112,7 @@ class Fp8Config(QuantizationConfig):
                                  "accepted: [rows, cols], e.g. [128, 128]")
         return cls(checkpoint_serialized=True, activation_scheme=scheme, ignored=tuple(ignored),
                    weight_strategy="block" if block is not None else "tensor",
-                   weight_block_size=tuple(block) if block is not None else None)
+                   weight_block_size=tuple(block) if block is not None else None, fuse_activation_quant=fuse)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         # Layers in ignored_layers() never get here: the layer SDK leaves them unquantized.

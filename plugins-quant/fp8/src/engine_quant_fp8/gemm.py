@@ -25,6 +25,7 @@ import logging
 
 import torch
 import torch.nn.functional as F
+from engine.layers.quantization import QuantizedActivation
 
 from engine_quant_fp8.quantize import dequantize_per_block, dequantize_per_channel, quantize_per_token
 
@@ -70,7 +71,8 @@ def _device_has_fp8_gemm(index: int) -> bool:
     return has
 
 
-def _on_fp8_cuda(x: torch.Tensor) -> bool:
+def on_fp8_cuda(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on a CUDA device with fp8 GEMMs (compute capability 8.9+, not ROCm)."""
     if x.device.type != "cuda":
         return False
     return _device_has_fp8_gemm(x.device.index if x.device.index is not None else torch.cuda.current_device())
@@ -84,7 +86,7 @@ def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
     out_features, in_features = weight.shape
     if in_features % _SCALED_MM_ALIGN or out_features % _SCALED_MM_ALIGN:
         return False
-    return _on_fp8_cuda(x)
+    return on_fp8_cuda(x)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -104,7 +106,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
-    if not _on_fp8_cuda(x2d) or (block_size is not None and not _pow2(block_size)):
+    if not on_fp8_cuda(x2d) or (block_size is not None and not _pow2(block_size)):
         out = reference_linear(x2d, weight, weight_scale, bias, block_size)
     elif m <= (WEIGHT_ONLY_MAX_M if block_size is None else BLOCK_WEIGHT_ONLY_MAX_M):
         from engine_quant_fp8.kernels import w8a16_linear
@@ -119,6 +121,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         if bias is not None:
             out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``fp8_linear`` for activations its producer already quantized per token
+    (``engine_quant_fp8.fused``): the fp8 x fp8 GEMM without the quantization launch; per-channel
+    weights only, at the token counts above ``WEIGHT_ONLY_MAX_M``."""
+    m = x.q.shape[0]
+    if m > W8A8_TRITON_MAX_M and hasattr(torch, "_scaled_mm") and not (
+            x.q.shape[1] % _SCALED_MM_ALIGN or weight.shape[0] % _SCALED_MM_ALIGN):
+        out = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+        return out + bias if bias is not None else out
+    from engine_quant_fp8.w8a8 import w8a8_gemm
+
+    return w8a8_gemm(x.q, x.scale, weight, weight_scale, bias, x.dtype)
 
 
 def _pow2(block_size: tuple[int, int]) -> bool:

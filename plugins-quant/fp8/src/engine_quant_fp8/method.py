@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from engine.errors import ModelLoadError
-from engine.layers.quantization import LinearMethodBase
+from engine.layers.quantization import ActivationQuantizer, LinearMethodBase, QuantizedActivation
 from torch import nn
 
-from engine_quant_fp8.gemm import fp8_linear
+from engine_quant_fp8.gemm import fp8_linear, fp8_linear_quantized
 from engine_quant_fp8.quantize import FP8_DTYPE, quantize_per_channel
 
 if TYPE_CHECKING:
@@ -143,6 +143,18 @@ class Fp8LinearMethod(LinearMethodBase):
             # One activation scale feeds the fused GEMM; the largest never clips any shard's input.
             _replace(layer, "input_scale", layer.input_scale.data.float().max())
 
+    def activation_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
+        # Per-channel weights with dynamic per-token activations: the producer (RMSNorm,
+        # SiLU-and-mul) quantizes at the token counts where the fp8 x fp8 GEMM runs.
+        if (not self.config.fuse_activation_quant or self.config.weight_strategy == "block"
+                or getattr(layer, "input_scale", None) is not None or layer.weight.dtype != FP8_DTYPE):
+            return None
+        from engine_quant_fp8.fused import Fp8ActivationQuantizer
+
+        return Fp8ActivationQuantizer()
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, QuantizedActivation):
+            return fp8_linear_quantized(x, layer.weight, layer.weight_scale, bias)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None),
                           self.config.weight_block_size)

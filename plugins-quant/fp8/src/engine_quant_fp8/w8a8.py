@@ -73,13 +73,18 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, K: tl.co
                       HAS_BIAS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
                       SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                      SPLIT_K: tl.constexpr = 1):
     offs_m, offs_n, mask_m, mask_n, rows_x, rows_w = _gemm_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    # Split-K (per-channel scales only): program k of SPLIT_K sums its K / SPLIT_K slice and
+    # stores the raw float32 partial in y[k]; _split_k_reduce_kernel sums, scales and casts.
+    K_PART: tl.constexpr = K // SPLIT_K
+    k_start = tl.program_id(1) * K_PART
     offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_w[None, :] * stride_wn + offs_k[:, None]
+    x_ptrs = x_ptr + rows_x[:, None] * stride_xm + (k_start + offs_k)[None, :]
+    w_ptrs = w_ptr + rows_w[None, :] * stride_wn + (k_start + offs_k)[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, K_PART, BLOCK_K):
         if EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
@@ -99,6 +104,10 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, K: tl.co
             acc += part
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SPLIT_K > 1:
+        y_ptrs = y_ptr + (tl.program_id(1) * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(y_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        return
     if not BLOCK_SCALES:
         acc = acc * tl.load(sx_ptr + rows_x * stride_sxm)[:, None] * tl.load(sw_ptr + rows_w)[None, :]
     if HAS_BIAS:
@@ -107,9 +116,39 @@ def _w8a8_gemm_kernel(x_ptr, w_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, K: tl.co
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+@triton.jit
+def _split_k_reduce_kernel(p_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, stride_sxm, stride_ym,
+                           HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(SPLIT_K):
+        acc += tl.load(p_ptr + (k * M + row) * N + cols, mask=mask, other=0.0)
+    acc = acc * tl.load(sx_ptr + row * stride_sxm) * tl.load(sw_ptr + cols, mask=mask, other=1.0)
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def _w8a8_config(m: int, n: int, k: int, blocked: bool) -> dict[str, int]:
-    # H100 sweep (bench_kernels.py --sweep-w8a8, 2026-11-23; README.md). 64-row tiles throughout:
-    # 128-row ones never won below M = 1024.
+    # H100 sweeps (bench_kernels.py --sweep-w8a8 and bench_fused.py --sweep, 2026-11-23; README.md).
+    # 64-row tiles throughout: 128-row ones never won below M = 1024. Per-channel, M 33-128:
+    # split-K for the long-K, narrow-N down projection (4096 x 14336: 64 programs of 64 columns
+    # leave half the SMs idle; split in 2-4 it fell from 34.9 to 29.3 us at M = 64), 128-wide
+    # tiles up to M = 48 and 32-wide above for the 4096/6144-row ones, 64-128 for gate_up.
+    if not blocked and 32 < m <= 128:
+        if k >= 2 * n:  # down
+            if m <= 48:
+                return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+                        "num_stages": 5, "SPLIT_K": 4}
+            return {"BLOCK_M": 64, "BLOCK_N": 32 if m <= 64 else 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+                    "num_stages": 5, "SPLIT_K": 2}
+        if n >= 16384:  # gate_up
+            bn, stages = (64, 5) if 48 < m <= 64 else (128, 4)
+            return {"BLOCK_M": 64, "BLOCK_N": bn, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": stages}
+        return {"BLOCK_M": 64, "BLOCK_N": 128 if m <= 48 else 32, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4,
+                "num_stages": 5}
     if not blocked and m <= 32:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 5}
     if m <= 64 or (m <= 128 and n <= 8192):
@@ -125,26 +164,44 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias
                 config: dict[str, Any] | None = None) -> torch.Tensor:
     """Quantizes ``x [M, K]`` (per token, or per token and K group with ``block_size``; a static
     ``input_scale`` for per-channel weights) and multiplies on the fp8 tensor cores; ``x.dtype`` out."""
-    m, k = x.shape
+    if x.shape[0] == 0:
+        return torch.empty((0, weight.shape[0]), dtype=x.dtype, device=x.device)
+    if block_size is not None:
+        qx, sx = quantize_per_token_group(x, block_size[1])
+    else:
+        qx, sx = quantize_per_token_triton(x, input_scale)
+    return w8a8_gemm(qx, sx, weight, scale, bias, x.dtype, block_size, config)
+
+
+def w8a8_gemm(qx: torch.Tensor, sx: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, block_size: tuple[int, int] | None = None,
+              config: dict[str, Any] | None = None) -> torch.Tensor:
+    """``(qx * sx) @ (weight * scale).T (+ bias)`` for activations already quantized (``qx [M, K]``
+    e4m3fn with ``sx [M, 1]``, or ``[M, ceil(K/bk)]`` with ``block_size``); ``out_dtype`` out."""
+    m, k = qx.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=qx.device)
     if m == 0:
         return y
     blocked = block_size is not None
-    if blocked:
-        scale_bn, scale_bk = block_size  # type: ignore[misc]
-        qx, sx = quantize_per_token_group(x, scale_bk)
-    else:
-        scale_bn, scale_bk = 1, 1
-        qx, sx = quantize_per_token_triton(x, input_scale)
+    scale_bn, scale_bk = block_size if blocked else (1, 1)  # type: ignore[misc]
     cfg = dict(config) if config else _w8a8_config(m, n, k, blocked)
     if blocked:
         cfg["BLOCK_K"] = min(cfg["BLOCK_K"], scale_bk)
     cfg["BLOCK_K"] = min(cfg["BLOCK_K"], max(32, triton.next_power_of_2(k)))
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _w8a8_gemm_kernel[grid](qx, weight, sx, scale, bias if bias is not None else scale, y, m, n, k,
+    split = cfg.pop("SPLIT_K", 1)
+    if blocked or k % (split * cfg["BLOCK_K"]):
+        split = 1  # each slice must be whole K steps; block scales are applied per step
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+    # Split-K writes float32 partials [split, m, n]; the reduce applies scales and bias.
+    out = torch.empty((split, m, n), dtype=torch.float32, device=qx.device) if split > 1 else y
+    _w8a8_gemm_kernel[grid](qx, weight, sx, scale, bias if bias is not None else scale, out, m, n, k,
                             qx.stride(0), weight.stride(0), sx.stride(0), scale.stride(0) if blocked else 0,
                             y.stride(0), HAS_BIAS=bias is not None, BLOCK_SCALES=blocked,
                             SCALE_BN=scale_bn, SCALE_BK=scale_bk, EVEN_K=k % cfg["BLOCK_K"] == 0,
-                            UPCAST=_INTERPRETED, **cfg)
+                            UPCAST=_INTERPRETED, SPLIT_K=split, **cfg)
+    if split > 1:
+        _split_k_reduce_kernel[(m, triton.cdiv(n, 1024))](out, sx, scale, bias if bias is not None else scale, y,
+                                                          m, n, sx.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+                                                          SPLIT_K=split, BLOCK_N=1024, num_warps=4)
     return y

@@ -9,6 +9,7 @@ after loading, and computes the layer's output.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,54 @@ from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from torch import nn
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """Activations quantized by the layer that produced them (RMSNorm, SiLU-and-mul), handed to
+    the next linear layer instead of a 16-bit tensor, so quantizing them costs no launch of its own.
+
+    Only a linear whose method's ``activation_quantizer`` made them ever receives one.
+    """
+
+    #: ``[tokens, features]`` codes (e.g. float8_e4m3fn, int8).
+    q: torch.Tensor
+    #: ``[tokens, 1]`` float32: the multiplier that dequantizes each token's row.
+    scale: torch.Tensor
+    #: the activation dtype the unfused layer would have produced; the linear outputs it.
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+class ActivationQuantizer(ABC):
+    """Fused producer-side activation quantization a linear method offers (its
+    ``activation_quantizer``). A model declares which layer feeds which linear
+    (``activation_consumers`` on a module: ``{"input_layernorm": "self_attn.qkv_proj", ...}``);
+    at start-up ``engine.layers.quantization.fusion.link_activation_quantizers`` hands each
+    producer its consumer's quantizer, and from then on the producer calls it for the token
+    counts where ``wants`` says the consumer multiplies quantized activations.
+
+    The fused ops must give the codes and scales the consumer would compute itself from the
+    unfused producer's output.
+    """
+
+    @abstractmethod
+    def wants(self, x: torch.Tensor) -> bool:
+        """Whether the consumer takes quantized activations for input ``x`` (its device and
+        token count); False: the producer runs unfused and returns a tensor."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+                 ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+        """``RMSNorm`` (with ``residual``: added first and also returned, as ``RMSNorm.forward``)
+        whose output comes quantized."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse into RMSNorm")
+
+    def silu_and_mul(self, x: torch.Tensor) -> QuantizedActivation:
+        """``silu(x[:, :d]) * x[:, d:]`` quantized."""
+        raise NotImplementedError(f"{type(self).__name__} does not fuse into SiLU-and-mul")
 
 
 class LinearMethodBase(ABC):
@@ -53,9 +102,16 @@ class LinearMethodBase(ABC):
         packed integers, blocks, fp8 codes) with valid random data, before
         ``process_weights_after_loading``; default: nothing (they stay as allocated)."""
 
+    def activation_quantizer(self, layer: nn.Module) -> ActivationQuantizer | None:
+        """The fused quantization this layer's producer may run instead of handing it 16-bit
+        activations (see ``ActivationQuantizer``); then ``apply`` also receives
+        ``QuantizedActivation`` inputs. Default None: always a tensor."""
+        return None
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T + bias`` with the layer's (possibly quantized) weight."""
+        """``x @ W.T + bias`` with the layer's (possibly quantized) weight; ``x`` is a
+        ``QuantizedActivation`` only where ``activation_quantizer`` offered one."""
 
 
 class FusedMoEMethodBase(ABC):
