@@ -59,6 +59,8 @@ for stage in "$@"; do
         E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size "$tp" --batch-size "1 64" --input-len 128 \
           --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=$tp /"
       done
+      E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size 2 --enable-custom-all-reduce --batch-size "1 64" \
+        --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=2 one-shot all-reduce /"
       for tp in 1 2; do
         echo "--- offline tp=$tp"
         timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size "$tp" \

@@ -57,14 +57,15 @@ def prompts() -> list[list[int]]:
 
 @needs_two_gpus
 @pytest.mark.parametrize("attention", ["triton", "flashinfer"])
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("tp, pp, custom_all_reduce", [(2, 1, False), (2, 1, True), (1, 2, False)],
+                         ids=["tp2", "tp2-one-shot-all-reduce", "pp2"])
 def test_two_gpu_greedy_matches_transformers(ckpt: str, hf_model: Any, prompts: list[list[int]],
-                                             attention: str, tp: int, pp: int) -> None:
+                                             attention: str, tp: int, pp: int, custom_all_reduce: bool) -> None:
     from engine import Engine
     from engine.testing.checkpoints import hf_greedy
 
     with Engine(model_path=ckpt, tp_size=tp, pp_size=pp, attention=attention, dtype="bfloat16",
-                max_total_tokens=8192, log_level="warning") as eng:
+                enable_custom_all_reduce=custom_all_reduce, max_total_tokens=8192, log_level="warning") as eng:
         outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})
         # Batch 1 goes through a captured CUDA graph (TP all-reduces inside it).
         single = eng.generate(input_ids=prompts[1], sampling_params={"max_new_tokens": MAX_NEW, "temperature": 0})

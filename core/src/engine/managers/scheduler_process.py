@@ -109,7 +109,8 @@ def join_replica(args: Any, placement: RankPlacement) -> Any:
     except ValueError as exc:  # more ranks on this node than devices
         raise EngineError(f"{placement.describe()}: {exc}") from None
     platform.set_device(device)
-    distributed.init_distributed(placement, platform.distributed_backend())
+    distributed.init_distributed(placement, platform.distributed_backend(),
+                                 custom_all_reduce=args.enable_custom_all_reduce)
     return platform
 
 
