@@ -33,14 +33,21 @@ def _ints(text: str, flag: str) -> list[int]:
     _opt("input_len", str, "1024", "--input-len", help="Prompt lengths"),
     _opt("output_len", str, "16", "--output-len", help="Generated tokens"),
     _opt("result_file", Optional[str], None, "--result-file", help="Append JSON lines here"),
+    _opt("json_schema", Optional[str], None, "--json-schema",
+         help="Decode every request under this JSON Schema file ('' = a built-in schema), with --grammar-backend"),
 ])
 def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, output_len: str,
-                  result_file: str | None) -> None:
+                  result_file: str | None, json_schema: str | None) -> None:
     """Static-batch latency: prefill, then median decode step, for each size combination."""
+    from engine.bench.json_schema import load_bench_schema
     from engine.bench.one_batch import bench_one_batch
 
+    try:
+        schema = load_bench_schema(json_schema)
+    except (OSError, ValueError) as exc:
+        fail(f"--json-schema: cannot read {json_schema!r}: {exc}")
     bench_one_batch(server_args, _ints(batch_size, "--batch-size"), _ints(input_len, "--input-len"),
-                    _ints(output_len, "--output-len"), result_file)
+                    _ints(output_len, "--output-len"), result_file, json_schema=schema)
 
 
 _DATASET_OPTS = [

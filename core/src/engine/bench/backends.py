@@ -7,6 +7,7 @@ timing loop shared by all of them, so TTFT/ITL mean the same thing for every bac
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -48,6 +49,21 @@ class RequestOptions:
     ignore_eos: bool
     extra_body: dict[str, Any]
     headers: dict[str, str]
+    # Structured output: the JSON Schema (JSON text) every request follows, or None.
+    json_schema: str | None = None
+    # Each request gets its own copy (a distinct title), so the server compiles each.
+    json_schema_unique: bool = False
+
+
+_schema_copies = itertools.count()
+
+
+def _schema(opts: RequestOptions) -> str | None:
+    if opts.json_schema is None or not opts.json_schema_unique:
+        return opts.json_schema
+    schema = json.loads(opts.json_schema)
+    schema["title"] = f"bench-{next(_schema_copies)}"
+    return json.dumps(schema)
 
 
 @dataclass(frozen=True)
@@ -66,6 +82,9 @@ class Backend:
 def _native_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
     prompt_key = "text" if isinstance(req.prompt, str) else "input_ids"
     sampling = {"max_new_tokens": req.output_len, "temperature": 0.0, "ignore_eos": opts.ignore_eos}
+    schema = _schema(opts)
+    if schema is not None:
+        sampling["json_schema"] = schema
     return {
         prompt_key: req.prompt,
         "sampling_params": sampling,
@@ -100,6 +119,10 @@ def _openai_common(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
     if opts.stream:
         # The final chunk then carries usage.completion_tokens: exact output lengths.
         payload["stream_options"] = {"include_usage": True}
+    schema = _schema(opts)
+    if schema is not None:
+        payload["response_format"] = {"type": "json_schema",
+                                      "json_schema": {"name": "bench", "schema": json.loads(schema)}}
     return payload
 
 

@@ -43,13 +43,19 @@ def _sync(device: torch.device) -> None:
 
 
 def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, seed: int = 0,
-            overlap: bool | None = None) -> OneBatchResult:
+            overlap: bool | None = None, json_schema: str | None = None) -> OneBatchResult:
     """Prefill ``batch_size`` random prompts, then decode ``output_len - 1`` steps.
 
     With ``overlap`` (default: the scheduler's setting, on for CUDA) each decode step is
     launched before the previous step's tokens are copied to the host, as the server's
     overlapped loop does; the input of step N+1 is step N's sampled ids, still on the device.
     Without it every step waits for its tokens (SGLang's bench_one_batch measures that way).
+
+    ``json_schema``: every request decodes under this schema, through the scheduler's own
+    ``GrammarQueue`` (compiled once before timing; per step: the CPU bitmask, its copy and the
+    batched apply; under overlap the previous step's tokens are accepted while the forward
+    runs, as the server does). A request whose JSON completes starts a new one, so every
+    step stays constrained whatever ``output_len`` is.
     """
     from engine.managers.schedule_batch import Req, ScheduleBatch
     from engine.managers.scheduler_decode import InflightDecode
@@ -68,6 +74,14 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
         req.fill_ids = list(ids)
         req.extend_input_len = input_len
         reqs.append(req)
+    grammar = scheduler.grammar_queue if json_schema is not None else None
+    if grammar is not None:
+        from engine.constrained import GrammarKey
+
+        key = GrammarKey("json_schema", json_schema)
+        compiled = grammar.compiler.submit(key).result()
+        for req in reqs:
+            req.grammar_key, req.grammar = key, grammar.compiler.matcher(compiled)
     def new_batch(rows: list[Req]) -> ScheduleBatch:
         return ScheduleBatch(rows, runner.req_to_token_pool, runner.token_to_kv_pool_allocator,
                              scheduler.tree_cache, runner.device)
@@ -83,9 +97,12 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
         group = reqs[g : g + rows_per_group]
         fb = new_batch(group).prepare_for_extend()
         fb.sampling_info = SamplingBatchInfo.from_reqs(group, vocab, runner.device)
-        ids = runner.sample(runner.forward(fb), fb).next_token_ids.tolist()
+        logits = runner.forward(fb)
+        if grammar is not None:
+            grammar.set_mask(fb.sampling_info, group)
+        ids = runner.sample(logits, fb).next_token_ids.tolist()
         for req, tok in zip(group, ids):
-            req.output_ids.append(tok)
+            _append(req, tok, grammar)
     prefill = time.perf_counter() - start
     batch = new_batch(reqs)
     decode_lat: list[float] = []
@@ -93,7 +110,7 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
 
     def append(step: InflightDecode) -> None:
         for req, tok in zip(reqs, step.token_ids()):
-            req.output_ids.append(tok)
+            _append(req, tok, grammar)
 
     inflight: InflightDecode | None = None
     for _ in range(output_len - 1):
@@ -103,7 +120,13 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
         else:
             fb = batch.prepare_for_decode(lag=1, input_ids=inflight.sample.next_token_ids)
         fb.sampling_info = info
-        step = InflightDecode.start(reqs, runner.sample(runner.forward(fb), fb), info)
+        logits = runner.forward(fb)
+        if grammar is not None:
+            if inflight is not None:  # the mask needs the previous token: accept it while the forward runs
+                append(inflight)
+                inflight = None
+            grammar.set_mask(info, reqs)
+        step = InflightDecode.start(reqs, runner.sample(logits, fb), info)
         if inflight is not None:
             append(inflight)  # waits for the previous step only; this one is still running
         inflight = step
@@ -128,8 +151,18 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
                           [list(r.output_ids) for r in reqs])
 
 
+def _append(req: Any, token: int, grammar: Any) -> None:
+    req.output_ids.append(token)
+    if grammar is not None:
+        if not req.grammar.accept_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: the bitmask was not applied")
+        if req.grammar.is_terminated():  # a complete JSON value: the next one starts
+            req.grammar = grammar.compiler.matcher(grammar.compiler.submit(req.grammar_key).result())
+
+
 def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
-                    result_file: str | None = None, warmup: bool = True, platform: Any = None) -> list[OneBatchResult]:
+                    result_file: str | None = None, warmup: bool = True, platform: Any = None,
+                    json_schema: str | None = None) -> list[OneBatchResult]:
     """Runs every (batch size, input, output) combination; with ``--tp-size``/``--pp-size`` above 1,
     in one process per rank, all running the same batches (rank 0 prints and records)."""
     from engine import distributed
@@ -137,34 +170,35 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
     from engine.managers.scheduler import Scheduler
 
     if args.tp_size * args.pp_size > 1 and distributed.get_placement().world_size == 1:
-        return _bench_in_ranks(args, batch_sizes, input_lens, output_lens, result_file, warmup)
+        return _bench_in_ranks(args, batch_sizes, input_lens, output_lens, result_file, warmup, json_schema)
     model_path = resolve_model_path(args)
     scheduler = Scheduler(args, model_path, platform)
     lead = distributed.get_placement().rank == 0
     results = []
     if warmup:
-        run_one(scheduler, batch_sizes[0], min(input_lens[0], 32), 4)
+        run_one(scheduler, batch_sizes[0], min(input_lens[0], 32), 4, json_schema=json_schema)
     for bs, il, ol in itertools.product(batch_sizes, input_lens, output_lens):
-        res = run_one(scheduler, bs, il, ol)
+        res = run_one(scheduler, bs, il, ol, json_schema=json_schema)
         results.append(res)
         if not lead:
             continue
         print(f"batch {bs} input {il} output {ol}: prefill {res.prefill_latency_s * 1e3:.2f} ms "
               f"({res.prefill_throughput:.0f} tok/s), median decode {res.median_decode_latency_s * 1e3:.3f} ms "
               f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s"
-              f"{' (overlapped decode)' if res.overlap else ''}", flush=True)
+              f"{' (overlapped decode)' if res.overlap else ''}{' (json_schema)' if json_schema else ''}", flush=True)
         if result_file:
             with open(result_file, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"bench": "one-batch", "device": scheduler.runner.platform.describe(),
                                     "attention": scheduler.runner.attention_backend_name,
                                     "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
                                     "tp_size": args.tp_size, "pp_size": args.pp_size,
+                                    "json_schema": json_schema is not None,
                                     **res.to_dict()}) + "\n")
     return results
 
 
 def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
-                    result_file: str | None, warmup: bool) -> list[OneBatchResult]:
+                    result_file: str | None, warmup: bool, json_schema: str | None = None) -> list[OneBatchResult]:
     """One child process per rank (as the server starts them); returns rank 0's results."""
     from engine.distributed.ranks import init_method, node_placements
     from engine.entrypoints.child_process import ChildProcess, pipe
@@ -177,7 +211,8 @@ def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
             readers.append(reader)
             procs.append(ChildProcess("engine.bench.one_batch:_rank_main",
                                       (args, batch_sizes, input_lens, output_lens,
-                                       result_file if placement.rank == 0 else None, warmup, placement, writer),
+                                       result_file if placement.rank == 0 else None, warmup, placement, writer,
+                                       json_schema),
                                       name=f"bench rank {placement.rank}"))
         while True:
             if readers[0].poll(0.5):
@@ -195,14 +230,15 @@ def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
 
 
 def _rank_main(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
-               result_file: str | None, warmup: bool, placement: Any, conn: Any) -> None:
+               result_file: str | None, warmup: bool, placement: Any, conn: Any, json_schema: str | None = None) -> None:
     from engine.managers.process_utils import setup_child_logging
     from engine.managers.scheduler_process import join_replica
 
     setup_child_logging(args.log_level, f"bench r{placement.rank}")
     try:
         platform = join_replica(args, placement)
-        results = bench_one_batch(args, batch_sizes, input_lens, output_lens, result_file, warmup, platform)
+        results = bench_one_batch(args, batch_sizes, input_lens, output_lens, result_file, warmup, platform,
+                                  json_schema)
     except Exception as exc:
         conn.send(("error", f"rank {placement.rank}: {type(exc).__name__}: {exc}"))
         raise

@@ -20,6 +20,7 @@ import numpy as np
 
 from engine.bench.backends import BACKENDS, RequestOptions, send_request
 from engine.bench.datasets import BenchRequest, TokenizerLike, sample_requests
+from engine.bench.json_schema import load_bench_schema
 from engine.bench.metrics import (
     BenchMetrics,
     RequestResult,
@@ -158,6 +159,8 @@ async def run_requests(
         ignore_eos=not args.disable_ignore_eos,
         extra_body=dict(args.extra_request_body or {}),
         headers=_auth_headers(args),
+        json_schema=load_bench_schema(args.json_schema),
+        json_schema_unique=args.json_schema_unique,
     )
     backend = BACKENDS[args.backend]
     base_url = args.server_url()

@@ -69,6 +69,13 @@ class BenchServingArgs(DatasetArgs):
     # Per-request HTTP timeout in seconds; long generations under load can take hours
     # (not an SGLang flag).
     request_timeout_s: float = 6 * 3600.0
+    # Structured output (not SGLang flags): a JSON Schema file every request's output must follow
+    # ('' = the built-in benchmark schema); sent as /generate's json_schema or OpenAI's
+    # response_format.
+    json_schema: str | None = None
+    # Give each request its own copy of the schema (a distinct title), so each one compiles:
+    # the time to first token with a new schema instead of a cached one.
+    json_schema_unique: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
