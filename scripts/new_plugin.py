@@ -1,7 +1,7 @@
 """Creates a new plugin distribution from plugins/_template.
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
-KIND: attention | quant | model | policy | platform | router | toolparser | reasoning
+KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar
 """
 
 from __future__ import annotations
@@ -71,6 +71,17 @@ KINDS = {
               'class Parser(ThinkTagReasoningParser):\n'
               '    """Starts as <think>...</think> written by the model; set start, end, starts_in_reasoning."""\n\n'
               '    starts_in_reasoning = False\n')),
+    "grammar": dict(
+        deps=["plugserve-grammar-xgrammar>=0.1"],
+        hook="register_grammar_backends", spec_cls="GrammarBackendSpec", kit="GrammarBackendConformance",
+        spec=('GrammarBackendSpec(name="{name}", factory="{package}.impl:Backend", '
+              'grammar_kinds=("json_schema", "regex", "ebnf", "structural_tag"), supports_rollback=True)'),
+        kit_attrs=('    backend_name = "{name}"\n'
+                   '    json_separators = (", ", ": ")  # how your JSON separates items and keys (xgrammar\'s here)'),
+        impl=('from engine_grammar_xgrammar.backend import XGrammarBackend\n\n\n'
+              'class Backend(XGrammarBackend):\n'
+              '    """Starts as the xgrammar backend; replace validate, compile and matcher with your library\'s\n'
+              '    (engine.constrained.GrammarBackend / GrammarMatcher, docs/structured_output.md)."""\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",

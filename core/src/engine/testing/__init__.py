@@ -8,6 +8,8 @@
 - ``RouterPolicyConformance``: a data-parallel router policy picks valid replicas, deterministically.
 - ``ToolCallParserConformance`` / ``ReasoningParserConformance``: a parser reads its recorded
   outputs right, whole and streamed with every chunk boundary (``ToolCallCase``, ``ReasoningCase``).
+- ``GrammarBackendConformance`` (``engine.testing.grammar_kit``): a grammar backend accepts exactly
+  its grammars' strings and its masks agree with a reference.
 
 Each class is a plain pytest class (no ``Test`` prefix, so it is not collected by
 itself); subclass it as ``TestMyBackend(AttentionBackendConformance)`` and set the
@@ -26,9 +28,11 @@ from engine.testing.conformance import (
     ToolCallCase,
     ToolCallParserConformance,
 )
+from engine.testing.grammar_kit import GrammarBackendConformance
 
 __all__ = [
     "AttentionBackendConformance",
+    "GrammarBackendConformance",
     "ModelConformance",
     "PlatformConformance",
     "QuantMethodConformance",
