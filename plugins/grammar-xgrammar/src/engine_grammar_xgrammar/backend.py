@@ -94,6 +94,9 @@ class XGrammarBackend(GrammarBackend):
         # xgrammar's kernel (CUDA/Triton on a GPU, a CPU loop otherwise): one launch per batch.
         # vocab_size: logits may be wider than the bitmask covers (padded); those stay as they are
         # here, so they are masked separately.
+        if not logits.is_contiguous():  # xgrammar's kernels index rows by a fixed stride
+            super().apply_bitmask(logits, bitmask)
+            return
         width = min(logits.shape[-1], bitmask.shape[-1] * 32)
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width)
         if logits.shape[-1] > width:
