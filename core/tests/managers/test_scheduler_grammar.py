@@ -187,6 +187,8 @@ def test_compiled_grammars_are_cached_by_key(llama_ckpt: str) -> None:
     _run(sched, [(p, {"max_new_tokens": 12, "regex": REGEX}) for p in prompts[1:]])
     assert sched.grammar_queue.compiler.compiles == 1
     assert sched.grammar_queue.compiler.cached(GrammarKey("regex", REGEX))
+    stats = sched.stats()
+    assert stats["grammar_compiles"] == 1 and stats["grammar_cache_hits"] == 2 and stats["num_grammar_queue_reqs"] == 0
 
 
 def test_abort_while_compiling(llama_ckpt: str) -> None:

@@ -19,6 +19,7 @@ class OutputMixin:
     req_to_token_pool: Any
     outbox: list[BatchTokenIDOut]
     reqs: dict[str, Req]
+    grammar_queue: Any
 
     # -- output ---------------------------------------------------------------------
     def _emit(self, reqs: list[Req]) -> None:
@@ -98,4 +99,8 @@ class OutputMixin:
             "extend_tokens": self.extend_tokens,
             "extend_time_s": self.extend_time_s,
             "decode_time_s": self.decode_time_s,
+            # Structured output: requests waiting for their grammar, compiles started, cache hits.
+            "num_grammar_queue_reqs": len(self.grammar_queue.waiting),
+            "grammar_compiles": self.grammar_queue.compiler.compiles,
+            "grammar_cache_hits": self.grammar_queue.compiler.hits,
         }
