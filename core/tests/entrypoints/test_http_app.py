@@ -25,6 +25,7 @@ from engine.entrypoints.http_server import create_app
 from engine.managers.io_struct import ControlReply, SchedulerReady
 from engine.managers.tokenizer_manager import GenerateRequest, ReqState, TokenizerManager
 from engine.managers.tokenizer_pool import TokenizerPool
+from engine.router.router import Router
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -41,6 +42,8 @@ class ScriptedManager(TokenizerManager):
         self.states: dict[str, ReqState] = {}
         self.dead: str | None = None
         self.on_finish: list[Any] = []
+        self.on_route: list[Any] = []
+        self.router = Router(1)
         self.aborted: list[str] = []
         self.sent: list[GenerateRequest] = []
         self.draining = False
