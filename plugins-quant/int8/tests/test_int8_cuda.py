@@ -83,7 +83,10 @@ def test_w8a8_path_at_llama_8b_shapes(shape: str, m: int, large_m_gemm: str, mon
     q_ref, scale_ref = quantize_per_token(x.cpu())
     assert torch.equal(q.cpu(), q_ref) and torch.equal(scale.cpu(), scale_ref.reshape(-1))
     got = gemm.w8a8_linear(x, qw, sw, bias)
-    assert _rel(got, gemm.w8a8_reference(x, qw, sw, bias)) <= 1e-4
+    # The integer products are exact; what differs is the float32 rescale and the bf16 output
+    # rounding. Measured on an H100 (2026-11-23): up to 1.66e-4 (int_mm, M=256, down); a wrong
+    # scale or row gives errors of order 1.
+    assert _rel(got, gemm.w8a8_reference(x, qw, sw, bias)) <= 5e-4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
