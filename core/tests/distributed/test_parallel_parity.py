@@ -66,3 +66,11 @@ def test_tp_size_that_does_not_divide_heads_is_refused(ckpt: str) -> None:
 def test_pp_size_above_layers_is_refused(ckpt: str) -> None:
     with pytest.raises(EngineError, match=r"--pp-size: invalid value 4; accepted: at most the model's 3 layers"):
         Engine(model_path=ckpt, pp_size=4, max_total_tokens=512, log_level="warning")
+
+
+def test_other_nodes_run_only_through_engine_serve(ckpt: str) -> None:
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--node-rank: invalid value 1 here; .*engine serve --node-rank N"):
+        Engine(model_path=ckpt, tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:29999",
+               max_total_tokens=512, log_level="warning")

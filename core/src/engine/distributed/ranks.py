@@ -70,7 +70,12 @@ def launch_ranks(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_ran
     to the other ranks). Returns the processes (rank order) and their readiness as one reader.
     """
     from engine.entrypoints.child_process import ChildProcess, pipe
+    from engine.errors import ConfigError
 
+    if ipc is not None and args.node_rank > 0:
+        raise ConfigError(f"--node-rank: invalid value {args.node_rank} here; the server and the offline Engine "
+                          "run on node 0; start the other nodes with `engine serve --node-rank N`, which runs "
+                          "only their ranks")
     if args.nnodes > 1 or args.tp_size * args.pp_size > 1:
         method = init_method(args, dp_rank)
     else:
