@@ -127,6 +127,12 @@ class GrammarBackend(abc.ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the start of a compiled grammar."""
 
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Fills ``bitmask[rows[i]]`` from ``matchers[i]``: one step of a whole batch. The default
+        asks each matcher in turn; a library with a parallel batch fill overrides it."""
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
+
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Sets the logits of disallowed tokens to -inf in place, for the whole batch at once
         (``bitmask`` already on ``logits``' device). A backend may use its library's kernel."""

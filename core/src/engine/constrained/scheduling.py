@@ -139,10 +139,10 @@ class GrammarQueue:
             return
         bitmask = self._bitmask_for(len(reqs))
         bitmask.fill_(-1)  # unconstrained rows allow every token
-        for i in rows:
-            reqs[i].grammar.fill_bitmask(bitmask, i)
+        backend = self.compiler.backend
+        backend.fill_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)
         info.vocab_mask = bitmask.to(self.device, non_blocking=True)
-        info.apply_vocab_mask = self.compiler.backend.apply_bitmask
+        info.apply_vocab_mask = backend.apply_bitmask
 
     def _bitmask_for(self, batch_size: int) -> torch.Tensor:
         # One pinned host buffer, grown when needed. Reuse is safe: the host-to-device copy of

@@ -4,7 +4,8 @@ A backend must accept exactly the strings its grammar describes (a table of gram
 it must accept and strings it must refuse), its token masks must agree with a reference on
 random token walks, and it must honour the interface's contract: errors are ``GrammarError``
 naming the field, padded vocabulary columns are never allowed, ``copy`` is independent,
-``rollback`` undoes, compiling is thread-safe and ``apply_bitmask`` equals the portable mask.
+``rollback`` undoes, compiling is thread-safe, ``fill_bitmasks`` equals row-by-row fills and
+``apply_bitmask`` equals the portable mask.
 
 Subclass it in the plugin's tests::
 
@@ -277,6 +278,26 @@ class GrammarBackendConformance:
         for t in threads:
             t.join()
         assert results == {i: True for i in range(6)}
+
+    def test_batch_fill_equals_row_by_row(self, backend: GrammarBackend, tokenizer: Any) -> None:
+        """``fill_bitmasks`` over a batch of matchers in different states (some rows left out)
+        writes what each matcher's own ``fill_bitmask`` writes, and nothing else."""
+        self._skip_unless("regex")
+        vocab = len(tokenizer) + self.vocab_padding
+        compiled = backend.compile(GrammarKey("regex", "[a-z]{1,6}[0-9]{1,3}"))
+        matchers = []
+        for i in range(12):
+            matcher = backend.matcher(compiled)
+            for token in tokenizer.encode("abcdef12"[: i % 8], add_special_tokens=False):
+                assert matcher.accept_token(token)
+            matchers.append(matcher)
+        rows = [r for r in range(16) if r % 4 != 1][: len(matchers)]
+        batch = allocate_bitmask(16, vocab)
+        backend.fill_bitmasks(matchers, batch, rows)
+        want = allocate_bitmask(16, vocab)
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(want, row)
+        assert torch.equal(batch, want)
 
     def test_apply_bitmask_matches_the_portable_mask(self, backend: GrammarBackend, tokenizer: Any) -> None:
         vocab = len(tokenizer) + self.vocab_padding

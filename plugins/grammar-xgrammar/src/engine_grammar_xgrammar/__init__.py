@@ -22,3 +22,5 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           "JSON may hold any whitespace between tokens (off: compact JSON, so a small "
                           "model cannot loop on spaces)"))
     register(PluginOption("xgrammar", "compile_threads", 2, "threads xgrammar uses inside one compile"))
+    register(PluginOption("xgrammar", "fill_threads", 0, "threads filling a batch's token bitmask "
+                          "(0: min(8, CPU count))"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from typing import Any
@@ -11,6 +12,9 @@ import torch
 import xgrammar as xgr
 
 from engine.constrained import GrammarBackend, GrammarError, GrammarKey, GrammarMatcher, TokenizerInfo
+
+# Batches smaller than this are filled matcher by matcher (the thread pool costs more than it saves).
+_BATCH_FILL_MIN = 4
 
 # xgrammar prefixes its errors with "[time] /path/file.cc:line: ": not the user's business.
 _LOCATION = re.compile(r"^\s*\[[0-9:]+\]\s*\S+:\d+:\s*")
@@ -46,6 +50,8 @@ class XGrammarBackend(GrammarBackend):
         options = options or {}
         self.any_whitespace = bool(options.get("any_whitespace", False))
         self.compile_threads = int(options.get("compile_threads", 2))
+        self.fill_threads = int(options.get("fill_threads", 0)) or min(8, os.cpu_count() or 1)
+        self._batch: xgr.BatchGrammarMatcher | None = None
         self._compiler: xgr.GrammarCompiler | None = None
         self._lock = threading.Lock()
 
@@ -89,6 +95,16 @@ class XGrammarBackend(GrammarBackend):
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XGrammarMatcher(xgr.GrammarMatcher(compiled))
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        # xgrammar fills a batch on its own thread pool (the GIL released): at batch 64 that is
+        # several times faster than 64 calls in turn.
+        if len(matchers) < _BATCH_FILL_MIN or not all(isinstance(m, XGrammarMatcher) for m in matchers):
+            super().fill_bitmasks(matchers, bitmask, rows)
+            return
+        if self._batch is None:
+            self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
+        self._batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, rows)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         # xgrammar's kernel (CUDA/Triton on a GPU, a CPU loop otherwise): one launch per batch.
