@@ -43,26 +43,26 @@ def _time_ms(fn) -> float:  # type: ignore[no-untyped-def]
         return triton.testing.do_bench(fn, warmup=20, rep=100)
 
 
-def _focused(m: int, n: int, k: int) -> list[KernelConfig]:
+def _focused(m: int, n: int, k: int, group: int) -> list[KernelConfig]:
     """A handful of alternatives per M (``--alts``): GEMV tiles at M = 1, fused-GEMM tiles (K split
-    for the shape) above, dequantize + cuBLAS at the largest M."""
+    for the shape) above, dequantize + cuBLAS from M = 64."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if m == 1:
-        return [KernelConfig("gemv", 1, bn, bk, w, s) for bn, bk, w, s in
-                ((16, 2048, 4, 1), (16, 4096, 4, 1), (8, 4096, 4, 1), (32, 2048, 8, 1), (16, 1024, 4, 3))] + [
-            gemm_config(m, n, k, 16, 64, 128, 4, 4, sms)]
+        return [KernelConfig("gemv", 1, bn, bk, 4, 1) for bn, bk in ((16, 2048), (16, 4096), (8, 2048))] + [
+            gemm_config(m, n, k, group, 16, 128, 128, 8, 4, sms)]
     if m <= 4:
-        return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 1024, 4, 1), gemm_config(m, n, k, 16, 64, 128, 4, 4, sms)]
+        return [KernelConfig("gemv", triton.next_power_of_2(m), 8, 1024, 4, 1), gemm_config(m, n, k, group, 16, 64, 128, 4, 4, sms)]
     if m <= 16:
-        return [gemm_config(m, n, k, 16, bn, bk, w, s, sms) for bn, bk, w, s in
-                ((64, 128, 4, 4), (64, 256, 4, 3), (128, 128, 8, 4), (32, 256, 4, 4))] + [
-            gemm_config(m, n, k, 16, 64, 128, 4, 4, sms, scale_first=True)]
+        return [gemm_config(m, n, k, group, 16, bn, bk, w, s, sms, sf) for bn, bk, w, s, sf in
+                ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (128, 64, 8, 4, False), (256, 128, 8, 3, False),
+                 (128, 128, 8, 4, True))]
     if m <= 64:
-        return [gemm_config(m, n, k, 64, bn, bk, w, s, sms, sf) for bn, bk, w, s, sf in
-                ((64, 128, 4, 4, False), (128, 128, 8, 3, False), (128, 64, 4, 4, True), (64, 64, 4, 4, True))]
-    return [gemm_config(m, n, k, bm, bn, bk, w, s, sms, True) for bm, bn, bk, w, s in
-            ((128, 128, 64, 8, 4), (256, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4))] + [
-        KernelConfig("dequant", 1, 16, 512, 4, 1)]
+        return [gemm_config(m, n, k, group, bm, bn, bk, w, s, sms, sf) for bm, bn, bk, w, s, sf in
+                ((64, 64, 128, 4, 4, False), (64, 128, 128, 8, 4, False), (64, 128, 64, 8, 4, False),
+                 (32, 128, 128, 8, 3, False), (64, 128, 128, 8, 3, True))] + [KernelConfig("dequant", 1, 16, 512, 4, 1)]
+    return [gemm_config(m, n, k, group, bm, bn, bk, w, s, sms, sf) for bm, bn, bk, w, s, sf in
+            ((64, 128, 128, 8, 3, False), (128, 64, 128, 4, 3, False), (128, 128, 64, 8, 4, False),
+             (128, 128, 128, 8, 3, True))] + [KernelConfig("dequant", 1, 16, 512, 4, 1)]
 
 
 def _alternatives(m: int, n: int, k: int, group: int) -> list[KernelConfig]:
@@ -79,7 +79,7 @@ def _alternatives(m: int, n: int, k: int, group: int) -> list[KernelConfig]:
             for bn in (64, 128):
                 for bk in (64, 128, 256):
                     for w, s in ((4, 3), (4, 4), (8, 3)):
-                        configs += [gemm_config(m, n, k, bm, bn, bk, w, s, sms, sf) for sf in (False, True)]
+                        configs += [gemm_config(m, n, k, group, bm, bn, bk, w, s, sms, sf) for sf in (False, True)]
     return configs
 
 
@@ -113,7 +113,7 @@ def main() -> None:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             if args.warm:
                 for cfg in dict.fromkeys([choose_config(m, n, k, kw.group_size, dev),
-                                          *(_focused(m, n, k) if args.alts else [])]):
+                                          *(_focused(m, n, k, kw.group_size) if args.alts else [])]):
                     try:
                         wna16_gemm(x, kw, config=cfg)
                     except Exception as exc:  # noqa: BLE001
@@ -122,7 +122,7 @@ def main() -> None:
                 continue
             bf16_ms = _time_ms(lambda: F.linear(x, dense))
             chosen = choose_config(m, n, k, kw.group_size, dev)
-            alts = _alternatives(m, n, k, kw.group_size) if args.sweep else _focused(m, n, k) if args.alts else []
+            alts = _alternatives(m, n, k, kw.group_size) if args.sweep else _focused(m, n, k, kw.group_size) if args.alts else []
             configs = [chosen] + [c for c in alts if c != chosen]
             want = wna16_linear_torch(x.float(), kw)
             for cfg in configs:

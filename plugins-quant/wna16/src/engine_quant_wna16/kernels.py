@@ -244,13 +244,16 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
 
     The weight tile ``[BLOCK_N, BLOCK_K / PACK]`` words is loaded output-major (contiguous runs
     of one channel's words) as ``NB`` runs of ``LT`` plane words and unpacked (``_dequant_tile``)
-    so that whole plane blocks come out in input order: the activation tile is then plain
-    contiguous runs (``[BLOCK_M, NB, PACK, LT]``, one run per slot when a tile is part of a block),
-    copied to shared memory as is. A K tile inside one group (``BLOCK_K <= GROUP``) multiplies
-    ``code - zero`` and takes the scale on its float32 partial product; ``SCALE_FIRST`` scales
-    the weights before the dot (bf16 rounding of ``(code - zero) * scale``, as the dequantize
-    path) so ``tl.dot`` accumulates in place (one wgmma chain); it is required when a K tile
-    spans several groups (each word's scale and zero are then picked per group of the tile).
+    so that whole plane blocks come out in input order: the activation tile is then one contiguous
+    run per row (runs of ``LT`` at a stride of ``PLANE`` when a tile is part of a block), copied to
+    shared memory as wgmma's operand without passing through registers. A K tile lies inside one
+    group (``BLOCK_K <= GROUP``: one scale and zero per channel): the dot multiplies
+    ``code - zero`` (exact in bf16/fp16) and the scale goes on its float32 partial product;
+    ``SCALE_FIRST`` scales the weights before the dot instead (bf16 rounding of
+    ``(code - zero) * scale``, as the dequantize path) so ``tl.dot`` accumulates in place, which
+    Triton 3.6 compiles to one wait per wgmma (slower; kept as an option). Tiles over several
+    groups were dropped: a per-word scale select passed the interpreter but failed on the H100
+    (groups of 32, relative error > 1e-2).
     The product is ``out^T = W x^T``: the weight is the dot's left operand, so wgmma's 64-row side
     is the output channels and 16 activation rows take a 64 x 16 instruction, with no padding; the
     dequantized tile reaches wgmma from registers. (The ``x W^T`` form with 64-row activation
@@ -262,7 +265,6 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
     BW: tl.constexpr = BLOCK_K // PACK
     LT: tl.constexpr = PLANE if PLANE < BW else BW
     NB: tl.constexpr = BW // LT
-    MULTI_GROUP: tl.constexpr = BLOCK_K > GROUP
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -277,9 +279,16 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
     offs_nq = tl.where(n_mask, offs_n, 0).to(tl.int64)  # clamped: the weight loads need no mask
     # Word (nb, j) of a K tile is word nb * LT + j; slot i of a run holds LT consecutive inputs.
     word3 = tl.arange(0, NB)[:, None] * LT + tl.arange(0, LT)[None, :]  # [NB, LT]
-    k_rel = ((tl.arange(0, NB) * (PACK * PLANE))[:, None, None] + (tl.arange(0, PACK) * PLANE)[None, :, None]
-             + tl.arange(0, LT)[None, None, :])  # [NB, PACK, LT]: input of each tile position
-    x_rows = x_ptr + tl.minimum(offs_m, M - 1)[:, None, None, None].to(tl.int64) * stride_xm
+    # Input of each tile position p = (nb * PACK + i) * LT + j: input nb * PACK * PLANE + i * PLANE + j,
+    # which is p itself for whole plane blocks; inside one block, runs of LT at a stride of PLANE.
+    p = tl.arange(0, BLOCK_K)
+    if NB > 1:
+        k_pos = p
+    else:
+        k_pos = tl.max_contiguous(tl.multiple_of((p // LT) * PLANE + p % LT, LT), LT)
+    # Rows past M are masked (zero-filled, no memory request): clamping them to row M - 1 made all
+    # programs hammer the same few L2 lines (the M = 2 GEMM ran 2.5x slower than M = 16).
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_ptrs = qw_ptr + offs_nq[:, None, None] * stride_qn + word3[None, :, :] * stride_qk  # [BLOCK_N, NB, LT]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     k_start = pid_k * K_SPLIT
@@ -290,11 +299,11 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
             base = k0
         else:  # inside one block: its start plus the word offset
             base = tl.multiple_of((gw0 // PLANE) * (PACK * PLANE) + gw0 % PLANE, LT)
-        src = base + k_rel
+        src = base + k_pos
         if HAS_PERM:
             src = tl.load(perm_ptr + src)
-        a = tl.load(x_rows + src[None, :, :, :])  # [BLOCK_M, NB, PACK, LT]
-        a = tl.reshape(a, (BLOCK_M, BLOCK_K)).to(DTYPE)
+        # [BLOCK_M, BLOCK_K], 2-D as loaded: it goes to shared memory as wgmma's operand directly.
+        a = tl.load(x_rows + src[None, :], mask=m_mask[:, None], other=0.0).to(DTYPE)
         w = tl.load(w_ptrs + gw0 * stride_qk)
         g0 = k0 // GROUP
         s = tl.load(s_ptr + g0 * N + offs_nq)[:, None, None].to(tl.float32)
@@ -302,15 +311,6 @@ def _gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, out_ptr, part_
             zc = tl.load(z_ptr + g0 * N + offs_nq)[:, None, None].to(tl.float32)
         else:
             zc = tl.full((BLOCK_N, 1, 1), 1 << (BITS - 1), tl.float32)
-        if MULTI_GROUP:
-            # Several groups in the tile: each word takes its group's scale and zero (a group's
-            # words are consecutive, GROUP / PACK of them; plane blocks never straddle groups).
-            wg = (word3 // (GROUP // PACK))[None, :, :]
-            for j in tl.static_range(1, BLOCK_K // GROUP):
-                s = tl.where(wg == j, tl.load(s_ptr + (g0 + j) * N + offs_nq)[:, None, None].to(tl.float32), s)
-                if HAS_ZEROS:
-                    zj = tl.load(z_ptr + (g0 + j) * N + offs_nq)[:, None, None].to(tl.float32)
-                    zc = tl.where(wg == j, zj, zc)
         b = _dequant_tile(w, zc, s, BITS, SCALE_FIRST, USE_ASM, DTYPE)  # [BLOCK_N, BLOCK_K]
         # out^T = W x^T: the weight tile is the left operand (wgmma's 64-row side, from registers).
         if SCALE_FIRST:
@@ -371,7 +371,8 @@ class KernelConfig:
     x_f32: bool = False
     #: GEMM only: programs per output tile along K (> 1: float32 partials and a reduce launch).
     split_k: int = 1
-    #: GEMM only: scale the weights before the dot (forced when ``block_k`` spans several groups).
+    #: GEMM only: scale the weights before the dot (see ``_gemm_kernel``). The GEMM's ``block_k``
+    #: is cut to the group size where larger (a K tile never spans groups).
     scale_first: bool = False
 
 
@@ -427,38 +428,41 @@ def split_k_for(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) 
     return split
 
 
-def gemm_config(m: int, n: int, k: int, block_m: int, block_n: int, block_k: int, num_warps: int,
-                num_stages: int, sms: int, scale_first: bool = False) -> KernelConfig:
-    """A fused-GEMM config with its K split chosen for the shape (``split_k_for``)."""
-    bk = gemm_block_k(block_k, k, 4)
+def gemm_config(m: int, n: int, k: int, group_size: int, block_m: int, block_n: int, block_k: int,
+                num_warps: int, num_stages: int, sms: int, scale_first: bool = False) -> KernelConfig:
+    """A fused-GEMM config: ``block_k`` cut to the group and to a divisor of K, the K split chosen
+    for the shape (``split_k_for``)."""
+    bk = gemm_block_k(min(block_k, group_size), k, 4)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     return KernelConfig("gemm", block_m, block_n, bk, num_warps, num_stages,
                         split_k=split_k_for(tiles, k, bk, sms), scale_first=scale_first)
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> KernelConfig:
-    """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives)."""
+    """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives;
+    the figures below are H100 times of the Llama-3-8B linears, README)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
-        # H100: 16 rows x 2048 inputs per program and step (4 rows per thread sharing their
-        # activations, each warp streaming 1 KB of one row) was the fastest on all Llama-8B linears.
-        bm = triton.next_power_of_2(m)
-        if bm == 1:
-            bn, bk = _widest_block_n((16, 8, 4), n, 1, sms), 2048
-        else:
-            bn, bk = 8, 1024
-        return KernelConfig("gemv", bm, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
+        # 16 rows per program, 4 rows per thread sharing their activations, each warp streaming
+        # 1 KB of one row per step. K steps of 2048 inputs, or all of K (up to 4096) in one step where
+        # the outputs give few programs: o 6.84 -> 6.09 us, qkv 7.95 -> 7.52 us; gate_up (1792
+        # programs) is slower that way (30.6 -> 32.0 us), and down's K = 14336 would need masks.
+        bn = _widest_block_n((16, 8, 4), n, 1, sms)
+        bk = k if k <= 4096 and triton.cdiv(n, bn) <= 4 * sms and k & (k - 1) == 0 else 2048
+        return KernelConfig("gemv", 1, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
     if m <= GEMM_MAX_M:
-        # Fused dequantize-GEMM, weights as wgmma's 64-row operand, K split to fill the SMs.
+        # The fused dequantize-GEMM (weights as wgmma's 64-row operand, K split to fill the SMs).
+        # 128 outputs per program (8 warps) halve the activation traffic of 64 per program: at
+        # M = 16 qkv 16.7 -> 14.5 us, o 11.6 -> 10.6, down 29.7 -> 22.6; at M = 64 the same tile with
+        # 64 rows beat 64 x 64 everywhere (gate_up 126 -> 78 us). Those times predate the activation
+        # load fix (the tile went through registers with 16-bit shared stores); see the README.
         if m <= 16:
-            return gemm_config(m, n, k, 16, 64, 128, 4, 4, sms)
+            return gemm_config(m, n, k, group_size, 16, 128, 128, 8, 4, sms)
         if m <= 32:
-            return gemm_config(m, n, k, 32, 64, 128, 4, 4, sms)
+            return gemm_config(m, n, k, group_size, 32, 128, 128, 8, 3, sms)
         if m <= 64:
-            return gemm_config(m, n, k, 64, 64, 128, 4, 4, sms)
-        if m <= 128:
-            return gemm_config(m, n, k, 128, 128, 64, 8, 4, sms, scale_first=True)
-        return gemm_config(m, n, k, 128, 128, 64, 8, 4, sms, scale_first=True)
+            return gemm_config(m, n, k, group_size, 64, 128, 128, 8, 3, sms)
+        return gemm_config(m, n, k, group_size, 128, 128, 128, 8, 3, sms)
     return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
 
 
@@ -522,9 +526,8 @@ def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = No
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
     else:
-        block_k = gemm_block_k(cfg.block_k, k, kw.bits, cfg.split_k)
+        block_k = gemm_block_k(min(cfg.block_k, kw.group_size), k, kw.bits, cfg.split_k)
         split = cfg.split_k if k % (cfg.split_k * block_k) == 0 else 1
-        scale_first = cfg.scale_first or block_k > kw.group_size
         dot_fp32 = x.dtype == torch.float32 or _INTERPRETED
         part = out
         if split > 1:
@@ -532,7 +535,7 @@ def wna16_gemm(x: torch.Tensor, kw: KernelWeight, bias: torch.Tensor | None = No
         grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), split)
         _gemm_kernel[grid](x2d, kw.qweight, kw.scales, zeros, perm, bias_arg, out, part, m, n, K=k, BITS=kw.bits,
                            GROUP=kw.group_size, PLANE=plane, DOT_FP32=dot_fp32, USE_ASM=not _INTERPRETED,
-                           SCALE_FIRST=scale_first, SPLIT_K=split, K_SPLIT=k // split,
+                           SCALE_FIRST=cfg.scale_first, SPLIT_K=split, K_SPLIT=k // split,
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **strides, **flags)
         if split > 1:
