@@ -1,7 +1,7 @@
-"""The Triton dequantize-GEMM on a CUDA GPU at Llama-3-8B shapes, in CUDA graphs, and served.
+"""The Triton kernels on a CUDA GPU at Llama-3-8B shapes, in CUDA graphs, and served.
 
 Reference: the torch path (``formats.dequantize``, bit-identical to gguf.quants) in float64.
-bfloat16 activations: bar 1e-2 relative (their own rounding and the bf16 tl.dot inputs).
+bfloat16 activations: bar 1e-2 relative (the output's rounding; the bf16 tl.dot inputs).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", list(TYPES))
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("m", [1, 2, 5, 300])  # rows kernel (BLOCK_M 1, 2), dequantize + cuBLAS
+@pytest.mark.parametrize("m", [1, 2, 17, 64, 300])  # GEMV (BLOCK_M 1, 2), tl.dot GEMM, dequantize + cuBLAS
 def test_kernel_at_llama_8b_shapes(name: str, n: int, k: int, m: int) -> None:
     qtype = TYPES[name]
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
@@ -39,13 +39,22 @@ def test_kernel_at_llama_8b_shapes(name: str, n: int, k: int, m: int) -> None:
     assert _rel(got, want) < 1e-2
 
 
+@pytest.mark.parametrize("name", list(TYPES))
+def test_dequantize_kernel_is_bit_identical_on_the_gpu(name: str) -> None:
+    qtype = TYPES[name]
+    from engine_quant_gguf.kernels import dequantize_blocks
+
+    w = formats.random_blocks(256, 4096, qtype, torch.Generator(device="cuda").manual_seed(4), torch.device("cuda"))
+    assert torch.equal(dequantize_blocks(formats.pack(w, qtype), qtype, 4096, torch.float32), formats.dequantize(w, qtype))
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_float32_and_float16_activations(name: str) -> None:
     qtype = TYPES[name]
     gen = torch.Generator(device="cuda").manual_seed(1)
     w = formats.random_blocks(512, 1024, qtype, gen, torch.device("cuda"))
     for dtype, bar in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
-        for m in (1, 33):
+        for m in (1, 2, 33):
             x = torch.randn(m, 1024, device="cuda", generator=gen).to(dtype)
             want = x.double() @ formats.dequantize(w, qtype).double().T
             assert _rel(gguf_matmul(x, formats.pack(w, qtype), qtype, 512), want) < bar, (dtype, m)
@@ -55,7 +64,7 @@ def test_captured_in_a_cuda_graph_and_replayed() -> None:
     gen = torch.Generator(device="cuda").manual_seed(2)
     w = formats.pack(formats.random_blocks(4096, 4096, formats.Q4_K, gen, torch.device("cuda")), formats.Q4_K)
     outs = {}
-    for m in (1, 32):  # M = 1: the rows kernel with split-K partial sums; M = 32: dequantize + cuBLAS
+    for m in (1, 32):  # M = 1: the GEMV; M = 32: the tl.dot GEMM with split-K partial sums
         x = torch.randn(m, 4096, device="cuda", generator=gen).bfloat16()
         eager = gguf_matmul(x, w, formats.Q4_K, 4096).clone()
         stream = torch.cuda.Stream()

@@ -135,43 +135,148 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# The CUDA kernels' row layout
+# The CUDA kernels' row layout ("planes")
+
+#: row alignment of the planes layout in bytes: a row is a whole number of 16-word runs, so a row
+#: stride in int32 words is divisible by 16 and Triton vectorises every code load to 16 bytes.
+ROW_ALIGN = 64
 
 
 def packed_row_bytes(qtype: int, in_features: int) -> int:
-    """Bytes of one row in the kernels' layout (``pack``): the GGUF row's bytes, padded to 16."""
-    return -(-row_bytes(qtype, in_features) // 16) * 16
+    """Bytes of one row in the kernels' layout (``pack``): at least 16 spare bytes, padded to ``ROW_ALIGN``."""
+    k = in_features
+    row_bytes(qtype, k)  # validates whole blocks
+    width = {Q4_0: k // 2 + k // 16, Q4_1: k // 2 + k // 8, Q8_0: k + k // 16,
+             Q4_K: k // 2 + k // 64 + k // 16, Q6_K: k // 2 + k // 4 + k // 16 + k // 128}[qtype]
+    return -(-(width + 16) // ROW_ALIGN) * ROW_ALIGN  # 16 spare bytes: the GEMV reads scale runs as 4-entry vectors
+
+
+def _codes(b: torch.Tensor, qtype: int) -> torch.Tensor:
+    """The unsigned codes of blocks ``[rows, nb, bytes]`` in element order -> int64 ``[rows, K]``
+    (Q8_0: the int8 code's byte; Q6_K: the 6-bit code before its -32)."""
+    rows = b.shape[0]
+    if qtype == Q8_0:
+        return b[..., 2:34].to(torch.int64).reshape(rows, -1)
+    if qtype in (Q4_0, Q4_1):
+        return _nibbles(b[..., 2:18] if qtype == Q4_0 else b[..., 4:20]).to(torch.int64).reshape(rows, -1)
+    if qtype == Q4_K:
+        qs = b[..., 16:144].reshape(rows, -1, 4, 32)
+        return torch.stack([qs & 15, qs >> 4], dim=-2).to(torch.int64).reshape(rows, -1)
+    ql = b[..., 0:128].reshape(rows, -1, 2, 2, 32)
+    qh = b[..., 128:192].reshape(rows, -1, 2, 1, 32)
+    low = torch.stack([ql & 15, ql >> 4], dim=-3).reshape(rows, -1, 2, 4, 32)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).reshape(4, 1)
+    return (low | (((qh >> shifts) & 3) << 4)).to(torch.int64).reshape(rows, -1)
+
+
+def _words(fields: torch.Tensor, bits: int) -> torch.Tensor:
+    """int64 ``[..., slots, words]`` of ``bits``-bit fields -> int32 ``[..., words]``: slot i of
+    a word at bits ``bits * i``."""
+    shifts = torch.arange(fields.shape[-2], device=fields.device, dtype=torch.int64) * bits
+    w = (fields << shifts[:, None]).sum(-2)
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def _as_bytes(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(rows, -1)
 
 
 def pack(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
-    """GGUF blocks ``uint8 [rows, row_bytes]`` -> the CUDA kernels' layout, same bytes regrouped.
+    """GGUF blocks ``uint8 [rows, row_bytes]`` -> the CUDA kernels' layout: the same quantized
+    data rearranged into per-row *planes* (``uint8 [rows, packed_row_bytes]``).
 
-    Within each row the fields of all its blocks are gathered into contiguous runs, codes first,
-    so that a row's codes are 4-byte aligned and read as int32 words (the GGUF blocks of Q4_0
-    (18 bytes), Q8_0 (34) and Q6_K (210) are only 2-byte aligned); each row is padded to a multiple
-    of 16 bytes. Memory stays the same (up to 15 bytes a row). Per row, NB = blocks:
+    Each row (output channel) is its own run, so rows slice and stack as before. Within a row the
+    codes come first, as int32 words in *plane order*: a 16-byte run of 4 words (one thread's
+    vector load) holds a *unit* of consecutive inputs, and bit slot ``i`` of word ``j`` of the
+    unit holds input ``4 i + j`` of it, so slot ``i`` of the 4 words pairs with 4 consecutive
+    activations (one vector load). Then the scales, one run each. Per row of K inputs:
 
-    | type | runs |
-    |---|---|
-    | Q4_K | unchanged (144-byte super-blocks are 16-byte aligned) |
-    | Q8_0 | codes ``int8 [32 NB]``, ``d`` f16 ``[NB]`` |
-    | Q4_0 | codes ``[16 NB]`` (each block's 16 bytes as in GGUF), ``d`` f16 ``[NB]`` |
-    | Q4_1 | codes ``[16 NB]``, ``d`` f16 ``[NB]``, ``m`` f16 ``[NB]`` |
-    | Q6_K | ``ql [128 NB]``, ``qh [64 NB]``, ``scales`` int8 ``[16 NB]``, ``d`` f16 ``[NB]`` |
+    | type | unit | runs |
+    |---|---|---|
+    | Q4_0 | 32 (a block) | codes ``int32 [K/8]`` (nibble slot i of word j: input 4i+j), ``d`` f16 ``[K/32]`` |
+    | Q4_1 | 32 (a block) | codes as Q4_0, ``d, m`` f16 pairs ``[K/32]`` (GGUF's first 4 bytes) |
+    | Q8_0 | 16 (half a block) | codes ``int32 [K/4]`` (byte slot i of word j: input 4i+j of the half), ``d`` f16 ``[K/32]`` |
+    | Q4_K | 32 (a sub-block) | codes as Q4_0, ``d, dmin`` f16 pairs ``[K/256]``, (scale, min) ``uint8`` pairs ``[K/32]`` (the 6-bit fields unpacked) |
+    | Q6_K | 64 | low nibbles ``int32 [K/8]`` (two 4-word halves a unit: slot i of word j of half h is input 32h+4i+j), high 2 bits ``int32 [K/16]`` (slot 8h+i of word j, same input), scales int8 ``[K/16]``, ``d`` f16 ``[K/256]`` |
+
+    Rows are zero-padded (16 to 79 bytes) to a multiple of ``ROW_ALIGN``. Memory: GGUF's bytes (Q4_K:
+    148 instead of 144 bytes per 256 weights, for the unpacked 6-bit scales) plus under 80 bytes a row. Every bit of
+    the GGUF blocks is kept: ``dequantize_planes`` gives the same values as ``dequantize``.
     """
-    if qtype == Q4_K:
-        return blocks
     rows = blocks.shape[0]
-    nbytes = KEPT[qtype][1]
+    elems, nbytes = KEPT[qtype]
+    k = blocks.shape[1] // nbytes * elems
     b = blocks.reshape(rows, -1, nbytes)
-    fields = {Q8_0: ((2, 34), (0, 2)), Q4_0: ((2, 18), (0, 2)), Q4_1: ((4, 20), (0, 2), (2, 4)),
-              Q6_K: ((0, 128), (128, 192), (192, 208), (208, 210))}[qtype]
-    parts = [b[..., lo:hi].reshape(rows, -1) for lo, hi in fields]
-    width = blocks.shape[1]
-    pad = -(-width // 16) * 16 - width
-    if pad:
-        parts.append(blocks.new_zeros(rows, pad))
-    return torch.cat(parts, dim=1)
+    q = _codes(b, qtype)
+    parts: list[torch.Tensor] = []
+    if qtype == Q8_0:
+        parts.append(_as_bytes(_words(q.reshape(rows, -1, 4, 4), 8), rows))
+        parts.append(_as_bytes(b[..., 0:2], rows))
+    elif qtype == Q6_K:
+        q6 = q.reshape(rows, -1, 2, 8, 4)  # (unit of 64, half h, slot i, word j)
+        parts.append(_as_bytes(_words(q6 & 15, 4), rows))
+        hi = (q6 >> 4).reshape(rows, -1, 16, 4)  # slot 8h + i of word j
+        parts.append(_as_bytes(_words(hi, 2), rows))
+        parts.append(_as_bytes(b[..., 192:208], rows))
+        parts.append(_as_bytes(b[..., 208:210], rows))
+    else:
+        parts.append(_as_bytes(_words(q.reshape(rows, -1, 8, 4), 4), rows))
+        if qtype == Q4_0:
+            parts.append(_as_bytes(b[..., 0:2], rows))
+        elif qtype == Q4_1:
+            parts.append(_as_bytes(b[..., 0:4], rows))
+        else:
+            parts.append(_as_bytes(b[..., 0:4], rows))
+            sc, mn = q4_k_scale_min(b[..., 4:16])
+            parts.append(_as_bytes(torch.stack([sc, mn], dim=-1).to(torch.uint8), rows))
+    data = torch.cat(parts, dim=1)
+    width = packed_row_bytes(qtype, k)
+    if data.shape[1] < width:
+        data = torch.cat([data, data.new_zeros(rows, width - data.shape[1])], dim=1)
+    return data
+
+
+def _f16_run(data: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    return data[:, start:start + 2 * count].contiguous().view(torch.float16).float()
+
+
+def dequantize_planes(data: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """``pack``'s layout -> ``float32 [rows, in_features]``, the float operations of ``dequantize``
+    (so bit-identical to it): the torch reference of the kernels' layout."""
+    rows, k = data.shape[0], in_features
+    code_bytes = k if qtype == Q8_0 else k // 2
+    words = data[:, :code_bytes].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+    def slots(w: torch.Tensor, bits: int, n: int) -> torch.Tensor:  # [..., words] -> [..., n, words]
+        shifts = torch.arange(n, device=w.device, dtype=torch.int64) * bits
+        return (w.unsqueeze(-2) >> shifts[:, None]) & ((1 << bits) - 1)
+
+    if qtype == Q8_0:
+        q = slots(words.reshape(rows, -1, 4), 8, 4).reshape(rows, k // 32, 32)
+        q = q - 256 * (q >= 128)  # the int8 codes
+        d = _f16_run(data, k, k // 32).unsqueeze(-1)
+        return (q.float() * d).reshape(rows, k)
+    if qtype == Q6_K:
+        lo = slots(words.reshape(rows, -1, 2, 4), 4, 8)                         # (unit, h, i, j)
+        hw = data[:, k // 2:k // 2 + k // 4].contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        hi = slots(hw.reshape(rows, -1, 4), 2, 16).reshape(rows, -1, 2, 8, 4)
+        q = ((lo | (hi << 4)) - 32).float().reshape(rows, k // 16, 16)
+        sc = data[:, 3 * k // 4:3 * k // 4 + k // 16].contiguous().view(torch.int8).float()
+        d = _f16_run(data, 3 * k // 4 + k // 16, k // 256)
+        dsc = d.repeat_interleave(16, dim=1) * sc
+        return (dsc.unsqueeze(-1) * q).reshape(rows, k)
+    q = slots(words.reshape(rows, -1, 4), 4, 8).reshape(rows, k // 32, 32)
+    if qtype == Q4_0:
+        d = _f16_run(data, k // 2, k // 32).unsqueeze(-1)
+        return (d * (q - 8).float()).reshape(rows, k)
+    if qtype == Q4_1:
+        dm = _f16_run(data, k // 2, 2 * (k // 32)).reshape(rows, -1, 2)
+        return (dm[..., 0:1] * q.float() + dm[..., 1:2]).reshape(rows, k)
+    dm = _f16_run(data, k // 2, 2 * (k // 256)).reshape(rows, -1, 2).repeat_interleave(8, dim=1)
+    scmn = data[:, k // 2 + k // 64:k // 2 + k // 64 + k // 16].reshape(rows, -1, 2).float()
+    dsc = (dm[..., 0] * scmn[..., 0]).unsqueeze(-1)
+    dmn = (dm[..., 1] * scmn[..., 1]).unsqueeze(-1)
+    return (dsc * q.float() - dmn).reshape(rows, k)
 
 
 # Scale fields of each type (byte offsets) and the magnitude a random block's scale gets, so a
