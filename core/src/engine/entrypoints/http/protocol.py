@@ -103,9 +103,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Unsupported features: accepted only at their "off" value, else a clear 400.
+    # Function tools, checked by tool_calling.plan_tools (a 400 naming tools[i].function.name etc.).
     tools: list[dict[str, Any]] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}.
     tool_choice: str | dict[str, Any] | None = None
+    # False: at most one call.
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     # Extra variables for the tokenizer's chat template (e.g. enable_thinking).

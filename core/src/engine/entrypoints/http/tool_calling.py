@@ -25,6 +25,10 @@ from typing import TYPE_CHECKING, Any
 from engine.entrypoints.http.errors import APIError
 from engine.parsers import ChatDelta, ChatOutputParser, ToolCall, ToolCallParser
 from engine.parsers.forced import NamedCallParser, RequiredCallsParser, named_schema, required_schema
+from engine.sampling.sampling_params import SamplingParams
+
+# The sampling params that put a request's output under a grammar.
+GRAMMAR_FIELDS = SamplingParams.GRAMMAR_FIELDS
 
 if TYPE_CHECKING:
     from engine.entrypoints.http.context import ServingContext
@@ -169,9 +173,6 @@ def _calls_as_text(message: dict[str, Any], writer: ToolCallParser) -> dict[str,
     out = {k: v for k, v in message.items() if k != "tool_calls"}
     out["content"] = f"{out.get('content') or ''}\n{text}".lstrip("\n")
     return out
-
-
-GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 def output_parser(ctx: ServingContext, plan: ToolPlan, params: dict[str, Any]) -> ChatOutputParser | None:
