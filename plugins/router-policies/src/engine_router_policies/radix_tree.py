@@ -117,6 +117,8 @@ class ApproxRadixTree:
 
 def _common_prefix(key: tuple[int, ...], ids: Sequence[int], start: int) -> int:
     limit = min(len(key), len(ids) - start)
+    if tuple(ids[start:start + limit]) == key[:limit]:  # the common case, compared in C
+        return limit
     i = 0
     while i < limit and key[i] == ids[start + i]:
         i += 1
