@@ -117,7 +117,7 @@ def test_choose_config_fills_an_h100() -> None:
     for n in (4096, 6144, 28672):
         cfg = choose_config(1, n, 4096, 128, cpu)
         assert cfg.kind == "gemv" and -(-n // cfg.block_n) >= 132  # no SM idle, no split-K
-    for m in (2, 4, 16, 64, 256):
+    for m in (2, 4, 16, 64, 256, 1024):
         cfg = choose_config(m, 4096, 14336, 128, cpu)
         assert cfg.kind == ("gemv" if m <= GEMV_MAX_M else "gemm" if m <= GEMM_MAX_M else "dequant")
         if cfg.kind == "gemm":  # 4096 outputs alone give too few tiles: K is split to fill the SMs

@@ -3,17 +3,21 @@
 Three paths, float32 accumulation, bf16/fp16 (or fp32) activations; ``choose_config`` picks by
 the number of rows M (switch points measured on an H100, see the README):
 
-- ``_gemv_kernel`` (decode, M <= ``GEMV_MAX_M``): one program per ``BLOCK_N`` output channels
-  walking all of K; no split-K, a deterministic sum. The weight is stored output-major in plane
-  order (``layout``), so a warp streams 1 KB of one row per step (16-byte loads) and bit slot i
-  of a thread's words pairs with a contiguous run of activations: the activation loads get the
-  weight tile's register layout and are shared by the 4 rows a thread holds; nothing crosses
-  shared memory in the loop. A code becomes a float with one LOP3 (``code | exponent``, the
-  float ``2**e + code``) and one FADD, never an int->float conversion (a quarter of the FMA
-  rate on Hopper); per plane block (inside a group) the sum of ``code * x`` and the sum of x
-  take the scale and zero once: ``s (sum q x - z sum x)``.
-- ``_gemm_kernel``: ``tl.dot`` tiles, ``q - z`` built the same way (exact in bf16/fp16) and the
-  group scale applied to the float32 partial product. Off by default (``GEMM_MAX_M = 0``).
+- ``_gemv_kernel`` (decode, M = 1): one program per ``BLOCK_N`` output channels walking all of K;
+  no split-K, a deterministic sum. The weight is stored output-major in plane order (``layout``),
+  so a warp streams 1 KB of one row per step (16-byte loads) and bit slot i of a thread's words
+  pairs with a contiguous run of activations: the activation loads get the weight tile's register
+  layout and are shared by the 4 rows a thread holds; nothing crosses shared memory in the loop.
+  A code becomes a float with one LOP3 (``code | exponent``, the float ``2**e + code``) and one
+  FADD, never an int->float conversion (a quarter of the FMA rate on Hopper); per plane block
+  (inside a group) the sum of ``code * x`` and the sum of x take the scale and zero once:
+  ``s (sum q x - z sum x)``.
+- ``_gemm_kernel`` (2 <= M <= ``GEMM_MAX_M``): fused dequantize-GEMM. Weight tiles are
+  dequantized in registers (the same LOP3 trick, ``code - zero`` exact in bf16/fp16) and never
+  written to memory; they are wgmma's register operand (``out^T = W x^T``), the activation tile
+  its shared-memory operand, copied by cp.async over 3-4 pipeline stages; K is split over
+  programs where the output tiles alone would leave SMs idle (``_splitk_reduce_kernel`` adds the
+  float32 partials in a fixed order: deterministic).
 - ``dequant`` (larger M): ``_dequant_kernel`` writes W in the activation dtype into a scratch
   ``[N, K]`` (size from the shape alone) and ``F.linear`` (cuBLAS) multiplies.
 
@@ -21,7 +25,8 @@ the number of rows M (switch points measured on an H100, see the README):
 compiler, and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4.
 
 CUDA-graph safe: block sizes depend on shapes only (Python ints), no host syncs; allocations are
-the output (and, on the dequant path, the scratch weight; with ``x_f32`` a float32 copy of x).
+the output (and the split-K partials ``[split, M, N]`` float32; on the dequant path the scratch
+weight; with ``x_f32`` a float32 copy of x).
 """
 
 from __future__ import annotations
@@ -413,10 +418,14 @@ def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, wa
     return candidates[-1]
 
 
-#: up to this many rows the GEMV kernel runs (measured on an H100: README).
+#: up to this many rows the GEMV kernel runs; above, the fused GEMM (H100, README: at M = 2 the
+#: GEMM took 12.9/8.9/54.0/20.2 us on qkv/o/gate_up/down, the 2-row GEMV 21.1/13.4/77.3/42.3).
 GEMV_MAX_M = 1
-#: up to this many rows the fused tl.dot kernel runs, above them dequantize + cuBLAS (README).
-GEMM_MAX_M = 1 << 30
+#: up to this many rows the fused GEMM runs, above them dequantize + cuBLAS. H100, Llama-3-8B
+#: linears: at M = 256 the GEMM took 42.4/28.6/192.4/93.7 us (qkv/o/gate_up/down), dequantize +
+#: cuBLAS 49.3/34.4/211.8/115.7; at M = 1024 gate_up 669 vs 436 us, down 375 vs 208 us (linear
+#: interpolation puts the crossing near M = 300-350; 256 is the last measured win).
+GEMM_MAX_M = 256
 
 
 def split_k_for(tiles: int, k: int, block_k: int, sms: int, min_steps: int = 4) -> int:
@@ -445,24 +454,26 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
     if m <= GEMV_MAX_M:
         # 16 rows per program, 4 rows per thread sharing their activations, each warp streaming
         # 1 KB of one row per step. K steps of 2048 inputs, or all of K (up to 4096) in one step where
-        # the outputs give few programs: o 6.84 -> 6.09 us, qkv 7.95 -> 7.52 us; gate_up (1792
-        # programs) is slower that way (30.6 -> 32.0 us), and down's K = 14336 would need masks.
+        # the outputs give few programs: o 6.79 -> 5.96 us, qkv 7.99 -> 7.55 us; gate_up (1792
+        # programs) is slower that way (29.3 -> 31.5 us), and down's K = 14336 would need masks.
         bn = _widest_block_n((16, 8, 4), n, 1, sms)
         bk = k if k <= 4096 and triton.cdiv(n, bn) <= 4 * sms and k & (k - 1) == 0 else 2048
         return KernelConfig("gemv", 1, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
     if m <= GEMM_MAX_M:
         # The fused dequantize-GEMM (weights as wgmma's 64-row operand, K split to fill the SMs).
-        # 128 outputs per program (8 warps) halve the activation traffic of 64 per program: at
-        # M = 16 qkv 16.7 -> 14.5 us, o 11.6 -> 10.6, down 29.7 -> 22.6; at M = 64 the same tile with
-        # 64 rows beat 64 x 64 everywhere (gate_up 126 -> 78 us). Those times predate the activation
-        # load fix (the tile went through registers with 16-bit shared stores); see the README.
+        # H100 times (us, qkv/o/gate_up/down; the README has every alternative):
+        # M <= 16: 16 x 128 tiles, 8 warps: 13.5/9.5/54.5/21.0 at M = 16 (16 x 64 with 4 warps:
+        #   14.7/9.5/52.3/29.0; scale_first: 13.9/9.8/49.5/23.5).
+        # M <= 64: 64 x 128, 8 warps, scale_first: 18.6/13.4/60.5/32.4 at M = 64 (the same without
+        #   scale_first 23.1/15.7/95.9/47.0; 64 x 64 with 4 warps 18.6/12.4/86.5/37.5). Rows 17-32
+        #   take this tile too (the masked rows cost tensor-core time only; M = 64 bounds them).
+        # M <= 256: 128 x 64, 4 warps: 42.4/28.6/192.4/93.7 at M = 256 (128 x 128 with 8 warps
+        #   65.0/39.7/219.0/113.7) -- still 0.55-0.62x bf16 (README: limits).
         if m <= 16:
             return gemm_config(m, n, k, group_size, 16, 128, 128, 8, 4, sms)
-        if m <= 32:
-            return gemm_config(m, n, k, group_size, 32, 128, 128, 8, 3, sms)
         if m <= 64:
-            return gemm_config(m, n, k, group_size, 64, 128, 128, 8, 3, sms)
-        return gemm_config(m, n, k, group_size, 128, 128, 128, 8, 3, sms)
+            return gemm_config(m, n, k, group_size, 64, 128, 128, 8, 3, sms, scale_first=True)
+        return gemm_config(m, n, k, group_size, 128, 64, 128, 4, 3, sms)
     return KernelConfig("dequant", 1, 16, fit_block_k(group_size, 512, inside_group=False), 4, 1)
 
 
