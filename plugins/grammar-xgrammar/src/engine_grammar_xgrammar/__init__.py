@@ -23,4 +23,4 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           "model cannot loop on spaces)"))
     register(PluginOption("xgrammar", "compile_threads", 2, "threads xgrammar uses inside one compile"))
     register(PluginOption("xgrammar", "fill_threads", 0, "threads filling a batch's token bitmask "
-                          "(0: min(8, CPU count))"))
+                          "(0: min(8, CPU count); 1: row by row, no thread pool)"))

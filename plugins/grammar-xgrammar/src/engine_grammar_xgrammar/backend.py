@@ -99,7 +99,8 @@ class XGrammarBackend(GrammarBackend):
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         # xgrammar fills a batch on its own thread pool (the GIL released): at batch 64 that is
         # several times faster than 64 calls in turn.
-        if len(matchers) < _BATCH_FILL_MIN or not all(isinstance(m, XGrammarMatcher) for m in matchers):
+        if (self.fill_threads <= 1 or len(matchers) < _BATCH_FILL_MIN
+                or not all(isinstance(m, XGrammarMatcher) for m in matchers)):
             super().fill_bitmasks(matchers, bitmask, rows)
             return
         if self._batch is None:
