@@ -50,6 +50,12 @@ class GrammarCompiler:
                 self._backend = self._make_backend()
             return self._backend
 
+    def prepare(self) -> None:
+        """Builds the backend on the pool now (a server does at start-up), so the first
+        constrained request pays only its compile. A failure here is raised again, per request,
+        when a grammar is compiled."""
+        self._pool.submit(lambda: self.backend)
+
     def submit(self, key: GrammarKey) -> Future[Any]:
         """A future of the compiled grammar of ``key`` (shared by requests with the same key)."""
         with self._lock:

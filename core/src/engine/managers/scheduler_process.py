@@ -83,6 +83,8 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
         ready_conn.send(("error", f"scheduler failed to start: {type(exc).__name__}: {exc}"))
         os._exit(1)
     ready_conn.send(("ok", _ready_info(scheduler)))
+    if not args.skip_tokenizer_init:
+        scheduler.grammar_queue.compiler.prepare()  # grammar tables off the first request's path
     ready_conn.close()
     if placement.rank != 0:
         _follow(scheduler, parent_pid, placement)
