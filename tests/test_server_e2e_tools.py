@@ -35,7 +35,7 @@ BOOK = {"type": "function", "function": {
     "name": "book_flight", "description": "Book a flight",
     "parameters": {"type": "object", "properties": {
         "origin": {"type": "string", "enum": CITIES}, "destination": {"type": "string", "enum": CITIES},
-        "passengers": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "passengers": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
             "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                              "age": {"type": "integer", "minimum": 0, "maximum": 120}},
             "required": ["name"], "additionalProperties": False}}},
@@ -43,8 +43,8 @@ BOOK = {"type": "function", "function": {
 TOOLS = [WEATHER, BOOK]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 PROMPTS = [[{"role": "user", "content": "What is the weather in Paris?"}],
-           [{"role": "user", "content": "Book a flight from Paris to Rome for Ann and Bob."}]]
-MAX_TOKENS = 80
+           [{"role": "user", "content": "Book a flight from Paris to Rome for Ann."}]]
+MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
