@@ -81,6 +81,13 @@ class ServerArgs:
     dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
     router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
+    # -- speculative decoding (docs/speculative.md) ----------------------------
+    speculative_algorithm: str | None = opt(None, "Speculative-decoding proposer plugin (ngram, draft); default: none, one token per decode step")
+    speculative_num_steps: int = opt(4, "Draft depth: draft tokens per request and step of a chain proposer (model proposers run this many steps)")
+    speculative_num_draft_tokens: int | None = opt(None, "Tokens verified per request and step, the last accepted one included (default: --speculative-num-steps + 1)")
+    speculative_eagle_topk: int = opt(1, "Branching of tree proposers; 1 (a chain) is the only value supported so far")
+    speculative_draft_model_path: str | None = opt(None, "Checkpoint of the draft model (--speculative-algorithm draft): same tokenizer as the target")
+    speculative_max_batch_size: int = opt(8, "Speculate only while at most this many requests decode; larger batches decode one token per step")
     # -- server -------------------------------------------------------------
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(30000, "HTTP port")
@@ -145,6 +152,10 @@ class ServerArgs:
             check_plugin_names(self.disable_plugin, "--disable-plugin")
         self._validate_parsers()
         self._validate_grammar_backend()
+        if self.speculative_algorithm:
+            from engine.speculative.checks import check_speculative_args
+
+            check_speculative_args(self)
 
     def _validate_grammar_backend(self) -> None:
         """``--grammar-backend`` names an installed grammar backend (the error lists them)."""

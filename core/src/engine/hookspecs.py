@@ -51,7 +51,13 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    request; the policy interface is ``engine.router.RouterPolicy``).
 #:    ``register_tool_call_parsers`` / ``ToolCallParserSpec`` and ``register_reasoning_parsers`` /
 #:    ``ReasoningParserSpec`` (``engine.parsers.ToolCallParser`` / ``ReasoningParser``).
-HOOK_API_VERSION = 4
+#: 5: ``register_speculative_algorithms`` / ``SpeculativeAlgorithmSpec`` (speculative decoding;
+#:    the proposer interface is ``engine.speculative.Proposer``).
+#: 5 (also): ``PlatformSpec.tested_on_hardware``; ``Platform.device_count``, ``fp8_dtype``,
+#:    ``unsupported_attention_reason``/``unsupported_quant_reason``, streams/events/graphs
+#:    (``create_stream``, ``stream_context``, ``create_event``, ``create_graph``,
+#:    ``graph_capture``) and ``pin_host_memory``, all with defaults (API-4 platforms still load).
+HOOK_API_VERSION = 5
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -149,6 +155,9 @@ class PlatformSpec:
     device_type: str
     description: str = ""
     fallback: bool = False
+    #: where this platform's tests ran on real hardware ("NVIDIA H100, H200"); empty means
+    #: only on simulated devices. ``engine plugins list`` shows it. Since hook API 5.
+    tested_on_hardware: str = ""
 
 
 @dataclass(frozen=True)
@@ -210,6 +219,26 @@ class ReasoningParserSpec:
     name: str
     factory: Factory
     description: str = ""
+
+
+@dataclass(frozen=True)
+class SpeculativeAlgorithmSpec:
+    """A speculative-decoding proposer (``--speculative-algorithm NAME``).
+
+    ``factory(ctx: engine.speculative.ProposerContext, options: dict = ...)
+    -> engine.speculative.Proposer``; one instance per scheduler process. The proposer turns
+    the running requests into draft tokens; the core verifies them in one target forward and
+    keeps the longest agreeing prefix (``docs/speculative.md``). Since hook API 5.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+    #: draft shapes it returns: ``("chain",)`` (a list of tokens per request); trees are a
+    #: later extension of the same interface.
+    draft_shapes: tuple[str, ...] = ("chain",)
+    #: it runs a second model: ``--speculative-draft-model-path`` is required.
+    needs_draft_model: bool = False
 
 
 @dataclass(frozen=True)
@@ -300,6 +329,13 @@ class EngineHookSpecs:
         """
 
     @hookspec
+    def register_speculative_algorithms(self, register: Callable[[SpeculativeAlgorithmSpec], None]) -> None:
+        """Register speculative-decoding proposers by calling ``register(SpeculativeAlgorithmSpec(...))``.
+
+        Not firstresult. Since hook API 5.
+        """
+
+    @hookspec
     def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
@@ -323,6 +359,7 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     RouterPolicySpec: ("router", "register_router_policies"),
     ToolCallParserSpec: ("tool-parser", "register_tool_call_parsers"),
     ReasoningParserSpec: ("reasoning-parser", "register_reasoning_parsers"),
+    SpeculativeAlgorithmSpec: ("speculative", "register_speculative_algorithms"),
     PluginOption: ("option", "register_plugin_options"),
 }
 
@@ -373,6 +410,7 @@ __all__ = [
     "ReasoningParserSpec",
     "RouterPolicySpec",
     "SchedulePolicySpec",
+    "SpeculativeAlgorithmSpec",
     "ToolCallParserSpec",
     "call_with_accepted",
     "hookimpl",

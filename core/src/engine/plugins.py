@@ -44,6 +44,7 @@ from engine.hookspecs import (
     ReasoningParserSpec,
     RouterPolicySpec,
     SchedulePolicySpec,
+    SpeculativeAlgorithmSpec,
     ToolCallParserSpec,
     call_with_accepted,
     resolve_factory,
@@ -71,6 +72,8 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("router", "cache-aware"): "plugserve-router-policies",
     ("router", "round-robin"): "plugserve-router-policies",
     ("router", "shortest-queue"): "plugserve-router-policies",
+    ("speculative", "ngram"): "plugserve-spec-ngram",
+    ("speculative", "draft"): "plugserve-spec-draft",
 }
 
 
@@ -490,6 +493,24 @@ def create_reasoning_parser(name: str, disabled: Iterable[str] = (),
                             plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
     """The ``engine.parsers.ReasoningParser`` registered as ``name``, built with its plugin's options."""
     return _create_parser("reasoning-parser", name, "reasoning parser", disabled, plugin_options)
+
+
+def speculative_algorithms(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("speculative")
+
+
+def get_speculative_algorithm(name: str, disabled: Iterable[str] = ()) -> SpeculativeAlgorithmSpec:
+    return get_registry(disabled).get("speculative", name, "speculative algorithm")
+
+
+def create_proposer(name: str, ctx: Any, disabled: Iterable[str] = (),
+                    plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The ``engine.speculative.Proposer`` of the speculative algorithm ``name``, built for
+    ``ctx`` (an ``engine.speculative.ProposerContext``) with its plugin's options (hook API 5)."""
+    reg = get_registry(disabled)
+    spec = reg.get("speculative", name, "speculative algorithm")
+    entry = reg.entries["speculative"][name]
+    return create(spec.factory, ctx, options=reg.options_for(entry.plugin.name, plugin_options or {}))
 
 
 def _create_parser(kind: str, name: str, label: str, disabled: Iterable[str],

@@ -29,6 +29,23 @@ def _seeded_exponential(seed: int, step: int, n: int, device: torch.device) -> t
     return torch.empty(n, dtype=torch.float32).exponential_(generator=gen).to(device)
 
 
+def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The distribution a sampled row draws from: softmax at its temperature, then top-k,
+    top-p and min-p applied (unnormalised after filtering; sampling and speculative
+    verification both normalise implicitly). ``logits`` already carry penalties and biases."""
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    if info.need_top_p_top_k or info.need_min_p:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
+        drop = ranks >= info.top_ks.view(-1, 1)
+        drop |= (sorted_probs.cumsum(-1) - sorted_probs) > info.top_ps.view(-1, 1)
+        if info.need_min_p:
+            drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps.view(-1, 1)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    return probs
+
+
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """``logits``: ``[bs, vocab]`` float32 (modified in place by penalties)."""
@@ -55,16 +72,7 @@ class Sampler(nn.Module):
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
         greedy_ids = torch.argmax(logits, dim=-1)
-        probs = torch.softmax(logits / info.temperatures, dim=-1)
-        if info.need_top_p_top_k or info.need_min_p:
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
-            drop = ranks >= info.top_ks.view(-1, 1)
-            drop |= (sorted_probs.cumsum(-1) - sorted_probs) > info.top_ps.view(-1, 1)
-            if info.need_min_p:
-                drop |= sorted_probs < sorted_probs[:, :1] * info.min_ps.view(-1, 1)
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        probs = sampling_probs(logits, info)
         # Sampling by argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
         noise = torch.empty_like(probs).exponential_()
         for row, seed in enumerate(info.seeds):

@@ -88,6 +88,15 @@ class Scheduler(DecodeMixin, OutputMixin):
         self.enable_overlap = (not args.disable_overlap_schedule
                                and self.runner.platform.supports_overlap_schedule())
         self.inflight: InflightDecode | None = None
+        # Speculative decoding (--speculative-algorithm): decode steps verify drafts instead.
+        self.speculator: Any = None
+        if args.speculative_algorithm:
+            from engine.speculative.worker import Speculator
+
+            self.speculator = Speculator(self)
+            if self.enable_overlap:
+                logger.info("speculative decoding: overlap scheduling off (each step's drafts need the last one's tokens)")
+                self.enable_overlap = False
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: dict[str, str] = {}
         # Counters for /get_server_info and metrics.

@@ -68,6 +68,7 @@ class DecodeMixin:
     enable_overlap: bool
     inflight: InflightDecode | None
     grammar_queue: Any
+    speculator: Any
 
     def run_decode(self) -> None:
         """One decode step; with overlap, launches step N+1 before processing step N."""
@@ -78,7 +79,11 @@ class DecodeMixin:
             batch = self.running_batch
             self._ensure_decode_memory(batch)
             if batch.reqs:
-                self._process_decode(self._launch_decode(batch, None, lag=0))
+                info = self._decode_sampling_info(batch) if self.speculator is not None else None
+                if info is not None and self.speculator.can_run(batch, info):
+                    self._run_spec_decode(batch, info)
+                else:
+                    self._process_decode(self._launch_decode(batch, None, lag=0, info=info))
                 batch.filter()
         # Overlapped, this waits for the previous step: in a steady state, one device step.
         self.decode_time_s += time.perf_counter() - started
@@ -112,6 +117,16 @@ class DecodeMixin:
         self.overlapped_decode_steps += lag
         self.decode_rows += len(batch.reqs)
         return InflightDecode.start(batch.reqs, sample, info)
+
+    def _run_spec_decode(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> None:
+        """A speculative decode step (``engine.speculative.worker``): several tokens per row."""
+        rows = self.speculator.run_step(batch, info)
+        self.forward_steps += 1
+        self.decode_steps += 1
+        self.decode_rows += len(rows)
+        self._emit(rows)
+        self.new_token_ratio = max(min(_MIN_NEW_TOKEN_RATIO, self.init_new_token_ratio),
+                                   self.new_token_ratio - _NEW_TOKEN_RATIO_DECAY)
 
     def _process_decode(self, step: InflightDecode) -> None:
         """Appends a launched step's tokens (waits for the device) and finishes requests."""

@@ -1,0 +1,10 @@
+"""Speculative decoding: proposers (a plugin kind), chain verification and its KV bookkeeping.
+
+See docs/speculative.md. ``Proposer``/``ProposerContext``/``DraftRequest`` are the plugin
+interface; ``engine.speculative.worker.Speculator`` runs a speculative decode step for the
+scheduler; ``engine.speculative.verify`` decides which drafts are kept.
+"""
+
+from engine.speculative.base import DraftRequest, Proposer, ProposerContext
+
+__all__ = ["DraftRequest", "Proposer", "ProposerContext"]

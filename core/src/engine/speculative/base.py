@@ -1,0 +1,77 @@
+"""The proposer interface of speculative decoding (the ``speculative`` plugin kind).
+
+A proposer guesses the next few tokens of each running request; the core checks the guesses
+against the target model in one forward and keeps the longest prefix the target agrees with
+(``engine.speculative.verify``). A proposer is never trusted: whatever it returns, the output
+is the target's (greedy: token for token; sampling: in distribution). A good proposer only
+makes decoding faster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class DraftRequest:
+    """What a proposer sees of one running request."""
+
+    #: request id (stable over the request's life; retraction keeps it).
+    rid: str
+    #: the prompt tokens.
+    prompt_ids: Sequence[int]
+    #: tokens generated so far; the last one has been sampled but not yet fed to the target.
+    output_ids: Sequence[int]
+    #: most draft tokens wanted for this request this step (0: propose nothing).
+    max_draft: int
+
+
+@dataclass
+class ProposerContext:
+    """Built once per scheduler process and handed to the proposer's factory."""
+
+    #: ``--speculative-num-steps``: draft depth (model-based proposers run this many steps).
+    num_steps: int
+    #: most draft tokens verified per request and step (a chain: ``num_draft_tokens - 1``
+    #: drafts after the last accepted token).
+    num_draft_tokens: int
+    #: ``--speculative-eagle-topk``: branching of tree proposers (1 = a chain).
+    eagle_topk: int
+    #: the target model's vocabulary size (draft ids must be below it).
+    vocab_size: int
+    #: the target's device (``torch.device``).
+    device: Any
+    #: the target's checkpoint directory and ``--speculative-draft-model-path`` (or None).
+    target_model_path: str
+    draft_model_path: str | None = None
+    #: the server's ``ServerArgs`` (read-only), for proposers that build a model of their own.
+    server_args: Any = None
+    #: the target's ``ModelRunner`` (read-only; EAGLE-style proposers read its weights).
+    target_runner: Any = None
+    #: free-form extras.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Proposer:
+    """Base class of proposers. Subclasses implement ``propose``; the rest is optional."""
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
+        """Draft tokens for each request: one list per request, in order, each at most
+        ``req.max_draft`` long (an empty list proposes nothing for that request).
+
+        The list for a request continues its ``output_ids``: element 0 is the guess for the
+        token after ``output_ids[-1]``.
+        """
+        raise NotImplementedError
+
+    def on_verified(self, reqs: Sequence[DraftRequest], num_accepted: Sequence[int]) -> None:
+        """Called after verification: ``num_accepted[i]`` drafts of request i were kept (the
+        target then added one token of its own). Model-based proposers roll their KV back here."""
+
+    def release(self, rid: str) -> None:
+        """The request finished, was aborted or retracted: drop any state kept for it."""
+
+
+__all__ = ["DraftRequest", "Proposer", "ProposerContext"]

@@ -1,0 +1,172 @@
+"""The scheduler's speculative decode step: propose, verify in one extend forward, roll back.
+
+One step for the running batch: the proposer drafts up to ``k`` tokens per request; the
+target runs one EXTEND forward over ``[last token] + drafts`` of every row (KV slots are
+allocated for all of them, as for a prefill); ``verify_chain`` picks the kept drafts and the
+target's own next token; the requests append those tokens one by one (so EOS, stop ids and
+``max_new_tokens`` inside an accepted run end the request at the right token); the KV slots
+of positions that were not kept go back to the allocator.
+
+KV invariant (the same as plain decode): before and after a step, a running request has KV
+for every position but its last token's (``seqlen - 1``). The step writes KV for positions
+``seqlen - 1 .. seqlen - 1 + len(drafts)``; after appending ``m`` tokens the request needs
+the first ``m`` of them and the rest are freed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+from engine.speculative.base import DraftRequest, ProposerContext
+from engine.speculative.verify import verify_chain
+
+if TYPE_CHECKING:
+    from engine.managers.schedule_batch import Req, ScheduleBatch
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecStats:
+    """Counters for /get_server_info and /metrics."""
+
+    verify_steps: int = 0  # speculative forward passes
+    verified_rows: int = 0  # request rows in them
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0  # drafts kept
+    emitted_tokens: int = 0  # drafts kept + the target's own token per row
+    fallback_steps: int = 0  # decode steps run without speculation (batch too large, ...)
+
+    def mean_accept_length(self) -> float:
+        """Tokens appended per request and verify step (1.0 = no speedup)."""
+        return self.emitted_tokens / self.verified_rows if self.verified_rows else 0.0
+
+
+def num_draft_tokens_of(args: Any) -> int:
+    """Tokens verified per request and step: ``--speculative-num-draft-tokens``, else
+    ``--speculative-num-steps + 1`` (a chain of ``num_steps`` drafts after the last token)."""
+    return args.speculative_num_draft_tokens or args.speculative_num_steps + 1
+
+
+class Speculator:
+    """Runs speculative decode steps for a ``Scheduler`` (its pools, cache and runner)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        from engine import plugins
+
+        args = scheduler.args
+        self.scheduler = scheduler
+        self.algorithm = args.speculative_algorithm
+        self.num_draft_tokens = num_draft_tokens_of(args)
+        self.max_draft = self.num_draft_tokens - 1
+        self.max_batch_size = args.speculative_max_batch_size
+        runner = scheduler.runner
+        ctx = ProposerContext(
+            num_steps=args.speculative_num_steps, num_draft_tokens=self.num_draft_tokens,
+            eagle_topk=args.speculative_eagle_topk, vocab_size=runner.vocab_size, device=runner.device,
+            target_model_path=args.model_path, draft_model_path=args.speculative_draft_model_path,
+            server_args=args, target_runner=runner)
+        self.proposer = plugins.create_proposer(self.algorithm, ctx, args.disable_plugin, args.plugin_options)
+        self.stats = SpecStats()
+        logger.info("speculative decoding: %s, up to %d draft tokens per request and step, up to batch size %d",
+                    self.algorithm, self.max_draft, self.max_batch_size)
+
+    # -- eligibility -------------------------------------------------------------
+    def can_run(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> bool:
+        """Whether this step speculates. A batch speculates as a whole; one that holds a row
+        the chain verifier cannot reproduce exactly decodes plainly this step."""
+        reqs = batch.reqs
+        ok = (0 < len(reqs) <= self.max_batch_size and info.penalizer is None and not info.return_logprob
+              and all(s is None for s in info.seeds) and all(r.grammar is None for r in reqs))
+        if not ok:
+            self.stats.fallback_steps += 1
+        return ok
+
+    def _draft_budget(self, req: Req) -> int:
+        """Drafts worth proposing: none past max_new_tokens or the context length."""
+        sched = self.scheduler
+        left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+        room = sched.context_len - req.seqlen - 1
+        return max(0, min(self.max_draft, left, room))
+
+    # -- the step ----------------------------------------------------------------------
+    def run_step(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> list[Req]:
+        """One speculative decode step of ``batch``; returns its rows (to emit)."""
+        sched = self.scheduler
+        reqs = list(batch.reqs)
+        views = [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, self._draft_budget(r)) for r in reqs]
+        drafts = self._checked(self.proposer.propose(views), views, sched.runner.vocab_size)
+        # The decode-memory check guaranteed one slot per row; drafts take what else is free.
+        spare = sched.allocator.available_size() + sched.tree_cache.evictable_size() - len(reqs)
+        for i, d in enumerate(drafts):
+            if len(d) > spare:
+                drafts[i] = d = d[:max(spare, 0)]
+            spare -= len(d)
+        prefix_lens = [r.seqlen - 1 for r in reqs]
+        seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
+        out_cache_loc = batch._alloc_tokens(prefix_lens, seq_lens, [-1] * len(reqs))
+        pool = sched.req_to_token_pool
+        input_ids: list[int] = []
+        offset = 0
+        for req, p, s, d in zip(reqs, prefix_lens, seq_lens, drafts):
+            pool.write(req.req_pool_idx, p, out_cache_loc[offset: offset + s - p])
+            offset += s - p
+            input_ids.append(req.output_ids[-1])
+            input_ids.extend(d)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
+                                prefix_lens, out_cache_loc, sched.device, num_extend_reqs=len(reqs),
+                                return_logprob=True)  # logits at every position
+        fb.sampling_info = info
+        out = sched.runner.forward(fb)
+        logits = out.full_logits if out.full_logits is not None else out.next_token_logits
+        appended = verify_chain(logits, drafts, info)
+        kept_counts = []
+        row_of = pool.req_to_token
+        for req, d, tokens, p in zip(reqs, drafts, appended, prefix_lens):
+            n = 0
+            for tok in tokens:
+                req.append_output(tok)
+                n += 1
+                req.check_finished()
+                if req.finished():
+                    break
+            kept_counts.append(min(n, len(tokens) - 1))
+            # Written: positions p .. p + len(d); needed: the first n (the new last token has none).
+            unused = row_of[req.req_pool_idx, p + n: p + len(d) + 1]
+            if unused.numel():
+                sched.allocator.free(unused.to(torch.int64))
+            req.spec_verify_ct = getattr(req, "spec_verify_ct", 0) + 1
+            req.spec_accepted_tokens = getattr(req, "spec_accepted_tokens", 0) + n - 1
+            st = self.stats
+            st.verified_rows += 1
+            st.proposed_tokens += len(d)
+            st.accepted_tokens += n - 1
+            st.emitted_tokens += n
+            if req.finished():
+                self.proposer.release(req.rid)
+                sched.tree_cache.cache_finished_req(req)
+        self.stats.verify_steps += 1
+        self.proposer.on_verified(views, kept_counts)
+        return reqs
+
+    @staticmethod
+    def _checked(drafts: Any, views: list[DraftRequest], vocab_size: int) -> list[list[int]]:
+        """The proposer's drafts, checked: one list per request, within budget and vocabulary."""
+        if not isinstance(drafts, (list, tuple)) or len(drafts) != len(views):
+            raise RuntimeError(f"speculative proposer returned {type(drafts).__name__} of "
+                               f"{len(drafts) if hasattr(drafts, '__len__') else '?'} drafts for {len(views)} requests")
+        out: list[list[int]] = []
+        for view, d in zip(views, drafts):
+            d = [int(t) for t in d][: view.max_draft]
+            bad = next((t for t in d if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise RuntimeError(f"speculative proposer drafted token id {bad} outside the vocabulary "
+                                   f"(0..{vocab_size - 1}) for request {view.rid}")
+            out.append(d)
+        return out
