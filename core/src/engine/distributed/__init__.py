@@ -42,6 +42,9 @@ class RankPlacement:
     init_method: str
     # Seconds a collective (and a node joining at start-up) may wait before failing.
     timeout_s: float
+    # Expert-parallel size (--ep-size, a divisor of tp_size): MoE layers split their experts
+    # this many ways across the tensor-parallel ranks (engine.layers.moe).
+    ep_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -64,6 +67,7 @@ SINGLE = RankPlacement(rank=0, tp_size=1, pp_size=1, local_rank=0, init_method="
 _PLACEMENT = SINGLE
 _TP_RANK = 0
 _TP_SIZE = 1
+_EP_SIZE = 1
 _TP_GROUP: Any = None  # device-backend group of this rank's pipeline stage
 _CPU_GROUP: Any = None  # gloo group over the world (control messages)
 _ONE_SHOT: Any = None  # --enable-custom-all-reduce: small all-reduces over peer memory
@@ -79,6 +83,17 @@ def get_tensor_model_parallel_rank() -> int:
 
 def get_tensor_model_parallel_world_size() -> int:
     return _TP_SIZE
+
+
+def get_expert_parallel_world_size() -> int:
+    """How many ways MoE layers split their experts (1: every rank holds every expert)."""
+    return _EP_SIZE
+
+
+def set_expert_parallel(size: int) -> None:
+    """Sets the expert-parallel size layers see, without process groups (tests building one shard)."""
+    global _EP_SIZE
+    _EP_SIZE = size
 
 
 def get_pipeline_model_parallel_rank() -> int:
@@ -117,6 +132,7 @@ def init_distributed(placement: RankPlacement, backend: str, custom_all_reduce: 
 
     global _PLACEMENT, _TP_GROUP, _CPU_GROUP, _ONE_SHOT
     set_tensor_model_parallel(placement.tp_rank, placement.tp_size)
+    set_expert_parallel(placement.ep_size)
     _PLACEMENT = placement
     if placement.world_size == 1:
         return
@@ -165,6 +181,7 @@ def destroy_distributed() -> None:
             dist.destroy_process_group()
     _PLACEMENT, _TP_GROUP, _CPU_GROUP, _ONE_SHOT = SINGLE, None, None, None
     set_tensor_model_parallel(0, 1)
+    set_expert_parallel(1)
 
 
 # -- tensor-parallel collectives ------------------------------------------------------------
@@ -325,7 +342,7 @@ def last_stage_rank() -> int:
     return (_PLACEMENT.pp_size - 1) * _PLACEMENT.tp_size
 
 
-def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int) -> None:
+def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
     """Raises ``ConfigError`` (one line) when the model cannot be split ``tp_size`` x ``pp_size`` ways.
 
     The vocabulary never limits ``tp_size``: embedding and LM head rows are padded to a multiple
@@ -349,10 +366,30 @@ def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int) -> None:
         raise ConfigError(f"--tp-size: invalid value {tp_size} for this model ({what}): each must split "
                           f"evenly across ranks (KV heads may instead be replicated when fewer than ranks); "
                           f"accepted: {accepted}")
+    _check_expert_parallel(hf_config, tp_size, ep_size)
     layers = int(hf_config.num_hidden_layers)
     if pp_size > layers:
         raise ConfigError(f"--pp-size: invalid value {pp_size}; accepted: at most the model's {layers} layers "
                           "(each pipeline stage needs one)")
+
+
+def _check_expert_parallel(hf_config: Any, tp_size: int, ep_size: int) -> None:
+    """A mixture-of-experts model splits its experts ``ep_size`` ways and each expert's
+    intermediate features ``tp_size / ep_size`` ways (engine.layers.moe.layer)."""
+    from engine.errors import ConfigError
+
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if not experts:
+        return
+    experts = int(experts)
+    if experts % ep_size:
+        accepted = ", ".join(str(e) for e in range(1, tp_size + 1) if tp_size % e == 0 and experts % e == 0)
+        raise ConfigError(f"--ep-size: invalid value {ep_size} for this model ({experts} experts): the experts must "
+                          f"split evenly across expert-parallel ranks; accepted: {accepted}")
+    inter = getattr(hf_config, "moe_intermediate_size", None) or getattr(hf_config, "intermediate_size", None)
+    if inter is not None and int(inter) % (tp_size // ep_size):
+        raise ConfigError(f"--tp-size {tp_size} with --ep-size {ep_size}: each expert's {inter} intermediate features "
+                          f"must split evenly over {tp_size // ep_size} ranks; raise --ep-size or lower --tp-size")
 
 
 def divide(numerator: int, denominator: int) -> int:

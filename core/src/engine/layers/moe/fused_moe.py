@@ -1,0 +1,145 @@
+"""The fused MoE Triton kernel: two grouped GEMM launches for a whole MoE layer.
+
+Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
+
+1. ``align_slots_by_expert`` sorts the ``tokens * top_k`` slots by expert and pads each
+   expert's run to a multiple of ``BLOCK_M`` (torch, fixed shapes).
+2. Launch 1, gate/up: program ``(m, n)`` takes block ``m`` of sorted slots (one expert ``e``),
+   gathers the rows ``x[slot // top_k]`` and multiplies them by ``w13[e]`` columns
+   ``n * BLOCK_N ..``; it writes ``[slots, 2I]`` rows indexed by slot.
+3. SiLU-and-mul on ``[slots, 2I]`` -> ``[slots, I]``.
+4. Launch 2, down: the same blocks, rows ``act[slot]`` times ``w2[e]``; the epilogue multiplies
+   each row by its routing weight ``topk_weights[slot]`` and writes ``[slots, H]``.
+5. ``out = y.view(tokens, top_k, H).sum(1)``.
+
+Every expert's weights are read once per launch however many tokens it serves, which is where
+the per-expert loop loses: one launch (and one small GEMM) per expert. Blocks of experts held
+on another expert-parallel rank (``-1``) write zeros. Weights may be fp8 codes with one scale
+per expert and output channel (``--quant fp8``): the kernel converts them to the activation
+dtype as it loads them and applies the scale to the accumulator (weight-only fp8: half the bytes
+read, which is what decode is bound by).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.layers.moe.align import ExpertBlocks, align_slots_by_expert
+
+
+@triton.jit
+def _moe_grouped_gemm(
+    a_ptr, b_ptr, c_ptr, b_scale_ptr, topk_weights_ptr,
+    sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
+    N, K, num_slots, max_padded,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_se, stride_sn,
+    A_ROW_DIV: tl.constexpr,  # slot -> row of A: slot // A_ROW_DIV (top_k for x, 1 for act)
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    HAS_B_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(max_padded, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: neighbouring programs share B columns (the same expert's weights).
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % group_rows
+    pid_n = (pid % group) // group_rows
+
+    num_padded = tl.load(num_padded_ptr)
+    if pid_m * BLOCK_M >= num_padded:
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_slot_ids_ptr + offs_m)
+    row_ok = slots < num_slots
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < N
+    c_ptrs = c_ptr + slots[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    c_mask = row_ok[:, None] & col_ok[None, :]
+    expert = tl.load(block_expert_ids_ptr + pid_m).to(tl.int64)
+    if expert == -1:
+        # Slots whose expert lives on another expert-parallel rank contribute nothing here.
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = (slots // A_ROW_DIV).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if HAS_B_SCALE:
+            b = b.to(a.dtype)
+        acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if HAS_B_SCALE:
+        scale = tl.load(b_scale_ptr + expert * stride_se + offs_n * stride_sn, mask=col_ok, other=0.0)
+        acc = acc * scale[None, :]
+    if MUL_ROUTED_WEIGHT:
+        weight = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0)
+        acc = acc * weight[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+def pick_blocks(num_slots: int, num_experts: int) -> dict[int, int]:
+    """Tile sizes for a batch: small ``BLOCK_M`` when experts see few slots each (decode), so
+    little of each block is padding; larger tiles when there are many (prefill). Not autotuned."""
+    per_expert = num_slots / max(1, num_experts)
+    if per_expert <= 16:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    if per_expert <= 64:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, out: torch.Tensor,
+                  blocks: ExpertBlocks, a_row_div: int, topk_weights: torch.Tensor | None,
+                  cfg: dict[str, int]) -> None:
+    n, k = w.shape[1], w.shape[2]
+    max_padded = blocks.sorted_slot_ids.shape[0]
+    grid = (triton.cdiv(max_padded, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    scale = w_scale if w_scale is not None else w  # any pointer; unused without HAS_B_SCALE
+    _moe_grouped_gemm[grid](
+        a, w, out, scale, topk_weights if topk_weights is not None else a,
+        blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
+        n, k, blocks.num_slots, max_padded,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
+        scale.stride(0) if w_scale is not None else 0, scale.stride(1) if w_scale is not None else 0,
+        A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_B_SCALE=w_scale is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              config: dict[str, int] | None = None) -> torch.Tensor:
+    """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
+
+    ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
+    """
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    num_slots = tokens * top_k
+    cfg = config or pick_blocks(num_slots, num_experts)
+    x = x.contiguous()
+    blocks = align_slots_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
+    gate_up = torch.empty(num_slots, two_inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None, cfg)
+    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, w2_scale, down, blocks, 1, topk_weights.reshape(-1).to(torch.float32).contiguous(), cfg)
+    return down.view(tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,239 @@
+"""Mixture-of-experts decoders: Mixtral, Qwen2-MoE and Qwen3-MoE.
+
+Attention is the Llama plugin's ``LlamaAttention`` (imported, not copied): it reads its
+switches from ``config.model_type``, so each MoE family hands it a view of its config under
+the dense sibling's type (Qwen2-MoE -> ``qwen2``: q/k/v bias; Qwen3-MoE -> ``qwen3``: per-head
+q/k RMSNorm; Mixtral -> ``mixtral``: neither). The MLP of a sparse layer is a router (a
+replicated linear gate) plus ``engine.layers.moe.FusedMoE``; Qwen2-MoE adds a shared expert
+scaled by ``sigmoid(shared_expert_gate(x))``. Qwen layers listed in ``mlp_only_layers`` (or
+off the ``decoder_sparse_step``) keep a dense MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import re
+
+import torch
+from engine_models_llama.llama import LlamaAttention, LlamaForCausalLM
+from torch import nn
+
+from engine.errors import ModelLoadError
+from engine.layers.activation import get_act_and_mul
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.layers.logits_processor import LogitsProcessor
+from engine.layers.moe import FusedMoE, expert_params_mapping
+from engine.layers.pipeline import PPMissingLayer, PPProxyTensors, make_layers, pp_stage
+from engine.layers.quantization import QuantizationConfig
+from engine.layers.radix_attention import kv_scale_target
+from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model_executor.forward_batch import ForwardBatch
+
+# MoE model_type -> the dense model_type whose attention it shares (LlamaAttention's switches).
+_ATTENTION_TYPE = {"mixtral": "mixtral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+
+
+class _ConfigView:
+    """``config`` with another ``model_type`` (every other attribute read through)."""
+
+    def __init__(self, config: Any, model_type: str) -> None:
+        self._config = config
+        self.model_type = model_type
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def num_experts(config: Any) -> int:
+    return int(getattr(config, "num_local_experts", None) or config.num_experts)
+
+
+class GatedMLP(nn.Module):
+    """A dense SwiGLU MLP of a given width (Qwen's shared expert and its dense layers)."""
+
+    def __init__(self, config: Any, intermediate_size: int, quant_config: QuantizationConfig | None, prefix: str,
+                 reduce_results: bool = True) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2,
+                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, reduce_results=reduce_results,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
+        self.act_fn = get_act_and_mul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts (+ Qwen2-MoE's gated shared expert)."""
+
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        experts = num_experts(config)
+        mixtral = config.model_type == "mixtral"
+        # The router stays in the model dtype (checkpoints quantize experts, not their gate).
+        self.gate = ReplicatedLinear(config.hidden_size, experts, bias=False, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(
+            experts, config.num_experts_per_tok, config.hidden_size,
+            config.intermediate_size if mixtral else config.moe_intermediate_size,
+            renormalize=True if mixtral else bool(getattr(config, "norm_topk_prob", False)),
+            quant_config=quant_config, prefix=f"{prefix}.experts")
+        shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
+        self.shared_expert = GatedMLP(config, shared, quant_config, f"{prefix}.shared_expert") if shared else None
+        self.shared_expert_gate = (ReplicatedLinear(config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+                                   if shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            assert self.shared_expert_gate is not None
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def _is_sparse(config: Any, layer_id: int) -> bool:
+    if config.model_type == "mixtral":
+        return True
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    return layer_id not in (getattr(config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0
+
+
+class MoeDecoderLayer(nn.Module):
+    #: RMSNorm -> qkv_proj is the only producer feeding one linear (post-attention norm feeds the
+    #: router and the experts).
+    activation_consumers = {"input_layernorm": "self_attn.qkv_proj"}
+
+    def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        attn_config = _ConfigView(config, _ATTENTION_TYPE[config.model_type])
+        self.self_attn = LlamaAttention(attn_config, layer_id, quant_config, f"{prefix}.self_attn")
+        # Checkpoint names: Mixtral's block is block_sparse_moe, Qwen's mlp.
+        self.mlp_name = "block_sparse_moe" if config.model_type == "mixtral" else "mlp"
+        mlp: nn.Module
+        if _is_sparse(config, layer_id):
+            mlp = SparseMoeBlock(config, quant_config, f"{prefix}.{self.mlp_name}")
+        else:
+            mlp = GatedMLP(config, config.intermediate_size, quant_config, f"{prefix}.{self.mlp_name}")
+        setattr(self, self.mlp_name, mlp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, forward_batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return getattr(self, self.mlp_name)(hidden), residual
+
+
+class MoeModel(nn.Module):
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
+        super().__init__()
+        self.stage = pp_stage()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.stage.is_first else PPMissingLayer())
+        self.layers, self.start_layer, self.end_layer = make_layers(
+            config.num_hidden_layers, lambda i, prefix: MoeDecoderLayer(config, i, quant_config, prefix),
+            prefix="model.layers")
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else PPMissingLayer()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor | PPProxyTensors:
+        if self.stage.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert forward_batch.pp_proxy is not None
+            hidden, residual = forward_batch.pp_proxy.hidden_states, forward_batch.pp_proxy.residual
+        for layer in self.layers[self.start_layer:self.end_layer]:
+            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        if not self.stage.is_last:
+            return PPProxyTensors(hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+_EXPERT_TENSOR = re.compile(r"experts\.\d+\.[^.]+\.")
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """The Llama plugin's causal-LM wrapper (forward, LM head, KV scales) around ``MoeModel``,
+    with a loader that stacks expert tensors."""
+
+    #: checkpoint names of an expert's gate, up and down projections.
+    expert_names = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self.model = MoeModel(config, quant_config)
+        stage = self.model.stage
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if stage.is_last else PPMissingLayer()
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and stage.size == 1
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        # "experts.{e}.{projection}." -> (parameter part, expert id, shard)
+        experts = {ckpt: (param, e, shard) for param, ckpt, e, shard
+                   in expert_params_mapping(num_experts(self.config), *self.expert_names)}
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (self.tie_word_embeddings and name.startswith("lm_head.")):
+                continue
+            kv_scale = kv_scale_target(name)
+            if kv_scale is not None:
+                self._load_kv_scale(name, *kv_scale, tensor)
+                continue
+            target, args = self._target(name, experts)
+            param = params.get(target)
+            if param is None:
+                raise ModelLoadError(f"checkpoint tensor '{name}' has no matching parameter in {type(self).__name__}")
+            loader = getattr(param, "weight_loader", None)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor, *args)
+            loaded.add(target)
+        missing = sorted(n for n in params if n not in loaded and not (self.tie_word_embeddings and n.startswith("lm_head.")))
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} parameters, e.g. {', '.join(missing[:3])}")
+
+    def _target(self, name: str, experts: dict[str, tuple[str, int, str]]) -> tuple[str, tuple[Any, ...]]:
+        """Our parameter for checkpoint tensor ``name`` and the extra weight-loader arguments."""
+        match = _EXPERT_TENSOR.search(name)
+        if match is not None and match.group(0) in experts:
+            # mlp.experts.3.w1.weight -> mlp.experts.w13_weight (expert 3, shard w1)
+            param_part, expert_id, shard = experts[match.group(0)]
+            return name[:match.start()] + param_part + name[match.end():], (expert_id, shard)
+        for stacked, ckpt, shard_id in self.stacked_params:
+            if f".{ckpt}." in name:
+                return name.replace(f".{ckpt}.", f".{stacked}."), (shard_id,)
+        return name, ()
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    expert_names = ("w1", "w3", "w2")
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    pass
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    pass
+
+
+_CLASSES = {cls.__name__: cls for cls in (MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
+
+
+def model_class_for(architecture: str) -> type[nn.Module]:
+    return _CLASSES[architecture]
