@@ -1,13 +1,23 @@
 """The hardware-platform contract (CUDA, ROCm, XPU, NPU, CPU).
 
 Platform plugins subclass ``Platform``; the core asks it everything device
-specific so that no other module tests for CUDA by hand.
+specific so that no other module tests for CUDA by hand. This module is the only one
+in the core that may call a vendor device module (``torch.cuda``, ``torch.xpu``,
+``torch.npu``): the helpers at the bottom (``device_event``, ``synchronize_device``,
+``pin_host_memory``) go through ``torch.get_device_module`` for code that holds a
+tensor but not the platform (a test asserts the rest of the core names no ``torch.cuda``).
+
+Hook API 5 added ``device_count``, ``fp8_dtype``, ``unsupported_attention_reason``,
+``unsupported_quant_reason``, the stream/event/graph methods and
+``set_current_platform``/``current_platform``; each has a default, so platforms written
+for API 4 keep working.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
@@ -28,6 +38,17 @@ class Platform(ABC):
     def unavailable_reason(self) -> str:
         """Why ``is_available()`` is False, for error messages."""
         return "no device found"
+
+    def device_count(self) -> int:
+        """Devices of this platform visible to this process (0 when unavailable). Since hook API 5.
+
+        The default asks torch's module for ``device_type`` (``torch.get_device_module``).
+        """
+        if not self.is_available():
+            return 0
+        if self.device_type == "cpu":
+            return 1
+        return int(torch.get_device_module(self.device_type).device_count())
 
     def device(self, local_rank: int = 0) -> torch.device:
         """The torch device a worker of this local rank runs on."""
@@ -84,9 +105,70 @@ class Platform(ABC):
     def supports_dtype(self, dtype: torch.dtype) -> bool:
         return True
 
+    def fp8_dtype(self, device: torch.device | None = None) -> torch.dtype | None:
+        """The float8 e4m3 variant this device computes in natively, or None. Since hook API 5.
+
+        CUDA sm_89+ and ROCm gfx950 answer ``torch.float8_e4m3fn`` (OCP), ROCm gfx942 (MI300)
+        ``torch.float8_e4m3fnuz``; a device without fp8 arithmetic (CPU, NPU, pre-Ada GPUs)
+        None. Quantization plugins ask this instead of assuming a format; None means "fp8
+        weights are dequantized, never multiplied as fp8".
+        """
+        return None
+
+    def unsupported_attention_reason(self, name: str) -> str | None:
+        """Why attention backend ``name`` cannot run on this platform, or None when it can.
+
+        Checked after the backend spec's ``device_types``: ROCm reports device type "cuda",
+        so a CUDA-only backend (flashinfer) must be refused here. Since hook API 5.
+        """
+        return None
+
+    def unsupported_quant_reason(self, name: str) -> str | None:
+        """Why quantization method ``name`` cannot run on this platform, or None when it can
+        (checked after the spec's ``device_types``). Since hook API 5."""
+        return None
+
+    def supported_attention_backends(self, available: Collection[str]) -> list[str]:
+        """The names in ``available`` this platform does not refuse (spec device types aside)."""
+        return [n for n in available if self.unsupported_attention_reason(n) is None]
+
+    def supported_quant_methods(self, available: Collection[str]) -> list[str]:
+        """The names in ``available`` this platform does not refuse (spec device types aside)."""
+        return [n for n in available if self.unsupported_quant_reason(n) is None]
+
     def supports_graph_capture(self) -> bool:
-        """Whether decode steps can be captured and replayed as device graphs."""
+        """Whether decode steps can be captured and replayed as device graphs.
+
+        A platform answering True implements ``create_graph`` and ``graph_capture``.
+        """
         return False
+
+    # -- streams, events and graphs (hook API 5) ------------------------------
+    def create_stream(self) -> Any:
+        """A new side stream on the current device (None where the device has no streams)."""
+        module = _device_module(self.device_type)
+        return module.Stream() if module is not None and hasattr(module, "Stream") else None
+
+    def stream_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context manager that makes ``stream`` current (a no-op for None)."""
+        module = _device_module(self.device_type)
+        if stream is None or module is None or not hasattr(module, "stream"):
+            return contextlib.nullcontext()
+        return module.stream(stream)  # type: ignore[no-any-return]
+
+    def create_event(self) -> Any:
+        """A device event (``record()``, ``synchronize()``), or None where there are none."""
+        module = _device_module(self.device_type)
+        return module.Event() if module is not None and hasattr(module, "Event") else None
+
+    def create_graph(self) -> Any:
+        """A new device graph (``replay()``, ``pool()``); only where ``supports_graph_capture``."""
+        raise NotImplementedError(f"platform '{self.name}' does not capture device graphs")
+
+    def graph_capture(self, graph: Any, pool: Any, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        """Context manager that records the work issued inside it into ``graph`` (memory from
+        ``pool``, the previous graph's ``pool()`` or None; on ``stream``)."""
+        raise NotImplementedError(f"platform '{self.name}' does not capture device graphs")
 
     def supports_overlap_schedule(self) -> bool:
         """Whether the CPU can prepare batch N+1 while the device runs batch N."""
@@ -106,6 +188,10 @@ class Platform(ABC):
     def synchronize(self) -> None:
         """Blocks until the current device finished its queued work."""
 
+    def pin_host_memory(self) -> bool:
+        """Whether host buffers copied to the device every step should be pinned."""
+        return False
+
     def empty_cache(self) -> None:
         """Returns cached allocator memory to the device."""
 
@@ -115,3 +201,72 @@ class Platform(ABC):
     def describe(self) -> str:
         """One line naming the device; the scheduler logs it at start-up (``platform: ...``)."""
         return self.name
+
+
+# -- the platform of this process, and device helpers for code without one -----------------
+_CURRENT: Platform | None = None
+
+
+def set_current_platform(platform: Platform | None) -> None:
+    """Records the platform this process runs on (the model runner calls it once it is chosen)."""
+    global _CURRENT
+    _CURRENT = platform
+
+
+def current_platform() -> Platform | None:
+    """The platform set by ``set_current_platform`` (None outside an engine run: kernel tests,
+    benchmarks); plugins asking e.g. ``fp8_dtype()`` fall back to their own probe then."""
+    return _CURRENT
+
+
+def _device_module(device_type: str) -> Any:
+    """``torch.cuda`` / ``torch.xpu`` / ``torch.npu`` (torch_npu registers it) or None."""
+    if device_type == "cpu":
+        return None
+    try:
+        return torch.get_device_module(device_type)
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+def _platform_for(device: torch.device) -> Platform | None:
+    platform = _CURRENT
+    return platform if platform is not None and platform.device_type == device.type else None
+
+
+def device_event(device: torch.device) -> Any:
+    """An event on ``device``'s current stream queue (record/synchronize), or None on the CPU."""
+    platform = _platform_for(device)
+    if platform is not None:
+        return platform.create_event()
+    module = _device_module(device.type)
+    return module.Event() if module is not None and hasattr(module, "Event") else None
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Waits for ``device``'s queued work (nothing to wait for on the CPU)."""
+    module = _device_module(device.type)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize(device)
+
+
+def pin_host_memory() -> bool:
+    """Whether step-by-step host->device buffers should be pinned: the current platform's answer,
+    else whether torch sees an accelerator at all."""
+    if _CURRENT is not None:
+        return _CURRENT.pin_host_memory()
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return bool(accelerator.is_available())
+    return False
+
+
+@contextlib.contextmanager
+def using_platform(platform: Platform | None) -> Iterator[None]:
+    """Makes ``platform`` current inside the block (tests)."""
+    previous = current_platform()
+    set_current_platform(platform)
+    try:
+        yield
+    finally:
+        set_current_platform(previous)

@@ -158,7 +158,25 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
         # The check knows the spec only; say what would run on this platform instead.
         raise ConfigError(f"{exc}; backends for platform '{platform.name}': "
                           f"{_names_for_device(reg, 'attention', device)}") from None
+    refusal = _platform_refusal(platform, "unsupported_attention_reason", name)
+    if refusal:
+        usable = _supported_on(platform, reg, "attention", "supported_attention_backends")
+        raise ConfigError(f"--attention: platform '{platform.name}' cannot run attention backend '{name}': "
+                          f"{refusal}; backends for platform '{platform.name}': {usable}")
     return _selected(reg, "attention", name, spec, args.plugin_options)
+
+
+def _platform_refusal(platform: Any, method: str, name: str) -> str | None:
+    """The platform's reason against ``name`` (hook API 5; older platforms refuse nothing)."""
+    check = getattr(platform, method, None)
+    return check(name) if check is not None else None
+
+
+def _supported_on(platform: Any, reg: Any, kind: str, method: str) -> str:
+    """The ``kind`` implementations for the platform's device type that it does not refuse."""
+    names = [n for n in reg.names(kind) if platform.device_type in reg.entries[kind][n].spec.device_types]
+    keep = getattr(platform, method, None)
+    return ", ".join(keep(names) if keep is not None else names) or "none"
 
 
 def _select_quant(args: ServerArgs, hf_config: Any, platform: Any, reg: Any,
@@ -184,6 +202,11 @@ def _select_quant(args: ServerArgs, hf_config: Any, platform: Any, reg: Any,
     if device not in spec.device_types:
         raise ConfigError(f"quantization method '{spec.name}' does not run on platform '{platform.name}' "
                           f"(runs on: {', '.join(spec.device_types)}); methods for {device}: {_names_for_device(reg, 'quantization', device)}")
+    refusal = _platform_refusal(platform, "unsupported_quant_reason", spec.name)
+    if refusal:
+        usable = _supported_on(platform, reg, "quantization", "supported_quant_methods")
+        raise ConfigError(f"quantization method '{spec.name}' does not run on platform '{platform.name}': {refusal}; "
+                          f"methods for platform '{platform.name}': {usable}")
     selected = _selected(reg, "quantization", spec.name, spec, args.plugin_options)
     quant_config = plugins.create(spec.factory, dict(ckpt or {}), options=selected.options)
     _check_gguf_blocks_source(args, quant_config)

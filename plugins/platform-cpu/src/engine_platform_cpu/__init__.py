@@ -10,4 +10,5 @@ def register_platforms(register):  # type: ignore[no-untyped-def]
     register(PlatformSpec(
         name="cpu", factory="engine_platform_cpu.platform:CpuPlatform", device_type="cpu",
         description="Any CPU via PyTorch; the fallback platform", fallback=True,
+        tested_on_hardware="x86-64 (every test run)",
     ))

@@ -14,4 +14,5 @@ def register_platforms(register):  # type: ignore[no-untyped-def]
     register(PlatformSpec(
         name="cuda", factory="engine_platform_cuda.platform:CudaPlatform", device_type="cuda",
         description="NVIDIA GPUs via PyTorch CUDA (NCCL, CUDA graphs, flashinfer/triton attention)",
+        tested_on_hardware="NVIDIA H100 80GB, H200 (GPU test suite, benchmarks)",
     ))

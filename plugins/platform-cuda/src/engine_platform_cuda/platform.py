@@ -114,8 +114,33 @@ class CudaPlatform(Platform):
             return torch.cuda.get_device_capability() >= _FP8_MIN_CAPABILITY
         return dtype in (torch.float16, torch.float32)
 
+    def fp8_dtype(self, device: torch.device | None = None) -> torch.dtype | None:
+        """``float8_e4m3fn`` on sm_89+ (Ada, Hopper, Blackwell), None on older GPUs."""
+        if not self.is_available():
+            return None
+        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+        return torch.float8_e4m3fn if torch.cuda.get_device_capability(index) >= _FP8_MIN_CAPABILITY else None
+
     def supports_graph_capture(self) -> bool:
         return True
+
+    def create_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def stream_context(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def create_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def create_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def graph_capture(self, graph: Any, pool: Any, stream: Any) -> Any:
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    def pin_host_memory(self) -> bool:
+        return self.is_available()
 
     def supports_overlap_schedule(self) -> bool:
         return True
