@@ -8,6 +8,8 @@
 - ``RouterPolicyConformance``: a data-parallel router policy picks valid replicas, deterministically.
 - ``ToolCallParserConformance`` / ``ReasoningParserConformance``: a parser reads its recorded
   outputs right, whole and streamed with every chunk boundary (``ToolCallCase``, ``ReasoningCase``).
+- ``SpeculativeProposerConformance``: a speculative proposer returns well-formed drafts and the
+  engine with it gives exactly the output without speculation (greedy, tiny model).
 - ``GrammarBackendConformance`` (``engine.testing.grammar_kit``): a grammar backend accepts exactly
   its grammars' strings and its masks agree with a reference.
 
@@ -25,6 +27,7 @@ from engine.testing.conformance import (
     ReasoningParserConformance,
     RouterPolicyConformance,
     SchedulePolicyConformance,
+    SpeculativeProposerConformance,
     ToolCallCase,
     ToolCallParserConformance,
 )
@@ -40,6 +43,7 @@ __all__ = [
     "ReasoningParserConformance",
     "RouterPolicyConformance",
     "SchedulePolicyConformance",
+    "SpeculativeProposerConformance",
     "ToolCallCase",
     "ToolCallParserConformance",
 ]

@@ -12,6 +12,7 @@ from engine.testing.conformance.platform import PlatformConformance
 from engine.testing.conformance.policy import SchedulePolicyConformance
 from engine.testing.conformance.quant import QuantMethodConformance
 from engine.testing.conformance.router import RouterPolicyConformance
+from engine.testing.conformance.speculative import SpeculativeProposerConformance
 
 __all__ = [
     "AttentionBackendConformance",
@@ -22,6 +23,7 @@ __all__ = [
     "ReasoningCase",
     "ReasoningParserConformance",
     "SchedulePolicyConformance",
+    "SpeculativeProposerConformance",
     "ToolCallCase",
     "ToolCallParserConformance",
     "check_greedy_until_near_tie",

@@ -1,0 +1,164 @@
+"""Speculative decode steps inside the scheduler, on a tiny random Llama (CPU): exact greedy
+output with any proposer, KV bookkeeping (no leak) under prefix-cache hits, chunked prefill and
+a tight pool, finishing inside an accepted run, fall-backs and start-up refusals."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from engine.errors import ConfigError, PluginError
+from engine.managers.scheduler import check_no_leak
+from engine.speculative import DraftRequest, Proposer
+from engine.testing.harness import OutputCollector, generate_greedy, make_scheduler, submit
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    phrase = [rng.randrange(2048) for _ in range(16)]
+    return [phrase * 3, [rng.randrange(2048) for _ in range(5)], [rng.randrange(2048) for _ in range(70)],
+            phrase[:9] + [3, 4] * 6, [rng.randrange(2048) for _ in range(33)]]
+
+
+@pytest.fixture(scope="module")
+def expected(llama_ckpt: str, prompts: list[list[int]]) -> list[list[int]]:
+    return generate_greedy(make_scheduler(llama_ckpt), prompts, 30)
+
+
+class OracleProposer(Proposer):
+    """Proposes the target's own greedy continuation (known in advance): every draft is right."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
+        self.answers = {tuple(p): o for p, o in zip(prompts, outputs)}
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
+        out = []
+        for r in reqs:
+            answer = self.answers[tuple(r.prompt_ids)]
+            out.append(list(answer[len(r.output_ids): len(r.output_ids) + r.max_draft]))
+        return out
+
+
+class RandomProposer(Proposer):
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
+        return [[self.rng.randrange(2048) for _ in range(self.rng.randint(0, r.max_draft))] for r in reqs]
+
+
+def _spec(path: str, proposer: Proposer | None = None, **kw: Any) -> Any:
+    sched = make_scheduler(path, speculative_algorithm="ngram", **kw)
+    if proposer is not None:
+        sched.speculator.proposer = proposer
+    return sched
+
+
+def test_ngram_equals_plain_with_prefix_hits(llama_ckpt: str, prompts: list[list[int]],
+                                             expected: list[list[int]]) -> None:
+    sched = _spec(llama_ckpt, speculative_num_steps=5)
+    assert not sched.enable_overlap
+    for _ in range(2):  # the second round hits the prefix cache
+        assert generate_greedy(sched, prompts, 30) == expected
+    assert sched.speculator.stats.verify_steps > 0
+    check_no_leak(sched)
+
+
+def test_oracle_proposer_is_accepted_in_full(llama_ckpt: str, prompts: list[list[int]],
+                                             expected: list[list[int]]) -> None:
+    k = 4
+    sched = _spec(llama_ckpt, OracleProposer(prompts, expected), speculative_num_steps=k)
+    assert generate_greedy(sched, prompts, 30) == expected
+    st = sched.speculator.stats
+    assert st.accepted_tokens == st.proposed_tokens > 0
+    # 29 decode tokens per request (the first comes from the prefill) in runs of k + 1.
+    assert st.verify_steps == -(-29 // (k + 1))
+    check_no_leak(sched)
+
+
+def test_random_proposer_still_exact(llama_ckpt: str, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    sched = _spec(llama_ckpt, RandomProposer(), speculative_num_steps=6)
+    assert generate_greedy(sched, prompts, 30) == expected
+    check_no_leak(sched)
+
+
+@pytest.mark.parametrize("kw", [
+    {"chunked_prefill_size": 16},
+    {"max_total_tokens": 160, "chunked_prefill_size": 32},  # tight: retraction
+    {"disable_radix_cache": True},
+])
+def test_exact_under_chunking_tight_pool_and_chunk_cache(llama_ckpt: str, prompts: list[list[int]],
+                                                         expected: list[list[int]], kw: dict[str, Any]) -> None:
+    sched = _spec(llama_ckpt, OracleProposer(prompts, expected), speculative_num_steps=7, **kw)
+    assert generate_greedy(sched, prompts, 30) == expected
+    check_no_leak(sched)
+
+
+def test_finish_inside_accepted_run(llama_ckpt: str, prompts: list[list[int]], expected: list[list[int]]) -> None:
+    """max_new_tokens and a stop token met in the middle of a fully accepted run end the
+    request at that token (the oracle drafts past it)."""
+    sched = _spec(llama_ckpt, OracleProposer(prompts, expected), speculative_num_steps=8)
+    stop_at = expected[0][6]
+    first = expected[0].index(stop_at)
+    col = OutputCollector()
+    a = submit(sched, prompts[0], {"max_new_tokens": 30, "temperature": 0.0, "stop_token_ids": [stop_at]})
+    b = submit(sched, prompts[2], {"max_new_tokens": 12, "temperature": 0.0})
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    assert col.ids[a] == expected[0][: first + 1]
+    assert col.finish[a]["type"] == "stop"
+    assert col.ids[b] == expected[2][:12]
+    assert col.finish[b] == {"type": "length", "length": 12}
+    check_no_leak(sched)
+
+
+def test_penalized_batches_decode_plainly(llama_ckpt: str, prompts: list[list[int]]) -> None:
+    params = {"frequency_penalty": 0.5}
+    plain = generate_greedy(make_scheduler(llama_ckpt), prompts[:2], 16, **params)
+    sched = _spec(llama_ckpt)
+    assert generate_greedy(sched, prompts[:2], 16, **params) == plain
+    assert sched.speculator.stats.fallback_steps > 0 and sched.speculator.stats.verify_steps == 0
+
+
+def test_batches_above_the_threshold_decode_plainly(llama_ckpt: str, prompts: list[list[int]],
+                                                    expected: list[list[int]]) -> None:
+    sched = _spec(llama_ckpt, speculative_max_batch_size=2)
+    assert generate_greedy(sched, prompts, 30) == expected
+    assert sched.speculator.stats.fallback_steps > 0
+
+
+def test_sampling_runs_and_frees_kv(llama_ckpt: str, prompts: list[list[int]]) -> None:
+    sched = _spec(llama_ckpt, RandomProposer(1))
+    rids = [submit(sched, p, {"max_new_tokens": 20, "temperature": 0.9, "top_p": 0.9, "min_p": 0.01}) for p in prompts]
+    col = OutputCollector()
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    assert all(len(col.ids[r]) == 20 for r in rids)
+    check_no_leak(sched)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"tp_size": 2}, "--tp-size 2"),
+    ({"pp_size": 2}, "--pp-size 2"),
+    ({"page_size": 16}, "--page-size 16"),
+    ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk"),
+    ({"speculative_num_steps": 0}, "--speculative-num-steps"),
+])
+def test_unsupported_combinations_refused_at_start(llama_ckpt: str, kw: dict[str, Any], match: str) -> None:
+    from engine.config import ServerArgs
+
+    with pytest.raises(ConfigError, match=match):
+        ServerArgs.from_dict({"model_path": llama_ckpt, "speculative_algorithm": "ngram", **kw})
+
+
+def test_unknown_algorithm_names_the_installed_ones(llama_ckpt: str) -> None:
+    from engine.config import ServerArgs
+
+    with pytest.raises(PluginError, match="--speculative-algorithm: unknown speculative algorithm 'ngrm'.*ngram"):
+        ServerArgs.from_dict({"model_path": llama_ckpt, "speculative_algorithm": "ngrm"})
