@@ -229,6 +229,14 @@ def _device_module(device_type: str) -> Any:
         return None
 
 
+def device_type_available(device_type: str) -> bool:
+    """Whether torch sees a device of ``device_type`` ("cuda" on a CUDA or ROCm build, "xpu"...)."""
+    if device_type == "cpu":
+        return True
+    module = _device_module(device_type)
+    return module is not None and bool(module.is_available())
+
+
 def _platform_for(device: torch.device) -> Platform | None:
     platform = _CURRENT
     return platform if platform is not None and platform.device_type == device.type else None

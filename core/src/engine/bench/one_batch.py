@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine.config import ServerArgs
+from engine.platforms import synchronize_device
 
 
 @dataclass
@@ -38,8 +39,7 @@ class OneBatchResult:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize_device(device)
 
 
 def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, seed: int = 0,

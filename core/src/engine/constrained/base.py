@@ -145,9 +145,11 @@ def bitmask_width(vocab_size: int) -> int:
 
 
 def allocate_bitmask(batch_size: int, vocab_size: int) -> torch.Tensor:
-    """A CPU bitmask with every token allowed (pinned when CUDA is present: it is copied to the
-    device every step)."""
-    pin = torch.cuda.is_available()
+    """A CPU bitmask with every token allowed (pinned where the platform pins host buffers: it is
+    copied to the device every step)."""
+    from engine.platforms import pin_host_memory
+
+    pin = pin_host_memory()
     return torch.full((batch_size, bitmask_width(vocab_size)), -1, dtype=torch.int32, pin_memory=pin)
 
 

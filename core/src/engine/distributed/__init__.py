@@ -246,7 +246,7 @@ class OneShotAllReduce:
                            "using NCCL", torch.__version__, exc)
             return None
         logger.info("tensor-parallel all-reduces up to %d MiB: one-shot over peer memory", cls.MAX_BYTES >> 20)
-        return cls(group.group_name, torch.device("cuda", local_rank))
+        return cls(group.group_name, torch.device(placement_device_type(backend), local_rank))
 
     def __call__(self, x: torch.Tensor) -> bool:
         """Sums ``x`` over the group in place; False (nothing done) when ``x`` does not qualify."""

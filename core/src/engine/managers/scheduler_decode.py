@@ -17,6 +17,7 @@ import torch
 from engine.layers.sampler import SampleOutput
 from engine.managers.logprobs import record_output_logprobs
 from engine.managers.schedule_batch import FinishReason, Req, ScheduleBatch
+from engine.platforms import device_event
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ class InflightDecode:
         if ids.is_cuda:
             step.host_ids = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
             step.host_ids.copy_(ids, non_blocking=True)
-            step.ready = torch.cuda.Event()
+            step.ready = device_event(ids.device)
             step.ready.record()
         return step
 

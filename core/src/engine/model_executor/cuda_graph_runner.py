@@ -1,9 +1,12 @@
-"""Captures decode steps in CUDA graphs at a set of batch sizes and replays them.
+"""Captures decode steps in device graphs (CUDA graphs, HIP graphs) at a set of batch sizes
+and replays them.
 
 A decode step of a small batch is bound by launch overhead unless its hundreds of
 kernels are replayed as one graph. Graphs are captured for batch sizes up to
 ``--cuda-graph-max-bs``; a batch is padded to the nearest captured size (padded
 rows read request slot 0 and write KV slot 0, which the allocator never hands out).
+Streams and graphs come from the platform (``create_stream``, ``create_graph``,
+``graph_capture``): this module names no vendor API.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class CudaGraphRunner:
         self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=d)
         self.seq_lens = torch.full((self.max_bs,), self.fill_seq_len, dtype=torch.int64, device=d)
         self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=d)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.platform = runner.platform
+        self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool: Any = None
         self._capture_all()
@@ -60,22 +64,23 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         backend = self.runner.attn_backend
-        stream = torch.cuda.Stream()
+        platform = self.platform
+        stream = platform.create_stream()
         for bs in reversed(self.batch_sizes):
             fb = self._static_batch(bs)
             backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens)
-            with torch.cuda.stream(stream):
+            with platform.stream_context(stream):
                 for _ in range(2):  # warm-up: compile kernels, settle allocator
                     self.runner.model(fb.input_ids, fb.positions, fb)
             stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+            graph = platform.create_graph()
+            with platform.graph_capture(graph, self.pool, stream):
                 out = self.runner.model(fb.input_ids, fb.positions, fb)
             self.pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out.next_token_logits
-        torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+        platform.synchronize()
+        logger.info("captured device graphs for decode batch sizes %s", self.batch_sizes)
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs and not fb.return_logprob

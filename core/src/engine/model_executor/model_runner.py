@@ -23,6 +23,7 @@ from engine.mem_cache.memory_pool import (
 from engine.model_executor.forward_batch import ForwardBatch
 from engine.model_executor.checkpoint import load_hf_config
 from engine.model_executor.model_loader import load_model
+from engine.platforms import set_current_platform
 from engine.selection import select_components
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class ModelRunner:
         # The same choice and checks as the main process's preflight (engine.selection).
         self.selection = select_components(args, self.hf_config, platform)
         self.platform = self.selection.platform
+        set_current_platform(self.platform)  # plugins ask it (fp8_dtype, events) through engine.platforms
         # Tensor/pipeline rank of this process (rank 0 of 1 unless the launcher started several).
         self.placement = distributed.get_placement()
         self.device = self.platform.device(self.placement.local_rank)

@@ -7,6 +7,8 @@ import zlib
 import pytest
 import torch
 
+from engine.platforms import device_type_available
+
 #: The kit's fixed base seed. A class may set its own ``seed``; every test derives its
 #: draws from that and its own parameters, so a failure reproduces on a re-run.
 KIT_SEED = 20240917
@@ -14,8 +16,9 @@ KIT_SEED = 20240917
 
 def device_or_skip(device: str) -> torch.device:
     """``torch.device(device)``, or a skip with a reason where that device is absent."""
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        pytest.skip(f"needs a CUDA GPU (this kit class runs on device '{device}')")
+    kind = torch.device(device).type
+    if kind != "cpu" and not device_type_available(kind):
+        pytest.skip(f"needs a {kind.upper()} device (this kit class runs on device '{device}')")
     return torch.device(device)
 
 
