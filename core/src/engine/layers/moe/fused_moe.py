@@ -33,7 +33,7 @@ from engine.layers.moe.align import ExpertBlocks, align_slots_by_expert
 def _moe_grouped_gemm(
     a_ptr, b_ptr, c_ptr, b_scale_ptr, topk_weights_ptr,
     sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
-    N, K, num_slots, max_padded,
+    N, K: tl.constexpr, num_slots, max_padded,  # K: a layer constant (hidden or intermediate size)
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     stride_se, stride_sn,
     A_ROW_DIV: tl.constexpr,  # slot -> row of A: slot // A_ROW_DIV (top_k for x, 1 for act)
