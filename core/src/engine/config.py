@@ -73,6 +73,7 @@ class ServerArgs:
     disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
     tp_size: int = opt(1, "Tensor-parallel size: ranks (one process and device each) splitting every layer's heads and MLP")
     pp_size: int = opt(1, "Pipeline-parallel size: stages splitting the layers; a replica runs tp_size * pp_size ranks")
+    ep_size: int = opt(1, "Expert-parallel size (mixture-of-experts models): the tensor-parallel ranks split the experts this many ways instead of splitting every expert; a divisor of --tp-size")
     nnodes: int = opt(1, "Machines one replica's ranks are spread over (each runs tp_size * pp_size / nnodes of them)")
     node_rank: int = opt(0, "This machine's index among --nnodes; node 0 runs the HTTP server, the others only their ranks")
     dist_init_addr: str | None = opt(None, "HOST:PORT where rank 0 meets the other ranks (torch.distributed rendezvous); required with --nnodes > 1, default a free port on 127.0.0.1")
@@ -182,7 +183,10 @@ class ServerArgs:
                 raise PluginError(f"{flag}: {exc}") from None
 
     def _validate_parallel(self) -> None:
-        _positive(self, "pp_size", "nnodes")
+        _positive(self, "pp_size", "nnodes", "ep_size")
+        if self.tp_size % self.ep_size:
+            raise ConfigError(f"--ep-size: invalid value {self.ep_size}; accepted: a divisor of --tp-size ({self.tp_size}): "
+                              "expert parallelism splits the experts across the tensor-parallel ranks")
         world = self.tp_size * self.pp_size
         if world % self.nnodes:
             raise ConfigError(f"--nnodes: invalid value {self.nnodes}; accepted: a divisor of --tp-size x --pp-size "

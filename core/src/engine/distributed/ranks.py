@@ -48,7 +48,7 @@ def node_placements(args: ServerArgs, dp_rank: int, method: str) -> list[RankPla
     world = args.tp_size * args.pp_size
     per_node = world // args.nnodes
     first = args.node_rank * per_node
-    return [RankPlacement(rank=r, tp_size=args.tp_size, pp_size=args.pp_size,
+    return [RankPlacement(rank=r, tp_size=args.tp_size, pp_size=args.pp_size, ep_size=args.ep_size,
                           local_rank=dp_rank * per_node + (r - first), init_method=method,
                           timeout_s=args.dist_timeout_s)
             for r in range(first, first + per_node)]

@@ -63,7 +63,7 @@ def check_parallel_layout(args: ServerArgs, hf_config: Any, platform: Any) -> No
     """The model splits ``--tp-size`` x ``--pp-size`` ways, and this node has a device per rank."""
     from engine.distributed import check_model_parallel
 
-    check_model_parallel(hf_config, args.tp_size, args.pp_size)
+    check_model_parallel(hf_config, args.tp_size, args.pp_size, args.ep_size)
     per_node = args.tp_size * args.pp_size // args.nnodes * args.dp_size
     if per_node > 1 and platform.device_type != "cpu":
         try:
