@@ -69,6 +69,14 @@ class ServerMetrics:
                                     replica, registry=r)
         self.replica_kv_usage = Gauge(f"{PREFIX}replica_kv_cache_usage",
                                       "Fraction of the replica's KV pool held by running requests", replica, registry=r)
+        # Speculative decoding: tokens a request gained per verify forward (1.0: no gain).
+        self.spec_accept_length = Histogram(
+            f"{PREFIX}spec_accept_length", "Speculative decoding: mean tokens per verify forward, one observation "
+            "per finished request that took part in one", labels,
+            buckets=(1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0), registry=r)
+        self.spec_server_accept_length = Gauge(
+            f"{PREFIX}spec_mean_accept_length", "Speculative decoding: tokens per request and verify step, "
+            "over the scheduler's life", labels, registry=r)
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
@@ -96,6 +104,9 @@ class ServerMetrics:
         end = state.last_time if state.last_time is not None else state.first_token_time
         if end is not None:
             self.e2e.labels(name).observe(end - state.created)
+        verify = int(meta.get("spec_verify_ct", 0) or 0)
+        if verify:
+            self.spec_accept_length.labels(name).observe((int(meta.get("spec_accepted_tokens", 0)) + verify) / verify)
 
     def observe_route(self, rid: str, decision: Any) -> None:
         """Records one routing decision (a ``RouteDecision``; none are counted with one replica)."""
@@ -122,6 +133,8 @@ class ServerMetrics:
         self.kv_used.labels(name).set(info.get("kv_used_tokens", 0))
         self.kv_total.labels(name).set(info.get("max_total_num_tokens", 0))
         self.kv_evictable.labels(name).set(info.get("kv_evictable_tokens", 0))
+        if info.get("spec_verified_rows"):  # counts, so the ratio holds summed over replicas too
+            self.spec_server_accept_length.labels(name).set(info["spec_emitted_tokens"] / info["spec_verified_rows"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

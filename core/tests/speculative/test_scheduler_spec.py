@@ -162,3 +162,19 @@ def test_unknown_algorithm_names_the_installed_ones(llama_ckpt: str) -> None:
 
     with pytest.raises(PluginError, match="--speculative-algorithm: unknown speculative algorithm 'ngrm'.*ngram"):
         ServerArgs.from_dict({"model_path": llama_ckpt, "speculative_algorithm": "ngrm"})
+
+
+def test_acceptance_stats_reach_the_outputs(llama_ckpt: str, prompts: list[list[int]],
+                                             expected: list[list[int]]) -> None:
+    sched = _spec(llama_ckpt, OracleProposer(prompts, expected), speculative_num_steps=4)
+    rid = submit(sched, prompts[0], {"max_new_tokens": 30, "temperature": 0.0})
+    verify, kept = 0, 0
+    while sched.step():
+        for msg in sched.take_outputs():
+            assert msg.spec_verify_ct is not None
+            i = msg.rids.index(rid)
+            verify, kept = msg.spec_verify_ct[i], msg.spec_accepted_tokens[i]
+    assert (verify, kept) == (6, 23)  # 29 decode tokens: 5 runs of 4 drafts + 1, then 3 drafts + 1
+    stats = sched.stats()
+    assert stats["spec_verify_steps"] == 6 and stats["spec_emitted_tokens"] == 29
+    assert stats["spec_mean_accept_length"] == pytest.approx(29 / 6)

@@ -59,6 +59,9 @@ class DetokenizerManager:
             for name in ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs"):
                 src = getattr(msg, name)
                 getattr(out, name).append(src[i] if src else None)
+            if msg.spec_verify_ct is not None:
+                out.spec_verify_ct = (out.spec_verify_ct or []) + [msg.spec_verify_ct[i]]
+                out.spec_accepted_tokens = (out.spec_accepted_tokens or []) + [msg.spec_accepted_tokens[i]]
             if reason is not None:
                 self.states.pop(rid, None)
                 self.finished[rid] = None

@@ -83,6 +83,10 @@ class BatchTokenIDOut:
     # Per request: the prompt's last tokens with the request's first message (decoding
     # context for the first output tokens), else None.
     prompt_tail_ids: list[list[int] | None] | None = None
+    # Speculative decoding (None when off): per request, verify forwards it took part in and
+    # draft tokens the target kept in them (totals so far).
+    spec_verify_ct: list[int] | None = None
+    spec_accepted_tokens: list[int] | None = None
 
 
 @dataclass
@@ -101,6 +105,9 @@ class BatchStrOut:
     output_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
     input_token_logprobs: list[list[tuple[float | None, int]] | None] | None = None
     input_top_logprobs: list[list[list[tuple[float, int]]] | None] | None = None
+    # Speculative decoding, as in BatchTokenIDOut (None when off).
+    spec_verify_ct: list[int] | None = None
+    spec_accepted_tokens: list[int] | None = None
 
 
 @dataclass

@@ -96,6 +96,9 @@ class Req:
         self.grammar_key: Any = None
         self.grammar_future: Any = None
         self.grammar: Any = None
+        # Speculative decoding: verify forwards this request took part in, drafts kept in them.
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:

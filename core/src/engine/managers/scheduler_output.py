@@ -33,6 +33,9 @@ class OutputMixin:
             cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],
             stop_strings=[], no_stop_trim=[], output_token_logprobs=[], output_top_logprobs=[],
             input_token_logprobs=[], input_top_logprobs=[], prompt_tail_ids=[])
+        if getattr(self, "speculator", None) is not None:
+            out.spec_verify_ct = [r.spec_verify_ct for r in send]
+            out.spec_accepted_tokens = [r.spec_accepted_tokens for r in send]
         for req in send:
             p = req.sampling_params
             start = req.send_offset
@@ -103,4 +106,16 @@ class OutputMixin:
             "num_grammar_queue_reqs": len(self.grammar_queue.waiting),
             "grammar_compiles": self.grammar_queue.compiler.compiles,
             "grammar_cache_hits": self.grammar_queue.compiler.hits,
+            **self._spec_stats(),
         }
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding counters (none when it is off)."""
+        spec = getattr(self, "speculator", None)
+        if spec is None:
+            return {}
+        st = spec.stats
+        return {"spec_algorithm": spec.algorithm, "spec_verify_steps": st.verify_steps,
+                "spec_proposed_tokens": st.proposed_tokens, "spec_accepted_tokens": st.accepted_tokens,
+                "spec_fallback_steps": st.fallback_steps, "spec_verified_rows": st.verified_rows,
+                "spec_emitted_tokens": st.emitted_tokens, "spec_mean_accept_length": st.mean_accept_length()}

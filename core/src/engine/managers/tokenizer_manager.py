@@ -174,6 +174,8 @@ class TokenizerManager:
                 state.input_top_logprobs = msg.input_top_logprobs[i]
             state.meta.update(prompt_tokens=msg.prompt_tokens[i], completion_tokens=msg.completion_tokens[i],
                               cached_tokens=msg.cached_tokens[i])
+            if msg.spec_verify_ct is not None:
+                state.meta.update(spec_verify_ct=msg.spec_verify_ct[i], spec_accepted_tokens=msg.spec_accepted_tokens[i])
             if state.first_token_time is None and msg.new_token_ids[i]:
                 state.first_token_time = now
             state.last_time = now
@@ -323,6 +325,10 @@ class TokenizerManager:
             "finish_reason": state.finished_reason,
             "e2e_latency": (state.last_time or time.perf_counter()) - state.created,
         }
+        if "spec_verify_ct" in state.meta:  # speculative decoding: tokens per verify forward
+            verify, kept = state.meta["spec_verify_ct"], state.meta["spec_accepted_tokens"]
+            meta.update(spec_verify_ct=verify, spec_accepted_tokens=kept,
+                        spec_accept_length=(kept + verify) / verify if verify else 0.0)
         if "dp_rank" in state.meta:  # the data-parallel replica that served it (--dp-size > 1)
             meta["dp_rank"] = state.meta["dp_rank"]
         if state.output_token_logprobs or state.input_token_logprobs is not None:

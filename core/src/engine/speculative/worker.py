@@ -141,8 +141,8 @@ class Speculator:
             unused = row_of[req.req_pool_idx, p + n: p + len(d) + 1]
             if unused.numel():
                 sched.allocator.free(unused.to(torch.int64))
-            req.spec_verify_ct = getattr(req, "spec_verify_ct", 0) + 1
-            req.spec_accepted_tokens = getattr(req, "spec_accepted_tokens", 0) + n - 1
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += n - 1
             st = self.stats
             st.verified_rows += 1
             st.proposed_tokens += len(d)
