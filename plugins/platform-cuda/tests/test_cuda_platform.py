@@ -105,3 +105,37 @@ def test_device_and_memory_probes() -> None:
     props = torch.cuda.get_device_properties(0)
     assert props.name in text and f"sm_{props.major}{props.minor}" in text
     assert platform.supports_dtype(torch.float16) and platform.supports_dtype(torch.float32)
+
+
+# -- the available side on a simulated CUDA build (any machine) ------------------------------
+from engine.testing.simulated_devices import simulate_cuda  # noqa: E402
+
+
+class TestCudaSimulatedH100(PlatformConformance):
+    platform_name = "cuda"
+
+    @pytest.fixture(autouse=True)
+    def simulated_device(self, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+        return simulate_cuda(monkeypatch, capability=(9, 0))
+
+
+@pytest.mark.parametrize(("capability", "fp8"), [((9, 0), torch.float8_e4m3fn), ((8, 9), torch.float8_e4m3fn),
+                                                 ((8, 0), None)])
+def test_fp8_dtype_from_compute_capability(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                                           fp8: torch.dtype | None) -> None:
+    simulate_cuda(monkeypatch, capability=capability)
+    platform = _platform()
+    assert platform.fp8_dtype() == fp8
+    assert platform.supports_dtype(torch.float8_e4m3fn) == (fp8 is not None)
+    assert platform.unsupported_attention_reason("flashinfer") is None
+
+
+def test_detected_alone_on_a_simulated_cuda_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    simulate_cuda(monkeypatch, count=2)
+    spec, platform = plugins.choose_platform()
+    assert spec.name == "cuda" and platform.device_count() == 2
+    assert "NVIDIA H100" in platform.describe()
+
+
+def test_spec_names_the_hardware_it_was_tested_on() -> None:
+    assert "H100" in plugins.get_platform_spec("cuda").tested_on_hardware

@@ -170,6 +170,10 @@ class _FakeTorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.sim.imported = True
+        # Like torch_npu: name PyTorch's out-of-tree device slot "npu" so torch.device("npu", i)
+        # parses. Process-wide and not undoable (torch allows it once), harmless to CPU tests.
+        if torch._C._get_privateuse1_backend_name() in ("privateuseone", "npu"):
+            torch.utils.rename_privateuse1_backend("npu")
         module.__version__ = "2.6.0.post1"  # type: ignore[attr-defined]
         module.npu = self.npu  # type: ignore[attr-defined]
         self.monkeypatch.setattr(torch, "npu", self.npu, raising=False)
