@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelLoadError
-from engine.layers.quantization import LinearMethodBase, QuantizationConfig
+from engine.layers.quantization import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 
 if TYPE_CHECKING:
     from torch import nn
@@ -119,6 +119,15 @@ class Fp8Config(QuantizationConfig):
         from engine_quant_fp8.method import Fp8LinearMethod
 
         return Fp8LinearMethod(self)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase | None:
+        """FP8 experts (``engine_quant_fp8.moe``), on the fly only."""
+        if self.checkpoint_serialized:
+            raise ModelLoadError(f"fp8: {prefix}: FP8-serialized mixture-of-experts checkpoints are not supported yet; "
+                                 "serve the 16-bit checkpoint with --quant fp8 (experts quantized per channel at load)")
+        from engine_quant_fp8.moe import Fp8MoEMethod
+
+        return Fp8MoEMethod()
 
     def ignored_layers(self) -> list[str]:
         return list(self.ignored)
