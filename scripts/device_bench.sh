@@ -134,6 +134,30 @@ for stage in "$@"; do
         > "$OUT/gpu_quant_tests.log" 2>&1; tail -25 "$OUT/gpu_quant_tests.log" ;;
     hf)
       timeout "${HF_TIMEOUT:-300}" python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch "${HF_BATCH:-64}" --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
+    moe_tests)
+      # Mixture of experts: fused kernel vs reference, MoE models vs transformers in bf16, fp8 experts.
+      timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider core/tests/layers/moe plugins-models/moe \
+        plugins-quant/fp8/tests/test_fp8_moe.py > "$OUT/gpu_moe_tests.log" 2>&1; tail -8 "$OUT/gpu_moe_tests.log" ;;
+    moe)
+      # The fused MoE kernel vs the per-expert loop vs a dense MLP of the same active size, then the
+      # Qwen3-30B-A3B-shaped dummy model (bf16, ~61 GB: one H100/H200), batch 1 and 64 decode, bf16 and fp8 experts.
+      timeout "${KERNEL_BENCH_TIMEOUT:-240}" python3 scripts/bench_moe_kernel.py --result-file "$RES" 2>&1 | grep -v Warning
+      MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
+      E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
+        --result-file "$RES" 2>&1 | tail -3
+      E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --quant fp8 --batch-size "1 64" --input-len 128 --output-len 256 \
+        --result-file "$RES" 2>&1 | tail -3 | sed "s/^/fp8 /" ;;
+    moe_mixtral)
+      # Mixtral-8x7B-shaped dummy (bf16, ~93 GB: one H200).
+      E bench one-batch --model-path docs/bench_configs/mixtral-8x7b --load-format dummy --skip-tokenizer-init --log-level warning \
+        --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -3 ;;
+    moe_ep)
+      # EP=2 vs TP=2 on the Qwen3-30B-A3B-shaped dummy (nvidia-h200-x2).
+      MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
+      for ep in 1 2; do
+        E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --tp-size 2 --ep-size "$ep" --batch-size "1 64" \
+          --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=2 ep=$ep /"
+      done ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac
