@@ -171,3 +171,24 @@ def _flags(extra: list[str]) -> dict[str, object]:
         else:
             values[key] = value
     return values
+
+
+def test_plugins_list_says_per_platform_what_it_found_and_where_it_was_tested() -> None:
+    from engine import plugins
+
+    res = runner.invoke(app, ["plugins", "list"])
+    assert res.exit_code == 0
+    lines = res.output.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("PLATFORM"))
+    table = {line.split()[0]: line for line in lines[start + 1:] if line.strip()}
+    assert set(table) == set(plugins.platforms())
+    assert sum("selected" in line for line in table.values()) == 1  # auto-detection picks exactly one
+    for name in set(table) & {"rocm", "xpu", "npu"}:
+        assert "no: simulated devices only" in table[name]
+    for name, line in table.items():
+        assert "selected" in line or "available" in line, line
+    res = runner.invoke(app, ["plugins", "list", "--json"])
+    rows = {p["name"]: p for p in json.loads(res.output)}
+    cpu = rows["cpu"]["platforms"]["cpu"]
+    assert cpu["available"] is True and cpu["tested_on_hardware"]
+    assert "platforms" not in rows["torch_native"]

@@ -204,8 +204,15 @@ def plugins_list(
     from engine import plugins
 
     infos = plugins.list_plugins(disable_plugin or [])
+    platforms = plugins.platform_statuses(disable_plugin or [])
     if as_json:
-        typer.echo(json.dumps([p.to_dict() for p in infos], indent=2))
+        rows_json = [p.to_dict() for p in infos]
+        for row in rows_json:  # platform plugins also say what they found here and where they were tested
+            mine = {s["name"]: {k: v for k, v in s.items() if k not in ("name", "plugin")}
+                    for s in platforms if s["plugin"] == row["name"]}
+            if mine:
+                row["platforms"] = mine
+        typer.echo(json.dumps(rows_json, indent=2))
         return
     rows = [("NAME", "DISTRIBUTION", "VERSION", "REGISTERS", "STATUS")]
     for p in infos:
@@ -215,6 +222,17 @@ def plugins_list(
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    if platforms:
+        typer.echo("")
+        table = [("PLATFORM", "DEVICE", "TESTED ON HARDWARE", "HERE")]
+        for s in platforms:
+            here = ("selected" if s["selected"] else "available") if s["available"] else f"unavailable: {s['reason']}"
+            if s["available"] and s["reason"]:
+                here += f" ({s['reason']})"
+            table.append((s["name"], s["device_type"], s["tested_on_hardware"] or "no: simulated devices only", here))
+        widths = [max(len(r[i]) for r in table) for i in range(3)]
+        for r in table:
+            typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
 
 
 @config_app.command("show")

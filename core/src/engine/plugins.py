@@ -60,6 +60,9 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("attention", "flashinfer"): "plugserve-attention-flashinfer",
     ("platform", "cpu"): "plugserve-platform-cpu",
     ("platform", "cuda"): "plugserve-platform-cuda",
+    ("platform", "rocm"): "plugserve-platform-rocm",
+    ("platform", "xpu"): "plugserve-platform-xpu",
+    ("platform", "npu"): "plugserve-platform-npu",
     ("quantization", "fp8"): "plugserve-quant-fp8",
     ("quantization", "w8a8_int8"): "plugserve-quant-int8",
     ("grammar", "xgrammar"): "plugserve-grammar-xgrammar",
@@ -611,6 +614,36 @@ def choose_platform(name: str | None = None, disabled: Iterable[str] = (),
         )
     names = ", ".join(s.name for s, _ in fallbacks)
     raise PluginError(f"several fallback platforms ({names}); choose one with --platform")
+
+
+def platform_statuses(disabled: Iterable[str] = (),
+                      plugin_options: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One dict per registered platform: ``name``, ``plugin``, ``device_type``, ``available``,
+    ``reason`` (why not, e.g. a missing vendor library), ``tested_on_hardware`` ("" = only on
+    simulated devices) and ``selected`` (what auto-detection picks here). Probing a platform
+    may import its vendor library (``torch_npu``), never initialise a device."""
+    reg = get_registry(disabled)
+    opts = plugin_options or {}
+    try:
+        picked: str | None = choose_platform(None, disabled, plugin_options)[0].name
+        conflict = ""
+    except PluginError as exc:
+        picked, conflict = None, str(exc)
+    rows = []
+    for name, entry in sorted(reg.entries["platform"].items()):
+        try:
+            platform = create(entry.spec.factory, options=reg.options_for(entry.plugin.name, opts))
+            available = bool(platform.is_available())
+            reason = "" if available else platform.unavailable_reason()
+        except Exception as exc:  # a platform whose probe raises is reported, not fatal to the listing
+            available, reason = False, f"probe failed: {_one_line(exc)}"
+        rows.append({
+            "name": name, "plugin": entry.plugin.name, "device_type": entry.spec.device_type,
+            "available": available, "reason": reason or (conflict if available and picked is None else ""),
+            "tested_on_hardware": getattr(entry.spec, "tested_on_hardware", ""),
+            "selected": name == picked,
+        })
+    return rows
 
 
 def select_platform(name: str | None = None, disabled: Iterable[str] = (),
