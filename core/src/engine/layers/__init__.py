@@ -33,6 +33,12 @@ _EXPORTS: dict[str, str] = {
     "QuantizationConfig": "layers.quantization",
     "LinearMethodBase": "layers.quantization",
     "FusedMoEMethodBase": "layers.quantization",
+    # mixture of experts: the layer, its router, the per-expert torch reference (docs/moe.md)
+    "FusedMoE": "layers.moe.layer",
+    "UnquantizedFusedMoEMethod": "layers.moe.layer",
+    "expert_params_mapping": "layers.moe.layer",
+    "select_experts": "layers.moe.router",
+    "fused_moe_reference": "layers.moe.reference",
     # positions
     "RotaryEmbedding": "layers.rotary_embedding",
     "get_rope": "layers.rotary_embedding",
@@ -85,6 +91,9 @@ if TYPE_CHECKING:
         set_weight_attrs,
     )
     from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+    from engine.layers.moe.layer import FusedMoE, UnquantizedFusedMoEMethod, expert_params_mapping
+    from engine.layers.moe.reference import fused_moe_reference
+    from engine.layers.moe.router import select_experts
     from engine.layers.pipeline import PPMissingLayer, PPProxyTensors, make_layers, pp_layer_range, pp_stage
     from engine.layers.quantization import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
     from engine.layers.radix_attention import RadixAttention
