@@ -119,3 +119,28 @@ def test_a_gpu_without_fp8_kernels_is_logged_once(monkeypatch, caplog) -> None: 
         assert len(warnings) == 1 and "A100" in warnings[0].getMessage()
     finally:
         gemm._device_has_fp8_gemm.cache_clear()
+
+
+@pytest.mark.parametrize(("arch", "fast"), [("gfx942", False), ("gfx950", True)])
+def test_the_fp8_gemm_follows_the_platforms_fp8_dtype(monkeypatch, arch: str, fast: bool) -> None:  # type: ignore[no-untyped-def]
+    """On ROCm the kernels run only where the platform's fp8 type is the checkpoints' e4m3fn (gfx950);
+    MI300's e4m3fnuz keeps the dequantize path (simulated HIP build, issue 17)."""
+    from engine import plugins
+    from engine.platforms import using_platform
+    from engine.testing.simulated_devices import simulate_rocm
+
+    from engine_quant_fp8 import gemm
+
+    if "rocm" not in plugins.platforms():
+        pytest.skip("plugserve-platform-rocm not installed")
+    simulate_rocm(monkeypatch, arch=arch)
+    rocm = plugins.create(plugins.get_platform_spec("rocm").factory, options={})
+    gemm._device_has_fp8_gemm.cache_clear()
+    try:
+        with using_platform(rocm):
+            assert gemm._device_has_fp8_gemm(0) is fast
+        gemm._device_has_fp8_gemm.cache_clear()
+        # Without the platform, a ROCm build is never assumed to have e4m3fn.
+        assert gemm._device_has_fp8_gemm(0) is False
+    finally:
+        gemm._device_has_fp8_gemm.cache_clear()

@@ -13,8 +13,9 @@ On CUDA devices of compute capability 8.9 or newer (Ada, Hopper, Blackwell):
 - above that, with block scales: activations quantized per token and 128-column group in one
   launch, then the block-scaled Triton fp8 x fp8 GEMM (``w8a8.w8a8_linear``).
 
-Everywhere else (CPU, older GPUs, ROCm) the weight is dequantized to the activation dtype and
-``F.linear`` runs: the reference, numerically weight-only, correct but slower than the
+The device must compute in float8_e4m3fn, as its platform says (``Platform.fp8_dtype``): ROCm
+gfx950 does; MI300 (gfx942, float8_e4m3fnuz) does not. Everywhere else (CPU, older GPUs, MI300)
+the weight is dequantized to the activation dtype and ``F.linear`` runs: the reference, numerically weight-only, correct but slower than the
 unquantized model because every call rebuilds the dense weight.
 """
 
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from engine.layers.quantization import QuantizedActivation
 
-from engine_quant_fp8.quantize import dequantize_per_block, dequantize_per_channel, quantize_per_token
+from engine_quant_fp8.quantize import FP8_DTYPE, dequantize_per_block, dequantize_per_channel, quantize_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -57,17 +58,30 @@ W8A8_TRITON_MAX_M = 128
 BLOCK_WEIGHT_ONLY_MAX_M = 32
 
 
+def _native_fp8_dtype(index: int) -> torch.dtype | None:
+    """The fp8 type the device computes in, as its platform says (``Platform.fp8_dtype``, hook
+    API 5); outside an engine run (kernel tests, benchmarks) the CUDA rule: sm_89+ on a CUDA build."""
+    from engine.platforms import current_platform
+
+    platform = current_platform()
+    if platform is not None and platform.device_type == "cuda":
+        return platform.fp8_dtype(torch.device("cuda", index))
+    if torch.version.hip is not None:
+        return None  # a ROCm build without the rocm platform: no way to tell gfx942 from gfx950
+    return FP8_DTYPE if torch.cuda.get_device_capability(index) >= (8, 9) else None
+
+
 @functools.cache
 def _device_has_fp8_gemm(index: int) -> bool:
-    # ROCm builds name their fp8 types differently (e4m3fnuz); keep them on the fallback.
-    if torch.version.hip is not None:
-        has = False
-    else:
-        has = torch.cuda.get_device_capability(index) >= (8, 9)
+    # The kernels here compute in the OCP float8_e4m3fn of the checkpoints. A device whose native
+    # format is another one (ROCm MI300, gfx942: float8_e4m3fnuz) or none stays on the fallback.
+    native = _native_fp8_dtype(index)
+    has = native == FP8_DTYPE
     if not has:  # once per device (cached): the run is correct but slower than 16-bit
-        logger.warning("fp8: device %d (%s) has no FP8 kernels here (compute capability >= 8.9 on CUDA "
-                       "needed); weights are dequantized for every matmul, slower than the unquantized model",
-                       index, torch.cuda.get_device_name(index))
+        why = "no fp8 arithmetic" if native is None else f"computes in {str(native).replace('torch.', '')}"
+        logger.warning("fp8: device %d (%s) has no FP8 kernels here (%s; float8_e4m3fn needed: CUDA compute "
+                       "capability >= 8.9 or ROCm gfx950); weights are dequantized for every matmul, slower "
+                       "than the unquantized model", index, torch.cuda.get_device_name(index), why)
     return has
 
 
