@@ -129,7 +129,11 @@ class FusedMoEMethodBase(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        """Runs the routed experts for each token and sums them by ``topk_weights``."""
+        """Runs the routed experts for each token and sums them by ``topk_weights``.
+
+        ``topk_ids`` are this rank's expert indices (``[tokens, top_k]`` int32); ``-1`` marks an
+        expert another expert-parallel rank holds, which contributes nothing here. The layer
+        (``engine.layers.moe.FusedMoE``) all-reduces the result over the tensor-parallel group."""
 
 
 class QuantizationConfig(ABC):
