@@ -13,12 +13,11 @@ import random
 
 import pytest
 import torch
+from engine.layers.moe import FusedMoE
 from engine.testing.checkpoints import make_tiny_checkpoint
 from engine.testing.harness import assert_cosine_close, assert_generates, last_position_logits, make_scheduler
 from engine_quant_fp8.moe import quantize_experts
 from engine_quant_fp8.quantize import FP8_DTYPE, FP8_MAX
-
-from engine.layers.moe import FusedMoE
 
 
 def test_quantize_experts_per_expert_and_channel() -> None:
