@@ -139,3 +139,30 @@ def test_detected_alone_on_a_simulated_cuda_build(monkeypatch: pytest.MonkeyPatc
 
 def test_spec_names_the_hardware_it_was_tested_on() -> None:
     assert "H100" in plugins.get_platform_spec("cuda").tested_on_hardware
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_GPU, reason="needs a CUDA GPU")
+def test_stream_event_and_graph_methods_capture_and_replay() -> None:
+    """What the graph runner and the overlapped decode now ask the platform for (issue 17, item 6)."""
+    platform = _platform()
+    device = platform.device(0)
+    platform.set_device(device)
+    x = torch.ones(1024, device=device)
+    y = torch.empty_like(x)
+    stream = platform.create_stream()
+    with platform.stream_context(stream):
+        torch.mul(x, 2, out=y)  # warm-up on the side stream
+    stream.synchronize()
+    graph = platform.create_graph()
+    with platform.graph_capture(graph, None, stream):
+        torch.mul(x, 3, out=y)
+    x.fill_(2)
+    graph.replay()
+    event = platform.create_event()
+    event.record()
+    event.synchronize()
+    assert torch.equal(y, torch.full_like(x, 6))
+    assert graph.pool() is not None
+    assert platform.pin_host_memory()
+    assert platform.fp8_dtype() == (torch.float8_e4m3fn if torch.cuda.get_device_capability() >= (8, 9) else None)
