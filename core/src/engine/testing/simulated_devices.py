@@ -142,9 +142,19 @@ def simulate_cuda(monkeypatch: Any, capability: tuple[int, int] = (9, 0), count:
     return sim
 
 
+def hide_cuda(monkeypatch: Any) -> None:
+    """No CUDA/ROCm GPU visible (``torch.cuda.is_available()`` False): a machine of another vendor,
+    even when the tests run on a GPU machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 def simulate_xpu(monkeypatch: Any, count: int = 4, total_bytes: int = 64 * GiB, free_bytes: int | None = None,
-                 name: str = "Intel(R) Data Center GPU Max 1550") -> SimulatedDevice:
-    """``torch.xpu`` (PyTorch's built-in Intel GPU support) seeing ``count`` Intel GPUs."""
+                 name: str = "Intel(R) Data Center GPU Max 1550", alone: bool = True) -> SimulatedDevice:
+    """``torch.xpu`` (PyTorch's built-in Intel GPU support) seeing ``count`` Intel GPUs; with
+    ``alone`` (default) no CUDA GPU is visible either (``hide_cuda``)."""
+    if alone:
+        hide_cuda(monkeypatch)
     sim = SimulatedDevice("xpu", count, total_bytes, total_bytes - GiB if free_bytes is None else free_bytes, name)
     module = getattr(torch, "xpu", None)
     if module is None:  # a torch without XPU support at all: give it a module to answer from
@@ -180,9 +190,12 @@ class _FakeTorchNpuFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def simulate_npu(monkeypatch: Any, count: int = 8, total_bytes: int = 64 * GiB, free_bytes: int | None = None,
-                 name: str = "Ascend910B2") -> SimulatedDevice:
+                 name: str = "Ascend910B2", alone: bool = True) -> SimulatedDevice:
     """An installed (not yet imported) ``torch_npu`` that, once imported, shows ``count`` Ascend NPUs
-    as ``torch.npu``; ``SimulatedDevice.imported`` says whether anything imported it."""
+    as ``torch.npu``; ``SimulatedDevice.imported`` says whether anything imported it. With ``alone``
+    (default) no CUDA GPU is visible either (``hide_cuda``)."""
+    if alone:
+        hide_cuda(monkeypatch)
     sim = SimulatedDevice("npu", count, total_bytes, total_bytes - GiB if free_bytes is None else free_bytes, name)
     npu = types.ModuleType("torch_npu.npu")
     _install_module_api(monkeypatch, npu, sim, _gpu_props(sim))
@@ -212,4 +225,4 @@ def hide_module(monkeypatch: Any, name: str) -> None:
     monkeypatch.setattr(sys, "meta_path", [_Hide(), *sys.meta_path])
 
 
-__all__ = ["GiB", "SimulatedDevice", "hide_module", "simulate_cuda", "simulate_npu", "simulate_rocm", "simulate_xpu"]
+__all__ = ["GiB", "SimulatedDevice", "hide_cuda", "hide_module", "simulate_cuda", "simulate_npu", "simulate_rocm", "simulate_xpu"]
