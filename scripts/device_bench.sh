@@ -158,6 +158,20 @@ for stage in "$@"; do
         E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --tp-size 2 --ep-size "$ep" --batch-size "1 64" \
           --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=2 ep=$ep /"
       done ;;
+    spec)
+      # Speculative decoding (issue 16): the default model quoting a passage of its prompt back, greedy,
+      # ngram off vs on (decode tok/s, mean acceptance length; equal outputs_sha1 = identical output),
+      # then the batch sizes where speculation stops paying (raise --speculative-max-batch-size to see).
+      SPEC=(--attention "${ATTN:-triton}" --output-len 256 --log-level warning --result-file "$RES")
+      for bs in 1 4 16; do
+        E bench spec "${SPEC[@]}" --batch-size "$bs" 2>&1 | tail -1
+        for k in 4 8; do
+          E bench spec "${SPEC[@]}" --batch-size "$bs" --speculative-algorithm ngram --speculative-num-steps "$k" \
+            --speculative-max-batch-size 64 2>&1 | tail -1 | sed "s/^/k=$k /"
+        done
+      done
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_default_model_spec.py core/tests/speculative \
+        > "$OUT/spec_tests.log" 2>&1; tail -3 "$OUT/spec_tests.log" ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac

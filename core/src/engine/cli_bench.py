@@ -14,7 +14,7 @@ import typer
 from engine.cli import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup, spec.")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -64,6 +64,24 @@ _DATASET_OPTS = [
     _opt("gsp_output_len", int, 256, "--gsp-output-len", help="Output tokens"),
     _opt("seed", int, 1, "--seed", help="Dataset seed"),
 ]
+
+
+@bench_app.command("spec")
+@with_server_args([
+    _opt("batch_size", int, 1, "--batch-size", help="Copies of the copy-heavy request run at once"),
+    _opt("output_len", int, 256, "--output-len", help="Generated tokens per request (greedy, EOS ignored)"),
+    _opt("passages", int, 2, "--passages", help="Times the ~230-word passage appears in the prompt"),
+    _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),
+])
+def spec_cmd(server_args: ServerArgs, batch_size: int, output_len: int, passages: int,
+             result_file: str | None) -> None:
+    """Decode speed on a copy-heavy request (quote a passage back); compare with and without
+    --speculative-algorithm; reports the mean acceptance length."""
+    from engine.bench.spec import bench_spec
+
+    if batch_size < 1 or output_len < 2 or passages < 1:
+        fail("--batch-size, --passages: integers >= 1; --output-len: an integer >= 2")
+    bench_spec(server_args, batch_size, output_len, passages, result_file)
 
 
 @bench_app.command("startup")
