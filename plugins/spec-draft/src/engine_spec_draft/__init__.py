@@ -1,0 +1,15 @@
+"""The ``draft`` speculative proposer: a smaller model of the same tokenizer drafts greedily.
+
+Registration only; ``engine_spec_draft.proposer`` builds the draft model when selected.
+"""
+
+from __future__ import annotations
+
+from engine.hookspecs import SpeculativeAlgorithmSpec, hookimpl
+
+
+@hookimpl
+def register_speculative_algorithms(register):  # type: ignore[no-untyped-def]
+    register(SpeculativeAlgorithmSpec(
+        name="draft", factory="engine_spec_draft.proposer:create", needs_draft_model=True,
+        description="A smaller model (--speculative-draft-model-path) drafts k tokens greedily in its own KV pool"))
