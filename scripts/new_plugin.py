@@ -1,7 +1,7 @@
 """Creates a new plugin distribution from plugins/_template.
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
-KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar
+KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec
 """
 
 from __future__ import annotations
@@ -82,6 +82,18 @@ KINDS = {
               'class Backend(XGrammarBackend):\n'
               '    """Starts as the xgrammar backend; replace validate, compile and matcher with your library\'s\n'
               '    (engine.constrained.GrammarBackend / GrammarMatcher, docs/structured_output.md)."""\n')),
+    "spec": dict(
+        deps=["plugserve-spec-ngram>=0.1"],
+        hook="register_speculative_algorithms", spec_cls="SpeculativeAlgorithmSpec",
+        kit="SpeculativeProposerConformance",
+        spec='SpeculativeAlgorithmSpec(name="{name}", factory="{package}.impl:create")',
+        kit_attrs='    algorithm_name = "{name}"',
+        impl=('from engine.speculative import ProposerContext\n'
+              'from engine_spec_ngram.proposer import NgramProposer\n\n\n'
+              'class MyProposer(NgramProposer):\n'
+              '    """Starts as prompt lookup; replace propose (and on_verified/release if you keep state)\n'
+              '    (engine.speculative.Proposer, docs/speculative.md)."""\n\n\n'
+              'def create(ctx: ProposerContext) -> MyProposer:\n    return MyProposer()\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",
