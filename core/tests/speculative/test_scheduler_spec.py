@@ -178,3 +178,33 @@ def test_acceptance_stats_reach_the_outputs(llama_ckpt: str, prompts: list[list[
     stats = sched.stats()
     assert stats["spec_verify_steps"] == 6 and stats["spec_emitted_tokens"] == 29
     assert stats["spec_mean_accept_length"] == pytest.approx(29 / 6)
+
+
+def test_rows_that_cannot_draft_ride_along(llama_ckpt: str, prompts: list[list[int]],
+                                           expected: list[list[int]]) -> None:
+    """A penalized row, a logprob row and a min_new_tokens row share the verify forward with
+    drafting rows: they take one sampler token per step (as plain decode would), the others
+    verify chains; every output equals the engine without speculation."""
+    special = [{"frequency_penalty": 0.7, "presence_penalty": 0.3}, {"repetition_penalty": 1.3},
+               {"min_new_tokens": 25}]
+    greedy = {"max_new_tokens": 30, "temperature": 0.0}
+
+    def run(sched: Any) -> tuple[dict[int, list[int]], dict[int, Any]]:
+        rids = {}
+        for i, p in enumerate(prompts):
+            extra = special[i] if i < len(special) else {}
+            rids[i] = submit(sched, p, {**greedy, **extra}, return_logprob=(i == 3))
+        col = OutputCollector()
+        while sched.step():
+            col.collect(sched)
+        col.collect(sched)
+        return {i: col.ids[r] for i, r in rids.items()}, col
+
+    plain_out, _ = run(make_scheduler(llama_ckpt))
+    sched = _spec(llama_ckpt, OracleProposer(prompts, expected), speculative_num_steps=4)
+    spec_out, _ = run(sched)
+    assert spec_out == plain_out
+    assert spec_out[4] == expected[4]  # an ordinary greedy row
+    st = sched.speculator.stats
+    assert st.verify_steps > 0 and st.accepted_tokens > 0
+    check_no_leak(sched)

@@ -81,8 +81,9 @@ class DecodeMixin:
             self._ensure_decode_memory(batch)
             if batch.reqs:
                 info = self._decode_sampling_info(batch) if self.speculator is not None else None
-                if info is not None and self.speculator.can_run(batch, info):
-                    self._run_spec_decode(batch, info)
+                rows = self.speculator.try_step(batch, info) if info is not None else None
+                if rows is not None:
+                    self._finish_spec_decode(rows)
                 else:
                     self._process_decode(self._launch_decode(batch, None, lag=0, info=info))
                 batch.filter()
@@ -119,9 +120,8 @@ class DecodeMixin:
         self.decode_rows += len(batch.reqs)
         return InflightDecode.start(batch.reqs, sample, info)
 
-    def _run_spec_decode(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> None:
-        """A speculative decode step (``engine.speculative.worker``): several tokens per row."""
-        rows = self.speculator.run_step(batch, info)
+    def _finish_spec_decode(self, rows: list[Req]) -> None:
+        """Counts and emits a speculative decode step (``engine.speculative.worker``)."""
         self.forward_steps += 1
         self.decode_steps += 1
         self.decode_rows += len(rows)

@@ -1,7 +1,8 @@
 """The scheduler's speculative decode step: propose, verify in one extend forward, roll back.
 
-One step for the running batch: the proposer drafts up to ``k`` tokens per request; the
-target runs one EXTEND forward over ``[last token] + drafts`` of every row (KV slots are
+One step for the running batch: the proposer drafts up to ``k`` tokens per request (none for
+requests the verifier cannot reproduce exactly: those take the ordinary sampler's token at their
+row, penalties, grammar mask and logprobs included); the target runs one EXTEND forward over ``[last token] + drafts`` of every row (KV slots are
 allocated for all of them, as for a prefill); ``verify_chain`` picks the kept drafts and the
 target's own next token; the requests append those tokens one by one (so EOS, stop ids and
 ``max_new_tokens`` inside an accepted run end the request at the right token); the KV slots
@@ -15,12 +16,14 @@ the first ``m`` of them and the rest are freed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative.base import DraftRequest, ProposerContext
 from engine.speculative.verify import verify_chain
@@ -78,28 +81,36 @@ class Speculator:
                     self.algorithm, self.max_draft, self.max_batch_size)
 
     # -- eligibility -------------------------------------------------------------
-    def can_run(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> bool:
-        """Whether this step speculates. A batch speculates as a whole; one that holds a row
-        the chain verifier cannot reproduce exactly decodes plainly this step."""
-        reqs = batch.reqs
-        ok = (0 < len(reqs) <= self.max_batch_size and info.penalizer is None and not info.return_logprob
-              and all(s is None for s in info.seeds) and all(r.grammar is None for r in reqs))
-        if not ok:
-            self.stats.fallback_steps += 1
-        return ok
+    @staticmethod
+    def row_can_draft(req: Req) -> bool:
+        """Whether the chain verifier reproduces this request's sampling exactly. Rows that
+        cannot (penalties, an unmet min_new_tokens, a grammar, logprobs, a per-request seed)
+        get no drafts: they take one token per step from the ordinary sampler, in the same
+        forward as the others' verification."""
+        p = req.sampling_params
+        return (req.grammar is None and not req.return_logprob and p.seed is None
+                and p.frequency_penalty == 0 and p.presence_penalty == 0 and p.repetition_penalty == 1
+                and len(req.output_ids) >= p.min_new_tokens)
 
     def _draft_budget(self, req: Req) -> int:
         """Drafts worth proposing: none past max_new_tokens or the context length."""
+        if not self.row_can_draft(req):
+            return 0
         sched = self.scheduler
         left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
         room = sched.context_len - req.seqlen - 1
         return max(0, min(self.max_draft, left, room))
 
     # -- the step ----------------------------------------------------------------------
-    def run_step(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> list[Req]:
-        """One speculative decode step of ``batch``; returns its rows (to emit)."""
+    def try_step(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> list[Req] | None:
+        """One speculative decode step of ``batch``; returns its rows (to emit), or None when
+        the step should decode plainly (batch above --speculative-max-batch-size, or no draft
+        at all this step: a plain decode step is cheaper, and may replay a CUDA graph)."""
         sched = self.scheduler
         reqs = list(batch.reqs)
+        if not 0 < len(reqs) <= self.max_batch_size:
+            self.stats.fallback_steps += 1
+            return None
         views = [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, self._draft_budget(r)) for r in reqs]
         drafts = self._checked(self.proposer.propose(views), views, sched.runner.vocab_size)
         # The decode-memory check guaranteed one slot per row; drafts take what else is free.
@@ -108,6 +119,10 @@ class Speculator:
             if len(d) > spare:
                 drafts[i] = d = d[:max(spare, 0)]
             spare -= len(d)
+        if not any(drafts):
+            self.proposer.on_verified(views, [0] * len(reqs))
+            self.stats.fallback_steps += 1
+            return None
         prefix_lens = [r.seqlen - 1 for r in reqs]
         seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
         out_cache_loc = batch._alloc_tokens(prefix_lens, seq_lens, [-1] * len(reqs))
@@ -122,17 +137,19 @@ class Speculator:
         fb = ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
                                 prefix_lens, out_cache_loc, sched.device, num_extend_reqs=len(reqs),
                                 return_logprob=True)  # logits at every position
+        info.steps = [len(r.output_ids) for r in reqs]
         fb.sampling_info = info
         out = sched.runner.forward(fb)
-        logits = out.full_logits if out.full_logits is not None else out.next_token_logits
-        appended = verify_chain(logits, drafts, info)
+        appended, sample = self._decide(reqs, drafts, out, fb, info)
         kept_counts = []
         row_of = pool.req_to_token
-        for req, d, tokens, p in zip(reqs, drafts, appended, prefix_lens):
+        for i, (req, d, tokens, p) in enumerate(zip(reqs, drafts, appended, prefix_lens)):
             n = 0
             for tok in tokens:
                 req.append_output(tok)
                 n += 1
+                if sample is not None and not d:
+                    record_output_logprobs(req, i, sample)
                 req.check_finished()
                 if req.finished():
                     break
@@ -141,19 +158,55 @@ class Speculator:
             unused = row_of[req.req_pool_idx, p + n: p + len(d) + 1]
             if unused.numel():
                 sched.allocator.free(unused.to(torch.int64))
-            req.spec_verify_ct += 1
-            req.spec_accepted_tokens += n - 1
-            st = self.stats
-            st.verified_rows += 1
-            st.proposed_tokens += len(d)
-            st.accepted_tokens += n - 1
-            st.emitted_tokens += n
+            if d:
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += n - 1
+                st = self.stats
+                st.verified_rows += 1
+                st.proposed_tokens += len(d)
+                st.accepted_tokens += n - 1
+                st.emitted_tokens += n
             if req.finished():
                 self.proposer.release(req.rid)
                 sched.tree_cache.cache_finished_req(req)
         self.stats.verify_steps += 1
         self.proposer.on_verified(views, kept_counts)
         return reqs
+
+    def _decide(self, reqs: list[Req], drafts: list[list[int]], out: Any, fb: ForwardBatch,
+                info: SamplingBatchInfo) -> tuple[list[list[int]], Any]:
+        """The tokens each row appends: verified chains for rows with drafts, the ordinary
+        sampler (penalties, grammar mask, logprobs, seeds) at the last position for the rest."""
+        sched = self.scheduler
+        appended: list[list[int]] = [[] for _ in reqs]
+        sample = None
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if plain:
+            # The sampler sees every row's last-position logits; only the rows without drafts
+            # keep its token (penalty state of drafting rows is zero: they have no penalties).
+            sched.grammar_queue.set_mask(info, reqs)
+            sample = sched.runner.sample(out, fb)
+            if info.penalizer is not None:
+                info.penalizer.cumulate_output_tokens(sample.next_token_ids)
+            ids = sample.next_token_ids.tolist()
+            for i in plain:
+                appended[i] = [ids[i]]
+        drafted = [i for i, d in enumerate(drafts) if d]
+        # Positions of the drafting rows in the full logits.
+        starts, offset = [], 0
+        for d in drafts:
+            starts.append(offset)
+            offset += len(d) + 1
+        positions = [starts[i] + j for i in drafted for j in range(len(drafts[i]) + 1)]
+        full = out.full_logits
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=full.device)
+        # The verifier reads temperatures, top-k/p, min-p and logit_bias only.
+        plain_info = dataclasses.replace(info, penalizer=None, vocab_mask=None, apply_vocab_mask=None)
+        sub_info = plain_info.filter(drafted) if len(drafted) != len(reqs) else plain_info
+        verified = verify_chain(full.index_select(0, pos_t), [drafts[i] for i in drafted], sub_info)
+        for i, tokens in zip(drafted, verified):
+            appended[i] = tokens
+        return appended, sample
 
     @staticmethod
     def _checked(drafts: Any, views: list[DraftRequest], vocab_size: int) -> list[list[int]]:
