@@ -144,7 +144,6 @@ def test_sampling_runs_and_frees_kv(llama_ckpt: str, prompts: list[list[int]]) -
 
 
 @pytest.mark.parametrize("kw, match", [
-    ({"tp_size": 2}, "--tp-size 2"),
     ({"pp_size": 2}, "--pp-size 2"),
     ({"page_size": 16}, "--page-size 16"),
     ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk"),
@@ -208,3 +207,11 @@ def test_rows_that_cannot_draft_ride_along(llama_ckpt: str, prompts: list[list[i
     st = sched.speculator.stats
     assert st.verify_steps > 0 and st.accepted_tokens > 0
     check_no_leak(sched)
+
+
+def test_draft_model_proposers_refuse_tensor_parallelism(llama_ckpt: str) -> None:
+    from engine.config import ServerArgs
+
+    with pytest.raises(ConfigError, match="--tp-size 2"):
+        ServerArgs.from_dict({"model_path": llama_ckpt, "speculative_algorithm": "draft",
+                              "speculative_draft_model_path": llama_ckpt, "tp_size": 2})

@@ -29,7 +29,8 @@ def check_speculative_args(args: Any) -> None:
         raise ConfigError(f"--speculative-max-batch-size: invalid value {args.speculative_max_batch_size}; "
                           "accepted: an integer >= 1")
     unsupported = [
-        (args.tp_size > 1, f"--tp-size {args.tp_size}", "--tp-size 1 (data parallelism, --dp-size, works)"),
+        (args.tp_size > 1 and spec.needs_draft_model, f"--tp-size {args.tp_size}",
+         "--tp-size 1 for a proposer with a model of its own (ngram works with tensor parallelism)"),
         (args.pp_size > 1, f"--pp-size {args.pp_size}", "--pp-size 1"),
         (args.page_size > 1, f"--page-size {args.page_size}", "--page-size 1"),
     ]

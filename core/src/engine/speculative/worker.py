@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine import distributed
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative.base import DraftRequest, ProposerContext
@@ -69,6 +70,7 @@ class Speculator:
         self.num_draft_tokens = num_draft_tokens_of(args)
         self.max_draft = self.num_draft_tokens - 1
         self.max_batch_size = args.speculative_max_batch_size
+        self.tp_size = scheduler.runner.placement.tp_size
         runner = scheduler.runner
         ctx = ProposerContext(
             num_steps=args.speculative_num_steps, num_draft_tokens=self.num_draft_tokens,
@@ -113,6 +115,9 @@ class Speculator:
             return None
         views = [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, self._draft_budget(r)) for r in reqs]
         drafts = self._checked(self.proposer.propose(views), views, sched.runner.vocab_size)
+        if self.tp_size > 1:
+            # Tensor-parallel ranks must run the same step: rank 0's drafts decide.
+            drafts = distributed.broadcast_objects(drafts, src=0)
         # The decode-memory check guaranteed one slot per row; drafts take what else is free.
         spare = sched.allocator.available_size() + sched.tree_cache.evictable_size() - len(reqs)
         for i, d in enumerate(drafts):
@@ -206,6 +211,9 @@ class Speculator:
         verified = verify_chain(full.index_select(0, pos_t), [drafts[i] for i in drafted], sub_info)
         for i, tokens in zip(drafted, verified):
             appended[i] = tokens
+        if self.tp_size > 1:
+            # Acceptance is not trusted to be bit-identical on every rank (as sampling is not).
+            appended = distributed.broadcast_objects(appended, src=0)
         return appended, sample
 
     @staticmethod

@@ -1,0 +1,31 @@
+"""ngram speculation under tensor parallelism on the CPU (gloo, one process per rank): rank 0's
+drafts and acceptance decide, and the output equals TP=1 without speculation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine import Engine
+from engine.testing.checkpoints import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(str(tmp_path_factory.mktemp("tp-spec")), "LlamaForCausalLM",
+                                num_key_value_heads=2, num_hidden_layers=2)
+
+
+def _generate(ckpt: str, **kw: Any) -> list[dict[str, Any]]:
+    phrase = [11, 400, 52, 930, 7, 1500]
+    prompts = [phrase * 4, [5, 6, 7, 8], phrase[:3] * 5]
+    with Engine(model_path=ckpt, max_total_tokens=512, log_level="warning", **kw) as eng:
+        outs = eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": 16, "temperature": 0})
+    return outs
+
+
+def test_ngram_under_tp2_equals_tp1_plain(ckpt: str) -> None:
+    spec = _generate(ckpt, tp_size=2, speculative_algorithm="ngram")
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in _generate(ckpt)]
+    assert spec[0]["meta_info"]["spec_accepted_tokens"] > 0  # the repeated phrase was drafted and kept
