@@ -116,19 +116,25 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, forward_batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.feed_forward(hidden), residual
+
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The block after the post-attention norm (subclasses with another MLP override it)."""
+        return self.mlp(hidden)
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None,
+                 layer_cls: type[nn.Module] | None = None) -> None:
         super().__init__()
+        layer_cls = layer_cls or LlamaDecoderLayer
         # Pipeline parallelism: this stage builds only its layers (the first also embeds, the
         # last also norms); the rest are placeholders.
         self.stage = pp_stage()
         self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
                              if self.stage.is_first else PPMissingLayer())
         self.layers, self.start_layer, self.end_layer = make_layers(
-            config.num_hidden_layers, lambda i, prefix: LlamaDecoderLayer(config, i, quant_config, prefix),
+            config.num_hidden_layers, lambda i, prefix: layer_cls(config, i, quant_config, prefix),
             prefix="model.layers")
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else PPMissingLayer()
 

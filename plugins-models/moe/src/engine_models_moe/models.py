@@ -17,7 +17,7 @@ from typing import Any
 import re
 
 import torch
-from engine_models_llama.llama import LlamaAttention, LlamaForCausalLM
+from engine_models_llama.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from torch import nn
 
 from engine.errors import ModelLoadError
@@ -26,11 +26,10 @@ from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor
 from engine.layers.moe import FusedMoE, expert_params_mapping
-from engine.layers.pipeline import PPMissingLayer, PPProxyTensors, make_layers, pp_stage
+from engine.layers.pipeline import PPMissingLayer
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import kv_scale_target
-from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.model_executor.forward_batch import ForwardBatch
+from engine.layers.vocab_parallel_embedding import ParallelLMHead
 
 # MoE model_type -> the dense model_type whose attention it shares (LlamaAttention's switches).
 _ATTENTION_TYPE = {"mixtral": "mixtral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
@@ -101,13 +100,15 @@ def _is_sparse(config: Any, layer_id: int) -> bool:
     return layer_id not in (getattr(config, "mlp_only_layers", None) or []) and (layer_id + 1) % step == 0
 
 
-class MoeDecoderLayer(nn.Module):
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """The Llama decoder layer with a sparse (or, on dense layers, gated) MLP under the checkpoint's name."""
+
     #: RMSNorm -> qkv_proj is the only producer feeding one linear (post-attention norm feeds the
     #: router and the experts).
     activation_consumers = {"input_layernorm": "self_attn.qkv_proj"}
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not LlamaDecoderLayer's: the MLP differs
         attn_config = _ConfigView(config, _ATTENTION_TYPE[config.model_type])
         self.self_attn = LlamaAttention(attn_config, layer_id, quant_config, f"{prefix}.self_attn")
         # Checkpoint names: Mixtral's block is block_sparse_moe, Qwen's mlp.
@@ -121,42 +122,13 @@ class MoeDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                forward_batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, forward_batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return getattr(self, self.mlp_name)(hidden), residual
+    def feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.mlp_name)(hidden)
 
 
-class MoeModel(nn.Module):
+class MoeModel(LlamaModel):
     def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
-        super().__init__()
-        self.stage = pp_stage()
-        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-                             if self.stage.is_first else PPMissingLayer())
-        self.layers, self.start_layer, self.end_layer = make_layers(
-            config.num_hidden_layers, lambda i, prefix: MoeDecoderLayer(config, i, quant_config, prefix),
-            prefix="model.layers")
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.stage.is_last else PPMissingLayer()
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor | PPProxyTensors:
-        if self.stage.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
-        else:
-            assert forward_batch.pp_proxy is not None
-            hidden, residual = forward_batch.pp_proxy.hidden_states, forward_batch.pp_proxy.residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual, forward_batch)
-        if not self.stage.is_last:
-            return PPProxyTensors(hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        super().__init__(config, quant_config, MoeDecoderLayer)
 
 
 _EXPERT_TENSOR = re.compile(r"experts\.\d+\.[^.]+\.")
