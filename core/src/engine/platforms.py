@@ -207,6 +207,68 @@ class Platform(ABC):
 _CURRENT: Platform | None = None
 
 
+class TorchCudaPlatform(Platform):
+    """GPUs reached through ``torch.cuda``: NVIDIA on CUDA builds of torch and AMD on ROCm builds
+    (HIP answers the same API). One GPU per local rank, ``torch``'s ``nccl`` backend (RCCL on ROCm),
+    graph capture, overlapped decode. The cuda and rocm plugins subclass it and add detection,
+    dtypes and policies."""
+
+    device_type = "cuda"
+    #: the environment variable that narrows the visible GPUs, named in the error for a missing one.
+    visible_devices_env = "CUDA_VISIBLE_DEVICES"
+
+    def device(self, local_rank: int = 0) -> torch.device:
+        """``cuda:{local_rank}``: one GPU per local rank (``visible_devices_env`` picks which)."""
+        count = torch.cuda.device_count()
+        if count and not 0 <= local_rank < count:
+            raise ValueError(f"local rank {local_rank} has no GPU: {count} visible (cuda:0..cuda:{count - 1}); "
+                             f"lower --tp-size or widen {self.visible_devices_env}")
+        return torch.device("cuda", local_rank)
+
+    def set_device(self, device: torch.device) -> None:
+        """Makes ``device`` current so kernels and communicators of this process use it."""
+        torch.cuda.set_device(device)
+
+    def distributed_backend(self) -> str:
+        # PyTorch's ROCm build serves the "nccl" backend name with RCCL.
+        return "nccl"
+
+    def memory_info(self, device: torch.device) -> tuple[int, int]:
+        """(free, total) bytes as the driver reports them (other processes' use included)."""
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+
+    def supports_graph_capture(self) -> bool:
+        return True
+
+    def supports_overlap_schedule(self) -> bool:
+        return True
+
+    def create_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def stream_context(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def create_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def create_graph(self) -> Any:
+        return torch.cuda.CUDAGraph()
+
+    def graph_capture(self, graph: Any, pool: Any, stream: Any) -> Any:
+        return torch.cuda.graph(graph, pool=pool, stream=stream)
+
+    def pin_host_memory(self) -> bool:
+        return self.is_available()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
+
+
 def set_current_platform(platform: Platform | None) -> None:
     """Records the platform this process runs on (the model runner calls it once it is chosen)."""
     global _CURRENT

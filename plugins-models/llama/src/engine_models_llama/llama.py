@@ -160,10 +160,13 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     )
 
+    #: the decoder stack (subclasses with other layers set their own).
+    model_cls: type[nn.Module] = LlamaModel
+
     def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, quant_config)
+        self.model = self.model_cls(config, quant_config)
         stage = self.model.stage
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if stage.is_last else PPMissingLayer()
         # Split over pipeline stages, a tied LM head is its own copy of the embedding (the loader

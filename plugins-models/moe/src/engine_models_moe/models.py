@@ -24,12 +24,9 @@ from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-from engine.layers.logits_processor import LogitsProcessor
 from engine.layers.moe import FusedMoE, expert_params_mapping
-from engine.layers.pipeline import PPMissingLayer
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import kv_scale_target
-from engine.layers.vocab_parallel_embedding import ParallelLMHead
 
 # MoE model_type -> the dense model_type whose attention it shares (LlamaAttention's switches).
 _ATTENTION_TYPE = {"mixtral": "mixtral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
@@ -141,16 +138,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     #: checkpoint names of an expert's gate, up and down projections.
     expert_names = ("gate_proj", "up_proj", "down_proj")
 
-    def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.model = MoeModel(config, quant_config)
-        stage = self.model.stage
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if stage.is_last else PPMissingLayer()
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False)) and stage.size == 1
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+    model_cls = MoeModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

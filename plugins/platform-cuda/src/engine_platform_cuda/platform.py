@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from engine.platforms import Platform
+from engine.platforms import TorchCudaPlatform
 
 #: Attention backend preferred when its plugin is registered and ``flashinfer`` imports.
 PREFERRED_ATTENTION = "flashinfer"
@@ -37,7 +37,7 @@ def _flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TorchCudaPlatform):
     """NVIDIA GPUs: NCCL collectives, CUDA graphs, overlap scheduling, bf16 by default."""
 
     name = "cuda"
@@ -62,29 +62,7 @@ class CudaPlatform(Platform):
             return f"no CUDA GPU visible to torch {torch.__version__} (CUDA {torch.version.cuda}){hint}"
         return "available"
 
-    # -- devices -----------------------------------------------------------
-    def device(self, local_rank: int = 0) -> torch.device:
-        """``cuda:{local_rank}``: one GPU per local rank (CUDA_VISIBLE_DEVICES picks which)."""
-        count = torch.cuda.device_count()
-        if count and not 0 <= local_rank < count:
-            raise ValueError(
-                f"local rank {local_rank} has no GPU: {count} visible (cuda:0..cuda:{count - 1}); "
-                "lower --tp-size or widen CUDA_VISIBLE_DEVICES"
-            )
-        return torch.device("cuda", local_rank)
-
-    def set_device(self, device: torch.device) -> None:
-        """Makes ``device`` current so kernels and NCCL communicators of this process use it."""
-        torch.cuda.set_device(device)
-
-    def distributed_backend(self) -> str:
-        return "nccl"
-
-    def memory_info(self, device: torch.device) -> tuple[int, int]:
-        """(free, total) bytes as the driver reports them (other processes' use included)."""
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
-
+    # -- memory ------------------------------------------------------------
     def default_mem_fraction_static(self) -> float:
         return DEFAULT_MEM_FRACTION_STATIC
 
@@ -121,30 +99,6 @@ class CudaPlatform(Platform):
         index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
         return torch.float8_e4m3fn if torch.cuda.get_device_capability(index) >= _FP8_MIN_CAPABILITY else None
 
-    def supports_graph_capture(self) -> bool:
-        return True
-
-    def create_stream(self) -> Any:
-        return torch.cuda.Stream()
-
-    def stream_context(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream)
-
-    def create_event(self) -> Any:
-        return torch.cuda.Event()
-
-    def create_graph(self) -> Any:
-        return torch.cuda.CUDAGraph()
-
-    def graph_capture(self, graph: Any, pool: Any, stream: Any) -> Any:
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
-
-    def pin_host_memory(self) -> bool:
-        return self.is_available()
-
-    def supports_overlap_schedule(self) -> bool:
-        return True
-
     # -- housekeeping --------------------------------------------------------
     def layer_kernels(self) -> dict[str, Any]:
         """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary)."""
@@ -155,12 +109,6 @@ class CudaPlatform(Platform):
         from engine_platform_cuda.kernels import layer_kernels
 
         return layer_kernels()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).

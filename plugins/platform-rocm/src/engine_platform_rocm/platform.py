@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.platforms import Platform
+from engine.platforms import TorchCudaPlatform
 
 DEFAULT_ATTENTION = "triton"
 # Same reasoning as the cuda platform's 0.88 (SGLang's value for large-memory GPUs): the rest
@@ -65,10 +65,11 @@ def fp8_for_arch(arch: str) -> torch.dtype | None:
     return None
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(TorchCudaPlatform):
     """AMD GPUs: RCCL (torch's ``nccl`` backend), HIP graphs, overlap scheduling, bf16."""
 
     name = "rocm"
+    visible_devices_env = "HIP_VISIBLE_DEVICES"
     device_type = "cuda"
 
     # -- availability ------------------------------------------------------
@@ -88,28 +89,7 @@ class RocmPlatform(Platform):
             return f"no AMD GPU visible to torch {torch.__version__} (HIP {torch.version.hip}){hint}"
         return "available"
 
-    # -- devices -----------------------------------------------------------
-    def device_count(self) -> int:
-        return torch.cuda.device_count() if self.is_available() else 0
-
-    def device(self, local_rank: int = 0) -> torch.device:
-        count = torch.cuda.device_count()
-        if count and not 0 <= local_rank < count:
-            raise ValueError(f"local rank {local_rank} has no GPU: {count} visible (cuda:0..cuda:{count - 1}); "
-                             "lower --tp-size or widen HIP_VISIBLE_DEVICES")
-        return torch.device("cuda", local_rank)
-
-    def set_device(self, device: torch.device) -> None:
-        torch.cuda.set_device(device)
-
-    def distributed_backend(self) -> str:
-        # PyTorch's ROCm build serves the "nccl" backend name with RCCL.
-        return "nccl"
-
-    def memory_info(self, device: torch.device) -> tuple[int, int]:
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free), int(total)
-
+    # -- memory ------------------------------------------------------------
     def default_mem_fraction_static(self) -> float:
         return DEFAULT_MEM_FRACTION_STATIC
 
@@ -152,38 +132,7 @@ class RocmPlatform(Platform):
         native = self.fp8_dtype()
         return native is not None and dtype in (native, _E5M2_OF[native])
 
-    def supports_graph_capture(self) -> bool:
-        return True
-
-    def supports_overlap_schedule(self) -> bool:
-        return True
-
-    # -- streams, events, graphs (HIP behind torch.cuda) ---------------------
-    def create_stream(self) -> Any:
-        return torch.cuda.Stream()
-
-    def stream_context(self, stream: Any) -> Any:
-        return torch.cuda.stream(stream)
-
-    def create_event(self) -> Any:
-        return torch.cuda.Event()
-
-    def create_graph(self) -> Any:
-        return torch.cuda.CUDAGraph()
-
-    def graph_capture(self, graph: Any, pool: Any, stream: Any) -> Any:
-        return torch.cuda.graph(graph, pool=pool, stream=stream)
-
-    def pin_host_memory(self) -> bool:
-        return self.is_available()
-
     # -- housekeeping --------------------------------------------------------
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
-
     def describe(self) -> str:
         """e.g. ``rocm cuda:0 AMD Instinct MI300X (gfx942, 191.5 GiB, 304 CUs), HIP 6.4, torch 2.8.0``."""
         if not self.is_available():
