@@ -170,29 +170,48 @@ for stage in "$@"; do
             --speculative-max-batch-size 64 2>&1 | tail -1 | sed "s/^/k=$k /"
         done
       done
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_default_model_spec.py core/tests/speculative \
+      # Llama-3-8B shape (dummy weights, .cache/bench_grammar for the tokenizer): the verify step's cost at
+      # k = 2, 4, 8 with a 2-layer draft of the same shape, and draft = the target itself (same dummy
+      # weights, so every draft is accepted: the mechanism's ceiling, draft cost included).
+      mkdir -p /tmp/draft2 && cp .cache/bench_grammar/* /tmp/draft2/
+      python3 -c "import json; p='/tmp/draft2/config.json'; c=json.load(open(p)); c['num_hidden_layers']=2; json.dump(c, open(p, 'w'))"
+      S8=(--model-path .cache/bench_grammar --load-format dummy --attention "${ATTN:-triton}" --output-len 128 --log-level warning --result-file "$RES")
+      E bench spec "${S8[@]}" 2>&1 | tail -1 | sed "s/^/8b /"
+      for k in 2 4 8; do
+        E bench spec "${S8[@]}" --speculative-algorithm draft --speculative-draft-model-path /tmp/draft2 --speculative-num-steps "$k" \
+          2>&1 | tail -1 | sed "s/^/8b 2-layer draft k=$k /"
+      done
+      E bench spec "${S8[@]}" --speculative-algorithm draft --speculative-draft-model-path .cache/bench_grammar --speculative-num-steps 4 \
+        2>&1 | tail -1 | sed "s/^/8b draft=target k=4 /"
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_spec_gpu.py \
         > "$OUT/spec_tests.log" 2>&1; tail -3 "$OUT/spec_tests.log" ;;
     grammar)
       # Structured output (issue 13) on the Llama-3-8B-shaped dummy model with the SmolLM2 tokenizer
       # (.cache/bench_grammar: made by scripts/device_wheels.sh; 49,152 real tokens of the 128,256-row
-      # vocabulary): decode with every row under the benchmark JSON schema vs unconstrained, then
-      # the time to first token with a new schema per request (compile) vs one cached schema.
+      # vocabulary): decode with every row under the benchmark JSON schema vs unconstrained (xgrammar's
+      # bitmask fill on its thread pool, and row by row), then the time to first token with a new
+      # schema per request (compile) vs one cached schema.
       G=(--model-path .cache/bench_grammar --load-format dummy --log-level warning --attention "${ATTN:-triton}")
-      for js in none schema; do
-        extra=(); [ "$js" = schema ] && extra=(--json-schema '')
+      for js in none schema schema-fill1; do
+        extra=(); [ "$js" != none ] && extra=(--json-schema '')
+        [ "$js" = schema-fill1 ] && extra+=(--plugin-option xgrammar.fill_threads=1)
         E bench one-batch "${G[@]}" "${extra[@]}" --batch-size "1 64" --input-len 128 --output-len 256 \
           --result-file "$RES" 2>&1 | tail -2 | sed "s/^/$js /"
       done
-      E serve "${G[@]}" --port 30123 > "$OUT/grammar_server.log" 2>&1 &
+      setsid python3 -m engine serve "${G[@]}" ${GRAMMAR_SERVE_OPTS:-} --port 30123 > "$OUT/grammar_server.log" 2>&1 &
       srv=$!
-      for _ in $(seq 180); do curl -sf localhost:30123/health > /dev/null && break; sleep 1; done
+      for _ in $(seq 300); do curl -sf localhost:30123/health > /dev/null && break; sleep 1; done
+      curl -sf localhost:30123/health > /dev/null || tail -5 "$OUT/grammar_server.log"
       for mode in none cached new; do
         extra=(); [ "$mode" = cached ] && extra=(--json-schema ''); [ "$mode" = new ] && extra=(--json-schema '' --json-schema-unique)
         E bench serving --base-url http://127.0.0.1:30123 --dataset-name random --random-input-len 128 --random-output-len 32 \
           --random-range-ratio 1.0 --num-prompts 24 --max-concurrency 1 --disable-tqdm "${extra[@]}" --result-file "$RES" 2>&1 \
-          | grep -E "Mean TTFT|Median TTFT|Output token throughput" | sed "s/^/$mode /"
+          | grep -E "Mean TTFT|Median TTFT|Output token throughput|rror" | sed "s/^/$mode /"
       done
-      kill $srv; wait $srv 2> /dev/null ;;
+      kill -- -"$srv" 2> /dev/null; sleep 3; kill -9 -- -"$srv" 2> /dev/null ;;
+    grammar_profile)
+      timeout 300 python3 scripts/profile_grammar.py .cache/bench_grammar --attention "${ATTN:-triton}" > "$OUT/grammar_profile.txt" 2>&1
+      grep -E "^xgrammar|^===" "$OUT/grammar_profile.txt" ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac

@@ -1,0 +1,91 @@
+"""Where a constrained decode step's time goes (structured output, issue 13).
+
+1. The grammar library's host work for a batch: bitmask fill (matcher by matcher, and xgrammar's
+   threaded batch fill at several thread counts) and token acceptance, per step.
+2. ``engine bench one-batch``'s decode loop with and without the JSON schema under cProfile: the
+   functions that take the host's time (a device wait shows up as time in the call that syncs).
+
+usage: python scripts/profile_grammar.py MODEL_DIR [--batch-size 64] [--steps 60] [--attention triton]
+MODEL_DIR needs a tokenizer (device_bench.sh's .cache/bench_grammar); weights are dummy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import time
+
+import torch
+
+
+def library_host_work(model_dir: str, vocab: int, batch: int, steps: int) -> None:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from engine.bench.json_schema import BENCH_SCHEMA
+
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab)
+    compiled = xgr.GrammarCompiler(info, max_threads=2).compile_json_schema(json.dumps(BENCH_SCHEMA))
+    gen = torch.Generator().manual_seed(0)
+    modes = [("serial", 1)] + [("batch", t) for t in (1, 2, 4, 8) if t <= (os.cpu_count() or 1)]
+    for mode, threads in modes:
+        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
+        bitmask = xgr.allocate_token_bitmask(batch, vocab)
+        pool = xgr.BatchGrammarMatcher(max_threads=threads)
+        fill = accept = 0.0
+        for _ in range(steps):
+            t = time.perf_counter()
+            if mode == "batch":
+                pool.batch_fill_next_token_bitmask(matchers, bitmask)
+            else:
+                for i, m in enumerate(matchers):
+                    m.fill_next_token_bitmask(bitmask, i)
+            fill += time.perf_counter() - t
+            logits = torch.randn(batch, vocab, generator=gen)
+            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            ids = logits.argmax(-1).tolist()
+            t = time.perf_counter()
+            for m, tok in zip(matchers, ids):
+                m.accept_token(tok)
+            accept += time.perf_counter() - t
+            for i, m in enumerate(matchers):
+                if m.is_terminated():
+                    matchers[i] = xgr.GrammarMatcher(compiled)
+        print(f"xgrammar {mode} fill threads={threads}: fill {fill / steps * 1e3:.3f} ms/step, "
+              f"accept (loop) {accept / steps * 1e3:.3f} ms/step, batch {batch}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("--attention", default=None, help="attention plugin (default: the platform's)")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=60)
+    a = ap.parse_args()
+    from engine.bench.json_schema import BENCH_SCHEMA
+    from engine.bench.one_batch import run_one
+    from engine.config import ServerArgs
+    from engine.managers.scheduler import Scheduler
+
+    args = ServerArgs.from_dict({"model_path": a.model_dir, "load_format": "dummy", "attention": a.attention})
+    sched = Scheduler(args, a.model_dir)
+    library_host_work(a.model_dir, sched.runner.vocab_size, a.batch_size, a.steps)
+    schema = json.dumps(BENCH_SCHEMA)
+    for js in (None, schema):
+        run_one(sched, a.batch_size, 128, 8, json_schema=js)  # warm: graphs, kernels, the compiled grammar
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        prof.enable()
+        res = run_one(sched, a.batch_size, 128, a.steps + 1, json_schema=js)
+        prof.disable()
+        wall = time.perf_counter() - t
+        print(f"\n=== {'json_schema' if js else 'unconstrained'}: batch {a.batch_size}, {a.steps} decode steps, "
+              f"median step {res.median_decode_latency_s * 1e3:.3f} ms, wall {wall:.2f} s (cProfile on)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(22)
+
+
+if __name__ == "__main__":
+    main()
