@@ -28,7 +28,9 @@ EOS = 3
 SCHEMA = {"type": "object",
           "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
                          "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["color", "ok", "n"]}
+          # No other keys: llguidance follows JSON Schema's default (extra properties allowed), and a
+          # random model then writes long keys past max_new_tokens; xgrammar is strict by default.
+          "required": ["color", "ok", "n"], "additionalProperties": False}
 REGEX = r"[0-9]{3}-[a-z]{2}"
 _SHAPE = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
 
