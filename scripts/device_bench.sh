@@ -53,6 +53,17 @@ for stage in "$@"; do
       # Tensor/pipeline parallelism on 2 GPUs (NCCL; nvidia-h200-x2): parity with transformers, triton and flashinfer.
       timeout "${TP_TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider core/tests/distributed \
         > "$OUT/gpu_tp_tests.log" 2>&1; tail -8 "$OUT/gpu_tp_tests.log" ;;
+    tp_quick)
+      # TP=1 vs TP=2 (NCCL all-reduce, then our one-shot all-reduce) batch-1 and batch-64 decode only.
+      for tp in 1 2; do
+        E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size "$tp" --batch-size "1 64" --input-len 128 \
+          --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=$tp /"
+      done
+      E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size 2 --enable-custom-all-reduce --batch-size "1 64" \
+        --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=2 one-shot all-reduce /" ;;
+    dp_tests)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dp_gpu.py > "$OUT/gpu_dp_tests.log" 2>&1
+      tail -4 "$OUT/gpu_dp_tests.log" ;;
     tp)
       # TP=1 vs TP=2 on the Llama-3-8B-shaped dummy model: batch-1 and batch-64 decode, then offline 1024/1024.
       for tp in 1 2; do
