@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.distributed import tensor_model_parallel_all_gather
+from engine.layers.hidden_capture import captured_hidden_states
 
 if TYPE_CHECKING:
     from engine.layers.vocab_parallel_embedding import ParallelLMHead
@@ -21,6 +22,9 @@ class LogitsProcessorOutput:
     next_token_logits: torch.Tensor
     # [num_tokens, vocab] float32 logits at every new position, when prompt logprobs are wanted.
     full_logits: torch.Tensor | None = None
+    # [num_tokens, D] hidden states at every new position when ``ForwardBatch.capture_hidden``
+    # asks for them (speculative proposers such as EAGLE; ``engine.layers.hidden_capture``).
+    hidden_states: torch.Tensor | None = None
 
 
 class LogitsProcessor(nn.Module):
@@ -42,7 +46,8 @@ class LogitsProcessor(nn.Module):
         full = None
         if forward_batch.return_logprob and forward_batch.forward_mode.is_extend():
             full = self._project(hidden_states, lm_head)
-        return LogitsProcessorOutput(next_token_logits=logits, full_logits=full)
+        return LogitsProcessorOutput(next_token_logits=logits, full_logits=full,
+                                     hidden_states=captured_hidden_states(forward_batch, hidden_states))
 
     def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
         # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,

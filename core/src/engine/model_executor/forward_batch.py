@@ -85,6 +85,12 @@ class ForwardBatch:
     pp_proxy: Any = None
     # Free-form slot for extensions (speculative decoding, multimodal, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Hidden states a speculative proposer reads (EAGLE; ``engine.layers.hidden_capture``): None
+    # captures nothing; () the LM head's input; decoder layer ids: those layers' outputs,
+    # concatenated in this order. Returned in ``LogitsProcessorOutput.hidden_states``.
+    capture_hidden: tuple[int, ...] | None = None
+    # Filled while the model runs when layers are captured: layer id -> [num_tokens, hidden].
+    captured_layers: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

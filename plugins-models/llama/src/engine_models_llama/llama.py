@@ -17,6 +17,7 @@ from torch import nn
 from engine.distributed import get_tensor_model_parallel_world_size
 from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
+from engine.layers.hidden_capture import record_layer_output
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -145,8 +146,9 @@ class LlamaModel(nn.Module):
         else:
             assert forward_batch.pp_proxy is not None
             hidden, residual = forward_batch.pp_proxy.hidden_states, forward_batch.pp_proxy.residual
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual, forward_batch)
+        for layer_id in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[layer_id](positions, hidden, residual, forward_batch)
+            record_layer_output(forward_batch, layer_id, hidden, residual)  # EAGLE-3 features, when asked
         if not self.stage.is_last:
             return PPProxyTensors(hidden, residual)
         hidden, _ = self.norm(hidden, residual)
