@@ -391,25 +391,42 @@ class Scheduler(DecodeMixin, OutputMixin):
     # -- running -------------------------------------------------------------------
     def run_extend(self, batch: ScheduleBatch) -> bool:
         """Runs a prefill batch; False when its KV could not be allocated (requeued)."""
-        want_logprob = any(r.return_logprob for r in batch.reqs)
         started = time.perf_counter()
+        fb = self._prepare_extend(batch)
+        if fb is None:
+            return False
+        logits = self.runner.forward(fb)
+        self._set_extend_mask(batch, fb)
+        sample = self.runner.sample(logits, fb)
+        self.forward_steps += 1
+        self.extend_tokens += sum(r.extend_input_len for r in batch.reqs)
+        self.extend_time_s += time.perf_counter() - started
+        self._finish_extend(batch, fb, logits, sample)
+        return True
+
+    def _prepare_extend(self, batch: ScheduleBatch) -> Any:
+        """The prefill batch's ForwardBatch with its sampling info; None when its KV could not
+        be allocated (the batch is requeued)."""
+        want_logprob = any(r.return_logprob for r in batch.reqs)
         try:
             fb = batch.prepare_for_extend(return_logprob=want_logprob)
         except OutOfKVMemory:
             # Admission estimated memory that eviction could not deliver: requeue and retry later.
             self._requeue_failed_extend(batch)
-            return False
+            return None
         rows = batch.reqs + batch.decoding_reqs
         fb.sampling_info = SamplingBatchInfo.from_reqs(rows, self.runner.vocab_size, self.device, self.eos_token_ids)
-        logits = self.runner.forward(fb)
+        return fb
+
+    def _set_extend_mask(self, batch: ScheduleBatch, fb: Any) -> None:
         # Rows that keep their token: the last (or only) chunk of a prompt, and decode rows.
         produces = [r.is_chunked == 0 and r.sampling_params.max_new_tokens > 0 for r in batch.reqs]
-        self.grammar_queue.set_mask(fb.sampling_info, rows, produces + [True] * len(batch.decoding_reqs))
-        sample = self.runner.sample(logits, fb)
-        self.forward_steps += 1
+        self.grammar_queue.set_mask(fb.sampling_info, batch.reqs + batch.decoding_reqs,
+                                    produces + [True] * len(batch.decoding_reqs))
+
+    def _finish_extend(self, batch: ScheduleBatch, fb: Any, logits: Any, sample: Any) -> None:
+        """Appends a prefill batch's sampled tokens, records logprobs, finishes and emits rows."""
         ids = sample.next_token_ids.tolist()
-        self.extend_tokens += sum(r.extend_input_len for r in batch.reqs)
-        self.extend_time_s += time.perf_counter() - started
         finished_or_streamed: list[Req] = []
         num_extend = len(batch.reqs)
         for i, req in enumerate(batch.decoding_reqs, start=num_extend):
@@ -444,7 +461,6 @@ class Scheduler(DecodeMixin, OutputMixin):
                 self.running_batch.reqs.append(req)
             finished_or_streamed.append(req)
         self._emit(finished_or_streamed)
-        return True
 
     def _requeue_failed_extend(self, batch: ScheduleBatch) -> None:
         self.running_batch.reqs = batch.decoding_reqs + self.running_batch.reqs

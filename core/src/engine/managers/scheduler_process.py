@@ -63,7 +63,6 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
     on ranks of nodes other than the first; ``ready_conn`` is this rank's own readiness pipe.
     """
     from engine import distributed
-    from engine.managers.scheduler import Scheduler
 
     if placement is None:
         placement = dataclasses.replace(distributed.SINGLE, local_rank=dp_rank * args.tp_size)
@@ -74,7 +73,7 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
     ignore_group_signals()
     try:
         platform = join_replica(args, placement)
-        scheduler = Scheduler(args, model_path, platform)
+        scheduler = make_scheduler(args, model_path, platform)
     except EngineError as exc:
         ready_conn.send(("error", str(exc)))
         os._exit(1)
@@ -90,6 +89,42 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
         _follow(scheduler, parent_pid, placement)
     assert ipc is not None
     _serve(scheduler, ipc, parent_pid, placement)
+
+
+def make_scheduler(args: Any, model_path: str, platform: Any) -> Any:
+    """The scheduler of this rank: with ``--pp-size`` > 1 the one that keeps micro-batches in flight."""
+    if args.pp_size > 1:
+        from engine.managers.scheduler_pp import PipelineScheduler
+
+        return PipelineScheduler(args, model_path, platform)
+    from engine.managers.scheduler import Scheduler
+
+    return Scheduler(args, model_path, platform)
+
+
+def share_messages(msgs: list[Any], placement: RankPlacement, pending: list[Any]) -> None:
+    """Rank 0: gives this turn's messages to every other rank.
+
+    Without pipeline parallelism a broadcast (the ranks step together anyway). With it, sends
+    that do not wait for the receivers (``pending`` keeps them until they complete): rank 0 runs
+    up to ``pp_size - 1`` turns ahead of the last stage, which a collective would not allow.
+    """
+    from engine import distributed
+
+    if placement.pp_size == 1:
+        distributed.broadcast_objects(msgs)
+        return
+    pending[:] = [p for p in pending if not p.done()]
+    pending.append(distributed.isend_objects(msgs, list(range(1, placement.world_size)), distributed.TAG_MESSAGES))
+
+
+def receive_messages(placement: RankPlacement) -> list[Any]:
+    """Ranks other than 0: rank 0's messages of this turn (``share_messages``)."""
+    from engine import distributed
+
+    if placement.pp_size == 1:
+        return distributed.broadcast_objects(None)
+    return distributed.recv_objects(0, distributed.TAG_MESSAGES)
 
 
 def join_replica(args: Any, placement: RankPlacement) -> Any:
@@ -120,8 +155,6 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
     """Rank 0: receive from the tokenizer manager, share with the other ranks, step, emit."""
     import zmq
 
-    from engine import distributed
-
     shared = placement.world_size > 1
     ctx = zmq.Context()
     recv = ctx.socket(zmq.PULL)
@@ -132,6 +165,7 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
     to_tokenizer.connect(ipc.tokenizer)
     poller = zmq.Poller()
     poller.register(recv, zmq.POLLIN)
+    pending: list[Any] = []  # message sends to the other ranks not yet complete
     next_orphan_check = 0.0
     try:
         while True:
@@ -144,7 +178,7 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
                     except zmq.Again:
                         break
             if shared:  # every turn, even empty: the other ranks step when rank 0 does
-                distributed.broadcast_objects(msgs)
+                share_messages(msgs, placement, pending)
             for msg in msgs:
                 if isinstance(msg, ControlReq) and msg.kind == "shutdown":
                     logger.info("stopping: the server asked")
@@ -167,12 +201,10 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
 
 def _follow(scheduler: Any, parent_pid: int, placement: RankPlacement) -> None:
     """Ranks other than 0: take rank 0's messages each turn and step in lockstep; emit nothing."""
-    from engine import distributed
-
     next_orphan_check = 0.0
     try:
         while True:
-            for msg in distributed.broadcast_objects(None):
+            for msg in receive_messages(placement):
                 if isinstance(msg, ControlReq) and msg.kind == "shutdown":
                     logger.info("stopping: rank 0 asked")
                     os._exit(0)

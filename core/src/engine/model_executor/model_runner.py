@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,35 @@ if TYPE_CHECKING:
     from engine.config import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StageLaunch:
+    """One micro-batch launched on this pipeline stage (``ModelRunner.forward_micro_batch``)."""
+
+    # The last stage's logits; None on the other stages.
+    logits: LogitsProcessorOutput | None
+    # The hidden states on their way to the next stage (kept alive until sent); None on the last.
+    sends: distributed.PendingSends | None
+
+
+@dataclass
+class PendingSample:
+    """A micro-batch's sampled ids as every rank sees them (``ModelRunner.share_sample``)."""
+
+    # World rank that samples and sends (tensor-parallel rank 0 of the last stage).
+    src: int
+    # (SampleOutput on the CPU, full logits on the CPU or None); None until received.
+    result: tuple[SampleOutput, torch.Tensor | None] | None = None
+    # The sampler's sends to the other ranks (kept alive until they complete).
+    sends: distributed.PendingSends | None = None
+
+    def get(self) -> tuple[SampleOutput, torch.Tensor | None]:
+        """The result, receiving it from the last stage first if this rank did not sample."""
+        if self.result is None:
+            self.result = distributed.recv_objects(self.src, distributed.TAG_SAMPLES)
+        assert self.result is not None
+        return self.result
 
 # Without --max-total-tokens a CPU pool is capped here as well as by the platform's byte budget:
 # the allocator sorts its free list before each prefill, so a longer list costs every prefill.
@@ -90,6 +120,9 @@ class ModelRunner:
 
             warmup([m for m in self.model.modules() if isinstance(m, RadixAttention)])
         self.sampler = Sampler()
+        # Hidden states every forward hands back (``ForwardBatch.capture_hidden``), set by a
+        # speculative proposer that reads them (EAGLE); None: none.
+        self.capture_hidden: tuple[int, ...] | None = None
         self.cuda_graph_runner = self._maybe_capture_graphs()
 
     def _maybe_capture_graphs(self) -> Any:
@@ -230,6 +263,8 @@ class ModelRunner:
         other than the last sends its own on and returns logits of None (the last stage samples,
         ``sample`` shares the result).
         """
+        if self.capture_hidden is not None and forward_batch.capture_hidden is None:
+            forward_batch.capture_hidden = self.capture_hidden
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(forward_batch):
             return graphs.replay(forward_batch)
@@ -280,6 +315,55 @@ class ModelRunner:
             full = distributed.broadcast_objects(full, src=distributed.last_stage_rank())
             out.full_logits = full.to(self.device) if full is not None else None
         return out
+
+    @torch.inference_mode()
+    def forward_micro_batch(self, forward_batch: ForwardBatch) -> StageLaunch:
+        """This stage's part of one scheduler micro-batch (pipeline parallelism), not split further.
+
+        A stage other than the first receives the micro-batch's hidden states and residual from
+        the previous stage; one other than the last sends its own on without waiting and returns
+        at once, so it can take the next micro-batch while later stages run this one. The last
+        stage returns the logits (``share_sample`` samples them).
+        """
+        from engine.layers.pipeline import PPProxyTensors
+
+        self.prepare(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        if not distributed.is_first_pp_rank():
+            hidden, residual = distributed.pp_recv([(forward_batch.num_tokens, self.hf_config.hidden_size)] * 2,
+                                                   self.dtype, self.device)
+            forward_batch.pp_proxy = PPProxyTensors(hidden, residual)
+        out = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        forward_batch.pp_proxy = None
+        if isinstance(out, PPProxyTensors):
+            residual = out.residual if out.residual is not None else torch.zeros_like(out.hidden_states)
+            return StageLaunch(logits=None, sends=distributed.pp_isend([out.hidden_states, residual]))
+        return StageLaunch(logits=out, sends=None)
+
+    @torch.inference_mode()
+    def share_sample(self, launch: StageLaunch, forward_batch: ForwardBatch) -> PendingSample:
+        """Samples a micro-batch on the last stage and sends the result to every other rank.
+
+        Tensor-parallel rank 0 of the last stage samples (the lockstep rule: one rank's ids
+        decide) and sends the ids, logprobs and, when prompt logprobs are wanted, the full
+        logits, to every other rank of the replica without waiting. Every other rank gets a
+        result that receives them when read (``PendingSample.get``), which the scheduler does
+        only when it processes that micro-batch, ``pp_size - 1`` micro-batches later.
+        """
+        src = distributed.last_stage_rank()
+        placement = self.placement
+        if placement.rank != src:
+            return PendingSample(src=src)
+        info = forward_batch.sampling_info
+        assert launch.logits is not None and info is not None
+        out = self.sampler(launch.logits.next_token_logits, info)
+        out = SampleOutput(*(t.cpu() if t is not None else None for t in (
+            out.next_token_ids, out.next_token_logprobs, out.top_logprobs, out.top_logprob_ids)))
+        full = launch.logits.full_logits
+        full = full.cpu() if full is not None and forward_batch.return_logprob else None
+        others = [r for r in range(placement.world_size) if r != src]
+        sends = distributed.isend_objects((out, full), others, distributed.TAG_SAMPLES)
+        return PendingSample(src=src, result=(out, full), sends=sends)
 
     @torch.inference_mode()
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SampleOutput:
