@@ -83,7 +83,9 @@ class CudaGraphRunner:
         logger.info("captured device graphs for decode batch sizes %s", self.batch_sizes)
 
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs and not fb.return_logprob
+        # Decode graphs are captured without hidden-state capture (a proposer asks for it later).
+        return (fb.forward_mode.is_decode() and 0 < fb.batch_size <= self.max_bs and not fb.return_logprob
+                and fb.capture_hidden is None)
 
     def replay(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         bs = fb.batch_size
