@@ -239,6 +239,10 @@ class SpeculativeAlgorithmSpec:
     draft_shapes: tuple[str, ...] = ("chain",)
     #: it runs a second model: ``--speculative-draft-model-path`` is required.
     needs_draft_model: bool = False
+    #: it reads the target's hidden states (EAGLE): every target forward captures them
+    #: (``Proposer.target_hidden_layers`` says which) and the proposer gets the kept positions'
+    #: through ``Proposer.on_target_hidden``. Decode steps outside speculation then run eagerly.
+    needs_hidden_states: bool = False
 
 
 @dataclass(frozen=True)

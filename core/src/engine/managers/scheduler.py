@@ -396,6 +396,8 @@ class Scheduler(DecodeMixin, OutputMixin):
         if fb is None:
             return False
         logits = self.runner.forward(fb)
+        if self.speculator is not None:
+            self.speculator.hand_hidden_states(batch.reqs + batch.decoding_reqs, fb, logits)
         self._set_extend_mask(batch, fb)
         sample = self.runner.sample(logits, fb)
         self.forward_steps += 1

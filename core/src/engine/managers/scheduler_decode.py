@@ -108,6 +108,8 @@ class DecodeMixin:
         for req in batch.reqs:  # the step holds a KV slot per row from here on
             req.inflight_steps += 1
         logits = self.runner.forward(fb)
+        if self.speculator is not None:
+            self.speculator.hand_hidden_states(batch.reqs, fb, logits)
         if prev is not None:
             self._process_decode(prev)
         self.grammar_queue.set_mask(info, batch.reqs)

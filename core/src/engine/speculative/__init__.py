@@ -5,6 +5,6 @@ interface; ``engine.speculative.worker.Speculator`` runs a speculative decode st
 scheduler; ``engine.speculative.verify`` decides which drafts are kept.
 """
 
-from engine.speculative.base import DraftRequest, Proposer, ProposerContext
+from engine.speculative.base import DraftRequest, Proposer, ProposerContext, TargetHidden
 
-__all__ = ["DraftRequest", "Proposer", "ProposerContext"]
+__all__ = ["DraftRequest", "Proposer", "ProposerContext", "TargetHidden"]

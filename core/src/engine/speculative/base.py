@@ -54,8 +54,27 @@ class ProposerContext:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class TargetHidden:
+    """The target's hidden states of one request from one target forward, at positions whose KV
+    was kept (prefill chunks, plain decode steps, and the accepted part of a verify step)."""
+
+    rid: str
+    #: position of the first row.
+    start: int
+    #: ``[n, D]``: positions ``start .. start + n - 1``; ``D`` is the hidden size, or three times
+    #: it for EAGLE-3 layer outputs (``Proposer.target_hidden_layers``).
+    hidden: Any
+
+
 class Proposer:
     """Base class of proposers. Subclasses implement ``propose``; the rest is optional."""
+
+    #: Which hidden states of the target the proposer reads, when its spec sets
+    #: ``needs_hidden_states``: ``()`` the LM head's input (the final hidden states, EAGLE-1/2),
+    #: decoder layer ids: those layers' outputs concatenated (EAGLE-3). Read once, after the
+    #: factory returns; the core then hands them over through ``on_target_hidden``.
+    target_hidden_layers: tuple[int, ...] = ()
 
     def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
         """Draft tokens for each request: one list per request, in order, each at most
@@ -70,8 +89,15 @@ class Proposer:
         """Called after verification: ``num_accepted[i]`` drafts of request i were kept (the
         target then added one token of its own). Model-based proposers roll their KV back here."""
 
+    def on_target_hidden(self, states: Sequence[TargetHidden]) -> None:
+        """After each target forward (only for a spec with ``needs_hidden_states``): the
+        hidden states of the positions it computed and kept, per request. A request's states
+        arrive in position order; a start at or before positions already received replaces
+        them from there on (a request retracted and prefilled again); a start past them means
+        a gap (a prefix-cache hit: the cached prefix was not computed)."""
+
     def release(self, rid: str) -> None:
         """The request finished, was aborted or retracted: drop any state kept for it."""
 
 
-__all__ = ["DraftRequest", "Proposer", "ProposerContext"]
+__all__ = ["DraftRequest", "Proposer", "ProposerContext", "TargetHidden"]
