@@ -26,7 +26,7 @@ import torch
 from engine import distributed
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
-from engine.speculative.base import DraftRequest, ProposerContext
+from engine.speculative.base import DraftRequest, ProposerContext, TargetHidden
 from engine.speculative.verify import verify_chain
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ class Speculator:
             target_model_path=args.model_path, draft_model_path=args.speculative_draft_model_path,
             server_args=args, target_runner=runner)
         self.proposer = plugins.create_proposer(self.algorithm, ctx, args.disable_plugin, args.plugin_options)
+        # A proposer that reads the target's hidden states (EAGLE) gets them after every forward.
+        self.wants_hidden = plugins.get_speculative_algorithm(self.algorithm, args.disable_plugin).needs_hidden_states
+        if self.wants_hidden:
+            runner.capture_hidden = tuple(self.proposer.target_hidden_layers)
         self.stats = SpecStats()
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step, up to batch size %d",
                     self.algorithm, self.max_draft, self.max_batch_size)
@@ -174,6 +178,8 @@ class Speculator:
             if req.finished():
                 self.proposer.release(req.rid)
                 sched.tree_cache.cache_finished_req(req)
+        # Kept positions: the last token and the kept drafts (finished rows are released).
+        self.hand_hidden_states(reqs, fb, out, prefix_lens, [k + 1 for k in kept_counts])
         self.stats.verify_steps += 1
         self.proposer.on_verified(views, kept_counts)
         return reqs
@@ -231,3 +237,32 @@ class Speculator:
                                    f"(0..{vocab_size - 1}) for request {view.rid}")
             out.append(d)
         return out
+
+    def hand_hidden_states(self, reqs: list[Req], fb: ForwardBatch, out: Any, starts: list[int] | None = None,
+                           counts: list[int] | None = None) -> None:
+        """Gives the proposer the target's hidden states of a forward (``out.hidden_states``) at the
+        positions whose KV is kept, per unfinished request (a no-op unless the proposer reads them).
+
+        Rows of ``out.hidden_states`` follow ``fb``'s rows (``fb.extend_seq_lens_cpu`` tokens each,
+        padded ones included; decode: one each). ``starts``/``counts``: each request's first
+        position and how many states to keep (default: all the forward computed).
+        """
+        hidden = getattr(out, "hidden_states", None)
+        if not self.wants_hidden or hidden is None:
+            return
+        n = len(reqs)
+        if fb.forward_mode.is_decode():
+            lens = [1] * n
+            starts = starts if starts is not None else [s - 1 for s in fb.seq_lens_cpu[:n]]
+        else:
+            assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
+            lens = list(fb.extend_seq_lens_cpu[:n])
+            starts = starts if starts is not None else list(fb.extend_prefix_lens_cpu[:n])
+        counts = counts if counts is not None else lens
+        states, offset = [], 0
+        for req, start, length, count in zip(reqs, starts, lens, counts):
+            if not req.finished() and count > 0:
+                states.append(TargetHidden(req.rid, start, hidden[offset: offset + min(count, length)]))
+            offset += length
+        if states:
+            self.proposer.on_target_hidden(states)
