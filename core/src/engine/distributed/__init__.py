@@ -319,8 +319,12 @@ class PendingSends:
 
 
     def done(self) -> bool:
-        """True once every send completed (then ``wait`` returns at once)."""
-        return all(work.is_completed() for work in self.works)
+        """True once every send completed; raises the error of one that failed (a peer that
+        exited), so a sender that never receives still notices."""
+        if not all(work.is_completed() for work in self.works):
+            return False
+        self.wait()
+        return True
 
 
 def pp_isend(tensors: list[torch.Tensor]) -> PendingSends:

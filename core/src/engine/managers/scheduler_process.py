@@ -118,6 +118,15 @@ def share_messages(msgs: list[Any], placement: RankPlacement, pending: list[Any]
     pending.append(distributed.isend_objects(msgs, list(range(1, placement.world_size)), distributed.TAG_MESSAGES))
 
 
+def _finish_sends(pending: list[Any]) -> None:
+    """Lets the other ranks receive the shutdown before rank 0 exits (else they see a peer vanish)."""
+    for sends in pending:
+        try:
+            sends.wait()
+        except Exception:  # a rank already gone: nothing to tell it
+            pass
+
+
 def receive_messages(placement: RankPlacement) -> list[Any]:
     """Ranks other than 0: rank 0's messages of this turn (``share_messages``)."""
     from engine import distributed
@@ -182,6 +191,7 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
             for msg in msgs:
                 if isinstance(msg, ControlReq) and msg.kind == "shutdown":
                     logger.info("stopping: the server asked")
+                    _finish_sends(pending)
                     os._exit(0)
                 reply = _dispatch(scheduler, msg)
                 if reply is not None:
