@@ -27,6 +27,73 @@ if TYPE_CHECKING:
     from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 
+def draft_tensor(drafts: Sequence[Sequence[int]], width: int, device: torch.device | str) -> torch.Tensor:
+    """``[rows, width]`` int64 drafts, each row left-aligned and padded with -1."""
+    flat: list[int] = []
+    for d in drafts:
+        flat.extend(d)
+        flat.extend([-1] * (width - len(d)))
+    return torch.tensor(flat, dtype=torch.int64).view(len(drafts), width).to(device, non_blocking=True)
+
+
+def verify_rows(logits: torch.Tensor, drafts: torch.Tensor,
+                info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification on the device, rows padded to one length (no host sync).
+
+    Args:
+        logits: ``[rows, T, vocab]``: row i's logits at its last accepted token and its drafts
+            (positions past ``1 + len(drafts_i)`` are padding, never read as accepted).
+        drafts: ``[rows, T - 1]`` int64, -1 where a row has no draft (``draft_tensor``).
+        info: one sampling row per request (temperatures, top-k/p, min-p, logit_bias).
+    Returns:
+        ``kept`` ``[rows]``: drafts kept (a prefix); ``final`` ``[rows]``: the target's token
+        after them.
+    """
+    rows, t, vocab = logits.shape
+    logits = logits.float()
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias.view(rows, 1, vocab)
+    target = torch.argmax(logits, dim=-1)  # [rows, T]
+    has = drafts >= 0
+    safe = drafts.clamp(min=0)
+    accept = target[:, : t - 1] == drafts
+    probs = None
+    if not info.is_all_greedy:
+        pinfo = info.filter([r for r in range(rows) for _ in range(t)])
+        probs = sampling_probs(logits.view(rows * t, vocab), pinfo).view(rows, t, vocab)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        p_draft = probs[:, : t - 1].gather(2, safe.unsqueeze(2)).squeeze(2)
+        uniform = torch.rand(p_draft.shape, device=logits.device)
+        accept = torch.where(info.greedy_mask.view(rows, 1), accept, uniform < p_draft)
+    accept &= has
+    kept = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    final = target.gather(1, kept.view(rows, 1)).view(rows)
+    if probs is not None:
+        p = probs.gather(1, kept.view(rows, 1, 1).expand(rows, 1, vocab)).view(rows, vocab)
+        # The draft at the first rejected position (none when every draft was kept: then the
+        # target's own distribution is sampled as is).
+        rejected = (kept < has.sum(dim=1)).view(rows, 1)
+        rejected_draft = torch.cat([safe, safe.new_zeros(rows, 1)], dim=1).gather(1, kept.view(rows, 1))
+        # Residual of a point-mass draft: p without the rejected token.
+        p = p.scatter(1, rejected_draft, torch.where(rejected, torch.zeros_like(p[:, :1]),
+                                                     p.gather(1, rejected_draft)))
+        noise = torch.empty_like(p).exponential_()
+        sampled = torch.argmax(p / noise, dim=-1)
+        final = torch.where(info.greedy_mask, final, sampled)
+    return kept, final
+
+
+def pad_positions(lens: Sequence[int], width: int) -> list[int]:
+    """Indices into ragged rows (row i: ``lens[i]`` positions, back to back) that lay them out as
+    ``[rows, width]``, each row's last position repeated as padding."""
+    idx: list[int] = []
+    start = 0
+    for n in lens:
+        idx.extend(start + min(j, n - 1) for j in range(width))
+        start += n
+    return idx
+
+
 def verify_chain(logits: torch.Tensor, drafts: Sequence[Sequence[int]],
                  info: SamplingBatchInfo) -> list[list[int]]:
     """The tokens each row appends: its kept drafts, then one token of the target's.
@@ -36,59 +103,14 @@ def verify_chain(logits: torch.Tensor, drafts: Sequence[Sequence[int]],
             in order.
         drafts: the drafts of each row.
         info: the rows' sampling state (one row per request; no penalizer, grammar mask or
-            per-request seed: the speculator does not speculate for such batches).
+            per-request seed: the speculator does not speculate for such rows).
     Returns:
         one list per row, ``num_accepted + 1`` tokens long.
     """
     lens = [len(d) + 1 for d in drafts]
-    rep = [row for row, n in enumerate(lens) for _ in range(n)]
-    pinfo = info.filter(rep)  # one sampling row per verified position
-    logits = logits.float()
-    if pinfo.logit_bias is not None:
-        logits = logits + pinfo.logit_bias
-    device = logits.device
-    num_pos = logits.shape[0]
-    # The draft proposed at each position (-1 at each row's last position: nothing to check).
-    flat: list[int] = []
-    for d in drafts:
-        flat.extend(d)
-        flat.append(-1)
-    draft_t = torch.tensor(flat, dtype=torch.int64, device=device)
-    has_draft = draft_t >= 0
-    safe_draft = draft_t.clamp(min=0).view(-1, 1)
-    target_greedy = torch.argmax(logits, dim=-1)
-    accept = target_greedy == draft_t
-    probs = None
-    if not info.is_all_greedy:
-        probs = sampling_probs(logits, pinfo)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-        p_draft = probs.gather(1, safe_draft).view(-1)
-        uniform = torch.rand(num_pos, device=device)
-        accept = torch.where(pinfo.greedy_mask, accept, uniform < p_draft)
-    accept &= has_draft
-    accept_host = accept.tolist()
-    # Per row: kept drafts = leading accepted positions.
-    starts, offset = [], 0
-    for n in lens:
-        starts.append(offset)
-        offset += n
-    kept: list[int] = []
-    for start, n in zip(starts, lens):
-        a = 0
-        while a < n - 1 and accept_host[start + a]:
-            a += 1
-        kept.append(a)
-    final_pos = torch.tensor([s + a for s, a in zip(starts, kept)], dtype=torch.int64, device=device)
-    final = target_greedy.index_select(0, final_pos)
-    if probs is not None:
-        p = probs.index_select(0, final_pos)
-        rejected = torch.tensor([a < n - 1 for a, n in zip(kept, lens)], dtype=torch.bool, device=device)
-        rejected_draft = draft_t.index_select(0, final_pos).clamp(min=0).view(-1, 1)
-        # Residual of a point-mass draft: p without the rejected token.
-        p = p.scatter(1, rejected_draft, torch.where(
-            rejected.view(-1, 1), torch.zeros_like(p[:, :1]), p.gather(1, rejected_draft)))
-        noise = torch.empty_like(p).exponential_()
-        sampled = torch.argmax(p / noise, dim=-1)
-        final = torch.where(info.greedy_mask, final, sampled)
-    final_host = final.tolist()
-    return [list(d[:a]) + [int(t)] for d, a, t in zip(drafts, kept, final_host)]
+    width = max(lens, default=1)
+    idx = torch.tensor(pad_positions(lens, width), dtype=torch.int64).to(logits.device)
+    padded = logits.index_select(0, idx).view(len(drafts), width, -1)
+    kept, final = verify_rows(padded, draft_tensor(drafts, width - 1, logits.device), info)
+    kept_host, final_host = torch.stack([kept, final]).tolist()  # the one host sync
+    return [list(d[:a]) + [int(t)] for d, a, t in zip(drafts, kept_host, final_host)]

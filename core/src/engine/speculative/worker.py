@@ -27,7 +27,7 @@ from engine import distributed
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative.base import DraftRequest, ProposerContext, TargetHidden
-from engine.speculative.verify import verify_chain
+from engine.speculative.verify import draft_tensor, pad_positions, verify_rows
 
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import Req, ScheduleBatch
@@ -83,8 +83,26 @@ class Speculator:
         if self.wants_hidden:
             runner.capture_hidden = tuple(self.proposer.target_hidden_layers)
         self.stats = SpecStats()
+        self.verify_graphs = self._capture_verify_graphs(args, runner)
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step, up to batch size %d",
                     self.algorithm, self.max_draft, self.max_batch_size)
+
+    def _capture_verify_graphs(self, args: Any, runner: Any) -> Any:
+        """Device graphs for verify steps (every row runs ``num_draft_tokens`` tokens), one per
+        batch-size bucket up to ``--speculative-max-batch-size``, where decode steps are captured
+        and the attention backend has a verify mode; else None (verify steps run eagerly)."""
+        decode_graphs = runner.cuda_graph_runner
+        if decode_graphs is None:
+            return None  # --disable-cuda-graph, a platform without graphs, pipeline parallelism
+        backend = runner.attn_backend
+        if not getattr(backend, "supports_verify_cuda_graph", False):
+            logger.info("speculative verify steps run eagerly: attention backend '%s' has no verify graph mode",
+                        runner.attention_backend_name)
+            return None
+        from engine.model_executor.cuda_graph_runner import VerifyGraphRunner
+
+        return VerifyGraphRunner(runner, self.num_draft_tokens, min(self.max_batch_size, args.cuda_graph_max_bs),
+                                 pool=decode_graphs.pool)
 
     # -- eligibility -------------------------------------------------------------
     @staticmethod
@@ -136,22 +154,37 @@ class Speculator:
         seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
         out_cache_loc = batch._alloc_tokens(prefix_lens, seq_lens, [-1] * len(reqs))
         pool = sched.req_to_token_pool
-        input_ids: list[int] = []
-        offset = 0
-        for req, p, s, d in zip(reqs, prefix_lens, seq_lens, drafts):
-            pool.write(req.req_pool_idx, p, out_cache_loc[offset: offset + s - p])
-            offset += s - p
-            input_ids.append(req.output_ids[-1])
-            input_ids.extend(d)
-        fb = ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
-                                prefix_lens, out_cache_loc, sched.device, num_extend_reqs=len(reqs),
-                                return_logprob=True)  # logits at every position
+        rows = [[r.output_ids[-1], *d] for r, d in zip(reqs, drafts)]
         info.steps = [len(r.output_ids) for r in reqs]
-        fb.sampling_info = info
-        out = sched.runner.forward(fb)
-        appended, sample = self._decide(reqs, drafts, out, fb, info)
+        graphs = self.verify_graphs
+        if graphs is not None and graphs.can_run(len(reqs), max(prefix_lens)):
+            # Captured: every row runs num_draft_tokens tokens; logits row-major [rows, T].
+            out, fb = graphs.replay([r.req_pool_idx for r in reqs], prefix_lens, rows, out_cache_loc)
+            fb.sampling_info = info
+            width = graphs.tokens_per_row
+            assert out.full_logits is not None
+            logits3 = out.full_logits[: len(reqs) * width].view(len(reqs), width, -1)
+        else:
+            input_ids: list[int] = []
+            offset = 0
+            for req, p, row in zip(reqs, prefix_lens, rows):
+                pool.write(req.req_pool_idx, p, out_cache_loc[offset: offset + len(row)])
+                offset += len(row)
+                input_ids.extend(row)
+            fb = ForwardBatch.build(ForwardMode.EXTEND, input_ids, [r.req_pool_idx for r in reqs], seq_lens,
+                                    prefix_lens, out_cache_loc, sched.device, num_extend_reqs=len(reqs),
+                                    return_logprob=True)  # logits at every position
+            fb.sampling_info = info
+            out = sched.runner.forward(fb)
+            width = max(len(row) for row in rows)
+            full = out.full_logits
+            assert full is not None
+            idx = torch.tensor(pad_positions([len(row) for row in rows], width), dtype=torch.int64)
+            logits3 = full.index_select(0, idx.to(full.device, non_blocking=True)).view(len(reqs), width, -1)
+        appended, sample = self._decide(reqs, drafts, out, fb, info, logits3)
         kept_counts = []
         row_of = pool.req_to_token
+        unused_slots = []
         for i, (req, d, tokens, p) in enumerate(zip(reqs, drafts, appended, prefix_lens)):
             n = 0
             for tok in tokens:
@@ -164,9 +197,8 @@ class Speculator:
                     break
             kept_counts.append(min(n, len(tokens) - 1))
             # Written: positions p .. p + len(d); needed: the first n (the new last token has none).
-            unused = row_of[req.req_pool_idx, p + n: p + len(d) + 1]
-            if unused.numel():
-                sched.allocator.free(unused.to(torch.int64))
+            if n < len(d) + 1:
+                unused_slots.append(row_of[req.req_pool_idx, p + n: p + len(d) + 1])
             if d:
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += n - 1
@@ -178,6 +210,9 @@ class Speculator:
             if req.finished():
                 self.proposer.release(req.rid)
                 sched.tree_cache.cache_finished_req(req)
+        if unused_slots:
+            # One free for the step (the caches only read the kept positions of each row).
+            sched.allocator.free(torch.cat(unused_slots).to(torch.int64))
         # Kept positions: the last token and the kept drafts (finished rows are released).
         self.hand_hidden_states(reqs, fb, out, prefix_lens, [k + 1 for k in kept_counts])
         self.stats.verify_steps += 1
@@ -185,11 +220,16 @@ class Speculator:
         return reqs
 
     def _decide(self, reqs: list[Req], drafts: list[list[int]], out: Any, fb: ForwardBatch,
-                info: SamplingBatchInfo) -> tuple[list[list[int]], Any]:
+                info: SamplingBatchInfo, logits3: torch.Tensor) -> tuple[list[list[int]], Any]:
         """The tokens each row appends: verified chains for rows with drafts, the ordinary
-        sampler (penalties, grammar mask, logprobs, seeds) at the last position for the rest."""
+        sampler (penalties, grammar mask, logprobs, seeds) at the last position for the rest.
+
+        ``logits3``: ``[rows, T, vocab]``, each row's logits at its last token and its drafts
+        (padded past them). Verification runs on the device for every row (a row without
+        drafts keeps none); the kept counts, the target's tokens and the sampler's ids come to
+        the host in one copy, the step's only sync.
+        """
         sched = self.scheduler
-        appended: list[list[int]] = [[] for _ in reqs]
         sample = None
         plain = [i for i, d in enumerate(drafts) if not d]
         if plain:
@@ -199,24 +239,16 @@ class Speculator:
             sample = sched.runner.sample(out, fb)
             if info.penalizer is not None:
                 info.penalizer.cumulate_output_tokens(sample.next_token_ids)
-            ids = sample.next_token_ids.tolist()
-            for i in plain:
-                appended[i] = [ids[i]]
-        drafted = [i for i, d in enumerate(drafts) if d]
-        # Positions of the drafting rows in the full logits.
-        starts, offset = [], 0
-        for d in drafts:
-            starts.append(offset)
-            offset += len(d) + 1
-        positions = [starts[i] + j for i in drafted for j in range(len(drafts[i]) + 1)]
-        full = out.full_logits
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=full.device)
         # The verifier reads temperatures, top-k/p, min-p and logit_bias only.
         plain_info = dataclasses.replace(info, penalizer=None, vocab_mask=None, apply_vocab_mask=None)
-        sub_info = plain_info.filter(drafted) if len(drafted) != len(reqs) else plain_info
-        verified = verify_chain(full.index_select(0, pos_t), [drafts[i] for i in drafted], sub_info)
-        for i, tokens in zip(drafted, verified):
-            appended[i] = tokens
+        width = logits3.shape[1]
+        kept, final = verify_rows(logits3, draft_tensor(drafts, width - 1, logits3.device), plain_info)
+        parts = [kept, final] + ([sample.next_token_ids.to(kept.dtype)] if sample is not None else [])
+        host = torch.stack(parts).tolist()  # the one host sync of the step
+        kept_h, final_h = host[0], host[1]
+        appended = [list(d[:a]) + [t] for d, a, t in zip(drafts, kept_h, final_h)]
+        for i in plain:
+            appended[i] = [host[2][i]]
         if self.tp_size > 1:
             # Acceptance is not trusted to be bit-identical on every rank (as sampling is not).
             appended = distributed.broadcast_objects(appended, src=0)

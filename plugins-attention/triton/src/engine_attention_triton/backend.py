@@ -12,10 +12,12 @@ FP8 KV cache: the kernels load the pool's float8 K/V and widen them to q's dtype
 both in float32, which equals dequantizing every element first. Extend rows then read their new
 tokens back from the pool too, so they attend over K/V as stored, like every other backend.
 
-CUDA graphs capture decode only. The graph reads request slots and lengths from
-buffers this backend owns, refreshed in place before every replay, and uses a split
-count that depends on the batch size alone, so a replay neither allocates nor
-synchronises with the host.
+CUDA graphs capture decode steps and speculative verify steps. A decode graph reads request
+slots and lengths from buffers this backend owns, refreshed in place before every replay, and
+uses a split count that depends on the batch size alone, so a replay neither allocates nor
+synchronises with the host. A verify graph runs the extend kernel with every row
+``tokens_per_row`` long (a fixed grid); its slots, prefix lengths and offsets are the graph
+runner's static buffers (``engine.model_executor.cuda_graph_runner.VerifyGraphRunner``).
 """
 
 from __future__ import annotations
@@ -291,6 +293,31 @@ class TritonAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Padded rows get length 1: one real (ignored) position, never an empty softmax."""
         return 1
+
+    # -- CUDA graphs (speculative verify) -------------------------------------
+    #: verify steps (every row ``tokens_per_row`` new tokens over its paged prefix) can be captured.
+    supports_verify_cuda_graph = True
+
+    def init_verify_cuda_graph_state(self, max_bs: int, tokens_per_row: int) -> None:
+        """Nothing to allocate: the extend kernel reads request slots, prefix lengths, run
+        lengths and start offsets from the batch's tensors, which the graph runner keeps in
+        static buffers; only the grid's row length is planned on the host, and it is fixed."""
+        self._verify_tokens = tokens_per_row
+
+    def _verify_metadata(self, forward_batch: ForwardBatch) -> None:
+        tokens = getattr(self, "_verify_tokens", None)
+        if tokens is None:
+            raise RuntimeError("triton attention: init_verify_cuda_graph_state was not called")
+        self.forward_metadata = ExtendMetadata(max_extend_len=tokens)
+        forward_batch.attn_metadata = self.forward_metadata
+
+    def init_forward_metadata_capture_verify(self, forward_batch: ForwardBatch) -> None:
+        """Plans a verify batch before capture: the extend kernel over ``tokens_per_row`` rows."""
+        self._verify_metadata(forward_batch)
+
+    def init_forward_metadata_replay_verify(self, forward_batch: ForwardBatch) -> None:
+        """Before a replay: the kernel's inputs are already in the static buffers."""
+        self._verify_metadata(forward_batch)
 
 
 def _kernel_window(layer: AttentionLayerInfo) -> int:
