@@ -30,9 +30,9 @@ def _node_args(dist_port: int, node_rank: int, *extra: str) -> list[str]:
             "--dist-init-addr", f"127.0.0.1:{dist_port}", "--dist-timeout-s", "60", *extra]
 
 
-def _launch_node1(ckpt: str, log_dir: str, dist_port: int) -> Server:
+def _launch_node1(ckpt: str, log_dir: str, dist_port: int, node_args: list[str] | None = None) -> Server:
     cmd = [sys.executable, "-m", "engine", "serve", "--model-path", ckpt, "--max-total-tokens", "32768",
-           *_node_args(dist_port, 1)]
+           *(node_args or _node_args(dist_port, 1))]
     log_path = os.path.join(log_dir, "node1.log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
