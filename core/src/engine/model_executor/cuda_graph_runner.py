@@ -161,6 +161,7 @@ class VerifyGraphRunner:
         self.outputs: dict[int, LogitsProcessorOutput] = {}
         self.batches: dict[int, ForwardBatch] = {}
         self.pool: Any = pool
+        self.replays = 0  # verify steps run from a graph (stats, tests)
         self._capture_all()
 
     # -- capture ---------------------------------------------------------------
@@ -281,6 +282,7 @@ class VerifyGraphRunner:
         fb.extend_prefix_lens_cpu = list(prefix_lens) + [0] * (padded - bs)
         self.backend.init_forward_metadata_replay_verify(fb)
         self._launch(padded)
+        self.replays += 1
         static = self.outputs[padded]
         full = static.full_logits
         assert full is not None
