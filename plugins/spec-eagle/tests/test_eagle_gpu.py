@@ -1,0 +1,61 @@
+"""EAGLE on the GPU (for the lead): random EAGLE-1 and EAGLE-3 heads built for the default model
+give its plain greedy output with each CUDA attention backend (CUDA graphs on); a head that
+copies a tiny bigram target is accepted in full on the device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from engine.managers.scheduler import check_no_leak
+from engine.testing.default_model import CHATS, chat_prompt_ids
+from engine.testing.harness import cuda_attention_backends, generate_greedy, make_scheduler
+from engine_spec_eagle.testing import make_bigram_target, make_copying_eagle_head, make_eagle_head
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from engine.model_executor.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(None)
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok: Any = AutoTokenizer.from_pretrained(model_dir)
+    return [chat_prompt_ids(tok, chat) for chat in CHATS]
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("attention", cuda_attention_backends())
+def test_random_head_equals_plain_greedy(model_dir: str, prompts: list[list[int]], tmp_path: Any, kind: str,
+                                         attention: str) -> None:
+    head = make_eagle_head(str(tmp_path / "head"), model_dir, kind, draft_vocab_size=4096)
+    expected = generate_greedy(make_scheduler(model_dir, platform="cuda", attention=attention,
+                                              max_total_tokens=20000), prompts, 48)
+    sched = make_scheduler(model_dir, platform="cuda", attention=attention, max_total_tokens=20000,
+                           speculative_algorithm="eagle", speculative_draft_model_path=head, speculative_num_steps=4)
+    assert generate_greedy(sched, prompts, 48) == expected
+    assert sched.speculator.stats.proposed_tokens > 0
+    check_no_leak(sched)
+
+
+def test_copying_head_is_accepted_in_full_on_the_device(tmp_path: Any) -> None:
+    target = make_bigram_target(str(tmp_path / "target"))
+    head = make_copying_eagle_head(str(tmp_path / "head"), target)
+    prompts = [[5, 9, 33, 7], [40, 41, 42, 43, 44, 45, 46]]
+    expected = generate_greedy(make_scheduler(target, platform="cuda", dtype="float32"), prompts, 32)
+    sched = make_scheduler(target, platform="cuda", dtype="float32", speculative_algorithm="eagle",
+                           speculative_draft_model_path=head, speculative_num_steps=4)
+    assert generate_greedy(sched, prompts, 32) == expected
+    st = sched.speculator.stats
+    assert st.accepted_tokens == st.proposed_tokens > 0
