@@ -152,7 +152,7 @@ class Speculator:
             return None
         prefix_lens = [r.seqlen - 1 for r in reqs]
         seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
-        out_cache_loc = batch._alloc_tokens(prefix_lens, seq_lens, [-1] * len(reqs))
+        out_cache_loc = self._alloc_slots(sum(seq_lens) - sum(prefix_lens))
         pool = sched.req_to_token_pool
         rows = [[r.output_ids[-1], *d] for r, d in zip(reqs, drafts)]
         info.steps = [len(r.output_ids) for r in reqs]
@@ -253,6 +253,23 @@ class Speculator:
             # Acceptance is not trusted to be bit-identical on every rank (as sampling is not).
             appended = distributed.broadcast_objects(appended, src=0)
         return appended, sample
+
+    def _alloc_slots(self, need: int) -> torch.Tensor:
+        """KV slots for a verify step (page size 1: speculation refuses larger pages), taken
+        straight from the allocator's free list. ``ScheduleBatch._alloc_tokens`` would sort the
+        whole free list first whenever a batch has more new tokens than rows (prefill's rule,
+        for contiguous slots), which every verify step has: on a large pool that is a sort of
+        millions of ids per step for nothing."""
+        sched = self.scheduler
+        allocator = sched.allocator
+        if allocator.available_size() < need:
+            sched.tree_cache.evict(need - allocator.available_size())
+        out = allocator.alloc(need)
+        if out is None:
+            from engine.managers.schedule_batch import OutOfKVMemory
+
+            raise OutOfKVMemory(f"cannot allocate {need} KV slots")
+        return out
 
     @staticmethod
     def _checked(drafts: Any, views: list[DraftRequest], vocab_size: int) -> list[list[int]]:
