@@ -151,7 +151,9 @@ class VerifyGraphRunner:
         n = mb * t
         s = self.static_ints
         self.input_ids, self.positions = s[:n], s[n: 2 * n]
-        self.req_pool_indices, self.prefix_lens, self.seq_lens = s[2 * n: 2 * n + mb], s[2 * n + mb: 2 * n + 2 * mb], s[2 * n + 2 * mb:]
+        self.req_pool_indices = s[2 * n: 2 * n + mb]
+        self.prefix_lens = s[2 * n + mb: 2 * n + 2 * mb]
+        self.seq_lens = s[2 * n + 2 * mb:]
         self.extend_seq_lens = torch.full((mb,), t, dtype=torch.int64, device=d)
         self.extend_start_loc = torch.arange(0, n, t, dtype=torch.int64, device=d)
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=d)

@@ -5,9 +5,10 @@ requests the verifier cannot reproduce exactly: those take the ordinary sampler'
 row, penalties, grammar mask and logprobs included); the target runs one EXTEND forward over ``[last token] + drafts`` of every row (KV slots are
 allocated for all of them), replayed from a captured graph where one fits (every row padded to
 ``k + 1`` tokens, ``VerifyGraphRunner``) and eager otherwise; ``verify_rows`` picks the kept
-drafts and the target's own next token on the device (one host sync per step); the requests append those tokens one by one (so EOS, stop ids and
-``max_new_tokens`` inside an accepted run end the request at the right token); the KV slots
-of positions that were not kept go back to the allocator.
+drafts and the target's own next token on the device (one host sync per step); the requests
+append those tokens one by one (so EOS, stop ids and ``max_new_tokens`` inside an accepted run
+end the request at the right token); the KV slots of positions that were not kept go back to
+the allocator.
 
 KV invariant (the same as plain decode): before and after a step, a running request has KV
 for every position but its last token's (``seqlen - 1``). The step writes KV for positions
