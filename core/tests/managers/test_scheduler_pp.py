@@ -108,3 +108,22 @@ def test_micro_batches_in_flight_equal_one_rank(ckpt: str, reference: dict[str, 
     assert info["pp_micro_batches"] == info["forward_steps"]
     # No KV left held by a request (the prefix cache may keep what it cached).
     assert info["kv_used_tokens"] == 0 and info["num_running_reqs"] == 0
+
+
+def test_kv_pressure_retracts_and_still_equals_one_rank(ckpt: str) -> None:
+    """A pool too small for every request at once: decode micro-batches wait for those in flight,
+    then requests are retracted and recomputed; outputs stay those of one rank."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, 1000) for _ in range(20)] for _ in range(6)]
+    params = {"max_new_tokens": 40, "temperature": 0}
+
+    def run(**kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
+        with Engine(model_path=ckpt, max_total_tokens=100, log_level="warning", **kw) as eng:
+            outs = eng.generate(input_ids=prompts, sampling_params=params)
+            return [o["output_ids"] for o in outs], eng.get_server_info()
+
+    ref, _ = run()
+    got, info = run(pp_size=2)
+    assert got == ref
+    assert info["num_retractions"] > 0 and info["pp_max_in_flight"] == 2
+    assert info["kv_used_tokens"] == 0

@@ -162,18 +162,17 @@ class PipelineScheduler(Scheduler):
         free = [r for r in self.running_batch.reqs if r.rid not in busy]
         if not free:
             return False
-        cap = -(-len(self.running_batch.reqs) // self.pp_size)
-        sub = self._new_batch(free[:cap])
+        sub = self._new_batch(free[:-(-len(self.running_batch.reqs) // self.pp_size)])
         room = self.allocator.available_size() + self.tree_cache.evictable_size()
-        if self.in_flight and room < sub.decode_tokens_needed():
-            return False  # the micro-batches in flight may finish and free KV: process them first
-        rows = list(sub.reqs)
-        self._ensure_decode_memory(sub)  # with nothing in flight: retract (or abort) as usual
-        gone = [r for r in rows if r not in sub.reqs]
-        if gone:
-            self.running_batch.reqs = [r for r in self.running_batch.reqs if r not in gone]
-        if not sub.reqs:
-            return False
+        if room < sub.decode_tokens_needed():
+            if self.in_flight:
+                return False  # the micro-batches in flight may finish and free KV: process them first
+            # Nothing in flight, so every running request is free: retract (or abort a lone
+            # one) among all of them, as without pipeline parallelism.
+            self._ensure_decode_memory(self.running_batch)
+            if not self.running_batch.reqs:
+                return False
+            sub = self._new_batch(self.running_batch.reqs[:-(-len(self.running_batch.reqs) // self.pp_size)])
         fb = sub.prepare_for_decode()
         info = SamplingBatchInfo.from_reqs(sub.reqs, self.runner.vocab_size, self.device, self.eos_token_ids)
         fb.sampling_info = info
