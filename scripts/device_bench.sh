@@ -215,7 +215,7 @@ for stage in "$@"; do
       curl -sf localhost:30123/health > /dev/null || tail -5 "$OUT/grammar_server.log"
       for mode in none cached new; do
         extra=(); [ "$mode" = cached ] && extra=(--json-schema ''); [ "$mode" = new ] && extra=(--json-schema '' --json-schema-unique)
-        E bench serving --base-url http://127.0.0.1:30123 --dataset-name random --random-input-len 128 --random-output-len 32 \
+        E bench serving --base-url http://127.0.0.1:30123 --tokenizer .cache/bench_grammar --dataset-name random --random-input-len 128 --random-output-len 32 \
           --random-range-ratio 1.0 --num-prompts 24 --max-concurrency 1 --disable-tqdm "${extra[@]}" --result-file "$RES" 2>&1 \
           | grep -E "Mean TTFT|Median TTFT|Output token throughput|rror" | sed "s/^/$mode /"
       done
