@@ -173,7 +173,7 @@ def placement_device_type(backend: str) -> str:
 
 
 def destroy_distributed() -> None:
-    global _PLACEMENT, _TP_GROUP, _CPU_GROUP
+    global _PLACEMENT, _TP_GROUP, _CPU_GROUP, _ONE_SHOT
     if _PLACEMENT.world_size > 1:
         import torch.distributed as dist
 
