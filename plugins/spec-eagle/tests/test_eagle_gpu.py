@@ -54,8 +54,10 @@ def test_copying_head_is_accepted_in_full_on_the_device(tmp_path: Any) -> None:
     head = make_copying_eagle_head(str(tmp_path / "head"), target)
     prompts = [[5, 9, 33, 7], [40, 41, 42, 43, 44, 45, 46]]
     # triton: the bigram target's head_dim (16) is below what flashinfer (the CUDA default) accepts.
-    expected = generate_greedy(make_scheduler(target, platform="cuda", dtype="float32", attention="triton"), prompts, 32)
-    sched = make_scheduler(target, platform="cuda", dtype="float32", attention="triton", speculative_algorithm="eagle",
+    plain = make_scheduler(target, platform="cuda", dtype="float32", attention="triton")
+    expected = generate_greedy(plain, prompts, 32)
+    sched = make_scheduler(target, platform="cuda", dtype="float32", attention="triton",
+                           speculative_algorithm="eagle",
                            speculative_draft_model_path=head, speculative_num_steps=4)
     assert generate_greedy(sched, prompts, 32) == expected
     st = sched.speculator.stats
