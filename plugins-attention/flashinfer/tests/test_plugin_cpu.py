@@ -103,3 +103,14 @@ def test_unsupported_head_dim_is_refused_with_the_accepted_sizes() -> None:
         check_head_dim(ok)
     with pytest.raises(ValueError, match="head_dim 16 is not supported; accepted: 64, 128, 256"):
         check_head_dim(16)
+
+
+def test_float32_is_refused_with_the_accepted_dtypes() -> None:
+    import torch
+
+    from engine_attention_flashinfer.planning import check_dtype
+
+    check_dtype(torch.bfloat16)
+    check_dtype(torch.float16)
+    with pytest.raises(ValueError, match="dtype float32 is not supported; accepted: float16, bfloat16"):
+        check_dtype(torch.float32)

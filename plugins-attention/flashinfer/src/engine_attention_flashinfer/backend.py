@@ -35,6 +35,7 @@ from engine_attention_flashinfer.planning import (
     LayerKey,
     PagedKVLayout,
     build_paged_kv_layout,
+    check_dtype,
     check_head_dim,
     padding_layout,
     pages_per_row,
@@ -72,6 +73,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         options = parse_options(ctx.options)
         check_head_dim(ctx.head_dim)
+        check_dtype(ctx.dtype)
         self.device = torch.device(ctx.device)
         if self.device.type != "cuda":
             raise ValueError(f"attention backend 'flashinfer' needs a CUDA device; got {self.device}")

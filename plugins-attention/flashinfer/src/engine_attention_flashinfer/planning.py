@@ -129,6 +129,17 @@ def padding_layout(seq_len: int, page_size: int, device: torch.device) -> PagedK
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
+def check_dtype(dtype: torch.dtype) -> None:
+    """Refuses activation dtypes FlashInfer compiles no kernels for (float32 fails with a KeyError
+    deep inside its JIT otherwise)."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        raise ValueError(
+            f"attention backend 'flashinfer': dtype {name} is not supported; accepted: float16, bfloat16 "
+            "(use --dtype bfloat16, or --attention triton for float32)"
+        )
+
+
 def check_head_dim(head_dim: int) -> None:
     """Refuses head sizes FlashInfer has no kernels for (it would fail deep inside a kernel)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
