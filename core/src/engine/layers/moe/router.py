@@ -4,9 +4,15 @@ Mixtral, Qwen2-MoE and Qwen3-MoE route the same way: a linear gate gives one log
 a softmax over all experts (in float32) turns them into probabilities, the ``top_k`` largest
 are kept, and (Mixtral always; Qwen when its config's ``norm_topk_prob`` is set) they are
 renormalised to sum to one.
+
+On CUDA (with triton installed) the whole computation is one Triton launch
+(``engine.layers.moe.router_kernel``); elsewhere the torch operations below, which are also its
+test oracle.
 """
 
 from __future__ import annotations
+
+from importlib.util import find_spec
 
 import torch
 
@@ -21,8 +27,18 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
     Returns:
         ``(topk_weights, topk_ids)``: ``[tokens, top_k]`` float32 weights and int32 global
-        expert ids, highest weight first.
+        expert ids, highest weight first (on CUDA, equal weights: the lower expert id first).
     """
+    if router_logits.is_cuda and find_spec("triton") is not None:
+        from engine.layers.moe.router_kernel import select_experts_triton
+
+        return select_experts_triton(router_logits, top_k, renormalize)
+    return select_experts_reference(router_logits, top_k, renormalize)
+
+
+def select_experts_reference(router_logits: torch.Tensor, top_k: int,
+                             renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``select_experts`` in torch operations: the CPU path and the kernel's oracle."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
