@@ -10,11 +10,16 @@ data-dependent shapes): the sizes follow from the batch shape alone, so a decode
 it can be captured in a CUDA graph. The slots of experts another expert-parallel rank holds
 (id ``-1``) are gathered into blocks of their own whose expert is ``-1``: the kernel writes
 zeros there.
+
+On CUDA, batches of up to ``ALIGN_KERNEL_MAX_SLOTS`` slots (decode) take one Triton launch
+instead (``engine.layers.moe.align_kernel``, the same result entry for entry); the torch
+operations below stay for the CPU, for larger batches, and as the kernel's test oracle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 
@@ -36,6 +41,17 @@ class ExpertBlocks:
     block_m: int
 
 
+#: The most slots (``tokens * top_k``) the one-program Triton kernel takes (512 tokens at top 8):
+#: its work grows with ``slots * experts``, and above this a few dozen torch launches cost less.
+ALIGN_KERNEL_MAX_SLOTS = 4096
+
+
+def kernel_can_align(num_slots: int, block_m: int) -> bool:
+    """Whether the Triton kernel takes this batch: at most ``ALIGN_KERNEL_MAX_SLOTS`` slots and a
+    power-of-two ``block_m`` (a Triton block dimension)."""
+    return 0 < num_slots <= ALIGN_KERNEL_MAX_SLOTS and block_m > 0 and block_m & (block_m - 1) == 0
+
+
 def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
     """The most entries ``align_slots_by_expert`` can need: every expert (and the "elsewhere"
     group) padding a partial block."""
@@ -51,6 +67,15 @@ def align_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
         num_experts: experts on this rank.
         block_m: slots per block of the grouped GEMM.
     """
+    if topk_ids.is_cuda and kernel_can_align(topk_ids.numel(), block_m) and find_spec("triton") is not None:
+        from engine.layers.moe.align_kernel import align_slots_triton
+
+        return align_slots_triton(topk_ids, num_experts, block_m)
+    return align_slots_reference(topk_ids, num_experts, block_m)
+
+
+def align_slots_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertBlocks:
+    """``align_slots_by_expert`` in torch operations of fixed output size."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_slots = flat.numel()
