@@ -100,3 +100,31 @@ def test_fused_moe_fp8_codes_with_per_channel_scales() -> None:
     ours = fused_moe(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, config=SMALL_TILES)
     ref = fused_moe_reference(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2)
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_rounds_as_torch(dtype: torch.dtype) -> None:
+    """One launch for ``F.silu(g) * u``; rows of a wider buffer (row stride past ``2I``) and an
+    ``I`` (1100) that takes two column blocks of 1024."""
+    from engine.layers.moe.fused_moe import silu_and_mul
+
+    inter = 1100
+    wide = (torch.randn(5, 2 * inter + 7, generator=torch.Generator().manual_seed(12)) * 4).to(DEVICE, dtype)
+    gate_up = wide[:, :2 * inter]
+    ours = silu_and_mul(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :inter].cpu()) * gate_up[:, inter:].cpu()
+    assert ours.shape == (5, inter) and ours.is_contiguous()
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(ours.cpu(), ref, atol=tol, rtol=tol)
+
+
+def test_fused_moe_top_1_skips_the_sum() -> None:
+    from engine.layers.moe.fused_moe import fused_moe
+
+    w13, w2 = _weights(torch.float32, 13)
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    topk_ids = torch.tensor([[3], [0], [3], [1]], dtype=torch.int32, device=DEVICE)
+    topk_w = torch.rand(4, 1, generator=torch.Generator().manual_seed(15)).to(DEVICE)
+    ours = fused_moe(x, w13, w2, topk_w, topk_ids, config=SMALL_TILES)
+    assert ours.shape == (4, H)
+    torch.testing.assert_close(ours, fused_moe_reference(x, w13, w2, topk_w, topk_ids), atol=1e-4, rtol=1e-4)

@@ -3,14 +3,23 @@
 Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
 
 1. ``align_slots_by_expert`` sorts the ``tokens * top_k`` slots by expert and pads each
-   expert's run to a multiple of ``BLOCK_M`` (torch, fixed shapes).
+   expert's run to a multiple of ``BLOCK_M`` (one Triton launch at decode sizes on CUDA; torch
+   operations of fixed shapes above that).
 2. Launch 1, gate/up: program ``(m, n)`` takes block ``m`` of sorted slots (one expert ``e``),
    gathers the rows ``x[slot // top_k]`` and multiplies them by ``w13[e]`` columns
    ``n * BLOCK_N ..``; it writes ``[slots, 2I]`` rows indexed by slot.
-3. SiLU-and-mul on ``[slots, 2I]`` -> ``[slots, I]``.
+3. SiLU-and-mul, one launch: ``[slots, 2I]`` -> ``[slots, I]``, rounded as ``F.silu(g) * u``
+   rounds in the activation dtype.
 4. Launch 2, down: the same blocks, rows ``act[slot]`` times ``w2[e]``; the epilogue multiplies
    each row by its routing weight ``topk_weights[slot]`` and writes ``[slots, H]``.
-5. ``out = y.view(tokens, top_k, H).sum(1)``.
+5. ``out = y.view(tokens, top_k, H).sum(1)`` (one launch; none when ``top_k`` is 1).
+
+With the router (one launch, ``router_kernel``) that is six launches per MoE layer at decode.
+Two fusions were weighed and left out. SiLU-and-mul applied to the down launch's A tiles as it
+loads them compiles (Triton 3.9, sm_90, the decode tile 16x64x128) to 255 registers with spills,
+against 168 without it; not worth one launch unmeasured. Float32 atomics in the down launch
+instead of the top-k sum would need a zeroed float32 buffer and a cast back (two launches for
+the one saved) and would make the result depend on the order the programs run in.
 
 Every expert's weights are read once per launch however many tokens it serves, which is where
 the per-expert loop loses: one launch (and one small GEMM) per expert. Blocks of experts held
@@ -86,9 +95,36 @@ def _moe_grouped_gemm(
         scale = tl.load(b_scale_ptr + expert * stride_se + offs_n * stride_sn, mask=col_ok, other=0.0)
         acc = acc * scale[None, :]
     if MUL_ROUTED_WEIGHT:
-        weight = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0)
+        weight = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up_ptr, act_ptr, inter, stride_row, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=ok, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_row + inter + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    # Rounded to the activation dtype after the SiLU and after the product, as torch does.
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(act_ptr + row * inter + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``[rows, 2I]`` (unit column stride) in one
+    launch; a new contiguous ``[rows, I]``."""
+    rows, two_inter = gate_up.shape
+    inter = two_inter // 2
+    act = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0:
+        return act
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, act, inter, gate_up.stride(0), BLOCK=block,
+                                                            num_warps=4)
+    return act
 
 
 def pick_blocks(num_slots: int, num_experts: int) -> dict[int, int]:
@@ -132,14 +168,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)
     x = x.contiguous()
     blocks = align_slots_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
     gate_up = torch.empty(num_slots, two_inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None, cfg)
-    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    act = silu_and_mul(gate_up)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, w2_scale, down, blocks, 1, topk_weights.reshape(-1).to(torch.float32).contiguous(), cfg)
+    # The kernel reads the weights in any float dtype: no conversion launch.
+    _grouped_gemm(act, w2, w2_scale, down, blocks, 1, topk_weights.reshape(-1).contiguous(), cfg)
+    if top_k == 1:
+        return down
     return down.view(tokens, top_k, hidden).sum(dim=1)
