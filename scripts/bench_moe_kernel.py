@@ -8,6 +8,12 @@ of Gaussian logits), so a batch of ``T`` tokens touches about ``E * (1 - (1 - k/
 "GB/s" is the bytes of the experts the batch touches (weights only) over the time: at batch 1
 the kernel should approach the card's copy bandwidth.
 
+Then, per token count, the launches around the GEMMs: the one-launch router and slot alignment
+against their torch versions (``select_experts_reference``, ``align_slots_reference``; the
+alignment kernel is used up to ``ALIGN_KERNEL_MAX_SLOTS`` slots, and this row is what that cap
+should be tuned on), and the SiLU-and-mul launch. These are eager timings of one call each; in a
+CUDA graph the torch versions lose the host overhead but keep their ~30 launches.
+
 usage: python scripts/bench_moe_kernel.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 256 1024]
        [--result-file out/results.jsonl]
 """
@@ -80,6 +86,37 @@ def bench_shape(name: str, tokens_list: list[int], fp8: bool) -> list[dict[str, 
     return rows
 
 
+def bench_routing(name: str, tokens_list: list[int]) -> list[dict[str, object]]:
+    from engine.layers.moe.align import align_slots_reference, kernel_can_align
+    from engine.layers.moe.align_kernel import align_slots_triton
+    from engine.layers.moe.fused_moe import pick_blocks, silu_and_mul
+    from engine.layers.moe.router import select_experts_reference
+    from engine.layers.moe.router_kernel import select_experts_triton
+
+    experts, _, inter, top_k = SHAPES[name]
+    rows = []
+    for tokens in tokens_list:
+        logits = torch.randn(tokens, experts, device="cuda", dtype=torch.bfloat16)
+        _, ids = select_experts_triton(logits, top_k, True)
+        block_m = pick_blocks(tokens * top_k, experts)["BLOCK_M"]
+        gate_up = torch.randn(tokens * top_k, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        row: dict[str, object] = {
+            "bench": "moe_routing", "shape": name, "tokens": tokens, "block_m": block_m,
+            "router_kernel_us": round(_time_ms(lambda: select_experts_triton(logits, top_k, True)) * 1e3, 2),
+            "router_torch_us": round(_time_ms(lambda: select_experts_reference(logits, top_k, True)) * 1e3, 2),
+            "align_torch_us": round(_time_ms(lambda: align_slots_reference(ids, experts, block_m)) * 1e3, 2),
+            "silu_and_mul_us": round(_time_ms(lambda: silu_and_mul(gate_up)) * 1e3, 2),
+            "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        if kernel_can_align(tokens * top_k, block_m):
+            row["align_kernel_us"] = round(_time_ms(lambda: align_slots_triton(ids, experts, block_m)) * 1e3, 2)
+        rows.append(row)
+        print(f"{name:14s} T={tokens:5d}  router {row['router_kernel_us']} us (torch {row['router_torch_us']})"
+              f"  align {row.get('align_kernel_us', '-')} us (torch {row['align_torch_us']})"
+              f"  silu_and_mul {row['silu_and_mul_us']} us", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -90,7 +127,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe_kernel.py: needs a CUDA GPU")
     for name in args.shapes:
-        rows = bench_shape(name, args.tokens, fp8=not args.no_fp8)
+        rows = bench_shape(name, args.tokens, fp8=not args.no_fp8) + bench_routing(name, args.tokens)
         if args.result_file:
             with open(args.result_file, "a", encoding="utf-8") as f:
                 for row in rows:
