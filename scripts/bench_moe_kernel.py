@@ -27,6 +27,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+# The activation the model uses on CUDA: the cuda platform's fused kernel (Platform.layer_kernels).
+from engine_platform_cuda.kernels import silu_and_mul
+
 # name -> (experts, hidden, expert intermediate, top_k), from docs/bench_configs/*/config.json
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
 
@@ -66,7 +69,7 @@ def bench_shape(name: str, tokens_list: list[int], fp8: bool) -> list[dict[str, 
             gu = F.linear(x, dense_gu)
             return F.linear(F.silu(gu[:, :inter * top_k]) * gu[:, inter * top_k:], dense_d)
 
-        t_fused = _time_ms(lambda: fused_moe(x, w13, w2, w, ids))
+        t_fused = _time_ms(lambda: fused_moe(x, w13, w2, w, ids, act_fn=silu_and_mul))
         t_loop = _time_ms(lambda: fused_moe_reference(x, w13, w2, w, ids), iters=20)
         t_dense = _time_ms(dense)
         row: dict[str, object] = {
@@ -76,7 +79,7 @@ def bench_shape(name: str, tokens_list: list[int], fp8: bool) -> list[dict[str, 
             "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
         if fp8:
-            t_fp8 = _time_ms(lambda: fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2))
+            t_fp8 = _time_ms(lambda: fused_moe(x, q13, q2, w, ids, w13_scale=s13, w2_scale=s2, act_fn=silu_and_mul))
             row["fused_fp8_ms"] = round(t_fp8, 4)
             row["fused_fp8_GBps"] = round(expert_bytes / 2 / t_fp8 / 1e6, 1)
         rows.append(row)
@@ -89,7 +92,7 @@ def bench_shape(name: str, tokens_list: list[int], fp8: bool) -> list[dict[str, 
 def bench_routing(name: str, tokens_list: list[int]) -> list[dict[str, object]]:
     from engine.layers.moe.align import align_slots_reference, kernel_can_align
     from engine.layers.moe.align_kernel import align_slots_triton
-    from engine.layers.moe.fused_moe import pick_blocks, silu_and_mul
+    from engine.layers.moe.fused_moe import pick_blocks
     from engine.layers.moe.router import select_experts_reference
     from engine.layers.moe.router_kernel import select_experts_triton
 

@@ -102,20 +102,24 @@ def test_fused_moe_fp8_codes_with_per_channel_scales() -> None:
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_and_mul_rounds_as_torch(dtype: torch.dtype) -> None:
-    """One launch for ``F.silu(g) * u``; rows of a wider buffer (row stride past ``2I``) and an
-    ``I`` (1100) that takes two column blocks of 1024."""
-    from engine.layers.moe.fused_moe import silu_and_mul
+def test_fused_moe_uses_the_platform_activation_kernel() -> None:
+    """``act_fn`` (the platform's fused ``silu_and_mul``, handed over by ``FusedMoE.use_kernels``)
+    replaces the torch activation between the two grouped GEMMs."""
+    from engine.layers.moe.fused_moe import fused_moe
 
-    inter = 1100
-    wide = (torch.randn(5, 2 * inter + 7, generator=torch.Generator().manual_seed(12)) * 4).to(DEVICE, dtype)
-    gate_up = wide[:, :2 * inter]
-    ours = silu_and_mul(gate_up)
-    ref = torch.nn.functional.silu(gate_up[:, :inter].cpu()) * gate_up[:, inter:].cpu()
-    assert ours.shape == (5, inter) and ours.is_contiguous()
-    tol = 1e-6 if dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(ours.cpu(), ref, atol=tol, rtol=tol)
+    w13, w2 = _weights(torch.float32, 15)
+    x = torch.randn(3, H, generator=torch.Generator().manual_seed(16)).to(DEVICE)
+    topk_w, topk_ids = select_experts(torch.randn(3, E, generator=torch.Generator().manual_seed(17)).to(DEVICE), 2, True)
+    calls = []
+
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        calls.append(tuple(gate_up.shape))
+        inter = gate_up.shape[1] // 2
+        return torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
+    ours = fused_moe(x, w13, w2, topk_w, topk_ids, config=SMALL_TILES, act_fn=act)
+    assert calls == [(6, w13.shape[1])]
+    torch.testing.assert_close(ours, fused_moe_reference(x, w13, w2, topk_w, topk_ids), atol=1e-4, rtol=1e-4)
 
 
 def test_fused_moe_top_1_skips_the_sum() -> None:

@@ -67,3 +67,16 @@ def test_shards_sum_to_the_whole(tp: int, ep: int) -> None:
     assert shards[-1].expert_start == (ep - 1) * E // ep
     assert shards[-1].w13_weight.shape == (E // ep, 2 * INTER * ep // tp, H)
     torch.testing.assert_close(sum(s(x, logits) for s in shards), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_use_kernels_hands_the_platform_activation_to_the_experts() -> None:
+    layer = FusedMoE(E, TOP_K, H, INTER, renormalize=True, prefix="mlp.experts")
+    assert layer.act_fn is None
+    layer.use_kernels({"rms_norm": object()})  # a platform without a fused silu_and_mul
+    assert layer.act_fn is None
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    layer.use_kernels({"silu_and_mul": fused})
+    assert layer.act_fn is fused

@@ -54,5 +54,5 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         if triton_available(x):
             from engine.layers.moe.fused_moe import fused_moe
 
-            return fused_moe(*args, **scales)
+            return fused_moe(*args, **scales, act_fn=getattr(layer, "act_fn", None))
         return fused_moe_reference(*args, **scales)

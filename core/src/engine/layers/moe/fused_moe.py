@@ -31,6 +31,8 @@ read, which is what decode is bound by).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -100,33 +102,6 @@ def _moe_grouped_gemm(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
-@triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, act_ptr, inter, stride_row, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < inter
-    gate = tl.load(gate_up_ptr + row * stride_row + cols, mask=ok, other=0.0)
-    up = tl.load(gate_up_ptr + row * stride_row + inter + cols, mask=ok, other=0.0)
-    g = gate.to(tl.float32)
-    # Rounded to the activation dtype after the SiLU and after the product, as torch does.
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(act_ptr + row * inter + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=ok)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``F.silu(gate_up[:, :I]) * gate_up[:, I:]`` for ``[rows, 2I]`` (unit column stride) in one
-    launch; a new contiguous ``[rows, I]``."""
-    rows, two_inter = gate_up.shape
-    inter = two_inter // 2
-    act = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
-    if rows == 0:
-        return act
-    block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, act, inter, gate_up.stride(0), BLOCK=block,
-                                                            num_warps=4)
-    return act
-
-
 def pick_blocks(num_slots: int, num_experts: int) -> dict[int, int]:
     """Tile sizes for a batch: small ``BLOCK_M`` when experts see few slots each (decode), so
     little of each block is padding; larger tiles when there are many (prefill). Not autotuned."""
@@ -160,10 +135,13 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              config: dict[str, int] | None = None) -> torch.Tensor:
+              config: dict[str, int] | None = None,
+              act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
 
     ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
+    ``act_fn``: the platform's fused ``silu_and_mul`` (``Platform.layer_kernels``, one launch;
+    ``FusedMoE.use_kernels`` hands it over); without one, SiLU and the product in torch.
     """
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -174,7 +152,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     blocks = align_slots_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
     gate_up = torch.empty(num_slots, two_inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None, cfg)
-    act = silu_and_mul(gate_up)
+    if act_fn is not None:
+        act = act_fn(gate_up)
+    else:
+        inter = two_inter // 2
+        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     # The kernel reads the weights in any float dtype: no conversion launch.
     _grouped_gemm(act, w2, w2_scale, down, blocks, 1, topk_weights.reshape(-1).contiguous(), cfg)

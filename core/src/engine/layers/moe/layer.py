@@ -68,7 +68,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if triton_available(x):
             from engine.layers.moe.fused_moe import fused_moe
 
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                             act_fn=getattr(layer, "act_fn", None))
         return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
@@ -108,6 +109,7 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.reduce_results = reduce_results
+        self.act_fn: Any = None  # the platform's fused silu_and_mul, set by use_kernels
         self.tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         self.ep_size = get_expert_parallel_world_size()
@@ -153,6 +155,11 @@ class FusedMoE(nn.Module):
         local = topk_ids - self.expert_start
         held = (local >= 0) & (local < self.num_local_experts)
         return torch.where(held, local, torch.full_like(local, -1))
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's fused ``silu_and_mul`` (``Platform.layer_kernels``) for the
+        experts' activation when it offers one."""
+        self.act_fn = kernels.get("silu_and_mul")
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
