@@ -33,6 +33,16 @@ from engine.layers.moe.align import ALIGN_KERNEL_MAX_SLOTS, ExpertBlocks, kernel
 
 
 @triton.jit
+def _slot_bins(ids_ptr, offs, num_slots, num_experts, BLOCK_BINS: tl.constexpr):
+    """The bin of each slot ``offs``: its expert, ``num_experts`` for one held elsewhere (``-1``),
+    ``BLOCK_BINS`` (no bin) past the last slot."""
+    ok = offs < num_slots
+    ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    slot_bin = tl.where((ids < 0) | (ids >= num_experts), num_experts, ids)
+    return tl.where(ok, slot_bin, BLOCK_BINS)
+
+
+@triton.jit
 def _align_slots_kernel(
     ids_ptr, sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
     num_slots, num_experts, num_blocks,
@@ -45,11 +55,7 @@ def _align_slots_kernel(
     # 1. Count per bin. Slots past the end get bin BLOCK_BINS, which matches no lane.
     counts = tl.zeros((BLOCK_BINS,), dtype=tl.int32)
     for start in range(0, num_slots, CHUNK):
-        offs = start + chunk
-        ok = offs < num_slots
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-        slot_bin = tl.where((ids < 0) | (ids >= num_experts), num_experts, ids)
-        slot_bin = tl.where(ok, slot_bin, BLOCK_BINS)
+        slot_bin = _slot_bins(ids_ptr, start + chunk, num_slots, num_experts, BLOCK_BINS)
         counts += tl.sum((slot_bin[:, None] == bins[None, :]).to(tl.int32), axis=0)
 
     # 2. Padded runs and where they start.
@@ -63,15 +69,12 @@ def _align_slots_kernel(
     next_free = run_starts
     for start in range(0, num_slots, CHUNK):
         offs = start + chunk
-        ok = offs < num_slots
-        ids = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
-        slot_bin = tl.where((ids < 0) | (ids >= num_experts), num_experts, ids)
-        slot_bin = tl.where(ok, slot_bin, BLOCK_BINS)
+        slot_bin = _slot_bins(ids_ptr, offs, num_slots, num_experts, BLOCK_BINS)
         onehot = slot_bin[:, None] == bins[None, :]
         base = tl.sum(tl.where(onehot, next_free[None, :], 0), axis=1)
         earlier_same = (slot_bin[:, None] == slot_bin[None, :]) & (chunk[None, :] < chunk[:, None])
         rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-        tl.store(sorted_slot_ids_ptr + base + rank, offs, mask=ok)
+        tl.store(sorted_slot_ids_ptr + base + rank, offs, mask=offs < num_slots)
         next_free += tl.sum(onehot.to(tl.int32), axis=0)
 
     # 4. Each block's expert, and the padding after each run's slots.
