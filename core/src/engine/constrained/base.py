@@ -4,7 +4,8 @@ A backend turns a ``GrammarKey`` (what the request asked for: a JSON schema, a r
 EBNF grammar, a structural tag or "any JSON") into a compiled grammar, and hands out one
 ``GrammarMatcher`` per request. Every step the engine asks each constrained request's
 matcher to fill its row of a batched token bitmask, applies the whole bitmask to the logits
-in one op, samples, and feeds the sampled token back with ``accept_token``.
+in one op, samples, and feeds the batch's sampled tokens back in one ``accept_tokens`` call
+(the default asks each matcher's ``accept_token`` in turn).
 
 The bitmask layout is fixed by the engine, not by a library: ``int32[batch, ceil(V / 32)]``,
 bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed (xgrammar and llguidance
@@ -14,6 +15,7 @@ both use it natively; a library with another format converts in ``fill_bitmask``
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +134,15 @@ class GrammarBackend(abc.ABC):
         asks each matcher in turn; a library with a parallel batch fill overrides it."""
         for matcher, row in zip(matchers, rows):
             matcher.fill_bitmask(bitmask, row)
+
+    def accept_tokens(self, matchers: Sequence[GrammarMatcher], token_ids: Sequence[int]) -> list[bool]:
+        """Feeds ``token_ids[i]`` to ``matchers[i]``: the sampled tokens of one step of a whole
+        batch, one matcher per request (never the same matcher twice). Returns what each
+        ``accept_token`` would: False where refused, that matcher's state then unchanged. The
+        default asks each matcher in turn; a library with a batch acceptance overrides it."""
+        if len(matchers) != len(token_ids):
+            raise ValueError(f"accept_tokens: {len(matchers)} matchers but {len(token_ids)} token ids")
+        return [matcher.accept_token(token_id) for matcher, token_id in zip(matchers, token_ids)]
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Sets the logits of disallowed tokens to -inf in place, for the whole batch at once

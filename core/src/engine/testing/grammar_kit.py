@@ -4,8 +4,8 @@ A backend must accept exactly the strings its grammar describes (a table of gram
 it must accept and strings it must refuse), its token masks must agree with a reference on
 random token walks, and it must honour the interface's contract: errors are ``GrammarError``
 naming the field, padded vocabulary columns are never allowed, ``copy`` is independent,
-``rollback`` undoes, compiling is thread-safe, ``fill_bitmasks`` equals row-by-row fills and
-``apply_bitmask`` equals the portable mask.
+``rollback`` undoes, compiling is thread-safe, ``fill_bitmasks`` equals row-by-row fills,
+``accept_tokens`` equals row-by-row ``accept_token`` and ``apply_bitmask`` equals the portable mask.
 
 Subclass it in the plugin's tests::
 
@@ -298,6 +298,38 @@ class GrammarBackendConformance:
         for matcher, row in zip(matchers, rows):
             matcher.fill_bitmask(want, row)
         assert torch.equal(batch, want)
+
+    def test_batch_accept_equals_row_by_row(self, backend: GrammarBackend, tokenizer: Any) -> None:
+        """``accept_tokens`` over a batch (rows in different states; tokens the grammar accepts,
+        refuses, stop tokens, tokens after the end) gives what each matcher's own ``accept_token``
+        gives, and leaves every matcher where ``accept_token`` leaves its twin."""
+        self._skip_unless("regex")
+        vocab = len(tokenizer) + self.vocab_padding
+        compiled = backend.compile(GrammarKey("regex", "[a-z]{1,6}[0-9]{1,3}"))
+        rng = random.Random(derive_seed(self.seed, "batch-accept"))
+        # 40 rows: enough for a backend that splits a batch over threads to do so.
+        texts = ["".join(rng.choice("abz09-") for _ in range(rng.randint(1, 9))) for _ in range(40)]
+        texts[:3] = ["abc12", "abc12", "1a"]  # a complete match; the same again; refused at once
+        sequences = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        batch = [backend.matcher(compiled) for _ in texts]
+        twins = [backend.matcher(compiled) for _ in texts]
+        refused = 0
+        for step in range(max(map(len, sequences)) + 2):
+            # Past its text each row takes the stop token, then again (after the end).
+            tokens = [seq[step] if step < len(seq) else tokenizer.eos_token_id for seq in sequences]
+            got = backend.accept_tokens(batch, tokens)
+            want = [twin.accept_token(token) for twin, token in zip(twins, tokens)]
+            assert [bool(g) for g in got] == want, f"step {step}: batch {got} vs row by row {want}"
+            refused += want.count(False)
+            assert [m.is_terminated() for m in batch] == [m.is_terminated() for m in twins]
+            masks, twin_masks = allocate_bitmask(len(texts), vocab), allocate_bitmask(len(texts), vocab)
+            for row, (matcher, twin) in enumerate(zip(batch, twins)):
+                if not matcher.is_terminated():
+                    matcher.fill_bitmask(masks, row)
+                    twin.fill_bitmask(twin_masks, row)
+            assert torch.equal(masks, twin_masks), f"step {step}: states differ after the batch accept"
+        assert refused and any(m.is_terminated() for m in twins), "the sequence must refuse and finish"
+        assert backend.accept_tokens([], []) == []
 
     def test_apply_bitmask_matches_the_portable_mask(self, backend: GrammarBackend, tokenizer: Any) -> None:
         vocab = len(tokenizer) + self.vocab_padding
