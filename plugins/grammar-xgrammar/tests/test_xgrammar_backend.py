@@ -5,8 +5,23 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.constrained import GrammarKey
+import pytest
+import torch
+
+from engine.constrained import GrammarKey, TokenizerInfo, allocate_bitmask, apply_token_bitmask
 from engine.testing.grammar_kit import GrammarBackendConformance
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer() -> Any:
+    """The kit's byte-level tokenizer (2,048 tokens), outside the kit's class."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    import engine.testing
+
+    return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(engine.testing.__file__), "tiny_tokenizer"))
 
 
 class TestXGrammar(GrammarBackendConformance):
@@ -33,3 +48,49 @@ class TestXGrammar(GrammarBackendConformance):
         text = '{ "a" :  1 }'
         assert self._accepts(loose, loose.compile(key), tokenizer, text)
         assert not self._accepts(strict, strict.compile(key), tokenizer, text)
+
+
+@pytest.mark.parametrize("accept_threads", [1, 4])
+def test_batch_accept_runs_in_xgrammar_and_equals_row_by_row(tiny_tokenizer: Any, accept_threads: int,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recorded JSON walk of 32 rows (a refused token among them) fed through ``accept_tokens``,
+    in one batch call or in thread slices, gives per-row ``accept_token``'s verdicts and states,
+    without a Python call per row."""
+    from engine_grammar_xgrammar.backend import XGrammarBackend, XGrammarMatcher
+
+    tokenizer = tiny_tokenizer
+    info = TokenizerInfo(tokenizer, len(tokenizer) + 64, (tokenizer.eos_token_id,))
+    backend = XGrammarBackend(info, options={"accept_threads": accept_threads})
+    schema = {"type": "object", "properties": {"k": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["k", "n"]}
+    compiled = backend.compile(GrammarKey("json_schema", json.dumps(schema)))
+    rows = 32
+    # Record each row's walk: tokens drawn from what the grammar allows, from a seeded generator.
+    gen = torch.Generator().manual_seed(5)
+    recorder = [backend.matcher(compiled) for _ in range(rows)]
+    recorded: list[list[int]] = []
+    bitmask = allocate_bitmask(rows, info.vocab_size)
+    for _ in range(12):
+        bitmask.fill_(-1)
+        backend.fill_bitmasks(recorder, bitmask, list(range(rows)))
+        logits = torch.randn(rows, info.vocab_size, generator=gen)
+        apply_token_bitmask(logits, bitmask)
+        step = logits.argmax(-1).tolist()
+        assert all(m.accept_token(t) for m, t in zip(recorder, step))
+        recorded.append(step)
+    # Row 7 starts with a token JSON refuses (then goes on refusing its walk from the start state).
+    recorded[0][7] = tokenizer.encode("x", add_special_tokens=False)[0]
+    batch = [backend.matcher(compiled) for _ in range(rows)]
+    twins = [backend.matcher(compiled) for _ in range(rows)]
+    with monkeypatch.context() as patch:
+        patch.setattr(XGrammarMatcher, "accept_token", lambda self, token_id: pytest.fail("a per-row accept"))
+        got = [backend.accept_tokens(batch, step) for step in recorded]
+    want = [[m.accept_token(t) for m, t in zip(twins, step)] for step in recorded]
+    assert got == want and not want[0][7]
+    assert all(all(step[:7] + step[8:]) for step in want), "the other rows' walks are accepted"
+    masks, twin_masks = allocate_bitmask(rows, info.vocab_size), allocate_bitmask(rows, info.vocab_size)
+    backend.fill_bitmasks(batch, masks, list(range(rows)))
+    backend.fill_bitmasks(twins, twin_masks, list(range(rows)))
+    assert torch.equal(masks, twin_masks)
+    with pytest.raises(ValueError, match="2 matchers but 1 token ids"):
+        backend.accept_tokens(batch[:2], [0])

@@ -24,3 +24,5 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption("xgrammar", "compile_threads", 2, "threads xgrammar uses inside one compile"))
     register(PluginOption("xgrammar", "fill_threads", 0, "threads filling a batch's token bitmask "
                           "(0: min(8, CPU count); 1: row by row, no thread pool)"))
+    register(PluginOption("xgrammar", "accept_threads", 0, "threads accepting a batch's sampled tokens "
+                          "(slices of 8 rows or more; 0: min(8, CPU count); 1: one batch call, no pool)"))
