@@ -12,9 +12,11 @@ import torch
 from typer.testing import CliRunner
 
 from engine.constrained import (
+    GrammarBackend,
     GrammarCompiler,
     GrammarError,
     GrammarKey,
+    GrammarMatcher,
     allocate_bitmask,
     allowed_tokens,
     apply_token_bitmask,
@@ -72,6 +74,85 @@ def test_compiler_shares_an_inflight_compile_and_forgets_failures() -> None:
     with pytest.raises(GrammarError):
         compiler.submit(bad).result()
     assert [k.text for k in backend.calls].count("bad") == 2  # tried again, not served from the cache
+
+
+class _ScriptMatcher(GrammarMatcher):
+    """Accepts exactly ``script`` in order; counts ``accept_token`` calls."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.pos, self.calls = script, 0, 0
+
+    def accept_token(self, token_id: int) -> bool:
+        self.calls += 1
+        if self.pos < len(self.script) and self.script[self.pos] == token_id:
+            self.pos += 1
+            return True
+        return False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        raise AssertionError("not used")
+
+    def is_terminated(self) -> bool:
+        return self.pos == len(self.script)
+
+    def copy(self) -> _ScriptMatcher:
+        raise AssertionError("not used")
+
+
+class _ScriptBackend(GrammarBackend):
+    """Only the interface's default ``accept_tokens`` (a backend that does not override it)."""
+
+    def compile(self, key: GrammarKey) -> Any:
+        raise AssertionError("not used")
+
+    def matcher(self, compiled: Any) -> GrammarMatcher:
+        raise AssertionError("not used")
+
+
+def test_default_accept_tokens_asks_each_matcher_in_turn() -> None:
+    backend = _ScriptBackend(None)  # type: ignore[arg-type]
+    matchers = [_ScriptMatcher([5, 6]), _ScriptMatcher([7]), _ScriptMatcher([8, 9])]
+    assert backend.accept_tokens(matchers, [5, 1, 8]) == [True, False, True]
+    assert backend.accept_tokens(matchers, [6, 7, 8]) == [True, True, False]
+    assert [m.pos for m in matchers] == [2, 1, 1] and [m.calls for m in matchers] == [2, 2, 2]
+    assert backend.accept_tokens([], []) == []
+    with pytest.raises(ValueError, match="3 matchers but 2 token ids"):
+        backend.accept_tokens(matchers, [1, 2])
+
+
+def test_grammar_queue_accepts_a_step_in_one_call_and_requests_take_the_verdicts() -> None:
+    """Only constrained, unfinished rows whose token is appended reach the backend, in one call;
+    ``append_output`` then aborts a refused row and leaves an accepted one, without asking again."""
+    from engine.constrained.scheduling import GrammarQueue
+    from engine.managers.schedule_batch import FinishReason, Req
+    from engine.sampling.sampling_params import SamplingParams
+
+    calls: list[list[int]] = []
+
+    class Recording(_ScriptBackend):
+        def accept_tokens(self, matchers: Any, token_ids: Any) -> list[bool]:
+            calls.append(list(token_ids))
+            return super().accept_tokens(matchers, token_ids)
+
+    queue = GrammarQueue("none", None, 16, set(), torch.device("cpu"))
+    queue.compiler = GrammarCompiler(lambda: Recording(None))  # type: ignore[arg-type]
+    reqs = [Req(f"r{i}", [1, 2], SamplingParams(max_new_tokens=4), {3}) for i in range(5)]
+    for req, script in zip(reqs, ([10], [11], None, [13], [14])):
+        req.grammar = None if script is None else _ScriptMatcher(script)
+    reqs[3].finished_reason = FinishReason("abort", message="client gone")
+    tokens = [10, 99, 12, 13, 14]
+    verdicts = queue.accept_tokens(reqs, tokens, appends=[True, True, True, True, False])
+    assert calls == [[10, 99]] and verdicts == [True, False, None, None, None]
+    for req, token, verdict in zip(reqs[:4], tokens, verdicts):
+        req.append_output(token, verdict)
+    assert [r.grammar.calls for r in (reqs[0], reqs[1], reqs[3])] == [1, 1, 0]
+    assert not reqs[0].finished() and reqs[0].output_ids == [10]
+    assert reqs[1].finished_reason.kind == "abort" and "refused token 99" in reqs[1].finished_reason.message
+    assert reqs[1].output_ids == [99] and not reqs[2].finished() and reqs[3].output_ids == [13]
+    # One token at a time (the speculative path): no verdict, the matcher takes it in append_output.
+    reqs[4].append_output(14)
+    assert reqs[4].grammar.calls == 1 and reqs[4].grammar.is_terminated() and not reqs[4].finished()
+    assert queue.accept_tokens(reqs[2:3], [1]) == [None] and len(calls) == 1  # nothing constrained: no call
 
 
 def test_portable_mask_and_bitmask_helpers() -> None:

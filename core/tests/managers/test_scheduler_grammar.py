@@ -214,3 +214,62 @@ def test_logit_bias_steers_greedy_choice(llama_ckpt: str) -> None:
     banned = generate_greedy(sched, [prompt], 4)[0]
     again = generate_greedy(sched, [prompt], 4, logit_bias={str(banned[0]): -100.0})[0]
     assert again[0] != banned[0]
+
+
+class _LeakyBackend:
+    """Wraps a backend: a row's mask allows every token once its matcher has accepted two (so
+    the model samples tokens the grammar refuses, in decode steps); records the size of each
+    ``accept_tokens`` call; ``per_row``: the interface's default loop instead of the backend's."""
+
+    def __init__(self, inner: Any, per_row: bool) -> None:
+        self.inner, self.per_row = inner, per_row
+        self.calls: list[int] = []
+        self.accepted: dict[int, int] = {}
+
+    def fill_bitmasks(self, matchers: list[Any], bitmask: Any, rows: list[int]) -> None:
+        keep = [(m, r) for m, r in zip(matchers, rows) if self.accepted.get(id(m), 0) < 2]
+        self.inner.fill_bitmasks([m for m, _ in keep], bitmask, [r for _, r in keep])
+
+    def accept_tokens(self, matchers: list[Any], token_ids: list[int]) -> list[bool]:
+        from engine.constrained import GrammarBackend
+
+        self.calls.append(len(matchers))
+        if self.per_row:
+            verdicts = GrammarBackend.accept_tokens(self.inner, matchers, token_ids)
+        else:
+            verdicts = self.inner.accept_tokens(matchers, token_ids)
+        for matcher, ok in zip(matchers, verdicts):
+            self.accepted[id(matcher)] = self.accepted.get(id(matcher), 0) + int(ok)
+        return verdicts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_step_accepts_in_one_batch_call_with_per_row_results(llama_ckpt: str) -> None:
+    """Every step feeds all its constrained rows to the backend in one call (prefill's first
+    tokens too), and the outcome equals per-row acceptance: refused tokens (the mask leaks after
+    two tokens) abort exactly those requests, others finish as before, with and without overlap."""
+    prompts = _prompts(11, 18)
+    regex = r"[a-z]{2,30}"
+    jobs = [(p, {"max_new_tokens": 12, "temperature": 0, "regex": regex}) for p in prompts[:16]]
+    jobs += [(p, {"max_new_tokens": 12, "temperature": 0}) for p in prompts[16:]]
+    results = []
+    for per_row, overlap in ((True, False), (False, False), (False, True)):
+        sched = make_scheduler(llama_ckpt)
+        sched.enable_overlap = overlap
+        leaky = _LeakyBackend(sched.grammar_queue.compiler.backend, per_row)
+        sched.grammar_queue.compiler = GrammarCompiler(lambda leaky=leaky: leaky)
+        rids, col = _run(sched, jobs)
+        results.append(([col.ids[r] for r in rids], [col.finish[r] for r in rids]))
+        assert max(leaky.calls) == 16, leaky.calls  # all constrained rows of a step in one call
+        assert len(leaky.calls) <= sched.forward_steps
+        if overlap:
+            assert sched.overlapped_decode_steps > 0
+        check_no_leak(sched)
+    assert results[1] == results[0] and results[2] == results[0]
+    ids, finishes = results[0]
+    aborted = [f for f in finishes[:16] if f["type"] == "abort"]
+    assert aborted and all("refused" in f["message"] for f in aborted), finishes
+    assert all(len(i) >= 3 for i, f in zip(ids, finishes) if f["type"] == "abort"), "refused before the leak"
+    assert finishes[16:] == [{"type": "length", "length": 12}] * 2

@@ -11,7 +11,10 @@ one its matcher, and builds the batch's token bitmask every step:
   int32 bitmask on the CPU (rows of unconstrained requests allow everything), copies it to the
   device and sets ``info.vocab_mask``; the sampler applies it to the logits in one batched op
   before sampling;
-- the matcher accepts each sampled token in ``Req.append_output``.
+- ``accept_tokens(reqs, token_ids, appends)``: after sampling, feeds every constrained row's
+  token to its matcher in one backend call (``GrammarBackend.accept_tokens``), before the
+  scheduler appends the tokens (``Req.append_output`` takes each row's verdict; a refused token
+  aborts that request).
 
 The backend and its tokenizer tables are built lazily on the compile pool, so a server that
 never sees a constrained request pays nothing, and the first one does not stall the loop.
@@ -20,6 +23,7 @@ never sees a constrained request pays nothing, and the first one does not stall 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +147,29 @@ class GrammarQueue:
         backend.fill_bitmasks([reqs[i].grammar for i in rows], bitmask, rows)
         info.vocab_mask = bitmask.to(self.device, non_blocking=True)
         info.apply_vocab_mask = backend.apply_bitmask
+
+    def accept_tokens(self, reqs: Sequence[Req], token_ids: Sequence[int],
+                      appends: Sequence[bool] | None = None) -> list[bool | None]:
+        """Advances the matchers of a step's rows by their sampled tokens, all in one backend call.
+
+        Args:
+            reqs / token_ids: the step's rows and the token sampled for each.
+            appends: ``appends[i]`` False: row i's token is not appended (a prefill chunk that is
+                not the last, a prompt-only request); None: every row's is.
+
+        Returns:
+            Per row, what to hand ``Req.append_output``: whether the grammar accepted the token,
+            or None where no matcher took it (unconstrained, finished, or not appended).
+        """
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished()
+                and (appends is None or appends[i])]
+        verdicts: list[bool | None] = [None] * len(reqs)
+        if not rows:
+            return verdicts
+        accepted = self.compiler.backend.accept_tokens([reqs[i].grammar for i in rows], [token_ids[i] for i in rows])
+        for i, ok in zip(rows, accepted):
+            verdicts[i] = bool(ok)
+        return verdicts
 
     def _bitmask_for(self, batch_size: int) -> torch.Tensor:
         # One pinned host buffer, grown when needed. Reuse is safe: the host-to-device copy of

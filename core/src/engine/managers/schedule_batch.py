@@ -129,11 +129,19 @@ class Req:
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
-    def append_output(self, token_id: int) -> None:
-        """Appends a sampled token; a constrained request's matcher accepts it (a token the
-        grammar refuses cannot be sampled under the mask: it ends the request with an error)."""
+    def append_output(self, token_id: int, grammar_accepted: bool | None = None) -> None:
+        """Appends a sampled token; a constrained, unfinished request's matcher accepts it (a token
+        the grammar refuses cannot be sampled under the mask: it ends the request with an error).
+
+        ``grammar_accepted``: the matcher's verdict when the step's batch already fed it the token
+        (``GrammarQueue.accept_tokens``); None: the matcher takes it here.
+        """
         self.output_ids.append(token_id)
-        if self.grammar is not None and not self.finished() and not self.grammar.accept_token(token_id):
+        if self.grammar is None or self.finished():
+            return
+        if grammar_accepted is None:
+            grammar_accepted = self.grammar.accept_token(token_id)
+        if not grammar_accepted:
             self.finished_reason = FinishReason(
                 "abort", message=f"structured output: the grammar refused token {token_id}")
 

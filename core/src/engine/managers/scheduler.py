@@ -420,19 +420,27 @@ class Scheduler(DecodeMixin, OutputMixin):
         fb.sampling_info = SamplingBatchInfo.from_reqs(rows, self.runner.vocab_size, self.device, self.eos_token_ids)
         return fb
 
+    @staticmethod
+    def _extend_rows_keep_token(batch: ScheduleBatch) -> list[bool]:
+        """Per row of a prefill batch (extend rows, then decode rows): whether its sampled token
+        is appended: the last (or only) chunk of a prompt that wants output, and decode rows."""
+        keep = [r.is_chunked == 0 and r.sampling_params.max_new_tokens > 0 for r in batch.reqs]
+        return keep + [True] * len(batch.decoding_reqs)
+
     def _set_extend_mask(self, batch: ScheduleBatch, fb: Any) -> None:
-        # Rows that keep their token: the last (or only) chunk of a prompt, and decode rows.
-        produces = [r.is_chunked == 0 and r.sampling_params.max_new_tokens > 0 for r in batch.reqs]
         self.grammar_queue.set_mask(fb.sampling_info, batch.reqs + batch.decoding_reqs,
-                                    produces + [True] * len(batch.decoding_reqs))
+                                    self._extend_rows_keep_token(batch))
 
     def _finish_extend(self, batch: ScheduleBatch, fb: Any, logits: Any, sample: Any) -> None:
         """Appends a prefill batch's sampled tokens, records logprobs, finishes and emits rows."""
         ids = sample.next_token_ids.tolist()
+        # Constrained rows' matchers take their tokens in one batch call before the appends.
+        accepted = self.grammar_queue.accept_tokens(batch.reqs + batch.decoding_reqs, ids,
+                                                    self._extend_rows_keep_token(batch))
         finished_or_streamed: list[Req] = []
         num_extend = len(batch.reqs)
         for i, req in enumerate(batch.decoding_reqs, start=num_extend):
-            req.append_output(ids[i])
+            req.append_output(ids[i], accepted[i])
             record_output_logprobs(req, i, sample)
             req.check_finished()
             if req.finished():
@@ -453,7 +461,7 @@ class Scheduler(DecodeMixin, OutputMixin):
                 self.tree_cache.cache_finished_req(req)
                 finished_or_streamed.append(req)
                 continue
-            req.append_output(ids[i])
+            req.append_output(ids[i], accepted[i])
             record_output_logprobs(req, i, sample)
             req.check_finished()
             if req.finished():

@@ -134,12 +134,14 @@ class DecodeMixin:
     def _process_decode(self, step: InflightDecode) -> None:
         """Appends a launched step's tokens (waits for the device) and finishes requests."""
         ids = step.token_ids()
+        # Constrained rows' matchers take their tokens in one batch call (finished rows: none).
+        accepted = self.grammar_queue.accept_tokens(step.reqs, ids)
         live: list[Req] = []
         for i, req in enumerate(step.reqs):
             req.inflight_steps -= 1
             if req.finished():
                 continue  # finished (or aborted) after this step was launched
-            req.append_output(ids[i])
+            req.append_output(ids[i], accepted[i])
             record_output_logprobs(req, i, step.sample)
             req.check_finished()
             if req.finished():
