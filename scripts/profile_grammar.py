@@ -1,7 +1,9 @@
 """Where a constrained decode step's time goes (structured output, issue 13).
 
 1. The grammar library's host work for a batch: bitmask fill (matcher by matcher, and xgrammar's
-   threaded batch fill at several thread counts) and token acceptance, per step.
+   threaded batch fill at several thread counts) and token acceptance, per step (the old per-row
+   ``accept_token`` loop, and the backend's batch ``accept_tokens`` at several ``accept_threads``,
+   replaying the same recorded tokens).
 2. ``engine bench one-batch``'s decode loop with and without the JSON schema under cProfile: the
    functions that take the host's time (a device wait shows up as time in the call that syncs).
 
@@ -22,20 +24,26 @@ import torch
 
 
 def library_host_work(model_dir: str, vocab: int, batch: int, steps: int) -> None:
+    """Bitmask fill, then token acceptance, of ``batch`` rows under the benchmark schema, compiled
+    as the engine's xgrammar backend compiles it (its default options)."""
     import xgrammar as xgr
     from transformers import AutoTokenizer
 
     from engine.bench.json_schema import BENCH_SCHEMA
+    from engine.constrained import GrammarKey, TokenizerInfo
+    from engine_grammar_xgrammar.backend import XGrammarBackend
 
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab)
-    compiled = xgr.GrammarCompiler(info, max_threads=2).compile_json_schema(json.dumps(BENCH_SCHEMA))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    info = TokenizerInfo(tokenizer, vocab, tuple(t for t in [tokenizer.eos_token_id] if t is not None), model_dir)
+    compiled = XGrammarBackend(info).compile(GrammarKey("json_schema", json.dumps(BENCH_SCHEMA)))
     gen = torch.Generator().manual_seed(0)
     modes = [("serial", 1)] + [("batch", t) for t in (1, 2, 4, 8) if t <= (os.cpu_count() or 1)]
+    recorded: list[list[int]] = []  # the serial run's tokens, replayed by the acceptance modes
     for mode, threads in modes:
         matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
         bitmask = xgr.allocate_token_bitmask(batch, vocab)
         pool = xgr.BatchGrammarMatcher(max_threads=threads)
-        fill = accept = 0.0
+        fill = 0.0
         for _ in range(steps):
             t = time.perf_counter()
             if mode == "batch":
@@ -47,15 +55,40 @@ def library_host_work(model_dir: str, vocab: int, batch: int, steps: int) -> Non
             logits = torch.randn(batch, vocab, generator=gen)
             xgr.apply_token_bitmask_inplace(logits, bitmask)
             ids = logits.argmax(-1).tolist()
-            t = time.perf_counter()
-            for m, tok in zip(matchers, ids):
-                m.accept_token(tok)
-            accept += time.perf_counter() - t
+            if mode == "serial":
+                recorded.append(ids)
+            assert all(xgr.BatchGrammarMatcher.batch_accept_token(matchers, ids))
             for i, m in enumerate(matchers):
                 if m.is_terminated():
                     matchers[i] = xgr.GrammarMatcher(compiled)
-        print(f"xgrammar {mode} fill threads={threads}: fill {fill / steps * 1e3:.3f} ms/step, "
-              f"accept (loop) {accept / steps * 1e3:.3f} ms/step, batch {batch}")
+        print(f"xgrammar {mode} fill threads={threads}: fill {fill / steps * 1e3:.3f} ms/step, batch {batch}")
+    accept_host_work(info, compiled, recorded)
+
+
+def accept_host_work(info: object, compiled: object, recorded: list[list[int]]) -> None:
+    """Acceptance of the recorded steps: the old per-row loop of ``accept_token``, and the xgrammar
+    backend's ``accept_tokens`` (what the scheduler calls once per step) at several thread counts."""
+    from engine_grammar_xgrammar.backend import XGrammarBackend
+
+    batch, steps = len(recorded[0]), len(recorded)
+    modes = [("per-row accept_token loop", 1)] + [
+        (f"backend accept_tokens accept_threads={t}", t) for t in (1, 2, 4, 8) if t <= (os.cpu_count() or 1)]
+    for name, threads in modes:
+        backend = XGrammarBackend(info, options={"accept_threads": threads})  # type: ignore[arg-type]
+        matchers = [backend.matcher(compiled) for _ in range(batch)]
+        took = 0.0
+        for ids in recorded:
+            t = time.perf_counter()
+            if name.startswith("per-row"):
+                accepted = [m.accept_token(tok) for m, tok in zip(matchers, ids)]
+            else:
+                accepted = backend.accept_tokens(matchers, ids)
+            took += time.perf_counter() - t
+            assert all(accepted)
+            for i, m in enumerate(matchers):
+                if m.is_terminated():
+                    matchers[i] = backend.matcher(compiled)
+        print(f"xgrammar accept, {name}: {took / steps * 1e3:.3f} ms/step, batch {batch}")
 
 
 def main() -> None:

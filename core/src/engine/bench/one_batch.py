@@ -100,17 +100,14 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
         logits = runner.forward(fb)
         if grammar is not None:
             grammar.set_mask(fb.sampling_info, group)
-        ids = runner.sample(logits, fb).next_token_ids.tolist()
-        for req, tok in zip(group, ids):
-            _append(req, tok, grammar)
+        _append(group, runner.sample(logits, fb).next_token_ids.tolist(), grammar)
     prefill = time.perf_counter() - start
     batch = new_batch(reqs)
     decode_lat: list[float] = []
     info = SamplingBatchInfo.from_reqs(reqs, vocab, runner.device)
 
     def append(step: InflightDecode) -> None:
-        for req, tok in zip(reqs, step.token_ids()):
-            _append(req, tok, grammar)
+        _append(reqs, step.token_ids(), grammar)
 
     inflight: InflightDecode | None = None
     for _ in range(output_len - 1):
@@ -151,12 +148,16 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
                           [list(r.output_ids) for r in reqs])
 
 
-def _append(req: Any, token: int, grammar: Any) -> None:
-    req.output_ids.append(token)
+def _append(reqs: list[Any], tokens: list[int], grammar: Any) -> None:
+    """Appends a step's tokens; under a schema the matchers take them in one batch call first, as
+    the scheduler does (``GrammarQueue.accept_tokens``)."""
     if grammar is not None:
-        if not req.grammar.accept_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: the bitmask was not applied")
-        if req.grammar.is_terminated():  # a complete JSON value: the next one starts
+        for token, accepted in zip(tokens, grammar.accept_tokens(reqs, tokens)):
+            if not accepted:
+                raise RuntimeError(f"the grammar refused token {token}: the bitmask was not applied")
+    for req, token in zip(reqs, tokens):
+        req.output_ids.append(token)
+        if grammar is not None and req.grammar.is_terminated():  # a complete JSON value: the next one starts
             req.grammar = grammar.compiler.matcher(grammar.compiler.submit(req.grammar_key).result())
 
 
