@@ -1,10 +1,10 @@
-"""Speculative decoding: proposers (a plugin kind), chain verification and its KV bookkeeping.
+"""Speculative decoding: proposers (a plugin kind), chain and tree verification and its KV bookkeeping.
 
 See docs/speculative.md. ``Proposer``/``ProposerContext``/``DraftRequest`` are the plugin
 interface; ``engine.speculative.worker.Speculator`` runs a speculative decode step for the
 scheduler; ``engine.speculative.verify`` decides which drafts are kept.
 """
 
-from engine.speculative.base import DraftRequest, Proposer, ProposerContext, TargetHidden
+from engine.speculative.base import DraftRequest, DraftTree, Proposer, ProposerContext, TargetHidden
 
-__all__ = ["DraftRequest", "Proposer", "ProposerContext", "TargetHidden"]
+__all__ = ["DraftRequest", "DraftTree", "Proposer", "ProposerContext", "TargetHidden"]

@@ -15,6 +15,14 @@ from typing import Any
 
 
 @dataclass
+class DraftTree:
+    """Draft tokens with parent links (topological order: a parent comes before its children)."""
+
+    tokens: list[int]
+    parents: list[int]  # parents[i]: index into tokens of node i's parent, or -1 = the request's last token
+
+
+@dataclass
 class DraftRequest:
     """What a proposer sees of one running request."""
 
@@ -76,12 +84,15 @@ class Proposer:
     #: factory returns; the core then hands them over through ``on_target_hidden``.
     target_hidden_layers: tuple[int, ...] = ()
 
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        """Draft tokens for each request: one list per request, in order, each at most
-        ``req.max_draft`` long (an empty list proposes nothing for that request).
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
+        """Draft tokens for each request: one entry per request, in order, each at most
+        ``req.max_draft`` tokens (an empty list proposes nothing for that request).
 
-        The list for a request continues its ``output_ids``: element 0 is the guess for the
-        token after ``output_ids[-1]``.
+        An entry is a chain (a list: element 0 is the guess for the token after
+        ``output_ids[-1]``, element 1 the token after that, ...) or a ``DraftTree`` (several
+        guesses per position; a chain is the tree with ``parents == [-1, 0, 1, ...]``). Trees
+        are verified with a tree attention mask where the attention backend has one
+        (``supports_tree_mask``); elsewhere each tree is cut to its longest root-to-leaf chain.
         """
         raise NotImplementedError
 
@@ -100,4 +111,4 @@ class Proposer:
         """The request finished, was aborted or retracted: drop any state kept for it."""
 
 
-__all__ = ["DraftRequest", "Proposer", "ProposerContext", "TargetHidden"]
+__all__ = ["DraftRequest", "DraftTree", "Proposer", "ProposerContext", "TargetHidden"]
