@@ -14,6 +14,9 @@ Batches (``forward_batch.forward_mode``):
 - DECODE: one new token per row; ``seq_lens`` includes it.
 - EXTEND: each row adds ``extend_seq_lens[i]`` tokens after ``extend_prefix_lens[i]`` cached
   ones (a prompt, a chunk of one, or the uncached tail after a prefix-cache hit).
+- EXTEND with ``tree_mask`` (speculative tree verification, only when ``supports_tree_mask``):
+  new token i of a row attends to the prefix and to the row's new tokens j with ``mask[i, j]``
+  (a subset of the causal mask: ancestors come first); its position is ``prefix + depth``.
 - MIXED (``--enable-mixed-chunk``, only when ``supports_mixed``): EXTEND's fields for every row;
   the first ``num_extend_reqs`` rows are extend rows, the rest decode rows with one new token.
   ``forward`` sends MIXED to ``forward_extend``.
@@ -91,6 +94,10 @@ class AttentionBackend(ABC):
 
     #: whether ``forward_extend`` accepts MIXED batches (extend rows then decode rows).
     supports_mixed: bool = True
+    #: whether ``forward_extend`` honours ``forward_batch.tree_mask`` (speculative tree drafts:
+    #: each new token attends to the cached prefix and to the new tokens its row's mask allows).
+    #: Without it the speculator verifies chains only. Positions come from ``positions`` as always.
+    supports_tree_mask: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:

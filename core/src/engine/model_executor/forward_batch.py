@@ -73,6 +73,13 @@ class ForwardBatch:
     num_extend_reqs: int = 0
     # Rows whose logits are wanted at every new position (prompt logprobs), else last only.
     return_logprob: bool = False
+    # Tree verification (speculative decoding, EXTEND only; None: causal as usual). Per row an
+    # ``[n, n]`` bool matrix over the row's ``n`` new tokens, ``m[i, j]`` True where new token i
+    # attends to new token j (its ancestors and itself); every new token still attends to the
+    # whole cached prefix. The rows' matrices, flattened row-major, back to back.
+    tree_mask: torch.Tensor | None = None
+    # [batch_size + 1] int64: row i's matrix is tree_mask[tree_mask_indptr[i]:tree_mask_indptr[i + 1]].
+    tree_mask_indptr: torch.Tensor | None = None
     # Pools and backend shared by every layer.
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None

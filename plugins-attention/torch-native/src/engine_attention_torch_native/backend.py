@@ -1,7 +1,9 @@
 """Attention in plain PyTorch: the reference every other backend is checked against.
 
 Extend rows run one at a time (each row's cached prefix is gathered from the pool
-through ``req_to_token``); decode rows run together, padded to the longest row.
+through ``req_to_token``); decode rows run together, padded to the longest row. A tree batch
+(``forward_batch.tree_mask``, speculative tree verification) replaces each row's causal mask
+over its new tokens by its ancestor matrix.
 An fp8 pool (``--kv-cache-dtype fp8_*``) is read as ``stored * scale`` in float32, then
 attended in q's dtype: the reference for the other backends' fp8 paths.
 """
@@ -42,8 +44,22 @@ def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch
     return mask
 
 
+def _tree_row_mask(fb: ForwardBatch, start: int, prefix: int, ext: int, offset: int, window: int) -> torch.Tensor:
+    """``[ext, prefix + ext]`` for one row of a tree batch: the whole prefix, then the row's
+    ancestor matrix; a sliding window compares real positions (prefix + depth), not indices."""
+    assert fb.tree_mask is not None
+    tree = fb.tree_mask[offset: offset + ext * ext].view(ext, ext)
+    q_pos = fb.positions[start: start + ext]
+    k_pos = torch.cat([torch.arange(prefix, device=q_pos.device), q_pos])
+    mask = torch.cat([torch.ones(ext, prefix, dtype=torch.bool, device=tree.device), tree], dim=1)
+    if window > 0:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 class TorchNativeAttnBackend(AttentionBackend):
     supports_mixed = True
+    supports_tree_mask = True
 
     def __init__(self, ctx: AttentionContext) -> None:
         self.ctx = ctx
@@ -73,6 +89,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.num_heads * head_v)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         start = 0
+        tree_offset = 0  # where this row's matrix starts in forward_batch.tree_mask
         for row in range(forward_batch.batch_size):
             ext = forward_batch.extend_seq_lens_cpu[row]
             prefix = forward_batch.extend_prefix_lens_cpu[row]
@@ -81,9 +98,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             kr = dequantize_kv(k_buf[slots], q.dtype, layer.k_scale).transpose(0, 1).unsqueeze(0)
             vr = dequantize_kv(v_buf[slots], q.dtype, layer.v_scale).transpose(0, 1).unsqueeze(0)
             qr = q3[start : start + ext].transpose(0, 1).unsqueeze(0)
-            q_pos = torch.arange(prefix, seq, device=q.device)
-            k_pos = torch.arange(seq, device=q.device)
-            mask = _causal_mask(q_pos, k_pos, layer.sliding_window_size)[None, None]
+            if forward_batch.tree_mask is None:
+                q_pos = torch.arange(prefix, seq, device=q.device)
+                k_pos = torch.arange(seq, device=q.device)
+                mask = _causal_mask(q_pos, k_pos, layer.sliding_window_size)[None, None]
+            else:
+                mask = _tree_row_mask(forward_batch, start, prefix, ext, tree_offset,
+                                      layer.sliding_window_size)[None, None]
+                tree_offset += ext * ext
             o = _attend(qr, kr, vr, mask, layer)
             out[start : start + ext] = o.squeeze(0).transpose(0, 1).reshape(ext, -1)
             start += ext

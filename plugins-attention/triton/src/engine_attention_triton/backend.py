@@ -97,6 +97,9 @@ class TritonAttnBackend(AttentionBackend):
 
     supports_mixed = True
     supports_cuda_graph = True
+    # Tree verification runs eagerly through the extend kernel's tree-mask input (verify graphs
+    # are captured for chains only).
+    supports_tree_mask = True
 
     def __init__(self, ctx: AttentionContext) -> None:
         options = _parse_options(ctx.options)
@@ -195,6 +198,7 @@ class TritonAttnBackend(AttentionBackend):
             forward_batch.extend_seq_lens, forward_batch.extend_start_loc,
             metadata.max_extend_len, layer.scaling, layer.logit_cap, _kernel_window(layer),
             k_scale=k_scale, v_scale=v_scale,
+            tree_mask=forward_batch.tree_mask, tree_mask_indptr=forward_batch.tree_mask_indptr,
         )
         return out.view(-1, layer.num_heads * v_dim)
 

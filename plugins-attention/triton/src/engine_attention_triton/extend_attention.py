@@ -8,7 +8,10 @@ online softmax over two key ranges in turn:
    where a sliding window cuts it off);
 2. the row's new tokens, read from the contiguous ``k``/``v`` the layer just
    computed, masked causally; the loop stops at the block's last query, so the
-   upper triangle is never loaded.
+   upper triangle is never loaded. With a tree mask (speculative tree verification)
+   the causal mask is further cut by the row's ``[n, n]`` ancestor matrix, read from
+   ``Tree_Mask`` at ``Tree_Mask_Indptr[row]`` (a subset of the causal mask, so the
+   loop bounds stay the same; only the unmasked fast path is skipped).
 
 Query heads vary fastest in the launch grid, so the heads of one GQA group run side
 by side and their repeated reads of the same K/V tiles hit L2. Decode rows of a
@@ -55,6 +58,7 @@ def _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
 def _extend_kernel(
     Q, K_New, V_New, Out, K_Buf, V_Buf, Req_To_Token,
     Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start,
+    Tree_Mask, Tree_Mask_Indptr,
     sm_scale, logit_cap, v_scale,
     stride_qt, stride_qh,
     stride_knt, stride_knh,
@@ -73,6 +77,7 @@ def _extend_kernel(
     SLIDING_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TREE_MASK: tl.constexpr,
 ):
     head = tl.program_id(0)
     m_start = tl.program_id(1) * BLOCK_M
@@ -145,6 +150,8 @@ def _extend_kernel(
     masked_lo = 0
     if SLIDING_WINDOW >= 0:
         masked_lo = tl.maximum(m_start - SLIDING_WINDOW, 0)
+    elif TREE_MASK:
+        masked_lo = 0  # every block is masked: the ancestor matrix decides
     elif BLOCK_M % BLOCK_N == 0:
         masked_lo = m_start
         for start in range(0, m_start, BLOCK_N):
@@ -167,6 +174,11 @@ def _extend_kernel(
         keep = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
         if SLIDING_WINDOW >= 0:
             keep = keep & (offs_m[:, None] - offs_n[None, :] <= SLIDING_WINDOW)
+        if TREE_MASK:
+            tree0 = tl.load(Tree_Mask_Indptr + row).to(tl.int64)
+            allowed = tl.load(Tree_Mask + tree0 + offs_m[:, None] * ext_len + offs_n[None, :],
+                              mask=mask_m[:, None] & mask_n[None, :], other=0)
+            keep = keep & (allowed != 0)
         m_i, l_i, acc = _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
                                     True, HAS_CAP, DOT_PRECISION)
 
@@ -212,6 +224,8 @@ def extend_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     config: tuple[int, int, int, int] | None = None,
+    tree_mask: torch.Tensor | None = None,
+    tree_mask_indptr: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of each row's new tokens over its cached prefix and themselves.
 
@@ -230,6 +244,11 @@ def extend_attention_fwd(
             q's dtype, folds ``k_scale`` into the softmax scale and multiplies the output by
             ``v_scale``, in float32. 1.0 otherwise.
         config: ``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` override for benchmarking.
+        tree_mask, tree_mask_indptr: speculative tree verification (``ForwardBatch.tree_mask``):
+            bool ``[sum n_i^2]``, row i's ``[n_i, n_i]`` ancestor matrix (row-major) at
+            ``tree_mask_indptr[i]``; new token a attends to new token b only where ``m[a, b]``.
+            Not combined with a sliding window (the window compares indices, and a tree
+            node's position is its depth).
     """
     check_kernel_dtype(q.dtype, "q")
     num_tokens, num_heads, head_dim = q.shape
@@ -248,11 +267,22 @@ def extend_attention_fwd(
     if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
     block_m, block_n, num_warps, num_stages = config or default_extend_config(head_dim, q.dtype)
+    has_tree = tree_mask is not None
+    if has_tree:
+        if tree_mask_indptr is None:
+            raise ValueError("extend attention: tree_mask needs tree_mask_indptr")
+        if sliding_window_size >= 0:
+            raise ValueError("extend attention: a tree mask with a sliding window is not supported")
+        tree_mask = tree_mask.view(torch.uint8) if tree_mask.dtype == torch.bool else tree_mask
+    else:
+        # Unused (TREE_MASK is off); any tensor stands in for the pointers.
+        tree_mask = tree_mask_indptr = extend_seq_lens
 
     grid = (num_heads, triton.cdiv(max_extend_len, block_m), batch)
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer, req_to_token,
         req_pool_indices, prefix_lens, extend_seq_lens, extend_start_loc,
+        tree_mask, tree_mask_indptr,
         sm_scale * k_scale, logit_cap, float(v_scale),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1),
@@ -271,6 +301,7 @@ def extend_attention_fwd(
         SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
         HAS_CAP=logit_cap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
+        TREE_MASK=has_tree,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -209,6 +209,75 @@ class AttentionBackendConformance:
     def test_sliding_window_and_logit_cap(self, mode: str) -> None:
         self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0)
 
+    def test_tree_mask_matches_reference(self) -> None:
+        """Speculative tree verification (``supports_tree_mask``): EXTEND rows whose new tokens
+        form random trees (plus a chain row and a one-token row) attend to the whole prefix and
+        to their ancestors and themselves, at positions ``prefix + depth``; the reference builds
+        the mask densely from the parent links."""
+        for page_size in self.page_sizes:
+            self._run_tree(self.dtypes[0], page_size)
+
+    def _run_tree(self, dtype: torch.dtype, page_size: int) -> None:
+        from engine.layers.radix_attention import RadixAttention
+        from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+        from engine.speculative.tree import depths, tree_mask_of_rows
+
+        seed = derive_seed(self.seed, self.backend_name, "tree", dtype, page_size)
+        gen = generator(seed)
+        backend, r2t, kv, alloc = self._setup(dtype, page_size, gen)
+        if not backend.supports_tree_mask:
+            pytest.skip(f"{type(backend).__name__}.supports_tree_mask is False: the speculator verifies "
+                        "chains only on it")
+        rng = random.Random(seed)
+        layer = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, 0)
+        device = kv.device
+        parents = [[-1] + [rng.randrange(j) for j in range(1, rng.randint(2, 40))] for _ in range(rng.randint(2, 4))]
+        parents += [list(range(-1, 9)), [-1]]
+        bs = len(parents)
+        prefix = [rng.randint(0, _MAX_PREFIX) for _ in range(bs)]
+        ext = [len(p) for p in parents]
+        seq = [p + e for p, e in zip(prefix, ext)]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        slots = r2t.alloc(bs)
+        pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
+        off = 0
+        for i in range(bs):
+            r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
+            off += prefix[i]
+        kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
+                         randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), 1.0, 1.0)
+        last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
+        new_loc = alloc.alloc_extend(prefix, seq, last)
+        off = 0
+        for i in range(bs):
+            r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
+            off += ext[i]
+        n = sum(ext)
+        q = randn(gen, n, H * D, device=device, dtype=dtype)
+        k = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        v = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * n, slots, seq, prefix, new_loc, device)
+        fb.positions = torch.tensor([p + d for p, par in zip(prefix, parents) for d in depths(par)],
+                                    dtype=torch.int64, device=device)
+        fb.tree_mask, fb.tree_mask_indptr = tree_mask_of_rows(parents, device)
+        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, layer, fb)
+        where = f"tree, {dtype}, page {page_size}, seed {seed}"
+        assert torch.isfinite(out).all(), f"non-finite output ({where})"
+        off = 0
+        for i in range(bs):
+            kv_rows = r2t.req_to_token[slots[i], : seq[i]].long()
+            tree = torch.tensor([[_is_ancestor_or_self(parents[i], a, b) for b in range(ext[i])]
+                                 for a in range(ext[i])], dtype=torch.bool, device=device)
+            mask = torch.cat([torch.ones(ext[i], prefix[i], dtype=torch.bool, device=device), tree], dim=1)
+            ref = _reference_masked(q[off : off + ext[i]].view(-1, H, D), kv.k_buffer[0][kv_rows],
+                                    kv.v_buffer[0][kv_rows], mask, D**-0.5)
+            err = (out[off : off + ext[i]].view(-1, H, D).double() - ref).abs().max().item()
+            assert err <= self.atol[dtype], (
+                f"tree row {i} (prefix {prefix[i]}, parents {parents[i]}): max abs error {err} ({where})")
+            off += ext[i]
+
     @pytest.mark.parametrize("mode", ["extend", "decode", "mixed"])
     def test_fp8_kv_cache_matches_reference(self, mode: str) -> None:
         """``--kv-cache-dtype fp8_*``: writes store x / scale saturated, reads give stored * scale."""
@@ -220,6 +289,25 @@ class AttentionBackendConformance:
             for page_size in self.page_sizes:
                 self._run(mode, self.dtypes[0], page_size, kv_cache_dtype=kind)
         self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0, kv_cache_dtype=kinds[0])
+
+
+def _is_ancestor_or_self(parents: list[int], i: int, j: int) -> bool:
+    """The dense reference of the tree mask: walk i's parent links up to the root."""
+    while i >= 0:
+        if i == j:
+            return True
+        i = parents[i]
+    return False
+
+
+def _reference_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """Attention of one row in float64 under an explicit ``[Lq, Lk]`` bool mask."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = q.double(), k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", qd, kd) * scale
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vd)
 
 
 def _check_fp8_store(kv: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
