@@ -10,6 +10,12 @@ append those tokens one by one (so EOS, stop ids and ``max_new_tokens`` inside a
 end the request at the right token); the KV slots of positions that were not kept go back to
 the allocator.
 
+Tree drafts (``DraftTree``) run the same step with a tree attention mask, eagerly
+(``_tree_step``): every node gets a KV slot, nodes sit at position ``prefix + depth``; after
+verification the accepted path's slots are written to ``req_to_token`` in path order and every
+other node's slot is freed. On an attention backend without ``supports_tree_mask`` each tree is
+cut to its longest root-to-leaf chain.
+
 KV invariant (the same as plain decode): before and after a step, a running request has KV
 for every position but its last token's (``seqlen - 1``). The step writes KV for positions
 ``seqlen - 1 .. seqlen - 1 + len(drafts)``; after appending ``m`` tokens the request needs
@@ -28,8 +34,17 @@ import torch
 from engine import distributed
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
-from engine.speculative.base import DraftRequest, ProposerContext, TargetHidden
-from engine.speculative.verify import draft_tensor, pad_positions, verify_rows
+from engine.speculative.base import DraftRequest, DraftTree, ProposerContext, TargetHidden
+from engine.speculative.tree import (
+    depths,
+    is_chain,
+    longest_chain,
+    row_parents,
+    row_tokens,
+    tree_mask_of_rows,
+    truncate,
+)
+from engine.speculative.verify import draft_tensor, pad_positions, verify_rows, verify_tree
 
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import Req, ScheduleBatch
@@ -48,10 +63,16 @@ class SpecStats:
     accepted_tokens: int = 0  # drafts kept
     emitted_tokens: int = 0  # drafts kept + the target's own token per row
     fallback_steps: int = 0  # decode steps run without speculation (batch too large, ...)
+    tree_steps: int = 0  # verify steps with at least one tree draft (eager, tree attention mask)
 
     def mean_accept_length(self) -> float:
         """Tokens appended per request and verify step (1.0 = no speedup)."""
         return self.emitted_tokens / self.verified_rows if self.verified_rows else 0.0
+
+
+def _num_tokens(draft: list[int] | DraftTree) -> int:
+    """Draft tokens of a chain or a tree."""
+    return len(draft.tokens) if isinstance(draft, DraftTree) else len(draft)
 
 
 def num_draft_tokens_of(args: Any) -> int:
@@ -142,22 +163,37 @@ class Speculator:
         if self.tp_size > 1:
             # Tensor-parallel ranks must run the same step: rank 0's drafts decide.
             drafts = distributed.broadcast_objects(drafts, src=0)
+        if not getattr(sched.runner.attn_backend, "supports_tree_mask", False):
+            # No tree attention mask in this backend: verify each tree's longest branch as a chain.
+            drafts = [longest_chain(d) if isinstance(d, DraftTree) else d for d in drafts]
         # The decode-memory check guaranteed one slot per row; drafts take what else is free.
         spare = sched.allocator.available_size() + sched.tree_cache.evictable_size() - len(reqs)
         for i, d in enumerate(drafts):
-            if len(d) > spare:
-                drafts[i] = d = d[:max(spare, 0)]
-            spare -= len(d)
-        if not any(drafts):
+            size = _num_tokens(d)
+            if size > spare:
+                keep = max(spare, 0)
+                drafts[i] = d = truncate(d, keep) if isinstance(d, DraftTree) else d[:keep]
+                size = keep
+            spare -= size
+        if not any(_num_tokens(d) for d in drafts):
             self.proposer.on_verified(views, [0] * len(reqs))
             self.stats.fallback_steps += 1
             return None
+        info.steps = [len(r.output_ids) for r in reqs]
+        if any(isinstance(d, DraftTree) for d in drafts):
+            return self._tree_step(reqs, views, drafts, info)
+        chains: list[list[int]] = [d for d in drafts if not isinstance(d, DraftTree)]
+        return self._chain_step(reqs, views, chains, info)
+
+    def _chain_step(self, reqs: list[Req], views: list[DraftRequest], drafts: list[list[int]],
+                    info: SamplingBatchInfo) -> list[Req]:
+        """A verify step whose drafts are all chains: one extend (or a verify graph replay)."""
+        sched = self.scheduler
         prefix_lens = [r.seqlen - 1 for r in reqs]
         seq_lens = [r.seqlen + len(d) for r, d in zip(reqs, drafts)]
         out_cache_loc = self._alloc_slots(sum(seq_lens) - sum(prefix_lens))
         pool = sched.req_to_token_pool
         rows = [[r.output_ids[-1], *d] for r, d in zip(reqs, drafts)]
-        info.steps = [len(r.output_ids) for r in reqs]
         graphs = self.verify_graphs
         if graphs is not None and graphs.can_run(len(reqs), max(prefix_lens)):
             # Captured: every row runs num_draft_tokens tokens; logits row-major [rows, T].
@@ -221,6 +257,96 @@ class Speculator:
         self.proposer.on_verified(views, kept_counts)
         return reqs
 
+    def _tree_step(self, reqs: list[Req], views: list[DraftRequest], drafts: list[list[int] | DraftTree],
+                   info: SamplingBatchInfo) -> list[Req]:
+        """A verify step with at least one tree, run eagerly with a tree attention mask.
+
+        Row i runs its nodes (``engine.speculative.tree``: the last token, then the draft's
+        nodes; a chain is a tree too) at KV indices ``prefix .. prefix + n - 1`` in node order
+        and positions ``prefix + depth``, each attending to the prefix and its ancestors.
+        ``verify_tree`` picks the path; its slots are then written to ``req_to_token`` at
+        ``prefix ..`` in path order (no KV copy: page size 1), and every other node's slot is
+        freed once the request has appended its tokens.
+        """
+        sched = self.scheduler
+        pool = sched.req_to_token_pool
+        prefix_lens = [r.seqlen - 1 for r in reqs]
+        parents = [row_parents(d) for d in drafts]
+        rows = [row_tokens(r.output_ids[-1], d) for r, d in zip(reqs, drafts)]
+        lens = [len(row) for row in rows]
+        out_cache_loc = self._alloc_slots(sum(lens))
+        offsets = [0]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        for req, p, lo, hi in zip(reqs, prefix_lens, offsets, offsets[1:]):
+            pool.write(req.req_pool_idx, p, out_cache_loc[lo:hi])
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [t for row in rows for t in row], [r.req_pool_idx for r in reqs],
+                                [p + n for p, n in zip(prefix_lens, lens)], prefix_lens, out_cache_loc, sched.device,
+                                num_extend_reqs=len(reqs), return_logprob=True)  # logits at every node
+        positions = [p + d for p, par in zip(prefix_lens, parents) for d in depths(par)]
+        fb.positions = torch.tensor(positions, dtype=torch.int64).to(sched.device, non_blocking=True)
+        fb.tree_mask, fb.tree_mask_indptr = tree_mask_of_rows(parents, sched.device)
+        fb.sampling_info = info
+        out = sched.runner.forward(fb)
+        assert out.full_logits is not None
+        sample = None
+        plain = [i for i, d in enumerate(drafts) if not _num_tokens(d)]
+        if plain:
+            # As in _decide: rows without drafts take the ordinary sampler's token.
+            sched.grammar_queue.set_mask(info, reqs)
+            sample = sched.runner.sample(out, fb)
+            if info.penalizer is not None:
+                info.penalizer.cumulate_output_tokens(sample.next_token_ids)
+        plain_info = dataclasses.replace(info, penalizer=None, vocab_mask=None, apply_vocab_mask=None)
+        verdicts = verify_tree(out.full_logits[: offsets[-1]], list(zip(rows, parents)), plain_info)
+        paths = [path for path, _ in verdicts]
+        appended = [[row[j] for j in path[1:]] + [tok] for row, (path, tok) in zip(rows, verdicts)]
+        if sample is not None:
+            sampled = sample.next_token_ids.tolist()
+            for i in plain:
+                appended[i], paths[i] = [sampled[i]], [0]
+        if self.tp_size > 1:
+            appended, paths = distributed.broadcast_objects((appended, paths), src=0)
+        kept_counts, picks, unused_slots = [], [], []
+        for i, (req, d, tokens, p, path) in enumerate(zip(reqs, drafts, appended, prefix_lens, paths)):
+            row_slots = out_cache_loc[offsets[i]: offsets[i + 1]]
+            # The accepted path's KV, in order, at the positions its tokens now hold.
+            pool.write(req.req_pool_idx, p, row_slots[torch.tensor(path, dtype=torch.int64).to(row_slots.device)])
+            n = 0
+            for tok in tokens:
+                req.append_output(tok)
+                n += 1
+                if sample is not None and i in plain:
+                    record_output_logprobs(req, i, sample)
+                req.check_finished()
+                if req.finished():
+                    break
+            kept_counts.append(min(n, len(tokens) - 1))
+            kept_nodes = set(path[:n])
+            dropped = [j for j in range(lens[i]) if j not in kept_nodes]
+            if dropped:
+                unused_slots.append(row_slots[torch.tensor(dropped, dtype=torch.int64).to(row_slots.device)])
+            picks.append([offsets[i] + j for j in path[:n]])
+            drafted = _num_tokens(d)
+            if drafted:
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += n - 1
+                st = self.stats
+                st.verified_rows += 1
+                st.proposed_tokens += drafted
+                st.accepted_tokens += n - 1
+                st.emitted_tokens += n
+            if req.finished():
+                self.proposer.release(req.rid)
+                sched.tree_cache.cache_finished_req(req)
+        if unused_slots:
+            sched.allocator.free(torch.cat(unused_slots).to(torch.int64))
+        self.hand_hidden_states(reqs, fb, out, prefix_lens, picks=picks)
+        self.stats.verify_steps += 1
+        self.stats.tree_steps += 1
+        self.proposer.on_verified(views, kept_counts)
+        return reqs
+
     def _decide(self, reqs: list[Req], drafts: list[list[int]], out: Any, fb: ForwardBatch,
                 info: SamplingBatchInfo, logits3: torch.Tensor) -> tuple[list[list[int]], Any]:
         """The tokens each row appends: verified chains for rows with drafts, the ordinary
@@ -274,29 +400,48 @@ class Speculator:
         return out
 
     @staticmethod
-    def _checked(drafts: Any, views: list[DraftRequest], vocab_size: int) -> list[list[int]]:
-        """The proposer's drafts, checked: one list per request, within budget and vocabulary."""
+    def _checked(drafts: Any, views: list[DraftRequest], vocab_size: int) -> list[list[int] | DraftTree]:
+        """The proposer's drafts, checked: one chain or tree per request, within budget (a
+        tree keeps its first ``max_draft`` nodes) and vocabulary, trees with valid parent links.
+        A tree that is a chain comes back as a list (it may then replay a verify graph)."""
         if not isinstance(drafts, (list, tuple)) or len(drafts) != len(views):
             raise RuntimeError(f"speculative proposer returned {type(drafts).__name__} of "
                                f"{len(drafts) if hasattr(drafts, '__len__') else '?'} drafts for {len(views)} requests")
-        out: list[list[int]] = []
+        out: list[list[int] | DraftTree] = []
         for view, d in zip(views, drafts):
-            d = [int(t) for t in d][: view.max_draft]
-            bad = next((t for t in d if not 0 <= t < vocab_size), None)
+            tree = None
+            if isinstance(d, DraftTree):
+                if len(d.tokens) != len(d.parents):
+                    raise RuntimeError(f"speculative proposer returned a draft tree of {len(d.tokens)} tokens and "
+                                       f"{len(d.parents)} parents for request {view.rid}; accepted: one parent a token")
+                tree = DraftTree([int(t) for t in d.tokens][: view.max_draft],
+                                 [int(p) for p in d.parents][: view.max_draft])
+                bad_parent = next(((i, p) for i, p in enumerate(tree.parents) if not -1 <= p < i), None)
+                if bad_parent is not None:
+                    i, p = bad_parent
+                    raise RuntimeError(f"speculative proposer returned a draft tree whose node {i} has parent {p} for "
+                                       f"request {view.rid}; accepted: -1 (the last token) or a node before it "
+                                       f"(0..{i - 1}: parents come before their children)")
+                tokens = tree.tokens
+            else:
+                tokens = [int(t) for t in d][: view.max_draft]
+            bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
             if bad is not None:
                 raise RuntimeError(f"speculative proposer drafted token id {bad} outside the vocabulary "
                                    f"(0..{vocab_size - 1}) for request {view.rid}")
-            out.append(d)
+            out.append(tokens if tree is None or is_chain(tree) else tree)
         return out
 
     def hand_hidden_states(self, reqs: list[Req], fb: ForwardBatch, out: Any, starts: list[int] | None = None,
-                           counts: list[int] | None = None) -> None:
+                           counts: list[int] | None = None, picks: list[list[int]] | None = None) -> None:
         """Gives the proposer the target's hidden states of a forward (``out.hidden_states``) at the
         positions whose KV is kept, per unfinished request (a no-op unless the proposer reads them).
 
         Rows of ``out.hidden_states`` follow ``fb``'s rows (``fb.extend_seq_lens_cpu`` tokens each,
         padded ones included; decode: one each). ``starts``/``counts``: each request's first
-        position and how many states to keep (default: all the forward computed).
+        position and how many states to keep (default: all the forward computed). ``picks``
+        (tree steps): per request, the rows of ``out.hidden_states`` to hand over, in position
+        order (the accepted path's nodes), from ``starts[i]`` on; ``counts`` is then unused.
         """
         hidden = getattr(out, "hidden_states", None)
         if not self.wants_hidden or hidden is None:
@@ -309,6 +454,12 @@ class Speculator:
             assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
             lens = list(fb.extend_seq_lens_cpu[:n])
             starts = starts if starts is not None else list(fb.extend_prefix_lens_cpu[:n])
+        if picks is not None:
+            states = [TargetHidden(req.rid, start, hidden[torch.tensor(rows, dtype=torch.int64).to(hidden.device)])
+                      for req, start, rows in zip(reqs, starts, picks) if not req.finished() and rows]
+            if states:
+                self.proposer.on_target_hidden(states)
+            return
         counts = counts if counts is not None else lens
         states, offset = [], 0
         for req, start, length, count in zip(reqs, starts, lens, counts):

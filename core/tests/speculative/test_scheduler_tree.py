@@ -1,0 +1,210 @@
+"""Tree drafts inside the scheduler, on a tiny random Llama (CPU): exact greedy output with an
+oracle tree proposer (the target's continuation on one branch, random decoys on the others) and
+a random one, with torch_native and triton (under Triton's interpreter), prefix-cache hits and
+chunked prefill; more accepted than the longest-chain fall-back; no KV leak; hidden states of
+the accepted path; malformed trees refused."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from engine.managers.scheduler import check_no_leak
+from engine.speculative import DraftRequest, DraftTree, Proposer, TargetHidden
+from engine.speculative.tree import longest_chain
+from engine.testing.harness import generate_greedy, make_scheduler
+
+VOCAB = 2048
+BACKENDS = ["torch_native", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="triton runs on the CPU only under TRITON_INTERPRET=1"))]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    phrase = [rng.randrange(VOCAB) for _ in range(16)]
+    return [phrase * 3, [rng.randrange(VOCAB) for _ in range(5)], [rng.randrange(VOCAB) for _ in range(40)],
+            phrase[:9] + [3, 4] * 6]
+
+
+_expected: dict[str, list[list[int]]] = {}
+
+
+def _plain(path: str, attention: str, prompts: list[list[int]]) -> list[list[int]]:
+    if attention not in _expected:
+        _expected[attention] = generate_greedy(make_scheduler(path, attention=attention), prompts, 20)
+    return _expected[attention]
+
+
+class OracleTreeProposer(Proposer):
+    """A tree per request: the target's greedy continuation on one branch (depth ``depth``), a
+    longer branch of random tokens (so the longest-chain fall-back picks a decoy), random side
+    branches off the right path; branches at the root in random order."""
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], depth: int, seed: int = 0) -> None:
+        self.answers = {tuple(p): o for p, o in zip(prompts, outputs)}
+        self.depth = depth
+        self.rng = random.Random(seed)
+        self.hidden: list[TargetHidden] = []
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
+        out: list[list[int] | DraftTree] = []
+        for r in reqs:
+            answer = self.answers[tuple(r.prompt_ids)]
+            right = list(answer[len(r.output_ids): len(r.output_ids) + min(self.depth, r.max_draft)])
+            decoy = [self.rng.randrange(VOCAB) for _ in range(min(len(right) + 1, r.max_draft - len(right)))]
+            branches = [right, decoy]
+            self.rng.shuffle(branches)
+            tokens: list[int] = []
+            parents: list[int] = []
+            right_nodes: list[int] = []
+            for branch in branches:
+                for j, t in enumerate(branch):
+                    parents.append(-1 if j == 0 else len(tokens) - 1)
+                    if branch is right:
+                        right_nodes.append(len(tokens))
+                    tokens.append(t)
+            # Side branches: a random token hanging off a random node of the right path.
+            while len(tokens) < r.max_draft and right_nodes:
+                parents.append(self.rng.choice([-1, *right_nodes]))
+                tokens.append(self.rng.randrange(VOCAB))
+            out.append(DraftTree(tokens, parents))
+        return out
+
+    def on_target_hidden(self, states: Sequence[TargetHidden]) -> None:
+        self.hidden.extend(states)
+
+
+class RandomTreeProposer(Proposer):
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
+        out: list[list[int] | DraftTree] = []
+        for r in reqs:
+            n = self.rng.randint(0, r.max_draft)
+            out.append(DraftTree([self.rng.randrange(VOCAB) for _ in range(n)],
+                                 [self.rng.randrange(-1, i) for i in range(n)]))
+        return out
+
+
+def _spec(path: str, proposer: Proposer, attention: str = "torch_native", **kw: Any) -> Any:
+    kw.setdefault("speculative_num_steps", 4)
+    kw.setdefault("speculative_num_draft_tokens", 11)
+    sched = make_scheduler(path, speculative_algorithm="ngram", attention=attention, **kw)
+    sched.speculator.proposer = proposer
+    return sched
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_oracle_tree_exact_with_prefix_hits_and_chunking(llama_ckpt: str, prompts: list[list[int]],
+                                                         attention: str) -> None:
+    expected = _plain(llama_ckpt, attention, prompts)
+    sched = _spec(llama_ckpt, OracleTreeProposer(prompts, expected, depth=4), attention, chunked_prefill_size=16)
+    for _ in range(2):  # the second round hits the prefix cache
+        assert generate_greedy(sched, prompts, 20) == expected
+    st = sched.speculator.stats
+    assert st.tree_steps > 0
+    # 19 decode tokens per request in runs of 5 (4 right drafts + 1), per round.
+    assert st.accepted_tokens == st.emitted_tokens - st.verified_rows
+    assert st.mean_accept_length() > 4.0
+    check_no_leak(sched)
+
+
+@pytest.mark.parametrize("attention", BACKENDS)
+def test_random_tree_exact(llama_ckpt: str, prompts: list[list[int]], attention: str) -> None:
+    expected = _plain(llama_ckpt, attention, prompts)
+    sched = _spec(llama_ckpt, RandomTreeProposer(3), attention, chunked_prefill_size=32)
+    assert generate_greedy(sched, prompts, 20) == expected
+    assert sched.speculator.stats.tree_steps > 0
+    check_no_leak(sched)
+
+
+def test_tree_accepts_more_than_the_chain_fall_back(llama_ckpt: str, prompts: list[list[int]]) -> None:
+    """Without ``supports_tree_mask`` each tree is cut to its longest branch (the decoy here)."""
+    expected = _plain(llama_ckpt, "torch_native", prompts)
+    tree = _spec(llama_ckpt, OracleTreeProposer(prompts, expected, depth=4))
+    assert generate_greedy(tree, prompts, 20) == expected
+    chain = _spec(llama_ckpt, OracleTreeProposer(prompts, expected, depth=4))
+    chain.runner.attn_backend.supports_tree_mask = False
+    assert generate_greedy(chain, prompts, 20) == expected
+    assert chain.speculator.stats.tree_steps == 0
+    assert tree.speculator.stats.mean_accept_length() > chain.speculator.stats.mean_accept_length() + 2
+    check_no_leak(tree)
+    check_no_leak(chain)
+
+
+def test_sampling_with_trees_frees_kv(llama_ckpt: str, prompts: list[list[int]]) -> None:
+    from engine.testing.harness import OutputCollector, submit
+
+    sched = _spec(llama_ckpt, RandomTreeProposer(5))
+    rids = [submit(sched, p, {"max_new_tokens": 16, "temperature": 0.9, "top_k": 50}) for p in prompts]
+    col = OutputCollector()
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    assert all(len(col.ids[r]) == 16 for r in rids)
+    assert sched.speculator.stats.tree_steps > 0
+    check_no_leak(sched)
+
+
+def test_hidden_states_follow_the_accepted_path(llama_ckpt: str, prompts: list[list[int]]) -> None:
+    """A proposer that reads hidden states gets, per verify step, the accepted path's rows in
+    position order: they equal the plain forward's hidden states at those positions."""
+    import torch
+
+    expected = _plain(llama_ckpt, "torch_native", prompts)
+    proposer = OracleTreeProposer(prompts, expected, depth=3, seed=4)
+    sched = _spec(llama_ckpt, proposer)
+    sched.speculator.wants_hidden = True
+    sched.runner.capture_hidden = ()
+    assert generate_greedy(sched, prompts[:1], 20) == expected[:1]
+    # Reassemble the positions received; the last write of a position wins.
+    got: dict[int, torch.Tensor] = {}
+    for st in proposer.hidden:
+        for j in range(st.hidden.shape[0]):
+            got[st.start + j] = st.hidden[j]
+    full = prompts[0] + expected[0]
+    ref_sched = make_scheduler(llama_ckpt)
+    ref_sched.runner.capture_hidden = ()
+    from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+    runner = ref_sched.runner
+    n = len(full) - 1
+    slot = runner.req_to_token_pool.alloc(1)
+    loc = runner.token_to_kv_pool_allocator.alloc_extend([0], [n], [-1])
+    runner.req_to_token_pool.write(slot[0], 0, loc)
+    fb = ForwardBatch.build(ForwardMode.EXTEND, full[:n], slot, [n], [0], loc, runner.device, num_extend_reqs=1,
+                            return_logprob=True)
+    ref = runner.forward(fb).hidden_states
+    decode_positions = [p for p in got if p >= len(prompts[0])]
+    assert len(decode_positions) >= 10
+    for p in decode_positions:
+        assert torch.allclose(got[p], ref[p], atol=1e-4), p
+
+
+@pytest.mark.parametrize("tree, match", [
+    (DraftTree([1, 2], [-1]), "2 tokens and 1 parents"),
+    (DraftTree([1, 2], [-1, 1]), "node 1 has parent 1"),
+    (DraftTree([1, 2], [-1, -2]), "node 1 has parent -2"),
+    (DraftTree([1, VOCAB], [-1, 0]), f"token id {VOCAB} outside the vocabulary"),
+])
+def test_malformed_trees_refused(tree: DraftTree, match: str) -> None:
+    from engine.speculative.worker import Speculator
+
+    with pytest.raises(RuntimeError, match=match):
+        Speculator._checked([tree], [DraftRequest("r", [1], [2], 4)], VOCAB)
+
+
+def test_checked_trims_trees_and_turns_chains_into_lists() -> None:
+    from engine.speculative.worker import Speculator
+
+    view = DraftRequest("r", [1], [2], 3)
+    out = Speculator._checked([DraftTree([5, 6, 7, 8], [-1, -1, 1, 2]), DraftTree([5, 6], [-1, 0])],
+                              [view, view], VOCAB)
+    assert out == [DraftTree([5, 6, 7], [-1, -1, 1]), [5, 6]]
+    assert longest_chain(DraftTree([5, 6, 7, 8], [-1, -1, 1, 0])) == [6, 7]
