@@ -13,6 +13,7 @@ from engine_attention_flashinfer.planning import (
     build_paged_kv_layout,
     padding_layout,
     qo_indptr,
+    tree_custom_mask,
 )
 
 from engine import plugins
@@ -114,3 +115,17 @@ def test_float32_is_refused_with_the_accepted_dtypes() -> None:
     check_dtype(torch.float16)
     with pytest.raises(ValueError, match="dtype float32 is not supported; accepted: float16, bfloat16"):
         check_dtype(torch.float32)
+
+
+def test_tree_custom_mask_covers_prefix_and_ancestors() -> None:
+    """FlashInfer's per-row [new tokens x whole sequence] mask from the engine's tree mask:
+    the prefix visible to every new token, then the row's ancestor matrix."""
+    from engine.speculative.tree import tree_mask_of_rows
+
+    parents = [[-1, 0, 0, 1], [-1], [-1, 0]]
+    prefix = [3, 0, 2]
+    tree, _ = tree_mask_of_rows(parents, "cpu")
+    got = tree_custom_mask(tree, [4, 1, 2], prefix)
+    row0 = [[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 1, 0], [1, 1, 1, 1, 1, 0, 1]]
+    want = [b for r in row0 for b in r] + [1] + [1, 1, 1, 0, 1, 1, 1, 1]
+    assert got.tolist() == [bool(b) for b in want]

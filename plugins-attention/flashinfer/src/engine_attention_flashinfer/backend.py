@@ -40,6 +40,7 @@ from engine_attention_flashinfer.planning import (
     padding_layout,
     pages_per_row,
     qo_indptr,
+    tree_custom_mask,
 )
 from engine_attention_flashinfer.wrappers import GraphBuffers, WrapperFactory
 
@@ -62,6 +63,9 @@ class BatchPlan:
     graph_bs: int | None = None
     # Keys already planned for this batch.
     planned: set[LayerKey] = field(default_factory=set)
+    # Tree batches (speculative verification): FlashInfer's custom mask over each row's new
+    # tokens x whole sequence (``planning.tree_custom_mask``); None: causal.
+    custom_mask: torch.Tensor | None = None
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -69,6 +73,9 @@ class FlashInferAttnBackend(AttentionBackend):
 
     supports_mixed = True
     supports_cuda_graph = True
+    # Tree masks go to the prefill wrapper's ``plan(custom_mask=...)``. Not yet run on a GPU:
+    # docs/speculative.md, "Trees".
+    supports_tree_mask = True
 
     def __init__(self, ctx: AttentionContext) -> None:
         options = parse_options(ctx.options)
@@ -119,6 +126,10 @@ class FlashInferAttnBackend(AttentionBackend):
                 if lens is None:
                     raise ValueError("flashinfer attention: an EXTEND/MIXED batch needs extend_seq_lens_cpu")
                 self.forward_metadata = BatchPlan(False, layout, qo_indptr(lens), self._prefill_wrappers)
+                if forward_batch.tree_mask is not None:
+                    assert forward_batch.extend_prefix_lens_cpu is not None
+                    self.forward_metadata.custom_mask = tree_custom_mask(
+                        forward_batch.tree_mask, lens, forward_batch.extend_prefix_lens_cpu)
         forward_batch.attn_metadata = self.forward_metadata
 
     def _wrapper(self, layer: AttentionLayerInfo) -> Any:
@@ -147,7 +158,7 @@ class FlashInferAttnBackend(AttentionBackend):
             if wrapper is None:
                 wrapper = self.factory.prefill()
             assert plan.qo_indptr_cpu is not None
-            self.factory.plan_prefill(wrapper, plan.qo_indptr_cpu, plan.layout, key)
+            self.factory.plan_prefill(wrapper, plan.qo_indptr_cpu, plan.layout, key, plan.custom_mask)
         plan.wrappers[key] = wrapper
         plan.planned.add(key)
 

@@ -112,6 +112,24 @@ def qo_indptr(extend_seq_lens_cpu: list[int]) -> torch.Tensor:
     return torch.tensor([0, *accumulate(extend_seq_lens_cpu)], dtype=torch.int32)
 
 
+def tree_custom_mask(tree_mask: torch.Tensor, extend_seq_lens_cpu: list[int],
+                     extend_prefix_lens_cpu: list[int]) -> torch.Tensor:
+    """FlashInfer's ``custom_mask`` for a tree batch (``ForwardBatch.tree_mask``).
+
+    FlashInfer takes, per row, a ``[qo_len, kv_len]`` bool matrix over the row's new tokens
+    and its whole sequence (row-major, rows back to back); the engine's tree mask covers only
+    the new tokens (``[n, n]`` per row). Each row's matrix is the prefix (all visible) followed
+    by its ancestor matrix.
+    """
+    parts, offset = [], 0
+    for n, prefix in zip(extend_seq_lens_cpu, extend_prefix_lens_cpu):
+        tree = tree_mask[offset: offset + n * n].view(n, n)
+        offset += n * n
+        visible = torch.ones((n, prefix), dtype=torch.bool, device=tree_mask.device)
+        parts.append(torch.cat([visible, tree], dim=1).flatten())
+    return torch.cat(parts) if parts else tree_mask.new_zeros(0)
+
+
 def padding_layout(seq_len: int, page_size: int, device: torch.device) -> PagedKVLayout:
     """One row of ``seq_len`` positions that all live in the reserved padding page 0.
 

@@ -67,14 +67,19 @@ class WrapperFactory:
 
     # -- planning ---------------------------------------------------------------
     def plan_prefill(self, wrapper: flashinfer.BatchPrefillWithPagedKVCacheWrapper,
-                     qo_indptr_cpu: torch.Tensor, layout: PagedKVLayout, key: LayerKey) -> None:
+                     qo_indptr_cpu: torch.Tensor, layout: PagedKVLayout, key: LayerKey,
+                     custom_mask: torch.Tensor | None = None) -> None:
         """Causal attention of each row's new tokens over its whole sequence (the new
-        tokens' K/V are in the pool already); queries align to the end of each row."""
+        tokens' K/V are in the pool already); queries align to the end of each row.
+        ``custom_mask`` (speculative tree verification, ``planning.tree_custom_mask``)
+        replaces the causal mask; not combined with a sliding window."""
+        if custom_mask is not None and key.window_left >= 0:
+            raise ValueError("flashinfer attention: a tree mask with a sliding window is not supported")
         wrapper.plan(
             qo_indptr_cpu, layout.kv_indptr_cpu, layout.kv_indices, layout.kv_last_page_len_cpu,
             self.num_heads, self.num_kv_heads, self.head_dim, self.page_size,
-            causal=True, sm_scale=key.sm_scale, window_left=key.window_left,
-            logits_soft_cap=key.logits_soft_cap, q_data_type=self.q_dtype,
+            causal=custom_mask is None, custom_mask=custom_mask, sm_scale=key.sm_scale,
+            window_left=key.window_left, logits_soft_cap=key.logits_soft_cap, q_data_type=self.q_dtype,
             kv_data_type=self.kv_dtype,
         )
 
