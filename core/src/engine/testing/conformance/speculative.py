@@ -55,9 +55,10 @@ class SpeculativeProposerConformance:
         assert set(spec.draft_shapes) <= {"chain", "tree"} and spec.draft_shapes
 
     def test_drafts_are_well_formed(self, tiny_model_path: str) -> None:
-        """One list per request, each within its ``max_draft``, every id inside the vocabulary;
-        ``max_draft`` 0 gets nothing."""
-        from engine.speculative import DraftRequest, Proposer
+        """One list (a chain) or ``DraftTree`` (only for a spec whose ``draft_shapes`` has
+        "tree"; parents in range and before their children) per request, each within its
+        ``max_draft``, every id inside the vocabulary; ``max_draft`` 0 gets nothing."""
+        from engine.speculative import DraftRequest, DraftTree, Proposer
 
         proposer = self._proposer(tiny_model_path)
         assert isinstance(proposer, Proposer), f"the factory returned {type(proposer).__name__}, not a Proposer"
@@ -68,7 +69,13 @@ class SpeculativeProposerConformance:
                     for i, prompt in enumerate(self._prompts())]
             drafts = proposer.propose(reqs)
             assert isinstance(drafts, list) and len(drafts) == len(reqs)
+            shapes = plugins.get_speculative_algorithm(self.algorithm_name).draft_shapes
             for req, d in zip(reqs, drafts):
+                if isinstance(d, DraftTree):
+                    assert "tree" in shapes, f"a DraftTree from a spec with draft_shapes={shapes!r}"
+                    assert len(d.parents) == len(d.tokens), (req.rid, d)
+                    assert all(-1 <= p < i for i, p in enumerate(d.parents)), (req.rid, d)
+                    d = d.tokens
                 assert len(d) <= req.max_draft, (req.rid, d)
                 assert all(isinstance(t, int) and 0 <= t < self.vocab_size for t in d), d
             proposer.on_verified(reqs, [0] * len(reqs))
