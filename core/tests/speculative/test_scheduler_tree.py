@@ -130,7 +130,7 @@ def test_tree_accepts_more_than_the_chain_fall_back(llama_ckpt: str, prompts: li
     tree = _spec(llama_ckpt, OracleTreeProposer(prompts, expected, depth=4))
     assert generate_greedy(tree, prompts, 20) == expected
     chain = _spec(llama_ckpt, OracleTreeProposer(prompts, expected, depth=4))
-    chain.runner.attn_backend.supports_tree_mask = False
+    chain.speculator.verify_trees = False  # as on a backend without supports_tree_mask
     assert generate_greedy(chain, prompts, 20) == expected
     assert chain.speculator.stats.tree_steps == 0
     assert tree.speculator.stats.mean_accept_length() > chain.speculator.stats.mean_accept_length() + 2
@@ -198,6 +198,22 @@ def test_malformed_trees_refused(tree: DraftTree, match: str) -> None:
 
     with pytest.raises(RuntimeError, match=match):
         Speculator._checked([tree], [DraftRequest("r", [1], [2], 4)], VOCAB)
+
+
+def test_trees_need_a_tree_mask(llama_ckpt: str) -> None:
+    from engine.speculative.worker import Speculator
+
+    sched = make_scheduler(llama_ckpt, speculative_algorithm="ngram")
+    assert sched.speculator.verify_trees
+    from engine.layers.radix_attention import RadixAttention
+
+    layer = next(m for m in sched.runner.model.modules() if isinstance(m, RadixAttention))
+    layer.sliding_window_size = 8  # a windowed layer: trees are cut to chains
+    assert not Speculator._can_verify_trees(sched.runner)
+    layer.sliding_window_size = -1
+    assert Speculator._can_verify_trees(sched.runner)
+    sched.runner.attn_backend.supports_tree_mask = False
+    assert not Speculator._can_verify_trees(sched.runner)
 
 
 def test_checked_trims_trees_and_turns_chains_into_lists() -> None:

@@ -106,9 +106,30 @@ class Speculator:
         if self.wants_hidden:
             runner.capture_hidden = tuple(self.proposer.target_hidden_layers)
         self.stats = SpecStats()
+        self.verify_trees = self._can_verify_trees(runner)
         self.verify_graphs = self._capture_verify_graphs(args, runner)
         logger.info("speculative decoding: %s, up to %d draft tokens per request and step, up to batch size %d",
                     self.algorithm, self.max_draft, self.max_batch_size)
+
+    @staticmethod
+    def _can_verify_trees(runner: Any) -> bool:
+        """Whether tree drafts are verified as trees: the attention backend has a tree mask
+        (``supports_tree_mask``) and no layer has a sliding window (the triton and flashinfer
+        masks compare KV indices, not a node's depth). Otherwise trees are cut to chains."""
+        from engine.layers.radix_attention import RadixAttention
+
+        backend = runner.attn_backend
+        if not getattr(backend, "supports_tree_mask", False):
+            logger.info("speculative tree drafts are verified as chains (their longest branch): attention backend "
+                        "'%s' has no tree mask", runner.attention_backend_name)
+            return False
+        model = getattr(runner, "model", None)
+        windowed = model is not None and any(
+            isinstance(m, RadixAttention) and m.sliding_window_size > 0 for m in model.modules())
+        if windowed:
+            logger.info("speculative tree drafts are verified as chains (their longest branch): the model has "
+                        "sliding-window attention layers")
+        return not windowed
 
     def _capture_verify_graphs(self, args: Any, runner: Any) -> Any:
         """Device graphs for verify steps (every row runs ``num_draft_tokens`` tokens), one per
@@ -163,8 +184,8 @@ class Speculator:
         if self.tp_size > 1:
             # Tensor-parallel ranks must run the same step: rank 0's drafts decide.
             drafts = distributed.broadcast_objects(drafts, src=0)
-        if not getattr(sched.runner.attn_backend, "supports_tree_mask", False):
-            # No tree attention mask in this backend: verify each tree's longest branch as a chain.
+        if not self.verify_trees:
+            # No tree attention mask here: verify each tree's longest branch as a chain.
             drafts = [longest_chain(d) if isinstance(d, DraftTree) else d for d in drafts]
         # The decode-memory check guaranteed one slot per row; drafts take what else is free.
         spare = sched.allocator.available_size() + sched.tree_cache.evictable_size() - len(reqs)
