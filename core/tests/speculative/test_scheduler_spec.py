@@ -146,7 +146,8 @@ def test_sampling_runs_and_frees_kv(llama_ckpt: str, prompts: list[list[int]]) -
 @pytest.mark.parametrize("kw, match", [
     ({"pp_size": 2}, "--pp-size 2"),
     ({"page_size": 16}, "--page-size 16"),
-    ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk"),
+    ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk: invalid value 4 .* drafts chains only"),
+    ({"speculative_eagle_topk": 0}, "--speculative-eagle-topk: invalid value 0"),
     ({"speculative_num_steps": 0}, "--speculative-num-steps"),
 ])
 def test_unsupported_combinations_refused_at_start(llama_ckpt: str, kw: dict[str, Any], match: str) -> None:

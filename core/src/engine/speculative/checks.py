@@ -22,9 +22,12 @@ def check_speculative_args(args: Any) -> None:
     if ndt is not None and ndt < 2:
         raise ConfigError(f"--speculative-num-draft-tokens: invalid value {ndt}; accepted: an integer >= 2 "
                           "(the last accepted token and at least one draft)")
-    if args.speculative_eagle_topk != 1:
-        raise ConfigError(f"--speculative-eagle-topk: invalid value {args.speculative_eagle_topk}; accepted: 1 "
-                          "(tree drafts are not supported yet; chains verify as one extend)")
+    topk = args.speculative_eagle_topk
+    if topk < 1:
+        raise ConfigError(f"--speculative-eagle-topk: invalid value {topk}; accepted: an integer >= 1")
+    if topk > 1 and "tree" not in spec.draft_shapes:
+        raise ConfigError(f"--speculative-eagle-topk: invalid value {topk} for --speculative-algorithm {spec.name}, "
+                          f"which drafts chains only (draft_shapes={spec.draft_shapes!r}); accepted: 1")
     if args.speculative_max_batch_size < 1:
         raise ConfigError(f"--speculative-max-batch-size: invalid value {args.speculative_max_batch_size}; "
                           "accepted: an integer >= 1")
