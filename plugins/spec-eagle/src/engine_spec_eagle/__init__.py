@@ -13,6 +13,6 @@ from engine.hookspecs import SpeculativeAlgorithmSpec, hookimpl
 def register_speculative_algorithms(register):  # type: ignore[no-untyped-def]
     register(SpeculativeAlgorithmSpec(
         name="eagle", factory="engine_spec_eagle.proposer:create", needs_draft_model=True,
-        needs_hidden_states=True,
-        description="An EAGLE-1/2 or EAGLE-3 head (--speculative-draft-model-path) drafts a chain on the "
-                    "target's hidden states"))
+        needs_hidden_states=True, draft_shapes=("chain", "tree"),
+        description="An EAGLE-1/2 or EAGLE-3 head (--speculative-draft-model-path) drafts a chain, or with "
+                    "--speculative-eagle-topk > 1 an EAGLE-2 tree, on the target's hidden states"))

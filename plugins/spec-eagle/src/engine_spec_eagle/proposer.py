@@ -109,7 +109,8 @@ class EagleProposer(Proposer):
             state.hid_end = item.start + item.hidden.shape[0]
 
     # -- drafting ----------------------------------------------------------------------
-    def _run(self, rows: list[tuple[_HeadState, list[int], torch.Tensor, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _run(self, rows: list[tuple[_HeadState, list[int], torch.Tensor, int]]
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One head EXTEND: per row (state, tokens, features, first absolute position), appended
         after the state's KV. Returns the last position's features and logits (the head's
         vocabulary) per row (None when the head's pool is full)."""

@@ -69,9 +69,11 @@ def make_copying_eagle_head(directory: str, target_dir: str, layout: str = "safe
     return _save(directory, dict(config, num_hidden_layers=1, architectures=["LlamaForCausalLM"]), w, layout)
 
 
-def make_bigram_target(directory: str) -> str:
+def make_bigram_target(directory: str, lm_head_scale: float = 1.0) -> str:
     """A one-layer tiny Llama whose next token depends on the current token only (attention
-    output zero), with unit-RMS embeddings and unit norm weights, so an EAGLE-1 head can copy it."""
+    output zero), with unit-RMS embeddings and unit norm weights, so an EAGLE-1 head can copy it.
+    ``lm_head_scale`` multiplies the LM head (same greedy tokens; above 1 the next-token
+    distribution is peaked, as a trained model's mostly is, so trees grow along the best path)."""
     from safetensors.torch import load_file, save_file
 
     from engine.testing.checkpoints import make_tiny_checkpoint
@@ -84,6 +86,7 @@ def make_bigram_target(directory: str) -> str:
     t["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
     for name in ("model.layers.0.input_layernorm.weight", "model.norm.weight"):
         t[name] = torch.ones_like(t[name])
+    t["lm_head.weight"] = t["lm_head.weight"] * lm_head_scale
     save_file(t, path, metadata={"format": "pt"})
     return directory
 
