@@ -86,7 +86,7 @@ class ServerArgs:
     speculative_algorithm: str | None = opt(None, "Speculative-decoding proposer plugin (ngram, draft); default: none, one token per decode step")
     speculative_num_steps: int = opt(4, "Draft depth: draft tokens per request and step of a chain proposer (model proposers run this many steps)")
     speculative_num_draft_tokens: int | None = opt(None, "Tokens verified per request and step, the last accepted one included (default: --speculative-num-steps + 1)")
-    speculative_eagle_topk: int = opt(1, "Branching of tree proposers; 1 (a chain) is the only value supported so far")
+    speculative_eagle_topk: int = opt(1, "Branching of tree-drafting proposers (eagle); 1 drafts chains")
     speculative_draft_model_path: str | None = opt(None, "Checkpoint of the draft model (--speculative-algorithm draft): same tokenizer as the target")
     speculative_max_batch_size: int = opt(8, "Speculate only while at most this many requests decode; larger batches decode one token per step")
     # -- server -------------------------------------------------------------
