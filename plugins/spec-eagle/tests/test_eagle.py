@@ -95,33 +95,12 @@ def test_bad_head_is_refused_with_the_tensor_named(target: str, tmp_path: Any) -
         make_scheduler(target, speculative_algorithm="eagle", speculative_draft_model_path=head)
 
 
-def _topk_refused(target: str) -> str | None:
-    """The core's refusal of ``--speculative-eagle-topk`` > 1, or None once it accepts it."""
-    from engine.config import ServerArgs
-    from engine.errors import ConfigError
-
-    try:
-        ServerArgs.from_dict({"model_path": target, "speculative_algorithm": "eagle",
-                              "speculative_draft_model_path": target, "speculative_eagle_topk": 2})
-    except ConfigError as exc:
-        return str(exc)
-    return None
-
-
 def _tree_scheduler(target: str, head: str, topk: int, **kw: Any) -> Any:
-    """A scheduler whose EAGLE proposer grows trees of branching ``topk``: through the flag once
-    the core accepts it, until then a chain scheduler whose proposer is switched to trees (the
-    Speculator verifies whatever shape it gets)."""
-    kw = dict(speculative_algorithm="eagle", speculative_draft_model_path=head, **kw)
-    if _topk_refused(target) is None:
-        sched = make_scheduler(target, speculative_eagle_topk=topk, **kw)
-        assert sched.speculator.proposer.topk == topk
-        return sched
-    sched = make_scheduler(target, **kw)
+    """A scheduler whose EAGLE proposer grows trees of branching ``topk``."""
+    sched = make_scheduler(target, speculative_algorithm="eagle", speculative_draft_model_path=head,
+                           speculative_eagle_topk=topk, **kw)
     proposer = sched.speculator.proposer
-    slots = proposer.pools.req_to_token.alloc(sched.speculator.max_batch_size * topk)
-    assert slots is not None
-    proposer.topk, proposer.tree_slots = topk, slots
+    assert proposer.topk == topk and len(proposer.tree_slots) == topk * sched.speculator.max_batch_size
     return sched
 
 
@@ -162,18 +141,3 @@ def test_copying_head_accepts_more_with_a_tree_than_a_random_head(tmp_path: Any)
         assert st.tree_steps > 0
         accept[name] = st.mean_accept_length()
     assert accept["copying"] > 4.0 > accept["random"], accept
-
-
-def test_the_topk_flag_reaches_the_proposer(target: str, tmp_path: Any) -> None:
-    refused = _topk_refused(target)
-    if refused is not None:
-        pytest.skip(f"waits for the core to accept --speculative-eagle-topk > 1 (engine.speculative.checks "
-                    f"refuses it: {refused})")
-    head = make_eagle_head(str(tmp_path / "head"), target)
-    sched = make_scheduler(target, speculative_algorithm="eagle", speculative_draft_model_path=head,
-                           speculative_eagle_topk=3, speculative_num_steps=2, speculative_num_draft_tokens=6)
-    proposer = sched.speculator.proposer
-    assert (proposer.topk, proposer.num_steps) == (3, 2)
-    assert len(proposer.tree_slots) == 3 * sched.speculator.max_batch_size
-    assert generate_greedy(sched, _prompts(), 8) == generate_greedy(make_scheduler(target), _prompts(), 8)
-    assert sched.speculator.stats.tree_steps > 0
