@@ -1,5 +1,7 @@
-"""The EAGLE proposer's tree path (``EagleProposer._grow_trees``) against its chain path, with the
-core verifying chains: each step the proposer first grows trees (top-k 4), then its state is put
+"""The EAGLE proposer: its tree rows, and a full head pool.
+
+The tree path (``EagleProposer._grow_trees``) against its chain path, with the core verifying
+chains: each step the proposer first grows trees (top-k 4), then its state is put
 back and it drafts the chains the core verifies. The head's log-probabilities at every tree node
 on the greedy path must give the chain's next draft (same head, same features, same attention
 span), which checks the tree rows' ancestor KV, positions and parent features."""
@@ -111,3 +113,25 @@ def _check(record: dict[str, Any], reqs: Any, trees: list[Any], chains: list[lis
             path.append(int(node_logp.argmax()))
             assert int(to_ids(torch.tensor(path[-1]))) == chain[len(path) - 1]
             depths[len(path)] += 1
+
+
+@pytest.mark.parametrize("topk", [1, 3])
+def test_a_full_head_pool_skips_drafts_and_keeps_the_head_aligned(target: str, tmp_path: Any, topk: int) -> None:
+    head = make_eagle_head(str(tmp_path / "head"), target, seed=2)
+    sched = make_scheduler(target, speculative_algorithm="eagle", speculative_draft_model_path=head,
+                           speculative_eagle_topk=topk, speculative_num_steps=3, speculative_num_draft_tokens=6)
+    allocator = sched.speculator.proposer.pools.allocator
+    alloc_extend = allocator.alloc_extend
+    calls = {"n": 0}
+
+    def sometimes_full(*args: Any) -> Any:
+        calls["n"] += 1
+        return None if calls["n"] % 3 == 0 else alloc_extend(*args)  # every third catch-up finds no room
+
+    allocator.alloc_extend = sometimes_full
+    rng = random.Random(4)
+    prompts = [[rng.randrange(2048) for _ in range(n)] for n in (6, 30)]
+    expected = generate_greedy(make_scheduler(target), prompts, 16)
+    assert generate_greedy(sched, prompts, 16) == expected
+    assert calls["n"] >= 6 and sched.speculator.stats.proposed_tokens > 0
+    check_no_leak(sched)

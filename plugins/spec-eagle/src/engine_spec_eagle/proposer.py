@@ -135,6 +135,16 @@ class EagleProposer(Proposer):
         last = out[last_rows]
         return last, self.head.logits(last, self.target_lm_head, self.vocab_size)
 
+    def _catch_up(self, rows: list[tuple[_HeadState, list[int], torch.Tensor, int]]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``_run`` over the requests' pending target features; when the head's pool is full the
+        features go back to ``pending`` (the next step feeds them), so head positions stay aligned."""
+        result = self._run(rows)
+        if result is None:
+            for state, _, features, _ in rows:
+                state.pending = [features]
+        return result
+
     def _head_forward(self, ids: list[int], slots: list[int], seq: list[int], prefix: list[int], loc: torch.Tensor,
                       positions: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over rows whose ``req_to_token`` entries (prefix and ``loc``) are written:
@@ -185,7 +195,7 @@ class EagleProposer(Proposer):
                 self.proposed += len(tree.tokens)
             self._truncate_drafts(reqs)
             return out
-        result = self._run(rows)
+        result = self._catch_up(rows)
         while result is not None:
             features, logits = result
             ids_h = self.head.to_target_ids(torch.argmax(logits, dim=-1)).tolist()
@@ -234,7 +244,7 @@ class EagleProposer(Proposer):
         output) and its token. All node KV is freed before returning."""
         from engine_spec_eagle.tree import grow_draft_trees
 
-        result = self._run(rows)
+        result = self._catch_up(rows)
         k = self.topk
         if result is None:
             return [DraftTree([], []) for _ in active]
