@@ -292,8 +292,9 @@ class EagleProposer(Proposer):
             ids = torch.where(ids < self.vocab_size, ids, 0)  # unkept (-inf) nodes only
             prefix_h = [active[j][1].kv_len + depth - 1 for j in row_ids for _ in range(k)]
             positions = torch.tensor([active[j][2] - 2 + depth for j in row_ids for _ in range(k)], dtype=torch.int64)
-            out, _ = self._head_forward(ids.tolist(), row_slots.tolist(), [p + 1 for p in prefix_h], prefix_h, loc,
-                                        positions, features.flatten(0, 1))
+            slots_h = [self.tree_slots[j * k + c] for j in row_ids for c in range(k)]  # = row_slots, on the host
+            out, _ = self._head_forward(ids.tolist(), slots_h, [p + 1 for p in prefix_h], prefix_h, loc, positions,
+                                        features.flatten(0, 1))
             logp = self._log_probs(self.head.logits(out, self.target_lm_head, self.vocab_size))
             full = torch.zeros((len(active), k, hidden), dtype=out.dtype, device=device)
             full[at] = out.view(-1, k, hidden)
