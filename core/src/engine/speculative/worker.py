@@ -258,17 +258,7 @@ class Speculator:
             # Written: positions p .. p + len(d); needed: the first n (the new last token has none).
             if n < len(d) + 1:
                 unused_slots.append(row_of[req.req_pool_idx, p + n: p + len(d) + 1])
-            if d:
-                req.spec_verify_ct += 1
-                req.spec_accepted_tokens += n - 1
-                st = self.stats
-                st.verified_rows += 1
-                st.proposed_tokens += len(d)
-                st.accepted_tokens += n - 1
-                st.emitted_tokens += n
-            if req.finished():
-                self.proposer.release(req.rid)
-                sched.tree_cache.cache_finished_req(req)
+            self._count_row(req, len(d), n)
         if unused_slots:
             # One free for the step (the caches only read the kept positions of each row).
             sched.allocator.free(torch.cat(unused_slots).to(torch.int64))
@@ -310,15 +300,8 @@ class Speculator:
         fb.sampling_info = info
         out = sched.runner.forward(fb)
         assert out.full_logits is not None
-        sample = None
         plain = [i for i, d in enumerate(drafts) if not _num_tokens(d)]
-        if plain:
-            # As in _decide: rows without drafts take the ordinary sampler's token.
-            sched.grammar_queue.set_mask(info, reqs)
-            sample = sched.runner.sample(out, fb)
-            if info.penalizer is not None:
-                info.penalizer.cumulate_output_tokens(sample.next_token_ids)
-        plain_info = dataclasses.replace(info, penalizer=None, vocab_mask=None, apply_vocab_mask=None)
+        sample, plain_info = self._sample_plain_rows(reqs, plain, out, fb, info)
         verdicts = verify_tree(out.full_logits[: offsets[-1]], list(zip(rows, parents)), plain_info)
         paths = [path for path, _ in verdicts]
         appended = [[row[j] for j in path[1:]] + [tok] for row, (path, tok) in zip(rows, verdicts)]
@@ -348,18 +331,7 @@ class Speculator:
             if dropped:
                 unused_slots.append(row_slots[torch.tensor(dropped, dtype=torch.int64).to(row_slots.device)])
             picks.append([offsets[i] + j for j in path[:n]])
-            drafted = _num_tokens(d)
-            if drafted:
-                req.spec_verify_ct += 1
-                req.spec_accepted_tokens += n - 1
-                st = self.stats
-                st.verified_rows += 1
-                st.proposed_tokens += drafted
-                st.accepted_tokens += n - 1
-                st.emitted_tokens += n
-            if req.finished():
-                self.proposer.release(req.rid)
-                sched.tree_cache.cache_finished_req(req)
+            self._count_row(req, _num_tokens(d), n)
         if unused_slots:
             sched.allocator.free(torch.cat(unused_slots).to(torch.int64))
         self.hand_hidden_states(reqs, fb, out, prefix_lens, picks=picks)
@@ -367,6 +339,38 @@ class Speculator:
         self.stats.tree_steps += 1
         self.proposer.on_verified(views, kept_counts)
         return reqs
+
+    def _count_row(self, req: Req, drafted: int, appended: int) -> None:
+        """After a verify step appended ``appended`` tokens to ``req`` (``drafted`` drafts
+        proposed): the request's and the server's acceptance counters, and a finished request
+        released by the proposer and cached."""
+        if drafted:
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += appended - 1
+            st = self.stats
+            st.verified_rows += 1
+            st.proposed_tokens += drafted
+            st.accepted_tokens += appended - 1
+            st.emitted_tokens += appended
+        if req.finished():
+            self.proposer.release(req.rid)
+            self.scheduler.tree_cache.cache_finished_req(req)
+
+    def _sample_plain_rows(self, reqs: list[Req], plain: list[int], out: Any, fb: ForwardBatch,
+                           info: SamplingBatchInfo) -> tuple[Any, SamplingBatchInfo]:
+        """The ordinary sampler's step when some rows (``plain``) have no drafts: it sees every
+        row's last-position logits (penalties, grammar mask, logprobs, seeds); only those rows
+        keep its token (the drafting rows have no penalty state). Returns that sample (None
+        without plain rows) and the sampling view the verifier reads: temperatures, top-k/p,
+        min-p and logit_bias only."""
+        sample = None
+        if plain:
+            sched = self.scheduler
+            sched.grammar_queue.set_mask(info, reqs)
+            sample = sched.runner.sample(out, fb)
+            if info.penalizer is not None:
+                info.penalizer.cumulate_output_tokens(sample.next_token_ids)
+        return sample, dataclasses.replace(info, penalizer=None, vocab_mask=None, apply_vocab_mask=None)
 
     def _decide(self, reqs: list[Req], drafts: list[list[int]], out: Any, fb: ForwardBatch,
                 info: SamplingBatchInfo, logits3: torch.Tensor) -> tuple[list[list[int]], Any]:
@@ -378,18 +382,8 @@ class Speculator:
         drafts keeps none); the kept counts, the target's tokens and the sampler's ids come to
         the host in one copy, the step's only sync.
         """
-        sched = self.scheduler
-        sample = None
         plain = [i for i, d in enumerate(drafts) if not d]
-        if plain:
-            # The sampler sees every row's last-position logits; only the rows without drafts
-            # keep its token (penalty state of drafting rows is zero: they have no penalties).
-            sched.grammar_queue.set_mask(info, reqs)
-            sample = sched.runner.sample(out, fb)
-            if info.penalizer is not None:
-                info.penalizer.cumulate_output_tokens(sample.next_token_ids)
-        # The verifier reads temperatures, top-k/p, min-p and logit_bias only.
-        plain_info = dataclasses.replace(info, penalizer=None, vocab_mask=None, apply_vocab_mask=None)
+        sample, plain_info = self._sample_plain_rows(reqs, plain, out, fb, info)
         width = logits3.shape[1]
         kept, final = verify_rows(logits3, draft_tensor(drafts, width - 1, logits3.device), plain_info)
         parts = [kept, final] + ([sample.next_token_ids.to(kept.dtype)] if sample is not None else [])

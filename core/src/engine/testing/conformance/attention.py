@@ -108,6 +108,35 @@ class AttentionBackendConformance:
                                options=plugins.declared_options("attention", self.backend_name))
         return resolve_factory(self._spec().factory)(ctx), r2t, kv, alloc
 
+    def _fill_rows(self, r2t: Any, kv: Any, alloc: Any, gen: torch.Generator, prefix: list[int], ext: list[int],
+                   dtype: torch.dtype, layer: Any) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor,
+                                                          torch.Tensor]:
+        """A batch's rows in the pools: each row's prefix allocated and filled with random K/V
+        (through the pool's own write, so an fp8 pool holds x / scale as the engine stores it),
+        then its new tokens allocated; returns the request slots, the new tokens' KV slots and
+        random q, k, v for the new tokens."""
+        bs, device = len(prefix), kv.device
+        Hkv, D = self.num_kv_heads, self.head_dim
+        slots = r2t.alloc(bs)
+        pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
+        off = 0
+        for i in range(bs):
+            r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
+            off += prefix[i]
+        kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
+                         randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), layer.k_scale, layer.v_scale)
+        last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
+        new_loc = alloc.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext)], last)
+        off = 0
+        for i in range(bs):
+            r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
+            off += ext[i]
+        n = sum(ext)
+        q = randn(gen, n, self.num_heads * D, device=device, dtype=dtype)
+        k = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        v = randn(gen, n, Hkv * D, device=device, dtype=dtype)
+        return slots, new_loc, q, k, v
+
     def _run(self, mode: str, dtype: torch.dtype, page_size: int, window: int = -1, cap: float = 0.0,
              kv_cache_dtype: str = "auto") -> None:
         from engine.layers.radix_attention import RadixAttention
@@ -133,26 +162,8 @@ class AttentionBackendConformance:
         prefix, ext, bs = rows.prefix, rows.extend, len(rows.prefix)
         seq = [p + e for p, e in zip(prefix, ext)]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        slots = r2t.alloc(bs)
-        # Allocate the prefix, fill it with random K/V, then allocate the new tokens.
-        pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
-        off = 0
-        for i in range(bs):
-            r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
-            off += prefix[i]
-        # Through the pool's own write, so an fp8 pool holds x / scale as the engine stores it.
-        kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
-                         randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), layer.k_scale, layer.v_scale)
-        last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
-        new_loc = alloc.alloc_extend(prefix, seq, last)
-        off = 0
-        for i in range(bs):
-            r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
-            off += ext[i]
+        slots, new_loc, q, k, v = self._fill_rows(r2t, kv, alloc, gen, prefix, ext, dtype, layer)
         n = sum(ext)
-        q = randn(gen, n, H * D, device=device, dtype=dtype)
-        k = randn(gen, n, Hkv * D, device=device, dtype=dtype)
-        v = randn(gen, n, Hkv * D, device=device, dtype=dtype)
         if fp8:
             k[0, 0], v[-1, -1] = _FP8_OUTLIER, -_FP8_OUTLIER
         fmode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}[mode]
@@ -237,25 +248,9 @@ class AttentionBackendConformance:
         prefix = [rng.randint(0, _MAX_PREFIX) for _ in range(bs)]
         ext = [len(p) for p in parents]
         seq = [p + e for p, e in zip(prefix, ext)]
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        slots = r2t.alloc(bs)
-        pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
-        off = 0
-        for i in range(bs):
-            r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
-            off += prefix[i]
-        kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
-                         randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), 1.0, 1.0)
-        last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
-        new_loc = alloc.alloc_extend(prefix, seq, last)
-        off = 0
-        for i in range(bs):
-            r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
-            off += ext[i]
+        H, D = self.num_heads, self.head_dim
+        slots, new_loc, q, k, v = self._fill_rows(r2t, kv, alloc, gen, prefix, ext, dtype, layer)
         n = sum(ext)
-        q = randn(gen, n, H * D, device=device, dtype=dtype)
-        k = randn(gen, n, Hkv * D, device=device, dtype=dtype)
-        v = randn(gen, n, Hkv * D, device=device, dtype=dtype)
         fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * n, slots, seq, prefix, new_loc, device)
         fb.positions = torch.tensor([p + d for p, par in zip(prefix, parents) for d in depths(par)],
                                     dtype=torch.int64, device=device)
