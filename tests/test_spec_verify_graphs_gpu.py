@@ -7,15 +7,14 @@ leaks. The real default model's hash check is ``engine bench spec`` (docs/specul
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 import torch
 
 from engine.managers.scheduler import check_no_leak
-from engine.speculative import DraftRequest, Proposer
 from engine.testing.harness import generate_greedy, make_scheduler
+from engine.testing.proposers import RandomProposer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,14 +37,6 @@ def prompts() -> list[list[int]]:
     phrase = [rng.randrange(1000) for _ in range(20)]
     return [phrase * 4, [rng.randrange(1000) for _ in range(9)], phrase[:7] * 6 + [1, 2, 3],
             [rng.randrange(1000) for _ in range(150)], phrase * 2 + phrase[:10]]
-
-
-class RandomProposer(Proposer):
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        return [[self.rng.randrange(1000) for _ in range(self.rng.randint(0, r.max_draft))] for r in reqs]
 
 
 def _sched(ckpt: str, **kw: Any) -> Any:
@@ -77,7 +68,7 @@ def test_graph_verify_equals_eager_verify_and_plain(ckpt: str, prompts: list[lis
 
 def test_graph_verify_random_drafts_exact(ckpt: str, prompts: list[list[int]], plain: list[list[int]]) -> None:
     sched = _sched(ckpt, speculative_algorithm="ngram", speculative_num_steps=5)
-    sched.speculator.proposer = RandomProposer(2)
+    sched.speculator.proposer = RandomProposer(2, vocab=1000)
     assert generate_greedy(sched, prompts, 40) == plain
     assert sched.speculator.verify_graphs.replays > 0
     check_no_leak(sched)

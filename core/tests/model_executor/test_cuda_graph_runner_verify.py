@@ -12,7 +12,6 @@ GPU by tests/test_spec_verify_graphs_gpu.py.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -21,8 +20,9 @@ import torch
 from engine.managers.scheduler import check_no_leak
 from engine.model_executor.cuda_graph_runner import VerifyGraphRunner
 from engine.model_executor.forward_batch import ForwardBatch
-from engine.speculative import DraftRequest, Proposer
+from engine.speculative import Proposer
 from engine.testing.harness import OutputCollector, generate_greedy, make_scheduler, submit
+from engine.testing.proposers import OracleProposer, RandomProposer
 
 
 class EagerReplayRunner(VerifyGraphRunner):
@@ -50,25 +50,6 @@ def _give_verify_mode(backend: Any) -> None:
     backend.init_verify_cuda_graph_state = lambda max_bs, tokens: None
     backend.init_forward_metadata_capture_verify = backend.init_forward_metadata
     backend.init_forward_metadata_replay_verify = backend.init_forward_metadata
-
-
-class RandomProposer(Proposer):
-    """Drafts of random length (0..max) and random tokens: rows padded by different amounts."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = random.Random(seed)
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        return [[self.rng.randrange(2048) for _ in range(self.rng.randint(0, r.max_draft))] for r in reqs]
-
-
-class OracleProposer(Proposer):
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
-        self.answers = {tuple(p): o for p, o in zip(prompts, outputs)}
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        return [list(self.answers[tuple(r.prompt_ids)][len(r.output_ids): len(r.output_ids) + r.max_draft])
-                for r in reqs]
 
 
 @pytest.fixture(scope="module")

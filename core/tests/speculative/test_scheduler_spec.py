@@ -5,15 +5,15 @@ a tight pool, finishing inside an accepted run, fall-backs and start-up refusals
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from engine.errors import ConfigError, PluginError
 from engine.managers.scheduler import check_no_leak
-from engine.speculative import DraftRequest, Proposer
+from engine.speculative import Proposer
 from engine.testing.harness import OutputCollector, generate_greedy, make_scheduler, submit
+from engine.testing.proposers import OracleProposer, RandomProposer
 
 
 @pytest.fixture(scope="module")
@@ -27,28 +27,6 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def expected(llama_ckpt: str, prompts: list[list[int]]) -> list[list[int]]:
     return generate_greedy(make_scheduler(llama_ckpt), prompts, 30)
-
-
-class OracleProposer(Proposer):
-    """Proposes the target's own greedy continuation (known in advance): every draft is right."""
-
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]]) -> None:
-        self.answers = {tuple(p): o for p, o in zip(prompts, outputs)}
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        out = []
-        for r in reqs:
-            answer = self.answers[tuple(r.prompt_ids)]
-            out.append(list(answer[len(r.output_ids): len(r.output_ids) + r.max_draft]))
-        return out
-
-
-class RandomProposer(Proposer):
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        return [[self.rng.randrange(2048) for _ in range(self.rng.randint(0, r.max_draft))] for r in reqs]
 
 
 def _spec(path: str, proposer: Proposer | None = None, **kw: Any) -> Any:

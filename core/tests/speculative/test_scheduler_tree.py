@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
 from engine.managers.scheduler import check_no_leak
-from engine.speculative import DraftRequest, DraftTree, Proposer, TargetHidden
+from engine.speculative import DraftRequest, DraftTree, Proposer
 from engine.speculative.tree import longest_chain
 from engine.testing.harness import generate_greedy, make_scheduler
+from engine.testing.proposers import OracleTreeProposer, RandomTreeProposer
 
 VOCAB = 2048
 _NO_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
@@ -39,58 +39,6 @@ def _plain(path: str, attention: str, prompts: list[list[int]]) -> list[list[int
     if attention not in _expected:
         _expected[attention] = generate_greedy(make_scheduler(path, attention=attention), prompts, 20)
     return _expected[attention]
-
-
-class OracleTreeProposer(Proposer):
-    """A tree per request: the target's greedy continuation on one branch (depth ``depth``), a
-    longer branch of random tokens (so the longest-chain fall-back picks a decoy), random side
-    branches off the right path; branches at the root in random order."""
-
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], depth: int, seed: int = 0) -> None:
-        self.answers = {tuple(p): o for p, o in zip(prompts, outputs)}
-        self.depth = depth
-        self.rng = random.Random(seed)
-        self.hidden: list[TargetHidden] = []
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
-        out: list[list[int] | DraftTree] = []
-        for r in reqs:
-            answer = self.answers[tuple(r.prompt_ids)]
-            right = list(answer[len(r.output_ids): len(r.output_ids) + min(self.depth, r.max_draft)])
-            decoy = [self.rng.randrange(VOCAB) for _ in range(min(len(right) + 1, r.max_draft - len(right)))]
-            branches = [right, decoy]
-            self.rng.shuffle(branches)
-            tokens: list[int] = []
-            parents: list[int] = []
-            right_nodes: list[int] = []
-            for branch in branches:
-                for j, t in enumerate(branch):
-                    parents.append(-1 if j == 0 else len(tokens) - 1)
-                    if branch is right:
-                        right_nodes.append(len(tokens))
-                    tokens.append(t)
-            # Side branches: a random token hanging off a random node of the right path.
-            while len(tokens) < r.max_draft and right_nodes:
-                parents.append(self.rng.choice([-1, *right_nodes]))
-                tokens.append(self.rng.randrange(VOCAB))
-            out.append(DraftTree(tokens, parents))
-        return out
-
-    def on_target_hidden(self, states: Sequence[TargetHidden]) -> None:
-        self.hidden.extend(states)
-
-
-class RandomTreeProposer(Proposer):
-    def __init__(self, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-
-    def propose(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
-        out: list[list[int] | DraftTree] = []
-        for r in reqs:
-            n = self.rng.randint(0, r.max_draft)
-            out.append(DraftTree([self.rng.randrange(VOCAB) for _ in range(n)],
-                                 [self.rng.randrange(-1, i) for i in range(n)]))
-        return out
 
 
 def _spec(path: str, proposer: Proposer, attention: str = "torch_native", **kw: Any) -> Any:
