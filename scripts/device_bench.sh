@@ -196,6 +196,23 @@ for stage in "$@"; do
         2>&1 | tail -1 | sed "s/^/8b draft=target k=4 /"
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_spec_gpu.py \
         > "$OUT/spec_tests.log" 2>&1; tail -3 "$OUT/spec_tests.log" ;;
+    spec_llama)
+      # Speculative decoding's mechanism on the Llama-3-8B shape (issue 16): dummy weights, batch 1, 512 random
+      # prompt tokens (no tokenizer). Speculation off (overlapped decode); --ceiling at k = 2, 4, 8 (a plain pass,
+      # then drafts = its own tokens, all accepted: the ceiling, and the verify step's time against the plain
+      # step's in the same process); a 2-layer draft of the same shape at k = 2, 4, 8 (random weights unrelated to
+      # the target's: acceptance ~1, so this is what drafting + verifying costs). 135 decode tokens = a whole
+      # number of runs of k + 1 for k = 2, 4, 8: every ceiling step is a full verify step.
+      SL=("${DUMMY[@]}" --attention "${ATTN:-triton}" --workload random --input-len 512 --output-len 136
+          --max-total-tokens 32768 --cuda-graph-max-bs 1 --result-file "$RES")
+      timeout 150 python3 -m engine bench spec "${SL[@]}" 2>&1 | tail -1
+      for k in 2 4 8; do
+        timeout 150 python3 -m engine bench spec "${SL[@]}" --ceiling --speculative-num-steps "$k" 2>&1 | tail -2
+      done
+      for k in 2 4 8; do
+        timeout 150 python3 -m engine bench spec "${SL[@]}" --speculative-algorithm draft \
+          --speculative-draft-model-path "$CFG-2layer" --speculative-num-steps "$k" 2>&1 | tail -1
+      done ;;
     grammar)
       # Structured output (issue 13) on the Llama-3-8B-shaped dummy model with the SmolLM2 tokenizer
       # (.cache/bench_grammar: made by scripts/device_wheels.sh; 49,152 real tokens of the 128,256-row

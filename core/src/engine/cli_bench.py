@@ -68,20 +68,36 @@ _DATASET_OPTS = [
 
 @bench_app.command("spec")
 @with_server_args([
-    _opt("batch_size", int, 1, "--batch-size", help="Copies of the copy-heavy request run at once"),
+    _opt("batch_size", int, 1, "--batch-size", help="Requests run at once"),
     _opt("output_len", int, 256, "--output-len", help="Generated tokens per request (greedy, EOS ignored)"),
-    _opt("passages", int, 2, "--passages", help="Times the ~230-word passage appears in the prompt"),
+    _opt("workload", str, "copy", "--workload",
+         help="copy: the model quotes a passage of its prompt back (needs its tokenizer); "
+              "random: --input-len random token ids per request (no tokenizer: runs with --load-format dummy "
+              "--skip-tokenizer-init)"),
+    _opt("passages", int, 2, "--passages", help="copy: times the ~230-word passage appears in the prompt"),
+    _opt("input_len", Optional[int], None, "--input-len", help="random: prompt tokens per request (default 512)"),
+    _opt("seed", int, 1, "--seed", help="random: seed of the prompts"),
+    _opt("ceiling", bool, False, "--ceiling/--no-ceiling",
+         help="Run the batch plain, then with drafts = the plain run's own next tokens (k = --speculative-num-steps, "
+              "all accepted): the mechanism's ceiling and the verify step's cost against a decode step"),
     _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),
 ])
-def spec_cmd(server_args: ServerArgs, batch_size: int, output_len: int, passages: int,
-             result_file: str | None) -> None:
-    """Decode speed on a copy-heavy request (quote a passage back); compare with and without
-    --speculative-algorithm; reports the mean acceptance length."""
-    from engine.bench.spec import bench_spec
+def spec_cmd(server_args: ServerArgs, batch_size: int, output_len: int, workload: str, passages: int,
+             input_len: int | None, seed: int, ceiling: bool, result_file: str | None) -> None:
+    """Decode speed of a batch, with the speculation the flags set (compare with and without
+    --speculative-algorithm, or --ceiling): tok/s, mean step time, mean acceptance length."""
+    from engine.bench.spec import SpecWorkload, bench_spec
 
-    if batch_size < 1 or output_len < 2 or passages < 1:
-        fail("--batch-size, --passages: integers >= 1; --output-len: an integer >= 2")
-    bench_spec(server_args, batch_size, output_len, passages, result_file)
+    if input_len is not None and workload != "random":
+        fail(f"--input-len: applies to --workload random only (the copy prompt's length is set by --passages); "
+             f"got --workload {workload!r}")
+    work = SpecWorkload(batch_size=batch_size, output_len=output_len, workload=workload, passages=passages,
+                        input_len=512 if input_len is None else input_len, seed=seed, ceiling=ceiling)
+    try:
+        work.check(server_args)
+    except ValueError as exc:
+        fail(str(exc))
+    bench_spec(server_args, work, result_file)
 
 
 @bench_app.command("startup")
