@@ -6,6 +6,12 @@
 logical weights stacked along the output dimension and load each checkpoint
 shard into its place. The weight itself is created and applied by a
 ``LinearMethodBase`` (unquantized, or a quant plugin's).
+
+A platform may offer a skinny GEMM for the unquantized method: ``Platform.layer_kernels()
+['linear']``, called as ``linear(x, weight, bias)`` with a 2-D ``x`` of 1..``linear.max_rows``
+rows (default ``DEFAULT_SKINNY_MAX_ROWS``) in bf16/fp16 (``skinny_linear_applies``); decode steps
+of few tokens read every weight once, and a kernel made for that streams them faster than a
+GEMM library tuned for large products. Every other input goes to ``F.linear``.
 """
 
 from __future__ import annotations
@@ -24,6 +30,21 @@ from engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from engine.layers.quantization import LinearMethodBase, QuantizationConfig, is_layer_ignored
+
+#: rows up to which a platform's ``linear`` kernel is used when it does not say (``max_rows``).
+DEFAULT_SKINNY_MAX_ROWS = 8
+_SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          max_rows: int) -> bool:
+    """Whether the platform's skinny GEMM takes ``x`` (already flattened to 2-D) times ``weight``:
+    1..``max_rows`` rows, bf16 or fp16 throughout, unit stride along K (device aside: the caller
+    checks that ``x`` is on the GPU the kernel was built for)."""
+    return (x.dim() == 2 and 1 <= x.shape[0] <= max_rows and x.dtype in _SKINNY_DTYPES
+            and weight.dim() == 2 and weight.dtype == x.dtype and weight.shape[1] == x.shape[1]
+            and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and (bias is None or bias.dtype == x.dtype))
 
 
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
@@ -45,6 +66,12 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        kernel = getattr(layer, "skinny_linear", None)  # set by LinearBase.use_kernels
+        if kernel is not None and x.is_cuda:
+            x2 = x.reshape(-1, x.shape[-1])
+            max_rows = getattr(kernel, "max_rows", DEFAULT_SKINNY_MAX_ROWS)
+            if skinny_linear_applies(x2, layer.weight, bias, max_rows):
+                return kernel(x2, layer.weight, bias).view(*x.shape[:-1], layer.weight.shape[0])
         return F.linear(x, layer.weight, bias)
 
 
@@ -62,6 +89,13 @@ class LinearBase(nn.Module):
         self.quant_method: LinearMethodBase = method or UnquantizedLinearMethod()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        #: the platform's skinny GEMM (``layer_kernels()['linear']``), used by the unquantized
+        #: method for inputs of few rows; None: always ``F.linear``.
+        self.skinny_linear: Any = None
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's ``linear`` kernel when it offers one (quantized methods ignore it)."""
+        self.skinny_linear = kernels.get("linear")
 
     def _make_bias(self, size: int) -> None:
         bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)

@@ -6,7 +6,21 @@ initialised) when the platform's methods are called.
 
 from __future__ import annotations
 
-from engine.hookspecs import PlatformSpec, hookimpl
+from typing import Any
+
+from engine.hookspecs import PlatformSpec, PluginOption, hookimpl
+
+#: The plugin's options (``plugin_options: {cuda: {...}}`` / ``--plugin-option cuda.KEY=VALUE``).
+DEFAULT_OPTIONS: dict[str, Any] = {
+    # The Triton skinny GEMM (``gemv.py``) for unquantized linear layers at few rows; off: cuBLAS.
+    "gemv": True,
+    # The most rows (tokens of a step) it takes; the kernel computes up to 16.
+    "gemv_max_rows": 8,
+}
+_OPTION_HELP = {
+    "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
+    "gemv_max_rows": "most rows (tokens of a step) the skinny GEMM takes, 1..16; more go to F.linear",
+}
 
 
 @hookimpl
@@ -16,3 +30,9 @@ def register_platforms(register):  # type: ignore[no-untyped-def]
         description="NVIDIA GPUs via PyTorch CUDA (NCCL, CUDA graphs, flashinfer/triton attention)",
         tested_on_hardware="NVIDIA H100 80GB, H200 (GPU test suite, benchmarks)",
     ))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    for key, default in DEFAULT_OPTIONS.items():
+        register(PluginOption(plugin="cuda", key=key, default=default, help=_OPTION_HELP[key]))

@@ -166,6 +166,15 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
                                 num_warps=4)
 
 
-def layer_kernels() -> dict[str, Callable[..., Any]]:
-    return {"rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_inplace": rotary_inplace,
-            "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
+def layer_kernels(gemv_max_rows: int = 8) -> dict[str, Callable[..., Any]]:
+    """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
+    taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
+    ``gemv_max_rows`` > 0."""
+    from engine_platform_cuda.gemv import SkinnyLinear
+
+    kernels: dict[str, Callable[..., Any]] = {
+        "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_inplace": rotary_inplace,
+        "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
+    if gemv_max_rows > 0:
+        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows)
+    return kernels

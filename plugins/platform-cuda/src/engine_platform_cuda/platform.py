@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from engine.errors import ConfigError
 from engine.platforms import TorchCudaPlatform
+from engine_platform_cuda import DEFAULT_OPTIONS
 
 #: Attention backend preferred when its plugin is registered and ``flashinfer`` imports.
 PREFERRED_ATTENTION = "flashinfer"
@@ -29,6 +31,8 @@ DEFAULT_MEM_FRACTION_STATIC = 0.88
 
 # fp8 KV caches / weights need Ada (sm_89) or newer for native conversion instructions.
 _FP8_MIN_CAPABILITY = (8, 9)
+# Rows the skinny GEMM computes at most (``gemv.MAX_ROWS``; not imported: it imports triton).
+_GEMV_ROWS_LIMIT = 16
 
 
 def _flashinfer_importable() -> bool:
@@ -42,6 +46,9 @@ class CudaPlatform(TorchCudaPlatform):
 
     name = "cuda"
     device_type = "cuda"
+
+    def __init__(self, options: dict[str, Any] | None = None) -> None:
+        self.options = _parse_options(options or {})
 
     # -- availability ------------------------------------------------------
     def is_available(self) -> bool:
@@ -101,14 +108,16 @@ class CudaPlatform(TorchCudaPlatform):
 
     # -- housekeeping --------------------------------------------------------
     def layer_kernels(self) -> dict[str, Any]:
-        """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary)."""
+        """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary, KV store) and,
+        unless ``cuda.gemv`` is off, the skinny GEMM ``linear`` for unquantized linear layers."""
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
             return {}
         from engine_platform_cuda.kernels import layer_kernels
 
-        return layer_kernels()
+        rows = self.options["gemv_max_rows"] if self.options["gemv"] else 0
+        return layer_kernels(gemv_max_rows=rows)
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
@@ -125,3 +134,19 @@ class CudaPlatform(TorchCudaPlatform):
             f"{props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs), "
             f"CUDA {torch.version.cuda}, torch {torch.__version__}"
         )
+
+
+def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``DEFAULT_OPTIONS`` overridden by ``options``; a clear error for a bad key or value."""
+    unknown = sorted(set(options) - set(DEFAULT_OPTIONS))
+    if unknown:
+        raise ConfigError(f"plugin_options: unknown option 'cuda.{unknown[0]}'; declared: "
+                          + ", ".join(f"cuda.{k}" for k in DEFAULT_OPTIONS))
+    parsed = {**DEFAULT_OPTIONS, **options}
+    if not isinstance(parsed["gemv"], bool):
+        raise ConfigError(f"plugin_options: cuda.gemv: invalid value {parsed['gemv']!r}; accepted: on/true or off/false")
+    rows = parsed["gemv_max_rows"]
+    if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= _GEMV_ROWS_LIMIT:
+        raise ConfigError(f"plugin_options: cuda.gemv_max_rows: invalid value {rows!r}; "
+                          f"accepted: an int from 1 to {_GEMV_ROWS_LIMIT}")
+    return parsed

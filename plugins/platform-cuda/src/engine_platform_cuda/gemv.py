@@ -1,0 +1,352 @@
+"""Skinny GEMM for decode: ``y = x @ W^T (+ bias)`` with few rows of ``x`` (1..16), bf16/fp16.
+
+A decode step at small batch reads every weight once per token, so its linear layers are bound by
+the speed at which ``W`` ``[N, K]`` streams from memory, not by arithmetic. This kernel streams
+``W`` in row blocks: the grid covers ``N`` in blocks of ``block_n`` rows and, where that leaves
+too few programs to fill the GPU, ``K`` in ``split_k`` slices whose float32 partial sums a second
+launch adds in a fixed order (deterministic, no atomics). Every program loads ``[block_n,
+block_k]`` tiles of ``W`` along the contiguous ``K`` (16-byte vector loads) and accumulates in
+float32; the output is rounded to the activation dtype once, after the bias is added.
+
+Two tile kinds:
+
+- ``fma``: elementwise multiply-accumulate into a ``[rows, block_n, block_k]`` float32 register
+  tile, reduced over ``K`` once at the end (no tensor cores; meant for one or two rows).
+- ``dot``: ``tl.dot`` of the ``[block_n, block_k]`` weight tile with ``x`` padded to 16 rows
+  (tensor cores; the padding costs arithmetic, which a memory-bound kernel has to spare, and no
+  memory traffic, since the padded rows are masked loads).
+
+``choose_config(m, n, k, sm_count)`` picks the kind and the tiles; its constants live in
+``GemvRule`` so a tuning run (``scripts/bench_gemv.py --sweep``) can change them in one place.
+Only ``torch.empty`` allocates, and nothing reads device memory from the host, so the kernel can
+be captured in a CUDA graph.
+
+Agreement with ``F.linear``: both accumulate in float32 and round once, in a different order, so
+an output differs from cuBLAS's by at most about one unit in the last place of the activation
+dtype (bf16: relative 2**-8) plus the float32 reordering error (about ``K * 2**-24`` relative to
+the sum of ``|x| * |w|``). The tests assert ``atol=rtol=1.6e-2`` for bf16 and ``2e-3`` for fp16
+at unit-variance inputs scaled by ``1/sqrt(K)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+#: rows of ``x`` the kernel computes; more is a GEMM, left to cuBLAS.
+MAX_ROWS = 16
+#: activation dtypes the kernel takes (weights and bias in the same dtype).
+DTYPES = (torch.bfloat16, torch.float16)
+_KINDS = ("fma", "dot")
+# Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
+# to float32 first (exact products, as the GPU's float32 accumulation of 16-bit products).
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# The dot kind pads x to this many rows: tl.dot needs every dimension >= 16.
+_DOT_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """One launch shape of the kernel."""
+
+    #: "fma" (register multiply-accumulate) or "dot" (tensor cores, x padded to 16 rows).
+    kind: str
+    #: rows of W (outputs) per program; a power of two (>= 16 for "dot").
+    block_n: int
+    #: columns of W (the reduced dimension) per loop step; a power of two >= 16.
+    block_k: int
+    #: K slices; > 1 adds a second launch that sums the float32 partials in slice order.
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def validate(self) -> None:
+        """Raises ``ValueError`` naming the first field out of range."""
+        if self.kind not in _KINDS:
+            raise ValueError(f"GemvConfig.kind: invalid value {self.kind!r}; accepted: {', '.join(_KINDS)}")
+        low_n = _DOT_ROWS if self.kind == "dot" else 1
+        for name, value, low in (("block_n", self.block_n, low_n), ("block_k", self.block_k, 16)):
+            if value < low or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name}: invalid value {value}; accepted: a power of two >= {low}")
+        if self.split_k < 1:
+            raise ValueError(f"GemvConfig.split_k: invalid value {self.split_k}; accepted: >= 1")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"GemvConfig.num_warps: invalid value {self.num_warps}; accepted: 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"GemvConfig.num_stages: invalid value {self.num_stages}; accepted: >= 1")
+
+
+@dataclass(frozen=True)
+class GemvRule:
+    """The constants of ``choose_config``: what a tuning run changes."""
+
+    #: up to this many rows the "fma" kind is used, above it "dot".
+    fma_max_rows: int = 2
+    #: float32 accumulator elements per program of the "fma" kind (rows * block_n * block_k);
+    #: with 4 warps, 4096 is 32 registers a thread.
+    fma_tile: int = 4096
+    #: the "fma" kind's block_k at its widest block_n (it grows as block_n shrinks, up to K).
+    fma_block_k: int = 512
+    fma_num_warps: int = 4
+    fma_num_stages: int = 1
+    #: block_n candidates of the "dot" kind, largest first (64 lets Hopper use wgmma).
+    dot_block_n: tuple[int, ...] = (64, 32, 16)
+    dot_block_k: int = 128
+    dot_num_warps: int = 4
+    dot_num_stages: int = 4
+    #: programs wanted per SM: block_n shrinks until the grid has this many (if it can).
+    ctas_per_sm: int = 2
+    #: K is split (up to ``ctas_per_sm`` programs per SM) when the N blocks alone give fewer than
+    #: this many programs per SM and each would stream more than ``split_min_bytes`` of W: a
+    #: program with little to read finishes in one memory round trip, and the second launch
+    #: would cost more than it saves.
+    split_below_per_sm: float = 1.0
+    split_min_bytes: int = 32 * 1024
+    #: the least W bytes one K slice of a program streams.
+    slice_min_bytes: int = 4 * 1024
+    #: most K slices.
+    max_split_k: int = 32
+
+
+RULE = GemvRule()
+
+
+def _pow2_at_most(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
+def choose_config(m: int, n: int, k: int, sm_count: int, elem_bytes: int = 2,
+                  rule: GemvRule = RULE) -> GemvConfig:
+    """The launch shape for ``x [m, k] @ W[n, k]^T`` on a GPU with ``sm_count`` SMs.
+
+    ``block_n`` is the largest candidate that still gives ``ctas_per_sm`` programs per SM; when
+    even the smallest leaves fewer than ``split_below_per_sm`` per SM and each program would
+    stream more than ``split_min_bytes`` of ``W``, ``K`` is split towards ``ctas_per_sm``.
+    """
+    want = rule.ctas_per_sm * sm_count
+    k_pow2 = triton.next_power_of_2(max(k, 16))
+    if m <= rule.fma_max_rows:
+        rows = triton.next_power_of_2(m)
+        block_n = max(1, _pow2_at_most(rule.fma_tile // (rows * min(rule.fma_block_k, k_pow2))))
+        while block_n > 1 and triton.cdiv(n, block_n) < want:
+            block_n //= 2
+        # Fewer rows per program, longer K steps: the tile (the bytes a step has in flight) stays.
+        block_k = min(k_pow2, max(16, rule.fma_tile // (rows * block_n)))
+        cfg = GemvConfig("fma", block_n, block_k, num_warps=rule.fma_num_warps, num_stages=rule.fma_num_stages)
+    else:
+        block_k = min(rule.dot_block_k, k_pow2)
+        block_n = rule.dot_block_n[-1]
+        for candidate in rule.dot_block_n:
+            if triton.cdiv(n, candidate) >= want:
+                block_n = candidate
+                break
+        cfg = GemvConfig("dot", block_n, block_k, num_warps=rule.dot_num_warps, num_stages=rule.dot_num_stages)
+    n_blocks = triton.cdiv(n, cfg.block_n)
+    bytes_per_program = cfg.block_n * k * elem_bytes
+    if n_blocks < rule.split_below_per_sm * sm_count and bytes_per_program > rule.split_min_bytes:
+        steps = triton.cdiv(k, cfg.block_k)
+        want_split = min(triton.cdiv(want, n_blocks), rule.max_split_k,
+                         max(1, bytes_per_program // rule.slice_min_bytes))
+        # A divisor of the K steps: every slice equally long, no K masks.
+        split = max(s for s in range(1, min(want_split, steps) + 1) if steps % s == 0)
+        cfg = replace(cfg, split_k=split)
+    return cfg
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    if not torch.cuda.is_available():  # the interpreter on the CPU: an H100's count
+        return 132
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+@triton.jit
+def _store_tile(acc, offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr):
+    """``acc`` ``[rows, block_n]`` float32: a slice's partial sums, or the output (+ bias)."""
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SPLIT:
+        ptrs = part_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(ptrs, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            b = tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+            acc = acc + b[None, :]
+        ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                     K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    # Rows past N read row N-1 again (unmasked loads keep the 16-byte vectors); the store drops
+    # them. Rows of x past M are masked instead: zeros, and no memory request.
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    # Both operands are addressed with the accumulator's full [BLOCK_M, BLOCK_N, BLOCK_K] shape
+    # (stride 0 over the dimension each lacks): the loads then get the same register layout as
+    # the product, and nothing moves between layouts (through shared memory) in the loop. The
+    # repeated addresses are served by L1.
+    zero_m = tl.zeros([BLOCK_M], dtype=tl.int64)[:, None, None]
+    zero_n = tl.zeros([BLOCK_N], dtype=tl.int64)[None, :, None]
+    k3 = offs_k[None, None, :]
+    w_ptrs = w_ptr + (zero_m + rows_w[None, :, None] * stride_wn + k3)
+    x_ptrs = x_ptr + (offs_m[:, None, None].to(tl.int64) * stride_xm + zero_n + k3)
+    m_mask = offs_m[:, None, None] < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # K and the slice length are compile-time constants: the trip count is known to the compiler
+    # (and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4).
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
+        else:
+            k_mask = (k3 + kk) < K
+            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    _store_tile(tl.sum(acc, axis=2), offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                     K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                     EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * K_SPLIT + tl.arange(0, BLOCK_K)
+    rows_w = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows_w[:, None] * stride_wn + offs_k[None, :]
+    # out^T = W x^T: W's tile is the [BLOCK_N, BLOCK_K] operand, x^T [BLOCK_K, 16] the other, its
+    # rows past M masked (zeros, no memory traffic).
+    xt_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]
+    m_mask = offs_m[None, :] < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            xt = tl.load(xt_ptrs, mask=m_mask, other=0.0)
+        else:
+            k_mask = (offs_k + kk) < K
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
+            xt = tl.load(xt_ptrs, mask=m_mask & k_mask[:, None], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K
+    _store_tile(tl.trans(acc), offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride_ym,
+                HAS_BIAS, SPLIT)
+
+
+@triton.jit
+def _splitk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``y[m, n] = sum over slices s in order of part[s, m, n] (+ bias[n])``."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    total = M * N
+    mask = offs < total
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * total + offs, mask=mask, other=0.0)
+    row = offs // N
+    col = offs % N
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row.to(tl.int64) * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"skinny_linear: x must be 2-D [rows, K]; got shape {tuple(x.shape)}")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"skinny_linear: weight must be [N, K={x.shape[1]}]; got shape {tuple(weight.shape)}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"skinny_linear: x has {x.shape[0]} rows; accepted: at most {MAX_ROWS} (use F.linear)")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear: dtypes x={x.dtype}, weight={weight.dtype}; accepted: both "
+                         f"{' or '.join(str(d) for d in DTYPES)}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"skinny_linear: weight strides {weight.stride()}; accepted: unit stride along K")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
+        raise ValueError(f"skinny_linear: bias shape {tuple(bias.shape)} dtype {bias.dtype}; accepted: "
+                         f"[{weight.shape[0]}] in {x.dtype}")
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  config: GemvConfig | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for a 2-D ``x`` of 1..``MAX_ROWS`` rows (see the module doc).
+
+    Args:
+        x: ``[M, K]`` bf16/fp16; rows may be strided (a non-unit stride along K is copied).
+        weight: ``[N, K]`` in x's dtype, unit stride along K.
+        bias: ``[N]`` in x's dtype, or None.
+        config: a launch shape (benchmarks, tuning); None: ``choose_config``'s.
+
+    Returns:
+        ``[M, N]`` in x's dtype, contiguous.
+    """
+    _check(x, weight, bias)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    if config is None:
+        config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size())
+    else:
+        config.validate()
+    steps = triton.cdiv(k, config.block_k)
+    split = max(1, min(config.split_k, steps))
+    k_split = triton.cdiv(steps, split) * config.block_k  # a slice: whole K steps
+    split = max(1, triton.cdiv(k, k_split))
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    extra = {"DOT_FP32": _INTERPRETED} if config.kind == "dot" else {}
+    kernel = _gemv_dot_kernel if config.kind == "dot" else _gemv_fma_kernel
+    rows = _DOT_ROWS if config.kind == "dot" else triton.next_power_of_2(m)
+    kernel[(triton.cdiv(n, config.block_n), split)](
+        x, weight, bias if bias is not None else y, y, part, m, n, x.stride(0), weight.stride(0),
+        y.stride(0), K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+        EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+    if split > 1:
+        block = 1024
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
+            part, bias if bias is not None else y, y, m, n, y.stride(0), SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y
+
+
+@dataclass(frozen=True)
+class SkinnyLinear:
+    """``Platform.layer_kernels()['linear']``: the unquantized linear layers call it for inputs of
+    1..``max_rows`` rows (``engine.layers.linear.skinny_linear_applies``), F.linear otherwise."""
+
+    #: the most rows of x (tokens of the batch) it is used for; the ``cuda.gemv_max_rows`` option.
+    max_rows: int = 8
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return skinny_linear(x, weight, bias)

@@ -1,0 +1,124 @@
+"""The skinny GEMM compiles for an H100 (sm_90) on a machine without one, to what it was written for.
+
+For every launch shape ``choose_config`` picks on the decode shapes (``test_gemv_kernel.SHAPES``
+at 1, 2, 4 and 8 rows): the "fma" kind streams W with 16-byte loads and moves nothing between
+register layouts inside its K loop (no shared memory there: both operands are loaded in the
+product's layout); the "dot" kind copies its tiles with cp.async (pipelined) into tensor-core
+MMAs; no kind spills registers (``ptxas -v``).
+
+Triton compiles ahead of time with its bundled ptxas; the interpreter (which the root conftest
+turns on without a GPU) plays no part, so the compile runs in a subprocess without it. Pointers,
+strides and N are declared divisible by 16, as Triton specializes them at a real launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 4096), (4096, 4096),
+          (28672, 4096), (4096, 14336), (128256, 4096)]
+
+
+def _loop_body(ptx: str) -> str | None:
+    """The instructions of the K loop; None where a slice of K is one step (no loop)."""
+    lines = ptx.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Inner Loop Header" in line), None)
+    if start is None:
+        return None
+    label = lines[start].split(":")[0]
+    end = next(i for i in range(start, len(lines)) if "bra" in lines[i] and label in lines[i])
+    return "\n".join(lines[start:end])
+
+
+def _ptxas_report(ptx: str) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", src, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True)
+    return proc.stderr
+
+
+def _compile_all() -> dict[str, dict[str, object]]:
+    import triton
+    from engine_platform_cuda import gemv
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+             "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+    seen: dict[tuple[object, ...], str] = {}
+    out: dict[str, dict[str, object]] = {}
+    for m in (1, 2, 4, 8):
+        for n, k in SHAPES:
+            cfg = gemv.choose_config(m, n, k, sm_count=132)
+            k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
+            rows = 16 if cfg.kind == "dot" else triton.next_power_of_2(m)
+            consts: dict[str, object] = dict(K=k, K_SPLIT=k_split, HAS_BIAS=False, SPLIT=cfg.split_k > 1,
+                                             EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=cfg.block_n,
+                                             BLOCK_K=cfg.block_k)
+            fn = gemv._gemv_fma_kernel
+            if cfg.kind == "dot":
+                fn, consts["DOT_FP32"] = gemv._gemv_dot_kernel, False
+            key = (cfg, tuple(sorted(consts.items())))
+            name = f"m{m}-{n}x{k}"
+            if key in seen:
+                out[name] = out[seen[key]]
+                continue
+            seen[key] = name
+            names = fn.arg_names
+            signature = {a: "constexpr" if a in consts else types[a] for a in names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+                     if a not in consts and (signature[a].startswith("*") or a.startswith("stride") or a == "N")}
+            src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                            constexprs={(names.index(c),): v for c, v in consts.items()})
+            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                      options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            ptx = compiled.asm["ptx"]
+            loop = _loop_body(ptx)
+            body = ptx if loop is None else loop
+            report = _ptxas_report(ptx)
+            spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
+            out[name] = {
+                "kind": cfg.kind,
+                "loop": loop is not None,
+                "v4_loads_in_loop": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4", body)),
+                # Without a loop the whole kernel is searched, and its final cross-warp sum uses shared memory.
+                "shared_in_loop": len(re.findall(r"(?:ld|st)\.shared|ldmatrix|bar\.sync", loop or "")),
+                "cp_async": "cp.async" in ptx,
+                "mma": "mma.sync" in ptx or "wgmma.mma_async" in ptx,
+                "spill_bytes": sum(spills),
+                "local": len(re.findall(r"\.local", ptx)),
+            }
+    return out
+
+
+def test_chosen_configs_compile_for_sm90_as_designed() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip(f"this triton has no bundled ptxas: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(info) == 4 * len(SHAPES)
+    for name, got in info.items():
+        assert got["spill_bytes"] == 0 and got["local"] == 0, (name, got)
+        if got["kind"] == "fma":
+            assert got["v4_loads_in_loop"] > 0 and got["shared_in_loop"] == 0, (name, got)
+        else:
+            # One K step per program (the router's slices) leaves nothing to pipeline.
+            assert got["mma"] and (got["cp_async"] or not got["loop"]), (name, got)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
