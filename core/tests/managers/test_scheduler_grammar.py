@@ -229,6 +229,9 @@ class _LeakyBackend:
     def fill_bitmasks(self, matchers: list[Any], bitmask: Any, rows: list[int]) -> None:
         keep = [(m, r) for m, r in zip(matchers, rows) if self.accepted.get(id(m), 0) < 2]
         self.inner.fill_bitmasks([m for m, _ in keep], bitmask, [r for _, r in keep])
+        for m, r in zip(matchers, rows):  # a backend writes every row it is given (the contract)
+            if self.accepted.get(id(m), 0) >= 2:
+                bitmask[r] = -1
 
     def accept_tokens(self, matchers: list[Any], token_ids: list[int]) -> list[bool]:
         from engine.constrained import GrammarBackend

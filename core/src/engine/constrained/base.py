@@ -85,7 +85,8 @@ class GrammarMatcher(abc.ABC):
 
     @abc.abstractmethod
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the tokens allowed next into ``bitmask[row]`` (``int32[B, ceil(V/32)]`` on the CPU)."""
+        """Writes the tokens allowed next into ``bitmask[row]`` (``int32[B, ceil(V/32)]`` on the CPU):
+        every word of the row, whatever it held before (the scheduler reuses the buffer)."""
 
     @abc.abstractmethod
     def is_terminated(self) -> bool:
