@@ -24,43 +24,41 @@ import torch
 
 
 def library_host_work(model_dir: str, vocab: int, batch: int, steps: int) -> None:
-    """Bitmask fill, then token acceptance, of ``batch`` rows under the benchmark schema, compiled
-    as the engine's xgrammar backend compiles it (its default options)."""
-    import xgrammar as xgr
+    """Bitmask fill, then token acceptance, of ``batch`` rows under the benchmark schema, through
+    the engine's xgrammar backend (its default options; fill_threads as listed): what the
+    scheduler calls each step, padded vocabulary handling included."""
     from transformers import AutoTokenizer
 
     from engine.bench.json_schema import BENCH_SCHEMA
-    from engine.constrained import GrammarKey, TokenizerInfo
+    from engine.constrained import GrammarKey, TokenizerInfo, allocate_bitmask
     from engine_grammar_xgrammar.backend import XGrammarBackend
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     info = TokenizerInfo(tokenizer, vocab, tuple(t for t in [tokenizer.eos_token_id] if t is not None), model_dir)
     compiled = XGrammarBackend(info).compile(GrammarKey("json_schema", json.dumps(BENCH_SCHEMA)))
     gen = torch.Generator().manual_seed(0)
-    modes = [("serial", 1)] + [("batch", t) for t in (1, 2, 4, 8) if t <= (os.cpu_count() or 1)]
+    modes = [("serial", 1)] + [("batch", t) for t in (2, 4, 8) if t <= (os.cpu_count() or 1)]
     recorded: list[list[int]] = []  # the serial run's tokens, replayed by the acceptance modes
+    rows = list(range(batch))
     for mode, threads in modes:
-        matchers = [xgr.GrammarMatcher(compiled) for _ in range(batch)]
-        bitmask = xgr.allocate_token_bitmask(batch, vocab)
-        pool = xgr.BatchGrammarMatcher(max_threads=threads)
+        backend = XGrammarBackend(info, options={"fill_threads": threads})
+        backend.compiler  # noqa: B018  (built, as the engine's is before any matcher)
+        matchers = [backend.matcher(compiled) for _ in range(batch)]
+        bitmask = allocate_bitmask(batch, vocab)
         fill = 0.0
         for _ in range(steps):
             t = time.perf_counter()
-            if mode == "batch":
-                pool.batch_fill_next_token_bitmask(matchers, bitmask)
-            else:
-                for i, m in enumerate(matchers):
-                    m.fill_next_token_bitmask(bitmask, i)
+            backend.fill_bitmasks(matchers, bitmask, rows)
             fill += time.perf_counter() - t
             logits = torch.randn(batch, vocab, generator=gen)
-            xgr.apply_token_bitmask_inplace(logits, bitmask)
+            backend.apply_bitmask(logits, bitmask)
             ids = logits.argmax(-1).tolist()
             if mode == "serial":
                 recorded.append(ids)
-            assert all(xgr.BatchGrammarMatcher.batch_accept_token(matchers, ids))
+            assert all(backend.accept_tokens(matchers, ids))
             for i, m in enumerate(matchers):
                 if m.is_terminated():
-                    matchers[i] = xgr.GrammarMatcher(compiled)
+                    matchers[i] = backend.matcher(compiled)
         print(f"xgrammar {mode} fill threads={threads}: fill {fill / steps * 1e3:.3f} ms/step, batch {batch}")
     accept_host_work(info, compiled, recorded)
 

@@ -56,8 +56,10 @@ def test_batch_accept_runs_in_xgrammar_and_equals_row_by_row(tiny_tokenizer: Any
     """A recorded JSON walk of 32 rows (a refused token among them) fed through ``accept_tokens``,
     in one batch call or in thread slices, gives per-row ``accept_token``'s verdicts and states,
     without a Python call per row."""
+    import engine_grammar_xgrammar.backend as xgb
     from engine_grammar_xgrammar.backend import XGrammarBackend, XGrammarMatcher
 
+    monkeypatch.setattr(xgb, "_ACCEPT_ROWS_PER_THREAD", 8)  # 32 rows: 4 slices, as 1024 rows would be
     tokenizer = tiny_tokenizer
     info = TokenizerInfo(tokenizer, len(tokenizer) + 64, (tokenizer.eos_token_id,))
     backend = XGrammarBackend(info, options={"accept_threads": accept_threads})
@@ -94,3 +96,42 @@ def test_batch_accept_runs_in_xgrammar_and_equals_row_by_row(tiny_tokenizer: Any
     assert torch.equal(masks, twin_masks)
     with pytest.raises(ValueError, match="2 matchers but 1 token ids"):
         backend.accept_tokens(batch[:2], [0])
+
+
+def test_padded_vocabulary_is_masked_by_the_backend_not_xgrammar(tiny_tokenizer: Any) -> None:
+    """Logits much wider than the tokenizer (a Llama-3-shaped head over a small tokenizer): xgrammar
+    is told the tokenizer's ids only, the backend clears the padded words, and the masks and
+    verdicts equal those of an unpadded backend, row by row and in a batch (rows left out untouched)."""
+    from engine_grammar_xgrammar.backend import XGrammarBackend
+
+    tok = tiny_tokenizer
+    size = len(tok)
+    padded, plain = (XGrammarBackend(TokenizerInfo(tok, v, (tok.eos_token_id,), "tiny"), {"fill_threads": 2})
+                     for v in (size + 3000, size))
+    key = GrammarKey("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "string"}},
+                                                "required": ["a"]}))
+    cp, cu = padded.compile(key), plain.compile(key)
+    assert padded.compiler is not None and padded._vocab == size  # a whole number of words here
+    words = (size + 31) // 32
+    text = tok.encode('{"a": "xyz', add_special_tokens=False)
+    mp = [padded.matcher(cp) for _ in range(5)]
+    mu = [plain.matcher(cu) for _ in range(5)]
+    for i in range(5):  # row i has read i + 1 tokens of the text
+        for t in text[: i + 1]:
+            assert mp[i].accept_token(t) and mu[i].accept_token(t)
+    got = torch.randint(-(2**31), 2**31 - 1, (6, (size + 3000 + 31) // 32), dtype=torch.int32)
+    untouched = got[5].clone()
+    padded.fill_bitmasks(mp, got, [0, 1, 2, 3, 4])
+    want = allocate_bitmask(5, size)
+    plain.fill_bitmasks(mu, want, [0, 1, 2, 3, 4])
+    assert torch.equal(got[:5, :words], want) and not got[:5, words:].any()
+    assert torch.equal(got[5], untouched)
+    one = torch.full((1, got.shape[1]), -1, dtype=torch.int32)
+    mp[2].fill_bitmask(one, 0)
+    assert torch.equal(one[0, :words], want[2]) and not one[0, words:].any()
+    logits = torch.zeros(1, size + 3000)
+    apply_token_bitmask(logits, one)
+    assert torch.isinf(logits[0, size:]).all()
+    # Padding ids are refused (state unchanged), alone and inside a batch.
+    assert not mp[0].accept_token(size + 5)
+    assert padded.accept_tokens(mp[:2], [size + 5, text[2]]) == [False, True]
