@@ -21,20 +21,6 @@ from engine.layers.moe.align import (
 from engine.layers.moe.align_kernel import align_slots_triton
 
 
-@pytest.fixture(autouse=True)
-def _interpreter_runs_the_kernel(request: pytest.FixtureRequest) -> None:
-    """Triton 3.6's interpreter (what install.sh pins on the CPU) fails on this kernel's loop over a
-    runtime number of slots ("only 0-dimensional arrays can be converted to Python scalars");
-    3.9's runs it, and the compiled kernel passes these tests on the GPU (H100, 2026-11-23)."""
-    import triton
-
-    callspec = getattr(request.node, "callspec", None)
-    on_cpu = callspec is not None and callspec.params.get("triton_device") == "cpu"
-    if on_cpu and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"triton {triton.__version__}'s interpreter cannot run the align kernel (3.9's can; "
-                    "compiled on a GPU it is tested)")
-
-
 def _routing(tokens: int, top_k: int, experts: int, seed: int, elsewhere: float = 0.0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]).to(torch.int32)

@@ -132,3 +132,88 @@ def test_fused_moe_top_1_skips_the_sum() -> None:
     ours = fused_moe(x, w13, w2, topk_w, topk_ids, config=SMALL_TILES)
     assert ours.shape == (4, H)
     torch.testing.assert_close(ours, fused_moe_reference(x, w13, w2, topk_w, topk_ids), atol=1e-4, rtol=1e-4)
+
+
+def test_padded_length_follows_the_slots_at_decode() -> None:
+    """At most min(E + 1, slots) groups get a slot, so a batch-1 step of top 8 over 128 experts
+    needs 8 blocks, not 129; every routing, the worst included, fits."""
+    assert max_padded_slots(8, 128, 16) == 128
+    assert max_padded_slots(512, 128, 16) == -(-(512 + 129 * 15) // 16) * 16
+    gen = torch.Generator().manual_seed(0)
+    for tokens, top_k, experts in [(1, 8, 128), (2, 4, 3), (4, 2, 16), (16, 8, 8)]:
+        worst = torch.arange(tokens * top_k, dtype=torch.int32).reshape(tokens, top_k) % (experts + 1) - 1
+        rand = torch.randint(-1, experts, (tokens, top_k), generator=gen, dtype=torch.int32)
+        for ids in (worst, rand):
+            blocks = align_slots_by_expert(ids, experts, 16)  # the torch version: scatter_ past the end raises
+            assert int(blocks.num_padded.item()) <= blocks.sorted_slot_ids.numel() == max_padded_slots(
+                tokens * top_k, experts, 16)
+
+
+@pytest.mark.parametrize("tokens, top_k", [(1, 8), (5, 3), (33, 2)])
+def test_sum_top_k_adds_each_tokens_rows(tokens: int, top_k: int) -> None:
+    from engine.layers.moe.fused_moe import sum_top_k
+
+    y = torch.randn(tokens * top_k, 1100, generator=torch.Generator().manual_seed(tokens)).to(DEVICE)  # 3 blocks of 512
+    torch.testing.assert_close(sum_top_k(y, tokens, top_k), y.view(tokens, top_k, -1).sum(1), atol=1e-5, rtol=1e-5)
+    y16 = y.half()
+    torch.testing.assert_close(sum_top_k(y16, tokens, top_k).float(), y16.float().view(tokens, top_k, -1).sum(1),
+                               atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match=r"y of shape \(.*\); accepted: contiguous"):
+        sum_top_k(y[:-1], tokens, top_k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_epilogue_equals_the_separate_activation(dtype: torch.dtype) -> None:
+    """The gate/up launch's SiLU-and-mul epilogue rounds where ``F.silu(g) * u`` on a stored
+    ``[slots, 2I]`` rounds. Under the interpreter both paths' GEMMs add in the same order, so the
+    16-bit results are equal (a missing rounding after the SiLU shows as ~1e-3); compiled, the
+    two tile widths may leave the accumulators a bit apart."""
+    from engine.layers.moe.fused_moe import fused_moe
+
+    w13, w2 = _weights(dtype, 21)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(22)).to(DEVICE, dtype)
+    topk_w, topk_ids = _routing(9, 23)
+
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]
+
+    fused = fused_moe(x, w13, w2, topk_w, topk_ids, config=SMALL_TILES)
+    separate = fused_moe(x, w13, w2, topk_w, topk_ids, config=SMALL_TILES, act_fn=act)
+    tol = 1e-5 if dtype == torch.float32 else 0.0 if DEVICE == "cpu" else 2e-3
+    torch.testing.assert_close(fused, separate, atol=tol, rtol=tol)
+
+
+def test_fp8_codes_through_the_separate_activation() -> None:
+    """Scaled codes with an ``act_fn`` (the gate/up launch writing both halves, scaled)."""
+    from engine.layers.moe.fused_moe import fused_moe
+
+    w13, w2 = _weights(torch.float32, 25)
+    s13 = torch.rand(E, 2 * INTER, generator=torch.Generator().manual_seed(26)).to(DEVICE) + 0.5
+    s2 = torch.rand(E, H, generator=torch.Generator().manual_seed(27)).to(DEVICE) + 0.5
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(28)).to(DEVICE)
+    topk_w, topk_ids = _routing(1, 29)
+
+    def act(gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(gate_up[:, :INTER]) * gate_up[:, INTER:]
+
+    ours = fused_moe(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2, config=SMALL_TILES, act_fn=act)
+    ref = fused_moe_reference(x, w13, w2, topk_w, topk_ids, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_blocks_from_the_router_launch(tokens: int) -> None:
+    """``fused_moe(blocks=...)`` with ``route_and_align``'s blocks (this rank holding experts 1..3
+    of 5: the others' slots are -1) equals the reference; blocks of another tile height are refused."""
+    from engine.layers.moe.fused_moe import fused_moe
+    from engine.layers.moe.route_align import route_and_align
+
+    w13, w2 = _weights(torch.float32, 30)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(31)).to(DEVICE)
+    logits = torch.randn(tokens, 5, generator=torch.Generator().manual_seed(32)).to(DEVICE)
+    topk_w, topk_ids, blocks = route_and_align(logits, TOP_K, True, SMALL_TILES["BLOCK_M"], 1, 3)
+    ours = fused_moe(x, w13[:3], w2[:3], topk_w, topk_ids, config=SMALL_TILES, blocks=blocks)
+    torch.testing.assert_close(ours, fused_moe_reference(x, w13[:3], w2[:3], topk_w, topk_ids), atol=1e-4, rtol=1e-4)
+    _, _, other = route_and_align(logits, TOP_K, True, 32, 1, 3)
+    with pytest.raises(ValueError, match="blocks of .* slots by 32 do not fit this call"):
+        fused_moe(x, w13[:3], w2[:3], topk_w, topk_ids, config=SMALL_TILES, blocks=other)

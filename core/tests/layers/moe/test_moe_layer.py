@@ -1,5 +1,7 @@
 """``FusedMoE`` sharding and loading without process groups: the shards of every (tp, ep) layout
-hold the right slices, and their partial outputs sum to the unsharded layer's output."""
+hold the right slices, and their partial outputs sum to the unsharded layer's output; the same
+with the layer's kernel path (one launch for routing and alignment, then the fused kernel) run by
+Triton's interpreter on the CPU."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import pytest
 import torch
 
 from engine.distributed import set_expert_parallel, set_tensor_model_parallel
-from engine.layers.moe import FusedMoE, expert_params_mapping
+from engine.layers.moe import (
+    FusedMoE,
+    UnquantizedFusedMoEMethod,
+    expert_params_mapping,
+    fused_moe_reference,
+)
+from engine.layers.moe.align import ExpertBlocks
+from engine.layers.moe.router import select_experts_reference
 
 E, H, INTER, TOP_K = 4, 16, 8, 2
 
@@ -69,14 +78,50 @@ def test_shards_sum_to_the_whole(tp: int, ep: int) -> None:
     torch.testing.assert_close(sum(s(x, logits) for s in shards), whole, atol=1e-5, rtol=1e-5)
 
 
-def test_use_kernels_hands_the_platform_activation_to_the_experts() -> None:
+def test_activation_is_the_kernels_epilogue_by_default() -> None:
+    """The platform's silu_and_mul is no longer handed over (``use_kernels``): SiLU-and-mul is the
+    gate/up launch's epilogue, so ``act_fn`` stays None unless a model sets another activation."""
     layer = FusedMoE(E, TOP_K, H, INTER, renormalize=True, prefix="mlp.experts")
-    assert layer.act_fn is None
-    layer.use_kernels({"rms_norm": object()})  # a platform without a fused silu_and_mul
-    assert layer.act_fn is None
+    assert layer.act_fn is None and layer.expert_blocks is None
+    assert not hasattr(layer, "use_kernels")
 
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        return x
 
-    layer.use_kernels({"silu_and_mul": fused})
-    assert layer.act_fn is fused
+@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2), (4, 2)], ids=["one-rank", "tp2-ep2", "tp4-ep2"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_kernel_path_routes_and_aligns_in_one_step(triton_path: list[tuple[str, object]], tp: int, ep: int,
+                                                   tokens: int) -> None:
+    """The layer's decode path (``route_and_align`` with this rank's experts, its blocks handed to
+    ``fused_moe``) sums over the shards to the torch layer's output; blocks do not outlive forward."""
+    gen = torch.Generator().manual_seed(tokens + 10 * tp)
+    x = torch.randn(tokens, H, generator=gen)
+    logits = torch.randn(tokens, E, generator=gen)
+    whole = _reference_layer(x, logits)
+    shards = [_layer(r, tp, ep) for r in range(tp)]
+    out = sum(s(x, logits) for s in shards)
+    torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-4)
+    assert len(triton_path) == tp
+    for (_, blocks), shard in zip(triton_path, shards, strict=True):
+        assert isinstance(blocks, ExpertBlocks) and blocks.num_slots == tokens * TOP_K
+        assert shard.expert_blocks is None
+
+
+def test_quant_method_without_blocks_aligns_in_the_kernel(triton_path: list[tuple[str, object]]) -> None:
+    """A quant method that does not declare ``takes_expert_blocks`` gets the routing alone."""
+
+    class NoBlocks(UnquantizedFusedMoEMethod):
+        takes_expert_blocks = False
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, H, generator=gen)
+    logits = torch.randn(3, E, generator=gen)
+    layer = _layer(0, 1, 1)
+    layer.quant_method = NoBlocks()
+    torch.testing.assert_close(layer(x, logits), _reference_layer(x, logits), atol=1e-4, rtol=1e-4)
+    assert triton_path == [("blocks", None)]
+
+
+def _reference_layer(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The single-rank layer's output through the torch reference (no kernel)."""
+    layer = _layer(0, 1, 1)
+    w, ids = select_experts_reference(logits, TOP_K, True)
+    return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, w, ids)

@@ -42,7 +42,9 @@ class ExpertBlocks:
 
 
 #: The most slots (``tokens * top_k``) the one-program Triton kernel takes (512 tokens at top 8):
-#: its work grows with ``slots * experts``, and above this a few dozen torch launches cost less.
+#: it holds every slot and every entry in one tile and sorts the slots (``slots * log^2 slots``
+#: steps), and above this a few dozen torch launches cost less. Not measured against the torch
+#: version at this size since the kernel was rewritten (``scripts/bench_moe_kernel.py`` reports both).
 ALIGN_KERNEL_MAX_SLOTS = 4096
 
 
@@ -53,9 +55,12 @@ def kernel_can_align(num_slots: int, block_m: int) -> bool:
 
 
 def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
-    """The most entries ``align_slots_by_expert`` can need: every expert (and the "elsewhere"
-    group) padding a partial block."""
-    worst = num_slots + (num_experts + 1) * (block_m - 1)
+    """The most entries ``align_slots_by_expert`` can need: every group that gets a slot padding a
+    partial block. At most ``min(num_experts + 1, num_slots)`` groups (the experts and "elsewhere")
+    get one, so at decode the bound follows the slots, not the experts: 8 slots need at most 8
+    blocks, where ``num_experts + 1`` partial blocks would be 129 for 128 experts (the grouped GEMMs
+    launch a program per block and column tile of this size, the unused ones returning at once)."""
+    worst = num_slots + min(num_experts + 1, num_slots) * (block_m - 1)
     return -(-worst // block_m) * block_m
 
 

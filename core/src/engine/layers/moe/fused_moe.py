@@ -4,22 +4,26 @@ Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
 
 1. ``align_slots_by_expert`` sorts the ``tokens * top_k`` slots by expert and pads each
    expert's run to a multiple of ``BLOCK_M`` (one Triton launch at decode sizes on CUDA; torch
-   operations of fixed shapes above that).
-2. Launch 1, gate/up: program ``(m, n)`` takes block ``m`` of sorted slots (one expert ``e``),
-   gathers the rows ``x[slot // top_k]`` and multiplies them by ``w13[e]`` columns
-   ``n * BLOCK_N ..``; it writes ``[slots, 2I]`` rows indexed by slot.
-3. SiLU-and-mul, one launch: ``[slots, 2I]`` -> ``[slots, I]``, rounded as ``F.silu(g) * u``
-   rounds in the activation dtype.
-4. Launch 2, down: the same blocks, rows ``act[slot]`` times ``w2[e]``; the epilogue multiplies
+   operations of fixed shapes above that). ``FusedMoE`` computes it in the router's launch at
+   decode sizes (``route_and_align``) and hands it over as ``blocks``.
+2. Launch 1, gate/up with SiLU-and-mul: program ``(m, n)`` takes block ``m`` of sorted slots (one
+   expert ``e``), gathers the rows ``x[slot // top_k]`` and multiplies them by ``w13[e]``'s gate
+   columns ``n * BLOCK_N ..`` and the matching up columns ``I + n * BLOCK_N ..`` (two
+   accumulators); its epilogue writes ``silu(gate) * up``, ``[slots, I]`` rows indexed by slot,
+   rounded as ``F.silu(g) * u`` on stored ``g``, ``u`` rounds in the activation dtype. With an
+   ``act_fn`` (an activation the epilogue does not compute) the launch writes ``[slots, 2I]`` and
+   ``act_fn`` runs after it.
+3. Launch 2, down: the same blocks, rows ``act[slot]`` times ``w2[e]``; the epilogue multiplies
    each row by its routing weight ``topk_weights[slot]`` and writes ``[slots, H]``.
-5. ``out = y.view(tokens, top_k, H).sum(1)`` (one launch; none when ``top_k`` is 1).
+4. ``sum_top_k``: ``out[t] = sum_k y[t * top_k + k]`` in float32, one launch (none when ``top_k``
+   is 1).
 
-With the router (one launch, ``router_kernel``) that is six launches per MoE layer at decode.
-Two fusions were weighed and left out. SiLU-and-mul applied to the down launch's A tiles as it
-loads them compiles (Triton 3.9, sm_90, the decode tile 16x64x128) to 255 registers with spills,
-against 168 without it; not worth one launch unmeasured. Float32 atomics in the down launch
-instead of the top-k sum would need a zeroed float32 buffer and a cast back (two launches for
-the one saved) and would make the result depend on the order the programs run in.
+With the router and alignment in one launch that is four launches per MoE layer at decode.
+Float32 atomics in the down launch instead of the top-k sum were left out: they would need a
+zeroed float32 buffer and a cast back (two launches for the one saved) and would make the result
+depend on the order the programs run in. SiLU-and-mul applied to the down launch's A tiles as it
+loads them was left out too (at the decode tile it spilled registers, Triton 3.9, sm_90); the
+gate/up epilogue does it with no extra load and half the intermediate bytes.
 
 Every expert's weights are read once per launch however many tokens it serves, which is where
 the per-expert loop loses: one launch (and one small GEMM) per expert. Blocks of experts held
@@ -50,6 +54,7 @@ def _moe_grouped_gemm(
     A_ROW_DIV: tl.constexpr,  # slot -> row of A: slot // A_ROW_DIV (top_k for x, 1 for act)
     MUL_ROUTED_WEIGHT: tl.constexpr,
     HAS_B_SCALE: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # B holds 2N rows (gate, then up); C gets silu(gate) * up, N wide
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -84,6 +89,10 @@ def _moe_grouped_gemm(
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SILU_MUL:
+        # The up rows of the expert's w13 are N rows after its gate rows: columns n of the product
+        # pair with columns N + n.
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -91,15 +100,59 @@ def _moe_grouped_gemm(
         if HAS_B_SCALE:
             b = b.to(a.dtype)
         acc += tl.dot(a, b, input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            b_up = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if HAS_B_SCALE:
+                b_up = b_up.to(a.dtype)
+            acc_up += tl.dot(a, b_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if HAS_B_SCALE:
-        scale = tl.load(b_scale_ptr + expert * stride_se + offs_n * stride_sn, mask=col_ok, other=0.0)
-        acc = acc * scale[None, :]
+        scale_ptrs = b_scale_ptr + expert * stride_se + offs_n * stride_sn
+        acc = acc * tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_up = acc_up * tl.load(scale_ptrs + N * stride_sn, mask=col_ok, other=0.0)[None, :]
+    if SILU_MUL:
+        # Rounded where the unfused path rounds: gate and up stored in the activation dtype, SiLU
+        # rounded to it (as F.silu), the product rounded to it (as the platform's silu_and_mul).
+        out_ty = c_ptr.dtype.element_ty
+        gate = acc.to(out_ty).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32)
+        acc = act * acc_up.to(out_ty).to(tl.float32)
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + slots, mask=row_ok, other=0.0).to(tl.float32)
         acc = acc * weight[:, None]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _sum_top_k_kernel(y_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    # out[t] = y[t * TOP_K] + ... + y[t * TOP_K + TOP_K - 1], in float32, in that order.
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < hidden
+    rows = y_ptr + token * TOP_K * hidden + offs
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(rows + k * hidden, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_top_k(y: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """``y.view(tokens, top_k, H).sum(1)`` (``y`` contiguous ``[tokens * top_k, H]``) in one
+    launch: program ``(t, h)`` adds token ``t``'s ``top_k`` rows over ``BLOCK_H`` columns in
+    float32, always in the same order (no atomics: the result does not depend on scheduling)."""
+    hidden = y.shape[1]
+    if y.shape[0] != tokens * top_k or not y.is_contiguous():
+        raise ValueError(f"sum_top_k: y of shape {tuple(y.shape)} (contiguous: {y.is_contiguous()}); "
+                         f"accepted: contiguous [{tokens} * {top_k}, hidden]")
+    out = torch.empty(tokens, hidden, dtype=y.dtype, device=y.device)
+    if tokens == 0:
+        return out
+    block_h = min(512, triton.next_power_of_2(hidden))
+    _sum_top_k_kernel[(tokens, triton.cdiv(hidden, block_h))](y, out, hidden, TOP_K=top_k, BLOCK_H=block_h,
+                                                               num_warps=4)
+    return out
 
 
 def pick_blocks(num_slots: int, num_experts: int) -> dict[int, int]:
@@ -115,8 +168,8 @@ def pick_blocks(num_slots: int, num_experts: int) -> dict[int, int]:
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, out: torch.Tensor,
                   blocks: ExpertBlocks, a_row_div: int, topk_weights: torch.Tensor | None,
-                  cfg: dict[str, int]) -> None:
-    n, k = w.shape[1], w.shape[2]
+                  cfg: dict[str, int], silu_mul: bool = False) -> None:
+    n, k = w.shape[1] // 2 if silu_mul else w.shape[1], w.shape[2]
     max_padded = blocks.sorted_slot_ids.shape[0]
     grid = (triton.cdiv(max_padded, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     scale = w_scale if w_scale is not None else w  # any pointer; unused without HAS_B_SCALE
@@ -127,7 +180,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         scale.stride(0) if w_scale is not None else 0, scale.stride(1) if w_scale is not None else 0,
         A_ROW_DIV=a_row_div, MUL_ROUTED_WEIGHT=topk_weights is not None, HAS_B_SCALE=w_scale is not None,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        SILU_MUL=silu_mul, DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -136,12 +189,16 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               config: dict[str, int] | None = None,
-              act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+              act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
+              blocks: ExpertBlocks | None = None) -> torch.Tensor:
     """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
 
     ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
-    ``act_fn``: the platform's fused ``silu_and_mul`` (``Platform.layer_kernels``, one launch;
-    ``FusedMoE.use_kernels`` hands it over); without one, SiLU and the product in torch.
+    ``act_fn``: None (SwiGLU) computes ``silu(gate) * up`` in the gate/up launch's epilogue; an
+    activation-and-mul function (``[slots, 2I] -> [slots, I]``) instead runs after a gate/up launch
+    that writes both halves, for an activation the epilogue does not compute.
+    ``blocks``: the alignment of ``topk_ids`` when the caller has it already (``route_and_align``
+    computes it with the routing, in the router's launch); None aligns here.
     """
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
@@ -149,17 +206,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)
     x = x.contiguous()
-    blocks = align_slots_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
-    gate_up = torch.empty(num_slots, two_inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None, cfg)
-    if act_fn is not None:
-        act = act_fn(gate_up)
+    if blocks is None:
+        blocks = align_slots_by_expert(topk_ids, num_experts, cfg["BLOCK_M"])
+    elif blocks.block_m != cfg["BLOCK_M"] or blocks.num_slots != num_slots:
+        raise ValueError(f"fused_moe: blocks of {blocks.num_slots} slots by {blocks.block_m} do not fit this call "
+                         f"({num_slots} slots, BLOCK_M {cfg['BLOCK_M']}); accepted: route_and_align's blocks for "
+                         f"these ids at block_m = pick_blocks(...)['BLOCK_M'], or None")
+    if act_fn is None:
+        act = torch.empty(num_slots, two_inter // 2, dtype=x.dtype, device=x.device)
+        # Two accumulators a program: half the columns keep the registers and the bytes of B a
+        # program reads as they were, and the program count at decode.
+        _grouped_gemm(x, w13, w13_scale, act, blocks, top_k, None,
+                      {**cfg, "BLOCK_N": max(16, cfg["BLOCK_N"] // 2)}, silu_mul=True)
     else:
-        inter = two_inter // 2
-        act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        gate_up = torch.empty(num_slots, two_inter, dtype=x.dtype, device=x.device)
+        _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None, cfg)
+        act = act_fn(gate_up)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     # The kernel reads the weights in any float dtype: no conversion launch.
     _grouped_gemm(act, w2, w2_scale, down, blocks, 1, topk_weights.reshape(-1).contiguous(), cfg)
     if top_k == 1:
         return down
-    return down.view(tokens, top_k, hidden).sum(dim=1)
+    return sum_top_k(down, tokens, top_k)

@@ -5,7 +5,10 @@ The layer holds every expert's weights stacked: ``w13_weight`` ``[E_local, 2 * I
 the checkpoint's per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate/up/down_proj``; see
 ``expert_params_mapping``). Its forward takes the hidden states and the router's logits, picks
 ``top_k`` experts per token (``select_experts``) and runs them through its quant method
-(``UnquantizedFusedMoEMethod``, or a quant plugin's ``FusedMoEMethodBase``).
+(``UnquantizedFusedMoEMethod``, or a quant plugin's ``FusedMoEMethodBase``). At decode sizes on
+CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this rank's expert ids
+and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
+method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it).
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
@@ -32,7 +35,9 @@ from engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from engine.layers.linear import set_weight_attrs
+from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.reference import fused_moe_reference
+from engine.layers.moe.route_align import route_align_applies, route_and_align, to_local_expert_ids
 from engine.layers.moe.router import select_experts
 from engine.layers.quantization import FusedMoEMethodBase, QuantizationConfig, is_layer_ignored
 
@@ -63,13 +68,18 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         layer.register_parameter("w13_weight", w13)
         layer.register_parameter("w2_weight", w2)
 
+    #: ``apply`` hands ``layer.expert_blocks`` to the kernel: ``FusedMoE`` may then compute the
+    #: alignment in the router's launch (``route_and_align``). A method without this attribute
+    #: gets routing alone and aligns inside ``fused_moe``.
+    takes_expert_blocks = True
+
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         if triton_available(x):
             from engine.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                             act_fn=getattr(layer, "act_fn", None))
+                             act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None))
         return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
@@ -109,7 +119,12 @@ class FusedMoE(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.reduce_results = reduce_results
-        self.act_fn: Any = None  # the platform's fused silu_and_mul, set by use_kernels
+        #: An activation-and-mul for ``fused_moe`` (``[slots, 2I] -> [slots, I]``) when the experts'
+        #: activation is not SwiGLU; None: SiLU-and-mul in the gate/up launch's epilogue.
+        self.act_fn: Any = None
+        #: During ``forward`` only: the alignment ``route_and_align`` computed with the routing
+        #: (decode sizes on CUDA, for a quant method with ``takes_expert_blocks``), else None.
+        self.expert_blocks: ExpertBlocks | None = None
         self.tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         self.ep_size = get_expert_parallel_world_size()
@@ -152,18 +167,32 @@ class FusedMoE(nn.Module):
         """Global expert ids -> this rank's (``-1`` where another expert-parallel rank holds it)."""
         if self.ep_size == 1:
             return topk_ids
-        local = topk_ids - self.expert_start
-        held = (local >= 0) & (local < self.num_local_experts)
-        return torch.where(held, local, torch.full_like(local, -1))
+        return to_local_expert_ids(topk_ids, self.expert_start, self.num_local_experts)
 
-    def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's fused ``silu_and_mul`` (``Platform.layer_kernels``) for the
-        experts' activation when it offers one."""
-        self.act_fn = kernels.get("silu_and_mul")
+    def _route_align_block_m(self, router_logits: torch.Tensor) -> int | None:
+        """``BLOCK_M`` of the kernel's tiles when routing and alignment take one launch for this
+        batch (CUDA, decode sizes, a quant method that takes the blocks); None otherwise."""
+        if not (getattr(self.quant_method, "takes_expert_blocks", False) and triton_available(router_logits)):
+            return None
+        from engine.layers.moe.fused_moe import pick_blocks
+
+        tokens = router_logits.shape[0]
+        block_m = pick_blocks(tokens * self.top_k, self.num_local_experts)["BLOCK_M"]
+        applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)
+        return block_m if applies else None
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        out = self.quant_method.apply(self, hidden, topk_weights, self.local_expert_ids(topk_ids))
+        block_m = self._route_align_block_m(router_logits)
+        if block_m is not None:
+            topk_weights, topk_ids, self.expert_blocks = route_and_align(
+                router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
+        else:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+            topk_ids = self.local_expert_ids(topk_ids)
+        try:
+            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
+        finally:
+            self.expert_blocks = None
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -18,6 +18,34 @@ import triton.language as tl
 
 
 @triton.jit
+def _softmax_topk_rows(logits, in_range, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Softmax top-k of each row of a ``[rows, BLOCK_E]`` float32 tile (``in_range``: the lanes
+    that are experts) -> ``(weights, ids)``, ``[rows, BLOCK_K]``, the first ``TOP_K`` columns
+    used, highest weight first. Shared with the fused router (``route_align_kernel``)."""
+    shifted = logits - tl.max(tl.where(in_range, logits, -float("inf")), axis=1)[:, None]
+    numer = tl.where(in_range, tl.exp(shifted), 0.0)
+    probs = numer / tl.sum(numer, axis=1)[:, None]
+    # Taken (and padding) lanes drop to -1, below every probability.
+    probs = tl.where(in_range, probs, -1.0)
+
+    offs_e = tl.arange(0, BLOCK_E)[None, :]
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.float32)
+    top_ids = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(probs, axis=1)[:, None]
+        # The lowest id among the lanes holding the maximum: ties go to the lower expert.
+        best_id = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=1)[:, None]
+        top_w = tl.where(offs_k == k, best, top_w)
+        top_ids = tl.where(offs_k == k, best_id, top_ids)
+        probs = tl.where(offs_e == best_id, -1.0, probs)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(offs_k < TOP_K, top_w, 0.0), axis=1)[:, None]
+    return top_w, top_ids
+
+
+@triton.jit
 def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr,
     num_experts, stride_lt, stride_le,
@@ -25,28 +53,11 @@ def _softmax_topk_kernel(
     BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    offs_e = tl.arange(0, BLOCK_E)
+    offs_e = tl.arange(0, BLOCK_E)[None, :]
     in_range = offs_e < num_experts
-    logits = tl.load(logits_ptr + token * stride_lt + offs_e * stride_le, mask=in_range,
-                     other=-float("inf")).to(tl.float32)
-    shifted = logits - tl.max(logits, axis=0)
-    numer = tl.where(in_range, tl.exp(shifted), 0.0)
-    probs = numer / tl.sum(numer, axis=0)
-    # Taken (and padding) lanes drop to -1, below every probability.
-    probs = tl.where(in_range, probs, -1.0)
-
-    offs_k = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_ids = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=0)
-        # The lowest id among the lanes holding the maximum: ties go to the lower expert.
-        best_id = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=0)
-        top_w = tl.where(offs_k == k, best, top_w)
-        top_ids = tl.where(offs_k == k, best_id, top_ids)
-        probs = tl.where(offs_e == best_id, -1.0, probs)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(tl.where(offs_k < TOP_K, top_w, 0.0), axis=0)
+    logits = tl.load(logits_ptr + token * stride_lt + offs_e * stride_le, mask=in_range, other=0.0).to(tl.float32)
+    top_w, top_ids = _softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    offs_k = tl.arange(0, BLOCK_K)[None, :]
     out_ok = offs_k < TOP_K
     tl.store(weights_ptr + token * TOP_K + offs_k, top_w, mask=out_ok)
     tl.store(ids_ptr + token * TOP_K + offs_k, top_ids, mask=out_ok)

@@ -1,0 +1,72 @@
+"""Routing and slot alignment in one step: what ``FusedMoE`` runs at decode sizes on CUDA.
+
+``select_experts`` and ``align_slots_by_expert`` are one launch each, and with expert parallelism
+``FusedMoE.local_expert_ids`` adds a few elementwise launches between them. At decode the three
+are tiny, so one Triton program does them all (``engine.layers.moe.route_align_kernel``): the
+softmax top-k of every token, the mapping to this rank's expert ids, and the ``ExpertBlocks``
+of the grouped GEMMs, from registers. Elsewhere (the CPU, batches past the caps below) the same
+result comes from the separate steps, which are also the kernel's test oracle.
+"""
+
+from __future__ import annotations
+
+from importlib.util import find_spec
+
+import torch
+
+from engine.layers.moe.align import ExpertBlocks, align_slots_by_expert, kernel_can_align
+from engine.layers.moe.router import select_experts
+
+#: The most slots (``tokens * top_k``) the one-program kernel takes: 64 tokens at top 8, the
+#: decode batches it is for. Its tile holds every slot and the logits of every token.
+ROUTE_ALIGN_MAX_SLOTS = 512
+#: The most logits (tokens and experts, each rounded up to a power of two) it holds: 64 tokens of
+#: 128 experts, 32 registers a thread at 8 warps.
+ROUTE_ALIGN_MAX_LOGITS = 8192
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def route_align_applies(tokens: int, num_experts: int, top_k: int, block_m: int) -> bool:
+    """Whether ``route_and_align`` takes one launch for this batch (on CUDA)."""
+    slots = tokens * top_k
+    return (0 < slots <= ROUTE_ALIGN_MAX_SLOTS and kernel_can_align(slots, block_m)
+            and _next_power_of_2(tokens) * _next_power_of_2(num_experts) <= ROUTE_ALIGN_MAX_LOGITS)
+
+
+def to_local_expert_ids(topk_ids: torch.Tensor, expert_start: int, num_local_experts: int) -> torch.Tensor:
+    """Global expert ids -> ids among ``num_local_experts`` starting at ``expert_start`` (``-1``
+    where another expert-parallel rank holds the expert)."""
+    local = topk_ids - expert_start
+    held = (local >= 0) & (local < num_local_experts)
+    return torch.where(held, local, torch.full_like(local, -1))
+
+
+def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, block_m: int,
+                    expert_start: int = 0,
+                    num_local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
+    """``select_experts``, the mapping to local ids, and ``align_slots_by_expert``, together.
+
+    Args:
+        router_logits: ``[tokens, num_experts]`` over all experts (every rank's).
+        top_k, renormalize: as for ``select_experts``.
+        block_m: slots per block of the grouped GEMM that will take the blocks.
+        expert_start, num_local_experts: the experts this rank holds (default: all).
+
+    Returns:
+        ``(topk_weights, topk_ids, blocks)``: float32 weights and int32 *local* ids
+        (``[tokens, top_k]``, ``-1`` where another rank holds the expert), and the ids' alignment.
+    """
+    num_experts = router_logits.shape[1]
+    num_local = num_experts if num_local_experts is None else num_local_experts
+    if (router_logits.is_cuda and find_spec("triton") is not None
+            and route_align_applies(router_logits.shape[0], num_experts, top_k, block_m)):
+        from engine.layers.moe.route_align_kernel import route_and_align_triton
+
+        return route_and_align_triton(router_logits, top_k, renormalize, block_m, expert_start, num_local)
+    weights, ids = select_experts(router_logits, top_k, renormalize)
+    if expert_start != 0 or num_local != num_experts:
+        ids = to_local_expert_ids(ids, expert_start, num_local)
+    return weights, ids, align_slots_by_expert(ids, num_local, block_m)
