@@ -33,6 +33,9 @@ def quantize_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8MoEMethod(FusedMoEMethodBase):
     """Per-expert, per-output-channel FP8 expert weights, quantized after loading."""
 
+    #: routing and alignment in one launch (``FusedMoE``), the blocks handed to the kernel.
+    takes_expert_blocks = True
+
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
                        weight_loader: Any) -> None:
@@ -54,5 +57,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         if triton_available(x):
             from engine.layers.moe.fused_moe import fused_moe
 
-            return fused_moe(*args, **scales, act_fn=getattr(layer, "act_fn", None))
+            return fused_moe(*args, **scales, act_fn=getattr(layer, "act_fn", None),
+                             blocks=getattr(layer, "expert_blocks", None))
         return fused_moe_reference(*args, **scales)
