@@ -50,10 +50,12 @@ def _route_align_kernel(
     tl.store(weights_ptr + slots, top_w, mask=slot_ok)
     tl.store(ids_ptr + slots, tl.where(held, local, -1), mask=slot_ok)
 
-    # The alignment keys carry the slot id, so the order the reshape leaves the lanes in is free.
-    slot_bin = tl.reshape(tl.where(held, local, num_local), [BLOCK_S], can_reorder=True)
-    slot_ids = tl.reshape(slots, [BLOCK_S], can_reorder=True)
-    slot_ok = tl.reshape(slot_ok, [BLOCK_S], can_reorder=True)
+    # Row-major flattening (can_reorder=False) for all three: a reordering reshape may order each
+    # tensor's lanes its own way (their layouts differ), which paired slots with other slots' bins
+    # on the H100 (8 tokens x top 8 of 8 experts: a token's slot twice, another's never).
+    slot_bin = tl.reshape(tl.where(held, local, num_local), [BLOCK_S], can_reorder=False)
+    slot_ids = tl.reshape(slots, [BLOCK_S], can_reorder=False)
+    slot_ok = tl.reshape(slot_ok, [BLOCK_S], can_reorder=False)
     _align_slots_tile(slot_bin, slot_ids, slot_ok, tokens * TOP_K, num_local, max_padded, num_blocks,
                       sorted_slot_ids_ptr, block_expert_ids_ptr, num_padded_ptr,
                       BLOCK_S, BLOCK_M, BLOCK_BINS, BLOCK_P, BLOCK_NB)
