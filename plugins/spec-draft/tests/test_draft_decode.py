@@ -179,9 +179,16 @@ def test_draft_settings_follow_the_target(target: str) -> None:
     assert d.disable_cuda_graph is True and d.cuda_graph_max_bs == 2 and d.max_running_requests == 32
     small = SimpleNamespace(max_total_num_tokens=20_000, context_len=8192)
     assert draft_server_args(args, "D", small, num_draft_tokens=9).max_total_tokens == 20_000
-    # Through the scheduler: the draft runner gets these settings (no device graphs on the CPU).
-    sched = make_scheduler(target, speculative_algorithm="draft", speculative_draft_model_path=target,
-                           cuda_graph_max_bs=2, speculative_max_batch_size=4)
+    assert draft_server_args(ServerArgs.from_dict(base), "D", runner, 5, cuda_graph=False).disable_cuda_graph
+    # Through the scheduler: the draft runner gets these settings (no device graphs on the CPU);
+    # its graphs are opt-in (--plugin-option draft.cuda_graph=true) until they have run on a GPU.
+    spec = dict(speculative_algorithm="draft", speculative_draft_model_path=target)
+    off = make_scheduler(target, **spec)
+    assert off.speculator.proposer.runner.args.disable_cuda_graph is True
+    with pytest.raises(ValueError, match="draft.cuda_graph: 'yes'; accepted: true or false"):
+        make_scheduler(target, plugin_options={"draft": {"cuda_graph": "yes"}}, **spec)
+    sched = make_scheduler(target, cuda_graph_max_bs=2, speculative_max_batch_size=4,
+                           plugin_options={"draft": {"cuda_graph": True}}, **spec)
     draft_runner = sched.speculator.proposer.runner
     assert draft_runner.args.disable_cuda_graph is False and draft_runner.args.cuda_graph_max_bs == 2
     assert draft_runner.max_running_requests == 4 and draft_runner.cuda_graph_runner is None

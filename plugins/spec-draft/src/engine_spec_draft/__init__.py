@@ -5,7 +5,7 @@ Registration only; ``engine_spec_draft.proposer`` builds the draft model when se
 
 from __future__ import annotations
 
-from engine.hookspecs import SpeculativeAlgorithmSpec, hookimpl
+from engine.hookspecs import PluginOption, SpeculativeAlgorithmSpec, hookimpl
 
 
 @hookimpl
@@ -13,3 +13,11 @@ def register_speculative_algorithms(register):  # type: ignore[no-untyped-def]
     register(SpeculativeAlgorithmSpec(
         name="draft", factory="engine_spec_draft.proposer:create", needs_draft_model=True,
         description="A smaller model (--speculative-draft-model-path) drafts k tokens greedily in its own KV pool"))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    # Off by default until the graphs have run on a GPU (tests/ and plugins/spec-draft/tests/
+    # test_draft_graphs_gpu.py); the draft's decode steps run eagerly meanwhile.
+    register(PluginOption("draft", "cuda_graph", False,
+                          "capture CUDA graphs for the draft model's decode steps (as the target does)"))

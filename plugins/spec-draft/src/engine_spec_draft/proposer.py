@@ -242,7 +242,8 @@ class DraftModelProposer(Proposer):
         self._truncate(cuts)
 
 
-def draft_server_args(args: ServerArgs, draft_model_path: str, target: Any, num_draft_tokens: int) -> ServerArgs:
+def draft_server_args(args: ServerArgs, draft_model_path: str, target: Any, num_draft_tokens: int,
+                      cuda_graph: bool = True) -> ServerArgs:
     """The draft runner's settings: the target's, with the draft's checkpoint and pools sized for
     what speculation uses.
 
@@ -261,7 +262,8 @@ def draft_server_args(args: ServerArgs, draft_model_path: str, target: Any, num_
     return dataclasses.replace(
         args, model_path=draft_model_path, tokenizer_path=None, speculative_algorithm=None,
         quant=None, context_length=args.context_length, max_total_tokens=pool, max_running_requests=max_bs,
-        disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=min(args.cuda_graph_max_bs, max_bs))
+        disable_cuda_graph=args.disable_cuda_graph or not cuda_graph,
+        cuda_graph_max_bs=min(args.cuda_graph_max_bs, max_bs))
 
 
 def create(ctx: ProposerContext, options: dict[str, Any] | None = None) -> DraftModelProposer:
@@ -269,7 +271,11 @@ def create(ctx: ProposerContext, options: dict[str, Any] | None = None) -> Draft
 
     args = ctx.server_args
     target = ctx.target_runner
-    draft_args = draft_server_args(args, ctx.draft_model_path, target, ctx.num_draft_tokens)
+    opts = options or {}
+    cuda_graph = opts.get("cuda_graph", False)
+    if not isinstance(cuda_graph, bool):
+        raise ValueError(f"plugin option draft.cuda_graph: {cuda_graph!r}; accepted: true or false")
+    draft_args = draft_server_args(args, ctx.draft_model_path, target, ctx.num_draft_tokens, cuda_graph)
     # Device memory the draft takes: it comes on top of the target's --mem-fraction-static share.
     on_device = target is not None and target.device.type != "cpu"
     free_before = target.platform.memory_info(target.device)[0] if on_device else 0
