@@ -17,10 +17,9 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 
-import pytest
+from engine.testing.aot import compiled_facts
 
 SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 4096), (4096, 4096),
           (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -104,12 +103,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 
 def test_chosen_configs_compile_for_sm90_as_designed() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip(f"this triton has no bundled ptxas: {proc.stderr[-300:]}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    info = compiled_facts(__file__, timeout=900)
     assert len(info) == 4 * len(SHAPES)
     for name, got in info.items():
         assert got["spill_bytes"] == 0 and got["local"] == 0, (name, got)

@@ -1,0 +1,32 @@
+"""Ahead-of-time compile checks of Triton kernels for a GPU this machine may not have.
+
+A plugin's test file doubles as a script: run as ``__main__`` it compiles its kernels for the
+target (e.g. sm_90, with Triton's bundled ptxas) and prints one JSON line of facts about the
+generated code (vector loads, async copies, spills ...). The test runs that script in a fresh
+interpreter without ``TRITON_INTERPRET`` (which the workspace conftest sets on a machine
+without a GPU, and which would turn ``triton.compile`` into the interpreter) and asserts on the
+facts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+
+def compiled_facts(script: str, timeout: float) -> dict[str, Any]:
+    """Runs ``script`` (a test file's ``__main__``) in a fresh interpreter without
+    ``TRITON_INTERPRET`` and returns the JSON object on its last line of output; skips the test
+    where this Triton has no bundled ptxas."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip(f"this triton has no bundled ptxas: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    facts: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return facts
