@@ -77,6 +77,10 @@ class ServerMetrics:
         self.spec_server_accept_length = Gauge(
             f"{PREFIX}spec_mean_accept_length", "Speculative decoding: tokens per request and verify step, "
             "over the scheduler's life", labels, registry=r)
+        self.spec_steps = Gauge(
+            f"{PREFIX}spec_steps", "Speculative decoding: decode steps over the scheduler's life, by kind "
+            "(verify: drafts verified; tree: those with a tree draft; fallback: decoded without drafts)",
+            [*labels, "kind"], registry=r)
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
@@ -135,6 +139,9 @@ class ServerMetrics:
         self.kv_evictable.labels(name).set(info.get("kv_evictable_tokens", 0))
         if info.get("spec_verified_rows"):  # counts, so the ratio holds summed over replicas too
             self.spec_server_accept_length.labels(name).set(info["spec_emitted_tokens"] / info["spec_verified_rows"])
+        if "spec_verify_steps" in info:
+            for kind in ("verify", "tree", "fallback"):
+                self.spec_steps.labels(name, kind).set(info.get(f"spec_{kind}_steps", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

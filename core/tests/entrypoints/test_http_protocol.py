@@ -144,6 +144,15 @@ def test_metrics_observe_and_render() -> None:
     metrics.observe_finished(state)
     metrics.update_from_server_info({"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_usage": 0.25,
                                      "kv_used_tokens": 8, "max_total_num_tokens": 32, "kv_evictable_tokens": 4})
+    assert "\nengine_spec_steps{" not in metrics.render().decode()  # speculation off: no samples
+    metrics.update_from_server_info({"spec_verify_steps": 7, "spec_tree_steps": 2, "spec_fallback_steps": 3,
+                                     "spec_verified_rows": 10, "spec_emitted_tokens": 25})
+    text = metrics.render().decode()
+    for kind, value in (("verify", 7), ("tree", 2), ("fallback", 3)):
+        assert f'engine_spec_steps{{kind="{kind}",model_name="tiny"}} {value:.1f}' in text
+    assert 'engine_spec_mean_accept_length{model_name="tiny"} 2.5' in text
+    metrics.update_from_server_info({"num_running_reqs": 3, "num_waiting_reqs": 1, "kv_usage": 0.25,
+                                     "kv_used_tokens": 8, "max_total_num_tokens": 32, "kv_evictable_tokens": 4})
     text = metrics.render().decode()
     for line in ('engine_prompt_tokens_total{model_name="tiny"} 4.0',
                  'engine_generation_tokens_total{model_name="tiny"} 5.0',

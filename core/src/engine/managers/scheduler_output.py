@@ -117,5 +117,6 @@ class OutputMixin:
         st = spec.stats
         return {"spec_algorithm": spec.algorithm, "spec_verify_steps": st.verify_steps,
                 "spec_proposed_tokens": st.proposed_tokens, "spec_accepted_tokens": st.accepted_tokens,
-                "spec_fallback_steps": st.fallback_steps, "spec_verified_rows": st.verified_rows,
+                "spec_fallback_steps": st.fallback_steps, "spec_tree_steps": st.tree_steps,
+                "spec_verified_rows": st.verified_rows,
                 "spec_emitted_tokens": st.emitted_tokens, "spec_mean_accept_length": st.mean_accept_length()}
