@@ -47,6 +47,18 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
             and (bias is None or bias.dtype == x.dtype))
 
 
+def linear_with_kernel(kernel: Any, x: torch.Tensor, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: through the platform's skinny GEMM ``kernel`` (None: never)
+    where ``skinny_linear_applies`` to ``x`` flattened to 2-D and ``x`` is on the GPU, else
+    ``F.linear``. Leading dimensions of ``x`` are kept."""
+    if kernel is not None and x.is_cuda:
+        x2 = x.reshape(-1, x.shape[-1])
+        if skinny_linear_applies(x2, weight, bias, getattr(kernel, "max_rows", DEFAULT_SKINNY_MAX_ROWS)):
+            return kernel(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
 def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
     for key, value in attrs.items():
         setattr(param, key, value)
@@ -66,13 +78,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        kernel = getattr(layer, "skinny_linear", None)  # set by LinearBase.use_kernels
-        if kernel is not None and x.is_cuda:
-            x2 = x.reshape(-1, x.shape[-1])
-            max_rows = getattr(kernel, "max_rows", DEFAULT_SKINNY_MAX_ROWS)
-            if skinny_linear_applies(x2, layer.weight, bias, max_rows):
-                return kernel(x2, layer.weight, bias).view(*x.shape[:-1], layer.weight.shape[0])
-        return F.linear(x, layer.weight, bias)
+        # skinny_linear: set by LinearBase.use_kernels
+        return linear_with_kernel(getattr(layer, "skinny_linear", None), x, layer.weight, bias)
 
 
 class LinearBase(nn.Module):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.distributed import tensor_model_parallel_all_gather
 from engine.layers.hidden_capture import captured_hidden_states
+from engine.layers.linear import linear_with_kernel
 
 if TYPE_CHECKING:
     from engine.layers.vocab_parallel_embedding import ParallelLMHead
@@ -33,6 +34,13 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
         self.logit_scale = logit_scale
         self.final_logit_softcap = final_logit_softcap
+        #: the platform's skinny GEMM (``layer_kernels()['linear']``) for projections of few rows
+        #: (decode at small batch: the LM head is the largest single weight read); None: matmul.
+        self.skinny_linear: Any = None
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's ``linear`` kernel when it offers one (``ModelRunner`` calls this)."""
+        self.skinny_linear = kernels.get("linear")
 
     def forward(self, hidden_states: torch.Tensor, lm_head: ParallelLMHead,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -52,7 +60,7 @@ class LogitsProcessor(nn.Module):
     def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
         # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,
         # then cut the padding off.
-        logits = tensor_model_parallel_all_gather(torch.matmul(h, lm_head.weight.t()))
+        logits = tensor_model_parallel_all_gather(linear_with_kernel(self.skinny_linear, h, lm_head.weight))
         logits = logits.float()[:, : self.vocab_size]
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale
