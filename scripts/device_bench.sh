@@ -107,6 +107,19 @@ for stage in "$@"; do
       # bf16 greedy parity with transformers for triton and flashinfer.
       timeout "${DEFAULT_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_gpu.py \
         > "$OUT/gpu_default_model.log" 2>&1; tail -6 "$OUT/gpu_default_model.log" ;;
+    owed)
+      # GPU tests of code that landed after session 8's device time ran out (docs/benchmarks.md, "GPU tests",
+      # session 8): the skinny GEMM kernel and dispatch (LM head included), Llama parity with it on, the MoE
+      # layer, the draft model's decode steps and opt-in graphs, the grammar scheduler, verify graphs.
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider plugins/platform-cuda \
+        plugins-models core/tests/layers plugins/spec-draft/tests core/tests/managers/test_scheduler_grammar_gpu.py \
+        tests/test_spec_verify_graphs_gpu.py > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
+    owed_default_model)
+      # The same, for the tests that need the embedded default model (its parts carried: device_setup.sh):
+      # EAGLE chains and trees, speculation on the default model, bf16 parity with the skinny GEMM on.
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider plugins/spec-eagle/tests \
+        tests/test_default_model_spec_gpu.py tests/test_default_model_gpu.py > "$OUT/gpu_owed_dm.log" 2>&1
+      tail -12 "$OUT/gpu_owed_dm.log" ;;
     default_model_bench)
       # Its decode speed at batch 1 and 64 (--dtype auto: bf16), with the real weights and tokenizer.
       for attn in triton flashinfer; do
@@ -212,7 +225,10 @@ for stage in "$@"; do
       for k in 2 4 8; do
         timeout 150 python3 -m engine bench spec "${SL[@]}" --speculative-algorithm draft \
           --speculative-draft-model-path "$CFG-2layer" --speculative-num-steps "$k" 2>&1 | tail -1
-      done ;;
+      done
+      # The draft's decode steps from its own CUDA graphs (opt-in until plugins/spec-draft's GPU test passes).
+      timeout 150 python3 -m engine bench spec "${SL[@]}" --speculative-algorithm draft --plugin-option draft.cuda_graph=true \
+        --speculative-draft-model-path "$CFG-2layer" --speculative-num-steps 4 2>&1 | tail -1 | sed 's/^/draft graphs /' ;;
     grammar)
       # Structured output (issue 13) on the Llama-3-8B-shaped dummy model with the SmolLM2 tokenizer
       # (.cache/bench_grammar: made by scripts/device_wheels.sh; 49,152 real tokens of the 128,256-row
