@@ -194,3 +194,26 @@ def test_draft_model_proposers_refuse_tensor_parallelism(llama_ckpt: str) -> Non
     with pytest.raises(ConfigError, match="--tp-size 2"):
         ServerArgs.from_dict({"model_path": llama_ckpt, "speculative_algorithm": "draft",
                               "speculative_draft_model_path": llama_ckpt, "tp_size": 2})
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "oracle"])
+def test_batches_above_the_limit_overlap_and_verify_once_small(llama_ckpt: str, prompts: list[list[int]],
+                                                               expected: list[list[int]], proposer: str) -> None:
+    """With overlap scheduling on, decode steps of a batch above --speculative-max-batch-size run
+    overlapped (no drafts); once requests finish and the batch fits, the in-flight step is
+    settled and verify steps take over. Greedy output equals plain decoding throughout."""
+    sched = _spec(llama_ckpt, OracleProposer(prompts, expected) if proposer == "oracle" else None,
+                  speculative_num_steps=4, speculative_max_batch_size=2)
+    sched.enable_overlap = True  # the CPU platform does not turn it on by itself
+    lengths = [6, 9, 30, 12, 27]  # the batch shrinks from 5 rows to 2 as requests end
+    rids = [submit(sched, p, {"max_new_tokens": n, "temperature": 0.0}) for p, n in zip(prompts, lengths)]
+    col = OutputCollector()
+    while sched.step():
+        col.collect(sched)
+    col.collect(sched)
+    assert [col.ids[r] for r in rids] == [e[:n] for e, n in zip(expected, lengths)]
+    st = sched.speculator.stats
+    assert sched.overlapped_decode_steps > 0 and st.fallback_steps > 0 and st.verify_steps > 0
+    if proposer == "oracle":
+        assert st.accepted_tokens == st.proposed_tokens > 0
+    check_no_leak(sched)

@@ -141,3 +141,15 @@ def test_copying_head_accepts_more_with_a_tree_than_a_random_head(tmp_path: Any)
         assert st.tree_steps > 0
         accept[name] = st.mean_accept_length()
     assert accept["copying"] > 4.0 > accept["random"], accept
+
+
+def test_overlap_stays_off_with_a_proposer_that_reads_hidden_states(target: str, tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a platform with overlap scheduling, ngram keeps it (for batches above the speculation
+    limit) but EAGLE, which reads every target forward's hidden states in step order, turns it off."""
+    from engine_platform_cpu.platform import CpuPlatform
+
+    monkeypatch.setattr(CpuPlatform, "supports_overlap_schedule", lambda self: True)
+    assert make_scheduler(target, speculative_algorithm="ngram").enable_overlap
+    head = make_eagle_head(str(tmp_path / "head"), target, "eagle")
+    assert not make_scheduler(target, speculative_algorithm="eagle", speculative_draft_model_path=head).enable_overlap

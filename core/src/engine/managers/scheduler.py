@@ -94,9 +94,13 @@ class Scheduler(DecodeMixin, OutputMixin):
             from engine.speculative.worker import Speculator
 
             self.speculator = Speculator(self)
-            if self.enable_overlap:
-                logger.info("speculative decoding: overlap scheduling off (each step's drafts need the last one's tokens)")
+            if self.enable_overlap and self.speculator.wants_hidden:
+                # Its proposer reads each target forward's hidden states in step order.
+                logger.info("speculative decoding (%s): overlap scheduling off", self.speculator.algorithm)
                 self.enable_overlap = False
+            elif self.enable_overlap:
+                logger.info("speculative decoding: verify steps run on the settled batch (a step's drafts need the "
+                            "last one's tokens); decode steps of batches above --speculative-max-batch-size overlap")
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: dict[str, str] = {}
         # Counters for /get_server_info and metrics.

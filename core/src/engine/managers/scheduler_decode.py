@@ -74,9 +74,14 @@ class DecodeMixin:
     def run_decode(self) -> None:
         """One decode step; with overlap, launches step N+1 before processing step N."""
         started = time.perf_counter()
-        if self.enable_overlap:
+        spec = self.speculator
+        if self.enable_overlap and (spec is None or not spec.may_speculate(self.running_batch)):
+            if spec is not None:
+                spec.stats.fallback_steps += 1
             self._run_decode_overlap()
         else:
+            # A verify step starts from the settled batch: its drafts continue the last token.
+            self.drain()
             batch = self.running_batch
             self._ensure_decode_memory(batch)
             if batch.reqs:

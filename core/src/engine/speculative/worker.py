@@ -170,13 +170,18 @@ class Speculator:
         return max(0, min(self.max_draft, left, room))
 
     # -- the step ----------------------------------------------------------------------
+    def may_speculate(self, batch: ScheduleBatch) -> bool:
+        """Whether ``try_step`` may verify drafts for ``batch`` (its size is within
+        --speculative-max-batch-size); False: every step of it decodes plainly, and may overlap."""
+        return 0 < len(batch.reqs) <= self.max_batch_size
+
     def try_step(self, batch: ScheduleBatch, info: SamplingBatchInfo) -> list[Req] | None:
         """One speculative decode step of ``batch``; returns its rows (to emit), or None when
         the step should decode plainly (batch above --speculative-max-batch-size, or no draft
         at all this step: a plain decode step is cheaper, and may replay a CUDA graph)."""
         sched = self.scheduler
         reqs = list(batch.reqs)
-        if not 0 < len(reqs) <= self.max_batch_size:
+        if not self.may_speculate(batch):
             self.stats.fallback_steps += 1
             return None
         views = [DraftRequest(r.rid, r.origin_input_ids, r.output_ids, self._draft_budget(r)) for r in reqs]
