@@ -205,3 +205,21 @@ def test_platform_factory_gets_options_and_default_sees_enabled_backends(monkeyp
     assert "torch_native" in platform.told and "triton" not in platform.told
     # A hook-API-1 platform (no ``available`` argument) still answers.
     assert plugins.default_attention_backend(_FakeAccel()) == "torch_native"
+
+
+def test_in_process_plugins_join_every_registry_only_inside_the_block() -> None:
+    module = types.ModuleType("engine_test_in_process")
+
+    @hookimpl
+    def register_schedule_policies(register):  # type: ignore[no-untyped-def]
+        register(SchedulePolicySpec(name="in-process-policy", factory=lambda: None))
+
+    module.register_schedule_policies = register_schedule_policies  # type: ignore[attr-defined]
+    before = plugins.get_registry()
+    assert "in-process-policy" not in plugins.schedule_policies()
+    with plugins.in_process_plugins(("in_process_test", module)):
+        assert "in-process-policy" in plugins.schedule_policies()
+        assert "in-process-policy" in plugins.schedule_policies(disabled=["lof"])  # any disabled set
+        assert plugins.get_registry().plugins["in_process_test"].distribution == "(in-process)"
+    assert "in-process-policy" not in plugins.schedule_policies()
+    assert plugins.get_registry() is before  # the cached registry without it is kept

@@ -20,10 +20,11 @@ a plugin's options (declared defaults overridden by the user's) to its factories
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,9 +34,9 @@ from engine import hookspecs
 from engine.errors import ConfigError, PluginError, did_you_mean
 from engine.hookspecs import (
     ENTRY_POINT_GROUP,
-    Factory,
     SPEC_KINDS,
     AttentionBackendSpec,
+    Factory,
     GrammarBackendSpec,
     ModelSpec,
     PlatformSpec,
@@ -305,21 +306,43 @@ def _one_line(exc: BaseException) -> str:
 
 # -- process-wide registry -------------------------------------------------
 _lock = threading.Lock()
-_registries: dict[tuple[frozenset[str], frozenset[str], frozenset[str] | None], PluginRegistry] = {}
+_registries: dict[tuple[frozenset[str], frozenset[str], frozenset[str] | None, tuple[str, ...]], PluginRegistry] = {}
 _installed: dict[str, tuple[str, str]] | None = None
+#: plugin objects added in-process (``in_process_plugins``), loaded after the entry points.
+_in_process: list[tuple[str, Any]] = []
 
 
 def get_registry(disabled: Iterable[str] = ()) -> PluginRegistry:
-    """The registry for this process (loaded once per allowlist/disabled combination)."""
+    """The registry for this process (loaded once per allowlist/disabled combination and set of
+    in-process plugins)."""
     dis = frozenset(disabled)
     env = _split_env(os.environ.get(DISABLE_ENV))
     allow_env = os.environ.get(ALLOWLIST_ENV)
     allow = _split_env(allow_env) if allow_env is not None else None
-    key = (dis, env, allow)
     with _lock:
+        key = (dis, env, allow, tuple(name for name, _ in _in_process))
         if key not in _registries:
-            _registries[key] = PluginRegistry(disabled=dis, allowlist=allow, env_disabled=env)
+            _registries[key] = PluginRegistry(disabled=dis, allowlist=allow, env_disabled=env,
+                                              extra_plugins=list(_in_process))
         return _registries[key]
+
+
+@contextlib.contextmanager
+def in_process_plugins(*plugins: tuple[str, Any]) -> Iterator[None]:
+    """Inside the block, every registry also holds ``plugins``: ``(name, object)`` pairs whose
+    objects carry hook implementations, as an entry point's module would (a benchmark's own
+    proposer, say). Lookups, start-up checks and factories then take the ordinary path; after the
+    block the registries are as before."""
+    with _lock:
+        _in_process.extend(plugins)
+    try:
+        yield
+    finally:
+        names = {name for name, _ in plugins}
+        with _lock:
+            _in_process[:] = [p for p in _in_process if p[0] not in names]
+            for key in [k for k in _registries if names & set(k[3])]:
+                del _registries[key]
 
 
 def installed_plugins() -> dict[str, tuple[str, str]]:

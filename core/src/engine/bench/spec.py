@@ -30,15 +30,12 @@ draft is accepted.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
-import os
 import random
 import time
 import types
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,19 +180,9 @@ def _warmup_len(args: ServerArgs) -> int:
     return max(WARMUP_TOKENS, num_draft_tokens_of(args) + 2)
 
 
-@contextlib.contextmanager
-def algorithm_in_process(spec: Any, disabled: Sequence[str]) -> Iterator[None]:
-    """Makes the ``SpeculativeAlgorithmSpec`` ``spec`` selectable by name inside the block.
-
-    Plugins reach the engine through entry points, and the plugin facade has no call that adds an
-    in-process plugin to the process's registry; so, as the core's own tests do, ``engine.plugins.
-    get_registry`` answers inside the block with a registry that holds every installed plugin (the
-    same allowlist and disabled ones) plus one in-process plugin registering ``spec`` through the
-    ordinary hook. Everything built inside (``ServerArgs.validate``, the Scheduler's Speculator:
-    start-up checks, spec lookup, factory) takes the ordinary path. Other ``disabled`` sets get
-    the usual registry.
-    """
-    from engine import plugins
+def _as_plugin(spec: Any) -> tuple[str, Any]:
+    """An in-process plugin (for ``plugins.in_process_plugins``) that registers the
+    ``SpeculativeAlgorithmSpec`` ``spec`` through the ordinary hook."""
     from engine.hookspecs import hookimpl
 
     module = types.ModuleType(f"engine_bench_{spec.name}")
@@ -205,30 +192,13 @@ def algorithm_in_process(spec: Any, disabled: Sequence[str]) -> Iterator[None]:
         register(spec)
 
     setattr(module, "register_speculative_algorithms", register_speculative_algorithms)  # noqa: B010 (a module built here)
-
-    def names(value: str | None) -> frozenset[str]:
-        return frozenset(p.strip() for p in (value or "").split(",") if p.strip())
-
-    allow = os.environ.get(plugins.ALLOWLIST_ENV)
-    registry = plugins.PluginRegistry(disabled=disabled, allowlist=names(allow) if allow is not None else None,
-                                      env_disabled=names(os.environ.get(plugins.DISABLE_ENV)),
-                                      extra_plugins=[(spec.name, module)])
-    original = plugins.get_registry
-    mine = frozenset(disabled)
-
-    def get_registry(disabled: Any = ()) -> Any:
-        return registry if frozenset(disabled) == mine else original(disabled)
-
-    plugins.get_registry = get_registry
-    try:
-        yield
-    finally:
-        plugins.get_registry = original
+    return spec.name, module
 
 
 def _ceiling_scheduler(args: ServerArgs, model_path: str) -> tuple[Any, Any]:
     """A Scheduler whose proposer is an ``OracleProposer`` without answers (plain steps until
     it gets some); returns (scheduler, oracle)."""
+    from engine import plugins
     from engine.hookspecs import SpeculativeAlgorithmSpec
     from engine.managers.scheduler import Scheduler
     from engine.testing.proposers import OracleProposer
@@ -237,7 +207,7 @@ def _ceiling_scheduler(args: ServerArgs, model_path: str) -> tuple[Any, Any]:
     spec = SpeculativeAlgorithmSpec(name=CEILING_ALGORITHM, factory=lambda ctx: oracle,
                                     description="engine bench spec --ceiling: drafts = the plain pass's tokens")
     ceiling_args = dataclasses.replace(args, speculative_algorithm=CEILING_ALGORITHM)
-    with algorithm_in_process(spec, args.disable_plugin):
+    with plugins.in_process_plugins(_as_plugin(spec)):
         ceiling_args.validate()  # the start-up checks of any algorithm (--speculative-num-steps, page size, ...)
         scheduler = Scheduler(ceiling_args, model_path)
     return scheduler, oracle
