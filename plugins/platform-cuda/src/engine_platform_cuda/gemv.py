@@ -120,6 +120,7 @@ def _pow2_at_most(value: int) -> int:
     return 1 << (max(1, value).bit_length() - 1)
 
 
+@functools.lru_cache(maxsize=4096)  # per call of every eager linear layer: a layer's shapes repeat
 def choose_config(m: int, n: int, k: int, sm_count: int, elem_bytes: int = 2,
                   rule: GemvRule = RULE) -> GemvConfig:
     """The launch shape for ``x [m, k] @ W[n, k]^T`` on a GPU with ``sm_count`` SMs.
