@@ -58,19 +58,21 @@ def _compile_all() -> dict[str, dict[str, object]]:
              "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
     seen: dict[tuple[object, ...], str] = {}
     out: dict[str, dict[str, object]] = {}
-    for m in (1, 2, 4, 8):
+    # Every chosen shape without PDL; at 1 and 4 rows also the PDL variant (skinny_linear(pdl=True)).
+    runs = [(m, pdl) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m in (1, 4)]
+    for m, pdl in runs:
         for n, k in SHAPES:
             cfg = gemv.choose_config(m, n, k, sm_count=132)
             k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
             rows = 16 if cfg.kind == "dot" else triton.next_power_of_2(m)
             consts: dict[str, object] = dict(K=k, K_SPLIT=k_split, HAS_BIAS=False, SPLIT=cfg.split_k > 1,
                                              EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=cfg.block_n,
-                                             BLOCK_K=cfg.block_k)
+                                             BLOCK_K=cfg.block_k, PDL=pdl)
             fn = gemv._gemv_fma_kernel
             if cfg.kind == "dot":
                 fn, consts["DOT_FP32"] = gemv._gemv_dot_kernel, False
             key = (cfg, tuple(sorted(consts.items())))
-            name = f"m{m}-{n}x{k}"
+            name = f"m{m}-{n}x{k}" + ("-pdl" if pdl else "")
             if key in seen:
                 out[name] = out[seen[key]]
                 continue
@@ -98,15 +100,20 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 "mma": "mma.sync" in ptx or "wgmma.mma_async" in ptx,
                 "spill_bytes": sum(spills),
                 "local": len(re.findall(r"\.local", ptx)),
+                "pdl": pdl,
+                "gdc_wait": ptx.count("griddepcontrol.wait"),
+                "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
             }
     return out
 
 
 def test_chosen_configs_compile_for_sm90_as_designed() -> None:
     info = compiled_facts(__file__, timeout=900)
-    assert len(info) == 4 * len(SHAPES)
+    assert len(info) == 6 * len(SHAPES)
     for name, got in info.items():
         assert got["spill_bytes"] == 0 and got["local"] == 0, (name, got)
+        # With PDL the kernel lets its successor launch and waits for its predecessor, once each.
+        assert (got["gdc_wait"], got["gdc_launch"]) == ((1, 1) if got["pdl"] else (0, 0)), (name, got)
         if got["kind"] == "fma":
             assert got["v4_loads_in_loop"] > 0 and got["shared_in_loop"] == 0, (name, got)
         else:

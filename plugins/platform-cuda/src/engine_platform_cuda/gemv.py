@@ -187,7 +187,10 @@ def _store_tile(acc, offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride
 def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # Let the next kernel (launched with PDL) take SM slots as ours retire.
+        tl.extra.cuda.gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -207,9 +210,22 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
     x_ptrs = x_ptr + (offs_m[:, None, None].to(tl.int64) * stride_xm + zero_n + k3)
     m_mask = offs_m[:, None, None] < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if PDL:
+        # The weights are no kernel's output: the first tile is requested before waiting for the
+        # previous kernel (whose output x may be), so it is in flight while that kernel drains.
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=k3 < K, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        x = tl.load(x_ptrs, mask=m_mask & (k3 < K), other=0.0)
+        acc += x.to(tl.float32) * w.to(tl.float32)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
     # K and the slice length are compile-time constants: the trip count is known to the compiler
-    # (and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4).
-    for kk in range(0, K_SPLIT, BLOCK_K):
+    # (and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4). With PDL
+    # the first step ran above.
+    for kk in range(BLOCK_K * PDL, K_SPLIT, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs, mask=m_mask, other=0.0)
@@ -228,7 +244,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -261,8 +280,11 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
 
 @triton.jit
 def _splitk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """``y[m, n] = sum over slices s in order of part[s, m, n] (+ bias[n])``."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     total = M * N
     mask = offs < total
@@ -294,7 +316,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of 1..``MAX_ROWS`` rows (see the module doc).
 
     Args:
@@ -302,6 +324,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: ``[N, K]`` in x's dtype, unit stride along K.
         bias: ``[N]`` in x's dtype, or None.
         config: a launch shape (benchmarks, tuning); None: ``choose_config``'s.
+        pdl: launch with programmatic dependent launch (sm_90+): the kernel may start while the
+            previous kernel on the stream drains, requesting its first weight tile before it waits
+            for that kernel's results (``supports_pdl``).
 
     Returns:
         ``[M, N]`` in x's dtype, contiguous.
@@ -332,13 +357,21 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x, weight, bias if bias is not None else y, y, part, m, n, x.stride(0), weight.stride(0),
         y.stride(0), K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
         EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra)
+        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl, **extra)
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
             part, bias if bias is not None else y, y, m, n, y.stride(0), SPLIT_K=split,
-            HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
+
+
+def supports_pdl(device: torch.device | None = None) -> bool:
+    """Whether kernels may be launched with programmatic dependent launch: a CUDA device of
+    compute capability 9.0 or newer, not under Triton's interpreter."""
+    if _INTERPRETED or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @dataclass(frozen=True)
