@@ -188,6 +188,34 @@ def test_captured_in_a_cuda_graph(config: GemvConfig | None) -> None:
 
 @gpu
 @needs_gpu
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs sm_90+")
+@pytest.mark.parametrize("config", [None, GemvConfig("fma", 4, 512, split_k=4)], ids=["chosen", "fma-split"])
+def test_pdl_launch_is_bit_equal_in_a_graph_chain(config: GemvConfig | None) -> None:
+    """With programmatic dependent launch each kernel reads the previous one's output only after
+    griddepcontrol.wait: a captured chain of dependent calls gives the same bits as without."""
+    ws = [_operands(1, 2048, 2048, torch.bfloat16, bias=True, seed=s) for s in range(6)]
+    static_x = ws[0][0].clone()
+
+    def chain(pdl: bool) -> torch.Tensor:
+        h = static_x
+        for m in (1, 2):
+            for _, w, b in ws:
+                h = skinny_linear(h[:1].expand(m, -1).contiguous() if m == 2 else h[:1], w, b, config=config, pdl=pdl)
+        return h
+
+    expected = chain(False)
+    chain(True)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
+
+
+@gpu
+@needs_gpu
 def test_model_layers_take_the_platform_kernel() -> None:
     from engine_platform_cuda.platform import CudaPlatform
 

@@ -58,8 +58,8 @@ def _compile_all() -> dict[str, dict[str, object]]:
              "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
     seen: dict[tuple[object, ...], str] = {}
     out: dict[str, dict[str, object]] = {}
-    # Every chosen shape without PDL; at 1 and 4 rows also the PDL variant (skinny_linear(pdl=True)).
-    runs = [(m, pdl) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m in (1, 4)]
+    # Every chosen shape without PDL; at 1 and 2 rows (the fma kind) also with it.
+    runs = [(m, pdl) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m <= 2]
     for m, pdl in runs:
         for n, k in SHAPES:
             cfg = gemv.choose_config(m, n, k, sm_count=132)
@@ -67,10 +67,13 @@ def _compile_all() -> dict[str, dict[str, object]]:
             rows = 16 if cfg.kind == "dot" else triton.next_power_of_2(m)
             consts: dict[str, object] = dict(K=k, K_SPLIT=k_split, HAS_BIAS=False, SPLIT=cfg.split_k > 1,
                                              EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=cfg.block_n,
-                                             BLOCK_K=cfg.block_k, PDL=pdl)
+                                             BLOCK_K=cfg.block_k)
             fn = gemv._gemv_fma_kernel
             if cfg.kind == "dot":
                 fn, consts["DOT_FP32"] = gemv._gemv_dot_kernel, False
+                pdl = False  # skinny_linear launches only the fma kind with PDL
+            else:
+                consts["PDL"] = pdl
             key = (cfg, tuple(sorted(consts.items())))
             name = f"m{m}-{n}x{k}" + ("-pdl" if pdl else "")
             if key in seen:

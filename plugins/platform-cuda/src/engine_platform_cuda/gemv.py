@@ -244,10 +244,7 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -324,9 +321,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         weight: ``[N, K]`` in x's dtype, unit stride along K.
         bias: ``[N]`` in x's dtype, or None.
         config: a launch shape (benchmarks, tuning); None: ``choose_config``'s.
-        pdl: launch with programmatic dependent launch (sm_90+): the kernel may start while the
-            previous kernel on the stream drains, requesting its first weight tile before it waits
-            for that kernel's results (``supports_pdl``).
+        pdl: launch the "fma" kind with programmatic dependent launch (sm_90+, ``supports_pdl``):
+            its programs may start while the previous kernel on the stream drains, requesting their
+            first weight tile before they wait for that kernel's results. The "dot" kind (3+ rows)
+            ignores it: with PDL a 48-layer chain at 4 rows ran 0.53x (H100, scripts/bench_pdl.py).
 
     Returns:
         ``[M, N]`` in x's dtype, contiguous.
@@ -352,12 +350,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     extra = {"DOT_FP32": _INTERPRETED} if config.kind == "dot" else {}
     kernel = _gemv_dot_kernel if config.kind == "dot" else _gemv_fma_kernel
+    pdl = pdl and config.kind == "fma"
+    if config.kind == "fma":
+        extra["PDL"] = pdl
     rows = _DOT_ROWS if config.kind == "dot" else triton.next_power_of_2(m)
     kernel[(triton.cdiv(n, config.block_n), split)](
         x, weight, bias if bias is not None else y, y, part, m, n, x.stride(0), weight.stride(0),
         y.stride(0), K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
         EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        PDL=pdl, num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl, **extra)
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl, **extra)
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
