@@ -179,9 +179,19 @@ class Platform(ABC):
 
         Known names: ``rms_norm(x, weight, eps, residual=None)``, ``silu_and_mul(x)``,
         ``rotary_inplace(positions, x, cos_cache, sin_cache, head_dim, rotary_dim)``,
-        ``rotary_qk_inplace(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)`` and
-        ``store_kv(k_cache, v_cache, loc, k, v)`` (the KV pool's write). Layers and the pool
-        fall back to their PyTorch code for names not given. Default: none.
+        ``rotary_qk_inplace(positions, q, k, cos_cache, sin_cache, head_dim, rotary_dim)``,
+        ``store_kv(k_cache, v_cache, loc, k, v)`` (the KV pool's write) and
+        ``qkv_prologue(positions, q, k, v, k_cache, v_cache, loc, cos_cache, sin_cache, rotary_dim,
+        q_norm_weight=None, k_norm_weight=None, eps=1e-6, k_scale=1.0, v_scale=1.0)``: a decode
+        step's attention prologue in one launch (``RadixAttention.forward_qkv``). ``q``
+        ``[tokens, heads * head_dim]``, ``k``/``v`` ``[tokens, kv_heads * head_dim]`` (views of
+        the qkv projection's output; unit last stride); per head, RMSNorm with the weights when
+        given (both or neither, one ``eps``), then the neox rotary of ``RotaryEmbedding`` over the
+        first ``rotary_dim`` dims (float32 ``cos_cache``/``sin_cache`` rows at ``positions``);
+        q is rotated in place, K and V are stored at ``loc`` in the pool's ``k_cache``/``v_cache``
+        ``[slots, kv_heads, head_dim]`` as ``MHATokenToKVPool.set_kv_buffer`` stores them (float8:
+        ``x / scale`` saturated); values rounded as the separate kernels round them. Layers and
+        the pool fall back to their PyTorch code for names not given. Default: none.
         """
         return {}
 

@@ -206,7 +206,7 @@ def test_options_are_declared_and_reach_the_platform_from_the_registry() -> None
     reg = plugins.get_registry()
     entry = reg.entries["platform"]["cuda"]
     platform = plugins.create(entry.spec.factory, options=reg.options_for("cuda", {"cuda": {"gemv": False}}))
-    assert platform.options == {"gemv": False, "gemv_max_rows": 8}
+    assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True}
     assert "linear" not in platform.layer_kernels()
 
 

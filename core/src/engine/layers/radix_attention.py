@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.errors import ModelLoadError
+from engine.layers.layernorm import RMSNorm
+from engine.layers.rotary_embedding import RotaryEmbedding
+from engine.mem_cache.memory_pool import MHATokenToKVPool, is_fp8
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch import ForwardBatch
@@ -62,6 +65,18 @@ class RadixAttention(nn.Module):
         # breaks CUDA-graph capture. Unused when the pool stores the activation dtype.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        #: the platform's ``qkv_prologue`` kernel (``use_kernels``); None: norm, rotary and the KV
+        #: store run as separate kernels.
+        self.fused_prologue: Any = None
+
+    #: device type of the tensors the platform's fused prologue runs on (CUDA builds of torch, ROCm's
+    #: included). Tests running the Triton kernel in its CPU interpreter set "cpu".
+    prologue_device_type = "cuda"
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's ``qkv_prologue`` (a decode step's q/k norm, rotary and KV store in
+        one launch; ``forward_qkv``) when it offers one."""
+        self.fused_prologue = kernels.get("qkv_prologue")
 
     def load_kv_scale(self, kind: str, value: torch.Tensor) -> None:
         """Sets ``k_scale`` (``kind="k"``) or ``v_scale`` from a checkpoint's one-element tensor."""
@@ -83,3 +98,60 @@ class RadixAttention(nn.Module):
         backend = forward_batch.attn_backend
         assert backend is not None, "ForwardBatch has no attention backend"
         return backend.forward(q, k, v, self, forward_batch, save_kv_cache)
+
+    def forward_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
+                    rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None = None,
+                    k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """Attention from a fused q/k/v projection's output.
+
+        Splits ``qkv`` ``[tokens, (heads + kv_heads) * head_dim + kv_heads * v_head_dim]`` (this
+        rank's heads), normalizes each q and k head with ``q_norm``/``k_norm`` when given
+        (Qwen3), applies ``rotary_emb`` at ``positions``, saves K/V and attends. A decode step
+        does the steps before attention in one launch of the platform's ``qkv_prologue`` where
+        ``prologue_applies`` says so (same values: the kernel rounds as the separate layers'
+        kernels do); anything else runs the layers one by one. ``qkv`` may be changed in place.
+        Returns ``[tokens, heads * v_head_dim]``.
+        """
+        v_dim = self.v_head_dim if self.v_head_dim > 0 else self.head_dim
+        q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                             self.num_kv_heads * v_dim], dim=-1)
+        if self.prologue_applies(qkv, forward_batch, rotary_emb, q_norm, k_norm):
+            pool = forward_batch.token_to_kv_pool
+            assert pool is not None
+            k_cache, v_cache = pool.get_kv_buffer(self.layer_id)
+            self.fused_prologue(
+                positions, q, k, v, k_cache, v_cache, forward_batch.out_cache_loc, rotary_emb.cos_cache,
+                rotary_emb.sin_cache, rotary_emb.rotary_dim, q_norm.weight if q_norm is not None else None,
+                k_norm.weight if k_norm is not None else None,
+                q_norm.variance_epsilon if q_norm is not None else 0.0, self.k_scale, self.v_scale)
+            # The new K/V are in the pool: the backend reads them there (k, v left unrotated).
+            return self.forward(q, None, None, forward_batch, save_kv_cache=False)
+        if q_norm is not None:
+            q = q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        if k_norm is not None:
+            k = k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = rotary_emb(positions, q, k)
+        return self.forward(q, k, v.contiguous(), forward_batch)
+
+    def prologue_applies(self, qkv: torch.Tensor, forward_batch: ForwardBatch, rotary_emb: RotaryEmbedding,
+                         q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
+        """Whether ``forward_qkv`` takes the fused prologue: the platform offered it, the batch is
+        a plain decode step (not extend, mixed, verify or idle), ``qkv`` is on the kernel's device,
+        the pool is the plain K/V one storing the activation dtype or fp8, the rotary embedding is
+        the neox ``RotaryEmbedding`` of this head size, and the norms are plain ``RMSNorm`` of
+        ``head_dim`` weights with one epsilon (both or none). Checks metadata only (no device
+        sync), so a CUDA graph captures the same choice every replay makes."""
+        if self.fused_prologue is None or not forward_batch.forward_mode.is_decode():
+            return False
+        pool = forward_batch.token_to_kv_pool
+        if qkv.device.type != self.prologue_device_type or type(pool) is not MHATokenToKVPool:
+            return False
+        if pool.dtype != qkv.dtype and not is_fp8(pool.dtype):
+            return False
+        if type(rotary_emb) is not RotaryEmbedding or rotary_emb.head_dim != self.head_dim:
+            return False
+        if q_norm is None or k_norm is None:
+            return q_norm is None and k_norm is None
+        return all(type(n) is RMSNorm and n.out_quant is None and n.weight.numel() == self.head_dim
+                   for n in (q_norm, k_norm)) and q_norm.variance_epsilon == k_norm.variance_epsilon \
+            and q_norm.weight.dtype == k_norm.weight.dtype

@@ -86,12 +86,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v.contiguous(), forward_batch))
+        # q/k norm (Qwen3), rotary and the KV store: one fused launch at decode where the platform has it.
+        q_norm, k_norm = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        return self.o_proj(self.attn.forward_qkv(qkv, positions, forward_batch, self.rotary_emb, q_norm, k_norm))
 
 
 class LlamaDecoderLayer(nn.Module):

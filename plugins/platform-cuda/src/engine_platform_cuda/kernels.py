@@ -1,5 +1,6 @@
 """Fused Triton kernels for the layer SDK on CUDA: RMSNorm (+residual add), SiLU-and-mul,
-neox rotary embedding applied in place (q and k in one launch) and the KV-cache store.
+neox rotary embedding applied in place (q and k in one launch) and the KV-cache store (the
+decode-step attention prologue doing norm, rotary and store at once is in ``prologue.py``).
 
 Each kernel reproduces the rounding of the PyTorch layer it replaces (values are rounded to
 the activation dtype where PyTorch rounds), so outputs agree to within one ulp. They replace
@@ -36,6 +37,13 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_
     tl.store(out_ptr + row * n_cols + cols, out, mask=mask)
 
 
+def norm_num_warps(block: int) -> int:
+    """Warps of an RMSNorm over rows of ``block`` (a power of two) elements. The fused attention
+    prologue (``prologue.py``) normalizes each head with as many, so its sum of squares is reduced
+    in the same layout and order as ``rms_norm``'s (bit-equal results)."""
+    return min(max(block // 256, 1), 16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * norm(x [+ residual])``; with ``residual`` also returns ``x + residual``."""
@@ -46,7 +54,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
     block = triton.next_power_of_2(n)
-    warps = min(max(block // 256, 1), 16)
+    warps = norm_num_warps(block)
     if residual is None:
         _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, n, eps,
                                         HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
@@ -166,15 +174,19 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
                                 num_warps=4)
 
 
-def layer_kernels(gemv_max_rows: int = 8) -> dict[str, Callable[..., Any]]:
+def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True) -> dict[str, Callable[..., Any]]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
-    ``gemv_max_rows`` > 0."""
+    ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
+    of a decode step in one launch) unless ``qkv_prologue`` is False."""
     from engine_platform_cuda.gemv import SkinnyLinear
+    from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
     kernels: dict[str, Callable[..., Any]] = {
         "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_inplace": rotary_inplace,
         "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
     if gemv_max_rows > 0:
         kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows)
+    if qkv_prologue:
+        kernels["qkv_prologue"] = prologue_kernel
     return kernels

@@ -108,7 +108,8 @@ class CudaPlatform(TorchCudaPlatform):
 
     # -- housekeeping --------------------------------------------------------
     def layer_kernels(self) -> dict[str, Any]:
-        """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary, KV store) and,
+        """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary, KV store), unless
+        ``cuda.qkv_prologue`` is off the decode-step attention prologue ``qkv_prologue``, and,
         unless ``cuda.gemv`` is off, the skinny GEMM ``linear`` for unquantized linear layers."""
         import importlib.util
 
@@ -117,7 +118,7 @@ class CudaPlatform(TorchCudaPlatform):
         from engine_platform_cuda.kernels import layer_kernels
 
         rows = self.options["gemv_max_rows"] if self.options["gemv"] else 0
-        return layer_kernels(gemv_max_rows=rows)
+        return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"])
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
@@ -143,8 +144,10 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"plugin_options: unknown option 'cuda.{unknown[0]}'; declared: "
                           + ", ".join(f"cuda.{k}" for k in DEFAULT_OPTIONS))
     parsed = {**DEFAULT_OPTIONS, **options}
-    if not isinstance(parsed["gemv"], bool):
-        raise ConfigError(f"plugin_options: cuda.gemv: invalid value {parsed['gemv']!r}; accepted: on/true or off/false")
+    for key in ("gemv", "qkv_prologue"):
+        if not isinstance(parsed[key], bool):
+            raise ConfigError(f"plugin_options: cuda.{key}: invalid value {parsed[key]!r}; "
+                              "accepted: on/true or off/false")
     rows = parsed["gemv_max_rows"]
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= _GEMV_ROWS_LIMIT:
         raise ConfigError(f"plugin_options: cuda.gemv_max_rows: invalid value {rows!r}; "
