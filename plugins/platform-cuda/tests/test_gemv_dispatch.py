@@ -191,6 +191,7 @@ def test_platform_offers_the_kernel_by_default_and_not_when_off() -> None:
     ({"gemv_max_rows": 0}, "cuda.gemv_max_rows: invalid value 0; accepted: an int from 1 to 16"),
     ({"gemv_max_rows": 17}, "cuda.gemv_max_rows: invalid value 17"),
     ({"gemv_rows": 4}, "unknown option 'cuda.gemv_rows'"),
+    ({"pdl": 1}, "cuda.pdl: invalid value 1; accepted: on/true or off/false"),
 ])
 def test_platform_refuses_bad_option_values(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -206,8 +207,25 @@ def test_options_are_declared_and_reach_the_platform_from_the_registry() -> None
     reg = plugins.get_registry()
     entry = reg.entries["platform"]["cuda"]
     platform = plugins.create(entry.spec.factory, options=reg.options_for("cuda", {"cuda": {"gemv": False}}))
-    assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True}
+    assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True, "pdl": True}
     assert "linear" not in platform.layer_kernels()
+
+
+def test_pdl_reaches_the_skinny_gemm_and_the_kernels_before_it() -> None:
+    from engine_platform_cuda.kernels import layer_kernels, rms_norm, silu_and_mul
+
+    on = layer_kernels(pdl=True)
+    assert on["linear"].pdl is True
+    # The norm and the activation that precede a projection let it start early.
+    assert on["rms_norm"].func is rms_norm and on["rms_norm"].keywords == {"trigger": True}
+    assert on["silu_and_mul"].func is silu_and_mul and on["silu_and_mul"].keywords == {"trigger": True}
+    off = layer_kernels(pdl=False)
+    assert off["linear"].pdl is False and off["rms_norm"] is rms_norm and off["silu_and_mul"] is silu_and_mul
+    # Without the skinny GEMM nothing is launched with PDL, so nothing triggers.
+    no_gemv = layer_kernels(gemv_max_rows=0, pdl=True)
+    assert "linear" not in no_gemv and no_gemv["rms_norm"] is rms_norm
+    # No CUDA device here: the platform never asks for PDL (its instructions need sm_90).
+    assert CudaPlatform().layer_kernels()["linear"].pdl is False
 
 
 def test_cli_spelling_off_turns_it_off() -> None:

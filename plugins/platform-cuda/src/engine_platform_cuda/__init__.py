@@ -18,12 +18,16 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "gemv_max_rows": 8,
     # Decode steps' attention prologue (q/k norm, rotary, KV store) in one launch; off: one each.
     "qkv_prologue": True,
+    # Programmatic dependent launch for the skinny GEMM (sm_90+; ignored on older GPUs).
+    "pdl": True,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
     "gemv_max_rows": "most rows (tokens of a step) the skinny GEMM takes, 1..16; more go to F.linear",
     "qkv_prologue": "decode steps: q/k norm, rotary and the KV store of each attention layer in one "
                     "Triton launch (off: a launch each)",
+    "pdl": "sm_90+: launch the skinny GEMM with programmatic dependent launch, so it requests its "
+           "first weights while the norm before it runs (ignored on older GPUs; off: plain launches)",
 }
 
 

@@ -382,6 +382,9 @@ class SkinnyLinear:
 
     #: the most rows of x (tokens of the batch) it is used for; the ``cuda.gemv_max_rows`` option.
     max_rows: int = 8
+    #: launch with programmatic dependent launch (``skinny_linear(pdl=True)``); the ``cuda.pdl``
+    #: option, on sm_90+ only.
+    pdl: bool = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return skinny_linear(x, weight, bias)
+        return skinny_linear(x, weight, bias, pdl=self.pdl)

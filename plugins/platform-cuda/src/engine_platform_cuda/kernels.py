@@ -10,6 +10,7 @@ the weights and every extra launch or pass costs time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,11 @@ import triton.language as tl
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, n_cols, eps,
-                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:
+        # A kernel launched after this one with PDL (the skinny GEMM) may start now; it waits for
+        # this kernel's results before reading them.
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -44,9 +49,10 @@ def norm_num_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``weight * norm(x [+ residual])``; with ``residual`` also returns ``x + residual``."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             trigger: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``weight * norm(x [+ residual])``; with ``residual`` also returns ``x + residual``.
+    ``trigger`` (sm_90+): let a kernel launched next with PDL start while this one runs."""
     shape = x.shape
     n = shape[-1]
     x2 = x.reshape(-1, n)
@@ -57,19 +63,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     warps = norm_num_warps(block)
     if residual is None:
         _rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, n, eps,
-                                        HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+                                        HAS_RESIDUAL=False, BLOCK=block, TRIGGER=trigger, num_warps=warps)
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     if r2.stride(-1) != 1:
         r2 = r2.contiguous()
     res_out = torch.empty_like(out)
     _rmsnorm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), n, eps,
-                                    HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+                                    HAS_RESIDUAL=True, BLOCK=block, TRIGGER=trigger, num_warps=warps)
     return out.view(shape), res_out.view(shape)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -81,15 +89,16 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, d, BLOCK: tl.constexpr):
     tl.store(out_ptr + row * d + cols, out, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]``."""
+def silu_and_mul(x: torch.Tensor, trigger: bool = False) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]``; ``trigger`` as for ``rms_norm``."""
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](x2, out, x2.stride(0), d, BLOCK=block,
+                                                            TRIGGER=trigger, num_warps=4)
     return out.view(*x.shape[:-1], d)
 
 
@@ -174,19 +183,26 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
                                 num_warps=4)
 
 
-def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True) -> dict[str, Callable[..., Any]]:
+def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True,
+                  pdl: bool = False) -> dict[str, Callable[..., Any]]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
-    of a decode step in one launch) unless ``qkv_prologue`` is False."""
+    of a decode step in one launch) unless ``qkv_prologue`` is False.
+
+    ``pdl`` (sm_90+ only: the instructions do not exist before): the skinny GEMM is launched with
+    programmatic dependent launch, and RMSNorm and SiLU-and-mul, which precede it in a layer, let
+    it start while they run (``gemv.skinny_linear``)."""
     from engine_platform_cuda.gemv import SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
+    pdl = pdl and gemv_max_rows > 0  # nothing to start early without the skinny GEMM
     kernels: dict[str, Callable[..., Any]] = {
-        "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rotary_inplace": rotary_inplace,
-        "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
+        "rms_norm": functools.partial(rms_norm, trigger=True) if pdl else rms_norm,
+        "silu_and_mul": functools.partial(silu_and_mul, trigger=True) if pdl else silu_and_mul,
+        "rotary_inplace": rotary_inplace, "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
     if gemv_max_rows > 0:
-        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows)
+        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl)
     if qkv_prologue:
         kernels["qkv_prologue"] = prologue_kernel
     return kernels

@@ -115,10 +115,12 @@ class CudaPlatform(TorchCudaPlatform):
 
         if importlib.util.find_spec("triton") is None:
             return {}
+        from engine_platform_cuda.gemv import supports_pdl
         from engine_platform_cuda.kernels import layer_kernels
 
         rows = self.options["gemv_max_rows"] if self.options["gemv"] else 0
-        return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"])
+        pdl = self.options["pdl"] and self.is_available() and supports_pdl()
+        return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl)
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
@@ -144,7 +146,7 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"plugin_options: unknown option 'cuda.{unknown[0]}'; declared: "
                           + ", ".join(f"cuda.{k}" for k in DEFAULT_OPTIONS))
     parsed = {**DEFAULT_OPTIONS, **options}
-    for key in ("gemv", "qkv_prologue"):
+    for key in ("gemv", "qkv_prologue", "pdl"):
         if not isinstance(parsed[key], bool):
             raise ConfigError(f"plugin_options: cuda.{key}: invalid value {parsed[key]!r}; "
                               "accepted: on/true or off/false")
