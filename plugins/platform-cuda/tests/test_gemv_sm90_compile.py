@@ -14,12 +14,9 @@ strides and N are declared divisible by 16, as Triton specializes them at a real
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import tempfile
 
-from engine.testing.aot import compiled_facts
+from engine.testing.aot import compiled_facts, spill_bytes
 
 SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 4096), (4096, 4096),
           (28672, 4096), (4096, 14336), (128256, 4096)]
@@ -34,18 +31,6 @@ def _loop_body(ptx: str) -> str | None:
     label = lines[start].split(":")[0]
     end = next(i for i in range(start, len(lines)) if "bra" in lines[i] and label in lines[i])
     return "\n".join(lines[start:end])
-
-
-def _ptxas_report(ptx: str) -> str:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", src, "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True)
-    return proc.stderr
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
@@ -91,8 +76,6 @@ def _compile_all() -> dict[str, dict[str, object]]:
             ptx = compiled.asm["ptx"]
             loop = _loop_body(ptx)
             body = ptx if loop is None else loop
-            report = _ptxas_report(ptx)
-            spills = [int(s) for s in re.findall(r"(\d+) bytes spill stores", report)]
             out[name] = {
                 "kind": cfg.kind,
                 "loop": loop is not None,
@@ -101,7 +84,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 "shared_in_loop": len(re.findall(r"(?:ld|st)\.shared|ldmatrix|bar\.sync", loop or "")),
                 "cp_async": "cp.async" in ptx,
                 "mma": "mma.sync" in ptx or "wgmma.mma_async" in ptx,
-                "spill_bytes": sum(spills),
+                "spill_bytes": spill_bytes(ptx),
                 "local": len(re.findall(r"\.local", ptx)),
                 "pdl": pdl,
                 "gdc_wait": ptx.count("griddepcontrol.wait"),

@@ -19,12 +19,9 @@ Triton specializes them at a real launch on these shapes.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import tempfile
 
-from engine.testing.aot import compiled_facts
+from engine.testing.aot import compiled_facts, spill_bytes
 
 ACTS = ("bf16", "fp16", "fp32")
 CACHES = ("same", "fp8e4nv", "fp8e5")
@@ -73,18 +70,6 @@ def _reduce_layout(ttgir: str) -> str:
     return layouts[found.group(1)]
 
 
-def _spills(ptx: str) -> int:
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", src, "-o",
-                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True)
-    return sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", proc.stderr))
-
-
 def _fma_elements(ptx: str, act: str) -> int:
     """16-bit FMAs in ``ptx``, a packed pair counted as two."""
     kind = {"bf16": "bf16", "fp16": "f16"}[act]
@@ -112,7 +97,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 compiled = _compile(prologue._qkv_prologue_kernel, _prologue_types(act, cache), consts, 1)
                 ptx = compiled.asm["ptx"]  # type: ignore[attr-defined]
                 out[f"{act}-{cache}-{'norm' if norm else 'plain'}"] = {
-                    "spill_bytes": _spills(ptx),
+                    "spill_bytes": spill_bytes(ptx),
                     "local": len(re.findall(r"\.local", ptx)),
                     "fp8_cvt": sorted(set(re.findall(r"cvt\.[\w.]*e[45]m[23]x2\.f32", ptx))),
                     "div": len(re.findall(r"\bdiv\.", ptx)),

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import pytest
@@ -30,3 +32,22 @@ def compiled_facts(script: str, timeout: float) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     facts: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return facts
+
+
+def ptxas_report(ptx: str, arch: int = 90) -> str:
+    """What Triton's bundled ptxas says (``-v``: registers, spills) compiling ``ptx`` for
+    ``sm_{arch}a``; raises ``CalledProcessError`` if it fails to compile."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(arch).path, "-v", "--gpu-name", f"sm_{arch}a", src, "-o",
+                               os.path.join(tmp, "k.cubin")], capture_output=True, text=True, check=True)
+    return proc.stderr
+
+
+def spill_bytes(ptx: str, arch: int = 90) -> int:
+    """Bytes of register spill stores ptxas reports for ``ptx`` (0: none)."""
+    return sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", ptxas_report(ptx, arch)))
