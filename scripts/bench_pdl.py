@@ -5,8 +5,8 @@ PDL a kernel is launched while its predecessor drains: its programs become resid
 their first weight tile (weights are no kernel's output) and then wait for the predecessor's
 results (``griddepcontrol.wait``). This script times a chain of ``--layers`` x (qkv projection ->
 o_proj -> router) skinny GEMMs at M = 1, each reading the previous one's output, captured in a
-CUDA graph, with PDL off and on, and checks the outputs are equal (PDL changes the schedule,
-not the arithmetic). Weights are distinct per layer (cold in L2, as in a model).
+CUDA graph, with PDL off and on, and checks that eager runs of the two give equal outputs (PDL
+changes the schedule, not the arithmetic; test_gemv_kernel.py checks a captured chain). Weights are distinct per layer (cold in L2, as in a model).
 
 usage: python scripts/bench_pdl.py [--layers 48] [--hidden 2048 --q-size 4096 --kv-size 512 --router 128] [--rows 1 4]
 """
@@ -20,6 +20,8 @@ import time
 import torch
 from engine_platform_cuda.gemv import skinny_linear, supports_pdl
 
+from engine.bench.gpu_timing import graph_median_us
+
 
 def _chain(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: torch.Tensor,
            pdl: bool) -> torch.Tensor:
@@ -30,28 +32,6 @@ def _chain(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: to
         h = skinny_linear(qkv[:, : w_o.shape[1]], w_o, pdl=pdl)
         skinny_linear(h, w_router, pdl=pdl)
     return h
-
-
-def _graph_ms(fn, reps: int = 30) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2], out.clone()
 
 
 def main() -> None:
@@ -73,8 +53,9 @@ def main() -> None:
     nbytes = sum(w.numel() * 2 for layer in weights for w in layer)
     for rows in args.rows:
         x = torch.randn(rows, shapes[0][1], device="cuda", dtype=torch.bfloat16, generator=gen)
-        off_ms, off_out = _graph_ms(lambda x=x: _chain(weights, x, False))
-        on_ms, on_out = _graph_ms(lambda x=x: _chain(weights, x, True))
+        off_ms = graph_median_us([lambda x=x: _chain(weights, x, False)], reps=30) / 1e3
+        on_ms = graph_median_us([lambda x=x: _chain(weights, x, True)], reps=30) / 1e3
+        off_out, on_out = _chain(weights, x, False), _chain(weights, x, True)
         row = {"bench": "pdl_chain", "rows": rows, "layers": args.layers, "shapes": [f"{n}x{k}" for n, k in shapes],
                "launches": args.layers * len(shapes), "off_ms": round(off_ms, 4), "on_ms": round(on_ms, 4),
                "speedup": round(off_ms / on_ms, 3), "off_tbs": round(nbytes / off_ms / 1e9, 3),

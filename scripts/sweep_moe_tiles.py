@@ -22,32 +22,9 @@ import time
 
 import torch
 
+from engine.bench.gpu_timing import graph_median_us
+
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
-
-
-def _graph_us(calls: list, reps: int = 20) -> float:  # type: ignore[type-arg]
-    """Median microseconds per call of ``calls`` replayed from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for call in calls[:2]:
-            call()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    return sorted(times)[len(times) // 2]
 
 
 def sweep(shape: str, tokens: int, routings: int, top: int) -> list[dict[str, object]]:
@@ -83,7 +60,7 @@ def sweep(shape: str, tokens: int, routings: int, top: int) -> list[dict[str, ob
             else:
                 calls = [lambda b=b, c=cfg: _grouped_gemm(act, w2, None, out_down, b, 1, weights, c) for b in blocks]
             try:
-                us = _graph_us(calls)
+                us = graph_median_us(calls)
             except Exception as exc:  # noqa: BLE001 - out of shared memory or registers: not a candidate
                 print(f"  skip {launch} {cfg}: {type(exc).__name__}", flush=True)
                 continue
