@@ -108,12 +108,21 @@ for stage in "$@"; do
       timeout "${DEFAULT_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_gpu.py \
         > "$OUT/gpu_default_model.log" 2>&1; tail -6 "$OUT/gpu_default_model.log" ;;
     owed)
-      # GPU tests of code that landed after session 8's device time ran out (docs/benchmarks.md, "GPU tests",
-      # session 8): the skinny GEMM kernel and dispatch (LM head included), Llama parity with it on, the MoE
-      # layer, the draft model's decode steps and opt-in graphs, the grammar scheduler, verify graphs.
-      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider plugins/platform-cuda \
-        plugins-models core/tests/layers plugins/spec-draft/tests core/tests/managers/test_scheduler_grammar_gpu.py \
-        tests/test_spec_verify_graphs_gpu.py > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
+      # GPU tests of code that landed after session 9's device time ran out: the shared CUDA-graph
+      # timer of the benchmark scripts; with them, the PDL and prologue tests (run in session 9) as a check.
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider core/tests/bench/test_gpu_timing.py \
+        plugins/platform-cuda/tests/test_pdl_gpu.py plugins/platform-cuda/tests/test_qkv_prologue_gpu.py \
+        > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
+    pdl)
+      # Programmatic dependent launch: a 48-layer projection chain, then the model on and off (docs/platforms.md).
+      python3 scripts/bench_pdl.py --rows 1 4 --result-file "$RES" 2>&1 | grep -v Warning
+      MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
+      for opt in cuda.pdl=on cuda.pdl=off cuda.qkv_prologue=off; do
+        E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
+          --plugin-option "$opt" --result-file "$RES" 2>&1 | tail -2 | sed "s/^/$opt /"
+      done ;;
+    moe_tiles)
+      python3 scripts/sweep_moe_tiles.py --tokens 1 8 64 --result-file "$RES" 2>&1 | grep -v -e Warning -e skip ;;
     owed_default_model)
       # The same, for the tests that need the embedded default model (its parts carried: device_setup.sh):
       # EAGLE chains and trees, speculation on the default model, bf16 parity with the skinny GEMM on.
