@@ -29,28 +29,11 @@ _ROTATE_BYTES = 256 << 20  # weight copies per graph: more than the H100's 50 MB
 
 def _time_us(fn: Callable[[int], Any], copies: int, reps: int = 5) -> float:
     """Median GPU microseconds of one ``fn(i)``, from a CUDA graph of ``fn`` over all copies."""
-    import torch
+    import functools
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(copies):  # warm-up: compiles, and cuBLAS picks its kernels
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / copies)
-    return sorted(times)[len(times) // 2]
+    from engine.bench.gpu_timing import graph_median_us
+
+    return graph_median_us([functools.partial(fn, i) for i in range(copies)], reps=reps)
 
 
 def _spin_up() -> None:
