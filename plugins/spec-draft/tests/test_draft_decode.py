@@ -181,10 +181,11 @@ def test_draft_settings_follow_the_target(target: str) -> None:
     assert draft_server_args(args, "D", small, num_draft_tokens=9).max_total_tokens == 20_000
     assert draft_server_args(ServerArgs.from_dict(base), "D", runner, 5, cuda_graph=False).disable_cuda_graph
     # Through the scheduler: the draft runner gets these settings (no device graphs on the CPU);
-    # its graphs are opt-in (--plugin-option draft.cuda_graph=true) until they have run on a GPU.
+    # its graphs are on by default and off with --plugin-option draft.cuda_graph=false.
     spec = dict(speculative_algorithm="draft", speculative_draft_model_path=target)
-    off = make_scheduler(target, **spec)
+    off = make_scheduler(target, plugin_options={"draft": {"cuda_graph": False}}, **spec)
     assert off.speculator.proposer.runner.args.disable_cuda_graph is True
+    assert make_scheduler(target, **spec).speculator.proposer.runner.args.disable_cuda_graph is False
     with pytest.raises(ValueError, match="draft.cuda_graph: 'yes'; accepted: true or false"):
         make_scheduler(target, plugin_options={"draft": {"cuda_graph": "yes"}}, **spec)
     sched = make_scheduler(target, cuda_graph_max_bs=2, speculative_max_batch_size=4,

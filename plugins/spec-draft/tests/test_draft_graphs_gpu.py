@@ -54,7 +54,7 @@ def prompts() -> list[list[int]]:
 def _sched(ckpt: str, **kw: Any) -> Any:
     kw.setdefault("dtype", "float32")  # CUDA's --dtype auto is bf16: exact equalities hold in float32
     kw.setdefault("attention", "triton")
-    kw.setdefault("plugin_options", {"draft": {"cuda_graph": True}})  # the draft's graphs are opt-in
+    kw.setdefault("plugin_options", {"draft": {"cuda_graph": True}})  # explicit: these tests are about them
     return make_scheduler(ckpt, platform="cuda", max_total_tokens=20000, **kw)
 
 

@@ -17,7 +17,7 @@ def register_speculative_algorithms(register):  # type: ignore[no-untyped-def]
 
 @hookimpl
 def register_plugin_options(register):  # type: ignore[no-untyped-def]
-    # Off by default until the graphs have run on a GPU (tests/ and plugins/spec-draft/tests/
-    # test_draft_graphs_gpu.py); the draft's decode steps run eagerly meanwhile.
-    register(PluginOption("draft", "cuda_graph", False,
+    # On since plugins/spec-draft/tests/test_draft_graphs_gpu.py passed on an H100 (2026-11-23);
+    # off: the draft's decode steps run eagerly.
+    register(PluginOption("draft", "cuda_graph", True,
                           "capture CUDA graphs for the draft model's decode steps (as the target does)"))

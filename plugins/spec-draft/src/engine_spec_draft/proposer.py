@@ -272,7 +272,7 @@ def create(ctx: ProposerContext, options: dict[str, Any] | None = None) -> Draft
     args = ctx.server_args
     target = ctx.target_runner
     opts = options or {}
-    cuda_graph = opts.get("cuda_graph", False)
+    cuda_graph = opts.get("cuda_graph", True)
     if not isinstance(cuda_graph, bool):
         raise ValueError(f"plugin option draft.cuda_graph: {cuda_graph!r}; accepted: true or false")
     draft_args = draft_server_args(args, ctx.draft_model_path, target, ctx.num_draft_tokens, cuda_graph)
