@@ -19,8 +19,7 @@ import time
 
 import torch
 from engine_platform_cuda.gemv import skinny_linear, supports_pdl
-
-from engine.bench.gpu_timing import graph_median_us
+from engine_platform_cuda.graph_timing import graph_median_us
 
 
 def _chain(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: torch.Tensor,

@@ -110,7 +110,7 @@ for stage in "$@"; do
     owed)
       # GPU tests of code that landed after session 9's device time ran out: the shared CUDA-graph
       # timer of the benchmark scripts; with them, the PDL and prologue tests (run in session 9) as a check.
-      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider core/tests/bench/test_gpu_timing.py \
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider plugins/platform-cuda/tests/test_graph_timing.py \
         plugins/platform-cuda/tests/test_pdl_gpu.py plugins/platform-cuda/tests/test_qkv_prologue_gpu.py \
         > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
     pdl)

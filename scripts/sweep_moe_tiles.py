@@ -21,8 +21,7 @@ import json
 import time
 
 import torch
-
-from engine.bench.gpu_timing import graph_median_us
+from engine_platform_cuda.graph_timing import graph_median_us
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
 

@@ -31,7 +31,7 @@ def _time_us(fn: Callable[[int], Any], copies: int, reps: int = 5) -> float:
     """Median GPU microseconds of one ``fn(i)``, from a CUDA graph of ``fn`` over all copies."""
     import functools
 
-    from engine.bench.gpu_timing import graph_median_us
+    from engine_platform_cuda.graph_timing import graph_median_us
 
     return graph_median_us([functools.partial(fn, i) for i in range(copies)], reps=reps)
 

@@ -1,11 +1,10 @@
-"""engine.bench.gpu_timing: refuses an empty call list; on a GPU, times captured calls."""
+"""engine_platform_cuda.graph_timing: refuses an empty call list; on a GPU, times captured calls."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.bench.gpu_timing import graph_median_us
+from engine_platform_cuda.graph_timing import graph_median_us
 
 
 def test_refuses_nothing_to_time() -> None:

@@ -1,5 +1,6 @@
-"""Kernel timing for the GPU benchmark scripts: calls captured in one CUDA graph, so what is
-timed is what a decode step with graphs pays (launch gaps included, host overhead not)."""
+"""Kernel timing for the CUDA benchmark scripts: calls captured in one CUDA graph, so what is timed
+is what a decode step with graphs pays (launch gaps included, host overhead not). It lives in the
+platform plugin because the core reaches no device API directly (core/tests/test_platforms.py)."""
 
 from __future__ import annotations
 
