@@ -32,6 +32,9 @@ def _greedy(path: str, pdl: bool) -> list[list[int]]:
                            plugin_options={"cuda": {"pdl": pdl}})
     linear = sched.runner.platform.layer_kernels()["linear"]
     assert linear.pdl is pdl
+    # The model's layers hold that kernel (not only the platform): the runs differ in what they launch.
+    taken = [m.skinny_linear for m in sched.runner.model.modules() if getattr(m, "skinny_linear", None) is not None]
+    assert taken and all(k.pdl is pdl for k in taken)
     out = generate_greedy(sched, PROMPTS, 16, ignore_eos=True)
     del sched
     gc.collect()
