@@ -120,18 +120,54 @@ class ModelConformance:
 
 
 def check_greedy_until_near_tie(hf_model: Any, prompt: list[int], ours: list[int], ref: list[int],
-                                max_new_tokens: int, tie_tolerance: float, label: str) -> None:
+                                max_new_tokens: int, tie_tolerance: float, label: str,
+                                oracle_model: Any = None) -> None:
     """Greedy outputs in bf16/fp16 must equal transformers' up to the first position where the two
-    chosen tokens' transformers logits are within ``tie_tolerance`` (rounding may break a near-tie
-    either way); a difference anywhere else fails."""
+    chosen tokens are a near-tie that rounding may break either way; a difference anywhere else fails.
+
+    Args:
+        hf_model: the transformers model that produced ``ref`` (in the same half precision).
+        ours, ref: the engine's and transformers' greedy tokens (without the prompt).
+        tie_tolerance: the largest logit gap between the two chosen tokens that counts as a tie.
+        oracle_model: None: the gap is read from ``hf_model``'s own half-precision logits, which
+            must rank our token at most ``tie_tolerance`` below theirs. A float32 transformers model
+            of the same checkpoint: the gap is read from its logits instead, and either token may
+            lead by up to ``tie_tolerance``: both half-precision runs are rounded, so judged in
+            near-exact arithmetic either choice is legitimate within that distance, while half-
+            precision logits would judge one rounded run by the other's rounding.
+
+    Raises:
+        ValueError: ``oracle_model`` is given but does not compute in float32.
+    """
     from engine.testing.checkpoints import hf_last_logits
+
+    if oracle_model is not None and str(getattr(oracle_model, "dtype", None)) != "torch.float32":
+        raise ValueError(f"oracle_model computes in {getattr(oracle_model, 'dtype', None)}; accepted: a float32 "
+                         "transformers model of the same checkpoint (or None to judge by hf_model's own logits)")
 
     k = next((j for j in range(min(len(ours), len(ref))) if ours[j] != ref[j]), None)
     if k is None:
         assert len(ours) == len(ref) or max_new_tokens in (len(ours), len(ref)), f"{label}: lengths differ"
         return
-    logits = hf_last_logits(hf_model, prompt + ref[:k])
+    where = f"{label}: token {k} differs ({ours[k]} vs transformers' {ref[k]})"
+    if oracle_model is None:
+        logits = hf_last_logits(hf_model, prompt + ref[:k])
+        gap = (logits[ref[k]] - logits[ours[k]]).item()
+        assert gap <= tie_tolerance, (
+            f"{where} with a logit gap of {gap:.3f} > {tie_tolerance} (judged by the {_oracle_name(hf_model)} "
+            "oracle: transformers' own logits in that precision; no float32 oracle given): not a rounding tie")
+        return
+    logits = hf_last_logits(oracle_model, prompt + ref[:k])
     gap = (logits[ref[k]] - logits[ours[k]]).item()
-    assert gap <= tie_tolerance, (
-        f"{label}: token {k} differs ({ours[k]} vs transformers' {ref[k]}) with a logit gap of {gap:.3f} "
-        f"> {tie_tolerance}: not a rounding tie")
+    top = int(logits.argmax().item())
+    assert abs(gap) <= tie_tolerance, (
+        f"{where} with a float32 logit gap of {gap:+.3f} (transformers' token minus ours), |gap| > "
+        f"{tie_tolerance} (judged by the float32 oracle): not a rounding tie. float32 logits: argmax "
+        f"{top} {logits[top].item():.3f}, transformers' {ref[k]} {logits[ref[k]].item():.3f}, "
+        f"ours {ours[k]} {logits[ours[k]].item():.3f}")
+
+
+def _oracle_name(model: Any) -> str:
+    """Short name of the precision ``model`` computes in ("bf16", "fp16"), for messages."""
+    dtype = str(getattr(model, "dtype", "")).removeprefix("torch.")
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "float32"}.get(dtype, dtype or "half-precision")
