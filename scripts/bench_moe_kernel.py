@@ -124,7 +124,7 @@ def _pieces_row(name: str, tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> 
     from engine.layers.moe.align import align_slots_reference, kernel_can_align
     from engine.layers.moe.align_kernel import align_slots_triton
     from engine.layers.moe.fused_moe import fused_moe, pick_blocks, sum_top_k
-    from engine.layers.moe.route_align import route_align_applies
+    from engine.layers.moe.route_align import route_align_fits
     from engine.layers.moe.route_align_kernel import route_and_align_triton
     from engine.layers.moe.router import select_experts_reference
     from engine.layers.moe.router_kernel import select_experts_triton
@@ -165,7 +165,7 @@ def _pieces_row(name: str, tokens: int, w13: torch.Tensor, w2: torch.Tensor) -> 
     if kernel_can_align(slots, block_m):
         row["align_kernel_us"] = round(_graph_us(lambda: align_slots_triton(ids, experts, block_m)), 2)
         row["router_then_align_us"] = round(_graph_us(router_then_align), 2)
-    if route_align_applies(tokens, experts, top_k, block_m):
+    if route_align_fits(tokens, experts, top_k, block_m):
         row["route_align_us"] = round(_graph_us(lambda: route_and_align_triton(logits, top_k, True, block_m)), 2)
         row["step_one_launch_routing_us"] = round(_graph_us(step_one_launch_routing), 2)
     print(f"{name:14s} T={tokens:5d}  router+align: one launch {row.get('route_align_us', '-')} us, "

@@ -17,7 +17,9 @@ from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.route_align import (
     ROUTE_ALIGN_MAX_LOGITS,
     ROUTE_ALIGN_MAX_SLOTS,
+    ROUTE_ALIGN_PAYS_MAX_SLOTS,
     route_align_applies,
+    route_align_fits,
     route_and_align,
     to_local_expert_ids,
 )
@@ -78,12 +80,17 @@ def test_16_bit_and_strided_logits(triton_device: str) -> None:
 
 
 def test_the_batches_it_takes() -> None:
-    assert route_align_applies(1, 128, 8, 16) and route_align_applies(64, 128, 8, 16)
-    assert not route_align_applies(65, 128, 8, 16)   # 520 slots
-    assert not route_align_applies(64, 256, 8, 16)   # 16384 logits
-    assert not route_align_applies(1, 8, 2, 24)      # BLOCK_M no power of two
-    assert not route_align_applies(0, 8, 2, 16)
+    assert route_align_fits(1, 128, 8, 16) and route_align_fits(64, 128, 8, 16)
+    assert not route_align_fits(65, 128, 8, 16)   # 520 slots
+    assert not route_align_fits(64, 256, 8, 16)   # 16384 logits
+    assert not route_align_fits(1, 8, 2, 24)      # BLOCK_M no power of two
+    assert not route_align_fits(0, 8, 2, 16)
     assert ROUTE_ALIGN_MAX_SLOTS == 512 and ROUTE_ALIGN_MAX_LOGITS == 8192
+    # Taken by default only where it is not slower than the two launches (H100 timings).
+    assert route_align_applies(4, 128, 8, 16) and route_align_applies(16, 8, 2, 16)
+    assert not route_align_applies(5, 128, 8, 16) and not route_align_applies(64, 128, 8, 16)
+    assert not route_align_applies(0, 8, 2, 16) and not route_align_applies(1, 8, 2, 24)
+    assert ROUTE_ALIGN_PAYS_MAX_SLOTS == 32
 
 
 def test_bad_arguments_are_refused(triton_device: str) -> None:
@@ -98,7 +105,7 @@ def test_bad_arguments_are_refused(triton_device: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens", [1, 64, 65])  # the kernel; past ROUTE_ALIGN_MAX_SLOTS, the separate kernels
+@pytest.mark.parametrize("tokens", [1, 4, 64, 65])  # the kernel; past ROUTE_ALIGN_PAYS_MAX_SLOTS, the separate kernels
 def test_route_and_align_on_cuda(tokens: int) -> None:
     logits = _logits(tokens, 128, seed=tokens)
     _assert_same(route_and_align(logits.cuda(), 8, True, 16, 32, 64), route_and_align(logits, 8, True, 16, 32, 64))

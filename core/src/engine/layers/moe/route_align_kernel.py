@@ -20,7 +20,7 @@ from engine.layers.moe.align_kernel import _align_slots_tile, align_tile_sizes, 
 from engine.layers.moe.route_align import (
     ROUTE_ALIGN_MAX_LOGITS,
     ROUTE_ALIGN_MAX_SLOTS,
-    route_align_applies,
+    route_align_fits,
 )
 from engine.layers.moe.router_kernel import _softmax_topk_rows
 
@@ -65,7 +65,7 @@ def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize:
                            expert_start: int = 0,
                            num_local_experts: int | None = None) -> tuple[torch.Tensor, torch.Tensor, ExpertBlocks]:
     """``route_and_align`` in one launch: same arguments, same result (weights within float32
-    rounding of the torch softmax, ids and blocks equal). Needs ``route_align_applies``. Runs
+    rounding of the torch softmax, ids and blocks equal). Needs ``route_align_fits``. Runs
     wherever Triton does: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
     tokens, num_experts = router_logits.shape
     num_local = num_experts if num_local_experts is None else num_local_experts
@@ -75,7 +75,7 @@ def route_and_align_triton(router_logits: torch.Tensor, top_k: int, renormalize:
     if not (0 <= expert_start and 0 < num_local and expert_start + num_local <= num_experts):
         raise ValueError(f"route_and_align: local experts [{expert_start}, {expert_start + num_local}) "
                          f"out of range for {num_experts} experts; accepted: a non-empty range inside [0, {num_experts})")
-    if not route_align_applies(tokens, num_experts, top_k, block_m):
+    if not route_align_fits(tokens, num_experts, top_k, block_m):
         raise ValueError(f"route_and_align_triton: {tokens} tokens x top {top_k} of {num_experts} experts with "
                          f"block_m {block_m}; accepted: 1..{ROUTE_ALIGN_MAX_SLOTS} slots, at most "
                          f"{ROUTE_ALIGN_MAX_LOGITS} logits (tokens and experts rounded up to powers of two) "
