@@ -18,7 +18,10 @@ Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
 4. ``sum_top_k``: ``out[t] = sum_k y[t * top_k + k]`` in float32, one launch (none when ``top_k``
    is 1).
 
-With the router and alignment in one launch that is four launches per MoE layer at decode.
+With the router and alignment in one launch that is four launches per MoE layer at decode. At
+batch 1 (``small_batch.small_batch_applies``) there is nothing to group: ``fused_moe_small_batch``
+streams each slot's expert rows in two launches after a router launch with no alignment, the top-k
+sum in the second.
 Float32 atomics in the down launch instead of the top-k sum were left out: they would need a
 zeroed float32 buffer and a cast back (two launches for the one saved) and would make the result
 depend on the order the programs run in. SiLU-and-mul applied to the down launch's A tiles as it
@@ -42,6 +45,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.moe.align import ExpertBlocks, align_slots_by_expert
+from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies
 
 
 @triton.jit
@@ -199,10 +203,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     that writes both halves, for an activation the epilogue does not compute.
     ``blocks``: the alignment of ``topk_ids`` when the caller has it already (``route_and_align``
     computes it with the routing, in the router's launch); None aligns here.
+
+    With none of ``config``, ``act_fn`` and ``blocks`` given, a batch where
+    ``small_batch_applies`` (one token) takes ``fused_moe_small_batch`` instead: two launches, no
+    alignment, the top-k sum in the down launch.
     """
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
+    if config is None and act_fn is None and blocks is None and small_batch_applies(tokens):
+        return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)
     x = x.contiguous()

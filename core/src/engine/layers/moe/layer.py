@@ -8,7 +8,8 @@ the checkpoint's per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate/up/down_
 (``UnquantizedFusedMoEMethod``, or a quant plugin's ``FusedMoEMethodBase``). At decode sizes on
 CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this rank's expert ids
 and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
-method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it).
+method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batch 1
+(``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
@@ -175,8 +176,11 @@ class FusedMoE(nn.Module):
         if not (getattr(self.quant_method, "takes_expert_blocks", False) and triton_available(router_logits)):
             return None
         from engine.layers.moe.fused_moe import pick_blocks
+        from engine.layers.moe.small_batch import small_batch_applies
 
         tokens = router_logits.shape[0]
+        if small_batch_applies(tokens):
+            return None  # fused_moe takes its small-batch path: no alignment to compute
         block_m = pick_blocks(tokens * self.top_k, self.num_local_experts)["BLOCK_M"]
         applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)
         return block_m if applies else None

@@ -1,0 +1,190 @@
+"""The MoE layer's experts at batch 1 (and other batches where no two slots share an expert): two
+weight-streaming launches with no slot alignment.
+
+At decode batch 1 each of a token's ``top_k`` slots goes to a different expert, so the grouped
+GEMMs of ``fused_moe`` gain nothing from sorting slots by expert: their ``BLOCK_M`` tiles hold one
+real row in sixteen, and the alignment, the per-slot down rows and the top-k sum are launches of
+their own. Here, as the dense skinny GEMM (``engine_platform_cuda.gemv``) does for a linear layer,
+every program streams rows of one expert's weights and multiplies them by the one activation row
+they serve, accumulating in float32 registers (no tensor cores):
+
+1. ``gate/up``, program ``(slot, n)``: expert ``topk_ids[slot]``'s gate rows ``n * BLOCK_N ..`` and
+   the matching up rows ``I + n * BLOCK_N ..`` against ``x[slot // top_k]``; the epilogue writes
+   ``silu(gate) * up`` (``[slots, I]``), rounded as the grouped kernel's epilogue rounds.
+2. ``down``, program ``(token, n)``: rows ``n * BLOCK_N ..`` of all ``top_k`` experts of the token
+   at once (a ``[top_k, BLOCK_N, BLOCK_K]`` tile: the experts' loads are in flight together), each
+   against its slot's activation row; the epilogue scales each slot's sum by its routing weight,
+   rounds it to the activation dtype (as the grouped down launch stores it), and adds the slots in
+   order ``k = 0 .. top_k - 1`` in float32 (as ``sum_top_k``): the top-k sum is this launch's, not
+   a third one.
+
+So the layer's experts are two launches after the router's (which needs no alignment), and every
+result equals the grouped path's up to the float32 order of the K sums. Slots of experts on another
+expert-parallel rank (``-1``) read nothing and add zero. Weights may be fp8 codes with one scale per
+expert and output channel (``--quant fp8``), converted as they load.
+
+``small_batch_applies`` says when this path is taken: every slot a different expert is certain at
+one token (a token's top-k are distinct); past that, slots start to share experts and the grouped
+GEMM reads each expert once for all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Tokens up to which ``fused_moe`` takes this path (on its own choice: no tiles or blocks given).
+SMALL_BATCH_MAX_TOKENS = 1
+
+
+def small_batch_applies(tokens: int) -> bool:
+    """Whether ``fused_moe`` runs a batch of ``tokens`` through this module's kernels."""
+    return 0 < tokens <= SMALL_BATCH_MAX_TOKENS
+
+
+@triton.jit
+def _small_gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
+    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    expert = tl.load(ids_ptr + slot)
+    held = expert >= 0
+    # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    # x is addressed with the tile's full [BLOCK_N, BLOCK_K] shape (stride 0 along N), so it lands
+    # in the weights' register layout; the repeated addresses are served by L1.
+    zero_n = tl.zeros([BLOCK_N], dtype=tl.int64)[:, None]
+    x_ptrs = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm + zero_n + offs_k[None, :]
+    g_ptrs = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + N * stride_wn
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kk in range(0, K, BLOCK_K):
+        k_ok = (offs_k[None, :] + kk < K) & held  # a slot held elsewhere: no memory request
+        x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        acc_g += x * tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        acc_u += x * tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    gate = tl.sum(acc_g, axis=1)
+    up = tl.sum(acc_u, axis=1)
+    if HAS_SCALE:
+        s_ptrs = scale_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se + rows * stride_sn
+        gate = gate * tl.load(s_ptrs, mask=held, other=0.0)
+        up = up * tl.load(s_ptrs + N * stride_sn, mask=held, other=0.0)
+    # Rounded where the grouped kernel's epilogue rounds (gate and up, then SiLU, then the product).
+    out_ty = act_ptr.dtype.element_ty
+    gate = gate.to(out_ty).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
+    tl.store(act_ptr + slot.to(tl.int64) * stride_am + offs_n, act.to(out_ty), mask=n_ok)
+
+
+@triton.jit
+def _small_down_kernel(
+    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
+    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
+    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_TK)
+    t_ok = offs_t < TOP_K
+    slots = token * TOP_K + offs_t
+    expert = tl.load(ids_ptr + slots, mask=t_ok, other=-1)
+    held = expert >= 0
+    weight = tl.load(topk_w_ptr + slots, mask=held, other=0.0).to(tl.float32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    zero_n = tl.zeros([BLOCK_N], dtype=tl.int64)[None, :, None]
+    k3 = offs_k[None, None, :]
+    held3 = held[:, None, None]
+    a_ptrs = act_ptr + slots[:, None, None] * stride_am + zero_n + k3
+    w_ptrs = (w_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_we
+              + rows[None, :, None] * stride_wn + k3)
+    acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kk in range(0, K, BLOCK_K):
+        ok = (k3 + kk < K) & held3
+        a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
+        acc += a * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y = tl.sum(acc, axis=2)  # [BLOCK_TK, BLOCK_N]: each slot's down row
+    if HAS_SCALE:
+        s_ptrs = scale_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None] * stride_se + rows[None, :] * stride_sn
+        y = y * tl.load(s_ptrs, mask=held[:, None], other=0.0)
+    # As the grouped down launch stores each slot's row (times its weight, in the activation dtype)
+    # and sum_top_k adds them in slot order in float32.
+    out_ty = out_ptr.dtype.element_ty
+    y = (y * weight[:, None]).to(out_ty).to(tl.float32)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        total += tl.sum(tl.where(offs_t[:, None] == k, y, 0.0), axis=0)
+    tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ty), mask=offs_n < N)
+
+
+#: float32 accumulator elements per program (all its accumulators together): at 4 warps,
+#: 4096 is 32 registers a thread, the dense skinny GEMM's tile.
+_TILE = 4096
+
+
+def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
+    """Tile sizes of the two launches: ``BLOCK_N`` rows of each weight matrix a program streams,
+    ``BLOCK_K`` columns a step (16-byte vectors along the contiguous K), ``_TILE`` accumulators."""
+    block_tk = triton.next_power_of_2(top_k)
+    up_k = min(256, triton.next_power_of_2(hidden))
+    down_k = min(128, triton.next_power_of_2(inter))
+    return {"UP_BLOCK_N": max(1, _TILE // (2 * up_k)), "UP_BLOCK_K": up_k,
+            "DOWN_BLOCK_N": max(1, _TILE // (block_tk * down_k)), "DOWN_BLOCK_K": down_k}
+
+
+def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                          w2_scale: torch.Tensor | None = None,
+                          tiles: dict[str, int] | None = None) -> torch.Tensor:
+    """``fused_moe`` (SwiGLU experts) in two launches with no alignment: same arguments and result
+    as ``fused_moe_reference``. Correct for any batch; fast where slots do not share experts
+    (``small_batch_applies``). ``tiles`` overrides ``small_batch_tiles`` (tests, sweeps; optional
+    ``UP_WARPS`` / ``DOWN_WARPS``, default 4)."""
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    _, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    if w13.shape[2] != hidden or w2.shape[1:] != (hidden, inter):
+        raise ValueError(f"fused_moe_small_batch: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} for x {tuple(x.shape)};"
+                         f" accepted: w13 [experts, 2 * I, {hidden}], w2 [experts, {hidden}, I]")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError(f"fused_moe_small_batch: weight strides w13 {w13.stride()}, w2 {w2.stride()}; "
+                         "accepted: unit stride along the last (input) dimension")
+    t = tiles or small_batch_tiles(top_k, hidden, inter)
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    slots = tokens * top_k
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    if tokens == 0:
+        return out
+    s13 = w13_scale if w13_scale is not None else w13  # any pointer; unused without HAS_SCALE
+    _small_gate_up_kernel[(slots, triton.cdiv(inter, t["UP_BLOCK_N"]))](
+        x, w13, s13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        s13.stride(0) if w13_scale is not None else 0, s13.stride(1) if w13_scale is not None else 0, act.stride(0),
+        K=hidden, TOP_K=top_k, HAS_SCALE=w13_scale is not None, BLOCK_N=t["UP_BLOCK_N"], BLOCK_K=t["UP_BLOCK_K"],
+        num_warps=t.get("UP_WARPS", 4), num_stages=1)
+    s2 = w2_scale if w2_scale is not None else w2
+    _small_down_kernel[(tokens, triton.cdiv(hidden, t["DOWN_BLOCK_N"]))](
+        act, w2, s2, ids, weights, out, hidden, act.stride(0), w2.stride(0), w2.stride(1),
+        s2.stride(0) if w2_scale is not None else 0, s2.stride(1) if w2_scale is not None else 0, out.stride(0),
+        K=inter, TOP_K=top_k, HAS_SCALE=w2_scale is not None, BLOCK_TK=triton.next_power_of_2(top_k),
+        BLOCK_N=t["DOWN_BLOCK_N"], BLOCK_K=t["DOWN_BLOCK_K"], num_warps=t.get("DOWN_WARPS", 4), num_stages=1)
+    return out

@@ -1,0 +1,177 @@
+"""The small-batch expert kernels (``fused_moe_small_batch``) against the torch reference and the
+grouped kernels, and ``fused_moe``'s choice between them.
+
+On a CPU-only machine the kernels run in Triton's interpreter (float32/float16; the ``cpu`` case of
+``triton_device``), on a GPU compiled (the ``cuda`` case, marked gpu, with a bf16 Qwen3-30B-A3B-like
+shape and a CUDA graph replay as well). Shapes are odd on purpose: no tile divides 40 or 48.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.moe.reference import fused_moe_reference
+from engine.layers.moe.router import select_experts_reference
+
+E, H, INTER = 6, 48, 40
+
+
+def _case(device: str, tokens: int, top_k: int, dtype: torch.dtype, seed: int, experts: int = E,
+          hidden: int = H, inter: int = INTER) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    x = torch.randn(tokens, hidden, generator=gen)
+    w, ids = select_experts_reference(torch.randn(tokens, experts, generator=gen), top_k, True)
+    return x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), w.to(device), ids.to(device)
+
+
+# top_k 3: the down launch's slot tile (4 lanes) has a lane that is no slot.
+@pytest.mark.parametrize("tokens, top_k", [(1, 2), (1, 3), (1, 1), (3, 2)], ids=["one-top2", "one-top3", "one-top1",
+                                                                               "three-tokens"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_matches_reference(triton_device: str, tokens: int, top_k: int, dtype: torch.dtype) -> None:
+    """Correct for any batch (three tokens: slots may share an expert), fast for one token."""
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, ids = _case(triton_device, tokens, top_k, dtype, seed=tokens * 10 + top_k)
+    ours = fused_moe_small_batch(x, w13, w2, w, ids)
+    ref = fused_moe_reference(x.float(), w13.float(), w2.float(), w, ids)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert ours.shape == (tokens, H) and ours.dtype == dtype
+    torch.testing.assert_close(ours.float(), ref, atol=tol, rtol=tol)
+
+
+def test_equals_the_grouped_kernels_in_float32(triton_device: str) -> None:
+    """Both paths round at the same points; in float32 they differ only by the order of the K sums."""
+    from engine.layers.moe.fused_moe import fused_moe
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, ids = _case(triton_device, 1, 2, torch.float32, seed=3)
+    grouped = fused_moe(x, w13, w2, w, ids, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1,
+                                                    "num_warps": 4, "num_stages": 1})
+    torch.testing.assert_close(fused_moe_small_batch(x, w13, w2, w, ids), grouped, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_held_elsewhere_add_nothing(triton_device: str) -> None:
+    """Expert-parallel ids: -1 (another rank's expert) contributes zero, the rest as the reference."""
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, _ = _case(triton_device, 1, 3, torch.float32, seed=4)
+    ids = torch.tensor([[2, -1, 5]], dtype=torch.int32, device=triton_device)
+    ours = fused_moe_small_batch(x, w13, w2, w, ids)
+    keep = torch.tensor([[2, 5]], dtype=torch.int32, device=triton_device)
+    ref = fused_moe_reference(x, w13, w2, w[:, [0, 2]], keep)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    all_elsewhere = torch.full((1, 3), -1, dtype=torch.int32, device=triton_device)
+    assert fused_moe_small_batch(x, w13, w2, w, all_elsewhere).abs().max().item() == 0.0
+
+
+def test_per_channel_scales(triton_device: str) -> None:
+    """The fp8 layout (one scale per expert and output channel; float32 codes here, since the
+    interpreter holds no fp8): scales applied to each launch's sums."""
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, ids = _case(triton_device, 1, 2, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    s13 = (torch.rand(E, 2 * INTER, generator=gen) + 0.5).to(triton_device)
+    s2 = (torch.rand(E, H, generator=gen) + 0.5).to(triton_device)
+    ours = fused_moe_small_batch(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2)
+    ref = fused_moe_reference(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tiles", [{"UP_BLOCK_N": 4, "UP_BLOCK_K": 16, "DOWN_BLOCK_N": 2, "DOWN_BLOCK_K": 16},
+                                   {"UP_BLOCK_N": 64, "UP_BLOCK_K": 64, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 64}],
+                         ids=["many-k-steps", "one-tile"])
+def test_tile_sizes_do_not_change_the_result(triton_device: str, tiles: dict[str, int]) -> None:
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, ids = _case(triton_device, 1, 2, torch.float32, seed=7)
+    ref = fused_moe_reference(x, w13, w2, w, ids)
+    torch.testing.assert_close(fused_moe_small_batch(x, w13, w2, w, ids, tiles=tiles), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_shapes_name_the_tensors() -> None:
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, ids = _case("cpu", 1, 2, torch.float32, seed=8)
+    with pytest.raises(ValueError, match=r"fused_moe_small_batch: w13 .*w2 .*accepted"):
+        fused_moe_small_batch(x, w13, w2[:, :, :-1], w, ids)
+    with pytest.raises(ValueError, match="unit stride"):
+        fused_moe_small_batch(x, w13, w2.transpose(1, 2).contiguous().transpose(1, 2), w, ids)
+
+
+def test_fused_moe_takes_the_small_path_on_its_own_choice_only(triton_device: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """One token and no tiles, blocks or activation given: the small-batch kernels; otherwise, or at
+    two tokens, the grouped ones (which the existing tests pin with their tiles)."""
+    import engine.layers.moe.fused_moe as fused_module
+    from engine.layers.moe.small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_applies
+
+    taken: list[int] = []
+    real = fused_module.fused_moe_small_batch
+    monkeypatch.setattr(fused_module, "fused_moe_small_batch",
+                        lambda x, *a, **k: taken.append(x.shape[0]) or real(x, *a, **k))
+    assert SMALL_BATCH_MAX_TOKENS == 1 and small_batch_applies(1) and not small_batch_applies(2)
+    assert not small_batch_applies(0)
+    for tokens in (1, 2):
+        x, w13, w2, w, ids = _case(triton_device, tokens, 2, torch.float32, seed=9)
+        out = fused_module.fused_moe(x, w13, w2, w, ids)
+        torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, w, ids), atol=1e-4, rtol=1e-4)
+    assert taken == [1]
+    x, w13, w2, w, ids = _case(triton_device, 1, 2, torch.float32, seed=10)
+    fused_module.fused_moe(x, w13, w2, w, ids, act_fn=lambda gu: torch.nn.functional.silu(gu[:, :INTER]) * gu[:, INTER:])
+    fused_module.fused_moe(x, w13, w2, w, ids, config={"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 1,
+                                                       "num_warps": 4, "num_stages": 1})
+    assert taken == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("quant", ["bf16", "fp8"])
+def test_qwen3_moe_shape_bf16_against_grouped_and_in_a_graph(quant: str) -> None:
+    """128 experts, top 8, hidden 2048, intermediate 768 (Qwen3-30B-A3B): bf16 (or fp8 codes with
+    per-channel scales) against the reference and the grouped kernels; a CUDA graph of router + the
+    two launches replays bit-equal to eager calls on new inputs."""
+    from engine.layers.moe.fused_moe import fused_moe, pick_blocks
+    from engine.layers.moe.router import select_experts
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    x, w13, w2, w, ids = _case("cuda", 1, 8, torch.bfloat16, seed=11, experts=128, hidden=2048, inter=768)
+    scales: dict[str, torch.Tensor] = {}
+    if quant == "fp8":
+        def q(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            s = t.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+            return (t.float() / s.unsqueeze(-1)).to(torch.float8_e4m3fn), s
+        w13, scales["w13_scale"] = q(w13)
+        w2, scales["w2_scale"] = q(w2)
+    ours = fused_moe_small_batch(x, w13, w2, w, ids, **scales)
+    ref = fused_moe_reference(x.float(), w13 if quant == "fp8" else w13.float(), w2 if quant == "fp8" else w2.float(),
+                              w, ids, **scales)
+    torch.testing.assert_close(ours.float(), ref, atol=3e-2, rtol=3e-2)
+    grouped = fused_moe(x, w13, w2, w, ids, config=pick_blocks(8, 128), **scales)
+    # Same rounding points; the K sums' order differs (fma lanes vs tensor-core tiles).
+    torch.testing.assert_close(ours, grouped, atol=2e-2, rtol=2e-2)
+
+    logits = torch.randn(1, 128, device="cuda")
+
+    def step() -> torch.Tensor:
+        wt, i = select_experts(logits, 8, True)
+        return fused_moe(x, w13, w2, wt, i, **scales)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (12, 13):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype))
+        logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen))
+        graph.replay()
+        torch.testing.assert_close(out, step(), atol=0, rtol=0)

@@ -1,0 +1,146 @@
+"""The small-batch expert kernels against the grouped ones, on cold weights (GPU only).
+
+For each shape and token count, one MoE layer's experts as a decode step runs them past the router's
+gate linear, inside a CUDA graph that cycles through distinct random routings (so each call reads
+experts the previous ones did not leave in L2; at batch 1 one call's experts are 38 MB for the
+Qwen3-30B-A3B shape, under the H100's 50 MB L2):
+
+- ``small``: the router, then ``fused_moe_small_batch`` (gate/up, down with the top-k sum);
+- ``grouped``: routing and alignment as ``FusedMoE`` runs them at that size (one launch up to
+  ``ROUTE_ALIGN_PAYS_MAX_SLOTS``, else router + alignment), the two grouped GEMMs and the top-k sum.
+
+GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
+bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best.
+
+usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
+       [--result-file out/results.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+import triton
+from engine_platform_cuda.graph_timing import graph_median_us
+
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
+ROUTINGS = 8
+
+
+def _setup(shape: str, tokens: int) -> tuple:
+    experts, hidden, inter, top_k = SHAPES[shape]
+    dev, dtype = "cuda", torch.bfloat16
+    w13 = torch.randn(experts, 2 * inter, hidden, device=dev, dtype=dtype) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device=dev, dtype=dtype) * 0.02
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    gen = torch.Generator(device="cpu").manual_seed(tokens)
+    logits = [torch.randn(tokens, experts, generator=gen).to(dev) for _ in range(ROUTINGS)]
+    return experts, hidden, inter, top_k, w13, w2, x, logits
+
+
+def _touched_bytes(logits: list[torch.Tensor], top_k: int, hidden: int, inter: int) -> float:
+    touched = sum(len(torch.unique(torch.topk(lg, top_k, dim=-1).indices)) for lg in logits) / len(logits)
+    return touched * 3 * hidden * inter * 2
+
+
+def compare(shape: str, tokens: int) -> dict[str, object]:
+    from engine.layers.moe.fused_moe import fused_moe, pick_blocks
+    from engine.layers.moe.route_align import route_and_align
+    from engine.layers.moe.router import select_experts
+    from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies
+
+    experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, tokens)
+    block_m = pick_blocks(tokens * top_k, experts)["BLOCK_M"]
+
+    def small(lg: torch.Tensor) -> torch.Tensor:
+        w, ids = select_experts(lg, top_k, True)
+        return fused_moe_small_batch(x, w13, w2, w, ids)
+
+    def grouped(lg: torch.Tensor) -> torch.Tensor:
+        w, ids, blocks = route_and_align(lg, top_k, True, block_m)
+        return fused_moe(x, w13, w2, w, ids, blocks=blocks)
+
+    nbytes = _touched_bytes(logits, top_k, hidden, inter)
+    row: dict[str, object] = {"bench": "moe_small_vs_grouped", "shape": shape, "tokens": tokens,
+                              "default": "small" if small_batch_applies(tokens) else "grouped"}
+    for name, fn in (("small", small), ("grouped", grouped)):
+        us = graph_median_us([lambda lg=lg, f=fn: f(lg) for lg in logits])
+        row[f"{name}_us"] = round(us, 2)
+        row[f"{name}_gbs"] = round(nbytes / us / 1e3, 1)
+    torch.testing.assert_close(small(logits[0]), grouped(logits[0]), atol=2e-2, rtol=2e-2)
+    row.update(gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return row
+
+
+def sweep(shape: str) -> list[dict[str, object]]:
+    from engine.layers.moe.router import select_experts
+    from engine.layers.moe.small_batch import (
+        _small_down_kernel,
+        _small_gate_up_kernel,
+        small_batch_tiles,
+    )
+
+    experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, 1)
+    routes = [select_experts(lg, top_k, True) for lg in logits]
+    act = torch.randn(top_k, inter, device="cuda", dtype=x.dtype)
+    out_act = torch.empty_like(act)
+    out = torch.empty(1, hidden, device="cuda", dtype=x.dtype)
+
+    def up(ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
+        _small_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
+            x, w13, w13, ids, out_act, inter, x.stride(0), w13.stride(0), w13.stride(1), 0, 0, out_act.stride(0),
+            K=hidden, TOP_K=top_k, HAS_SCALE=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+
+    def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
+        _small_down_kernel[(1, triton.cdiv(hidden, bn))](
+            act, w2, w2, ids, w, out, hidden, act.stride(0), w2.stride(0), w2.stride(1), 0, 0, out.stride(0),
+            K=inter, TOP_K=top_k, HAS_SCALE=False, BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=warps, num_stages=1)
+
+    default = small_batch_tiles(top_k, hidden, inter)
+    rows = []
+    for launch, grid_n, grid_k in (("gate_up", (2, 4, 8, 16, 32), (64, 128, 256, 512)),
+                                   ("down", (1, 2, 4, 8, 16), (64, 128, 256, 512))):
+        nbytes = top_k * (2 if launch == "gate_up" else 1) * hidden * inter * 2
+        results = []
+        for bn, bk, warps in itertools.product(grid_n, grid_k, (2, 4, 8)):
+            if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(top_k)) > 16384:
+                continue
+            if launch == "gate_up":
+                calls = [lambda r=r, a=bn, b=bk, c=warps: up(r[1], a, b, c) for r in routes]
+            else:
+                calls = [lambda r=r, a=bn, b=bk, c=warps: down(r[0], r[1], a, b, c) for r in routes]
+            us = graph_median_us(calls)
+            results.append({"block_n": bn, "block_k": bk, "warps": warps, "us": round(us, 2),
+                            "gbs": round(nbytes / us / 1e3, 1)})
+        results.sort(key=lambda r: r["us"])
+        prefix = "UP" if launch == "gate_up" else "DOWN"
+        mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
+                     and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == 4), None)
+        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "default": mine, "best": results[:5],
+               "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--result-file", default=None)
+    a = ap.parse_args()
+    rows = sweep(a.shape) if a.sweep else [compare(a.shape, t) for t in a.tokens]
+    for row in rows:
+        print(json.dumps(row), flush=True)
+        if a.result_file:
+            with open(a.result_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
