@@ -107,7 +107,7 @@ def sweep(shape: str) -> list[dict[str, object]]:
                                    ("down", (1, 2, 4, 8, 16), (64, 128, 256, 512))):
         nbytes = top_k * (2 if launch == "gate_up" else 1) * hidden * inter * 2
         results = []
-        for bn, bk, warps in itertools.product(grid_n, grid_k, (2, 4, 8)):
+        for bn, bk, warps in itertools.product(grid_n, grid_k, (4, 8)):
             if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(top_k)) > 16384:
                 continue
             if launch == "gate_up":

@@ -19,6 +19,7 @@ from engine.layers.moe import (
 )
 from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.router import select_experts_reference
+from engine.layers.moe.small_batch import small_batch_applies
 
 E, H, INTER, TOP_K = 4, 16, 8, 2
 
@@ -92,7 +93,7 @@ def test_kernel_path_routes_and_aligns_in_one_step(triton_path: list[tuple[str, 
                                                    tokens: int) -> None:
     """The layer's decode path (``route_and_align`` with this rank's experts, its blocks handed to
     ``fused_moe``) sums over the shards to the torch layer's output; blocks do not outlive forward.
-    At one token (``small_batch_applies``) the router runs alone and ``fused_moe`` gets no blocks:
+    At one token (``small_batch_applies``: 1-2 tokens) the router runs alone and ``fused_moe`` gets no blocks:
     its small-batch kernels need none."""
     gen = torch.Generator().manual_seed(tokens + 10 * tp)
     x = torch.randn(tokens, H, generator=gen)
@@ -103,7 +104,7 @@ def test_kernel_path_routes_and_aligns_in_one_step(triton_path: list[tuple[str, 
     torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-4)
     assert len(triton_path) == tp
     for (_, blocks), shard in zip(triton_path, shards, strict=True):
-        if tokens == 1:
+        if small_batch_applies(tokens):
             assert blocks is None
         else:
             assert isinstance(blocks, ExpertBlocks) and blocks.num_slots == tokens * TOP_K

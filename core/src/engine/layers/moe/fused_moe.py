@@ -19,7 +19,7 @@ Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
    is 1).
 
 With the router and alignment in one launch that is four launches per MoE layer at decode. At
-batch 1 (``small_batch.small_batch_applies``) there is nothing to group: ``fused_moe_small_batch``
+batches of 1-2 tokens (``small_batch.small_batch_applies``) there is nothing to group: ``fused_moe_small_batch``
 streams each slot's expert rows in two launches after a router launch with no alignment, the top-k
 sum in the second.
 Float32 atomics in the down launch instead of the top-k sum were left out: they would need a
@@ -205,7 +205,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     computes it with the routing, in the router's launch); None aligns here.
 
     With none of ``config``, ``act_fn`` and ``blocks`` given, a batch where
-    ``small_batch_applies`` (one token) takes ``fused_moe_small_batch`` instead: two launches, no
+    ``small_batch_applies`` (one or two tokens) takes ``fused_moe_small_batch`` instead: two launches, no
     alignment, the top-k sum in the down launch.
     """
     tokens, hidden = x.shape

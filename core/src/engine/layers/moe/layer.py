@@ -8,8 +8,8 @@ the checkpoint's per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate/up/down_
 (``UnquantizedFusedMoEMethod``, or a quant plugin's ``FusedMoEMethodBase``). At decode sizes on
 CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this rank's expert ids
 and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
-method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batch 1
-(``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
+method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batches
+of 1-2 tokens (``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
