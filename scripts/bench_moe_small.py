@@ -66,7 +66,7 @@ def compare(shape: str, tokens: int) -> dict[str, object]:
 
     nbytes = _touched_bytes(logits, top_k, hidden, inter)
     row: dict[str, object] = {"bench": "moe_small_vs_grouped", "shape": shape, "tokens": tokens,
-                              "default": "small" if small_batch_applies(tokens) else "grouped"}
+                              "default": "small" if small_batch_applies(tokens, top_k, experts) else "grouped"}
     for name, fn in (("small", small), ("grouped", grouped)):
         us = graph_median_us([lambda lg=lg, f=fn: f(lg) for lg in logits])
         row[f"{name}_us"] = round(us, 2)
@@ -120,7 +120,7 @@ def sweep(shape: str) -> list[dict[str, object]]:
         results.sort(key=lambda r: r["us"])
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
-                     and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == 4), None)
+                     and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]), None)
         row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         rows.append(row)

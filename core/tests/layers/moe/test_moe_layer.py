@@ -104,7 +104,7 @@ def test_kernel_path_routes_and_aligns_in_one_step(triton_path: list[tuple[str, 
     torch.testing.assert_close(out, whole, atol=1e-4, rtol=1e-4)
     assert len(triton_path) == tp
     for (_, blocks), shard in zip(triton_path, shards, strict=True):
-        if small_batch_applies(tokens):
+        if small_batch_applies(tokens, TOP_K, E):
             assert blocks is None
         else:
             assert isinstance(blocks, ExpertBlocks) and blocks.num_slots == tokens * TOP_K

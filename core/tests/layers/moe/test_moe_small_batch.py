@@ -106,7 +106,7 @@ def test_bad_shapes_name_the_tensors() -> None:
 def test_fused_moe_takes_the_small_path_on_its_own_choice_only(triton_device: str,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """One token and no tiles, blocks or activation given: the small-batch kernels; otherwise, or at
-    three tokens, the grouped ones (which the existing tests pin with their tiles)."""
+    two tokens of few experts, the grouped ones (which the existing tests pin with their tiles)."""
     import engine.layers.moe.fused_moe as fused_module
     from engine.layers.moe.small_batch import SMALL_BATCH_MAX_TOKENS, small_batch_applies
 
@@ -114,9 +114,10 @@ def test_fused_moe_takes_the_small_path_on_its_own_choice_only(triton_device: st
     real = fused_module.fused_moe_small_batch
     monkeypatch.setattr(fused_module, "fused_moe_small_batch",
                         lambda x, *a, **k: taken.append(x.shape[0]) or real(x, *a, **k))
-    assert SMALL_BATCH_MAX_TOKENS == 2 and small_batch_applies(1) and small_batch_applies(2)
-    assert not small_batch_applies(0) and not small_batch_applies(3)
-    for tokens in (1, 3):
+    assert SMALL_BATCH_MAX_TOKENS == 2 and small_batch_applies(1, 2, E) and small_batch_applies(1, 8, 8)
+    assert small_batch_applies(2, 8, 128) and not small_batch_applies(2, 2, 8)  # Qwen3-30B-A3B; Mixtral
+    assert not small_batch_applies(0, 2, E) and not small_batch_applies(3, 1, 128)
+    for tokens in (1, 2):  # 2 tokens of top 2 of 6 experts: the grouped kernels
         x, w13, w2, w, ids = _case(triton_device, tokens, 2, torch.float32, seed=9)
         out = fused_module.fused_moe(x, w13, w2, w, ids)
         torch.testing.assert_close(out, fused_moe_reference(x, w13, w2, w, ids), atol=1e-4, rtol=1e-4)

@@ -211,7 +211,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
-    if config is None and act_fn is None and blocks is None and small_batch_applies(tokens):
+    if config is None and act_fn is None and blocks is None and small_batch_applies(tokens, top_k, num_experts):
         return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)

@@ -179,7 +179,7 @@ class FusedMoE(nn.Module):
         from engine.layers.moe.small_batch import small_batch_applies
 
         tokens = router_logits.shape[0]
-        if small_batch_applies(tokens):
+        if small_batch_applies(tokens, self.top_k, self.num_local_experts):
             return None  # fused_moe takes its small-batch path: no alignment to compute
         block_m = pick_blocks(tokens * self.top_k, self.num_local_experts)["BLOCK_M"]
         applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)

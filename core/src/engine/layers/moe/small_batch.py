@@ -40,9 +40,15 @@ import triton.language as tl
 SMALL_BATCH_MAX_TOKENS = 2
 
 
-def small_batch_applies(tokens: int) -> bool:
-    """Whether ``fused_moe`` runs a batch of ``tokens`` through this module's kernels."""
-    return 0 < tokens <= SMALL_BATCH_MAX_TOKENS
+def small_batch_applies(tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether ``fused_moe`` runs a batch of ``tokens`` through this module's kernels: one token, or
+    up to ``SMALL_BATCH_MAX_TOKENS`` where few slots can share an expert, each other token's
+    ``top_k`` picks landing on this token's experts at most 1/16 of the time (``(tokens - 1) *
+    top_k <= num_experts / 16``: two tokens of Qwen3-30B-A3B, top 8 of 128, but not of Mixtral, top 2
+    of 8, where on an H200 the small path took 302 us at two tokens against the grouped path's 236)."""
+    if tokens == 1:
+        return True
+    return 1 < tokens <= SMALL_BATCH_MAX_TOKENS and 16 * (tokens - 1) * top_k <= num_experts
 
 
 @triton.jit
@@ -137,18 +143,21 @@ def _small_down_kernel(
 
 def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
     """Tile sizes of the two launches: ``BLOCK_N`` rows of each weight matrix a program streams and
-    ``BLOCK_K`` columns a step (16-byte vectors along the contiguous K), 2048 float32 accumulators a
-    program (16 registers a thread at 4 warps).
+    ``BLOCK_K`` columns a step (16-byte vectors along the contiguous K).
 
-    Few rows, long steps: on an H100 (Qwen3-30B-A3B shape, one token, cold weights,
-    ``scripts/bench_moe_small.py --sweep``, 2026-11-23) gate/up ran 19.2 us (2.62 TB/s) at 2 rows x
-    512 against 22.7 us at 8 x 256, and down 12.4 us at 1 row (of each of the 8 experts) x 256
-    against 17.1 us at 4 x 128. Many small programs keep more loads in flight per SM."""
+    Few rows, long steps: many small programs keep more loads in flight per SM. From
+    ``scripts/bench_moe_small.py --sweep`` (one token, cold weights, 2026-11-23):
+
+    - Qwen3-30B-A3B shape on an H100: gate/up 19.2 us (2.62 TB/s) at 2 rows x 512 against 22.7 us at
+      8 x 256; down 12.4 us at 1 row of each of the 8 experts x 256 against 17.1 us at 4 x 128.
+    - Mixtral-8x7B shape on an H200: gate/up 110.7 us at 2 x 512 with 8 warps (117.0 with 4, best
+      107.5 at 2 x 256); down 56.5 us (4.16 TB/s) at 1 row of each of the 2 experts x 512 against
+      67.3 at 4 x 256.
+    """
     block_tk = triton.next_power_of_2(top_k)
-    up_k = min(512, triton.next_power_of_2(hidden))
-    down_k = min(256, triton.next_power_of_2(inter))
-    return {"UP_BLOCK_N": max(1, 2048 // (2 * up_k)), "UP_BLOCK_K": up_k,
-            "DOWN_BLOCK_N": max(1, 2048 // (block_tk * down_k)), "DOWN_BLOCK_K": down_k}
+    down_k = min(512, triton.next_power_of_2(inter), max(16, 2048 // block_tk))
+    return {"UP_BLOCK_N": 2, "UP_BLOCK_K": min(512, triton.next_power_of_2(hidden)), "UP_WARPS": 8,
+            "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4}
 
 
 def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
