@@ -1,5 +1,6 @@
-"""Fixtures of the MoE kernel tests: ``triton_device`` (each test runs where Triton can run it)
-and ``triton_path`` (``FusedMoE``'s CUDA path on the CPU, under the interpreter).
+"""Fixtures of the MoE kernel tests: ``triton_device`` (each test runs where Triton can run it),
+``triton_path`` (``FusedMoE``'s CUDA path on the CPU, under the interpreter) and
+``replays_like_eager`` (a step captured in a CUDA graph, checked on fresh inputs).
 
 ``cuda`` (marked gpu) where a GPU is present; ``cpu`` under Triton's interpreter, which the root
 conftest turns on (``TRITON_INTERPRET=1``) where none is. The same assertions check the compiled
@@ -9,7 +10,7 @@ kernels on the GPU and their logic on a CPU-only machine.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -52,3 +53,29 @@ def triton_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, obj
     monkeypatch.setattr(layer_module, "route_and_align", route_and_align_triton)
     monkeypatch.setattr(fused_module, "fused_moe", recording)
     yield calls
+
+
+@pytest.fixture
+def replays_like_eager() -> Callable[..., None]:
+    """``check(step, inputs, seeds)``: captures ``step()`` in a CUDA graph (after one eager call on a
+    side stream, which compiles the kernels), then for each seed refills ``inputs`` in place with
+    fresh Gaussian values, replays the graph, and asserts its output equals an eager ``step()``
+    bit for bit: fixed shapes, no host syncs, nothing baked in at capture."""
+
+    def check(step: Callable[[], torch.Tensor], inputs: list[torch.Tensor], seeds: tuple[int, ...]) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for seed in seeds:
+            gen = torch.Generator(device="cuda").manual_seed(seed)
+            for tensor in inputs:
+                tensor.copy_(torch.randn(tensor.shape, device="cuda", generator=gen).to(tensor.dtype))
+            graph.replay()
+            torch.testing.assert_close(out, step(), atol=0, rtol=0)
+
+    return check

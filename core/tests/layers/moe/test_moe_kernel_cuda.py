@@ -10,6 +10,8 @@ replayed on new inputs; the SiLU-and-mul epilogue against the separate activatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -69,7 +71,7 @@ def test_fp8_codes(tokens: int) -> None:
 
 @pytest.mark.parametrize("routing", ["router-then-align", "route-and-align"])
 @pytest.mark.parametrize("tokens", [1, 8, 64])
-def test_decode_step_replays_in_a_cuda_graph(tokens: int, routing: str) -> None:
+def test_decode_step_replays_in_a_cuda_graph(tokens: int, routing: str, replays_like_eager: Callable[..., None]) -> None:
     """Routing, alignment (one launch each, or both in one: ``route_and_align``), the GEMMs and the
     top-k sum have fixed shapes and no host syncs: captured once, the graph gives what eager calls
     give on fresh inputs."""
@@ -87,20 +89,7 @@ def test_decode_step_replays_in_a_cuda_graph(tokens: int, routing: str) -> None:
         w, ids = select_experts(logits, TOP_K, renormalize=True)
         return fused_moe(x, w13, w2, w, ids)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for seed in (22, 23):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype))
-        logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen))
-        graph.replay()
-        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+    replays_like_eager(step, [x, logits], seeds=(22, 23))
 
 
 @pytest.mark.parametrize("tokens", [1, 64])

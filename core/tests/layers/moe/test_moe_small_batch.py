@@ -8,6 +8,8 @@ shape and a CUDA graph replay as well). Shapes are odd on purpose: no tile divid
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -132,7 +134,7 @@ def test_fused_moe_takes_the_small_path_on_its_own_choice_only(triton_device: st
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("quant", ["bf16", "fp8"])
-def test_qwen3_moe_shape_bf16_against_grouped_and_in_a_graph(quant: str) -> None:
+def test_qwen3_moe_shape_bf16_against_grouped_and_in_a_graph(quant: str, replays_like_eager: Callable[..., None]) -> None:
     """128 experts, top 8, hidden 2048, intermediate 768 (Qwen3-30B-A3B): bf16 (or fp8 codes with
     per-channel scales) against the reference and the grouped kernels; a CUDA graph of router + the
     two launches replays bit-equal to eager calls on new inputs."""
@@ -162,17 +164,4 @@ def test_qwen3_moe_shape_bf16_against_grouped_and_in_a_graph(quant: str) -> None
         wt, i = select_experts(logits, 8, True)
         return fused_moe(x, w13, w2, wt, i, **scales)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for seed in (12, 13):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        x.copy_(torch.randn(x.shape, device="cuda", generator=gen).to(x.dtype))
-        logits.copy_(torch.randn(logits.shape, device="cuda", generator=gen))
-        graph.replay()
-        torch.testing.assert_close(out, step(), atol=0, rtol=0)
+    replays_like_eager(step, [x, logits], seeds=(12, 13))
