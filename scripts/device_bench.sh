@@ -108,11 +108,18 @@ for stage in "$@"; do
       timeout "${DEFAULT_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_gpu.py \
         > "$OUT/gpu_default_model.log" 2>&1; tail -6 "$OUT/gpu_default_model.log" ;;
     owed)
-      # GPU tests of code that landed after session 9's device time ran out: the shared CUDA-graph
-      # timer of the benchmark scripts; with them, the PDL and prologue tests (run in session 9) as a check.
-      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider plugins/platform-cuda/tests/test_graph_timing.py \
-        plugins/platform-cuda/tests/test_pdl_gpu.py plugins/platform-cuda/tests/test_qkv_prologue_gpu.py \
-        > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
+      # GPU tests of code that landed after session 10's device time ran out: the MoE GPU tests' CUDA-graph
+      # replay fixture (replays_like_eager) in test_moe_small_batch.py and test_moe_kernel_cuda.py.
+      timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider core/tests/layers/moe/test_moe_small_batch.py \
+        core/tests/layers/moe/test_moe_kernel_cuda.py > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
+    moe_small)
+      # The small-batch expert kernels vs the grouped ones (1, 2, 4 tokens), their tile sweep, and the routing
+      # launches (one program vs router + alignment) by token count (docs/moe.md "Small batches").
+      for s in qwen3-30b-a3b mixtral-8x7b; do
+        timeout 150 python3 scripts/bench_moe_small.py --shape "$s" --tokens 1 2 4 --result-file "$RES" 2>&1 | grep -v Warning
+        timeout 200 python3 scripts/bench_moe_small.py --shape "$s" --sweep --result-file "$RES" 2>&1 | grep -v Warning
+      done
+      timeout 120 python3 scripts/bench_route_align.py --result-file "$RES" 2>&1 | grep -v Warning ;;
     pdl)
       # Programmatic dependent launch: a 48-layer projection chain, then the model on and off (docs/platforms.md).
       python3 scripts/bench_pdl.py --rows 1 4 --result-file "$RES" 2>&1 | grep -v Warning
