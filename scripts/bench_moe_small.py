@@ -78,11 +78,7 @@ def compare(shape: str, tokens: int) -> dict[str, object]:
 
 def sweep(shape: str) -> list[dict[str, object]]:
     from engine.layers.moe.router import select_experts
-    from engine.layers.moe.small_batch import (
-        _small_down_kernel,
-        _small_gate_up_kernel,
-        small_batch_tiles,
-    )
+    from engine.layers.moe.small_batch import launch_down, launch_gate_up, small_batch_tiles
 
     experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, 1)
     routes = [select_experts(lg, top_k, True) for lg in logits]
@@ -91,15 +87,10 @@ def sweep(shape: str) -> list[dict[str, object]]:
     out = torch.empty(1, hidden, device="cuda", dtype=x.dtype)
 
     def up(ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
-        _small_gate_up_kernel[(top_k, triton.cdiv(inter, bn))](
-            x, w13, w13, ids, out_act, inter, x.stride(0), w13.stride(0), w13.stride(1), 0, 0, out_act.stride(0),
-            K=hidden, TOP_K=top_k, HAS_SCALE=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=1)
+        launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps)
 
     def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
-        _small_down_kernel[(1, triton.cdiv(hidden, bn))](
-            act, w2, w2, ids, w, out, hidden, act.stride(0), w2.stride(0), w2.stride(1), 0, 0, out.stride(0),
-            K=inter, TOP_K=top_k, HAS_SCALE=False, BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, num_stages=1)
+        launch_down(act, w2, None, ids, w, out, bn, bk, warps)
 
     default = small_batch_tiles(top_k, hidden, inter)
     rows = []

@@ -182,21 +182,37 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    slots = tokens * top_k
-    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    s13 = w13_scale if w13_scale is not None else w13  # any pointer; unused without HAS_SCALE
-    _small_gate_up_kernel[(slots, triton.cdiv(inter, t["UP_BLOCK_N"]))](
-        x, w13, s13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        s13.stride(0) if w13_scale is not None else 0, s13.stride(1) if w13_scale is not None else 0, act.stride(0),
-        K=hidden, TOP_K=top_k, HAS_SCALE=w13_scale is not None, BLOCK_N=t["UP_BLOCK_N"], BLOCK_K=t["UP_BLOCK_K"],
-        num_warps=t.get("UP_WARPS", 4), num_stages=1)
-    s2 = w2_scale if w2_scale is not None else w2
-    _small_down_kernel[(tokens, triton.cdiv(hidden, t["DOWN_BLOCK_N"]))](
-        act, w2, s2, ids, weights, out, hidden, act.stride(0), w2.stride(0), w2.stride(1),
-        s2.stride(0) if w2_scale is not None else 0, s2.stride(1) if w2_scale is not None else 0, out.stride(0),
-        K=inter, TOP_K=top_k, HAS_SCALE=w2_scale is not None, BLOCK_TK=triton.next_power_of_2(top_k),
-        BLOCK_N=t["DOWN_BLOCK_N"], BLOCK_K=t["DOWN_BLOCK_K"], num_warps=t.get("DOWN_WARPS", 4), num_stages=1)
+    launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4))
+    launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4))
     return out
+
+
+def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
+    return (scale.stride(0), scale.stride(1)) if scale is not None else (0, 0)
+
+
+def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
+                   act: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> None:
+    """The gate/up launch alone (``act [slots, I]`` written): ``fused_moe_small_batch``'s first
+    step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``."""
+    inter = w13.shape[1] // 2
+    _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, block_n))](
+        x, w13, scale if scale is not None else w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        *_scale_strides(scale), act.stride(0), K=w13.shape[2], TOP_K=ids.shape[1], HAS_SCALE=scale is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
+
+
+def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
+                weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> None:
+    """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
+    ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``."""
+    tokens, top_k = ids.shape
+    hidden = w2.shape[1]
+    _small_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        act, w2, scale if scale is not None else w2, ids, weights, out, hidden, act.stride(0), w2.stride(0),
+        w2.stride(1), *_scale_strides(scale), out.stride(0), K=w2.shape[2], TOP_K=top_k, HAS_SCALE=scale is not None,
+        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
