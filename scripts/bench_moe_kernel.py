@@ -10,8 +10,8 @@ the kernel should approach the card's copy bandwidth.
 
 Then, per token count, the launches around the GEMMs, each timed as a CUDA graph replays it
 (what a decode step with graphs pays, launch gaps included, host overhead not): routing and
-alignment in one launch (``route_and_align_triton``, what ``FusedMoE`` runs up to
-``ROUTE_ALIGN_MAX_SLOTS``) against the router and alignment launches it replaces and their torch
+alignment in one launch (``route_and_align_triton``, timed wherever it fits; ``FusedMoE`` runs it up
+to ``ROUTE_ALIGN_PAYS_MAX_SLOTS``, the cap chosen from these rows) against the router and alignment launches it replaces and their torch
 versions (``select_experts_reference``, ``align_slots_reference``; the alignment kernel is used
 up to ``ALIGN_KERNEL_MAX_SLOTS`` slots, and this row is what that cap should be tuned on); the
 top-k sum kernel (``sum_top_k``) against ``y.view(T, k, H).sum(1)``; the SiLU-and-mul launch the
@@ -21,7 +21,7 @@ launch (``fused_moe(act_fn=silu_and_mul)``). The ``fused_ms`` rows above are eag
 included) and use the epilogue; ``fused_act_fn_ms`` is the same call with the activation launch.
 
 usage: python scripts/bench_moe_kernel.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 256 1024]
-       [--result-file out/results.jsonl]
+       [--pieces-only] [--result-file out/results.jsonl]
 """
 
 from __future__ import annotations
@@ -182,12 +182,15 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256, 1024])
     ap.add_argument("--no-fp8", action="store_true", help="skip the fp8-expert timing")
+    ap.add_argument("--pieces-only", action="store_true",
+                    help="only the launches around the GEMMs (routing, alignment, top-k sum): no expert GEMM timing")
     ap.add_argument("--result-file", default=None, help="append one JSON line per measurement")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe_kernel.py: needs a CUDA GPU")
     for name in args.shapes:
-        rows = bench_shape(name, args.tokens, fp8=not args.no_fp8) + bench_pieces(name, args.tokens)
+        rows = [] if args.pieces_only else bench_shape(name, args.tokens, fp8=not args.no_fp8)
+        rows += bench_pieces(name, args.tokens)
         if args.result_file:
             with open(args.result_file, "a", encoding="utf-8") as f:
                 for row in rows:

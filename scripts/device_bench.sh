@@ -119,7 +119,8 @@ for stage in "$@"; do
         timeout 150 python3 scripts/bench_moe_small.py --shape "$s" --tokens 1 2 4 --result-file "$RES" 2>&1 | grep -v Warning
         timeout 200 python3 scripts/bench_moe_small.py --shape "$s" --sweep --result-file "$RES" 2>&1 | grep -v Warning
       done
-      timeout 120 python3 scripts/bench_route_align.py --result-file "$RES" 2>&1 | grep -v Warning ;;
+      timeout 200 python3 scripts/bench_moe_kernel.py --shapes qwen3-30b-a3b --pieces-only --tokens 1 2 4 8 16 32 64 \
+        --result-file "$RES" 2>&1 | grep -v Warning ;;
     pdl)
       # Programmatic dependent launch: a 48-layer projection chain, then the model on and off (docs/platforms.md).
       python3 scripts/bench_pdl.py --rows 1 4 --result-file "$RES" 2>&1 | grep -v Warning
