@@ -4,7 +4,12 @@ CUDA graphs are off so every kernel is attributed; the sum of kernel time per st
 device-busy time a captured graph would need, to compare with `engine bench one-batch`'s step.
 
 usage: python scripts/profile_decode.py CONFIG_DIR [--attention triton] [--batch-size 1]
-       [--input-len 128] [--steps 20]
+       [--input-len 128] [--steps 20] [--timeline 40]
+
+``--timeline N`` also prints N consecutive kernels from the middle of the last decode step, in
+launch order, with each one's duration and the idle gap before it (with ``--extra
+'{"disable_cuda_graph": false}'`` these are the kernels of a graph replay), and the step's total
+kernel time against its total idle time between kernels.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quant", default=None, help="quantization plugin, as engine serve --quant")
+    ap.add_argument("--timeline", type=int, default=0, help="print this many kernels of one step in order")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}'")
     a = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
@@ -78,6 +84,29 @@ def main() -> None:
     print("top kernels (per step):")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {v:9.1f} us  {k[:110]}")
+    if a.timeline and on_gpu:
+        print_timeline(prof, a.timeline, a.steps + 1)
+
+
+def print_timeline(prof, count: int, steps: int) -> None:
+    """``count`` kernels from the middle of the last of ``steps`` decode steps, in order."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return
+    # Steps are separated by the largest idle gaps (host work between steps); take the last step.
+    gaps = sorted(range(1, len(spans)), key=lambda i: spans[i][0] - spans[i - 1][1], reverse=True)
+    cuts = sorted(gaps[:steps - 1])
+    step = spans[cuts[-1]:] if cuts else spans
+    busy = sum(end - start for start, end, _ in step)
+    idle = sum(max(0.0, step[i][0] - step[i - 1][1]) for i in range(1, len(step)))
+    print(f"last step: {len(step)} kernels, {busy / 1e3:.3f} ms busy, {idle / 1e3:.3f} ms idle between them")
+    mid = max(0, len(step) // 2 - count // 2)
+    print(f"  {'gap us':>7} {'dur us':>7}  kernel (#{mid} on)")
+    for i in range(mid, min(len(step), mid + count)):
+        start, end, name = step[i]
+        gap = start - step[i - 1][1] if i else 0.0
+        print(f"  {gap:7.2f} {end - start:7.2f}  {name[:90]}")
 
 
 if __name__ == "__main__":

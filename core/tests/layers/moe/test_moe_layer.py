@@ -80,11 +80,15 @@ def test_shards_sum_to_the_whole(tp: int, ep: int) -> None:
 
 
 def test_activation_is_the_kernels_epilogue_by_default() -> None:
-    """The platform's silu_and_mul is no longer handed over (``use_kernels``): SiLU-and-mul is the
-    gate/up launch's epilogue, so ``act_fn`` stays None unless a model sets another activation."""
+    """The platform's silu_and_mul is not taken (``use_kernels``): SiLU-and-mul is the gate/up
+    launch's epilogue, so ``act_fn`` stays None unless a model sets another activation. The layer
+    takes only the ``pdl`` flag."""
     layer = FusedMoE(E, TOP_K, H, INTER, renormalize=True, prefix="mlp.experts")
-    assert layer.act_fn is None and layer.expert_blocks is None
-    assert not hasattr(layer, "use_kernels")
+    assert layer.act_fn is None and layer.expert_blocks is None and layer.pdl is False
+    layer.use_kernels({"silu_and_mul": lambda x: x, "pdl": True})
+    assert layer.act_fn is None and layer.pdl is True
+    layer.use_kernels({"silu_and_mul": lambda x: x})
+    assert layer.pdl is False
 
 
 @pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2), (4, 2)], ids=["one-rank", "tp2-ep2", "tp4-ep2"])

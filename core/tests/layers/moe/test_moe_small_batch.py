@@ -165,3 +165,26 @@ def test_qwen3_moe_shape_bf16_against_grouped_and_in_a_graph(quant: str, replays
         return fused_moe(x, w13, w2, wt, i, **scales)
 
     replays_like_eager(step, [x, logits], seeds=(12, 13))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="needs a CUDA GPU with programmatic dependent launch (sm_90+)")
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_pdl_launches_equal_plain_ones_in_a_graph(tokens: int, replays_like_eager: Callable[..., None]) -> None:
+    """With ``pdl`` the router's top-k triggers, gate/up waits then triggers, and down reads the routing
+    and its first weight tile before it waits: the graph of the three replays bit-equal to eager calls,
+    and both equal the launches without PDL (Qwen3-30B-A3B shape, bf16)."""
+    from engine.layers.moe.fused_moe import fused_moe
+    from engine.layers.moe.router import select_experts
+
+    x, w13, w2, _, _ = _case("cuda", tokens, 8, torch.bfloat16, seed=21, experts=128, hidden=2048, inter=768)
+    logits = torch.randn(tokens, 128, device="cuda")
+
+    def step(pdl: bool = True) -> torch.Tensor:
+        wt, i = select_experts(logits, 8, True, trigger=pdl)
+        return fused_moe(x, w13, w2, wt, i, pdl=pdl)
+
+    torch.testing.assert_close(step(True), step(False), atol=0, rtol=0)
+    replays_like_eager(step, [x, logits], seeds=(22, 23))
+    torch.testing.assert_close(step(True), step(False), atol=0, rtol=0)

@@ -20,6 +20,9 @@ is skipped.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -146,7 +149,13 @@ def _decode_merge_kernel(
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
+    if TRIGGER:
+        # Launched without PDL, this kernel starts once stage 1 is complete; the output projection
+        # after it (a skinny GEMM launched with PDL) may start now and stream its first weights,
+        # waiting for this kernel before it reads the output.
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -297,8 +306,19 @@ def decode_attention_fwd(
         V_DIM=v_dim,
         BLOCK_DV=block_size(v_dim),
         BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        TRIGGER=q.is_cuda and _has_pdl(q.device),
         num_warps=4,
     )
+
+
+@functools.cache
+def _has_pdl_index(index: int) -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def _has_pdl(device: torch.device) -> bool:
+    """Whether ``device`` has programmatic dependent launch (sm_90+; not under the interpreter)."""
+    return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 __all__ = ["choose_num_kv_splits", "decode_attention_fwd"]

@@ -11,7 +11,6 @@ the weights and every extra launch or pass costs time.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -184,7 +183,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True,
-                  pdl: bool = False) -> dict[str, Callable[..., Any]]:
+                  pdl: bool = False) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
@@ -192,15 +191,18 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True,
 
     ``pdl`` (sm_90+ only: the instructions do not exist before): the skinny GEMM is launched with
     programmatic dependent launch, and RMSNorm and SiLU-and-mul, which precede it in a layer, let
-    it start while they run (``gemv.skinny_linear``)."""
+    it start while they run (``gemv.skinny_linear``). The ``pdl`` entry (a bool, not a kernel)
+    tells layers with Triton kernels of their own (``FusedMoE``'s small-batch path) the same."""
     from engine_platform_cuda.gemv import SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
+    # Layers with Triton kernels of their own (the MoE experts) read the flag itself.
+    kernels: dict[str, Any] = {"pdl": pdl}
     pdl = pdl and gemv_max_rows > 0  # nothing to start early without the skinny GEMM
-    kernels: dict[str, Callable[..., Any]] = {
+    kernels.update({
         "rms_norm": functools.partial(rms_norm, trigger=True) if pdl else rms_norm,
         "silu_and_mul": functools.partial(silu_and_mul, trigger=True) if pdl else silu_and_mul,
-        "rotary_inplace": rotary_inplace, "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv}
+        "rotary_inplace": rotary_inplace, "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv})
     if gemv_max_rows > 0:
         kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl)
     if qkv_prologue:

@@ -194,7 +194,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               config: dict[str, int] | None = None,
               act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              blocks: ExpertBlocks | None = None) -> torch.Tensor:
+              blocks: ExpertBlocks | None = None, pdl: bool = False) -> torch.Tensor:
     """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
 
     ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
@@ -206,13 +206,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     With none of ``config``, ``act_fn`` and ``blocks`` given, a batch where
     ``small_batch_applies`` (one or two tokens) takes ``fused_moe_small_batch`` instead: two launches, no
-    alignment, the top-k sum in the down launch.
+    alignment, the top-k sum in the down launch; ``pdl`` (sm_90+) launches those two with
+    programmatic dependent launch (``fused_moe_small_batch``). The grouped path ignores it.
     """
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
     if config is None and act_fn is None and blocks is None and small_batch_applies(tokens, top_k, num_experts):
-        return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, pdl=pdl)
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)
     x = x.contiguous()

@@ -80,7 +80,8 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             from engine.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                             act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None))
+                             act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None),
+                             pdl=getattr(layer, "pdl", False))
         return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
@@ -126,6 +127,9 @@ class FusedMoE(nn.Module):
         #: During ``forward`` only: the alignment ``route_and_align`` computed with the routing
         #: (decode sizes on CUDA, for a quant method with ``takes_expert_blocks``), else None.
         self.expert_blocks: ExpertBlocks | None = None
+        #: Programmatic dependent launch for the router's top-k and the small-batch expert launches
+        #: (the platform's ``pdl`` layer-kernel entry, ``use_kernels``); quant methods pass it on.
+        self.pdl = False
         self.tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         self.ep_size = get_expert_parallel_world_size()
@@ -143,6 +147,10 @@ class FusedMoE(nn.Module):
         self.quant_method.create_weights(self, self.num_local_experts, hidden_size,
                                          self.intermediate_size_per_partition,
                                          params_dtype or torch.get_default_dtype(), self.weight_loader)
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's ``pdl`` entry: whether its kernels may use programmatic dependent launch."""
+        self.pdl = bool(kernels.get("pdl", False))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
         """Copies checkpoint tensor ``loaded`` (expert ``expert_id``'s ``w1``, ``w3`` or ``w2``,
@@ -191,7 +199,7 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
         else:
-            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, trigger=self.pdl)
             topk_ids = self.local_expert_ids(topk_ids)
         try:
             out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)

@@ -56,12 +56,17 @@ def _small_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
     N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
     K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if PDL:
+        # The ids are the previous kernel's output: wait for it. Then let the down launch start:
+        # its programs read the ids before they wait, which is safe once this program has waited.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     expert = tl.load(ids_ptr + slot)
     held = expert >= 0
     # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
@@ -101,8 +106,11 @@ def _small_down_kernel(
     act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
     N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
+    # weights (written before it) and the first weight tile are loaded then; the activations (its
+    # output) only after the wait.
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_TK)
@@ -121,7 +129,17 @@ def _small_down_kernel(
     w_ptrs = (w_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_we
               + rows[None, :, None] * stride_wn + k3)
     acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for kk in range(0, K, BLOCK_K):
+    if PDL:
+        ok = (k3 < K) & held3
+        w = tl.load(w_ptrs, mask=ok, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc += tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32) * w.to(tl.float32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    # K is a compile-time constant (the trip count known to the compiler); with PDL the first
+    # step ran above.
+    for kk in range(BLOCK_K * PDL, K, BLOCK_K):
         ok = (k3 + kk < K) & held3
         a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
         acc += a * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
@@ -163,11 +181,16 @@ def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
 def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                           w2_scale: torch.Tensor | None = None,
-                          tiles: dict[str, int] | None = None) -> torch.Tensor:
+                          tiles: dict[str, int] | None = None, pdl: bool = False) -> torch.Tensor:
     """``fused_moe`` (SwiGLU experts) in two launches with no alignment: same arguments and result
     as ``fused_moe_reference``. Correct for any batch; fast where slots do not share experts
     (``small_batch_applies``). ``tiles`` overrides ``small_batch_tiles`` (tests, sweeps; optional
-    ``UP_WARPS`` / ``DOWN_WARPS``, default 4)."""
+    ``UP_WARPS`` / ``DOWN_WARPS``, default 4).
+
+    ``pdl`` (sm_90+; the ``pdl`` layer kernel entry): both launches use programmatic dependent
+    launch. Gate/up waits for the previous kernel (the router's top-k) at once and then lets the down
+    launch start, whose programs read the routing and their first weight tile while gate/up drains.
+    Results are unchanged."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     _, two_inter, _ = w13.shape
@@ -186,8 +209,9 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4))
-    launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4))
+    launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl)
+    launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
+                pdl=pdl)
     return out
 
 
@@ -196,18 +220,19 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
 
 
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
-                   act: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> None:
+                   act: torch.Tensor, block_n: int, block_k: int, num_warps: int, pdl: bool = False) -> None:
     """The gate/up launch alone (``act [slots, I]`` written): ``fused_moe_small_batch``'s first
     step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``."""
     inter = w13.shape[1] // 2
     _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, block_n))](
         x, w13, scale if scale is not None else w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1),
         *_scale_strides(scale), act.stride(0), K=w13.shape[2], TOP_K=ids.shape[1], HAS_SCALE=scale is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
-                weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int) -> None:
+                weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
+                pdl: bool = False) -> None:
     """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
     ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``."""
     tokens, top_k = ids.shape
@@ -215,4 +240,5 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None,
     _small_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
         act, w2, scale if scale is not None else w2, ids, weights, out, hidden, act.stride(0), w2.stride(0),
         w2.stride(1), *_scale_strides(scale), out.stride(0), K=w2.shape[2], TOP_K=top_k, HAS_SCALE=scale is not None,
-        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=1)
+        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
+        num_stages=1, launch_pdl=pdl)
