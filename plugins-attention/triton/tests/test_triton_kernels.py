@@ -357,7 +357,64 @@ def test_cuda_graph_decode_replays_new_lengths(seed: int) -> None:
                        f"graph replay {replay} seed={seed} lens={lens}")
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch needs sm_90+")
+@pytest.mark.parametrize("splits", [1, 4, 16])
+def test_pdl_decode_after_the_prologue_equals_plain_launches(seed: int, splits: int) -> None:
+    """Decode with ``pdl`` launched right after the platform's attention prologue with ``pdl``, which
+    lets it start before storing the newest K/V: the split kernel must take that position from after
+    its wait. Bit-equal to both launched without PDL, eagerly and replayed in a CUDA graph, with the
+    newest slots holding stale values before every step (lengths put the newest key first in a block,
+    last in one, and deep in a long row)."""
+    prologue = pytest.importorskip("engine_platform_cuda.prologue")
+    num_heads, kv_heads, head_dim = 32, 4, 128
+    lens = [1, 64, 65, 1000, 129]
+    bs = len(lens)
+    pools = PagedPools(lens, 1, kv_heads, head_dim, BF16)
+    k_cache, v_cache = pools.k_buffer, pools.v_buffer
+    locs = torch.stack([slots[n - 1] for slots, n in zip(pools.row_slots, lens)])
+    positions = torch.tensor([n - 1 for n in lens], device=DEV)
+    seq_lens = torch.tensor(lens, device=DEV)
+    idx = pools.indices()
+    q0, k, v = (t.contiguous() for t in split_qkv(bs, num_heads, kv_heads, head_dim, BF16))
+    q = torch.empty_like(q0)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    freqs = torch.outer(torch.arange(2048, device=DEV).float(), inv)
+    cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+    part_out = torch.empty(bs, num_heads, splits, head_dim, device=DEV)
+    part_lse = torch.empty(bs, num_heads, splits, device=DEV)
+    stale = torch.randn(bs, kv_heads, head_dim, device=DEV).to(BF16)
+
+    def step(pdl: bool) -> torch.Tensor:
+        q.copy_(q0)
+        k_cache[locs] = stale
+        v_cache[locs] = stale
+        prologue.qkv_prologue(positions, q, k, v, k_cache, v_cache, locs, cos, sin, head_dim, pdl=pdl)
+        out = torch.empty(bs, num_heads, head_dim, dtype=BF16, device=DEV)
+        decode_attention_fwd(q.view(bs, num_heads, head_dim), k_cache, v_cache, out, pools.req.req_to_token,
+                             idx, seq_lens, part_out, part_lse, splits, head_dim**-0.5, pdl=pdl)
+        return out
+
+    plain = step(False)
+    assert torch.equal(step(True), plain), f"eager PDL launches differ, seed={seed}"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(True)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain), f"graph replay with PDL differs, seed={seed}"
+
+
 def test_unknown_option_is_a_clear_error() -> None:
     pools = PagedPools([4], 1, 1, 64, BF16)
     with pytest.raises(ValueError, match="max_kv_splits"):
         create(pools.context(4, BF16, max_kv_split=4))
+    with pytest.raises(ValueError, match=r"attention.triton.pdl=2; accepted: on/off"):
+        create(pools.context(4, BF16, pdl=2))

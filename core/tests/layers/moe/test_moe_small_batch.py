@@ -172,7 +172,7 @@ def test_qwen3_moe_shape_bf16_against_grouped_and_in_a_graph(quant: str, replays
                     reason="needs a CUDA GPU with programmatic dependent launch (sm_90+)")
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_pdl_launches_equal_plain_ones_in_a_graph(tokens: int, replays_like_eager: Callable[..., None]) -> None:
-    """With ``pdl`` the router's top-k triggers, gate/up waits then triggers, and down reads the routing
+    """With ``pdl`` the router's top-k and gate/up wait, then trigger, and down reads the routing
     and its first weight tile before it waits: the graph of the three replays bit-equal to eager calls,
     and both equal the launches without PDL (Qwen3-30B-A3B shape, bf16)."""
     from engine.layers.moe.fused_moe import fused_moe
@@ -182,7 +182,7 @@ def test_pdl_launches_equal_plain_ones_in_a_graph(tokens: int, replays_like_eage
     logits = torch.randn(tokens, 128, device="cuda")
 
     def step(pdl: bool = True) -> torch.Tensor:
-        wt, i = select_experts(logits, 8, True, trigger=pdl)
+        wt, i = select_experts(logits, 8, True, pdl=pdl)
         return fused_moe(x, w13, w2, wt, i, pdl=pdl)
 
     torch.testing.assert_close(step(True), step(False), atol=0, rtol=0)

@@ -33,3 +33,6 @@ def register_attention_backends(register):  # type: ignore[no-untyped-def]
 def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(plugin="triton", key="max_kv_splits", default=16,
                           help="Most sequence splits of a decode row (also sizes the CUDA-graph workspace)"))
+    register(PluginOption(plugin="triton", key="pdl", default=True,
+                          help="sm_90+: launch the decode kernels with programmatic dependent launch (the first "
+                               "block of keys is gathered while the previous kernel drains)"))

@@ -29,7 +29,11 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
 from engine_attention_triton import interpreting
-from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from engine_attention_triton.decode_attention import (
+    choose_num_kv_splits,
+    decode_attention_fwd,
+    has_pdl,
+)
 from engine_attention_triton.extend_attention import extend_attention_fwd
 
 if TYPE_CHECKING:
@@ -42,6 +46,8 @@ _INTERPRETER_SMS = 4
 DEFAULT_OPTIONS: dict[str, int] = {
     # Upper bound on decode splits per row; also the split count of CUDA-graph workspaces.
     "max_kv_splits": 16,
+    # 1: decode kernels use programmatic dependent launch where the GPU has it (sm_90+); 0: never.
+    "pdl": 1,
 }
 
 
@@ -89,6 +95,8 @@ def _parse_options(options: dict[str, Any]) -> dict[str, int]:
         raise ValueError(
             f"attention.triton.max_kv_splits={parsed['max_kv_splits']}; accepted: an int >= 1"
         )
+    if parsed["pdl"] not in (0, 1):
+        raise ValueError(f"attention.triton.pdl={parsed['pdl']}; accepted: on/off (1/0)")
     return parsed
 
 
@@ -113,6 +121,8 @@ class TritonAttnBackend(AttentionBackend):
         self.num_kv_heads = ctx.num_kv_heads
         self.v_head_dim = ctx.token_to_kv_pool.v_head_dim
         self.max_kv_splits = options["max_kv_splits"]
+        #: Decode kernels launched with programmatic dependent launch (``decode_attention_fwd``).
+        self.pdl = bool(options["pdl"]) and has_pdl(self.device)
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.token_to_kv_pool = ctx.token_to_kv_pool
         if self.device.type == "cpu":
@@ -232,7 +242,7 @@ class TritonAttnBackend(AttentionBackend):
             q3, k_buffer, v_buffer, out, self.req_to_token,
             metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
             metadata.num_kv_splits, layer.scaling, layer.logit_cap, _kernel_window(layer),
-            k_scale=k_scale, v_scale=v_scale,
+            k_scale=k_scale, v_scale=v_scale, pdl=self.pdl,
         )
         return out.view(-1, layer.num_heads * v_dim)
 

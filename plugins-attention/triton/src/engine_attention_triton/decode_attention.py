@@ -43,6 +43,23 @@ TARGET_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
+def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """One block of keys (``mask_n``: the live ones, at least one) into the online softmax state."""
+    # An fp8 pool widens exactly to q's dtype; its k_scale is folded into sm_scale.
+    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K_Buf, V_Buf, Req_To_Token, Req_Pool_Indices, Seq_Lens, Part_Out, Part_Lse,
     sm_scale, logit_cap, v_scale, num_kv_splits,
@@ -63,8 +80,13 @@ def _decode_split_kernel(
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output itself; no log-sum-exp, no merge pass.
+    # PDL: launched with programmatic dependent launch. Until gdc_wait the program reads only what
+    # earlier kernels than the previous one wrote (lengths, slots, and the K/V of every position
+    # but the newest, which the previous kernel, the attention prologue, may be storing), so its
+    # first block's gathers are in flight while that kernel drains.
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -87,42 +109,49 @@ def _decode_split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < V_DIM
 
-    q = tl.load(
-        Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=mask_h[:, None] & mask_d[None, :],
-        other=0.0,
-    )
+    q_ptrs = Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_mask = mask_h[:, None] & mask_d[None, :]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
+    k_base = K_Buf + kv_head * stride_kh + offs_d[None, :]
+    v_base = V_Buf + kv_head * stride_vh + offs_dv[None, :]
+    first = lo
+    if PDL:
+        # The first block, the newest position left out, then that position after the wait.
+        offs_n = lo + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        old = mask_n & (offs_n < seq_len - 1)
+        k = tl.load(k_base + loc[:, None] * stride_kt, mask=old[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_base + loc[:, None] * stride_vt, mask=old[:, None] & mask_dv[None, :], other=0.0)
+        tl.extra.cuda.gdc_wait()
+        # The merge (or the output projection) next reads this kernel's output only after its wait.
+        tl.extra.cuda.gdc_launch_dependents()
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        new = mask_n & (offs_n == seq_len - 1)
+        k_new = tl.load(k_base + loc[:, None] * stride_kt, mask=new[:, None] & mask_d[None, :], other=0.0)
+        v_new = tl.load(v_base + loc[:, None] * stride_vt, mask=new[:, None] & mask_dv[None, :], other=0.0)
+        # Widening an fp8 pool's values to q's dtype is exact, so the block is as the loop's.
+        k = tl.where(new[:, None], k_new.to(q.dtype), k.to(q.dtype))
+        v = tl.where(new[:, None], v_new.to(q.dtype), v.to(q.dtype))
+        if lo < hi:
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
+                                          DOT_PRECISION)
+        first = lo + BLOCK_N
+    else:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     # Every block starts below hi, so it holds at least one live key and m_new stays finite.
-    for start in range(lo, hi, BLOCK_N):
+    for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(
-            K_Buf + loc[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=mask_n[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        # An fp8 pool widens exactly to q's dtype; its k_scale is folded into sm_scale.
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        v = tl.load(
-            V_Buf + loc[:, None] * stride_vt + kv_head * stride_vh + offs_dv[None, :],
-            mask=mask_n[:, None] & mask_dv[None, :],
-            other=0.0,
-        ).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        k = tl.load(k_base + loc[:, None] * stride_kt, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        v = tl.load(v_base + loc[:, None] * stride_vt, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
+        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
+                                      DOT_PRECISION)
 
     # An empty split (past the row's end) writes zeros and lse = -inf: weight zero in stage 2.
     has_keys = l_i > 0
@@ -149,13 +178,14 @@ def _decode_merge_kernel(
     V_DIM: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    TRIGGER: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    if TRIGGER:
-        # Launched without PDL, this kernel starts once stage 1 is complete; the output projection
-        # after it (a skinny GEMM launched with PDL) may start now and stream its first weights,
-        # waiting for this kernel before it reads the output.
+    if PDL:
+        # Launched with PDL after stage 1 (which triggers only after its own wait). The output
+        # projection next (a skinny GEMM launched with PDL) reads only its weights before it waits,
+        # so it may start at once and stream them while this kernel runs.
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -224,6 +254,7 @@ def decode_attention_fwd(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
+    pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
 
@@ -242,6 +273,9 @@ def decode_attention_fwd(
             ``sliding_window_size`` W >= 0 keeps keys at most W positions behind the query.
         k_scale, v_scale: an fp8 pool's per-tensor scales (the kernel reads ``stored * scale``).
         block_n, num_warps, num_stages: tile overrides for benchmarking.
+        pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
+            ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
+            position, while the previous kernel drains, and stage 2 lets the next kernel start.
     """
     check_kernel_dtype(q.dtype, "q")
     batch, num_heads, head_dim = q.shape
@@ -292,8 +326,10 @@ def decode_attention_fwd(
         HAS_CAP=logit_cap > 0,
         DOT_PRECISION=precision,
         DIRECT=direct,
+        PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if direct:
         return
@@ -306,8 +342,9 @@ def decode_attention_fwd(
         V_DIM=v_dim,
         BLOCK_DV=block_size(v_dim),
         BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
-        TRIGGER=q.is_cuda and _has_pdl(q.device),
+        PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
 
 
@@ -316,9 +353,12 @@ def _has_pdl_index(index: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def _has_pdl(device: torch.device) -> bool:
-    """Whether ``device`` has programmatic dependent launch (sm_90+; not under the interpreter)."""
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (CUDA sm_90+, not under
+    Triton's interpreter)."""
+    if device.type != "cuda":
+        return False
     return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["choose_num_kv_splits", "decode_attention_fwd"]
+__all__ = ["choose_num_kv_splits", "decode_attention_fwd", "has_pdl"]

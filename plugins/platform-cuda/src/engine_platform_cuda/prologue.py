@@ -25,7 +25,8 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
                          qw_ptr, kw_ptr, stride_q, stride_k, stride_v, stride_kc, stride_kh, stride_vc,
                          stride_vh, q_heads, head_dim, v_head_dim, half, rotary_dim, cos_stride, eps,
                          inv_k_scale, inv_v_scale, fp8_max,
-                         HAS_NORM: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_V: tl.constexpr):
+                         HAS_NORM: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr):
     # One program per (token, head): heads 0..q_heads-1 are q's, the rest k's; a k head's
     # program also stores the v head of the same index.
     tok = tl.program_id(0).to(tl.int64)
@@ -43,9 +44,21 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
     else:
         base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
         w_ptr = kw_ptr
+    # Positions, the cos/sin rows and the norm weights are no previous kernel's output: with PDL they
+    # load while the qkv projection drains; its output (q, k, v) only after gdc_wait.
+    dt = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    if HAS_NORM:
+        w = tl.load(w_ptr + d, mask=in_head, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        # The attention kernel next may start: it reads this kernel's output only after its wait.
+        tl.extra.cuda.gdc_launch_dependents()
     x = tl.load(base + d, mask=in_head, other=0.0)
     xp = tl.load(base + partner, mask=in_rot, other=0.0)
-    dt = x.dtype
     if HAS_NORM:
         # As kernels.rms_norm over one head: normalized value rounded, times the weight, rounded.
         # The partner goes through the same elementwise steps, so it equals the normed value
@@ -53,13 +66,8 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, axis=0) / head_dim
         r = tl.rsqrt(var + eps)
-        w = tl.load(w_ptr + d, mask=in_head, other=0.0)
-        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
         x = (w.to(tl.float32) * (xf * r).to(dt).to(tl.float32)).to(dt)
         xp = (wp.to(tl.float32) * (xp.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
     xf = x.to(tl.float32)
     xpf = tl.where(first, -xp.to(tl.float32), xp.to(tl.float32))
     # Written as kernels._rotary_kernel writes it (PyTorch's order: products rounded, then the sum);
@@ -101,7 +109,7 @@ def qkv_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                  k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, cos_cache: torch.Tensor,
                  sin_cache: torch.Tensor, rotary_dim: int, q_norm_weight: torch.Tensor | None = None,
                  k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> None:
+                 v_scale: float = 1.0, pdl: bool = False) -> None:
     """Norm (optional) and rotary of q and k, q in place, K and V stored at ``loc``, one launch.
 
     Args:
@@ -117,6 +125,8 @@ def qkv_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         rotary_dim: leading dimensions of each head that rotate (neox half split); the rest pass.
         q_norm_weight, k_norm_weight: ``[head_dim]`` per-head RMSNorm weights, both or neither.
         eps: the norms' epsilon. k_scale, v_scale: an fp8 pool's per-tensor scales.
+        pdl: (sm_90+) launch with programmatic dependent launch: positions, cos/sin and the norm
+            weights load while the previous kernel drains; q, k and v after it completed.
     """
     tokens = q.shape[0]
     if tokens == 0:
@@ -164,5 +174,5 @@ def qkv_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
         q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), q_heads, head_dim, v_head_dim, rotary_dim // 2, rotary_dim, cos_cache.stride(0), eps,
         inv_k, inv_v, fp8_max,
-        HAS_NORM=has_norm, QUANT=quant, BLOCK=block, BLOCK_V=triton.next_power_of_2(v_head_dim),
-        num_warps=norm_num_warps(block))  # as rms_norm's: its sum of squares reduced in the same order
+        HAS_NORM=has_norm, QUANT=quant, BLOCK=block, BLOCK_V=triton.next_power_of_2(v_head_dim), PDL=pdl,
+        num_warps=norm_num_warps(block), launch_pdl=pdl)  # as rms_norm's: its sum of squares reduced in the same order

@@ -199,7 +199,7 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
         else:
-            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, trigger=self.pdl)
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
             topk_ids = self.local_expert_ids(topk_ids)
         try:
             out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)

@@ -18,15 +18,15 @@ import torch
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing.
 
     Args:
         router_logits: ``[tokens, num_experts]``, any float dtype.
         top_k: experts per token.
         renormalize: rescale the ``top_k`` probabilities of each token to sum to one.
-        trigger: (CUDA, sm_90+) let the next kernel, launched with programmatic dependent launch,
-            start while this one runs (it waits for the result before reading it).
+        pdl: (CUDA, sm_90+) launch with programmatic dependent launch: the kernel waits for the
+            previous one (the router's GEMM) and then lets the next one start.
 
     Returns:
         ``(topk_weights, topk_ids)``: ``[tokens, top_k]`` float32 weights and int32 global
@@ -35,7 +35,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if router_logits.is_cuda and find_spec("triton") is not None:
         from engine.layers.moe.router_kernel import select_experts_triton
 
-        return select_experts_triton(router_logits, top_k, renormalize, trigger=trigger)
+        return select_experts_triton(router_logits, top_k, renormalize, pdl=pdl)
     return select_experts_reference(router_logits, top_k, renormalize)
 
 

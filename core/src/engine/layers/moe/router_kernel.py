@@ -50,11 +50,12 @@ def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr,
     num_experts, stride_lt, stride_le,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TRIGGER: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    if TRIGGER:
-        # Launched without PDL, this kernel runs after the router's logits are complete; a kernel
-        # launched next with PDL may take SM slots now and waits for these results.
+    if PDL:
+        # Launched with PDL: wait for the router's logits, then let the next kernel (the experts'
+        # gate/up, launched with PDL too) take SM slots; it waits for these results in turn.
+        tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)[None, :]
@@ -68,10 +69,10 @@ def _softmax_topk_kernel(
 
 
 def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                          trigger: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts`` in one launch: same arguments, same result (see the module docstring for
     ties). Runs wherever Triton does: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
-    ``trigger`` (sm_90+ only): as ``select_experts``'s."""
+    ``pdl`` (sm_90+ only): as ``select_experts``'s."""
     tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"select_experts: top_k {top_k} out of range for {num_experts} experts; "
@@ -83,7 +84,7 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     block_e = triton.next_power_of_2(num_experts)
     _softmax_topk_kernel[(tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0), router_logits.stride(1),
-        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), TRIGGER=trigger,
-        num_warps=1 if block_e <= 128 else 4 if block_e <= 1024 else 8,
+        TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
+        num_warps=1 if block_e <= 128 else 4 if block_e <= 1024 else 8, launch_pdl=pdl,
     )
     return weights, ids
