@@ -192,6 +192,7 @@ def test_platform_offers_the_kernel_by_default_and_not_when_off() -> None:
     ({"gemv_max_rows": 17}, "cuda.gemv_max_rows: invalid value 17"),
     ({"gemv_rows": 4}, "unknown option 'cuda.gemv_rows'"),
     ({"pdl": 1}, "cuda.pdl: invalid value 1; accepted: on/true or off/false"),
+    ({"norm_fusion": "yes"}, "cuda.norm_fusion: invalid value 'yes'; accepted: on/true or off/false"),
 ])
 def test_platform_refuses_bad_option_values(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -207,7 +208,8 @@ def test_options_are_declared_and_reach_the_platform_from_the_registry() -> None
     reg = plugins.get_registry()
     entry = reg.entries["platform"]["cuda"]
     platform = plugins.create(entry.spec.factory, options=reg.options_for("cuda", {"cuda": {"gemv": False}}))
-    assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True, "pdl": True}
+    assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True, "pdl": True,
+                                "norm_fusion": True}
     assert "linear" not in platform.layer_kernels()
 
 
@@ -226,6 +228,21 @@ def test_pdl_reaches_the_skinny_gemm_and_the_kernels_before_it() -> None:
     assert "linear" not in no_gemv and no_gemv["rms_norm"] is rms_norm
     # No CUDA device here: the platform never asks for PDL (its instructions need sm_90).
     assert CudaPlatform().layer_kernels()["linear"].pdl is False
+
+
+def test_norm_fusion_is_on_by_default_and_off_by_option() -> None:
+    from engine_platform_cuda.kernels import layer_kernels
+
+    from engine.cli import build_server_args
+
+    assert DEFAULT_OPTIONS["norm_fusion"] is True
+    assert _kernels()["linear"].norm_fusion is True
+    assert _kernels(norm_fusion=False)["linear"].norm_fusion is False
+    assert "linear" not in _kernels(gemv=False, norm_fusion=True)  # no skinny GEMM: nothing to fuse into
+    assert layer_kernels()["linear"].norm_fusion is False  # the function's default: separate launches
+    args_off = build_server_args({"plugin_option": ["cuda.norm_fusion=off"]})
+    assert args_off.plugin_options == {"cuda": {"norm_fusion": False}}
+    plugins.check_plugin_options(args_off.plugin_options)
 
 
 def test_cli_spelling_off_turns_it_off() -> None:

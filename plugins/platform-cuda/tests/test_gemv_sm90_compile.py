@@ -4,7 +4,9 @@ For every launch shape ``choose_config`` picks on the decode shapes (``test_gemv
 at 1, 2, 4 and 8 rows): the "fma" kind streams W with 16-byte loads and moves nothing between
 register layouts inside its K loop (no shared memory there: both operands are loaded in the
 product's layout); the "dot" kind copies its tiles with cp.async (pipelined) into tensor-core
-MMAs; no kind spills registers (``ptxas -v``).
+MMAs; no kind spills registers (``ptxas -v``). The "fma" kind with the RMSNorm folded in
+(``norm_skinny_linear``, at 1 and 2 rows, PDL on, with and without a residual) too; with PDL the
+first weight tile is requested before the one wait.
 
 Triton compiles ahead of time with its bundled ptxas; the interpreter (which the root conftest
 turns on without a GPU) plays no part, so the compile runs in a subprocess without it. Pointers,
@@ -18,19 +20,27 @@ import re
 
 from engine.testing.aot import compiled_facts, spill_bytes
 
+_V4_LOAD = r"ld\.global(?:\.[\w:]+)*\.v4"
 SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 4096), (4096, 4096),
           (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
-def _loop_body(ptx: str) -> str | None:
-    """The instructions of the K loop; None where a slice of K is one step (no loop)."""
+def _loop_bodies(ptx: str) -> list[str]:
+    """The instructions of each innermost loop (the K loop; with the norm also its row loops)."""
     lines = ptx.splitlines()
-    start = next((i for i, line in enumerate(lines) if "Inner Loop Header" in line), None)
-    if start is None:
-        return None
-    label = lines[start].split(":")[0]
-    end = next(i for i in range(start, len(lines)) if "bra" in lines[i] and label in lines[i])
-    return "\n".join(lines[start:end])
+    bodies = []
+    for start in (i for i, line in enumerate(lines) if "Inner Loop Header" in line):
+        label = lines[start].split(":")[0]
+        end = next(i for i in range(start, len(lines)) if "bra" in lines[i] and label in lines[i])
+        bodies.append("\n".join(lines[start:end]))
+    return bodies
+
+
+def _loop_body(ptx: str) -> str | None:
+    """The instructions of the K loop: of the innermost loops, the one with the most 16-byte loads
+    (the weight tiles); None where a slice of K is one step (no loop)."""
+    bodies = _loop_bodies(ptx)
+    return max(bodies, key=lambda b: len(re.findall(_V4_LOAD, b))) if bodies else None
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
@@ -40,12 +50,17 @@ def _compile_all() -> dict[str, dict[str, object]]:
     from triton.compiler import ASTSource
 
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-             "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32"}
+             "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
+             "r_ptr": "*bf16", "nw_ptr": "*bf16", "normed_ptr": "*bf16", "res_ptr": "*bf16", "stride_rm": "i32",
+             "eps": "fp32"}
     seen: dict[tuple[object, ...], str] = {}
     out: dict[str, dict[str, object]] = {}
-    # Every chosen shape without PDL; at 1 and 2 rows (the fma kind) also with it.
-    runs = [(m, pdl) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m <= 2]
-    for m, pdl in runs:
+    # Every chosen shape without PDL; at 1 and 2 rows (the fma kind) also with it, and with the
+    # norm folded in (res True/False: with/without a residual; PDL on, as models launch it).
+    runs: list[tuple[int, bool, bool | None]] = [
+        (m, pdl, None) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m <= 2]
+    runs += [(m, True, res) for m in (1, 2) for res in (True, False)]
+    for m, pdl, res in runs:
         for n, k in SHAPES:
             cfg = gemv.choose_config(m, n, k, sm_count=132)
             k_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.split_k) * cfg.block_k
@@ -58,9 +73,12 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 fn, consts["DOT_FP32"] = gemv._gemv_dot_kernel, False
                 pdl = False  # skinny_linear launches only the fma kind with PDL
             else:
-                consts["PDL"] = pdl
+                # As gemv's launches: the plain kernel's row tile is fixed, the norm's from the rule.
+                row_block = min(triton.next_power_of_2(k), gemv.RULE.norm_row_tile // rows)
+                consts.update(PDL=pdl, NORM=res is not None, HAS_RES=bool(res),
+                              ROW_BLOCK=16 if res is None else row_block)
             key = (cfg, tuple(sorted(consts.items())))
-            name = f"m{m}-{n}x{k}" + ("-pdl" if pdl else "")
+            name = f"m{m}-{n}x{k}" + ("-pdl" if pdl else "") + {None: "", True: "-norm-res", False: "-norm"}[res]
             if key in seen:
                 out[name] = out[seen[key]]
                 continue
@@ -76,10 +94,15 @@ def _compile_all() -> dict[str, dict[str, object]]:
             ptx = compiled.asm["ptx"]
             loop = _loop_body(ptx)
             body = ptx if loop is None else loop
+            wait_at = ptx.find("griddepcontrol.wait")
+            first_load = re.search(r"ld\.global", ptx)
             out[name] = {
                 "kind": cfg.kind,
+                "norm": res is not None,
+                # PDL's point: a (weight) load is issued before the wait for the previous kernel.
+                "load_before_wait": first_load is not None and 0 <= first_load.start() < wait_at,
                 "loop": loop is not None,
-                "v4_loads_in_loop": len(re.findall(r"ld\.global(?:\.[\w:]+)*\.v4", body)),
+                "v4_loads_in_loop": len(re.findall(_V4_LOAD, body)),
                 # Without a loop the whole kernel is searched, and its final cross-warp sum uses shared memory.
                 "shared_in_loop": len(re.findall(r"(?:ld|st)\.shared|ldmatrix|bar\.sync", loop or "")),
                 "cp_async": "cp.async" in ptx,
@@ -94,12 +117,15 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 
 def test_chosen_configs_compile_for_sm90_as_designed() -> None:
-    info = compiled_facts(__file__, timeout=900)
-    assert len(info) == 6 * len(SHAPES)
+    info = compiled_facts(__file__, timeout=1500)
+    assert len(info) == 10 * len(SHAPES)
+    assert sum(bool(got["norm"]) for got in info.values()) == 4 * len(SHAPES)
     for name, got in info.items():
         assert got["spill_bytes"] == 0 and got["local"] == 0, (name, got)
         # With PDL the kernel lets its successor launch and waits for its predecessor, once each.
         assert (got["gdc_wait"], got["gdc_launch"]) == ((1, 1) if got["pdl"] else (0, 0)), (name, got)
+        if got["pdl"]:
+            assert got["load_before_wait"], (name, got)
         if got["kind"] == "fma":
             assert got["v4_loads_in_loop"] > 0 and got["shared_in_loop"] == 0, (name, got)
         else:

@@ -21,6 +21,8 @@ _EXPORTS: dict[str, str] = {
     "get_act_and_mul": "layers.activation",
     # normalisation
     "RMSNorm": "layers.layernorm",
+    "PendingNorm": "layers.layernorm",
+    "normed_tensor": "layers.layernorm",
     # linear layers (tensor-parallel) and the hooks quant methods fill in
     "LinearBase": "layers.linear",
     "ReplicatedLinear": "layers.linear",
@@ -79,7 +81,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from engine.layers.activation import GeluAndMul, SiluAndMul, get_act_and_mul
-    from engine.layers.layernorm import RMSNorm
+    from engine.layers.layernorm import PendingNorm, RMSNorm, normed_tensor
     from engine.layers.linear import (
         ColumnParallelLinear,
         LinearBase,

@@ -12,6 +12,12 @@ A platform may offer a skinny GEMM for the unquantized method: ``Platform.layer_
 rows (default ``DEFAULT_SKINNY_MAX_ROWS``) in bf16/fp16 (``skinny_linear_applies``); decode steps
 of few tokens read every weight once, and a kernel made for that streams them faster than a
 GEMM library tuned for large products. Every other input goes to ``F.linear``.
+
+Such a kernel may also fold in the ``RMSNorm`` before the layer (norm fusion): it offers
+``norm_fusion`` (true), ``takes_norm(x, weight, bias)`` (whether it takes the norm of the 2-D
+``x``: device, rows, dtypes) and ``norm_linear(pending, weight, bias)`` (the product of the
+norm of a ``PendingNorm``, whose ``normed`` and ``res_sum`` it fills). The norm hands its inputs
+on only where ``takes_pending_norm`` says the layer takes them (``RMSNorm.fuse_into``).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from engine.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from engine.layers.layernorm import PendingNorm
 from engine.layers.quantization import LinearMethodBase, QuantizationConfig, is_layer_ignored
 
 #: rows up to which a platform's ``linear`` kernel is used when it does not say (``max_rows``).
@@ -79,6 +86,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # skinny_linear: set by LinearBase.use_kernels
+        if isinstance(x, PendingNorm):
+            # The RMSNorm before this layer handed on its inputs (LinearBase.takes_pending_norm):
+            # the platform's kernel normalizes them itself.
+            y = layer.skinny_linear.norm_linear(x, layer.weight, bias)
+            return y.view(*x.shape[:-1], layer.weight.shape[0])
         return linear_with_kernel(getattr(layer, "skinny_linear", None), x, layer.weight, bias)
 
 
@@ -103,6 +115,18 @@ class LinearBase(nn.Module):
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's ``linear`` kernel when it offers one (quantized methods ignore it)."""
         self.skinny_linear = kernels.get("linear")
+
+    def can_fuse_norm(self) -> bool:
+        """Whether the RMSNorm before this layer may hand it ``PendingNorm`` inputs (asked once, at
+        start-up, by ``quantization.fusion.link_norm_consumers``): the method is the unquantized
+        one and the platform's skinny GEMM offers norm fusion."""
+        return (isinstance(self.quant_method, UnquantizedLinearMethod)
+                and bool(getattr(self.skinny_linear, "norm_fusion", False)))
+
+    def takes_pending_norm(self, x: torch.Tensor) -> bool:
+        """Whether the norm of the 2-D ``x`` goes to this layer unnormalized (asked by the linked
+        ``RMSNorm`` on every call): the skinny GEMM's ``takes_norm`` for this weight and bias."""
+        return self.can_fuse_norm() and self.skinny_linear.takes_norm(x, self.weight, self.bias)
 
     def _make_bias(self, size: int) -> None:
         bias = nn.Parameter(torch.empty(size, dtype=self.params_dtype), requires_grad=False)
@@ -267,6 +291,10 @@ class RowParallelLinear(LinearBase):
             size = param.data.shape[dim]
             loaded = loaded.narrow(dim, self.tp_rank * size, size)
         _copy_into(param, loaded)
+
+    def can_fuse_norm(self) -> bool:
+        """Never: the input may be split over ranks first and the bias comes after the reduction."""
+        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp_size > 1:

@@ -13,7 +13,7 @@ from engine.attention import AttentionContext, check_backend_selectable
 from engine.errors import ConfigError
 from engine.hookspecs import resolve_factory
 from engine.layers.logits_processor import LogitsProcessorOutput
-from engine.layers.quantization.fusion import link_activation_quantizers
+from engine.layers.quantization.fusion import link_activation_quantizers, link_norm_consumers
 from engine.layers.sampler import Sampler, SampleOutput
 from engine.mem_cache.memory_pool import (
     MHATokenToKVPool,
@@ -111,6 +111,7 @@ class ModelRunner:
         self.platform.empty_cache()
         self._install_layer_kernels()
         link_activation_quantizers(self.model)
+        link_norm_consumers(self.model)  # after both: it needs the kernels and out_quant
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
         warmup = getattr(self.attn_backend, "warmup", None)

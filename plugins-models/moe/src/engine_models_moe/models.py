@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
-from engine.layers.layernorm import RMSNorm
+from engine.layers.layernorm import RMSNorm, normed_tensor
 from engine.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from engine.layers.moe import FusedMoE, expert_params_mapping
 from engine.layers.quantization import QuantizationConfig
@@ -83,7 +83,11 @@ class SparseMoeBlock(nn.Module):
                                    if shared else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))
+        # The router reads the post-attention norm first: it may compute the norm itself
+        # (MoeDecoderLayer.norm_consumers) and hand the experts its output.
+        logits = self.gate(x)
+        x = normed_tensor(x)
+        out = self.experts(x, logits)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -103,6 +107,10 @@ class MoeDecoderLayer(LlamaDecoderLayer):
     #: RMSNorm -> qkv_proj is the only producer feeding one linear (post-attention norm feeds the
     #: router and the experts).
     activation_consumers = {"input_layernorm": "self_attn.qkv_proj"}
+    #: Set per layer in __init__: the post-attention norm -> the linear reading it first, which may
+    #: compute the norm itself (engine.layers.quantization.fusion.link_norm_consumers): the router
+    #: of a sparse layer (the experts read the norm after it), gate_up_proj of a dense one.
+    norm_consumers: dict[str, str]
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: the MLP differs
@@ -113,9 +121,12 @@ class MoeDecoderLayer(LlamaDecoderLayer):
         mlp: nn.Module
         if _is_sparse(config, layer_id):
             mlp = SparseMoeBlock(config, quant_config, f"{prefix}.{self.mlp_name}")
+            first_reader = "gate"
         else:
             mlp = GatedMLP(config, config.intermediate_size, quant_config, f"{prefix}.{self.mlp_name}")
+            first_reader = "gate_up_proj"
         setattr(self, self.mlp_name, mlp)
+        self.norm_consumers = {"post_attention_layernorm": f"{self.mlp_name}.{first_reader}"}
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

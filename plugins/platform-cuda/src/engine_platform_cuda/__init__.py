@@ -20,6 +20,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "qkv_prologue": True,
     # Programmatic dependent launch for the skinny GEMM (sm_90+; ignored on older GPUs).
     "pdl": True,
+    # RMSNorm folded into the skinny GEMM after it at 1-2 rows (no launch of its own); off: separate.
+    "norm_fusion": True,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -28,6 +30,8 @@ _OPTION_HELP = {
                     "Triton launch (off: a launch each)",
     "pdl": "sm_90+: launch the skinny GEMM with programmatic dependent launch, so it requests its "
            "first weights while the norm before it runs (ignored on older GPUs; off: plain launches)",
+    "norm_fusion": "fold each RMSNorm (+ residual add) into the skinny GEMM that reads it first (qkv, "
+                   "gate/up, the MoE router) at 1-2 rows, saving its launch (off: separate launches)",
 }
 
 

@@ -16,6 +16,9 @@ Two tile kinds:
   (tensor cores; the padding costs arithmetic, which a memory-bound kernel has to spare, and no
   memory traffic, since the padded rows are masked loads).
 
+``norm_skinny_linear`` folds the RMSNorm (+ residual add) that precedes a projection into the
+"fma" kind: each program normalizes the rows itself, so the norm needs no launch of its own.
+
 ``choose_config(m, n, k, sm_count)`` picks the kind and the tiles; its constants live in
 ``GemvRule`` so a tuning run (``scripts/bench_gemv.py --sweep``) can change them in one place.
 Only ``torch.empty`` allocates, and nothing reads device memory from the host, so the kernel can
@@ -33,10 +36,14 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from engine.layers.layernorm import PendingNorm
 
 #: rows of ``x`` the kernel computes; more is a GEMM, left to cuBLAS.
 MAX_ROWS = 16
@@ -111,6 +118,11 @@ class GemvRule:
     slice_min_bytes: int = 4 * 1024
     #: most K slices.
     max_split_k: int = 32
+    #: with the norm fused in (``norm_skinny_linear``): float32 elements of the row tile over which
+    #: every program sums the squares (rows * columns; 4096 is 32 registers a thread at 4 warps).
+    #: A row that fits in one tile is summed as ``kernels.rms_norm`` sums it; longer rows in
+    #: tile-wide partial sums first.
+    norm_row_tile: int = 4096
 
 
 RULE = GemvRule()
@@ -184,10 +196,68 @@ def _store_tile(acc, offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride
 
 
 @triton.jit
+def _norm_rstd(x_ptr, r_ptr, nw_ptr, normed_ptr, res_ptr, M, stride_xm, stride_rm, eps, first,
+               K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, ROW_BLOCK: tl.constexpr):
+    """``1 / rms`` of each row of ``x (+ residual)`` (``[BLOCK_M]`` float32), rounded as
+    ``kernels._rmsnorm_kernel`` rounds; where ``first``, also stores the rows' sum and norm output."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, ROW_BLOCK)
+    row_mask = rows[:, None] < M
+    x_row = x_ptr + rows[:, None].to(tl.int64) * stride_xm + cols[None, :]
+    r_row = r_ptr + rows[:, None].to(tl.int64) * stride_rm + cols[None, :]
+    out_row = rows[:, None].to(tl.int64) * K + cols[None, :]
+    squares = tl.zeros([BLOCK_M, ROW_BLOCK], dtype=tl.float32)
+    for c in range(0, K, ROW_BLOCK):
+        mask = row_mask & ((cols[None, :] + c) < K)
+        x = tl.load(x_row + c, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_row + c, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # PyTorch adds in the activation dtype
+            tl.store(res_ptr + out_row + c, x, mask=mask & first)
+        xf = x.to(tl.float32)
+        squares += xf * xf
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)
+    if first:
+        # The norm output for readers after the consumer (the MoE experts): one program writes it.
+        for c in range(0, K, ROW_BLOCK):
+            mask = row_mask & ((cols[None, :] + c) < K)
+            x = tl.load(x_row + c, mask=mask, other=0.0)
+            if HAS_RES:  # added again, not read back: other threads of the program stored the sum
+                r = tl.load(r_row + c, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+            h = (x.to(tl.float32) * rstd[:, None]).to(x.dtype)
+            nw = tl.load(nw_ptr + cols + c, mask=(cols + c) < K, other=0.0)
+            tl.store(normed_ptr + out_row + c, (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(x.dtype),
+                     mask=mask)
+    return rstd
+
+
+@triton.jit
+def _x_tile(x_ptrs, r_ptrs, nw_ptrs, kk, m_mask, k3, rstd, K: tl.constexpr, EVEN_K: tl.constexpr,
+            NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """One K step of x (``kk`` past the slice's start, which ``x_ptrs`` has reached) as float32;
+    with ``NORM`` the norm output ``w * (x (+ r)) * rstd`` rounded as ``_norm_rstd`` rounds it."""
+    k_mask = (k3 + kk) < K  # unused (and dropped) with EVEN_K
+    mask = m_mask if EVEN_K else m_mask & k_mask
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
+    if NORM:
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptrs + kk, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        h = (x.to(tl.float32) * rstd).to(x.dtype)
+        nw = tl.load(nw_ptrs + kk) if EVEN_K else tl.load(nw_ptrs + kk, mask=k_mask, other=0.0)
+        x = (nw.to(tl.float32) * h.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
+                     r_ptr, nw_ptr, normed_ptr, res_ptr, stride_rm, eps,
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     ROW_BLOCK: tl.constexpr):
+    # NORM: x is the input of an RMSNorm (weights nw, residual r added first when HAS_RES) whose
+    # output this GEMM multiplies; the r/nw/normed/res pointers and stride_rm, eps are unused without it.
     if PDL:
         # Let the next kernel (launched with PDL) take SM slots as ours retire.
         tl.extra.cuda.gdc_launch_dependents()
@@ -218,8 +288,22 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
         else:
             w = tl.load(w_ptrs, mask=k3 < K, other=0.0)
         tl.extra.cuda.gdc_wait()
-        x = tl.load(x_ptrs, mask=m_mask & (k3 < K), other=0.0)
-        acc += x.to(tl.float32) * w.to(tl.float32)
+    # Without NORM these are placeholders _x_tile never reads.
+    r_ptrs = x_ptrs
+    nw_ptrs = x_ptrs
+    rstd = tl.full([BLOCK_M, 1, 1], 1.0, dtype=tl.float32)
+    if NORM:
+        # Every program normalizes its own copy of x: the whole row's sum of squares first (x and
+        # the residual are a few KB, read from L2 while the first weight tile is in flight), then
+        # each K step's values again as it multiplies them. Program (0, 0) stores x + r and the
+        # norm output for the readers after this kernel.
+        first = (pid_n == 0) & (pid_k == 0)
+        rstd = _norm_rstd(x_ptr, r_ptr, nw_ptr, normed_ptr, res_ptr, M, stride_xm, stride_rm, eps, first,
+                          K, HAS_RES, BLOCK_M, ROW_BLOCK)[:, None, None]
+        r_ptrs = r_ptr + (offs_m[:, None, None].to(tl.int64) * stride_rm + zero_n + k3)
+        nw_ptrs = nw_ptr + (zero_m + zero_n + k3)
+    if PDL:
+        acc += _x_tile(x_ptrs, r_ptrs, nw_ptrs, 0, m_mask, k3, rstd, K, EVEN_K, NORM, HAS_RES) * w.to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     # K and the slice length are compile-time constants: the trip count is known to the compiler
@@ -228,12 +312,9 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
     for kk in range(BLOCK_K * PDL, K_SPLIT, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs, mask=m_mask, other=0.0)
         else:
-            k_mask = (k3 + kk) < K
-            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
-            x = tl.load(x_ptrs, mask=m_mask & k_mask, other=0.0)
-        acc += x.to(tl.float32) * w.to(tl.float32)
+            w = tl.load(w_ptrs, mask=(k3 + kk) < K, other=0.0)
+        acc += _x_tile(x_ptrs, r_ptrs, nw_ptrs, kk, m_mask, k3, rstd, K, EVEN_K, NORM, HAS_RES) * w.to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     _store_tile(tl.sum(acc, axis=2), offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride_ym,
@@ -295,21 +376,72 @@ def _splitk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.cons
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "skinny_linear") -> None:
     if x.dim() != 2:
-        raise ValueError(f"skinny_linear: x must be 2-D [rows, K]; got shape {tuple(x.shape)}")
+        raise ValueError(f"{name}: x must be 2-D [rows, K]; got shape {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"skinny_linear: weight must be [N, K={x.shape[1]}]; got shape {tuple(weight.shape)}")
+        raise ValueError(f"{name}: weight must be [N, K={x.shape[1]}]; got shape {tuple(weight.shape)}")
     if x.shape[0] > MAX_ROWS:
-        raise ValueError(f"skinny_linear: x has {x.shape[0]} rows; accepted: at most {MAX_ROWS} (use F.linear)")
+        raise ValueError(f"{name}: x has {x.shape[0]} rows; accepted: at most {MAX_ROWS} (use F.linear)")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"skinny_linear: dtypes x={x.dtype}, weight={weight.dtype}; accepted: both "
+        raise ValueError(f"{name}: dtypes x={x.dtype}, weight={weight.dtype}; accepted: both "
                          f"{' or '.join(str(d) for d in DTYPES)}")
     if weight.stride(1) != 1:
-        raise ValueError(f"skinny_linear: weight strides {weight.stride()}; accepted: unit stride along K")
+        raise ValueError(f"{name}: weight strides {weight.stride()}; accepted: unit stride along K")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != x.dtype):
-        raise ValueError(f"skinny_linear: bias shape {tuple(bias.shape)} dtype {bias.dtype}; accepted: "
+        raise ValueError(f"{name}: bias shape {tuple(bias.shape)} dtype {bias.dtype}; accepted: "
                          f"[{weight.shape[0]}] in {x.dtype}")
+
+
+@dataclass(frozen=True)
+class _NormOperands:
+    """What the fma kernel needs to apply an RMSNorm to x itself (``norm_skinny_linear``);
+    ``row_block``: columns (a power of two) of the tile the sum of squares runs over."""
+
+    residual: torch.Tensor | None
+    weight: torch.Tensor
+    eps: float
+    normed: torch.Tensor
+    res_sum: torch.Tensor
+    row_block: int
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
+            pdl: bool, norm: _NormOperands | None = None) -> torch.Tensor:
+    """The kernel launch(es) behind ``skinny_linear`` and ``norm_skinny_linear`` (inputs checked)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    steps = triton.cdiv(k, config.block_k)
+    split = max(1, min(config.split_k, steps))
+    k_split = triton.cdiv(steps, split) * config.block_k  # a slice: whole K steps
+    split = max(1, triton.cdiv(k, k_split))
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    pdl = pdl and config.kind == "fma"
+    grid = (triton.cdiv(n, config.block_n), split)
+    b = bias if bias is not None else y
+    shape = dict(K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
+                 EVEN_K=k % k_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.kind == "dot":
+        _gemv_dot_kernel[grid](x, weight, b, y, part, m, n, x.stride(0), weight.stride(0), y.stride(0),
+                               DOT_FP32=_INTERPRETED, BLOCK_M=_DOT_ROWS, **shape)
+    else:
+        # Without the norm its operands are placeholders, never read; ROW_BLOCK fixed: one compile.
+        r = norm.residual if norm is not None and norm.residual is not None else None
+        _gemv_fma_kernel[grid](x, weight, b, y, part, m, n, x.stride(0), weight.stride(0), y.stride(0),
+                               x if r is None else r, x if norm is None else norm.weight,
+                               y if norm is None else norm.normed, y if norm is None else norm.res_sum,
+                               0 if r is None else r.stride(0), 0.0 if norm is None else norm.eps,
+                               BLOCK_M=triton.next_power_of_2(m), PDL=pdl, NORM=norm is not None,
+                               HAS_RES=r is not None, ROW_BLOCK=16 if norm is None else norm.row_block,
+                               launch_pdl=pdl, **shape)
+    if split > 1:
+        block = 1024
+        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
+            part, b, y, m, n, y.stride(0), SPLIT_K=split,
+            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return y
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -336,35 +468,85 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         bias = bias.contiguous()
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return y
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config is None:
         config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size())
     else:
         config.validate()
-    steps = triton.cdiv(k, config.block_k)
-    split = max(1, min(config.split_k, steps))
-    k_split = triton.cdiv(steps, split) * config.block_k  # a slice: whole K steps
-    split = max(1, triton.cdiv(k, k_split))
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    extra = {"DOT_FP32": _INTERPRETED} if config.kind == "dot" else {}
-    kernel = _gemv_dot_kernel if config.kind == "dot" else _gemv_fma_kernel
-    pdl = pdl and config.kind == "fma"
-    if config.kind == "fma":
-        extra["PDL"] = pdl
-    rows = _DOT_ROWS if config.kind == "dot" else triton.next_power_of_2(m)
-    kernel[(triton.cdiv(n, config.block_n), split)](
-        x, weight, bias if bias is not None else y, y, part, m, n, x.stride(0), weight.stride(0),
-        y.stride(0), K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
-        EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=pdl, **extra)
-    if split > 1:
-        block = 1024
-        _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
-            part, bias if bias is not None else y, y, m, n, y.stride(0), SPLIT_K=split,
-            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
-    return y
+    return _launch(x, weight, bias, config, pdl)
+
+
+def _check_out(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """A caller's output buffer for ``like``'s values, or a new one."""
+    if out is not None and (out.shape != like.shape or out.dtype != like.dtype or out.device != like.device
+                            or not out.is_contiguous()):
+        raise ValueError(f"norm_skinny_linear: {name} shape {tuple(out.shape)} dtype {out.dtype} on {out.device}; "
+                         f"accepted: contiguous {list(like.shape)} in {like.dtype} on {like.device}")
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device) if out is None else out
+
+
+def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                       weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False, *,
+                       config: GemvConfig | None = None, rule: GemvRule = RULE, normed: torch.Tensor | None = None,
+                       res_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``kernels.rms_norm(x, norm_weight, eps, residual)`` then ``skinny_linear(normed, weight,
+    bias)`` in the GEMM's launch (two with split-K): no launch and no grid-wide wait for the norm.
+
+    Every program computes ``1 / rms`` of its rows from the whole row of ``x (+ residual)`` (after
+    ``gdc_wait`` with ``pdl``; its first weight tile requested before), then normalizes each K
+    step's values again as it multiplies them; program (0, 0) alone stores ``x + residual`` and the
+    norm output. ``rms_norm``'s roundings (the sum rounded to the activation dtype, float32 mean of
+    squares, ``rsqrt(var + eps)``, ``h`` rounded, ``w * h`` rounded); a row of at most
+    ``rule.norm_row_tile / rows`` values is summed in its order too. "fma" kind only.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16, ``M <= rule.fma_max_rows``; rows may be strided.
+        residual: ``[M, K]`` in x's dtype, added to x first; or None.
+        norm_weight, eps: the norm's ``[K]`` weight and epsilon.
+        weight, bias, pdl: as for ``skinny_linear``; config: an "fma" launch shape, None: chosen.
+        rule: the rule the config is chosen by, and its ``norm_row_tile``.
+        normed, res_sum: contiguous ``[M, K]`` buffers in x's dtype for the norm output and ``x +
+            residual`` (the layer SDK preallocates them); None: new tensors.
+
+    Returns:
+        ``(y, normed, res_sum)``: ``[M, N]`` as ``skinny_linear``'s, the norm output and ``x +
+        residual`` (without a residual: ``x`` itself, written by no one).
+    """
+    name = "norm_skinny_linear"
+    _check(x, weight, bias, name)
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > rule.fma_max_rows:
+        raise ValueError(f"{name}: x has {m} rows; accepted: at most {rule.fma_max_rows} (GemvRule.fma_max_rows: "
+                         "the norm is fused into the fma kind only)")
+    if n == 0:
+        raise ValueError(f"{name}: weight has no rows; accepted: [N >= 1, K={k}]")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"{name}: residual shape {tuple(residual.shape)} dtype {residual.dtype}; accepted: "
+                         f"{list(x.shape)} in {x.dtype}")
+    if norm_weight.shape != (k,) or not norm_weight.is_floating_point():
+        raise ValueError(f"{name}: norm_weight shape {tuple(norm_weight.shape)} dtype {norm_weight.dtype}; "
+                         f"accepted: [{k}] floating point")
+    if config is None:
+        config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size(), rule)
+    else:
+        config.validate()
+    if config.kind != "fma":
+        raise ValueError(f"{name}: config.kind {config.kind!r}; accepted: 'fma' (the only kind with the norm)")
+    normed = _check_out("normed", normed, x)
+    res_sum = x if residual is None else _check_out("res_sum", res_sum, x)
+    if m == 0:
+        return torch.empty((0, n), dtype=x.dtype, device=x.device), normed, res_sum
+    xk = x if x.stride(1) == 1 else x.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
+    row_block = min(triton.next_power_of_2(k),
+                    max(16, _pow2_at_most(rule.norm_row_tile // triton.next_power_of_2(m))))
+    norm = _NormOperands(residual, norm_weight.contiguous(), float(eps), normed, res_sum, row_block)
+    return _launch(xk, weight, bias, config, pdl, norm), normed, res_sum
 
 
 def supports_pdl(device: torch.device | None = None) -> bool:
@@ -378,13 +560,39 @@ def supports_pdl(device: torch.device | None = None) -> bool:
 @dataclass(frozen=True)
 class SkinnyLinear:
     """``Platform.layer_kernels()['linear']``: the unquantized linear layers call it for inputs of
-    1..``max_rows`` rows (``engine.layers.linear.skinny_linear_applies``), F.linear otherwise."""
+    1..``max_rows`` rows (``engine.layers.linear.skinny_linear_applies``), F.linear otherwise; with
+    ``norm_fusion`` it also takes the inputs an ``RMSNorm`` hands on unnormalized
+    (``engine.layers.layernorm.PendingNorm``, ``norm_linear``) where ``takes_norm`` says so."""
 
     #: the most rows of x (tokens of the batch) it is used for; the ``cuda.gemv_max_rows`` option.
     max_rows: int = 8
     #: launch with programmatic dependent launch (``skinny_linear(pdl=True)``); the ``cuda.pdl``
     #: option, on sm_90+ only.
     pdl: bool = False
+    #: fold the RMSNorm before a projection into it (``norm_skinny_linear``); the
+    #: ``cuda.norm_fusion`` option.
+    norm_fusion: bool = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return skinny_linear(x, weight, bias, pdl=self.pdl)
+
+    @property
+    def norm_max_rows(self) -> int:
+        """Rows ``norm_linear`` takes at most: the fma kind's, within ``max_rows``."""
+        return min(self.max_rows, RULE.fma_max_rows)
+
+    def takes_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``norm_linear`` takes the norm of the 2-D ``x`` for ``weight``/``bias``: norm
+        fusion on, ``x`` on the GPU, 1..``norm_max_rows`` rows, and as ``skinny_linear_applies``."""
+        from engine.layers.linear import skinny_linear_applies
+
+        return self.norm_fusion and x.is_cuda and skinny_linear_applies(x, weight, bias, self.norm_max_rows)
+
+    def norm_linear(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``pending``'s norm times ``weight`` (+ bias), filling its ``normed`` and ``res_sum``;
+        ``[rows, N]``."""
+        k = pending.x.shape[-1]
+        res_sum = pending.res_sum.view(-1, k) if pending.residual is not None else None
+        y, _, _ = norm_skinny_linear(pending.x, pending.residual, pending.weight, pending.eps, weight, bias,
+                                     pdl=self.pdl, normed=pending.normed.view(-1, k), res_sum=res_sum)
+        return y

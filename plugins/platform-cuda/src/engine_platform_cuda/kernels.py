@@ -182,8 +182,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
                                 num_warps=4)
 
 
-def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True,
-                  pdl: bool = False) -> dict[str, Any]:
+def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool = False,
+                  norm_fusion: bool = False) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
@@ -192,7 +192,10 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True,
     ``pdl`` (sm_90+ only: the instructions do not exist before): the skinny GEMM is launched with
     programmatic dependent launch, and RMSNorm and SiLU-and-mul, which precede it in a layer, let
     it start while they run (``gemv.skinny_linear``). The ``pdl`` entry (a bool, not a kernel)
-    tells layers with Triton kernels of their own (``FusedMoE``'s small-batch path) the same."""
+    tells layers with Triton kernels of their own (``FusedMoE``'s small-batch path) the same.
+
+    ``norm_fusion``: the skinny GEMM also takes the RMSNorm before it (``SkinnyLinear.norm_linear``,
+    ``gemv.norm_skinny_linear``), so the layer SDK skips the norm's launch where it takes the rows."""
     from engine_platform_cuda.gemv import SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
@@ -204,7 +207,7 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True,
         "silu_and_mul": functools.partial(silu_and_mul, trigger=True) if pdl else silu_and_mul,
         "rotary_inplace": rotary_inplace, "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv})
     if gemv_max_rows > 0:
-        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl)
+        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion)
     if qkv_prologue:
-        kernels["qkv_prologue"] = prologue_kernel
+        kernels["qkv_prologue"] = functools.partial(prologue_kernel, pdl=True) if kernels["pdl"] else prologue_kernel
     return kernels

@@ -110,7 +110,8 @@ class CudaPlatform(TorchCudaPlatform):
     def layer_kernels(self) -> dict[str, Any]:
         """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary, KV store), unless
         ``cuda.qkv_prologue`` is off the decode-step attention prologue ``qkv_prologue``, and,
-        unless ``cuda.gemv`` is off, the skinny GEMM ``linear`` for unquantized linear layers."""
+        unless ``cuda.gemv`` is off, the skinny GEMM ``linear`` for unquantized linear layers
+        (with the RMSNorm before it folded in unless ``cuda.norm_fusion`` is off)."""
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
@@ -120,7 +121,8 @@ class CudaPlatform(TorchCudaPlatform):
 
         rows = self.options["gemv_max_rows"] if self.options["gemv"] else 0
         pdl = self.options["pdl"] and self.is_available() and supports_pdl()
-        return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl)
+        return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl,
+                             norm_fusion=self.options["norm_fusion"])
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
@@ -146,7 +148,7 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"plugin_options: unknown option 'cuda.{unknown[0]}'; declared: "
                           + ", ".join(f"cuda.{k}" for k in DEFAULT_OPTIONS))
     parsed = {**DEFAULT_OPTIONS, **options}
-    for key in ("gemv", "qkv_prologue", "pdl"):
+    for key in ("gemv", "qkv_prologue", "pdl", "norm_fusion"):
         if not isinstance(parsed[key], bool):
             raise ConfigError(f"plugin_options: cuda.{key}: invalid value {parsed[key]!r}; "
                               "accepted: on/true or off/false")
