@@ -124,8 +124,8 @@ def _decode_split_kernel(
         mask_n = offs_n < hi
         loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         old = mask_n & (offs_n < seq_len - 1)
-        k = tl.load(k_base + loc[:, None] * stride_kt, mask=old[:, None] & mask_d[None, :], other=0.0)
-        v = tl.load(v_base + loc[:, None] * stride_vt, mask=old[:, None] & mask_dv[None, :], other=0.0)
+        k_old = tl.load(k_base + loc[:, None] * stride_kt, mask=old[:, None] & mask_d[None, :], other=0.0)
+        v_old = tl.load(v_base + loc[:, None] * stride_vt, mask=old[:, None] & mask_dv[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         # The merge (or the output projection) next reads this kernel's output only after its wait.
         tl.extra.cuda.gdc_launch_dependents()
@@ -134,11 +134,11 @@ def _decode_split_kernel(
         k_new = tl.load(k_base + loc[:, None] * stride_kt, mask=new[:, None] & mask_d[None, :], other=0.0)
         v_new = tl.load(v_base + loc[:, None] * stride_vt, mask=new[:, None] & mask_dv[None, :], other=0.0)
         # Widening an fp8 pool's values to q's dtype is exact, so the block is as the loop's.
-        k = tl.where(new[:, None], k_new.to(q.dtype), k.to(q.dtype))
-        v = tl.where(new[:, None], v_new.to(q.dtype), v.to(q.dtype))
+        k_first = tl.where(new[:, None], k_new.to(q.dtype), k_old.to(q.dtype))
+        v_first = tl.where(new[:, None], v_new.to(q.dtype), v_old.to(q.dtype))
         if lo < hi:
-            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
-                                          DOT_PRECISION)
+            m_i, l_i, acc = _attend_block(q, k_first, v_first, mask_n, m_i, l_i, acc, sm_scale, logit_cap,
+                                          HAS_CAP, DOT_PRECISION)
         first = lo + BLOCK_N
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
