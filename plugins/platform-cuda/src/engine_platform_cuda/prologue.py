@@ -54,9 +54,11 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
         w = tl.load(w_ptr + d, mask=in_head, other=0.0)
         wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
     if PDL:
-        tl.extra.cuda.gdc_wait()
-        # The attention kernel next may start: it reads this kernel's output only after its wait.
+        # The attention kernel next may start at once: before its own wait it reads only lengths,
+        # slots and the K/V of earlier positions, none of which this kernel or the projection
+        # before it writes; this kernel's output only after the wait.
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     x = tl.load(base + d, mask=in_head, other=0.0)
     xp = tl.load(base + partner, mask=in_rot, other=0.0)
     if HAS_NORM:
