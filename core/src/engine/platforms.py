@@ -191,7 +191,9 @@ class Platform(ABC):
         q is rotated in place, K and V are stored at ``loc`` in the pool's ``k_cache``/``v_cache``
         ``[slots, kv_heads, head_dim]`` as ``MHATokenToKVPool.set_kv_buffer`` stores them (float8:
         ``x / scale`` saturated); values rounded as the separate kernels round them. Layers and
-        the pool fall back to their PyTorch code for names not given. Default: none.
+        the pool fall back to their PyTorch code for names not given. One entry is a flag, not a
+        kernel: ``pdl`` (bool), whether layers with Triton kernels of their own (``FusedMoE``) may
+        launch them with programmatic dependent launch. Default: none.
         """
         return {}
 
