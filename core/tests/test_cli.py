@@ -123,7 +123,7 @@ def test_disabled_default_attention_backend_is_a_clear_error(llama_ckpt: str) ->
 
 @pytest.mark.parametrize("args,needle", [
     (["--plugin-option", "triton.max_kv_split=8"],
-     "plugin_options: unknown option 'triton.max_kv_split'; declared: triton.max_kv_splits (did you mean triton.max_kv_splits?)"),
+     "plugin_options: unknown option 'triton.max_kv_split'; declared: triton.max_kv_splits, triton.pdl (did you mean triton.max_kv_splits?)"),
     (["--disable-plugin", "flashinfr"], "--disable-plugin: unknown plugin 'flashinfr'; installed: "),
 ])
 def test_config_show_runs_the_start_up_checks(args: list[str], needle: str) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.testing.aot import compiled_facts, spill_bytes
+from engine.testing.aot import compiled_facts, pdl_order, spill_bytes
 
 ACTS = ("bf16", "fp16", "fp32")
 CACHES = ("same", "fp8e4nv", "fp8e5")
@@ -93,7 +93,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
     for act in ACTS:
         for cache in CACHES:
             for norm in (False, True):
-                consts = dict(HAS_NORM=norm, QUANT=cache != "same", BLOCK=128, BLOCK_V=128)
+                consts = dict(HAS_NORM=norm, QUANT=cache != "same", BLOCK=128, BLOCK_V=128, PDL=False)
                 compiled = _compile(prologue._qkv_prologue_kernel, _prologue_types(act, cache), consts, 1)
                 ptx = compiled.asm["ptx"]  # type: ignore[attr-defined]
                 out[f"{act}-{cache}-{'norm' if norm else 'plain'}"] = {
@@ -105,7 +105,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         for head_dim in HEAD_DIMS:
             warps = kernels.norm_num_warps(head_dim)
             fused = _compile(prologue._qkv_prologue_kernel, _prologue_types(act, "same"),
-                             dict(HAS_NORM=True, QUANT=False, BLOCK=head_dim, BLOCK_V=head_dim), warps)
+                             dict(HAS_NORM=True, QUANT=False, BLOCK=head_dim, BLOCK_V=head_dim, PDL=False), warps)
             rms_types = {a: ("*" + act if a.endswith("_ptr") else "fp32" if a == "eps" else "i32")
                          for a in kernels._rmsnorm_kernel.arg_names}
             separate = _compile(kernels._rmsnorm_kernel, rms_types, dict(HAS_RESIDUAL=False, BLOCK=head_dim), warps)
@@ -113,6 +113,12 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 "fused": _reduce_layout(fused.asm["ttgir"]),  # type: ignore[attr-defined]
                 "rms_norm": _reduce_layout(separate.asm["ttgir"]),  # type: ignore[attr-defined]
             }
+    # With PDL (cuda.pdl): positions, cos/sin and the norm weights load before the wait, the
+    # trigger comes first (the attention kernel after it reads no output of this one before its
+    # own wait), and q/k/v only after the wait.
+    pdl = _compile(prologue._qkv_prologue_kernel, _prologue_types("bf16", "same"),
+                   dict(HAS_NORM=True, QUANT=False, BLOCK=128, BLOCK_V=128, PDL=True), 1)
+    out["pdl"] = {**pdl_order(pdl.asm["ptx"]), "spill_bytes": spill_bytes(pdl.asm["ptx"])}  # type: ignore[attr-defined]
     return out
 
 
@@ -125,7 +131,7 @@ def test_compiles_for_sm90_as_the_separate_kernels_round() -> None:
             got = info[f"{act}-reduce-{head_dim}"]
             assert got["fused"] == got["rms_norm"], (act, head_dim, got)
         for cache in CACHES:
-            for norm in ("plain", "norm"):
+            for norm in ("plain", "norm"):  # (the PDL variant: below)
                 name = f"{act}-{cache}-{norm}"
                 got = info[name]
                 assert got["spill_bytes"] == 0 and got["local"] == 0, (name, got)
@@ -133,6 +139,9 @@ def test_compiles_for_sm90_as_the_separate_kernels_round() -> None:
                 want = {"same": [], "fp8e4nv": ["cvt.rn.satfinite.e4m3x2.f32"],
                         "fp8e5": ["cvt.rn.satfinite.e5m2x2.f32"]}[cache]
                 assert got["fp8_cvt"] == want, (name, got)
+    pdl = info["pdl"]
+    assert pdl["waits"] == 1 and pdl["triggers"] == 1 and pdl["trigger_first"], pdl
+    assert pdl["loads_before_wait"] >= 3 and pdl["spill_bytes"] == 0, pdl  # position, cos, sin, norm weights
 
 
 if __name__ == "__main__":

@@ -51,3 +51,36 @@ def ptxas_report(ptx: str, arch: int = 90) -> str:
 def spill_bytes(ptx: str, arch: int = 90) -> int:
     """Bytes of register spill stores ptxas reports for ``ptx`` (0: none)."""
     return sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", ptxas_report(ptx, arch)))
+
+
+def compile_kernel(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int = 4,
+                   arch: int = 90, divisible: tuple[str, ...] = ()) -> Any:
+    """``triton.compile`` of the jitted ``fn`` for ``sm_{arch}``: ``types`` gives each run-time
+    argument's Triton type (``"*bf16"``, ``"i32"``, ...), ``consts`` the constexprs. Pointers,
+    ``stride*`` arguments and those named in ``divisible`` are declared divisible by 16, as Triton
+    specializes them at a real launch on aligned shapes. Call it from a test file's ``__main__``
+    (``compiled_facts``), never under the interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {a: "constexpr" if a in consts else types[a] for a in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+             if a not in consts and (signature[a].startswith("*") or a.startswith("stride") or a in divisible)}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(names.index(c),): v for c, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+
+
+def pdl_order(ptx: str) -> dict[str, Any]:
+    """Where a kernel's programmatic-dependent-launch instructions sit in its PTX: how many
+    ``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents`` it has, whether the (first)
+    trigger comes before the (first) wait, and how many global loads come before the wait
+    (what a program reads before the previous kernel completed)."""
+    wait = ptx.find("griddepcontrol.wait")
+    trigger = ptx.find("griddepcontrol.launch_dependents")
+    return {"waits": ptx.count("griddepcontrol.wait"),
+            "triggers": ptx.count("griddepcontrol.launch_dependents"),
+            "trigger_first": 0 <= trigger < wait,
+            "loads_before_wait": len(re.findall(r"\bld\.global", ptx[:wait])) if wait >= 0 else None}

@@ -1,0 +1,59 @@
+"""The decode attention kernels with programmatic dependent launch compile for an H100 (sm_90) to
+the order the PDL rule needs (docs/platforms.md, "Programmatic dependent launch").
+
+- Stage 1 (split) gathers before its wait (lengths, slots, the first block's earlier keys and
+  values), has one wait, and triggers only after it; with a bf16 pool and with an fp8 one.
+- Stage 2 (merge) triggers first (the output projection after it reads only weights before its
+  own wait) and loads nothing before its wait.
+- Neither spills registers.
+
+Compiled in a subprocess without the interpreter (``engine.testing.aot``) at Qwen3-30B-A3B's
+heads (32 query heads on 4 KV heads, head_dim 128) with 16 splits, as a CUDA graph at batch 1
+launches them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from engine.testing.aot import compiled_facts, compile_kernel, pdl_order, spill_bytes
+
+POOLS = ("bf16", "fp8e4nv")
+
+
+def _compile_all() -> dict[str, dict[str, object]]:
+    from engine_attention_triton import decode_attention as da
+
+    out: dict[str, dict[str, object]] = {}
+    for pool in POOLS:
+        types = {a: "i32" for a in da._decode_split_kernel.arg_names}
+        types.update(Q="*bf16", K_Buf="*" + pool, V_Buf="*" + pool, Req_To_Token="*i32", Req_Pool_Indices="*i64",
+                     Seq_Lens="*i64", Part_Out="*fp32", Part_Lse="*fp32", sm_scale="fp32", logit_cap="fp32",
+                     v_scale="fp32")
+        split = compile_kernel(da._decode_split_kernel, types,
+                               dict(GROUP=8, BLOCK_H=16, BLOCK_N=64, HEAD_DIM=128, V_DIM=128, BLOCK_D=128,
+                                    BLOCK_DV=128, SLIDING_WINDOW=-1, HAS_CAP=False, DOT_PRECISION="tf32",
+                                    DIRECT=False, PDL=True), num_warps=4)
+        ptx = split.asm["ptx"]
+        out[f"split-{pool}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}
+    types = {a: "i32" for a in da._decode_merge_kernel.arg_names}
+    types.update(Part_Out="*fp32", Part_Lse="*fp32", Out="*bf16")
+    merge = compile_kernel(da._decode_merge_kernel, types, dict(V_DIM=128, BLOCK_DV=128, BLOCK_S=16, PDL=True),
+                           num_warps=4)
+    out["merge"] = {**pdl_order(merge.asm["ptx"]), "spill_bytes": spill_bytes(merge.asm["ptx"])}
+    return out
+
+
+def test_pdl_decode_kernels_compile_to_the_rule() -> None:
+    info = compiled_facts(__file__, timeout=600)
+    for pool in POOLS:
+        got = info[f"split-{pool}"]
+        assert got["waits"] == 1 and got["triggers"] == 1 and not got["trigger_first"], (pool, got)
+        assert got["loads_before_wait"] >= 3, (pool, got)  # lengths, slots, the first block's K and V
+    assert {k: v for k, v in info["merge"].items() if k != "spill_bytes"} == {
+        "waits": 1, "triggers": 1, "trigger_first": True, "loads_before_wait": 0}, info["merge"]
+    assert all(v["spill_bytes"] == 0 for v in info.values()), info
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
