@@ -122,10 +122,11 @@ for stage in "$@"; do
       timeout 200 python3 scripts/bench_moe_kernel.py --shapes qwen3-30b-a3b --pieces-only --tokens 1 2 4 8 16 32 64 \
         --result-file "$RES" 2>&1 | grep -v Warning ;;
     pdl)
-      # Programmatic dependent launch: a 48-layer projection chain, then the model on and off (docs/platforms.md).
+      # Programmatic dependent launch: a 48-layer projection chain, then the model with each part off in turn
+      # (cuda.pdl, triton.pdl, the prologue, norm fusion; docs/platforms.md).
       python3 scripts/bench_pdl.py --rows 1 4 --result-file "$RES" 2>&1 | grep -v Warning
       MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
-      for opt in cuda.pdl=on cuda.pdl=off cuda.qkv_prologue=off; do
+      for opt in cuda.pdl=on cuda.pdl=off cuda.qkv_prologue=off triton.pdl=off cuda.norm_fusion=off; do
         E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
           --plugin-option "$opt" --result-file "$RES" 2>&1 | tail -2 | sed "s/^/$opt /"
       done ;;
