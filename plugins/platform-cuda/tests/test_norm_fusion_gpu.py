@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.layers.layernorm import RMSNorm
+from engine.testing.checkpoints import DECODE_KERNEL_MODELS
 from engine.testing.harness import (
     assert_equal_up_to_near_ties,
     generate_greedy,
@@ -25,13 +26,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 #: run as a batch of one, then of two: every decode step has 1 or 2 rows.
 BATCHES = [[list(range(5, 10))], [list(range(300, 317)), list(range(1000, 1040))]]
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaForCausalLM", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                       intermediate_size=512)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                              head_dim=128, num_experts=8, num_experts_per_tok=2,
-                                              moe_intermediate_size=32, norm_topk_prob=True)),
-}
+MODELS = DECODE_KERNEL_MODELS
 
 
 def _run(path: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], torch.Tensor, int, Any]:

@@ -12,19 +12,14 @@ from typing import Any
 import pytest
 import torch
 
+from engine.testing.checkpoints import DECODE_KERNEL_MODELS
 from engine.testing.harness import generate_greedy, make_scheduler
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9, reason="needs a CUDA GPU of sm_90+")]
 
 PROMPTS = [list(range(5, 10)), list(range(300, 317)), list(range(1000, 1040))]
-MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaForCausalLM", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                       intermediate_size=512)),
-    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                              head_dim=128, num_experts=8, num_experts_per_tok=2,
-                                              moe_intermediate_size=32, norm_topk_prob=True)),
-}
+MODELS = DECODE_KERNEL_MODELS
 
 
 def _greedy(path: str, pdl: bool) -> list[list[int]]:

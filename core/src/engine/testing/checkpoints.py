@@ -17,6 +17,17 @@ _BASE = dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
+#: A dense and an MoE model (architecture, ``tiny_config`` overrides) wide enough for the GPU decode
+#: kernels' real tile shapes (hidden 256; the MoE with 128-wide heads, 8 experts, top 2): the models
+#: GPU tests switch a platform kernel option on and off in (``cuda.pdl``, ``cuda.norm_fusion``).
+DECODE_KERNEL_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaForCausalLM", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                       intermediate_size=512)),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                              head_dim=128, num_experts=8, num_experts_per_tok=2,
+                                              moe_intermediate_size=32, norm_topk_prob=True)),
+}
+
 
 def reference_model_class(reference: str | type) -> type:
     """A transformers model class, given itself or its name in ``transformers``."""
