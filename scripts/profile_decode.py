@@ -102,11 +102,15 @@ def print_timeline(prof, count: int, steps: int) -> None:
     idle = sum(max(0.0, step[i][0] - step[i - 1][1]) for i in range(1, len(step)))
     print(f"last step: {len(step)} kernels, {busy / 1e3:.3f} ms busy, {idle / 1e3:.3f} ms idle between them")
     mid = max(0, len(step) // 2 - count // 2)
-    print(f"  {'gap us':>7} {'dur us':>7}  kernel (#{mid} on)")
+    # With programmatic dependent launch a kernel starts before the previous one ends (a negative
+    # gap) and its duration includes its wait; "ends +" is its end past the previous kernel's end.
+    t0 = step[mid][0]
+    print(f"  {'start':>7} {'gap us':>7} {'dur us':>7} {'ends +':>7}  kernel (#{mid} on; start: us from the first)")
     for i in range(mid, min(len(step), mid + count)):
         start, end, name = step[i]
         gap = start - step[i - 1][1] if i else 0.0
-        print(f"  {gap:7.2f} {end - start:7.2f}  {name[:90]}")
+        after = end - step[i - 1][1] if i else end - start
+        print(f"  {start - t0:7.2f} {gap:7.2f} {end - start:7.2f} {after:7.2f}  {name[:80]}")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,9 @@ def test_platform_offers_the_kernel_by_default_and_not_when_off() -> None:
     ({"gemv_rows": 4}, "unknown option 'cuda.gemv_rows'"),
     ({"pdl": 1}, "cuda.pdl: invalid value 1; accepted: on/true or off/false"),
     ({"norm_fusion": "yes"}, "cuda.norm_fusion: invalid value 'yes'; accepted: on/true or off/false"),
+    ({"pdl_preload": 0}, "cuda.pdl_preload: invalid value 0; accepted: an int from 1 to 4"),
+    ({"pdl_preload": 5}, "cuda.pdl_preload: invalid value 5; accepted: an int from 1 to 4"),
+    ({"pdl_preload": True}, "cuda.pdl_preload: invalid value True; accepted: an int from 1 to 4"),
 ])
 def test_platform_refuses_bad_option_values(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -209,7 +212,7 @@ def test_options_are_declared_and_reach_the_platform_from_the_registry() -> None
     entry = reg.entries["platform"]["cuda"]
     platform = plugins.create(entry.spec.factory, options=reg.options_for("cuda", {"cuda": {"gemv": False}}))
     assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True, "pdl": True,
-                                "norm_fusion": True}
+                                "norm_fusion": True, "pdl_preload": 3}
     assert "linear" not in platform.layer_kernels()
 
 
@@ -250,4 +253,25 @@ def test_cli_spelling_off_turns_it_off() -> None:
 
     args = build_server_args({"plugin_option": ["cuda.gemv=off", "cuda.gemv_max_rows=4"]})
     assert args.plugin_options == {"cuda": {"gemv": False, "gemv_max_rows": 4}}
+    plugins.check_plugin_options(args.plugin_options)
+
+
+def test_pdl_preload_reaches_the_skinny_gemm_rule() -> None:
+    from engine_platform_cuda.gemv import MAX_PDL_STEPS, RULE, GemvConfig, choose_config
+    from engine_platform_cuda.kernels import layer_kernels
+
+    from engine.cli import build_server_args
+
+    assert DEFAULT_OPTIONS["pdl_preload"] == RULE.fma_pdl_steps == 3 and MAX_PDL_STEPS == 4
+    assert _kernels()["linear"].rule.fma_pdl_steps == 3
+    linear = _kernels(pdl_preload=1)["linear"]
+    assert linear.rule.fma_pdl_steps == 1 and linear.rule.fma_tile == RULE.fma_tile  # only that field
+    assert layer_kernels()["linear"].rule is RULE  # the function's default: the rule as it is
+    # The chosen "fma" configs carry it; "dot" ones ignore it (never launched with PDL).
+    assert choose_config(1, 2048, 4096, 132, rule=linear.rule).pdl_steps == 1
+    assert choose_config(1, 2048, 4096, 132).pdl_steps == 3
+    with pytest.raises(ValueError, match="GemvConfig.pdl_steps: invalid value 5; accepted: 1..4"):
+        GemvConfig("fma", 4, 1024, pdl_steps=5).validate()
+    args = build_server_args({"plugin_option": ["cuda.pdl_preload=2"]})
+    assert args.plugin_options == {"cuda": {"pdl_preload": 2}}
     plugins.check_plugin_options(args.plugin_options)

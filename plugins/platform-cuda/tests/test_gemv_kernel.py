@@ -189,10 +189,13 @@ def test_captured_in_a_cuda_graph(config: GemvConfig | None) -> None:
 @gpu
 @needs_gpu
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9, reason="PDL needs sm_90+")
-@pytest.mark.parametrize("config", [None, GemvConfig("fma", 4, 512, split_k=4)], ids=["chosen", "fma-split"])
+@pytest.mark.parametrize("config", [None, GemvConfig("fma", 4, 512, split_k=4),
+                                    GemvConfig("fma", 4, 512, pdl_steps=4), GemvConfig("fma", 8, 256, pdl_steps=2)],
+                         ids=["chosen", "fma-split", "pre4-of-4", "pre2-of-8"])
 def test_pdl_launch_is_bit_equal_in_a_graph_chain(config: GemvConfig | None) -> None:
     """With programmatic dependent launch each kernel reads the previous one's output only after
-    griddepcontrol.wait: a captured chain of dependent calls gives the same bits as without."""
+    griddepcontrol.wait: a captured chain of dependent calls gives the same bits as without, however
+    many weight steps (``pdl_steps``) a program requests before that wait."""
     ws = [_operands(1, 2048, 2048, torch.bfloat16, bias=True, seed=s) for s in range(6)]
     static_x = ws[0][0].clone()
 

@@ -6,7 +6,7 @@ register layouts inside its K loop (no shared memory there: both operands are lo
 product's layout); the "dot" kind copies its tiles with cp.async (pipelined) into tensor-core
 MMAs; no kind spills registers (``ptxas -v``). The "fma" kind with the RMSNorm folded in
 (``norm_skinny_linear``, at 1 and 2 rows, PDL on, with and without a residual) too; with PDL the
-first weight tile is requested before the one wait.
+first ``GemvConfig.pdl_steps`` weight tiles (one with the norm) are requested before the one wait.
 
 Triton compiles ahead of time with its bundled ptxas; the interpreter (which the root conftest
 turns on without a GPU) plays no part, so the compile runs in a subprocess without it. Pointers,
@@ -75,8 +75,10 @@ def _compile_all() -> dict[str, dict[str, object]]:
             else:
                 # As gemv's launches: the plain kernel's row tile is fixed, the norm's from the rule.
                 row_block = min(triton.next_power_of_2(k), gemv.RULE.norm_row_tile // rows)
+                # As _launch: the weight steps before the wait, one with the norm.
+                pre = min(cfg.pdl_steps, k_split // cfg.block_k) if pdl and res is None else 1
                 consts.update(PDL=pdl, NORM=res is not None, HAS_RES=bool(res),
-                              ROW_BLOCK=16 if res is None else row_block)
+                              ROW_BLOCK=16 if res is None else row_block, PRE=pre)
             key = (cfg, tuple(sorted(consts.items())))
             name = f"m{m}-{n}x{k}" + ("-pdl" if pdl else "") + {None: "", True: "-norm-res", False: "-norm"}[res]
             if key in seen:
@@ -101,6 +103,11 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 "norm": res is not None,
                 # PDL's point: a (weight) load is issued before the wait for the previous kernel.
                 "load_before_wait": first_load is not None and 0 <= first_load.start() < wait_at,
+                # 16-byte weight loads before the wait, and how many K steps of them were asked for.
+                "v4_before_wait": len(re.findall(_V4_LOAD, ptx[:wait_at])) if wait_at >= 0 else 0,
+                "pre": consts.get("PRE", 1),
+                # One weight step's 16-byte loads a thread (the tile over the program's threads).
+                "step_v4": cfg.block_n * cfg.block_k * 2 // (16 * 32 * cfg.num_warps),
                 "loop": loop is not None,
                 "v4_loads_in_loop": len(re.findall(_V4_LOAD, body)),
                 # Without a loop the whole kernel is searched, and its final cross-warp sum uses shared memory.
@@ -126,6 +133,8 @@ def test_chosen_configs_compile_for_sm90_as_designed() -> None:
         assert (got["gdc_wait"], got["gdc_launch"]) == ((1, 1) if got["pdl"] else (0, 0)), (name, got)
         if got["pdl"]:
             assert got["load_before_wait"], (name, got)
+            # Every requested step's whole tile, in 16-byte vectors, before the wait.
+            assert got["v4_before_wait"] >= got["pre"] * got["step_v4"] > 0, (name, got)
         if got["kind"] == "fma":
             assert got["v4_loads_in_loop"] > 0 and got["shared_in_loop"] == 0, (name, got)
         else:

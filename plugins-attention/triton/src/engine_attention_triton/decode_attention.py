@@ -86,7 +86,9 @@ def _decode_split_kernel(
     # PDL: launched with programmatic dependent launch. Until gdc_wait the program reads only what
     # earlier kernels than the previous one wrote (lengths, slots, and the K/V of every position
     # but the newest, which the previous kernel, the attention prologue, may be storing), so its
-    # first block's gathers are in flight while that kernel drains.
+    # first block's gathers are in flight while that kernel drains. It lets the next kernels
+    # launch at once: the merge reads nothing before its own wait, and the output projection
+    # after it only weights, which it then streams during this kernel and the merge.
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -119,6 +121,7 @@ def _decode_split_kernel(
     v_base = V_Buf + kv_head * stride_vh + offs_dv[None, :]
     first = lo
     if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
         # The first block, the newest position left out, then that position after the wait.
         offs_n = lo + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -127,8 +130,6 @@ def _decode_split_kernel(
         k_old = tl.load(k_base + loc[:, None] * stride_kt, mask=old[:, None] & mask_d[None, :], other=0.0)
         v_old = tl.load(v_base + loc[:, None] * stride_vt, mask=old[:, None] & mask_dv[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
-        # The merge (or the output projection) next reads this kernel's output only after its wait.
-        tl.extra.cuda.gdc_launch_dependents()
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         new = mask_n & (offs_n == seq_len - 1)
         k_new = tl.load(k_base + loc[:, None] * stride_kt, mask=new[:, None] & mask_d[None, :], other=0.0)
@@ -181,9 +182,9 @@ def _decode_merge_kernel(
     PDL: tl.constexpr,
 ):
     if PDL:
-        # Launched with PDL after stage 1 (which triggers only after its own wait). The output
-        # projection next (a skinny GEMM launched with PDL) reads only its weights before it waits,
-        # so it may start at once and stream them while this kernel runs.
+        # Launched with PDL after stage 1 (which triggers at its start). The output projection next
+        # (a skinny GEMM launched with PDL) reads only its weights before it waits, so it may start
+        # at once and stream them while stage 1 and this kernel run.
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)

@@ -22,6 +22,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "pdl": True,
     # RMSNorm folded into the skinny GEMM after it at 1-2 rows (no launch of its own); off: separate.
     "norm_fusion": True,
+    # With PDL, the K steps of weights each skinny-GEMM program requests before its wait (1..4).
+    "pdl_preload": 3,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -32,6 +34,9 @@ _OPTION_HELP = {
            "first weights while the norm before it runs (ignored on older GPUs; off: plain launches)",
     "norm_fusion": "fold each RMSNorm (+ residual add) into the skinny GEMM that reads it first (qkv, "
                    "gate/up, the MoE router) at 1-2 rows, saving its launch (off: separate launches)",
+    "pdl_preload": "with cuda.pdl: K steps of weights (1..4) each skinny-GEMM program without a folded "
+                   "norm requests before it waits for the kernel before it; more streams more weights "
+                   "during latency-bound kernels (attention) at the cost of registers",
 }
 
 

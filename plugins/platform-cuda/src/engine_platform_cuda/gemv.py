@@ -55,6 +55,8 @@ _KINDS = ("fma", "dot")
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # The dot kind pads x to this many rows: tl.dot needs every dimension >= 16.
 _DOT_ROWS = 16
+#: most K steps of weights the "fma" kind requests before its PDL wait (registers held meanwhile).
+MAX_PDL_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class GemvConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    #: "fma" kind launched with PDL: K steps of weights each program requests before its wait
+    #: (1..``MAX_PDL_STEPS``, at most a slice's steps).
+    pdl_steps: int = 1
 
     def validate(self) -> None:
         """Raises ``ValueError`` naming the first field out of range."""
@@ -86,6 +91,8 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.num_warps: invalid value {self.num_warps}; accepted: 1, 2, 4, 8, 16")
         if self.num_stages < 1:
             raise ValueError(f"GemvConfig.num_stages: invalid value {self.num_stages}; accepted: >= 1")
+        if not 1 <= self.pdl_steps <= MAX_PDL_STEPS:
+            raise ValueError(f"GemvConfig.pdl_steps: invalid value {self.pdl_steps}; accepted: 1..{MAX_PDL_STEPS}")
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,12 @@ class GemvRule:
     fma_block_k: int = 512
     fma_num_warps: int = 4
     fma_num_stages: int = 1
+    #: with PDL, the "fma" kind's weight steps requested before the wait (``GemvConfig.pdl_steps``;
+    #: the ``cuda.pdl_preload`` option). H100, batch-1 decode, 2026-11-24: Qwen3-30B-A3B 2.940 ms a
+    #: step at 1, 2.906 at 2, 2.900 at 3, 2.930 at 4 (scratch runs; docs/benchmarks.md has the
+    #: final figures). With the RMSNorm folded in it stays 1: the norm's row tile holds registers
+    #: already (3 steps: 194 registers a thread), and 2 ran slower.
+    fma_pdl_steps: int = 3
     #: block_n candidates of the "dot" kind, largest first (64 lets Hopper use wgmma).
     dot_block_n: tuple[int, ...] = (64, 32, 16)
     dot_block_k: int = 128
@@ -150,7 +163,8 @@ def choose_config(m: int, n: int, k: int, sm_count: int, elem_bytes: int = 2,
             block_n //= 2
         # Fewer rows per program, longer K steps: the tile (the bytes a step has in flight) stays.
         block_k = min(k_pow2, max(16, rule.fma_tile // (rows * block_n)))
-        cfg = GemvConfig("fma", block_n, block_k, num_warps=rule.fma_num_warps, num_stages=rule.fma_num_stages)
+        cfg = GemvConfig("fma", block_n, block_k, num_warps=rule.fma_num_warps, num_stages=rule.fma_num_stages,
+                         pdl_steps=rule.fma_pdl_steps)
     else:
         block_k = min(rule.dot_block_k, k_pow2)
         block_n = rule.dot_block_n[-1]
@@ -233,6 +247,15 @@ def _norm_rstd(x_ptr, r_ptr, nw_ptr, normed_ptr, res_ptr, M, stride_xm, stride_r
 
 
 @triton.jit
+def _w_tile(w_ptrs, offset, k3, K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight tile ``offset`` columns past ``w_ptrs`` (``k3``: its columns' offsets in K, less
+    ``offset``); columns past K read as zeros."""
+    if EVEN_K:
+        return tl.load(w_ptrs + offset)
+    return tl.load(w_ptrs + offset, mask=(k3 + offset) < K, other=0.0)
+
+
+@triton.jit
 def _x_tile(x_ptrs, r_ptrs, nw_ptrs, kk, m_mask, k3, rstd, K: tl.constexpr, EVEN_K: tl.constexpr,
             NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """One K step of x (``kk`` past the slice's start, which ``x_ptrs`` has reached) as float32;
@@ -255,9 +278,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     ROW_BLOCK: tl.constexpr):
+                     ROW_BLOCK: tl.constexpr, PRE: tl.constexpr):
     # NORM: x is the input of an RMSNorm (weights nw, residual r added first when HAS_RES) whose
     # output this GEMM multiplies; the r/nw/normed/res pointers and stride_rm, eps are unused without it.
+    # PRE (1..4, at most the slice's K steps): with PDL, the K steps of weights requested before the wait.
     if PDL:
         # Let the next kernel (launched with PDL) take SM slots as ours retire.
         tl.extra.cuda.gdc_launch_dependents()
@@ -281,12 +305,19 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
     m_mask = offs_m[:, None, None] < M
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PDL:
-        # The weights are no kernel's output: the first tile is requested before waiting for the
-        # previous kernel (whose output x may be), so it is in flight while that kernel drains.
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=k3 < K, other=0.0)
+        # The weights are no kernel's output: the first PRE tiles are requested before waiting for
+        # the previous kernel (whose output x may be), so they stream while that kernel (and any
+        # latency-bound kernels before it that let this one launch) drains.
+        w0 = _w_tile(w_ptrs, 0, k3, K, EVEN_K)
+        w1 = w0
+        w2 = w0
+        w3 = w0
+        if PRE > 1:
+            w1 = _w_tile(w_ptrs, BLOCK_K, k3, K, EVEN_K)
+        if PRE > 2:
+            w2 = _w_tile(w_ptrs, 2 * BLOCK_K, k3, K, EVEN_K)
+        if PRE > 3:
+            w3 = _w_tile(w_ptrs, 3 * BLOCK_K, k3, K, EVEN_K)
         tl.extra.cuda.gdc_wait()
     # Without NORM these are placeholders _x_tile never reads.
     r_ptrs = x_ptrs
@@ -303,17 +334,23 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
         r_ptrs = r_ptr + (offs_m[:, None, None].to(tl.int64) * stride_rm + zero_n + k3)
         nw_ptrs = nw_ptr + (zero_m + zero_n + k3)
     if PDL:
-        acc += _x_tile(x_ptrs, r_ptrs, nw_ptrs, 0, m_mask, k3, rstd, K, EVEN_K, NORM, HAS_RES) * w.to(tl.float32)
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        acc += _x_tile(x_ptrs, r_ptrs, nw_ptrs, 0, m_mask, k3, rstd, K, EVEN_K, NORM, HAS_RES) * w0.to(tl.float32)
+        if PRE > 1:
+            acc += _x_tile(x_ptrs + BLOCK_K, r_ptrs, nw_ptrs, BLOCK_K, m_mask, k3, rstd, K, EVEN_K, NORM,
+                           HAS_RES) * w1.to(tl.float32)
+        if PRE > 2:
+            acc += _x_tile(x_ptrs + 2 * BLOCK_K, r_ptrs, nw_ptrs, 2 * BLOCK_K, m_mask, k3, rstd, K, EVEN_K, NORM,
+                           HAS_RES) * w2.to(tl.float32)
+        if PRE > 3:
+            acc += _x_tile(x_ptrs + 3 * BLOCK_K, r_ptrs, nw_ptrs, 3 * BLOCK_K, m_mask, k3, rstd, K, EVEN_K, NORM,
+                           HAS_RES) * w3.to(tl.float32)
+        w_ptrs += PRE * BLOCK_K
+        x_ptrs += PRE * BLOCK_K
     # K and the slice length are compile-time constants: the trip count is known to the compiler
     # (and Triton 3.6's interpreter cannot loop over a run-time bound under numpy 2.4). With PDL
-    # the first step ran above.
-    for kk in range(BLOCK_K * PDL, K_SPLIT, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-        else:
-            w = tl.load(w_ptrs, mask=(k3 + kk) < K, other=0.0)
+    # the first PRE steps ran above.
+    for kk in range(BLOCK_K * PRE * PDL, K_SPLIT, BLOCK_K):
+        w = _w_tile(w_ptrs, 0, k3 + kk, K, EVEN_K)
         acc += _x_tile(x_ptrs, r_ptrs, nw_ptrs, kk, m_mask, k3, rstd, K, EVEN_K, NORM, HAS_RES) * w.to(tl.float32)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -418,6 +455,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     split = max(1, triton.cdiv(k, k_split))
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
     pdl = pdl and config.kind == "fma"
+    # Weight steps before the PDL wait: within the slice, one with the norm folded in (GemvRule).
+    pre = 1 if norm is not None else max(1, min(config.pdl_steps, k_split // config.block_k))
     grid = (triton.cdiv(n, config.block_n), split)
     b = bias if bias is not None else y
     shape = dict(K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
@@ -435,7 +474,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
                                0 if r is None else r.stride(0), 0.0 if norm is None else norm.eps,
                                BLOCK_M=triton.next_power_of_2(m), PDL=pdl, NORM=norm is not None,
                                HAS_RES=r is not None, ROW_BLOCK=16 if norm is None else norm.row_block,
-                               launch_pdl=pdl, **shape)
+                               PRE=pre if pdl else 1, launch_pdl=pdl, **shape)
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
@@ -445,7 +484,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, pdl: bool = False) -> torch.Tensor:
+                  config: GemvConfig | None = None, pdl: bool = False, rule: GemvRule = RULE) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of 1..``MAX_ROWS`` rows (see the module doc).
 
     Args:
@@ -457,6 +496,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             its programs may start while the previous kernel on the stream drains, requesting their
             first weight tile before they wait for that kernel's results. The "dot" kind (3+ rows)
             ignores it: with PDL a 48-layer chain at 4 rows ran 0.53x (H100, scripts/bench_pdl.py).
+        rule: the rule ``config`` is chosen by when None (``SkinnyLinear.rule``).
 
     Returns:
         ``[M, N]`` in x's dtype, contiguous.
@@ -471,7 +511,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if m == 0 or n == 0:
         return torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config is None:
-        config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size())
+        config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size(), rule)
     else:
         config.validate()
     return _launch(x, weight, bias, config, pdl)
@@ -572,9 +612,11 @@ class SkinnyLinear:
     #: fold the RMSNorm before a projection into it (``norm_skinny_linear``); the
     #: ``cuda.norm_fusion`` option.
     norm_fusion: bool = False
+    #: the launch-shape rule (its ``fma_pdl_steps``: the ``cuda.pdl_preload`` option).
+    rule: GemvRule = RULE
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return skinny_linear(x, weight, bias, pdl=self.pdl)
+        return skinny_linear(x, weight, bias, pdl=self.pdl, rule=self.rule)
 
     @property
     def norm_max_rows(self) -> int:
@@ -594,5 +636,6 @@ class SkinnyLinear:
         k = pending.x.shape[-1]
         res_sum = pending.res_sum.view(-1, k) if pending.residual is not None else None
         y, _, _ = norm_skinny_linear(pending.x, pending.residual, pending.weight, pending.eps, weight, bias,
-                                     pdl=self.pdl, normed=pending.normed.view(-1, k), res_sum=res_sum)
+                                     pdl=self.pdl, rule=self.rule, normed=pending.normed.view(-1, k),
+                                     res_sum=res_sum)
         return y

@@ -183,7 +183,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool = False,
-                  norm_fusion: bool = False) -> dict[str, Any]:
+                  norm_fusion: bool = False, pdl_preload: int | None = None) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
@@ -195,8 +195,13 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
     tells layers with Triton kernels of their own (``FusedMoE``'s small-batch path) the same.
 
     ``norm_fusion``: the skinny GEMM also takes the RMSNorm before it (``SkinnyLinear.norm_linear``,
-    ``gemv.norm_skinny_linear``), so the layer SDK skips the norm's launch where it takes the rows."""
-    from engine_platform_cuda.gemv import SkinnyLinear
+    ``gemv.norm_skinny_linear``), so the layer SDK skips the norm's launch where it takes the rows.
+
+    ``pdl_preload``: with PDL, the K steps of weights each skinny-GEMM program requests before its
+    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's."""
+    from dataclasses import replace
+
+    from engine_platform_cuda.gemv import RULE, SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
     # Layers with Triton kernels of their own (the MoE experts) read the flag itself.
@@ -207,7 +212,8 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
         "silu_and_mul": functools.partial(silu_and_mul, trigger=True) if pdl else silu_and_mul,
         "rotary_inplace": rotary_inplace, "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv})
     if gemv_max_rows > 0:
-        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion)
+        rule = RULE if pdl_preload is None else replace(RULE, fma_pdl_steps=pdl_preload)
+        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion, rule=rule)
     if qkv_prologue:
         kernels["qkv_prologue"] = functools.partial(prologue_kernel, pdl=True) if kernels["pdl"] else prologue_kernel
     return kernels

@@ -33,6 +33,8 @@ DEFAULT_MEM_FRACTION_STATIC = 0.88
 _FP8_MIN_CAPABILITY = (8, 9)
 # Rows the skinny GEMM computes at most (``gemv.MAX_ROWS``; not imported: it imports triton).
 _GEMV_ROWS_LIMIT = 16
+# Weight steps the skinny GEMM may request before its PDL wait (``gemv.MAX_PDL_STEPS``).
+_PDL_STEPS_LIMIT = 4
 
 
 def _flashinfer_importable() -> bool:
@@ -122,7 +124,7 @@ class CudaPlatform(TorchCudaPlatform):
         rows = self.options["gemv_max_rows"] if self.options["gemv"] else 0
         pdl = self.options["pdl"] and self.is_available() and supports_pdl()
         return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl,
-                             norm_fusion=self.options["norm_fusion"])
+                             norm_fusion=self.options["norm_fusion"], pdl_preload=self.options["pdl_preload"])
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
@@ -156,4 +158,8 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= _GEMV_ROWS_LIMIT:
         raise ConfigError(f"plugin_options: cuda.gemv_max_rows: invalid value {rows!r}; "
                           f"accepted: an int from 1 to {_GEMV_ROWS_LIMIT}")
+    steps = parsed["pdl_preload"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _PDL_STEPS_LIMIT:
+        raise ConfigError(f"plugin_options: cuda.pdl_preload: invalid value {steps!r}; "
+                          f"accepted: an int from 1 to {_PDL_STEPS_LIMIT}")
     return parsed
