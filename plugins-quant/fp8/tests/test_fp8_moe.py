@@ -46,28 +46,3 @@ def test_quant_fp8_on_a_moe_checkpoint(checkpoint: str) -> None:
     assert experts and all(m.w13_weight.dtype == FP8_DTYPE and m.w2_weight_scale.shape == (4, 64) for m in experts)
     assert_cosine_close(last_position_logits(sched, prompts), reference, 0.99)
     assert_generates(checkpoint, prompts, 6, quant="fp8")
-
-
-def test_fp8_experts_take_the_router_logits() -> None:
-    """``Fp8MoEMethod`` opts into routing inside the expert launches (``takes_router_logits``: at
-    1-2 tokens on CUDA ``FusedMoE`` hands it ``layer.pending_routing`` and no topk tensors); where
-    the kernels do not run it resolves that routing itself, equal to being given the tensors."""
-    from engine.layers.moe.layer import PendingRouting
-    from engine.layers.moe.router import select_experts_reference
-    from engine_quant_fp8.moe import Fp8MoEMethod
-
-    assert Fp8MoEMethod.takes_router_logits and Fp8MoEMethod.takes_expert_blocks
-    gen = torch.Generator().manual_seed(1)
-    layer = FusedMoE(6, 2, 16, 8, renormalize=True, prefix="mlp.experts")
-    layer.quant_method = method = Fp8MoEMethod()
-    method.create_weights(layer, 6, 16, 8, torch.float32, layer.weight_loader)
-    layer.w13_weight.data.copy_(torch.randn(6, 16, 16, generator=gen))
-    layer.w2_weight.data.copy_(torch.randn(6, 16, 8, generator=gen))
-    method.process_weights_after_loading(layer)
-    x = torch.randn(1, 16, generator=gen)
-    logits = torch.randn(1, 6, generator=gen)
-    w, ids = select_experts_reference(logits, 2, True)
-    given = method.apply(layer, x, w, ids)
-    layer.pending_routing = PendingRouting(logits, 2, True, 0, 6)
-    torch.testing.assert_close(method.apply(layer, x, None, None), given, atol=0, rtol=0)
-    assert given.abs().sum() > 0

@@ -32,23 +32,21 @@ def triton_device(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def triton_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, object]]]:
+def triton_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, object]]]:
     """``FusedMoE`` on the CPU takes the path it takes on CUDA (one launch for routing and
-    alignment, the fused kernel with those blocks; at 1-2 tokens the routing left to the expert
-    launches), its kernels run by Triton's interpreter; the list records what ``fused_moe`` was
-    given (``blocks``, ``routing``, and whether it got ``topk_ids``)."""
+    alignment, the fused kernel with those blocks), its kernels run by Triton's interpreter; the
+    list records what ``fused_moe`` was given."""
     if not interpreting():
         pytest.skip("triton runs on the CPU only under TRITON_INTERPRET=1")
     import engine.layers.moe.fused_moe as fused_module
     import engine.layers.moe.layer as layer_module
     from engine.layers.moe.route_align_kernel import route_and_align_triton
 
-    calls: list[dict[str, object]] = []
+    calls: list[tuple[str, object]] = []
     real = fused_module.fused_moe
 
     def recording(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append({"blocks": kwargs.get("blocks"), "routing": kwargs.get("routing"),
-                      "topk_ids": args[4] is not None})
+        calls.append(("blocks", kwargs.get("blocks")))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(layer_module, "triton_available", lambda x: True)

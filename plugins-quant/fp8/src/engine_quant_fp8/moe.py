@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.layers.moe import UnquantizedFusedMoEMethod, fused_moe_reference
-from engine.layers.moe.layer import topk_tensors, triton_available
+from engine.layers.moe.layer import triton_available
 from engine.layers.quantization import FusedMoEMethodBase
 from engine_quant_fp8.quantize import quantize_per_channel
 
@@ -35,9 +35,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
 
     #: routing and alignment in one launch (``FusedMoE``), the blocks handed to the kernel.
     takes_expert_blocks = True
-    #: at 1-2 tokens the expert launches route from the router's logits (``layer.pending_routing``
-    #: handed to the kernel): no top-k launch.
-    takes_router_logits = True
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype: torch.dtype,
@@ -53,14 +50,13 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             layer.register_parameter(name, nn.Parameter(q, requires_grad=False))
             layer.register_parameter(f"{name}_scale", nn.Parameter(scale, requires_grad=False))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor | None,
-              topk_ids: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        args = (x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
         scales = {"w13_scale": layer.w13_weight_scale, "w2_scale": layer.w2_weight_scale}
         if triton_available(x):
             from engine.layers.moe.fused_moe import fused_moe
 
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, **scales,
-                             act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None),
-                             routing=getattr(layer, "pending_routing", None), pdl=getattr(layer, "pdl", False))
-        return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, *topk_tensors(layer, topk_weights, topk_ids),
-                                   **scales)
+            return fused_moe(*args, **scales, act_fn=getattr(layer, "act_fn", None),
+                             blocks=getattr(layer, "expert_blocks", None), pdl=getattr(layer, "pdl", False))
+        return fused_moe_reference(*args, **scales)

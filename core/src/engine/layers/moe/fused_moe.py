@@ -20,10 +20,8 @@ Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
 
 With the router and alignment in one launch that is four launches per MoE layer at decode. At
 batches of 1-2 tokens (``small_batch.small_batch_applies``) there is nothing to group: ``fused_moe_small_batch``
-streams each slot's expert rows in two launches with no alignment, the top-k sum in the second;
-given the router's logits instead of its top-k (``routing``, from ``FusedMoE``),
-``fused_moe_small_batch_routed`` routes inside those two launches, so nothing runs between the
-router's GEMM and the experts.
+streams each slot's expert rows in two launches after a router launch with no alignment, the top-k
+sum in the second.
 Float32 atomics in the down launch instead of the top-k sum were left out: they would need a
 zeroed float32 buffer and a cast back (two launches for the one saved) and would make the result
 depend on the order the programs run in. SiLU-and-mul applied to the down launch's A tiles as it
@@ -41,21 +39,13 @@ read, which is what decode is bound by).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.layers.moe.align import ExpertBlocks, align_slots_by_expert
-from engine.layers.moe.small_batch import (
-    fused_moe_small_batch,
-    fused_moe_small_batch_routed,
-    small_batch_applies,
-)
-
-if TYPE_CHECKING:
-    from engine.layers.moe.layer import PendingRouting
+from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies
 
 
 @triton.jit
@@ -200,12 +190,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     )
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor | None,
-              topk_ids: torch.Tensor | None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, config: dict[str, int] | None = None,
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              config: dict[str, int] | None = None,
               act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              blocks: ExpertBlocks | None = None, pdl: bool = False,
-              routing: PendingRouting | None = None) -> torch.Tensor:
+              blocks: ExpertBlocks | None = None, pdl: bool = False) -> torch.Tensor:
     """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
 
     ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
@@ -219,27 +208,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ``small_batch_applies`` (one or two tokens) takes ``fused_moe_small_batch`` instead: two launches, no
     alignment, the top-k sum in the down launch; ``pdl`` (sm_90+) launches those two with
     programmatic dependent launch (``fused_moe_small_batch``). The grouped path ignores it.
-
-    ``routing``: the router's logits instead of ``topk_weights``/``topk_ids`` (both None then;
-    ``FusedMoE`` passes it to a method that declares ``takes_router_logits``). Where the
-    small-batch path applies, its two launches route for themselves
-    (``fused_moe_small_batch_routed``: no top-k launch); elsewhere the routing is computed first
-    (``PendingRouting.resolve``).
     """
     tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    small = config is None and act_fn is None and blocks is None
-    if routing is not None:
-        if small and small_batch_applies(tokens, routing.top_k, num_experts):
-            return fused_moe_small_batch_routed(
-                x, w13, w2, routing.router_logits, routing.top_k, routing.renormalize, routing.expert_start,
-                routing.num_local_experts, w13_scale, w2_scale, pdl=pdl)
-        topk_weights, topk_ids = routing.resolve(pdl=pdl)
-    if topk_weights is None or topk_ids is None:
-        raise ValueError("fused_moe: topk_weights and topk_ids are None without a routing; accepted: both "
-                         "tensors, or routing (a PendingRouting) with both None")
     top_k = topk_ids.shape[1]
-    if small and small_batch_applies(tokens, top_k, num_experts):
+    num_experts, two_inter, _ = w13.shape
+    if config is None and act_fn is None and blocks is None and small_batch_applies(tokens, top_k, num_experts):
         return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, pdl=pdl)
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)

@@ -9,10 +9,7 @@ the checkpoint's per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate/up/down_
 CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this rank's expert ids
 and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
 method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batches
-of 1-2 tokens (``small_batch_applies``) nothing routes before the experts: for a method with
-``takes_router_logits`` the layer hands over the logits (``layer.pending_routing``, a
-``PendingRouting``) and the two small-batch expert launches route for themselves
-(``fused_moe_small_batch_routed``); a method without it gets ``select_experts``' tensors.
+of 1-2 tokens (``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
@@ -26,7 +23,6 @@ MLP uses, so EP adds no communication of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,47 +54,6 @@ def triton_available(x: torch.Tensor) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class PendingRouting:
-    """Routing ``FusedMoE.forward`` has not computed: the router's logits and how to route them,
-    for expert kernels that route for themselves (``fused_moe_small_batch_routed``: no top-k
-    launch). A quant method that declares ``takes_router_logits`` finds it in
-    ``layer.pending_routing`` during ``apply``, whose ``topk_weights`` and ``topk_ids`` are then
-    None; it hands it to ``fused_moe(routing=...)``, or calls ``resolve`` where it needs tensors."""
-
-    #: ``[tokens, num_experts]`` over all experts (every expert-parallel rank's).
-    router_logits: torch.Tensor
-    #: experts per token.
-    top_k: int
-    #: renormalise the ``top_k`` weights to sum to one.
-    renormalize: bool
-    #: the first expert this rank holds (expert parallelism; 0 otherwise).
-    expert_start: int
-    #: how many experts this rank holds, from ``expert_start``.
-    num_local_experts: int
-
-    def resolve(self, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_weights, topk_ids)`` as ``FusedMoE`` computes them when it routes itself:
-        ``select_experts`` and this rank's local ids (``-1``: another rank's expert)."""
-        weights, ids = select_experts(self.router_logits, self.top_k, self.renormalize, pdl=pdl)
-        if self.expert_start != 0 or self.num_local_experts != self.router_logits.shape[1]:
-            ids = to_local_expert_ids(ids, self.expert_start, self.num_local_experts)
-        return weights, ids
-
-
-def topk_tensors(layer: nn.Module, topk_weights: torch.Tensor | None,
-                 topk_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The routing as tensors in a method's ``apply`` that needs them (its torch path): those it was
-    given, or ``layer.pending_routing`` resolved."""
-    routing: PendingRouting | None = getattr(layer, "pending_routing", None)
-    if routing is not None:
-        return routing.resolve()
-    if topk_weights is None or topk_ids is None:
-        raise ValueError("apply: topk_weights and topk_ids are None and the layer has no pending_routing; "
-                         "accepted: both tensors, or None with layer.pending_routing set")
-    return topk_weights, topk_ids
-
-
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     """Expert weights in the model dtype; the fused Triton kernel on CUDA, the torch reference
     elsewhere."""
@@ -118,20 +73,16 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     #: alignment in the router's launch (``route_and_align``). A method without this attribute
     #: gets routing alone and aligns inside ``fused_moe``.
     takes_expert_blocks = True
-    #: ``apply`` hands ``layer.pending_routing`` to the kernel: at 1-2 tokens ``FusedMoE`` may then
-    #: leave the routing to the expert launches (no top-k launch; ``topk_weights``/``topk_ids``
-    #: None). A method without this attribute always gets the routing as tensors.
-    takes_router_logits = True
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor | None,
-              topk_ids: torch.Tensor | None) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
         if triton_available(x):
             from engine.layers.moe.fused_moe import fused_moe
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None),
-                             routing=getattr(layer, "pending_routing", None), pdl=getattr(layer, "pdl", False))
-        return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, *topk_tensors(layer, topk_weights, topk_ids))
+                             pdl=getattr(layer, "pdl", False))
+        return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
 def expert_params_mapping(num_experts: int, gate: str = "gate_proj", up: str = "up_proj",
@@ -176,9 +127,6 @@ class FusedMoE(nn.Module):
         #: During ``forward`` only: the alignment ``route_and_align`` computed with the routing
         #: (decode sizes on CUDA, for a quant method with ``takes_expert_blocks``), else None.
         self.expert_blocks: ExpertBlocks | None = None
-        #: During ``forward`` only: the routing left to the expert kernels (1-2 tokens on CUDA, for a
-        #: quant method with ``takes_router_logits``; ``apply`` then gets no topk tensors), else None.
-        self.pending_routing: PendingRouting | None = None
         #: Programmatic dependent launch for the router's top-k and the small-batch expert launches
         #: (the platform's ``pdl`` layer-kernel entry, ``use_kernels``); quant methods pass it on.
         self.pdl = False
@@ -245,34 +193,18 @@ class FusedMoE(nn.Module):
         applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)
         return block_m if applies else None
 
-    def _defers_routing(self, router_logits: torch.Tensor) -> bool:
-        """Whether the expert launches route this batch themselves (``fused_moe`` takes its
-        small-batch path, which has a routed variant): CUDA, 1-2 tokens (``small_batch_applies``),
-        SwiGLU experts (no ``act_fn``), a quant method with ``takes_router_logits``."""
-        if not (getattr(self.quant_method, "takes_router_logits", False) and self.act_fn is None
-                and triton_available(router_logits)):
-            return False
-        from engine.layers.moe.small_batch import small_batch_applies
-
-        return small_batch_applies(router_logits.shape[0], self.top_k, self.num_local_experts)
-
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights: torch.Tensor | None = None
-        topk_ids: torch.Tensor | None = None
-        if self._defers_routing(router_logits):
-            self.pending_routing = PendingRouting(router_logits, self.top_k, self.renormalize, self.expert_start,
-                                                  self.num_local_experts)
-        elif (block_m := self._route_align_block_m(router_logits)) is not None:
+        block_m = self._route_align_block_m(router_logits)
+        if block_m is not None:
             topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
         else:
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
             topk_ids = self.local_expert_ids(topk_ids)
         try:
-            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)  # type: ignore[arg-type]
+            out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         finally:
             self.expert_blocks = None
-            self.pending_routing = None
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -19,14 +19,9 @@ they serve, accumulating in float32 registers (no tensor cores):
    a third one.
 
 So the layer's experts are two launches after the router's (which needs no alignment), and every
-result equals the grouped path's up to the float32 order of the K sums.
-
-``fused_moe_small_batch_routed`` takes the router's logits instead of its top-k: gate/up computes
-its own slot's expert and down its token's experts and weights (``router_kernel``'s helpers, the
-same bits as ``select_experts``), so no top-k launch sits between the router's GEMM and these two.
-
-Slots of experts on another expert-parallel rank (``-1``) read nothing and add zero. Weights may be
-fp8 codes with one scale per expert and output channel (``--quant fp8``), converted as they load.
+result equals the grouped path's up to the float32 order of the K sums. Slots of experts on another
+expert-parallel rank (``-1``) read nothing and add zero. Weights may be fp8 codes with one scale per
+expert and output channel (``--quant fp8``), converted as they load.
 
 ``small_batch_applies`` says when this path is taken: every slot a different expert is certain at
 one token (a token's top-k are distinct) and likely at two; past that, slots share experts more
@@ -35,13 +30,9 @@ often and the grouped GEMM reads each expert once for all of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
-
-from engine.layers.moe.router_kernel import _slot_expert, _token_routing
 
 #: Tokens up to which ``fused_moe`` takes this path (on its own choice: no tiles or blocks given).
 #: H100, Qwen3-30B-A3B shape, cold weights, router included (``scripts/bench_moe_small.py``,
@@ -61,13 +52,22 @@ def small_batch_applies(tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, w_ptr, scale_ptr, act_ptr, slot, expert, pid_n,
-                  N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-                  K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Program (slot, n)'s work once its expert is known (-1: held elsewhere, nothing read).
+def _small_gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
+    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if PDL:
+        # The ids are the previous kernel's output: wait for it. Then let the down launch start:
+        # its programs read the ids before they wait, which is safe once this program has waited.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    expert = tl.load(ids_ptr + slot)
     held = expert >= 0
     # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -102,58 +102,23 @@ def _gate_up_rows(x_ptr, w_ptr, scale_ptr, act_ptr, slot, expert, pid_n,
 
 
 @triton.jit
-def _small_gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
-    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
+def _small_down_kernel(
+    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
+    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    slot = tl.program_id(0)
-    if PDL:
-        # The ids are the previous kernel's output: wait for it. Then let the down launch start:
-        # its programs read the ids before they wait, which is safe once this program has waited.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    expert = tl.load(ids_ptr + slot)
-    _gate_up_rows(x_ptr, w_ptr, scale_ptr, act_ptr, slot, expert, tl.program_id(1),
-                  N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am, K, TOP_K, HAS_SCALE,
-                  BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _small_gate_up_routed_kernel(
-    x_ptr, w_ptr, scale_ptr, logits_ptr, act_ptr,
-    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-    stride_lt, stride_le, expert_start, num_local,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_EXPERTS: tl.constexpr, ROUTE_ROWS: tl.constexpr,
-    BLOCK_E: tl.constexpr, PDL: tl.constexpr,
-):
-    slot = tl.program_id(0)
-    if PDL:
-        # The logits (and x) are the previous kernel's (the router GEMM's) output: wait for it, then
-        # let the down launch start; its programs read the logits before they wait, safe once
-        # this program has waited.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    expert = _slot_expert(logits_ptr, slot // TOP_K, slot % TOP_K, NUM_EXPERTS, stride_lt, stride_le,
-                          expert_start, num_local, ROUTE_ROWS, BLOCK_E)
-    _gate_up_rows(x_ptr, w_ptr, scale_ptr, act_ptr, slot, expert, tl.program_id(1),
-                  N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am, K, TOP_K, HAS_SCALE,
-                  BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _down_rows(act_ptr, w_ptr, scale_ptr, out_ptr, token, pid_n, expert, weight,
-               N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-               K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-               BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # Program (token, n)'s work once its slots' experts and weights ([BLOCK_TK], -1 / 0 past TOP_K
-    # and for experts held elsewhere) are known; with PDL it requests its first weight tile, then
-    # waits for the gate/up launch, then reads the activations (that launch's output).
+    # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
+    # weights (written before it) and the first weight tile are loaded then; the activations (its
+    # output) only after the wait.
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_TK)
+    t_ok = offs_t < TOP_K
     slots = token * TOP_K + offs_t
+    expert = tl.load(ids_ptr + slots, mask=t_ok, other=-1)
     held = expert >= 0
+    weight = tl.load(topk_w_ptr + slots, mask=held, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
@@ -194,44 +159,6 @@ def _down_rows(act_ptr, w_ptr, scale_ptr, out_ptr, token, pid_n, expert, weight,
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ty), mask=offs_n < N)
 
 
-@triton.jit
-def _small_down_kernel(
-    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
-    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    # With PDL everything up to the wait (in _down_rows) runs while the gate/up launch drains: the
-    # ids and routing weights (written before it) and the first weight tile are loaded then.
-    token = tl.program_id(0).to(tl.int64)
-    offs_t = tl.arange(0, BLOCK_TK)
-    slots = token * TOP_K + offs_t
-    expert = tl.load(ids_ptr + slots, mask=offs_t < TOP_K, other=-1)
-    weight = tl.load(topk_w_ptr + slots, mask=expert >= 0, other=0.0).to(tl.float32)
-    _down_rows(act_ptr, w_ptr, scale_ptr, out_ptr, token, tl.program_id(1), expert, weight,
-               N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om, K, TOP_K, HAS_SCALE,
-               BLOCK_TK, BLOCK_N, BLOCK_K, PDL)
-
-
-@triton.jit
-def _small_down_routed_kernel(
-    act_ptr, w_ptr, scale_ptr, logits_ptr, out_ptr,
-    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    stride_lt, stride_le, expert_start, num_local,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
-):
-    # With PDL the routing is computed before the wait: the logits are the router GEMM's output,
-    # two launches back, complete once the gate/up launch has let this one start.
-    token = tl.program_id(0).to(tl.int64)
-    expert, weight = _token_routing(logits_ptr, token, NUM_EXPERTS, stride_lt, stride_le, expert_start, num_local,
-                                    TOP_K, RENORMALIZE, ROUTE_ROWS, BLOCK_E, BLOCK_TK)
-    _down_rows(act_ptr, w_ptr, scale_ptr, out_ptr, token, tl.program_id(1), expert, weight,
-               N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om, K, TOP_K, HAS_SCALE,
-               BLOCK_TK, BLOCK_N, BLOCK_K, PDL)
-
-
 def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
     """Tile sizes of the two launches: ``BLOCK_N`` rows of each weight matrix a program streams and
     ``BLOCK_K`` columns a step (16-byte vectors along the contiguous K).
@@ -251,20 +178,6 @@ def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
             "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4}
 
 
-def _check_weights(name: str, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> int:
-    """The intermediate size ``I`` of experts ``w13 [E, 2I, H]``, ``w2 [E, H, I]`` for ``x [tokens, H]``;
-    a clear error naming ``name`` (the entry point) otherwise."""
-    hidden = x.shape[1]
-    inter = w13.shape[1] // 2
-    if w13.shape[2] != hidden or w2.shape[1:] != (hidden, inter) or w2.shape[0] != w13.shape[0]:
-        raise ValueError(f"{name}: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} for x {tuple(x.shape)};"
-                         f" accepted: w13 [experts, 2 * I, {hidden}], w2 [experts, {hidden}, I]")
-    if w13.stride(2) != 1 or w2.stride(2) != 1:
-        raise ValueError(f"{name}: weight strides w13 {w13.stride()}, w2 {w2.stride()}; "
-                         "accepted: unit stride along the last (input) dimension")
-    return inter
-
-
 def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                           w2_scale: torch.Tensor | None = None,
@@ -280,7 +193,14 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     Results are unchanged."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
-    inter = _check_weights("fused_moe_small_batch", x, w13, w2)
+    _, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    if w13.shape[2] != hidden or w2.shape[1:] != (hidden, inter):
+        raise ValueError(f"fused_moe_small_batch: w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)} for x {tuple(x.shape)};"
+                         f" accepted: w13 [experts, 2 * I, {hidden}], w2 [experts, {hidden}, I]")
+    if w13.stride(2) != 1 or w2.stride(2) != 1:
+        raise ValueError(f"fused_moe_small_batch: weight strides w13 {w13.stride()}, w2 {w2.stride()}; "
+                         "accepted: unit stride along the last (input) dimension")
     t = tiles or small_batch_tiles(top_k, hidden, inter)
     x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
@@ -295,137 +215,30 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     return out
 
 
-def fused_moe_small_batch_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor,
-                                 top_k: int, renormalize: bool, expert_start: int = 0,
-                                 num_local_experts: int | None = None, w13_scale: torch.Tensor | None = None,
-                                 w2_scale: torch.Tensor | None = None, tiles: dict[str, int] | None = None,
-                                 pdl: bool = False) -> torch.Tensor:
-    """``select_experts`` (softmax top-k of ``router_logits``), the mapping to this rank's expert
-    ids (``to_local_expert_ids``) and ``fused_moe_small_batch``, in the same two launches and no
-    top-k launch: each launch routes for itself from the logits.
-
-    - gate/up, program ``(slot, n)``: slot ``k``'s expert alone, ``k + 1`` arg-max rounds over its
-      token's softmax (``router_kernel._slot_expert``);
-    - down, program ``(token, n)``: the token's ``top_k`` experts and weights
-      (``router_kernel._token_routing``).
-
-    Both run ``router_kernel``'s rounds on the router kernel's softmax (float32, the denominator
-    summed exactly, selection on the probabilities, of equal ones the lower expert id, the
-    renormalising sum in slot order), so ids and weights are the ones ``select_experts`` gives on
-    CUDA, bit for bit, and the result is ``fused_moe_small_batch``'s with those.
-
-    Args:
-        x, w13, w2, w13_scale, w2_scale, tiles: as ``fused_moe_small_batch``; ``w13``/``w2`` hold
-            this rank's ``num_local_experts`` experts.
-        router_logits: ``[tokens, num_experts]`` over all experts (every rank's), any float dtype.
-        top_k, renormalize: as ``select_experts``.
-        expert_start, num_local_experts: the experts this rank holds (default: all); slots of
-            the others read nothing and add zero.
-        pdl: (sm_90+) programmatic dependent launch. Gate/up waits for the previous kernel (the
-            router GEMM) before it reads the logits and then lets down start; down routes and
-            requests its first weight tile before it waits (the logits were written two launches
-            before it).
-
-    Returns:
-        ``[tokens, hidden]`` in ``x``'s dtype.
-    """
-    tokens, hidden = x.shape
-    inter = _check_weights("fused_moe_small_batch_routed", x, w13, w2)
-    if router_logits.dim() != 2 or router_logits.shape[0] != tokens:
-        raise ValueError(f"fused_moe_small_batch_routed: router_logits {tuple(router_logits.shape)} for x "
-                         f"{tuple(x.shape)}; accepted: [{tokens}, num_experts]")
-    num_experts = router_logits.shape[1]
-    num_local = num_experts - expert_start if num_local_experts is None else num_local_experts
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"fused_moe_small_batch_routed: top_k {top_k} out of range for {num_experts} experts; "
-                         f"accepted: 1..{num_experts}")
-    if not (0 <= expert_start and 0 < num_local and expert_start + num_local <= num_experts):
-        raise ValueError(f"fused_moe_small_batch_routed: local experts [{expert_start}, {expert_start + num_local}) "
-                         f"out of range for {num_experts} experts; accepted: a non-empty range inside [0, {num_experts})")
-    if w13.shape[0] != num_local:
-        raise ValueError(f"fused_moe_small_batch_routed: w13 holds {w13.shape[0]} experts, the local range "
-                         f"[{expert_start}, {expert_start + num_local}) {num_local}; accepted: equal counts")
-    t = tiles or small_batch_tiles(top_k, hidden, inter)
-    x = x.contiguous()
-    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-    if tokens == 0:
-        return out
-    route = RouteArgs(router_logits, top_k, renormalize, expert_start, num_local)
-    launch_gate_up(x, w13, w13_scale, route, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl)
-    launch_down(act, w2, w2_scale, route, None, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
-                pdl=pdl)
-    return out
-
-
-@dataclass(frozen=True)
-class RouteArgs:
-    """What the routed launches route from (``fused_moe_small_batch_routed``'s arguments)."""
-
-    #: ``[tokens, num_experts]`` over all experts.
-    logits: torch.Tensor
-    #: experts per token.
-    top_k: int
-    #: renormalise the ``top_k`` weights to sum to one.
-    renormalize: bool
-    #: first expert this rank holds.
-    expert_start: int
-    #: how many it holds.
-    num_local: int
-
-    def kernel_args(self) -> tuple[int, ...]:
-        """``stride_lt, stride_le, expert_start, num_local`` as the kernels take them."""
-        return self.logits.stride(0), self.logits.stride(1), self.expert_start, self.num_local
-
-    def kernel_consts(self, num_warps: int) -> dict[str, int]:
-        """The routed kernels' constexprs: the expert count (a model constant: its mask folds and
-        the logits load in vectors), the replicated routing rows (one per warp, ``_token_probs``)."""
-        experts = self.logits.shape[1]
-        return {"NUM_EXPERTS": experts, "ROUTE_ROWS": num_warps, "BLOCK_E": triton.next_power_of_2(experts)}
-
-
 def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
     return (scale.stride(0), scale.stride(1)) if scale is not None else (0, 0)
 
 
-def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor | RouteArgs,
+def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
                    act: torch.Tensor, block_n: int, block_k: int, num_warps: int, pdl: bool = False) -> None:
     """The gate/up launch alone (``act [slots, I]`` written): ``fused_moe_small_batch``'s first
-    step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``, or the
-    ``RouteArgs`` to route from (the routed kernel)."""
+    step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``."""
     inter = w13.shape[1] // 2
-    routed = isinstance(ids, RouteArgs)
-    slots = ids.logits.shape[0] * ids.top_k if routed else ids.numel()
-    top_k = ids.top_k if routed else ids.shape[1]
-    common = (inter, x.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(scale), act.stride(0))
-    consts = dict(K=w13.shape[2], TOP_K=top_k, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-                  PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
-    grid = (slots, triton.cdiv(inter, block_n))
-    scale_arg = scale if scale is not None else w13
-    if routed:
-        _small_gate_up_routed_kernel[grid](
-            x, w13, scale_arg, ids.logits, act, *common, *ids.kernel_args(), **ids.kernel_consts(num_warps), **consts)
-    else:
-        _small_gate_up_kernel[grid](x, w13, scale_arg, ids, act, *common, **consts)
+    _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, block_n))](
+        x, w13, scale if scale is not None else w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        *_scale_strides(scale), act.stride(0), K=w13.shape[2], TOP_K=ids.shape[1], HAS_SCALE=scale is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
 
 
-def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor | RouteArgs,
-                weights: torch.Tensor | None, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
+def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
+                weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
                 pdl: bool = False) -> None:
     """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
-    ``fused_moe_small_batch``'s second step. ``ids``, ``weights``: contiguous int32 and float32
-    ``[tokens, top_k]``, or the ``RouteArgs`` to route from (the routed kernel) and None."""
-    routed = isinstance(ids, RouteArgs)
-    tokens, top_k = (ids.logits.shape[0], ids.top_k) if routed else ids.shape
+    ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``."""
+    tokens, top_k = ids.shape
     hidden = w2.shape[1]
-    common = (hidden, act.stride(0), w2.stride(0), w2.stride(1), *_scale_strides(scale), out.stride(0))
-    consts = dict(K=w2.shape[2], TOP_K=top_k, HAS_SCALE=scale is not None, BLOCK_TK=triton.next_power_of_2(top_k),
-                  BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
-    grid = (tokens, triton.cdiv(hidden, block_n))
-    scale_arg = scale if scale is not None else w2
-    if routed:
-        _small_down_routed_kernel[grid](
-            act, w2, scale_arg, ids.logits, out, *common, *ids.kernel_args(), RENORMALIZE=ids.renormalize,
-            **ids.kernel_consts(num_warps), **consts)
-    else:
-        _small_down_kernel[grid](act, w2, scale_arg, ids, weights, out, *common, **consts)
+    _small_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
+        act, w2, scale if scale is not None else w2, ids, weights, out, hidden, act.stride(0), w2.stride(0),
+        w2.stride(1), *_scale_strides(scale), out.stride(0), K=w2.shape[2], TOP_K=top_k, HAS_SCALE=scale is not None,
+        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
+        num_stages=1, launch_pdl=pdl)
