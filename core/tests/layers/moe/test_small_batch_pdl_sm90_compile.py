@@ -1,7 +1,8 @@
 """The MoE layer's small-batch launches with programmatic dependent launch compile for an H100
 (sm_90) to the order the PDL rule needs (docs/platforms.md, "Programmatic dependent launch").
 
-- The router's top-k and the gate/up launch read their predecessor's output at once: one wait,
+- The router's top-k (its arg-max rounds warp reductions of one instruction each, ``redux.sync``)
+  and the gate/up launch read their predecessor's output at once: one wait,
   no global load before it, and the trigger only after it (the down launch reads the routing
   before its own wait, which is safe only once gate/up has waited).
 - The down launch loads the routing and its first weight tile before its wait (that is its gain)
@@ -35,7 +36,8 @@ def _compile_all() -> dict[str, dict[str, object]]:
                           _types(router_kernel._softmax_topk_kernel,
                                  {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}),
                           dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_K=8, PDL=True), num_warps=1)
-    out["topk"] = {**pdl_order(topk.asm["ptx"]), "spill_bytes": spill_bytes(topk.asm["ptx"])}
+    out["topk"] = {**pdl_order(topk.asm["ptx"]), "spill_bytes": spill_bytes(topk.asm["ptx"]),
+                   "redux": topk.asm["ptx"].count("redux.sync")}
     for w in WEIGHTS:
         scale = w != "bf16"
         up = compile_kernel(small_batch._small_gate_up_kernel,
@@ -59,7 +61,9 @@ def _compile_all() -> dict[str, dict[str, object]]:
 def test_pdl_launches_compile_to_the_rule() -> None:
     info = compiled_facts(__file__, timeout=600)
     waits_first = {"waits": 1, "triggers": 1, "trigger_first": False, "loads_before_wait": 0}
-    assert {k: v for k, v in info["topk"].items() if k != "spill_bytes"} == waits_first, info["topk"]
+    assert {k: v for k, v in info["topk"].items() if k not in ("spill_bytes", "redux")} == waits_first, info["topk"]
+    # Each of the 8 arg-max rounds is two single-instruction warp reductions (int32 max, id min).
+    assert info["topk"]["redux"] >= 2 * 8, info["topk"]
     for w in WEIGHTS:
         up, down = info[f"gate_up-{w}"], info[f"down-{w}"]
         assert {k: v for k, v in up.items() if k != "spill_bytes"} == waits_first, (w, up)

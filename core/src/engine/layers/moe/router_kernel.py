@@ -34,9 +34,15 @@ def _softmax_topk_rows(logits, in_range, TOP_K: tl.constexpr, RENORMALIZE: tl.co
     top_w = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.float32)
     top_ids = tl.zeros((logits.shape[0], BLOCK_K), dtype=tl.int32)
     for k in tl.static_range(TOP_K):
-        best = tl.max(probs, axis=1)[:, None]
+        # The maximum over the probabilities' int32 bit patterns: for floats >= +0 (a softmax has
+        # no -0) and the -1 of taken lanes (negative as an int too) that order is the float order,
+        # and a warp reduces 32-bit integers in one instruction (redux.sync, sm_80+) where a float
+        # maximum takes five shuffles. The same lane wins, so the same bits come out.
+        bits = probs.to(tl.int32, bitcast=True)
+        best_bits = tl.max(bits, axis=1)[:, None]
+        best = best_bits.to(tl.float32, bitcast=True)
         # The lowest id among the lanes holding the maximum: ties go to the lower expert.
-        best_id = tl.min(tl.where(probs == best, offs_e, BLOCK_E), axis=1)[:, None]
+        best_id = tl.min(tl.where(bits == best_bits, offs_e, BLOCK_E), axis=1)[:, None]
         top_w = tl.where(offs_k == k, best, top_w)
         top_ids = tl.where(offs_k == k, best_id, top_ids)
         probs = tl.where(offs_e == best_id, -1.0, probs)
