@@ -132,6 +132,9 @@ for stage in "$@"; do
       done ;;
     moe_tiles)
       python3 scripts/sweep_moe_tiles.py --tokens 1 8 64 --result-file "$RES" 2>&1 | grep -v -e Warning -e skip ;;
+    read_ceiling)
+      # One kernel reading a cold buffer of each MoE-layer size: the ceiling of a weight-streaming launch.
+      python3 scripts/bench_read_ceiling.py --result-file "$RES" 2>&1 | grep -v Warning ;;
     owed_default_model)
       # The same, for the tests that need the embedded default model (its parts carried: device_setup.sh):
       # EAGLE chains and trees, speculation on the default model, bf16 parity with the skinny GEMM on.
