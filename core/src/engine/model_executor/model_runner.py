@@ -109,6 +109,8 @@ class ModelRunner:
         # full-precision copies into the allocator's cache; give that back to the device so the
         # pool is sized from the weights in their final form, not from the loading peak.
         self.platform.empty_cache()
+        #: ``Platform.layer_kernels()``, asked once: offered to the model's layers and the KV pool.
+        self.layer_kernels: dict[str, Any] = self.platform.layer_kernels()
         self._install_layer_kernels()
         link_activation_quantizers(self.model)
         link_norm_consumers(self.model)  # after both: it needs the kernels and out_quant
@@ -142,7 +144,7 @@ class ModelRunner:
     # -- set-up -------------------------------------------------------------
     def _install_layer_kernels(self) -> None:
         """Offers the platform's fused kernels to every layer that can use them."""
-        kernels = self.platform.layer_kernels()
+        kernels = self.layer_kernels
         if not kernels:
             return
         for module in self.model.modules():
@@ -202,7 +204,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             tokens, page, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, stage_layers, self.device,
             start_layer=self.start_layer)
-        self.token_to_kv_pool.use_kernels(self.platform.layer_kernels())
+        self.token_to_kv_pool.use_kernels(self.layer_kernels)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB, %s, %d bytes per token), %d request slots", tokens,
                     tokens * per_token / 2**20, str(self.kv_cache_dtype).replace("torch.", ""), per_token, max_reqs)
