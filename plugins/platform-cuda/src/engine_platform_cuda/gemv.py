@@ -112,9 +112,9 @@ class GemvRule:
     fma_num_stages: int = 1
     #: with PDL, the "fma" kind's weight steps requested before the wait (``GemvConfig.pdl_steps``;
     #: the ``cuda.pdl_preload`` option). H100, batch-1 decode, 2026-11-24: Qwen3-30B-A3B 2.940 ms a
-    #: step at 1, 2.906 at 2, 2.900 at 3, 2.930 at 4 (scratch runs; docs/benchmarks.md has the
-    #: final figures). With the RMSNorm folded in it stays 1: the norm's row tile holds registers
-    #: already (3 steps: 194 registers a thread), and 2 ran slower.
+    #: step at 1, 2.906 at 2, 2.900 at 3, 2.930 at 4 (one process, the decode graphs recaptured per
+    #: value; docs/benchmarks.md has the CLI figures). With the RMSNorm folded in it stays 1: the
+    #: norm's row tile holds registers already (3 steps: 194 registers a thread), and 2 ran slower.
     fma_pdl_steps: int = 3
     #: block_n candidates of the "dot" kind, largest first (64 lets Hopper use wgmma).
     dot_block_n: tuple[int, ...] = (64, 32, 16)
