@@ -1,10 +1,13 @@
-"""``engine bench one-batch``'s loop: overlapped and synchronous decode produce the same tokens."""
+"""``engine bench one-batch``'s loop: overlapped and synchronous decode produce the same tokens;
+its result rows say how the model was split."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from engine.bench.one_batch import run_one
+from engine.bench.one_batch import bench_one_batch, run_one
 from engine.config import ServerArgs
 from engine.managers.scheduler import Scheduler
 
@@ -44,3 +47,11 @@ def test_large_prefill_runs_in_groups_with_the_same_tokens(scheduler: Scheduler)
     finally:
         scheduler.args.chunked_prefill_size = saved
     assert grouped.output_ids == whole.output_ids
+
+
+def test_result_row_names_the_parallel_sizes(scheduler: Scheduler, tmp_path) -> None:
+    out = tmp_path / "rows.jsonl"
+    bench_one_batch(scheduler.args, [2], [8], [3], result_file=str(out), warmup=False)
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert (row["tp_size"], row["pp_size"], row["ep_size"]) == (1, 1, 1)
+    assert (row["batch_size"], row["input_len"], row["output_len"]) == (2, 8, 3)

@@ -192,7 +192,7 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
                 f.write(json.dumps({"bench": "one-batch", "device": scheduler.runner.platform.describe(),
                                     "attention": scheduler.runner.attention_backend_name,
                                     "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
-                                    "tp_size": args.tp_size, "pp_size": args.pp_size,
+                                    "tp_size": args.tp_size, "pp_size": args.pp_size, "ep_size": args.ep_size,
                                     "json_schema": json_schema is not None,
                                     **res.to_dict()}) + "\n")
     return results
