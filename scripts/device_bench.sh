@@ -197,7 +197,10 @@ for stage in "$@"; do
       E bench one-batch --model-path docs/bench_configs/mixtral-8x7b --load-format dummy --skip-tokenizer-init --log-level warning \
         --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -3 ;;
     moe_ep)
-      # EP=2 vs TP=2 on the Qwen3-30B-A3B-shaped dummy (nvidia-h200-x2).
+      # EP=2 and EP=1 at TP=2 against transformers on tiny Qwen MoE checkpoints, then EP=2 vs TP=2 on the
+      # Qwen3-30B-A3B-shaped dummy (nvidia-h200-x2).
+      timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        plugins-models/moe/tests/test_moe_expert_parallel_gpu.py > "$OUT/gpu_ep_tests.log" 2>&1; tail -4 "$OUT/gpu_ep_tests.log"
       MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
       for ep in 1 2; do
         E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --tp-size 2 --ep-size "$ep" --batch-size "1 64" \
