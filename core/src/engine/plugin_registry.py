@@ -3,7 +3,8 @@
 ``engine.plugins`` (the facade the rest of the engine calls) keeps one ``PluginRegistry`` per
 process and per allowlist/disabled combination; this module holds the registry itself, the record
 of each discovered plugin (``PluginInfo``) and the install hints for built-in names
-(``KNOWN_DISTRIBUTIONS``). Everything here is re-exported by ``engine.plugins``.
+(``KNOWN_DISTRIBUTIONS``). ``PluginRegistry``, ``PluginInfo`` and the two environment
+variables' names can be imported from ``engine.plugins`` too.
 """
 
 from __future__ import annotations

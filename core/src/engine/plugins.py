@@ -18,7 +18,7 @@ provide it, and what disabled it); nothing falls back silently. ``options_for`` 
 a plugin's options (declared defaults overridden by the user's) to its factories.
 
 The registry itself (``PluginRegistry``, ``PluginInfo``) lives in ``engine.plugin_registry``;
-the names above are importable from here too.
+both can be imported from here too.
 """
 
 from __future__ import annotations
