@@ -55,3 +55,19 @@ def test_result_row_names_the_parallel_sizes(scheduler: Scheduler, tmp_path) -> 
     row = json.loads(out.read_text().splitlines()[-1])
     assert (row["tp_size"], row["pp_size"], row["ep_size"]) == (1, 1, 1)
     assert (row["batch_size"], row["input_len"], row["output_len"]) == (2, 8, 3)
+
+
+def test_warmup_runs_each_measured_shape_first(scheduler: Scheduler, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.bench.one_batch as one_batch
+
+    calls: list[tuple[int, int, int]] = []
+    real = one_batch.run_one
+
+    def recording(sched, batch_size, input_len, output_len, **kw):
+        calls.append((batch_size, input_len, output_len))
+        return real(sched, batch_size, input_len, output_len, **kw)
+
+    monkeypatch.setattr(one_batch, "run_one", recording)
+    bench_one_batch(scheduler.args, [1, 2], [8, 5], [3], warmup=True)
+    # Every (batch size, input length) untimed first (prefill plus one decode step), then the timed runs.
+    assert calls == [(1, 8, 2), (1, 5, 2), (2, 8, 2), (2, 5, 2), (1, 8, 3), (1, 5, 3), (2, 8, 3), (2, 5, 3)]

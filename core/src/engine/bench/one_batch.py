@@ -165,7 +165,9 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
                     result_file: str | None = None, warmup: bool = True, platform: Any = None,
                     json_schema: str | None = None) -> list[OneBatchResult]:
     """Runs every (batch size, input, output) combination; with ``--tp-size``/``--pp-size`` above 1,
-    in one process per rank, all running the same batches (rank 0 prints and records)."""
+    in one process per rank, all running the same batches (rank 0 prints and records). With
+    ``warmup`` each (batch size, input length) first runs once untimed (prefill and one decode step),
+    so no timed prefill includes a kernel's first compile."""
     from engine import distributed
     from engine.entrypoints.launch import resolve_model_path
     from engine.managers.scheduler import Scheduler
@@ -177,7 +179,11 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
     lead = distributed.get_placement().rank == 0
     results = []
     if warmup:
-        run_one(scheduler, batch_sizes[0], min(input_lens[0], 32), 4, json_schema=json_schema)
+        # Every measured (batch size, input length) once first: its prefill's kernels are compiled
+        # (Triton JIT-compiles each tile class and constant size on first use; a different shape may
+        # pick different tiles) and its decode step captured before anything is timed.
+        for bs, il in dict.fromkeys(itertools.product(batch_sizes, input_lens)):
+            run_one(scheduler, bs, il, 2, json_schema=json_schema)
     for bs, il, ol in itertools.product(batch_sizes, input_lens, output_lens):
         res = run_one(scheduler, bs, il, ol, json_schema=json_schema)
         results.append(res)
