@@ -16,10 +16,14 @@ import random
 from typing import Any
 
 import pytest
+import torch
 
 from engine.testing.conformance.model import check_greedy_until_near_tie
 
 pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
 MAX_NEW = 12
 # hidden 256 with head_dim 64: one KV head per GPU at TP=2; expert sizes the kernels' tiles take.
@@ -34,21 +38,10 @@ MODELS = {
 }
 
 
-def _gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:
-        return 0
-
-
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any]:
     from engine.testing.checkpoints import load_hf_model, make_tiny_checkpoint
 
-    if _gpus() < 2:
-        pytest.skip("needs 2 CUDA GPUs")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     arch, extra = MODELS[request.param]
     path = make_tiny_checkpoint(str(tmp_path_factory.mktemp(f"ep-gpu-{request.param}")), arch, seed=5,
