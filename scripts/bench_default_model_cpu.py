@@ -12,7 +12,6 @@ usage: python scripts/bench_default_model_cpu.py [--batch-size "1 8"] [--input-l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -47,6 +46,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from engine.bench.one_batch import run_one
+    from engine.bench.results import append_rows
     from engine.config import ServerArgs
     from engine.managers.scheduler import Scheduler
     from engine.model_executor.checkpoint import resolve_checkpoint
@@ -74,12 +74,10 @@ def main() -> None:
         print(f"batch {b}: engine {ours:.1f} tok/s, transformers generate {ref:.1f} tok/s, ratio {ours / ref:.2f}"
               f"  (runs: engine {', '.join(f'{x:.1f}' for x in engine_runs[b])}; "
               f"transformers {', '.join(f'{x:.1f}' for x in hf_runs[b])})", flush=True)
-        if a.result_file:
-            with open(a.result_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"bench": "default-model-cpu-decode", "machine": machine, "batch_size": b,
+        append_rows(a.result_file, {"bench": "default-model-cpu-decode", "machine": machine, "batch_size": b,
                                     "input_len": a.input_len, "output_len": a.output_len,
                                     "engine_tok_s": ours, "transformers_tok_s": ref,
-                                    "engine_runs": engine_runs[b], "transformers_runs": hf_runs[b]}) + "\n")
+                                    "engine_runs": engine_runs[b], "transformers_runs": hf_runs[b]})
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -35,6 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from engine_platform_cuda.gemv import GemvConfig, choose_config, skinny_linear
+
+from engine.bench.results import append_rows
 
 #: (N, K): Qwen3-30B-A3B qkv, o, router, LM head; Llama-3-8B qkv, o, gate_up, down, LM head.
 SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 4096), (4096, 4096),
@@ -226,10 +227,7 @@ def main() -> None:
             lines += bench_shape(m, n, k, dtype, args, copy_tbs)
     for text in qwen_step_summary(lines):
         print(text)
-    if args.result_file:
-        with open(args.result_file, "a") as f:
-            for line in lines:
-                f.write(json.dumps(line) + "\n")
+    append_rows(args.result_file, *lines)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ usage: python scripts/bench_moe_kernel.py [--shapes qwen3-30b-a3b mixtral-8x7b] 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -35,6 +34,8 @@ import torch.nn.functional as F
 
 # The cuda platform's fused activation kernel: what the gate/up epilogue replaces, timed against it.
 from engine_platform_cuda.kernels import silu_and_mul
+
+from engine.bench.results import append_rows
 
 # name -> (experts, hidden, expert intermediate, top_k), from docs/bench_configs/*/config.json
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
@@ -191,10 +192,7 @@ def main() -> None:
     for name in args.shapes:
         rows = [] if args.pieces_only else bench_shape(name, args.tokens, fp8=not args.no_fp8)
         rows += bench_pieces(name, args.tokens)
-        if args.result_file:
-            with open(args.result_file, "a", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+        append_rows(args.result_file, *rows)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import torch
 import triton
 from engine_platform_cuda.graph_timing import graph_median_us
 
+from engine.bench.results import append_rows
+
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
 ROUTINGS = 8
 
@@ -128,9 +130,7 @@ def main() -> None:
     rows = sweep(a.shape) if a.sweep else [compare(a.shape, t) for t in a.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
-        if a.result_file:
-            with open(a.result_file, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        append_rows(a.result_file, row)
 
 
 if __name__ == "__main__":

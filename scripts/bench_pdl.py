@@ -21,6 +21,8 @@ import torch
 from engine_platform_cuda.gemv import skinny_linear, supports_pdl
 from engine_platform_cuda.graph_timing import graph_median_us
 
+from engine.bench.results import append_rows
+
 
 def _chain(weights: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], x: torch.Tensor,
            pdl: bool) -> torch.Tensor:
@@ -61,9 +63,7 @@ def main() -> None:
                "on_tbs": round(nbytes / on_ms / 1e9, 3), "equal": bool(torch.equal(off_out, on_out)),
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         print(json.dumps(row), flush=True)
-        if args.result_file:
-            with open(args.result_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+        append_rows(args.result_file, row)
 
 
 if __name__ == "__main__":

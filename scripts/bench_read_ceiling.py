@@ -22,6 +22,8 @@ import triton
 import triton.language as tl
 from engine_platform_cuda.graph_timing import graph_median_us
 
+from engine.bench.results import append_rows
+
 #: (chunk, block, num_warps) tilings tried at each size.
 TILINGS = [(1024, 1024, 4), (2048, 1024, 4), (4096, 1024, 4), (4096, 2048, 8), (8192, 2048, 8),
            (16384, 4096, 8), (8192, 1024, 4), (2048, 2048, 8)]
@@ -72,9 +74,7 @@ def main() -> None:
     for mb in a.mb:
         row = measure(mb)
         print(json.dumps(row), flush=True)
-        if a.result_file:
-            with open(a.result_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+        append_rows(a.result_file, row)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import time
 
 import torch
 from engine_platform_cuda.graph_timing import graph_median_us
+
+from engine.bench.results import append_rows
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
 
@@ -93,10 +94,7 @@ def main() -> None:
         raise SystemExit("sweep_moe_tiles.py: needs a CUDA GPU")
     for tokens in args.tokens:
         rows = sweep(args.shape, tokens, args.routings, args.top)
-        if args.result_file:
-            with open(args.result_file, "a", encoding="utf-8") as f:
-                for row in rows:
-                    f.write(json.dumps(row) + "\n")
+        append_rows(args.result_file, *rows)
 
 
 if __name__ == "__main__":

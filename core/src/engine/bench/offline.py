@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from engine.bench.datasets import DatasetArgs, sample_requests
+from engine.bench.results import append_rows
 from engine.config import ServerArgs
 
 
@@ -85,9 +85,7 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
     print(f"{'prefill share of time':<28}{result['prefill_time_share']:>14.2f}")
     if args.dp_size > 1:
         print(f"{'router':<28}{args.router_policy:>14}  decisions per replica: {result['router_decisions']}")
-    if result_file:
-        with open(result_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(result) + "\n")
+    append_rows(result_file, result)
     return result
 
 

@@ -7,7 +7,6 @@ ModelRunner, CUDA graphs included) without queueing, like SGLang's bench_one_bat
 from __future__ import annotations
 
 import itertools
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from engine.bench.results import append_rows
 from engine.config import ServerArgs
 from engine.platforms import synchronize_device
 
@@ -193,14 +193,11 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
               f"({res.prefill_throughput:.0f} tok/s), median decode {res.median_decode_latency_s * 1e3:.3f} ms "
               f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s"
               f"{' (overlapped decode)' if res.overlap else ''}{' (json_schema)' if json_schema else ''}", flush=True)
-        if result_file:
-            with open(result_file, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"bench": "one-batch", "device": scheduler.runner.platform.describe(),
-                                    "attention": scheduler.runner.attention_backend_name,
-                                    "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
-                                    "tp_size": args.tp_size, "pp_size": args.pp_size, "ep_size": args.ep_size,
-                                    "json_schema": json_schema is not None,
-                                    **res.to_dict()}) + "\n")
+        append_rows(result_file, {"bench": "one-batch", "device": scheduler.runner.platform.describe(),
+                                  "attention": scheduler.runner.attention_backend_name,
+                                  "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
+                                  "tp_size": args.tp_size, "pp_size": args.pp_size, "ep_size": args.ep_size,
+                                  "json_schema": json_schema is not None, **res.to_dict()})
     return results
 
 

@@ -8,7 +8,6 @@ prefix-match and insert throughput on a shared-prefix tree.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
@@ -16,6 +15,8 @@ import time
 from typing import Any
 
 import torch
+
+from engine.bench.results import append_rows
 
 
 class _NullForward:
@@ -34,9 +35,8 @@ class _NullForward:
 
 
 def _make_scheduler(max_tokens: int, max_running: int) -> Any:
-    from engine.testing.harness import make_scheduler
-
     from engine.testing.checkpoints import make_tiny_checkpoint
+    from engine.testing.harness import make_scheduler
 
     path = make_tiny_checkpoint(tempfile.mkdtemp(prefix="bench-sched-"), "LlamaForCausalLM",
                                 num_hidden_layers=1, hidden_size=32, intermediate_size=64,
@@ -110,8 +110,5 @@ def bench_scheduler(sizes: list[int], result_file: str | None = None) -> list[di
     print(f"radix cache ({radix['requests']} requests of {radix['tokens_per_request']} tokens, 64 shared prefixes): "
           f"match {radix['match_us']:.1f} us, match+insert {radix['match_insert_us']:.1f} us", flush=True)
     rows.append(radix)
-    if result_file:
-        with open(result_file, "a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    append_rows(result_file, *rows)
     return rows

@@ -39,6 +39,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.bench.results import append_rows
 from engine.config import ServerArgs
 
 WORKLOADS = ("copy", "random")
@@ -284,9 +285,7 @@ def bench_spec(args: ServerArgs, work: SpecWorkload, result_file: str | None = N
         print(f"spec {label}: {head}, {_speed(run)}"
               + (f", mean acceptance length {result['mean_accept_length']:.2f} of {k + 1}" if spec is not None else "")
               + f", {run.step_ms:.2f} ms/{what}, outputs {run.sha1}", flush=True)
-    if result_file:
-        with open(result_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(result) + "\n")
+    append_rows(result_file, result)
     return result
 
 
