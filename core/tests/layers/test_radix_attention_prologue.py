@@ -1,5 +1,5 @@
-"""``RadixAttention.forward_qkv``: the fused decode prologue is taken only where it applies, and
-gives what the separate layers give.
+"""``RadixAttention.forward_qkv``: the fused prologue (decode, extend and mixed batches) is taken
+only where it applies, and gives what the separate layers give.
 
 The platform's kernel is stood in for by ``_torch_prologue``, a PyTorch implementation of the
 ``qkv_prologue`` contract (``Platform.layer_kernels``) built from the layers' own code; the real
@@ -109,17 +109,18 @@ def on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED])
 @pytest.mark.parametrize("norms", [False, True])
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_takes_the_fused_prologue_and_matches_the_layers(norms: bool, kv_dtype: torch.dtype | None,
-                                                                 dtype: torch.dtype) -> None:
+def test_batches_take_the_fused_prologue_and_match_the_layers(norms: bool, kv_dtype: torch.dtype | None,
+                                                              dtype: torch.dtype, mode: ForwardMode) -> None:
     layer = _Layer(norms, dtype)
     kv_dtype = kv_dtype or dtype
     scales = {"k_scale": 0.37, "v_scale": 0.5} if kv_dtype != dtype else {}
     kernel = _Prologue()
-    out, pool, backend = layer.run(ForwardMode.DECODE, kv_dtype, kernel, **scales)
-    ref_out, ref_pool, ref_backend = layer.run(ForwardMode.DECODE, kv_dtype, None, **scales)
+    out, pool, backend = layer.run(mode, kv_dtype, kernel, **scales)
+    ref_out, ref_pool, ref_backend = layer.run(mode, kv_dtype, None, **scales)
     assert kernel.calls == 1
     (q, k_none, saved), = backend.seen
     assert k_none and not saved  # K/V already in the pool: the backend must not write them again
@@ -128,18 +129,6 @@ def test_decode_takes_the_fused_prologue_and_matches_the_layers(norms: bool, kv_
     for got, ref in zip(pool.k_buffer + pool.v_buffer, ref_pool.k_buffer + ref_pool.v_buffer, strict=True):
         assert torch.equal(got.float(), ref.float())
     assert pool.k_buffer[0][torch.tensor([4, 17, 9])].float().abs().sum() > 0  # the new tokens' slots were written
-
-
-@pytest.mark.usefixtures("on_cpu")
-@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.MIXED])
-def test_other_batches_run_the_layers_one_by_one(mode: ForwardMode) -> None:
-    layer = _Layer(True, torch.float32)
-    kernel = _Prologue()
-    out, pool, backend = layer.run(mode, torch.float32, kernel)
-    ref_out, ref_pool, _ = layer.run(mode, torch.float32, None)
-    assert kernel.calls == 0
-    assert backend.seen[0][1:] == (False, True)
-    assert torch.equal(out, ref_out) and torch.equal(pool.k_buffer[0], ref_pool.k_buffer[0])
 
 
 def test_idle_and_tensors_off_the_kernel_device_do_not_take_it() -> None:

@@ -162,6 +162,32 @@ def test_equals_the_separate_kernels(dtype: torch.dtype, shape: tuple[int, ...],
         assert pool.v_buffer[0][case.loc[0], 0, 0].float() == torch.finfo(case.kv_dtype).max  # saturated
 
 
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("norm", [False, True], ids=["no_norm", "qk_norm"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "h{}kv{}d{}rot{}v{}".format(*s))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_many_token_kernel_equals_the_separate_kernels(dtype: torch.dtype, shape: tuple[int, ...], norm: bool,
+                                                       kv: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefill kernel (several heads a program) at a size that takes it here: four heads a
+    program, so a token's last group is partial (6 or 3 heads) and the q/k boundary falls inside
+    a group."""
+    from engine_platform_cuda import prologue
+
+    monkeypatch.setattr(prologue, "PREFILL_MIN_TOKENS", 4)
+    monkeypatch.setattr(prologue, "PREFILL_HEADS", 4)
+    launched = []
+    real = prologue._qkv_prologue_tokens_kernel
+    monkeypatch.setattr(prologue, "_qkv_prologue_tokens_kernel",
+                        type("Spy", (), {"__getitem__": lambda self, grid: launched.append(grid) or real[grid]})())
+    case = _Case(shape, dtype, norm, kv, tokens=7)
+    q, pool = case.fused()
+    assert launched == [(7, -(-(case.heads + case.kv_heads) // 4))]
+    ref_q, ref_pool = case.separate_kernels()
+    _assert_same(q, ref_q, "q")
+    _assert_same(pool.k_buffer[0], ref_pool.k_buffer[0], "k cache")
+    _assert_same(pool.v_buffer[0], ref_pool.v_buffer[0], "v cache")
+
+
 # The interpreter truncates to bf16 where PyTorch rounds: a few ulps apart after the norm and rotary.
 _TOL = {torch.bfloat16: dict(atol=6e-2, rtol=3e-2), torch.float16: dict(atol=4e-3, rtol=2e-3),
         torch.float32: dict(atol=2e-5, rtol=1e-5)}

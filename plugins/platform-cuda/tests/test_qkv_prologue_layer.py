@@ -1,6 +1,6 @@
 """``RadixAttention.forward_qkv`` with this platform's ``qkv_prologue`` against the separate
 layers (norms, rotary, the backend's KV store), through a real attention backend, at the head
-shapes of Llama-3-8B and Qwen3-30B-A3B (TP 1 and 2), on a decode step.
+shapes of Llama-3-8B and Qwen3-30B-A3B (TP 1 and 2), on a decode step and on an extend step.
 
 On a GPU: bf16 and float8 KV, the triton, torch_native and flashinfer backends; q as attention
 receives it, the KV pool and the attention output must be bit-equal. Without a GPU the kernel
@@ -66,10 +66,11 @@ class _Recording:
 
 
 def _decode_step(shape: Shape, fused: bool, dtype: torch.dtype, backend_name: str, kv: str = "auto",
-                 page_size: int = 1, window: int = -1, seed: int = 0) -> tuple[torch.Tensor, _Recording,
-                                                                              MHATokenToKVPool]:
-    """One decode step of 3 rows (cached prefixes of 0, 7 and 40 tokens) through ``forward_qkv``,
-    every layer given the platform's kernels (without ``qkv_prologue`` unless ``fused``)."""
+                 page_size: int = 1, window: int = -1, seed: int = 0,
+                 new: tuple[int, ...] = (1, 1, 1)) -> tuple[torch.Tensor, _Recording, MHATokenToKVPool]:
+    """One step of 3 rows (cached prefixes of 0, 7 and 40 tokens) through ``forward_qkv``, every
+    layer given the platform's kernels (without ``qkv_prologue`` unless ``fused``): a decode step,
+    or with ``new`` other than one token a row, an extend step of that many new tokens a row."""
     gen = torch.Generator().manual_seed(seed)
     H, KV, D = shape.heads, shape.kv_heads, shape.head_dim
     kernels = layer_kernels()
@@ -89,7 +90,7 @@ def _decode_step(shape: Shape, fused: bool, dtype: torch.dtype, backend_name: st
         if module is not None:
             module.use_kernels(kernels)
     prefix = [0, 7, 40]
-    seq = [p + 1 for p in prefix]
+    seq = [p + n for p, n in zip(prefix, new)]
     rows = 256
     r2t = ReqToTokenPool(4, 128, DEVICE)
     pool = MHATokenToKVPool(rows, page_size, kv_dtype, KV, D, 1, DEVICE, start_layer=LAYER_ID)
@@ -101,11 +102,13 @@ def _decode_step(shape: Shape, fused: bool, dtype: torch.dtype, backend_name: st
         slots = torch.cat([torch.arange(p * page_size, (p + 1) * page_size) for p in pages])[:n]
         r2t.write(i, 0, slots.to(DEVICE))
         loc_rows.append(slots)
-    old = torch.cat([s[:-1] for s in loc_rows]).to(DEVICE)
+    old = torch.cat([s[:p] for s, p in zip(loc_rows, prefix)]).to(DEVICE)
     pool.set_kv_buffer(LAYER_ID, old, torch.randn(len(old), KV, D, generator=gen).to(dtype).to(DEVICE),
                        torch.randn(len(old), KV, D, generator=gen).to(dtype).to(DEVICE), attn.k_scale, attn.v_scale)
-    new_loc = torch.stack([s[-1] for s in loc_rows]).to(DEVICE)
-    fb = ForwardBatch.build(ForwardMode.DECODE, [1, 2, 3], [0, 1, 2], seq, prefix, new_loc, DEVICE)
+    new_loc = torch.cat([s[p:] for s, p in zip(loc_rows, prefix)]).to(DEVICE)
+    tokens = sum(new)
+    mode = ForwardMode.DECODE if set(new) == {1} else ForwardMode.EXTEND
+    fb = ForwardBatch.build(mode, list(range(1, tokens + 1)), [0, 1, 2], seq, prefix, new_loc, DEVICE)
     spec = plugins.get_attention_backend(backend_name)
     ctx = AttentionContext(device=torch.device(DEVICE), dtype=dtype, num_layers=1, num_heads=H, num_kv_heads=KV,
                            head_dim=D, page_size=page_size, max_context_len=128, req_to_token_pool=r2t,
@@ -114,7 +117,7 @@ def _decode_step(shape: Shape, fused: bool, dtype: torch.dtype, backend_name: st
     recording = _Recording(backend)
     fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, pool, recording
     backend.init_forward_metadata(fb)
-    qkv = (torch.randn(3, (H + 2 * KV) * D, generator=gen) * 2).to(dtype).to(DEVICE)
+    qkv = (torch.randn(tokens, (H + 2 * KV) * D, generator=gen) * 2).to(dtype).to(DEVICE)
     out = attn.forward_qkv(qkv, fb.positions, fb, rope, q_norm, k_norm)
     assert recording.save_kv_cache is (not fused)  # fused: the kernel stored K/V, attention must not
     return out, recording, pool
@@ -143,6 +146,23 @@ def test_decode_step_matches_the_separate_layers(name: str, monkeypatch: pytest.
         _compare(SHAPES[name], torch.bfloat16, "triton", exact=True)
 
 
+@pytest.mark.parametrize("many_token_kernel", [False, True], ids=["head_a_program", "heads_a_program"])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_extend_step_matches_the_separate_layers(name: str, many_token_kernel: bool,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill step (5, 3 and 9 new tokens on the cached prefixes) takes the fused prologue too,
+    with either kernel."""
+    from engine_platform_cuda import prologue
+
+    if many_token_kernel:
+        monkeypatch.setattr(prologue, "PREFILL_MIN_TOKENS", 1)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(RadixAttention, "prologue_device_type", "cpu")
+        _compare(SHAPES[name], torch.float32, "torch_native", exact=False, new=(5, 3, 9))
+    else:
+        _compare(SHAPES[name], torch.bfloat16, "triton", exact=True, new=(5, 3, 9))
+
+
 _GPU_CASES = [
     ("triton", "auto", 1, -1), ("triton", "fp8_e4m3", 1, -1), ("triton", "fp8_e5m2", 16, -1),
     ("triton", "auto", 16, 8), ("torch_native", "auto", 1, 8), ("torch_native", "fp8_e4m3", 4, -1),
@@ -155,8 +175,9 @@ _GPU_CASES = [
 @pytest.mark.parametrize("backend,kv,page_size,window", _GPU_CASES)
 @pytest.mark.parametrize("name", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_cuda_decode_step_is_bit_equal(dtype: torch.dtype, name: str, backend: str, kv: str, page_size: int,
-                                       window: int) -> None:
+@pytest.mark.parametrize("new", [(1, 1, 1), (5, 3, 9)], ids=["decode", "extend"])
+def test_cuda_step_is_bit_equal(new: tuple[int, ...], dtype: torch.dtype, name: str, backend: str, kv: str,
+                                page_size: int, window: int) -> None:
     if backend == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
         pytest.skip("flashinfer is not installed")
-    _compare(SHAPES[name], dtype, backend, exact=True, kv=kv, page_size=page_size, window=window)
+    _compare(SHAPES[name], dtype, backend, exact=True, kv=kv, page_size=page_size, window=window, new=new)

@@ -113,7 +113,11 @@ class AttentionBackend(ABC):
         forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
-        """Attention for EXTEND/MIXED batches: new tokens over prefix + themselves, causal."""
+        """Attention for EXTEND/MIXED batches: new tokens over prefix + themselves, causal.
+
+        ``k``/``v`` None (with ``save_kv_cache=False``): the new tokens' K/V are already in the
+        pool at ``forward_batch.out_cache_loc`` (the layer's fused prologue stored them); read
+        them there. The same holds for ``forward_decode``."""
 
     @abstractmethod
     def forward_decode(

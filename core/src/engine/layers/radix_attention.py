@@ -74,8 +74,8 @@ class RadixAttention(nn.Module):
     prologue_device_type = "cuda"
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's ``qkv_prologue`` (a decode step's q/k norm, rotary and KV store in
-        one launch; ``forward_qkv``) when it offers one."""
+        """Takes the platform's ``qkv_prologue`` (q/k norm, rotary and KV store in one launch;
+        ``forward_qkv``) when it offers one."""
         self.fused_prologue = kernels.get("qkv_prologue")
 
     def load_kv_scale(self, kind: str, value: torch.Tensor) -> None:
@@ -106,10 +106,11 @@ class RadixAttention(nn.Module):
 
         Splits ``qkv`` ``[tokens, (heads + kv_heads) * head_dim + kv_heads * v_head_dim]`` (this
         rank's heads), normalizes each q and k head with ``q_norm``/``k_norm`` when given
-        (Qwen3), applies ``rotary_emb`` at ``positions``, saves K/V and attends. A decode step
-        does the steps before attention in one launch of the platform's ``qkv_prologue`` where
-        ``prologue_applies`` says so (same values: the kernel rounds as the separate layers'
-        kernels do); anything else runs the layers one by one. ``qkv`` may be changed in place.
+        (Qwen3), applies ``rotary_emb`` at ``positions``, saves K/V and attends. The steps before
+        attention run in one launch of the platform's ``qkv_prologue`` where ``prologue_applies``
+        says so (same values: the kernel rounds as the separate layers' kernels do), and the
+        backend is then given ``k = v = None`` with ``save_kv_cache=False``: the new tokens' K/V
+        are in the pool. Anything else runs the layers one by one. ``qkv`` may be changed in place.
         Returns ``[tokens, heads * v_head_dim]``.
         """
         v_dim = self.v_head_dim if self.v_head_dim > 0 else self.head_dim
@@ -135,13 +136,13 @@ class RadixAttention(nn.Module):
 
     def prologue_applies(self, qkv: torch.Tensor, forward_batch: ForwardBatch, rotary_emb: RotaryEmbedding,
                          q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
-        """Whether ``forward_qkv`` takes the fused prologue: the platform offered it, the batch is
-        a plain decode step (not extend, mixed, verify or idle), ``qkv`` is on the kernel's device,
+        """Whether ``forward_qkv`` takes the fused prologue: the platform offered it, the batch has
+        tokens to run (decode, extend or mixed; not idle), ``qkv`` is on the kernel's device,
         the pool is the plain K/V one storing the activation dtype or fp8, the rotary embedding is
         the neox ``RotaryEmbedding`` of this head size, and the norms are plain ``RMSNorm`` of
         ``head_dim`` weights with one epsilon (both or none). Checks metadata only (no device
         sync), so a CUDA graph captures the same choice every replay makes."""
-        if self.fused_prologue is None or not forward_batch.forward_mode.is_decode():
+        if self.fused_prologue is None or forward_batch.forward_mode.is_idle():
             return False
         pool = forward_batch.token_to_kv_pool
         if qkv.device.type != self.prologue_device_type or type(pool) is not MHATokenToKVPool:

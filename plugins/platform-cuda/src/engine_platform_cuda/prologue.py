@@ -1,9 +1,13 @@
-"""The attention prologue of a decode step in one Triton launch: per-head RMSNorm of q and k
-(Qwen3's ``q_norm``/``k_norm``, optional), neox rotary embedding, q rotated in place and K/V
-written into the KV pool (quantized for an fp8 pool).
+"""The attention prologue in one Triton launch: per-head RMSNorm of q and k (Qwen3's
+``q_norm``/``k_norm``, optional), neox rotary embedding, q rotated in place and K/V written into
+the KV pool (quantized for an fp8 pool).
 
 Unfused, a layer launches the norm twice, the rotary kernel and the KV store (four small
-latency-bound kernels per layer at decode); this kernel does the same arithmetic in one. It
+latency-bound kernels per layer at decode); this kernel does the same arithmetic in one. At
+prefill sizes the unfused path also copied q and k out of the fused qkv output for the per-head
+norm and v for attention, and launched a one-warp block per head (294,912 of them for 8,192
+tokens of Qwen3-30B-A3B) in both the norm and the rotary kernel; from ``PREFILL_MIN_TOKENS``
+tokens a program here takes ``PREFILL_HEADS`` heads of a token instead. It
 reproduces the unfused kernels' rounding step by step (``kernels.rms_norm``, ``kernels._rotary_kernel``,
 ``MHATokenToKVPool.set_kv_buffer``), so outputs are bit-equal to theirs in 16-bit activations.
 """
@@ -21,44 +25,14 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
-def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, pos_ptr, cos_ptr, sin_ptr,
-                         qw_ptr, kw_ptr, stride_q, stride_k, stride_v, stride_kc, stride_kh, stride_vc,
-                         stride_vh, q_heads, head_dim, v_head_dim, half, rotary_dim, cos_stride, eps,
-                         inv_k_scale, inv_v_scale, fp8_max,
-                         HAS_NORM: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
-                         PDL: tl.constexpr):
-    # One program per (token, head): heads 0..q_heads-1 are q's, the rest k's; a k head's
-    # program also stores the v head of the same index.
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    in_head = d < head_dim
-    in_rot = d < rotary_dim
-    first = d < half
-    # The element each one rotates with (neox: the other half), and its frequency.
-    partner = tl.where(first, d + half, d - half)
-    freq = tl.where(first, d, d - half)
-    if head < q_heads:
-        base = q_ptr + tok * stride_q + head * head_dim
-        w_ptr = qw_ptr
-    else:
-        base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
-        w_ptr = kw_ptr
-    # Positions, the cos/sin rows and the norm weights are no previous kernel's output: with PDL they
-    # load while the qkv projection drains; its output (q, k, v) only after gdc_wait.
-    dt = q_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
-    if HAS_NORM:
-        w = tl.load(w_ptr + d, mask=in_head, other=0.0)
-        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
-    if PDL:
-        # The attention kernel next may start at once: before its own wait it reads only lengths,
-        # slots and the K/V of earlier positions, none of which this kernel or the projection
-        # before it writes; this kernel's output only after the wait.
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+def _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_heads, c, s,
+                   d, in_head, in_rot, first, partner, stride_v, stride_kc, stride_kh, stride_vc, stride_vh,
+                   head_dim, v_head_dim, eps, inv_k_scale, inv_v_scale, fp8_max, w, wp,
+                   HAS_NORM: tl.constexpr, QUANT: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One head of one token, its cos/sin row (``c``, ``s``) and norm weights (``w``, ``wp``: at
+    each element and at its rotation partner) loaded: normed, rotated, and q stored in place at
+    ``base`` or K (and the V head of the same index) stored at the token's KV slot."""
+    dt = base.dtype.element_ty
     x = tl.load(base + d, mask=in_head, other=0.0)
     xp = tl.load(base + partner, mask=in_rot, other=0.0)
     if HAS_NORM:
@@ -102,6 +76,102 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
                  vval.to(v_cache_ptr.dtype.element_ty), mask=in_v)
 
 
+@triton.jit
+def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, pos_ptr, cos_ptr, sin_ptr,
+                         qw_ptr, kw_ptr, stride_q, stride_k, stride_v, stride_kc, stride_kh, stride_vc,
+                         stride_vh, q_heads, head_dim, v_head_dim, half, rotary_dim, cos_stride, eps,
+                         inv_k_scale, inv_v_scale, fp8_max,
+                         HAS_NORM: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr):
+    # A decode step: one program per (token, head): heads 0..q_heads-1 are q's, the rest k's; a k
+    # head's program also stores the v head of the same index.
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    in_head = d < head_dim
+    in_rot = d < rotary_dim
+    first = d < half
+    # The element each one rotates with (neox: the other half), and its frequency.
+    partner = tl.where(first, d + half, d - half)
+    freq = tl.where(first, d, d - half)
+    if head < q_heads:
+        base = q_ptr + tok * stride_q + head * head_dim
+        w_ptr = qw_ptr
+    else:
+        base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
+        w_ptr = kw_ptr
+    # Positions, the cos/sin rows and the norm weights are no previous kernel's output: with PDL they
+    # load while the qkv projection drains; its output (q, k, v) only after gdc_wait.
+    dt = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    w = c  # unused without the norm
+    wp = c
+    if HAS_NORM:
+        w = tl.load(w_ptr + d, mask=in_head, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
+    if PDL:
+        # The attention kernel next may start at once: before its own wait it reads only lengths,
+        # slots and the K/V of earlier positions, none of which this kernel or the projection
+        # before it writes; this kernel's output only after the wait.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_heads, c, s,
+                   d, in_head, in_rot, first, partner, stride_v, stride_kc, stride_kh, stride_vc, stride_vh,
+                   head_dim, v_head_dim, eps, inv_k_scale, inv_v_scale, fp8_max, w, wp,
+                   HAS_NORM, QUANT, BLOCK_V)
+
+
+@triton.jit
+def _qkv_prologue_tokens_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, pos_ptr, cos_ptr, sin_ptr,
+                                qw_ptr, kw_ptr, stride_q, stride_k, stride_v, stride_kc, stride_kh, stride_vc,
+                                stride_vh, q_heads, num_heads, head_dim, v_head_dim, half, rotary_dim, cos_stride,
+                                eps, inv_k_scale, inv_v_scale, fp8_max,
+                                HAS_NORM: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+                                BLOCK_V: tl.constexpr, HEADS: tl.constexpr):
+    # Many tokens (prefill): program (token, g) takes heads g * HEADS .. of the token (q's, then
+    # k's, as above) one after another, with the same per-head arithmetic in the same layout as
+    # the decode kernel: each head's results are bit-equal to it. A program a head was a
+    # one-warp block of a few hundred bytes; at prefill sizes those blocks' scheduling, not their
+    # bytes, set the time.
+    tok = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    in_head = d < head_dim
+    in_rot = d < rotary_dim
+    first = d < half
+    partner = tl.where(first, d + half, d - half)
+    freq = tl.where(first, d, d - half)
+    dt = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    for i in tl.static_range(HEADS):
+        head = tl.program_id(1) * HEADS + i
+        if head < num_heads:
+            if head < q_heads:
+                base = q_ptr + tok * stride_q + head * head_dim
+                w_ptr = qw_ptr
+            else:
+                base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
+                w_ptr = kw_ptr
+            w = c  # unused without the norm
+            wp = c
+            if HAS_NORM:
+                w = tl.load(w_ptr + d, mask=in_head, other=0.0)
+                wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
+            _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_heads, c, s,
+                           d, in_head, in_rot, first, partner, stride_v, stride_kc, stride_kh, stride_vc,
+                           stride_vh, head_dim, v_head_dim, eps, inv_k_scale, inv_v_scale, fp8_max, w, wp,
+                           HAS_NORM, QUANT, BLOCK_V)
+
+
+#: Tokens from which ``qkv_prologue`` takes the many-token kernel (heads ``PREFILL_HEADS`` a
+#: program). Decode batches (graph sizes) keep a program a head, which the PDL chain was tuned with.
+PREFILL_MIN_TOKENS = 512
+PREFILL_HEADS = 8
+
+
 def _reciprocal(scale: float) -> float:
     """``1 / scale`` rounded to float32 as PyTorch's CUDA division by a host scalar computes it."""
     return float(np.float32(1.0) / np.float32(scale))
@@ -112,7 +182,9 @@ def qkv_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
                  sin_cache: torch.Tensor, rotary_dim: int, q_norm_weight: torch.Tensor | None = None,
                  k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6, k_scale: float = 1.0,
                  v_scale: float = 1.0, pdl: bool = False) -> None:
-    """Norm (optional) and rotary of q and k, q in place, K and V stored at ``loc``, one launch.
+    """Norm (optional) and rotary of q and k, q in place, K and V stored at ``loc``, one launch
+    (a decode step or a prefill's tokens alike; ``k`` and ``v`` are not changed: attention reads
+    the new tokens' K/V from the pool).
 
     Args:
         positions: ``[tokens]`` position ids (index ``cos_cache``/``sin_cache`` rows).
@@ -171,10 +243,15 @@ def qkv_prologue(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     qw = q_norm_weight if has_norm else q  # unread without norm; any pointer of one dtype
     kw = k_norm_weight if has_norm else q
     block = triton.next_power_of_2(head_dim)
-    _qkv_prologue_kernel[(tokens, q_heads + kv_heads)](
-        q, k, v, k_cache, v_cache, loc, positions, cos_cache, sin_cache, qw, kw,
-        q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
-        v_cache.stride(1), q_heads, head_dim, v_head_dim, rotary_dim // 2, rotary_dim, cos_cache.stride(0), eps,
-        inv_k, inv_v, fp8_max,
-        HAS_NORM=has_norm, QUANT=quant, BLOCK=block, BLOCK_V=triton.next_power_of_2(v_head_dim), PDL=pdl,
-        num_warps=norm_num_warps(block), launch_pdl=pdl)  # as rms_norm's: its sum of squares reduced in the same order
+    common = (q, k, v, k_cache, v_cache, loc, positions, cos_cache, sin_cache, qw, kw,
+              q.stride(0), k.stride(0), v.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+              v_cache.stride(1), q_heads)
+    dims = (head_dim, v_head_dim, rotary_dim // 2, rotary_dim, cos_cache.stride(0), eps, inv_k, inv_v, fp8_max)
+    flags = {"HAS_NORM": has_norm, "QUANT": quant, "BLOCK": block, "BLOCK_V": triton.next_power_of_2(v_head_dim),
+             "num_warps": norm_num_warps(block)}  # as rms_norm's: its sum of squares reduced in the same order
+    if tokens >= PREFILL_MIN_TOKENS:
+        heads = q_heads + kv_heads
+        _qkv_prologue_tokens_kernel[(tokens, triton.cdiv(heads, PREFILL_HEADS))](
+            *common, heads, *dims, HEADS=min(PREFILL_HEADS, heads), **flags)
+        return
+    _qkv_prologue_kernel[(tokens, q_heads + kv_heads)](*common, *dims, PDL=pdl, launch_pdl=pdl, **flags)

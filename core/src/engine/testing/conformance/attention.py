@@ -138,7 +138,7 @@ class AttentionBackendConformance:
         return slots, new_loc, q, k, v
 
     def _run(self, mode: str, dtype: torch.dtype, page_size: int, window: int = -1, cap: float = 0.0,
-             kv_cache_dtype: str = "auto") -> None:
+             kv_cache_dtype: str = "auto", kv_in_pool: bool = False) -> None:
         from engine.layers.radix_attention import RadixAttention
         from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
         from engine.testing.reference import reference_attention
@@ -146,6 +146,8 @@ class AttentionBackendConformance:
         parts: tuple[object, ...] = (mode, dtype, page_size, window, cap)
         if kv_cache_dtype != "auto":  # the other cases keep the seeds they had
             parts += (kv_cache_dtype,)
+        if kv_in_pool:
+            parts += ("kv_in_pool",)
         seed = derive_seed(self.seed, self.backend_name, *parts)
         where = f"{mode}, {dtype}, page {page_size}, window {window}, cap {cap}, KV {kv_cache_dtype}, seed {seed}"
         gen = generator(seed)
@@ -171,7 +173,13 @@ class AttentionBackendConformance:
                                 num_extend_reqs=rows.num_extend_reqs)
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
         backend.init_forward_metadata(fb)
-        out = backend.forward(q, k, v, layer, fb)
+        if kv_in_pool:
+            # As after a fused prologue: the new K/V are stored already; the backend gets none.
+            kv.set_kv_buffer(layer.layer_id, new_loc, k.view(n, Hkv, D), v.view(n, Hkv, D), layer.k_scale,
+                             layer.v_scale)
+            out = backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+        else:
+            out = backend.forward(q, k, v, layer, fb)
         assert out.shape == (n, H * D), f"output shape {tuple(out.shape)} != {(n, H * D)} ({where})"
         assert torch.isfinite(out).all(), f"non-finite output ({where})"
         if fp8:
@@ -216,6 +224,16 @@ class AttentionBackendConformance:
             for page_size in self.page_sizes:
                 self._run("mixed", dtype, page_size)
 
+    @pytest.mark.parametrize("mode", ["extend", "decode", "mixed", "tree"])
+    def test_reads_new_kv_from_the_pool(self, mode: str) -> None:
+        """``k = v = None`` with ``save_kv_cache=False``: the new tokens' K/V were stored already
+        (a platform's fused attention prologue does that, in every mode, tree verification
+        included) and are read there."""
+        if mode == "tree":
+            self._run_tree(self.dtypes[0], self.page_sizes[0], kv_in_pool=True)
+        else:
+            self._run(mode, self.dtypes[0], self.page_sizes[0], kv_in_pool=True)
+
     @pytest.mark.parametrize("mode", ["extend", "decode", "mixed"])
     def test_sliding_window_and_logit_cap(self, mode: str) -> None:
         self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0)
@@ -228,12 +246,13 @@ class AttentionBackendConformance:
         for page_size in self.page_sizes:
             self._run_tree(self.dtypes[0], page_size)
 
-    def _run_tree(self, dtype: torch.dtype, page_size: int) -> None:
+    def _run_tree(self, dtype: torch.dtype, page_size: int, kv_in_pool: bool = False) -> None:
         from engine.layers.radix_attention import RadixAttention
         from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
         from engine.speculative.tree import depths, tree_mask_of_rows
 
-        seed = derive_seed(self.seed, self.backend_name, "tree", dtype, page_size)
+        seed = derive_seed(self.seed, self.backend_name, "tree", dtype, page_size,
+                           *(("kv_in_pool",) if kv_in_pool else ()))
         gen = generator(seed)
         backend, r2t, kv, alloc = self._setup(dtype, page_size, gen)
         if not backend.supports_tree_mask:
@@ -257,7 +276,14 @@ class AttentionBackendConformance:
         fb.tree_mask, fb.tree_mask_indptr = tree_mask_of_rows(parents, device)
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
         backend.init_forward_metadata(fb)
-        out = backend.forward(q, k, v, layer, fb)
+        if kv_in_pool:
+            # As after a fused prologue: the new K/V are stored already; the backend gets none.
+            hkv, d = self.num_kv_heads, self.head_dim
+            kv.set_kv_buffer(layer.layer_id, new_loc, k.view(n, hkv, d), v.view(n, hkv, d), layer.k_scale,
+                             layer.v_scale)
+            out = backend.forward(q, None, None, layer, fb, save_kv_cache=False)
+        else:
+            out = backend.forward(q, k, v, layer, fb)
         where = f"tree, {dtype}, page {page_size}, seed {seed}"
         assert torch.isfinite(out).all(), f"non-finite output ({where})"
         off = 0
