@@ -9,8 +9,12 @@ Qwen3-30B-A3B shape, under the H100's 50 MB L2: timing one routing over and over
 not HBM). GB/s counts the bytes of the experts each call touches, so at batch 1 it is directly
 comparable with the card's copy bandwidth.
 
+``--prefill`` sweeps ``BLOCK_M`` as well, over a grid of tensor-core tiles for prefill-sized
+batches (hundreds of slots per expert, where the launches are bound by compute, not bytes), with
+fewer routings cycled (a prefill's activations are far larger than L2 anyway).
+
 usage: python scripts/sweep_moe_tiles.py [--shape qwen3-30b-a3b] [--tokens 1 8 64] [--top 5]
-       [--result-file out/results.jsonl]
+       [--prefill] [--result-file out/results.jsonl]
 """
 
 from __future__ import annotations
@@ -27,9 +31,33 @@ from engine.bench.results import append_rows
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
 
 
-def sweep(shape: str, tokens: int, routings: int, top: int) -> list[dict[str, object]]:
+#: ``--prefill`` candidates: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). For gate/up
+#: ``BLOCK_N`` is each of its two accumulators' width (``fused_moe`` halves ``pick_blocks``' value).
+PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 8, 3),
+                 (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+                 (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2)]
+DECODE_TILES = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)))
+
+
+def candidates(prefill: bool, chosen: dict[str, int]) -> list[dict[str, int]]:
+    """The configs swept: ``pick_blocks``' BLOCK_M with the decode grid, or the prefill tiles
+    (``chosen``: what ``pick_blocks`` returned)."""
+    from engine.layers.moe.fused_moe import _gate_up_config
+
+    picked, chosen = chosen, {k: v for k, v in chosen.items() if k != "up_num_stages"}
+    if prefill:
+        tiles = [{**chosen, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+                 for bm, bn, bk, w, st in PREFILL_TILES]
+        # What fused_moe launches now, for both launches, so "current" is timed.
+        mine = [{k: v for k, v in c.items() if k != "up_num_stages"} for c in (chosen, _gate_up_config(picked))]
+        return tiles + [c for c in mine if c not in tiles]
+    return [{**chosen, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+            for bn, bk, w, st in DECODE_TILES]
+
+
+def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = False) -> list[dict[str, object]]:
     from engine.layers.moe.align import align_slots_by_expert
-    from engine.layers.moe.fused_moe import _grouped_gemm, pick_blocks
+    from engine.layers.moe.fused_moe import _gate_up_config, _grouped_gemm, pick_blocks
 
     experts, hidden, inter, top_k = SHAPES[shape]
     dtype, dev = torch.bfloat16, "cuda"
@@ -47,13 +75,17 @@ def sweep(shape: str, tokens: int, routings: int, top: int) -> list[dict[str, ob
     touched = sum(len(torch.unique(i)) for i in ids) / routings
     bytes_up = touched * 2 * inter * hidden * 2
     bytes_down = touched * hidden * inter * 2
-    chosen = pick_blocks(slots, experts)
+    picked = pick_blocks(slots, experts)
+    # Each launch's tiles as fused_moe runs them (gate/up: half of BLOCK_N for each of its two
+    # accumulators, and its own stages where given).
+    current_cfg = {"gate_up": _gate_up_config(picked), "down": picked}
     rows: list[dict[str, object]] = []
-    blocks = [align_slots_by_expert(i, experts, chosen["BLOCK_M"]) for i in ids]
+    aligned: dict[int, list] = {}
     for launch in ("gate_up", "down"):
         results = []
-        for bn, bk, warps, stages in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)):
-            cfg = {**chosen, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages}
+        for cfg in candidates(prefill, picked):
+            bm = cfg["BLOCK_M"]
+            blocks = aligned.setdefault(bm, [align_slots_by_expert(i, experts, bm) for i in ids])
             if launch == "gate_up":
                 calls = [lambda b=b, c=cfg: _grouped_gemm(x, w13, None, out_act, b, top_k, None, c, silu_mul=True)
                          for b in blocks]
@@ -66,18 +98,19 @@ def sweep(shape: str, tokens: int, routings: int, top: int) -> list[dict[str, ob
                 continue
             results.append((us, cfg))
         results.sort(key=lambda r: r[0])
-        # What fused_moe launches today: gate/up halves BLOCK_N (two accumulators).
-        current_bn = max(16, chosen["BLOCK_N"] // 2) if launch == "gate_up" else chosen["BLOCK_N"]
-        current = next((us for us, c in results if c["BLOCK_N"] == current_bn and c["BLOCK_K"] == chosen["BLOCK_K"]
-                        and c["num_warps"] == chosen["num_warps"] and c["num_stages"] == chosen["num_stages"]), None)
+        cur = current_cfg[launch]
+        current = next((us for us, c in results if all(c[key] == cur[key] for key in
+                        ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))), None)
         nbytes = bytes_up if launch == "gate_up" else bytes_down
+        flops = 2 * slots * hidden * inter * (2 if launch == "gate_up" else 1)
         for rank, (us, cfg) in enumerate(results[:top]):
             row = {"bench": "moe_tile_sweep", "shape": shape, "tokens": tokens, "launch": launch, "rank": rank,
-                   "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1), "current_us": round(current, 2) if current else None,
+                   "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1),
+                   "tflops": round(flops / us / 1e6, 1), "current_us": round(current, 2) if current else None,
                    "config": cfg, "gpu": torch.cuda.get_device_name(),
                    "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             rows.append(row)
-            print(f"{shape} T={tokens:4d} {launch:7s} #{rank} {us:7.2f} us {row['gbs']:7.1f} GB/s  "
+            print(f"{shape} T={tokens:4d} {launch:7s} #{rank} {us:7.2f} us {row['gbs']:7.1f} GB/s {row['tflops']:6.1f} TFLOP/s  "
                   f"(current {row['current_us']} us)  {cfg}", flush=True)
     return rows
 
@@ -86,14 +119,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64])
-    ap.add_argument("--routings", type=int, default=16, help="distinct routings cycled per graph")
+    ap.add_argument("--routings", type=int, default=None,
+                    help="distinct routings cycled per graph (default 16; 2 with --prefill)")
+    ap.add_argument("--prefill", action="store_true", help="sweep BLOCK_M too, over tensor-core tiles for prefill")
     ap.add_argument("--top", type=int, default=5, help="configs printed per launch")
     ap.add_argument("--result-file", default=None, help="append one JSON line per printed config")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("sweep_moe_tiles.py: needs a CUDA GPU")
     for tokens in args.tokens:
-        rows = sweep(args.shape, tokens, args.routings, args.top)
+        routings = args.routings or (2 if args.prefill else 16)
+        rows = sweep(args.shape, tokens, routings, args.top, args.prefill)
         append_rows(args.result_file, *rows)
 
 

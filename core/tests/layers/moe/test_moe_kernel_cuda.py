@@ -1,7 +1,7 @@
 """The fused MoE kernel compiled on a GPU against the torch reference (marked gpu).
 
-Random routings at the sizes the tile heuristic switches on (decode: 1 and 7 tokens; a prefill of
-300), Qwen3-30B-A3B-like expert counts (64 experts, top 8; most get no token at batch 1),
+Random routings at the sizes the tile heuristic switches on (decode: 1 and 7 tokens; prefills of
+300 and 1,200: 37 and 150 slots an expert, the 64- and 128-row tiles), Qwen3-30B-A3B-like expert counts (64 experts, top 8; most get no token at batch 1),
 bfloat16, expert-parallel ids (-1), and fp8 codes with per-channel scales; a decode step (router
 and alignment, one launch or two, both GEMMs, the top-k sum) captured in a CUDA graph and
 replayed on new inputs; the SiLU-and-mul epilogue against the separate activation; and
@@ -32,7 +32,7 @@ def _case(tokens: int, seed: int, dtype: torch.dtype = torch.bfloat16) -> tuple[
     return x, w13, w2, w, ids
 
 
-@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("tokens", [1, 7, 300, 1200])
 def test_bf16_random_routing(tokens: int) -> None:
     from engine.layers.moe.fused_moe import fused_moe
 
@@ -54,7 +54,7 @@ def test_expert_parallel_halves_sum_to_whole() -> None:
     torch.testing.assert_close(parts, whole, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 64, 1200])
 def test_fp8_codes(tokens: int) -> None:
     from engine.layers.moe.fused_moe import fused_moe
 
