@@ -131,7 +131,10 @@ for stage in "$@"; do
           --plugin-option "$opt" --result-file "$RES" 2>&1 | tail -2 | sed "s/^/$opt /"
       done ;;
     moe_tiles)
-      python3 scripts/sweep_moe_tiles.py --tokens 1 8 64 --result-file "$RES" 2>&1 | grep -v -e Warning -e skip ;;
+      python3 scripts/sweep_moe_tiles.py --tokens 1 8 64 --result-file "$RES" 2>&1 | grep -v -e Warning -e skip
+      # Prefill sizes: BLOCK_M swept too, over tensor-core tiles (pick_blocks' upper rows).
+      python3 scripts/sweep_moe_tiles.py --prefill --tokens 8192 4096 1024 256 --top 3 --result-file "$RES" 2>&1 \
+        | grep -v -e Warning -e skip ;;
     read_ceiling)
       # One kernel reading a cold buffer of each MoE-layer size: the ceiling of a weight-streaming launch.
       python3 scripts/bench_read_ceiling.py --result-file "$RES" 2>&1 | grep -v Warning ;;
@@ -191,7 +194,10 @@ for stage in "$@"; do
       E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
         --result-file "$RES" 2>&1 | tail -3
       E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --quant fp8 --batch-size "1 64" --input-len 128 --output-len 256 \
-        --result-file "$RES" 2>&1 | tail -3 | sed "s/^/fp8 /" ;;
+        --result-file "$RES" 2>&1 | tail -3 | sed "s/^/fp8 /"
+      # Prefill (warm: one-batch warms up every shape first).
+      E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size 64 --input-len "128 1024" --output-len 8 \
+        --result-file "$RES" 2>&1 | tail -2 | sed "s/^/prefill /" ;;
     moe_mixtral)
       # Mixtral-8x7B-shaped dummy (bf16, ~93 GB: one H200).
       E bench one-batch --model-path docs/bench_configs/mixtral-8x7b --load-format dummy --skip-tokenizer-init --log-level warning \
