@@ -3,7 +3,9 @@
 Runs on the GPU (marked gpu) and, without one, under Triton's interpreter on the CPU (see
 conftest.py). Routings: random top-k (distinct experts per token, as the router gives), some
 slots held by another expert-parallel rank (``-1``), all of them held elsewhere, every slot on
-one expert (a run of several blocks), one token, and batches of several 64-slot chunks.
+one expert (a run of several blocks), one token, and batches of several 64-slot chunks. The chunked launches (batches past the
+one-program kernel's cap) against it too, with small chunks so that many of them (and partial
+last chunks, and runs spanning chunks) are covered without large batches in the interpreter.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from engine.layers.moe.align import (
     align_slots_reference,
     kernel_can_align,
 )
-from engine.layers.moe.align_kernel import align_slots_triton
+from engine.layers.moe.align_kernel import align_slots_chunked, align_slots_triton
 
 
 def _routing(tokens: int, top_k: int, experts: int, seed: int, elsewhere: float = 0.0) -> torch.Tensor:
@@ -79,9 +81,37 @@ def test_batches_the_kernel_takes() -> None:
         align_slots_triton(torch.zeros(2, 4, dtype=torch.int32), 4, 24)
 
 
+@pytest.mark.parametrize("tokens, top_k, experts, block_m, chunk", [
+    (1, 8, 128, 16, 16),      # one partial chunk
+    (37, 8, 128, 64, 16),     # 296 slots: 19 chunks, the last partial
+    (300, 8, 128, 128, 256),  # prefill tiles: 128-slot blocks
+    (50, 2, 8, 32, 8),        # few experts: long runs spanning many chunks
+    (9, 8, 127, 16, 32),      # 128 bins (127 experts + elsewhere)
+    (600, 8, 128, 16, 1024),  # past the one-program cap, the default chunk
+], ids=lambda v: str(v))
+@pytest.mark.parametrize("elsewhere", [0.0, 0.3], ids=["all-local", "ep"])
+def test_chunked_matches_torch_alignment(triton_device: str, tokens: int, top_k: int, experts: int, block_m: int,
+                                         chunk: int, elsewhere: float) -> None:
+    ids = _routing(tokens, top_k, experts, seed=tokens * 7 + experts, elsewhere=elsewhere)
+    _assert_same(align_slots_chunked(ids.to(triton_device), experts, block_m, chunk=chunk),
+                 align_slots_reference(ids, experts, block_m))
+
+
+def test_chunked_one_expert_all_elsewhere_and_bad_sizes(triton_device: str) -> None:
+    one = torch.zeros(40, 1, dtype=torch.int32)
+    _assert_same(align_slots_chunked(one.to(triton_device), 8, 16, chunk=8), align_slots_reference(one, 8, 16))
+    gone = torch.full((6, 2), -1, dtype=torch.int64)
+    ours = align_slots_chunked(gone.to(triton_device), 8, 16, chunk=4)
+    _assert_same(ours, align_slots_reference(gone, 8, 16))
+    assert ours.block_expert_ids.tolist() == [-1] * ours.block_expert_ids.numel()
+    for bad in ({"block_m": 24}, {"chunk": 100}):
+        with pytest.raises(ValueError, match="power-of-two"):
+            align_slots_chunked(one.to(triton_device), 8, **{"block_m": 16, "chunk": 8, **bad})
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("tokens", [1, 600])  # the kernel; past ALIGN_KERNEL_MAX_SLOTS, the torch version
+@pytest.mark.parametrize("tokens", [1, 600, 9000])  # the one-program kernel; past its cap, the chunked ones
 def test_align_slots_by_expert_on_cuda(tokens: int) -> None:
     ids = _routing(tokens, 8, 128, seed=tokens, elsewhere=0.2)
     _assert_same(align_slots_by_expert(ids.cuda(), 128, 16), align_slots_reference(ids, 128, 16))

@@ -12,8 +12,8 @@ it can be captured in a CUDA graph. The slots of experts another expert-parallel
 zeros there.
 
 On CUDA, batches of up to ``ALIGN_KERNEL_MAX_SLOTS`` slots (decode) take one Triton launch
-instead (``engine.layers.moe.align_kernel``, the same result entry for entry); the torch
-operations below stay for the CPU, for larger batches, and as the kernel's test oracle.
+instead, larger ones three (``engine.layers.moe.align_kernel``; the same result entry for entry);
+the torch operations below stay for the CPU and as the kernels' test oracle.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class ExpertBlocks:
 
 #: The most slots (``tokens * top_k``) the one-program Triton kernel takes (512 tokens at top 8):
 #: it holds every slot and every entry in one tile and sorts the slots (``slots * log^2 slots``
-#: steps), and above this a few dozen torch launches cost less. Not measured against the torch
-#: version at this size since the kernel was rewritten (``scripts/bench_moe_kernel.py`` reports both).
+#: steps); above this the three chunked launches (``align_kernel.align_slots_chunked``) take over.
+#: Not measured against them at this size.
 ALIGN_KERNEL_MAX_SLOTS = 4096
 
 
@@ -72,10 +72,13 @@ def align_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
         num_experts: experts on this rank.
         block_m: slots per block of the grouped GEMM.
     """
-    if topk_ids.is_cuda and kernel_can_align(topk_ids.numel(), block_m) and find_spec("triton") is not None:
-        from engine.layers.moe.align_kernel import align_slots_triton
+    if topk_ids.is_cuda and topk_ids.numel() > 0 and block_m > 0 and block_m & (block_m - 1) == 0 \
+            and find_spec("triton") is not None:
+        from engine.layers.moe.align_kernel import align_slots_chunked, align_slots_triton
 
-        return align_slots_triton(topk_ids, num_experts, block_m)
+        if kernel_can_align(topk_ids.numel(), block_m):
+            return align_slots_triton(topk_ids, num_experts, block_m)
+        return align_slots_chunked(topk_ids, num_experts, block_m)
     return align_slots_reference(topk_ids, num_experts, block_m)
 
 

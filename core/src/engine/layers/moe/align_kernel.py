@@ -1,4 +1,4 @@
-"""``align_slots_by_expert`` in one Triton launch, for decode-sized batches.
+"""``align_slots_by_expert`` in Triton: one launch for decode-sized batches, three for larger ones.
 
 The torch version is about thirty small launches (counting, two cumulative sums, a stable sort,
 gathers, a scatter, a binary search); at batch 1 they cost several times the expert GEMMs. Here a
@@ -21,8 +21,8 @@ single program does it all on one tile of slots, with no loop over slots or expe
 ``_align_slots_tile`` is shared with the fused router (``route_align_kernel``), which hands it
 the bins straight from its top-k. The output sizes follow from the batch shape alone, as in the
 torch version: a decode step that uses it can be captured in a CUDA graph. The tile holds every
-slot, hence the cap ``align.ALIGN_KERNEL_MAX_SLOTS`` above which ``align_slots_by_expert`` keeps
-the torch version (prefill, where a few dozen launches do not matter).
+slot, hence the cap ``align.ALIGN_KERNEL_MAX_SLOTS``; above it ``align_slots_chunked`` (below)
+does the same in three launches over chunks of slots.
 """
 
 from __future__ import annotations
@@ -140,4 +140,140 @@ def align_slots_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
         flat, blocks.sorted_slot_ids, blocks.block_expert_ids, blocks.num_padded,
         num_slots, num_experts, blocks.sorted_slot_ids.numel(), blocks.block_expert_ids.numel(), **sizes,
     )
+    return blocks
+
+
+# --- Batches of any size (prefill): three launches over chunks of slots -------------------------
+#
+# Above ``ALIGN_KERNEL_MAX_SLOTS`` one tile cannot hold every slot, and the torch version is about
+# thirty launches a layer: at a prefill of one prompt, bound by the host's launch overhead, those
+# cost more than the GEMMs they feed. Here the slots are cut into chunks of ``CHUNK``:
+#
+# 1. ``_chunk_count_kernel``, a program a chunk: the chunk's slots per bin (one histogram), and
+#    its share of the padding value written over ``sorted_slot_ids``.
+# 2. ``_chunk_offsets_kernel``, one program: for every (chunk, bin) the slots of that bin in the
+#    earlier chunks (a running sum down the chunks, written over the counts), each bin's padded run
+#    and start, ``num_padded``, and each block's expert (the bins whose run ends at or before the
+#    block's start, counted: what ``searchsorted(..., right=True)`` gives the torch version).
+# 3. ``_chunk_scatter_kernel``, a program a chunk: the chunk's slots sorted by ``(bin, slot)``, so a
+#    slot's rank among the chunk's slots of its bin is its sorted position less the chunk's slots of
+#    lower bins; it goes to its bin's start + the earlier chunks' slots of its bin + that rank.
+#
+# Chunk order then slot order within a chunk is ascending slot id within every bin, as the
+# stable sort of the torch version: the same entries, entry for entry. No host sync and output
+# sizes from the batch shape alone, as before.
+
+#: Slots a chunk (a program of the count and scatter launches).
+ALIGN_CHUNK = 1024
+
+
+@triton.jit
+def _chunk_bins(ids_ptr, chunk, num_slots, num_experts, CHUNK: tl.constexpr):
+    """The chunk's slot ids, whether each lane is a slot, and each slot's bin (``num_experts``:
+    held elsewhere)."""
+    slots = chunk * CHUNK + tl.arange(0, CHUNK)
+    ok = slots < num_slots
+    ids = tl.load(ids_ptr + slots, mask=ok, other=0).to(tl.int32)
+    return slots, ok, tl.where((ids < 0) | (ids >= num_experts), num_experts, ids)
+
+
+@triton.jit
+def _chunk_count_kernel(ids_ptr, counts_ptr, sorted_slot_ids_ptr, num_slots, num_experts, max_padded,
+                        CHUNK: tl.constexpr, BLOCK_BINS: tl.constexpr, FILL_STEPS: tl.constexpr):
+    chunk = tl.program_id(0)
+    slots, ok, slot_bin = _chunk_bins(ids_ptr, chunk, num_slots, num_experts, CHUNK)
+    bins = tl.arange(0, BLOCK_BINS)
+    # As in _align_slots_tile: lanes that are no slot land in bin 0 and are taken off it again.
+    not_slots = CHUNK - tl.sum(ok.to(tl.int32), axis=0)
+    counts = tl.histogram(tl.where(ok, slot_bin, 0), BLOCK_BINS).to(tl.int32) - tl.where(bins == 0, not_slots, 0)
+    tl.store(counts_ptr + chunk * BLOCK_BINS + bins, counts)
+    # Padding over this chunk's share of the entries; the scatter launch overwrites the real ones.
+    lanes = tl.arange(0, CHUNK)
+    for step in range(FILL_STEPS):
+        pos = (chunk * FILL_STEPS + step) * CHUNK + lanes
+        tl.store(sorted_slot_ids_ptr + pos, tl.zeros_like(pos) + num_slots, mask=pos < max_padded)
+
+
+@triton.jit
+def _chunk_offsets_kernel(counts_ptr, starts_ptr, block_expert_ids_ptr, num_padded_ptr,
+                          num_chunks, num_experts, num_blocks,
+                          BLOCK_M: tl.constexpr, BLOCK_BINS: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK_NB: tl.constexpr, CHUNK_TILES: tl.constexpr, BLOCK_TILES: tl.constexpr):
+    bins = tl.arange(0, BLOCK_BINS)
+    rows = tl.arange(0, ROWS)
+    before = tl.zeros([BLOCK_BINS], dtype=tl.int32)
+    for t in range(CHUNK_TILES):
+        r = t * ROWS + rows
+        ptrs = counts_ptr + r[:, None] * BLOCK_BINS + bins[None, :]
+        tile = tl.load(ptrs, mask=(r < num_chunks)[:, None], other=0)
+        # Each chunk's slots of each bin in all earlier chunks.
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + before[None, :], mask=(r < num_chunks)[:, None])
+        before += tl.sum(tile, axis=0)
+    padded = (before + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # bins past num_experts hold no slot: 0
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(starts_ptr + bins, ends - padded)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
+    in_use = bins <= num_experts
+    blk = tl.arange(0, BLOCK_NB)
+    for t in range(BLOCK_TILES):
+        b = t * BLOCK_NB + blk
+        bin_of = tl.sum((((b * BLOCK_M)[:, None] >= ends[None, :]) & in_use[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert_ids_ptr + b, tl.where(bin_of < num_experts, bin_of, -1), mask=b < num_blocks)
+
+
+@triton.jit
+def _chunk_scatter_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_slot_ids_ptr, num_slots, num_experts,
+                          CHUNK: tl.constexpr, BLOCK_BINS: tl.constexpr):
+    chunk = tl.program_id(0)
+    slots, ok, slot_bin = _chunk_bins(ids_ptr, chunk, num_slots, num_experts, CHUNK)
+    lanes = tl.arange(0, CHUNK)
+    bins = tl.arange(0, BLOCK_BINS)
+    not_slots = CHUNK - tl.sum(ok.to(tl.int32), axis=0)
+    counts = tl.histogram(tl.where(ok, slot_bin, 0), BLOCK_BINS).to(tl.int32) - tl.where(bins == 0, not_slots, 0)
+    lower = tl.cumsum(counts, axis=0) - counts  # the chunk's slots of lower bins
+    # Lanes that are no slot sort last (bin BLOCK_BINS).
+    ordered = tl.sort(tl.where(ok, slot_bin, BLOCK_BINS) * CHUNK + lanes)
+    ordered_bin = ordered // CHUNK
+    ordered_ok = ordered_bin < BLOCK_BINS
+    ordered_bin = tl.where(ordered_ok, ordered_bin, 0)
+    rank = lanes - tl.gather(lower, ordered_bin, 0)
+    base = tl.load(starts_ptr + ordered_bin) + tl.load(counts_ptr + chunk * BLOCK_BINS + ordered_bin)
+    tl.store(sorted_slot_ids_ptr + base + rank, chunk * CHUNK + ordered % CHUNK, mask=ordered_ok)
+
+
+def align_slots_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                        chunk: int = ALIGN_CHUNK) -> ExpertBlocks:
+    """``align_slots_by_expert`` for a batch of any size in three launches over chunks of
+    ``chunk`` slots (a power of two; tests pass small ones): the same ``ExpertBlocks``, entry for
+    entry. ``block_m`` a power of two. Runs wherever Triton does."""
+    flat = topk_ids.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    num_slots = flat.numel()
+    if num_slots == 0 or block_m <= 0 or block_m & (block_m - 1) or chunk <= 0 or chunk & (chunk - 1):
+        raise ValueError(f"align_slots_chunked: {num_slots} slots, block_m {block_m}, chunk {chunk}; accepted: "
+                         "at least one slot, a power-of-two block_m and chunk")
+    device = topk_ids.device
+    blocks = empty_expert_blocks(num_slots, num_experts, block_m, device)
+    max_padded, num_blocks = blocks.sorted_slot_ids.numel(), blocks.block_expert_ids.numel()
+    block_bins = triton.next_power_of_2(num_experts + 1)
+    num_chunks = triton.cdiv(num_slots, chunk)
+    counts = torch.empty(num_chunks, block_bins, dtype=torch.int32, device=device)
+    starts = torch.empty(block_bins, dtype=torch.int32, device=device)
+    rows, block_nb = max(1, 4096 // block_bins), max(1, 8192 // block_bins)
+    # Loop trip counts are compile-time constants (Triton 3.6's interpreter takes no loop bound from
+    # an argument), rounded up to powers of two so that batch sizes share a few compiled variants;
+    # the extra steps are masked off.
+    steps = {"FILL_STEPS": triton.next_power_of_2(triton.cdiv(triton.cdiv(max_padded, num_chunks), chunk)),
+             "CHUNK_TILES": triton.next_power_of_2(triton.cdiv(num_chunks, rows)),
+             "BLOCK_TILES": triton.next_power_of_2(triton.cdiv(num_blocks, block_nb))}
+    warps = 4 if chunk <= 1024 else 8
+    _chunk_count_kernel[(num_chunks,)](flat, counts, blocks.sorted_slot_ids, num_slots, num_experts, max_padded,
+                                       CHUNK=chunk, BLOCK_BINS=block_bins, FILL_STEPS=steps["FILL_STEPS"],
+                                       num_warps=warps)
+    _chunk_offsets_kernel[(1,)](counts, starts, blocks.block_expert_ids, blocks.num_padded, num_chunks, num_experts,
+                                num_blocks, BLOCK_M=block_m, BLOCK_BINS=block_bins, ROWS=rows, BLOCK_NB=block_nb,
+                                CHUNK_TILES=steps["CHUNK_TILES"], BLOCK_TILES=steps["BLOCK_TILES"], num_warps=8)
+    _chunk_scatter_kernel[(num_chunks,)](flat, counts, starts, blocks.sorted_slot_ids, num_slots, num_experts,
+                                         CHUNK=chunk, BLOCK_BINS=block_bins, num_warps=warps)
     return blocks
