@@ -25,6 +25,38 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
+def _head_lanes(head_dim, half, rotary_dim, BLOCK: tl.constexpr):
+    """A head's lanes: the element index, whether it is in the head, whether it rotates, whether it
+    is in the first half, the element it rotates with (neox: the other half), and its frequency."""
+    d = tl.arange(0, BLOCK)
+    first = d < half
+    return d, d < head_dim, d < rotary_dim, first, tl.where(first, d + half, d - half), tl.where(first, d, d - half)
+
+
+@triton.jit
+def _cos_sin(q_ptr, pos_ptr, cos_ptr, sin_ptr, tok, cos_stride, freq, in_rot):
+    """The token's cos and sin rows at its position, rounded to the activation dtype as the rotary
+    kernel reads them, in float32."""
+    dt = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    return c, s
+
+
+@triton.jit
+def _norm_weights(w_ptr, d, partner, in_head, in_rot, c, HAS_NORM: tl.constexpr):
+    """The head's norm weights at each element and at its rotation partner (``c``, unread, without
+    the norm)."""
+    w = c
+    wp = c
+    if HAS_NORM:
+        w = tl.load(w_ptr + d, mask=in_head, other=0.0)
+        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
+    return w, wp
+
+
+@triton.jit
 def _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_heads, c, s,
                    d, in_head, in_rot, first, partner, stride_v, stride_kc, stride_kh, stride_vc, stride_vh,
                    head_dim, v_head_dim, eps, inv_k_scale, inv_v_scale, fp8_max, w, wp,
@@ -87,13 +119,7 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
     # head's program also stores the v head of the same index.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    d = tl.arange(0, BLOCK)
-    in_head = d < head_dim
-    in_rot = d < rotary_dim
-    first = d < half
-    # The element each one rotates with (neox: the other half), and its frequency.
-    partner = tl.where(first, d + half, d - half)
-    freq = tl.where(first, d, d - half)
+    d, in_head, in_rot, first, partner, freq = _head_lanes(head_dim, half, rotary_dim, BLOCK)
     if head < q_heads:
         base = q_ptr + tok * stride_q + head * head_dim
         w_ptr = qw_ptr
@@ -102,15 +128,8 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
         w_ptr = kw_ptr
     # Positions, the cos/sin rows and the norm weights are no previous kernel's output: with PDL they
     # load while the qkv projection drains; its output (q, k, v) only after gdc_wait.
-    dt = q_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
-    w = c  # unused without the norm
-    wp = c
-    if HAS_NORM:
-        w = tl.load(w_ptr + d, mask=in_head, other=0.0)
-        wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
+    c, s = _cos_sin(q_ptr, pos_ptr, cos_ptr, sin_ptr, tok, cos_stride, freq, in_rot)
+    w, wp = _norm_weights(w_ptr, d, partner, in_head, in_rot, c, HAS_NORM)
     if PDL:
         # The attention kernel next may start at once: before its own wait it reads only lengths,
         # slots and the K/V of earlier positions, none of which this kernel or the projection
@@ -136,16 +155,8 @@ def _qkv_prologue_tokens_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, l
     # one-warp block of a few hundred bytes; at prefill sizes those blocks' scheduling, not their
     # bytes, set the time.
     tok = tl.program_id(0).to(tl.int64)
-    d = tl.arange(0, BLOCK)
-    in_head = d < head_dim
-    in_rot = d < rotary_dim
-    first = d < half
-    partner = tl.where(first, d + half, d - half)
-    freq = tl.where(first, d, d - half)
-    dt = q_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    c = tl.load(cos_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * cos_stride + freq, mask=in_rot, other=0.0).to(dt).to(tl.float32)
+    d, in_head, in_rot, first, partner, freq = _head_lanes(head_dim, half, rotary_dim, BLOCK)
+    c, s = _cos_sin(q_ptr, pos_ptr, cos_ptr, sin_ptr, tok, cos_stride, freq, in_rot)
     for i in tl.static_range(HEADS):
         head = tl.program_id(1) * HEADS + i
         if head < num_heads:
@@ -155,11 +166,7 @@ def _qkv_prologue_tokens_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, l
             else:
                 base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
                 w_ptr = kw_ptr
-            w = c  # unused without the norm
-            wp = c
-            if HAS_NORM:
-                w = tl.load(w_ptr + d, mask=in_head, other=0.0)
-                wp = tl.load(w_ptr + partner, mask=in_rot, other=0.0)
+            w, wp = _norm_weights(w_ptr, d, partner, in_head, in_rot, c, HAS_NORM)
             _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_heads, c, s,
                            d, in_head, in_rot, first, partner, stride_v, stride_kc, stride_kh, stride_vc,
                            stride_vh, head_dim, v_head_dim, eps, inv_k_scale, inv_v_scale, fp8_max, w, wp,

@@ -185,11 +185,12 @@ def pick_blocks(num_slots: int, num_experts: int) -> dict[str, int]:
             "up_num_stages": 4}
 
 
-def _gate_up_config(cfg: dict[str, int]) -> dict[str, int]:
-    """The gate/up launch's tiles with the SiLU-and-mul epilogue: two accumulators a program, so
-    half of ``BLOCK_N`` each (the registers and the bytes of B a program reads stay as they were),
-    and ``up_num_stages`` where given."""
-    return {**cfg, "BLOCK_N": max(16, cfg["BLOCK_N"] // 2), "num_stages": cfg.get("up_num_stages", cfg["num_stages"])}
+def _gate_up_config(cfg: dict[str, int], silu_mul: bool = True) -> dict[str, int]:
+    """The gate/up launch's tiles: ``up_num_stages`` where given; with the SiLU-and-mul epilogue
+    two accumulators a program, so half of ``BLOCK_N`` each (the registers and the bytes of B a
+    program reads stay as they were)."""
+    out = {**cfg, "num_stages": cfg.get("up_num_stages", cfg["num_stages"])}
+    return {**out, "BLOCK_N": max(16, cfg["BLOCK_N"] // 2)} if silu_mul else out
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None, out: torch.Tensor,
@@ -250,8 +251,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _grouped_gemm(x, w13, w13_scale, act, blocks, top_k, None, _gate_up_config(cfg), silu_mul=True)
     else:
         gate_up = torch.empty(num_slots, two_inter, dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None,
-                      {**cfg, "num_stages": cfg.get("up_num_stages", cfg["num_stages"])})
+        _grouped_gemm(x, w13, w13_scale, gate_up, blocks, top_k, None, _gate_up_config(cfg, silu_mul=False))
         act = act_fn(gate_up)
     down = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
     # The kernel reads the weights in any float dtype: no conversion launch.

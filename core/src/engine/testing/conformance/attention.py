@@ -173,13 +173,7 @@ class AttentionBackendConformance:
                                 num_extend_reqs=rows.num_extend_reqs)
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
         backend.init_forward_metadata(fb)
-        if kv_in_pool:
-            # As after a fused prologue: the new K/V are stored already; the backend gets none.
-            kv.set_kv_buffer(layer.layer_id, new_loc, k.view(n, Hkv, D), v.view(n, Hkv, D), layer.k_scale,
-                             layer.v_scale)
-            out = backend.forward(q, None, None, layer, fb, save_kv_cache=False)
-        else:
-            out = backend.forward(q, k, v, layer, fb)
+        out = _attend(backend, kv, layer, fb, q, k, v, kv_in_pool)
         assert out.shape == (n, H * D), f"output shape {tuple(out.shape)} != {(n, H * D)} ({where})"
         assert torch.isfinite(out).all(), f"non-finite output ({where})"
         if fp8:
@@ -276,14 +270,7 @@ class AttentionBackendConformance:
         fb.tree_mask, fb.tree_mask_indptr = tree_mask_of_rows(parents, device)
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
         backend.init_forward_metadata(fb)
-        if kv_in_pool:
-            # As after a fused prologue: the new K/V are stored already; the backend gets none.
-            hkv, d = self.num_kv_heads, self.head_dim
-            kv.set_kv_buffer(layer.layer_id, new_loc, k.view(n, hkv, d), v.view(n, hkv, d), layer.k_scale,
-                             layer.v_scale)
-            out = backend.forward(q, None, None, layer, fb, save_kv_cache=False)
-        else:
-            out = backend.forward(q, k, v, layer, fb)
+        out = _attend(backend, kv, layer, fb, q, k, v, kv_in_pool)
         where = f"tree, {dtype}, page {page_size}, seed {seed}"
         assert torch.isfinite(out).all(), f"non-finite output ({where})"
         off = 0
@@ -329,6 +316,18 @@ def _reference_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     scores = torch.einsum("qhd,khd->hqk", qd, kd) * scale
     scores = scores.masked_fill(~mask[None], float("-inf"))
     return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vd)
+
+
+def _attend(backend: Any, kv: Any, layer: Any, fb: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            kv_in_pool: bool) -> torch.Tensor:
+    """``backend.forward`` on the new tokens' q/k/v; with ``kv_in_pool`` as after a platform's fused
+    prologue: K/V stored at ``out_cache_loc`` first, and the backend given none of them."""
+    if not kv_in_pool:
+        return backend.forward(q, k, v, layer, fb)
+    n = q.shape[0]
+    kv.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k.view(n, layer.num_kv_heads, layer.head_dim),
+                     v.view(n, layer.num_kv_heads, layer.head_dim), layer.k_scale, layer.v_scale)
+    return backend.forward(q, None, None, layer, fb, save_kv_cache=False)
 
 
 def _check_fp8_store(kv: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str) -> None:
