@@ -34,6 +34,19 @@ def _head_lanes(head_dim, half, rotary_dim, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _head_base(q_ptr, k_ptr, qw_ptr, kw_ptr, tok, head, q_heads, stride_q, stride_k, head_dim):
+    """Where head ``head`` of token ``tok`` is (heads ``0 .. q_heads - 1`` are q's, the rest k's),
+    and its norm weights."""
+    if head < q_heads:
+        base = q_ptr + tok * stride_q + head * head_dim
+        w_ptr = qw_ptr
+    else:
+        base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
+        w_ptr = kw_ptr
+    return base, w_ptr
+
+
+@triton.jit
 def _cos_sin(q_ptr, pos_ptr, cos_ptr, sin_ptr, tok, cos_stride, freq, in_rot):
     """The token's cos and sin rows at its position, rounded to the activation dtype as the rotary
     kernel reads them, in float32."""
@@ -120,12 +133,7 @@ def _qkv_prologue_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr,
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d, in_head, in_rot, first, partner, freq = _head_lanes(head_dim, half, rotary_dim, BLOCK)
-    if head < q_heads:
-        base = q_ptr + tok * stride_q + head * head_dim
-        w_ptr = qw_ptr
-    else:
-        base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
-        w_ptr = kw_ptr
+    base, w_ptr = _head_base(q_ptr, k_ptr, qw_ptr, kw_ptr, tok, head, q_heads, stride_q, stride_k, head_dim)
     # Positions, the cos/sin rows and the norm weights are no previous kernel's output: with PDL they
     # load while the qkv projection drains; its output (q, k, v) only after gdc_wait.
     c, s = _cos_sin(q_ptr, pos_ptr, cos_ptr, sin_ptr, tok, cos_stride, freq, in_rot)
@@ -160,12 +168,7 @@ def _qkv_prologue_tokens_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, l
     for i in tl.static_range(HEADS):
         head = tl.program_id(1) * HEADS + i
         if head < num_heads:
-            if head < q_heads:
-                base = q_ptr + tok * stride_q + head * head_dim
-                w_ptr = qw_ptr
-            else:
-                base = k_ptr + tok * stride_k + (head - q_heads) * head_dim
-                w_ptr = kw_ptr
+            base, w_ptr = _head_base(q_ptr, k_ptr, qw_ptr, kw_ptr, tok, head, q_heads, stride_q, stride_k, head_dim)
             w, wp = _norm_weights(w_ptr, d, partner, in_head, in_rot, c, HAS_NORM)
             _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_heads, c, s,
                            d, in_head, in_rot, first, partner, stride_v, stride_kc, stride_kh, stride_vc,
