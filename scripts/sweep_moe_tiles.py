@@ -39,19 +39,23 @@ PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 128, 64, 4, 3), (6
 DECODE_TILES = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)))
 
 
-def candidates(prefill: bool, chosen: dict[str, int]) -> list[dict[str, int]]:
-    """The configs swept: ``pick_blocks``' BLOCK_M with the decode grid, or the prefill tiles
-    (``chosen``: what ``pick_blocks`` returned)."""
-    from engine.layers.moe.fused_moe import _gate_up_config
+#: The keys of a tile config as ``_grouped_gemm`` reads them (``pick_blocks``' ``up_num_stages`` is
+#: folded into the gate/up launch's ``num_stages`` by ``_gate_up_config``).
+TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
-    picked, chosen = chosen, {k: v for k, v in chosen.items() if k != "up_num_stages"}
+
+def tiles(cfg: dict[str, int]) -> dict[str, int]:
+    return {key: cfg[key] for key in TILE_KEYS}
+
+
+def candidates(prefill: bool, base: dict[str, int], current: list[dict[str, int]]) -> list[dict[str, int]]:
+    """The configs swept: ``base`` (``pick_blocks``' tiles) with the decode grid's N, K, warps and
+    stages, or the prefill tiles plus what ``fused_moe`` launches now (``current``), so it is timed."""
     if prefill:
-        tiles = [{**chosen, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
-                 for bm, bn, bk, w, st in PREFILL_TILES]
-        # What fused_moe launches now, for both launches, so "current" is timed.
-        mine = [{k: v for k, v in c.items() if k != "up_num_stages"} for c in (chosen, _gate_up_config(picked))]
-        return tiles + [c for c in mine if c not in tiles]
-    return [{**chosen, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+        grid = [{**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
+                for bm, bn, bk, w, st in PREFILL_TILES]
+        return grid + [c for c in current if c not in grid]
+    return [{**base, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
             for bn, bk, w, st in DECODE_TILES]
 
 
@@ -78,12 +82,12 @@ def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = Fals
     picked = pick_blocks(slots, experts)
     # Each launch's tiles as fused_moe runs them (gate/up: half of BLOCK_N for each of its two
     # accumulators, and its own stages where given).
-    current_cfg = {"gate_up": _gate_up_config(picked), "down": picked}
+    current_cfg = {"gate_up": tiles(_gate_up_config(picked)), "down": tiles(picked)}
     rows: list[dict[str, object]] = []
     aligned: dict[int, list] = {}
     for launch in ("gate_up", "down"):
         results = []
-        for cfg in candidates(prefill, picked):
+        for cfg in candidates(prefill, tiles(picked), list(current_cfg.values())):
             bm = cfg["BLOCK_M"]
             blocks = aligned.setdefault(bm, [align_slots_by_expert(i, experts, bm) for i in ids])
             if launch == "gate_up":
@@ -98,9 +102,7 @@ def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = Fals
                 continue
             results.append((us, cfg))
         results.sort(key=lambda r: r[0])
-        cur = current_cfg[launch]
-        current = next((us for us, c in results if all(c[key] == cur[key] for key in
-                        ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))), None)
+        current = next((us for us, c in results if c == current_cfg[launch]), None)
         nbytes = bytes_up if launch == "gate_up" else bytes_down
         flops = 2 * slots * hidden * inter * (2 if launch == "gate_up" else 1)
         for rank, (us, cfg) in enumerate(results[:top]):

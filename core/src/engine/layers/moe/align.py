@@ -48,10 +48,16 @@ class ExpertBlocks:
 ALIGN_KERNEL_MAX_SLOTS = 4096
 
 
+def chunks_can_align(num_slots: int, block_m: int) -> bool:
+    """Whether the chunked Triton launches take this batch: any slots and a power-of-two
+    ``block_m`` (a Triton block dimension)."""
+    return num_slots > 0 and block_m > 0 and block_m & (block_m - 1) == 0
+
+
 def kernel_can_align(num_slots: int, block_m: int) -> bool:
-    """Whether the Triton kernel takes this batch: at most ``ALIGN_KERNEL_MAX_SLOTS`` slots and a
-    power-of-two ``block_m`` (a Triton block dimension)."""
-    return 0 < num_slots <= ALIGN_KERNEL_MAX_SLOTS and block_m > 0 and block_m & (block_m - 1) == 0
+    """Whether the one-program Triton kernel takes this batch: what the chunked launches take, up
+    to ``ALIGN_KERNEL_MAX_SLOTS`` slots."""
+    return chunks_can_align(num_slots, block_m) and num_slots <= ALIGN_KERNEL_MAX_SLOTS
 
 
 def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
@@ -72,8 +78,7 @@ def align_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
         num_experts: experts on this rank.
         block_m: slots per block of the grouped GEMM.
     """
-    if topk_ids.is_cuda and topk_ids.numel() > 0 and block_m > 0 and block_m & (block_m - 1) == 0 \
-            and find_spec("triton") is not None:
+    if topk_ids.is_cuda and chunks_can_align(topk_ids.numel(), block_m) and find_spec("triton") is not None:
         from engine.layers.moe.align_kernel import align_slots_chunked, align_slots_triton
 
         if kernel_can_align(topk_ids.numel(), block_m):

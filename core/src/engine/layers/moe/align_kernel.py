@@ -34,9 +34,21 @@ import triton.language as tl
 from engine.layers.moe.align import (
     ALIGN_KERNEL_MAX_SLOTS,
     ExpertBlocks,
+    chunks_can_align,
     kernel_can_align,
     max_padded_slots,
 )
+
+
+@triton.jit
+def _bin_counts(slot_bin, slot_ok, BLOCK_S: tl.constexpr, BLOCK_BINS: tl.constexpr):
+    """Slots per bin of ``[BLOCK_S]`` lanes (``slot_ok``: the lane is a real slot). Lanes that are no
+    slot land in bin 0 and are taken off it again (no reliance on the mask argument of
+    tl.histogram, which not every Triton lowering has)."""
+    bins = tl.arange(0, BLOCK_BINS)
+    not_slots = BLOCK_S - tl.sum(slot_ok.to(tl.int32), axis=0)
+    counts = tl.histogram(tl.where(slot_ok, slot_bin, 0), BLOCK_BINS).to(tl.int32)
+    return counts - tl.where(bins == 0, not_slots, 0)
 
 
 @triton.jit
@@ -55,12 +67,7 @@ def _align_slots_tile(
     tl.store(block_expert_ids_ptr + blk, tl.zeros_like(blk) - 1, mask=blk < num_blocks)
 
     # 2. Slots per bin, padded runs, the padding before each bin.
-    # Lanes that are no slot land in bin 0 and are taken off it again (no reliance on the mask
-    # argument of tl.histogram, which not every Triton lowering has).
-    bins = tl.arange(0, BLOCK_BINS)
-    not_slots = BLOCK_S - tl.sum(slot_ok.to(tl.int32), axis=0)
-    counts = tl.histogram(tl.where(slot_ok, slot_bin, 0), BLOCK_BINS).to(tl.int32)
-    counts = counts - tl.where(bins == 0, not_slots, 0)
+    counts = _bin_counts(slot_bin, slot_ok, BLOCK_S, BLOCK_BINS)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     tl.store(num_padded_ptr, tl.sum(padded, axis=0))
     pads = padded - counts
@@ -182,11 +189,7 @@ def _chunk_count_kernel(ids_ptr, counts_ptr, sorted_slot_ids_ptr, num_slots, num
                         CHUNK: tl.constexpr, BLOCK_BINS: tl.constexpr, FILL_STEPS: tl.constexpr):
     chunk = tl.program_id(0)
     slots, ok, slot_bin = _chunk_bins(ids_ptr, chunk, num_slots, num_experts, CHUNK)
-    bins = tl.arange(0, BLOCK_BINS)
-    # As in _align_slots_tile: lanes that are no slot land in bin 0 and are taken off it again.
-    not_slots = CHUNK - tl.sum(ok.to(tl.int32), axis=0)
-    counts = tl.histogram(tl.where(ok, slot_bin, 0), BLOCK_BINS).to(tl.int32) - tl.where(bins == 0, not_slots, 0)
-    tl.store(counts_ptr + chunk * BLOCK_BINS + bins, counts)
+    tl.store(counts_ptr + chunk * BLOCK_BINS + tl.arange(0, BLOCK_BINS), _bin_counts(slot_bin, ok, CHUNK, BLOCK_BINS))
     # Padding over this chunk's share of the entries; the scatter launch overwrites the real ones.
     lanes = tl.arange(0, CHUNK)
     for step in range(FILL_STEPS):
@@ -227,9 +230,7 @@ def _chunk_scatter_kernel(ids_ptr, counts_ptr, starts_ptr, sorted_slot_ids_ptr, 
     chunk = tl.program_id(0)
     slots, ok, slot_bin = _chunk_bins(ids_ptr, chunk, num_slots, num_experts, CHUNK)
     lanes = tl.arange(0, CHUNK)
-    bins = tl.arange(0, BLOCK_BINS)
-    not_slots = CHUNK - tl.sum(ok.to(tl.int32), axis=0)
-    counts = tl.histogram(tl.where(ok, slot_bin, 0), BLOCK_BINS).to(tl.int32) - tl.where(bins == 0, not_slots, 0)
+    counts = _bin_counts(slot_bin, ok, CHUNK, BLOCK_BINS)
     lower = tl.cumsum(counts, axis=0) - counts  # the chunk's slots of lower bins
     # Lanes that are no slot sort last (bin BLOCK_BINS).
     ordered = tl.sort(tl.where(ok, slot_bin, BLOCK_BINS) * CHUNK + lanes)
@@ -250,7 +251,7 @@ def align_slots_chunked(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if not flat.is_contiguous():
         flat = flat.contiguous()
     num_slots = flat.numel()
-    if num_slots == 0 or block_m <= 0 or block_m & (block_m - 1) or chunk <= 0 or chunk & (chunk - 1):
+    if not chunks_can_align(num_slots, block_m) or chunk <= 0 or chunk & (chunk - 1):
         raise ValueError(f"align_slots_chunked: {num_slots} slots, block_m {block_m}, chunk {chunk}; accepted: "
                          "at least one slot, a power-of-two block_m and chunk")
     device = topk_ids.device
