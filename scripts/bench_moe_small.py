@@ -6,17 +6,14 @@ experts the previous ones did not leave in L2; at batch 1 one call's experts are
 Qwen3-30B-A3B shape, under the H100's 50 MB L2):
 
 - ``small``: the router, then ``fused_moe_small_batch`` (gate/up, down with the top-k sum);
-- ``one_launch``: the router, then ``fused_moe_one_launch`` (gate/up and down split along the
-  intermediate features, one launch);
 - ``grouped``: routing and alignment as ``FusedMoE`` runs them at that size (one launch up to
   ``ROUTE_ALIGN_PAYS_MAX_SLOTS``, else router + alignment), the two grouped GEMMs and the top-k sum.
 
 GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
-bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best
-(``--sweep-one-launch``: the one-launch kernel's tiles).
+bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best.
 
 usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
-       [--sweep-one-launch] [--result-file out/results.jsonl]
+       [--result-file out/results.jsonl]
 """
 
 from __future__ import annotations
@@ -54,7 +51,6 @@ def _touched_bytes(logits: list[torch.Tensor], top_k: int, hidden: int, inter: i
 
 def compare(shape: str, tokens: int) -> dict[str, object]:
     from engine.layers.moe.fused_moe import fused_moe, pick_blocks
-    from engine.layers.moe.one_launch import OneLaunchWorkspace, fused_moe_one_launch
     from engine.layers.moe.route_align import route_and_align
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies
@@ -66,12 +62,6 @@ def compare(shape: str, tokens: int) -> dict[str, object]:
         w, ids = select_experts(lg, top_k, True)
         return fused_moe_small_batch(x, w13, w2, w, ids)
 
-    workspace = OneLaunchWorkspace(tokens, hidden, x.device)
-
-    def one_launch(lg: torch.Tensor) -> torch.Tensor:
-        w, ids = select_experts(lg, top_k, True)
-        return fused_moe_one_launch(x, w13, w2, w, ids, workspace=workspace)
-
     def grouped(lg: torch.Tensor) -> torch.Tensor:
         w, ids, blocks = route_and_align(lg, top_k, True, block_m)
         return fused_moe(x, w13, w2, w, ids, blocks=blocks)
@@ -79,12 +69,11 @@ def compare(shape: str, tokens: int) -> dict[str, object]:
     nbytes = _touched_bytes(logits, top_k, hidden, inter)
     row: dict[str, object] = {"bench": "moe_small_vs_grouped", "shape": shape, "tokens": tokens,
                               "default": "small" if small_batch_applies(tokens, top_k, experts) else "grouped"}
-    for name, fn in (("small", small), ("one_launch", one_launch), ("grouped", grouped)):
+    for name, fn in (("small", small), ("grouped", grouped)):
         us = graph_median_us([lambda lg=lg, f=fn: f(lg) for lg in logits])
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_gbs"] = round(nbytes / us / 1e3, 1)
     torch.testing.assert_close(small(logits[0]), grouped(logits[0]), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(one_launch(logits[0]), grouped(logits[0]), atol=2e-2, rtol=2e-2)
     row.update(gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     return row
 
@@ -131,42 +120,14 @@ def sweep(shape: str) -> list[dict[str, object]]:
     return rows
 
 
-def sweep_one_launch(shape: str) -> list[dict[str, object]]:
-    from engine.layers.moe.one_launch import OneLaunchWorkspace, fused_moe_one_launch, one_launch_tiles
-    from engine.layers.moe.router import select_experts
-
-    experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, 1)
-    routes = [select_experts(lg, top_k, True) for lg in logits]
-    workspace = OneLaunchWorkspace(1, hidden, x.device)
-    nbytes = top_k * 3 * hidden * inter * 2
-    results = []
-    for bi, bk, bh, warps in itertools.product((8, 16, 32, 64), (128, 256, 512), (64, 128, 256), (4, 8)):
-        if bi * bk > 16384 or bi * bh > 16384:
-            continue
-        tiles = {"BLOCK_I": bi, "BLOCK_K": bk, "BLOCK_H": bh, "WARPS": warps}
-        calls = [lambda r=r, t=tiles: fused_moe_one_launch(x, w13, w2, r[0], r[1], workspace=workspace, tiles=t)
-                 for r in routes]
-        us = graph_median_us(calls)
-        results.append({**tiles, "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1)})
-    results.sort(key=lambda r: r["us"])
-    default = one_launch_tiles(hidden, inter)
-    mine = next((r for r in results if all(r[k] == v for k, v in default.items())), None)
-    return [{"bench": "moe_one_launch_sweep", "shape": shape, "default": mine, "best": results[:8],
-             "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-one-launch", action="store_true")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
-    if a.sweep_one_launch:
-        rows = sweep_one_launch(a.shape)
-    else:
-        rows = sweep(a.shape) if a.sweep else [compare(a.shape, t) for t in a.tokens]
+    rows = sweep(a.shape) if a.sweep else [compare(a.shape, t) for t in a.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
         append_rows(a.result_file, row)

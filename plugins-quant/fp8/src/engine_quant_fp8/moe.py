@@ -58,6 +58,5 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             from engine.layers.moe.fused_moe import fused_moe
 
             return fused_moe(*args, **scales, act_fn=getattr(layer, "act_fn", None),
-                             blocks=getattr(layer, "expert_blocks", None), pdl=getattr(layer, "pdl", False),
-                             one_launch=getattr(layer, "one_launch_workspace", None))
+                             blocks=getattr(layer, "expert_blocks", None), pdl=getattr(layer, "pdl", False))
         return fused_moe_reference(*args, **scales)

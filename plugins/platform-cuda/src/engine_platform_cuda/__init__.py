@@ -24,8 +24,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "norm_fusion": True,
     # With PDL, the K steps of weights each skinny-GEMM program requests before its wait (1..4).
     "pdl_preload": 3,
-    # The MoE layer's experts at one token in one launch (``engine.layers.moe.one_launch``); off: two.
-    "moe_one_launch": False,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -39,8 +37,6 @@ _OPTION_HELP = {
     "pdl_preload": "with cuda.pdl: K steps of weights (1..4) each skinny-GEMM program without a folded "
                    "norm requests before it waits for the kernel before it; more streams more weights "
                    "during latency-bound kernels (attention) at the cost of registers",
-    "moe_one_launch": "MoE decode at one token: gate/up and down of the token's experts in one launch, "
-                      "split along the intermediate features (off: the two-launch small-batch path)",
 }
 
 

@@ -183,8 +183,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool = False,
-                  norm_fusion: bool = False, pdl_preload: int | None = None,
-                  moe_one_launch: bool = False) -> dict[str, Any]:
+                  norm_fusion: bool = False, pdl_preload: int | None = None) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
@@ -199,17 +198,14 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
     ``gemv.norm_skinny_linear``), so the layer SDK skips the norm's launch where it takes the rows.
 
     ``pdl_preload``: with PDL, the K steps of weights each skinny-GEMM program requests before its
-    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's.
-
-    ``moe_one_launch``: the ``moe_one_launch`` entry (a bool): ``FusedMoE`` runs one token's experts
-    in one launch (``engine.layers.moe.one_launch``) instead of the small-batch path's two."""
+    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's."""
     from dataclasses import replace
 
     from engine_platform_cuda.gemv import RULE, SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
     # Layers with Triton kernels of their own (the MoE experts) read the flag itself.
-    kernels: dict[str, Any] = {"pdl": pdl, "moe_one_launch": moe_one_launch}
+    kernels: dict[str, Any] = {"pdl": pdl}
     pdl = pdl and gemv_max_rows > 0  # nothing to start early without the skinny GEMM
     kernels.update({
         "rms_norm": functools.partial(rms_norm, trigger=True) if pdl else rms_norm,

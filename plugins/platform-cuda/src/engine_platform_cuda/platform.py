@@ -124,8 +124,7 @@ class CudaPlatform(TorchCudaPlatform):
         rows = self.options["gemv_max_rows"] if self.options["gemv"] else 0
         pdl = self.options["pdl"] and self.is_available() and supports_pdl()
         return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl,
-                             norm_fusion=self.options["norm_fusion"], pdl_preload=self.options["pdl_preload"],
-                             moe_one_launch=self.options["moe_one_launch"])
+                             norm_fusion=self.options["norm_fusion"], pdl_preload=self.options["pdl_preload"])
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
@@ -151,7 +150,7 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"plugin_options: unknown option 'cuda.{unknown[0]}'; declared: "
                           + ", ".join(f"cuda.{k}" for k in DEFAULT_OPTIONS))
     parsed = {**DEFAULT_OPTIONS, **options}
-    for key in ("gemv", "qkv_prologue", "pdl", "norm_fusion", "moe_one_launch"):
+    for key in ("gemv", "qkv_prologue", "pdl", "norm_fusion"):
         if not isinstance(parsed[key], bool):
             raise ConfigError(f"plugin_options: cuda.{key}: invalid value {parsed[key]!r}; "
                               "accepted: on/true or off/false")

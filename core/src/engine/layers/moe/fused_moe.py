@@ -21,8 +21,7 @@ Design (the idea of vLLM's/SGLang's fused_moe, written for this project):
 With the router and alignment in one launch that is four launches per MoE layer at decode. At
 batches of 1-2 tokens (``small_batch.small_batch_applies``) there is nothing to group: ``fused_moe_small_batch``
 streams each slot's expert rows in two launches after a router launch with no alignment, the top-k
-sum in the second; at one token, given a workspace, ``one_launch.fused_moe_one_launch`` does it in
-one (gate/up and down split along the intermediate features, deterministic fixed-point sums).
+sum in the second.
 Float32 atomics in the down launch instead of the top-k sum were left out: they would need a
 zeroed float32 buffer and a cast back (two launches for the one saved) and would make the result
 depend on the order the programs run in. SiLU-and-mul applied to the down launch's A tiles as it
@@ -46,7 +45,6 @@ import triton
 import triton.language as tl
 
 from engine.layers.moe.align import ExpertBlocks, align_slots_by_expert
-from engine.layers.moe.one_launch import OneLaunchWorkspace, fused_moe_one_launch
 from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies
 
 
@@ -219,8 +217,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               config: dict[str, int] | None = None,
               act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              blocks: ExpertBlocks | None = None, pdl: bool = False,
-              one_launch: OneLaunchWorkspace | None = None) -> torch.Tensor:
+              blocks: ExpertBlocks | None = None, pdl: bool = False) -> torch.Tensor:
     """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
 
     ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
@@ -234,16 +231,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ``small_batch_applies`` (one or two tokens) takes ``fused_moe_small_batch`` instead: two launches, no
     alignment, the top-k sum in the down launch; ``pdl`` (sm_90+) launches those two with
     programmatic dependent launch (``fused_moe_small_batch``). The grouped path ignores it.
-    ``one_launch``: a workspace that fits (``OneLaunchWorkspace``): one token takes
-    ``fused_moe_one_launch`` instead (one launch; ``pdl`` likewise).
     """
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
     if config is None and act_fn is None and blocks is None and small_batch_applies(tokens, top_k, num_experts):
-        if one_launch is not None and tokens == 1:
-            return fused_moe_one_launch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale,
-                                        workspace=one_launch, pdl=pdl)
         return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, pdl=pdl)
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)

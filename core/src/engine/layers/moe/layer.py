@@ -10,8 +10,6 @@ CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this ra
 and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
 method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batches
 of 1-2 tokens (``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
-At one token, where the platform offers it (the ``moe_one_launch`` layer-kernel entry), the experts
-are one launch (``one_launch``) with a zeroed workspace the layer keeps (``one_launch_workspace``).
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
@@ -39,7 +37,6 @@ from engine.distributed import (
 )
 from engine.layers.linear import set_weight_attrs
 from engine.layers.moe.align import ExpertBlocks
-from engine.layers.moe.one_launch import OneLaunchWorkspace
 from engine.layers.moe.reference import fused_moe_reference
 from engine.layers.moe.route_align import route_align_applies, route_and_align, to_local_expert_ids
 from engine.layers.moe.router import select_experts
@@ -84,7 +81,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None),
-                             pdl=getattr(layer, "pdl", False), one_launch=getattr(layer, "one_launch_workspace", None))
+                             pdl=getattr(layer, "pdl", False))
         return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
@@ -133,11 +130,6 @@ class FusedMoE(nn.Module):
         #: Programmatic dependent launch for the router's top-k and the small-batch expert launches
         #: (the platform's ``pdl`` layer-kernel entry, ``use_kernels``); quant methods pass it on.
         self.pdl = False
-        #: One token's experts in one launch (the platform's ``moe_one_launch`` entry).
-        self.one_launch = False
-        #: During ``forward`` only: the one-launch kernel's workspace when this call takes it, else None.
-        self.one_launch_workspace: OneLaunchWorkspace | None = None
-        self._workspace: OneLaunchWorkspace | None = None
         self.tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         self.ep_size = get_expert_parallel_world_size()
@@ -157,20 +149,8 @@ class FusedMoE(nn.Module):
                                          params_dtype or torch.get_default_dtype(), self.weight_loader)
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's ``pdl`` entry (whether its kernels may use programmatic dependent
-        launch) and ``moe_one_launch`` (one token's experts in one launch)."""
+        """Takes the platform's ``pdl`` entry: whether its kernels may use programmatic dependent launch."""
         self.pdl = bool(kernels.get("pdl", False))
-        self.one_launch = bool(kernels.get("moe_one_launch", False))
-
-    def _one_launch_workspace(self, hidden: torch.Tensor) -> OneLaunchWorkspace | None:
-        """The workspace when this call's experts take one launch (one token, Triton available, the
-        platform's entry on); made on the first such call (the graph runner's eager warm-up) and
-        kept: the kernel leaves it zeroed for the next call and every captured graph."""
-        if not (self.one_launch and hidden.shape[0] == 1 and triton_available(hidden)):
-            return None
-        if self._workspace is None or not self._workspace.fits(1, hidden.shape[1], hidden.device):
-            self._workspace = OneLaunchWorkspace(1, hidden.shape[1], hidden.device)
-        return self._workspace
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
         """Copies checkpoint tensor ``loaded`` (expert ``expert_id``'s ``w1``, ``w3`` or ``w2``,
@@ -221,12 +201,10 @@ class FusedMoE(nn.Module):
         else:
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
             topk_ids = self.local_expert_ids(topk_ids)
-            self.one_launch_workspace = self._one_launch_workspace(hidden)
         try:
             out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         finally:
             self.expert_blocks = None
-            self.one_launch_workspace = None
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out
