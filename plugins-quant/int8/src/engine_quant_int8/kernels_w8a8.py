@@ -10,7 +10,10 @@ Numerics reproduce ``gemm.w8a8_reference`` operation for operation: the scale is
 ``max(absmax / 127, 1e-12)`` and the code ``round_half_even(x / scale)`` clamped to
 [-127, 127], both with IEEE-rounded float32 division (``div_rn``; Triton's plain ``/`` is an
 approximate division on NVIDIA GPUs); the int32 accumulator is exact; the epilogue is
-``((acc * x_scale) * w_scale)`` rounded to the output dtype, then ``+ bias`` in that dtype.
+``((acc * x_scale) * w_scale)`` rounded to the output dtype, then ``+ bias`` in that dtype. Both
+launches that hold the epilogue are compiled with ``enable_fp_fusion=False``: in float32 the
+compiler would otherwise contract the last product and the bias add into one FMA (one rounding
+where the reference has two), and the result would differ from the reference in the last bit.
 Shapes decide every launch parameter, nothing is read back from the device, so the launches
 can be captured in CUDA graphs. K is a compile-time constant (see ``kernels_w8a16``).
 """
@@ -147,7 +150,7 @@ def w8a8_gemm(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
     cfg = config or gemm_config(m, n, sms)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _w8a8_gemm_kernel[grid](qx, weight, x_scale, weight_scale, bias if bias is not None else weight_scale,
-                            out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, **cfg)
+                            out, m, n, k, out.stride(0), HAS_BIAS=bias is not None, enable_fp_fusion=False, **cfg)
     return out
 
 
@@ -179,6 +182,7 @@ def w8a8_linear_int_mm(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: to
     out = torch.empty((m, n), dtype=x2d.dtype, device=x2d.device)
     grid = (triton.cdiv(m, 32), triton.cdiv(n, 128))
     _rescale_kernel[grid](acc, x_scale, weight_scale, bias if bias is not None else weight_scale, out, m, n,
-                          acc.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=32, BLOCK_N=128)
+                          acc.stride(0), out.stride(0), HAS_BIAS=bias is not None, BLOCK_M=32, BLOCK_N=128,
+                          enable_fp_fusion=False)
     return out
 

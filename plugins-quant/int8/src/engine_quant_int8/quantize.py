@@ -14,9 +14,13 @@ MIN_SCALE = 1e-12
 
 
 def _quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Float32 maths on every device, so CPU and CUDA produce bit-identical codes and scales.
+    # Float32 maths on every device, so CPU and CUDA produce bit-identical codes and scales. The
+    # divisor is a tensor on x's device, not a Python number: on CUDA PyTorch divides by a CPU
+    # scalar as a multiplication by its reciprocal, which is not IEEE division (a scale can then
+    # differ in its last bit from the CPU's and from the Triton kernel's ``div_rn``).
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=MIN_SCALE)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, INT8_MAX)).clamp(min=MIN_SCALE)
     q = torch.round(x / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
