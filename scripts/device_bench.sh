@@ -18,6 +18,12 @@ for stage in "$@"; do
     tests)
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -m gpu -p no:cacheprovider core plugins plugins-attention \
         plugins-quant plugins-models tests > "$OUT/gpu_tests.log" 2>&1; tail -25 "$OUT/gpu_tests.log" ;;
+    device_adaptive)
+      # Unmarked tests that run on the GPU when there is one (DEVICE = "cuda" if available, or the
+      # platform's kernels): -m gpu never selects them.
+      timeout "${ADAPTIVE_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider plugins/platform-cuda/tests \
+        plugins-quant/fp8/tests/test_fp8_fused.py plugins-quant/int8/tests/test_int8_kernels.py \
+        core/tests/layers/moe/test_moe_kernel.py -m "not gpu" > "$OUT/gpu_adaptive.log" 2>&1; tail -6 "$OUT/gpu_adaptive.log" ;;
     tests_subset)
       python3 -m pytest -q -m gpu -p no:cacheprovider plugins-attention/triton/tests/test_triton_kernels.py plugins-quant/int8 \
         plugins-models plugins-attention/triton/tests/test_triton_conformance.py > "$OUT/gpu_tests_subset.log" 2>&1

@@ -229,8 +229,13 @@ def test_pdl_reaches_the_skinny_gemm_and_the_kernels_before_it() -> None:
     # Without the skinny GEMM nothing is launched with PDL, so nothing triggers.
     no_gemv = layer_kernels(gemv_max_rows=0, pdl=True)
     assert "linear" not in no_gemv and no_gemv["rms_norm"] is rms_norm
-    # No CUDA device here: the platform never asks for PDL (its instructions need sm_90).
-    assert CudaPlatform().layer_kernels()["linear"].pdl is False
+    # The platform asks for PDL only on a CUDA device of sm_90 or newer (its instructions need
+    # sm_90), and never when told not to.
+    from engine_platform_cuda.gemv import supports_pdl
+
+    expected = CudaPlatform().is_available() and supports_pdl()
+    assert CudaPlatform().layer_kernels()["linear"].pdl is expected
+    assert CudaPlatform({"pdl": False}).layer_kernels()["linear"].pdl is False
 
 
 def test_norm_fusion_is_on_by_default_and_off_by_option() -> None:
