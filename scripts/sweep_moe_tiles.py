@@ -13,8 +13,12 @@ comparable with the card's copy bandwidth.
 batches (hundreds of slots per expert, where the launches are bound by compute, not bytes), with
 fewer routings cycled (a prefill's activations are far larger than L2 anyway).
 
+``--tiers`` times only ``pick_blocks``' own tiers (and session 13's middle tier, ``OLD_MIDDLE_TIER``)
+at each token count: whether the tier it picks for a shape is the best of them there (the table was
+swept at the Qwen3-30B-A3B shape; ``--shape mixtral-8x7b`` checks it elsewhere).
+
 usage: python scripts/sweep_moe_tiles.py [--shape qwen3-30b-a3b] [--tokens 1 8 64] [--top 5]
-       [--prefill] [--result-file out/results.jsonl]
+       [--prefill | --tiers] [--result-file out/results.jsonl]
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 128, 64, 4, 3), (6
                  (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
                  (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2)]
 DECODE_TILES = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)))
+#: ``pick_blocks``' tier for 17-64 slots an expert before session 14 (``--tiers`` times it too).
+OLD_MIDDLE_TIER = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
 #: The keys of a tile config as ``_grouped_gemm`` reads them (``pick_blocks``' ``up_num_stages`` is
@@ -48,9 +54,13 @@ def tiles(cfg: dict[str, int]) -> dict[str, int]:
     return {key: cfg[key] for key in TILE_KEYS}
 
 
-def candidates(prefill: bool, base: dict[str, int], current: list[dict[str, int]]) -> list[dict[str, int]]:
+def candidates(prefill: bool, base: dict[str, int], current: list[dict[str, int]],
+               tier_configs: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
     """The configs swept: ``base`` (``pick_blocks``' tiles) with the decode grid's N, K, warps and
-    stages, or the prefill tiles plus what ``fused_moe`` launches now (``current``), so it is timed."""
+    stages, or the prefill tiles plus what ``fused_moe`` launches now (``current``), so it is timed;
+    with ``tier_configs`` (``--tiers``) those plus ``current``."""
+    if tier_configs is not None:
+        return tier_configs + [c for c in current if c not in tier_configs]
     if prefill:
         grid = [{**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
                 for bm, bn, bk, w, st in PREFILL_TILES]
@@ -59,7 +69,17 @@ def candidates(prefill: bool, base: dict[str, int], current: list[dict[str, int]
             for bn, bk, w, st in DECODE_TILES]
 
 
-def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = False) -> list[dict[str, object]]:
+def tier_configs(launch: str, experts: int) -> list[dict[str, int]]:
+    """Each ``pick_blocks`` tier (at 1, 32 and 128 slots an expert) and ``OLD_MIDDLE_TIER``, as
+    ``launch`` runs them (gate/up: ``_gate_up_config``)."""
+    from engine.layers.moe.fused_moe import _gate_up_config, pick_blocks
+
+    own = [pick_blocks(experts * per_expert, experts) for per_expert in (1, 32, 128)] + [OLD_MIDDLE_TIER]
+    return [tiles(_gate_up_config(cfg) if launch == "gate_up" else cfg) for cfg in own]
+
+
+def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = False,
+          tiers: bool = False) -> list[dict[str, object]]:
     from engine.layers.moe.align import align_slots_by_expert
     from engine.layers.moe.fused_moe import _gate_up_config, _grouped_gemm, pick_blocks
 
@@ -87,7 +107,8 @@ def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = Fals
     aligned: dict[int, list] = {}
     for launch in ("gate_up", "down"):
         results = []
-        for cfg in candidates(prefill, tiles(picked), list(current_cfg.values())):
+        own = tier_configs(launch, experts) if tiers else None
+        for cfg in candidates(prefill, tiles(picked), list(current_cfg.values()), own):
             bm = cfg["BLOCK_M"]
             blocks = aligned.setdefault(bm, [align_slots_by_expert(i, experts, bm) for i in ids])
             if launch == "gate_up":
@@ -124,6 +145,7 @@ def main() -> None:
     ap.add_argument("--routings", type=int, default=None,
                     help="distinct routings cycled per graph (default 16; 2 with --prefill)")
     ap.add_argument("--prefill", action="store_true", help="sweep BLOCK_M too, over tensor-core tiles for prefill")
+    ap.add_argument("--tiers", action="store_true", help="time pick_blocks' own tiers only (and the old middle one)")
     ap.add_argument("--top", type=int, default=5, help="configs printed per launch")
     ap.add_argument("--result-file", default=None, help="append one JSON line per printed config")
     args = ap.parse_args()
@@ -131,7 +153,7 @@ def main() -> None:
         raise SystemExit("sweep_moe_tiles.py: needs a CUDA GPU")
     for tokens in args.tokens:
         routings = args.routings or (2 if args.prefill else 16)
-        rows = sweep(args.shape, tokens, routings, args.top, args.prefill)
+        rows = sweep(args.shape, tokens, routings, args.top, args.prefill, args.tiers)
         append_rows(args.result_file, *rows)
 
 
