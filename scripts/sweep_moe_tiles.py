@@ -55,12 +55,12 @@ def tiles(cfg: dict[str, int]) -> dict[str, int]:
 
 
 def candidates(prefill: bool, base: dict[str, int], current: list[dict[str, int]],
-               tier_configs: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
+               own_tiers: list[dict[str, int]] | None = None) -> list[dict[str, int]]:
     """The configs swept: ``base`` (``pick_blocks``' tiles) with the decode grid's N, K, warps and
     stages, or the prefill tiles plus what ``fused_moe`` launches now (``current``), so it is timed;
-    with ``tier_configs`` (``--tiers``) those plus ``current``."""
-    if tier_configs is not None:
-        return tier_configs + [c for c in current if c not in tier_configs]
+    with ``own_tiers`` (``--tiers``: ``tier_configs``) just those, which hold what it launches."""
+    if own_tiers is not None:
+        return own_tiers
     if prefill:
         grid = [{**base, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": st}
                 for bm, bn, bk, w, st in PREFILL_TILES]
