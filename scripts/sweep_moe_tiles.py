@@ -69,19 +69,26 @@ def candidates(prefill: bool, base: dict[str, int], current: list[dict[str, int]
             for bn, bk, w, st in DECODE_TILES]
 
 
+def launched(cfg: dict[str, int], launch: str) -> dict[str, int]:
+    """``pick_blocks``-style ``cfg`` as ``launch`` runs it (gate/up: ``_gate_up_config``)."""
+    from engine.layers.moe.fused_moe import _gate_up_config
+
+    return tiles(_gate_up_config(cfg) if launch == "gate_up" else cfg)
+
+
 def tier_configs(launch: str, experts: int) -> list[dict[str, int]]:
     """Each ``pick_blocks`` tier (at 1, 32 and 128 slots an expert) and ``OLD_MIDDLE_TIER``, as
-    ``launch`` runs them (gate/up: ``_gate_up_config``)."""
-    from engine.layers.moe.fused_moe import _gate_up_config, pick_blocks
+    ``launch`` runs them."""
+    from engine.layers.moe.fused_moe import pick_blocks
 
     own = [pick_blocks(experts * per_expert, experts) for per_expert in (1, 32, 128)] + [OLD_MIDDLE_TIER]
-    return [tiles(_gate_up_config(cfg) if launch == "gate_up" else cfg) for cfg in own]
+    return [launched(cfg, launch) for cfg in own]
 
 
 def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = False,
           tiers: bool = False) -> list[dict[str, object]]:
     from engine.layers.moe.align import align_slots_by_expert
-    from engine.layers.moe.fused_moe import _gate_up_config, _grouped_gemm, pick_blocks
+    from engine.layers.moe.fused_moe import _grouped_gemm, pick_blocks
 
     experts, hidden, inter, top_k = SHAPES[shape]
     dtype, dev = torch.bfloat16, "cuda"
@@ -102,7 +109,7 @@ def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = Fals
     picked = pick_blocks(slots, experts)
     # Each launch's tiles as fused_moe runs them (gate/up: half of BLOCK_N for each of its two
     # accumulators, and its own stages where given).
-    current_cfg = {"gate_up": tiles(_gate_up_config(picked)), "down": tiles(picked)}
+    current_cfg = {launch: launched(picked, launch) for launch in ("gate_up", "down")}
     rows: list[dict[str, object]] = []
     aligned: dict[int, list] = {}
     for launch in ("gate_up", "down"):
