@@ -85,8 +85,22 @@ def tier_configs(launch: str, experts: int) -> list[dict[str, int]]:
     return [launched(cfg, launch) for cfg in own]
 
 
+def with_group_m(configs: list[dict[str, int]], group_ms: list[int] | None) -> list[dict[str, int]]:
+    """Each config once per ``GROUP_M`` in ``group_ms`` (``--group-m``), in order, without
+    repeats; ``configs`` unchanged without it."""
+    if not group_ms:
+        return configs
+    out: list[dict[str, int]] = []
+    for cfg in configs:
+        for group_m in group_ms:
+            variant = {**cfg, "GROUP_M": group_m}
+            if variant not in out:
+                out.append(variant)
+    return out
+
+
 def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = False,
-          tiers: bool = False) -> list[dict[str, object]]:
+          tiers: bool = False, group_ms: list[int] | None = None) -> list[dict[str, object]]:
     from engine.layers.moe.align import align_slots_by_expert
     from engine.layers.moe.fused_moe import _grouped_gemm, pick_blocks
 
@@ -115,7 +129,7 @@ def sweep(shape: str, tokens: int, routings: int, top: int, prefill: bool = Fals
     for launch in ("gate_up", "down"):
         results = []
         own = tier_configs(launch, experts) if tiers else None
-        for cfg in candidates(prefill, tiles(picked), list(current_cfg.values()), own):
+        for cfg in with_group_m(candidates(prefill, tiles(picked), list(current_cfg.values()), own), group_ms):
             bm = cfg["BLOCK_M"]
             blocks = aligned.setdefault(bm, [align_slots_by_expert(i, experts, bm) for i in ids])
             if launch == "gate_up":
@@ -153,6 +167,8 @@ def main() -> None:
                     help="distinct routings cycled per graph (default 16; 2 with --prefill)")
     ap.add_argument("--prefill", action="store_true", help="sweep BLOCK_M too, over tensor-core tiles for prefill")
     ap.add_argument("--tiers", action="store_true", help="time pick_blocks' own tiers only (and the old middle one)")
+    ap.add_argument("--group-m", nargs="+", type=int, default=None,
+                    help="time each config with each of these GROUP_M (the program order over M blocks)")
     ap.add_argument("--top", type=int, default=5, help="configs printed per launch")
     ap.add_argument("--result-file", default=None, help="append one JSON line per printed config")
     args = ap.parse_args()
@@ -160,7 +176,7 @@ def main() -> None:
         raise SystemExit("sweep_moe_tiles.py: needs a CUDA GPU")
     for tokens in args.tokens:
         routings = args.routings or (2 if args.prefill else 16)
-        rows = sweep(args.shape, tokens, routings, args.top, args.prefill, args.tiers)
+        rows = sweep(args.shape, tokens, routings, args.top, args.prefill, args.tiers, args.group_m)
         append_rows(args.result_file, *rows)
 
 

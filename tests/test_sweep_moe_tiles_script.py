@@ -29,9 +29,17 @@ def test_tiers_hold_every_config_fused_moe_launches(experts: int, launch: str) -
 
     sweep = _script()
     own = sweep.tier_configs(launch, experts)
-    for slots in (1, 16 * experts, 16 * experts + 1, 64 * experts, 64 * experts + 1, 512 * experts):
+    for slots in (1, 12 * experts, 12 * experts + 1, 16 * experts, 64 * experts, 64 * experts + 1, 512 * experts):
         cfg = pick_blocks(slots, experts)
         assert sweep.tiles(_gate_up_config(cfg) if launch == "gate_up" else cfg) in own
     old = sweep.tiles(_gate_up_config(sweep.OLD_MIDDLE_TIER) if launch == "gate_up" else sweep.OLD_MIDDLE_TIER)
     assert old in own and len(own) == 4
     assert sweep.candidates(False, {}, [], own) == own
+
+
+def test_group_m_variants_each_config_once_per_value_in_order() -> None:
+    sweep = _script()
+    a, b = {"BLOCK_M": 16, "GROUP_M": 1}, {"BLOCK_M": 64, "GROUP_M": 8}
+    assert sweep.with_group_m([a, b], None) == [a, b]
+    assert sweep.with_group_m([a, b], [1, 8]) == [a, {"BLOCK_M": 16, "GROUP_M": 8}, {"BLOCK_M": 64, "GROUP_M": 1}, b]
+    assert sweep.with_group_m([a, a], [2]) == [{"BLOCK_M": 16, "GROUP_M": 2}]

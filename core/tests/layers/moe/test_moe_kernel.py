@@ -71,6 +71,38 @@ def test_fused_moe_matches_reference(tokens: int, seed: int, dtype: torch.dtype)
     torch.testing.assert_close(ours.float(), ref, atol=tol, rtol=tol)
 
 
+def test_decode_tier_with_an_expert_over_two_blocks() -> None:
+    """``pick_blocks``' decode tier as launched (16-row blocks in grouped order, ``GROUP_M`` 8, more
+    than there are row blocks): expert 0 takes all 24 tokens, so its slots span two blocks that run
+    as neighbouring programs; the result is the reference's."""
+    from engine.layers.moe.fused_moe import fused_moe, pick_blocks
+
+    tokens = 24
+    cfg = pick_blocks(tokens * TOP_K, E)
+    assert cfg["BLOCK_M"] == 16 and cfg["GROUP_M"] > 1
+    w13, w2 = _weights(torch.float32, 3)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    ids = torch.stack([torch.zeros(tokens, dtype=torch.int32), torch.arange(tokens, dtype=torch.int32) % 3 + 1], 1)
+    topk_w = torch.rand(tokens, TOP_K, generator=torch.Generator().manual_seed(14))
+    ours = fused_moe(x, w13, w2, topk_w.to(DEVICE), ids.to(DEVICE), config=cfg)
+    ref = fused_moe_reference(x, w13, w2, topk_w.to(DEVICE), ids.to(DEVICE))
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("experts", [8, 128], ids=["mixtral", "qwen3-moe"])
+def test_pick_blocks_tiers_by_slots_an_expert(experts: int) -> None:
+    """Up to 12 slots an expert the 16-row decode tier (in grouped order: an expert spilling into a
+    second block reads its weights from L2 then), to 64 the 64-row tier, then the prefill tier."""
+    from engine.layers.moe.fused_moe import pick_blocks
+
+    decode = pick_blocks(12 * experts, experts)
+    assert pick_blocks(1, experts) == decode
+    assert decode["BLOCK_M"] == 16 and decode["GROUP_M"] == 8
+    assert pick_blocks(12 * experts + 1, experts)["BLOCK_M"] == 64
+    assert pick_blocks(64 * experts, experts)["BLOCK_M"] == 64
+    assert pick_blocks(64 * experts + 1, experts)["BLOCK_M"] == 128
+
+
 def test_fused_moe_empty_experts_and_other_ranks_slots() -> None:
     """Every token on expert 1 or held elsewhere (-1): experts 0, 2, 3 get nothing."""
     from engine.layers.moe.fused_moe import fused_moe

@@ -164,11 +164,17 @@ def pick_blocks(num_slots: int, num_experts: int) -> dict[str, int]:
     ``scripts/sweep_moe_tiles.py`` (and ``--prefill``) on an H100 at the Qwen3-30B-A3B shape
     (128 experts, top 8, hidden 2048, intermediate 768), 2026-11-24:
 
-    - up to 16 (decode): ``BLOCK_M`` 16, little of each block padding when an expert sees a token
-      or two; within 1% of the best of 72 tiles at 1 and 8 tokens, and at 256 tokens (16 slots an
-      expert) of the best ``--prefill`` tile too.
+    - up to 12 (decode): ``BLOCK_M`` 16, little of each block padding when an expert sees a token
+      or two; within 1% of the best of 72 tiles at 1 and 8 tokens. ``GROUP_M`` 8: an expert with
+      more than 16 slots spans two blocks, and the grouped order runs them as neighbouring programs,
+      so the second reads the expert's weights from L2. With ``GROUP_M`` 1 they were a whole row of
+      column blocks apart: at the Mixtral-8x7B shape (an expert's gate/up is 235 MB) 64 tokens took
+      870 / 420 us (gate/up / down) against 674 / 384 us with ``GROUP_M`` 8 (H100, session 16).
     - up to 64: ``BLOCK_M`` 64 with 64 x 128 tiles, 4 warps. At 1,024 tokens (64 slots an expert)
-      gate/up 308 us and down 167 us, against 457 and 189 us with the 32 x 64 tiles before.
+      gate/up 308 us and down 167 us, against 457 and 189 us with the 32 x 64 tiles before. From 13
+      slots an expert on: at the Mixtral shape 56 and 64 tokens (14 and 16 slots) take 652 / 321 and
+      654 / 323 us, against 662 / 351 and 674 / 384 us with the decode tier; at the Qwen3 shape, 208
+      to 256 tokens, the decode tier would be 1-3% faster.
     - more (prefill): 128 x 256 tensor-core tiles, 8 warps; gate/up (128 columns of each of its
       two accumulators) with 4 stages, down with 3 (``up_num_stages``). At 8,192 tokens gate/up
       790 us (522 TFLOP/s) and down 458 us, against 1,236 and 618 us with the 64 x 128 tiles
@@ -177,8 +183,8 @@ def pick_blocks(num_slots: int, num_experts: int) -> dict[str, int]:
     ``BLOCK_N`` is the down launch's; the gate/up launch takes half as many columns of each of
     gate and up (``fused_moe``)."""
     per_expert = num_slots / max(1, num_experts)
-    if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    if per_expert <= 12:
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     if per_expert <= 64:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3,
