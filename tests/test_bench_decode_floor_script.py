@@ -1,6 +1,7 @@
 """``scripts/bench_decode_floor.py`` still finds what it replaces (the attention's ``forward_qkv``,
 the MoE layer's ``select_experts``): on the CPU with a tiny Qwen3-MoE config every variant runs, and
-each replacement runs in the variants that name it and in no other."""
+each replacement runs in the variants that name it and in no other. A ``stage_*`` variant stages only
+while a CUDA graph is captured, so on the CPU it runs the step unchanged."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def test_floor_variants_run_on_a_tiny_moe(tmp_path: pathlib.Path) -> None:
                   num_experts_per_tok=4, vocab_size=1000, max_position_embeddings=1024,
                   bos_token_id=1, eos_token_id=2)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    names = ["base", "no_attn", "no_topk", "no_attn_no_topk"]
+    names = ["base", "no_attn", "no_topk", "no_attn_no_topk", "stage_pf"]
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_decode_floor.py"), str(tmp_path),
                            ",".join(names), "1"], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "ATTN": "torch_native"})
@@ -31,3 +32,18 @@ def test_floor_variants_run_on_a_tiny_moe(tmp_path: pathlib.Path) -> None:
     for r in rows:
         assert (r["replaced"]["attn"] > 0) == ("no_attn" in r["variant"]), r
         assert (r["replaced"]["topk"] > 0) == ("no_topk" in r["variant"]), r
+        assert r["replaced"]["stage"] == 0, r
+
+
+def test_stage_in_l2_names_what_it_accepts() -> None:
+    import importlib.util
+
+    import pytest
+    import torch
+
+    spec = importlib.util.spec_from_file_location("bench_l2_retention", ROOT / "scripts" / "bench_l2_retention.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(ValueError, match="accepted: pf, pfN, ld, ldN"):
+        module.stage_in_l2(torch.zeros(8), "bulk", torch.zeros(8))
