@@ -12,7 +12,8 @@ sequence without the last read. So each row is the time of reading A (``--a-mb``
 
 - ``cold``: nothing staged, B streamed with no hint;
 - ``load_last``: A read once with ``evict_last`` loads; ``prefetch_last``: A staged with
-  ``cp.async.bulk.prefetch.L2`` and an ``evict_last`` cache policy; ``prefetch``: the same, no policy;
+  ``cp.async.bulk.prefetch.L2`` and an ``evict_last`` cache policy (the cuda plugin's
+  ``l2_prefetch.prefetch_to_l2``, as ``cuda.l2_prefetch_mb`` stages weights);
 - ``B first``: B's loads carry ``evict_first``.
 
 ``stage_in_l2`` is the staging as ``scripts/bench_decode_floor.py``'s ``stage_*`` variants use it
@@ -30,16 +31,11 @@ import torch
 import triton
 import triton.language as tl
 from engine_platform_cuda.graph_timing import graph_median_us
+from engine_platform_cuda.l2_prefetch import CHUNK_BYTES, PER_PROGRAM, prefetch_to_l2
 
 CHUNK, BLOCK, WARPS = 8192, 2048, 8
-PREFETCH_BYTES = 16384  # one cp.async.bulk.prefetch per thread
-PREFETCH_PER_PROGRAM = 128
-
-_PREFETCH_ASM = {
-    0: "cp.async.bulk.prefetch.L2.global [$1], $2;\n mov.u32 $0, 0;",
-    1: ("{ .reg .b64 p;\n createpolicy.fractional.L2::evict_last.b64 p, 1.0;\n"
-        " cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, p;\n mov.u32 $0, 0; }"),
-}
+#: What ``stage_in_l2("pfN")`` stages a program: N of them, 2 MiB each.
+PROGRAM_BYTES = CHUNK_BYTES * PER_PROGRAM
 
 
 @triton.jit
@@ -56,16 +52,6 @@ def _read_kernel(x_ptr, out_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, POLIC
             v = tl.load(x_ptr + pid * CHUNK + s + offs)
         acc += v.to(tl.float32)
     tl.store(out_ptr + pid, tl.sum(acc))
-
-
-@triton.jit
-def _prefetch_kernel(addr, out_ptr, CHUNK_BYTES: tl.constexpr, PER_PROGRAM: tl.constexpr,
-                     ASM: tl.constexpr):
-    i = tl.program_id(0) * PER_PROGRAM + tl.arange(0, PER_PROGRAM)
-    where = addr + i.to(tl.int64) * CHUNK_BYTES
-    size = tl.full([PER_PROGRAM], CHUNK_BYTES, tl.int32)
-    r = tl.inline_asm_elementwise(ASM, "=r,l,r", [where, size], dtype=tl.int32, is_pure=False, pack=1)
-    tl.store(out_ptr + i, r, mask=r != 0)  # never stores; keeps the asm
 
 
 @triton.jit
@@ -95,25 +81,20 @@ def stage_in_l2(w: torch.Tensor, how: str, sink: torch.Tensor) -> None:
         _stage_load_kernel[(programs,)](w, sink, w.numel() // (block * unroll), BLOCK=block, UNROLL=unroll,
                                         PROGRAMS=programs, num_warps=8)
     else:
-        programs = w.numel() * w.element_size() // (PREFETCH_BYTES * PREFETCH_PER_PROGRAM)
-        _prefetch_kernel[(min(programs, count or programs),)](w.data_ptr(), sink, CHUNK_BYTES=PREFETCH_BYTES,
-                                                              PER_PROGRAM=PREFETCH_PER_PROGRAM, ASM=_PREFETCH_ASM[1],
-                                                              num_warps=4)
+        nbytes = count * PROGRAM_BYTES if count else w.numel() * w.element_size()
+        prefetch_to_l2(w, nbytes, sink.view(torch.int32))
 
 
 def _read(x: torch.Tensor, out: torch.Tensor, policy: int) -> None:
     _read_kernel[(x.numel() // CHUNK,)](x, out, CHUNK=CHUNK, BLOCK=BLOCK, POLICY=policy, num_warps=WARPS)
 
 
-def _prefetch(x: torch.Tensor, out: torch.Tensor, hint: int) -> None:
-    chunks = x.numel() * x.element_size() // PREFETCH_BYTES
-    _prefetch_kernel[(chunks // PREFETCH_PER_PROGRAM,)](x.data_ptr(), out, CHUNK_BYTES=PREFETCH_BYTES,
-                                                        PER_PROGRAM=PREFETCH_PER_PROGRAM, ASM=_PREFETCH_ASM[hint],
-                                                        num_warps=4)
+def _prefetch(x: torch.Tensor, out: torch.Tensor) -> None:
+    prefetch_to_l2(x, x.numel() * x.element_size(), out.view(torch.int32))
 
 
 def _buffer(megabytes: float) -> torch.Tensor:
-    quantum = PREFETCH_PER_PROGRAM * PREFETCH_BYTES  # whole prefetch programs (and read programs: 16 KiB each)
+    quantum = PROGRAM_BYTES  # whole 2 MiB prefetch programs (and read programs: 16 KiB each)
     nbytes = max(int(megabytes * 1e6) // quantum, 1) * quantum
     return torch.randn(nbytes // 2, device="cuda", dtype=torch.bfloat16)
 
@@ -130,8 +111,7 @@ def main() -> None:
     stage = {
         "cold": lambda a: None,
         "load_last": lambda a: _read(a, out, 2),
-        "prefetch": lambda a: _prefetch(a, out, 0),
-        "prefetch_last": lambda a: _prefetch(a, out, 1),
+        "prefetch_last": lambda a: _prefetch(a, out),
     }
 
     def timed(calls) -> float:
@@ -143,7 +123,7 @@ def main() -> None:
     print(f"A read cold, alone: {timed(seq):.2f} us")
     hot = timed([c for a in a_bufs for c in (lambda a=a: _read(a, out, 0),) * 2])
     print(f"A read twice in a row, per pair: {hot:.2f} us")
-    for name in ("prefetch", "prefetch_last"):
+    for name in ("prefetch_last",):
         print(f"{name} kernel alone: {timed([lambda a=a, s=stage[name]: s(a) for a in a_bufs]):.2f} us")
     for b_mb in args.b_mb:
         b_bufs = [_buffer(b_mb) for _ in range(args.buffers)]

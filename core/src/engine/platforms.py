@@ -170,6 +170,12 @@ class Platform(ABC):
         ``pool``, the previous graph's ``pool()`` or None; on ``stream``)."""
         raise NotImplementedError(f"platform '{self.name}' does not capture device graphs")
 
+    def decode_capture_context(self, model: Any) -> contextlib.AbstractContextManager[Any]:
+        """Entered around the model call of each decode graph's capture, inside the capture: a
+        platform may add work beside the model's to the graph (the cuda plugin's
+        ``cuda.l2_prefetch_mb`` stages upcoming weights in L2). Default: nothing."""
+        return contextlib.nullcontext()
+
     def supports_overlap_schedule(self) -> bool:
         """Whether the CPU can prepare batch N+1 while the device runs batch N."""
         return False

@@ -75,7 +75,8 @@ class CudaGraphRunner:
             stream.synchronize()
             graph = platform.create_graph()
             with platform.graph_capture(graph, self.pool, stream):
-                out = self.runner.model(fb.input_ids, fb.positions, fb)
+                with platform.decode_capture_context(self.runner.model):
+                    out = self.runner.model(fb.input_ids, fb.positions, fb)
             self.pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = out.next_token_logits

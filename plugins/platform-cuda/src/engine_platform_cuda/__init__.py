@@ -24,6 +24,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "norm_fusion": True,
     # With PDL, the K steps of weights each skinny-GEMM program requests before its wait (1..4).
     "pdl_preload": 3,
+    # MB of the next layer's qkv weight staged in L2 during each decode graph's layer (sm_90+; 0: off).
+    "l2_prefetch_mb": 0,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -37,6 +39,8 @@ _OPTION_HELP = {
     "pdl_preload": "with cuda.pdl: K steps of weights (1..4) each skinny-GEMM program without a folded "
                    "norm requests before it waits for the kernel before it; more streams more weights "
                    "during latency-bound kernels (attention) at the cost of registers",
+    "l2_prefetch_mb": "sm_90+, decode CUDA graphs: MiB (0..64) of the next layer's qkv weight "
+                      "asked into L2 from a side stream while each layer's attention runs; 0 (default): off",
 }
 
 

@@ -7,6 +7,7 @@ initialises CUDA, so the registry can ask ``is_available()`` in any process
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Collection
@@ -35,6 +36,8 @@ _FP8_MIN_CAPABILITY = (8, 9)
 _GEMV_ROWS_LIMIT = 16
 # Weight steps the skinny GEMM may request before its PDL wait (``gemv.MAX_PDL_STEPS``).
 _PDL_STEPS_LIMIT = 4
+# Most MB ``cuda.l2_prefetch_mb`` stages a layer (the H100's L2 holds 50).
+_L2_PREFETCH_MB_LIMIT = 64
 
 
 def _flashinfer_importable() -> bool:
@@ -51,6 +54,7 @@ class CudaPlatform(TorchCudaPlatform):
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = _parse_options(options or {})
+        self._prefetchers: dict[int, Any] = {}
 
     # -- availability ------------------------------------------------------
     def is_available(self) -> bool:
@@ -126,6 +130,20 @@ class CudaPlatform(TorchCudaPlatform):
         return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl,
                              norm_fusion=self.options["norm_fusion"], pdl_preload=self.options["pdl_preload"])
 
+    def decode_capture_context(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """With ``cuda.l2_prefetch_mb`` on an sm_90+ GPU: each layer's capture also stages the next
+        layer's qkv weight in L2 from a side stream (``l2_prefetch.L2Prefetcher``)."""
+        mb = self.options["l2_prefetch_mb"]
+        if mb == 0 or importlib.util.find_spec("triton") is None:
+            return contextlib.nullcontext()
+        from engine_platform_cuda.l2_prefetch import L2Prefetcher, supports_l2_prefetch
+
+        if not supports_l2_prefetch():
+            return contextlib.nullcontext()
+        if id(model) not in self._prefetchers:
+            self._prefetchers[id(model)] = L2Prefetcher(model, mb)
+        return self._prefetchers[id(model)].capture()
+
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
         torch.manual_seed(seed)
@@ -162,4 +180,8 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _PDL_STEPS_LIMIT:
         raise ConfigError(f"plugin_options: cuda.pdl_preload: invalid value {steps!r}; "
                           f"accepted: an int from 1 to {_PDL_STEPS_LIMIT}")
+    mb = parsed["l2_prefetch_mb"]
+    if isinstance(mb, bool) or not isinstance(mb, int) or not 0 <= mb <= _L2_PREFETCH_MB_LIMIT:
+        raise ConfigError(f"plugin_options: cuda.l2_prefetch_mb: invalid value {mb!r}; "
+                          f"accepted: an int from 0 (off) to {_L2_PREFETCH_MB_LIMIT}")
     return parsed
