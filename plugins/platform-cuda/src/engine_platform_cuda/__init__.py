@@ -24,7 +24,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "norm_fusion": True,
     # With PDL, the K steps of weights each skinny-GEMM program requests before its wait (1..4).
     "pdl_preload": 3,
-    # MB of the next layer's qkv weight staged in L2 during each decode graph's layer (sm_90+; 0: off).
+    # MiB of the next layer's qkv weight staged in L2 during each decode graph's layer (sm_90+; 0: off).
     "l2_prefetch_mb": 0,
 }
 _OPTION_HELP = {

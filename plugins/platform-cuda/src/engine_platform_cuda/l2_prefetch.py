@@ -3,13 +3,13 @@
 A batch-1 decode step reads every weight once, and between its weight-streaming kernels it runs
 latency-bound ones (the attention, the MoE top-k) that leave memory bandwidth unused. While
 capturing a decode CUDA graph, ``L2Prefetcher`` forks a side stream after each layer's qkv
-projection is queued and, on it, asks L2 for the first ``mb`` megabytes of the next layer's qkv
+projection is queued and, on it, asks L2 for the first ``mb`` MiB of the next layer's qkv
 weight with one bulk prefetch per 16 KiB (``cp.async.bulk.prefetch.L2``, sm_90+) under an
 ``evict_last`` cache policy, so they are still there when that projection reads them. The side
 stream rejoins the capture stream when the model returns. A prefetch reads and writes nothing a
 kernel sees, so results are unchanged; only the order of memory traffic moves.
 
-A few MB pay and all of it does not: staged bytes compete with the bytes the step reads at that
+A few MiB pay and all of it does not: staged bytes compete with the bytes the step reads at that
 moment, and they save only the difference between the HBM and L2 rates later (docs/platforms.md,
 "L2 prefetch"; docs/benchmarks.md, session 16).
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import weakref
 from collections.abc import Collection
 from typing import Any
 
@@ -36,7 +37,7 @@ _FP8_MIN_CAPABILITY = (8, 9)
 _GEMV_ROWS_LIMIT = 16
 # Weight steps the skinny GEMM may request before its PDL wait (``gemv.MAX_PDL_STEPS``).
 _PDL_STEPS_LIMIT = 4
-# Most MB ``cuda.l2_prefetch_mb`` stages a layer (the H100's L2 holds 50).
+# Most MiB ``cuda.l2_prefetch_mb`` stages a layer (the H100's L2 holds 50 MB).
 _L2_PREFETCH_MB_LIMIT = 64
 
 
@@ -54,7 +55,8 @@ class CudaPlatform(TorchCudaPlatform):
 
     def __init__(self, options: dict[str, Any] | None = None) -> None:
         self.options = _parse_options(options or {})
-        self._prefetchers: dict[int, Any] = {}
+        # One L2Prefetcher a model (its hooks stay on the model), dropped with the model.
+        self._prefetchers: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
 
     # -- availability ------------------------------------------------------
     def is_available(self) -> bool:
@@ -140,9 +142,9 @@ class CudaPlatform(TorchCudaPlatform):
 
         if not supports_l2_prefetch():
             return contextlib.nullcontext()
-        if id(model) not in self._prefetchers:
-            self._prefetchers[id(model)] = L2Prefetcher(model, mb)
-        return self._prefetchers[id(model)].capture()
+        if model not in self._prefetchers:
+            self._prefetchers[model] = L2Prefetcher(model, mb)
+        return self._prefetchers[model].capture()
 
     def seed_everything(self, seed: int) -> None:
         # torch.manual_seed seeds every CUDA device's generator too (lazily, no context needed).
