@@ -172,8 +172,8 @@ def pick_blocks(num_slots: int, num_experts: int) -> dict[str, int]:
       870 / 420 us (gate/up / down) against 674 / 384 us with ``GROUP_M`` 8 (H100, session 16).
     - up to 64: ``BLOCK_M`` 64 with 64 x 128 tiles, 4 warps. At 1,024 tokens (64 slots an expert)
       gate/up 308 us and down 167 us, against 457 and 189 us with the 32 x 64 tiles before. From 13
-      slots an expert on: at the Mixtral shape 56 and 64 tokens (14 and 16 slots) take 652 / 321 and
-      654 / 323 us, against 662 / 351 and 674 / 384 us with the decode tier; at the Qwen3 shape, 208
+      slots an expert on: at the Mixtral shape 56 and 64 tokens (14 and 16 slots) take 654 / 323 and
+      655 / 323 us, against 662 / 351 and 674 / 384 us with the decode tier; at the Qwen3 shape, 208
       to 256 tokens, the decode tier would be 1-3% faster.
     - more (prefill): 128 x 256 tensor-core tiles, 8 warps; gate/up (128 columns of each of its
       two accumulators) with 4 stages, down with 3 (``up_num_stages``). At 8,192 tokens gate/up
