@@ -27,8 +27,6 @@ import triton.language as tl
 #: Bytes one bulk prefetch asks for, and prefetches a program issues (one a thread).
 CHUNK_BYTES = 16384
 PER_PROGRAM = 128
-#: Bulk prefetches need sm_90 (Hopper) or newer.
-MIN_CAPABILITY = (9, 0)
 
 _ASM = tl.constexpr("{ .reg .b64 policy;\n"
                     " .reg .pred live;\n"
@@ -52,11 +50,11 @@ def _l2_prefetch_kernel(addr, flag_ptr, n_chunks, CHUNK: tl.constexpr, PER_PROGR
 
 
 def supports_l2_prefetch(device: torch.device | None = None) -> bool:
-    """Whether the GPU has bulk L2 prefetches (sm_90+)."""
-    if not torch.cuda.is_available():
-        return False
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+    """Whether the GPU has bulk L2 prefetches: sm_90+, as for PDL (``gemv.supports_pdl``), and
+    not under Triton's interpreter (which cannot run the inline PTX)."""
+    from engine_platform_cuda.gemv import supports_pdl
+
+    return supports_pdl(device)
 
 
 def prefetch_to_l2(weight: torch.Tensor, nbytes: int, flag: torch.Tensor) -> int:
