@@ -7,7 +7,7 @@ Qwen3-30B-A3B shape, under the H100's 50 MB L2):
 
 - ``small``: the router, then ``fused_moe_small_batch`` (gate/up, down with the top-k sum);
 - ``one_launch``: the router, then both small-batch steps in one persistent launch
-  (``small_one_launch``; ``ONE_LAUNCH_SLEEP_NS`` from ``--sleep-ns``, the other tiles as ``small``);
+  (``small_one_launch``; ``ONE_LAUNCH_PER_SM`` from ``--per-sm``, the other tiles as ``small``);
 - ``grouped``: routing and alignment as ``FusedMoE`` runs them at that size (one launch up to
   ``ROUTE_ALIGN_PAYS_MAX_SLOTS``, else router + alignment), the two grouped GEMMs and the top-k sum.
 
@@ -15,7 +15,7 @@ GB/s counts the bytes of the experts a call touches (weights only): comparable w
 bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best;
 ``--sweep-one-launch`` the one-launch kernel's tiles, warps and programs per multiprocessor.
 
-usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sleep-ns 100]
+usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--per-sm 4]
        [--sweep | --sweep-one-launch] [--result-file out/results.jsonl]
 """
 
@@ -52,7 +52,7 @@ def _touched_bytes(logits: list[torch.Tensor], top_k: int, hidden: int, inter: i
     return touched * 3 * hidden * inter * 2
 
 
-def compare(shape: str, tokens: int, sleep_ns: int = 100) -> dict[str, object]:
+def compare(shape: str, tokens: int, per_sm: int = 4) -> dict[str, object]:
     from engine.layers.moe.fused_moe import fused_moe, pick_blocks
     from engine.layers.moe.route_align import route_and_align
     from engine.layers.moe.router import select_experts
@@ -65,7 +65,7 @@ def compare(shape: str, tokens: int, sleep_ns: int = 100) -> dict[str, object]:
         w, ids = select_experts(lg, top_k, True)
         return fused_moe_small_batch(x, w13, w2, w, ids)
 
-    one_tiles = {**small_batch_tiles(top_k, hidden, inter), "ONE_LAUNCH": True, "ONE_LAUNCH_SLEEP_NS": sleep_ns}
+    one_tiles = {**small_batch_tiles(top_k, hidden, inter), "ONE_LAUNCH_PER_SM": per_sm}
 
     def one_launch(lg: torch.Tensor) -> torch.Tensor:
         w, ids = select_experts(lg, top_k, True)
@@ -124,7 +124,7 @@ def sweep(shape: str) -> list[dict[str, object]]:
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
                      and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]), None)
-        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "default": mine, "best": results[:8],
+        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         rows.append(row)
     return rows
@@ -132,7 +132,7 @@ def sweep(shape: str) -> list[dict[str, object]]:
 
 def sweep_one_launch(shape: str) -> list[dict[str, object]]:
     """The one-launch kernel at one token, router included (as ``compare``'s ``one_launch``), over
-    its tiles, warps and polling interval; prints the five fastest and the two-launch ``small`` path beside them."""
+    its tiles, warps and grid; prints the five fastest and the two-launch ``small`` path beside them."""
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_tiles
 
@@ -148,16 +148,16 @@ def sweep_one_launch(shape: str) -> list[dict[str, object]]:
 
     results = []
     down_k = triton.next_power_of_2(inter) if inter <= 1024 else base["DOWN_BLOCK_K"]
-    for up_n, down_n, dk, warps, sleep, tickets in itertools.product((2, 4), (1, 2), sorted({base["DOWN_BLOCK_K"], down_k}),
-                                                            (8,), (100, 500), (True, False)):
+    for up_n, down_n, dk, warps, per_sm in itertools.product((2, 4), (1, 2), sorted({base["DOWN_BLOCK_K"], down_k}),
+                                                             (4, 8), (2, 3, 4, 6, 8)):
         tiles = {**base, "UP_BLOCK_N": up_n, "DOWN_BLOCK_N": down_n, "DOWN_BLOCK_K": dk, "ONE_LAUNCH_WARPS": warps,
-                 "ONE_LAUNCH": True, "ONE_LAUNCH_SLEEP_NS": sleep, "ONE_LAUNCH_TICKETS": tickets}
+                 "ONE_LAUNCH_PER_SM": per_sm}
         us = timed(tiles)
         results.append({"up_block_n": up_n, "down_block_n": down_n, "down_block_k": dk, "warps": warps,
-                        "sleep_ns": sleep, "tickets": tickets, "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1)})
+                        "per_sm": per_sm, "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1)})
     results.sort(key=lambda r: r["us"])
     small_us = timed(base)
-    return [{"bench": "moe_one_launch_sweep", "shape": shape, "small_us": round(small_us, 2), "best": results[:8],
+    return [{"bench": "moe_one_launch_sweep", "shape": shape, "small_us": round(small_us, 2), "best": results[:5],
              "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
 
 
@@ -167,7 +167,7 @@ def main() -> None:
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-one-launch", action="store_true")
-    ap.add_argument("--sleep-ns", type=int, default=100, help="one-launch: ns between a waiting program's polls")
+    ap.add_argument("--per-sm", type=int, default=4, help="one-launch programs per multiprocessor (compare)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
     if a.sweep:
@@ -175,7 +175,7 @@ def main() -> None:
     elif a.sweep_one_launch:
         rows = sweep_one_launch(a.shape)
     else:
-        rows = [compare(a.shape, t, a.sleep_ns) for t in a.tokens]
+        rows = [compare(a.shape, t, a.per_sm) for t in a.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
         append_rows(a.result_file, row)

@@ -17,7 +17,7 @@ from engine.layers.moe.reference import fused_moe_reference
 
 from .test_moe_small_batch import _case
 
-ONE = {"UP_BLOCK_N": 4, "UP_BLOCK_K": 16, "DOWN_BLOCK_N": 2, "DOWN_BLOCK_K": 16, "ONE_LAUNCH": True}
+ONE = {"UP_BLOCK_N": 4, "UP_BLOCK_K": 16, "DOWN_BLOCK_N": 2, "DOWN_BLOCK_K": 16, "ONE_LAUNCH_PER_SM": 1}
 
 
 def _counters_zero(device: str) -> bool:
@@ -47,7 +47,7 @@ def test_equals_the_two_launches_in_float32(triton_device: str) -> None:
     from engine.layers.moe.small_batch import fused_moe_small_batch
 
     x, w13, w2, w, ids = _case(triton_device, 1, 3, torch.float32, seed=41)
-    two = {k: v for k, v in ONE.items() if k != "ONE_LAUNCH"}
+    two = {k: v for k, v in ONE.items() if k != "ONE_LAUNCH_PER_SM"}
     torch.testing.assert_close(fused_moe_small_batch(x, w13, w2, w, ids, tiles=ONE),
                                fused_moe_small_batch(x, w13, w2, w, ids, tiles=two), atol=0, rtol=0)
 
@@ -92,8 +92,8 @@ def test_qwen3_shape_in_a_graph(tokens: int, pdl: bool, replays_like_eager: Call
 
     x, w13, w2, _, _ = _case("cuda", tokens, 8, torch.bfloat16, seed=44, experts=128, hidden=2048, inter=768)
     logits = torch.randn(tokens, 128, device="cuda")
-    base = {k: v for k, v in small_batch_tiles(8, 2048, 768).items() if k != "ONE_LAUNCH"}
-    one = {**base, "ONE_LAUNCH": True, "ONE_LAUNCH_SLEEP_NS": 100}
+    base = {k: v for k, v in small_batch_tiles(8, 2048, 768).items() if k != "ONE_LAUNCH_PER_SM"}
+    one = {**base, "ONE_LAUNCH_PER_SM": 4}
 
     def step(tiles: dict[str, int] = one) -> torch.Tensor:
         wt, i = select_experts(logits, 8, True, pdl=pdl)

@@ -117,7 +117,6 @@ def _down_tile(
     N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
-    SLEEP: tl.constexpr = 0,
 ):
     """Rows ``pid_n * BLOCK_N ..`` of ``token``'s output: every slot's down rows, routing weights
     and the top-k sum. ``WAIT``: 0, the activations are ready; 1 (PDL), the previous launch writes
@@ -149,17 +148,13 @@ def _down_tile(
             tl.extra.cuda.gdc_launch_dependents()
             a = tl.load(a_ptrs, mask=ok, other=0.0)
         else:
-            # One thread polls with acquire loads (an atomic add of 0; its value reaches the other
-            # threads through shared memory and a barrier), ``SLEEP`` ns apart on a GPU, so the
-            # activations read after it are those written before the writers' release. They are
-            # read through L2 (".cg"), not L1. (The polled value gates the loads: unused, the
-            # compiler would drop the last poll.)
-            seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
+            # Spin on a plain (volatile) load, then one acquire so the activations read after it
+            # are the ones written before the writers' release; read through L2 (".cg"), not L1.
+            seen = tl.load(ready_ptr, volatile=True)
             while seen < ready_at:
-                if SLEEP > 0:
-                    seen = tl.inline_asm_elementwise(f"nanosleep.u32 {SLEEP}; mov.b32 $0, $1;", "=r,r", [seen],
-                                                     dtype=tl.int32, is_pure=False, pack=1)
-                seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
+                seen = tl.load(ready_ptr, volatile=True)
+            # (The acquire's value gates the loads: unused, the compiler drops it.)
+            seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
             a = tl.load(a_ptrs, mask=ok & (seen >= ready_at), other=0.0, cache_modifier=".cg")
         acc += a.to(tl.float32) * w.to(tl.float32)
         a_ptrs += BLOCK_K
@@ -256,7 +251,7 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    if t.get("ONE_LAUNCH", False) and tokens <= ONE_LAUNCH_MAX_TOKENS:
+    if t.get("ONE_LAUNCH_PER_SM", 0) > 0 and tokens <= ONE_LAUNCH_MAX_TOKENS:
         launch_experts_one_launch(x, w13, w13_scale, w2, w2_scale, ids, weights, act, out, t, pdl=pdl)
         return out
     launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl)

@@ -48,48 +48,60 @@ def sync_buffer(device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _small_experts_kernel(
-    x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr, topk_w_ptr, act_ptr, out_ptr, sync_ptr, tokens,
+    x_ptr, w13_ptr, s13_ptr, w2_ptr, s2_ptr, ids_ptr, topk_w_ptr, act_ptr, out_ptr, sync_ptr,
+    tokens, num_programs,
     stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n,
     stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_am, stride_om,
     INTER: tl.constexpr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
     UP_BLOCK_N: tl.constexpr, UP_BLOCK_K: tl.constexpr,
     BLOCK_TK: tl.constexpr, DOWN_BLOCK_N: tl.constexpr, DOWN_BLOCK_K: tl.constexpr,
-    SYNC_SLOTS: tl.constexpr, SLEEP: tl.constexpr, TICKETS: tl.constexpr, PDL: tl.constexpr,
+    SYNC_SLOTS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
-        # The ids are the previous kernel's output. The next kernel may launch once every program
-        # of this one has started (its programs then wait for this grid to complete).
+        # The ids are the previous kernel's output. The next kernel may start once every program
+        # of this one runs (all of them are then past taking their first ticket's wait-free work).
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     n_up = tl.cdiv(INTER, UP_BLOCK_N)
     up_tiles = tokens * TOP_K * n_up
     n_down = tl.cdiv(HIDDEN, DOWN_BLOCK_N)
+    total = up_tiles + tokens * n_down
     done_ptr = sync_ptr + 2  # one counter per token: its gate/up tiles done
-    if TICKETS:
-        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-    else:
-        ticket = tl.program_id(0)
-    if ticket < up_tiles:
-        slot = ticket // n_up
-        _gate_up_tile(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, slot, ticket % n_up,
-                      INTER, stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_am,
-                      HIDDEN, TOP_K, HAS_SCALE, UP_BLOCK_N, UP_BLOCK_K)
-        # Every thread's stores are issued before the count is raised (the release publishes them).
-        tl.debug_barrier()
-        tl.atomic_add(done_ptr + slot // TOP_K, 1, sem="release")
-    else:
-        down = ticket - up_tiles
-        token = down // n_down
-        _down_tile(act_ptr, w2_ptr, s2_ptr, ids_ptr, topk_w_ptr, out_ptr, token, down % n_down,
-                   done_ptr + token, TOP_K * n_up,
-                   HIDDEN, stride_am, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_om,
-                   INTER, TOP_K, HAS_SCALE, BLOCK_TK, DOWN_BLOCK_N, DOWN_BLOCK_K, 2, SLEEP)
-        # The last down tile past its wait zeroes the counters for the next launch: by then every
-        # ticket is taken (down tickets come last) and every gate/up count is in.
-        passed = tl.atomic_add(sync_ptr + 1, 1, sem="relaxed")
-        if passed == tokens * n_down - 1:
-            offs = tl.arange(0, SYNC_SLOTS)
-            tl.store(sync_ptr + offs, tl.zeros([SYNC_SLOTS], dtype=tl.int32), mask=offs < 2 + tokens)
+    ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    while ticket < total:
+        # The next ticket is asked for now: its round trip overlaps this tile's loads.
+        nxt = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+        if ticket < up_tiles:
+            slot = ticket // n_up
+            _gate_up_tile(x_ptr, w13_ptr, s13_ptr, ids_ptr, act_ptr, slot, ticket % n_up,
+                          INTER, stride_xm, stride_w13e, stride_w13n, stride_s13e, stride_s13n, stride_am,
+                          HIDDEN, TOP_K, HAS_SCALE, UP_BLOCK_N, UP_BLOCK_K)
+            # Every thread's stores are issued before the count is raised (the release publishes them).
+            tl.debug_barrier()
+            tl.atomic_add(done_ptr + slot // TOP_K, 1, sem="release")
+        else:
+            down = ticket - up_tiles
+            token = down // n_down
+            _down_tile(act_ptr, w2_ptr, s2_ptr, ids_ptr, topk_w_ptr, out_ptr, token, down % n_down,
+                       done_ptr + token, TOP_K * n_up,
+                       HIDDEN, stride_am, stride_w2e, stride_w2n, stride_s2e, stride_s2n, stride_om,
+                       INTER, TOP_K, HAS_SCALE, BLOCK_TK, DOWN_BLOCK_N, DOWN_BLOCK_K, 2)
+        ticket = nxt
+    # Every program has taken its last ticket and ended its waits once the exit count reaches the
+    # grid size: the last one zeroes the counters for the next launch.
+    tl.debug_barrier()
+    finished = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")
+    if finished == num_programs - 1:
+        offs = tl.arange(0, SYNC_SLOTS)
+        tl.store(sync_ptr + offs, tl.zeros([SYNC_SLOTS], dtype=tl.int32), mask=offs < 2 + tokens)
+
+
+def one_launch_programs(device: torch.device, per_sm: int) -> int:
+    """The grid: ``per_sm`` programs per multiprocessor on a GPU; two under the interpreter (the
+    second finds no ticket left, which the tests want to see)."""
+    if device.type != "cuda":
+        return 2
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def launch_experts_one_launch(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
@@ -98,22 +110,19 @@ def launch_experts_one_launch(x: torch.Tensor, w13: torch.Tensor, w13_scale: tor
                               pdl: bool = False) -> None:
     """Both steps of ``fused_moe_small_batch`` in one launch (``out [tokens, H]`` written; ``act``
     is the ``[slots, I]`` scratch between them). ``tiles``: ``small_batch_tiles``' keys, with
-    ``ONE_LAUNCH_WARPS`` warps a program and ``ONE_LAUNCH_SLEEP_NS`` between a waiting program's polls.
+    ``ONE_LAUNCH_PER_SM`` programs per multiprocessor and ``ONE_LAUNCH_WARPS`` warps each.
     ``ids``: contiguous int32 ``[tokens, top_k]``; ``weights``: contiguous float32, same shape."""
     tokens, top_k = ids.shape
     if tokens > ONE_LAUNCH_MAX_TOKENS:
         raise ValueError(f"launch_experts_one_launch: {tokens} tokens; accepted: at most {ONE_LAUNCH_MAX_TOKENS}")
     inter, hidden = w2.shape[2], w2.shape[1]
-    up_n, down_n = tiles["UP_BLOCK_N"], tiles["DOWN_BLOCK_N"]
-    programs = tokens * (top_k * triton.cdiv(inter, up_n) + triton.cdiv(hidden, down_n))
+    programs = one_launch_programs(x.device, tiles["ONE_LAUNCH_PER_SM"])
     _small_experts_kernel[(programs,)](
         x, w13, w13_scale if w13_scale is not None else w13, w2, w2_scale if w2_scale is not None else w2,
-        ids, weights, act, out, sync_buffer(x.device), tokens,
+        ids, weights, act, out, sync_buffer(x.device), tokens, programs,
         x.stride(0), w13.stride(0), w13.stride(1), *_scale_strides(w13_scale),
         w2.stride(0), w2.stride(1), *_scale_strides(w2_scale), act.stride(0), out.stride(0),
         INTER=inter, HIDDEN=hidden, TOP_K=top_k, HAS_SCALE=w13_scale is not None,
-        UP_BLOCK_N=up_n, UP_BLOCK_K=tiles["UP_BLOCK_K"], BLOCK_TK=triton.next_power_of_2(top_k),
-        DOWN_BLOCK_N=down_n, DOWN_BLOCK_K=tiles["DOWN_BLOCK_K"], SYNC_SLOTS=_SYNC_SLOTS,
-        SLEEP=tiles.get("ONE_LAUNCH_SLEEP_NS", 0) if x.is_cuda else 0, TICKETS=tiles.get("ONE_LAUNCH_TICKETS", True),
-        PDL=pdl,
+        UP_BLOCK_N=tiles["UP_BLOCK_N"], UP_BLOCK_K=tiles["UP_BLOCK_K"], BLOCK_TK=triton.next_power_of_2(top_k),
+        DOWN_BLOCK_N=tiles["DOWN_BLOCK_N"], DOWN_BLOCK_K=tiles["DOWN_BLOCK_K"], SYNC_SLOTS=_SYNC_SLOTS, PDL=pdl,
         num_warps=tiles.get("ONE_LAUNCH_WARPS", 8), num_stages=1, launch_pdl=pdl)
