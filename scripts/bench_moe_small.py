@@ -6,17 +6,14 @@ experts the previous ones did not leave in L2; at batch 1 one call's experts are
 Qwen3-30B-A3B shape, under the H100's 50 MB L2):
 
 - ``small``: the router, then ``fused_moe_small_batch`` (gate/up, down with the top-k sum);
-- ``one_launch``: the router, then both small-batch steps in one persistent launch
-  (``small_one_launch``; ``ONE_LAUNCH_PER_SM`` from ``--per-sm``, the other tiles as ``small``);
 - ``grouped``: routing and alignment as ``FusedMoE`` runs them at that size (one launch up to
   ``ROUTE_ALIGN_PAYS_MAX_SLOTS``, else router + alignment), the two grouped GEMMs and the top-k sum.
 
 GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
-bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best;
-``--sweep-one-launch`` the one-launch kernel's tiles, warps and programs per multiprocessor.
+bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best.
 
-usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--per-sm 4]
-       [--sweep | --sweep-one-launch] [--result-file out/results.jsonl]
+usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
+       [--result-file out/results.jsonl]
 """
 
 from __future__ import annotations
@@ -52,11 +49,11 @@ def _touched_bytes(logits: list[torch.Tensor], top_k: int, hidden: int, inter: i
     return touched * 3 * hidden * inter * 2
 
 
-def compare(shape: str, tokens: int, per_sm: int = 4) -> dict[str, object]:
+def compare(shape: str, tokens: int) -> dict[str, object]:
     from engine.layers.moe.fused_moe import fused_moe, pick_blocks
     from engine.layers.moe.route_align import route_and_align
     from engine.layers.moe.router import select_experts
-    from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies, small_batch_tiles
+    from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_applies
 
     experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, tokens)
     block_m = pick_blocks(tokens * top_k, experts)["BLOCK_M"]
@@ -65,12 +62,6 @@ def compare(shape: str, tokens: int, per_sm: int = 4) -> dict[str, object]:
         w, ids = select_experts(lg, top_k, True)
         return fused_moe_small_batch(x, w13, w2, w, ids)
 
-    one_tiles = {**small_batch_tiles(top_k, hidden, inter), "ONE_LAUNCH_PER_SM": per_sm}
-
-    def one_launch(lg: torch.Tensor) -> torch.Tensor:
-        w, ids = select_experts(lg, top_k, True)
-        return fused_moe_small_batch(x, w13, w2, w, ids, tiles=one_tiles)
-
     def grouped(lg: torch.Tensor) -> torch.Tensor:
         w, ids, blocks = route_and_align(lg, top_k, True, block_m)
         return fused_moe(x, w13, w2, w, ids, blocks=blocks)
@@ -78,12 +69,11 @@ def compare(shape: str, tokens: int, per_sm: int = 4) -> dict[str, object]:
     nbytes = _touched_bytes(logits, top_k, hidden, inter)
     row: dict[str, object] = {"bench": "moe_small_vs_grouped", "shape": shape, "tokens": tokens,
                               "default": "small" if small_batch_applies(tokens, top_k, experts) else "grouped"}
-    for name, fn in (("small", small), ("one_launch", one_launch), ("grouped", grouped)):
+    for name, fn in (("small", small), ("grouped", grouped)):
         us = graph_median_us([lambda lg=lg, f=fn: f(lg) for lg in logits])
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_gbs"] = round(nbytes / us / 1e3, 1)
     torch.testing.assert_close(small(logits[0]), grouped(logits[0]), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(one_launch(logits[0]), small(logits[0]), atol=2e-2, rtol=2e-2)
     row.update(gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     return row
 
@@ -130,52 +120,14 @@ def sweep(shape: str) -> list[dict[str, object]]:
     return rows
 
 
-def sweep_one_launch(shape: str) -> list[dict[str, object]]:
-    """The one-launch kernel at one token, router included (as ``compare``'s ``one_launch``), over
-    its tiles, warps and grid; prints the five fastest and the two-launch ``small`` path beside them."""
-    from engine.layers.moe.router import select_experts
-    from engine.layers.moe.small_batch import fused_moe_small_batch, small_batch_tiles
-
-    experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, 1)
-    base = small_batch_tiles(top_k, hidden, inter)
-    nbytes = _touched_bytes(logits, top_k, hidden, inter)
-
-    def timed(tiles: dict[str, int]) -> float:
-        def call(lg: torch.Tensor) -> torch.Tensor:
-            w, ids = select_experts(lg, top_k, True)
-            return fused_moe_small_batch(x, w13, w2, w, ids, tiles=tiles)
-        return graph_median_us([lambda lg=lg: call(lg) for lg in logits])
-
-    results = []
-    down_k = triton.next_power_of_2(inter) if inter <= 1024 else base["DOWN_BLOCK_K"]
-    for up_n, down_n, dk, warps, per_sm in itertools.product((2, 4), (1, 2), sorted({base["DOWN_BLOCK_K"], down_k}),
-                                                             (4, 8), (2, 3, 4, 6, 8)):
-        tiles = {**base, "UP_BLOCK_N": up_n, "DOWN_BLOCK_N": down_n, "DOWN_BLOCK_K": dk, "ONE_LAUNCH_WARPS": warps,
-                 "ONE_LAUNCH_PER_SM": per_sm}
-        us = timed(tiles)
-        results.append({"up_block_n": up_n, "down_block_n": down_n, "down_block_k": dk, "warps": warps,
-                        "per_sm": per_sm, "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1)})
-    results.sort(key=lambda r: r["us"])
-    small_us = timed(base)
-    return [{"bench": "moe_one_launch_sweep", "shape": shape, "small_us": round(small_us, 2), "best": results[:5],
-             "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-one-launch", action="store_true")
-    ap.add_argument("--per-sm", type=int, default=4, help="one-launch programs per multiprocessor (compare)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
-    if a.sweep:
-        rows = sweep(a.shape)
-    elif a.sweep_one_launch:
-        rows = sweep_one_launch(a.shape)
-    else:
-        rows = [compare(a.shape, t, a.per_sm) for t in a.tokens]
+    rows = sweep(a.shape) if a.sweep else [compare(a.shape, t) for t in a.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
         append_rows(a.result_file, row)

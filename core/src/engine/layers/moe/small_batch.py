@@ -52,14 +52,21 @@ def small_batch_applies(tokens: int, top_k: int, num_experts: int) -> bool:
 
 
 @triton.jit
-def _gate_up_tile(
-    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr, slot, pid_n,
+def _small_gate_up_kernel(
+    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
     N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Gate/up rows ``pid_n * BLOCK_N ..`` of slot ``slot``'s expert: ``act[slot, rows]`` written."""
+    slot = tl.program_id(0)
+    pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    if PDL:
+        # The ids are the previous kernel's output: wait for it. Then let the down launch start:
+        # its programs read the ids before they wait, which is safe once this program has waited.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     expert = tl.load(ids_ptr + slot)
     held = expert >= 0
     # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
@@ -95,35 +102,17 @@ def _gate_up_tile(
 
 
 @triton.jit
-def _small_gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
-    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    if PDL:
-        # The ids are the previous kernel's output: wait for it. Then let the down launch start:
-        # its programs read the ids before they wait, which is safe once this program has waited.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    _gate_up_tile(x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr, tl.program_id(0), tl.program_id(1),
-                  N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-                  K, TOP_K, HAS_SCALE, BLOCK_N, BLOCK_K)
-
-
-@triton.jit
-def _down_tile(
-    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr, token, pid_n, ready_ptr, ready_at,
+def _small_down_kernel(
+    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
     N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
     K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WAIT: tl.constexpr,
+    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Rows ``pid_n * BLOCK_N ..`` of ``token``'s output: every slot's down rows, routing weights
-    and the top-k sum. ``WAIT``: 0, the activations are ready; 1 (PDL), the previous launch writes
-    them: its grid-dependency wait; 2 (one launch), other programs of this launch write them: wait
-    until ``ready_ptr`` holds ``ready_at`` (``_small_experts_kernel``). With a wait, the first weight
-    step is loaded before it, so those bytes are in flight while the activations are computed."""
-    token = token.to(tl.int64)
+    # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
+    # weights (written before it) and the first weight tile are loaded then; the activations (its
+    # output) only after the wait.
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_TK)
     t_ok = offs_t < TOP_K
     slots = token * TOP_K + offs_t
@@ -140,34 +129,20 @@ def _down_tile(
     w_ptrs = (w_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_we
               + rows[None, :, None] * stride_wn + k3)
     acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if WAIT > 0:
+    if PDL:
         ok = (k3 < K) & held3
         w = tl.load(w_ptrs, mask=ok, other=0.0)
-        if WAIT == 1:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-            a = tl.load(a_ptrs, mask=ok, other=0.0)
-        else:
-            # Spin on a plain (volatile) load, then one acquire so the activations read after it
-            # are the ones written before the writers' release; read through L2 (".cg"), not L1.
-            seen = tl.load(ready_ptr, volatile=True)
-            while seen < ready_at:
-                seen = tl.load(ready_ptr, volatile=True)
-            # (The acquire's value gates the loads: unused, the compiler drops it.)
-            seen = tl.atomic_add(ready_ptr, 0, sem="acquire")
-            a = tl.load(a_ptrs, mask=ok & (seen >= ready_at), other=0.0, cache_modifier=".cg")
-        acc += a.to(tl.float32) * w.to(tl.float32)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        acc += tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32) * w.to(tl.float32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    # K is a compile-time constant (the trip count known to the compiler); with a wait the first
+    # K is a compile-time constant (the trip count known to the compiler); with PDL the first
     # step ran above.
-    for kk in range(BLOCK_K * (WAIT > 0), K, BLOCK_K):
+    for kk in range(BLOCK_K * PDL, K, BLOCK_K):
         ok = (k3 + kk < K) & held3
-        if WAIT == 2:
-            a_k = tl.load(a_ptrs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            a_k = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
-        acc += a_k * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
+        a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
+        acc += a * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)  # [BLOCK_TK, BLOCK_N]: each slot's down row
@@ -182,21 +157,6 @@ def _down_tile(
     for k in tl.static_range(TOP_K):
         total += tl.sum(tl.where(offs_t[:, None] == k, y, 0.0), axis=0)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ty), mask=offs_n < N)
-
-
-@triton.jit
-def _small_down_kernel(
-    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
-    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-):
-    # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
-    # weights (written before it) and the first weight tile are loaded then; the activations (its
-    # output) only after the wait.
-    _down_tile(act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr, tl.program_id(0), tl.program_id(1),
-               ids_ptr, 0, N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-               K, TOP_K, HAS_SCALE, BLOCK_TK, BLOCK_N, BLOCK_K, 1 if PDL else 0)
 
 
 def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
@@ -241,8 +201,6 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError(f"fused_moe_small_batch: weight strides w13 {w13.stride()}, w2 {w2.stride()}; "
                          "accepted: unit stride along the last (input) dimension")
-    from engine.layers.moe.small_one_launch import ONE_LAUNCH_MAX_TOKENS, launch_experts_one_launch
-
     t = tiles or small_batch_tiles(top_k, hidden, inter)
     x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
@@ -250,9 +208,6 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
-        return out
-    if t.get("ONE_LAUNCH_PER_SM", 0) > 0 and tokens <= ONE_LAUNCH_MAX_TOKENS:
-        launch_experts_one_launch(x, w13, w13_scale, w2, w2_scale, ids, weights, act, out, t, pdl=pdl)
         return out
     launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl)
     launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
