@@ -72,9 +72,20 @@ def test_a_graph_with_prefetches_replays_to_the_eager_output() -> None:
     torch.cuda.synchronize()
     assert not flag.any()  # never written
     prefetcher.remove()
+    # A row limit (``auto``'s): a graph of more tokens is captured without staging.
+    limited = L2Prefetcher(model, mb=3, max_rows=1)
+    x2 = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2):
+        with limited.capture():
+            out2 = _forward(model, x2)
+    graph2.replay()
+    torch.cuda.synchronize()
+    assert limited.forks == 0 and torch.equal(out2, _forward(model, x2))
+    limited.remove()
 
 
-def _greedy(path: str, mb: int) -> tuple[list[list[int]], int]:
+def _greedy(path: str, mb: int | str) -> tuple[list[list[int]], int]:
     sched = make_scheduler(path, platform="cuda", dtype="bfloat16", attention="triton", cuda_graph_max_bs=4,
                            plugin_options={"cuda": {"l2_prefetch_mb": mb}})
     platform = sched.runner.platform
@@ -96,3 +107,5 @@ def test_greedy_is_the_same_with_and_without_l2_prefetch(name: str, tmp_path: An
     assert forks > 0  # the decode graphs were captured with prefetches in them
     off, none = _greedy(path, 0)
     assert none == 0 and on == off
+    auto, auto_forks = _greedy(path, "auto")  # the default: 6 MiB on one GPU
+    assert auto_forks == forks and auto == off

@@ -86,8 +86,10 @@ class L2Prefetcher:
     """Forward hooks on a model's qkv projections that, inside ``capture()``, stage each next
     layer's qkv weight from a side stream; outside ``capture()`` they do nothing."""
 
-    def __init__(self, model: torch.nn.Module, mb: int) -> None:
+    def __init__(self, model: torch.nn.Module, mb: int, max_rows: int | None = None) -> None:
         self.nbytes = mb * 2**20
+        #: graphs of more tokens than this get no staging (None: every graph)
+        self.max_rows = max_rows
         self.active = False
         #: prefetch launches captured so far (one a layer but the last, per graph)
         self.forks = 0
@@ -104,6 +106,9 @@ class L2Prefetcher:
 
     def _after_qkv(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.active:
+            return
+        x = args[0] if args else None
+        if self.max_rows is not None and isinstance(x, torch.Tensor) and x.shape[0] > self.max_rows:
             return
         weight = self.pairs[id(module)]
         assert self._side is not None and self._flag is not None
