@@ -46,6 +46,7 @@ def test_option_names_the_field_the_value_and_the_range(value: object) -> None:
 
 def test_option_defaults_to_auto_which_is_on_for_one_gpu_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine.distributed as dist
+
     assert CudaPlatform().options["l2_prefetch_mb"] == "auto"
     assert CudaPlatform().l2_prefetch_plan() == (6, 8)  # 6 MiB in graphs of up to 8 tokens
     assert CudaPlatform({"l2_prefetch_mb": 0}).l2_prefetch_plan() == (0, None)

@@ -25,7 +25,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # With PDL, the K steps of weights each skinny-GEMM program requests before its wait (1..4).
     "pdl_preload": 3,
     # MiB of the next layer's qkv weight staged in L2 during each decode graph's layer (sm_90+; 0: off;
-    # auto: 6 on a single GPU, off under tensor or pipeline parallelism).
+    # auto: 6 in graphs of up to 8 tokens on a single GPU, off under tensor or pipeline parallelism).
     "l2_prefetch_mb": "auto",
 }
 _OPTION_HELP = {
@@ -42,7 +42,8 @@ _OPTION_HELP = {
                    "during latency-bound kernels (attention) at the cost of registers",
     "l2_prefetch_mb": "sm_90+, decode CUDA graphs: MiB (0..64) of the next layer's qkv weight "
                       "asked into L2 from a side stream while each layer's attention runs; 0: off; auto "
-                      "(default): 6 on a single GPU, off under tensor or pipeline parallelism",
+                      "(default): 6 in graphs of up to 8 tokens on a single GPU, off under tensor or "
+                      "pipeline parallelism; a number applies to every decode graph",
 }
 
 
