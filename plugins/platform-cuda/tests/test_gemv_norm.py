@@ -33,6 +33,9 @@ EPS = 1e-6
 SMALL = [(40, 64), (37, 200), (24, 100)]
 CONFIGS = [None, GemvConfig("fma", 8, 32), GemvConfig("fma", 1, 16, split_k=3), GemvConfig("fma", 4, 16, split_k=2)]
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+#: The fma kind (the only one with the norm) at 2 rows too: the default rule takes it at 1 row only
+#: since 2026-11-24 (2 rows run faster on the dot kind), but a tuned rule may take more.
+RULE2 = GemvRule(fma_max_rows=2)
 
 
 def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -45,11 +48,11 @@ def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):  # typ
     return x, r, norm_w, w, b
 
 
-def _separate(x, r, norm_w, w, b, config=None):  # type: ignore[no-untyped-def]
-    """What the fused kernel replaces: the norm kernel, then the skinny GEMM."""
+def _separate(x, r, norm_w, w, b, config=None, rule=RULE2):  # type: ignore[no-untyped-def]
+    """What the fused kernel replaces: the norm kernel, then the skinny GEMM (with the same rule)."""
     out = rms_norm(x, norm_w, EPS, r)
     normed, res_sum = (out, x) if r is None else out
-    return skinny_linear(normed, w, b, config=config), normed, res_sum
+    return skinny_linear(normed, w, b, config=config, rule=rule), normed, res_sum
 
 
 def _float32_reference(x, r, norm_w, w, b):  # type: ignore[no-untyped-def]
@@ -79,7 +82,7 @@ def test_matches_rms_norm_then_skinny_linear(dtype: torch.dtype, n: int, k: int,
             x, r, norm_w, w, b = _operands(m, n, k, dtype, seed=m)
             r = r if residual else None
             bias = b if m == 1 else None
-            y, normed, res_sum = norm_skinny_linear(x, r, norm_w, EPS, w, bias, config=config)
+            y, normed, res_sum = norm_skinny_linear(x, r, norm_w, EPS, w, bias, config=config, rule=RULE2)
             want_y, want_normed, want_res = _separate(x, r, norm_w, w, bias, config)
             assert torch.equal(res_sum, want_res)
             if r is None:
@@ -96,11 +99,11 @@ def test_matches_rms_norm_then_skinny_linear(dtype: torch.dtype, n: int, k: int,
 def test_long_rows_are_summed_in_tiles() -> None:
     """A row longer than the row tile is summed tile by tile (another float32 order than
     ``rms_norm``'s): the outputs stay within a unit in the last place."""
-    rule = GemvRule(norm_row_tile=64)
+    rule = GemvRule(norm_row_tile=64, fma_max_rows=2)
     for m in (1, 2):
         x, r, norm_w, w, b = _operands(m, 37, 200, torch.float16, seed=3)
         y, normed, res_sum = norm_skinny_linear(x, r, norm_w, EPS, w, b, rule=rule)
-        want_y, want_normed, want_res = _separate(x, r, norm_w, w, b)
+        want_y, want_normed, want_res = _separate(x, r, norm_w, w, b, rule=rule)
         assert torch.equal(res_sum, want_res)
         torch.testing.assert_close(normed, want_normed, atol=0, rtol=2.0 ** -10)
         torch.testing.assert_close(y, want_y, atol=2e-3, rtol=2e-3)
@@ -111,7 +114,8 @@ def test_outputs_go_into_the_callers_buffers_and_strided_rows_are_read() -> None
     wide = torch.zeros(2, 128, dtype=x.dtype, device=DEVICE)
     wide[:, 32:96] = x  # rows of stride 128
     normed, res_sum = torch.full_like(x, 7.0), torch.full_like(x, 7.0)
-    y, got_normed, got_res = norm_skinny_linear(wide[:, 32:96], r, norm_w, EPS, w, b, normed=normed, res_sum=res_sum)
+    y, got_normed, got_res = norm_skinny_linear(wide[:, 32:96], r, norm_w, EPS, w, b, normed=normed, res_sum=res_sum,
+                                                rule=RULE2)
     assert got_normed is normed and got_res is res_sum
     want_y, want_normed, want_res = _separate(x, r, norm_w, w, b)
     assert torch.equal(res_sum, want_res)
@@ -122,20 +126,22 @@ def test_outputs_go_into_the_callers_buffers_and_strided_rows_are_read() -> None
 def test_bad_inputs_are_refused_by_name() -> None:
     x, r, norm_w, w, b = _operands(2, 40, 64, torch.bfloat16)
     three = torch.zeros(3, 64, dtype=x.dtype, device=DEVICE)
+    with pytest.raises(ValueError, match="norm_skinny_linear: x has 2 rows; accepted: at most 1"):
+        norm_skinny_linear(x, None, norm_w, EPS, w)  # the default rule
     with pytest.raises(ValueError, match="norm_skinny_linear: x has 3 rows; accepted: at most 2"):
-        norm_skinny_linear(three, None, norm_w, EPS, w)
+        norm_skinny_linear(three, None, norm_w, EPS, w, rule=RULE2)
     with pytest.raises(ValueError, match="config.kind 'dot'; accepted: 'fma'"):
-        norm_skinny_linear(x, r, norm_w, EPS, w, config=GemvConfig("dot", 16, 32))
+        norm_skinny_linear(x, r, norm_w, EPS, w, config=GemvConfig("dot", 16, 32), rule=RULE2)
     with pytest.raises(ValueError, match=r"residual shape \(1, 64\)"):
-        norm_skinny_linear(x, r[:1], norm_w, EPS, w)
+        norm_skinny_linear(x, r[:1], norm_w, EPS, w, rule=RULE2)
     with pytest.raises(ValueError, match=r"norm_weight shape \(32,\)"):
-        norm_skinny_linear(x, r, norm_w[:32], EPS, w)
+        norm_skinny_linear(x, r, norm_w[:32], EPS, w, rule=RULE2)
     with pytest.raises(ValueError, match="normed shape"):
-        norm_skinny_linear(x, r, norm_w, EPS, w, normed=torch.empty(2, 32, dtype=x.dtype, device=DEVICE))
+        norm_skinny_linear(x, r, norm_w, EPS, w, normed=torch.empty(2, 32, dtype=x.dtype, device=DEVICE), rule=RULE2)
     with pytest.raises(ValueError, match="res_sum shape .* dtype torch.float32"):
-        norm_skinny_linear(x, r, norm_w, EPS, w, res_sum=torch.empty(2, 64, device=DEVICE))
+        norm_skinny_linear(x, r, norm_w, EPS, w, res_sum=torch.empty(2, 64, device=DEVICE), rule=RULE2)
     with pytest.raises(ValueError, match="norm_skinny_linear: dtypes"):
-        norm_skinny_linear(x.float(), r.float(), norm_w, EPS, w.float())
+        norm_skinny_linear(x.float(), r.float(), norm_w, EPS, w.float(), rule=RULE2)
     # A rule with more fma rows lets more through.
     y, _, _ = norm_skinny_linear(three, None, norm_w, EPS, w, rule=GemvRule(fma_max_rows=4))
     assert y.shape == (3, 40)
@@ -144,7 +150,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
 def test_the_layer_kernel_fills_a_pending_norm() -> None:
     x, r, norm_w, w, b = _operands(2, 40, 64, torch.bfloat16, seed=5)
     pending = PendingNorm(x, r, norm_w, EPS, torch.empty_like(x), torch.empty_like(x))
-    kernel = SkinnyLinear(max_rows=8, norm_fusion=True)
+    kernel = SkinnyLinear(max_rows=8, norm_fusion=True, rule=RULE2)
     y = kernel.norm_linear(pending, w, b)
     want_y, want_normed, want_res = _separate(x, r, norm_w, w, b)
     assert torch.equal(pending.res_sum, want_res)
@@ -168,13 +174,14 @@ def test_takes_norm_says_which_inputs_it_takes() -> None:
     w = torch.zeros(40, 64, dtype=torch.bfloat16)
     on_gpu = lambda rows, dtype=torch.bfloat16: torch.zeros(rows, 64, dtype=dtype).as_subclass(_OnGpu)  # noqa: E731
     kernel = SkinnyLinear(max_rows=8, norm_fusion=True)
-    assert kernel.norm_max_rows == 2  # the fma kind's rows
-    assert kernel.takes_norm(on_gpu(1), w, None) and kernel.takes_norm(on_gpu(2), w, None)
-    assert not kernel.takes_norm(on_gpu(3), w, None)
+    assert kernel.norm_max_rows == 1  # the fma kind's rows (the default rule's)
+    assert kernel.takes_norm(on_gpu(1), w, None) and not kernel.takes_norm(on_gpu(2), w, None)
+    wider = SkinnyLinear(max_rows=8, norm_fusion=True, rule=RULE2)  # a rule with more fma rows
+    assert wider.norm_max_rows == 2 and wider.takes_norm(on_gpu(2), w, None) and not wider.takes_norm(on_gpu(3), w, None)
     assert not kernel.takes_norm(torch.zeros(1, 64, dtype=torch.bfloat16), w, None)  # on the CPU
     assert not kernel.takes_norm(on_gpu(1, torch.float32), w.float(), None)  # float32: F.linear
     assert not SkinnyLinear(max_rows=8).takes_norm(on_gpu(1), w, None)  # cuda.norm_fusion off
-    assert not SkinnyLinear(max_rows=1, norm_fusion=True).takes_norm(on_gpu(2), w, None)  # gemv_max_rows
+    assert not SkinnyLinear(max_rows=1, norm_fusion=True, rule=RULE2).takes_norm(on_gpu(2), w, None)  # gemv_max_rows
 
 
 # -- GPU only: the decode shapes, graphs and PDL -------------------------------------------------
@@ -191,7 +198,7 @@ def test_decode_shapes_match_the_separate_kernels(n: int, k: int) -> None:
         for residual in (True, False):
             x, r, norm_w, w, b = _operands(m, n, k, torch.bfloat16, seed=m)
             r = r if residual else None
-            y, normed, res_sum = norm_skinny_linear(x, r, norm_w, EPS, w, b)
+            y, normed, res_sum = norm_skinny_linear(x, r, norm_w, EPS, w, b, rule=RULE2)
             want_y, want_normed, want_res = _separate(x, r, norm_w, w, b)
             assert torch.equal(res_sum, want_res)
             _assert_norm_equal(normed, want_normed)

@@ -5,7 +5,8 @@ at 1, 2, 4 and 8 rows): the "fma" kind streams W with 16-byte loads and moves no
 register layouts inside its K loop (no shared memory there: both operands are loaded in the
 product's layout); the "dot" kind copies its tiles with cp.async (pipelined) into tensor-core
 MMAs; no kind spills registers (``ptxas -v``). The "fma" kind with the RMSNorm folded in
-(``norm_skinny_linear``, at 1 and 2 rows, PDL on, with and without a residual) too; with PDL the
+(``norm_skinny_linear``, at the fma kind's rows: 1 by the default rule; PDL on, with and without a
+residual) too; with PDL the
 first ``GemvConfig.pdl_steps`` weight tiles (one with the norm) are requested before the one wait.
 
 Triton compiles ahead of time with its bundled ptxas; the interpreter (which the root conftest
@@ -55,11 +56,13 @@ def _compile_all() -> dict[str, dict[str, object]]:
              "eps": "fp32"}
     seen: dict[tuple[object, ...], str] = {}
     out: dict[str, dict[str, object]] = {}
-    # Every chosen shape without PDL; at 1 and 2 rows (the fma kind) also with it, and with the
-    # norm folded in (res True/False: with/without a residual; PDL on, as models launch it).
+    # Every chosen shape without PDL; at the fma kind's rows (1 by the default rule) also with it,
+    # and with the norm folded in (res True/False: with/without a residual; PDL on, as models
+    # launch it).
+    fma_rows = [m for m in (1, 2) if m <= gemv.RULE.fma_max_rows]
     runs: list[tuple[int, bool, bool | None]] = [
-        (m, pdl, None) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m <= 2]
-    runs += [(m, True, res) for m in (1, 2) for res in (True, False)]
+        (m, pdl, None) for m in (1, 2, 4, 8) for pdl in (False, True) if not pdl or m in fma_rows]
+    runs += [(m, True, res) for m in fma_rows for res in (True, False)]
     for m, pdl, res in runs:
         for n, k in SHAPES:
             cfg = gemv.choose_config(m, n, k, sm_count=132)
@@ -124,9 +127,12 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 
 def test_chosen_configs_compile_for_sm90_as_designed() -> None:
+    from engine_platform_cuda.gemv import RULE
+
     info = compiled_facts(__file__, timeout=1500)
-    assert len(info) == 10 * len(SHAPES)
-    assert sum(bool(got["norm"]) for got in info.values()) == 4 * len(SHAPES)
+    fma_rows = min(RULE.fma_max_rows, 2)
+    assert len(info) == (4 + 3 * fma_rows) * len(SHAPES)
+    assert sum(bool(got["norm"]) for got in info.values()) == 2 * fma_rows * len(SHAPES)
     for name, got in info.items():
         assert got["spill_bytes"] == 0 and got["local"] == 0, (name, got)
         # With PDL the kernel lets its successor launch and waits for its predecessor, once each.

@@ -1,6 +1,7 @@
 """RMSNorm folded into the skinny GEMM in the engine (GPU only): a tiny Llama and a tiny Qwen3-MoE
 decode the same greedy tokens with ``cuda.norm_fusion`` on (the default) and off, CUDA graphs on,
-at batch 1 and 2 (the rows the fused kernel takes), and one forward of a one- and a two-token
+at batch 1 (the row the fused kernel takes by default) and 2 (left to the separate kernels since the
+default rule's fma kind takes one row), and one forward of a one- and a two-token
 prompt gives logits within bf16 tolerance. The fused kernel must run in the "on" engines (every
 decoder norm linked to its consumer) and never in the "off" ones.
 """

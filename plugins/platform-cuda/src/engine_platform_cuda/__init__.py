@@ -20,7 +20,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "qkv_prologue": True,
     # Programmatic dependent launch for the skinny GEMM (sm_90+; ignored on older GPUs).
     "pdl": True,
-    # RMSNorm folded into the skinny GEMM after it at 1-2 rows (no launch of its own); off: separate.
+    # RMSNorm folded into the skinny GEMM after it at 1 row, the fma kind's (no launch of its own); off: separate.
     "norm_fusion": True,
     # With PDL, the K steps of weights each skinny-GEMM program requests before its wait (1..4).
     "pdl_preload": 3,
@@ -36,7 +36,8 @@ _OPTION_HELP = {
     "pdl": "sm_90+: launch the skinny GEMM with programmatic dependent launch, so it requests its "
            "first weights while the norm before it runs (ignored on older GPUs; off: plain launches)",
     "norm_fusion": "fold each RMSNorm (+ residual add) into the skinny GEMM that reads it first (qkv, "
-                   "gate/up, the MoE router) at 1-2 rows, saving its launch (off: separate launches)",
+                   "gate/up, the MoE router) at 1 row (the rows of the skinny GEMM's fma kind), saving its launch "
+                   "(off: separate launches)",
     "pdl_preload": "with cuda.pdl: K steps of weights (1..4) each skinny-GEMM program without a folded "
                    "norm requests before it waits for the kernel before it; more streams more weights "
                    "during latency-bound kernels (attention) at the cost of registers",

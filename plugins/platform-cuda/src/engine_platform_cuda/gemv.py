@@ -11,7 +11,8 @@ float32; the output is rounded to the activation dtype once, after the bias is a
 Two tile kinds:
 
 - ``fma``: elementwise multiply-accumulate into a ``[rows, block_n, block_k]`` float32 register
-  tile, reduced over ``K`` once at the end (no tensor cores; meant for one or two rows).
+  tile, reduced over ``K`` once at the end (no tensor cores; taken at one row by default,
+  ``GemvRule.fma_max_rows``).
 - ``dot``: ``tl.dot`` of the ``[block_n, block_k]`` weight tile with ``x`` padded to 16 rows
   (tensor cores; the padding costs arithmetic, which a memory-bound kernel has to spare, and no
   memory traffic, since the padded rows are masked loads).
@@ -101,8 +102,11 @@ class GemvConfig:
 class GemvRule:
     """The constants of ``choose_config``: what a tuning run changes."""
 
-    #: up to this many rows the "fma" kind is used, above it "dot".
-    fma_max_rows: int = 2
+    #: up to this many rows the "fma" kind is used, above it "dot". 1: at 2 rows the fma kind made
+    #: Llama-3-8B's decode step 8.312 ms against 5.977 with the dot kind (H100, 2026-11-24,
+    #: ``engine bench one-batch ... --batch-size "1 2"``; batch 1: 5.494 / 5.453 ms), and
+    #: Qwen3-30B-A3B's 4.759 against 4.734 ms.
+    fma_max_rows: int = 1
     #: float32 accumulator elements per program of the "fma" kind (rows * block_n * block_k);
     #: with 4 warps, 4096 is 32 registers a thread.
     fma_tile: int = 4096
@@ -543,8 +547,8 @@ class SkinnyLinear:
 
     @property
     def norm_max_rows(self) -> int:
-        """Rows ``norm_linear`` takes at most: the fma kind's, within ``max_rows``."""
-        return min(self.max_rows, RULE.fma_max_rows)
+        """Rows ``norm_linear`` takes at most: the fma kind's (this kernel's rule), within ``max_rows``."""
+        return min(self.max_rows, self.rule.fma_max_rows)
 
     def takes_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``norm_linear`` takes the norm of the 2-D ``x`` for ``weight``/``bias``: norm
