@@ -6,8 +6,8 @@ register layouts inside its K loop (no shared memory there: both operands are lo
 product's layout); the "dot" kind copies its tiles with cp.async (pipelined) into tensor-core
 MMAs; no kind spills registers (``ptxas -v``). The "fma" kind with the RMSNorm folded in
 (``norm_skinny_linear``, at the fma kind's rows: 1 by the default rule; PDL on, with and without a
-residual) too; with PDL the
-first ``GemvConfig.pdl_steps`` weight tiles (one with the norm) are requested before the one wait.
+residual) too; with PDL the first ``GemvConfig.pdl_steps`` weight tiles (one with the norm) are
+requested before the one wait.
 
 Triton compiles ahead of time with its bundled ptxas; the interpreter (which the root conftest
 turns on without a GPU) plays no part, so the compile runs in a subprocess without it. Pointers,

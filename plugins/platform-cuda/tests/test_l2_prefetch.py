@@ -84,6 +84,12 @@ def test_graphs_of_more_tokens_than_max_rows_stage_nothing() -> None:
     assert prefetcher.forks == 0 and not prefetcher._forked
     with pytest.raises(AssertionError):
         prefetcher._after_qkv(first, (torch.zeros(8, 8),), None)
+    # An RMSNorm folded into the projection: its rows count.
+    from engine.layers.layernorm import PendingNorm
+
+    rows9 = torch.zeros(9, 8)
+    prefetcher._after_qkv(first, (PendingNorm(rows9, None, torch.ones(8), 1e-6, rows9, rows9),), None)
+    assert prefetcher.forks == 0 and not prefetcher._forked
 
 
 def test_no_capture_work_when_off_or_without_bulk_prefetch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.layernorm import PendingNorm
+
 #: Bytes one bulk prefetch asks for, and prefetches a program issues (one a thread).
 CHUNK_BYTES = 16384
 PER_PROGRAM = 128
@@ -82,6 +84,11 @@ def qkv_chain(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for name, m in model.named_modules() if name.endswith("self_attn.qkv_proj")]
 
 
+def _rows(x: Any) -> int:
+    """Tokens of a qkv projection's input: a tensor, or an RMSNorm folded into it (``PendingNorm``)."""
+    return int((x.x if isinstance(x, PendingNorm) else x).shape[0])
+
+
 class L2Prefetcher:
     """Forward hooks on a model's qkv projections that, inside ``capture()``, stage each next
     layer's qkv weight from a side stream; outside ``capture()`` they do nothing."""
@@ -107,8 +114,7 @@ class L2Prefetcher:
     def _after_qkv(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if not self.active:
             return
-        x = args[0] if args else None
-        if self.max_rows is not None and isinstance(x, torch.Tensor) and x.shape[0] > self.max_rows:
+        if self.max_rows is not None and _rows(args[0]) > self.max_rows:
             return
         weight = self.pairs[id(module)]
         assert self._side is not None and self._flag is not None
