@@ -67,6 +67,23 @@ for stage in "$@"; do
       done
       E bench one-batch "${DUMMY[@]}" --attention "${ATTN:-triton}" --tp-size 2 --enable-custom-all-reduce --batch-size "1 64" \
         --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=2 one-shot all-reduce /" ;;
+    tp70b)
+      # The Llama-3-70B-shaped dummy (docs/bench_configs/llama-3-70b: 70.6 B parameters) served with TP=2
+      # (nvidia-h200-x2): fp8 weights, then bf16 (141 GB: 70.5 GB a GPU), batch 1 and 64 decode.
+      for q in ${QUANTS70:-fp8 none}; do
+        qa=(); [ "$q" != none ] && qa=(--quant "$q")
+        timeout "${TP70_TIMEOUT:-300}" python3 -m engine bench one-batch --model-path docs/bench_configs/llama-3-70b --load-format dummy \
+          --skip-tokenizer-init --log-level warning --attention "${ATTN:-triton}" --tp-size 2 "${qa[@]}" ${TP70_OPTS:-} \
+          --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/70b tp=2 $q /"
+      done ;;
+    offline_par)
+      # Offline random 1024/1024 on the Llama-3-8B-shaped dummy: TP=1, TP=2 and DP=2 (nvidia-h200-x2).
+      for par in "--tp-size 1" "--tp-size 2" "--dp-size 2"; do
+        echo "--- offline $par"
+        timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-triton}" $par \
+          --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 --random-range-ratio 1.0 \
+          --result-file "$RES" 2>&1 | grep -v -e Warning -e ProcessGroupNCCL | tail -17
+      done ;;
     dp_tests)
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_dp_gpu.py > "$OUT/gpu_dp_tests.log" 2>&1
       tail -4 "$OUT/gpu_dp_tests.log" ;;

@@ -78,7 +78,7 @@ class ServerArgs:
     node_rank: int = opt(0, "This machine's index among --nnodes; node 0 runs the HTTP server, the others only their ranks")
     dist_init_addr: str | None = opt(None, "HOST:PORT where rank 0 meets the other ranks (torch.distributed rendezvous); required with --nnodes > 1, default a free port on 127.0.0.1")
     dist_timeout_s: float = opt(300.0, "Seconds the ranks wait for each other: for all nodes to join at start-up, and for any one collective")
-    enable_custom_all_reduce: bool = opt(False, "Experimental, CUDA: tensor-parallel all-reduces up to 8 MiB as one kernel over peer memory (torch symmetric memory, no multicast) instead of NCCL")
+    enable_custom_all_reduce: bool = opt(False, "CUDA, one host: tensor-parallel all-reduces up to 2 MiB as one kernel of this project over peer memory (torch symmetric memory, no multicast) instead of NCCL")
     dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
     router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")

@@ -52,3 +52,21 @@ def test_pipeline_stages_cover_every_layer_once() -> None:
 
 def test_one_shot_all_reduce_needs_nccl() -> None:
     assert distributed.OneShotAllReduce.create(None, "gloo", 0) is None
+
+
+def test_one_shot_all_reduce_needs_the_group_on_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert distributed.OneShotAllReduce.create(None, "nccl", 0, one_host=False) is None
+
+    # Two nodes of two ranks each (--nnodes 2): rank r runs on host r // 2.
+    def gather(out: list, obj: object, group: object = None) -> None:
+        out[:] = ["node-a", "node-a", "node-b", "node-b"]
+
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+
+    def placement(rank: int, tp: int, pp: int) -> distributed.RankPlacement:
+        return distributed.RankPlacement(rank=rank, tp_size=tp, pp_size=pp, local_rank=rank % 2,
+                                         init_method="tcp://127.0.0.1:1", timeout_s=1.0)
+
+    assert distributed.tp_group_on_one_host(placement(2, 2, 2))  # stage 1: ranks 2, 3 on node-b
+    assert distributed.tp_group_on_one_host(placement(1, 2, 2))  # stage 0: ranks 0, 1 on node-a
+    assert not distributed.tp_group_on_one_host(placement(1, 4, 1))  # one group over both nodes

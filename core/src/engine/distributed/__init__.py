@@ -164,7 +164,21 @@ def init_distributed(placement: RankPlacement, backend: str, custom_all_reduce: 
             "and --pp-size") from None
     logger.info("%s joined %s (%s)", placement.describe(), placement.init_method, backend)
     if custom_all_reduce and placement.tp_size > 1:
-        _ONE_SHOT = OneShotAllReduce.create(_TP_GROUP, backend, placement.local_rank)
+        _ONE_SHOT = OneShotAllReduce.create(_TP_GROUP, backend, placement.local_rank,
+                                            tp_group_on_one_host(placement))
+
+
+def tp_group_on_one_host(placement: RankPlacement) -> bool:
+    """Whether every rank of this rank's tensor-parallel group runs on this host (a collective
+    over the world's CPU group: every rank must call it)."""
+    import socket
+
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * placement.world_size
+    dist.all_gather_object(hosts, socket.gethostname(), group=_CPU_GROUP)
+    first = placement.pp_rank * placement.tp_size
+    return len(set(hosts[first:first + placement.tp_size])) == 1
 
 
 def placement_device_type(backend: str) -> str:
@@ -215,35 +229,43 @@ def tensor_model_parallel_broadcast(x: torch.Tensor) -> torch.Tensor:
 
 
 class OneShotAllReduce:
-    """All-reduce of small messages in one kernel: every rank reads every peer's copy over
-    NVLink (peer-to-peer loads from torch symmetric memory, never multicast) and sums locally.
+    """All-reduce of small messages in one kernel of this project (``engine.distributed.one_shot``):
+    every rank copies its part into a symmetric buffer (torch symmetric memory, peer-to-peer over
+    NVLink, never multicast), signals its peers, and sums every rank's copy locally.
 
     For decode-sized messages this replaces NCCL's launch and protocol overhead (the issue's
     measurement: 17.5-24 us per 8 KB NCCL all-reduce on H200 x2). Capturable in CUDA graphs.
     Messages above ``MAX_BYTES``, not 16-byte multiples or not contiguous go to NCCL.
     """
 
-    MAX_BYTES = 8 << 20
+    # Measured on H200 x2 (docs/benchmarks.md, session 18): faster than NCCL at 8 KB - 2 MiB.
+    MAX_BYTES = 2 << 20
 
     def __init__(self, group_name: str, device: torch.device) -> None:
         self.group_name = group_name
         self.device = device
-        # One symmetric buffer per dtype, made (a collective) on the first all-reduce of it:
+        # One set of peer buffers per dtype, made (a collective) on the first all-reduce of it:
         # every rank runs the same layers in the same order, so they make it together.
-        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.buffers: dict[torch.dtype, Any] = {}
 
     @classmethod
-    def create(cls, group: Any, backend: str, local_rank: int) -> OneShotAllReduce | None:
-        """The all-reduce, or None (with a warning naming why) where it cannot run."""
+    def create(cls, group: Any, backend: str, local_rank: int, one_host: bool = True) -> OneShotAllReduce | None:
+        """The all-reduce, or None (with a warning naming why) where it cannot run: a backend
+        other than NCCL, a tensor-parallel group spanning hosts (``one_host`` False: peer
+        memory needs every rank on one machine), a torch without symmetric memory."""
         if backend != "nccl":
             logger.warning("--enable-custom-all-reduce: needs CUDA (NCCL); backend is %s: using it as is", backend)
             return None
+        if not one_host:
+            logger.warning("--enable-custom-all-reduce: the tensor-parallel group spans several hosts; using NCCL")
+            return None
         try:
-            import torch.distributed._symmetric_memory  # noqa: F401
-            torch.ops.symm_mem.one_shot_all_reduce_out  # noqa: B018 - present in this torch?
+            import torch.distributed._symmetric_memory as symm_mem
+
+            symm_mem.rendezvous  # noqa: B018 - present in this torch?
         except (ImportError, AttributeError, RuntimeError) as exc:
-            logger.warning("--enable-custom-all-reduce: torch %s has no symmetric-memory one-shot all-reduce (%s); "
-                           "using NCCL", torch.__version__, exc)
+            logger.warning("--enable-custom-all-reduce: torch %s has no symmetric memory (%s); using NCCL",
+                           torch.__version__, exc)
             return None
         logger.info("tensor-parallel all-reduces up to %d MiB: one-shot over peer memory", cls.MAX_BYTES >> 20)
         return cls(group.group_name, torch.device(placement_device_type(backend), local_rank))
@@ -253,17 +275,12 @@ class OneShotAllReduce:
         nbytes = x.numel() * x.element_size()
         if nbytes > self.MAX_BYTES or nbytes % 16 or not x.is_cuda or not x.is_contiguous():
             return False
-        buf = self.buffers.get(x.dtype)
-        if buf is None:
-            import torch.distributed._symmetric_memory as symm_mem
+        peers = self.buffers.get(x.dtype)
+        if peers is None:
+            from engine.distributed.one_shot import PeerBuffers
 
-            buf = symm_mem.empty(self.MAX_BYTES // x.element_size(), dtype=x.dtype, device=self.device)
-            symm_mem.rendezvous(buf, self.group_name)
-            self.buffers[x.dtype] = buf
-        flat = x.view(-1)
-        slot = buf[: flat.numel()]
-        slot.copy_(flat)
-        torch.ops.symm_mem.one_shot_all_reduce_out(slot, "sum", self.group_name, flat)
+            peers = self.buffers[x.dtype] = PeerBuffers(self.group_name, self.device, x.dtype, self.MAX_BYTES)
+        peers.all_reduce_(x)
         return True
 
 
