@@ -76,6 +76,12 @@ for stage in "$@"; do
           --skip-tokenizer-init --log-level warning --attention "${ATTN:-triton}" --tp-size 2 "${qa[@]}" ${TP70_OPTS:-} \
           --batch-size "1 64" --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/70b tp=2 $q /"
       done ;;
+    tp_profile)
+      # Where a TP=2 batch-1 decode step goes (nvidia-h200-x2): rank 0's kernels by class, then 40
+      # kernels of a graph replay in order with the gaps between them, with the one-shot all-reduce.
+      timeout "${PROFILE_TIMEOUT:-240}" python3 scripts/profile_decode.py "$CFG" --attention "${ATTN:-triton}" --tp-size 2 \
+        --batch-size 1 --steps 10 --timeline 40 --extra '{"disable_cuda_graph": false, "enable_custom_all_reduce": true}' \
+        2>&1 | grep -v -e Warning -e USDT | tail -70 ;;
     offline_par)
       # Offline random 1024/1024 on the Llama-3-8B-shaped dummy: TP=1, TP=2 and DP=2 (nvidia-h200-x2).
       for par in "--tp-size 1" "--tp-size 2" "--dp-size 2"; do

@@ -6,6 +6,10 @@ device-busy time a captured graph would need, to compare with `engine bench one-
 usage: python scripts/profile_decode.py CONFIG_DIR [--attention triton] [--batch-size 1]
        [--input-len 128] [--steps 20] [--timeline 40]
 
+``--tp-size N`` runs N ranks, one process each, as ``engine bench one-batch --tp-size N`` does;
+every rank runs the same steps and rank 0 profiles and prints (pass ``--extra
+'{"enable_custom_all_reduce": true}'`` for the one-shot all-reduce).
+
 ``--timeline N`` also prints N consecutive kernels from the middle of the last decode step, in
 launch order, with each one's duration and the idle gap before it (with ``--extra
 '{"disable_cuda_graph": false}'`` these are the kernels of a graph replay), and the step's total
@@ -23,6 +27,8 @@ import torch
 
 def classify(name: str) -> str:
     low = name.lower()
+    if any(k in low for k in ("nccl", "all_reduce", "allreduce")):
+        return "communication"
     if any(k in low for k in ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "splitk")):
         return "gemm"
     if any(k in low for k in ("attn", "attention", "decode", "extend", "prefill", "flashinfer")):
@@ -42,25 +48,56 @@ def main() -> None:
     ap.add_argument("--quant", default=None, help="quantization plugin, as engine serve --quant")
     ap.add_argument("--timeline", type=int, default=0, help="print this many kernels of one step in order")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}'")
+    ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each; rank 0 prints)")
     a = ap.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
-    from engine.bench.one_batch import run_one
     from engine.config import ServerArgs
-    from engine.managers.scheduler import Scheduler
 
     args = ServerArgs.from_dict({"model_path": a.config_dir, "load_format": "dummy", "skip_tokenizer_init": True,
                                  "attention": a.attention, "disable_cuda_graph": True, "quant": a.quant,
-                                 **json.loads(a.extra)})
-    sched = Scheduler(args, a.config_dir)
+                                 "tp_size": a.tp_size, **json.loads(a.extra)})
+    if args.tp_size * args.pp_size == 1:
+        profile_steps(a, args, None, lead=True)
+        return
+    import torch.multiprocessing as mp
+
+    from engine.distributed.ranks import init_method, node_placements
+
+    placements = list(node_placements(args, 0, init_method(args, 0)))
+    mp.spawn(_rank, args=(a, args, placements), nprocs=len(placements))
+
+
+def _rank(index: int, a: argparse.Namespace, args: object, placements: list) -> None:
+    from engine.managers.scheduler_process import join_replica
+
+    platform = join_replica(args, placements[index])
+    profile_steps(a, args, platform, lead=placements[index].rank == 0)
+
+
+def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: bool) -> None:
+    """Warms up, then profiles a prefill alone and a prefill with ``a.steps`` decode steps (every
+    rank runs them; only the lead profiles and prints)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.bench.one_batch import run_one
+    from engine.managers.scheduler import Scheduler
+
+    sched = Scheduler(args, a.config_dir, platform)
     run_one(sched, a.batch_size, a.input_len, 4, overlap=False)
     # Profile the prefill alone, then prefill + decode; the difference is the decode steps.
     on_gpu = sched.runner.device.type == "cuda"
     activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU  # CPU: a dry run of the script
-    with profile(activities=[activity]) as pre:
+
+    def profiled() -> contextlib.AbstractContextManager:
+        return profile(activities=[activity]) if lead else contextlib.nullcontext()
+
+    with profiled() as pre:
         run_one(sched, a.batch_size, a.input_len, 1, overlap=False)
-    with profile(activities=[activity]) as prof:
+    with profiled() as prof:
         run_one(sched, a.batch_size, a.input_len, a.steps + 1, overlap=False)
+    if not lead:
+        return
 
     def kernels(p: profile) -> dict[str, float]:
         out: dict[str, float] = collections.defaultdict(float)
@@ -74,8 +111,8 @@ def main() -> None:
     base, full = kernels(pre), kernels(prof)
     per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
     total = sum(per_step.values())
-    print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}: "
-          f"GPU kernel time per step {total / 1e3:.3f} ms")
+    print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}, "
+          f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms")
     groups: dict[str, float] = collections.defaultdict(float)
     for k, v in per_step.items():
         groups[classify(k)] += v
