@@ -81,6 +81,8 @@ class PeerBuffers:
     def __init__(self, group_name: str, device: torch.device, dtype: torch.dtype, max_bytes: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        from engine.platforms import synchronize_device
+
         self.dtype = dtype
         self.half_elems = max_bytes // dtype.itemsize
         self.max_programs = -(-self.half_elems // BLOCK)
@@ -94,7 +96,7 @@ class PeerBuffers:
         self.buf_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
         # No rank may signal into a peer's flags before that peer has zeroed them.
-        torch.cuda.synchronize(device)
+        synchronize_device(device)
         handle.barrier()
 
     def all_reduce_(self, x: torch.Tensor) -> None:
