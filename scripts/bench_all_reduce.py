@@ -5,7 +5,7 @@ one-shot op (with the copy into its buffer), and this project's one-shot kernel
     NCCL_NVLS_ENABLE=0 python3 scripts/bench_all_reduce.py [--world 2] [--sizes-kb 8 64 512 2048]
 
 Each variant's result is first checked against NCCL's (bf16, random inputs). Prints one JSON
-line per (variant, size, mode) with the mean microseconds a call.
+line per (variant, size, mode) with the microseconds a call (``_time``).
 """
 
 from __future__ import annotations
@@ -18,29 +18,14 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from engine_platform_cuda.graph_timing import graph_median_us
 
 
 def _time(fn, graph: bool, reps: int) -> float:
+    """Microseconds a call: in a graph, the median of 5 replays of ``reps`` calls captured in one
+    graph; eager, the mean of ``reps`` calls in a row after 20 untimed ones."""
     if graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / (5 * reps)
+        return graph_median_us([fn] * reps, reps=5)
     for _ in range(20):
         fn()
     torch.cuda.synchronize()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.distributed.one_shot import BLOCK, _kernels
+from engine.distributed.one_shot import BLOCK, one_shot_all_reduce_kernel
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -37,8 +37,8 @@ class FakeGroup:
             self.bufs[r][part:part + t.numel()] = t
             self.flags[self.rank].view(self.programs, self.world)[:, r] = call
         n = x.numel()
-        _kernels()[(-(-n // BLOCK),)](x, n, self.buf_ptrs, self.flag_ptrs, self.counts, self.rank, self.half,
-                                      WORLD=self.world, BLOCK=BLOCK)
+        one_shot_all_reduce_kernel[(-(-n // BLOCK),)](x, n, self.buf_ptrs, self.flag_ptrs, self.counts, self.rank,
+                                                       self.half, WORLD=self.world, BLOCK=BLOCK)
 
 
 @pytest.mark.parametrize("world, rank", [(2, 0), (2, 1), (4, 2)])

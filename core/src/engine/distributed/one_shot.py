@@ -23,55 +23,46 @@ make it miss the current one.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+import triton
+import triton.language as tl
 
 BLOCK = 1024  # elements a program; 16-byte vectors per thread at 4 warps in bf16
 NUM_WARPS = 4
 
 
-def _kernels() -> Any:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def one_shot_all_reduce_kernel(x_ptr, n, buf_ptrs, flag_ptrs, counts_ptr, rank, half_elems,
-                                   WORLD: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        count = tl.load(counts_ptr + pid) + 1
-        tl.store(counts_ptr + pid, count)
-        half = (count % 2) * half_elems
-        dtype = x_ptr.dtype.element_ty
-        x = tl.load(x_ptr + offs, mask=mask)
-        # Symmetric buffers are 16-byte aligned (the hint lets the copies use 16-byte vectors).
-        own = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype)), 16)
-        tl.store(own + half + offs, x, mask=mask)
-        # Every thread's store is done before the signal (the signal's release covers them).
-        tl.debug_barrier()
-        for r in tl.static_range(WORLD):
-            if r != rank:
-                peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
-                tl.atomic_xchg(peer_flags + pid * WORLD + rank, count, sem="release", scope="sys")
-        own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
-        for r in tl.static_range(WORLD):
-            if r != rank:
+@triton.jit
+def one_shot_all_reduce_kernel(x_ptr, n, buf_ptrs, flag_ptrs, counts_ptr, rank, half_elems,
+                               WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    count = tl.load(counts_ptr + pid) + 1
+    tl.store(counts_ptr + pid, count)
+    half = (count % 2) * half_elems
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + offs, mask=mask)
+    # Symmetric buffers are 16-byte aligned (the hint lets the copies use 16-byte vectors).
+    own = tl.multiple_of(tl.load(buf_ptrs + rank).to(tl.pointer_type(dtype)), 16)
+    tl.store(own + half + offs, x, mask=mask)
+    # Every thread's store is done before the signal (the signal's release covers them).
+    tl.debug_barrier()
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            peer_flags = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
+            tl.atomic_xchg(peer_flags + pid * WORLD + rank, count, sem="release", scope="sys")
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    for r in tl.static_range(WORLD):
+        if r != rank:
+            seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
+            while seen < count:
                 seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
-                while seen < count:
-                    seen = tl.atomic_add(own_flags + pid * WORLD + r, 0, sem="acquire", scope="sys")
-        tl.debug_barrier()
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            src = tl.multiple_of(tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)), 16)
-            acc += tl.load(src + half + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
-        tl.store(x_ptr + offs, acc.to(dtype), mask=mask)
-
-    return one_shot_all_reduce_kernel
-
-
-_KERNEL: Any = None
+    tl.debug_barrier()
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        src = tl.multiple_of(tl.load(buf_ptrs + r).to(tl.pointer_type(dtype)), 16)
+        acc += tl.load(src + half + offs, mask=mask, cache_modifier=".cg").to(tl.float32)
+    tl.store(x_ptr + offs, acc.to(dtype), mask=mask)
 
 
 class PeerBuffers:
@@ -83,16 +74,15 @@ class PeerBuffers:
 
         from engine.platforms import synchronize_device
 
-        self.dtype = dtype
         self.half_elems = max_bytes // dtype.itemsize
-        self.max_programs = -(-self.half_elems // BLOCK)
+        max_programs = -(-self.half_elems // BLOCK)
         self.buffer = symm_mem.empty(2 * self.half_elems, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(self.buffer, group_name)
         self.rank, self.world = handle.rank, handle.world_size
-        self.flags = symm_mem.empty(self.max_programs * self.world, dtype=torch.int64, device=device)
+        self.flags = symm_mem.empty(max_programs * self.world, dtype=torch.int64, device=device)
         self.flags.zero_()
         flag_handle = symm_mem.rendezvous(self.flags, group_name)
-        self.counts = torch.zeros(self.max_programs, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(max_programs, dtype=torch.int64, device=device)
         self.buf_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.flag_ptrs = torch.tensor(flag_handle.buffer_ptrs, dtype=torch.int64, device=device)
         # No rank may signal into a peer's flags before that peer has zeroed them.
@@ -101,10 +91,6 @@ class PeerBuffers:
 
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sums contiguous ``x`` (at most ``half_elems`` elements) over the group, in place."""
-        global _KERNEL
-        if _KERNEL is None:
-            _KERNEL = _kernels()
         n = x.numel()
-        grid = (-(-n // BLOCK),)
-        _KERNEL[grid](x, n, self.buf_ptrs, self.flag_ptrs, self.counts, self.rank, self.half_elems,
+        one_shot_all_reduce_kernel[(-(-n // BLOCK),)](x, n, self.buf_ptrs, self.flag_ptrs, self.counts, self.rank, self.half_elems,
                       WORLD=self.world, BLOCK=BLOCK, num_warps=NUM_WARPS)
