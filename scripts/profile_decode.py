@@ -47,6 +47,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--quant", default=None, help="quantization plugin, as engine serve --quant")
     ap.add_argument("--timeline", type=int, default=0, help="print this many kernels of one step in order")
+    ap.add_argument("--timeline-at", default="middle", choices=("start", "middle", "end", "seam"),
+                    help="which kernels of the step --timeline prints (end: the last ones and the idle after the "
+                         "step; seam: from the LM head of the last step but one into the next step, as run)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="profile the decode steps as the overlapped loop runs them (engine bench one-batch's default "
+                         "on CUDA): each step launched before the previous one's tokens reach the host")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}'")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each; rank 0 prints)")
     a = ap.parse_args()
@@ -95,7 +101,7 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     with profiled() as pre:
         run_one(sched, a.batch_size, a.input_len, 1, overlap=False)
     with profiled() as prof:
-        run_one(sched, a.batch_size, a.input_len, a.steps + 1, overlap=False)
+        run_one(sched, a.batch_size, a.input_len, a.steps + 1, overlap=a.overlap)
     if not lead:
         return
 
@@ -122,23 +128,43 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {v:9.1f} us  {k[:110]}")
     if a.timeline and on_gpu:
-        print_timeline(prof, a.timeline, a.steps + 1)
+        print_timeline(prof, a.timeline, a.steps + 1, a.timeline_at)
 
 
-def print_timeline(prof, count: int, steps: int) -> None:
-    """``count`` kernels from the middle of the last of ``steps`` decode steps, in order."""
+def print_timeline(prof, count: int, steps: int, at: str = "middle") -> None:
+    """``count`` kernels from the middle (or ``at`` the start or end) of the last of ``steps`` decode
+    steps, in order."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     if not spans:
+        return
+    if at == "seam":
+        # The LM head is the step's one long weight read; print from two kernels before the last but
+        # one into the step after it (steps may not be separated by idle time when overlapped).
+        heads = [i for i, (start, end, _) in enumerate(spans) if end - start > 100.0]
+        first = max(0, heads[-2] - 2) if len(heads) >= 2 else 0
+        t0 = spans[first][0]
+        print(f"  {'start':>7} {'gap us':>7} {'dur us':>7} {'ends +':>7}  kernel (start: us from the first)")
+        for i in range(first, min(len(spans), first + count)):
+            start, end, name = spans[i]
+            gap = start - spans[i - 1][1] if i else 0.0
+            print(f"  {start - t0:7.2f} {gap:7.2f} {end - start:7.2f} {end - spans[i - 1][1] if i else 0.0:7.2f}  "
+                  f"{name[:80]}")
         return
     # Steps are separated by the largest idle gaps (host work between steps); take the last step.
     gaps = sorted(range(1, len(spans)), key=lambda i: spans[i][0] - spans[i - 1][1], reverse=True)
     cuts = sorted(gaps[:steps - 1])
     step = spans[cuts[-1]:] if cuts else spans
+    if at == "end" and len(cuts) >= 2:
+        # The last step's end is followed by nothing; take the one before it, and its idle after.
+        step = spans[cuts[-2]:cuts[-1]]
+        print(f"idle after the step, before the next one's first kernel: "
+              f"{(spans[cuts[-1]][0] - step[-1][1]):.2f} us")
     busy = sum(end - start for start, end, _ in step)
     idle = sum(max(0.0, step[i][0] - step[i - 1][1]) for i in range(1, len(step)))
-    print(f"last step: {len(step)} kernels, {busy / 1e3:.3f} ms busy, {idle / 1e3:.3f} ms idle between them")
-    mid = max(0, len(step) // 2 - count // 2)
+    print(f"last step: {len(step)} kernels, {busy / 1e3:.3f} ms busy, {idle / 1e3:.3f} ms idle between them, "
+          f"{(step[-1][1] - step[0][0]) / 1e3:.3f} ms from the first kernel's start to the last one's end")
+    mid = {"start": 0, "end": max(0, len(step) - count)}.get(at, max(0, len(step) // 2 - count // 2))
     # With programmatic dependent launch a kernel starts before the previous one ends (a negative
     # gap) and its duration includes its wait; "ends +" is its end past the previous kernel's end.
     t0 = step[mid][0]

@@ -155,7 +155,12 @@ class AttentionBackend(ABC):
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
     ) -> None:
-        """Points the metadata at static buffers before capturing a decode graph of ``bs`` rows."""
+        """Points the metadata at static buffers before capturing a decode graph of ``bs`` rows.
+
+        ``req_pool_indices`` and ``seq_lens`` are the graph runner's own static buffers: they live
+        as long as the graph, and each replay refreshes them before calling
+        ``init_forward_metadata_replay_cuda_graph`` with them, so a backend may read them in place
+        rather than keep copies."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def init_forward_metadata_replay_cuda_graph(

@@ -42,10 +42,12 @@ class CudaGraphRunner:
         self.fill_seq_len = backend.get_cuda_graph_seq_len_fill_value()
         d = self.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=d)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=d)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int64, device=d)
-        self.seq_lens = torch.full((self.max_bs,), self.fill_seq_len, dtype=torch.int64, device=d)
-        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int64, device=d)
+        # The other static inputs are the rows of one tensor, laid out as ForwardBatch.decode_ints,
+        # so a replay refreshes them in one copy; ``_padding`` holds what padded rows get.
+        self._padding = torch.zeros(4, self.max_bs, dtype=torch.int64, device=d)
+        self._padding[2].fill_(self.fill_seq_len)
+        self.ints = self._padding.clone()
+        self.req_pool_indices, self.positions, self.seq_lens, self.out_cache_loc = self.ints.unbind(0)
         self.platform = runner.platform
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -92,21 +94,33 @@ class CudaGraphRunner:
         bs = fb.batch_size
         padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
         if padded != bs:
-            self.seq_lens[bs:padded].fill_(self.fill_seq_len)
-            self.req_pool_indices[bs:padded].zero_()
-            self.out_cache_loc[bs:padded].zero_()
+            self.ints[:, bs:padded].copy_(self._padding[:, bs:padded])
             self.input_ids[bs:padded].zero_()
-            self.positions[bs:padded].zero_()
         self.input_ids[:bs].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:bs].copy_(fb.positions, non_blocking=True)
-        self.req_pool_indices[:bs].copy_(fb.req_pool_indices, non_blocking=True)
-        self.seq_lens[:bs].copy_(fb.seq_lens, non_blocking=True)
-        self.out_cache_loc[:bs].copy_(fb.out_cache_loc, non_blocking=True)
+        packed = _decode_ints(fb)
+        if packed is not None:
+            self.ints[:, :bs].copy_(packed, non_blocking=True)
+        else:
+            for static, given in zip(self.ints, (fb.req_pool_indices, fb.positions, fb.seq_lens, fb.out_cache_loc),
+                                     strict=True):
+                static[:bs].copy_(given, non_blocking=True)
         seq_lens_cpu = list(fb.seq_lens_cpu) + [self.fill_seq_len] * (padded - bs)
         self.runner.attn_backend.init_forward_metadata_replay_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded], seq_lens_cpu)
         self.graphs[padded].replay()
         return LogitsProcessorOutput(next_token_logits=self.outputs[padded][:bs])
+
+
+def _decode_ints(fb: ForwardBatch) -> torch.Tensor | None:
+    """``fb.decode_ints`` when the batch's slot, position, length and KV-slot fields are still its
+    rows (nothing replaced one since ``prepare_for_decode``), else None."""
+    packed = fb.decode_ints
+    if packed is None or packed.shape != (4, fb.batch_size):
+        return None
+    fields = (fb.req_pool_indices, fb.positions, fb.seq_lens, fb.out_cache_loc)
+    if any(f.data_ptr() != row.data_ptr() or f.shape != row.shape for f, row in zip(fields, packed, strict=True)):
+        return None
+    return packed
 
 
 class VerifyGraphRunner:

@@ -63,6 +63,10 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     # Sum of seq_lens (used to size backend workspaces).
     seq_lens_sum: int = 0
+    # DECODE batches from ``ScheduleBatch.prepare_for_decode``: ``[4, batch_size]`` int64 whose rows
+    # are ``req_pool_indices``, ``positions``, ``seq_lens`` and ``out_cache_loc`` (those fields are
+    # views of it), so a graph runner refreshes its static copies in one copy. None otherwise.
+    decode_ints: torch.Tensor | None = None
     # EXTEND/MIXED: [batch_size] new tokens per row, cached-prefix lengths, start offsets.
     extend_seq_lens: torch.Tensor | None = None
     extend_prefix_lens: torch.Tensor | None = None

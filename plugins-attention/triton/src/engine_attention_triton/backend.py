@@ -22,7 +22,7 @@ runner's static buffers (``engine.model_executor.cuda_graph_runner.VerifyGraphRu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,12 +75,12 @@ class ExtendMetadata:
 
 @dataclass
 class _GraphState:
-    """Static buffers the captured decode graphs read."""
+    """Workspaces the captured decode graphs use, and each captured batch size's metadata (its
+    slots and lengths are the graph runner's static buffers, read in place)."""
 
-    req_pool_indices: torch.Tensor  # [max_bs]
-    seq_lens: torch.Tensor  # [max_bs]
     part_out: torch.Tensor  # [max_bs, num_heads, max_kv_splits, v_dim]
     part_lse: torch.Tensor  # [max_bs, num_heads, max_kv_splits]
+    captured: dict[int, DecodeMetadata] = field(default_factory=dict)
 
 
 def _parse_options(options: dict[str, Any]) -> dict[str, int]:
@@ -256,39 +256,25 @@ class TritonAttnBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocates the static slot/length buffers and workspaces every captured graph reads."""
         part_out, part_lse = self._workspaces(max_bs, self.max_kv_splits)
-        self._graph = _GraphState(
-            req_pool_indices=torch.zeros(max_bs, dtype=torch.int64, device=self.device),
-            # Padded rows attend over one (harmless) position, as the fill value says.
-            seq_lens=torch.full(
-                (max_bs,), self.get_cuda_graph_seq_len_fill_value(), dtype=torch.int64,
-                device=self.device,
-            ),
-            part_out=part_out,
-            part_lse=part_lse,
-        )
-
-    def _graph_metadata(self, bs: int) -> DecodeMetadata:
-        graph = self._graph
-        if graph is None:
-            raise RuntimeError("triton attention: init_cuda_graph_state was not called")
-        if bs > graph.seq_lens.shape[0]:
-            raise ValueError(
-                f"triton attention: graph batch size {bs} exceeds max_bs={graph.seq_lens.shape[0]}"
-            )
-        # Batch size alone decides the split count, so capture and every replay agree.
-        splits = choose_num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
-        return DecodeMetadata(
-            graph.req_pool_indices[:bs], graph.seq_lens[:bs], splits,
-            graph.part_out[:bs], graph.part_lse[:bs],
-        )
+        self._graph = _GraphState(part_out=part_out, part_lse=part_lse)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
     ) -> None:
-        """Points the decode metadata at the static buffers before capturing ``bs`` rows."""
-        metadata = self._graph_metadata(bs)
-        metadata.req_pool_indices.copy_(req_pool_indices[:bs])
-        metadata.seq_lens.copy_(seq_lens[:bs])
+        """Points the decode metadata at the graph runner's static slot and length buffers before
+        capturing ``bs`` rows: the graph reads them in place."""
+        graph = self._graph
+        if graph is None:
+            raise RuntimeError("triton attention: init_cuda_graph_state was not called")
+        if bs > graph.part_out.shape[0]:
+            raise ValueError(
+                f"triton attention: graph batch size {bs} exceeds max_bs={graph.part_out.shape[0]}"
+            )
+        # Batch size alone decides the split count, so capture and every replay agree.
+        splits = choose_num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+        metadata = DecodeMetadata(req_pool_indices[:bs], seq_lens[:bs], splits, graph.part_out[:bs],
+                                  graph.part_lse[:bs])
+        graph.captured[bs] = metadata
         self.forward_metadata = metadata
 
     def init_forward_metadata_replay_cuda_graph(
@@ -298,10 +284,16 @@ class TritonAttnBackend(AttentionBackend):
         seq_lens: torch.Tensor,
         seq_lens_cpu: list[int],
     ) -> None:
-        """Copies this step's slots and lengths into the static buffers (device-side, no sync)."""
-        metadata = self._graph_metadata(bs)
-        metadata.req_pool_indices.copy_(req_pool_indices[:bs], non_blocking=True)
-        metadata.seq_lens.copy_(seq_lens[:bs], non_blocking=True)
+        """The metadata captured for ``bs`` rows. Slots and lengths handed in buffers other than the
+        captured ones are copied into those (device-side, no sync); the graph runner hands the
+        same static buffers, so a replay copies nothing."""
+        graph = self._graph
+        metadata = graph.captured.get(bs) if graph is not None else None
+        if metadata is None:
+            raise RuntimeError(f"triton attention: no decode graph of {bs} rows was captured")
+        for static, given in ((metadata.req_pool_indices, req_pool_indices), (metadata.seq_lens, seq_lens)):
+            if given.data_ptr() != static.data_ptr():
+                static.copy_(given[:bs], non_blocking=True)
         self.forward_metadata = metadata
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
