@@ -196,8 +196,10 @@ class Platform(ABC):
         first ``rotary_dim`` dims (float32 ``cos_cache``/``sin_cache`` rows at ``positions``);
         q is rotated in place, K and V are stored at ``loc`` in the pool's ``k_cache``/``v_cache``
         ``[slots, kv_heads, head_dim]`` as ``MHATokenToKVPool.set_kv_buffer`` stores them (float8:
-        ``x / scale`` saturated); values rounded as the separate kernels round them. Layers and
-        the pool fall back to their PyTorch code for names not given. One entry is a flag, not a
+        ``x / scale`` saturated); values rounded as the separate kernels round them;
+        ``argmax(logits)``: ``torch.argmax(logits, dim=-1)`` of ``[rows, vocab]`` logits, the same
+        ids (the ``Sampler``'s greedy rows). Layers, the pool and the sampler fall back to their
+        PyTorch code for names not given. One entry is a flag, not a
         kernel: ``pdl`` (bool), whether layers with Triton kernels of their own (``FusedMoE``) may
         launch them with programmatic dependent launch. Default: none.
         """

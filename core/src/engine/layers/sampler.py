@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,6 +49,22 @@ def sampling_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tenso
 
 
 class Sampler(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        #: the platform's ``layer_kernels()['argmax']`` (``torch.argmax(logits, dim=-1)`` in one
+        #: launch) for logits on its device; None: torch.argmax.
+        self.argmax_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        self.argmax_kernel = kernels.get("argmax")
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        # Platform kernels run on the platform's device; CPU logits (the cpu platform, tests) stay
+        # with torch.
+        if self.argmax_kernel is not None and logits.device.type != "cpu":
+            return self.argmax_kernel(logits)
+        return torch.argmax(logits, dim=-1)
+
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SampleOutput:
         """``logits``: ``[bs, vocab]`` float32 (modified in place by penalties)."""
         raw_logprobs = torch.log_softmax(logits, dim=-1) if info.return_logprob else None
@@ -59,7 +77,7 @@ class Sampler(nn.Module):
             # any CUDA graph: the graph ends at the logits).
             info.apply_vocab_mask(logits, info.vocab_mask)
         if info.is_all_greedy:
-            ids = torch.argmax(logits, dim=-1)
+            ids = self._argmax(logits)
         else:
             ids = self._sample(logits, info)
         out = SampleOutput(next_token_ids=ids)
@@ -71,7 +89,7 @@ class Sampler(nn.Module):
         return out
 
     def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-        greedy_ids = torch.argmax(logits, dim=-1)
+        greedy_ids = self._argmax(logits)
         probs = sampling_probs(logits, info)
         # Sampling by argmax(p / E), E ~ Exp(1), draws index i with probability p_i.
         noise = torch.empty_like(probs).exponential_()

@@ -123,6 +123,7 @@ class ModelRunner:
 
             warmup([m for m in self.model.modules() if isinstance(m, RadixAttention)])
         self.sampler = Sampler()
+        self.sampler.use_kernels(self.layer_kernels)  # not in the model: _install_layer_kernels misses it
         # Hidden states every forward hands back (``ForwardBatch.capture_hidden``), set by a
         # speculative proposer that reads them (EAGLE); None: none.
         self.capture_hidden: tuple[int, ...] | None = None

@@ -27,6 +27,9 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # MiB of the next layer's qkv weight staged in L2 during each decode graph's layer (sm_90+; 0: off;
     # auto: 6 in graphs of up to 8 tokens on a single GPU, off under tensor or pipeline parallelism).
     "l2_prefetch_mb": "auto",
+    # The sampler's greedy argmax as one Triton launch (``argmax.py``); off: torch.argmax. Off by default:
+    # less device time, more host time a call, and not yet measured end to end (docs/platforms.md).
+    "argmax": False,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -45,6 +48,8 @@ _OPTION_HELP = {
                       "asked into L2 from a side stream while each layer's attention runs; 0: off; auto "
                       "(default): 6 in graphs of up to 8 tokens on a single GPU, off under tensor or "
                       "pipeline parallelism; a number applies to every decode graph",
+    "argmax": "greedy sampling's argmax over the vocabulary as one Triton launch (about 3.5 against 9.4 us of "
+              "device time at batch 1 on an H100, but about 60 against 17 us of host time a call); off: torch.argmax",
 }
 
 

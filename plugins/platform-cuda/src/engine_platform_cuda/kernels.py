@@ -183,11 +183,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool = False,
-                  norm_fusion: bool = False, pdl_preload: int | None = None) -> dict[str, Any]:
+                  norm_fusion: bool = False, pdl_preload: int | None = None, argmax: bool = False) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
-    of a decode step in one launch) unless ``qkv_prologue`` is False.
+    of a decode step in one launch) unless ``qkv_prologue`` is False; ``argmax`` (``argmax.argmax_rows``:
+    ``torch.argmax(logits, dim=-1)`` in one launch, for the sampler's greedy rows) when ``argmax``.
 
     ``pdl`` (sm_90+ only: the instructions do not exist before): the skinny GEMM is launched with
     programmatic dependent launch, and RMSNorm and SiLU-and-mul, which precede it in a layer, let
@@ -201,6 +202,7 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
     wait (``GemvRule.fma_pdl_steps``); None keeps the rule's."""
     from dataclasses import replace
 
+    from engine_platform_cuda.argmax import argmax_rows
     from engine_platform_cuda.gemv import RULE, SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
@@ -211,6 +213,8 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
         "rms_norm": functools.partial(rms_norm, trigger=True) if pdl else rms_norm,
         "silu_and_mul": functools.partial(silu_and_mul, trigger=True) if pdl else silu_and_mul,
         "rotary_inplace": rotary_inplace, "rotary_qk_inplace": rotary_qk_inplace, "store_kv": store_kv})
+    if argmax:
+        kernels["argmax"] = argmax_rows
     if gemv_max_rows > 0:
         rule = RULE if pdl_preload is None else replace(RULE, fma_pdl_steps=pdl_preload)
         kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion, rule=rule)
