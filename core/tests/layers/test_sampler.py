@@ -7,7 +7,7 @@ import torch
 
 from engine.layers.sampler import Sampler
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
-from engine.sampling.sampling_params import SamplingParams
+from engine.testing.harness import sampling_info
 
 
 class _OnDevice(torch.Tensor):
@@ -30,18 +30,8 @@ class _FakeArgmax:
         return torch.argmin(logits.as_subclass(torch.Tensor), dim=-1)
 
 
-class _Req:
-    def __init__(self, **params: object) -> None:
-        self.sampling_params = SamplingParams.from_dict(dict(params))
-        self.output_ids: list[int] = []
-        self.return_logprob = False
-        self.top_logprobs_num = 0
-        self.origin_input_ids = [0]
-        self.grammar = None
-
-
 def _info(*params: dict[str, object], vocab: int) -> SamplingBatchInfo:
-    return SamplingBatchInfo.from_reqs([_Req(**p) for p in params], vocab, torch.device("cpu"))
+    return sampling_info(list(params), vocab)
 
 
 def _logits(rows: int, vocab: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """``CudaGraphRunner`` on the CPU: the static inputs of decode graphs and their one-copy refresh.
 
-The CPU has no device graphs, so a subclass "replays" a bucket by running the model on that
-bucket's static batch (what a graph does with the buffers as they are at replay time). That
+The CPU has no device graphs, so ``engine.testing.graphs.EagerReplayGraphs`` "replays" a bucket by
+running the model on that bucket's static batch (what a graph does with the buffers as they are at
+replay time). That
 checks the static buffers: the rows of ``ForwardBatch.decode_ints`` copied in one go, the
 field-by-field copy for batches built otherwise, and padded rows reset to the padding values.
 The real capture is checked on the GPU by the model tests with graphs on.
@@ -16,36 +17,8 @@ from typing import Any
 import torch
 
 from engine.model_executor import cuda_graph_runner
-from engine.model_executor.cuda_graph_runner import CudaGraphRunner
+from engine.testing.graphs import EagerReplayGraphs
 from engine.testing.harness import generate_greedy, make_scheduler
-
-
-class EagerReplayGraphs(CudaGraphRunner):
-    """The decode graph runner with the capture left out; records the static inputs each replay
-    saw and whether they came in one copy."""
-
-    def __init__(self, runner: Any, max_bs: int) -> None:
-        backend = runner.attn_backend
-        backend.init_cuda_graph_state = lambda max_bs, max_tokens: None
-        backend.init_forward_metadata_replay_cuda_graph = self._remember_lengths
-        self.seen: list[torch.Tensor] = []
-        super().__init__(runner, max_bs)
-
-    def _remember_lengths(self, bs: int, slots: torch.Tensor, seq_lens: torch.Tensor, lens_cpu: list[int]) -> None:
-        self._lens_cpu = lens_cpu
-
-    def _capture_all(self) -> None:
-        for bs in self.batch_sizes:
-            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self._run(bs))
-            self.outputs[bs] = torch.zeros(bs, self.runner.vocab_size)
-
-    @torch.inference_mode()
-    def _run(self, bs: int) -> None:
-        self.seen.append(self.ints[:, :bs].clone())
-        fb = self._static_batch(bs)
-        fb.seq_lens_cpu, fb.seq_lens_sum = list(self._lens_cpu), sum(self._lens_cpu)
-        self.runner.attn_backend.init_forward_metadata(fb)
-        self.outputs[bs].copy_(self.runner.model(fb.input_ids, fb.positions, fb).next_token_logits)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:

@@ -5,22 +5,12 @@ from __future__ import annotations
 import torch
 
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
-from engine.sampling.sampling_params import SamplingParams
 from engine.speculative.verify import verify_chain, verify_tree
-
-
-class _Req:
-    def __init__(self, **params: object) -> None:
-        self.sampling_params = SamplingParams.from_dict(dict(params))
-        self.output_ids: list[int] = []
-        self.return_logprob = False
-        self.top_logprobs_num = 0
-        self.origin_input_ids = [0]
-        self.grammar = None
+from engine.testing.harness import sampling_info
 
 
 def _info(n: int, vocab: int, **params: object) -> SamplingBatchInfo:
-    return SamplingBatchInfo.from_reqs([_Req(**params) for _ in range(n)], vocab, torch.device("cpu"))
+    return sampling_info([params] * n, vocab)
 
 
 def _one_hot_logits(ids: list[int], vocab: int) -> torch.Tensor:

@@ -14,9 +14,9 @@ import torch
 from engine_spec_draft.proposer import DraftModelProposer, create, draft_server_args
 
 from engine.managers.scheduler import check_no_leak
-from engine.model_executor.cuda_graph_runner import CudaGraphRunner
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative import DraftRequest
+from engine.testing.graphs import EagerReplayGraphs
 from engine.testing.harness import generate_greedy, make_scheduler
 
 VOCAB = 2048  # the tiny checkpoints'
@@ -194,35 +194,6 @@ def test_draft_settings_follow_the_target(target: str) -> None:
     assert draft_runner.args.disable_cuda_graph is False and draft_runner.args.cuda_graph_max_bs == 2
     assert draft_runner.max_running_requests == 4 and draft_runner.cuda_graph_runner is None
     assert draft_runner.max_total_num_tokens == min(sched.runner.max_total_num_tokens, 4 * (1024 + 5))
-
-
-class EagerReplayGraphs(CudaGraphRunner):
-    """The decode graph runner with the capture left out: a "graph" of a bucket runs the model
-    on that bucket's static batch, with the lengths the replay hands the backend."""
-
-    def __init__(self, runner: Any, max_bs: int) -> None:
-        backend = runner.attn_backend
-        backend.init_cuda_graph_state = lambda max_bs, max_tokens: None
-        backend.init_forward_metadata_replay_cuda_graph = self._remember_lengths
-        self.replayed: list[int] = []
-        super().__init__(runner, max_bs)
-
-    def _remember_lengths(self, bs: int, slots: torch.Tensor, seq_lens: torch.Tensor, lens_cpu: list[int]) -> None:
-        self._lens_cpu = lens_cpu
-
-    def _capture_all(self) -> None:
-        for bs in self.batch_sizes:
-            self.graphs[bs] = SimpleNamespace(replay=lambda bs=bs: self._run(bs))
-            self.outputs[bs] = torch.zeros(bs, self.runner.vocab_size)
-
-    @torch.inference_mode()
-    def _run(self, bs: int) -> None:
-        fb = self._static_batch(bs)
-        fb.seq_lens_cpu, fb.seq_lens_sum = list(self._lens_cpu), sum(self._lens_cpu)
-        self.runner.attn_backend.init_forward_metadata(fb)
-        out = self.runner.model(fb.input_ids, fb.positions, fb)
-        self.outputs[bs].copy_(out.next_token_logits)
-        self.replayed.append(bs)
 
 
 def test_decode_steps_through_the_graph_runner(target: str, draft: str) -> None:

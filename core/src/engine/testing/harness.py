@@ -114,3 +114,28 @@ def cuda_attention_backends() -> list[Any]:
 
     skip = [] if importlib.util.find_spec("flashinfer") else [pytest.mark.skip(reason="flashinfer is not installed")]
     return ["triton", pytest.param("flashinfer", marks=skip)]
+
+
+class _StandInReq:
+    """What ``SamplingBatchInfo.from_reqs`` reads of a request: its sampling parameters, and no
+    output, logprobs or grammar yet."""
+
+    def __init__(self, params: dict[str, Any]) -> None:
+        from engine.sampling.sampling_params import SamplingParams
+
+        self.sampling_params = SamplingParams.from_dict(dict(params))
+        self.output_ids: list[int] = []
+        self.return_logprob = False
+        self.top_logprobs_num = 0
+        self.origin_input_ids = [0]
+        self.grammar = None
+
+
+def sampling_info(params: list[dict[str, Any]], vocab: int) -> Any:
+    """A CPU ``SamplingBatchInfo`` of one row per entry of ``params`` (sampling parameters as a
+    request gives them), for tests of the sampler and of speculative verification."""
+    import torch
+
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+    return SamplingBatchInfo.from_reqs([_StandInReq(p) for p in params], vocab, torch.device("cpu"))
