@@ -254,7 +254,8 @@ class TritonAttnBackend(AttentionBackend):
 
     # -- CUDA graphs (decode) -----------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocates the static slot/length buffers and workspaces every captured graph reads."""
+        """Allocates the workspaces every captured graph uses (the slots and lengths it reads are
+        the graph runner's, handed over at capture)."""
         part_out, part_lse = self._workspaces(max_bs, self.max_kv_splits)
         self._graph = _GraphState(part_out=part_out, part_lse=part_lse)
 
