@@ -92,5 +92,6 @@ class PeerBuffers:
     def all_reduce_(self, x: torch.Tensor) -> None:
         """Sums contiguous ``x`` (at most ``half_elems`` elements) over the group, in place."""
         n = x.numel()
-        one_shot_all_reduce_kernel[(-(-n // BLOCK),)](x, n, self.buf_ptrs, self.flag_ptrs, self.counts, self.rank, self.half_elems,
-                      WORLD=self.world, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        one_shot_all_reduce_kernel[(-(-n // BLOCK),)](
+            x, n, self.buf_ptrs, self.flag_ptrs, self.counts, self.rank, self.half_elems,
+            WORLD=self.world, BLOCK=BLOCK, num_warps=NUM_WARPS)

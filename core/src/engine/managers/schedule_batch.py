@@ -259,12 +259,11 @@ class ScheduleBatch:
         seq_lens = [len(r.origin_input_ids) + len(r.output_ids) + lag for r in reqs]
         slots = [r.req_pool_idx for r in reqs]
         r2t = self.req_to_token_pool.req_to_token
-        slot_t = torch.tensor(slots, dtype=torch.int64)
-        pos_t = torch.tensor(seq_lens, dtype=torch.int64) - 1
         if self.allocator.page_size == 1:
             last_locs = [-1] * len(reqs)  # unused without pages
-        else:
-            last_locs = r2t[slot_t.to(r2t.device), (pos_t - 1).to(r2t.device)].tolist()
+        else:  # each row's KV slot before the new token's position
+            slot_t = torch.tensor(slots, dtype=torch.int64, device=r2t.device)
+            last_locs = r2t[slot_t, torch.tensor(seq_lens, dtype=torch.int64, device=r2t.device) - 2].tolist()
         out_cache_loc = self._alloc_tokens([s - 1 for s in seq_lens], seq_lens, last_locs)
         # The step's slots, positions and lengths reach the device in one copy, into the rows of
         # one tensor with the KV slots (``ForwardBatch.decode_ints``; a graph runner refreshes its
