@@ -19,9 +19,10 @@ chain costs more in waiting than in work. Here program ``(row, kv_head, split)``
    CUDA-graph replays.
 
 The prologue's arithmetic is ``engine.layers.prologue_math``'s, as the platform's kernel rounds
-it, so q, K and V equal the three-launch path's; the norm's sum of squares runs over a
-``[heads, head_dim]`` tile here and the merge adds the splits in order, so the output can differ
-from it in the last bits (tests compare within a float tolerance).
+it, so q, K and V equal the three-launch path's, and the merge is the merge kernel's, a head at
+a time over the same tile; the query's and the newest key's sums of squares are reduced over
+another warp layout here, so the output can differ from it in the last bits (tests compare
+within a float tolerance).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def _decode_prologue_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, QUANT: tl.constexpr,
-    DIRECT: tl.constexpr, PDL: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -202,23 +203,24 @@ def _decode_prologue_kernel(
         ticket = tl.atomic_add(Tickets + row * stride_tb + kv_head, 1, sem="acq_rel")
         if ticket == num_kv_splits - 1:
             tl.debug_barrier()
-            live = tl.cdiv(seq_len - kv_lo, split_len)  # splits holding keys; the rest weigh zero
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            i = 0
-            while i < live:
+            # The merge kernel's arithmetic, a head at a time: the splits of one head as one tile
+            # (one round trip each, the heads' loads independent). Splits past the live ones stored
+            # zeros and -inf; masked here they read as the same values, and cost no traffic.
+            offs_s = tl.arange(0, BLOCK_S)
+            mask_s = offs_s < tl.cdiv(seq_len - kv_lo, split_len)
+            for g in tl.static_range(GROUP):
+                head = kv_head * GROUP + g
                 # .cg: from L2, where the other SMs' partials are, not this SM's L1.
-                m = tl.maximum(m, tl.load(lse_base + i, mask=mask_h, other=float("-inf"), cache_modifier=".cg"))
-                i += 1
-            total = tl.zeros([BLOCK_H], tl.float32)
-            merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-            i = 0
-            while i < live:
-                w = tl.exp2(tl.load(lse_base + i, mask=mask_h, other=float("-inf"), cache_modifier=".cg") - m)
-                o = tl.load(part_base + i * stride_pos, mask=out_mask, other=0.0, cache_modifier=".cg")
-                merged += o * w[:, None]
-                total += w
-                i += 1
-            tl.store(out_ptrs, (merged / total[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+                lse_g = tl.load(Part_Lse + row * stride_plb + head * stride_plh + offs_s, mask=mask_s,
+                                other=float("-inf"), cache_modifier=".cg")
+                part_g = tl.load(Part_Out + row * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos
+                                 + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0,
+                                 cache_modifier=".cg")
+                # Split 0 always holds the row's first live block, so the maximum is finite.
+                weight = tl.exp2(lse_g - tl.max(lse_g, 0))
+                merged = tl.sum(part_g * weight[:, None], 0) / tl.sum(weight, 0)
+                tl.store(Out + row * stride_ob + head * stride_oh + offs_dv, merged.to(Out.dtype.element_ty),
+                         mask=mask_dv)
             tl.store(Tickets + row * stride_tb + kv_head, 0)  # ready for the next launch
 
 
@@ -298,7 +300,8 @@ def decode_attention_prologue_fwd(
         BLOCK_D=block_size(head_dim), BLOCK_DV=block_size(v_dim),
         SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), HAS_NORM=has_norm, QUANT=quant,
-        DIRECT=direct, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        DIRECT=direct, PDL=pdl, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
 
