@@ -19,10 +19,9 @@ chain costs more in waiting than in work. Here program ``(row, kv_head, split)``
    CUDA-graph replays.
 
 The prologue's arithmetic is ``engine.layers.prologue_math``'s, as the platform's kernel rounds
-it, so q, K and V equal the three-launch path's, and the merge is the merge kernel's, a head at
-a time over the same tile; the query's and the newest key's sums of squares are reduced over
-another warp layout here, so the output can differ from it in the last bits (tests compare
-within a float tolerance).
+it, so q, K and V equal the three-launch path's; the query's and the newest key's sums of squares
+are reduced over another warp layout here and the merge adds the splits in order, so the output
+can differ from it in the last bits (tests compare within a float tolerance).
 """
 
 from __future__ import annotations
@@ -37,6 +36,8 @@ from engine_attention_triton.decode_attention import _attend_block
 from engine_attention_triton.jit_math import block_size, check_kernel_dtype, dot_precision
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: Splits whose partial outputs the merge loads in one round (independent loads in flight together).
+MERGE_STEP = 4
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def _decode_prologue_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, QUANT: tl.constexpr,
-    DIRECT: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_STEP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -203,24 +204,24 @@ def _decode_prologue_kernel(
         ticket = tl.atomic_add(Tickets + row * stride_tb + kv_head, 1, sem="acq_rel")
         if ticket == num_kv_splits - 1:
             tl.debug_barrier()
-            # The merge kernel's arithmetic, a head at a time: the splits of one head as one tile
-            # (one round trip each, the heads' loads independent). Splits past the live ones stored
-            # zeros and -inf; masked here they read as the same values, and cost no traffic.
+            # The merge: every live split's log-sum-exp of the group in one load, then the partial
+            # outputs MERGE_STEP splits a round, their loads independent of each other (a load per
+            # split, each waiting for the one before, made the merge cost more than the attention).
+            # .cg: from L2, where the other SMs' partials are, not this SM's L1.
+            live = tl.cdiv(seq_len - kv_lo, split_len)  # splits holding keys; the rest weigh zero
             offs_s = tl.arange(0, BLOCK_S)
-            mask_s = offs_s < tl.cdiv(seq_len - kv_lo, split_len)
-            for g in tl.static_range(GROUP):
-                head = kv_head * GROUP + g
-                # .cg: from L2, where the other SMs' partials are, not this SM's L1.
-                lse_g = tl.load(Part_Lse + row * stride_plb + head * stride_plh + offs_s, mask=mask_s,
-                                other=float("-inf"), cache_modifier=".cg")
-                part_g = tl.load(Part_Out + row * stride_pob + head * stride_poh + offs_s[:, None] * stride_pos
-                                 + offs_dv[None, :], mask=mask_s[:, None] & mask_dv[None, :], other=0.0,
-                                 cache_modifier=".cg")
-                # Split 0 always holds the row's first live block, so the maximum is finite.
-                weight = tl.exp2(lse_g - tl.max(lse_g, 0))
-                merged = tl.sum(part_g * weight[:, None], 0) / tl.sum(weight, 0)
-                tl.store(Out + row * stride_ob + head * stride_oh + offs_dv, merged.to(Out.dtype.element_ty),
-                         mask=mask_dv)
+            lse_all = tl.load(lse_base[:, None] + offs_s[None, :], mask=mask_h[:, None] & (offs_s < live)[None, :],
+                              other=float("-inf"), cache_modifier=".cg")
+            # Split 0 always holds the row's first live block, so a real head's maximum is finite.
+            weights = tl.exp2(lse_all - tl.max(lse_all, 1)[:, None])
+            merged = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+            for s0 in range(0, live, MERGE_STEP):
+                for j in tl.static_range(MERGE_STEP):
+                    o = tl.load(part_base + (s0 + j) * stride_pos, mask=out_mask & (s0 + j < live), other=0.0,
+                                cache_modifier=".cg")
+                    w = tl.sum(tl.where(offs_s[None, :] == s0 + j, weights, 0.0), 1)
+                    merged += o * w[:, None]
+            tl.store(out_ptrs, (merged / tl.sum(weights, 1)[:, None]).to(Out.dtype.element_ty), mask=out_mask)
             tl.store(Tickets + row * stride_tb + kv_head, 0)  # ready for the next launch
 
 
@@ -300,7 +301,7 @@ def decode_attention_prologue_fwd(
         BLOCK_D=block_size(head_dim), BLOCK_DV=block_size(v_dim),
         SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), HAS_NORM=has_norm, QUANT=quant,
-        DIRECT=direct, PDL=pdl, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        DIRECT=direct, PDL=pdl, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), MERGE_STEP=MERGE_STEP,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
 
