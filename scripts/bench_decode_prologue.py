@@ -64,7 +64,12 @@ def variants(t: dict[str, torch.Tensor], splits: int, pdl: bool) -> dict[str, ob
                                       t["pos"], t["cos"], t["sin"], DIM, t["qw"], t["kw"], 1e-6, part_out,
                                       part_lse, tickets, splits, scale, pdl=pdl)
 
-    return {"three launches": three, "one launch": one}
+    def two() -> None:
+        decode_attention_prologue_fwd(q, kk, vv, out, t["k"], t["v"], t["r2t"], t["idx"], t["seq"], t["loc"],
+                                      t["pos"], t["cos"], t["sin"], DIM, t["qw"], t["kw"], 1e-6, part_out,
+                                      part_lse, tickets, splits, scale, pdl=pdl, merge_in_kernel=False)
+
+    return {"three launches": three, "one launch": one, "prologue inside, merge launch": two}
 
 
 def main() -> None:
@@ -75,13 +80,15 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=48)
     ap.add_argument("--no-pdl", dest="pdl", action="store_false")
     args = ap.parse_args()
-    print(f"{'batch':>5} {'context':>7} {'splits':>6}  {'three launches us':>17} {'one launch us':>13}")
+    print(f"{'batch':>5} {'context':>7} {'splits':>6}  {'three launches us':>17} {'one launch us':>13} "
+          f"{'prologue inside, merge launch us':>32}")
     for batch in args.batch:
         for context in args.context:
             t = setup(batch, context)
             for splits in args.splits:
                 got = {name: graph_median_us([fn] * args.calls) for name, fn in variants(t, splits, args.pdl).items()}
-                print(f"{batch:>5} {context:>7} {splits:>6}  {got['three launches']:>17.2f} {got['one launch']:>13.2f}")
+                print(f"{batch:>5} {context:>7} {splits:>6}  {got['three launches']:>17.2f} {got['one launch']:>13.2f} "
+                      f"{got['prologue inside, merge launch']:>32.2f}")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         fused = compile_kernel(dp._decode_prologue_kernel, types,
                                dict(GROUP=8, BLOCK_H=16, BLOCK_N=64, HEAD_DIM=128, V_DIM=128, BLOCK_D=128,
                                     BLOCK_DV=128, SLIDING_WINDOW=-1, HAS_CAP=False, DOT_PRECISION="tf32",
-                                    HAS_NORM=True, QUANT=pool != "bf16", DIRECT=False, PDL=True, BLOCK_S=16, MERGE_STEP=4),
+                                    HAS_NORM=True, QUANT=pool != "bf16", DIRECT=False, PDL=True, MERGE=True, BLOCK_S=16, MERGE_STEP=4),
                                num_warps=4)
         ptx = fused.asm["ptx"]
         out[f"one-launch-{pool}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}

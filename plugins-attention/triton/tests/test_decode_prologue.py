@@ -94,7 +94,7 @@ class _Step:
 
     def one_launch(self, splits: int, window: int, pdl: bool = False, pool: MHATokenToKVPool | None = None,
                    work: tuple[torch.Tensor, ...] | None = None, out: torch.Tensor | None = None,
-                   check: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                   check: bool = True, merge: bool = True) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         qkv = self.qkv.clone()
         q, k, v = self.views(qkv)
         pool = pool or self._fresh_pool()
@@ -107,7 +107,7 @@ class _Step:
             q, k, v, out, k_buf, v_buf, self.req.req_to_token, self.req_slots, self.seq_lens, self.loc,
             self.positions, self.rope.cos_cache, self.rope.sin_cache, self.rotary_dim, self.q_w, self.k_w, 1e-6,
             part_out, part_lse, tickets, splits, self.head_dim**-0.5, 0.0, window,
-            k_scale=self.scales[0], v_scale=self.scales[1], pdl=pdl)
+            k_scale=self.scales[0], v_scale=self.scales[1], pdl=pdl, merge_in_kernel=merge)
         if check:  # (not while a CUDA graph is being captured)
             assert torch.equal(qkv, self.qkv), "the projection's output was changed"
         return out, [k_buf, v_buf], tickets
@@ -153,19 +153,20 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("merge", [True, False], ids=["merged-inside", "merge-kernel"])
 @pytest.mark.parametrize("lens,kv_heads,group,head_dim,rotary_dim,splits,window,norm,kv",
                          [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_one_launch_equals_the_three_it_replaces(lens: list[int], kv_heads: int, group: int, head_dim: int,
                                                  rotary_dim: int, splits: int, window: int, norm: bool,
-                                                 kv: torch.dtype | None) -> None:
+                                                 kv: torch.dtype | None, merge: bool) -> None:
     dtype = torch.float32 if DEVICE == "cpu" else torch.bfloat16
     step = _Step(lens, kv_heads, group, head_dim, rotary_dim, dtype, norm, kv)
     ref, ref_pool = step.three_launches(splits, window)
-    out, pool, tickets = step.one_launch(splits, window)
+    out, pool, tickets = step.one_launch(splits, window, merge=merge)
     assert_pool_equal(pool, ref_pool, "pool")
     assert_close(out, ref, dtype, "output")
     assert not tickets.any(), "the split tickets were not put back to 0"
-    again, _, _ = step.one_launch(splits, window)
+    again, _, _ = step.one_launch(splits, window, merge=merge)
     assert torch.equal(again, out)
 
 

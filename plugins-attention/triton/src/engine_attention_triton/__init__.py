@@ -39,3 +39,6 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(plugin="triton", key="decode_prologue", default=True,
                           help="Decode steps run the layer's q/k norm, rotary and K/V store inside the decode kernel, "
                                "which also merges its splits (one launch instead of three)"))
+    register(PluginOption(plugin="triton", key="decode_merge", default=True,
+                          help="With decode_prologue: the one decode launch also merges its splits (off: the merge "
+                               "kernel runs after it)"))

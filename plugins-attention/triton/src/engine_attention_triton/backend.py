@@ -52,6 +52,9 @@ DEFAULT_OPTIONS: dict[str, int] = {
     # 1: a decode step's q/k norm, rotary and K/V store run inside the decode kernel, which also
     # merges its splits (decode_prologue.py; one launch instead of three); 0: separate launches.
     "decode_prologue": 1,
+    # 1: with decode_prologue, the one launch also merges its splits (the last split to finish
+    # merges); 0: the merge kernel runs after it, as a second launch.
+    "decode_merge": 1,
 }
 
 
@@ -102,7 +105,7 @@ def _parse_options(options: dict[str, Any]) -> dict[str, int]:
         raise ValueError(
             f"attention.triton.max_kv_splits={parsed['max_kv_splits']}; accepted: an int >= 1"
         )
-    for key in ("pdl", "decode_prologue"):
+    for key in ("pdl", "decode_prologue", "decode_merge"):
         if parsed[key] not in (0, 1):
             raise ValueError(f"attention.triton.{key}={parsed[key]}; accepted: on/off (1/0)")
     return parsed
@@ -133,6 +136,7 @@ class TritonAttnBackend(AttentionBackend):
         self.pdl = bool(options["pdl"]) and has_pdl(self.device)
         #: Decode steps take the layer's prologue into the decode kernel (``forward_decode_prologue``).
         self.decode_prologue = bool(options["decode_prologue"])
+        self.decode_merge = bool(options["decode_merge"])
         # Eager decode batches' split tickets, grown on demand (every launch leaves them 0).
         self._tickets = torch.zeros((0, self.num_kv_heads), dtype=torch.int32, device=self.device)
         self.req_to_token = ctx.req_to_token_pool.req_to_token
@@ -278,7 +282,7 @@ class TritonAttnBackend(AttentionBackend):
             prologue.sin_cache, prologue.rotary_dim, prologue.q_norm_weight, prologue.k_norm_weight,
             prologue.eps, metadata.part_out, metadata.part_lse, metadata.tickets, metadata.num_kv_splits,
             layer.scaling, layer.logit_cap, _kernel_window(layer), k_scale=k_scale, v_scale=v_scale,
-            pdl=self.pdl,
+            pdl=self.pdl, merge_in_kernel=self.decode_merge,
         )
         return out.view(-1, layer.num_heads * v_dim)
 

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from engine.layers.prologue_math import fp8_saturated, head_rms_factor, neox_rotated, rms_normed
-from engine_attention_triton.decode_attention import _attend_block
+from engine_attention_triton.decode_attention import _attend_block, merge_splits
 from engine_attention_triton.jit_math import block_size, check_kernel_dtype, dot_precision
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -78,7 +78,8 @@ def _decode_prologue_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     V_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_NORM: tl.constexpr, QUANT: tl.constexpr,
-    DIRECT: tl.constexpr, PDL: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_STEP: tl.constexpr,
+    DIRECT: tl.constexpr, PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
+    MERGE_STEP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -190,14 +191,14 @@ def _decode_prologue_kernel(
     part = acc / l_safe[:, None] * v_scale
     out_mask = mask_h[:, None] & mask_dv[None, :]
     out_ptrs = Out + row * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :]
+    part_base = Part_Out + row * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]
+    lse_base = Part_Lse + row * stride_plb + heads * stride_plh
     if DIRECT:
         tl.store(out_ptrs, part.to(Out.dtype.element_ty), mask=out_mask)
     else:
-        lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
-        part_base = Part_Out + row * stride_pob + heads[:, None] * stride_poh + offs_dv[None, :]
         tl.store(part_base + split * stride_pos, part, mask=out_mask)
-        lse_base = Part_Lse + row * stride_plb + heads * stride_plh
-        tl.store(lse_base + split, lse, mask=mask_h)
+        tl.store(lse_base + split, tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf")), mask=mask_h)
+    if MERGE and not DIRECT:
         # The CTA's stores precede the ticket (barrier, then a release at GPU scope); the last
         # program's acquire makes every split's partials visible to it.
         tl.debug_barrier()
@@ -239,7 +240,7 @@ def decode_attention_prologue_fwd(
     part_out: torch.Tensor, part_lse: torch.Tensor, tickets: torch.Tensor, num_kv_splits: int,
     sm_scale: float, logit_cap: float = 0.0, sliding_window_size: int = -1, *,
     k_scale: float = 1.0, v_scale: float = 1.0, block_n: int | None = None, num_warps: int = 4,
-    num_stages: int = 3, pdl: bool = False,
+    num_stages: int = 3, pdl: bool = False, merge_in_kernel: bool = True,
 ) -> None:
     """Decode attention from a qkv projection's raw q/k/v: q/k norm (optional), neox rotary, the
     new K/V stored at ``loc``, split-KV attention and the merge, in one launch.
@@ -255,6 +256,9 @@ def decode_attention_prologue_fwd(
             kv_heads]``, all 0 (every launch leaves them 0).
         num_kv_splits, sm_scale, logit_cap, sliding_window_size, k_scale, v_scale, block_n,
             num_warps, num_stages, pdl: as ``decode_attention_fwd``.
+        merge_in_kernel: with more than one split, the program drawing the last ticket merges them
+            (one launch); False: the splits are merged by ``decode_attention``'s merge kernel, a
+            second launch (the tickets are then unused).
     """
     check_kernel_dtype(q.dtype, "q")
     batch = q.shape[0]
@@ -301,9 +305,11 @@ def decode_attention_prologue_fwd(
         BLOCK_D=block_size(head_dim), BLOCK_DV=block_size(v_dim),
         SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), HAS_NORM=has_norm, QUANT=quant,
-        DIRECT=direct, PDL=pdl, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), MERGE_STEP=MERGE_STEP,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        DIRECT=direct, PDL=pdl, MERGE=merge_in_kernel, BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)),
+        MERGE_STEP=MERGE_STEP, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
+    if not direct and not merge_in_kernel:
+        merge_splits(part_out, part_lse, out, num_kv_splits, pdl)
 
 
 __all__ = ["decode_attention_prologue_fwd"]
