@@ -8,13 +8,12 @@ Triton kernel is tested against the separate kernels in plugins/platform-cuda/te
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import pytest
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionLayerInfo, DecodePrologue
+from engine.attention.base import AttentionBackend, AttentionLayerInfo
 from engine.layers.layernorm import RMSNorm
 from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import RotaryEmbedding
@@ -180,68 +179,3 @@ def test_anything_the_kernel_does_not_cover_runs_the_layers() -> None:
     llama = _Layer(False, torch.float32)
     llama.attn.use_kernels({"qkv_prologue": _Prologue()})
     assert applies(llama)
-
-
-class _PrologueBackend(_Backend):
-    """A backend that runs the prologue itself at decode (``accepts``), here with ``_Prologue``."""
-
-    def __init__(self, accepts: bool) -> None:
-        super().__init__()
-        self.accepts = accepts
-        self.prologues: list[Any] = []
-
-    def accepts_decode_prologue(self, layer: AttentionLayerInfo, forward_batch: ForwardBatch) -> bool:
-        return self.accepts
-
-    def forward_decode_prologue(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerInfo,
-                                forward_batch: ForwardBatch, prologue: DecodePrologue) -> torch.Tensor:
-        self.prologues.append(prologue)
-        pool = forward_batch.token_to_kv_pool
-        k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
-        q = q.clone()  # the projection's output is not to be changed
-        _Prologue()(prologue.positions, q, k, v, k_cache, v_cache, forward_batch.out_cache_loc, prologue.cos_cache,
-                    prologue.sin_cache, prologue.rotary_dim, prologue.q_norm_weight, prologue.k_norm_weight,
-                    prologue.eps, layer.k_scale, layer.v_scale)
-        return self._record(q, None, None, layer, forward_batch, False)
-
-
-@pytest.mark.usefixtures("on_cpu")
-@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
-@pytest.mark.parametrize("accepts", [True, False])
-@pytest.mark.parametrize("norms", [False, True])
-def test_a_backend_that_accepts_takes_the_decode_prologue(mode: ForwardMode, accepts: bool, norms: bool,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    layer = _Layer(norms, torch.float32)
-    backend = _PrologueBackend(accepts)
-    monkeypatch.setattr(sys.modules[__name__], "_Backend", lambda: backend)
-    kernel = _Prologue()
-    qkv = layer.qkv.clone()
-    out, pool, _ = layer.run(mode, torch.float32, kernel, k_scale=1.0, v_scale=1.0)
-    monkeypatch.undo()
-    ref_out, ref_pool, _ = layer.run(mode, torch.float32, None)
-    taken = accepts and mode == ForwardMode.DECODE
-    assert len(backend.prologues) == int(taken) and kernel.calls == int(not taken)
-    if taken:
-        (p,) = backend.prologues
-        assert p.rotary_dim == ROT and p.cos_cache is layer.rope.cos_cache and p.sin_cache is layer.rope.sin_cache
-        assert torch.equal(p.positions, torch.tensor([8, 2, 29]))
-        assert (p.q_norm_weight is layer.q_norm.weight and p.k_norm_weight is layer.k_norm.weight
-                and p.eps == 1e-6) if norms else (p.q_norm_weight is None and p.k_norm_weight is None)
-    assert torch.equal(out, ref_out)
-    for got, ref in zip(pool.k_buffer + pool.v_buffer, ref_pool.k_buffer + ref_pool.v_buffer, strict=True):
-        assert torch.equal(got, ref)
-    assert torch.equal(layer.qkv, qkv)
-
-
-@pytest.mark.usefixtures("on_cpu")
-def test_the_backend_prologue_needs_layers_the_prologue_covers() -> None:
-    layer = _Layer(True, torch.float32)
-    fb = ForwardBatch.build(ForwardMode.DECODE, [5], [0], [3], [2], torch.tensor([4]), "cpu")
-    fb.token_to_kv_pool = MHATokenToKVPool(8, 1, torch.float32, HKV, D, 1, "cpu")
-    fb.attn_backend = _PrologueBackend(True)
-    assert layer.attn.backend_prologue_applies(layer.qkv, fb, layer.rope, layer.q_norm, layer.k_norm)
-    assert not layer.attn.backend_prologue_applies(layer.qkv, fb, _OtherRope(D, ROT, 64, 10000.0), layer.q_norm,
-                                                   layer.k_norm)
-    assert not layer.attn.backend_prologue_applies(layer.qkv, fb, layer.rope, layer.q_norm, None)
-    fb.attn_backend = _Backend()  # the base class: never
-    assert not layer.attn.backend_prologue_applies(layer.qkv, fb, layer.rope, layer.q_norm, layer.k_norm)

@@ -1,9 +1,7 @@
 """The attention-backend contract every attention plugin implements (docs/plugins.md,
 "Attention backends", describes what a backend receives)."""
 
-from engine.attention.base import AttentionBackend, AttentionContext, AttentionLayerInfo, DecodePrologue
+from engine.attention.base import AttentionBackend, AttentionContext, AttentionLayerInfo
 from engine.attention.selection import check_backend_selectable
 
-__all__ = [
-    "AttentionBackend", "AttentionContext", "AttentionLayerInfo", "DecodePrologue", "check_backend_selectable",
-]
+__all__ = ["AttentionBackend", "AttentionContext", "AttentionLayerInfo", "check_backend_selectable"]

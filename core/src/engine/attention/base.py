@@ -70,25 +70,6 @@ class AttentionLayerInfo:
     v_scale: float = 1.0
 
 
-@dataclass(frozen=True)
-class DecodePrologue:
-    """What runs between a fused qkv projection and DECODE attention, for a backend that folds it
-    into its decode kernel (``AttentionBackend.forward_decode_prologue``): each q and k head
-    normalized by an RMSNorm of ``head_dim`` weights (Qwen3's ``q_norm``/``k_norm``; both weights
-    or neither), rotated by the neox rotary embedding at ``positions`` (``cos_cache``/``sin_cache``
-    ``[max_position, rotary_dim // 2]``; the first ``rotary_dim`` elements of a head rotate), and
-    the new K/V stored at ``out_cache_loc`` as ``save_kv`` stores them. The values must round as the
-    separate layers round them (``engine.layers.prologue_math``)."""
-
-    positions: torch.Tensor
-    cos_cache: torch.Tensor
-    sin_cache: torch.Tensor
-    rotary_dim: int
-    q_norm_weight: torch.Tensor | None = None
-    k_norm_weight: torch.Tensor | None = None
-    eps: float = 0.0
-
-
 @dataclass
 class AttentionContext:
     """What a backend factory receives: ``factory(ctx) -> AttentionBackend``."""
@@ -162,27 +143,6 @@ class AttentionBackend(ABC):
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
-
-    # -- the attention prologue inside the decode kernel (optional) -----------
-    def accepts_decode_prologue(self, layer: AttentionLayerInfo, forward_batch: ForwardBatch) -> bool:
-        """Whether ``forward_decode_prologue`` may run this layer of this DECODE batch (called only
-        for DECODE batches, after ``init_forward_metadata``; metadata only, no device sync, so a
-        CUDA graph captures the choice every replay makes). Default: never."""
-        return False
-
-    def forward_decode_prologue(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayerInfo,
-        forward_batch: ForwardBatch,
-        prologue: DecodePrologue,
-    ) -> torch.Tensor:
-        """DECODE attention from the projection's raw ``q``/``k``/``v`` (strided column views of
-        it; not to be changed): runs ``prologue`` (norms, rotary, the new K/V into the pool), then
-        attends, returning what ``forward_decode`` returns for the prologue's outputs."""
-        raise NotImplementedError(f"{type(self).__name__} does not run the decode prologue")
 
     # -- CUDA graph support (optional) ---------------------------------------
     #: whether the backend can be captured in CUDA graphs for decode.

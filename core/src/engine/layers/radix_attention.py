@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.attention.base import DecodePrologue
 from engine.errors import ModelLoadError
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import RotaryEmbedding
@@ -107,25 +106,16 @@ class RadixAttention(nn.Module):
 
         Splits ``qkv`` ``[tokens, (heads + kv_heads) * head_dim + kv_heads * v_head_dim]`` (this
         rank's heads), normalizes each q and k head with ``q_norm``/``k_norm`` when given
-        (Qwen3), applies ``rotary_emb`` at ``positions``, saves K/V and attends. A DECODE batch
-        goes whole to the backend's ``forward_decode_prologue`` where ``backend_prologue_applies``
-        says so (the backend's decode kernel runs the steps before attention too). Otherwise the
-        steps before attention run in one launch of the platform's ``qkv_prologue`` where
-        ``prologue_applies`` says so (same values: the kernels round as the separate layers'
-        kernels do), and the backend is then given ``k = v = None`` with ``save_kv_cache=False``:
-        the new tokens' K/V are in the pool. Anything else runs the layers one by one. ``qkv`` may
-        be changed in place. Returns ``[tokens, heads * v_head_dim]``.
+        (Qwen3), applies ``rotary_emb`` at ``positions``, saves K/V and attends. The steps before
+        attention run in one launch of the platform's ``qkv_prologue`` where ``prologue_applies``
+        says so (same values: the kernel rounds as the separate layers' kernels do), and the
+        backend is then given ``k = v = None`` with ``save_kv_cache=False``: the new tokens' K/V
+        are in the pool. Anything else runs the layers one by one. ``qkv`` may be changed in place.
+        Returns ``[tokens, heads * v_head_dim]``.
         """
         v_dim = self.v_head_dim if self.v_head_dim > 0 else self.head_dim
         q, k, v = qkv.split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                              self.num_kv_heads * v_dim], dim=-1)
-        if self.backend_prologue_applies(qkv, forward_batch, rotary_emb, q_norm, k_norm):
-            backend = forward_batch.attn_backend
-            assert backend is not None
-            return backend.forward_decode_prologue(q, k, v, self, forward_batch, DecodePrologue(
-                positions, rotary_emb.cos_cache, rotary_emb.sin_cache, rotary_emb.rotary_dim,
-                q_norm.weight if q_norm is not None else None, k_norm.weight if k_norm is not None else None,
-                q_norm.variance_epsilon if q_norm is not None else 0.0))
         if self.prologue_applies(qkv, forward_batch, rotary_emb, q_norm, k_norm):
             pool = forward_batch.token_to_kv_pool
             assert pool is not None
@@ -144,38 +134,18 @@ class RadixAttention(nn.Module):
         q, k = rotary_emb(positions, q, k)
         return self.forward(q, k, v.contiguous(), forward_batch)
 
-    def backend_prologue_applies(self, qkv: torch.Tensor, forward_batch: ForwardBatch,
-                                 rotary_emb: RotaryEmbedding, q_norm: RMSNorm | None,
-                                 k_norm: RMSNorm | None) -> bool:
-        """Whether ``forward_qkv`` hands a DECODE batch with its prologue to the backend: the
-        backend ``accepts_decode_prologue`` and the layers fit the fused prologue
-        (``prologue_fits``). Metadata only, as ``prologue_applies``."""
-        backend = forward_batch.attn_backend
-        if backend is None or not forward_batch.forward_mode.is_decode():
-            return False
-        accepts = getattr(backend, "accepts_decode_prologue", None)
-        return accepts is not None and accepts(self, forward_batch) \
-            and self.prologue_fits(qkv, forward_batch, rotary_emb, q_norm, k_norm)
-
     def prologue_applies(self, qkv: torch.Tensor, forward_batch: ForwardBatch, rotary_emb: RotaryEmbedding,
                          q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
-        """Whether ``forward_qkv`` takes the platform's fused prologue: the platform offered it, the
-        batch has tokens to run (decode, extend or mixed; not idle), ``qkv`` is on the kernel's
-        device and the layers fit (``prologue_fits``). Checks metadata only (no device sync), so a
-        CUDA graph captures the same choice every replay makes."""
+        """Whether ``forward_qkv`` takes the fused prologue: the platform offered it, the batch has
+        tokens to run (decode, extend or mixed; not idle), ``qkv`` is on the kernel's device,
+        the pool is the plain K/V one storing the activation dtype or fp8, the rotary embedding is
+        the neox ``RotaryEmbedding`` of this head size, and the norms are plain ``RMSNorm`` of
+        ``head_dim`` weights with one epsilon (both or none). Checks metadata only (no device
+        sync), so a CUDA graph captures the same choice every replay makes."""
         if self.fused_prologue is None or forward_batch.forward_mode.is_idle():
             return False
-        return qkv.device.type == self.prologue_device_type \
-            and self.prologue_fits(qkv, forward_batch, rotary_emb, q_norm, k_norm)
-
-    def prologue_fits(self, qkv: torch.Tensor, forward_batch: ForwardBatch, rotary_emb: RotaryEmbedding,
-                      q_norm: RMSNorm | None, k_norm: RMSNorm | None) -> bool:
-        """Whether the layers before attention are what a fused prologue computes: the pool is the
-        plain K/V one storing the activation dtype or fp8, the rotary embedding is the neox
-        ``RotaryEmbedding`` of this head size, and the norms are plain ``RMSNorm`` of ``head_dim``
-        weights with one epsilon and dtype (both or none)."""
         pool = forward_batch.token_to_kv_pool
-        if type(pool) is not MHATokenToKVPool:
+        if qkv.device.type != self.prologue_device_type or type(pool) is not MHATokenToKVPool:
             return False
         if pool.dtype != qkv.dtype and not is_fp8(pool.dtype):
             return False

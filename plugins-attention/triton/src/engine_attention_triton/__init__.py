@@ -36,9 +36,3 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(plugin="triton", key="pdl", default=True,
                           help="sm_90+: launch the decode kernels with programmatic dependent launch (the first "
                                "block of keys is gathered while the previous kernel drains)"))
-    register(PluginOption(plugin="triton", key="decode_prologue", default=True,
-                          help="Decode steps run the layer's q/k norm, rotary and K/V store inside the decode kernel, "
-                               "which also merges its splits (one launch instead of three)"))
-    register(PluginOption(plugin="triton", key="decode_merge", default=True,
-                          help="With decode_prologue: the one decode launch also merges its splits (off: the merge "
-                               "kernel runs after it)"))

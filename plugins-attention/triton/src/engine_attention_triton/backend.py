@@ -27,14 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo, DecodePrologue
+from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
 from engine_attention_triton import interpreting
 from engine_attention_triton.decode_attention import (
     choose_num_kv_splits,
     decode_attention_fwd,
     has_pdl,
 )
-from engine_attention_triton.decode_prologue import decode_attention_prologue_fwd
 from engine_attention_triton.extend_attention import extend_attention_fwd
 
 if TYPE_CHECKING:
@@ -49,12 +48,6 @@ DEFAULT_OPTIONS: dict[str, int] = {
     "max_kv_splits": 16,
     # 1: decode kernels use programmatic dependent launch where the GPU has it (sm_90+); 0: never.
     "pdl": 1,
-    # 1: a decode step's q/k norm, rotary and K/V store run inside the decode kernel, which also
-    # merges its splits (decode_prologue.py; one launch instead of three); 0: separate launches.
-    "decode_prologue": 1,
-    # 1: with decode_prologue, the one launch also merges its splits (the last split to finish
-    # merges); 0: the merge kernel runs after it, as a second launch.
-    "decode_merge": 1,
 }
 
 
@@ -70,8 +63,6 @@ class DecodeMetadata:
     # float32 workspaces: [batch, num_heads, splits, v_dim] and [batch, num_heads, splits].
     part_out: torch.Tensor
     part_lse: torch.Tensor
-    # int32 [>=batch, num_kv_heads], all 0 between launches: the one-launch decode's split tickets.
-    tickets: torch.Tensor
 
 
 @dataclass
@@ -89,7 +80,6 @@ class _GraphState:
 
     part_out: torch.Tensor  # [max_bs, num_heads, max_kv_splits, v_dim]
     part_lse: torch.Tensor  # [max_bs, num_heads, max_kv_splits]
-    tickets: torch.Tensor  # [max_bs, num_kv_heads] int32 zeros
     captured: dict[int, DecodeMetadata] = field(default_factory=dict)
 
 
@@ -105,9 +95,8 @@ def _parse_options(options: dict[str, Any]) -> dict[str, int]:
         raise ValueError(
             f"attention.triton.max_kv_splits={parsed['max_kv_splits']}; accepted: an int >= 1"
         )
-    for key in ("pdl", "decode_prologue", "decode_merge"):
-        if parsed[key] not in (0, 1):
-            raise ValueError(f"attention.triton.{key}={parsed[key]}; accepted: on/off (1/0)")
+    if parsed["pdl"] not in (0, 1):
+        raise ValueError(f"attention.triton.pdl={parsed['pdl']}; accepted: on/off (1/0)")
     return parsed
 
 
@@ -134,11 +123,6 @@ class TritonAttnBackend(AttentionBackend):
         self.max_kv_splits = options["max_kv_splits"]
         #: Decode kernels launched with programmatic dependent launch (``decode_attention_fwd``).
         self.pdl = bool(options["pdl"]) and has_pdl(self.device)
-        #: Decode steps take the layer's prologue into the decode kernel (``forward_decode_prologue``).
-        self.decode_prologue = bool(options["decode_prologue"])
-        self.decode_merge = bool(options["decode_merge"])
-        # Eager decode batches' split tickets, grown on demand (every launch leaves them 0).
-        self._tickets = torch.zeros((0, self.num_kv_heads), dtype=torch.int32, device=self.device)
         self.req_to_token = ctx.req_to_token_pool.req_to_token
         self.token_to_kv_pool = ctx.token_to_kv_pool
         if self.device.type == "cpu":
@@ -163,11 +147,8 @@ class TritonAttnBackend(AttentionBackend):
                 bs, self.num_kv_heads, self.num_sms, self.max_kv_splits, max_seq_len
             )
             part_out, part_lse = self._workspaces(bs, splits)
-            if self._tickets.shape[0] < bs:
-                self._tickets = torch.zeros((bs, self.num_kv_heads), dtype=torch.int32, device=self.device)
             self.forward_metadata = DecodeMetadata(
-                forward_batch.req_pool_indices, forward_batch.seq_lens, splits, part_out, part_lse,
-                self._tickets,
+                forward_batch.req_pool_indices, forward_batch.seq_lens, splits, part_out, part_lse
             )
         elif forward_batch.forward_mode.is_extend():
             lens = forward_batch.extend_seq_lens_cpu
@@ -241,10 +222,18 @@ class TritonAttnBackend(AttentionBackend):
         save_kv_cache: bool = True,
     ) -> torch.Tensor:
         """Saves the new token's K/V, then runs the two-stage split-KV decode kernel."""
-        metadata = self._decode_metadata(layer)
+        metadata = self.forward_metadata
+        if not isinstance(metadata, DecodeMetadata):
+            raise RuntimeError("triton attention: forward_decode before init_forward_metadata")
         if save_kv_cache and k is not None:
             self.save_kv(layer, forward_batch, k, v)
         v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
+        if layer.num_heads > metadata.part_out.shape[1] or v_dim > metadata.part_out.shape[3]:
+            raise ValueError(
+                f"triton attention: layer {layer.layer_id} has {layer.num_heads} heads of "
+                f"v_dim {v_dim}; the workspace was sized for {metadata.part_out.shape[1]} "
+                f"heads of v_dim {metadata.part_out.shape[3]}"
+            )
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
@@ -257,49 +246,6 @@ class TritonAttnBackend(AttentionBackend):
         )
         return out.view(-1, layer.num_heads * v_dim)
 
-    def accepts_decode_prologue(self, layer: AttentionLayerInfo, forward_batch: ForwardBatch) -> bool:
-        """Decode batches take the prologue into the kernel unless ``decode_prologue`` is off."""
-        return self.decode_prologue and isinstance(self.forward_metadata, DecodeMetadata)
-
-    def forward_decode_prologue(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        layer: AttentionLayerInfo,
-        forward_batch: ForwardBatch,
-        prologue: DecodePrologue,
-    ) -> torch.Tensor:
-        """The prologue (norms, rotary, K/V store), attention and the merge in one launch."""
-        metadata = self._decode_metadata(layer)
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
-        out = q.new_empty((q.shape[0], layer.num_heads, v_dim))
-        k_scale, v_scale = self._kv_scales(layer)
-        decode_attention_prologue_fwd(
-            q, k, v, out, k_buffer, v_buffer, self.req_to_token, metadata.req_pool_indices,
-            metadata.seq_lens, forward_batch.out_cache_loc, prologue.positions, prologue.cos_cache,
-            prologue.sin_cache, prologue.rotary_dim, prologue.q_norm_weight, prologue.k_norm_weight,
-            prologue.eps, metadata.part_out, metadata.part_lse, metadata.tickets, metadata.num_kv_splits,
-            layer.scaling, layer.logit_cap, _kernel_window(layer), k_scale=k_scale, v_scale=v_scale,
-            pdl=self.pdl, merge_in_kernel=self.decode_merge,
-        )
-        return out.view(-1, layer.num_heads * v_dim)
-
-    def _decode_metadata(self, layer: AttentionLayerInfo) -> DecodeMetadata:
-        """The planned decode batch's metadata, its workspace checked against the layer's heads."""
-        metadata = self.forward_metadata
-        if not isinstance(metadata, DecodeMetadata):
-            raise RuntimeError("triton attention: forward_decode before init_forward_metadata")
-        v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
-        if layer.num_heads > metadata.part_out.shape[1] or v_dim > metadata.part_out.shape[3]:
-            raise ValueError(
-                f"triton attention: layer {layer.layer_id} has {layer.num_heads} heads of "
-                f"v_dim {v_dim}; the workspace was sized for {metadata.part_out.shape[1]} "
-                f"heads of v_dim {metadata.part_out.shape[3]}"
-            )
-        return metadata
-
     def _kv_scales(self, layer: AttentionLayerInfo) -> tuple[float, float]:
         """The layer's fp8 KV scales; 1.0 for a pool in the activation dtype (scales unused)."""
         if not self.kv_fp8:
@@ -311,8 +257,7 @@ class TritonAttnBackend(AttentionBackend):
         """Allocates the workspaces every captured graph uses (the slots and lengths it reads are
         the graph runner's, handed over at capture)."""
         part_out, part_lse = self._workspaces(max_bs, self.max_kv_splits)
-        tickets = torch.zeros((max_bs, self.num_kv_heads), dtype=torch.int32, device=self.device)
-        self._graph = _GraphState(part_out=part_out, part_lse=part_lse, tickets=tickets)
+        self._graph = _GraphState(part_out=part_out, part_lse=part_lse)
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
@@ -329,7 +274,7 @@ class TritonAttnBackend(AttentionBackend):
         # Batch size alone decides the split count, so capture and every replay agree.
         splits = choose_num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
         metadata = DecodeMetadata(req_pool_indices[:bs], seq_lens[:bs], splits, graph.part_out[:bs],
-                                  graph.part_lse[:bs], graph.tickets)
+                                  graph.part_lse[:bs])
         graph.captured[bs] = metadata
         self.forward_metadata = metadata
 

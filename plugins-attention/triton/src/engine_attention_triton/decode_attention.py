@@ -332,14 +332,8 @@ def decode_attention_fwd(
         num_stages=num_stages,
         launch_pdl=pdl,
     )
-    if not direct:
-        merge_splits(part_out, part_lse, out, num_kv_splits, pdl)
-
-
-def merge_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_kv_splits: int,
-                 pdl: bool) -> None:
-    """Stage 2: ``out [batch, num_heads, v_dim]`` from the splits' partial outputs and log-sum-exps."""
-    batch, num_heads, v_dim = out.shape
+    if direct:
+        return
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,
         num_kv_splits,
@@ -368,4 +362,4 @@ def has_pdl(device: torch.device) -> bool:
     return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["choose_num_kv_splits", "decode_attention_fwd", "has_pdl", "merge_splits"]
+__all__ = ["choose_num_kv_splits", "decode_attention_fwd", "has_pdl"]

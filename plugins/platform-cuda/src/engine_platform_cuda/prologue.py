@@ -19,7 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.prologue_math import fp8_saturated, head_rms_factor, neox_rotated, rms_normed
 from engine_platform_cuda.kernels import norm_num_warps
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -78,17 +77,25 @@ def _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_
     """One head of one token, its cos/sin row (``c``, ``s``) and norm weights (``w``, ``wp``: at
     each element and at its rotation partner) loaded: normed, rotated, and q stored in place at
     ``base`` or K (and the V head of the same index) stored at the token's KV slot."""
+    dt = base.dtype.element_ty
     x = tl.load(base + d, mask=in_head, other=0.0)
     xp = tl.load(base + partner, mask=in_rot, other=0.0)
     if HAS_NORM:
-        # The partner goes through the same elementwise steps, so it equals the normed value the
-        # unfused rotary kernel would read back at its position.
-        r = head_rms_factor(x, head_dim, eps, 0)
-        x = rms_normed(x, w, r)
-        xp = rms_normed(xp, wp, r)
-    # The compiler contracts the rotary's two rounded products alike into one FMA over the rounded
-    # partner product (test_qkv_prologue_sm90_compile.py checks it).
-    out = neox_rotated(x, xp, c, s, first, in_rot)
+        # As kernels.rms_norm over one head: normalized value rounded, times the weight, rounded.
+        # The partner goes through the same elementwise steps, so it equals the normed value
+        # the unfused rotary kernel would read back at its position.
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, axis=0) / head_dim
+        r = tl.rsqrt(var + eps)
+        x = (w.to(tl.float32) * (xf * r).to(dt).to(tl.float32)).to(dt)
+        xp = (wp.to(tl.float32) * (xp.to(tl.float32) * r).to(dt).to(tl.float32)).to(dt)
+    xf = x.to(tl.float32)
+    xpf = tl.where(first, -xp.to(tl.float32), xp.to(tl.float32))
+    # Written as kernels._rotary_kernel writes it (PyTorch's order: products rounded, then the sum);
+    # the compiler contracts both alike into one FMA over the rounded partner product
+    # (test_qkv_prologue_sm90_compile.py checks it).
+    rot = ((xf * c).to(dt).to(tl.float32) + (xpf * s).to(dt).to(tl.float32)).to(dt)
+    out = tl.where(in_rot, rot, x)  # dimensions past rotary_dim pass through (normed)
     if head < q_heads:
         tl.store(base + d, out, mask=in_head)
     else:
@@ -96,14 +103,20 @@ def _head_prologue(base, v_ptr, k_cache_ptr, v_cache_ptr, loc_ptr, tok, head, q_
         slot = tl.load(loc_ptr + tok).to(tl.int64)
         kval = out
         if QUANT:
-            kval = fp8_saturated(kval, inv_k_scale, fp8_max)
+            # As the pool's quantize_kv on CUDA: x * (1 / scale) in float32 (PyTorch divides by
+            # a host scalar that way), saturated at the format's largest finite value.
+            kval = kval.to(tl.float32) * inv_k_scale
+            kval = tl.minimum(tl.maximum(kval, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
+                              propagate_nan=tl.PropagateNan.ALL)
         tl.store(k_cache_ptr + slot * stride_kc + kv_head * stride_kh + d,
                  kval.to(k_cache_ptr.dtype.element_ty), mask=in_head)
         dv = tl.arange(0, BLOCK_V)
         in_v = dv < v_head_dim
         vval = tl.load(v_ptr + tok * stride_v + kv_head * v_head_dim + dv, mask=in_v, other=0.0)
         if QUANT:
-            vval = fp8_saturated(vval, inv_v_scale, fp8_max)
+            vval = vval.to(tl.float32) * inv_v_scale
+            vval = tl.minimum(tl.maximum(vval, -fp8_max, propagate_nan=tl.PropagateNan.ALL), fp8_max,
+                              propagate_nan=tl.PropagateNan.ALL)
         tl.store(v_cache_ptr + slot * stride_vc + kv_head * stride_vh + dv,
                  vval.to(v_cache_ptr.dtype.element_ty), mask=in_v)
 

@@ -299,61 +299,6 @@ class AttentionBackendConformance:
         self._run(mode, self.dtypes[0], self.page_sizes[0], window=16, cap=30.0, kv_cache_dtype=kinds[0])
 
 
-    @pytest.mark.parametrize("norms", [False, True])
-    def test_decode_prologue_matches_reference(self, norms: bool) -> None:
-        """A backend that ``accepts_decode_prologue`` gets DECODE batches from
-        ``RadixAttention.forward_qkv`` with the layer's prologue (Qwen3's q/k RMSNorm, a partial
-        neox rotary, the K/V store; ``forward_decode_prologue``): the pool must then hold the
-        rotated keys and the values, and the output match attention over it with the rotated
-        queries. Skipped for backends that never accept."""
-        from engine.layers.layernorm import RMSNorm
-        from engine.layers.radix_attention import RadixAttention
-        from engine.layers.rotary_embedding import RotaryEmbedding
-        from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
-        from engine.testing.reference import reference_attention
-
-        dtype, page_size = self.dtypes[0], self.page_sizes[0]
-        seed = derive_seed(self.seed, self.backend_name, "decode_prologue", dtype, page_size, norms)
-        where = f"decode prologue, {dtype}, page {page_size}, norms {norms}, seed {seed}"
-        gen = generator(seed)
-        backend, r2t, kv, alloc = self._setup(dtype, page_size, gen)
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        layer = RadixAttention(H, D, D**-0.5, Hkv, 0)
-        prefix = _draw_rows(random.Random(seed), "decode").prefix
-        n, device = len(prefix), kv.device
-        slots, new_loc, q, k, v = self._fill_rows(r2t, kv, alloc, gen, prefix, [1] * n, dtype, layer)
-        seq = [p + 1 for p in prefix]
-        fb = ForwardBatch.build(ForwardMode.DECODE, [0] * n, slots, seq, prefix, new_loc, device)
-        fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
-        backend.init_forward_metadata(fb)
-        if not backend.accepts_decode_prologue(layer, fb):
-            pytest.skip(f"{type(backend).__name__} does not accept the decode prologue")
-        rope = RotaryEmbedding(D, D // 2, 1024, 10000.0).to(device)
-        norm_layers: list[Any] = [None, None]
-        if norms:
-            for i in range(2):
-                norm_layers[i] = RMSNorm(D, 1e-6).to(device)
-                norm_layers[i].weight.data = randn(gen, D, device=device, dtype=dtype)
-        qkv = torch.cat([q, k, v], dim=1)
-        out = layer.forward_qkv(qkv.clone(), fb.positions, fb, rope, *norm_layers)
-        q_ref, k_ref = (x if norm is None else norm(x.reshape(-1, D)).view(x.shape)
-                        for x, norm in zip((q, k), norm_layers))
-        q_ref, k_ref = rope(fb.positions, q_ref.clone(), k_ref.clone())
-        stored = kv.k_buffer[0][new_loc].double()
-        want = k_ref.view(n, Hkv, D).double()
-        assert bool(((stored - want).abs() <= self.atol[dtype] * want.abs().clamp_min(1.0)).all()), (
-            f"the pool's new keys are not the normed, rotated keys ({where})")
-        assert torch.equal(kv.v_buffer[0][new_loc], v.view(n, Hkv, D)), f"the pool's new values differ ({where})"
-        assert out.shape == (n, H * D) and torch.isfinite(out).all(), f"bad output ({where})"
-        for i in range(n):
-            kv_rows = r2t.req_to_token[slots[i], : seq[i]].long()
-            ref = reference_attention(q_ref[i : i + 1].view(-1, H, D), kv.k_buffer[0][kv_rows].double(),
-                                      kv.v_buffer[0][kv_rows].double(),
-                                      torch.arange(prefix[i], seq[i], device=device), D**-0.5, -1, 0.0)
-            err = (out[i : i + 1].view(-1, H, D).double() - ref).abs().max().item()
-            assert err <= self.atol[dtype], f"row {i} (prefix {prefix[i]}): max abs error {err} ({where})"
-
-
 def _is_ancestor_or_self(parents: list[int], i: int, j: int) -> bool:
     """The dense reference of the tree mask: walk i's parent links up to the root."""
     while i >= 0:
