@@ -56,38 +56,3 @@ def test_lm_head_uses_the_skinny_kernel_for_few_rows_only() -> None:
     plain = LogitsProcessor(vocab)
     plain.use_kernels({"rms_norm": object()})  # a platform without the kernel
     assert plain.skinny_linear is None
-
-
-class _Float32Recorder(_Recorder):
-    """A kernel that stores float32 logits when asked (``float32_out``); records the dtypes asked."""
-
-    float32_out = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.out_dtypes: list[torch.dtype | None] = []
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        self.out_dtypes.append(out_dtype)
-        y = super().__call__(x, weight, bias)
-        return y if out_dtype is None else y.to(out_dtype)
-
-
-def test_a_float32_kernel_stores_the_logits_on_one_gpu_only() -> None:
-    vocab, hidden = 100, 32
-    head = _head(vocab, hidden)
-    proc = LogitsProcessor(vocab)
-    kernel = _Float32Recorder()
-    proc.use_kernels({"linear": kernel})
-    h = torch.randn(2, hidden, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    got = proc._project(h.as_subclass(_OnGpu), head)
-    want = torch.matmul(h, head.weight.t()).float()[:, :vocab]
-    assert got.dtype == torch.float32 and torch.equal(got.as_subclass(torch.Tensor), want)
-    assert kernel.out_dtypes == [torch.float32]
-    head.tp_size = 2  # a vocabulary split over ranks: the 16-bit slices are gathered, then widened
-    proc._project(h.as_subclass(_OnGpu), head)
-    assert kernel.out_dtypes == [torch.float32, None]
-    head.tp_size = 1
-    proc._project(torch.randn(6, hidden).to(torch.bfloat16).as_subclass(_OnGpu), head)  # F.linear: not asked
-    assert kernel.out_dtypes == [torch.float32, None]

@@ -196,8 +196,6 @@ def test_platform_offers_the_kernel_by_default_and_not_when_off() -> None:
     ({"pdl_preload": 0}, "cuda.pdl_preload: invalid value 0; accepted: an int from 1 to 4"),
     ({"pdl_preload": 5}, "cuda.pdl_preload: invalid value 5; accepted: an int from 1 to 4"),
     ({"pdl_preload": True}, "cuda.pdl_preload: invalid value True; accepted: an int from 1 to 4"),
-    ({"final_norm_fusion": 1}, "cuda.final_norm_fusion: invalid value 1; accepted: on/true or off/false"),
-    ({"logits_f32": "no"}, "cuda.logits_f32: invalid value 'no'; accepted: on/true or off/false"),
 ])
 def test_platform_refuses_bad_option_values(options: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -214,8 +212,7 @@ def test_options_are_declared_and_reach_the_platform_from_the_registry() -> None
     entry = reg.entries["platform"]["cuda"]
     platform = plugins.create(entry.spec.factory, options=reg.options_for("cuda", {"cuda": {"gemv": False}}))
     assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True, "pdl": True,
-                                "norm_fusion": True, "pdl_preload": 3, "l2_prefetch_mb": "auto", "argmax": False,
-                                "final_norm_fusion": True, "logits_f32": True}
+                                "norm_fusion": True, "pdl_preload": 3, "l2_prefetch_mb": "auto", "argmax": False}
     assert "linear" not in platform.layer_kernels()
 
 
@@ -254,27 +251,6 @@ def test_norm_fusion_is_on_by_default_and_off_by_option() -> None:
     args_off = build_server_args({"plugin_option": ["cuda.norm_fusion=off"]})
     assert args_off.plugin_options == {"cuda": {"norm_fusion": False}}
     plugins.check_plugin_options(args_off.plugin_options)
-
-
-def test_final_norm_fusion_and_float32_logits_are_on_by_default_and_off_by_option() -> None:
-    from engine_platform_cuda.kernels import layer_kernels
-
-    from engine.cli import build_server_args
-
-    assert DEFAULT_OPTIONS["final_norm_fusion"] is True and DEFAULT_OPTIONS["logits_f32"] is True
-    linear = _kernels()["linear"]
-    assert linear.final_norm_fusion is True and linear.float32_out is True
-    assert _kernels(final_norm_fusion=False)["linear"].final_norm_fusion is False
-    # The final norm is folded only with norm fusion: cuda.norm_fusion=off turns it off too.
-    assert _kernels(norm_fusion=False)["linear"].final_norm_fusion is False
-    assert _kernels(norm_fusion=False)["linear"].float32_out is True  # independent of the norms
-    assert _kernels(logits_f32=False)["linear"].float32_out is False
-    assert _kernels(logits_f32=False)["linear"].final_norm_fusion is True
-    off = layer_kernels(norm_fusion=True)["linear"]  # the function's defaults: both off
-    assert off.final_norm_fusion is False and off.float32_out is False
-    args = build_server_args({"plugin_option": ["cuda.final_norm_fusion=off", "cuda.logits_f32=off"]})
-    assert args.plugin_options == {"cuda": {"final_norm_fusion": False, "logits_f32": False}}
-    plugins.check_plugin_options(args.plugin_options)
 
 
 def test_cli_spelling_off_turns_it_off() -> None:

@@ -23,10 +23,10 @@ from engine_platform_cuda.gemv import (
     MAX_ROWS,
     GemvConfig,
     GemvRule,
+    SkinnyLinear,
     choose_config,
     skinny_linear,
 )
-from engine_platform_cuda.gemv_layer import SkinnyLinear
 
 ON_GPU = torch.cuda.is_available() and torch.version.hip is None
 DEVICE = "cuda" if ON_GPU else "cpu"

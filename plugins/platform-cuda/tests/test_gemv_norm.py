@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from engine_platform_cuda.gemv import (
     GemvConfig,
     GemvRule,
+    SkinnyLinear,
     norm_skinny_linear,
     skinny_linear,
 )
-from engine_platform_cuda.gemv_layer import SkinnyLinear
 from engine_platform_cuda.kernels import rms_norm
 
 from engine.layers.layernorm import PendingNorm

@@ -70,7 +70,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
             rows = 16 if cfg.kind == "dot" else triton.next_power_of_2(m)
             consts: dict[str, object] = dict(K=k, K_SPLIT=k_split, HAS_BIAS=False, SPLIT=cfg.split_k > 1,
                                              EVEN_K=k % k_split == 0, BLOCK_M=rows, BLOCK_N=cfg.block_n,
-                                             BLOCK_K=cfg.block_k, ROUND=None)
+                                             BLOCK_K=cfg.block_k)
             fn = gemv._gemv_fma_kernel
             if cfg.kind == "dot":
                 fn, consts["DOT_FP32"] = gemv._gemv_dot_kernel, False
@@ -81,8 +81,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 # As _launch: the weight steps before the wait, one with the norm.
                 pre = min(cfg.pdl_steps, k_split // cfg.block_k) if pdl and res is None else 1
                 consts.update(PDL=pdl, NORM=res is not None, HAS_RES=bool(res),
-                              ROW_BLOCK=16 if res is None else row_block, PRE=pre,
-                              TREE_W=0, TREE_V=0, TREE_STEPS=0)  # the LM head's: test_lm_head_sm90_compile
+                              ROW_BLOCK=16 if res is None else row_block, PRE=pre)
             key = (cfg, tuple(sorted(consts.items())))
             name = f"m{m}-{n}x{k}" + ("-pdl" if pdl else "") + {None: "", True: "-norm-res", False: "-norm"}[res]
             if key in seen:

@@ -23,9 +23,8 @@ class PendingNorm:
     normalized value rounded, the product with ``weight`` rounded), use it as its input, and write
     it into ``normed`` and ``x + residual`` into ``res_sum`` (with a residual) before anything
     after it runs: both are handed out already (``res_sum`` as the decoder's new residual,
-    ``normed`` through ``normed_tensor``) and hold garbage until then. Only a consumer whose
-    ``takes_pending_norm`` said yes for ``x`` ever receives one: a linear layer, or the LM head
-    (``ParallelLMHead``; the model's final norm, which ``LogitsProcessor`` projects).
+    ``normed`` through ``normed_tensor``) and hold garbage until then. Only a linear layer whose
+    ``takes_pending_norm`` said yes for ``x`` ever receives one.
     """
 
     #: ``[tokens, hidden]`` the norm's input (before the residual add).
@@ -73,8 +72,8 @@ class RMSNorm(nn.Module):
         self.fused: Callable[..., Any] | None = None
         #: the consumer's ``ActivationQuantizer`` (``quantization.fusion``); None: plain output.
         self.out_quant: ActivationQuantizer | None = None
-        #: the linear layer (or LM head) that reads the output first and can compute the norm itself
-        #: (linked at start-up by ``quantization.fusion.link_norm_consumers``); None: the norm runs here.
+        #: the linear layer that reads the output first and can compute the norm itself (linked at
+        #: start-up by ``quantization.fusion.link_norm_consumers``); None: the norm runs here.
         self.fuse_into: Any = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:

@@ -18,12 +18,6 @@ Such a kernel may also fold in the ``RMSNorm`` before the layer (norm fusion): i
 ``x``: device, rows, dtypes) and ``norm_linear(pending, weight, bias)`` (the product of the
 norm of a ``PendingNorm``, whose ``normed`` and ``res_sum`` it fills). The norm hands its inputs
 on only where ``takes_pending_norm`` says the layer takes them (``RMSNorm.fuse_into``).
-
-For the LM head (``ParallelLMHead``, ``LogitsProcessor``) it may offer more: ``final_norm_fusion``
-(true), ``takes_final_norm(x, weight)`` and ``final_norm_linear(pending, weight, out_dtype)``
-(the model's final norm folded in, its results bit-equal to the separate norm's), and
-``float32_out`` (true): it takes ``out_dtype=torch.float32`` (``linear_with_kernel``) and stores
-the product rounded to the activation dtype, then widened, so the logits need no float32 copy.
 """
 
 from __future__ import annotations
@@ -61,16 +55,14 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def linear_with_kernel(kernel: Any, x: torch.Tensor, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``: through the platform's skinny GEMM ``kernel`` (None: never)
     where ``skinny_linear_applies`` to ``x`` flattened to 2-D and ``x`` is on the GPU, else
-    ``F.linear``. Leading dimensions of ``x`` are kept. ``out_dtype`` (torch.float32, for a kernel
-    with ``float32_out``): the kernel's output dtype; ``F.linear``'s stays x's."""
+    ``F.linear``. Leading dimensions of ``x`` are kept."""
     if kernel is not None and x.is_cuda:
         x2 = x.reshape(-1, x.shape[-1])
         if skinny_linear_applies(x2, weight, bias, getattr(kernel, "max_rows", DEFAULT_SKINNY_MAX_ROWS)):
-            y = kernel(x2, weight, bias) if out_dtype is None else kernel(x2, weight, bias, out_dtype=out_dtype)
-            return y.view(*x.shape[:-1], weight.shape[0])
+            return kernel(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

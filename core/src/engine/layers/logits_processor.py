@@ -10,7 +10,6 @@ from torch import nn
 
 from engine.distributed import tensor_model_parallel_all_gather
 from engine.layers.hidden_capture import captured_hidden_states
-from engine.layers.layernorm import PendingNorm
 from engine.layers.linear import linear_with_kernel
 
 if TYPE_CHECKING:
@@ -43,40 +42,25 @@ class LogitsProcessor(nn.Module):
         """Takes the platform's ``linear`` kernel when it offers one (``ModelRunner`` calls this)."""
         self.skinny_linear = kernels.get("linear")
 
-    def forward(self, hidden_states: torch.Tensor | PendingNorm, lm_head: ParallelLMHead,
+    def forward(self, hidden_states: torch.Tensor, lm_head: ParallelLMHead,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """``hidden_states``: ``[num_tokens, hidden]`` after the model's final norm, or that norm's
-        inputs (a ``PendingNorm``, one row: ``ParallelLMHead.takes_pending_norm``), which the LM
-        head's kernel normalizes as it projects them, filling the norm output."""
-        if isinstance(hidden_states, PendingNorm):
-            # One token in the forward: its row is the last position of the one request, whatever
-            # the mode, so its logits are the ones wanted.
-            logits = self._project(hidden_states, lm_head)
-            hidden_states = hidden_states.normed  # written by the projection
-        elif forward_batch.forward_mode.is_decode():
-            logits = self._project(hidden_states, lm_head)
+        if forward_batch.forward_mode.is_decode():
+            last = hidden_states
         else:
             assert forward_batch.extend_seq_lens is not None and forward_batch.extend_start_loc is not None
             last_index = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
-            logits = self._project(hidden_states[last_index], lm_head)
+            last = hidden_states[last_index]
+        logits = self._project(last, lm_head)
         full = None
         if forward_batch.return_logprob and forward_batch.forward_mode.is_extend():
             full = self._project(hidden_states, lm_head)
         return LogitsProcessorOutput(next_token_logits=logits, full_logits=full,
                                      hidden_states=captured_hidden_states(forward_batch, hidden_states))
 
-    def _project(self, h: torch.Tensor | PendingNorm, lm_head: ParallelLMHead) -> torch.Tensor:
-        # On one GPU a kernel that can (``float32_out``) stores float32 logits itself: the values
-        # of its 16-bit store, without the copy ``.float()`` makes of those (a no-op on these).
-        kernel = self.skinny_linear
-        out_dtype = torch.float32 if getattr(kernel, "float32_out", False) and lm_head.tp_size == 1 else None
-        if isinstance(h, PendingNorm):
-            y = kernel.final_norm_linear(h, lm_head.weight, out_dtype=out_dtype)
-        else:
-            y = linear_with_kernel(kernel, h, lm_head.weight, out_dtype=out_dtype)
+    def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
         # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,
         # then cut the padding off.
-        logits = tensor_model_parallel_all_gather(y)
+        logits = tensor_model_parallel_all_gather(linear_with_kernel(self.skinny_linear, h, lm_head.weight))
         logits = logits.float()[:, : self.vocab_size]
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale

@@ -9,8 +9,6 @@ plain embedding of exactly ``num_embeddings`` rows.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,30 +67,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Output projection; ``tie_to`` shares the embedding's weight (the same rows per rank).
 
     The projection itself is ``LogitsProcessor``'s: each rank computes its rows' logits and
-    they are gathered over the tensor-parallel group. The model's final ``RMSNorm`` may hand the
-    head its inputs unnormalized (a ``PendingNorm``; a model declares ``norm_consumers =
-    {"model.norm": "lm_head"}``) where the platform's skinny GEMM folds that norm into the
-    projection bit for bit (``takes_pending_norm``); the logits processor then projects it.
+    they are gathered over the tensor-parallel group.
     """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, params_dtype: torch.dtype | None = None) -> None:
-        super().__init__(num_embeddings, embedding_dim, params_dtype)
-        #: the platform's skinny GEMM (``layer_kernels()['linear']``): asked whether it folds the
-        #: final norm in; None: never.
-        self.skinny_linear: Any = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-
-    def use_kernels(self, kernels: dict[str, Any]) -> None:
-        self.skinny_linear = kernels.get("linear")
-
-    def can_fuse_norm(self) -> bool:
-        """Whether the final norm may hand this head ``PendingNorm`` inputs (asked once, at start-up,
-        by ``quantization.fusion.link_norm_consumers``): the skinny GEMM offers ``final_norm_fusion``."""
-        return bool(getattr(self.skinny_linear, "final_norm_fusion", False))
-
-    def takes_pending_norm(self, x: torch.Tensor) -> bool:
-        """Whether the final norm of the 2-D ``x`` comes unnormalized (asked by the linked ``RMSNorm``
-        on every call): the skinny GEMM's ``takes_final_norm`` for this head's weight (one row)."""
-        return self.can_fuse_norm() and bool(self.skinny_linear.takes_final_norm(x, self.weight))

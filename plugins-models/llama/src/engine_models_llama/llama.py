@@ -158,10 +158,6 @@ class LlamaForCausalLM(nn.Module):
         ("qkv_proj", "q_proj", "q"), ("qkv_proj", "k_proj", "k"), ("qkv_proj", "v_proj", "v"),
         ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1),
     )
-    #: The final norm's output goes to the LM head first (the logits processor projects it; hidden
-    #: states captured for a proposer read it after): the head's kernel may compute the norm itself
-    #: (engine.layers.quantization.fusion.link_norm_consumers, ParallelLMHead.takes_pending_norm).
-    norm_consumers = {"model.norm": "lm_head"}
 
     #: the decoder stack (subclasses with other layers set their own).
     model_cls: type[nn.Module] = LlamaModel

@@ -30,10 +30,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # The sampler's greedy argmax as one Triton launch (``argmax.py``); off: torch.argmax. Off by default:
     # less device time, more host time a call, and not yet measured end to end (docs/platforms.md).
     "argmax": False,
-    # With norm_fusion: the model's final RMSNorm folded into the LM head's skinny GEMM at 1 row, bit-equal.
-    "final_norm_fusion": True,
-    # The LM head's skinny GEMM stores the logits as float32 (the bf16/fp16 values widened): no .float() copy.
-    "logits_f32": True,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -54,11 +50,6 @@ _OPTION_HELP = {
                       "pipeline parallelism; a number applies to every decode graph",
     "argmax": "greedy sampling's argmax over the vocabulary as one Triton launch (about 3.5 against 9.4 us of "
               "device time at batch 1 on an H100, but about 60 against 17 us of host time a call); off: torch.argmax",
-    "final_norm_fusion": "with cuda.norm_fusion: fold the model's final RMSNorm (+ residual add) into the LM "
-                         "head's skinny GEMM at 1 row, the logits bit-equal to the separate norm's (off: the "
-                         "norm's own launch)",
-    "logits_f32": "the LM head's skinny GEMM stores the logits as float32, the same values as its 16-bit "
-                  "store widened (off: a 16-bit store and a float32 copy); single GPU only",
 }
 
 

@@ -18,11 +18,7 @@ Two tile kinds:
   memory traffic, since the padded rows are masked loads).
 
 ``norm_skinny_linear`` folds the RMSNorm (+ residual add) that precedes a projection into the
-"fma" kind: each program normalizes the rows itself, so the norm needs no launch of its own. With
-``exact_norm`` (the model's final norm before the LM head) the sum of squares is added in the order
-``kernels.rms_norm`` compiled adds it, so the norm and the product are bit-equal to the two kernels.
-Both may store a float32 output (``out_dtype``): the values rounded to the activation dtype, then
-widened, as the logits were after a 16-bit store and ``.float()``.
+"fma" kind: each program normalizes the rows itself, so the norm needs no launch of its own.
 
 ``choose_config(m, n, k, sm_count)`` picks the kind and the tiles; its constants live in
 ``GemvRule`` so a tuning run (``scripts/bench_gemv.py --sweep``) can change them in one place.
@@ -41,27 +37,22 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from engine_platform_cuda.gemv_tiles import (
-    _norm_rstd,
-    _norm_rstd_exact,
-    _store_tile,
-    _w_tile,
-    _x_tile,
-)
-from engine_platform_cuda.kernels import rms_norm_sum_order
+from engine_platform_cuda.gemv_tiles import _norm_rstd, _store_tile, _w_tile, _x_tile
+
+if TYPE_CHECKING:
+    from engine.layers.layernorm import PendingNorm
 
 #: rows of ``x`` the kernel computes; more is a GEMM, left to cuBLAS.
 MAX_ROWS = 16
 #: activation dtypes the kernel takes (weights and bias in the same dtype).
 DTYPES = (torch.bfloat16, torch.float16)
 _KINDS = ("fma", "dot")
-#: by activation dtype, what a float32 output is rounded to first: the values a 16-bit output holds.
-_ROUND = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
 # to float32 first (exact products, as the GPU's float32 accumulation of 16-bit products).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -214,13 +205,10 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PDL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
-                     ROW_BLOCK: tl.constexpr, PRE: tl.constexpr, TREE_W: tl.constexpr, TREE_V: tl.constexpr,
-                     TREE_STEPS: tl.constexpr, ROUND: tl.constexpr):
+                     ROW_BLOCK: tl.constexpr, PRE: tl.constexpr):
     # NORM: x is the input of an RMSNorm (weights nw, residual r added first when HAS_RES) whose
     # output this GEMM multiplies; the r/nw/normed/res pointers and stride_rm, eps are unused without it.
-    # TREE_W > 0 (with NORM): its sum of squares added in rms_norm's order (kernels.rms_norm_sum_order).
     # PRE (1..4, at most the slice's K steps): with PDL, the K steps of weights requested before the wait.
-    # ROUND: None, or the dtype the output is rounded to before y (float32) stores it.
     if PDL:
         # Let the next kernel (launched with PDL) take SM slots as ours retire.
         tl.extra.cuda.gdc_launch_dependents()
@@ -268,12 +256,8 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
         # each K step's values again as it multiplies them. Program (0, 0) stores x + r and the
         # norm output for the readers after this kernel.
         first = (pid_n == 0) & (pid_k == 0)
-        if TREE_W > 0:
-            rstd = _norm_rstd_exact(x_ptr, r_ptr, nw_ptr, normed_ptr, res_ptr, M, stride_xm, stride_rm, eps, first,
-                                    K, HAS_RES, BLOCK_M, ROW_BLOCK, TREE_W, TREE_V, TREE_STEPS)[:, None, None]
-        else:
-            rstd = _norm_rstd(x_ptr, r_ptr, nw_ptr, normed_ptr, res_ptr, M, stride_xm, stride_rm, eps, first,
-                              K, HAS_RES, BLOCK_M, ROW_BLOCK)[:, None, None]
+        rstd = _norm_rstd(x_ptr, r_ptr, nw_ptr, normed_ptr, res_ptr, M, stride_xm, stride_rm, eps, first,
+                          K, HAS_RES, BLOCK_M, ROW_BLOCK)[:, None, None]
         r_ptrs = r_ptr + (offs_m[:, None, None].to(tl.int64) * stride_rm + zero_n + k3)
         nw_ptrs = nw_ptr + (zero_m + zero_n + k3)
     if PDL:
@@ -298,14 +282,14 @@ def _gemv_fma_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     _store_tile(tl.sum(acc, axis=2), offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride_ym,
-                HAS_BIAS, SPLIT, ROUND)
+                HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stride_wn, stride_ym,
                      K: tl.constexpr, K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                      EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
@@ -333,14 +317,13 @@ def _gemv_dot_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, M, N, stride_xm, stri
         w_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
     _store_tile(tl.trans(acc), offs_m, offs_n, pid_k, b_ptr, y_ptr, part_ptr, M, N, stride_ym,
-                HAS_BIAS, SPLIT, ROUND)
+                HAS_BIAS, SPLIT)
 
 
 @triton.jit
 def _splitk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.constexpr,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr, ROUND: tl.constexpr):
-    """``y[m, n] = sum over slices s in order of part[s, m, n] (+ bias[n])`` (rounded to ``ROUND``
-    first unless it is None, as ``_store_tile``)."""
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """``y[m, n] = sum over slices s in order of part[s, m, n] (+ bias[n])``."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -354,8 +337,6 @@ def _splitk_sum_kernel(part_ptr, b_ptr, y_ptr, M, N, stride_ym, SPLIT_K: tl.cons
     col = offs % N
     if HAS_BIAS:
         acc += tl.load(b_ptr + col, mask=mask, other=0.0).to(tl.float32)
-    if ROUND is not None:
-        acc = acc.to(ROUND).to(tl.float32)
     tl.store(y_ptr + row.to(tl.int64) * stride_ym + col, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -379,9 +360,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, nam
 @dataclass(frozen=True)
 class _NormOperands:
     """What the fma kernel needs to apply an RMSNorm to x itself (``norm_skinny_linear``);
-    ``row_block``: columns (a power of two) of the tile the sum of squares runs over (and the
-    norm output is stored in); ``sum_order``: ``kernels.rms_norm_sum_order``'s, to add the squares
-    in that order instead (``exact_norm``), or None."""
+    ``row_block``: columns (a power of two) of the tile the sum of squares runs over."""
 
     residual: torch.Tensor | None
     weight: torch.Tensor
@@ -389,17 +368,14 @@ class _NormOperands:
     normed: torch.Tensor
     res_sum: torch.Tensor
     row_block: int
-    sum_order: tuple[int, int, int] | None = None
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig,
-            pdl: bool, norm: _NormOperands | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+            pdl: bool, norm: _NormOperands | None = None) -> torch.Tensor:
     """The kernel launch(es) behind ``skinny_linear`` and ``norm_skinny_linear`` (inputs checked)."""
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
-    # A float32 output holds the values a 16-bit one would: rounded to x's dtype first.
-    round_to = _ROUND[x.dtype] if y.dtype != x.dtype else None
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     steps = triton.cdiv(k, config.block_k)
     split = max(1, min(config.split_k, steps))
     k_split = triton.cdiv(steps, split) * config.block_k  # a slice: whole K steps
@@ -411,7 +387,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     grid = (triton.cdiv(n, config.block_n), split)
     b = bias if bias is not None else y
     shape = dict(K=k, K_SPLIT=k_split, HAS_BIAS=bias is not None and split == 1, SPLIT=split > 1,
-                 EVEN_K=k % k_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k, ROUND=round_to,
+                 EVEN_K=k % k_split == 0, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
                  num_warps=config.num_warps, num_stages=config.num_stages)
     if config.kind == "dot":
         _gemv_dot_kernel[grid](x, weight, b, y, part, m, n, x.stride(0), weight.stride(0), y.stride(0),
@@ -419,31 +395,23 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, co
     else:
         # Without the norm its operands are placeholders, never read; ROW_BLOCK fixed: one compile.
         r = norm.residual if norm is not None and norm.residual is not None else None
-        order = (0, 0, 0) if norm is None or norm.sum_order is None else norm.sum_order
         _gemv_fma_kernel[grid](x, weight, b, y, part, m, n, x.stride(0), weight.stride(0), y.stride(0),
                                x if r is None else r, x if norm is None else norm.weight,
                                y if norm is None else norm.normed, y if norm is None else norm.res_sum,
                                0 if r is None else r.stride(0), 0.0 if norm is None else norm.eps,
                                BLOCK_M=triton.next_power_of_2(m), PDL=pdl, NORM=norm is not None,
                                HAS_RES=r is not None, ROW_BLOCK=16 if norm is None else norm.row_block,
-                               PRE=pre if pdl else 1, TREE_W=order[0], TREE_V=order[1], TREE_STEPS=order[2],
-                               launch_pdl=pdl, **shape)
+                               PRE=pre if pdl else 1, launch_pdl=pdl, **shape)
     if split > 1:
         block = 1024
         _splitk_sum_kernel[(triton.cdiv(m * n, block),)](
             part, b, y, m, n, y.stride(0), SPLIT_K=split,
-            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, ROUND=round_to, num_warps=4, launch_pdl=pdl)
+            HAS_BIAS=bias is not None, BLOCK=block, PDL=pdl, num_warps=4, launch_pdl=pdl)
     return y
 
 
-def _check_out_dtype(name: str, x: torch.Tensor, out_dtype: torch.dtype | None) -> None:
-    if out_dtype not in (None, x.dtype, torch.float32):
-        raise ValueError(f"{name}: out_dtype {out_dtype}; accepted: None, {x.dtype} (x's) or torch.float32")
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, pdl: bool = False, rule: GemvRule = RULE,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, pdl: bool = False, rule: GemvRule = RULE) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for a 2-D ``x`` of 1..``MAX_ROWS`` rows (see the module doc).
 
     Args:
@@ -456,14 +424,11 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             first weight tile before they wait for that kernel's results. The "dot" kind (3+ rows)
             ignores it: with PDL a 48-layer chain at 4 rows ran 0.53x (H100, scripts/bench_pdl.py).
         rule: the rule ``config`` is chosen by when None (``SkinnyLinear.rule``).
-        out_dtype: None (x's dtype) or torch.float32: the output rounded to x's dtype, then stored
-            widened, bit-equal to ``skinny_linear(...).float()`` without its copy.
 
     Returns:
-        ``[M, N]`` in ``out_dtype`` (x's dtype), contiguous.
+        ``[M, N]`` in x's dtype, contiguous.
     """
     _check(x, weight, bias)
-    _check_out_dtype("skinny_linear", x, out_dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     if bias is not None and bias.stride(0) != 1:
@@ -471,12 +436,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     m, k = x.shape
     n = weight.shape[0]
     if m == 0 or n == 0:
-        return torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+        return torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config is None:
         config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size(), rule)
     else:
         config.validate()
-    return _launch(x, weight, bias, config, pdl, out_dtype=out_dtype)
+    return _launch(x, weight, bias, config, pdl)
 
 
 def _check_out(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -488,32 +453,10 @@ def _check_out(name: str, out: torch.Tensor | None, like: torch.Tensor) -> torch
     return torch.empty(like.shape, dtype=like.dtype, device=like.device) if out is None else out
 
 
-#: ``exact_norm`` adds the squares in the order ``kernels.rms_norm`` compiled adds them; under the
-#: interpreter ``rms_norm`` sums a row with numpy instead, which one row-wide tile reproduces.
-_TREE_NORM = not _INTERPRETED
-
-
-def exact_norm_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None) -> bool:
-    """Whether ``norm_skinny_linear(exact_norm=True)`` takes these norm inputs: ``x`` (and the
-    residual) 16-bit, laid out as ``kernels.rms_norm`` was compiled for when its order of adding was
-    read (``kernels.rms_norm_sum_order``: a row of a multiple of 16 values; rows 16-byte aligned,
-    unit stride along K, a row stride a multiple of 16, as Triton specializes them); the norm weight
-    16-byte aligned and contiguous (None: not checked)."""
-
-    def aligned(t: torch.Tensor) -> bool:
-        return (t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0
-                and t.dtype in DTYPES)
-
-    return (rms_norm_sum_order(x.shape[-1]) is not None and aligned(x)
-            and (residual is None or aligned(residual))
-            and (norm_weight is None or (norm_weight.is_contiguous() and norm_weight.data_ptr() % 16 == 0)))
-
-
 def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                        weight: torch.Tensor, bias: torch.Tensor | None = None, pdl: bool = False, *,
                        config: GemvConfig | None = None, rule: GemvRule = RULE, normed: torch.Tensor | None = None,
-                       res_sum: torch.Tensor | None = None, exact_norm: bool = False,
-                       out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       res_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``kernels.rms_norm(x, norm_weight, eps, residual)`` then ``skinny_linear(normed, weight,
     bias)`` in the GEMM's launch (two with split-K): no launch and no grid-wide wait for the norm.
 
@@ -532,12 +475,6 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
         rule: the rule the config is chosen by, and its ``norm_row_tile``.
         normed, res_sum: contiguous ``[M, K]`` buffers in x's dtype for the norm output and ``x +
             residual`` (the layer SDK preallocates them); None: new tensors.
-        exact_norm: add the squares in the order compiled ``rms_norm`` adds them (one load a
-            value and thread of that kernel, and its butterflies written out): ``1 / rms``, the
-            norm output and the product bit-equal to the two kernels', for inputs
-            ``exact_norm_applies`` to (others are refused). Without it the sum runs over row tiles
-            in this kernel's own layout (compiled: equal up to float32 reordering).
-        out_dtype: None or torch.float32, as for ``skinny_linear``.
 
     Returns:
         ``(y, normed, res_sum)``: ``[M, N]`` as ``skinny_linear``'s, the norm output and ``x +
@@ -545,7 +482,6 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     """
     name = "norm_skinny_linear"
     _check(x, weight, bias, name)
-    _check_out_dtype(name, x, out_dtype)
     m, k = x.shape
     n = weight.shape[0]
     if m > rule.fma_max_rows:
@@ -559,11 +495,6 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     if norm_weight.shape != (k,) or not norm_weight.is_floating_point():
         raise ValueError(f"{name}: norm_weight shape {tuple(norm_weight.shape)} dtype {norm_weight.dtype}; "
                          f"accepted: [{k}] floating point")
-    if exact_norm and not exact_norm_applies(x, residual, norm_weight):
-        raise ValueError(f"{name}: exact_norm with x shape {tuple(x.shape)} strides {x.stride()}; accepted: K a "
-                         "multiple of 16 (at least 32), x and residual rows 16-byte aligned with a row stride a "
-                         "multiple of 16 and unit stride along K, a contiguous 16-byte aligned norm_weight "
-                         "(exact_norm_applies)")
     if config is None:
         config = choose_config(m, n, k, _sm_count(x.device.index if x.is_cuda else None), x.element_size(), rule)
     else:
@@ -573,7 +504,7 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
     normed = _check_out("normed", normed, x)
     res_sum = x if residual is None else _check_out("res_sum", res_sum, x)
     if m == 0:
-        return torch.empty((0, n), dtype=out_dtype or x.dtype, device=x.device), normed, res_sum
+        return torch.empty((0, n), dtype=x.dtype, device=x.device), normed, res_sum
     xk = x if x.stride(1) == 1 else x.contiguous()
     if residual is not None and residual.stride(1) != 1:
         residual = residual.contiguous()
@@ -581,11 +512,8 @@ def norm_skinny_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weig
         bias = bias.contiguous()
     row_block = min(triton.next_power_of_2(k),
                     max(16, _pow2_at_most(rule.norm_row_tile // triton.next_power_of_2(m))))
-    order = rms_norm_sum_order(k) if exact_norm and _TREE_NORM else None
-    if exact_norm and not _TREE_NORM:
-        row_block = triton.next_power_of_2(k)  # the interpreter's rms_norm: one sum over the row
-    norm = _NormOperands(residual, norm_weight.contiguous(), float(eps), normed, res_sum, row_block, order)
-    return _launch(xk, weight, bias, config, pdl, norm, out_dtype), normed, res_sum
+    norm = _NormOperands(residual, norm_weight.contiguous(), float(eps), normed, res_sum, row_block)
+    return _launch(xk, weight, bias, config, pdl, norm), normed, res_sum
 
 
 def supports_pdl(device: torch.device | None = None) -> bool:
@@ -594,3 +522,47 @@ def supports_pdl(device: torch.device | None = None) -> bool:
     if _INTERPRETED or not torch.cuda.is_available():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@dataclass(frozen=True)
+class SkinnyLinear:
+    """``Platform.layer_kernels()['linear']``: the unquantized linear layers call it for inputs of
+    1..``max_rows`` rows (``engine.layers.linear.skinny_linear_applies``), F.linear otherwise; with
+    ``norm_fusion`` it also takes the inputs an ``RMSNorm`` hands on unnormalized
+    (``engine.layers.layernorm.PendingNorm``, ``norm_linear``) where ``takes_norm`` says so."""
+
+    #: the most rows of x (tokens of the batch) it is used for; the ``cuda.gemv_max_rows`` option.
+    max_rows: int = 8
+    #: launch with programmatic dependent launch (``skinny_linear(pdl=True)``); the ``cuda.pdl``
+    #: option, on sm_90+ only.
+    pdl: bool = False
+    #: fold the RMSNorm before a projection into it (``norm_skinny_linear``); the
+    #: ``cuda.norm_fusion`` option.
+    norm_fusion: bool = False
+    #: the launch-shape rule (its ``fma_pdl_steps``: the ``cuda.pdl_preload`` option).
+    rule: GemvRule = RULE
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return skinny_linear(x, weight, bias, pdl=self.pdl, rule=self.rule)
+
+    @property
+    def norm_max_rows(self) -> int:
+        """Rows ``norm_linear`` takes at most: the fma kind's (this kernel's rule), within ``max_rows``."""
+        return min(self.max_rows, self.rule.fma_max_rows)
+
+    def takes_norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``norm_linear`` takes the norm of the 2-D ``x`` for ``weight``/``bias``: norm
+        fusion on, ``x`` on the GPU, 1..``norm_max_rows`` rows, and as ``skinny_linear_applies``."""
+        from engine.layers.linear import skinny_linear_applies
+
+        return self.norm_fusion and x.is_cuda and skinny_linear_applies(x, weight, bias, self.norm_max_rows)
+
+    def norm_linear(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``pending``'s norm times ``weight`` (+ bias), filling its ``normed`` and ``res_sum``;
+        ``[rows, N]``."""
+        k = pending.x.shape[-1]
+        res_sum = pending.res_sum.view(-1, k) if pending.residual is not None else None
+        y, _, _ = norm_skinny_linear(pending.x, pending.residual, pending.weight, pending.eps, weight, bias,
+                                     pdl=self.pdl, rule=self.rule, normed=pending.normed.view(-1, k),
+                                     res_sum=res_sum)
+        return y

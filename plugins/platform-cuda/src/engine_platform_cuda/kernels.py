@@ -48,27 +48,6 @@ def norm_num_warps(block: int) -> int:
     return min(max(block // 256, 1), 16)
 
 
-def rms_norm_sum_order(n: int) -> tuple[int, int, int] | None:
-    """How ``rms_norm`` compiled (Triton 3.6, sm_90) adds the squares of a 16-bit row of ``n``
-    values, ``n`` a multiple of 16 and the rows 16-byte aligned: ``(warps, vector, steps)``.
-
-    The row's ``next_power_of_2(n)`` slots lie ``vector`` consecutive ones a thread, 32 threads a
-    warp, ``warps`` warps, repeated until they are covered: each thread holds ``steps`` slots and
-    adds their squares one after another (its vector in row order, then the next repetition's),
-    then the 32 sums of a warp are added in butterflies (lanes 16 apart first, then 8, ..., 1),
-    then the warps' sums likewise (warps ``warps / 2`` apart first); padding slots add zeros.
-    ``gemv_tiles._rms_tree_sum`` adds in this order (the LM head's folded final norm, bit-equal
-    to this kernel); ``tests/test_lm_head_sm90_compile.py`` checks it against the compiled PTX.
-    None: a row the order is not known for (``n`` not a multiple of 16, or too short to give every
-    thread of a warp a slot)."""
-    block = triton.next_power_of_2(n)
-    warps = norm_num_warps(block)
-    steps = block // (32 * warps)
-    if n % 16 or steps < 1:
-        return None
-    return warps, min(8, steps), steps  # 8: one 16-byte vector of 16-bit values
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              trigger: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``weight * norm(x [+ residual])``; with ``residual`` also returns ``x + residual``.
@@ -204,8 +183,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool = False,
-                  norm_fusion: bool = False, pdl_preload: int | None = None, argmax: bool = False,
-                  final_norm_fusion: bool = False, logits_f32: bool = False) -> dict[str, Any]:
+                  norm_fusion: bool = False, pdl_preload: int | None = None, argmax: bool = False) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
@@ -221,17 +199,11 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
     ``gemv.norm_skinny_linear``), so the layer SDK skips the norm's launch where it takes the rows.
 
     ``pdl_preload``: with PDL, the K steps of weights each skinny-GEMM program requests before its
-    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's.
-
-    ``final_norm_fusion`` (with ``norm_fusion``): the skinny GEMM also takes the model's final RMSNorm,
-    handed to the LM head, bit-equal to the separate norm (``SkinnyLinear.final_norm_linear``).
-    ``logits_f32``: the logits processor has the skinny GEMM store the logits as float32
-    (``SkinnyLinear.float32_out``), the values of the 16-bit store widened."""
+    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's."""
     from dataclasses import replace
 
     from engine_platform_cuda.argmax import argmax_rows
-    from engine_platform_cuda.gemv import RULE
-    from engine_platform_cuda.gemv_layer import SkinnyLinear
+    from engine_platform_cuda.gemv import RULE, SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
 
     # Layers with Triton kernels of their own (the MoE experts) read the flag itself.
@@ -245,9 +217,7 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
         kernels["argmax"] = argmax_rows
     if gemv_max_rows > 0:
         rule = RULE if pdl_preload is None else replace(RULE, fma_pdl_steps=pdl_preload)
-        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion, rule=rule,
-                                         final_norm_fusion=norm_fusion and final_norm_fusion,
-                                         float32_out=logits_f32)
+        kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion, rule=rule)
     if qkv_prologue:
         kernels["qkv_prologue"] = functools.partial(prologue_kernel, pdl=True) if kernels["pdl"] else prologue_kernel
     return kernels

@@ -8,9 +8,8 @@ decides (``LinearMethodBase.activation_quantizer``), so a model plugin never kno
 runs.
 
 The same declaration, with ``norm_consumers`` (RMSNorm -> the linear layer that reads its output
-first, where others read it after that layer ran, e.g. the MoE router before the experts; or the
-model's final norm -> its LM head), links each RMSNorm to the layer that may compute the norm itself
-(``link_norm_consumers``).
+first, where others read it after that layer ran, e.g. the MoE router before the experts), links
+each RMSNorm to the linear layer that may compute the norm itself (``link_norm_consumers``).
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ def link_activation_quantizers(model: nn.Module) -> int:
 def link_norm_consumers(model: nn.Module) -> int:
     """Sets ``fuse_into`` of every declared RMSNorm producer (``activation_consumers`` and
     ``norm_consumers``) to its consumer where the consumer can compute the norm itself
-    (``LinearBase.can_fuse_norm``: unquantized, the platform's skinny GEMM offers norm fusion;
-    ``ParallelLMHead.can_fuse_norm``: the skinny GEMM offers the final norm's fusion) and
+    (``LinearBase.can_fuse_norm``: unquantized, the platform's skinny GEMM offers norm fusion) and
     the norm's output does not come quantized (``out_quant``: that fused path stays); returns how
     many were linked. Call after the platform's kernels were installed and
     ``link_activation_quantizers``."""
