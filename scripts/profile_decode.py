@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 
 import torch
 
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--overlap", action="store_true",
                     help="profile the decode steps as the overlapped loop runs them (engine bench one-batch's default "
                          "on CUDA): each step launched before the previous one's tokens reach the host")
-    ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}'")
+    ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}' "
+                    "(plugin switches are JSON true/false: '{\"plugin_options\": {\"cuda\": {\"pdl\": false}}}')")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each; rank 0 prints)")
     a = ap.parse_args()
     from engine.config import ServerArgs
@@ -61,6 +63,9 @@ def main() -> None:
     args = ServerArgs.from_dict({"model_path": a.config_dir, "load_format": "dummy", "skip_tokenizer_init": True,
                                  "attention": a.attention, "disable_cuda_graph": True, "quant": a.quant,
                                  "tp_size": a.tp_size, **json.loads(a.extra)})
+    from engine.plugins import check_plugin_options
+
+    check_plugin_options(args.plugin_options)  # as the engine's start-up checks them
     if args.tp_size * args.pp_size == 1:
         profile_steps(a, args, None, lead=True)
         return
@@ -177,4 +182,12 @@ def print_timeline(prof, count: int, steps: int, at: str = "middle") -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from engine.errors import ConfigError
+
+    try:
+        main()
+    except (ConfigError, json.JSONDecodeError) as exc:
+        # Bad input (a ServerArgs or plugin-option value in --extra, or --extra not JSON): one line,
+        # exit status 2, as the engine's CLI does. JSON has no YAML on/off: plugin switches are true/false.
+        print(f"profile_decode.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
