@@ -6,8 +6,6 @@ Variants (comma-separated; each name may combine both parts, e.g. ``no_attn_no_t
 - ``no_attn``: a decode step's attention (the prologue, stage 1 and the merge) replaced by a view
   of the query, which the output projection then reads at once;
 - ``no_topk``: the MoE top-k launch replaced by fixed experts (ids 0, E/k, 2E/k, ..., weights 1/k);
-  where ``cuda.router_topk`` folds the top-k into the router's launch, the router's own launch then
-  runs alone (``FusedMoE.forward_with_router`` made to take its two-step path);
 - ``stage_<how>`` (not an analysis of a removal: outputs stay right): the next layer's qkv weight
   staged in L2 while this layer's attention runs, from a side stream forked after this layer's qkv
   projection and joined at the end of the model, as ``bench_l2_retention.stage_in_l2(w, how)``
@@ -30,7 +28,6 @@ from engine_models_llama.llama import LlamaAttention, LlamaModel
 import engine.layers.moe.layer as moe_layer
 from engine.bench.one_batch import run_one
 from engine.config import ServerArgs
-from engine.layers.layernorm import normed_tensor
 from engine.layers.radix_attention import RadixAttention
 from engine.managers.scheduler import Scheduler
 
@@ -39,7 +36,6 @@ names = sys.argv[2].split(",")
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 ORIG_QKV = RadixAttention.forward_qkv
 ORIG_SEL = moe_layer.select_experts
-ORIG_ROUTED = moe_layer.FusedMoE.forward_with_router
 ORIG_MODEL = LlamaModel.forward
 _fixed = {}
 #: how often each replacement ran in the current variant (0 would mean it no longer takes effect)
@@ -72,12 +68,6 @@ def fixed_experts(router_logits, top_k, renormalize, pdl=False):
         ids = (torch.arange(top_k, device=router_logits.device, dtype=torch.int32) * (e // top_k)).view(1, top_k)
         _fixed[key] = (torch.full((1, top_k), 1.0 / top_k, device=router_logits.device), ids)
     return _fixed[key]
-
-
-def routed_in_two_steps(self, x, router):
-    """``forward_with_router`` without the platform's one-launch router + top-k: the router, then
-    ``forward`` (whose ``select_experts`` the ``no_topk`` variants replace)."""
-    return self.forward(normed_tensor(x), router(x))
 
 
 def stage_next(layer_id, qkv, forward_batch):
@@ -119,7 +109,6 @@ for rnd in range(rounds):
     for n in names:
         RadixAttention.forward_qkv = qkv_view if "no_attn" in n else qkv_staged
         moe_layer.select_experts = fixed_experts if "no_topk" in n else ORIG_SEL
-        moe_layer.FusedMoE.forward_with_router = routed_in_two_steps if "no_topk" in n else ORIG_ROUTED
         staging["how"] = n.split("stage_", 1)[1] if "stage_" in n else ""
         calls.update(attn=0, topk=0, stage=0)
         sched.runner.cuda_graph_runner = None

@@ -212,8 +212,7 @@ def test_options_are_declared_and_reach_the_platform_from_the_registry() -> None
     entry = reg.entries["platform"]["cuda"]
     platform = plugins.create(entry.spec.factory, options=reg.options_for("cuda", {"cuda": {"gemv": False}}))
     assert platform.options == {"gemv": False, "gemv_max_rows": 8, "qkv_prologue": True, "pdl": True,
-                                "norm_fusion": True, "pdl_preload": 3, "l2_prefetch_mb": "auto", "argmax": False,
-                                "router_topk": True}
+                                "norm_fusion": True, "pdl_preload": 3, "l2_prefetch_mb": "auto", "argmax": False}
     assert "linear" not in platform.layer_kernels()
 
 

@@ -10,15 +10,12 @@ facts.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -74,59 +71,6 @@ def compile_kernel(fn: Any, types: dict[str, str], consts: dict[str, Any], num_w
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(names.index(c),): v for c, v in consts.items()})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One ``kernel[grid](*args, **kwargs)`` call, recorded by ``captured_launches``."""
-
-    kernel: Any
-    grid: Any
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-
-
-@contextlib.contextmanager
-def captured_launches(*kernels: Any) -> Iterator[list[Launch]]:
-    """Within the block, launches of the jitted ``kernels`` are recorded, not run: host code that
-    launches them may be called on CPU tensors without a GPU (and without the interpreter), and
-    ``compile_launch`` compiles exactly what it would have launched (from a test file's
-    ``__main__``, ``compiled_facts``). Under the interpreter it records the same launches, for tests
-    that compare what two host paths launch."""
-    launches: list[Launch] = []
-    saved = {kernel: kernel.run for kernel in kernels}
-
-    def recorder(kernel: Any) -> Any:
-        def run(*args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
-            launches.append(Launch(kernel, grid, args, kwargs))
-        return run
-
-    for kernel in kernels:
-        kernel.run = recorder(kernel)
-    try:
-        yield launches
-    finally:
-        for kernel, run in saved.items():
-            kernel.run = run
-
-
-def compile_launch(launch: Launch, arch: int = 90) -> Any:
-    """``triton.compile`` of a recorded launch for ``sm_{arch}``, specialized on its arguments as
-    Triton's launcher specializes them on a GPU of that kind (ints equal to 1 become constants,
-    ints and pointers divisible by 16 are declared so, from the actual values and data pointers)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    kernel = launch.kernel
-    target = GPUTarget("cuda", arch, 32)
-    backend = make_backend(target)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    kwargs = {"debug": False, **launch.kwargs}
-    bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def pdl_order(ptx: str) -> dict[str, Any]:

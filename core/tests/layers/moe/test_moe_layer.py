@@ -6,13 +6,11 @@ Triton's interpreter on the CPU."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 
 from engine.distributed import set_expert_parallel, set_tensor_model_parallel
-from engine.layers.layernorm import PendingNorm, normed_tensor
 from engine.layers.moe import (
     FusedMoE,
     UnquantizedFusedMoEMethod,
@@ -137,105 +135,3 @@ def _reference_layer(x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     layer = _layer(0, 1, 1)
     w, ids = select_experts_reference(logits, TOP_K, True)
     return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, w, ids)
-
-
-# -- the router and its top-k in one launch (forward_with_router) -------------------------------
-
-class _TorchNormLinear:
-    """Stands for ``layer_kernels()['linear']`` with norm fusion: the norm as ``RMSNorm`` computes
-    it, then ``F.linear`` (what the router layer runs on a ``PendingNorm``)."""
-
-    max_rows = 8
-    norm_fusion = True
-
-    def norm_linear(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        x = pending.x if pending.residual is None else pending.x + pending.residual
-        if pending.residual is not None:
-            pending.res_sum.copy_(x)
-        h = x.to(torch.float32)
-        normed = pending.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + pending.eps)).to(x.dtype)
-        pending.normed.copy_(normed)
-        return torch.nn.functional.linear(normed, weight, bias)
-
-
-class _TorchRouterTopK:
-    """Stands for ``layer_kernels()['router_topk']``: the norm-fused router, then the torch routing
-    (the two steps ``FusedMoE`` takes on the CPU), for one token; records its calls."""
-
-    def __init__(self) -> None:
-        self.linear = _TorchNormLinear()
-        self.calls = 0
-
-    def takes(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int) -> bool:
-        return pending.x.shape[0] == 1 and top_k <= weight.shape[0]
-
-    def __call__(self, pending: PendingNorm, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-                 renormalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.calls += 1
-        logits = self.linear.norm_linear(pending, weight, bias)
-        return (logits, *select_experts_reference(logits, top_k, renormalize))
-
-
-def _router(kernel: _TorchRouterTopK | None = None) -> Any:
-    from engine.layers.linear import ReplicatedLinear
-
-    router = ReplicatedLinear(H, E, bias=False, prefix="mlp.gate")
-    router.weight.data.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(5)))
-    router.use_kernels({"linear": (kernel or _TorchRouterTopK()).linear})
-    return router
-
-
-def _pending_norm(tokens: int, seed: int) -> PendingNorm:
-    gen = torch.Generator().manual_seed(seed)
-    x, residual = torch.randn(tokens, H, generator=gen), torch.randn(tokens, H, generator=gen)
-    return PendingNorm(x, residual, 1.0 + 0.1 * torch.randn(H, generator=gen), 1e-6, torch.empty_like(x),
-                       torch.empty_like(x))
-
-
-@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2), (4, 2)], ids=["one-rank", "tp2-ep2", "tp4-ep2"])
-def test_router_kernel_routes_one_token_as_the_router_then_the_top_k(tp: int, ep: int) -> None:
-    """With the platform's ``router_topk`` the layer hands it the router's one-token input and runs the
-    experts on its routing (this rank's ids) and the norm output it filled: the shards sum to the
-    layer that runs the router, then ``select_experts``; the residual sum is filled too."""
-    kernel = _TorchRouterTopK()
-    pending, plain = _pending_norm(1, seed=tp), _pending_norm(1, seed=tp)
-    router = _router(kernel)
-    want = _layer(0, 1, 1).forward_with_router(plain, router)  # no router_topk: the two steps
-    shards = [_layer(r, tp, ep) for r in range(tp)]
-    for shard in shards:
-        shard.use_kernels({"router_topk": kernel})
-    got = sum(s.forward_with_router(pending, router) for s in shards)
-    assert kernel.calls == tp
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    assert torch.equal(pending.normed, plain.normed) and torch.equal(pending.res_sum, plain.res_sum)
-    one = _layer(0, 1, 1)
-    one.use_kernels({"router_topk": kernel})
-    assert torch.equal(one.forward_with_router(_pending_norm(1, seed=tp), router), want)
-
-
-def test_router_kernel_is_left_out_where_it_does_not_apply() -> None:
-    """Two tokens (the kernel's ``takes``), a plain tensor (no norm handed on), a quantized router:
-    the router's own launch, then ``forward``; the same output as without the kernel."""
-    from engine.layers.quantization import LinearMethodBase
-
-    kernel = _TorchRouterTopK()
-    layer, router = _layer(0, 1, 1), _router(kernel)
-    layer.use_kernels({"router_topk": kernel})
-    two = _pending_norm(2, seed=1)
-    torch.testing.assert_close(layer.forward_with_router(two, router),
-                               _layer(0, 1, 1).forward_with_router(_pending_norm(2, seed=1), router))
-    x = torch.randn(1, H, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(layer.forward_with_router(x, router), layer(x, router(x)))
-
-    class _Quantized(LinearMethodBase):
-        def create_weights(self, *args: Any, **kwargs: Any) -> None:
-            pass
-
-        def apply(self, layer: torch.nn.Module, x: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
-            return torch.nn.functional.linear(normed_tensor(x), layer.weight, bias)
-
-    router.quant_method = _Quantized()
-    one = _pending_norm(1, seed=3)
-    one.normed.copy_(torch.randn(1, H, generator=torch.Generator().manual_seed(4)))
-    layer.forward_with_router(one, router)
-    assert kernel.calls == 0

@@ -84,10 +84,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The router reads the post-attention norm first: it may compute the norm itself
-        # (MoeDecoderLayer.norm_consumers) and hand the experts its output; at one token the
-        # platform's kernel may then give the routing in the router's launch (forward_with_router).
-        out = self.experts.forward_with_router(x, self.gate)
+        # (MoeDecoderLayer.norm_consumers) and hand the experts its output.
+        logits = self.gate(x)
         x = normed_tensor(x)
+        out = self.experts(x, logits)
         if self.shared_expert is not None:
             assert self.shared_expert_gate is not None
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

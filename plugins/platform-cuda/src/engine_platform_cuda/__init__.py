@@ -30,9 +30,6 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # The sampler's greedy argmax as one Triton launch (``argmax.py``); off: torch.argmax. Off by default:
     # less device time, more host time a call, and not yet measured end to end (docs/platforms.md).
     "argmax": False,
-    # MoE layers at one token: the router's skinny GEMM (norm folded in) and the softmax top-k in one launch
-    # (``router_topk.py``; with pdl and norm_fusion); off: two launches.
-    "router_topk": True,
 }
 _OPTION_HELP = {
     "gemv": "Triton skinny GEMM for unquantized linear layers at few rows (off: F.linear / cuBLAS)",
@@ -53,9 +50,6 @@ _OPTION_HELP = {
                       "pipeline parallelism; a number applies to every decode graph",
     "argmax": "greedy sampling's argmax over the vocabulary as one Triton launch (about 3.5 against 9.4 us of "
               "device time at batch 1 on an H100, but about 60 against 17 us of host time a call); off: torch.argmax",
-    "router_topk": "MoE layers at one token: the router's logits (its skinny GEMM with the post-attention "
-                   "RMSNorm folded in) and the softmax top-k in one launch, the same ids and weights (sm_90+, with "
-                   "cuda.pdl and cuda.norm_fusion on; off: the top-k's own launch)",
 }
 
 

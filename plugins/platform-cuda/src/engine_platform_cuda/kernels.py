@@ -183,8 +183,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool = False,
-                  norm_fusion: bool = False, pdl_preload: int | None = None, argmax: bool = False,
-                  router_topk: bool = True) -> dict[str, Any]:
+                  norm_fusion: bool = False, pdl_preload: int | None = None, argmax: bool = False) -> dict[str, Any]:
     """The kernels by ``Platform.layer_kernels`` name; ``linear`` (the skinny GEMM of ``gemv``,
     taken by unquantized linear layers for inputs of at most ``gemv_max_rows`` rows) only when
     ``gemv_max_rows`` > 0; ``qkv_prologue`` (``prologue.py``: q/k norm, rotary and the KV store
@@ -200,18 +199,12 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
     ``gemv.norm_skinny_linear``), so the layer SDK skips the norm's launch where it takes the rows.
 
     ``pdl_preload``: with PDL, the K steps of weights each skinny-GEMM program requests before its
-    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's.
-
-    ``router_topk`` (``router_topk.RouterTopK``: a MoE router's logits, its RMSNorm folded in, and
-    the softmax top-k of one token in one launch, for ``FusedMoE.forward_with_router``): offered
-    where the router's norm-fused GEMM runs with PDL, i.e. with ``pdl``, ``norm_fusion`` and the
-    skinny GEMM, unless ``router_topk`` is False."""
+    wait (``GemvRule.fma_pdl_steps``); None keeps the rule's."""
     from dataclasses import replace
 
     from engine_platform_cuda.argmax import argmax_rows
     from engine_platform_cuda.gemv import RULE, SkinnyLinear
     from engine_platform_cuda.prologue import qkv_prologue as prologue_kernel
-    from engine_platform_cuda.router_topk import RouterTopK
 
     # Layers with Triton kernels of their own (the MoE experts) read the flag itself.
     kernels: dict[str, Any] = {"pdl": pdl}
@@ -225,8 +218,6 @@ def layer_kernels(gemv_max_rows: int = 8, qkv_prologue: bool = True, pdl: bool =
     if gemv_max_rows > 0:
         rule = RULE if pdl_preload is None else replace(RULE, fma_pdl_steps=pdl_preload)
         kernels["linear"] = SkinnyLinear(max_rows=gemv_max_rows, pdl=pdl, norm_fusion=norm_fusion, rule=rule)
-        if router_topk and pdl and norm_fusion:
-            kernels["router_topk"] = RouterTopK(kernels["linear"])
     if qkv_prologue:
         kernels["qkv_prologue"] = functools.partial(prologue_kernel, pdl=True) if kernels["pdl"] else prologue_kernel
     return kernels

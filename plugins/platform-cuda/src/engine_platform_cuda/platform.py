@@ -126,9 +126,8 @@ class CudaPlatform(TorchCudaPlatform):
         """Fused Triton kernels (RMSNorm+residual, SiLU-and-mul, in-place rotary, KV store), unless
         ``cuda.qkv_prologue`` is off the decode-step attention prologue ``qkv_prologue``, unless
         ``cuda.gemv`` is off the skinny GEMM ``linear`` for unquantized linear layers (with the
-        RMSNorm before it folded in unless ``cuda.norm_fusion`` is off), with ``cuda.argmax`` on
-        the sampler's greedy ``argmax``, and with PDL and norm fusion, unless ``cuda.router_topk`` is
-        off, the MoE router's logits and top-k in one launch (``router_topk``)."""
+        RMSNorm before it folded in unless ``cuda.norm_fusion`` is off), and with ``cuda.argmax`` on
+        the sampler's greedy ``argmax``."""
         import importlib.util
 
         if importlib.util.find_spec("triton") is None:
@@ -140,7 +139,7 @@ class CudaPlatform(TorchCudaPlatform):
         pdl = self.options["pdl"] and self.is_available() and supports_pdl()
         return layer_kernels(gemv_max_rows=rows, qkv_prologue=self.options["qkv_prologue"], pdl=pdl,
                              norm_fusion=self.options["norm_fusion"], pdl_preload=self.options["pdl_preload"],
-                             argmax=self.options["argmax"], router_topk=self.options["router_topk"])
+                             argmax=self.options["argmax"])
 
     def decode_capture_context(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[Any]:
         """With ``cuda.l2_prefetch_mb`` on an sm_90+ GPU: each layer's capture also stages the next
@@ -193,7 +192,7 @@ def _parse_options(options: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"plugin_options: unknown option 'cuda.{unknown[0]}'; declared: "
                           + ", ".join(f"cuda.{k}" for k in DEFAULT_OPTIONS))
     parsed = {**DEFAULT_OPTIONS, **options}
-    for key in ("gemv", "qkv_prologue", "pdl", "norm_fusion", "argmax", "router_topk"):
+    for key in ("gemv", "qkv_prologue", "pdl", "norm_fusion", "argmax"):
         if not isinstance(parsed[key], bool):
             raise ConfigError(f"plugin_options: cuda.{key}: invalid value {parsed[key]!r}; "
                               "accepted: on/true or off/false")

@@ -10,9 +10,6 @@ CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this ra
 and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
 method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batches
 of 1-2 tokens (``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
-``forward_with_router`` takes the router layer too: at one token whose post-attention norm the
-router computes (norm fusion), a platform's ``router_topk`` kernel gives its logits and the routing
-in one launch.
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
@@ -38,8 +35,7 @@ from engine.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from engine.layers.layernorm import PendingNorm, normed_tensor
-from engine.layers.linear import UnquantizedLinearMethod, set_weight_attrs
+from engine.layers.linear import set_weight_attrs
 from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.reference import fused_moe_reference
 from engine.layers.moe.route_align import route_align_applies, route_and_align, to_local_expert_ids
@@ -134,9 +130,6 @@ class FusedMoE(nn.Module):
         #: Programmatic dependent launch for the router's top-k and the small-batch expert launches
         #: (the platform's ``pdl`` layer-kernel entry, ``use_kernels``); quant methods pass it on.
         self.pdl = False
-        #: The platform's ``router_topk`` layer kernel (``use_kernels``): the router's logits and the
-        #: softmax top-k of one token in one launch (``forward_with_router``); None: two launches.
-        self.router_topk: Any = None
         self.tp_size = get_tensor_model_parallel_world_size()
         tp_rank = get_tensor_model_parallel_rank()
         self.ep_size = get_expert_parallel_world_size()
@@ -156,10 +149,8 @@ class FusedMoE(nn.Module):
                                          params_dtype or torch.get_default_dtype(), self.weight_loader)
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's ``pdl`` entry (whether its kernels may use programmatic dependent
-        launch) and its ``router_topk`` kernel, if any (``forward_with_router``)."""
+        """Takes the platform's ``pdl`` entry: whether its kernels may use programmatic dependent launch."""
         self.pdl = bool(kernels.get("pdl", False))
-        self.router_topk = kernels.get("router_topk")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int, shard_id: str) -> None:
         """Copies checkpoint tensor ``loaded`` (expert ``expert_id``'s ``w1``, ``w3`` or ``w2``,
@@ -205,32 +196,11 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         block_m = self._route_align_block_m(router_logits)
         if block_m is not None:
-            topk_weights, topk_ids, blocks = route_and_align(
+            topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
-            return self._experts(hidden, topk_weights, topk_ids, blocks)
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
-        return self._experts(hidden, topk_weights, self.local_expert_ids(topk_ids))
-
-    def forward_with_router(self, x: torch.Tensor | PendingNorm, router: nn.Module) -> torch.Tensor:
-        """``forward(normed_tensor(x), router(x))``: the router (the linear layer giving each token's
-        expert logits, to which the RMSNorm before it may have handed ``x`` unnormalized, a
-        ``PendingNorm``), then the experts. Where the platform's ``router_topk`` kernel takes the
-        router's input (one token whose norm an unquantized router computes: the size at which
-        ``forward`` routes with ``select_experts``), its logits and the routing come from that one
-        launch instead of two, the same values."""
-        kernel = self.router_topk
-        if (kernel is not None and isinstance(x, PendingNorm)
-                and isinstance(getattr(router, "quant_method", None), UnquantizedLinearMethod)
-                and kernel.takes(x, router.weight, router.bias, self.top_k)):
-            _, topk_weights, topk_ids = kernel(x, router.weight, router.bias, self.top_k, self.renormalize)
-            return self._experts(x.normed, topk_weights, self.local_expert_ids(topk_ids))
-        return self.forward(normed_tensor(x), router(x))
-
-    def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 blocks: ExpertBlocks | None = None) -> torch.Tensor:
-        """The quant method's experts on routed tokens (``topk_ids``: this rank's ids; ``blocks``:
-        their alignment when the routing computed it), all-reduced over the tensor-parallel group."""
-        self.expert_blocks = blocks
+        else:
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
+            topk_ids = self.local_expert_ids(topk_ids)
         try:
             out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         finally:

@@ -8,10 +8,6 @@ arg-max and writes them, optionally renormalised, highest first.
 Ties: of equal probabilities the lower expert id is taken first (``torch.topk`` leaves the
 order of equal values unspecified, so both agree wherever the torch result is defined).
 Selection is on the float32 probabilities, as in the torch version, not on the logits.
-
-``softmax_topk_rows`` (the arithmetic) and ``topk_num_warps`` (the warps it runs on) are the kernel
-SDK's: kernels that route inside a launch of their own (``route_align_kernel``, a platform's router
-with the top-k folded in) call the same code, so their weights and ids are this kernel's.
 """
 
 from __future__ import annotations
@@ -21,20 +17,12 @@ import triton
 import triton.language as tl
 
 
-def topk_num_warps(block_e: int) -> int:
-    """Warps of ``select_experts_triton``'s launch for ``block_e`` (the experts rounded up to a power
-    of two). The float32 sums of ``softmax_topk_rows`` are reduced in the register layout these give
-    a ``[1, block_e]`` row, so a kernel that must reproduce its weights bit for bit reads this."""
-    return 1 if block_e <= 128 else 4 if block_e <= 1024 else 8
-
-
 @triton.jit
-def softmax_topk_rows(logits, in_range, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _softmax_topk_rows(logits, in_range, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Softmax top-k of each row of a ``[rows, BLOCK_E]`` float32 tile (``in_range``: the lanes
     that are experts) -> ``(weights, ids)``, ``[rows, BLOCK_K]``, the first ``TOP_K`` columns
-    used, highest weight first. Shared with the fused router (``route_align_kernel``) and the cuda
-    platform's router with the top-k folded in (``engine_platform_cuda.router_topk``)."""
+    used, highest weight first. Shared with the fused router (``route_align_kernel``)."""
     shifted = logits - tl.max(tl.where(in_range, logits, -float("inf")), axis=1)[:, None]
     numer = tl.where(in_range, tl.exp(shifted), 0.0)
     probs = numer / tl.sum(numer, axis=1)[:, None]
@@ -79,7 +67,7 @@ def _softmax_topk_kernel(
     offs_e = tl.arange(0, BLOCK_E)[None, :]
     in_range = offs_e < num_experts
     logits = tl.load(logits_ptr + token * stride_lt + offs_e * stride_le, mask=in_range, other=0.0).to(tl.float32)
-    top_w, top_ids = softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    top_w, top_ids = _softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     out_ok = offs_k < TOP_K
     tl.store(weights_ptr + token * TOP_K + offs_k, top_w, mask=out_ok)
@@ -103,6 +91,6 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     _softmax_topk_kernel[(tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0), router_logits.stride(1),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
-        num_warps=topk_num_warps(block_e), launch_pdl=pdl,
+        num_warps=1 if block_e <= 128 else 4 if block_e <= 1024 else 8, launch_pdl=pdl,
     )
     return weights, ids
