@@ -28,7 +28,9 @@ two reads of one copy).
 
 Variants: ``stream`` (no barriers: the bytes alone), ``sync`` (barriers, nothing loaded early),
 ``preload`` (barriers, first tiles early), ``sync_only`` (barriers and hops, no weight bytes: what
-the structure costs by itself). Prints one JSON line per variant: the step's median time, its share
+the structure costs by itself). At these barriers every thread polls; ``sync1``, ``preload1`` and
+``sync1_only`` are the same with thread 0 alone arriving and polling (inline PTX) while the
+program's other threads wait at the CTA barrier. Prints one JSON line per variant: the step's median time, its share
 of the roofline (the step's weight bytes at ``--bandwidth``), and us per layer.
 
 usage: python3 scripts/bench_persistent_floor.py [MODEL_DIR] [--variants stream,sync,preload,sync_only]
@@ -43,7 +45,7 @@ import pathlib
 import sys
 import time
 
-VARIANTS = ("stream", "sync", "preload", "sync_only")
+VARIANTS = ("stream", "sync", "preload", "sync_only", "sync1", "preload1", "sync1_only")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 try:
@@ -86,11 +88,35 @@ if triton is not None:
         return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                          is_pure=False, pack=1)
 
+    # Thread 0 of the program arrives (a release add) and spins on acquire loads (at most
+    # ``$3`` polls); the other threads skip to the end. Returns the count thread 0 last saw (the
+    # target elsewhere). Labels inside braces are local to the block, so it can be inlined often.
+    _ONE_THREAD_SYNC = tl.constexpr("""{
+      .reg .pred p_other, p_wait, p_more;
+      .reg .b32 r_tid, r_n;
+      mov.u32 $0, $2;
+      mov.u32 r_tid, %tid.x;
+      setp.ne.u32 p_other, r_tid, 0;
+      @p_other bra DONE;
+      red.release.gpu.global.add.s32 [$1], 1;
+      mov.u32 r_n, 0;
+      WAIT:
+      ld.acquire.gpu.global.b32 $0, [$1];
+      add.u32 r_n, r_n, 1;
+      setp.lt.s32 p_wait, $0, $2;
+      setp.lt.u32 p_more, r_n, $3;
+      and.pred p_wait, p_wait, p_more;
+      @p_wait bra WAIT;
+      DONE:
+    }""")
+
     @triton.jit
     def _grid_sync(bar_ptr, flag_ptr, target, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr):
-        # Every thread's stores before the CTA barrier, then one release add; acquire polls until all
-        # programs arrived. A poll count past MAX_SPIN sets the flag and goes on (no hang).
-        if SYNC:
+        # SYNC 1: every thread's stores before the CTA barrier, then one release add (Triton's
+        # scalar atomic) and acquire polls by every thread until all programs arrived. SYNC 2: the
+        # add and the polls by thread 0 alone (inline PTX), the CTA barrier after. A poll count past
+        # MAX_SPIN sets the flag and goes on (no hang).
+        if SYNC == 1:
             tl.debug_barrier()
             tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
             cur = _ld_acquire(bar_ptr)
@@ -98,6 +124,13 @@ if triton is not None:
             while (cur < target) & (spins < MAX_SPIN):
                 cur = _ld_acquire(bar_ptr)
                 spins += 1
+            if cur < target:
+                tl.store(flag_ptr, 1)
+            tl.debug_barrier()
+        elif SYNC == 2:
+            tl.debug_barrier()
+            cur = tl.inline_asm_elementwise(_ONE_THREAD_SYNC, "=r,l,r,r", [bar_ptr, target, tl.full([], MAX_SPIN, tl.int32)], dtype=tl.int32,
+                                            is_pure=False, pack=1)
             if cur < target:
                 tl.store(flag_ptr, 1)
             tl.debug_barrier()
@@ -215,12 +248,14 @@ def launch_args(bufs: dict, elems: dict, variant: str, hops: int, tile: int, blo
     """The kernel's run-time arguments and constexprs for ``variant``."""
     if variant not in VARIANTS:
         raise ValueError(f"bench_persistent_floor: variant {variant!r}; accepted: {', '.join(VARIANTS)}")
-    no_bytes = variant == "sync_only"
+    no_bytes = variant.endswith("_only")
     n = {s: 0 if no_bytes else elems[s] for s in ("qkv", "o", "router", "gate_up", "down", "lm_head")}
     args = (bufs["qkv"], bufs["o"], bufs["router"], bufs["gate_up"], bufs["down"], bufs["lm_head"], bufs["scratch"],
             bufs["bar"], bufs["flag"], elems["layers"], n["qkv"], n["o"], n["router"], n["gate_up"], n["down"],
             n["lm_head"])
-    consts = {"SETS": sets, "HOPS": hops, "SYNC": variant != "stream", "PRELOAD": variant == "preload",
+    one = variant.startswith(("sync1", "preload1"))  # thread 0 alone arrives and polls
+    consts = {"SETS": sets, "HOPS": hops, "SYNC": 0 if variant == "stream" else 2 if one else 1,
+              "PRELOAD": variant.startswith("preload"),
               "TILE": tile, "BLOCK": block, "MAX_SPIN": max_spin}
     return args, consts
 

@@ -75,10 +75,11 @@ def test_skeleton_compiles_for_sm90_to_what_it_claims() -> None:
 
     facts = compiled_facts(__file__, timeout=600)
     assert facts["stream"]["acquire_polls"] == 0 and facts["stream"]["release_adds"] == 0
-    for variant in ("sync", "preload", "sync_only"):
+    for variant in ("sync", "preload", "sync_only", "sync1", "preload1", "sync1_only"):
         assert facts[variant]["acquire_polls"] > 0 and facts[variant]["release_adds"] > 0, (variant, facts)
     assert all(f["spill_bytes"] == 0 for f in facts.values()), facts
     assert facts["preload"]["v4_loads_before_first_poll"] > facts["sync"]["v4_loads_before_first_poll"] > 0, facts
+    assert facts["preload1"]["v4_loads_before_first_poll"] > facts["sync1"]["v4_loads_before_first_poll"] > 0, facts
 
 
 def _compile_facts() -> dict[str, dict[str, int]]:
@@ -91,12 +92,15 @@ def _compile_facts() -> dict[str, dict[str, int]]:
     types.update({n: "i32" for n in ("n_layers", *sizes)})
     out = {}
     for variant in module.VARIANTS:
-        consts = {"SETS": 4, "HOPS": 3, "SYNC": variant != "stream", "PRELOAD": variant == "preload",
-                  "TILE": 4096, "BLOCK": 1024, "MAX_SPIN": 1 << 16}
+        _, consts = module.launch_args(dict.fromkeys(("qkv", "o", "router", "gate_up", "down", "lm_head",
+                                                      "scratch", "bar", "flag")),
+                                       dict.fromkeys(("qkv", "o", "router", "gate_up", "down", "lm_head", "layers"), 1),
+                                       variant, hops=3, tile=4096, block=1024, sets=4, max_spin=1 << 16)
         ptx = compile_kernel(module._skeleton_kernel, types, consts, num_warps=4, divisible=sizes).asm["ptx"]
         first_poll = ptx.find("ld.acquire")
         out[variant] = {"acquire_polls": ptx.count("ld.acquire.gpu"),
-                        "release_adds": len(re.findall(r"atom\.global\.gpu\.release|atom\.release\.gpu", ptx)),
+                        "release_adds": len(re.findall(r"(?:atom|red)(?:\.global)?(?:\.gpu)?\.release|"
+                                                       r"(?:atom|red)\.release\.gpu", ptx)),
                         "v4_loads_before_first_poll": len(re.findall(_V4_LOAD, ptx[:first_poll])) if first_poll >= 0
                         else -1,
                         "spill_bytes": spill_bytes(ptx)}
