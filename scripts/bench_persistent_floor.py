@@ -21,8 +21,9 @@ shared memory), each taking a contiguous, equal share of every stage's bytes. Pe
 
 After the last layer: the final norm's hop and the LM head (stream ``V x H``), barrier. A stage's
 first tile (``tile`` bf16 values a program, issued as 16-byte loads) of the weights known before the
-barrier that precedes it (qkv, output projection, router, down) is loaded BEFORE that barrier with
-``--preload`` (registers only: what Triton can hold across a barrier without shared memory).
+barrier that precedes it (qkv, output projection, router, down) is requested inside that barrier with
+``--preload`` (registers only: what Triton can hold across a barrier without shared memory), between
+the barrier's arrive and its wait.
 Weights come from ``--sets`` copies of a layer's buffers taken in turn (more bytes than L2 between
 two reads of one copy).
 
@@ -88,17 +89,30 @@ if triton is not None:
         return tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
                                          is_pure=False, pack=1)
 
-    # Thread 0 of the program arrives (a release add) and spins on acquire loads (at most
-    # ``$3`` polls); the other threads skip to the end. Returns the count thread 0 last saw (the
-    # target elsewhere). Labels inside braces are local to the block, so it can be inlined often.
-    _ONE_THREAD_SYNC = tl.constexpr("""{
+    # Split-phase grid barrier: ``_arrive`` after a stage's stores, ``_wait`` before the next
+    # stage's dependent loads; a preload goes between them (a release orders every memory access
+    # before it, so a load issued before the arrive would hold the arrive back until it completed).
+    # SYNC 1: Triton's scalar release add, acquire polls by every thread. SYNC 2: thread 0 alone
+    # adds (``red``) and polls, in inline PTX (labels inside braces are local to the block, so it
+    # can be inlined many times), the CTA barrier holding the other threads. A poll count past
+    # MAX_SPIN sets the flag and goes on (no hang).
+    _ARRIVE_ONE = tl.constexpr("""{
+      .reg .pred p_other;
+      .reg .b32 r_tid;
+      mov.u32 $0, 0;
+      mov.u32 r_tid, %tid.x;
+      setp.ne.u32 p_other, r_tid, 0;
+      @p_other bra SKIP;
+      red.release.gpu.global.add.s32 [$1], 1;
+      SKIP:
+    }""")
+    _WAIT_ONE = tl.constexpr("""{
       .reg .pred p_other, p_wait, p_more;
       .reg .b32 r_tid, r_n;
       mov.u32 $0, $2;
       mov.u32 r_tid, %tid.x;
       setp.ne.u32 p_other, r_tid, 0;
       @p_other bra DONE;
-      red.release.gpu.global.add.s32 [$1], 1;
       mov.u32 r_n, 0;
       WAIT:
       ld.acquire.gpu.global.b32 $0, [$1];
@@ -111,14 +125,17 @@ if triton is not None:
     }""")
 
     @triton.jit
-    def _grid_sync(bar_ptr, flag_ptr, target, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr):
-        # SYNC 1: every thread's stores before the CTA barrier, then one release add (Triton's
-        # scalar atomic) and acquire polls by every thread until all programs arrived. SYNC 2: the
-        # add and the polls by thread 0 alone (inline PTX), the CTA barrier after. A poll count past
-        # MAX_SPIN sets the flag and goes on (no hang).
+    def _arrive(bar_ptr, SYNC: tl.constexpr):
         if SYNC == 1:
             tl.debug_barrier()
             tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        elif SYNC == 2:
+            tl.debug_barrier()
+            tl.inline_asm_elementwise(_ARRIVE_ONE, "=r,l", [bar_ptr], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wait(bar_ptr, flag_ptr, target, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr):
+        if SYNC == 1:
             cur = _ld_acquire(bar_ptr)
             spins = tl.full([], 0, tl.int32)
             while (cur < target) & (spins < MAX_SPIN):
@@ -128,12 +145,16 @@ if triton is not None:
                 tl.store(flag_ptr, 1)
             tl.debug_barrier()
         elif SYNC == 2:
-            tl.debug_barrier()
-            cur = tl.inline_asm_elementwise(_ONE_THREAD_SYNC, "=r,l,r,r", [bar_ptr, target, tl.full([], MAX_SPIN, tl.int32)], dtype=tl.int32,
-                                            is_pure=False, pack=1)
+            cur = tl.inline_asm_elementwise(_WAIT_ONE, "=r,l,r,r", [bar_ptr, target, tl.full([], MAX_SPIN, tl.int32)],
+                                            dtype=tl.int32, is_pure=False, pack=1)
             if cur < target:
                 tl.store(flag_ptr, 1)
             tl.debug_barrier()
+
+    @triton.jit
+    def _grid_sync(bar_ptr, flag_ptr, target, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr):
+        _arrive(bar_ptr, SYNC)
+        _wait(bar_ptr, flag_ptr, target, SYNC, MAX_SPIN)
 
     @triton.jit
     def _share(n, pid, P, BLOCK: tl.constexpr):
@@ -191,10 +212,11 @@ if triton is not None:
             if not PRELOAD:
                 t_qkv = _first_tile(qkv_ptr + s * n_qkv, n_qkv, pid, P, TILE, BLOCK)
             acc = _stream(qkv_ptr + s * n_qkv, n_qkv, pid, P, t_qkv, TILE, BLOCK)
+            tl.store(scratch_ptr + pid, acc + x)
+            _arrive(bar_ptr, SYNC)
             if PRELOAD:
                 t_o = _first_tile(o_ptr + s * n_o, n_o, pid, P, TILE, BLOCK)
-            tl.store(scratch_ptr + pid, acc + x)
-            _grid_sync(bar_ptr, flag_ptr, (base + 1) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, (base + 1) * P, SYNC, MAX_SPIN)
             for h in tl.static_range(HOPS):
                 _hop(scratch_ptr, h, h + 1, pid, P, 1.0)
                 _grid_sync(bar_ptr, flag_ptr, (base + 2 + h) * P, SYNC, MAX_SPIN)
@@ -202,10 +224,11 @@ if triton is not None:
             if not PRELOAD:
                 t_o = _first_tile(o_ptr + s * n_o, n_o, pid, P, TILE, BLOCK)
             acc = _stream(o_ptr + s * n_o, n_o, pid, P, t_o, TILE, BLOCK)
+            tl.store(scratch_ptr + S_O * P + pid, acc + x)
+            _arrive(bar_ptr, SYNC)
             if PRELOAD:
                 t_r = _first_tile(r_ptr + s * n_r, n_r, pid, P, TILE, BLOCK)
-            tl.store(scratch_ptr + S_O * P + pid, acc + x)
-            _grid_sync(bar_ptr, flag_ptr, (base + 2 + HOPS) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, (base + 2 + HOPS) * P, SYNC, MAX_SPIN)
             x = tl.load(scratch_ptr + S_O * P + (pid + 1) % P)
             if not PRELOAD:
                 t_r = _first_tile(r_ptr + s * n_r, n_r, pid, P, TILE, BLOCK)
@@ -224,18 +247,20 @@ if triton is not None:
             e = (layer + (picked > 3.0e38).to(tl.int32)) % SETS
             acc = _stream(gu_ptr + e * n_gu, n_gu, pid, P, _first_tile(gu_ptr + e * n_gu, n_gu, pid, P, TILE, BLOCK),
                           TILE, BLOCK)
+            tl.store(scratch_ptr + S_GU * P + pid, acc + picked)
+            _arrive(bar_ptr, SYNC)
             if PRELOAD:
                 t_dn = _first_tile(dn_ptr + e * n_dn, n_dn, pid, P, TILE, BLOCK)
-            tl.store(scratch_ptr + S_GU * P + pid, acc + picked)
-            _grid_sync(bar_ptr, flag_ptr, (base + 4 + HOPS) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, (base + 4 + HOPS) * P, SYNC, MAX_SPIN)
             x = tl.load(scratch_ptr + S_GU * P + (pid + 1) % P)
             if not PRELOAD:
                 t_dn = _first_tile(dn_ptr + e * n_dn, n_dn, pid, P, TILE, BLOCK)
             acc = _stream(dn_ptr + e * n_dn, n_dn, pid, P, t_dn, TILE, BLOCK)
+            tl.store(scratch_ptr + S_DN * P + pid, acc + x)
+            _arrive(bar_ptr, SYNC)
             if PRELOAD:
                 t_qkv = _first_tile(qkv_ptr + ((layer + 1) % SETS) * n_qkv, n_qkv, pid, P, TILE, BLOCK)
-            tl.store(scratch_ptr + S_DN * P + pid, acc + x)
-            _grid_sync(bar_ptr, flag_ptr, (base + 5 + HOPS) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, (base + 5 + HOPS) * P, SYNC, MAX_SPIN)
         # The final norm's hop, then the LM head.
         x = tl.load(scratch_ptr + S_DN * P + (pid + 1) % P)
         acc = _stream(lm_ptr, n_lm, pid, P, _first_tile(lm_ptr, n_lm, pid, P, TILE, BLOCK), TILE, BLOCK)

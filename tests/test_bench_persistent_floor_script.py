@@ -2,7 +2,8 @@
 status 2 (also where no GPU is: the kernel runs only there), its roofline for the Qwen3-30B-A3B
 shape is docs/moe.md's 2.01 ms, and its skeleton kernel compiles for an H100 (sm_90) to what it
 claims: acquire polls and a release add at each barrier (none without barriers), no register spills,
-and with ``preload`` more weight loads issued before the first barrier's poll than without.
+and with ``preload`` weight loads issued between the first barrier's arrive and its first poll (none
+there without).
 
 The file doubles as the script that compiles (``engine.testing.aot``), run without the interpreter."""
 
@@ -80,6 +81,10 @@ def test_skeleton_compiles_for_sm90_to_what_it_claims() -> None:
     assert all(f["spill_bytes"] == 0 for f in facts.values()), facts
     assert facts["preload"]["v4_loads_before_first_poll"] > facts["sync"]["v4_loads_before_first_poll"] > 0, facts
     assert facts["preload1"]["v4_loads_before_first_poll"] > facts["sync1"]["v4_loads_before_first_poll"] > 0, facts
+    # The preloads sit between the arrive (release) and the wait (first poll), not before the arrive.
+    for sync, preload in (("sync", "preload"), ("sync1", "preload1")):
+        assert facts[sync]["v4_loads_inside_first_barrier"] == 0, facts
+        assert facts[preload]["v4_loads_inside_first_barrier"] > 0, facts
 
 
 def _compile_facts() -> dict[str, dict[str, int]]:
@@ -98,11 +103,14 @@ def _compile_facts() -> dict[str, dict[str, int]]:
                                        variant, hops=3, tile=4096, block=1024, sets=4, max_spin=1 << 16)
         ptx = compile_kernel(module._skeleton_kernel, types, consts, num_warps=4, divisible=sizes).asm["ptx"]
         first_poll = ptx.find("ld.acquire")
+        release = re.search(r"(?:atom|red)(?:\.global)?(?:\.gpu)?\.release|(?:atom|red)\.release\.gpu", ptx)
+        inside = ptx[release.start():first_poll] if release and first_poll >= 0 else ""
         out[variant] = {"acquire_polls": ptx.count("ld.acquire.gpu"),
                         "release_adds": len(re.findall(r"(?:atom|red)(?:\.global)?(?:\.gpu)?\.release|"
                                                        r"(?:atom|red)\.release\.gpu", ptx)),
                         "v4_loads_before_first_poll": len(re.findall(_V4_LOAD, ptx[:first_poll])) if first_poll >= 0
                         else -1,
+                        "v4_loads_inside_first_barrier": len(re.findall(_V4_LOAD, inside)),
                         "spill_bytes": spill_bytes(ptx)}
     return out
 
