@@ -31,11 +31,14 @@ Variants: ``stream`` (no barriers: the bytes alone), ``sync`` (barriers, nothing
 ``preload`` (barriers, first tiles early), ``sync_only`` (barriers and hops, no weight bytes: what
 the structure costs by itself). At these barriers every thread polls; ``sync1``, ``preload1`` and
 ``sync1_only`` are the same with thread 0 alone arriving and polling (inline PTX) while the
-program's other threads wait at the CTA barrier. Prints one JSON line per variant: the step's median time, its share
+program's other threads wait at the CTA barrier. ``syncf``, ``preloadf`` and ``syncf_only``: a flag a
+program instead of one counter; thread 0 stores the barrier's number to its program's flag with
+release semantics (no read-modify-write on one address), and every thread acquire-polls some of
+the flags until the program's minimum reaches it. Prints one JSON line per variant: the step's median time, its share
 of the roofline (the step's weight bytes at ``--bandwidth``), and us per layer.
 
 usage: python3 scripts/bench_persistent_floor.py [MODEL_DIR] [--variants stream,sync,preload,sync_only]
-       [--programs-per-sm 2 4] [--attention-hops 3] [--tile 4096] [--num-warps 4] [--result-file out.jsonl]
+       [--programs-per-sm 1 2] [--attention-hops 3] [--tile 8192] [--num-warps 8] [--result-file out.jsonl]
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import pathlib
 import sys
 import time
 
-VARIANTS = ("stream", "sync", "preload", "sync_only", "sync1", "preload1", "sync1_only")
+VARIANTS = ("stream", "sync", "preload", "sync_only", "sync1", "preload1", "sync1_only", "syncf", "preloadf",
+            "syncf_only")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 try:
@@ -124,18 +128,34 @@ if triton is not None:
       DONE:
     }""")
 
-    @triton.jit
-    def _arrive(bar_ptr, SYNC: tl.constexpr):
-        if SYNC == 1:
-            tl.debug_barrier()
-            tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
-        elif SYNC == 2:
-            tl.debug_barrier()
-            tl.inline_asm_elementwise(_ARRIVE_ONE, "=r,l", [bar_ptr], dtype=tl.int32, is_pure=False, pack=1)
+    _STORE_ONE = tl.constexpr("""{
+      .reg .pred p_other;
+      .reg .b32 r_tid;
+      mov.u32 $0, 0;
+      mov.u32 r_tid, %tid.x;
+      setp.ne.u32 p_other, r_tid, 0;
+      @p_other bra SKIP;
+      st.release.gpu.global.b32 [$1], $2;
+      SKIP:
+    }""")
 
     @triton.jit
-    def _wait(bar_ptr, flag_ptr, target, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr):
+    def _arrive(bar_ptr, pid, k, SYNC: tl.constexpr):
+        # Barrier ``k`` (1, 2, ... in the launch). SYNC 1 and 2 add to one counter (target k x P);
+        # SYNC 3 stores k to the program's own flag (no read-modify-write on one address).
+        if SYNC != 0:
+            tl.debug_barrier()
         if SYNC == 1:
+            tl.atomic_add(bar_ptr, 1, sem="release", scope="gpu")
+        elif SYNC == 2:
+            tl.inline_asm_elementwise(_ARRIVE_ONE, "=r,l", [bar_ptr], dtype=tl.int32, is_pure=False, pack=1)
+        elif SYNC == 3:
+            tl.inline_asm_elementwise(_STORE_ONE, "=r,l,r", [bar_ptr + pid, k], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def _wait(bar_ptr, flag_ptr, k, pid, P, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr, PW: tl.constexpr):
+        if SYNC == 1:
+            target = k * P
             cur = _ld_acquire(bar_ptr)
             spins = tl.full([], 0, tl.int32)
             while (cur < target) & (spins < MAX_SPIN):
@@ -143,18 +163,30 @@ if triton is not None:
                 spins += 1
             if cur < target:
                 tl.store(flag_ptr, 1)
-            tl.debug_barrier()
         elif SYNC == 2:
+            target = k * P
             cur = tl.inline_asm_elementwise(_WAIT_ONE, "=r,l,r,r", [bar_ptr, target, tl.full([], MAX_SPIN, tl.int32)],
                                             dtype=tl.int32, is_pure=False, pack=1)
             if cur < target:
                 tl.store(flag_ptr, 1)
+        elif SYNC == 3:
+            # Every thread acquire-loads some programs' flags; the CTA's minimum decides.
+            offs = tl.arange(0, PW)
+            ptrs = bar_ptr + tl.where(offs < P, offs, 0)
+            low = tl.min(_ld_acquire(ptrs), axis=0)
+            spins = tl.full([], 0, tl.int32)
+            while (low < k) & (spins < MAX_SPIN):
+                low = tl.min(_ld_acquire(ptrs), axis=0)
+                spins += 1
+            if low < k:
+                tl.store(flag_ptr, 1)
+        if SYNC != 0:
             tl.debug_barrier()
 
     @triton.jit
-    def _grid_sync(bar_ptr, flag_ptr, target, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr):
-        _arrive(bar_ptr, SYNC)
-        _wait(bar_ptr, flag_ptr, target, SYNC, MAX_SPIN)
+    def _grid_sync(bar_ptr, flag_ptr, k, pid, P, SYNC: tl.constexpr, MAX_SPIN: tl.constexpr, PW: tl.constexpr):
+        _arrive(bar_ptr, pid, k, SYNC)
+        _wait(bar_ptr, flag_ptr, k, pid, P, SYNC, MAX_SPIN, PW)
 
     @triton.jit
     def _share(n, pid, P, BLOCK: tl.constexpr):
@@ -192,7 +224,8 @@ if triton is not None:
     def _skeleton_kernel(qkv_ptr, o_ptr, r_ptr, gu_ptr, dn_ptr, lm_ptr, scratch_ptr, bar_ptr, flag_ptr,
                          n_layers, n_qkv, n_o, n_r, n_gu, n_dn, n_lm,
                          SETS: tl.constexpr, HOPS: tl.constexpr, SYNC: tl.constexpr, PRELOAD: tl.constexpr,
-                         TILE: tl.constexpr, BLOCK: tl.constexpr, MAX_SPIN: tl.constexpr):
+                         TILE: tl.constexpr, BLOCK: tl.constexpr, MAX_SPIN: tl.constexpr,
+                         PW: tl.constexpr):
         pid = tl.program_id(0)
         P = tl.num_programs(0)
         NB: tl.constexpr = 5 + HOPS  # barriers a layer
@@ -213,28 +246,28 @@ if triton is not None:
                 t_qkv = _first_tile(qkv_ptr + s * n_qkv, n_qkv, pid, P, TILE, BLOCK)
             acc = _stream(qkv_ptr + s * n_qkv, n_qkv, pid, P, t_qkv, TILE, BLOCK)
             tl.store(scratch_ptr + pid, acc + x)
-            _arrive(bar_ptr, SYNC)
+            _arrive(bar_ptr, pid, base + 1, SYNC)
             if PRELOAD:
                 t_o = _first_tile(o_ptr + s * n_o, n_o, pid, P, TILE, BLOCK)
-            _wait(bar_ptr, flag_ptr, (base + 1) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, base + 1, pid, P, SYNC, MAX_SPIN, PW)
             for h in tl.static_range(HOPS):
                 _hop(scratch_ptr, h, h + 1, pid, P, 1.0)
-                _grid_sync(bar_ptr, flag_ptr, (base + 2 + h) * P, SYNC, MAX_SPIN)
+                _grid_sync(bar_ptr, flag_ptr, base + 2 + h, pid, P, SYNC, MAX_SPIN, PW)
             x = tl.load(scratch_ptr + HOPS * P + (pid + 1) % P)
             if not PRELOAD:
                 t_o = _first_tile(o_ptr + s * n_o, n_o, pid, P, TILE, BLOCK)
             acc = _stream(o_ptr + s * n_o, n_o, pid, P, t_o, TILE, BLOCK)
             tl.store(scratch_ptr + S_O * P + pid, acc + x)
-            _arrive(bar_ptr, SYNC)
+            _arrive(bar_ptr, pid, base + 2 + HOPS, SYNC)
             if PRELOAD:
                 t_r = _first_tile(r_ptr + s * n_r, n_r, pid, P, TILE, BLOCK)
-            _wait(bar_ptr, flag_ptr, (base + 2 + HOPS) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, base + 2 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
             x = tl.load(scratch_ptr + S_O * P + (pid + 1) % P)
             if not PRELOAD:
                 t_r = _first_tile(r_ptr + s * n_r, n_r, pid, P, TILE, BLOCK)
             acc = _stream(r_ptr + s * n_r, n_r, pid, P, t_r, TILE, BLOCK)
             tl.store(scratch_ptr + S_R * P + pid, acc + x)
-            _grid_sync(bar_ptr, flag_ptr, (base + 3 + HOPS) * P, SYNC, MAX_SPIN)
+            _grid_sync(bar_ptr, flag_ptr, base + 3 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
             # Top-k: 128 logits, 8 rounds of max; the experts' set depends on the result (never
             # switched at run time: the logits stay finite), so no expert load starts before it.
             offs = tl.arange(0, 128)
@@ -248,28 +281,28 @@ if triton is not None:
             acc = _stream(gu_ptr + e * n_gu, n_gu, pid, P, _first_tile(gu_ptr + e * n_gu, n_gu, pid, P, TILE, BLOCK),
                           TILE, BLOCK)
             tl.store(scratch_ptr + S_GU * P + pid, acc + picked)
-            _arrive(bar_ptr, SYNC)
+            _arrive(bar_ptr, pid, base + 4 + HOPS, SYNC)
             if PRELOAD:
                 t_dn = _first_tile(dn_ptr + e * n_dn, n_dn, pid, P, TILE, BLOCK)
-            _wait(bar_ptr, flag_ptr, (base + 4 + HOPS) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, base + 4 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
             x = tl.load(scratch_ptr + S_GU * P + (pid + 1) % P)
             if not PRELOAD:
                 t_dn = _first_tile(dn_ptr + e * n_dn, n_dn, pid, P, TILE, BLOCK)
             acc = _stream(dn_ptr + e * n_dn, n_dn, pid, P, t_dn, TILE, BLOCK)
             tl.store(scratch_ptr + S_DN * P + pid, acc + x)
-            _arrive(bar_ptr, SYNC)
+            _arrive(bar_ptr, pid, base + 5 + HOPS, SYNC)
             if PRELOAD:
                 t_qkv = _first_tile(qkv_ptr + ((layer + 1) % SETS) * n_qkv, n_qkv, pid, P, TILE, BLOCK)
-            _wait(bar_ptr, flag_ptr, (base + 5 + HOPS) * P, SYNC, MAX_SPIN)
+            _wait(bar_ptr, flag_ptr, base + 5 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
         # The final norm's hop, then the LM head.
         x = tl.load(scratch_ptr + S_DN * P + (pid + 1) % P)
         acc = _stream(lm_ptr, n_lm, pid, P, _first_tile(lm_ptr, n_lm, pid, P, TILE, BLOCK), TILE, BLOCK)
         tl.store(scratch_ptr + pid, acc + x)
-        _grid_sync(bar_ptr, flag_ptr, (n_layers * NB + 1) * P, SYNC, MAX_SPIN)
+        _grid_sync(bar_ptr, flag_ptr, n_layers * NB + 1, pid, P, SYNC, MAX_SPIN, PW)
 
 
 def launch_args(bufs: dict, elems: dict, variant: str, hops: int, tile: int, block: int, sets: int,
-                max_spin: int) -> tuple[tuple, dict]:
+                max_spin: int, programs: int) -> tuple[tuple, dict]:
     """The kernel's run-time arguments and constexprs for ``variant``."""
     if variant not in VARIANTS:
         raise ValueError(f"bench_persistent_floor: variant {variant!r}; accepted: {', '.join(VARIANTS)}")
@@ -278,8 +311,9 @@ def launch_args(bufs: dict, elems: dict, variant: str, hops: int, tile: int, blo
     args = (bufs["qkv"], bufs["o"], bufs["router"], bufs["gate_up"], bufs["down"], bufs["lm_head"], bufs["scratch"],
             bufs["bar"], bufs["flag"], elems["layers"], n["qkv"], n["o"], n["router"], n["gate_up"], n["down"],
             n["lm_head"])
-    one = variant.startswith(("sync1", "preload1"))  # thread 0 alone arrives and polls
-    consts = {"SETS": sets, "HOPS": hops, "SYNC": 0 if variant == "stream" else 2 if one else 1,
+    kind = variant.replace("preload", "sync").removesuffix("_only")
+    consts = {"SETS": sets, "HOPS": hops, "SYNC": {"stream": 0, "sync": 1, "sync1": 2, "syncf": 3}[kind],
+              "PW": triton.next_power_of_2(programs),
               "PRELOAD": variant.startswith("preload"),
               "TILE": tile, "BLOCK": block, "MAX_SPIN": max_spin}
     return args, consts
@@ -313,10 +347,10 @@ def run(model_dir: pathlib.Path, variants: list[str], per_sm_list: list[int], ho
     for per_sm in per_sm_list:
         programs = sms * per_sm
         bufs["scratch"] = torch.rand((hops + 5) * programs, device=dev)
-        bufs["bar"] = torch.zeros(1, device=dev, dtype=torch.int32)
+        bufs["bar"] = torch.zeros(programs, device=dev, dtype=torch.int32)  # a counter, or a flag a program
         bufs["flag"] = torch.zeros(1, device=dev, dtype=torch.int32)
         for variant in variants:
-            args, consts = launch_args(bufs, elems, variant, hops, tile, block, sets, max_spin=1 << 16)
+            args, consts = launch_args(bufs, elems, variant, hops, tile, block, sets, max_spin=1 << 16, programs=programs)
             compiled = _skeleton_kernel.warmup(*args, **consts, grid=(programs,), num_warps=num_warps, num_stages=1)
             ok, facts = _resident(compiled, num_warps, per_sm)
             row = {"bench": "persistent_floor", "variant": variant, "programs": programs, "programs_per_sm": per_sm,
@@ -343,10 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model_dir", nargs="?", default=str(ROOT / "docs" / "bench_configs" / "qwen3-30b-a3b"))
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[2, 4])
+    ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--attention-hops", type=int, default=3)
-    ap.add_argument("--tile", type=int, default=4096, help="bf16 values a program loads per step (and preloads)")
-    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--tile", type=int, default=8192, help="bf16 values a program loads per step (and preloads)")
+    ap.add_argument("--num-warps", type=int, default=8)
     ap.add_argument("--sets", type=int, default=4, help="copies of a layer's weights taken in turn")
     ap.add_argument("--bandwidth", type=float, default=3.02, help="TB/s the roofline is taken at")
     ap.add_argument("--result-file", default=None)
