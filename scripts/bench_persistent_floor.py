@@ -100,16 +100,13 @@ if triton is not None:
     # adds (``red``) and polls, in inline PTX (labels inside braces are local to the block, so it
     # can be inlined many times), the CTA barrier holding the other threads. A poll count past
     # MAX_SPIN sets the flag and goes on (no hang).
-    _ARRIVE_ONE = tl.constexpr("""{
-      .reg .pred p_other;
-      .reg .b32 r_tid;
-      mov.u32 $0, 0;
-      mov.u32 r_tid, %tid.x;
-      setp.ne.u32 p_other, r_tid, 0;
-      @p_other bra SKIP;
-      red.release.gpu.global.add.s32 [$1], 1;
-      SKIP:
-    }""")
+    def _thread0_only(instruction: str):
+        """Inline PTX running ``instruction`` in thread 0 of the program only (returns 0)."""
+        return tl.constexpr("{\n .reg .pred p_other;\n .reg .b32 r_tid;\n mov.u32 $0, 0;\n mov.u32 r_tid, %tid.x;\n"
+                            " setp.ne.u32 p_other, r_tid, 0;\n @p_other bra SKIP;\n " + instruction + "\n SKIP:\n}")
+
+    _ARRIVE_ONE = _thread0_only("red.release.gpu.global.add.s32 [$1], 1;")
+    _STORE_ONE = _thread0_only("st.release.gpu.global.b32 [$1], $2;")
     _WAIT_ONE = tl.constexpr("""{
       .reg .pred p_other, p_wait, p_more;
       .reg .b32 r_tid, r_n;
@@ -126,17 +123,6 @@ if triton is not None:
       and.pred p_wait, p_wait, p_more;
       @p_wait bra WAIT;
       DONE:
-    }""")
-
-    _STORE_ONE = tl.constexpr("""{
-      .reg .pred p_other;
-      .reg .b32 r_tid;
-      mov.u32 $0, 0;
-      mov.u32 r_tid, %tid.x;
-      setp.ne.u32 p_other, r_tid, 0;
-      @p_other bra SKIP;
-      st.release.gpu.global.b32 [$1], $2;
-      SKIP:
     }""")
 
     @triton.jit
@@ -215,6 +201,20 @@ if triton is not None:
         return tl.sum(acc)
 
     @triton.jit
+    def _weight_stage(w_ptr, n, t_pre, scratch_ptr, src, dst, pid, P, PRELOAD: tl.constexpr, TILE: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        # A projection: its input (a value another program stored in stage ``src``) and its weights
+        # (from ``t_pre``, the first tile requested inside the barrier before, with PRELOAD) in
+        # flight together; the result stored in slot ``dst``.
+        x = tl.load(scratch_ptr + src * P + (pid + 1) % P)
+        if PRELOAD:
+            t = t_pre
+        else:
+            t = _first_tile(w_ptr, n, pid, P, TILE, BLOCK)
+        acc = _stream(w_ptr, n, pid, P, t, TILE, BLOCK)
+        tl.store(scratch_ptr + dst * P + pid, acc + x)
+
+    @triton.jit
     def _hop(scratch_ptr, src, dst, pid, P, extra):
         # One dependent round trip: a value another program stored in an earlier stage.
         v = tl.load(scratch_ptr + src * P + (pid + 1) % P)
@@ -234,18 +234,17 @@ if triton is not None:
         S_R: tl.constexpr = HOPS + 2
         S_GU: tl.constexpr = HOPS + 3
         S_DN: tl.constexpr = HOPS + 4
-        # With PRELOAD a stage's first tile is requested before the barrier that precedes the stage
-        # (where its weights are known then); without, right after it.
+        # With PRELOAD a stage's first tile is requested inside the barrier before the stage (where
+        # its weights are known then); without, at the stage's start.
         t_qkv = _first_tile(qkv_ptr, n_qkv, pid, P, TILE, BLOCK)
+        t_o = t_qkv
+        t_r = t_qkv
+        t_dn = t_qkv
         for layer in range(n_layers):
             base = layer * NB
             s = layer % SETS
             # qkv: its input is the previous layer's output (a hop), its weights stream meanwhile.
-            x = tl.load(scratch_ptr + S_DN * P + (pid + 1) % P)
-            if not PRELOAD:
-                t_qkv = _first_tile(qkv_ptr + s * n_qkv, n_qkv, pid, P, TILE, BLOCK)
-            acc = _stream(qkv_ptr + s * n_qkv, n_qkv, pid, P, t_qkv, TILE, BLOCK)
-            tl.store(scratch_ptr + pid, acc + x)
+            _weight_stage(qkv_ptr + s * n_qkv, n_qkv, t_qkv, scratch_ptr, S_DN, 0, pid, P, PRELOAD, TILE, BLOCK)
             _arrive(bar_ptr, pid, base + 1, SYNC)
             if PRELOAD:
                 t_o = _first_tile(o_ptr + s * n_o, n_o, pid, P, TILE, BLOCK)
@@ -253,20 +252,12 @@ if triton is not None:
             for h in tl.static_range(HOPS):
                 _hop(scratch_ptr, h, h + 1, pid, P, 1.0)
                 _grid_sync(bar_ptr, flag_ptr, base + 2 + h, pid, P, SYNC, MAX_SPIN, PW)
-            x = tl.load(scratch_ptr + HOPS * P + (pid + 1) % P)
-            if not PRELOAD:
-                t_o = _first_tile(o_ptr + s * n_o, n_o, pid, P, TILE, BLOCK)
-            acc = _stream(o_ptr + s * n_o, n_o, pid, P, t_o, TILE, BLOCK)
-            tl.store(scratch_ptr + S_O * P + pid, acc + x)
+            _weight_stage(o_ptr + s * n_o, n_o, t_o, scratch_ptr, HOPS, S_O, pid, P, PRELOAD, TILE, BLOCK)
             _arrive(bar_ptr, pid, base + 2 + HOPS, SYNC)
             if PRELOAD:
                 t_r = _first_tile(r_ptr + s * n_r, n_r, pid, P, TILE, BLOCK)
             _wait(bar_ptr, flag_ptr, base + 2 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
-            x = tl.load(scratch_ptr + S_O * P + (pid + 1) % P)
-            if not PRELOAD:
-                t_r = _first_tile(r_ptr + s * n_r, n_r, pid, P, TILE, BLOCK)
-            acc = _stream(r_ptr + s * n_r, n_r, pid, P, t_r, TILE, BLOCK)
-            tl.store(scratch_ptr + S_R * P + pid, acc + x)
+            _weight_stage(r_ptr + s * n_r, n_r, t_r, scratch_ptr, S_O, S_R, pid, P, PRELOAD, TILE, BLOCK)
             _grid_sync(bar_ptr, flag_ptr, base + 3 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
             # Top-k: 128 logits, 8 rounds of max; the experts' set depends on the result (never
             # switched at run time: the logits stay finite), so no expert load starts before it.
@@ -285,11 +276,7 @@ if triton is not None:
             if PRELOAD:
                 t_dn = _first_tile(dn_ptr + e * n_dn, n_dn, pid, P, TILE, BLOCK)
             _wait(bar_ptr, flag_ptr, base + 4 + HOPS, pid, P, SYNC, MAX_SPIN, PW)
-            x = tl.load(scratch_ptr + S_GU * P + (pid + 1) % P)
-            if not PRELOAD:
-                t_dn = _first_tile(dn_ptr + e * n_dn, n_dn, pid, P, TILE, BLOCK)
-            acc = _stream(dn_ptr + e * n_dn, n_dn, pid, P, t_dn, TILE, BLOCK)
-            tl.store(scratch_ptr + S_DN * P + pid, acc + x)
+            _weight_stage(dn_ptr + e * n_dn, n_dn, t_dn, scratch_ptr, S_GU, S_DN, pid, P, PRELOAD, TILE, BLOCK)
             _arrive(bar_ptr, pid, base + 5 + HOPS, SYNC)
             if PRELOAD:
                 t_qkv = _first_tile(qkv_ptr + ((layer + 1) % SETS) * n_qkv, n_qkv, pid, P, TILE, BLOCK)
@@ -359,7 +346,7 @@ def run(model_dir: pathlib.Path, variants: list[str], per_sm_list: list[int], ho
             if not ok:
                 row["skipped"] = "not every program can be resident at once: the grid barrier would hang"
             else:
-                def call(args=args, consts=consts):
+                def call(args=args, consts=consts, programs=programs):
                     bufs["bar"].zero_()
                     _skeleton_kernel[(programs,)](*args, **consts, num_warps=num_warps, num_stages=1)
                 us = graph_median_us([call], reps=10)
