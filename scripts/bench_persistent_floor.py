@@ -21,9 +21,9 @@ shared memory), each taking a contiguous, equal share of every stage's bytes. Pe
 
 After the last layer: the final norm's hop and the LM head (stream ``V x H``), barrier. A stage's
 first tile (``tile`` bf16 values a program, issued as 16-byte loads) of the weights known before the
-barrier that precedes it (qkv, output projection, router, down) is requested inside that barrier with
-``--preload`` (registers only: what Triton can hold across a barrier without shared memory), between
-the barrier's arrive and its wait.
+barrier that precedes it (qkv, output projection, router, down) is requested inside that barrier in
+the ``preload*`` variants, between the barrier's arrive and its wait (into registers: what Triton can
+hold across a barrier without shared memory).
 Weights come from ``--sets`` copies of a layer's buffers taken in turn (more bytes than L2 between
 two reads of one copy).
 
@@ -34,8 +34,8 @@ the structure costs by itself). At these barriers every thread polls; ``sync1``,
 program's other threads wait at the CTA barrier. ``syncf``, ``preloadf`` and ``syncf_only``: a flag a
 program instead of one counter; thread 0 stores the barrier's number to its program's flag with
 release semantics (no read-modify-write on one address), and every thread acquire-polls some of
-the flags until the program's minimum reaches it. Prints one JSON line per variant: the step's median time, its share
-of the roofline (the step's weight bytes at ``--bandwidth``), and us per layer.
+the flags until the program's minimum reaches it. Prints one JSON line per variant: the step's
+median time, its share of the roofline (the step's weight bytes at ``--bandwidth``), and us per layer.
 
 usage: python3 scripts/bench_persistent_floor.py [MODEL_DIR] [--variants stream,sync,preload,sync_only]
        [--programs-per-sm 1 2] [--attention-hops 3] [--tile 8192] [--num-warps 8] [--result-file out.jsonl]
