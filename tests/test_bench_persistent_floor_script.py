@@ -48,10 +48,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: pathlib.Path) -> None:
 
 
 def test_without_a_gpu_it_says_so() -> None:
+    import pytest
     import torch
 
     if torch.cuda.is_available():
-        return
+        pytest.skip("a GPU is here: the script runs rather than refusing")
     proc = _cli("--variants", "sync")
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
