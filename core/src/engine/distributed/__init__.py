@@ -238,7 +238,7 @@ class OneShotAllReduce:
     Messages above ``MAX_BYTES``, not 16-byte multiples or not contiguous go to NCCL.
     """
 
-    # Measured on H200 x2 (docs/benchmarks.md, session 18): faster than NCCL at 8 KB - 2 MiB.
+    # Faster than NCCL from 8 KB to 2 MiB on two H200s (docs/benchmarks.md#parallelism).
     MAX_BYTES = 2 << 20
 
     def __init__(self, group_name: str, device: torch.device) -> None:

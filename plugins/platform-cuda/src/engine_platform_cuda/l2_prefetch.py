@@ -10,8 +10,8 @@ stream rejoins the capture stream when the model returns. A prefetch reads and w
 kernel sees, so results are unchanged; only the order of memory traffic moves.
 
 A few MiB pay and all of it does not: staged bytes compete with the bytes the step reads at that
-moment, and they save only the difference between the HBM and L2 rates later (docs/platforms.md,
-"L2 prefetch"; docs/benchmarks.md, session 16).
+moment, and they save only the difference between the HBM and L2 rates later (docs/cuda_kernels.md,
+"L2 prefetch"; docs/benchmarks.md#decode-latency).
 """
 
 from __future__ import annotations

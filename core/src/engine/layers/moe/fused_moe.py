@@ -169,7 +169,7 @@ def pick_blocks(num_slots: int, num_experts: int) -> dict[str, int]:
       more than 16 slots spans two blocks, and the grouped order runs them as neighbouring programs,
       so the second reads the expert's weights from L2. With ``GROUP_M`` 1 they were a whole row of
       column blocks apart: at the Mixtral-8x7B shape (an expert's gate/up is 235 MB) 64 tokens took
-      870 / 420 us (gate/up / down) against 674 / 384 us with ``GROUP_M`` 8 (H100, session 16).
+      870 / 420 us (gate/up / down) against 674 / 384 us with ``GROUP_M`` 8 (H100).
     - up to 64: ``BLOCK_M`` 64 with 64 x 128 tiles, 4 warps. At 1,024 tokens (64 slots an expert)
       gate/up 308 us and down 167 us, against 457 and 189 us with the 32 x 64 tiles before. From 13
       slots an expert on: at the Mixtral shape 56 and 64 tokens (14 and 16 slots) take 654 / 323 and
