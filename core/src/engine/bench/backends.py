@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.bench.datasets import BenchRequest, TokenizerLike
+from engine.bench.requests import BenchRequest, TokenizerLike
 from engine.bench.metrics import RequestResult
 
 if TYPE_CHECKING:

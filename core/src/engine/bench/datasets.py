@@ -10,34 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
+from engine.bench.requests import BenchRequest, TokenizerLike
+
 DATASET_NAMES = ("random", "sharegpt-file", "generated-shared-prefix")
-
-
-class TokenizerLike(Protocol):
-    """The slice of a Hugging Face tokenizer the benchmark uses."""
-
-    vocab_size: int
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, token_ids: list[int]) -> str: ...
-
-
-@dataclass
-class BenchRequest:
-    """One request to send: what to prompt with and how many tokens to ask for."""
-
-    # Text for text-based backends, token ids for exact lengths / tokenizer-less servers.
-    prompt: str | list[int]
-    # Prompt length in tokens (for random text prompts: the drawn target, see
-    # sample_random_requests).
-    prompt_len: int
-    # max_new_tokens sent to the server; with ignore_eos it is also the expected output length.
-    output_len: int
 
 
 @dataclass
@@ -97,7 +75,6 @@ def sample_requests(
             return_text=return_text,
         )
     if name == "sharegpt-file":
-        # Imported here because engine.bench.sharegpt imports BenchRequest from this module.
         from engine.bench.sharegpt import sample_sharegpt_requests
 
         if tokenizer is None:

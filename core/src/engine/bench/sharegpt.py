@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from engine.bench.datasets import BenchRequest, TokenizerLike
+from engine.bench.requests import BenchRequest, TokenizerLike
 
 # SGLang's ShareGPT filter: drop trivially short pairs, and without a context length drop
 # what would not fit a 2k-context model.

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.moe.align import (
+from engine.layers.moe.expert_blocks import (
     ALIGN_KERNEL_MAX_SLOTS,
     ExpertBlocks,
     chunks_can_align,

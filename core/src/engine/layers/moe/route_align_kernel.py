@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.align_kernel import _align_slots_tile, align_tile_sizes, empty_expert_blocks
-from engine.layers.moe.route_align import (
+from engine.layers.moe.expert_blocks import ExpertBlocks
+from engine.layers.moe.route_align_sizes import (
     ROUTE_ALIGN_MAX_LOGITS,
     ROUTE_ALIGN_MAX_SLOTS,
     route_align_fits,
