@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from engine.version import __version__
 
 if TYPE_CHECKING:
     from engine.entrypoints.engine import Engine

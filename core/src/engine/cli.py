@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import typer
 
-from engine import __version__
+from engine.version import __version__
 from engine.config import ServerArgs
 from engine.errors import EngineError
 
@@ -201,7 +201,7 @@ def plugins_list(
     disable_plugin: Optional[list[str]] = typer.Option(None, "--disable-plugin", help="Plugin not to load"),
 ) -> None:
     """List installed plugins: name, distribution, version, what they register, status."""
-    from engine import plugins
+    import engine.plugins as plugins
 
     infos = plugins.list_plugins(disable_plugin or [])
     platforms = plugins.platform_statuses(disable_plugin or [])
@@ -241,7 +241,7 @@ def config_show(server_args: ServerArgs, as_json: bool) -> None:
     """Print the effective configuration (file + flags) after validation."""
     import yaml
 
-    from engine import plugins
+    import engine.plugins as plugins
 
     # The same check start-up runs: a configuration shown as valid must not be rejected at start.
     plugins.check_plugin_options(server_args.plugin_options, server_args.disable_plugin)

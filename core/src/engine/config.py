@@ -160,7 +160,7 @@ class ServerArgs:
 
     def _validate_grammar_backend(self) -> None:
         """``--grammar-backend`` names an installed grammar backend (the error lists them)."""
-        from engine import plugins
+        import engine.plugins as plugins
         from engine.errors import PluginError
 
         try:
@@ -170,7 +170,7 @@ class ServerArgs:
 
     def _validate_parsers(self) -> None:
         """``--tool-call-parser`` and ``--reasoning-parser`` name registered parsers (before any process starts)."""
-        from engine import plugins
+        import engine.plugins as plugins
         from engine.errors import PluginError
 
         for flag, name, get in (("--tool-call-parser", self.tool_call_parser, plugins.get_tool_call_parser),

@@ -17,7 +17,7 @@ from typing import Any
 
 import pluggy
 
-from engine import hookspecs
+import engine.hookspecs as hookspecs
 from engine.errors import PluginError, did_you_mean
 from engine.hookspecs import ENTRY_POINT_GROUP, SPEC_KINDS, PluginOption
 

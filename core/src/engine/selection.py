@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine import plugins
+import engine.plugins as plugins
 from engine.attention.selection import check_backend_selectable
 from engine.errors import ConfigError, ModelLoadError, PluginError
 from engine.hookspecs import call_with_accepted

@@ -39,7 +39,7 @@ async def _run_with_progress(engine: Any, prompts: list[list[int]], params: list
 
 def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None = None,
                   progress: bool = True) -> dict[str, Any]:
-    from engine import Engine
+    from engine.entrypoints.engine import Engine
 
     with Engine(**args.to_dict()) as engine:
         tokenizer = None if args.skip_tokenizer_init else engine.tokenizer

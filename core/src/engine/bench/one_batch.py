@@ -168,7 +168,7 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
     in one process per rank, all running the same batches (rank 0 prints and records). With
     ``warmup`` each (batch size, input length) first runs once untimed (prefill and one decode step),
     so no timed prefill includes a kernel's first compile."""
-    from engine import distributed
+    import engine.distributed as distributed
     from engine.entrypoints.launch import resolve_model_path
     from engine.managers.scheduler import Scheduler
 

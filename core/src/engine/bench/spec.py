@@ -199,7 +199,7 @@ def _as_plugin(spec: Any) -> tuple[str, Any]:
 def _ceiling_scheduler(args: ServerArgs, model_path: str) -> tuple[Any, Any]:
     """A Scheduler whose proposer is an ``OracleProposer`` without answers (plain steps until
     it gets some); returns (scheduler, oracle)."""
-    from engine import plugins
+    import engine.plugins as plugins
     from engine.hookspecs import SpeculativeAlgorithmSpec
     from engine.managers.scheduler import Scheduler
     from engine.testing.proposers import OracleProposer

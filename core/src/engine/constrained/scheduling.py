@@ -65,7 +65,7 @@ class GrammarQueue:
         self._bitmask: torch.Tensor | None = None
 
     def _make_backend(self) -> Any:
-        from engine import plugins
+        import engine.plugins as plugins
         from engine.managers.tokenizer_utils import load_tokenizer
 
         if self.tokenizer_path is None:

@@ -36,7 +36,7 @@ class GrammarValidator:
         self._verdicts: OrderedDict[GrammarKey, str | None] = OrderedDict()
 
     def _get_backend(self) -> GrammarBackend:
-        from engine import plugins
+        import engine.plugins as plugins
 
         with self._lock:
             if self._backend is None:
@@ -47,7 +47,7 @@ class GrammarValidator:
 
     def check(self, key: GrammarKey) -> None:
         """Raises ``GrammarError`` (with ``field``) when ``key`` cannot be served."""
-        from engine import plugins
+        import engine.plugins as plugins
 
         if self._tokenizer is None:
             raise GrammarError(f"{key.field}: structured output needs a tokenizer; this server runs with "

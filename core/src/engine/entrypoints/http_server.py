@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import FastAPI
 
-from engine import __version__
+from engine.version import __version__
 from engine.entrypoints.http.context import ServingContext, served_model_name
 from engine.entrypoints.http.errors import install_error_handlers
 from engine.entrypoints.http.guards import FrontDoor

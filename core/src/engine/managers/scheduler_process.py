@@ -35,7 +35,7 @@ _ORPHAN_CHECK_S = 0.5
 
 
 def _ready_info(scheduler: Any) -> SchedulerReady:
-    from engine import plugins
+    import engine.plugins as plugins
 
     runner = scheduler.runner
     return SchedulerReady(
@@ -62,7 +62,7 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
     (default: the replica's only rank, on local device ``dp_rank * tp_size``). ``ipc`` is None
     on ranks of nodes other than the first; ``ready_conn`` is this rank's own readiness pipe.
     """
-    from engine import distributed
+    import engine.distributed as distributed
 
     if placement is None:
         placement = dataclasses.replace(distributed.SINGLE, local_rank=dp_rank * args.tp_size)
@@ -109,7 +109,7 @@ def share_messages(msgs: list[Any], placement: RankPlacement, pending: list[Any]
     that do not wait for the receivers (``pending`` keeps them until they complete): rank 0 runs
     up to ``pp_size - 1`` turns ahead of the last stage, which a collective would not allow.
     """
-    from engine import distributed
+    import engine.distributed as distributed
 
     if placement.pp_size == 1:
         distributed.broadcast_objects(msgs)
@@ -129,7 +129,7 @@ def _finish_sends(pending: list[Any]) -> None:
 
 def receive_messages(placement: RankPlacement) -> list[Any]:
     """Ranks other than 0: rank 0's messages of this turn (``share_messages``)."""
-    from engine import distributed
+    import engine.distributed as distributed
 
     if placement.pp_size == 1:
         return distributed.broadcast_objects(None)
@@ -144,7 +144,8 @@ def join_replica(args: Any, placement: RankPlacement) -> Any:
     A single rank only records its placement (its device index); several select the platform,
     pin this rank's device and join the groups on the platform's backend.
     """
-    from engine import distributed, plugins
+    import engine.distributed as distributed
+    import engine.plugins as plugins
 
     if placement.world_size == 1:
         distributed.init_distributed(placement, "")

@@ -450,7 +450,7 @@ def _make_router(args: Any) -> Router:
     dp_size = getattr(args, "dp_size", 1)
     if dp_size == 1:
         return Router(1)
-    from engine import plugins
+    import engine.plugins as plugins
 
     policy = plugins.create_router_policy(args.router_policy, dp_size, args.disable_plugin, args.plugin_options)
     return Router(dp_size, policy, args.router_policy)

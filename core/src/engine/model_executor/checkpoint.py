@@ -23,7 +23,7 @@ def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = (), wei
     ``weights=False``: the caller reads the weights from the GGUF itself (``--quant gguf``), so a
     GGUF's conversion may hold config and tokenizer only.
     """
-    from engine import plugins
+    import engine.plugins as plugins
     from engine.model_executor.gguf_loader import find_gguf, prepare_gguf_checkpoint
 
     if model_path is None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine import distributed
+import engine.distributed as distributed
 from engine.attention import AttentionContext, check_backend_selectable
 from engine.errors import ConfigError
 from engine.hookspecs import resolve_factory

@@ -10,7 +10,7 @@ from engine.errors import ConfigError, PluginError
 
 def check_speculative_args(args: Any) -> None:
     """Raises ``ConfigError``/``PluginError`` for a speculative configuration the engine cannot run."""
-    from engine import plugins
+    import engine.plugins as plugins
 
     try:
         spec = plugins.get_speculative_algorithm(args.speculative_algorithm, args.disable_plugin)

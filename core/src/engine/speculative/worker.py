@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine import distributed
+import engine.distributed as distributed
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.speculative.base import DraftRequest, DraftTree, ProposerContext, TargetHidden
@@ -85,7 +85,7 @@ class Speculator:
     """Runs speculative decode steps for a ``Scheduler`` (its pools, cache and runner)."""
 
     def __init__(self, scheduler: Any) -> None:
-        from engine import plugins
+        import engine.plugins as plugins
 
         args = scheduler.args
         self.scheduler = scheduler

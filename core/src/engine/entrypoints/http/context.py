@@ -53,7 +53,7 @@ class ServingContext:
     reasoning_parser: ReasoningParser | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        from engine import plugins
+        import engine.plugins as plugins
 
         args = self.args
         if args.tool_call_parser:

@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
-from engine import __version__
+from engine.version import __version__
 from engine.entrypoints.http.context import ServingContext
 from engine.entrypoints.http.errors import APIError, engine_dead_error, parse_body, shutting_down_error
 from engine.entrypoints.http.generation import (
