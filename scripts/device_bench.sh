@@ -136,43 +136,38 @@ for stage in "$@"; do
       # bf16 greedy parity with transformers for triton and flashinfer.
       timeout "${DEFAULT_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_gpu.py \
         > "$OUT/gpu_default_model.log" 2>&1; tail -6 "$OUT/gpu_default_model.log" ;;
-    owed)
-      # GPU tests of code that landed after session 10's device time ran out: the MoE GPU tests' CUDA-graph
-      # replay fixture (replays_like_eager) in test_moe_small_batch.py and test_moe_kernel_cuda.py.
+    moe_graph_tests)
+      # The MoE kernels captured in CUDA graphs and replayed (the replays_like_eager fixture).
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider core/tests/layers/moe/test_moe_small_batch.py \
-        core/tests/layers/moe/test_moe_kernel_cuda.py > "$OUT/gpu_owed.log" 2>&1; tail -12 "$OUT/gpu_owed.log" ;;
+        core/tests/layers/moe/test_moe_kernel_cuda.py > "$OUT/gpu_moe_graph_tests.log" 2>&1; tail -12 "$OUT/gpu_moe_graph_tests.log" ;;
     moe_small)
       # The small-batch expert kernels vs the grouped ones (1, 2, 4 tokens), their tile sweep, and the routing
       # launches (one program vs router + alignment) by token count (docs/moe.md "Small batches").
       for s in qwen3-30b-a3b mixtral-8x7b; do
-        timeout 150 python3 scripts/bench_moe_small.py --shape "$s" --tokens 1 2 4 --result-file "$RES" 2>&1 | grep -v Warning
-        timeout 200 python3 scripts/bench_moe_small.py --shape "$s" --sweep --result-file "$RES" 2>&1 | grep -v Warning
+        timeout 150 python3 benchmarks/bench_moe_small.py --shape "$s" --tokens 1 2 4 --result-file "$RES" 2>&1 | grep -v Warning
+        timeout 200 python3 benchmarks/bench_moe_small.py --shape "$s" --sweep --result-file "$RES" 2>&1 | grep -v Warning
       done
-      timeout 200 python3 scripts/bench_moe_kernel.py --shapes qwen3-30b-a3b --pieces-only --tokens 1 2 4 8 16 32 64 \
+      timeout 200 python3 benchmarks/bench_moe_kernel.py --shapes qwen3-30b-a3b --pieces-only --tokens 1 2 4 8 16 32 64 \
         --result-file "$RES" 2>&1 | grep -v Warning ;;
     pdl)
-      # Programmatic dependent launch: a 48-layer projection chain, then the model with each part off in turn
-      # (cuda.pdl, triton.pdl, the prologue, norm fusion; docs/platforms.md).
-      python3 scripts/bench_pdl.py --rows 1 4 --result-file "$RES" 2>&1 | grep -v Warning
+      # Programmatic dependent launch: the MoE model with each part off in turn (cuda.pdl, triton.pdl, the
+      # prologue, norm fusion; docs/platforms.md).
       MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
       for opt in cuda.pdl=on cuda.pdl=off cuda.qkv_prologue=off triton.pdl=off cuda.norm_fusion=off; do
         E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
           --plugin-option "$opt" --result-file "$RES" 2>&1 | tail -2 | sed "s/^/$opt /"
       done ;;
     moe_tiles)
-      python3 scripts/sweep_moe_tiles.py --tokens 1 8 64 --result-file "$RES" 2>&1 | grep -v -e Warning -e skip
+      python3 benchmarks/sweep_moe_tiles.py --tokens 1 8 64 --result-file "$RES" 2>&1 | grep -v -e Warning -e skip
       # Prefill sizes: BLOCK_M swept too, over tensor-core tiles (pick_blocks' upper rows).
-      python3 scripts/sweep_moe_tiles.py --prefill --tokens 8192 4096 1024 256 --top 3 --result-file "$RES" 2>&1 \
+      python3 benchmarks/sweep_moe_tiles.py --prefill --tokens 8192 4096 1024 256 --top 3 --result-file "$RES" 2>&1 \
         | grep -v -e Warning -e skip ;;
-    read_ceiling)
-      # One kernel reading a cold buffer of each MoE-layer size: the ceiling of a weight-streaming launch.
-      python3 scripts/bench_read_ceiling.py --result-file "$RES" 2>&1 | grep -v Warning ;;
-    owed_default_model)
-      # The same, for the tests that need the embedded default model (its parts carried: device_setup.sh):
+    default_model_tests)
+      # The GPU tests that need the embedded default model (its parts carried: device_setup.sh):
       # EAGLE chains and trees, speculation on the default model, bf16 parity with the skinny GEMM on.
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rf -m gpu -p no:cacheprovider plugins/spec-eagle/tests \
-        tests/test_default_model_spec_gpu.py tests/test_default_model_gpu.py > "$OUT/gpu_owed_dm.log" 2>&1
-      tail -12 "$OUT/gpu_owed_dm.log" ;;
+        tests/test_default_model_spec_gpu.py tests/test_default_model_gpu.py > "$OUT/gpu_default_model_tests.log" 2>&1
+      tail -12 "$OUT/gpu_default_model_tests.log" ;;
     default_model_bench)
       # Its decode speed at batch 1 and 64 (--dtype auto: bf16), with the real weights and tokenizer.
       for attn in triton flashinfer; do
@@ -181,7 +176,7 @@ for stage in "$@"; do
       done ;;
     quant_kernels)
       # Each quant plugin's kernel micro-benchmark (one JSON line per shape and M).
-      for b in plugins-quant/*/bench_kernels.py; do
+      for b in plugins-quant/*/benchmarks/bench_kernels.py; do
         echo "--- $b"; timeout "${KBENCH_TIMEOUT:-150}" python3 "$b" 2>&1 | tee -a "$OUT/quant_kernels.log" | tail -40
       done ;;
     quant_one_batch)
@@ -198,7 +193,7 @@ for stage in "$@"; do
           --output-len 256 --result-file "$RES" 2>&1 | tail -2
       done ;;
     quant_offline)
-      # FP8 weights + FP8 KV cache, offline random 1024/1024 (the issue's 14,000 out tok/s goal).
+      # FP8 weights + FP8 KV cache, offline random 1024/1024.
       timeout "${OFFLINE_TIMEOUT:-330}" python3 -m engine bench offline "${DUMMY[@]}" --attention "${ATTN:-flashinfer}" --quant fp8 \
         --kv-cache-dtype fp8_e4m3 --num-prompts "${NUM_PROMPTS:-1000}" --random-input-len 1024 --random-output-len 1024 \
         --random-range-ratio 1.0 --result-file "$RES" 2>&1 | tail -16 ;;
@@ -210,7 +205,7 @@ for stage in "$@"; do
       timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider plugins-quant plugins-attention \
         > "$OUT/gpu_quant_tests.log" 2>&1; tail -25 "$OUT/gpu_quant_tests.log" ;;
     hf)
-      timeout "${HF_TIMEOUT:-300}" python3 scripts/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch "${HF_BATCH:-64}" --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
+      timeout "${HF_TIMEOUT:-300}" python3 benchmarks/bench_hf_baseline.py "$CFG" --input-len 128 --output-len 256 --batch "${HF_BATCH:-64}" --batch-input-len 1024 --batch-output-len 64 --result-file "$RES" > "$OUT/hf.log" 2>&1; grep -E "^HF|failed" "$OUT/hf.log" ;;
     moe_tests)
       # Mixture of experts: fused kernel vs reference, MoE models vs transformers in bf16, fp8 experts.
       timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider core/tests/layers/moe plugins-models/moe \
@@ -218,7 +213,7 @@ for stage in "$@"; do
     moe)
       # The fused MoE kernel vs the per-expert loop vs a dense MLP of the same active size, then the
       # Qwen3-30B-A3B-shaped dummy model (bf16, ~61 GB: one H100/H200), batch 1 and 64 decode, bf16 and fp8 experts.
-      timeout "${KERNEL_BENCH_TIMEOUT:-240}" python3 scripts/bench_moe_kernel.py --result-file "$RES" 2>&1 | grep -v Warning
+      timeout "${KERNEL_BENCH_TIMEOUT:-240}" python3 benchmarks/bench_moe_kernel.py --result-file "$RES" 2>&1 | grep -v Warning
       MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
       E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
         --result-file "$RES" 2>&1 | tail -3
@@ -242,7 +237,7 @@ for stage in "$@"; do
           --input-len 128 --output-len 256 --result-file "$RES" 2>&1 | tail -2 | sed "s/^/tp=2 ep=$ep /"
       done ;;
     spec)
-      # Speculative decoding (issue 16): the default model quoting a passage of its prompt back, greedy,
+      # Speculative decoding: the default model quoting a passage of its prompt back, greedy,
       # ngram off vs on (decode tok/s, mean acceptance length; equal outputs_sha1 = identical output),
       # then the batch sizes where speculation stops paying (raise --speculative-max-batch-size to see).
       SPEC=(--attention "${ATTN:-triton}" --output-len 256 --log-level warning --result-file "$RES")
@@ -269,7 +264,7 @@ for stage in "$@"; do
       timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_default_model_spec_gpu.py \
         > "$OUT/spec_tests.log" 2>&1; tail -3 "$OUT/spec_tests.log" ;;
     spec_llama)
-      # Speculative decoding's mechanism on the Llama-3-8B shape (issue 16): dummy weights, batch 1, 512 random
+      # Speculative decoding's mechanism on the Llama-3-8B shape: dummy weights, batch 1, 512 random
       # prompt tokens (no tokenizer). Speculation off (overlapped decode); --ceiling at k = 2, 4, 8 (a plain pass,
       # then drafts = its own tokens, all accepted: the ceiling, and the verify step's time against the plain
       # step's in the same process); a 2-layer draft of the same shape at k = 2, 4, 8 (random weights unrelated to
@@ -285,11 +280,11 @@ for stage in "$@"; do
         timeout 150 python3 -m engine bench spec "${SL[@]}" --speculative-algorithm draft \
           --speculative-draft-model-path "$CFG-2layer" --speculative-num-steps "$k" 2>&1 | tail -1
       done
-      # The draft's decode steps from its own CUDA graphs (opt-in until plugins/spec-draft's GPU test passes).
+      # The draft's decode steps from its own CUDA graphs, the option set explicitly (it is the default).
       timeout 150 python3 -m engine bench spec "${SL[@]}" --speculative-algorithm draft --plugin-option draft.cuda_graph=true \
         --speculative-draft-model-path "$CFG-2layer" --speculative-num-steps 4 2>&1 | tail -1 | sed 's/^/draft graphs /' ;;
     grammar)
-      # Structured output (issue 13) on the Llama-3-8B-shaped dummy model with the SmolLM2 tokenizer
+      # Structured output on the Llama-3-8B-shaped dummy model with the SmolLM2 tokenizer
       # (.cache/bench_grammar: made by scripts/device_wheels.sh; 49,152 real tokens of the 128,256-row
       # vocabulary): decode with every row under the benchmark JSON schema vs unconstrained (xgrammar's
       # bitmask fill on its thread pool, and row by row), then the time to first token with a new
@@ -312,9 +307,6 @@ for stage in "$@"; do
           | grep -E "Mean TTFT|Median TTFT|Output token throughput|rror" | sed "s/^/$mode /"
       done
       kill -- -"$srv" 2> /dev/null; sleep 3; kill -9 -- -"$srv" 2> /dev/null ;;
-    grammar_profile)
-      timeout 300 python3 scripts/profile_grammar.py .cache/bench_grammar --attention "${ATTN:-triton}" > "$OUT/grammar_profile.txt" 2>&1
-      grep -E "^xgrammar|^===" "$OUT/grammar_profile.txt" ;;
     profile)
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac

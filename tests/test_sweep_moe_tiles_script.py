@@ -1,4 +1,4 @@
-"""``scripts/sweep_moe_tiles.py --tiers`` times what ``fused_moe`` launches: every tile config
+"""``benchmarks/sweep_moe_tiles.py --tiers`` times what ``fused_moe`` launches: every tile config
 ``pick_blocks`` can return (as each of the two launches runs it) is one of ``tier_configs``, at the
 boundaries of its tiers and for both benchmarked shapes, so a new tier added to the table without
 the script fails here. CPU only: the configs are plain dicts."""
@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sweep_moe_tiles", ROOT / "scripts" / "sweep_moe_tiles.py")
+    spec = importlib.util.spec_from_file_location("sweep_moe_tiles", ROOT / "benchmarks" / "sweep_moe_tiles.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

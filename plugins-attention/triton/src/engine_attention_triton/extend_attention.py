@@ -199,7 +199,7 @@ def default_extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, 
         return 32, 32, 4, 2
     if head_dim > 128:
         return 64, 32, 4, 2
-    # Measured on an H100 at Llama-3-8B shapes (bench_kernels.py --sweep): 64x64 tiles,
+    # Measured on an H100 at Llama-3-8B shapes (benchmarks/bench_kernels.py --sweep): 64x64 tiles,
     # 4 warps, 3 pipeline stages beat 128-row tiles and 8 warps at every shape tried.
     return 64, 64, 4, 3
 

@@ -21,7 +21,7 @@ Two tile kinds:
 "fma" kind: each program normalizes the rows itself, so the norm needs no launch of its own.
 
 ``choose_config(m, n, k, sm_count)`` picks the kind and the tiles; its constants live in
-``GemvRule`` so a tuning run (``scripts/bench_gemv.py --sweep``) can change them in one place.
+``GemvRule`` so a tuning run (``plugins/platform-cuda/benchmarks/bench_gemv.py --sweep``) can change them in one place.
 Only ``torch.empty`` allocates, and nothing reads device memory from the host, so the kernel can
 be captured in a CUDA graph.
 
@@ -422,7 +422,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         pdl: launch the "fma" kind with programmatic dependent launch (sm_90+, ``supports_pdl``):
             its programs may start while the previous kernel on the stream drains, requesting their
             first weight tile before they wait for that kernel's results. The "dot" kind (3+ rows)
-            ignores it: with PDL a 48-layer chain at 4 rows ran 0.53x (H100, scripts/bench_pdl.py).
+            ignores it: with PDL a 48-layer chain at 4 rows ran 0.53x (H100).
         rule: the rule ``config`` is chosen by when None (``SkinnyLinear.rule``).
 
     Returns:

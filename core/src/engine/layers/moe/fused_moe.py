@@ -161,7 +161,7 @@ def sum_top_k(y: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
 
 def pick_blocks(num_slots: int, num_experts: int) -> dict[str, int]:
     """Tile sizes for a batch by slots per expert. Not autotuned: a table from
-    ``scripts/sweep_moe_tiles.py`` (and ``--prefill``) on an H100 at the Qwen3-30B-A3B shape
+    ``benchmarks/sweep_moe_tiles.py`` (and ``--prefill``) on an H100 at the Qwen3-30B-A3B shape
     (128 experts, top 8, hidden 2048, intermediate 768), 2026-11-24:
 
     - up to 12 (decode): ``BLOCK_M`` 16, little of each block padding when an expert sees a token

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 #: Tokens up to which ``fused_moe`` takes this path (on its own choice: no tiles or blocks given).
-#: H100, Qwen3-30B-A3B shape, cold weights, router included (``scripts/bench_moe_small.py``,
+#: H100, Qwen3-30B-A3B shape, cold weights, router included (``benchmarks/bench_moe_small.py``,
 #: 2026-11-23): 34.4 us against the grouped path's 37.9 at one token, 58.0 against 62.3 at two.
 SMALL_BATCH_MAX_TOKENS = 2
 
@@ -164,7 +164,7 @@ def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
     ``BLOCK_K`` columns a step (16-byte vectors along the contiguous K).
 
     Few rows, long steps: many small programs keep more loads in flight per SM. From
-    ``scripts/bench_moe_small.py --sweep`` (one token, cold weights, 2026-11-23):
+    ``benchmarks/bench_moe_small.py --sweep`` (one token, cold weights, 2026-11-23):
 
     - Qwen3-30B-A3B shape on an H100: gate/up 19.2 us (2.62 TB/s) at 2 rows x 512 against 22.7 us at
       8 x 256; down 12.4 us at 1 row of each of the 8 experts x 256 against 17.1 us at 4 x 128.

@@ -6,11 +6,11 @@ output). Shapes: the Llama-3-8B linears at M = 1, 2, 4, 16, 64, 256; each line n
 ``choose_config`` takes (``path``: gemv, gemm or dequant). Timed with CUDA graphs
 (``triton.testing.do_bench_cudagraph``), as the engine's decode runs.
 
-    python plugins-quant/wna16/bench_kernels.py                       # AWQ-like: 4-bit, groups of 128, zeros
-    python plugins-quant/wna16/bench_kernels.py --symmetric --act-order   # GPTQ act-order
-    python plugins-quant/wna16/bench_kernels.py --alts                # also a few alternatives per M
-    python plugins-quant/wna16/bench_kernels.py --sweep               # also every alternative tile config
-    python plugins-quant/wna16/bench_kernels.py --alts --warm --shapes down   # compile only (fills
+    python plugins-quant/wna16/benchmarks/bench_kernels.py                       # AWQ-like: 4-bit, groups of 128, zeros
+    python plugins-quant/wna16/benchmarks/bench_kernels.py --symmetric --act-order   # GPTQ act-order
+    python plugins-quant/wna16/benchmarks/bench_kernels.py --alts                # also a few alternatives per M
+    python plugins-quant/wna16/benchmarks/bench_kernels.py --sweep               # also every alternative tile config
+    python plugins-quant/wna16/benchmarks/bench_kernels.py --alts --warm --shapes down   # compile only (fills
         Triton's cache; run one per shape in parallel, then the timing run compiles nothing)
 
 Each line also gives ``rel_err``: the relative L2 error of the kernel's output against the

@@ -3,7 +3,7 @@
 
 Run from the repository root on a GPU machine:
 
-    PYTHONPATH=core/src:plugins/platform-cuda/src python3 scripts/bench_gemv.py \\
+    PYTHONPATH=core/src:plugins/platform-cuda/src python3 plugins/platform-cuda/benchmarks/bench_gemv.py \\
         [--rows 1 2 4 8] [--shapes 5120x2048 ...] [--dtype bf16] [--sweep] [--result-file F.jsonl]
 
 For each row count M and weight shape (N, K) it builds one CUDA graph of ``--calls`` calls (20 by

@@ -2,7 +2,7 @@
 one-shot op (with the copy into its buffer), and this project's one-shot kernel
 (engine.distributed.one_shot), eager and inside a CUDA graph, by message size.
 
-    NCCL_NVLS_ENABLE=0 python3 scripts/bench_all_reduce.py [--world 2] [--sizes-kb 8 64 512 2048]
+    NCCL_NVLS_ENABLE=0 python3 benchmarks/bench_all_reduce.py [--world 2] [--sizes-kb 8 64 512 2048]
 
 Each variant's result is first checked against NCCL's (bf16, random inputs). Prints one JSON
 line per (variant, size, mode) with the microseconds a call (``_time``).

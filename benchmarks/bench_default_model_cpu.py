@@ -5,7 +5,7 @@ Both run float32 on the same converted checkpoint. The engine's figure is its me
 transformers' is (generate N tokens - generate 1 token) / (N - 1) steps, i.e. its decode steps
 without the prefill. Runs alternate engine / transformers per batch size and repeat, and each
 figure is the median over repeats, so load from other processes hits both alike.
-usage: python scripts/bench_default_model_cpu.py [--batch-size "1 8"] [--input-len 128]
+usage: python benchmarks/bench_default_model_cpu.py [--batch-size "1 8"] [--input-len 128]
        [--output-len 64] [--repeats 3] [--result-file F]
 """
 

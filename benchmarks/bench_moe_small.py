@@ -12,7 +12,7 @@ Qwen3-30B-A3B shape, under the H100's 50 MB L2):
 GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
 bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best.
 
-usage: python scripts/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
+usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
        [--result-file out/results.jsonl]
 """
 

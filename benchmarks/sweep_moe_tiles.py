@@ -13,11 +13,11 @@ comparable with the card's copy bandwidth.
 batches (hundreds of slots per expert, where the launches are bound by compute, not bytes), with
 fewer routings cycled (a prefill's activations are far larger than L2 anyway).
 
-``--tiers`` times only ``pick_blocks``' own tiers (and session 13's middle tier, ``OLD_MIDDLE_TIER``)
+``--tiers`` times only ``pick_blocks``' own tiers (and the middle tier it replaced, ``OLD_MIDDLE_TIER``)
 at each token count: whether the tier it picks for a shape is the best of them there (the table was
 swept at the Qwen3-30B-A3B shape; ``--shape mixtral-8x7b`` checks it elsewhere).
 
-usage: python scripts/sweep_moe_tiles.py [--shape qwen3-30b-a3b] [--tokens 1 8 64] [--top 5]
+usage: python benchmarks/sweep_moe_tiles.py [--shape qwen3-30b-a3b] [--tokens 1 8 64] [--top 5]
        [--prefill | --tiers] [--result-file out/results.jsonl]
 """
 
@@ -41,7 +41,7 @@ PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 64, 64, 8, 3), (64, 128, 64, 4, 3), (6
                  (64, 256, 64, 8, 3), (128, 64, 64, 4, 4), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
                  (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3), (128, 128, 128, 8, 2)]
 DECODE_TILES = list(itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (2, 3, 4)))
-#: ``pick_blocks``' tier for 17-64 slots an expert before session 14 (``--tiers`` times it too).
+#: ``pick_blocks``' tier for 17-64 slots an expert before the 64 x 128 tier existed (``--tiers`` times it too).
 OLD_MIDDLE_TIER = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 

@@ -1,7 +1,7 @@
 """Micro-benchmark of the w8a8_int8 kernels at the Llama-3-8B linear shapes (needs a CUDA GPU).
 
-    python plugins-quant/int8/bench_kernels.py [--m 1,2,4,8,16,32,64,128,256] [--shapes qkv,o,gate_up,down]
-    python plugins-quant/int8/bench_kernels.py --sweep [--m 1,4,16,64,256]   # tune the launch configs
+    python plugins-quant/int8/benchmarks/bench_kernels.py [--m 1,2,4,8,16,32,64,128,256] [--shapes qkv,o,gate_up,down]
+    python plugins-quant/int8/benchmarks/bench_kernels.py --sweep [--m 1,4,16,64,256]   # tune the launch configs
 
 One JSON line per (shape, M): the time in microseconds of
 - ``path1_us``: the weight-only path (``gemm.w8a16_linear``: GEMV kernel at M <= GEMV_MAX_M, tl.dot above),

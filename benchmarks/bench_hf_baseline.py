@@ -2,7 +2,7 @@
 
 Measures ``generate`` decode throughput at batch 1 (eager, and with a static cache plus
 ``torch.compile(mode="reduce-overhead")``) and at a larger batch, with random weights.
-usage: python scripts/bench_hf_baseline.py CONFIG_DIR [--input-len 128] [--output-len 256]
+usage: python benchmarks/bench_hf_baseline.py CONFIG_DIR [--input-len 128] [--output-len 256]
        [--batch 64 --batch-input-len 1024 --batch-output-len 128] [--skip-compile] [--result-file F]
 """
 

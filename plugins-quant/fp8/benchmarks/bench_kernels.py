@@ -1,7 +1,7 @@
 """Micro-benchmark of the fp8 plugin's GEMM paths on the Llama-3-8B linear shapes (needs a CUDA GPU).
 
-    python plugins-quant/fp8/bench_kernels.py                 # one JSON line per (shape, M)
-    python plugins-quant/fp8/bench_kernels.py --sweep 120     # tune launch configs (seconds per shape)
+    python plugins-quant/fp8/benchmarks/bench_kernels.py                 # one JSON line per (shape, M)
+    python plugins-quant/fp8/benchmarks/bench_kernels.py --sweep 120     # tune launch configs (seconds per shape)
 
 Each line: the time of ``fp8_linear`` as dispatched (``fp8_us``, ``path``), of bf16 ``F.linear``
 on the same shape (``bf16_us``), the GB/s achieved over the bytes each must read (weights +

@@ -6,7 +6,7 @@ dequantize + cuBLAS time (M >= 3) and the kernel's achieved bandwidth (weight by
 layout + activations + output over its time). Shapes: Llama-3-8B's linears (qkv 4096->6144,
 o 4096->4096, gate_up 4096->28672, down 14336->4096).
 
-    python plugins-quant/gguf/bench_kernels.py [--types Q4_K,Q6_K] [--m 1,2,16,64,256] [--shapes qkv,o]
+    python plugins-quant/gguf/benchmarks/bench_kernels.py [--types Q4_K,Q6_K] [--m 1,2,16,64,256] [--shapes qkv,o]
                                                [--sweep] [--rep-ms 30]
 
 ``--sweep`` also times a handful of GEMV configs (BN, NU, SPLIT, num_warps) at M = 1 and GEMM

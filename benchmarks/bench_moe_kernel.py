@@ -20,7 +20,7 @@ launch, SiLU-and-mul in the gate/up epilogue) against separate routing launches 
 launch (``fused_moe(act_fn=silu_and_mul)``). The ``fused_ms`` rows above are eager (host overhead
 included) and use the epilogue; ``fused_act_fn_ms`` is the same call with the activation launch.
 
-usage: python scripts/bench_moe_kernel.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 256 1024]
+usage: python benchmarks/bench_moe_kernel.py [--shapes qwen3-30b-a3b mixtral-8x7b] [--tokens 1 8 64 256 1024]
        [--pieces-only] [--result-file out/results.jsonl]
 """
 

@@ -3,7 +3,7 @@
 Run from the repository root:
 
     PYTHONPATH=core/src:plugins-attention/triton/src \
-        python3 plugins-attention/triton/bench_kernels.py [--sweep]
+        python3 plugins-attention/triton/benchmarks/bench_kernels.py [--sweep]
 
 Decode is memory-bound: it reports the bytes it must move (K and V of every cached
 token once, plus the int32 slot indices) over the median time, beside the bandwidth

@@ -1,6 +1,6 @@
 """Times the fp8 fp8xfp8 path at batch-sized M with and without producer-fused quantization.
 
-    python plugins-quant/fp8/bench_fused.py [--ms 48,64,128] [--sweep]
+    python plugins-quant/fp8/benchmarks/bench_fused.py [--ms 48,64,128] [--sweep]
 
 Per Llama-3-8B linear and M: bf16 F.linear, the default w8a8 path (quantization launch + GEMM),
 the GEMM alone on pre-quantized activations (what runs after a fused producer), and with --sweep the
