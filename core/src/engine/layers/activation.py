@@ -3,6 +3,9 @@
 One class per activation, so the name says what runs: ``SiluAndMul`` (Llama, Mistral, Qwen)
 and ``GeluAndMul`` (Gemma-style GELU gates). ``get_act_and_mul(config.hidden_act)`` picks the
 class for a Hugging Face ``hidden_act`` value.
+
+``SiluAndMul(act)``, the form that took the activation's name, is deprecated (docs/stability.md):
+it still builds what ``get_act_and_mul(act)`` builds, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
@@ -14,15 +17,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.deprecation import warn_deprecated
 from engine.layers.quantization import ActivationQuantizer
+
+
+# Hugging Face ``hidden_act`` names of SiLU.
+_SILU_NAMES = ("silu", "swish")
 
 
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]``; on CUDA the platform's fused ``silu_and_mul`` kernel, or
     the consumer's quantizing one (``out_quant``, see ``quantization.fusion``)."""
 
-    def __init__(self) -> None:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # The deprecated SiluAndMul(act): the instance get_act_and_mul(act) gives, so a GELU name
+        # yields a GeluAndMul (never a SiluAndMul computing GELU, which the SiLU-only fused and
+        # quantizing kernels would take for SiLU); Python then skips __init__ for it. Subclasses
+        # keep their own constructor arguments.
+        if cls is SiluAndMul and (args or kwargs):
+            act = args[0] if args else kwargs.get("act")
+            warn_deprecated("SiluAndMul(act)")
+            if act not in _SILU_NAMES:
+                return get_act_and_mul(act)
+        return super().__new__(cls)
+
+    def __init__(self, act: str | None = None) -> None:
         super().__init__()
+        if act is not None and type(self) is not SiluAndMul:
+            # A subclass passing the old argument on: it can only ever have meant SiLU here.
+            warn_deprecated("SiluAndMul(act)")
+            if act not in _SILU_NAMES:
+                raise ValueError(f"SiluAndMul: act '{act}' in a subclass of SiluAndMul; accepted: "
+                                 f"{', '.join(_SILU_NAMES)} (derive from the class get_act_and_mul('{act}') "
+                                 "returns instead)")
         self.fused: Callable[..., Any] | None = None
         self.out_quant: ActivationQuantizer | None = None
 
