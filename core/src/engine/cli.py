@@ -128,17 +128,45 @@ def with_server_args(extra: list[inspect.Parameter]) -> Callable[[Callable[..., 
 
         def wrapper(**kwargs: Any) -> Any:
             mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
+            config_path = kwargs.get("config")
+            flags = {k for k, v in kwargs.items() if v is not None and v != [] and k != "config"}
             try:
                 server_args = build_server_args(kwargs)
                 return fn(server_args=server_args, **mine)
             except EngineError as exc:
-                fail(str(exc))
+                fail(_name_yaml_key(str(exc), config_path, flags))
 
         wrapper.__signature__ = inspect.Signature(extra + _server_arg_params())  # type: ignore[attr-defined]
         wrapper.__name__ = fn.__name__
         wrapper.__doc__ = fn.__doc__
         return wrapper
     return decorate
+
+
+def _name_yaml_key(message: str, config_path: str | None, flags: set[str]) -> str:
+    """An error about a value that came from the YAML file names its key there, not the flag:
+    ``--attention: unknown ...`` becomes ``attention (in deploy.yaml): unknown ...`` when
+    ``attention`` was set in deploy.yaml and not overridden on the command line."""
+    import re
+
+    match = re.match(r"--([a-z0-9-]+)", message)
+    if config_path is None or match is None:
+        return message
+    key = match.group(1).replace("-", "_")
+    if key in flags:
+        return message
+    from engine.config import load_yaml
+
+    try:
+        from_yaml = key in load_yaml(config_path)
+    except EngineError:
+        return message
+    if not from_yaml:
+        return message
+    rest = message[match.end():]
+    head, colon, tail = rest.partition(":")
+    # ``--dtype float16: ...`` keeps the value beside the key.
+    return f"{key}{head} (in {config_path}){colon}{tail}" if colon else f"{key}{rest} (in {config_path})"
 
 
 def _opt(name: str, annotation: Any, default: Any, *decls: str, help: str) -> inspect.Parameter:
@@ -241,10 +269,11 @@ def config_show(server_args: ServerArgs, as_json: bool) -> None:
     """Print the effective configuration (file + flags) after validation."""
     import yaml
 
-    import engine.plugins as plugins
+    from engine.preflight import check_without_checkpoint
 
-    # The same check start-up runs: a configuration shown as valid must not be rejected at start.
-    plugins.check_plugin_options(server_args.plugin_options, server_args.disable_plugin)
+    # The checks start-up runs before it reads the checkpoint: a configuration shown as valid
+    # is not rejected at start for a misspelt name or a component that cannot run here.
+    check_without_checkpoint(server_args)
     data = server_args.to_dict()
     typer.echo(json.dumps(data, indent=2) if as_json else yaml.safe_dump(data, sort_keys=False).rstrip())
 

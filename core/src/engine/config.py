@@ -51,7 +51,7 @@ class ServerArgs:
     grammar_backend: str = opt("xgrammar", "Grammar backend plugin for structured output (json_schema, regex, ebnf, response_format)")
     tool_call_parser: str | None = opt(None, "Tool-call parser plugin reading calls from the output of requests with tools and tool_choice auto (hermes, llama3, mistral); default: none, the output stays text")
     reasoning_parser: str | None = opt(None, "Reasoning parser plugin splitting reasoning_content from content (qwen3, deepseek-r1); default: none")
-    disable_plugin: list[str] = opt([], "Plugin (entry-point name) not to load; repeatable")
+    disable_plugin: list[str] = opt([], "Plugin not to load: its entry-point name, or a name it registers (hermes for toolparser_hermes); repeatable")
     required_plugins: list[str] = opt([], "Plugins that must be installed, with optional version specifiers, e.g. 'plugserve-attention-triton>=0.1'")
     plugin_options: dict[str, Any] = opt({}, "Options contributed by plugins, as {plugin: {key: value}}", cli=False)
     # -- memory and scheduling ----------------------------------------------
@@ -147,10 +147,11 @@ class ServerArgs:
         if not isinstance(self.plugin_options, dict) or not all(isinstance(v, dict) for v in self.plugin_options.values()):
             raise ConfigError("plugin_options: expected a mapping {plugin: {key: value}}")
         if self.disable_plugin:
-            from engine.plugins import check_plugin_names
+            from engine.plugins import resolve_plugin_names
 
-            # A misspelt name would otherwise disable nothing, silently.
-            check_plugin_names(self.disable_plugin, "--disable-plugin")
+            # A misspelt name would otherwise disable nothing, silently. A name users select an
+            # implementation by (``hermes``) stands for the plugin registering it (``toolparser_hermes``).
+            self.disable_plugin = resolve_plugin_names(self.disable_plugin, "--disable-plugin")
         self._validate_parsers()
         self._validate_grammar_backend()
         if self.speculative_algorithm:

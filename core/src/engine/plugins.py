@@ -110,12 +110,35 @@ def installed_plugins() -> dict[str, tuple[str, str]]:
 
 
 def check_plugin_names(names: Iterable[str], label: str) -> None:
-    """Each of ``names`` must be an installed plugin (``label`` names the flag in the error)."""
+    """Each of ``names`` must name an installed plugin (``label`` names the flag in the error)."""
+    resolve_plugin_names(names, label)
+
+
+def resolve_plugin_names(names: Iterable[str], label: str) -> list[str]:
+    """The plugin (entry-point) names ``names`` stand for: a plugin's own name, or the name users
+    select one of its implementations by (``hermes`` for the plugin ``toolparser_hermes``, which
+    ``--tool-call-parser hermes`` selects) when exactly one plugin registers that name. Anything
+    else is a ``PluginError`` naming ``label``, the installed plugins and the closest match."""
     installed = installed_plugins()
+    out: list[str] = []
     for name in names:
-        if name not in installed:
-            raise PluginError(f"{label}: unknown plugin '{name}'; installed: {', '.join(sorted(installed)) or 'none'}"
-                              f"{did_you_mean(name, installed)}")
+        if name in installed:
+            out.append(name)
+            continue
+        # Registration is cheap (no implementation is imported): load every plugin's names.
+        reg = get_registry(())
+        owners = sorted({entry.plugin.name for by_name in reg.entries.values()
+                         for n, entry in by_name.items() if n == name})
+        if len(owners) == 1:
+            out.append(owners[0])
+            continue
+        if len(owners) > 1:
+            raise PluginError(f"{label}: '{name}' is registered by several plugins ({', '.join(owners)}); "
+                              "name the plugin")
+        known = set(installed) | {n for by_name in reg.entries.values() for n in by_name}
+        raise PluginError(f"{label}: unknown plugin '{name}'; installed: {', '.join(sorted(installed)) or 'none'}"
+                          f"{did_you_mean(name, known)}")
+    return out
 
 
 def reset_registry() -> None:

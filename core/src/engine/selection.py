@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import engine.plugins as plugins
-from engine.attention.selection import check_backend_selectable
 from engine.errors import ConfigError, ModelLoadError, PluginError
 from engine.hookspecs import call_with_accepted
+from engine.preflight import check_backend_selectable, names_for_device
 
 if TYPE_CHECKING:
     import torch
@@ -131,11 +131,6 @@ def _selected(reg: Any, kind: str, name: str, spec: Any, opts: dict[str, Any]) -
     return Selected(kind, name, spec, owner, reg.options_for(owner.name, opts) if owner else {})
 
 
-def _names_for_device(reg: Any, kind: str, device: str) -> str:
-    """The ``kind`` implementations whose spec lists ``device``, for error messages (``"none"`` if none)."""
-    return ", ".join(n for n in reg.names(kind) if device in reg.entries[kind][n].spec.device_types) or "none"
-
-
 def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
     disabled = args.disable_plugin
     device = platform.device_type
@@ -149,7 +144,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
         except PluginError as exc:
             raise PluginError(f"{exc}; platform '{platform.name}' picks it when --attention is not given: "
                               f"choose one with --attention (backends for platform '{platform.name}': "
-                              f"{_names_for_device(reg, 'attention', device)})") from None
+                              f"{names_for_device(reg, 'attention', device)})") from None
     try:
         check_backend_selectable(spec, device, args.page_size, args.kv_cache_dtype)
     except ConfigError as exc:
@@ -157,7 +152,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
             raise
         # The check knows the spec only; say what would run on this platform instead.
         raise ConfigError(f"{exc}; backends for platform '{platform.name}': "
-                          f"{_names_for_device(reg, 'attention', device)}") from None
+                          f"{names_for_device(reg, 'attention', device)}") from None
     refusal = _platform_refusal(platform, "unsupported_attention_reason", name)
     if refusal:
         usable = _supported_on(platform, reg, "attention", "supported_attention_backends")
@@ -201,7 +196,7 @@ def _select_quant(args: ServerArgs, hf_config: Any, platform: Any, reg: Any,
     device = platform.device_type
     if device not in spec.device_types:
         raise ConfigError(f"quantization method '{spec.name}' does not run on platform '{platform.name}' "
-                          f"(runs on: {', '.join(spec.device_types)}); methods for {device}: {_names_for_device(reg, 'quantization', device)}")
+                          f"(runs on: {', '.join(spec.device_types)}); methods for {device}: {names_for_device(reg, 'quantization', device)}")
     refusal = _platform_refusal(platform, "unsupported_quant_reason", spec.name)
     if refusal:
         usable = _supported_on(platform, reg, "quantization", "supported_quant_methods")

@@ -10,8 +10,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine import plugins
-from engine.config import ServerArgs, check_required_plugins
+from engine.config import ServerArgs
 from engine.errors import EngineError
 from engine.managers.io_struct import SchedulerReady
 from engine.managers.process_utils import IpcNames
@@ -36,27 +35,17 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     run that passes here fails later only for reasons that need the weights or the device.
     """
     from engine.model_executor.checkpoint import load_hf_config
+    from engine.preflight import check_without_checkpoint, parser_log_lines
     from engine.selection import select_components
 
-    check_required_plugins(args.required_plugins)
-    plugins.check_plugin_options(args.plugin_options, args.disable_plugin)
-    check_router_policy(args)
+    # The checks ``engine config show`` runs too; then those that need the checkpoint's config.
+    check_without_checkpoint(args)
+    for line in parser_log_lines(args):
+        logger.info(line)
     config = load_hf_config(model_path, args.trust_remote_code)
     selection = select_components(args, config)
     check_parallel_layout(args, config, selection.platform)
     return config
-
-
-def check_router_policy(args: ServerArgs) -> None:
-    """``--router-policy`` names an installed router policy (checked when it matters: several
-    replicas, or a policy named explicitly), so a typo fails before any model loads."""
-    from engine.config import ServerArgs as _Defaults
-
-    if args.dp_size > 1 or args.router_policy != _Defaults.router_policy:
-        try:
-            plugins.get_router_policy(args.router_policy, args.disable_plugin)
-        except EngineError as exc:
-            raise EngineError(f"--router-policy: {exc}") from None
 
 
 def check_parallel_layout(args: ServerArgs, hf_config: Any, platform: Any) -> None:
@@ -224,7 +213,7 @@ def launch_replica(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_r
     Returns the replica's processes and one reader of their readiness (``ReplicaReady``: rank
     0's ``SchedulerReady`` once every rank is ready, or the first rank's error).
     """
-    from engine.distributed.ranks import launch_ranks
+    from engine.entrypoints.node_ranks import launch_ranks
 
     return launch_ranks(args, model_path, ipc, dp_rank, parent_pid)
 

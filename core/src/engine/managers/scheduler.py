@@ -389,6 +389,8 @@ class Scheduler(DecodeMixin, OutputMixin):
         for req in reqs:
             self.tree_cache.cache_finished_req(req)
             req.reset_for_retract()
+            if self.speculator is not None:
+                self.speculator.request_retracted(req)
         self.num_retractions += len(reqs)
         self.waiting_queue = list(reqs) + self.waiting_queue
 

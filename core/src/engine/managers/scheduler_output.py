@@ -66,8 +66,12 @@ class OutputMixin:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
             req.send_offset = len(req.output_ids)
-            if req.finished_reason is not None:
-                self.reqs.pop(req.rid, None)
+            if req.finished_reason is not None and self.reqs.pop(req.rid, None) is not None:
+                # Every end (finish in a prefill, decode or verify step, abort, refusal) passes
+                # here exactly once: the proposer learns of it here.
+                spec = getattr(self, "speculator", None)
+                if spec is not None:
+                    spec.request_ended(req)
         self.outbox.append(out)
 
     # -- introspection ----------------------------------------------------------------

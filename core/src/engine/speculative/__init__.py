@@ -5,6 +5,14 @@ interface; ``engine.speculative.worker.Speculator`` runs a speculative decode st
 scheduler; ``engine.speculative.verify`` decides which drafts are kept.
 """
 
-from engine.speculative.base import DraftRequest, DraftTree, Proposer, ProposerContext, TargetHidden
+from engine.speculative.base import (
+    DraftRequest,
+    DraftTree,
+    Proposer,
+    ProposerContext,
+    ReleaseReason,
+    RequestEnd,
+    TargetHidden,
+)
 
-__all__ = ["DraftRequest", "DraftTree", "Proposer", "ProposerContext", "TargetHidden"]
+__all__ = ["DraftRequest", "DraftTree", "Proposer", "ProposerContext", "ReleaseReason", "RequestEnd", "TargetHidden"]

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+#: Why a request left the proposer's view (``Proposer.release``): it ended normally (EOS, a stop
+#: condition, ``max_new_tokens``), it was aborted (by the client, a disconnect, an error), or it
+#: was retracted to free KV memory (it comes back later under the same ``rid`` and is prefilled
+#: again from its prompt and output so far).
+ReleaseReason = Literal["finished", "aborted", "retracted"]
 
 
 @dataclass
@@ -34,6 +40,22 @@ class DraftRequest:
     output_ids: Sequence[int]
     #: most draft tokens wanted for this request this step (0: propose nothing).
     max_draft: int
+
+
+@dataclass
+class RequestEnd:
+    """A request that ended (``Proposer.on_request_end``): what it was asked and what it answered."""
+
+    #: request id (the same one ``propose`` saw).
+    rid: str
+    #: the prompt tokens.
+    prompt_ids: Sequence[int]
+    #: every token the request generated (its final output; after an abort, what it had so far).
+    output_ids: Sequence[int]
+    #: ``"finished"`` or ``"aborted"`` (a retraction is not an end: the request resumes).
+    reason: ReleaseReason
+    #: the finish reason as the API reports it (``{"type": "stop" | "length" | "abort", ...}``).
+    finish_reason: dict[str, Any] | None = None
 
 
 @dataclass
@@ -107,8 +129,20 @@ class Proposer:
         them from there on (a request retracted and prefilled again); a start past them means
         a gap (a prefix-cache hit: the cached prefix was not computed)."""
 
-    def release(self, rid: str) -> None:
-        """The request finished, was aborted or retracted: drop any state kept for it."""
+    def release(self, rid: str, reason: ReleaseReason = "finished") -> None:
+        """The request left the running batch: it finished, was aborted, or was retracted
+        (``reason``); drop any state kept for it. Called once for every request that ends and
+        once per retraction, also for requests that were never proposed for (one that finished
+        in its prefill, or ran only in batches above ``--speculative-max-batch-size``), so look
+        ``rid`` up with a default. A retracted request comes back under the same ``rid``.
+
+        A proposer written before ``reason`` existed (``release(self, rid)``) is called without
+        it (since hook API 6)."""
+
+    def on_request_end(self, end: RequestEnd) -> None:
+        """A request ended (finished or aborted), with its prompt and final output: a proposer
+        that learns across requests (a suffix index of past outputs) adds them here. Called
+        once per request, before ``release(rid, reason)``. Since hook API 6."""
 
 
-__all__ = ["DraftRequest", "DraftTree", "Proposer", "ProposerContext", "TargetHidden"]
+__all__ = ["DraftRequest", "DraftTree", "Proposer", "ProposerContext", "ReleaseReason", "RequestEnd", "TargetHidden"]

@@ -34,7 +34,8 @@ import torch
 import engine.distributed as distributed
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
-from engine.speculative.base import DraftRequest, DraftTree, ProposerContext, TargetHidden
+from engine.hookspecs import call_with_accepted
+from engine.speculative.base import DraftRequest, DraftTree, ProposerContext, ReleaseReason, RequestEnd, TargetHidden
 from engine.speculative.tree import (
     depths,
     is_chain,
@@ -147,6 +148,28 @@ class Speculator:
 
         return VerifyGraphRunner(runner, self.num_draft_tokens, min(self.max_batch_size, args.cuda_graph_max_bs),
                                  pool=decode_graphs.pool)
+
+    # -- request ends ----------------------------------------------------------------
+    def request_ended(self, req: Req) -> None:
+        """Tells the proposer that ``req`` ended (finished or aborted): ``on_request_end`` with
+        its prompt and output, then ``release``. The scheduler calls this once per request,
+        where a finished request leaves it (``_emit``), whichever step ended it."""
+        fr = req.finished_reason
+        reason: ReleaseReason = "aborted" if fr is not None and fr.kind == "abort" else "finished"
+        self.proposer.on_request_end(RequestEnd(
+            req.rid, req.origin_input_ids, list(req.output_ids), reason,
+            fr.to_json() if fr is not None else None))
+        self._release(req.rid, reason)
+
+    def request_retracted(self, req: Req) -> None:
+        """``req`` was retracted (KV memory, priority preemption): the proposer drops its state;
+        the request later resumes under the same id."""
+        self._release(req.rid, "retracted")
+
+    def _release(self, rid: str, reason: ReleaseReason) -> None:
+        # A proposer written before the reason existed takes ``release(rid)``: hooks only gain
+        # arguments, and an implementation may accept fewer.
+        call_with_accepted(self.proposer.release, rid, reason=reason)
 
     # -- eligibility -------------------------------------------------------------
     @staticmethod
@@ -348,7 +371,7 @@ class Speculator:
     def _count_row(self, req: Req, drafted: int, appended: int) -> None:
         """After a verify step appended ``appended`` tokens to ``req`` (``drafted`` drafts
         proposed): the request's and the server's acceptance counters, and a finished request
-        released by the proposer and cached."""
+        cached."""
         if drafted:
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += appended - 1
@@ -358,7 +381,7 @@ class Speculator:
             st.accepted_tokens += appended - 1
             st.emitted_tokens += appended
         if req.finished():
-            self.proposer.release(req.rid)
+            # The proposer hears of the end when the request is emitted (``request_ended``).
             self.scheduler.tree_cache.cache_finished_req(req)
 
     def _sample_plain_rows(self, reqs: list[Req], plain: list[int], out: Any, fb: ForwardBatch,
