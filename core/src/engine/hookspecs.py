@@ -57,7 +57,10 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    ``unsupported_attention_reason``/``unsupported_quant_reason``, streams/events/graphs
 #:    (``create_stream``, ``stream_context``, ``create_event``, ``create_graph``,
 #:    ``graph_capture``) and ``pin_host_memory``, all with defaults (API-4 platforms still load).
-HOOK_API_VERSION = 5
+#: 6: ``Proposer.release(rid, reason)`` is called on every end of a request (finished, aborted)
+#:    and on every retraction, with the reason (a ``release(rid)`` without it is still called);
+#:    ``Proposer.on_request_end(RequestEnd)`` receives each ended request's prompt and output ids.
+HOOK_API_VERSION = 6
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
