@@ -14,7 +14,7 @@ import typer
 from engine.cli import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup, spec.")
+bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler; report writes the benchmarks page.")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -120,9 +120,13 @@ def startup_cmd(server_args: ServerArgs, rounds: int, mode: str, result_file: st
     except RuntimeError as exc:
         fail(str(exc))
     typer.echo(format_summary(result))
-    if result_file:
-        with open(result_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps(result.to_dict()) + "\n")
+    import os
+    import platform
+
+    from engine.bench.results import append_rows
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    append_rows(result_file, {"bench": "startup", "machine": machine, **result.to_dict()})
 
 
 @bench_app.command("offline")
@@ -198,3 +202,37 @@ def scheduler_cmd(
     from engine.bench.scheduler_bench import bench_scheduler
 
     bench_scheduler(_ints(running, "--running-requests"), result_file)
+
+
+@bench_app.command("report")
+def report_cmd(
+    results: list[str] = typer.Argument(..., help="Result files (JSON lines), e.g. docs/bench_results/*.jsonl"),
+    output: Optional[str] = typer.Option(None, "--output", help="Write the page here (default: print it)"),
+    check: bool = typer.Option(False, "--check", help="Exit 1 if --output differs from the page the files give"),
+) -> None:
+    """The benchmarks page (docs/benchmarks.md) from result files: per area, the newest row of each
+    configuration and device."""
+    from pathlib import Path
+
+    from engine.bench.report import ReportError, build_page
+
+    if check and not output:
+        fail("--check: needs --output PAGE (the file to compare with)")
+    try:
+        page = build_page(results)
+    except ReportError as exc:
+        fail(str(exc))
+    if not output:
+        typer.echo(page, nl=False)
+        return
+    target = Path(output)
+    if check:
+        current = target.read_text(encoding="utf-8") if target.exists() else None
+        if current != page:
+            typer.echo(f"{output} is out of date with {len(results)} result file(s); regenerate: engine bench report "
+                       f"{' '.join(results)} --output {output}", err=True)
+            raise typer.Exit(1)
+        typer.echo(f"{output} is up to date")
+        return
+    target.write_text(page, encoding="utf-8")
+    typer.echo(f"wrote {output}")
