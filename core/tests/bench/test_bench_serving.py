@@ -226,6 +226,7 @@ def test_model_is_detected_and_ids_prompts_are_sent(server: FakeServer, tmp_path
     record = json.loads(lines[0])
     got = (record["completed"], record["dataset_name"], record["request_rate"])
     assert got == (8, "random", "inf")
+    assert record["bench"] == "serving" and record["command"] and record["date"]  # for engine bench report
 
 
 def test_output_len_falls_back_to_tokenizer_then_chunks(

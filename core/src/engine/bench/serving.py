@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import math
 import os
 import sys
@@ -28,6 +29,7 @@ from engine.bench.metrics import (
     format_report,
     to_json_line,
 )
+from engine.bench.results import run_command
 from engine.bench.serving_args import BenchServingArgs
 
 __all__ = [
@@ -264,6 +266,9 @@ def _result_extra(args: BenchServingArgs, results: list[RequestResult]) -> dict[
     if args.dataset_name == "generated-shared-prefix":
         keys += [f.name for f in dataclasses.fields(args) if f.name.startswith("gsp_")]
     extra: dict[str, Any] = {key: getattr(args, key) for key in keys}
+    # What ``engine bench report`` needs beside the figures (the server's device is not known here).
+    extra.update(bench="serving", command=run_command(),
+                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"))
     if args.output_details:
         extra.update(
             input_lens=[r.prompt_len for r in results],
