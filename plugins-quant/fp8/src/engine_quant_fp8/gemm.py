@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _SCALED_MM_ALIGN = 16
 
 # Switch points, measured on an H100 80GB HBM3 (torch 2.11, Triton 3.6) on 2026-11-23 with
-# `python plugins-quant/fp8/bench_kernels.py --ms 1,32,48,64,256` and `--sweep-w8a8 28`: sum of the
+# `python plugins-quant/fp8/benchmarks/bench_kernels.py --ms 1,32,48,64,256` and `--sweep-w8a8 28`: sum of the
 # four Llama-3-8B linears' GPU times (qkv, o, gate_up, down; bf16 activations), microseconds.
 #
 #   per-channel      M=32    M=48    M=64    M=128   M=256

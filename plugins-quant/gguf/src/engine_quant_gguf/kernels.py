@@ -354,7 +354,7 @@ def _units(qtype: int, k: int) -> int:
 
 
 def gemv_config(qtype: int, m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BN, NU, SPLIT, num_warps) of the GEMV: the one place to tune it (``bench_kernels --sweep``).
+    """(BN, NU, SPLIT, num_warps) of the GEMV: the one place to tune it (``benchmarks/bench_kernels.py --sweep``).
 
     ``NU`` units a step are spread over 32 threads (several units a thread where NU > 32), the
     rest of the 4 warps over rows; K is split over programs only while the grid is under 2

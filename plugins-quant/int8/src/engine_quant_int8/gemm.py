@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from engine_quant_int8.quantize import quantize_per_token
 
 #: Most tokens for which ``int8_linear`` takes the weight-only (W8A16) path; more take W8A8.
-#: Measured on an H100 (``python plugins-quant/int8/bench_kernels.py``, 2026-11-23), summed over
+#: Measured on an H100 (``python plugins-quant/int8/benchmarks/bench_kernels.py``, 2026-11-23), summed over
 #: the four Llama-3-8B linears: M=32 weight-only 138 us vs W8A8 145 us; M=64 222 vs 147 us. A
 #: graph-captured batch size (32), so padding never moves a batch across the switch.
 WEIGHT_ONLY_MAX_M = 32

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Tile sizes; bench_kernels.py prints the time of each shape so they can be tuned on an H100.
+# Tile sizes; benchmarks/bench_kernels.py prints the time of each shape so they can be tuned on an H100.
 _GEMV_BLOCK_N = 16
 _GEMV_BLOCK_K = 512
 _DOT_BLOCK_N = 32
@@ -161,7 +161,7 @@ def w8a16_linear_triton(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: t
     """``x2d [M, K] @ (weight [N, K] int8 * weight_scale [N]).T + bias`` in ``x2d.dtype``.
 
     ``gemv`` picks ``_gemv_kernel`` (meant for M = 1) over ``_dot_kernel``; both are correct at any M.
-    ``config`` overrides ``w8a16_config`` (bench_kernels.py --sweep tunes with it).
+    ``config`` overrides ``w8a16_config`` (benchmarks/bench_kernels.py --sweep tunes with it).
     """
     if x2d.stride(-1) != 1:
         x2d = x2d.contiguous()

@@ -4,7 +4,7 @@ GEMM with int32 accumulation whose epilogue applies the row and column scales an
 Two launches per linear: ``_quantize_rows_kernel`` (one program per token) and
 ``_w8a8_gemm_kernel``. The alternative ``w8a8_linear_int_mm`` runs ``torch._int_mm`` (cuBLASLt)
 for the GEMM and ``_rescale_kernel`` for the epilogue; ``gemm.LARGE_M_GEMM`` picks one, by
-measurement (``bench_kernels.py``).
+measurement (``benchmarks/bench_kernels.py``).
 
 Numerics reproduce ``gemm.w8a8_reference`` operation for operation: the scale is
 ``max(absmax / 127, 1e-12)`` and the code ``round_half_even(x / scale)`` clamped to
@@ -141,7 +141,7 @@ def w8a8_gemm(qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, wei
               bias: torch.Tensor | None, out_dtype: torch.dtype, sms: int,
               config: dict[str, int] | None = None) -> torch.Tensor:
     """``qx [M, K] int8 @ weight [N, K] int8 .T`` rescaled by ``x_scale [M]`` and ``weight_scale [N]``;
-    ``config`` overrides ``gemm_config`` (bench_kernels.py --sweep)."""
+    ``config`` overrides ``gemm_config`` (benchmarks/bench_kernels.py --sweep)."""
     m, k = qx.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=out_dtype, device=qx.device)

@@ -448,7 +448,7 @@ def gemm_config(m: int, n: int, k: int, group_size: int, block_m: int, block_n: 
 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> KernelConfig:
-    """Tile sizes for an ``[m, k] x [k, n]`` product (``bench_kernels.py --alts`` times alternatives;
+    """Tile sizes for an ``[m, k] x [k, n]`` product (``benchmarks/bench_kernels.py --alts`` times alternatives;
     the figures below are H100 times of the Llama-3-8B linears, README)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
