@@ -163,7 +163,7 @@ def serve(args: ServerArgs) -> int:
     from engine.managers.process_utils import setup_child_logging
 
     if args.node_rank > 0:  # multi-node: the other nodes run only their ranks
-        from engine.distributed.ranks import serve_worker_node
+        from engine.entrypoints.worker_node import serve_worker_node
 
         return serve_worker_node(args)
     setup_child_logging(args.log_level, "server")
