@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine import plugins
+import engine.plugins as plugins
 from engine.errors import ConfigError, PluginError
 
 if TYPE_CHECKING:
