@@ -1,6 +1,6 @@
 """Speculative decoding on the GPU (default model): in float32, ngram gives the plain greedy output
 exactly and draft = target is accepted in full; in bf16 (each CUDA attention backend), the outputs
-are equal up to near-ties (docs/speculative.md, "Exactness and floating point")."""
+are equal up to near-ties (docs/speculative_internals.md, "Exactness and floating point")."""
 
 from __future__ import annotations
 

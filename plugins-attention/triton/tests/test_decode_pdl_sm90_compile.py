@@ -1,5 +1,5 @@
 """The decode attention kernels with programmatic dependent launch compile for an H100 (sm_90) to
-the order the PDL rule needs (docs/platforms.md, "Programmatic dependent launch").
+the order the PDL rule needs (docs/cuda_kernels.md, "Programmatic dependent launch").
 
 - Stage 1 (split) triggers first (the merge after it loads nothing before its wait, the output
   projection after that only weights), gathers before its wait (lengths, slots, the first block's

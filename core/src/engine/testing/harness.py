@@ -80,7 +80,7 @@ def assert_equal_up_to_near_ties(scheduler: Any, prompts: list[list[int]], expec
     a position where the two runs chose different tokens whose logits (one EXTEND forward of the
     common prefix on ``scheduler``) differ by at most ``max_gap``: a near-tie that an extend
     forward breaks differently from a decode step, not a wrong token. In float32 the runs are
-    compared for equality instead (docs/speculative.md, "Exactness and floating point")."""
+    compared for equality instead (docs/speculative_internals.md, "Exactness and floating point")."""
     for i, (prompt, e, g) in enumerate(zip(prompts, expected, got)):
         if e == g:
             continue

@@ -1,5 +1,5 @@
 """The MoE layer's small-batch launches with programmatic dependent launch compile for an H100
-(sm_90) to the order the PDL rule needs (docs/platforms.md, "Programmatic dependent launch").
+(sm_90) to the order the PDL rule needs (docs/cuda_kernels.md, "Programmatic dependent launch").
 
 - The router's top-k (its arg-max rounds warp reductions of one instruction each, ``redux.sync``)
   and the gate/up launch read their predecessor's output at once: one wait,

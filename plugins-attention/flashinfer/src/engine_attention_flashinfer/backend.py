@@ -74,7 +74,7 @@ class FlashInferAttnBackend(AttentionBackend):
     supports_mixed = True
     supports_cuda_graph = True
     # Tree masks go to the prefill wrapper's ``plan(custom_mask=...)``. Not yet run on a GPU:
-    # docs/speculative.md, "Trees".
+    # docs/speculative_internals.md, "Trees".
     supports_tree_mask = True
 
     def __init__(self, ctx: AttentionContext) -> None:

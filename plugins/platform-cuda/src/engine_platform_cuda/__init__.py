@@ -28,7 +28,7 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     # auto: 6 in graphs of up to 8 tokens on a single GPU, off under tensor or pipeline parallelism).
     "l2_prefetch_mb": "auto",
     # The sampler's greedy argmax as one Triton launch (``argmax.py``); off: torch.argmax. Off by default:
-    # less device time, more host time a call, and no measurable end-to-end gain (docs/platforms.md).
+    # less device time, more host time a call, and no measurable end-to-end gain (docs/cuda_kernels.md).
     "argmax": False,
 }
 _OPTION_HELP = {

@@ -42,7 +42,7 @@ _L2_PREFETCH_MB_LIMIT = 64
 # What ``cuda.l2_prefetch_mb=auto`` stages on a single GPU, in decode graphs of at most
 # ``AUTO_L2_PREFETCH_ROWS`` tokens: the best amount at the Qwen3-30B-A3B shape on an H100 (2 to 16 MiB
 # measured). At batch 1 it was faster for every model measured; at batch 64 the change was within
-# -1.4% to +0.8%, so larger graphs get none (docs/platforms.md). Under tensor or pipeline parallelism,
+# -1.4% to +0.8%, so larger graphs get none (docs/cuda_kernels.md). Under tensor or pipeline parallelism,
 # where it has not run, auto is off.
 AUTO_L2_PREFETCH_MB = 6
 AUTO_L2_PREFETCH_ROWS = 8
