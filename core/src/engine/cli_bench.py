@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import typer
 
-from engine.cli import _opt, fail, with_server_args
+from engine.cli_args import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler; report writes the benchmarks page.")
