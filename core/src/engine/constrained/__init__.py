@@ -18,9 +18,11 @@ from engine.constrained.base import (
     unpack_bitmask,
 )
 from engine.constrained.compiler import GrammarCompiler
+from engine.constrained.vocab import TOKEN_ENCODINGS, special_token_ids, token_bytes, token_encoding
 
 __all__ = [
     "GRAMMAR_KINDS",
+    "TOKEN_ENCODINGS",
     "GrammarBackend",
     "GrammarCompiler",
     "GrammarError",
@@ -31,5 +33,8 @@ __all__ = [
     "allowed_tokens",
     "apply_token_bitmask",
     "bitmask_width",
+    "special_token_ids",
+    "token_bytes",
+    "token_encoding",
     "unpack_bitmask",
 ]

@@ -14,10 +14,12 @@ Subclass it in the plugin's tests::
     class TestMyBackend(GrammarBackendConformance):
         backend_name = "mine"
 
-The mask reference is the ``regex`` package's partial matching over the token's bytes: token
-``t`` is allowed after the bytes ``b`` iff ``b + bytes(t)`` can still be extended to a full
-match (and a stop token iff ``b`` is one). It runs on the engine's tiny byte-level BPE
-tokenizer (2,048 tokens), with the logits padded past the vocabulary as a model's often are.
+The mask reference is the ``regex`` package's partial matching over the token's bytes
+(``engine.constrained.token_bytes``): token ``t`` is allowed after the bytes ``b`` iff
+``b + bytes(t)`` can still be extended to a full match (and a stop token iff ``b`` is one). It
+runs on the engine's tiny byte-level BPE tokenizer (2,048 tokens), with the logits padded past
+the vocabulary as a model's often are. Every failure says which grammar, which input and what
+the backend did.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from engine.constrained import (
     allocate_bitmask,
     allowed_tokens,
     apply_token_bitmask,
+    token_bytes,
 )
 from engine.testing.conformance._common import KIT_SEED, derive_seed
 
@@ -115,8 +118,11 @@ class GrammarBackendConformance:
     seed: ClassVar[int] = KIT_SEED
 
     # -- fixtures ------------------------------------------------------------------------
+    # Class-scoped fixtures are classmethods: one instance serves the whole class, and pytest
+    # deprecates class-scoped fixtures defined as instance methods.
     @pytest.fixture(scope="class")
-    def tokenizer(self) -> Any:
+    @classmethod
+    def tokenizer(cls) -> Any:
         import os
 
         from transformers import AutoTokenizer
@@ -124,11 +130,13 @@ class GrammarBackendConformance:
         return AutoTokenizer.from_pretrained(os.path.join(os.path.dirname(__file__), "tiny_tokenizer"))
 
     @pytest.fixture(scope="class")
-    def backend(self, tokenizer: Any) -> GrammarBackend:
-        spec = plugins.get_grammar_backend(self.backend_name)
-        info = TokenizerInfo(tokenizer, len(tokenizer) + self.vocab_padding, (tokenizer.eos_token_id,), "tiny")
-        backend = plugins.create_grammar_backend(self.backend_name, info)
-        assert isinstance(backend, GrammarBackend), f"{spec.factory} must return an engine.constrained.GrammarBackend"
+    @classmethod
+    def backend(cls, tokenizer: Any) -> GrammarBackend:
+        spec = plugins.get_grammar_backend(cls.backend_name)
+        info = TokenizerInfo(tokenizer, len(tokenizer) + cls.vocab_padding, (tokenizer.eos_token_id,), "tiny")
+        backend = plugins.create_grammar_backend(cls.backend_name, info)
+        assert isinstance(backend, GrammarBackend), (
+            f"{spec.factory} returned {type(backend).__name__}; it must return an engine.constrained.GrammarBackend")
         return backend
 
     # -- helpers -------------------------------------------------------------------------
@@ -175,7 +183,7 @@ class GrammarBackendConformance:
         import regex
 
         pattern = regex.compile(case.grammar.encode())
-        token_bytes = _token_bytes(tokenizer)
+        table = _token_bytes(tokenizer)
         eos = tokenizer.eos_token_id
         vocab = len(tokenizer) + self.vocab_padding
         compiled = backend.compile(self._key(case))
@@ -188,18 +196,21 @@ class GrammarBackendConformance:
                 bitmask.fill_(0)
                 matcher.fill_bitmask(bitmask, 0)
                 got = set(allowed_tokens(bitmask[0], vocab))
-                want = {t for t, b in token_bytes.items()
+                want = {t for t, b in table.items()
                         if b and pattern.fullmatch(prefix + b, partial=True) is not None}
                 if pattern.fullmatch(prefix) is not None:
                     want.add(eos)
                 assert got == want, (f"{case.name} walk {walk} step {step} after {prefix!r}: backend allows "
                                      f"{sorted(got - want)[:8]} the reference refuses, refuses {sorted(want - got)[:8]}")
                 choice = rng.choice(sorted(want))
-                assert matcher.accept_token(choice)
+                assert matcher.accept_token(choice), (
+                    f"{case.name} walk {walk} step {step} after {prefix!r}: accept_token({choice}) refused a token "
+                    "its own mask allows")
                 if choice == eos:
-                    assert matcher.is_terminated()
+                    assert matcher.is_terminated(), (
+                        f"{case.name} after {prefix!r}: the stop token was accepted but is_terminated() is False")
                     break
-                prefix += token_bytes[choice]
+                prefix += table[choice]
 
     # -- the contract --------------------------------------------------------------------
     @pytest.mark.parametrize("kind,text", INVALID, ids=[k for k, _ in INVALID])
@@ -207,14 +218,54 @@ class GrammarBackendConformance:
                                                                  backend: GrammarBackend) -> None:
         self._skip_unless(kind)
         for check in (backend.validate, backend.compile):
-            with pytest.raises(GrammarError) as info:
+            try:
                 check(GrammarKey(kind, text))
-            assert info.value.field == kind and kind in str(info.value), str(info.value)
+            except GrammarError as exc:
+                assert exc.field == kind and kind in str(exc), (
+                    f"{check.__name__}() of the invalid {kind} grammar {text!r}: the GrammarError must name the "
+                    f"field {kind!r} (field={exc.field!r}, message {str(exc)!r})")
+            else:
+                pytest.fail(f"{check.__name__}() accepted the invalid {kind} grammar {text!r}; "
+                            "it must raise engine.constrained.GrammarError")
 
     def test_valid_grammars_validate(self, backend: GrammarBackend) -> None:
         for case in CASES:
             if case.kind in self._kinds():
-                backend.validate(self._key(case))
+                try:
+                    backend.validate(self._key(case))
+                except GrammarError as exc:
+                    pytest.fail(f"{case.name}: validate() refused a valid {case.kind} grammar: {exc}")
+
+    @pytest.mark.parametrize("text", ['', '{', '{"name"', '{"name": "Ann"', '{"name": "Ann", "age": 3',
+                                      '{"name": "Ann", "age": 31, "role": "admin"',
+                                      '{"name": "Ann", "age": 31, "tags": ["a"'])
+    def test_end_of_text_is_refused_inside_an_unfinished_json_document(self, text: str, backend: GrammarBackend,
+                                                                        tokenizer: Any) -> None:
+        """Until the JSON document is complete the stop token is neither in the mask nor
+        accepted: a request must not end on half an object. Once the document closes, it is."""
+        self._skip_unless("json_schema")
+        vocab = len(tokenizer) + self.vocab_padding
+        eos = tokenizer.eos_token_id
+        compiled = backend.compile(GrammarKey("json_schema", json.dumps(PERSON)))
+        matcher = backend.matcher(compiled)
+        text = text.replace(": ", self.json_separators[1]).replace(", ", self.json_separators[0])
+        for token in tokenizer.encode(text, add_special_tokens=False):
+            assert matcher.accept_token(token), (
+                f"refused token {token} ({tokenizer.decode([token])!r}) of the valid JSON prefix {text!r}")
+        bitmask = allocate_bitmask(1, vocab)
+        matcher.fill_bitmask(bitmask, 0)
+        assert eos not in set(allowed_tokens(bitmask[0], vocab)), (
+            f"the mask allows the stop token after the unfinished JSON document {text!r}")
+        assert not matcher.accept_token(eos), f"accepted the stop token after the unfinished JSON document {text!r}"
+        assert not matcher.is_terminated(), f"terminated inside the unfinished JSON document {text!r}"
+        # Complete the document: now the stop token ends it.
+        whole = json.dumps({"name": "Ann", "age": 31, "role": "admin"}, separators=self.json_separators)
+        done = backend.matcher(compiled)
+        for token in tokenizer.encode(whole, add_special_tokens=False):
+            assert done.accept_token(token), f"refused a token of the complete document {whole!r}"
+        done.fill_bitmask(bitmask, 0)
+        assert eos in set(allowed_tokens(bitmask[0], vocab)), f"the mask refuses the stop token after {whole!r}"
+        assert done.accept_token(eos) and done.is_terminated(), f"the stop token did not end {whole!r}"
 
     def test_padded_columns_and_special_tokens_are_never_allowed(self, backend: GrammarBackend, tokenizer: Any) -> None:
         self._skip_unless("json_schema")
@@ -232,12 +283,16 @@ class GrammarBackendConformance:
         self._skip_unless("regex")
         compiled = backend.compile(GrammarKey("regex", "(ab|cd)+"))
         first = backend.matcher(compiled)
-        assert all(first.accept_token(t) for t in tokenizer.encode("ab", add_special_tokens=False))
+        assert all(first.accept_token(t) for t in tokenizer.encode("ab", add_special_tokens=False)), (
+            "regex (ab|cd)+ refused 'ab'")
         twin = first.copy()
         text = tokenizer.encode("cd", add_special_tokens=False)
-        assert all(twin.accept_token(t) for t in text)
-        assert twin.accept_token(tokenizer.eos_token_id) and twin.is_terminated()
+        assert all(twin.accept_token(t) for t in text), "the copy of a matcher at 'ab' refused 'cd'"
+        assert twin.accept_token(tokenizer.eos_token_id) and twin.is_terminated(), (
+            "the copy did not end on the stop token after 'abcd'")
         assert not first.is_terminated(), "accepting on a copy changed the original"
+        assert first.accept_token(tokenizer.eos_token_id) and first.is_terminated(), (
+            "the original, still at 'ab', did not end on the stop token")
 
     def test_rollback_undoes_tokens(self, backend: GrammarBackend, tokenizer: Any) -> None:
         spec = plugins.get_grammar_backend(self.backend_name)
@@ -249,19 +304,23 @@ class GrammarBackendConformance:
         before, after = allocate_bitmask(1, vocab), allocate_bitmask(1, vocab)
         matcher.fill_bitmask(before, 0)
         tokens = tokenizer.encode("abc1", add_special_tokens=False)
-        assert all(matcher.accept_token(t) for t in tokens)
-        assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+        assert all(matcher.accept_token(t) for t in tokens), "regex [a-z]+[0-9] refused 'abc1'"
+        assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated(), (
+            "the stop token did not end 'abc1'")
         matcher.rollback(len(tokens) + 1)
-        assert not matcher.is_terminated()
+        assert not matcher.is_terminated(), f"still terminated after rollback({len(tokens) + 1})"
         matcher.fill_bitmask(after, 0)
         assert torch.equal(before, after), "rollback did not restore the start state"
 
     def test_refused_token_leaves_the_state_unchanged(self, backend: GrammarBackend, tokenizer: Any) -> None:
         self._skip_unless("regex")
         matcher = backend.matcher(backend.compile(GrammarKey("regex", "[0-9]+")))
-        assert not matcher.accept_token(tokenizer.encode("x", add_special_tokens=False)[0])
-        assert all(matcher.accept_token(t) for t in tokenizer.encode("42", add_special_tokens=False))
-        assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+        assert not matcher.accept_token(tokenizer.encode("x", add_special_tokens=False)[0]), (
+            "regex [0-9]+ accepted 'x'")
+        assert all(matcher.accept_token(t) for t in tokenizer.encode("42", add_special_tokens=False)), (
+            "after refusing 'x', regex [0-9]+ refused '42': a refused token changed the state")
+        assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated(), (
+            "the stop token did not end '42'")
 
     def test_compiles_concurrently(self, backend: GrammarBackend, tokenizer: Any) -> None:
         """The engine compiles on a thread pool: concurrent compiles give working grammars."""
@@ -277,7 +336,8 @@ class GrammarBackendConformance:
             t.start()
         for t in threads:
             t.join()
-        assert results == {i: True for i in range(6)}
+        assert results == {i: True for i in range(6)}, (
+            f"grammars compiled on 6 threads at once: accepted their string {results} (want all True)")
 
     def test_batch_fill_equals_row_by_row(self, backend: GrammarBackend, tokenizer: Any) -> None:
         """``fill_bitmasks`` over a batch of matchers in different states (some rows left out)
@@ -289,7 +349,7 @@ class GrammarBackendConformance:
         for i in range(12):
             matcher = backend.matcher(compiled)
             for token in tokenizer.encode("abcdef12"[: i % 8], add_special_tokens=False):
-                assert matcher.accept_token(token)
+                assert matcher.accept_token(token), f"regex [a-z]{{1,6}}[0-9]{{1,3}} refused {'abcdef12'[: i % 8]!r}"
             matchers.append(matcher)
         rows = [r for r in range(16) if r % 4 != 1][: len(matchers)]
         batch = allocate_bitmask(16, vocab)
@@ -297,7 +357,9 @@ class GrammarBackendConformance:
         want = allocate_bitmask(16, vocab)
         for matcher, row in zip(matchers, rows):
             matcher.fill_bitmask(want, row)
-        assert torch.equal(batch, want)
+        assert torch.equal(batch, want), (
+            f"fill_bitmasks over rows {rows} differs from each matcher's fill_bitmask (rows differing: "
+            f"{[r for r in range(16) if not torch.equal(batch[r], want[r])]})")
 
     def test_fill_overwrites_whole_rows(self, backend: GrammarBackend, tokenizer: Any) -> None:
         """A fill writes every word of its rows, whatever the buffer held: the scheduler reuses
@@ -309,7 +371,7 @@ class GrammarBackendConformance:
         matchers = [backend.matcher(compiled) for _ in range(3)]
         for i, matcher in enumerate(matchers):
             for token in tokenizer.encode("abc12"[: 2 * i], add_special_tokens=False):
-                assert matcher.accept_token(token)
+                assert matcher.accept_token(token), f"regex [a-z]{{1,6}}[0-9]{{1,3}} refused {'abc12'[: 2 * i]!r}"
         rng = torch.Generator().manual_seed(derive_seed(self.seed, "dirty"))
         for batch in (False, True):
             clean = allocate_bitmask(3, vocab)
@@ -345,7 +407,8 @@ class GrammarBackendConformance:
             want = [twin.accept_token(token) for twin, token in zip(twins, tokens)]
             assert [bool(g) for g in got] == want, f"step {step}: batch {got} vs row by row {want}"
             refused += want.count(False)
-            assert [m.is_terminated() for m in batch] == [m.is_terminated() for m in twins]
+            assert [m.is_terminated() for m in batch] == [m.is_terminated() for m in twins], (
+                f"step {step}: is_terminated() after the batch accept differs from row by row")
             masks, twin_masks = allocate_bitmask(len(texts), vocab), allocate_bitmask(len(texts), vocab)
             for row, (matcher, twin) in enumerate(zip(batch, twins)):
                 if not matcher.is_terminated():
@@ -353,7 +416,7 @@ class GrammarBackendConformance:
                     twin.fill_bitmask(twin_masks, row)
             assert torch.equal(masks, twin_masks), f"step {step}: states differ after the batch accept"
         assert refused and any(m.is_terminated() for m in twins), "the sequence must refuse and finish"
-        assert backend.accept_tokens([], []) == []
+        assert backend.accept_tokens([], []) == [], "accept_tokens of an empty batch must return []"
 
     def test_apply_bitmask_matches_the_portable_mask(self, backend: GrammarBackend, tokenizer: Any) -> None:
         vocab = len(tokenizer) + self.vocab_padding
@@ -365,31 +428,13 @@ class GrammarBackendConformance:
         want = logits.clone()
         apply_token_bitmask(want, bitmask)
         backend.apply_bitmask(logits, bitmask)
-        assert torch.equal(torch.isinf(logits), torch.isinf(want))
-        assert torch.equal(logits[~torch.isinf(want)], want[~torch.isinf(want)])
+        assert torch.equal(torch.isinf(logits), torch.isinf(want)), (
+            f"apply_bitmask masked {int(torch.isinf(logits).sum())} logits, the portable mask "
+            f"{int(torch.isinf(want).sum())} (or other ones)")
+        assert torch.equal(logits[~torch.isinf(want)], want[~torch.isinf(want)]), (
+            "apply_bitmask changed logits the bitmask allows")
 
 
 def _token_bytes(tokenizer: Any) -> dict[int, bytes]:
-    """Each ordinary token's bytes (byte-level BPE); special tokens are left out (no grammar
-    of the table allows them)."""
-    table = {c: b for b, c in _bytes_to_unicode().items()}
-    special = set(tokenizer.all_special_ids)
-    out: dict[int, bytes] = {}
-    for token_id, piece in enumerate(tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))):
-        if token_id in special or piece is None or any(ch not in table for ch in piece):
-            continue
-        out[token_id] = bytes(table[ch] for ch in piece)
-    return out
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte-level alphabet: printable bytes map to themselves, the rest to 256 + n."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return dict(zip(printable, map(chr, chars)))
+    """Each ordinary token's bytes (special tokens are left out: no grammar of the table allows them)."""
+    return {t: b for t, b in enumerate(token_bytes(tokenizer)) if b is not None}

@@ -21,8 +21,10 @@ class SpeculativeProposerConformance:
     seed: ClassVar[int] = 1234
     vocab_size: ClassVar[int] = 2048
 
+    # A classmethod: pytest deprecates class-scoped fixtures defined as instance methods.
     @pytest.fixture(scope="class")
-    def tiny_model_path(self, tmp_path_factory: Any) -> str:
+    @classmethod
+    def tiny_model_path(cls, tmp_path_factory: Any) -> str:
         from engine.testing.checkpoints import make_tiny_checkpoint
 
         return make_tiny_checkpoint(str(tmp_path_factory.mktemp("spec_kit")), "LlamaForCausalLM")
@@ -57,30 +59,47 @@ class SpeculativeProposerConformance:
     def test_drafts_are_well_formed(self, tiny_model_path: str) -> None:
         """One list (a chain) or ``DraftTree`` (only for a spec whose ``draft_shapes`` has
         "tree"; parents in range and before their children) per request, each within its
-        ``max_draft``, every id inside the vocabulary; ``max_draft`` 0 gets nothing."""
-        from engine.speculative import DraftRequest, DraftTree, Proposer
+        ``max_draft``, every id inside the vocabulary; ``max_draft`` 0 gets nothing. The
+        requests live as the engine's do: each id is new, its output grows between steps, and
+        it ends with ``on_request_end`` and ``release(rid, "finished")``; releasing an id never
+        proposed for (a request that ended in its prefill) is harmless."""
+        from engine.hookspecs import call_with_accepted
+        from engine.speculative import DraftRequest, DraftTree, Proposer, RequestEnd
 
         proposer = self._proposer(tiny_model_path)
         assert isinstance(proposer, Proposer), f"the factory returned {type(proposer).__name__}, not a Proposer"
+        shapes = plugins.get_speculative_algorithm(self.algorithm_name).draft_shapes
         rng = random.Random(self.seed)
-        for round_ in range(3):
-            reqs = [DraftRequest(f"r{i}", prompt, [rng.randrange(self.vocab_size) for _ in range(round_ * 3 + 1)],
-                                 max_draft=[0, 1, 4, 7][i % 4])
-                    for i, prompt in enumerate(self._prompts())]
+        prompts = self._prompts()
+        outputs = [[rng.randrange(self.vocab_size)] for _ in prompts]
+        rids = [f"kit-{self.seed}-{i}" for i in range(len(prompts))]
+        for step in range(3):
+            reqs = [DraftRequest(rid, prompt, list(out), max_draft=[0, 1, 4, 7][i % 4])
+                    for i, (rid, prompt, out) in enumerate(zip(rids, prompts, outputs))]
             drafts = proposer.propose(reqs)
-            assert isinstance(drafts, list) and len(drafts) == len(reqs)
-            shapes = plugins.get_speculative_algorithm(self.algorithm_name).draft_shapes
+            assert isinstance(drafts, list) and len(drafts) == len(reqs), (
+                f"step {step}: propose() returned {type(drafts).__name__} of "
+                f"{len(drafts) if hasattr(drafts, '__len__') else '?'} entries for {len(reqs)} requests; "
+                "want a list with one entry per request")
             for req, d in zip(reqs, drafts):
                 if isinstance(d, DraftTree):
-                    assert "tree" in shapes, f"a DraftTree from a spec with draft_shapes={shapes!r}"
-                    assert len(d.parents) == len(d.tokens), (req.rid, d)
-                    assert all(-1 <= p < i for i, p in enumerate(d.parents)), (req.rid, d)
+                    assert "tree" in shapes, f"{req.rid}: a DraftTree from a spec with draft_shapes={shapes!r}"
+                    assert len(d.parents) == len(d.tokens), (
+                        f"{req.rid}: a DraftTree of {len(d.tokens)} tokens and {len(d.parents)} parents")
+                    assert all(-1 <= p < i for i, p in enumerate(d.parents)), (
+                        f"{req.rid}: DraftTree parents {d.parents}: each must be -1 or an earlier node")
                     d = d.tokens
-                assert len(d) <= req.max_draft, (req.rid, d)
-                assert all(isinstance(t, int) and 0 <= t < self.vocab_size for t in d), d
+                assert len(d) <= req.max_draft, f"{req.rid}: {len(d)} drafts {d} above max_draft={req.max_draft}"
+                bad = [t for t in d if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+                assert not bad, f"{req.rid}: draft ids {bad} are not ints inside the vocabulary (0..{self.vocab_size - 1})"
             proposer.on_verified(reqs, [0] * len(reqs))
-        for i in range(len(self._prompts())):
-            proposer.release(f"r{i}")
+            # The target appended one token of its own to every request.
+            for out in outputs:
+                out.append(rng.randrange(self.vocab_size))
+        for rid, prompt, out in zip(rids, prompts, outputs):
+            proposer.on_request_end(RequestEnd(rid, prompt, list(out), "finished", {"type": "length", "length": len(out)}))
+            call_with_accepted(proposer.release, rid, reason="finished")
+        call_with_accepted(proposer.release, f"kit-{self.seed}-never-proposed", reason="aborted")
 
     def test_lossless_greedy(self, tiny_model_path: str) -> None:
         """The engine with this proposer equals the engine without speculation, token for token
