@@ -60,6 +60,27 @@ def test_plans() -> None:
     assert finish_reason("length", plan_tools(_req(tools=[WEATHER])), called=True) == "length"
 
 
+@pytest.mark.parametrize("grammar, named", [
+    ({"json_schema": '{"type": "object"}'}, "response_format"),
+    ({"structural_tag": "{}"}, "response_format"),
+    ({"regex": "[0-9]+"}, "regex"),
+    ({"ebnf": 'root ::= "x"'}, "ebnf"),
+])
+def test_auto_tools_with_a_parser_and_a_grammar_are_refused(grammar: dict[str, str], named: str) -> None:
+    """The grammar would keep the model from writing the markup the parser reads calls from:
+    the combination is a 400 naming tool_choice and the grammar's field, not calls lost silently."""
+    from engine.parsers import ToolCallParser
+
+    for body in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
+        with pytest.raises(APIError) as info:
+            plan_tools(_req(**body)).sampling(dict(grammar), ToolCallParser())
+        assert info.value.status == 400 and info.value.param == "tool_choice", info.value
+        assert f"tool_choice: 'auto' (the default with tools)" in str(info.value) and named in str(info.value)
+    # tool_choice none keeps the tools in the prompt and the grammar; no parser: the text is returned.
+    assert plan_tools(_req(tools=[WEATHER], tool_choice="none")).sampling(dict(grammar), ToolCallParser()) == grammar
+    assert plan_tools(_req(tools=[WEATHER])).sampling(dict(grammar), None) == grammar
+
+
 def test_mistral_parser_keeps_special_tokens_for_auto_only() -> None:
     from engine_toolparser_mistral.parser import MistralToolCallParser
 

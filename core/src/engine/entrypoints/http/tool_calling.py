@@ -13,7 +13,9 @@
   then the tool calls (``--tool-call-parser`` for ``auto``; the forced formats otherwise).
 
 Without ``--tool-call-parser`` a request with tools and ``tool_choice: auto`` is served as SGLang
-does without a parser: the tools reach the prompt and the output is returned as text.
+does without a parser: the tools reach the prompt and the output is returned as text. With a
+parser, tools the model may call and a grammar (``response_format`` etc.) are refused together
+(``ToolPlan.sampling``).
 """
 
 from __future__ import annotations
@@ -71,16 +73,30 @@ class ToolPlan:
         return None
 
     def sampling(self, params: dict[str, Any], parser: ToolCallParser | None) -> dict[str, Any]:
-        """``params`` with the forced schema (as ``json_schema``) and the parser's token needs."""
+        """``params`` with the forced schema (as ``json_schema``) and the parser's token needs.
+
+        A grammar (``response_format``, or the ``regex``/``ebnf``/``json_schema``/``structural_tag``
+        extensions) together with tools the model may call is a 400: a forced ``tool_choice``
+        is a grammar of its own, and ``auto`` with a tool-call parser reads calls from free-text
+        markup that the grammar never lets the model write (its calls would be lost silently).
+        """
+        taken = [k for k in GRAMMAR_FIELDS if params.get(k) is not None]
+        grammar = "response_format" if taken and taken[0] in ("json_schema", "structural_tag") else (
+            taken[0] if taken else "")
         schema = self.schema()
         if schema is not None:
-            taken = [k for k in GRAMMAR_FIELDS if params.get(k) is not None]
             if taken:
                 raise APIError(400, f"tool_choice: '{self.named or self.mode}' constrains the output to a tool "
-                                    "call and cannot be combined with response_format", param="tool_choice")
+                                    f"call and cannot be combined with {grammar}", param="tool_choice")
             params["json_schema"] = json.dumps(schema)
-        elif self.mode == "auto" and parser is not None and parser.needs_special_tokens:
-            params["skip_special_tokens"] = False
+        elif self.mode == "auto" and parser is not None:
+            if taken:
+                raise APIError(400, f"tool_choice: 'auto' (the default with tools) reads tool calls from the model's "
+                                    f"free text, which {grammar} constrains to its grammar, so no call could be "
+                                    f"made; send tool_choice 'none' to keep the tools in the prompt and answer in "
+                                    f"the format, or leave out {grammar}", param="tool_choice")
+            if parser.needs_special_tokens:
+                params["skip_special_tokens"] = False
         return params
 
 
