@@ -81,13 +81,17 @@ def test_ratios_to_the_peer_and_to_figures_the_row_carries(tmp_path: pathlib.Pat
 
 
 def test_rows_as_benchmarks_write_them_find_their_area_and_configuration(tmp_path: pathlib.Path) -> None:
-    tp2 = _one_batch(2.761, tp_size=2)
+    tp2 = _one_batch(2.761, tp_size=2, model_path="docs/bench_configs/llama-3-8b", quant=None)
     grammar = _one_batch(7.688, batch=64, json_schema=True)
-    page = build_page([_write(tmp_path / "raw.jsonl", tp2, grammar)])
+    fp8 = {"bench": "offline", "dataset": "random", "num_prompts": 1000, "duration_s": 106.3, "output_throughput": 9631.0,
+           "device": "NVIDIA H100 80GB HBM3", "model_path": None, "quant": "fp8", "tp_size": 1, "attention": "triton",
+           "command": "engine bench offline --quant fp8", "date": "2026-11-23"}
+    page = build_page([_write(tmp_path / "raw.jsonl", tp2, grammar, fp8)])
 
-    assert _table(page, "Parallelism")[0][:1] == ["triton, batch 1, 128 in / 256 out, TP=2"]
+    assert _table(page, "Parallelism")[0][:1] == ["llama-3-8b, triton, batch 1, 128 in / 256 out, TP=2"]
     assert _table(page, "Parallelism")[0][2] == "2x H100 80GB HBM3"
     assert _table(page, "Structured output")[0][4] == "7.688 ms/step (8,325 tok/s)"
+    assert _table(page, "Quantization")[0][0] == "default model, fp8, triton, random, 1000 prompts"
     assert ("## Offline throughput\n\nNo current measurement; `engine bench offline --result-file F` produces one."
             in page)
 

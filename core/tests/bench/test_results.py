@@ -31,6 +31,7 @@ def test_rows_carry_their_command_and_utc_date_unless_they_name_their_own(tmp_pa
 
 def test_run_command_spells_scripts_and_the_cli_as_typed() -> None:
     assert run_command(["/x/lib/python3/site-packages/engine/__main__.py", "bench", "spec"]) == "engine bench spec"
+    assert run_command(["/x/site-packages/pytest/__main__.py", "-q", "t.py"]) == "python3 -m pytest -q t.py"
     assert run_command(["benchmarks/bench_moe_small.py", "--tokens", "1", "2"]) == (
         "python3 benchmarks/bench_moe_small.py --tokens 1 2")
 

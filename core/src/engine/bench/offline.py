@@ -67,7 +67,8 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         "request_throughput": len(prompts) / duration, "input_throughput": in_tokens / duration,
         "output_throughput": out_tokens / duration, "total_throughput": (in_tokens + out_tokens) / duration,
         "attention": info["attention_backend"], "device": info["device"], "platform": info["platform"],
-        "disable_radix_cache": args.disable_radix_cache,
+        "disable_radix_cache": args.disable_radix_cache, "model_path": args.model_path, "quant": args.quant,
+        "tp_size": args.tp_size,
         **_step_breakdown(before, info, duration),
     }
     if args.dp_size > 1:  # which replica got what, and why (cache_hit, least_loaded, round_robin, ...)

@@ -196,6 +196,7 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
         append_rows(result_file, {"bench": "one-batch", "device": scheduler.runner.platform.describe(),
                                   "attention": scheduler.runner.attention_backend_name,
                                   "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
+                                  "model_path": args.model_path, "quant": args.quant,
                                   "tp_size": args.tp_size, "pp_size": args.pp_size, "ep_size": args.ep_size,
                                   "json_schema": json_schema is not None, **res.to_dict()})
     return results

@@ -133,7 +133,9 @@ def infer_area(row: dict[str, Any]) -> str | None:
             return "parallelism"
         return "decode"
     if kind == "offline":
-        return "parallelism" if row.get("dp_size", 1) > 1 else "offline"
+        if row.get("dp_size", 1) > 1 or row.get("tp_size", 1) > 1:
+            return "parallelism"
+        return "quantization" if row.get("quant") else "offline"
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
             "scheduler-decode-step": "serving", "default-model-cpu-decode": "cpu-default-model",
             "all-reduce": "parallelism"}.get(kind)
@@ -142,20 +144,25 @@ def infer_area(row: dict[str, Any]) -> str | None:
 def infer_config(row: dict[str, Any]) -> str:
     """A configuration label from a row's own settings (when it names none)."""
     kind = bench_kind(row)
-    parts = [str(row["model_path"])] if row.get("model_path") else []
+    # Rows name their model since model_path was added to them; None is the embedded default model.
+    parts = [] if "model_path" not in row else [Path(row["model_path"]).name if row["model_path"] else "default model"]
+    if row.get("quant"):
+        parts.append(str(row["quant"]))
     if kind == "one-batch":
         parts += [str(row.get("attention", "?")), f"batch {row.get('batch_size')}",
                   f"{row.get('input_len')} in / {row.get('output_len')} out"]
         parts += [f"{k.split('_')[0].upper()}={row[k]}" for k in ("tp_size", "pp_size", "ep_size") if row.get(k, 1) > 1]
     elif kind == "offline":
         parts += [str(row.get("attention", "?")), f"{row.get('dataset')}, {row.get('num_prompts')} prompts"]
+        if row.get("tp_size", 1) > 1:
+            parts.append(f"TP={row['tp_size']}")
         if row.get("dp_size", 1) > 1:
             parts.append(f"DP={row['dp_size']}, {row.get('router_policy')}")
     elif kind == "spec":
         parts += [f"{row.get('algorithm') or 'no speculation'}, k = {row.get('num_draft_tokens', 1) - 1}",
                   f"batch {row.get('batch_size')}", f"{row.get('workload')} workload"]
     else:
-        parts.append(kind)
+        parts = [kind]
     return ", ".join(parts)
 
 

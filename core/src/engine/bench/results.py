@@ -19,7 +19,11 @@ def run_command(argv: list[str] | None = None) -> str:
     was started), ``python3 PATH ...`` for a script."""
     argv = list(sys.argv if argv is None else argv)
     prog = os.path.basename(argv[0]) if argv else ""
-    if prog in ("engine", "__main__.py", "-m"):
+    if prog == "__main__.py":  # python -m PACKAGE
+        package = os.path.basename(os.path.dirname(argv[0]))
+        head = ["engine"] if package == "engine" else ["python3", "-m", package]
+        return shlex.join([*head, *argv[1:]])
+    if prog == "engine":
         return shlex.join(["engine", *argv[1:]])
     if prog.endswith(".py"):
         path = os.path.relpath(argv[0]) if os.path.isabs(argv[0]) else argv[0]

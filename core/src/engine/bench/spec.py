@@ -22,7 +22,7 @@ OracleProposer``, registered in-process as the algorithm ``ceiling``) that propo
 recorded next tokens, ``k`` = ``--speculative-num-steps`` at a time. Both passes run in the same
 scheduler, so their step times compare directly: verify step time / plain decode step time is
 the verification overhead per step. In half precision a verify step's argmax may break a near-tie
-differently from the plain step's (docs/speculative.md, "Exactness and floating point"); the
+differently from the plain step's (docs/speculative_internals.md, "Exactness and floating point"); the
 rows then part from the recording and drafts start to fail, so the ceiling pass is repeated (up
 to ``MAX_CEILING_ROUNDS`` times) with the previous pass's own output as the answers, until every
 draft is accepted.
@@ -253,7 +253,7 @@ def bench_spec(args: ServerArgs, work: SpecWorkload, result_file: str | None = N
     spec = scheduler.speculator
     k = spec.num_draft_tokens - 1 if spec is not None else 0
     result: dict[str, Any] = {
-        "bench": "spec", "device": scheduler.runner.platform.describe(),
+        "bench": "spec", "device": scheduler.runner.platform.describe(), "model_path": args.model_path,
         "attention": scheduler.runner.attention_backend_name,
         "algorithm": CEILING_ALGORITHM if work.ceiling else args.speculative_algorithm,
         "num_draft_tokens": spec.num_draft_tokens if spec is not None else 1, "workload": work.workload,
