@@ -311,4 +311,7 @@ for stage in "$@"; do
       python3 scripts/profile_decode.py "$CFG" > "$OUT/profile.txt" 2>&1; tail -30 "$OUT/profile.txt" ;;
   esac
 done
+# The benchmarks page of this run's rows (to merge into docs/bench_results/: docs/benchmarks.md says how);
+# rows of kernel micro-benchmarks have no area, so the report names them and stops.
+[ -s "$RES" ] && { E bench report "$RES" --output "$OUT/benchmarks.md" || echo "(report: add area/config to the rows above)"; }
 echo "=== done $(date -u +%H:%M:%S)"
