@@ -40,14 +40,16 @@ def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, outp
                   result_file: str | None, json_schema: str | None) -> None:
     """Static-batch latency: prefill, then median decode step, for each size combination."""
     from engine.bench.json_schema import load_bench_schema
-    from engine.bench.one_batch import bench_one_batch
 
+    # Flags are checked before the benchmark (and torch) is imported: a typo answers at once.
+    sizes = _ints(batch_size, "--batch-size"), _ints(input_len, "--input-len"), _ints(output_len, "--output-len")
     try:
         schema = load_bench_schema(json_schema)
     except (OSError, ValueError) as exc:
         fail(f"--json-schema: cannot read {json_schema!r}: {exc}")
-    bench_one_batch(server_args, _ints(batch_size, "--batch-size"), _ints(input_len, "--input-len"),
-                    _ints(output_len, "--output-len"), result_file, json_schema=schema)
+    from engine.bench.one_batch import bench_one_batch
+
+    bench_one_batch(server_args, *sizes, result_file, json_schema=schema)
 
 
 _DATASET_OPTS = [
