@@ -2,6 +2,10 @@
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
 KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec
+NAME: the name users see and select (``--reasoning-parser NAME``, ``engine plugins list``,
+``--disable-plugin NAME``): letters, digits, ``_`` and ``-`` (``deep-think``). It is the
+entry-point name and the registered name; the import package spells ``-`` as ``_``
+(``engine_reasoning_deep_think``).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import re
 import sys
 
 TEMPLATE = pathlib.Path(__file__).resolve().parent.parent / "plugins" / "_template"
@@ -18,6 +23,8 @@ DISTRIBUTION_PREFIX = "plugserve"
 # The kind's segment in distribution and package names, as the built-in plugins spell it
 # (plugserve-models-llama / engine_models_llama).
 NAME_SEGMENT = {"model": "models"}
+# A user-facing name: words of letters and digits joined by single '_' or '-', starting with a letter.
+NAME_PATTERN = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:[-_][A-Za-z0-9]+)*")
 
 KINDS = {
     "attention": dict(
@@ -139,15 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("name")
     ap.add_argument("--dest", default=None)
     args = ap.parse_args(argv)
-    if not args.name.isidentifier():
-        print(f"error: name {args.name!r} must be a Python identifier (letters, digits, _)", file=sys.stderr)
+    if not NAME_PATTERN.fullmatch(args.name):
+        print(f"error: NAME: invalid value {args.name!r}; accepted: letters and digits in words joined by '_' or "
+              "'-', starting with a letter (my_backend, deep-think)", file=sys.stderr)
         return 2
     kind = KINDS[args.kind]
     segment = NAME_SEGMENT.get(args.kind, args.kind)
-    package = f"engine_{segment}_{args.name}"
-    distribution = f"{DISTRIBUTION_PREFIX}-{segment}-{args.name.replace('_', '-')}"
+    # One name everywhere users meet it (entry point and registered name); Python spells it with '_'.
+    ident = args.name.replace("-", "_")
+    package = f"engine_{segment}_{ident}"
+    distribution = f"{DISTRIBUTION_PREFIX}-{segment}-{ident.replace('_', '-')}"
     values = {"kind": args.kind, "name": args.name, "package": package, "distribution": distribution,
-              "class_name": "".join(p.title() for p in args.name.split("_")), "hook": kind["hook"],
+              "class_name": "".join(p[:1].upper() + p[1:] for p in ident.split("_")), "hook": kind["hook"],
               "kit": kind["kit"], "kit_imports": kind.get("kit_imports", kind["kit"]), "register_import": f"from engine.hookspecs import {kind['spec_cls']}"}
     # The starting implementation subclasses a built-in plugin: declare it as a dependency.
     values["extra_deps"] = "".join(f', "{d}"' for d in kind["deps"])
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for src in TEMPLATE.rglob("*.tmpl"):
         rel = str(src.relative_to(TEMPLATE))[: -len(".tmpl")]
-        rel = rel.replace("engine_KIND_NAME", package).replace("KIND_NAME", f"{segment}_{args.name}")
+        rel = rel.replace("engine_KIND_NAME", package).replace("KIND_NAME", f"{segment}_{ident}")
         out = dest / rel
         os.makedirs(out.parent, exist_ok=True)
         out.write_text(render(src.read_text(encoding="utf-8"), values), encoding="utf-8")

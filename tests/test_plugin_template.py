@@ -46,7 +46,26 @@ def test_template_plugin_registers_and_loads(kind: str, tmp_path: pathlib.Path, 
     assert (dest / "tests" / f"test_{segment}_{name}.py").exists() and (dest / "README.md").exists()
 
 
-def test_bad_name_is_refused(tmp_path: pathlib.Path) -> None:
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), "policy", "bad-name",
+@pytest.mark.parametrize("bad", ["bad name", "9lives", "trailing-", "double--dash", "dot.ted"])
+def test_bad_name_is_refused(bad: str, tmp_path: pathlib.Path) -> None:
+    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), "policy", bad,
                           "--dest", str(tmp_path / "x")], capture_output=True, text=True)
-    assert res.returncode == 2 and "must be a Python identifier" in res.stderr
+    assert res.returncode == 2 and f"error: NAME: invalid value {bad!r}; accepted: " in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_a_hyphenated_name_is_the_one_name_users_see(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``deep-think``: the entry point, the registered parser and the name in the kit's test are
+    all ``deep-think``; only the import package spells it ``engine_reasoning_deep_think``."""
+    dest = tmp_path / "dt"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "new_plugin.py"), "reasoning", "deep-think", "--dest",
+                    str(dest)], check=True, capture_output=True)
+    text = (dest / "pyproject.toml").read_text()
+    assert 'deep-think = "engine_reasoning_deep_think"' in text and 'name = "plugserve-reasoning-deep-think"' in text
+    test_text = (dest / "tests" / "test_reasoning_deep_think.py").read_text()
+    assert 'parser_name = "deep-think"' in test_text and "class TestDeepThink(" in test_text
+    monkeypatch.syspath_prepend(str(dest / "src"))
+    module = importlib.import_module("engine_reasoning_deep_think")
+    reg = plugins.PluginRegistry(load_entry_points=True, extra_plugins=[("deep-think", module)])
+    assert reg.plugins["deep-think"].status == "ok", reg.plugins["deep-think"].error
+    assert reg.plugins["deep-think"].kinds == {"reasoning-parser": ["deep-think"]}
