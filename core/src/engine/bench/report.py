@@ -268,7 +268,8 @@ def _scheduler(row: dict[str, Any]) -> Figure:
 
 
 def _microseconds(row: dict[str, Any]) -> Figure:
-    return Figure(f"{row['us']:.1f} us", row["us"], higher_is_better=False)
+    us = row["us"]
+    return Figure(f"{_n(us, 2 if us < 100 else 1)} us", us, higher_is_better=False)
 
 
 def _soak(row: dict[str, Any]) -> Figure:
