@@ -365,15 +365,15 @@ on one device: what was measured, the command, the device, the date (UTC), the f
 ratio to the bound or to the peer measured in the same run. The bound of a decode step is its
 copy-bandwidth roofline: the weight bytes one step reads per GPU over the card's measured copy
 bandwidth (H100 3.02 TB/s, H200 4.29 TB/s), so 1.00 is the most a step can reach. Against a peer,
-`1.50x` means 1.5 times as fast as the peer (more tokens a second, or less time). Model shapes are in `docs/bench_configs/`; rows with
-`--load-format dummy` use random weights of that shape.
+`1.50x` means 1.5 times as fast as the peer (more tokens a second, or less time). Model shapes are
+in `docs/bench_configs/`; rows with `--load-format dummy` use random weights of that shape.
 
 **Reproduce** a row on a GPU machine: `bash scripts/install.sh` (where no package registry is
 reachable, `bash scripts/device_wheels.sh` here fetches the wheels and `bash scripts/device_setup.sh`
 installs them there), then the row's command, or `bash scripts/device_bench.sh STAGE...`, which runs
 the commands by area (stages `one_batch_modes`, `offline`, `quant_one_batch`, `tp_quick`, `moe`,
-`spec`, `grammar`, ...) and appends their rows to `$OUT/results.jsonl`. Kernel micro-benchmarks:
-[benchmarks/README.md](../benchmarks/README.md).
+`spec`, `grammar`, ...), appends their rows to `$OUT/results.jsonl` and writes their page to
+`$OUT/benchmarks.md`. Kernel micro-benchmarks: [benchmarks/README.md](../benchmarks/README.md).
 
 **This page is generated** from the result files in `docs/bench_results/`; do not edit it. To add a
 measurement, append its row (what `--result-file` writes, with `area` and `config` where they
