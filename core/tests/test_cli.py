@@ -41,6 +41,21 @@ def test_plugins_list_table() -> None:
     res = runner.invoke(app, ["plugins", "list"])
     assert res.exit_code == 0
     assert "plugserve-models-llama" in res.output and "model: llama" in res.output
+    # Fits 100 columns: options are counted, and named with --verbose.
+    assert max(len(line) for line in res.output.splitlines()) <= 100
+    assert "options: 8" in res.output and "cuda.gemv" not in res.output
+    assert "PLATFORM" not in res.output and "--verbose" in res.output
+    verbose = runner.invoke(app, ["plugins", "list", "--verbose"])
+    assert verbose.exit_code == 0 and "cuda.gemv" in verbose.output and "PLATFORM" in verbose.output
+
+
+def test_table_wraps_the_last_column_at_separators() -> None:
+    from engine.cli_table import render_table, wrap_cell
+
+    assert wrap_cell("platform: cuda; options: 8", 20) == ["platform: cuda;", "options: 8"]
+    assert wrap_cell("see https://example.com/a/very/long/path", 10) == ["see", "https://example.com/a/very/long/path"]
+    text = render_table(("A", "B"), [("x", "alpha, beta, gamma, delta, epsilon, zeta")], width=30)
+    assert text.splitlines() == ["A  B", "x  alpha, beta, gamma, delta,", "   epsilon, zeta"]
 
 
 def test_config_show_flags_override_yaml(tmp_path: pathlib.Path) -> None:
@@ -176,11 +191,18 @@ def _flags(extra: list[str]) -> dict[str, object]:
 def test_plugins_list_says_per_platform_what_it_found_and_where_it_was_tested() -> None:
     from engine import plugins
 
-    res = runner.invoke(app, ["plugins", "list"])
+    res = runner.invoke(app, ["plugins", "list", "--verbose"])
     assert res.exit_code == 0
     lines = res.output.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("PLATFORM"))
-    table = {line.split()[0]: line for line in lines[start + 1:] if line.strip()}
+    # A row's first line starts with its name; a wrapped reason continues on indented lines.
+    table: dict[str, str] = {}
+    for line in lines[start + 1:]:
+        if line.strip() and not line.startswith(" "):
+            name = line.split()[0]
+            table[name] = line
+        elif line.strip():
+            table[name] += " " + line.strip()
     assert set(table) == set(plugins.platforms())
     assert sum("selected" in line for line in table.values()) == 1  # auto-detection picks exactly one
     for name in set(table) & {"rocm", "xpu", "npu"}:

@@ -93,15 +93,22 @@ def generate_cmd(server_args: ServerArgs, prompt: str, max_new_tokens: int, temp
 
 @plugins_app.command("list")
 def plugins_list(
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output"),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output, with every platform probed"),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Name every option a plugin registers, and probe each platform on this machine"),
     disable_plugin: Optional[list[str]] = typer.Option(None, "--disable-plugin", help="Plugin not to load"),
 ) -> None:
-    """List installed plugins: name, distribution, version, what they register, status."""
+    """List installed plugins: name, distribution, version, status, what they register.
+
+    Listing imports only the plugins' registration modules. Probing the platforms (--verbose,
+    --json) imports their implementations and torch, which takes seconds.
+    """
     import engine.plugins as plugins
+    from engine.cli_table import plugin_rows, render_table
 
     infos = plugins.list_plugins(disable_plugin or [])
-    platforms = plugins.platform_statuses(disable_plugin or [])
     if as_json:
+        platforms = plugins.platform_statuses(disable_plugin or [])
         rows_json = [p.to_dict() for p in infos]
         for row in rows_json:  # platform plugins also say what they found here and where they were tested
             mine = {s["name"]: {k: v for k, v in s.items() if k not in ("name", "plugin")}
@@ -110,25 +117,22 @@ def plugins_list(
                 row["platforms"] = mine
         typer.echo(json.dumps(rows_json, indent=2))
         return
-    rows = [("NAME", "DISTRIBUTION", "VERSION", "REGISTERS", "STATUS")]
-    for p in infos:
-        registers = "; ".join(f"{k}: {', '.join(v)}" for k, v in sorted(p.kinds.items())) or "-"
-        status = p.status if p.status == "ok" else f"{p.status}: {p.error}" if p.error else p.status
-        rows.append((p.name, p.distribution, p.version, registers, status))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+    typer.echo(render_table(("NAME", "DISTRIBUTION", "VERSION", "STATUS", "REGISTERS"), plugin_rows(infos, verbose)))
+    platform_names = sorted({name for p in infos for name in p.kinds.get("platform", [])})
+    if not verbose:
+        if platform_names:
+            typer.echo(f"\nplatforms: {', '.join(platform_names)} (--verbose: which is available and selected here)")
+        return
+    platforms = plugins.platform_statuses(disable_plugin or [])
     if platforms:
         typer.echo("")
-        table = [("PLATFORM", "DEVICE", "TESTED ON HARDWARE", "HERE")]
+        table = []
         for s in platforms:
             here = ("selected" if s["selected"] else "available") if s["available"] else f"unavailable: {s['reason']}"
             if s["available"] and s["reason"]:
                 here += f" ({s['reason']})"
             table.append((s["name"], s["device_type"], s["tested_on_hardware"] or "no: simulated devices only", here))
-        widths = [max(len(r[i]) for r in table) for i in range(3)]
-        for r in table:
-            typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+        typer.echo(render_table(("PLATFORM", "DEVICE", "TESTED ON HARDWARE", "HERE"), table))
 
 
 @config_app.command("show")
