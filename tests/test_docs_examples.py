@@ -1,0 +1,123 @@
+"""Every example of the manual runs as written (README.md and docs/**/*.md).
+
+Blocks are collected by tests/docs_blocks.py under the convention described there and in
+docs/README.md ("Writing docs"): one test per runnable block, a skip directive's reason as the
+skip reason, a page's blocks in order in one temporary directory. A server on the embedded
+default model is started once, on a free port, when the first block that mentions
+``127.0.0.1:30000`` / ``localhost:30000`` runs; those addresses and ``OPENAI_BASE_URL`` point at it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from docs_blocks import BLOCK_TIMEOUT_S, Block, Outcome, PageRun, iter_blocks, parse_page  # noqa: E402
+from test_server_e2e_harness import Server, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCKS: list[Block] = list(iter_blocks(ROOT))
+_OUTPUT_TAIL = 6000
+
+
+class DocsEnvironment:
+    """What the blocks run with: the environment, and the default-model server started on demand."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log_dir = log_dir
+        self._server: Server | None = None
+        self._pages: dict[str, PageRun] = {}
+
+    def port(self) -> int:
+        if self._server is None:
+            port = free_port()
+            log_path = str(self._log_dir / "server.log")
+            # No --model-path: the embedded default model, served as 'default', as the docs show.
+            # A small pool keeps the server's memory modest on a shared test machine.
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1",
+                                         "--port", str(port), "--max-total-tokens", "16384"],
+                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            server = Server(proc, port, log_path, api_key=None)
+            server.wait_ready()
+            self._server = server
+        return self._server.port
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        # `python3` and `engine` in a block are this interpreter's, whatever PATH the runner had.
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        env["PYTHONUNBUFFERED"] = "1"
+        if self._server is not None:
+            env["OPENAI_BASE_URL"] = f"http://127.0.0.1:{self._server.port}/v1"
+            env["OPENAI_API_KEY"] = "none"
+        return env
+
+    def page(self, block: Block) -> PageRun:
+        if block.page not in self._pages:
+            self._pages[block.page] = PageRun([b for b in BLOCKS if b.page == block.page], self.env, self.port)
+        return self._pages[block.page]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+        for run in self._pages.values():
+            run.close()
+
+
+@pytest.fixture(scope="module")
+def docs_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsEnvironment]:
+    environment = DocsEnvironment(tmp_path_factory.mktemp("docs-examples"))
+    try:
+        yield environment
+    finally:
+        environment.close()
+
+
+def _params() -> list[object]:
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.skip(reason=b.skip)] if b.skip else [])
+            for b in BLOCKS if b.runs]
+
+
+@pytest.mark.parametrize("block", _params())
+def test_doc_example_runs(block: Block, docs_env: DocsEnvironment) -> None:
+    run = docs_env.page(block)
+    result = run.result(run.blocks.index(block))
+    if isinstance(result, str):
+        pytest.skip(result)
+    assert isinstance(result, Outcome)
+    if result.returncode != 0:
+        state = f"timed out after {BLOCK_TIMEOUT_S:.0f} s" if result.timed_out else f"exited with status {result.returncode}"
+        pytest.fail(f"{block.id} ({block.lang}) {state}\n--- block ---\n{block.text}"
+                    f"--- output (tail) ---\n{result.output[-_OUTPUT_TAIL:]}", pytrace=False)
+
+
+def test_the_convention_is_checked(tmp_path: Path) -> None:
+    """The collector sees what it must: languages, directives, indentation, console commands."""
+    from docs_blocks import DocBlockError, console_script, run_block
+
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "p.md"
+    page.write_text("text\n\n<!-- doc-test: skip needs a CUDA GPU -->\n```bash\nnvidia-smi\n```\n\n"
+                    "<!-- doc-test: file a.yaml -->\n```yaml\nport: 1\n```\n\n```json\n{}\n```\n\n"
+                    "- item\n\n  ```console\n  $ echo one \\\n    two\n  one two\n  ```\n")
+    blocks = parse_page(page, tmp_path)
+    assert [(b.line, b.lang, b.skip, b.file) for b in blocks] == [
+        (4, "bash", "needs a CUDA GPU", None), (9, "yaml", None, "a.yaml"), (19, "console", None, None)]
+    assert console_script(blocks[2].text) == "echo one \\\n  two\n"
+    failing = Block("docs/p.md", 1, "python", "raise SystemExit(3)\n", None, None)
+    assert run_block(failing, failing.text, tmp_path, dict(os.environ)).returncode == 3
+    bash = Block("docs/p.md", 2, "bash", "false | true\n", None, None)
+    assert run_block(bash, bash.text, tmp_path, dict(os.environ)).returncode == 1  # pipefail is on
+    page.write_text("<!-- doc-test: skip -->\n```bash\ntrue\n```\n")
+    with pytest.raises(DocBlockError, match="needs a reason"):
+        parse_page(page, tmp_path)
+    page.write_text("```python\nprint(1)\n")
+    with pytest.raises(DocBlockError, match="never closed"):
+        parse_page(page, tmp_path)
