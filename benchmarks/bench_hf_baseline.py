@@ -14,6 +14,8 @@ import time
 
 import torch
 
+from engine.bench.results import append_rows
+
 
 def _time_generate(model, input_ids, new_tokens, **kw):  # type: ignore[no-untyped-def]
     torch.cuda.synchronize()
@@ -42,7 +44,7 @@ def main() -> None:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     vocab = config.vocab_size
-    results = {"device": torch.cuda.get_device_name(), "config": a.config_dir}
+    results = {"device": torch.cuda.get_device_name(), "model_path": a.config_dir}
     ids = torch.randint(0, vocab, (1, a.input_len), device="cuda")
     _time_generate(model, ids, 8)
     t = _time_generate(model, ids, a.output_len)
@@ -71,9 +73,8 @@ def main() -> None:
             results["hf_compiled_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             print("HF compiled run failed:", results["hf_compiled_error"], flush=True)
     print(json.dumps(results))
-    if a.result_file:
-        with open(a.result_file, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"bench": "hf-baseline", **results}) + "\n")
+    # One row, its batch-1 eager figure the one engine bench report shows by default ("figure" picks another).
+    append_rows(a.result_file, {"bench": "hf-baseline", "area": "decode", **results})
 
 
 if __name__ == "__main__":

@@ -92,6 +92,16 @@ def test_rows_as_benchmarks_write_them_find_their_area_and_configuration(tmp_pat
     assert _table(page, "Parallelism")[0][2] == "2x H100 80GB HBM3"
     assert _table(page, "Structured output")[0][4] == "7.688 ms/step (8,325 tok/s)"
     assert _table(page, "Quantization")[0][0] == "default model, fp8, triton, random, 1000 prompts"
+    hf = {"bench": "hf-baseline", "device": "NVIDIA H100 80GB HBM3", "model_path": "docs/bench_configs/llama-3-8b",
+          "hf_eager_bs1_tok_s": 10.0, "command": "python3 benchmarks/bench_hf_baseline.py", "date": "2026-11-22",
+          "weight_gb": 16.06}
+    cpu = {"bench": "default-model-cpu-decode", "machine": "x86_64, 2 cores", "batch_size": 8, "engine_tok_s": 69.7,
+           "transformers_tok_s": 74.4, "command": "python3 benchmarks/bench_default_model_cpu.py", "date": "2026-11-23"}
+    page = build_page([_write(tmp_path / "more.jsonl", hf, cpu)])
+    assert _table(page, "Decode latency")[0][0] == "llama-3-8b, Hugging Face transformers `generate`, hf_eager_bs1_tok_s"
+    # A batch-1 rate against the roofline: 10 tok/s is a 100 ms step against 5.32 ms.
+    assert _table(page, "Decode latency")[0][5].startswith("0.05 of the roofline")
+    assert _table(page, "CPU default model")[0][0] == "default-model-cpu-decode, batch 8"
     assert ("## Offline throughput\n\nNo current measurement; `engine bench offline --result-file F` produces one."
             in page)
 

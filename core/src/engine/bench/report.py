@@ -138,7 +138,7 @@ def infer_area(row: dict[str, Any]) -> str | None:
         return "quantization" if row.get("quant") else "offline"
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
             "scheduler-decode-step": "serving", "default-model-cpu-decode": "cpu-default-model",
-            "all-reduce": "parallelism"}.get(kind)
+            "all-reduce": "parallelism", "hf-baseline": "decode"}.get(kind)
 
 
 def infer_config(row: dict[str, Any]) -> str:
@@ -161,8 +161,10 @@ def infer_config(row: dict[str, Any]) -> str:
     elif kind == "spec":
         parts += [f"{row.get('algorithm') or 'no speculation'}, k = {row.get('num_draft_tokens', 1) - 1}",
                   f"batch {row.get('batch_size')}", f"{row.get('workload')} workload"]
+    elif kind == "hf-baseline":
+        parts += ["Hugging Face transformers `generate`", str(row.get("figure") or "hf_eager_bs1_tok_s")]
     else:
-        parts = [kind]
+        parts = [kind] + ([f"batch {row['batch_size']}"] if "batch_size" in row else [])
     return ", ".join(parts)
 
 
@@ -178,7 +180,8 @@ def complete_row(data: dict[str, Any], where: str) -> dict[str, Any]:
         row["area"] = area
     if row["area"] not in AREA_KEYS:
         raise ReportError(f"{where}: field 'area': invalid value {row['area']!r}; accepted: {', '.join(AREA_KEYS)}")
-    row.setdefault("config", infer_config(row))
+    if "config" not in row:
+        row["config"] = infer_config(row)
     for name in ("config", "command"):
         if not isinstance(row.get(name), str) or not row[name].strip():
             raise ReportError(f"{where}: field {name!r}: missing or empty (got {row.get(name)!r}); expected text")
