@@ -112,6 +112,7 @@ def test_rows_as_benchmarks_write_them_find_their_area_and_configuration(tmp_pat
     ({"command": ""}, "r.jsonl:1: field 'command': missing or empty"),
     ({"weight_gb": -1}, "r.jsonl:1: field 'weight_gb': invalid value -1; expected GB > 0"),
     ({"peer": {"us": 3}}, "r.jsonl:1: field 'peer': invalid value"),
+    ({"median_decode_latency_s": "fast"}, "r.jsonl:1: bench 'one-batch': a field of its figure is not a number"),
     ({"median_decode_latency_s": None}, None),
 ])
 def test_bad_rows_are_refused_naming_file_line_field_and_value(tmp_path: pathlib.Path, change: dict[str, Any],

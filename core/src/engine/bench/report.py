@@ -65,8 +65,11 @@ class ReportError(ValueError):
 
 @dataclass(frozen=True)
 class Row:
+    #: The row as read, with ``area`` and ``config`` filled in.
     fields: dict[str, Any]
-    source: str  # "file:line"
+    #: ``file:line``, for messages.
+    source: str
+    #: Its position over all files read: tables keep the files' order.
     order: int
 
     @property
@@ -80,8 +83,11 @@ class Row:
 
 @dataclass(frozen=True)
 class Figure:
+    #: What the table's figure cell shows.
     text: str
+    #: The number ratios are taken of (None: the row has no single number to compare).
     value: float | None = None
+    #: False for times: a ratio to a peer is then the peer's value over the row's.
     higher_is_better: bool = True
 
 
@@ -120,20 +126,26 @@ def bench_kind(row: dict[str, Any]) -> str:
     return "unknown"
 
 
+def _size(row: dict[str, Any], key: str) -> int:
+    """A parallel size (``tp_size``, ...); rows from before it was recorded count as 1."""
+    return int(row.get(key) or 1)
+
+
 def infer_area(row: dict[str, Any]) -> str | None:
+    """The area a row as a benchmark wrote it belongs to; None for a kind the page does not place."""
     kind = bench_kind(row)
     if kind == "one-batch":
         if row.get("json_schema"):
             return "structured-output"
         if row.get("quant"):
             return "quantization"
-        if row.get("ep_size", 1) > 1:
+        if _size(row, "ep_size") > 1:
             return "moe"
-        if row.get("tp_size", 1) > 1 or row.get("pp_size", 1) > 1:
+        if _size(row, "tp_size") > 1 or _size(row, "pp_size") > 1:
             return "parallelism"
         return "decode"
     if kind == "offline":
-        if row.get("dp_size", 1) > 1 or row.get("tp_size", 1) > 1:
+        if _size(row, "dp_size") > 1 or _size(row, "tp_size") > 1:
             return "parallelism"
         return "quantization" if row.get("quant") else "offline"
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
@@ -151,12 +163,12 @@ def infer_config(row: dict[str, Any]) -> str:
     if kind == "one-batch":
         parts += [str(row.get("attention", "?")), f"batch {row.get('batch_size')}",
                   f"{row.get('input_len')} in / {row.get('output_len')} out"]
-        parts += [f"{k.split('_')[0].upper()}={row[k]}" for k in ("tp_size", "pp_size", "ep_size") if row.get(k, 1) > 1]
+        parts += [f"{k.split('_')[0].upper()}={row[k]}" for k in ("tp_size", "pp_size", "ep_size") if _size(row, k) > 1]
     elif kind == "offline":
         parts += [str(row.get("attention", "?")), f"{row.get('dataset')}, {row.get('num_prompts')} prompts"]
-        if row.get("tp_size", 1) > 1:
+        if _size(row, "tp_size") > 1:
             parts.append(f"TP={row['tp_size']}")
-        if row.get("dp_size", 1) > 1:
+        if _size(row, "dp_size") > 1:
             parts.append(f"DP={row['dp_size']}, {row.get('router_policy')}")
     elif kind == "spec":
         parts += [f"{row.get('algorithm') or 'no speculation'}, k = {row.get('num_draft_tokens', 1) - 1}",
@@ -202,6 +214,8 @@ def complete_row(data: dict[str, Any], where: str) -> dict[str, Any]:
     except KeyError as exc:
         raise ReportError(f"{where}: bench {bench_kind(row)!r} needs field {exc.args[0]!r} for its figure"
                           + (" (in the row or its 'peer')" if peer is not None else "")) from None
+    except (TypeError, ValueError) as exc:
+        raise ReportError(f"{where}: bench {bench_kind(row)!r}: a field of its figure is not a number ({exc})") from None
     except _UnknownBench:
         raise ReportError(f"{where}: field 'bench': invalid value {bench_kind(row)!r}; accepted: "
                           f"{', '.join(sorted(_FIGURES))}") from None
@@ -354,7 +368,7 @@ def device_name(row: dict[str, Any]) -> str:
     match = _NVIDIA.search(raw)
     if not match:
         return "CPU" if raw == "cpu" else raw
-    gpus = row.get("gpus") or math.prod(int(row.get(k) or 1) for k in ("tp_size", "pp_size", "dp_size"))
+    gpus = row.get("gpus") or math.prod(_size(row, k) for k in ("tp_size", "pp_size", "dp_size"))
     name = match.group(1).strip()
     return f"{gpus}x {name}" if gpus > 1 else name
 
