@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine.hookspecs import SchedulePolicySpec, hookimpl
-from engine.managers.policy import PolicyContext, SchedulePolicy
-
-if TYPE_CHECKING:
-    from engine.managers.schedule_batch import Req
-
-
-class FcfsPolicy(SchedulePolicy):
-    def order(self, queue: list[Req], ctx: PolicyContext) -> list[Req]:
-        return sorted(queue, key=lambda r: r.arrival_seq)
 
 
 @hookimpl
 def register_schedule_policies(register):  # type: ignore[no-untyped-def]
-    register(SchedulePolicySpec(name="fcfs", factory=FcfsPolicy, description="First come, first served"))
+    register(SchedulePolicySpec(name="fcfs", factory="engine_policy_fcfs.policy:FcfsPolicy",
+                                description="First come, first served"))
+
+
+def __getattr__(name: str) -> Any:
+    # Registration stays cheap: the policy's module is imported when selected or named here
+    # (``from engine_policy_fcfs import FcfsPolicy`` keeps working).
+    if name in ("FcfsPolicy",):
+        from engine_policy_fcfs import policy
+
+        return getattr(policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

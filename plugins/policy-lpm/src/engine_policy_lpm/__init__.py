@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine.hookspecs import SchedulePolicySpec, hookimpl
-from engine.managers.policy import PolicyContext, SchedulePolicy
-
-if TYPE_CHECKING:
-    from engine.managers.schedule_batch import Req
-
-#: Above this many waiting requests the order falls back to arrival order (as SGLang
-#: does): a huge queue means the server is saturated, and there fairness and a cheap
-#: sort matter more than squeezing out a few more cache hits.
-FCFS_FALLBACK_QUEUE_LEN = 128
-
-
-class LpmPolicy(SchedulePolicy):
-    """Longest prefix match first, ties in arrival order.
-
-    Reads ``req.prefix_len_hint``, which the scheduler fills from the radix cache
-    before each ordering because the spec says ``cache_aware=True``.
-    """
-
-    def needs_prefix_match(self, queue_len: int) -> bool:
-        # Past the fallback length the order ignores prefixes: skip matching them.
-        return queue_len <= FCFS_FALLBACK_QUEUE_LEN
-
-    def order(self, queue: list[Req], ctx: PolicyContext) -> list[Req]:
-        if len(queue) > FCFS_FALLBACK_QUEUE_LEN:
-            return sorted(queue, key=lambda r: r.arrival_seq)
-        return sorted(queue, key=lambda r: (-r.prefix_len_hint, r.arrival_seq))
 
 
 @hookimpl
 def register_schedule_policies(register):  # type: ignore[no-untyped-def]
-    register(SchedulePolicySpec(name="lpm", factory=LpmPolicy,
+    register(SchedulePolicySpec(name="lpm", factory="engine_policy_lpm.policy:LpmPolicy",
                                 description="Longest cached prefix first (fcfs past 128 waiting)",
                                 cache_aware=True))
+
+
+def __getattr__(name: str) -> Any:
+    # Registration stays cheap: the policy's module is imported when selected or named here
+    # (``from engine_policy_lpm import LpmPolicy`` keeps working).
+    if name in ("FCFS_FALLBACK_QUEUE_LEN", "LpmPolicy"):
+        from engine_policy_lpm import policy
+
+        return getattr(policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

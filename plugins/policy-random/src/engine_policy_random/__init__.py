@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from engine.hookspecs import SchedulePolicySpec, hookimpl
-from engine.managers.policy import PolicyContext, SchedulePolicy
-
-if TYPE_CHECKING:
-    from engine.managers.schedule_batch import Req
-
-
-class RandomPolicy(SchedulePolicy):
-    """Shuffles the queue with ``ctx.rng``.
-
-    The queue is put in arrival order before shuffling, so the result depends only on
-    the set of requests and the generator's state, not on how the scheduler happened
-    to leave the list: the same seed gives the same order.
-    """
-
-    def order(self, queue: list[Req], ctx: PolicyContext) -> list[Req]:
-        shuffled = sorted(queue, key=lambda r: r.arrival_seq)
-        ctx.rng.shuffle(shuffled)
-        return shuffled
 
 
 @hookimpl
 def register_schedule_policies(register):  # type: ignore[no-untyped-def]
-    register(SchedulePolicySpec(name="random", factory=RandomPolicy,
+    register(SchedulePolicySpec(name="random", factory="engine_policy_random.policy:RandomPolicy",
                                 description="Seeded random order"))
+
+
+def __getattr__(name: str) -> Any:
+    # Registration stays cheap: the policy's module is imported when selected or named here
+    # (``from engine_policy_random import RandomPolicy`` keeps working).
+    if name in ("RandomPolicy",):
+        from engine_policy_random import policy
+
+        return getattr(policy, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
