@@ -98,3 +98,23 @@ def test_kit_attributes(kit: str) -> None:
     cls = getattr(engine.testing, kit)
     missing = [name for name in KIT_ATTRIBUTES[kit] if not hasattr(cls, name)]
     assert not missing, f"{kit} no longer reads {missing}"
+
+
+# The methods a hook API 1 subclass had to implement. A base class may gain methods with defaults;
+# a new abstract one would make every older subclass impossible to instantiate.
+ABSTRACT = {
+    ("engine.attention", "AttentionBackend"): {"init_forward_metadata", "forward_extend", "forward_decode"},
+    ("engine.platforms", "Platform"): {"is_available", "distributed_backend", "memory_info",
+                                       "default_attention_backend"},
+    ("engine.managers.policy", "SchedulePolicy"): {"order"},
+    ("engine.layers.quantization", "QuantizationConfig"): {"from_config", "get_linear_method"},
+    ("engine.layers.quantization", "LinearMethodBase"): {"create_weights", "apply"},
+    ("engine.layers.quantization", "FusedMoEMethodBase"): {"create_weights", "apply"},
+}
+
+
+@pytest.mark.parametrize(("module", "name"), sorted(ABSTRACT))
+def test_base_classes_gain_no_abstract_methods(module: str, name: str) -> None:
+    cls = getattr(importlib.import_module(module), name)
+    added = set(cls.__abstractmethods__) - ABSTRACT[(module, name)]
+    assert not added, f"{name} gained abstract methods {sorted(added)}: give them a default implementation"
