@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import importlib
 import pathlib
-import sys
 import warnings
 
 import pytest
 import torch
 
 from engine.deprecation import DEPRECATIONS
-
-HERE = pathlib.Path(__file__).resolve().parent
 
 
 def _deprecations(fn) -> list[warnings.WarningMessage]:  # type: ignore[no-untyped-def]
@@ -30,12 +27,9 @@ def _deprecations(fn) -> list[warnings.WarningMessage]:  # type: ignore[no-untyp
 def test_the_model_plugins_old_silu_and_mul_call_warns_at_its_own_line() -> None:
     """The Granite plugin builds ``SiluAndMul(config.hidden_act)``: one warning, pointing at the
     plugin's line, naming ``get_act_and_mul`` and the release that removes the old form."""
-    sys.path.insert(0, str(HERE / "plugserve-models-granite" / "src"))
-    try:
-        granite = importlib.import_module("engine_models_granite.granite")
-    finally:
-        sys.path.remove(str(HERE / "plugserve-models-granite" / "src"))
     from transformers import GraniteConfig
+
+    granite = importlib.import_module("engine_models_granite.granite")  # on sys.path: conftest.py
 
     config = GraniteConfig(hidden_size=32, intermediate_size=64, hidden_act="silu")
     caught = _deprecations(lambda: granite.GraniteMLP(config, None, "model.layers.0.mlp"))
