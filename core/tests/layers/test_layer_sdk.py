@@ -13,7 +13,7 @@ import torch
 
 import engine.layers
 
-DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "plugins.md"
+DOCS = pathlib.Path(__file__).resolve().parents[3] / "docs" / "plugins-reference.md"
 
 
 @pytest.mark.parametrize("name", engine.layers.__all__)

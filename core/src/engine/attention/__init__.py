@@ -1,4 +1,4 @@
-"""The attention-backend contract every attention plugin implements (docs/plugins.md,
+"""The attention-backend contract every attention plugin implements (docs/plugins-reference.md,
 "Attention backends", describes what a backend receives)."""
 
 from engine.attention.base import AttentionBackend, AttentionContext, AttentionLayerInfo

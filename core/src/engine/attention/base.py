@@ -1,4 +1,4 @@
-"""Base class of attention backends (docs/plugins.md, "Attention backends", is the guide).
+"""Base class of attention backends (docs/plugins-reference.md, "Attention backends", is the guide).
 
 A backend is created once per model runner by its plugin's factory,
 ``factory(ctx: AttentionContext) -> AttentionBackend``; ``ctx`` carries the model's head

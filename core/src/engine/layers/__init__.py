@@ -1,7 +1,7 @@
 """The layer SDK model plugins build on: one import surface.
 
 ``from engine.layers import RMSNorm, QKVParallelLinear, RadixAttention, ...`` gives every
-public name listed in ``__all__`` (docs/plugins.md, "The layer SDK", lists them with what
+public name listed in ``__all__`` (docs/plugins-reference.md, "The layer SDK", lists them with what
 each is for). The modules themselves (``engine.layers.linear`` and so on) stay importable.
 
 Names are resolved on first access (PEP 562): importing ``engine.layers`` imports neither
