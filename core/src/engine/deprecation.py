@@ -58,7 +58,7 @@ class Deprecation:
 DEPRECATIONS: dict[str, Deprecation] = {
     "SiluAndMul(act)": Deprecation(
         old="SiluAndMul(act) (engine.layers.SiluAndMul with an activation name)",
-        replacement="engine.layers.get_act_and_mul(act), or SiluAndMul() for SiLU",
+        replacement="engine.layers.get_act_and_mul(act) (SiluAndMul() where act is SiLU)",
         since="0.1",
         note="The old form builds what get_act_and_mul(act) builds (GeluAndMul for the GELU names).",
     ),
