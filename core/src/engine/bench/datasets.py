@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from engine.bench.requests import BenchRequest, TokenizerLike
+
+if TYPE_CHECKING:
+    import numpy as np
 
 DATASET_NAMES = ("random", "sharegpt-file", "generated-shared-prefix")
 
@@ -136,6 +138,8 @@ def sample_random_requests(
             f"got {input_len}, {output_len}"
         )
     _check_text_mode(tokenizer, return_text)
+    import numpy as np  # here, not at the top: the engine bench command line imports this module
+
     rng = np.random.default_rng(seed)
     input_lens = _draw_lengths(rng, input_len, range_ratio, num_prompts)
     output_lens = _draw_lengths(rng, output_len, range_ratio, num_prompts)
@@ -170,6 +174,8 @@ def sample_generated_shared_prefix_requests(
     if min(num_groups, prompts_per_group, system_prompt_len, question_len, output_len) < 1:
         raise ValueError("every --gsp-* value must be >= 1")
     _check_text_mode(tokenizer, return_text)
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     allowed = _allowed_token_ids(tokenizer, vocab_size)
     requests: list[BenchRequest] = []
@@ -208,6 +214,8 @@ def _allowed_token_ids(tokenizer: TokenizerLike | None, vocab_size: int | None) 
             f"with --skip-tokenizer-init (got vocab size {size})"
         )
     special = getattr(tokenizer, "all_special_ids", None) or []
+    import numpy as np
+
     allowed = np.setdiff1d(np.arange(size), np.asarray(special, dtype=np.int64))
     if allowed.size == 0:
         raise ValueError(f"vocabulary of {size} ids has no non-special token to sample")

@@ -13,7 +13,6 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-import numpy as np
 
 
 @dataclass
@@ -57,6 +56,8 @@ class LatencyStats:
         """Summarise ``values`` (seconds); percentiles interpolate linearly like numpy's default."""
         if not values:
             return cls()
+        import numpy as np  # here: building the bench command line must not pay for numpy
+
         ms = np.asarray(values, dtype=np.float64) * 1000.0
         p90, p95, p99 = np.percentile(ms, [90, 95, 99])
         return cls(
