@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from engine.managers.schedule_batch import Req
+    from engine.sampling.sampling_params import SamplingParams
+
+
+class SamplingReq(Protocol):
+    """What a batch's sampling state is built from: a scheduler request
+    (``engine.managers.schedule_batch.Req``), named by what is read so sampling, a layer below the
+    scheduler, does not import it."""
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def origin_input_ids(self) -> list[int]: ...
+    @property
+    def output_ids(self) -> list[int]: ...
+    @property
+    def return_logprob(self) -> bool: ...
+    @property
+    def top_logprobs_num(self) -> int: ...
 
 
 @dataclass
@@ -59,7 +76,7 @@ class SamplingBatchInfo:
             logit_bias=self.logit_bias.index_select(0, idx) if self.logit_bias is not None else None)
 
     @classmethod
-    def from_reqs(cls, reqs: list[Req], vocab_size: int, device: torch.device,
+    def from_reqs(cls, reqs: list[SamplingReq], vocab_size: int, device: torch.device,
                   eos_token_ids: set[int] | None = None) -> SamplingBatchInfo:
         params = [r.sampling_params for r in reqs]
         greedy = [p.is_greedy for p in params]
@@ -96,7 +113,7 @@ def _logit_bias(params: list[Any], vocab_size: int, device: torch.device) -> tor
     return bias.to(device, non_blocking=True)
 
 
-def _make_penalizer(reqs: list[Req], vocab_size: int, device: torch.device, eos: set[int]) -> Any:
+def _make_penalizer(reqs: list[SamplingReq], vocab_size: int, device: torch.device, eos: set[int]) -> Any:
     from engine.sampling.penalizers import BatchedPenalizerOrchestrator
 
     orchestrator = BatchedPenalizerOrchestrator(vocab_size, device, reqs, eos)

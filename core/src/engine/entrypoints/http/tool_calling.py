@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.entrypoints.http.errors import APIError
-from engine.parsers import ChatDelta, ChatOutputParser, ToolCall, ToolCallParser
+from engine.parsers import ChatDelta, ChatOutputParser, ReasoningParser, ToolCall, ToolCallParser
 from engine.parsers.forced import NamedCallParser, RequiredCallsParser, named_schema, required_schema
 from engine.sampling.sampling_params import SamplingParams
 
@@ -33,8 +33,15 @@ from engine.sampling.sampling_params import SamplingParams
 GRAMMAR_FIELDS = SamplingParams.GRAMMAR_FIELDS
 
 if TYPE_CHECKING:
-    from engine.entrypoints.http.context import ServingContext
     from engine.entrypoints.http.protocol import ChatCompletionRequest
+
+
+class ServerParsers(Protocol):
+    """The parsers the server was started with: what this module reads of the serving context
+    (``engine.entrypoints.http.context.ServingContext``, which imports this module)."""
+
+    tool_parser: ToolCallParser | None
+    reasoning_parser: ReasoningParser | None
 
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -191,7 +198,7 @@ def _calls_as_text(message: dict[str, Any], writer: ToolCallParser) -> dict[str,
     return out
 
 
-def output_parser(ctx: ServingContext, plan: ToolPlan, params: dict[str, Any]) -> ChatOutputParser | None:
+def output_parser(ctx: ServerParsers, plan: ToolPlan, params: dict[str, Any]) -> ChatOutputParser | None:
     """The reader of this request's output (``params``: its sampling params); None when the
     output is plain text."""
     max_calls = None if plan.parallel else 1
