@@ -384,6 +384,9 @@ copy-bandwidth roofline: the weight bytes one step reads per GPU over the card's
 bandwidth (H100 3.02 TB/s, H200 4.29 TB/s), so 1.00 is the most a step can reach. Against a peer,
 `1.50x` means 1.5 times as fast as the peer (more tokens a second, or less time). Model shapes are
 in `docs/bench_configs/`; rows with `--load-format dummy` use random weights of that shape.
+`.cache/bench_grammar` (the Llama-3-8B shape with the default model's tokenizer) is made by
+`bash scripts/device_wheels.sh`; `TINY` stands for a small random checkpoint made by
+`engine.testing.checkpoints.make_tiny_checkpoint`.
 
 **Reproduce** a row on a GPU machine: `bash scripts/install.sh` (where no package registry is
 reachable, `bash scripts/device_wheels.sh` here fetches the wheels and `bash scripts/device_setup.sh`
