@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from engine.attention import AttentionBackend
     from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -40,6 +39,17 @@ class ForwardMode(enum.IntEnum):
 
     def is_idle(self) -> bool:
         return self == ForwardMode.IDLE
+
+
+class BatchAttention(Protocol):
+    """What the layers call on a batch's attention backend (an ``engine.attention.AttentionBackend``).
+
+    Named by what is called rather than imported: attention backends take a ``ForwardBatch``, so
+    importing their class here would make the two modules each other's import.
+    """
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: Any,
+                forward_batch: ForwardBatch, save_kv_cache: bool = True) -> torch.Tensor: ...
 
 
 @dataclass
@@ -87,7 +97,7 @@ class ForwardBatch:
     # Pools and backend shared by every layer.
     req_to_token_pool: ReqToTokenPool | None = None
     token_to_kv_pool: MHATokenToKVPool | None = None
-    attn_backend: AttentionBackend | None = None
+    attn_backend: BatchAttention | None = None
     sampling_info: SamplingBatchInfo | None = None
     # Per-backend metadata computed once per batch by attn_backend.init_forward_metadata.
     attn_metadata: Any = None
