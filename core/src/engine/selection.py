@@ -103,7 +103,7 @@ def select_components(args: ServerArgs, hf_config: Any, platform: Any | None = N
         hf_config: the checkpoint's config (``load_hf_config``).
         platform: an already-built platform (tests); default: ``--platform`` or auto-detected.
     """
-    from engine.model_executor.model_loader import resolve_dtype
+    from engine.model_executor.dtypes import resolve_dtype
 
     disabled = args.disable_plugin
     reg = plugins.get_registry(disabled)

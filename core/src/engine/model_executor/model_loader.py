@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.errors import ModelLoadError
+from engine.model_executor.dtypes import resolve_dtype
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
@@ -18,19 +19,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_dtype(dtype: str, config: Any, platform_default: torch.dtype) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(cfg, str):
-        cfg = _DTYPES.get(cfg)
-    if isinstance(cfg, torch.dtype) and cfg in _DTYPES.values():
-        # float32 checkpoints run in the platform's dtype on accelerators, as in SGLang.
-        return platform_default if cfg == torch.float32 and platform_default != torch.float32 else cfg
-    return platform_default
+__all__ = ["iterate_weights", "load_model", "resolve_dtype"]
 
 
 def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
