@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["iterate_weights", "load_model", "resolve_dtype"]
+__all__ = ["iterate_weights", "load_model", "resolve_dtype", "this_stage_weights"]
 
 
 def iterate_weights(model_path: str, load_format: str) -> Iterator[tuple[str, torch.Tensor]]:
