@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -21,7 +21,23 @@ from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from engine.model_executor.model_runner import ModelRunner
+    from engine.attention import AttentionBackend
+    from engine.mem_cache.memory_pool import ReqToTokenPool
+
+
+class GraphHost(Protocol):
+    """What graph capture and replay read of the model runner that owns them
+    (``engine.model_executor.model_runner.ModelRunner``, which imports this module)."""
+
+    device: torch.device
+    platform: Any
+    model: torch.nn.Module
+    attn_backend: AttentionBackend
+    req_to_token_pool: ReqToTokenPool
+    max_running_requests: int
+    context_len: int
+
+    def prepare(self, forward_batch: ForwardBatch) -> None: ...
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +48,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, max_bs: int) -> None:
+    def __init__(self, runner: GraphHost, max_bs: int) -> None:
         self.runner = runner
         self.device = runner.device
         self.batch_sizes = capture_batch_sizes(min(max_bs, runner.max_running_requests))
@@ -143,7 +159,7 @@ class VerifyGraphRunner:
     in row-major order, read before the next replay of any graph.
     """
 
-    def __init__(self, runner: ModelRunner, tokens_per_row: int, max_bs: int, pool: Any = None) -> None:
+    def __init__(self, runner: GraphHost, tokens_per_row: int, max_bs: int, pool: Any = None) -> None:
         self.runner = runner
         self.device = runner.device
         self.tokens_per_row = t = tokens_per_row
