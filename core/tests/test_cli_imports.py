@@ -78,3 +78,18 @@ def test_probe_sees_torch_when_a_command_imports_it() -> None:
     # Guards the check itself: probing the platforms imports torch, and the probe reports it.
     result = _run(["plugins", "list", "--verbose"])
     assert result["exit_code"] == 0 and "torch" in result["heavy"]
+
+
+def test_built_in_plugins_name_their_factories() -> None:
+    # A factory given as an object (a class) imports the implementation when the plugin registers;
+    # "module:attr" defers that to the moment the implementation is selected.
+    import engine.plugins as plugins
+
+    registry = plugins.get_registry(())
+    built_in = [(kind, name, entry) for kind, entries in registry.entries.items()
+                for name, entry in entries.items()
+                if entry.plugin.distribution.startswith("plugserve-") and hasattr(entry.spec, "factory")]
+    assert len(built_in) > 20  # policies, platforms, backends, methods, models, parsers, ...
+    by_object = [f"{kind} {name} ({entry.plugin.distribution})" for kind, name, entry in built_in
+                 if not isinstance(entry.spec.factory, str)]
+    assert not by_object, f"registered with a factory object instead of 'module:attr': {by_object}"
