@@ -91,3 +91,12 @@ def test_preflight_logs_the_parsers(llama_ckpt: str, caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.INFO, logger="engine.entrypoints.launch"):
         preflight(args, llama_ckpt)
     assert "tool-call parser: hermes (plugserve-toolparser-hermes 0.1.0)" in caplog.text
+
+
+def test_plugins_list_disable_plugin_takes_the_user_facing_name() -> None:
+    import json
+
+    res = runner.invoke(app, ["plugins", "list", "--json", "--disable-plugin", "hermes"])
+    assert res.exit_code == 0, res.output
+    status = {row["name"]: row["status"] for row in json.loads(res.output)}
+    assert status["toolparser_hermes"] == "disabled" and status["toolparser_llama3"] == "ok"

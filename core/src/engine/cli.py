@@ -106,6 +106,11 @@ def plugins_list(
     import engine.plugins as plugins
     from engine.cli_table import plugin_rows, render_table
 
+    try:
+        # As for serve: a plugin's name, or a name it registers (hermes for toolparser_hermes).
+        disable_plugin = plugins.resolve_plugin_names(disable_plugin or [], "--disable-plugin")
+    except EngineError as exc:
+        fail(str(exc))
     infos = plugins.list_plugins(disable_plugin or [])
     if as_json:
         platforms = plugins.platform_statuses(disable_plugin or [])
