@@ -49,7 +49,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from engine.model_executor.forward_batch import ForwardBatch
+    from engine.layers.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)

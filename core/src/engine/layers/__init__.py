@@ -57,9 +57,9 @@ _EXPORTS: dict[str, str] = {
     "pp_stage": "layers.pipeline",
     "PPMissingLayer": "layers.pipeline",
     "PPProxyTensors": "layers.pipeline",
-    # what a model's forward receives (defined by the model executor, re-exported here)
-    "ForwardBatch": "model_executor.forward_batch",
-    "ForwardMode": "model_executor.forward_batch",
+    # what a model's forward receives (built by the model executor)
+    "ForwardBatch": "layers.forward_batch",
+    "ForwardMode": "layers.forward_batch",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -101,4 +101,4 @@ if TYPE_CHECKING:
     from engine.layers.radix_attention import RadixAttention
     from engine.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_parameters
     from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-    from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
+    from engine.layers.forward_batch import ForwardBatch, ForwardMode

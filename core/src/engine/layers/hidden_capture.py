@@ -25,7 +25,7 @@ import torch
 from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from engine.model_executor.forward_batch import ForwardBatch
+    from engine.layers.forward_batch import ForwardBatch
 
 
 def record_layer_output(forward_batch: ForwardBatch, layer_id: int, hidden: torch.Tensor,

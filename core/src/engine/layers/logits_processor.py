@@ -14,7 +14,7 @@ from engine.layers.linear import linear_with_kernel
 
 if TYPE_CHECKING:
     from engine.layers.vocab_parallel_embedding import ParallelLMHead
-    from engine.model_executor.forward_batch import ForwardBatch
+    from engine.layers.forward_batch import ForwardBatch
 
 
 @dataclass

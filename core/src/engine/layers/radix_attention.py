@@ -14,7 +14,7 @@ from engine.layers.rotary_embedding import RotaryEmbedding
 from engine.mem_cache.memory_pool import MHATokenToKVPool, is_fp8
 
 if TYPE_CHECKING:
-    from engine.model_executor.forward_batch import ForwardBatch
+    from engine.layers.forward_batch import ForwardBatch
 
 # Checkpoint names of per-tensor KV-cache scales (llm-compressor / compressed-tensors, vLLM's own
 # saved layout, AutoFP8's output scales of k_proj/v_proj, ModelOpt), by suffix after the attention
