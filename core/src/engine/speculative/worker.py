@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import engine.distributed as distributed
+from engine.hookspecs import call_with_accepted
 from engine.managers.logprobs import record_output_logprobs
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
-from engine.hookspecs import call_with_accepted
 from engine.speculative.base import DraftRequest, DraftTree, ProposerContext, ReleaseReason, RequestEnd, TargetHidden
 from engine.speculative.tree import (
     depths,
