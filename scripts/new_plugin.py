@@ -98,8 +98,9 @@ KINDS = {
         impl=('from engine.speculative import ProposerContext\n'
               'from engine_spec_ngram.proposer import NgramProposer\n\n\n'
               'class MyProposer(NgramProposer):\n'
-              '    """Starts as prompt lookup; replace propose (and on_verified/release if you keep state)\n'
-              '    (engine.speculative.Proposer, docs/speculative.md)."""\n\n\n'
+              '    """Starts as prompt lookup; replace propose (and on_verified, release(rid, reason) and\n'
+              '    on_request_end if you keep state across steps or requests)\n'
+              '    (engine.speculative.Proposer, docs/speculative_internals.md)."""\n\n\n'
               'def create(ctx: ProposerContext) -> MyProposer:\n    return MyProposer()\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
