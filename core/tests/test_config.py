@@ -75,6 +75,8 @@ def _options_registry(monkeypatch: pytest.MonkeyPatch) -> plugins.PluginRegistry
     @hookimpl
     def register_plugin_options(register):  # type: ignore[no-untyped-def]
         register(PluginOption(plugin="opts", key="block", default=64, help="tile size"))
+        register(PluginOption(plugin="opts", key="prefetch", default="auto", help="MiB or auto",
+                              accepts=(int,)))
 
     mod = types.ModuleType("opts")
     mod.register_plugin_options = register_plugin_options  # type: ignore[attr-defined]
@@ -86,14 +88,24 @@ def _options_registry(monkeypatch: pytest.MonkeyPatch) -> plugins.PluginRegistry
 def test_plugin_options_are_checked_against_declarations(monkeypatch: pytest.MonkeyPatch) -> None:
     reg = _options_registry(monkeypatch)
     plugins.check_plugin_options({"opts": {"block": 32}})
-    assert reg.options_for("opts", {"opts": {"block": 32}}) == {"block": 32}
-    assert reg.options_for("opts", {}) == {"block": 64}  # the declared default reaches the factory
-    with pytest.raises(ConfigError, match=r"unknown option 'opts.blok'; declared: opts\.block \(did you mean opts.block\?\)"):
+    assert reg.options_for("opts", {"opts": {"block": 32}}) == {"block": 32, "prefetch": "auto"}
+    assert reg.options_for("opts", {}) == {"block": 64, "prefetch": "auto"}  # declared defaults reach the factory
+    with pytest.raises(ConfigError, match=r"unknown option 'opts.blok'; declared: opts\.block, opts\.prefetch \(did you mean opts.block\?\)"):
         plugins.check_plugin_options({"opts": {"blok": 32}})
     with pytest.raises(ConfigError, match=r"opts.block: invalid value 'big'; expected int like the default 64"):
         plugins.check_plugin_options({"opts": {"block": "big"}})
     with pytest.raises(ConfigError, match=r"unknown plugin 'optz'; installed: .*opts.*\(did you mean opts\?\)"):
         plugins.check_plugin_options({"optz": {"block": 1}})
+
+
+def test_plugin_option_accepts_the_types_it_declares_besides_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    _options_registry(monkeypatch)
+    plugins.check_plugin_options({"opts": {"prefetch": 6}})
+    plugins.check_plugin_options({"opts": {"prefetch": "off"}})
+    with pytest.raises(ConfigError, match=r"opts.prefetch: invalid value True; expected str or int like the default 'auto'"):
+        plugins.check_plugin_options({"opts": {"prefetch": True}})
+    with pytest.raises(ConfigError, match=r"opts.prefetch: invalid value 1.5; expected str or int"):
+        plugins.check_plugin_options({"opts": {"prefetch": 1.5}})
 
 
 def test_options_of_a_disabled_plugin_are_an_error() -> None:

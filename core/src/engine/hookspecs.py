@@ -60,6 +60,7 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #: 6: ``Proposer.release(rid, reason)`` is called on every end of a request (finished, aborted)
 #:    and on every retraction, with the reason (a ``release(rid)`` without it is still called);
 #:    ``Proposer.on_request_end(RequestEnd)`` receives each ended request's prompt and output ids.
+#: 6 (also): ``PluginOption.accepts`` (types an option takes besides its default's).
 HOOK_API_VERSION = 6
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -261,6 +262,9 @@ class PluginOption:
     #: used when the user sets nothing; its type (when not None) is the accepted type.
     default: Any
     help: str = ""
+    #: types accepted besides the default's, for options such as ``"auto"`` or a number; the
+    #: plugin's factory still checks the value's range (hook API 6).
+    accepts: tuple[type, ...] = ()
 
 
 Register = Callable[[Any], None]

@@ -352,19 +352,23 @@ def check_plugin_options(plugin_options: dict[str, dict[str, Any]], disabled: It
             if spec is None:
                 raise ConfigError(f"plugin_options: unknown option '{plugin}.{key}'; declared: "
                                   f"{', '.join(mine) or f'none by {plugin}'}{did_you_mean(f'{plugin}.{key}', mine)}")
-            if not _same_kind(value, spec.default):
+            if not any(_same_kind(value, kind) for kind in (spec.default, *spec.accepts)):
+                names = [type(spec.default).__name__, *(t.__name__ for t in spec.accepts)]
                 raise ConfigError(f"plugin_options: {plugin}.{key}: invalid value {value!r}; expected "
-                                  f"{type(spec.default).__name__} like the default {spec.default!r}")
+                                  f"{' or '.join(names)} like the default {spec.default!r}")
 
 
-def _same_kind(value: Any, default: Any) -> bool:
-    if default is None or value is None:
+def _same_kind(value: Any, kind: Any) -> bool:
+    """Whether ``value`` has the type of ``kind`` (a default value, or a type from ``accepts``);
+    bools are never numbers, and ints are accepted where floats are."""
+    kind_type = kind if isinstance(kind, type) else type(kind)
+    if kind is None or value is None:
         return True
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(value, bool) and isinstance(default, bool)
-    if isinstance(default, float):
+    if kind_type is bool or isinstance(value, bool):
+        return isinstance(value, bool) and kind_type is bool
+    if kind_type is float:
         return isinstance(value, (int, float))
-    return isinstance(value, type(default))
+    return isinstance(value, kind_type)
 
 
 def create(factory: Factory, *args: Any, options: dict[str, Any]) -> Any:

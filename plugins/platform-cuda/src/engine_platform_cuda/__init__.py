@@ -65,4 +65,6 @@ def register_platforms(register):  # type: ignore[no-untyped-def]
 @hookimpl
 def register_plugin_options(register):  # type: ignore[no-untyped-def]
     for key, default in DEFAULT_OPTIONS.items():
-        register(PluginOption(plugin="cuda", key=key, default=default, help=_OPTION_HELP[key]))
+        # l2_prefetch_mb takes "auto" or a number of MiB (the platform's factory checks the range).
+        accepts = (int,) if key == "l2_prefetch_mb" else ()
+        register(PluginOption(plugin="cuda", key=key, default=default, help=_OPTION_HELP[key], accepts=accepts))
