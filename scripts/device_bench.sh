@@ -142,7 +142,7 @@ for stage in "$@"; do
         core/tests/layers/moe/test_moe_kernel_cuda.py > "$OUT/gpu_moe_graph_tests.log" 2>&1; tail -12 "$OUT/gpu_moe_graph_tests.log" ;;
     moe_small)
       # The small-batch expert kernels vs the grouped ones (1, 2, 4 tokens), their tile sweep, and the routing
-      # launches (one program vs router + alignment) by token count (docs/moe.md "Small batches").
+      # launches (one program vs router + alignment) by token count (docs/moe_kernels.md#small-batches).
       for s in qwen3-30b-a3b mixtral-8x7b; do
         timeout 150 python3 benchmarks/bench_moe_small.py --shape "$s" --tokens 1 2 4 --result-file "$RES" 2>&1 | grep -v Warning
         timeout 200 python3 benchmarks/bench_moe_small.py --shape "$s" --sweep --result-file "$RES" 2>&1 | grep -v Warning
@@ -151,7 +151,7 @@ for stage in "$@"; do
         --result-file "$RES" 2>&1 | grep -v Warning ;;
     pdl)
       # Programmatic dependent launch: the MoE model with each part off in turn (cuda.pdl, triton.pdl, the
-      # prologue, norm fusion; docs/platforms.md).
+      # prologue, norm fusion; docs/cuda_kernels.md).
       MOE=(--model-path docs/bench_configs/qwen3-30b-a3b --load-format dummy --skip-tokenizer-init --log-level warning)
       for opt in cuda.pdl=on cuda.pdl=off cuda.qkv_prologue=off triton.pdl=off cuda.norm_fusion=off; do
         E bench one-batch "${MOE[@]}" --attention "${ATTN:-triton}" --batch-size "1 64" --input-len 128 --output-len 256 \
