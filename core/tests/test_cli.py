@@ -126,7 +126,7 @@ def test_generate_end_to_end_subprocess(llama_ckpt: str) -> None:
 def test_generate_error_subprocess_is_one_line(llama_ckpt: str) -> None:
     res = _run("generate", "--model-path", llama_ckpt, "--attention", "nope")
     assert res.returncode == 2
-    assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error: unknown attention backend 'nope'")
+    assert res.stderr.strip().count("\n") == 0 and res.stderr.startswith("error: --attention: unknown attention backend 'nope'")
 
 
 def test_disabled_default_attention_backend_is_a_clear_error(llama_ckpt: str) -> None:
