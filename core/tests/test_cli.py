@@ -58,6 +58,20 @@ def test_table_wraps_the_last_column_at_separators() -> None:
     assert text.splitlines() == ["A  B", "x  alpha, beta, gamma, delta,", "   epsilon, zeta"]
 
 
+def test_plugin_rows_count_options_and_carry_a_broken_plugins_error() -> None:
+    from engine.cli_table import plugin_rows
+    from engine.plugin_registry import PluginInfo
+
+    ok = PluginInfo("cuda", "plugserve-platform-cuda", "0.1.0",
+                    kinds={"platform": ["cuda"], "option": ["cuda.gemv", "cuda.pdl"]})
+    broken = PluginInfo("bad", "plugserve-bad", "0.2", status="broken", error="ImportError: no module named 'x'")
+    assert plugin_rows([ok, broken]) == [
+        ("cuda", "plugserve-platform-cuda", "0.1.0", "ok", "platform: cuda; options: 2"),
+        ("bad", "plugserve-bad", "0.2", "broken", "broken: ImportError: no module named 'x'"),
+    ]
+    assert plugin_rows([ok], verbose=True)[0][4] == "option: cuda.gemv, cuda.pdl; platform: cuda"
+
+
 def test_config_show_flags_override_yaml(tmp_path: pathlib.Path) -> None:
     f = tmp_path / "d.yaml"
     f.write_text("max_total_tokens: 4096\nschedule_policy: fcfs\npage_size: 4\n")

@@ -71,6 +71,7 @@ def plugin_rows(infos: Iterable[PluginInfo], verbose: bool = False) -> list[tupl
         status = info.status
         if info.status != "ok" and info.error:
             # The error is long (an exception's text): it goes under REGISTERS, which wraps.
-            registers = f"{registers or '-'}; {info.status}: {info.error}"
+            problem = f"{info.status}: {info.error}"
+            registers = f"{registers}; {problem}" if registers else problem
         rows.append((info.name, info.distribution, info.version, status, registers or "-"))
     return rows
