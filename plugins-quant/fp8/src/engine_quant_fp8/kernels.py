@@ -23,7 +23,7 @@ runtime argument under numpy 2.4 (``int()`` of a 1-element array), which the CPU
 
 No host syncs and no shape-dependent allocation beyond the output, so the callers stay
 capturable in CUDA graphs. Launch parameters come from ``_gemv_config`` / ``_gemm_config``,
-tables measured on an H100 (see README.md); ``config=`` overrides them (benchmarks/bench_kernels.py).
+tables from H100 sweeps (benchmarks/bench_kernels.py --sweep); ``config=`` overrides them.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def quantize_per_token_triton(x: torch.Tensor,
 
 
 def _gemv_config(m: int, n: int, k: int, blocked: bool) -> dict[str, int]:
-    # H100 sweep, M = 1 (benchmarks/bench_kernels.py --sweep, 2026-11-23; README.md): 4 rows x 2048 columns per
+    # H100 sweep, M = 1 (benchmarks/bench_kernels.py --sweep): 4 rows x 2048 columns per
     # program for the large weights, 8 x 512-1024 for the 4096/6144-row ones.
     if n * k >= 32 * 1024 * 1024:
         return {"BLOCK_N": 4, "BLOCK_K": 2048, "num_warps": 8 if n > k else 4, "num_stages": 1}

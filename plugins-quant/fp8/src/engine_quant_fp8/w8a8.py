@@ -132,8 +132,7 @@ def _split_k_reduce_kernel(p_ptr, sx_ptr, sw_ptr, b_ptr, y_ptr, M, N, stride_sxm
 
 
 def _w8a8_config(m: int, n: int, k: int, blocked: bool) -> dict[str, int]:
-    # H100 sweeps (benchmarks/bench_kernels.py --sweep-w8a8 and benchmarks/bench_fused.py --sweep,
-    # 2026-11-23; README.md).
+    # H100 sweeps (benchmarks/bench_kernels.py --sweep-w8a8 and benchmarks/bench_fused.py --sweep).
     # 64-row tiles throughout: 128-row ones never won below M = 1024. Per-channel, M 33-128:
     # split-K for the long-K, narrow-N down projection (4096 x 14336: 64 programs of 64 columns
     # leave half the SMs idle; split in 2-4 it fell from 34.9 to 29.3 us at M = 64), 128-wide

@@ -1,7 +1,7 @@
 """Triton kernels for ``KernelWeight`` (see ``layout``): ``y = x @ W.T + bias``.
 
 Three paths, float32 accumulation, bf16/fp16 (or fp32) activations; ``choose_config`` picks by
-the number of rows M (switch points measured on an H100, see the README):
+the number of rows M (switch points measured on an H100: see ``GEMV_MAX_M`` and ``GEMM_MAX_M``):
 
 - ``_gemv_kernel`` (decode, M = 1): one program per ``BLOCK_N`` output channels walking all of K;
   no split-K, a deterministic sum. The weight is stored output-major in plane order (``layout``),
@@ -418,7 +418,7 @@ def _widest_block_n(candidates: tuple[int, ...], n: int, programs_per_n: int, wa
     return candidates[-1]
 
 
-#: up to this many rows the GEMV kernel runs; above, the fused GEMM (H100, README: at M = 2 the
+#: up to this many rows the GEMV kernel runs; above, the fused GEMM (H100: at M = 2 the
 #: GEMM took 12.9/8.9/54.0/20.2 us on qkv/o/gate_up/down, the 2-row GEMV 21.1/13.4/77.3/42.3).
 GEMV_MAX_M = 1
 #: up to this many rows the fused GEMM runs, above them dequantize + cuBLAS. H100, Llama-3-8B
@@ -449,7 +449,7 @@ def gemm_config(m: int, n: int, k: int, group_size: int, block_m: int, block_n: 
 
 def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device) -> KernelConfig:
     """Tile sizes for an ``[m, k] x [k, n]`` product (``benchmarks/bench_kernels.py --alts`` times alternatives;
-    the figures below are H100 times of the Llama-3-8B linears, README)."""
+    the figures below are H100 times of the Llama-3-8B linears)."""
     sms = _num_sms(device)
     if m <= GEMV_MAX_M:
         # 16 rows per program, 4 rows per thread sharing their activations, each warp streaming
@@ -461,7 +461,7 @@ def choose_config(m: int, n: int, k: int, group_size: int, device: torch.device)
         return KernelConfig("gemv", 1, bn, fit_block_k(group_size, bk, inside_group=False), 4, 1)
     if m <= GEMM_MAX_M:
         # The fused dequantize-GEMM (weights as wgmma's 64-row operand, K split to fill the SMs).
-        # H100 times (us, qkv/o/gate_up/down; the README has every alternative):
+        # H100 times (us, qkv/o/gate_up/down; ``--alts`` times the alternatives):
         # M <= 16: 16 x 128 tiles, 8 warps: 13.5/9.5/54.5/21.0 at M = 16 (16 x 64 with 4 warps:
         #   14.7/9.5/52.3/29.0; scale_first: 13.9/9.8/49.5/23.5).
         # M <= 64: 64 x 128, 8 warps, scale_first: 18.6/13.4/60.5/32.4 at M = 64 (the same without
