@@ -93,7 +93,7 @@ def _targets(stmt: ast.stmt, module: str, is_package: bool, known: set[str]) -> 
             yield sub
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def import_graph(root: Path = ENGINE_ROOT) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """Returns (runtime edges, type-only edges) between engine modules."""
     files = module_files(root)

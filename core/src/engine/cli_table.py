@@ -32,7 +32,7 @@ def render_table(header: Sequence[str], rows: Iterable[Sequence[str]], width: in
     last_width = max(_MIN_LAST, width - indent)
     lines = []
     for row in table:
-        head = _GAP.join(cell.ljust(w) for cell, w in zip(row[:-1], fixed)) + (_GAP if fixed else "")
+        head = _GAP.join(cell.ljust(w) for cell, w in zip(row[:-1], fixed, strict=True)) + (_GAP if fixed else "")
         parts = wrap_cell(row[-1], last_width)
         lines.append((head + parts[0]).rstrip())
         lines.extend((" " * indent + part).rstrip() for part in parts[1:])

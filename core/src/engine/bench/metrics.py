@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
-
 @dataclass
 class RequestResult:
     """What one request did; failures carry ``error`` and are excluded from the statistics."""

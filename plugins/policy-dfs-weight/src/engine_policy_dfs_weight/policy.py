@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
-
 from typing import TYPE_CHECKING
 
 from engine.managers.policy import PolicyContext, SchedulePolicy
