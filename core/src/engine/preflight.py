@@ -55,6 +55,13 @@ def check_without_checkpoint(args: ServerArgs) -> None:
         return
     if platform_spec is not None:
         platform_name, device = platform_spec.name, platform_spec.device_type
+    elif _runs_on_every_platform(reg, attention, quant):
+        # Whichever platform claims the machine, the named components run on its device type:
+        # no probe (probing imports the platforms' implementations and torch), and what is left
+        # to check does not depend on the device.
+        if attention is not None:
+            check_backend_selectable(attention, attention.device_types[0], args.page_size, args.kv_cache_dtype)
+        return
     else:
         spec, _ = plugins.choose_platform(None, disabled, args.plugin_options)
         platform_name, device = spec.name, spec.device_type
@@ -70,6 +77,14 @@ def check_without_checkpoint(args: ServerArgs) -> None:
         raise ConfigError(f"--quant: quantization method '{quant.name}' does not run on platform '{platform_name}' "
                           f"(runs on: {', '.join(quant.device_types)}); methods for {device}: "
                           f"{names_for_device(reg, 'quantization', device)}")
+
+
+def _runs_on_every_platform(reg: Any, *components: Any) -> bool:
+    """Whether every given component spec (``None``: not named) lists the device type of every
+    enabled platform plugin, read from their specs."""
+    devices = {reg.entries["platform"][name].spec.device_type for name in reg.names("platform")}
+    named = [c for c in components if c is not None]
+    return bool(devices) and all(device in c.device_types for c in named for device in devices)
 
 
 def parser_log_lines(args: ServerArgs) -> list[str]:
