@@ -4,10 +4,11 @@ Each command runs in a fresh interpreter (``sys.modules`` starts clean) through 
 in-process, then the interpreter reports whether ``torch`` was imported. No timing is asserted:
 importing torch is what makes a command take seconds, so its absence is what is checked.
 
-``engine config show --attention NAME`` (or ``--quant``) without ``--platform`` does import torch:
-checking the backend against the device type needs to know which platform claims the machine,
-and probing a platform imports its implementation and torch. ``engine plugins list --verbose``
-and ``--json`` probe the platforms the same way.
+``engine config show --attention NAME`` (or ``--quant``) without ``--platform`` imports torch when
+the named backend or method does not run on every installed platform's device type (flashinfer,
+fp8): whether it runs here depends on which platform claims the machine, and probing a platform
+imports its implementation and torch. ``engine plugins list --verbose`` and ``--json`` probe the
+platforms the same way.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def deploy_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["config", "show"], 0),
     (["config", "show", "--page-size", "8", "--schedule-policy", "lpm", "--json"], 0),
     (["config", "show", "--platform", "cpu", "--attention", "torch_native"], 0),
+    (["config", "show", "--attention", "torch_native"], 0),  # runs on every platform: no probe
     (["serve", "--help"], 0),
     (["bench", "--help"], 0),
     (["bench", "one-batch", "--help"], 0),
@@ -78,6 +80,9 @@ def test_probe_sees_torch_when_a_command_imports_it() -> None:
     # Guards the check itself: probing the platforms imports torch, and the probe reports it.
     result = _run(["plugins", "list", "--verbose"])
     assert result["exit_code"] == 0 and "torch" in result["heavy"]
+    # A backend that runs on CUDA only: whether it runs here needs the probe.
+    result = _run(["config", "show", "--attention", "flashinfer"])
+    assert "torch" in result["heavy"]
 
 
 def test_built_in_plugins_name_their_factories() -> None:
