@@ -34,7 +34,7 @@ SMALL = [(40, 64), (37, 200), (24, 100)]
 CONFIGS = [None, GemvConfig("fma", 8, 32), GemvConfig("fma", 1, 16, split_k=3), GemvConfig("fma", 4, 16, split_k=2)]
 TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 #: The fma kind (the only one with the norm) at 2 rows too: the default rule takes it at 1 row only
-#: since 2026-11-24 (2 rows run faster on the dot kind), but a tuned rule may take more.
+#: (2 rows run faster on the dot kind), but a tuned rule may take more.
 RULE2 = GemvRule(fma_max_rows=2)
 
 

@@ -17,7 +17,7 @@ def register_speculative_algorithms(register):  # type: ignore[no-untyped-def]
 
 @hookimpl
 def register_plugin_options(register):  # type: ignore[no-untyped-def]
-    # On since plugins/spec-draft/tests/test_draft_graphs_gpu.py passed on an H100 (2026-11-23);
-    # off: the draft's decode steps run eagerly.
+    # On by default: plugins/spec-draft/tests/test_draft_graphs_gpu.py checks the captured draft
+    # steps give the eager steps' tokens; off: the draft's decode steps run eagerly.
     register(PluginOption("draft", "cuda_graph", True,
                           "capture CUDA graphs for the draft model's decode steps (as the target does)"))

@@ -23,8 +23,7 @@ def _next_power_of_2(n: int) -> int:
 #: The most slots for which ``route_and_align`` takes the one-program kernel rather than the router
 #: (one program per token) and the alignment (one program) as two launches. The one program does
 #: every token's softmax top-k itself, so it slows with the batch: on an H100 (128 experts, top 8,
-#: in a CUDA graph; 2026-11-23, with a script since folded into ``benchmarks/bench_moe_kernel.py
-#: --pieces-only``, which times the same launches) it took 4.5 / 4.5 / 6.3 / 13.4 /
+#: in a CUDA graph; ``benchmarks/bench_moe_kernel.py --pieces-only`` times these launches) it took 4.5 / 4.5 / 6.3 / 13.4 /
 #: 30.3 us at 1 / 4 / 8 / 32 / 64 tokens against 4.7 / 4.8 / 5.3 / 6.2 / 6.9 us for the two launches.
 ROUTE_ALIGN_PAYS_MAX_SLOTS = 32
 
