@@ -69,3 +69,22 @@ def test_a_hyphenated_name_is_the_one_name_users_see(tmp_path: pathlib.Path, mon
     reg = plugins.PluginRegistry(load_entry_points=True, extra_plugins=[("deep-think", module)])
     assert reg.plugins["deep-think"].status == "ok", reg.plugins["deep-think"].error
     assert reg.plugins["deep-think"].kinds == {"reasoning-parser": ["deep-think"]}
+
+
+def test_docs_list_every_kind_the_template_makes() -> None:
+    """docs/plugins.md's kind list and table name every kind new_plugin.py accepts, and its naming
+    section every segment (a kind left out there is a kind authors cannot find)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("new_plugin", ROOT / "scripts" / "new_plugin.py")
+    assert spec is not None and spec.loader is not None
+    new_plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(new_plugin)
+    guide = (ROOT / "docs" / "plugins.md").read_text(encoding="utf-8")
+    kinds_line = guide.split("Kinds: ", 1)[1].split("(`python scripts/new_plugin.py", 1)[0]
+    naming = guide.split("## Naming", 1)[1].split("\n## ", 1)[0]
+    for kind in new_plugin.KINDS:
+        segment = new_plugin.NAME_SEGMENT.get(kind, kind)
+        assert f"`{kind}`" in kinds_line, f"docs/plugins.md's kind list leaves out {kind}"
+        assert f"| `{kind}` | `plugserve-{segment}-NAME`" in guide, f"docs/plugins.md's table leaves out {kind}"
+        assert f"`{segment}`" in naming, f"docs/plugins.md's naming section leaves out the segment {segment}"
