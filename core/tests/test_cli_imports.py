@@ -62,6 +62,9 @@ def deploy_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["serve", "--no-such-flag"], 2),
     (["generate", "--max-new-tokens", "many"], 2),
     (["bench", "one-batch", "--batch-size", "x"], 2),
+    (["serve", "--attention", "flashinfr", "--port", "1"], 2),
+    (["generate", "--quant", "fp9"], 2),
+    (["generate", "--schedule-policy", "lmp"], 2),
 ])
 def test_command_does_not_import_torch(args: list[str], exit_code: int) -> None:
     result = _run(args)

@@ -47,6 +47,11 @@ def main_callback(
 @with_server_args([])
 def serve_cmd(server_args: ServerArgs) -> None:
     """Start the HTTP server (OpenAI-compatible and native APIs; see docs/api.md)."""
+    from engine.preflight import check_without_checkpoint
+
+    # A misspelt or unusable component fails here, before the server (and torch) is imported;
+    # start-up runs the same checks again with the checkpoint's.
+    check_without_checkpoint(server_args)
     from engine.entrypoints.http_server import serve
 
     code = serve(server_args)
@@ -67,6 +72,9 @@ def serve_cmd(server_args: ServerArgs) -> None:
 def generate_cmd(server_args: ServerArgs, prompt: str, max_new_tokens: int, temperature: float,
                  top_p: float, top_k: int, seed: int | None, stream: bool) -> None:
     """Generate a completion for one prompt and print it."""
+    from engine.preflight import check_without_checkpoint
+
+    check_without_checkpoint(server_args)  # as in serve: before torch is imported
     from engine.entrypoints.engine import Engine
 
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
