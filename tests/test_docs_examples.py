@@ -81,7 +81,8 @@ def docs_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsEnvironme
 
 
 def _params() -> list[object]:
-    return [pytest.param(b, id=b.id, marks=[pytest.mark.skip(reason=b.skip)] if b.skip else [])
+    # The block's place goes with the reason: pytest reports every skip at this test function.
+    return [pytest.param(b, id=b.id, marks=[pytest.mark.skip(reason=f"{b.skip} [{b.id}]")] if b.skip else [])
             for b in BLOCKS if b.runs]
 
 
