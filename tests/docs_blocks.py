@@ -230,6 +230,41 @@ class PageRun:
         return outcome
 
 
+_HEADING = re.compile(r"^#{1,6}\s+(?P<title>.+?)\s*#*\s*$")
+_LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def prose_lines(path: Path) -> list[str]:
+    """The page's lines outside fenced code blocks."""
+    out: list[str] = []
+    fence = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        m = _FENCE.match(line)
+        if m and (not fence or (m["fence"][0] == fence[0] and len(m["fence"]) >= len(fence)
+                                and not m["info"].strip())):
+            fence = "" if fence else m["fence"]
+            continue
+        if not fence:
+            out.append(line)
+    return out
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings (lower case, punctuation dropped, spaces as -)."""
+    found: set[str] = set()
+    for line in prose_lines(path):
+        m = _HEADING.match(line)
+        if m:
+            found.add(re.sub(r"[^\w\- ]", "", m["title"].lower()).replace(" ", "-"))
+    return found
+
+
+def relative_links(path: Path) -> list[str]:
+    """Link targets of the page's prose that are not URLs (``other.md#anchor``, ``#anchor``, ``dir/``)."""
+    return [m["target"] for line in prose_lines(path) for m in _LINK.finditer(line)
+            if not re.match(r"^[a-z][a-z0-9+.-]*:", m["target"])]
+
+
 def iter_blocks(root: Path) -> Iterator[Block]:
     for page in pages(root):
         yield from parse_page(page, root)

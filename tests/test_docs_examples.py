@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from docs_blocks import BLOCK_TIMEOUT_S, Block, Outcome, PageRun, iter_blocks, parse_page  # noqa: E402
+from docs_blocks import (  # noqa: E402
+    BLOCK_TIMEOUT_S,
+    Block,
+    Outcome,
+    PageRun,
+    anchors,
+    iter_blocks,
+    pages,
+    parse_page,
+    relative_links,
+)
 from test_server_e2e_harness import Server, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,9 +126,34 @@ def test_the_convention_is_checked(tmp_path: Path) -> None:
     assert run_block(failing, failing.text, tmp_path, dict(os.environ)).returncode == 3
     bash = Block("docs/p.md", 2, "bash", "false | true\n", None, None)
     assert run_block(bash, bash.text, tmp_path, dict(os.environ)).returncode == 1  # pipefail is on
+    page.write_text("# The `Engine` API, step 2\n\nSee [x](other.md#a-b) and [y](https://x.org/#z).\n"
+                    "```bash\n# not a heading [z](in-code.md)\n```\n")
+    assert anchors(page) == {"the-engine-api-step-2"}
+    assert relative_links(page) == ["other.md#a-b"]
     page.write_text("<!-- doc-test: skip -->\n```bash\ntrue\n```\n")
     with pytest.raises(DocBlockError, match="needs a reason"):
         parse_page(page, tmp_path)
     page.write_text("```python\nprint(1)\n")
     with pytest.raises(DocBlockError, match="never closed"):
         parse_page(page, tmp_path)
+
+
+def test_the_index_leads_to_every_page() -> None:
+    index = (ROOT / "docs" / "README.md").read_text(encoding="utf-8")
+    pages_ = [p.relative_to(ROOT / "docs").as_posix() for p in sorted((ROOT / "docs").rglob("*.md"))
+              if p != ROOT / "docs" / "README.md"]
+    missing = [rel for rel in pages_ if f"]({rel}" not in index]
+    assert not missing, f"docs/README.md links no page {missing}; add each to its table"
+
+
+def test_relative_links_resolve() -> None:
+    broken: list[str] = []
+    for page in pages(ROOT):
+        for target in relative_links(page):
+            path, _, anchor = target.partition("#")
+            resolved = (page.parent / path).resolve() if path else page
+            if not resolved.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no heading gives #{anchor})")
+    assert not broken, "broken links:\n" + "\n".join(broken)
