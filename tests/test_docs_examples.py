@@ -34,6 +34,7 @@ from test_server_e2e_harness import Server, free_port  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS: list[Block] = list(iter_blocks(ROOT))
 _OUTPUT_TAIL = 6000
+_SERVER_START_TIMEOUT_S = 600.0
 
 
 class DocsEnvironment:
@@ -55,7 +56,8 @@ class DocsEnvironment:
                                          "--port", str(port), "--max-total-tokens", "16384"],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             server = Server(proc, port, log_path, api_key=None)
-            server.wait_ready()
+            # The first start in a fresh $ENGINE_CACHE_DIR also converts the default model's GGUF.
+            server.wait_ready(timeout=_SERVER_START_TIMEOUT_S)
             self._server = server
         return self._server.port
 
