@@ -1,7 +1,7 @@
 """Commands that answer without a model do not import torch.
 
-Each command runs in a fresh interpreter (``sys.modules`` starts clean) through the typer app
-in-process, then the interpreter reports whether ``torch`` was imported. No timing is asserted:
+The commands run through the typer app in a fresh interpreter (``sys.modules`` starts clean),
+which reports after each one whether it imported ``torch`` (or transformers, triton). No timing is asserted:
 importing torch is what makes a command take seconds, so its absence is what is checked.
 
 ``engine config show --attention NAME`` (or ``--quant``) without ``--platform`` imports torch when
@@ -20,20 +20,34 @@ from pathlib import Path
 
 import pytest
 
+# Runs each command of a JSON list in turn and reports, per command, which heavy modules it
+# imported (new in sys.modules): one interpreter for many commands keeps the test short, and a
+# module once imported stays imported, so a command that imports one is the one reported.
 _PROBE = """
 import json, sys
 from typer.testing import CliRunner
 from engine.cli import app
-result = CliRunner().invoke(app, sys.argv[1:])
-heavy = sorted(m for m in ("torch", "transformers", "triton") if m in sys.modules)
-print(json.dumps({"exit_code": result.exit_code, "heavy": heavy, "output": result.output[-2000:]}))
+HEAVY = ("torch", "transformers", "triton")
+out = []
+for args in json.loads(sys.argv[1]):
+    before = {m for m in HEAVY if m in sys.modules}
+    result = CliRunner().invoke(app, args)
+    heavy = sorted(m for m in HEAVY if m in sys.modules and m not in before)
+    out.append({"exit_code": result.exit_code, "heavy": heavy, "output": result.output[-2000:]})
+print(json.dumps(out))
 """
 
 
-def _run(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=300)
+def _run_all(commands: list[list[str]]) -> list[dict]:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(commands)], capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _run(args: list[str]) -> dict:
+    """One command in a fresh interpreter."""
+    return _run_all([args])[0]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +57,7 @@ def deploy_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("args,exit_code", [
+COMMANDS: list[tuple[list[str], int]] = [
     (["--help"], 0),
     (["--version"], 0),
     (["plugins", "list"], 0),
@@ -65,9 +79,18 @@ def deploy_yaml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (["serve", "--attention", "flashinfr", "--port", "1"], 2),
     (["generate", "--quant", "fp9"], 2),
     (["generate", "--schedule-policy", "lmp"], 2),
-])
-def test_command_does_not_import_torch(args: list[str], exit_code: int) -> None:
-    result = _run(args)
+]
+
+
+@pytest.fixture(scope="module")
+def command_results() -> dict[str, dict]:
+    results = _run_all([args for args, _ in COMMANDS])
+    return {" ".join(args): result for (args, _), result in zip(COMMANDS, results, strict=True)}
+
+
+@pytest.mark.parametrize("args,exit_code", COMMANDS, ids=[" ".join(args) for args, _ in COMMANDS])
+def test_command_does_not_import_torch(args: list[str], exit_code: int, command_results: dict[str, dict]) -> None:
+    result = command_results[" ".join(args)]
     assert result["exit_code"] == exit_code, result["output"]
     assert result["heavy"] == [], f"engine {' '.join(args)} imported {result['heavy']}"
 
