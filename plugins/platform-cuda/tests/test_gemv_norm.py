@@ -73,9 +73,21 @@ def _assert_norm_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 
 # -- every device: the interpreter on the CPU, compiled on a GPU --------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,k", SMALL)
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "chosen" if c is None else f"n{c.block_n}-k{c.block_k}-s{c.split_k}")
+def _small_cases() -> list[object]:
+    """Every config on every shape in both dtypes; without a GPU (Triton's interpreter, 15-30 s a
+    case on a loaded 2-core machine) each config and each shape still meets both dtypes, the
+    dtype alternating along the grid, and the other half runs on a GPU only."""
+    cases = []
+    for i, config in enumerate(CONFIGS):
+        name = "chosen" if config is None else f"n{config.block_n}-k{config.block_k}-s{config.split_k}"
+        for j, (n, k) in enumerate(SMALL):
+            for d, dtype in enumerate((torch.bfloat16, torch.float16)):
+                marks = [] if (i + j + d) % 2 == 0 else [gpu, needs_gpu]
+                cases.append(pytest.param(dtype, n, k, config, id=f"{name}-{n}-{k}-dtype{d}", marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("dtype,n,k,config", _small_cases())
 def test_matches_rms_norm_then_skinny_linear(dtype: torch.dtype, n: int, k: int, config: GemvConfig | None) -> None:
     for m in (1, 2):
         for residual in (True, False):
