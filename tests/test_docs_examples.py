@@ -43,9 +43,12 @@ class DocsEnvironment:
     def __init__(self, log_dir: Path) -> None:
         self._log_dir = log_dir
         self._server: Server | None = None
+        self._start_error: str | None = None
         self._pages: dict[str, PageRun] = {}
 
     def port(self) -> int:
+        if self._start_error is not None:  # one failed start is reported by every block that needs it
+            raise RuntimeError(self._start_error)
         if self._server is None:
             port = free_port()
             log_path = str(self._log_dir / "server.log")
@@ -56,8 +59,12 @@ class DocsEnvironment:
                                          "--port", str(port), "--max-total-tokens", "16384"],
                                         stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             server = Server(proc, port, log_path, api_key=None)
-            # The first start in a fresh $ENGINE_CACHE_DIR also converts the default model's GGUF.
-            server.wait_ready(timeout=_SERVER_START_TIMEOUT_S)
+            try:
+                # The first start in a fresh $ENGINE_CACHE_DIR also converts the default model's GGUF.
+                server.wait_ready(timeout=_SERVER_START_TIMEOUT_S)
+            except RuntimeError as exc:
+                self._start_error = f"the default-model server did not start: {exc}"
+                raise
             self._server = server
         return self._server.port
 
