@@ -77,6 +77,10 @@ def parse_page(path: Path, root: Path) -> list[Block]:
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if not m:
+            # A directive acts on the fence right below it; anywhere else it would be ignored silently.
+            if _DIRECTIVE.match(lines[i]) and not (i + 1 < len(lines) and _FENCE.match(lines[i + 1])):
+                raise DocBlockError(f"{rel}:{i + 1}: a doc-test directive must be the line right before "
+                                    "a code fence")
             i += 1
             continue
         start, indent, fence = i, len(m["indent"]), m["fence"]

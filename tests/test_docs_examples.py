@@ -142,6 +142,9 @@ def test_the_convention_is_checked(tmp_path: Path) -> None:
     page.write_text("<!-- doc-test: skip -->\n```bash\ntrue\n```\n")
     with pytest.raises(DocBlockError, match="needs a reason"):
         parse_page(page, tmp_path)
+    page.write_text("<!-- doc-test: skip needs a GPU -->\n\n```bash\ntrue\n```\n")
+    with pytest.raises(DocBlockError, match="right before a code fence"):
+        parse_page(page, tmp_path)
     page.write_text("```python\nprint(1)\n")
     with pytest.raises(DocBlockError, match="never closed"):
         parse_page(page, tmp_path)
