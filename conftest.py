@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def _has_cuda() -> bool:
     try:
@@ -21,3 +23,61 @@ def _has_cuda() -> bool:
 
 if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+# Modules that take the longest on a CPU-only machine (per-test durations summed by module; then
+# the other modules that start servers), slowest first. Under pytest-xdist they are handed out
+# first, so the long ones run side by side at the start rather than one of them alone at the end.
+# Only the order changes: a module missing here runs all the same, after these.
+SLOW_MODULES: tuple[str, ...] = (
+    "tests/test_docs_examples.py",
+    "tests/test_default_model.py",
+    "plugins/platform-cuda/tests/test_gemv_norm.py",
+    "tests/test_default_model_spec.py",
+    "plugins/platform-cuda/tests/test_qkv_prologue.py",
+    "tests/test_quant_across_attention_backends.py",
+    "plugins/platform-cuda/tests/test_qkv_prologue_layer.py",
+    "plugins/platform-cuda/tests/test_gemv_kernel.py",
+    "plugins-quant/compressed-tensors/tests/test_ct_end_to_end.py",
+    "plugins-quant/awq/tests/test_awq_end_to_end.py",
+    "tests/test_server_e2e.py",
+    "tests/test_bench_cli_e2e.py",
+    "tests/test_server_e2e_availability.py",
+    "tests/test_server_e2e_lifecycle.py",
+    "tests/test_server_e2e_parallel.py",
+    "tests/test_server_e2e_parallel_pp.py",
+    "tests/test_server_e2e_dp.py",
+    "tests/test_server_e2e_tools.py",
+    "tests/test_structured_output_e2e.py",
+)
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _group_of(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return _module_of(item)
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which writes the groups into node ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` (scripts/test.sh): each module not in an explicit group forms
+    its own, so a module runs on one worker and its module- and session-scoped fixtures (servers,
+    checkpoints, compiled kernels) are set up once; the groups of SLOW_MODULES come first."""
+    # On an xdist worker (where collection happens) xdist sets `loadgroup` and resets `dist`.
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(_module_of(item)))
+    rank: dict[str, int] = {}
+    for item in items:
+        if _module_of(item) in SLOW_MODULES:
+            group = _group_of(item)
+            rank[group] = min(rank.get(group, len(SLOW_MODULES)), SLOW_MODULES.index(_module_of(item)))
+    # sort is stable: within a group, and for every group not ranked, collection order stays.
+    items.sort(key=lambda item: rank.get(_group_of(item), len(SLOW_MODULES)))

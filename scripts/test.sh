@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# Installs everything (scripts/install.sh) and runs the whole test suite.
-# GPU tests (marker `gpu`) are skipped where no CUDA device is present.
+# Installs what is missing or out of date (scripts/install.sh; about a second when nothing is) and
+# runs the whole test suite, spread over the machine's cores by pytest-xdist, then prints the
+# slowest tests. GPU tests (marker `gpu`) are skipped where no CUDA device is present.
+#
+#   TEST_WORKERS=N   pytest-xdist workers (default: auto, one per core); 0 runs in one process.
+#   Extra arguments go to pytest (a path, -k EXPR, -x, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 export ENGINE_CACHE_DIR="${ENGINE_CACHE_DIR:-$(mktemp -d)}"
-python3 -m pytest -q -p no:cacheprovider --durations=30 "$@"
+workers=${TEST_WORKERS:-auto}
+parallel=()
+if [ "$workers" != 0 ]; then
+  # loadgroup: the root conftest puts each module in one group (its module- and session-scoped
+  # servers and checkpoints start once) and orders the slow groups first, which
+  # --no-loadscope-reorder keeps (xdist would otherwise order groups by their number of tests).
+  parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+fi
+python3 -m pytest -q -p no:cacheprovider --durations=30 "${parallel[@]}" "$@"
