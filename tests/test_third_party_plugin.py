@@ -57,7 +57,7 @@ def test_one_plugin_of_each_kind_from_the_template(tmp_path: pathlib.Path, llama
         off = _engine("generate", "--model-path", llama_ckpt_dir, "--attention", "thirdparty",
                       "--disable-plugin", "thirdparty")
         assert off.returncode == 2
-        assert off.stderr.strip() == ("error: attention backend 'thirdparty' is provided by plugin 'thirdparty' "
+        assert off.stderr.strip() == ("error: --attention: attention backend 'thirdparty' is provided by plugin 'thirdparty' "
                                       "(plugserve-attention-thirdparty 0.1.0), which is disabled (--disable-plugin thirdparty)")
     finally:
         _pip("uninstall", "-y", *[dist for _, dist, _ in PLUGINS.values()])
