@@ -66,13 +66,7 @@ def check_without_checkpoint(args: ServerArgs) -> None:
         spec, _ = plugins.choose_platform(None, disabled, args.plugin_options)
         platform_name, device = spec.name, spec.device_type
     if attention is not None:
-        try:
-            check_backend_selectable(attention, device, args.page_size, args.kv_cache_dtype)
-        except ConfigError as exc:
-            if device in attention.device_types:
-                raise
-            raise ConfigError(f"{exc}; backends for platform '{platform_name}': "
-                              f"{names_for_device(reg, 'attention', device)}") from None
+        check_attention_on_platform(attention, device, platform_name, reg, args.page_size, args.kv_cache_dtype)
     if quant is not None and device not in quant.device_types:
         raise ConfigError(f"--quant: quantization method '{quant.name}' does not run on platform '{platform_name}' "
                           f"(runs on: {', '.join(quant.device_types)}); methods for {device}: "
@@ -106,6 +100,19 @@ def parser_log_lines(args: ServerArgs) -> list[str]:
 def names_for_device(reg: Any, kind: str, device: str) -> str:
     """The ``kind`` implementations whose spec lists ``device``, for error messages (``"none"`` if none)."""
     return ", ".join(n for n in reg.names(kind) if device in reg.entries[kind][n].spec.device_types) or "none"
+
+
+def check_attention_on_platform(spec: AttentionBackendSpec, device: str, platform_name: str, reg: Any,
+                                page_size: int, kv_cache_dtype: str) -> None:
+    """``check_backend_selectable``; a backend that does not run on the platform's device type
+    is refused naming the backends that do."""
+    try:
+        check_backend_selectable(spec, device, page_size, kv_cache_dtype)
+    except ConfigError as exc:
+        if device in spec.device_types:
+            raise
+        raise ConfigError(f"{exc}; backends for platform '{platform_name}': "
+                          f"{names_for_device(reg, 'attention', device)}") from None
 
 
 def check_backend_selectable(spec: AttentionBackendSpec, device_type: str, page_size: int,

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import engine.plugins as plugins
 from engine.errors import ConfigError, ModelLoadError, PluginError
 from engine.hookspecs import call_with_accepted
-from engine.preflight import check_backend_selectable, names_for_device
+from engine.preflight import check_attention_on_platform, names_for_device
 
 if TYPE_CHECKING:
     import torch
@@ -145,14 +145,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
             raise PluginError(f"{exc}; platform '{platform.name}' picks it when --attention is not given: "
                               f"choose one with --attention (backends for platform '{platform.name}': "
                               f"{names_for_device(reg, 'attention', device)})") from None
-    try:
-        check_backend_selectable(spec, device, args.page_size, args.kv_cache_dtype)
-    except ConfigError as exc:
-        if device in spec.device_types:
-            raise
-        # The check knows the spec only; say what would run on this platform instead.
-        raise ConfigError(f"{exc}; backends for platform '{platform.name}': "
-                          f"{names_for_device(reg, 'attention', device)}") from None
+    check_attention_on_platform(spec, device, platform.name, reg, args.page_size, args.kv_cache_dtype)
     refusal = _platform_refusal(platform, "unsupported_attention_reason", name)
     if refusal:
         usable = _supported_on(platform, reg, "attention", "supported_attention_backends")
