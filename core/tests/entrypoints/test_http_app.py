@@ -399,3 +399,11 @@ def test_server_info_has_sglang_layout(client: TestClient) -> None:
         assert "avg_spec_accept_length" not in state
         assert info["max_req_input_len"] == 63 and info["version"]
     assert client.get("/model_info").json() == client.get("/get_model_info").json()
+
+
+def test_model_info_has_the_chat_template_and_special_tokens(client: TestClient, tokenizer: Any) -> None:
+    # What a client needs to render chat roles as /v1/chat/completions does (engine_lang does).
+    info = client.get("/get_model_info").json()
+    assert info["chat_template"] == (tokenizer.chat_template or None)
+    assert info["special_tokens"] == {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
+    assert info["special_tokens"]  # the tiny tokenizer has at least an eos token

@@ -214,9 +214,14 @@ def _internal_state(config: dict[str, Any], live: dict[str, Any], capacity: int)
 
 
 def _model_info(ctx: ServingContext) -> dict[str, Any]:
+    # The chat template and the special tokens it refers to let a client (the frontend language)
+    # render chat roles itself exactly as the server's /v1/chat/completions does.
+    tokenizer = ctx.tokenizer
+    special = getattr(tokenizer, "special_tokens_map", None) or {}
     return {"model_path": ctx.model_path, "served_model_name": ctx.model_name,
             "tokenizer_path": ctx.args.tokenizer_path or ctx.model_path, "is_generation": True,
-            "context_len": ctx.context_len}
+            "context_len": ctx.context_len, "chat_template": getattr(tokenizer, "chat_template", None) or None,
+            "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)}}
 
 
 @router.get("/get_model_info")
