@@ -10,8 +10,10 @@ assertions are about outcomes (status codes, events, exit codes, files).
 from __future__ import annotations
 
 import glob
+import http.client
 import json
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -21,7 +23,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -32,6 +33,9 @@ from test_server_e2e_harness import MODEL_NAME, Server, assert_no_kv_leak, launc
 _CONTEXT = 32768
 # A request that cannot finish by itself within any test's patience (~40 s at full speed).
 _LONG = {"max_new_tokens": 30000, "ignore_eos": True}
+# The group SIGTERM test: streams sent before the signal, and the tokens each must still receive.
+_DRAINED_STREAMS = 20
+_DRAINED_TOKENS = 60
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory, long_context_ckpt: str) ->
     logs = str(tmp_path_factory.mktemp("availability-logs"))
     started = {
         # Shared by the request-level tests, then stopped by a SIGTERM to its process group.
-        # Its grace is an upper bound the drained request (~3,000 tokens) never comes near.
+        # Its grace is an upper bound the drained requests (20 x 60 tokens) never come near.
         "group": launch(long_context_ckpt, logs, "--shutdown-grace-s", "120", api_key=None, new_session=True),
         "drain": launch(long_context_ckpt, logs, "--shutdown-grace-s", "1", api_key=None),
         "kill": launch(long_context_ckpt, logs, api_key=None),
@@ -171,28 +175,34 @@ def test_client_disconnects_are_not_logged_as_errors(servers: dict[str, Server])
 
 
 def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None:
+    """20 streamed requests are written to their sockets, then the whole process group gets a
+    SIGTERM 0.5 s later (what systemd, Docker and Kubernetes send): every request the server had
+    received, whether it was generating, queued, being tokenized or not yet read, ends with its
+    finish reason, and the server exits 0."""
     server = servers["group"]
     children = server.descendants()
-    out: dict[str, Any] = {}
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-    def stream() -> None:
-        chunks = client.completions.create(model=MODEL_NAME, prompt="Drain me", max_tokens=3000, stream=True,
-                                           extra_body={"ignore_eos": True})
-        reasons = []
-        for chunk in chunks:
-            out["chunks"] = out.get("chunks", 0) + 1
-            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
-        out["reasons"] = reasons
-
-    thread = _in_thread(stream)
-    assert _wait(lambda: out.get("chunks", 0) > 0), "the stream never started"
-    at_signal = out["chunks"]
-    os.killpg(server.proc.pid, signal.SIGTERM)  # what systemd, Docker and Kubernetes send
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    conns = []
+    for i in range(_DRAINED_STREAMS):
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        body = {"model": MODEL_NAME, "prompt": f"Drain me {i}", "max_tokens": _DRAINED_TOKENS, "ignore_eos": True,
+                "stream": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        conns.append(conn)  # the request is in the server's socket buffer from here on
+    time.sleep(0.5)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    reasons = []
+    for conn in conns:
+        response = conn.getresponse()
+        events = [line[6:].strip() for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        conn.close()
+        assert response.status == 200 and events[-1] == "[DONE]", (response.status, events[-2:])
+        reasons.append([c["finish_reason"] for e in events[:-1] for c in json.loads(e).get("choices", [])
+                        if c["finish_reason"]])
     assert server.proc.wait(180) == 0, server.log()[-3000:]
-    thread.join(30)
-    assert out.get("reasons") == ["length"], (out, server.log()[-3000:])
-    assert out["chunks"] > at_signal, "nothing was streamed after the SIGTERM: the drain was not exercised"
+    assert reasons == [["length"]] * _DRAINED_STREAMS, (reasons, server.log()[-3000:])
+    drained = re.search(r"shutting down: no new connections; (\d+) request\(s\) received", server.log())
+    assert drained and int(drained.group(1)) > 0, "no request was left to drain: the drain was not exercised"
     assert _wait(lambda: not [pid for pid in children if _alive(pid)], 10), "engine processes left behind"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*"))
 

@@ -356,7 +356,9 @@ def test_abort_one_choice_lets_the_others_finish(client: TestClient) -> None:
 
 
 def test_draining_refuses_new_requests_and_health(client: TestClient) -> None:
-    client.app.state.ctx.manager.draining = True
+    manager = client.app.state.ctx.manager
+    manager.arrivals.begin_drain()  # what drain() does first: requests arriving from now on are new
+    manager.draining = True
     health = client.get("/health")
     assert health.status_code == 503 and health.json()["error"]["code"] == "server_shutting_down"
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
@@ -407,3 +409,39 @@ def test_model_info_has_the_chat_template_and_special_tokens(client: TestClient,
     assert info["chat_template"] == (tokenizer.chat_template or None)
     assert info["special_tokens"] == {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str)}
     assert info["special_tokens"]  # the tiny tokenizer has at least an eos token
+
+
+def test_a_request_received_before_the_drain_is_drained_and_a_later_one_refused(tokenizer: Any) -> None:
+    """A request whose body is still arriving when the drain begins gets its full answer; one
+    that arrives after the drain began gets a 503."""
+    import httpx
+
+    app = _app(tokenizer)
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3}).encode()
+
+    async def scenario() -> tuple[httpx.Response, httpx.Response, int]:
+        async with app.router.lifespan_context(app):
+            manager = app.state.ctx.manager
+            arrived = asyncio.Event()
+            release = asyncio.Event()
+
+            async def slow_body() -> AsyncIterator[bytes]:
+                arrived.set()  # the request has arrived: its handler is reading the body
+                await release.wait()
+                yield body
+
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=AUTH) as c:
+                early = asyncio.ensure_future(c.post("/v1/completions", content=slow_body(),
+                                                     headers={"content-type": "application/json"}))
+                await arrived.wait()
+                drain = asyncio.ensure_future(manager.drain(30))
+                await asyncio.sleep(0.1)  # the drain has begun and waits for the early request
+                late = await c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+                release.set()
+                return await early, late, await drain
+
+    early, late, failed = asyncio.run(scenario())
+    assert early.status_code == 200 and early.json()["choices"][0]["finish_reason"] == "length", early.text
+    assert late.status_code == 503 and late.json()["error"]["code"] == "server_shutting_down", late.text
+    assert failed == 0

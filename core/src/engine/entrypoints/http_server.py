@@ -5,11 +5,13 @@ the model), starts the scheduler and detokenizer processes, then runs uvicorn
 with the tokenizer manager on its event loop. It returns the process exit code:
 0 after SIGTERM/SIGINT, 1 when an engine process died.
 
-Shutdown drains: the listening socket closes and ``/health`` answers 503 (load
-balancers stop sending), requests already generating get ``--shutdown-grace-s`` to
-finish, then the rest end with a 503 body or, for streams, an error event and
-``[DONE]``; only then does uvicorn close the connections, so no handler is cancelled
-mid-response. The engine processes ignore a SIGTERM sent to the whole process group
+Shutdown drains: the listening socket closes (after accepting the connections already
+waiting) and ``/health`` answers 503 (load balancers stop sending); every request received
+before the drain began, whether generating, queued, being tokenized or still being read
+(``engine.managers.arrivals``), gets ``--shutdown-grace-s`` to finish; requests that arrive
+later get a 503. After the grace period the rest end with a 503 body or, for streams, an
+error event and ``[DONE]``; only then does uvicorn close the connections, so no handler is
+cancelled mid-response. The engine processes ignore a SIGTERM sent to the whole process group
 (systemd, Docker, Kubernetes) and stop when this process tells them, afterwards.
 """
 
@@ -34,6 +36,7 @@ from engine.entrypoints.http.guards import FrontDoor
 from engine.entrypoints.http.native import router as native_router
 from engine.entrypoints.http.routes import router as openai_router
 from engine.errors import ConfigError
+from engine.managers.arrivals import Arrivals
 from engine.managers.tokenizer_manager import TokenizerManager
 from engine.metrics import ServerMetrics
 
@@ -47,6 +50,8 @@ logger = logging.getLogger("engine.server")
 _FATAL_DRAIN_S = 0.5
 # After the grace period every request has its answer; this bounds writing it to slow clients.
 _FLUSH_S = 5
+# Event-loop turns that accept the listen backlog, then read requests already sent, at shutdown.
+_SETTLE_TURNS = 3
 
 
 def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[str], None] | None = None,
@@ -62,10 +67,12 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
         manager_factory: builds the tokenizer manager (tests pass a fake).
     """
     args = runtime.args
+    arrivals = Arrivals()  # the front door records arrivals, the manager's drain reads them
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         manager = manager_factory(args, runtime.model_path, runtime.ipc, runtime.ready, runtime.processes, tokenizer)
+        manager.arrivals = arrivals
         manager.start()
         ctx = ServingContext(args=args, manager=manager, ready=runtime.ready, model_path=runtime.model_path,
                              model_name=served_model_name(args, runtime.model_path), tokenizer=tokenizer)
@@ -86,7 +93,7 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(native_router)
-    app.add_middleware(FrontDoor, api_key=args.api_key,
+    app.add_middleware(FrontDoor, api_key=args.api_key, arrivals=arrivals,
                        max_body_bytes=args.max_body_bytes if max_body_bytes is None else max_body_bytes)
     return app
 
@@ -218,6 +225,12 @@ def serve(args: ServerArgs) -> int:
     return exit_code
 
 
+async def _loop_turns(turns: int) -> None:
+    """Lets the event loop poll its sockets ``turns`` times (accepts, reads, request tasks' first steps)."""
+    for _ in range(turns):
+        await asyncio.sleep(0.005)
+
+
 class _Server(uvicorn.Server):
     """uvicorn's Server, printing the ready line once it accepts connections, and draining the
     tokenizer manager's requests before uvicorn's own shutdown closes connections."""
@@ -231,13 +244,18 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         ctx = getattr(self._app.state, "ctx", None)
         if ctx is not None and ctx.manager.dead is None and not self.force_exit:
-            logger.info("shutting down: no new connections; %d request(s) get up to %g s to finish",
-                        len(ctx.manager.states), self._grace_s)
-            # Stop accepting first (uvicorn does it again below, harmlessly).
+            # Connections waiting in the listen backlog arrived before the signal: accept them
+            # before closing the socket (closing resets them). Then stop accepting (uvicorn does
+            # it again below, harmlessly), and let the loop read what the accepted connections
+            # already sent, so their requests arrive before the drain begins.
+            await _loop_turns(_SETTLE_TURNS)
             for server in self.servers:
                 server.close()
             for sock in sockets or []:
                 sock.close()
+            await _loop_turns(_SETTLE_TURNS)
+            logger.info("shutting down: no new connections; %d request(s) received get up to %g s to finish",
+                        ctx.manager.arrivals.open, self._grace_s)
             ended = await ctx.manager.drain(self._grace_s)
             if ended:
                 # Give the handlers a moment to write the 503s and error events they now hold.

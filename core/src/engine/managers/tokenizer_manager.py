@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.errors import EngineError
+from engine.managers.arrivals import Arrivals
 from engine.managers.io_struct import (
     AbortReq,
     BatchStrOut,
@@ -117,8 +118,10 @@ class TokenizerManager:
         self.control_waiters: dict[int, asyncio.Future[ControlReply]] = {}
         self._tokens = itertools.count(1)
         self.dead: str | None = None
-        # Set by ``drain``: new requests are refused with ServerShuttingDownError.
+        # Set by ``drain``: requests that arrive from then on are refused with ServerShuttingDownError.
         self.draining = False
+        # Which requests arrived before the drain began (the HTTP server shares its own here).
+        self.arrivals = Arrivals()
         self.pool = TokenizerPool(tokenizer, getattr(args, "tokenizer_workers", 0), ready.context_len)
         # Ids that stand for several requests (a request's rid when n > 1 or a batch) -> their rids.
         self.groups: dict[str, set[str]] = {}
@@ -273,7 +276,7 @@ class TokenizerManager:
         The caller aborts by closing the generator (e.g. on client disconnect).
         """
         self._check_alive()
-        if self.draining:
+        if self.refuses_new():
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         self.start()
         input_ids, params = prepared or self.prepare(req)
@@ -376,14 +379,24 @@ class TokenizerManager:
             return sorted(r for r in self.groups[rid] if r in self.states)
         return [rid] if rid in self.states else []
 
+    def refuses_new(self) -> bool:
+        """Whether a request starting in this context is refused: the server is draining and the
+        request arrived after the drain began (or the grace period is over)."""
+        return self.draining and not self.arrivals.admitted()
+
     async def drain(self, grace_s: float) -> int:
-        """Graceful shutdown: refuse new requests, let running ones finish within ``grace_s``,
-        then fail the rest with ServerShuttingDownError. Returns how many were failed."""
+        """Graceful shutdown: refuse requests that arrive from now on; let every request that had
+        arrived finish within ``grace_s`` (those running, those still being read or tokenized,
+        ``Arrivals``), then fail the rest with ServerShuttingDownError. Returns how many were failed."""
         self.draining = True
+        arrivals = self.arrivals
+        arrivals.begin_drain()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while (self.states or self.pool.in_flight) and self.dead is None and loop.time() < deadline:
+        while ((self.states or self.pool.in_flight or arrivals.open) and self.dead is None
+               and loop.time() < deadline):
             await asyncio.sleep(0.05)
+        arrivals.close()
         left = len(self.states)
         if left and self.dead is None:
             logger.warning("%d request(s) still running after the %.3g s shutdown grace period; ending them",

@@ -79,9 +79,10 @@ class ServingContext:
             raise engine_dead_error(self.manager.dead)
 
     def check_accepting(self) -> None:
-        """Alive and not draining for shutdown (503 then: load balancers retry elsewhere)."""
+        """Alive, and the request arrived before a shutdown's drain began (503 otherwise: load
+        balancers retry elsewhere)."""
         self.check_alive()
-        if self.manager.draining:
+        if self.manager.refuses_new():
             raise shutting_down_error("the server is shutting down and accepts no new requests; "
                                       "retry on another replica")
 

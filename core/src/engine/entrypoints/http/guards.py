@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from engine.entrypoints.http.errors import APIError
+from engine.managers.arrivals import Arrivals
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -25,17 +26,30 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class FrontDoor:
-    """Rejects unauthenticated requests (401) and oversized bodies (413) before any handler runs."""
+    """Rejects unauthenticated requests (401) and oversized bodies (413) before any handler runs,
+    and records each request's arrival (``Arrivals``) for a shutdown's drain."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 arrivals: Arrivals | None = None) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.arrivals = arrivals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        # Recorded before anything is read or awaited: a shutdown drains what arrived before it.
+        if self.arrivals is not None and self.arrivals.arrive():
+            try:
+                await self._checked(scope, receive, send)
+            finally:
+                self.arrivals.leave()
+            return
+        await self._checked(scope, receive, send)
+
+    async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])
         if self.expected is not None and scope.get("path") not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
