@@ -34,12 +34,30 @@ def test_help_into_a_pipe_cuts_no_option_name(command: list[str]) -> None:
                 assert "--" + f.name.replace("_", "-") in text, f.name
 
 
-def test_a_width_the_user_set_is_kept() -> None:
-    env = {**os.environ, "COLUMNS": "100"}
+@pytest.mark.parametrize("columns", ["80", "200"])
+def test_help_fits_the_terminal_and_shows_defaults(columns: str) -> None:
+    env = {**os.environ, "COLUMNS": columns}
     env.pop("TERMINAL_WIDTH", None)
     out = subprocess.run([sys.executable, "-m", "engine", "serve", "--help"], capture_output=True, text=True,
                          env=env, timeout=120, check=True).stdout
-    assert max(len(line) for line in out.splitlines()) == 100
+    assert max(len(line) for line in out.splitlines()) <= 80, out
+    assert "…" not in out
+    port = out[out.index("--port <int>"):].split("\n  --", 1)[0]
+    assert "[default: 30000]" in port, port
+
+
+def test_generate_refuses_server_flags_and_hides_them() -> None:
+    from engine.cli_args import SERVER_ONLY
+
+    runner = CliRunner()
+    for name in SERVER_ONLY:
+        flag = "--" + name.replace("_", "-")
+        result = runner.invoke(app, ["generate", flag, "1"])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip().splitlines()[-1].startswith(f"error: {flag}: not an option of this command"), \
+            result.output
+    shown = runner.invoke(app, ["generate", "--help"]).output
+    assert "--port" not in shown and "--api-key" not in shown and "--max-new-tokens" in shown
 
 
 def test_list_flags_repeat() -> None:

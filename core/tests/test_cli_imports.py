@@ -79,6 +79,12 @@ COMMANDS: list[tuple[list[str], int]] = [
     (["serve", "--attention", "flashinfr", "--port", "1"], 2),
     (["generate", "--quant", "fp9"], 2),
     (["generate", "--schedule-policy", "lmp"], 2),
+    (["serve", "--model-path", "/nonexistent/model", "--port", "1"], 2),
+    (["serve", "--model-path", __file__], 2),  # a file, not a GGUF
+    (["generate", "--model-path", "/nonexistent/model"], 2),
+    (["config", "show", "--model-path", "/nonexistent/model"], 2),
+    (["generate", "--port", "8080"], 2),  # a flag of the server alone
+    (["generate", "--api-key", "k"], 2),
 ]
 
 
@@ -100,6 +106,15 @@ def test_config_show_with_a_yaml_file_does_not_import_torch(deploy_yaml: Path) -
     assert result["exit_code"] == 0, result["output"]
     assert "max_total_tokens: 4096" in result["output"]
     assert result["heavy"] == []
+
+
+def test_a_model_that_does_not_split_fails_before_torch(llama_ckpt: str) -> None:
+    # The tiny Llama has 4 attention heads: 3 ranks cannot split them.
+    results = _run_all([["config", "show", "--model-path", llama_ckpt, "--tp-size", "3"],
+                        ["serve", "--model-path", llama_ckpt, "--tp-size", "3", "--port", "1"]])
+    for result in results:
+        assert result["exit_code"] == 2 and "--tp-size: invalid value 3" in result["output"], result["output"]
+        assert result["heavy"] == [], result
 
 
 def test_probe_sees_torch_when_a_command_imports_it() -> None:

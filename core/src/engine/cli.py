@@ -7,13 +7,12 @@ Flags of ``serve``, ``generate`` and ``config show`` are generated from
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any, Optional
 
 import typer
 
-from engine.cli_args import _opt, build_server_args, fail, with_server_args
+from engine.cli_args import SERVER_ONLY, _opt, build_server_args, fail, with_server_args
 from engine.config import ServerArgs
 from engine.errors import EngineError
 from engine.version import __version__
@@ -21,9 +20,12 @@ from engine.version import __version__
 # build_server_args is re-exported: tests and plugins' tests build ServerArgs as the CLI does.
 __all__ = ["app", "build_server_args", "fail", "main", "with_server_args"]
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="A pluggable LLM serving engine.")
-plugins_app = typer.Typer(no_args_is_help=True, help="Installed plugins.")
-config_app = typer.Typer(no_args_is_help=True, help="Effective configuration.")
+# Help is click's plain layout (rich_markup_mode=None): option names are never cut and the text
+# wraps to the terminal (80 columns off a terminal), where rich's table cut long flag names.
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="A pluggable LLM serving engine.",
+                  rich_markup_mode=None)
+plugins_app = typer.Typer(no_args_is_help=True, help="Installed plugins.", rich_markup_mode=None)
+config_app = typer.Typer(no_args_is_help=True, help="Effective configuration.", rich_markup_mode=None)
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 
@@ -42,16 +44,29 @@ def main_callback(
     """A pluggable LLM serving engine."""
 
 
+def check_before_start(server_args: ServerArgs) -> None:
+    """The checks ``engine config show`` runs, then the model's split over ``--tp-size`` x
+    ``--pp-size`` read from the checkpoint's config.json (a GGUF is converted first, as start-up
+    would), all before torch is imported or any process starts."""
+    from engine.preflight import check_split_from_config_json, check_without_checkpoint
+
+    check_without_checkpoint(server_args)
+    if server_args.tp_size * server_args.pp_size * server_args.ep_size > 1 and server_args.node_rank == 0:
+        from engine.model_executor.checkpoint import resolve_checkpoint
+
+        model_path = resolve_checkpoint(server_args.model_path or None, server_args.disable_plugin,
+                                        weights=server_args.quant != "gguf")
+        check_split_from_config_json(server_args, model_path)
+
+
 # -- commands ----------------------------------------------------------------------------
 @app.command("serve")
 @with_server_args([])
 def serve_cmd(server_args: ServerArgs) -> None:
     """Start the HTTP server (OpenAI-compatible and native APIs; see docs/api.md)."""
-    from engine.preflight import check_without_checkpoint
-
-    # A misspelt or unusable component fails here, before the server (and torch) is imported;
-    # start-up runs the same checks again with the checkpoint's.
-    check_without_checkpoint(server_args)
+    # A misspelt or unusable component or path fails here, before the server (and torch) is
+    # imported; start-up runs the same checks again with the checkpoint's.
+    check_before_start(server_args)
     from engine.entrypoints.http_server import serve
 
     code = serve(server_args)
@@ -68,13 +83,11 @@ def serve_cmd(server_args: ServerArgs) -> None:
     _opt("top_k", int, -1, "--top-k", help="-1 = whole vocabulary"),
     _opt("seed", Optional[int], None, "--seed", help="Per-request sampling seed"),
     _opt("stream", bool, False, "--stream/--no-stream", help="Print tokens as they come"),
-])
+], refuse=SERVER_ONLY, refused_why="engine generate runs no HTTP server; engine serve takes it")
 def generate_cmd(server_args: ServerArgs, prompt: str, max_new_tokens: int, temperature: float,
                  top_p: float, top_k: int, seed: int | None, stream: bool) -> None:
     """Generate a completion for one prompt and print it."""
-    from engine.preflight import check_without_checkpoint
-
-    check_without_checkpoint(server_args)  # as in serve: before torch is imported
+    check_before_start(server_args)  # as in serve: before torch is imported
     from engine.entrypoints.engine import Engine
 
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
@@ -172,25 +185,7 @@ def _register_subcommands() -> None:
 _register_subcommands()
 
 
-# Help is a table as wide as the terminal; piped or captured it would be 80 columns, where rich
-# cuts long option names (``--mem-fraction-st…``). This width fits every option name and type
-# with room for the descriptions to wrap; tests/test_cli_help.py checks that nothing is cut.
-_HELP_WIDTH_OFF_TERMINAL = 160
-
-
-def _widen_help_off_terminal() -> None:
-    """Lets help written to a pipe or file use ``_HELP_WIDTH_OFF_TERMINAL`` columns.
-
-    Rich sizes its console from ``COLUMNS`` (typer from ``TERMINAL_WIDTH``); a width the user
-    set either way is kept. A terminal keeps its own width.
-    """
-    if sys.stdout.isatty() or os.environ.get("COLUMNS") or os.environ.get("TERMINAL_WIDTH"):
-        return
-    os.environ["COLUMNS"] = str(_HELP_WIDTH_OFF_TERMINAL)
-
-
 def main() -> None:
-    _widen_help_off_terminal()
     try:
         app(standalone_mode=True)
     except EngineError as exc:

@@ -25,7 +25,22 @@ def fail(message: str) -> typing.NoReturn:
     raise typer.Exit(2)
 
 
-def _server_arg_params() -> list[inspect.Parameter]:
+# Flags of the HTTP server alone: commands that run no server (``engine generate``) refuse them
+# instead of ignoring them. A YAML file shared with ``engine serve`` may still set them.
+SERVER_ONLY = ("host", "port", "api_key", "max_body_bytes", "shutdown_grace_s")
+
+
+def _help_with_default(f: dataclasses.Field[Any]) -> str:
+    """The field's help with its default appended (``[default: 30000]``) when it has one worth
+    showing: None, empty lists and False say nothing the help does not already say."""
+    text = f.metadata.get("help", "")
+    default = f.default
+    if default is dataclasses.MISSING or default is None or default is False or isinstance(default, (list, dict)):
+        return text
+    return f"{text} [default: {default}]"
+
+
+def _server_arg_params(hidden: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(ServerArgs)
     params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str],
                                 default=typer.Option(None, "--config", help="YAML deployment file"))]
@@ -54,7 +69,8 @@ def _server_arg_params() -> list[inspect.Parameter]:
             annotation = Optional[origin]
         params.append(inspect.Parameter(
             f.name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-            default=typer.Option(None, *decls, help=f.metadata.get("help", ""), show_default=False)))
+            default=typer.Option(None, *decls, help=_help_with_default(f), show_default=False,
+                                 hidden=f.name in hidden)))
     params.append(inspect.Parameter("plugin_option", inspect.Parameter.KEYWORD_ONLY,
                                     annotation=Optional[list[str]],
                                     default=typer.Option(None, "--plugin-option",
@@ -97,8 +113,13 @@ def build_server_args(values: dict[str, Any]) -> ServerArgs:
     return ServerArgs.from_dict(merged, where=where)
 
 
-def with_server_args(extra: list[inspect.Parameter]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Gives a command every ServerArgs flag plus ``extra``; it receives ``server_args``."""
+def with_server_args(extra: list[inspect.Parameter], refuse: tuple[str, ...] = (),
+                     refused_why: str = "") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Gives a command every ServerArgs flag plus ``extra``; it receives ``server_args``.
+
+    ``refuse``: ServerArgs fields whose flags this command does not use; they are hidden from
+    its help, and giving one fails naming the flag and ``refused_why``.
+    """
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         own = {p.name for p in extra}
 
@@ -106,13 +127,16 @@ def with_server_args(extra: list[inspect.Parameter]) -> Callable[[Callable[..., 
             mine = {k: kwargs.pop(k) for k in list(kwargs) if k in own}
             config_path = kwargs.get("config")
             flags = {k for k, v in kwargs.items() if v is not None and v != [] and k != "config"}
+            refused = [name for name in refuse if name in flags]
+            if refused:
+                fail(f"--{refused[0].replace('_', '-')}: not an option of this command ({refused_why})")
             try:
                 server_args = build_server_args(kwargs)
                 return fn(server_args=server_args, **mine)
             except EngineError as exc:
                 fail(_name_yaml_key(str(exc), config_path, flags))
 
-        wrapper.__signature__ = inspect.Signature(extra + _server_arg_params())  # type: ignore[attr-defined]
+        wrapper.__signature__ = inspect.Signature(extra + _server_arg_params(refuse))  # type: ignore[attr-defined]
         wrapper.__name__ = fn.__name__
         wrapper.__doc__ = fn.__doc__
         return wrapper

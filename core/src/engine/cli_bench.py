@@ -14,7 +14,8 @@ import typer
 from engine.cli_args import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler; report writes the benchmarks page.")
+bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                        help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler; report writes the benchmarks page.")
 
 
 def _ints(text: str, flag: str) -> list[int]:

@@ -8,6 +8,7 @@ uses the attention checks below again for the backend it picks. Nothing here imp
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import engine.plugins as plugins
@@ -35,6 +36,7 @@ def check_without_checkpoint(args: ServerArgs) -> None:
 
     check_required_plugins(args.required_plugins)
     plugins.check_plugin_options(args.plugin_options, args.disable_plugin)
+    check_paths(args)
     disabled = args.disable_plugin
     reg = plugins.get_registry(disabled)
 
@@ -71,6 +73,110 @@ def check_without_checkpoint(args: ServerArgs) -> None:
         raise ConfigError(f"--quant: quantization method '{quant.name}' does not run on platform '{platform_name}' "
                           f"(runs on: {', '.join(quant.device_types)}); methods for {device}: "
                           f"{names_for_device(reg, 'quantization', device)}")
+
+
+_ACCEPTED_MODEL = "accepted: a Hugging Face model directory (with config.json), or a GGUF file (.gguf)"
+
+
+def check_paths(args: ServerArgs) -> None:
+    """Every path a flag names exists and is of a kind the engine loads; a Hugging Face
+    directory's config.json also splits ``--tp-size`` x ``--pp-size`` ways (read as JSON: no
+    transformers import)."""
+    for flag, path in (("--model-path", args.model_path),
+                       ("--speculative-draft-model-path", args.speculative_draft_model_path)):
+        if path:
+            check_model_path(flag, path)
+    if args.tokenizer_path and not os.path.isdir(args.tokenizer_path):
+        what = "no such directory" if not os.path.exists(args.tokenizer_path) else "not a directory"
+        raise ConfigError(f"--tokenizer-path: {what}: {args.tokenizer_path}; accepted: a directory with the "
+                          "tokenizer's files (tokenizer.json or tokenizer_config.json)")
+    if args.model_path and os.path.isfile(os.path.join(args.model_path, "config.json")):
+        check_split_from_config_json(args, args.model_path)
+
+
+def check_model_path(flag: str, path: str) -> None:
+    """``path`` is a directory with config.json or GGUF files, or a GGUF file (checked by its
+    magic bytes, so a GGUF named otherwise is told apart from a file of another kind)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{flag}: no such file or directory: {path}; {_ACCEPTED_MODEL}")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")) or any(n.endswith(".gguf") for n in os.listdir(path)):
+            return
+        raise ConfigError(f"{flag}: {path} has no config.json and no .gguf file; {_ACCEPTED_MODEL}")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror}") from None
+    if magic != b"GGUF":
+        raise ConfigError(f"{flag}: {path} is a file but not a GGUF file; {_ACCEPTED_MODEL}")
+    if not path.endswith(".gguf"):
+        raise ConfigError(f"{flag}: {path} is a GGUF file without the .gguf suffix; rename it to end in .gguf")
+
+
+def check_split_from_config_json(args: ServerArgs, model_dir: str) -> None:
+    """``--tp-size``/``--pp-size``/``--ep-size`` against the model's shape in ``model_dir``/config.json,
+    read as plain JSON; a config that nests its text model's shape is left to start-up's check."""
+    import json
+    from types import SimpleNamespace
+
+    if (args.tp_size == 1 and args.pp_size == 1 and args.ep_size == 1) or \
+            not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return  # nothing to split, or no config.json: load_hf_config reports that
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--model-path: cannot read {model_dir}/config.json: {exc}") from None
+    if not isinstance(data, dict) or "num_attention_heads" not in data or "num_hidden_layers" not in data:
+        return
+    check_model_parallel(SimpleNamespace(**data), args.tp_size, args.pp_size, args.ep_size)
+
+
+def check_model_parallel(hf_config: Any, tp_size: int, pp_size: int, ep_size: int = 1) -> None:
+    """Raises ``ConfigError`` (one line) when the model cannot be split ``tp_size`` x ``pp_size`` ways.
+
+    The vocabulary never limits ``tp_size``: embedding and LM head rows are padded to a multiple
+    of it (the padding rows are zero and their logits are cut off).
+    """
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    intermediate = getattr(hf_config, "intermediate_size", None)
+
+    def fits(tp: int) -> bool:
+        kv_ok = kv_heads % tp == 0 if kv_heads >= tp else tp % kv_heads == 0
+        return heads % tp == 0 and kv_ok and (intermediate is None or int(intermediate) % tp == 0)
+
+    if not fits(tp_size):
+        accepted = ", ".join(str(t) for t in range(1, heads + 1) if fits(t))
+        what = f"{heads} attention heads, {kv_heads} KV heads"
+        if intermediate is not None:
+            what += f", MLP size {intermediate}"
+        raise ConfigError(f"--tp-size: invalid value {tp_size} for this model ({what}): each must split "
+                          f"evenly across ranks (KV heads may instead be replicated when fewer than ranks); "
+                          f"accepted: {accepted}")
+    _check_expert_parallel(hf_config, tp_size, ep_size)
+    layers = int(hf_config.num_hidden_layers)
+    if pp_size > layers:
+        raise ConfigError(f"--pp-size: invalid value {pp_size}; accepted: at most the model's {layers} layers "
+                          "(each pipeline stage needs one)")
+
+
+def _check_expert_parallel(hf_config: Any, tp_size: int, ep_size: int) -> None:
+    """A mixture-of-experts model splits its experts ``ep_size`` ways and each expert's
+    intermediate features ``tp_size / ep_size`` ways (engine.layers.moe.layer)."""
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if not experts:
+        return
+    experts = int(experts)
+    if experts % ep_size:
+        accepted = ", ".join(str(e) for e in range(1, tp_size + 1) if tp_size % e == 0 and experts % e == 0)
+        raise ConfigError(f"--ep-size: invalid value {ep_size} for this model ({experts} experts): the experts must "
+                          f"split evenly across expert-parallel ranks; accepted: {accepted}")
+    inter = getattr(hf_config, "moe_intermediate_size", None) or getattr(hf_config, "intermediate_size", None)
+    if inter is not None and int(inter) % (tp_size // ep_size):
+        raise ConfigError(f"--tp-size {tp_size} with --ep-size {ep_size}: each expert's {inter} intermediate features "
+                          f"must split evenly over {tp_size // ep_size} ranks; raise --ep-size or lower --tp-size")
 
 
 def _runs_on_every_platform(reg: Any, *components: Any) -> bool:
@@ -145,5 +251,5 @@ def check_kv_cache_dtype(spec: AttentionBackendSpec, kv_cache_dtype: str) -> Non
                           f"(it supports: {', '.join(accepted)})")
 
 
-__all__ = ["check_backend_selectable", "check_kv_cache_dtype", "check_without_checkpoint", "names_for_device",
-           "parser_log_lines"]
+__all__ = ["check_backend_selectable", "check_kv_cache_dtype", "check_model_parallel", "check_model_path", "check_paths",
+           "check_split_from_config_json", "check_without_checkpoint", "names_for_device", "parser_log_lines"]

@@ -38,7 +38,8 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     from engine.preflight import check_without_checkpoint, parser_log_lines
     from engine.selection import select_components
 
-    # The checks ``engine config show`` runs too; then those that need the checkpoint's config.
+    # The checks ``engine config show`` runs (``start_runtime`` ran them before any child started;
+    # they read registered specs, so again costs little); then those that need the checkpoint's config.
     check_without_checkpoint(args)
     for line in parser_log_lines(args):
         logger.info(line)
@@ -176,8 +177,12 @@ def start_runtime(args: ServerArgs) -> StartingRuntime:
     model load overlap with them.
     """
     from engine.entrypoints.child_process import ChildProcess, pipe
+    from engine.preflight import check_split_from_config_json, check_without_checkpoint
 
+    # Names, paths and the model's split are checked before any child starts or weight loads.
+    check_without_checkpoint(args)
     model_path = resolve_model_path(args)
+    check_split_from_config_json(args, model_path)
     ipc = IpcNames.create()
     parent_pid = os.getpid()
     tokenizer_writer, tokenizer_reader = pipe(to_child=True)
