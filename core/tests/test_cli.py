@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import logging
 import re
 import subprocess
 import sys
@@ -228,3 +229,18 @@ def test_plugins_list_says_per_platform_what_it_found_and_where_it_was_tested() 
     cpu = rows["cpu"]["platforms"]["cpu"]
     assert cpu["available"] is True and cpu["tested_on_hardware"]
     assert "platforms" not in rows["torch_native"]
+
+
+def test_fp8_on_a_platform_without_fp8_arithmetic_says_it_brings_no_speed(
+        llama_ckpt: str, caplog: pytest.LogCaptureFixture) -> None:
+    from engine.entrypoints.launch import preflight
+
+    for quant, expected in (("fp8", 1), (None, 0)):
+        caplog.clear()
+        flags = {"model_path": llama_ckpt, "platform": "cpu", **({"quant": quant} if quant else {})}
+        with caplog.at_level(logging.WARNING, logger="engine.entrypoints.launch"):
+            preflight(build_server_args(flags), llama_ckpt)
+        notes = [r.getMessage() for r in caplog.records if "no fp8 arithmetic" in r.getMessage()]
+        assert len(notes) == expected, notes
+        if notes:
+            assert notes[0].startswith("quant fp8: platform 'cpu' has no fp8 arithmetic"), notes

@@ -203,6 +203,22 @@ def parser_log_lines(args: ServerArgs) -> list[str]:
     return lines
 
 
+def speed_notes(selection: Any) -> list[str]:
+    """Start-up warnings for a selected method that brings no speed on the selected platform:
+    fp8 weights on a device without fp8 arithmetic (``Platform.fp8_dtype()`` is None, the CPU
+    among them) are dequantized in every linear on every step, which saves memory, not time.
+    ``selection`` is ``engine.selection.Selection``."""
+    quant = selection.quant
+    if quant is None:
+        return []
+    methods = {quant.name, *getattr(quant.spec, "checkpoint_methods", ())}
+    if "fp8" in methods and selection.platform.fp8_dtype() is None:
+        return [f"quant {quant.name}: platform '{selection.platform_choice.name}' has no fp8 arithmetic, so every "
+                "linear dequantizes its fp8 weights on every step: this saves weight memory but decodes slower "
+                "than the unquantized model here"]
+    return []
+
+
 def names_for_device(reg: Any, kind: str, device: str) -> str:
     """The ``kind`` implementations whose spec lists ``device``, for error messages (``"none"`` if none)."""
     return ", ".join(n for n in reg.names(kind) if device in reg.entries[kind][n].spec.device_types) or "none"
@@ -252,4 +268,5 @@ def check_kv_cache_dtype(spec: AttentionBackendSpec, kv_cache_dtype: str) -> Non
 
 
 __all__ = ["check_backend_selectable", "check_kv_cache_dtype", "check_model_parallel", "check_model_path", "check_paths",
-           "check_split_from_config_json", "check_without_checkpoint", "names_for_device", "parser_log_lines"]
+           "check_split_from_config_json", "check_without_checkpoint", "names_for_device", "parser_log_lines",
+           "speed_notes"]

@@ -35,7 +35,7 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     run that passes here fails later only for reasons that need the weights or the device.
     """
     from engine.model_executor.checkpoint import load_hf_config
-    from engine.preflight import check_without_checkpoint, parser_log_lines
+    from engine.preflight import check_without_checkpoint, parser_log_lines, speed_notes
     from engine.selection import select_components
 
     # The checks ``engine config show`` runs (``start_runtime`` ran them before any child started;
@@ -45,6 +45,8 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
         logger.info(line)
     config = load_hf_config(model_path, args.trust_remote_code)
     selection = select_components(args, config)
+    for note in speed_notes(selection):
+        logger.warning(note)
     check_parallel_layout(args, config, selection.platform)
     return config
 
