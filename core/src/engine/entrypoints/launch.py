@@ -171,19 +171,21 @@ class StartingRuntime:
         Runtime(self.args, self.model_path, self.ipc, self.processes, None).shutdown()  # type: ignore[arg-type]
 
 
-def start_runtime(args: ServerArgs) -> StartingRuntime:
+def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRuntime:
     """Starts the scheduler and detokenizer processes and returns while they load.
 
     The children are fresh interpreters (``child_process``), never importers of the user's
     ``__main__``; they start before this process's own checks so that their imports and the
-    model load overlap with them.
+    model load overlap with them. ``model_path``: the checkpoint ``resolve_model_path`` already
+    returned for ``args`` (None: resolved here).
     """
     from engine.entrypoints.child_process import ChildProcess, pipe
     from engine.preflight import check_split_from_config_json, check_without_checkpoint
 
     # Names, paths and the model's split are checked before any child starts or weight loads.
     check_without_checkpoint(args)
-    model_path = resolve_model_path(args)
+    if model_path is None:
+        model_path = resolve_model_path(args)
     check_split_from_config_json(args, model_path)
     ipc = IpcNames.create()
     parent_pid = os.getpid()
@@ -225,9 +227,9 @@ def launch_replica(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_r
     return launch_ranks(args, model_path, ipc, dp_rank, parent_pid)
 
 
-def launch_runtime(args: ServerArgs) -> Runtime:
+def launch_runtime(args: ServerArgs, model_path: str | None = None) -> Runtime:
     """Starts the scheduler and detokenizer processes and waits until the model is loaded."""
-    return start_runtime(args).wait_ready()
+    return start_runtime(args, model_path).wait_ready()
 
 
 # Runtimes not yet shut down: stopped at interpreter exit, so a script that never calls

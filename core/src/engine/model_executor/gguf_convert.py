@@ -6,7 +6,7 @@ its chat template, BOS/EOS and special tokens) come from ``AutoConfig``/``AutoTo
 undoing of llama.cpp's Q/K row permutation from its per-architecture tensor processors;
 dequantization is the ``gguf`` package's. What it lacks, and is written here: streaming the tensors
 one at a time into safetensors shards (transformers holds every dequantized tensor in memory at
-once), with a progress bar, and a dtype rule (below).
+once), with one progress bar over the whole conversion, and a dtype rule (below).
 """
 
 from __future__ import annotations
@@ -88,34 +88,53 @@ def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str]
         weights: False writes config and tokenizer only, for a method that reads every tensor
             from the GGUF itself (``--quant gguf``).
     """
-    from transformers import AutoTokenizer
+    from tqdm.auto import tqdm
 
-    config, reader = _load_config_and_reader(gguf_path)
-    check_architecture(config.architectures[0])
-    directory, name = _split(gguf_path)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    except Exception as exc:
-        raise ModelLoadError(f"--model-path: cannot build a tokenizer from the GGUF metadata of {gguf_path}: {exc}") from None
-    tokenizer.save_pretrained(target)
-    config.save_pretrained(target)
-    count = _write_weights(gguf_path, config, target, reader) if weights else 0
-    with open(os.path.join(target, SOURCE_FILE), "w") as f:
-        json.dump({"gguf": os.path.abspath(gguf_path), "converter_version": CONVERTER_VERSION,
-                   "tensors": count, "weights": weights}, f, indent=1)
+    # One bar over the whole conversion: reading the metadata and building the tokenizer take
+    # as long as the tensors on a small model. Steps: metadata, tokenizer, each tensor, the
+    # final write; the tensor count is known once the metadata is read.
+    # disable=None: a bar on a terminal, nothing in a log file.
+    with tqdm(total=3, desc=f"converting {os.path.basename(gguf_path)}", unit="step", disable=None) as bar:
+        bar.set_postfix_str("reading the metadata")
+        from transformers import AutoTokenizer
+
+        config, reader = _load_config_and_reader(gguf_path)
+        check_architecture(config.architectures[0])
+        if weights:
+            bar.total = 3 + len(reader.tensors)
+        bar.update()
+        bar.set_postfix_str("building the tokenizer")
+        directory, name = _split(gguf_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        except Exception as exc:
+            raise ModelLoadError(f"--model-path: cannot build a tokenizer from the GGUF metadata of {gguf_path}: {exc}") from None
+        tokenizer.save_pretrained(target)
+        config.save_pretrained(target)
+        bar.update()
+        if weights:
+            bar.set_postfix_str("dequantizing the tensors")
+        count = _write_weights(gguf_path, config, target, reader, bar) if weights else 0
+        bar.set_postfix_str("writing")
+        with open(os.path.join(target, SOURCE_FILE), "w") as f:
+            json.dump({"gguf": os.path.abspath(gguf_path), "converter_version": CONVERTER_VERSION,
+                       "tensors": count, "weights": weights}, f, indent=1)
+        bar.update()
+        bar.set_postfix_str("done")
 
 
 def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True,
-                         reader: Any = None) -> Iterator[tuple[str, Any]]:
+                         reader: Any = None, bar: Any = None) -> Iterator[tuple[str, Any]]:
     """(Hugging Face name, dequantized torch tensor) for every tensor the model uses.
 
     ``reader`` is the file's ``GGUFReader`` where the caller has one already; else it is opened here.
+    ``bar``: a progress bar of the caller's, advanced once per tensor, instead of one of its own.
 
     Tensors llama.cpp stores in float16/bfloat16 keep that dtype (exactly); quantized ones and
     float32 ones come out float32. Tensors the model has no parameter for (e.g. ``rope_freqs``,
     which transformers recomputes from the config) are skipped.
     """
-    return iterate_gguf_blocks(gguf_path, config, frozenset(), progress, reader)
+    return iterate_gguf_blocks(gguf_path, config, frozenset(), progress, reader, bar)
 
 
 # transformers' tensor processors whose change to a tensor is a permutation of whole rows (or
@@ -124,7 +143,7 @@ _ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
 
 
 def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str], progress: bool = True,
-                        reader: Any = None) -> Iterator[tuple[str, Any]]:
+                        reader: Any = None, bar: Any = None) -> Iterator[tuple[str, Any]]:
     """``iterate_gguf_weights``, except that the tensors named in ``block_names`` (Hugging Face
     names, e.g. ``model.layers.0.self_attn.q_proj.weight``) come as they are stored.
 
@@ -158,9 +177,12 @@ def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str
     floats = {GGMLQuantizationType.F32, *keep}
     # disable=None: a bar on a terminal, nothing in a log file.
     verb = "reading" if block_names else "dequantizing"
-    bar = tqdm(reader.tensors, desc=f"{verb} {os.path.basename(gguf_path)}", unit="tensor",
-               disable=None if progress else True)
-    for tensor in bar:
+    if bar is None:
+        tensors: Any = tqdm(reader.tensors, desc=f"{verb} {os.path.basename(gguf_path)}", unit="tensor",
+                            disable=None if progress else True)
+    else:
+        tensors = _advancing(reader.tensors, bar)
+    for tensor in tensors:
         hf_name = name_map.get(tensor.name)
         as_blocks = hf_name in block_names
         raw = as_blocks and rows_only and tensor.tensor_type not in floats
@@ -186,8 +208,16 @@ def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str
         yield hf_name, out.to(keep.get(tensor.tensor_type, torch.float32))
 
 
-def _write_weights(gguf_path: str, config: Any, target: str, reader: Any) -> int:
-    """Streams the tensors into safetensors shards (with an index when there is more than one)."""
+def _advancing(items: Collection[Any], bar: Any) -> Iterator[Any]:
+    """``items``, advancing ``bar`` by one after each."""
+    for item in items:
+        yield item
+        bar.update()
+
+
+def _write_weights(gguf_path: str, config: Any, target: str, reader: Any, bar: Any = None) -> int:
+    """Streams the tensors into safetensors shards (with an index when there is more than one),
+    advancing ``bar`` once per tensor."""
     from safetensors.torch import save_file
 
     shard: dict[str, Any] = {}
@@ -200,7 +230,7 @@ def _write_weights(gguf_path: str, config: Any, target: str, reader: Any) -> int
         written.append((path, list(shard)))
 
     count = 0
-    for name, tensor in iterate_gguf_weights(gguf_path, config, reader=reader):
+    for name, tensor in iterate_gguf_weights(gguf_path, config, reader=reader, bar=bar):
         nbytes = tensor.numel() * tensor.element_size()
         if shard and size + nbytes > _SHARD_BYTES:
             flush()

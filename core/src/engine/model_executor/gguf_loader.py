@@ -109,6 +109,7 @@ def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], 
     target = full if weights else full + "-config"
     for ready in (full, target):
         if os.path.isfile(os.path.join(ready, SOURCE_FILE)):
+            logger.info("GGUF %s: using its conversion cached in %s", os.path.basename(gguf_path), ready)
             return ready
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(target))
