@@ -244,3 +244,21 @@ def test_fp8_on_a_platform_without_fp8_arithmetic_says_it_brings_no_speed(
         assert len(notes) == expected, notes
         if notes:
             assert notes[0].startswith("quant fp8: platform 'cpu' has no fp8 arithmetic"), notes
+
+
+def test_more_ranks_than_devices_fails_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    import engine.plugins as plugins
+    from engine.preflight import check_devices
+
+    gpu = SimpleNamespace(device_type="cuda", device_count=lambda: 1)
+    monkeypatch.setattr(plugins, "choose_platform",
+                        lambda *a, **k: (SimpleNamespace(name="cuda"), gpu))
+    check_devices(build_server_args({}))  # one rank: no probe needed, nothing to check
+    with pytest.raises(EngineError, match=re.escape("--tp-size 2 x --pp-size 1 x --dp-size 1: needs 2 devices "
+                                                    "on this node; platform 'cuda' sees 1")):
+        check_devices(build_server_args({"tp_size": 2}))
+    monkeypatch.setattr(plugins, "choose_platform",
+                        lambda *a, **k: (SimpleNamespace(name="cpu"), SimpleNamespace(device_type="cpu")))
+    check_devices(build_server_args({"tp_size": 2}))  # the CPU runs any number of ranks

@@ -45,12 +45,14 @@ def main_callback(
 
 
 def check_before_start(server_args: ServerArgs) -> None:
-    """The checks ``engine config show`` runs, then the model's split over ``--tp-size`` x
-    ``--pp-size`` read from the checkpoint's config.json (a GGUF is converted first, as start-up
-    would), all before torch is imported or any process starts."""
-    from engine.preflight import check_split_from_config_json, check_without_checkpoint
+    """The checks ``engine config show`` runs, then the devices for several ranks per node and the
+    model's split over ``--tp-size`` x ``--pp-size`` read from the checkpoint's config.json (a GGUF
+    is converted first, as start-up would), all before the server is imported or any process
+    starts."""
+    from engine.preflight import check_devices, check_split_from_config_json, check_without_checkpoint
 
     check_without_checkpoint(server_args)
+    check_devices(server_args)
     if server_args.tp_size * server_args.pp_size * server_args.ep_size > 1 and server_args.node_rank == 0:
         from engine.model_executor.checkpoint import resolve_checkpoint
 
@@ -88,7 +90,10 @@ def generate_cmd(server_args: ServerArgs, prompt: str, max_new_tokens: int, temp
                  top_p: float, top_k: int, seed: int | None, stream: bool) -> None:
     """Generate a completion for one prompt and print it."""
     check_before_start(server_args)  # as in serve: before torch is imported
+    from engine.cpu_threads import limit_torch_threads
     from engine.entrypoints.engine import Engine
+
+    limit_torch_threads(1)  # this process only tokenizes; the scheduler computes (engine.cpu_threads)
 
     params = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
               "top_k": top_k, "seed": seed}

@@ -94,6 +94,22 @@ def check_paths(args: ServerArgs) -> None:
         check_split_from_config_json(args, args.model_path)
 
 
+def check_devices(args: ServerArgs) -> None:
+    """This node has a device for each of its ranks (``--tp-size`` x ``--pp-size`` / ``--nnodes``
+    x ``--dp-size``). Probes the platform (imports torch), so it runs only when a node has
+    several ranks; the CPU platform runs any number of ranks on its one device."""
+    per_node = args.tp_size * args.pp_size // max(1, args.nnodes) * args.dp_size
+    if per_node <= 1:
+        return
+    spec, platform = plugins.choose_platform(args.platform, args.disable_plugin, args.plugin_options)
+    if platform.device_type == "cpu":
+        return
+    count = platform.device_count()
+    if count < per_node:
+        raise ConfigError(f"--tp-size {args.tp_size} x --pp-size {args.pp_size} x --dp-size {args.dp_size}: "
+                          f"needs {per_node} devices on this node; platform '{spec.name}' sees {count}")
+
+
 def check_model_path(flag: str, path: str) -> None:
     """``path`` is a directory with config.json or GGUF files, or a GGUF file (checked by its
     magic bytes, so a GGUF named otherwise is told apart from a file of another kind)."""
@@ -267,6 +283,6 @@ def check_kv_cache_dtype(spec: AttentionBackendSpec, kv_cache_dtype: str) -> Non
                           f"(it supports: {', '.join(accepted)})")
 
 
-__all__ = ["check_backend_selectable", "check_kv_cache_dtype", "check_model_parallel", "check_model_path", "check_paths",
-           "check_split_from_config_json", "check_without_checkpoint", "names_for_device", "parser_log_lines",
-           "speed_notes"]
+__all__ = ["check_backend_selectable", "check_devices", "check_kv_cache_dtype", "check_model_parallel",
+           "check_model_path", "check_paths", "check_split_from_config_json", "check_without_checkpoint",
+           "names_for_device", "parser_log_lines", "speed_notes"]
