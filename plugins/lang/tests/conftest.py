@@ -1,0 +1,63 @@
+"""Fixtures of the frontend-language tests: a default-model server per module (started on first
+use), the default model's transformers tokenizer, and a backend that records its requests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+from test_server_e2e_harness import Server, free_port  # noqa: E402
+
+from engine_lang import RuntimeEndpoint  # noqa: E402
+from engine_lang.backends.base import GenOutput, GenRequest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``engine serve`` on the embedded default model, as the docs start it."""
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("lang-server") / "server.log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
+                                 "--max-total-tokens", "16384"], stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+    server = Server(proc, port, log_path, api_key=None)
+    server.wait_ready(timeout=300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    from engine.model_executor.checkpoint import resolve_checkpoint
+
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(None))
+
+
+class RecordingEndpoint(RuntimeEndpoint):
+    """A RuntimeEndpoint that keeps each generation's request and its start and end times."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[GenRequest, float, float]] = []
+
+    def generate(self, req: GenRequest) -> GenOutput:
+        start = time.monotonic()
+        out = super().generate(req)
+        self.calls.append((req, start, time.monotonic()))
+        return out
+
+
+@pytest.fixture(scope="module")
+def endpoint(server: Server) -> Iterator[RecordingEndpoint]:
+    with RecordingEndpoint(server.url) as backend:
+        yield backend
