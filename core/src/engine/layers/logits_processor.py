@@ -60,7 +60,9 @@ class LogitsProcessor(nn.Module):
     def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
         # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,
         # then cut the padding off.
-        logits = tensor_model_parallel_all_gather(linear_with_kernel(self.skinny_linear, h, lm_head.weight))
+        projection = getattr(lm_head, "projection", None)
+        local = projection(h) if projection is not None else linear_with_kernel(self.skinny_linear, h, lm_head.weight)
+        logits = tensor_model_parallel_all_gather(local)
         logits = logits.float()[:, : self.vocab_size]
         if self.logit_scale != 1.0:
             logits = logits * self.logit_scale

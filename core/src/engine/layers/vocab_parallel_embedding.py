@@ -9,6 +9,8 @@ plain embedding of exactly ``num_embeddings`` rows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,9 @@ from engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from engine.layers.linear import set_weight_attrs
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def padded_vocab_size(num_embeddings: int, tp_size: int) -> int:
@@ -69,6 +74,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     The projection itself is ``LogitsProcessor``'s: each rank computes its rows' logits and
     they are gathered over the tensor-parallel group.
     """
+
+    #: the quantization method's own ``h @ weight.T`` for this head
+    #: (``QuantizationConfig.get_lm_head_projection``, set after loading); None: ``F.linear``.
+    projection: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight

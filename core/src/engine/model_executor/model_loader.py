@@ -96,6 +96,12 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if quant is not None:
+        from engine.layers.vocab_parallel_embedding import ParallelLMHead
+
+        for module in model.modules():
+            if isinstance(module, ParallelLMHead):
+                module.projection = quant.get_lm_head_projection(module)
     report = quant.load_report() if quant is not None else None
     if report:
         logger.info(report)

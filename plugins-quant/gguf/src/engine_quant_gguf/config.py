@@ -10,6 +10,9 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.layers.quantization import LinearMethodBase, QuantizationConfig
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    import torch
     from torch import nn
 
 
@@ -29,6 +32,8 @@ class GGUFConfig(QuantizationConfig):
     dequantized_bytes: int = 0
     float_bytes: int = 0
     fallback: Counter = field(default_factory=Counter)
+    #: bytes of the LM head's Q8_0 copy (``get_lm_head_projection``); 0: none.
+    lm_head_bytes: int = 0
 
     name = "gguf"
     #: the model loader reads the GGUF file's blocks for the layers this method serves.
@@ -54,6 +59,30 @@ class GGUFConfig(QuantizationConfig):
 
         return GGUFLinearMethod(self)
 
+    def get_lm_head_projection(self, lm_head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """On the CPU, an LM head whose float32 weights are exactly Q8_0 values (a GGUF's Q8_0
+        token embedding, tied) multiplies from Q8_0 blocks at decode: a quarter of the bytes."""
+        import torch
+        import torch.nn.functional as F
+
+        from engine_quant_gguf import cpu_kernels, formats
+
+        weight = lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_kernels.available():
+            return None
+        blocks = formats.exact_q8_0(weight.data)
+        if blocks is None:
+            return None
+        self.lm_head_bytes = blocks.numel()
+
+        def project(h: torch.Tensor) -> torch.Tensor:
+            if h.dtype != torch.float32 or h.dim() != 2 or h.shape[0] > cpu_kernels.MAX_FUSED_ROWS:
+                return F.linear(h, weight)
+            out = torch.empty(h.shape[0], blocks.shape[0], dtype=torch.float32)
+            cpu_kernels.matmul(h, blocks, formats.Q8_0, out, 0)
+            return out
+        return project
+
     def load_report(self) -> str:
         """One line for the load log: bytes kept in blocks vs the same weights dequantized."""
         from engine_quant_gguf.formats import type_name
@@ -66,6 +95,8 @@ class GGUFConfig(QuantizationConfig):
             line += f"; {_size(self.float_bytes)} of them held dequantized"
         if self.fallback:
             line += " (" + ", ".join(f"{n} {what}" for what, n in sorted(self.fallback.items())) + ")"
+        if self.lm_head_bytes:
+            return line + f"; lm_head also in Q8_0 blocks ({_size(self.lm_head_bytes)}) at decode; embeddings dequantized"
         return line + "; embeddings and lm_head are dequantized"
 
 

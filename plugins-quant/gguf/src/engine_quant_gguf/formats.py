@@ -134,6 +134,25 @@ def dequantize(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     return _DEQUANT[qtype](b).reshape(rows, b.shape[1] * elems)
 
 
+def exact_q8_0(weight: torch.Tensor) -> torch.Tensor | None:
+    """float32 ``[rows, K]`` -> its Q8_0 blocks where every block is exactly a Q8_0 block's values
+    (``dequantize`` gives ``weight`` back bit for bit, as for a GGUF's Q8_0 tensor after its
+    conversion), else None.
+
+    llama.cpp's Q8_0 stores ``d = amax / 127`` (float16) and ``q = round(w / d)``; a block that
+    came from Q8_0 has its largest code at +-127, so the same rule finds its ``d`` and codes.
+    """
+    rows, k = weight.shape
+    if k % 32 or weight.dtype != torch.float32:
+        return None
+    w = weight.reshape(rows, k // 32, 32)
+    d = (w.abs().amax(-1, keepdim=True) / 127).to(torch.float16)
+    inv = torch.where(d == 0, torch.zeros_like(d, dtype=torch.float32), 1 / d.float())
+    q = torch.round(w * inv).clamp(-127, 127).to(torch.int8)
+    blocks = torch.cat([d.view(torch.uint8), q.view(torch.uint8)], dim=-1).reshape(rows, -1)
+    return blocks if torch.equal(dequantize(blocks, Q8_0), weight) else None
+
+
 # --------------------------------------------------------------------------------------------
 # The CUDA kernels' row layout ("planes")
 

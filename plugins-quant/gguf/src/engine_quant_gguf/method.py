@@ -29,7 +29,7 @@ from engine.errors import ModelLoadError
 from engine.layers.quantization import LinearMethodBase
 from torch import nn
 
-from engine_quant_gguf import formats
+from engine_quant_gguf import cpu_kernels, formats
 
 if TYPE_CHECKING:
     from engine_quant_gguf.config import GGUFConfig
@@ -225,6 +225,11 @@ class GGUFLinearMethod(LinearMethodBase):
                 from engine_quant_gguf.kernels import gguf_matmul
 
                 gguf_matmul(x2, w, qtype, cols, out=out, col0=first)
+            elif qtype in cpu_kernels.CPU_TYPES and x.dtype == torch.float32 and cpu_kernels.available():
+                if x2.shape[0] <= cpu_kernels.MAX_FUSED_ROWS:  # decode: each block read once
+                    cpu_kernels.matmul(x2, w, qtype, out, first)
+                else:
+                    out[:, first:first + cols] = F.linear(x2, cpu_kernels.dequantize(w, qtype, x2.shape[1]))
             else:  # the reference path: unpack, dequantize, multiply
                 out[:, first:first + cols] = F.linear(x2, formats.dequantize(w, qtype).to(x.dtype))
         if bias is not None:

@@ -17,6 +17,8 @@ import torch
 from engine.errors import ModelLoadError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from torch import nn
 
 
@@ -162,6 +164,13 @@ class QuantizationConfig(ABC):
         """Activation dtypes the method runs with; the engine refuses any other ``--dtype``
         before the model loads."""
         return [torch.float32, torch.bfloat16, torch.float16]
+
+    def get_lm_head_projection(self, lm_head: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A faster ``h @ lm_head.weight.T`` for the loaded LM head (``ParallelLMHead``), or None
+        (the default) to keep ``F.linear``. Called once after loading; the callable takes the
+        hidden states ``[rows, hidden]`` and returns this rank's logits ``[rows, vocab rows]``,
+        equal to the float product up to the order of float sums."""
+        return None
 
     def load_report(self) -> str | None:
         """One line the engine logs once the weights are loaded (e.g. the memory a method saved);
