@@ -70,13 +70,11 @@ def test_tokenizer_and_chat_template_come_from_the_gguf(gguf_path: str, tokenize
 def test_greedy_answers_equal_transformers_on_the_same_gguf(model_dir: str, gguf_path: str,
                                                             tokenizer: Any) -> None:
     import torch
-    import transformers
 
-    from engine.testing.checkpoints import hf_greedy
+    from engine.testing.checkpoints import hf_from_gguf, hf_greedy
     from engine.testing.harness import generate_greedy, make_scheduler
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=torch.float32).eval()
+    hf = hf_from_gguf(gguf_path, dtype=torch.float32)
     prompts = [chat_prompt_ids(tokenizer, chat) for chat in CHATS]
     sched = make_scheduler(model_dir)
     assert sched.runner.dtype == torch.float32  # --dtype auto on the CPU

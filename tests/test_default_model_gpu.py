@@ -5,7 +5,6 @@ there), with each attention backend: greedy answers match transformers loading t
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 import pytest
@@ -44,14 +43,10 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def hf_model_fp32() -> Any:
     """transformers on the same GGUF in float32 on the GPU: the oracle that judges near-ties."""
-    import transformers
-
     from engine.default_model import default_model_gguf
+    from engine.testing.checkpoints import hf_from_gguf
 
-    path = default_model_gguf()
-    model = transformers.AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                              dtype=torch.float32)
-    return model.to("cuda").eval()
+    return hf_from_gguf(default_model_gguf(), dtype=torch.float32).to("cuda").eval()
 
 
 @pytest.fixture(scope="module")

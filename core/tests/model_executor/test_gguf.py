@@ -245,3 +245,27 @@ def test_one_progress_bar_covers_the_whole_conversion_and_the_cache_says_so(
         assert resolve_checkpoint(path) == converted
     assert len(bars) == 1  # a cached conversion shows no bar ...
     assert any("using its conversion cached in" in r.getMessage() for r in caplog.records)  # ... and says so
+
+
+def test_a_conversion_parses_the_metadata_once(tmp_path: pathlib.Path, llama_source: tuple[str, Any],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' config, tokenizer and weight loaders each open the file; inside
+    ``one_gguf_parse`` they share one reader, and outside it every open parses anew."""
+    path, _ = _gguf(tmp_path, llama_source[1], "Q8_0")
+    other, _ = _gguf(tmp_path, llama_source[1], "F16")
+    opened: list[str] = []
+    real = gguf.GGUFReader
+
+    class Counting(real):  # type: ignore[misc, valid-type]
+        def __init__(self, p: Any, *args: Any, **kwargs: Any) -> None:
+            opened.append(os.path.basename(str(p)))
+            super().__init__(p, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    gguf_convert.convert_gguf(path, str(tmp_path / "out"), lambda arch: None)
+    assert opened == [os.path.basename(path)]
+    with gguf_convert.one_gguf_parse(path) as reader:
+        assert gguf.GGUFReader(path) is reader and gguf.GGUFReader(other) is not reader
+    assert gguf.GGUFReader is Counting
+    assert gguf.GGUFReader(path) is not reader
+    assert opened == [os.path.basename(p) for p in (path, path, other, path)]

@@ -11,9 +11,11 @@ once), with one progress bar over the whole conversion, and a dtype rule (below)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -33,19 +35,51 @@ def _split(gguf_path: str) -> tuple[str, str]:
     return os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
 
 
+_SHARING = threading.RLock()
+
+
+@contextlib.contextmanager
+def one_gguf_parse(gguf_path: str) -> Iterator[Any]:
+    """Yields a ``GGUFReader`` of ``gguf_path`` that every ``gguf.GGUFReader(gguf_path)`` inside the
+    block returns too.
+
+    transformers' config, tokenizer and weight loaders each open the file anew, and parsing the
+    metadata of a real model's vocabulary (49k tokens, one field part each) takes seconds every
+    time: a conversion read it four times. The reader only reads (a read-only memory map), so one
+    serves them all. Other paths, and other arguments, open their own reader as usual.
+    """
+    import gguf
+
+    with _SHARING:  # one block at a time patches the module attribute
+        original = gguf.GGUFReader
+        shared = original(gguf_path)
+        key = os.path.realpath(gguf_path)
+
+        class _SharedReader(original):  # type: ignore[misc, valid-type]
+            def __new__(cls, path: Any, *args: Any, **kwargs: Any) -> Any:
+                if not args and not kwargs and os.path.realpath(path) == key:
+                    return shared  # not a _SharedReader instance, so __init__ does not run again
+                return original(path, *args, **kwargs)
+
+        gguf.GGUFReader = _SharedReader
+        try:
+            yield shared
+        finally:
+            gguf.GGUFReader = original
+
+
 def load_gguf_config(gguf_path: str) -> Any:
     """The transformers config read from the GGUF metadata, with ``architectures`` filled in.
 
     Raises:
         ModelLoadError: transformers cannot read this GGUF architecture.
     """
-    return _load_config_and_reader(gguf_path)[0]
+    with one_gguf_parse(gguf_path) as reader:
+        return _load_config(gguf_path, reader)
 
 
-def _load_config_and_reader(gguf_path: str) -> tuple[Any, Any]:
-    """``load_gguf_config`` and the ``GGUFReader`` it opened, which a conversion reuses for the
-    tensors (parsing the metadata takes seconds on a real model's 49k-token vocabulary)."""
-    from gguf import GGUFReader
+def _load_config(gguf_path: str, reader: Any) -> Any:
+    """``load_gguf_config`` inside a ``one_gguf_parse`` block, whose reader is ``reader``."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -59,12 +93,11 @@ def _load_config_and_reader(gguf_path: str) -> tuple[Any, Any]:
         raise ModelLoadError(f"--model-path: GGUF {gguf_path} holds a '{config.model_type}' model, "
                              "which is not a causal language model transformers knows")
     config.architectures = [arch]
-    reader = GGUFReader(gguf_path)
     _fix_head_dim(config, reader)
     # Dequantized weights are float32: ``--dtype auto`` then runs float32 on the CPU and the
     # platform's dtype (bfloat16) on accelerators, as for any float32 checkpoint.
     config.dtype = "float32"
-    return config, reader
+    return config
 
 
 def _fix_head_dim(config: Any, reader: Any) -> None:
@@ -94,11 +127,13 @@ def convert_gguf(gguf_path: str, target: str, check_architecture: Callable[[str]
     # as long as the tensors on a small model. Steps: metadata, tokenizer, each tensor, the
     # final write; the tensor count is known once the metadata is read.
     # disable=None: a bar on a terminal, nothing in a log file.
-    with tqdm(total=3, desc=f"converting {os.path.basename(gguf_path)}", unit="step", disable=None) as bar:
+    with tqdm(total=3, desc=f"converting {os.path.basename(gguf_path)}", unit="step", disable=None) as bar, \
+            contextlib.ExitStack() as stack:
         bar.set_postfix_str("reading the metadata")
+        reader = stack.enter_context(one_gguf_parse(gguf_path))
         from transformers import AutoTokenizer
 
-        config, reader = _load_config_and_reader(gguf_path)
+        config = _load_config(gguf_path, reader)
         check_architecture(config.architectures[0])
         if weights:
             bar.total = 3 + len(reader.tensors)

@@ -126,6 +126,19 @@ def load_hf_model(directory: str, dtype: str = "float32", device: str = "cpu",
     return model.to(device).eval()
 
 
+def hf_from_gguf(gguf_path: str, **kwargs: Any) -> Any:
+    """transformers' ``AutoModelForCausalLM`` loaded from a GGUF file (``gguf_file=``), the oracle
+    of the GGUF parity tests, with the file's metadata parsed once rather than once per loader
+    (config and weights each parse it; seconds each on a real vocabulary)."""
+    import transformers
+
+    from engine.model_executor.gguf_convert import one_gguf_parse
+
+    with one_gguf_parse(gguf_path):
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(os.path.abspath(gguf_path)), gguf_file=os.path.basename(gguf_path), **kwargs).eval()
+
+
 def hf_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Hugging Face ``generate(do_sample=False)`` output ids (without the prompt)."""
     import torch
