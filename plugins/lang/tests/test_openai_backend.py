@@ -1,0 +1,84 @@
+"""The OpenAI-compatible backend pointed at ``engine serve``'s ``/v1``: the kit for it and for
+``RuntimeEndpoint``, and the same programs on both with the same greedy results."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from engine_lang import OpenAI, ProgramError, RuntimeEndpoint, UnsupportedOperation, assistant, function, gen, select, user
+from engine_lang.testing import BackendConformance
+
+
+@pytest.fixture(scope="module")
+def openai_backend(server: Any) -> Iterator[OpenAI]:
+    with OpenAI("default", base_url=server.url + "/v1", api_key="none") as backend:
+        yield backend
+
+
+class TestOpenAIConformance(BackendConformance):
+    # The OpenAI API has no prompt-only request, so fork sends no prefix hint.
+    reports_cached_tokens = False
+
+    @pytest.fixture(scope="class")
+    def backend(self, openai_backend: OpenAI) -> OpenAI:
+        return openai_backend
+
+
+class TestRuntimeEndpointConformance(BackendConformance):
+    @pytest.fixture(scope="class")
+    def backend(self, endpoint: RuntimeEndpoint) -> RuntimeEndpoint:
+        return endpoint
+
+
+@function
+def program(s: Any, question: str) -> None:
+    s += "Question: " + question + "\nAnswer:"
+    s += gen("plain", max_tokens=8, stop="\n")
+    s += "\nIs that right? Answer:"
+    s += select("check", choices=[" yes, it is", " no, it is not"])
+    forks = s.fork(2)
+    forks += gen("branch", max_tokens=4)
+    forks.join()
+
+
+@function
+def conversation(s: Any, question: str) -> None:
+    s += user(question)
+    s += assistant(gen("reply", max_tokens=10))
+    with s.user():
+        s += "And in one word?"
+    s += assistant(gen("word", max_tokens=4))
+
+
+@pytest.mark.parametrize("prog", [program, conversation], ids=["text", "chat"])
+def test_the_same_program_gives_the_same_greedy_results(openai_backend: OpenAI, endpoint: RuntimeEndpoint,
+                                                        prog: Any) -> None:
+    native = prog.run("What is the capital of France?", temperature=0, backend=endpoint)
+    openai = prog.run("What is the capital of France?", temperature=0, backend=openai_backend)
+    assert openai.text() == native.text()
+    assert openai.messages() == native.messages()
+    if prog is program:
+        assert openai["plain"] == native["plain"] and openai["branch"] == native["branch"]
+        assert openai["check"] == native["check"]
+        assert openai.get_meta_info("check")["scores"] == pytest.approx(native.get_meta_info("check")["scores"], abs=2e-2)
+
+
+def test_chat_messages_go_to_chat_completions(openai_backend: OpenAI, tokenizer: Any) -> None:
+    # The server renders the messages with its template; the client renders s.text() with the
+    # template /get_model_info reports, so both agree with transformers.
+    state = conversation.run("Name a planet.", temperature=0, backend=openai_backend)
+    assert state.text() == tokenizer.apply_chat_template(state.messages(), tokenize=False)
+
+
+def test_unsupported_operation_names_it(openai_backend: OpenAI) -> None:
+    @function
+    def with_logprobs(s: Any) -> None:
+        s += "Hello"
+        s += gen("x", max_tokens=2, return_logprob=True)
+
+    with pytest.raises(ProgramError, match="return_logprob") as info:
+        with_logprobs.run(backend=openai_backend)
+    assert isinstance(info.value.__cause__, UnsupportedOperation) and info.value.variable == "x"
