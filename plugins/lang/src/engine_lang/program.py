@@ -35,10 +35,11 @@ class SglFunction:
 
     def __init__(self, func: Callable[..., Any]) -> None:
         self.func = func
-        params = list(inspect.signature(func).parameters)
-        if not params:
+        params = list(inspect.signature(func).parameters.values())
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
             raise TypeError(f"@function {func.__name__}: the first parameter must be the state (def {func.__name__}(s, ...))")
-        self.arg_names = params[1:]
+        self.arg_names = [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        self._var_keyword = any(p.kind == p.VAR_KEYWORD for p in params)
         self.__name__ = func.__name__
         self.__doc__ = func.__doc__
 
@@ -56,6 +57,10 @@ class SglFunction:
         for name in kwargs:
             if name in bound:
                 raise TypeError(f"{self.__name__}(): argument {name!r} given twice")
+            if name not in self.arg_names and not self._var_keyword:
+                raise TypeError(f"{self.__name__}(): unknown argument {name!r}; its arguments: "
+                                f"{', '.join(self.arg_names) or 'none'}; run()'s sampling defaults: "
+                                f"{', '.join([*_SAMPLING_DEFAULTS, *_LOGPROB_DEFAULTS])}")
         return {**bound, **kwargs}
 
     @staticmethod

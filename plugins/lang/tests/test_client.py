@@ -1,0 +1,105 @@
+"""The client library without a server: what importing it loads, the backend registry, chat
+templates against transformers, the choice methods, argument errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+import engine_lang as sgl
+from engine_lang.chat_template import CHATML_TEMPLATE, ChatTemplate
+from engine_lang.choices import ChoiceLogprobs, resolve_method
+
+HEAVY = ("torch", "transformers", "engine", "numpy")
+
+
+def test_import_loads_no_torch_and_no_engine() -> None:
+    # A fresh interpreter: the language, its three backends' registry and the HTTP backends.
+    code = ("import sys, json, engine_lang, engine_lang.backends.runtime_endpoint, engine_lang.backends.openai, "
+            "engine_lang.program, engine_lang.state; "
+            f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_probe_sees_a_heavy_import() -> None:
+    # Guards the check above: the probe does report a heavy module once something imports it.
+    code = "import sys, engine_lang; import engine; print('engine' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr
+
+
+def test_backends_are_registered_entry_points() -> None:
+    assert sgl.list_backends() == {"engine": "engine_lang.backends.engine:Engine",
+                                   "openai": "engine_lang.backends.openai:OpenAI",
+                                   "runtime": "engine_lang.backends.runtime_endpoint:RuntimeEndpoint"}
+    with pytest.raises(ValueError, match="unknown frontend-language backend 'runtim'; installed: engine, openai, runtime"):
+        sgl.connect("runtim")
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye\nnow"}],
+]
+
+
+@pytest.mark.parametrize("messages", CONVERSATIONS)
+def test_roles_render_as_transformers(tokenizer: Any, messages: list[dict[str, str]]) -> None:
+    template = ChatTemplate(tokenizer.chat_template, dict(tokenizer.special_tokens_map))
+    text, done = "", []
+    for message in messages:  # built one message at a time, as a program does
+        text += template.role_begin(done, message["role"]) + message["content"]
+        text += template.role_end(done, message["role"], message["content"])
+        done.append(message)
+    assert text == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text + template.role_begin(done, "assistant") == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_a_template_that_is_not_incremental_is_refused() -> None:
+    # Renders the last message differently from the others: a prefix cannot be built up.
+    template = ChatTemplate("{% for m in messages %}{% if loop.last %}[{{ m.content }}]{% else %}{{ m.content }}"
+                            "{% endif %}{% endfor %}")
+    with pytest.raises(ValueError, match="not incremental"):
+        template.role_begin([{"role": "user", "content": "a"}], "user")
+    assert ChatTemplate(CHATML_TEMPLATE).render([{"role": "user", "content": "x"}]) == "<|im_start|>user\nx<|im_end|>\n"
+
+
+def _choices(*rows: list[float], uncond: list[list[float | None]] | None = None) -> list[ChoiceLogprobs]:
+    return [ChoiceLogprobs([[lp, i, ""] for i, lp in enumerate(row)], None if uncond is None else uncond[k])
+            for k, row in enumerate(rows)]
+
+
+def test_choice_methods() -> None:
+    rows = _choices([-1.0, -0.1, -0.1], [-0.5, -3.0], uncond=[[None, -0.1, -0.1], [None, -0.2]])
+    assert resolve_method(None)(rows).index == 0  # means -0.4 vs -1.75
+    assert resolve_method("greedy_token_selection")(rows).index == 1  # first token -0.5 beats -1.0
+    # -0.4 - (-0.0667) = -0.333 vs -1.75 - (-0.1) = -1.65
+    assert resolve_method("unconditional_likelihood_normalized")(rows).index == 0
+    # Greedy: tied first tokens go on to the next; a shorter choice is padded with its mean.
+    assert resolve_method("greedy_token_selection")(_choices([-0.5, -2.0], [-0.5, -1.0], [-0.5])).index == 2
+    with pytest.raises(ValueError, match="choices_method: unknown method 'best'; accepted: token_length_normalized"):
+        resolve_method("best")
+
+
+def test_argument_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"select\('x'\): choices must be a non-empty list of strings"):
+        sgl.select("x", choices=[])
+    with pytest.raises(ValueError, match="dtype"):
+        sgl.gen("x", dtype=list)
+    with pytest.raises(TypeError, match="first parameter must be the state"):
+        sgl.function(lambda: None)
+
+    @sgl.function
+    def prog(s: Any, a: int) -> None:
+        s += str(a)
+
+    with pytest.raises(TypeError, match=r"prog\(\): unknown argument 'temprature'; its arguments: a; run\(\)'s sampling"):
+        prog.run(a=1, temprature=0, backend=sgl.Backend())
+    with pytest.raises(RuntimeError, match="was compared with a value outside a running program"):
+        bool(sgl.gen("x", choices=["a", "b"]) == "a")
