@@ -71,6 +71,7 @@ class ServerArgs:
     disable_cuda_graph: bool = opt(False, "Do not capture decode steps in CUDA graphs")
     cuda_graph_max_bs: int = opt(256, "Largest decode batch captured in a CUDA graph")
     disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
+    cpu_threads: int | None = opt(None, "CPU threads each scheduler rank computes with (default: OMP_NUM_THREADS if set, else the cores this process may use less one, split over the ranks on this machine); the server's other processes use one each")
     tp_size: int = opt(1, "Tensor-parallel size: ranks (one process and device each) splitting every layer's heads and MLP")
     pp_size: int = opt(1, "Pipeline-parallel size: stages splitting the layers; a replica runs tp_size * pp_size ranks")
     ep_size: int = opt(1, "Expert-parallel size (mixture-of-experts models): the tensor-parallel ranks split the experts this many ways instead of splitting every expert; a divisor of --tp-size")
@@ -133,6 +134,8 @@ class ServerArgs:
         _positive(self, "tp_size", "dp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
         _positive_or_none(self, "max_total_tokens", "max_running_requests", "context_length")
         _positive(self, "max_body_bytes")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ConfigError(f"--cpu-threads: invalid value {self.cpu_threads}; accepted: an integer >= 1")
         if self.tokenizer_workers < 0:
             raise ConfigError(f"--tokenizer-workers: invalid value {self.tokenizer_workers}; accepted: an integer >= 0")
         if self.shutdown_grace_s < 0:

@@ -47,16 +47,19 @@ class ChildProcess:
     """A child interpreter running ``target(*args)``, with ``multiprocessing.Process``'s methods.
 
     ``target`` is ``"package.module:function"``; the function must take picklable arguments.
+    ``env``: variables set for the child on top of this process's environment (thread pools'
+    sizes, ``engine.cpu_threads``).
     """
 
-    def __init__(self, target: str, args: tuple[Any, ...], name: str) -> None:
+    def __init__(self, target: str, args: tuple[Any, ...], name: str, env: dict[str, str] | None = None) -> None:
         self.name = name
         inherited = [a.fd for a in args if isinstance(a, InheritedConnection)]
         payload_read, payload_write = os.pipe()
         try:
             self._popen = subprocess.Popen(
                 [sys.executable, *_SAFE_PATH, "-c", _BOOTSTRAP, str(payload_read)],
-                stdin=subprocess.DEVNULL, pass_fds=(payload_read, *inherited), close_fds=True)
+                stdin=subprocess.DEVNULL, pass_fds=(payload_read, *inherited), close_fds=True,
+                env={**os.environ, **env} if env else None)
         finally:
             os.close(payload_read)
             for fd in inherited:

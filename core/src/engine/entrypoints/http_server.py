@@ -35,6 +35,7 @@ from engine.entrypoints.http.errors import install_error_handlers
 from engine.entrypoints.http.guards import FrontDoor
 from engine.entrypoints.http.native import router as native_router
 from engine.entrypoints.http.routes import router as openai_router
+from engine.cpu_threads import limit_torch_threads
 from engine.errors import ConfigError
 from engine.managers.arrivals import Arrivals
 from engine.managers.tokenizer_manager import TokenizerManager
@@ -174,6 +175,9 @@ def serve(args: ServerArgs) -> int:
 
         return serve_worker_node(args)
     setup_child_logging(args.log_level, "server")
+    # This process runs the HTTP server and the tokenizer manager: one compute thread, so torch
+    # (imported with the server) does not spread over the cores the scheduler computes on.
+    limit_torch_threads(1)
     signals = _Signals()
     signals.install()
     sock = bind_socket(args.host, args.port)

@@ -179,6 +179,7 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
     model load overlap with them. ``model_path``: the checkpoint ``resolve_model_path`` already
     returned for ``args`` (None: resolved here).
     """
+    from engine.cpu_threads import pool_env
     from engine.entrypoints.child_process import ChildProcess, pipe
     from engine.preflight import check_split_from_config_json, check_without_checkpoint
 
@@ -196,8 +197,10 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
         readers.append(reader)
         replica_processes.append(procs)
     processes = [p for procs in replica_processes for p in procs]
+    # One thread: it decodes one request at a time (RAYON: the tokenizers library's own pool).
     processes.append(ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
-                                  (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer"))
+                                  (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer",
+                                  env={**pool_env(1), "RAYON_NUM_THREADS": "1"}))
     starting = StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes)
     try:
         preflight(args, model_path)

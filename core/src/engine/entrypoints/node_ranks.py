@@ -29,6 +29,7 @@ def launch_ranks(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_ran
     ``ipc`` is the replica's endpoints on node 0, None on the other nodes (their ranks talk only
     to the other ranks). Returns the processes (rank order) and their readiness as one reader.
     """
+    from engine.cpu_threads import compute_threads, pool_env, usable_cores
     from engine.entrypoints.child_process import ChildProcess, pipe
     from engine.errors import ConfigError
 
@@ -41,14 +42,22 @@ def launch_ranks(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_ran
     else:
         method = ""
     processes, readers = [], []
+    placements = list(node_placements(args, dp_rank, method))
+    # The ranks of every replica on this node share its cores (replicas start one by one).
+    ranks_here = len(placements) * (args.dp_size if ipc is not None else 1)
+    threads = compute_threads(args.cpu_threads, ranks_here)
+    if dp_rank == 0:
+        logger.info("CPU threads: %d for each of the %d scheduler rank(s) here, 1 for the detokenizer and 1 "
+                    "for the main process (%d usable cores; --cpu-threads or OMP_NUM_THREADS set it)",
+                    threads, ranks_here, usable_cores())
     try:
-        for placement in node_placements(args, dp_rank, method):
+        for placement in placements:
             reader, writer = pipe()
             readers.append(reader)
             rank_ipc = ipc if placement.rank == 0 else None
             processes.append(ChildProcess("engine.managers.scheduler_process:scheduler_process",
                                           (args, model_path, rank_ipc, writer, parent_pid, dp_rank, placement),
-                                          name=rank_name(dp_rank, args, placement)))
+                                          name=rank_name(dp_rank, args, placement), env=pool_env(threads)))
     except BaseException:
         for proc in processes:
             proc.kill()

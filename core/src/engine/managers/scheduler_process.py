@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any
 
+from engine.cpu_threads import limit_torch_threads_from_env
 from engine.distributed import RankPlacement
 from engine.errors import EngineError
 from engine.managers.io_struct import (
@@ -71,6 +72,7 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
         name += f" r{placement.rank}"
     setup_child_logging(args.log_level, name)
     ignore_group_signals()
+    limit_torch_threads_from_env()  # the size the parent chose for this rank (engine.cpu_threads)
     try:
         platform = join_replica(args, placement)
         scheduler = make_scheduler(args, model_path, platform)
