@@ -176,8 +176,9 @@ def test_gguf_blocks_on_a_checkpoint_that_is_not_gguf_fail_in_preflight(llama_ck
 
 
 def test_gguf_default_follows_the_one_switch(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """With no --quant, a GGUF runs dequantized unless ``KEEP_GGUF_QUANTIZED_ON_CUDA`` says to keep
-    its blocks, and then only on CUDA and only where the gguf plugin is installed and enabled."""
+    """With no --quant, a GGUF keeps its blocks where its device's switch says so
+    (``KEEP_GGUF_QUANTIZED_ON_CPU``: on, for float32; ``KEEP_GGUF_QUANTIZED_ON_CUDA``: off), and
+    only where the gguf plugin is installed and enabled."""
     from engine import selection
     from engine.model_executor import gguf_loader
 
@@ -190,6 +191,11 @@ def test_gguf_default_follows_the_one_switch(monkeypatch: pytest.MonkeyPatch, tm
     monkeypatch.setattr(gguf_loader, "KEEP_GGUF_QUANTIZED_ON_CUDA", True)
     assert selection._default_gguf_method(_args(model_path=str(gguf)), cuda, reg).name == "gguf"
     assert selection._default_gguf_method(_args(), cuda, reg).name == "gguf"  # the default model is a GGUF
+    assert selection._default_gguf_method(_args(model_path=str(gguf)), cpu, reg).name == "gguf"
+    assert selection._default_gguf_method(_args(), cpu, reg).name == "gguf"
+    assert selection._default_gguf_method(_args(model_path=str(gguf), dtype="bfloat16"), cpu, reg) is None
+    assert selection._default_gguf_method(_args(model_path=str(gguf), disable_plugin=["gguf"]), cpu, reg) is None
+    monkeypatch.setattr(gguf_loader, "KEEP_GGUF_QUANTIZED_ON_CPU", False)
     assert selection._default_gguf_method(_args(model_path=str(gguf)), cpu, reg) is None
     assert selection._default_gguf_method(_args(model_path=str(tmp_path / "x.safetensors")), cuda, reg) is None
     assert selection._default_gguf_method(_args(model_path=str(gguf), disable_plugin=["gguf"]), cuda, reg) is None

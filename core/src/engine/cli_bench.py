@@ -132,6 +132,29 @@ def startup_cmd(server_args: ServerArgs, rounds: int, mode: str, result_file: st
     append_rows(result_file, {"bench": "startup", "machine": machine, **result.to_dict()})
 
 
+@bench_app.command("cpu-compare")
+@with_server_args([
+    _opt("batch_size", str, "1 8", "--batch-size", help="Batch sizes (llama.cpp runs batch 1 only)"),
+    _opt("input_len", int, 128, "--input-len", help="Prompt length"),
+    _opt("output_len", int, 64, "--output-len", help="Generated tokens"),
+    _opt("rounds", int, 3, "--rounds", help="Rounds of engine / transformers / llama.cpp, back to back"),
+    _opt("result_file", Optional[str], None, "--result-file", help="Append JSON lines here"),
+])
+def cpu_compare_cmd(server_args: ServerArgs, batch_size: str, input_len: int, output_len: int, rounds: int,
+                    result_file: str | None) -> None:
+    """CPU decode rate and TTFT: engine vs transformers generate vs llama.cpp on one GGUF."""
+    sizes = _ints(batch_size, "--batch-size")
+    for flag, value, least in (("--input-len", input_len, 1), ("--output-len", output_len, 2), ("--rounds", rounds, 1)):
+        if value < least:
+            fail(f"{flag}: invalid value {value}; accepted: >= {least}")
+    from engine.bench.cpu_compare import bench_cpu_compare
+
+    try:
+        bench_cpu_compare(server_args, sizes, input_len, output_len, rounds, result_file)
+    except ValueError as exc:
+        fail(str(exc))
+
+
 @bench_app.command("offline")
 @with_server_args(_DATASET_OPTS + [
     _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),

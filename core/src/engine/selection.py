@@ -212,7 +212,7 @@ def _default_gguf_method(args: ServerArgs, platform: Any, reg: Any) -> Any:
     (``gguf_loader.default_gguf_quant``, off unless flipped there), else None."""
     from engine.model_executor.gguf_loader import default_gguf_quant
 
-    name = default_gguf_quant(args.model_path, platform.device_type)
+    name = default_gguf_quant(args.model_path, platform.device_type, args.dtype)
     if name is None or name in args.disable_plugin:
         return None
     try:

@@ -106,6 +106,23 @@ def test_rows_as_benchmarks_write_them_find_their_area_and_configuration(tmp_pat
             in page)
 
 
+def test_cpu_compare_rows_show_all_three_contenders_and_the_load(tmp_path: pathlib.Path) -> None:
+    common = {"bench": "cpu-compare", "machine": "2 CPU cores, torch 2.13.0+cpu, 1 thread", "model_path": None,
+              "gguf": "SmolLM2-135M-Instruct.Q4_1.gguf", "input_len": 128, "output_len": 64, "threads": 1,
+              "load_avg": 3.04, "command": "engine bench cpu-compare --result-file F", "date": "2026-11-28"}
+    one = {**common, "batch_size": 1, "engine_tok_s": 40.0, "engine_ttft_ms": 120.4, "transformers_tok_s": 16.0,
+           "transformers_ttft_ms": 300.0, "llama_cpp_tok_s": 80.0, "llama_cpp_ttft_ms": 50.2}
+    eight = {**common, "batch_size": 8, "engine_tok_s": 160.0, "engine_ttft_ms": 900.0, "transformers_tok_s": 80.0,
+             "transformers_ttft_ms": 2000.0, "llama_cpp_tok_s": None, "llama_cpp_ttft_ms": None}
+    rows = _table(build_page([_write(tmp_path / "cpu.jsonl", one, eight)]), "CPU default model")
+    assert rows[0][0] == "default model, SmolLM2-135M-Instruct.Q4_1.gguf, batch 1, 128 in / 64 out, 1 thread"
+    assert rows[0][4] == ("engine 40.0 tok/s, TTFT 120 ms; transformers 16.0 tok/s, TTFT 300 ms; "
+                          "llama.cpp 80.0 tok/s, TTFT 50 ms")
+    assert rows[0][5] == "2.50x transformers, 0.50x llama.cpp (same run, load average 3.0)"
+    assert rows[1][4] == "engine 160.0 tok/s, TTFT 900 ms; transformers 80.0 tok/s, TTFT 2,000 ms"
+    assert rows[1][5] == "2.00x transformers (same run, load average 3.0)"
+
+
 @pytest.mark.parametrize("change, message", [
     ({"area": "latency"}, "r.jsonl:1: field 'area': invalid value 'latency'; accepted: decode, offline,"),
     ({"date": "24/11/2026"}, "r.jsonl:1: field 'date': invalid value '24/11/2026'; expected UTC 'YYYY-MM-DD'"),

@@ -47,7 +47,7 @@ AREAS: tuple[Area, ...] = (
     Area("moe", "Mixture of experts", "`engine bench one-batch --model-path docs/bench_configs/qwen3-30b-a3b --result-file F`"),
     Area("speculative", "Speculative decoding", "`engine bench spec --result-file F`"),
     Area("structured-output", "Structured output", "`engine bench one-batch --json-schema '' --result-file F`"),
-    Area("cpu-default-model", "CPU default model", "`python3 benchmarks/bench_default_model_cpu.py --result-file F`"),
+    Area("cpu-default-model", "CPU default model", "`engine bench cpu-compare --result-file F`"),
     Area("startup", "Start-up", "`engine bench startup --result-file F`"),
 )
 AREA_KEYS = tuple(a.key for a in AREAS)
@@ -150,6 +150,7 @@ def infer_area(row: dict[str, Any]) -> str | None:
         return "quantization" if row.get("quant") else "offline"
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
             "scheduler-decode-step": "serving", "default-model-cpu-decode": "cpu-default-model",
+            "cpu-compare": "cpu-default-model",
             "all-reduce": "parallelism", "hf-baseline": "decode"}.get(kind)
 
 
@@ -173,6 +174,10 @@ def infer_config(row: dict[str, Any]) -> str:
     elif kind == "spec":
         parts += [f"{row.get('algorithm') or 'no speculation'}, k = {row.get('num_draft_tokens', 1) - 1}",
                   f"batch {row.get('batch_size')}", f"{row.get('workload')} workload"]
+    elif kind == "cpu-compare":
+        parts += [str(row.get("gguf")), f"batch {row.get('batch_size')}",
+                  f"{row.get('input_len')} in / {row.get('output_len')} out",
+                  f"{row.get('threads')} thread{'s' if row.get('threads') != 1 else ''}"]
     elif kind == "hf-baseline":
         parts += ["Hugging Face transformers `generate`", str(row.get("figure") or "hf_eager_bs1_tok_s")]
     else:
@@ -280,6 +285,16 @@ def _cpu_default(row: dict[str, Any]) -> Figure:
     return Figure(f"{row['engine_tok_s']:.1f} tok/s", row["engine_tok_s"])
 
 
+def _cpu_compare(row: dict[str, Any]) -> Figure:
+    """Engine, transformers and (batch 1, where it was importable) llama.cpp: rate and TTFT each."""
+    parts = []
+    for label, key in (("engine", "engine"), ("transformers", "transformers"), ("llama.cpp", "llama_cpp")):
+        rate = row.get(f"{key}_tok_s")
+        if rate is not None:
+            parts.append(f"{label} {_rate(rate)} tok/s, TTFT {_n(row[f'{key}_ttft_ms'], 0)} ms")
+    return Figure("; ".join(parts), row["engine_tok_s"])
+
+
 def _scheduler(row: dict[str, Any]) -> Figure:
     return Figure(f"{row['median_step_ms']:.2f} ms/step", row["median_step_ms"], higher_is_better=False)
 
@@ -301,7 +316,7 @@ def _soak(row: dict[str, Any]) -> Figure:
 _FIGURES: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "one-batch": _one_batch, "offline": _offline, "spec": _spec, "startup": _startup, "serving": _serving,
     "hf-baseline": _hf, "default-model-cpu-decode": _cpu_default, "scheduler-decode-step": _scheduler,
-    "all-reduce": _microseconds, "kernel": _microseconds, "soak": _soak,
+    "all-reduce": _microseconds, "kernel": _microseconds, "soak": _soak, "cpu-compare": _cpu_compare,
 }
 
 
@@ -328,6 +343,11 @@ def ratio(row: dict[str, Any]) -> str:
     kind = bench_kind(row)
     if kind == "default-model-cpu-decode":
         return _times(own, Figure("", row["transformers_tok_s"]), "transformers `generate`, same run")
+    if kind == "cpu-compare":
+        ratios = [_times(own, Figure("", row["transformers_tok_s"]), "transformers")]
+        if row.get("llama_cpp_tok_s"):
+            ratios.append(_times(own, Figure("", row["llama_cpp_tok_s"]), "llama.cpp"))
+        return ", ".join(ratios) + f" (same run, load average {row['load_avg']:.1f})"
     if kind == "startup":
         parts = [f"{row[key] / row['floor_s']:.2f}x" for key in ("generate_s", "serve_s") if key in row]
         return " / ".join(parts) + " the import floor"

@@ -151,19 +151,30 @@ def gguf_source(model_dir: str) -> str | None:
 
 
 # Whether a GGUF checkpoint on a CUDA device runs with its linear weights kept in GGUF blocks
-# (the ``gguf`` quant method) when no --quant is given; on the CPU the default stays dequantized.
-# The one place to flip that default (selection reads it through ``default_gguf_quant``).
+# (the ``gguf`` quant method) when no --quant is given. The one place to flip that default
+# (selection reads it through ``default_gguf_quant``).
 KEEP_GGUF_QUANTIZED_ON_CUDA = False
+# The same on the CPU, for float32 activations (the CPU's --dtype auto): decode there is bound by
+# the bytes of weights read per token, and the gguf plugin's CPU kernels read the blocks (Q4_1:
+# 0.625 bytes a weight instead of float32's 4) and compute on the same float32 weight values.
+KEEP_GGUF_QUANTIZED_ON_CPU = True
 
 
-def default_gguf_quant(model_path: str | None, device_type: str) -> str | None:
+def default_gguf_quant(model_path: str | None, device_type: str, dtype: str = "auto") -> str | None:
     """``"gguf"`` where a run with no --quant should keep this GGUF quantized, else None.
 
     Args:
-        model_path: ``--model-path`` as given (None: the embedded default model, a GGUF).
+        model_path: ``--model-path`` as given (None: the embedded default model, a GGUF; the
+            engine's converted directory of a GGUF counts as the GGUF).
         device_type: the selected platform's device type.
+        dtype: ``--dtype`` as given; on the CPU only float32 (``auto`` there) keeps the blocks.
     """
-    if not KEEP_GGUF_QUANTIZED_ON_CUDA or device_type != "cuda":
+    if device_type == "cuda":
+        keep = KEEP_GGUF_QUANTIZED_ON_CUDA
+    else:
+        keep = KEEP_GGUF_QUANTIZED_ON_CPU and device_type == "cpu" and dtype in ("auto", "float32")
+    if not keep:
         return None
-    return "gguf" if model_path is None or find_gguf(model_path) is not None else None
-
+    if model_path is None or find_gguf(model_path) is not None or gguf_source(model_path) is not None:
+        return "gguf"  # the default model, a GGUF file, or the engine's conversion of one
+    return None

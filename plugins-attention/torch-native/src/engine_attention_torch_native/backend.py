@@ -122,10 +122,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         kb = dequantize_kv(k_buf[idx], q.dtype, layer.k_scale).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
         vb = dequantize_kv(v_buf[idx], q.dtype, layer.v_scale).permute(0, 2, 1, 3)
-        qb = q.view(-1, layer.num_heads, 1, layer.head_dim)
         mask = valid
         if layer.sliding_window_size > 0:
             last = (forward_batch.seq_lens - 1)[:, None]
             mask = mask & (pos[None, :] > last - layer.sliding_window_size)
-        o = _attend(qb, kb, vb, mask[:, None, None, :], layer)
+        if layer.logit_cap > 0:
+            qb = q.view(-1, layer.num_heads, 1, layer.head_dim)
+            return _attend(qb, kb, vb, mask[:, None, None, :], layer).reshape(q.shape[0], -1)
+        # The query heads sharing a KV head become that head's rows of queries (one token each, so
+        # no causal order among them): no copy of K/V per query head.
+        group = layer.num_heads // layer.num_kv_heads
+        qb = q.view(-1, layer.num_kv_heads, group, layer.head_dim)
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=layer.scaling)
         return o.reshape(q.shape[0], -1)
