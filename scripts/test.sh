@@ -4,6 +4,7 @@
 # slowest tests. GPU tests (marker `gpu`) are skipped where no CUDA device is present.
 #
 #   TEST_WORKERS=N   pytest-xdist workers (default: auto, one per core); 0 runs in one process.
+#                    With workers, torch runs one thread per worker (OMP_NUM_THREADS=1 unless set).
 #   Extra arguments go to pytest (a path, -k EXPR, -x, ...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,5 +17,8 @@ if [ "$workers" != 0 ]; then
   # servers and checkpoints start once) and orders the slow groups first, which
   # --no-loadscope-reorder keeps (xdist would otherwise order groups by their number of tests).
   parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+  # One compute thread per worker, inherited by the servers a test starts: workers already fill the
+  # cores, and torch's OpenMP threads spinning beside another worker's cost a test 2-3x its time.
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 python3 -m pytest -q -p no:cacheprovider --durations=30 "${parallel[@]}" "$@"
