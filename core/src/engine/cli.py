@@ -90,6 +90,11 @@ def generate_cmd(server_args: ServerArgs, prompt: str, max_new_tokens: int, temp
                  top_p: float, top_k: int, seed: int | None, stream: bool) -> None:
     """Generate a completion for one prompt and print it."""
     check_before_start(server_args)  # as in serve: before torch is imported
+    from engine.managers.process_utils import setup_child_logging
+
+    # This process's start-up lines (the checkpoint found or converted, the threads chosen) go
+    # to stderr as serve's do; the children log there too.
+    setup_child_logging(server_args.log_level, "generate")
     from engine.cpu_threads import limit_torch_threads
     from engine.entrypoints.engine import Engine
 
