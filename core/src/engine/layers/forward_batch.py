@@ -116,6 +116,9 @@ class ForwardBatch:
     capture_hidden: tuple[int, ...] | None = None
     # Filled while the model runs when layers are captured: layer id -> [num_tokens, hidden].
     captured_layers: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Rotary cos/sin at ``positions``, computed by the first layer and read by the others (the
+    # unfused path: ``RotaryEmbedding.rotate_joint``): rope key -> (positions, cos, sin).
+    rope_cos_sin: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

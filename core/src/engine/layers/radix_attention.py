@@ -127,6 +127,12 @@ class RadixAttention(nn.Module):
                 q_norm.variance_epsilon if q_norm is not None else 0.0, self.k_scale, self.v_scale)
             # The new K/V are in the pool: the backend reads them there (k, v left unrotated).
             return self.forward(q, None, None, forward_batch, save_kv_cache=False)
+        if q_norm is None and k_norm is None and not qkv.is_cuda and type(rotary_emb) is RotaryEmbedding:
+            # The CPU's eager path: q and k rotated in one pass (per-call overhead dominates there).
+            q_size = q.shape[-1]
+            qk = rotary_emb.rotate_joint(positions, qkv[..., : q_size + k.shape[-1]], forward_batch.rope_cos_sin)
+            q, k = qk[..., :q_size], qk[..., q_size:]
+            return self.forward(q, k, v.contiguous(), forward_batch)
         if q_norm is not None:
             q = q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
         if k_norm is not None:

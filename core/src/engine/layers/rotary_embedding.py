@@ -54,6 +54,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
         self.fused: Any = None
         self.fused_qk: Any = None
+        #: layers whose rotary embeddings have equal keys share one cos/sin per forward.
+        self.key = (head_dim, rotary_dim, max_position, base, repr(sorted((scaling or {}).items())))
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's in-place kernels when it offers them: ``rotary_qk_inplace``
@@ -74,6 +76,30 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache[positions].to(q.dtype)
         sin = self.sin_cache[positions].to(q.dtype)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def rotate_joint(self, positions: torch.Tensor, qk: torch.Tensor,
+                     shared: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """q and k rotated in one pass: ``qk`` ``[T, (heads + kv_heads) * head_dim]`` (the two
+        side by side, e.g. a view of the fused q/k/v output) -> a new tensor of that shape.
+
+        The same float operations as ``forward`` on each (elementwise, so the same values), with
+        a fifth of its operator calls: the cos/sin at ``positions`` come from ``shared`` (one
+        forward's dict, ``ForwardBatch.rope_cos_sin``) once the first layer has put them there.
+        """
+        entry = shared.get(self.key)
+        if entry is None or entry[0] is not positions:
+            cos = self.cos_cache[positions].to(qk.dtype)
+            sin = self.sin_cache[positions].to(qk.dtype)
+            entry = (positions, torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :])
+            shared[self.key] = entry
+        t = qk.shape[0]
+        x = qk.view(t, -1, self.head_dim)
+        rot = x[..., : self.rotary_dim]
+        half = self.rotary_dim // 2
+        rotated = rot * entry[1] + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * entry[2]
+        if self.rotary_dim < self.head_dim:
+            rotated = torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)
+        return rotated.reshape(t, -1)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]

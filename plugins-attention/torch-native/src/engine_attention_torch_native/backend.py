@@ -74,7 +74,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             idx = pool.req_to_token[forward_batch.req_pool_indices, :max_len].long()
             pos = torch.arange(max_len, device=idx.device)
             valid = pos[None, :] < lens[:, None]
-            forward_batch.attn_metadata = (idx, valid, pos)
+            # The additive form SDPA would build from the boolean mask in every layer, built once.
+            additive = torch.zeros(valid.shape, dtype=self.ctx.dtype, device=idx.device).masked_fill_(~valid, float("-inf"))
+            forward_batch.attn_metadata = (idx, valid, pos, additive[:, None, None, :])
 
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                        layer: AttentionLayerInfo, forward_batch: ForwardBatch,
@@ -118,7 +120,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             self.save_kv(layer, forward_batch, k, v)
         pool = forward_batch.token_to_kv_pool
         assert pool is not None
-        idx, valid, pos = forward_batch.attn_metadata
+        idx, valid, pos, additive = forward_batch.attn_metadata
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         kb = dequantize_kv(k_buf[idx], q.dtype, layer.k_scale).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
         vb = dequantize_kv(v_buf[idx], q.dtype, layer.v_scale).permute(0, 2, 1, 3)
@@ -133,5 +135,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # no causal order among them): no copy of K/V per query head.
         group = layer.num_heads // layer.num_kv_heads
         qb = q.view(-1, layer.num_kv_heads, group, layer.head_dim)
-        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :], scale=layer.scaling)
+        bias = additive if layer.sliding_window_size <= 0 else None
+        o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask[:, None, None, :] if bias is None else bias,
+                                           scale=layer.scaling)
         return o.reshape(q.shape[0], -1)

@@ -226,7 +226,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
                 gguf_matmul(x2, w, qtype, cols, out=out, col0=first)
             elif qtype in cpu_kernels.CPU_TYPES and x.dtype == torch.float32:
-                out[:, first:first + cols] = self._cpu_matmul(layer, name, x2, w, qtype, out, first)
+                self._cpu_matmul(layer, name, x2, w, qtype, out, first)
             else:  # the reference path: unpack, dequantize, multiply
                 out[:, first:first + cols] = F.linear(x2, formats.dequantize(w, qtype).to(x.dtype))
         if bias is not None:
@@ -235,17 +235,17 @@ class GGUFLinearMethod(LinearMethodBase):
 
     @staticmethod
     def _cpu_matmul(layer: nn.Module, name: str, x2: torch.Tensor, w: torch.Tensor, qtype: int,
-                    out: torch.Tensor, first: int) -> torch.Tensor:
-        """One segment on the CPU; returns its columns of ``out``."""
-        cols = out[:, first:first + w.shape[0]]
+                    out: torch.Tensor, first: int) -> None:
+        """One segment on the CPU, into its columns of ``out``."""
+        cols = slice(first, first + w.shape[0])
         if not cpu_kernels.available():
             # No C compiler: the blocks are dequantized once and kept as float32, as without the
             # plugin (dequantizing on every call would make a CPU default slower than that).
             dense = layer.__dict__.setdefault("gguf_cpu_dense", {})
             if name not in dense:
                 dense[name] = formats.dequantize(w, qtype)
-            return F.linear(x2, dense[name])
-        if x2.shape[0] <= cpu_kernels.MAX_FUSED_ROWS:  # decode: each block read once
+            out[:, cols] = F.linear(x2, dense[name])
+        elif x2.shape[0] <= cpu_kernels.MAX_FUSED_ROWS:  # decode: each block read once
             cpu_kernels.matmul(x2, w, qtype, out, first)
-            return cols
-        return F.linear(x2, cpu_kernels.dequantize(w, qtype, x2.shape[1]))
+        else:
+            out[:, cols] = F.linear(x2, cpu_kernels.dequantize(w, qtype, x2.shape[1]))
