@@ -48,6 +48,11 @@ def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, outp
         schema = load_bench_schema(json_schema)
     except (OSError, ValueError) as exc:
         fail(f"--json-schema: cannot read {json_schema!r}: {exc}")
+    from engine.managers.process_utils import setup_child_logging
+
+    # The model loads in this process: its start-up lines (the GGUF converted or found in the
+    # cache, the weights, the KV pool) go to stderr, so a first run is not minutes of silence.
+    setup_child_logging(server_args.log_level, "bench")
     from engine.bench.one_batch import bench_one_batch
 
     bench_one_batch(server_args, *sizes, result_file, json_schema=schema)
