@@ -13,10 +13,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
-from test_server_e2e_harness import Server, free_port  # noqa: E402
-
 from engine_lang import RuntimeEndpoint  # noqa: E402
 from engine_lang.backends.base import GenOutput, GenRequest  # noqa: E402
+from test_server_e2e_harness import Server, free_port  # noqa: E402
 
 
 @pytest.fixture(scope="module")

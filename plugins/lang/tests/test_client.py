@@ -7,9 +7,8 @@ import subprocess
 import sys
 from typing import Any
 
-import pytest
-
 import engine_lang as sgl
+import pytest
 from engine_lang.chat_template import CHATML_TEMPLATE, ChatTemplate
 from engine_lang.choices import ChoiceLogprobs, resolve_method
 

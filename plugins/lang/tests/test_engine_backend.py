@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from engine_lang import Engine, assistant, function, gen, select, system, user
 from engine_lang.testing import BackendConformance
 
@@ -44,8 +43,8 @@ def _by_hand(backend: Engine, text: str, params: dict[str, Any]) -> dict[str, An
 
     async def run() -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async for out in backend.engine.tokenizer_manager.generate(GenerateRequest(text=text, sampling_params=params)):
-            pass
+        async for item in backend.engine.tokenizer_manager.generate(GenerateRequest(text=text, sampling_params=params)):
+            out = item
         return out
 
     import asyncio

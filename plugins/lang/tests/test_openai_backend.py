@@ -7,8 +7,17 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
-from engine_lang import OpenAI, ProgramError, RuntimeEndpoint, UnsupportedOperation, assistant, function, gen, select, user
+from engine_lang import (
+    OpenAI,
+    ProgramError,
+    RuntimeEndpoint,
+    UnsupportedOperation,
+    assistant,
+    function,
+    gen,
+    select,
+    user,
+)
 from engine_lang.testing import BackendConformance
 
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import engine_lang as sgl
 import httpx
 import pytest
-
-import engine_lang as sgl
 from engine_lang import ProgramError, assistant, function, gen, select, system, user
 
 PROMPT = "The capital of France is"

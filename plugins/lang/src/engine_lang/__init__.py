@@ -10,12 +10,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from engine_lang.backends import Backend, BackendError, RequestAborted, UnsupportedOperation, connect, list_backends
+from engine_lang.backends import (
+    Backend,
+    BackendError,
+    RequestAborted,
+    UnsupportedOperation,
+    connect,
+    list_backends,
+)
 from engine_lang.backends.openai import OpenAI
 from engine_lang.backends.runtime_endpoint import RuntimeEndpoint
 from engine_lang.chat_template import ChatTemplate
-from engine_lang.choices import (greedy_token_selection, token_length_normalized,
-                                 unconditional_likelihood_normalized)
+from engine_lang.choices import (
+    greedy_token_selection,
+    token_length_normalized,
+    unconditional_likelihood_normalized,
+)
 from engine_lang.ir import assistant, gen, select, system, user
 from engine_lang.program import SglFunction, function, get_default_backend, set_default_backend
 from engine_lang.run_context import ProgramError

@@ -62,9 +62,15 @@ class TokenLengthNormalized(ChoicesMethod):
         return ChoiceDecision(max(range(len(scores)), key=scores.__getitem__), scores)
 
 
+# Logprobs closer than this count as a tie in greedy_token_selection: the same token after the
+# same prefix, scored in different rows of one batch, can differ in the last float bits.
+TIE_TOLERANCE = 1e-4
+
+
 class GreedyTokenSelection(ChoicesMethod):
-    """Token by token, keep the choices whose token is most likely; shorter choices are padded
-    with their own mean logprob. Ties after the longest choice go to the first."""
+    """Token by token, keep the choices whose token is most likely (within ``TIE_TOLERANCE``);
+    shorter choices are padded with their own mean logprob. Ties after the longest choice go to
+    the first."""
 
     name = "greedy_token_selection"
 
@@ -75,7 +81,7 @@ class GreedyTokenSelection(ChoicesMethod):
         remaining = list(range(len(rows)))
         for j in range(width):
             best = max(matrix[i][j] for i in remaining)
-            remaining = [i for i in remaining if matrix[i][j] == best]
+            remaining = [i for i in remaining if matrix[i][j] >= best - TIE_TOLERANCE]
             if len(remaining) == 1:
                 break
         # The score shown is each choice's first-token logprob: what the first step compared.
@@ -95,10 +101,9 @@ class UnconditionalLikelihoodNormalized(ChoicesMethod):
             if c.unconditional is None:
                 raise ValueError(f"{self.name}: the backend returned no unconditional logprobs")
             uncond = [0.0 if v is None else float(v) for v in c.unconditional]
-            cond = c.logprobs
-            # Aligned token for token when the choice tokenizes alike alone and after the prompt;
-            # otherwise the two means are compared.
-            scores.append(_mean(cond) - (_mean(uncond) if uncond else 0.0))
+            # The mean of per-token differences when the choice tokenizes alike alone and after
+            # the prompt (the usual case); the difference of the two means otherwise.
+            scores.append(_mean(c.logprobs) - (_mean(uncond) if uncond else 0.0))
         return ChoiceDecision(max(range(len(scores)), key=scores.__getitem__), scores)
 
 

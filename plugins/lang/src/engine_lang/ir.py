@@ -55,17 +55,18 @@ class _Evaluated(SglExpr):
     """A gen/select that can be compared with a value inside a running program."""
 
     name: str | None
-    _value: Any
-    _evaluated: bool = False
+    _value: Any = None
+    # The state it was evaluated in: compared again in the same run, it keeps its value.
+    _evaluated_in: Any = None
 
     def value(self) -> Any:
-        if not self._evaluated:
-            state = current_state.get()
-            if state is None:
-                raise RuntimeError(f"{self!r} was compared with a value outside a running program; add it to the "
-                                   "state (s += ...) and read s[name], or compare it inside an @function")
+        state = current_state.get()
+        if state is None:
+            raise RuntimeError(f"{self!r} was compared with a value outside a running program; add it to the "
+                               "state (s += ...) and read s[name], or compare it inside an @function")
+        if self._evaluated_in is not state:
             self._value = state.evaluate(self)
-            self._evaluated = True
+            self._evaluated_in = state
         return self._value
 
     def __eq__(self, other: object) -> bool:

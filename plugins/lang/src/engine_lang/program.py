@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from engine_lang.backends.base import Backend
-from engine_lang.ir import RoleBegin, RoleEnd, SglExpr, SglRole, current_state
+from engine_lang.ir import RoleBegin, SglExpr, SglRole, current_state
 from engine_lang.run_context import RunContext
 from engine_lang.state import ProgramState
 
@@ -53,7 +53,7 @@ class SglFunction:
         if len(args) > len(self.arg_names):
             raise TypeError(f"{self.__name__}() takes {len(self.arg_names)} arguments besides the state, "
                             f"{len(args)} given")
-        bound = dict(zip(self.arg_names, args))
+        bound = dict(zip(self.arg_names, args, strict=False))
         for name in kwargs:
             if name in bound:
                 raise TypeError(f"{self.__name__}(): argument {name!r} given twice")
@@ -102,7 +102,9 @@ class SglFunction:
         run = state._run
         try:
             self.func(state, **arguments)
-            state.sync()
+            # Branches the program never read still finish (and report their errors) before run returns.
+            for each in list(run.states):
+                each.sync()
         except BaseException as exc:
             run.cancel()
             state._finish(exc)

@@ -5,19 +5,29 @@ first error of the state (a ``ProgramError`` naming the variable and the call)."
 
 from __future__ import annotations
 
-import asyncio
 import math
 import queue
 import random
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from engine_lang.backends.base import GenRequest, ScoreRequest
-from engine_lang.ir import (RoleBegin, RoleEnd, SglExprList, SglGen, SglRole, SglSelect, VarScopeBegin, VarScopeEnd,
-                            _Evaluated)
+from engine_lang.ir import (
+    RoleBegin,
+    RoleEnd,
+    SglExprList,
+    SglGen,
+    SglRole,
+    SglSelect,
+    VarScopeBegin,
+    VarScopeEnd,
+    _Evaluated,
+)
 from engine_lang.run_context import ProgramError, RunContext
+from engine_lang.state_group import ProgramStateGroup
+from engine_lang.streaming import StreamingMixin
 
 _STOP = object()
 
@@ -30,7 +40,7 @@ class _Evaluate:
         self.result: Any = None
 
 
-class ProgramState:
+class ProgramState(StreamingMixin):
     def __init__(self, run: RunContext, text: str = "", messages: list[dict[str, Any]] | None = None,
                  variables: dict[str, Any] | None = None, meta_info: dict[str, Any] | None = None) -> None:
         self._run = run
@@ -303,85 +313,5 @@ class ProgramState:
             branches.append(branch)
         return ProgramStateGroup(branches, self)
 
-    # -- streaming -------------------------------------------------------------------------------
-    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
-        """With ``run(stream=True)``: the text as it is appended (only ``var_name``'s if given)."""
-        if not self._run.stream:
-            raise RuntimeError("text_iter: run the program with stream=True")
-        seen = 0
-        while True:
-            with self._cond:
-                while seen >= len(self._chunks) and not self._finished:
-                    self._cond.wait(0.1)
-                new, seen, done = self._chunks[seen:], len(self._chunks), self._finished and seen >= len(self._chunks)
-            for variable, text in new:
-                if var_name is None or variable == var_name:
-                    yield text
-            if done:
-                break
-        if self._error is not None:
-            raise self._error
-
-    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
-        """``text_iter`` for asyncio code (polls without blocking the event loop)."""
-        if not self._run.stream:
-            raise RuntimeError("text_async_iter: run the program with stream=True")
-        seen = 0
-        while True:
-            with self._cond:
-                new, seen, done = self._chunks[seen:], len(self._chunks), self._finished and seen >= len(self._chunks)
-            for variable, text in new:
-                if var_name is None or variable == var_name:
-                    yield text
-            if done:
-                break
-            if not new:
-                await asyncio.sleep(0.01)
-        if self._error is not None:
-            raise self._error
-
     def __repr__(self) -> str:
         return f"ProgramState({self.text()!r})"
-
-
-class ProgramStateGroup:
-    """The branches of ``s.fork(n)``: indexable, iterable, ``+=`` to all, and ``join``."""
-
-    def __init__(self, branches: list[ProgramState], parent: ProgramState) -> None:
-        self.branches = branches
-        self.parent = parent
-        self._start = {id(b): len(b._text) for b in branches}
-
-    def __getitem__(self, i: int) -> ProgramState:
-        return self.branches[i]
-
-    def __len__(self) -> int:
-        return len(self.branches)
-
-    def __iter__(self) -> Iterator[ProgramState]:
-        return iter(self.branches)
-
-    def __iadd__(self, other: Any) -> ProgramStateGroup:
-        items = other if isinstance(other, list) else [other] * len(self.branches)
-        if len(items) != len(self.branches):
-            raise ValueError(f"fork += list: {len(items)} items for {len(self.branches)} branches")
-        for branch, item in zip(self.branches, items):
-            branch += item
-        return self
-
-    def join(self, mode: str = "gather_variable") -> None:
-        """``gather_variable``: each variable set in the branches becomes a list in the parent;
-        ``concate_and_append``: the branches' new text is appended to the parent, in order."""
-        for branch in self.branches:
-            branch.sync()
-        if mode == "gather_variable":
-            self.parent.sync()
-            names = {n for b in self.branches for n, v in b._variables.items()
-                     if n not in self.parent._variables or self.parent._variables[n] is not v}
-            for name in sorted(names):
-                self.parent._variables[name] = [b._variables.get(name) for b in self.branches]
-                self.parent._meta[name] = [b._meta.get(name) for b in self.branches]
-        elif mode == "concate_and_append":
-            self.parent += "".join(b._text[self._start[id(b)]:] for b in self.branches)
-        else:
-            raise ValueError(f"join: mode {mode!r} is not accepted; accepted: gather_variable, concate_and_append")

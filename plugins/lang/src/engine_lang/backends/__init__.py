@@ -13,8 +13,16 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from engine_lang.backends.base import (Backend, BackendError, GenOutput, GenRequest, RequestAborted, ScoreOutput,
-                                       ScoreRequest, UnsupportedOperation)
+from engine_lang.backends.base import (
+    Backend,
+    BackendError,
+    GenOutput,
+    GenRequest,
+    RequestAborted,
+    ScoreOutput,
+    ScoreRequest,
+    UnsupportedOperation,
+)
 
 GROUP = "engine_lang.backends"
 

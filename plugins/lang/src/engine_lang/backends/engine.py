@@ -77,8 +77,8 @@ class Engine(NativeBackend):
 
     async def _one(self, req: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        async for out in self._manager.generate(req):
-            pass
+        async for item in self._manager.generate(req):
+            out = item  # the last output is the final one
         return out
 
     def _check_open(self) -> None:

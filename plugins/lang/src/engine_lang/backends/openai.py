@@ -18,8 +18,16 @@ from typing import Any
 
 import httpx
 
-from engine_lang.backends.base import (Backend, BackendError, GenOutput, GenRequest, RequestAborted, ScoreOutput,
-                                       ScoreRequest, UnsupportedOperation)
+from engine_lang.backends.base import (
+    Backend,
+    BackendError,
+    GenOutput,
+    GenRequest,
+    RequestAborted,
+    ScoreOutput,
+    ScoreRequest,
+    UnsupportedOperation,
+)
 from engine_lang.chat_template import CHATML_TEMPLATE, ChatTemplate
 from engine_lang.choices import ChoiceLogprobs
 
@@ -223,7 +231,7 @@ def _span(logprobs: dict[str, Any], start: int, end: int) -> list[list[Any]]:
     """The echoed prompt tokens covering characters [start, end) of the prompt, as
     [logprob, None, text]: a token that straddles ``start`` belongs to the span (token healing)."""
     out = []
-    for token, lp, offset in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["text_offset"]):
+    for token, lp, offset in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["text_offset"], strict=True):
         if offset >= end:
             break  # the generated token and beyond
         if offset + len(token) > start:

@@ -1,0 +1,55 @@
+"""Reading a streamed program's text as it is generated (``run(stream=True)``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+
+class StreamingMixin:
+    """``text_iter`` and ``text_async_iter`` over the (variable, text) pieces a state appends."""
+
+    _run: Any
+    _cond: threading.Condition
+    _chunks: list[tuple[str | None, str]]
+    _finished: bool
+    _error: BaseException | None
+
+    # -- streaming -------------------------------------------------------------------------------
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """With ``run(stream=True)``: the text as it is appended (only ``var_name``'s if given)."""
+        if not self._run.stream:
+            raise RuntimeError("text_iter: run the program with stream=True")
+        seen = 0
+        while True:
+            with self._cond:
+                while seen >= len(self._chunks) and not self._finished:
+                    self._cond.wait(0.1)
+                new, seen, done = self._chunks[seen:], len(self._chunks), self._finished and seen >= len(self._chunks)
+            for variable, text in new:
+                if var_name is None or variable == var_name:
+                    yield text
+            if done:
+                break
+        if self._error is not None:
+            raise self._error
+
+    async def text_async_iter(self, var_name: str | None = None) -> AsyncIterator[str]:
+        """``text_iter`` for asyncio code (polls without blocking the event loop)."""
+        if not self._run.stream:
+            raise RuntimeError("text_async_iter: run the program with stream=True")
+        seen = 0
+        while True:
+            with self._cond:
+                new, seen, done = self._chunks[seen:], len(self._chunks), self._finished and seen >= len(self._chunks)
+            for variable, text in new:
+                if var_name is None or variable == var_name:
+                    yield text
+            if done:
+                break
+            if not new:
+                await asyncio.sleep(0.01)
+        if self._error is not None:
+            raise self._error
