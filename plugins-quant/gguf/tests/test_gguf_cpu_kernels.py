@@ -37,7 +37,7 @@ def test_dequantize_is_bit_identical(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_matmul_equals_the_dequantized_product(name: str, rows: int, threads: int) -> None:
     qtype = TYPES[name]
@@ -54,6 +54,19 @@ def test_matmul_equals_the_dequantized_product(name: str, rows: int, threads: in
     want = x @ formats.dequantize(blocks, qtype).T
     torch.testing.assert_close(out[:, 8:8 + n], want, rtol=1e-5, atol=1e-5)
     assert (out[:, :8] == 123.0).all() and (out[:, 8 + n:] == 123.0).all()
+
+
+def test_a_row_gets_the_same_bits_in_any_batch() -> None:
+    """Each row sums in one order whatever the tile it falls in: greedy output does not depend on
+    which other requests share the step."""
+    blocks = formats.random_blocks(64, 256, formats.Q4_1, torch.Generator().manual_seed(5), torch.device("cpu"))
+    x = torch.randn(11, 256, generator=torch.Generator().manual_seed(6))
+    batched = torch.empty(11, 64)
+    cpu_kernels.matmul(x, blocks, formats.Q4_1, batched, 0)
+    for i in range(11):
+        alone = torch.empty(1, 64)
+        cpu_kernels.matmul(x[i:i + 1], blocks, formats.Q4_1, alone, 0)
+        assert torch.equal(alone[0], batched[i])
 
 
 def test_exact_q8_0_recovers_the_gguf_blocks_and_refuses_other_floats() -> None:

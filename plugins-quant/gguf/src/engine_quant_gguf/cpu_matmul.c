@@ -4,7 +4,7 @@
  * Each weight is dequantized in registers to exactly the float32 value gguf.quants gives it
  * (d * q + m and d * q are exact products of a float16 scale and a small integer, rounded once),
  * so the result differs from F.linear on the dequantized matrix only in the order of the float32
- * sums. Every weight block is read once per tile of up to 4 input rows: at decode (M of 1-8) the
+ * sums. Every weight block is read once per tile of up to 8 input rows: at decode (M of 1-8) the
  * time is the weight bytes (0.56-1.06 bytes a weight instead of float32's 4).
  *
  * Built by cpu_kernels.py with the host compiler; with AVX2+FMA+F16C the vector path, otherwise
@@ -114,11 +114,13 @@ static inline void dequant_block_avx(const uint8_t *b, int qtype, __m256 w[4]) {
     }
 }
 
-/* One output column n for MT input rows (MT 1-4, a constant after inlining). */
+/* One output column n for MT input rows (MT 1-8, a constant after inlining). Each row sums in
+ * the same order whatever MT is (two accumulators, blocks in order), so a row's result does not
+ * depend on the batch it is in. */
 static inline void column(const float *x, int64_t K, const uint8_t *row, int qtype, int bb, int MT,
                           float *y, int64_t ldy) {
-    __m256 acc[4][2];
-    for (int i = 0; i < 4; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    __m256 acc[8][2];
+    for (int i = 0; i < MT; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     __m256 w[4];
     for (int64_t b = 0; b < K / 32; b++) {
         dequant_block_avx(row + b * bb, qtype, w);
@@ -142,7 +144,11 @@ static void tile(const float *x, int64_t K, const uint8_t *w, int64_t n0, int64_
             case 1: column(x, K, row, qtype, bb, 1, y + n, ldy); break;
             case 2: column(x, K, row, qtype, bb, 2, y + n, ldy); break;
             case 3: column(x, K, row, qtype, bb, 3, y + n, ldy); break;
-            default: column(x, K, row, qtype, bb, 4, y + n, ldy); break;
+            case 4: column(x, K, row, qtype, bb, 4, y + n, ldy); break;
+            case 5: column(x, K, row, qtype, bb, 5, y + n, ldy); break;
+            case 6: column(x, K, row, qtype, bb, 6, y + n, ldy); break;
+            case 7: column(x, K, row, qtype, bb, 7, y + n, ldy); break;
+            default: column(x, K, row, qtype, bb, 8, y + n, ldy); break;
         }
     }
 }
@@ -151,7 +157,7 @@ static void tile(const float *x, int64_t K, const uint8_t *w, int64_t n0, int64_
                  int qtype, int bb, int MT, float *y, int64_t ldy) {
     float wb[32];
     for (int64_t n = n0; n < n1; n++) {
-        float acc[4] = {0, 0, 0, 0};
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
         for (int64_t b = 0; b < K / 32; b++) {
             dequant_block(w + n * row_bytes + b * bb, qtype, wb);
             for (int i = 0; i < MT; i++)
@@ -168,8 +174,8 @@ int gguf_matmul(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t 
                 int64_t row_bytes, int qtype, float *y, int64_t ldy) {
     int bb = block_bytes(qtype);
     if (!bb || K % 32) return -1;
-    for (int64_t m = 0; m < M; m += 4) {
-        int mt = (int)(M - m < 4 ? M - m : 4);
+    for (int64_t m = 0; m < M; m += 8) {
+        int mt = (int)(M - m < 8 ? M - m : 8);
         tile(x + m * K, K, w, n0, n1, row_bytes, qtype, bb, mt, y + m * ldy, ldy);
     }
     return 0;
