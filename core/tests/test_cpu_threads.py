@@ -31,23 +31,30 @@ def test_usable_cores_follow_the_affinity() -> None:
     assert 1 <= usable_cores() <= len(os.sched_getaffinity(0))
 
 
-@pytest.mark.parametrize("v2,v1,expected", [
-    ("max 100000\n", None, None),
-    ("150000 100000\n", None, 2),  # 1.5 CPUs: two threads can run at once
-    ("50000 100000\n", None, 1),
-    (None, ("200000", "100000"), 2),
-    (None, ("-1", "100000"), None),  # v1 without a quota
-    (None, None, None),
+def _tree(root: pathlib.Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
+@pytest.mark.parametrize("proc,files,expected", [
+    ("0::/\n", {"cpu.max": "max 100000\n"}, None),
+    ("0::/\n", {"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: two threads can run at once
+    ("0::/\n", {"cpu.max": "50000 100000\n"}, 1),
+    # A systemd slice on a host: the process's own cgroup, and the smallest limit up the tree.
+    ("0::/a.slice/b.service\n", {"a.slice/b.service/cpu.max": "max 100000\n", "a.slice/cpu.max": "300000 100000\n",
+                                  "cpu.max": "max 100000\n"}, 3),
+    ("4:memory:/x\n1:cpu,cpuacct:/docker/c1\n0::/\n",
+     {"cpu,cpuacct/docker/c1/cpu.cfs_quota_us": "200000\n", "cpu,cpuacct/docker/c1/cpu.cfs_period_us": "100000\n"}, 2),
+    ("1:cpu:/\n", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),  # v1, no quota
+    ("", {}, None),
 ])
-def test_cgroup_cpu_limit(tmp_path: pathlib.Path, v2: str | None, v1: tuple[str, str] | None,
-                          expected: int | None) -> None:
-    v2_path, quota, period = tmp_path / "cpu.max", tmp_path / "quota", tmp_path / "period"
-    if v2 is not None:
-        v2_path.write_text(v2)
-    if v1 is not None:
-        quota.write_text(v1[0])
-        period.write_text(v1[1])
-    assert cgroup_cpu_limit(str(v2_path), str(quota), str(period)) == expected
+def test_cgroup_cpu_limit(tmp_path: pathlib.Path, proc: str, files: dict[str, str], expected: int | None) -> None:
+    root = tmp_path / "cgroup"
+    root.mkdir()
+    _tree(root, files)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    assert cgroup_cpu_limit(str(root), str(tmp_path / "proc_cgroup")) == expected
 
 
 def test_a_child_starts_with_the_pool_sizes_it_is_given() -> None:

@@ -23,10 +23,9 @@ from collections.abc import Mapping
 
 # Variables the thread pools below torch read when they start.
 POOL_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-# Where a process's cgroup CPU limit is: cgroup v2, then v1.
-_CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
-_CGROUP_V1_QUOTA = "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"
-_CGROUP_V1_PERIOD = "/sys/fs/cgroup/cpu/cpu.cfs_period_us"
+# Where the cgroup hierarchies are mounted, and where a process's own cgroups are named.
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_PROC_CGROUP = "/proc/self/cgroup"
 
 
 def usable_cores() -> int:
@@ -42,26 +41,53 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
-def cgroup_cpu_limit(v2_path: str = _CGROUP_V2_CPU_MAX, v1_quota_path: str = _CGROUP_V1_QUOTA,
-                     v1_period_path: str = _CGROUP_V1_PERIOD) -> int | None:
-    """The CPU quota of this process's cgroup in whole CPUs (rounded up), or None when there is
-    none or it cannot be read."""
+def cgroup_cpu_limit(root: str = _CGROUP_ROOT, proc_cgroup: str = _PROC_CGROUP) -> int | None:
+    """The CPU quota of this process's cgroup in whole CPUs (rounded up): the smallest quota set
+    on its cgroup or any parent, cgroup v2 (``cpu.max``) or v1 (``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``); None when none is set or nothing can be read."""
     try:
-        with open(v2_path) as f:
-            quota_text, _, period_text = f.read().strip().partition(" ")
-        if quota_text == "max":
-            return None
-        return max(1, math.ceil(int(quota_text) / int(period_text or "100000")))
-    except (OSError, ValueError):
-        pass
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    v2_path, v1_path = "/", "/"
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            v2_path = path
+        elif "cpu" in controllers.split(","):
+            v1_path = path
+    limits = []
+    for directory in _up_to(root, v2_path):
+        quota, period = _read_pair(os.path.join(directory, "cpu.max"))
+        if quota is not None:
+            limits.append(math.ceil(quota / period))
+    for controller in ("cpu", "cpu,cpuacct"):
+        for directory in _up_to(os.path.join(root, controller), v1_path):
+            quota, _ = _read_pair(os.path.join(directory, "cpu.cfs_quota_us"))
+            period, _ = _read_pair(os.path.join(directory, "cpu.cfs_period_us"))
+            if quota is not None and period:
+                limits.append(math.ceil(quota / period))
+    return max(1, min(limits)) if limits else None
+
+
+def _up_to(root: str, path: str) -> list[str]:
+    """``root``/``path`` and each parent directory up to ``root``."""
+    parts = [p for p in path.split("/") if p and p != ".."]
+    return [os.path.join(root, *parts[:n]) for n in range(len(parts), -1, -1)]
+
+
+def _read_pair(path: str) -> tuple[int | None, int]:
+    """A cgroup file's number and optional period (``"150000 100000"``; ``"max ..."`` and
+    negative numbers mean no limit); (None, 0) when unset or unreadable."""
     try:
-        with open(v1_quota_path) as f:
-            quota = int(f.read().strip())
-        with open(v1_period_path) as f:
-            period = int(f.read().strip())
+        with open(path) as f:
+            first, _, second = f.read().strip().partition(" ")
+        value = int(first)
+        period = int(second) if second else 100000
     except (OSError, ValueError):
-        return None
-    return max(1, math.ceil(quota / period)) if quota > 0 and period > 0 else None
+        return None, 0
+    return (value, period) if value > 0 and period > 0 else (None, 0)
 
 
 def compute_threads(cpu_threads: int | None, ranks_on_node: int = 1,
