@@ -14,6 +14,7 @@ import json
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Any
 
 import httpx
@@ -38,6 +39,14 @@ _OPENAI_NAMES = {"max_new_tokens": "max_tokens", "temperature": "temperature", "
 _EXTRA_DEFAULTS = {"top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0, "ignore_eos": False,
                    "stop_token_ids": None, "regex": None, "ebnf": None}
 _EXTRA_NAMES = {"min_new_tokens": "min_tokens"}
+
+
+class _Refused(BackendError):
+    """The server answered the request with an error status (a 4xx: it does not accept it)."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class OpenAI(Backend):
@@ -115,9 +124,17 @@ class OpenAI(Backend):
         except (httpx.HTTPError, RuntimeError) as exc:
             if isinstance(exc, BackendError):
                 raise
-            if rid in self._aborted:
+            with self._lock:
+                aborted = rid in self._aborted
+                self._aborted.discard(rid)
+            if aborted:
                 raise RequestAborted(f"{path}: the request was aborted") from None
             raise BackendError(f"{self.base_url}{path} failed: {exc}") from None
+
+    def _one(self, path: str, body: dict[str, Any], rid: str) -> dict[str, Any]:
+        """A request answered by one JSON body; the connection is released before returning."""
+        with closing(self._post(path, body, rid)) as replies:
+            return next(replies)
 
     @staticmethod
     def _error(path: str, r: httpx.Response) -> BackendError:
@@ -125,7 +142,7 @@ class OpenAI(Backend):
             message = r.json()["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = r.text[:500]
-        return BackendError(f"{path} answered {r.status_code}: {message}")
+        return _Refused(f"{path} answered {r.status_code}: {message}", r.status_code)
 
     def _request(self, req: GenRequest, stream: bool) -> tuple[str, dict[str, Any]]:
         if req.logprobs.get("return_logprob"):
@@ -150,7 +167,7 @@ class OpenAI(Backend):
 
     def generate(self, req: GenRequest) -> GenOutput:
         path, body = self._request(req, False)
-        out = next(self._post(path, body, req.rid))
+        out = self._one(path, body, req.rid)
         choice = out["choices"][0]
         text = choice["message"]["content"] if "message" in choice else choice["text"]
         return GenOutput(text or "", self._meta(out, choice.get("finish_reason")))
@@ -172,13 +189,13 @@ class OpenAI(Backend):
         body = {"model": self.model_name, "prompt": prompts, "echo": True, "logprobs": 1, "max_tokens": 1,
                 "temperature": 0}
         try:
-            out = next(self._post("/completions", body, req.rid))
+            out = self._one("/completions", body, req.rid)
             rows = sorted(out["choices"], key=lambda c: c["index"])
             logprobs = [row["logprobs"] for row in rows]
             if any(lp is None or not lp.get("token_logprobs") for lp in logprobs):
                 raise KeyError("logprobs")
-        except (BackendError, KeyError, TypeError) as exc:
-            if isinstance(exc, RequestAborted):
+        except (_Refused, KeyError, TypeError) as exc:
+            if isinstance(exc, _Refused) and exc.status >= 500:
                 raise
             raise UnsupportedOperation(f"select: the OpenAI-compatible server at {self.base_url} does not return prompt "
                                        f"logprobs (/completions with echo and logprobs), which select needs: {exc}") from None
@@ -194,7 +211,8 @@ class OpenAI(Backend):
     def abort(self, rid: str) -> None:
         with self._lock:
             response = self._open.get(rid)
-            self._aborted.add(rid)
+            if response is not None:
+                self._aborted.add(rid)
         if response is not None:
             response.close()
 
