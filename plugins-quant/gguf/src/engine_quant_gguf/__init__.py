@@ -14,7 +14,7 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
         name="gguf",
         factory="engine_quant_gguf.config:GGUFConfig.from_config",
         description="GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights kept in their blocks; "
-                    "Triton dequantize-GEMM on CUDA, dequantize + F.linear on CPU",
+                    "Triton dequantize-GEMM on CUDA, a C block kernel on CPU (Q4_0/Q4_1/Q8_0)",
         device_types=("cuda", "cpu"),
         checkpoint_methods=("gguf",),
     ))
