@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_lang import RuntimeEndpoint  # noqa: E402
-from engine_lang.backends.base import GenOutput, GenRequest  # noqa: E402
+from lang_programs import Recording  # noqa: E402
 from test_server_e2e_harness import Server, free_port  # noqa: E402
 
 
@@ -42,18 +42,12 @@ def tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(resolve_checkpoint(None))
 
 
-class RecordingEndpoint(RuntimeEndpoint):
+class RecordingEndpoint(Recording, RuntimeEndpoint):
     """A RuntimeEndpoint that keeps each generation's request and its start and end times."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.calls: list[tuple[GenRequest, float, float]] = []
-
-    def generate(self, req: GenRequest) -> GenOutput:
-        start = time.monotonic()
-        out = super().generate(req)
-        self.calls.append((req, start, time.monotonic()))
-        return out
+        self.calls = []
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,18 @@ from typing import Any
 import pytest
 from engine_lang import Engine, assistant, function, gen, select, system, user
 from engine_lang.testing import BackendConformance
+from lang_programs import Recording, check_seed_patterns
+
+
+class RecordingEngine(Recording, Engine):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls = []
 
 
 @pytest.fixture(scope="module")
 def engine_backend() -> Iterator[Engine]:
-    with Engine(max_total_tokens=16384) as backend:
+    with RecordingEngine(max_total_tokens=16384) as backend:
         yield backend
 
 
@@ -86,3 +93,7 @@ def test_the_backend_imports_the_engine_only_when_created() -> None:
     code = "import sys, engine_lang; engine_lang.Engine; print('engine' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_seed_patterns_run_unchanged(engine_backend: Engine) -> None:
+    check_seed_patterns(engine_backend)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import engine_lang as sgl
 import httpx
 import pytest
 from engine_lang import ProgramError, assistant, function, gen, select, system, user
+from lang_programs import check_seed_patterns
 
 PROMPT = "The capital of France is"
 
@@ -241,47 +241,5 @@ def test_a_program_that_fails_leaves_no_request_running(server: Any, endpoint: A
 
 
 # -- the seed documents' patterns, unchanged ------------------------------------------------------
-@function
-def simple_gen(s, prompt):  # noqa: ANN001, ANN201
-    s += prompt
-    s += gen("response", max_tokens=100)
-
-
-@function
-def chat_dialogue(s, user_input):  # noqa: ANN001, ANN201
-    s += system("You are a helpful assistant.")
-    s += user(user_input)
-    s += assistant(gen(max_tokens=128))
-
-
-@function
-def conditional_gen(s, question):  # noqa: ANN001, ANN201
-    s += f"Question: {question}\nAnswer:"
-    first_word = gen(max_tokens=1, choices=["Yes", "No"])
-    if first_word == "Yes":
-        s += gen(max_tokens=50)
-    else:
-        s += gen(max_tokens=20)
-
-
 def test_seed_patterns_run_unchanged(endpoint: Any) -> None:
-    sgl.set_default_backend(endpoint)
-    one = simple_gen.run(prompt="The capital of France is", temperature=0)
-    two = chat_dialogue.run(user_input="What is the capital of France?", temperature=0)
-    assert one["response"] and one.text().startswith("The capital of France is")
-    assert two.messages()[-1]["role"] == "assistant" and two.messages()[-1]["content"]
-    endpoint.calls.clear()
-    three = conditional_gen.run(question="Is Paris the capital of France?", temperature=0)
-    head = "Question: Is Paris the capital of France?\nAnswer:"
-
-    @function
-    def first_word(s: Any) -> None:
-        s += head
-        s += select("word", choices=["Yes", "No"])
-
-    word = first_word.run()["word"]
-    # The compared gen was evaluated on the text so far and not appended; the branch it chose
-    # generated right after "Answer:" with its own max_tokens.
-    (req, _, _), = endpoint.calls
-    assert req.text == head and req.sampling_params["max_new_tokens"] == (50 if word == "Yes" else 20)
-    assert three.text().startswith(head) and len(three.text()) > len(head)
+    check_seed_patterns(endpoint)
