@@ -102,3 +102,71 @@ def test_argument_errors_name_the_argument() -> None:
         prog.run(a=1, temprature=0, backend=sgl.Backend())
     with pytest.raises(RuntimeError, match="was compared with a value outside a running program"):
         bool(sgl.gen("x", choices=["a", "b"]) == "a")
+
+
+class _FakeServer:
+    """A local HTTP server answering from a table (path -> (status, body)) and keeping the
+    requests' headers: for what a model server cannot show (a server without prompt logprobs)."""
+
+    def __init__(self, routes: dict[str, tuple[int, Any]]) -> None:
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        self.headers: list[dict[str, str]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self) -> None:
+                outer.headers.append(dict(self.headers))
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                status, body = routes.get(self.path, (404, {"error": {"message": f"no route {self.path}"}}))
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+
+
+def test_openai_select_without_prompt_logprobs_is_unsupported() -> None:
+    completion = {"id": "c", "choices": [{"index": i, "text": "x", "logprobs": None, "finish_reason": "length"}
+                                         for i in range(2)], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    fake = _FakeServer({"/v1/completions": (200, completion)})
+    try:
+        @sgl.function
+        def choose(s: Any) -> None:
+            s += "Pick:"
+            s += sgl.select("pick", choices=[" a", " b"])
+
+        backend = sgl.OpenAI("m", base_url=fake.url + "/v1", api_key="k")
+        with pytest.raises(sgl.ProgramError, match="variable 'pick'.*select: the OpenAI-compatible server") as info:
+            choose.run(backend=backend)
+        assert isinstance(info.value.__cause__, sgl.UnsupportedOperation)
+        assert "does not return prompt logprobs" in str(info.value)
+    finally:
+        fake.close()
+
+
+def test_runtime_endpoint_sends_the_api_key() -> None:
+    fake = _FakeServer({"/get_model_info": (200, {"chat_template": None})})
+    try:
+        sgl.RuntimeEndpoint(fake.url, api_key="secret").close()
+        assert fake.headers[-1]["Authorization"] == "Bearer secret"
+        with pytest.raises(sgl.BackendError, match=r"RuntimeEndpoint: .*/get_model_info answered 404"):
+            sgl.RuntimeEndpoint(fake.url + "/nothing-here")
+    finally:
+        fake.close()
