@@ -163,6 +163,27 @@ def test_run_batch_of_32_keeps_every_result(server: Any, endpoint: Any) -> None:
             assert state.error() is None and state["next"] == next(expected), i
 
 
+INSTRUCTION = "Answer with one word. Say which of the following animals is the largest one.\n"
+
+
+@function
+def largest(s: Any, animals: str) -> None:
+    s += INSTRUCTION
+    s += f"Animals: {animals}\nAnswer:"
+    s += gen("answer", max_tokens=2)
+
+
+def test_run_batch_sends_the_shared_prefix_first(endpoint: Any) -> None:
+    from engine_lang.program import trace_prefix
+
+    assert trace_prefix(largest, endpoint) == INSTRUCTION  # ends where the first argument is used
+    instruction_tokens = httpx.post(endpoint.base_url + "/v1/tokenize", json={"prompt": INSTRUCTION}).json()["count"]
+    states = largest.run_batch([{"animals": a} for a in ("cat, whale", "ant, dog", "cow, mouse", "fox, bear")],
+                               temperature=0, backend=endpoint)
+    for state in states:
+        assert state.get_meta_info("answer")["cached_tokens"] >= instruction_tokens - 1
+
+
 # -- streaming, roles ---------------------------------------------------------------------------
 @function
 def chat(s: Any, question: str) -> None:
