@@ -255,10 +255,30 @@ def test_a_program_that_fails_leaves_no_request_running(server: Any, endpoint: A
 
     with pytest.raises(interrupt, match="stop here"):
         long_branch.run(temperature=0, backend=endpoint)
-    deadline = time.monotonic() + 10
+    _wait_until_nothing_runs(server)
+
+
+def _wait_until_nothing_runs(server: Any) -> None:
+    deadline = time.monotonic() + 10  # an abort takes effect at the scheduler's next step
     while (info := server.get("/get_server_info").json())["num_running_reqs"] or info["num_waiting_reqs"]:
-        assert time.monotonic() < deadline, "a request kept running after the program failed"
+        assert time.monotonic() < deadline, "a request kept running after the program stopped"
         time.sleep(0.05)
+
+
+def test_ctrl_c_while_reading_a_stream_stops_the_program(server: Any, endpoint: Any) -> None:
+    @function
+    def story(s: Any) -> None:
+        s += "Write a long story:"
+        s += gen("story", max_tokens=2000, ignore_eos=True)
+
+    state = story.run(temperature=0, stream=True, backend=endpoint)
+    pieces = state.text_iter("story")
+    next(pieces)  # generating now
+    with pytest.raises(KeyboardInterrupt):
+        pieces.throw(KeyboardInterrupt)  # as Ctrl-C arrives while the reader waits for text
+    with pytest.raises(ProgramError, match="variable 'story'"):
+        state.text()
+    _wait_until_nothing_runs(server)
 
 
 # -- the seed documents' patterns, unchanged ------------------------------------------------------

@@ -23,16 +23,21 @@ class StreamingMixin:
         if not self._run.stream:
             raise RuntimeError("text_iter: run the program with stream=True")
         seen = 0
-        while True:
-            with self._cond:
-                while seen >= len(self._chunks) and not self._finished:
-                    self._cond.wait(0.1)
-                new, seen, done = self._chunks[seen:], len(self._chunks), self._finished and seen >= len(self._chunks)
-            for variable, text in new:
-                if var_name is None or variable == var_name:
-                    yield text
-            if done:
-                break
+        try:
+            while True:
+                with self._cond:
+                    while seen >= len(self._chunks) and not self._finished:
+                        self._cond.wait(0.1)
+                    new, seen = self._chunks[seen:], len(self._chunks)
+                    done = self._finished and not new
+                for variable, text in new:
+                    if var_name is None or variable == var_name:
+                        yield text
+                if done:
+                    break
+        except KeyboardInterrupt:
+            self._run.cancel()  # the program runs in its own thread: Ctrl-C here stops its requests
+            raise
         if self._error is not None:
             raise self._error
 
@@ -41,15 +46,20 @@ class StreamingMixin:
         if not self._run.stream:
             raise RuntimeError("text_async_iter: run the program with stream=True")
         seen = 0
-        while True:
-            with self._cond:
-                new, seen, done = self._chunks[seen:], len(self._chunks), self._finished and seen >= len(self._chunks)
-            for variable, text in new:
-                if var_name is None or variable == var_name:
-                    yield text
-            if done:
-                break
-            if not new:
-                await asyncio.sleep(0.01)
+        try:
+            while True:
+                with self._cond:
+                    new, seen = self._chunks[seen:], len(self._chunks)
+                    done = self._finished and not new
+                for variable, text in new:
+                    if var_name is None or variable == var_name:
+                        yield text
+                if done:
+                    break
+                if not new:
+                    await asyncio.sleep(0.01)
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            self._run.cancel()
+            raise
         if self._error is not None:
             raise self._error
