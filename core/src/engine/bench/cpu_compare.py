@@ -72,6 +72,7 @@ def _transformers(model: Any, prompts: list[list[int]], output_len: int, runs: R
 
 def _llama_cpp(llm: Any, prompt: list[int], output_len: int, runs: Runs) -> None:
     times = []
+    llm.reset()  # otherwise generate reuses the previous round's identical prompt from its KV cache
     start = time.perf_counter()
     for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
         times.append(time.perf_counter())
