@@ -69,7 +69,8 @@ def serve_cmd(server_args: ServerArgs) -> None:
     # A misspelt or unusable component or path fails here, before the server (and torch) is
     # imported; start-up runs the same checks again with the checkpoint's.
     check_before_start(server_args)
-    from engine.entrypoints.http_server import serve
+    # The light start-up: the scheduler process starts before the HTTP server is imported.
+    from engine.entrypoints.serve_start import serve
 
     code = serve(server_args)
     if code:

@@ -1,9 +1,10 @@
-"""The HTTP server: the FastAPI app (OpenAI and native routes) and ``serve`` (uvicorn).
+"""The HTTP server: the FastAPI app (OpenAI and native routes) and ``run_server`` (uvicorn).
 
-``serve`` binds the port first (a busy port fails in a second, not after loading
-the model), starts the scheduler and detokenizer processes, then runs uvicorn
-with the tokenizer manager on its event loop. It returns the process exit code:
-0 after SIGTERM/SIGINT, 1 when an engine process died.
+``serve`` (``engine.entrypoints.serve_start``) binds the port first (a busy
+port fails in a second, not after loading the model), starts the scheduler and detokenizer
+processes, imports this module while they load, then ``run_server`` runs uvicorn with the
+tokenizer manager on its event loop. It returns the process exit code: 0 after SIGTERM/SIGINT,
+1 when an engine process died.
 
 Shutdown drains: the listening socket closes (after accepting the connections already
 waiting) and ``/health`` answers 503 (load balancers stop sending); every request received
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -35,8 +35,7 @@ from engine.entrypoints.http.errors import install_error_handlers
 from engine.entrypoints.http.guards import FrontDoor
 from engine.entrypoints.http.native import router as native_router
 from engine.entrypoints.http.routes import router as openai_router
-from engine.cpu_threads import limit_torch_threads
-from engine.errors import ConfigError
+from engine.entrypoints.startup import Signals, StartupInterrupted, bind_socket, server_url
 from engine.managers.arrivals import Arrivals
 from engine.managers.tokenizer_manager import TokenizerManager
 from engine.metrics import ServerMetrics
@@ -110,50 +109,6 @@ async def _watch_engine(manager: Any, on_fatal: Callable[[str], None] | None) ->
 
 
 # -- running it ----------------------------------------------------------------------------
-class _StartupInterrupted(BaseException):
-    """SIGTERM/SIGINT while the model loads (BaseException: it must unwind launch_runtime)."""
-
-
-class _Signals:
-    """SIGTERM/SIGINT handling outside uvicorn's own: abort the load, or stop the server."""
-
-    def __init__(self) -> None:
-        self.server: Any | None = None
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self.handle)
-
-    def handle(self, sig: int, frame: Any) -> None:
-        if self.server is None:
-            raise _StartupInterrupted(sig)
-        # uvicorn re-raises the signal it handled once it has shut down; by then nothing is left
-        # to do. Before it installs its own handlers, this asks it to stop as soon as it runs.
-        self.server.should_exit = True
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Binds (without listening, so clients get 'connection refused' while the model loads)."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise ConfigError(f"--host: cannot resolve {host!r}: {exc.strerror}") from None
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise ConfigError(f"--port: cannot listen on {host}:{port}: {exc.strerror} "
-                          "(is another server running? pick another --port)") from None
-    return sock
-
-
-def server_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def ready_line(ctx: ServingContext, url: str) -> str:
     """The one start-up line: where, what model, which plugins, attention backend and platform."""
     ready = ctx.ready
@@ -165,38 +120,11 @@ def ready_line(ctx: ServingContext, url: str) -> str:
             f"{replicas}KV pool {ready.max_total_num_tokens} tokens, context {ready.context_len} | plugins: {plugins}")
 
 
-def serve(args: ServerArgs) -> int:
-    """Runs the server until SIGTERM/SIGINT (returns 0) or an engine process dies (returns 1)."""
-    from engine.entrypoints.launch import launch_runtime, resolve_model_path
-    from engine.managers.process_utils import setup_child_logging
-
-    if args.node_rank > 0:  # multi-node: the other nodes run only their ranks
-        from engine.entrypoints.worker_node import serve_worker_node
-
-        return serve_worker_node(args)
-    setup_child_logging(args.log_level, "server")
-    # This process runs the HTTP server and the tokenizer manager: one compute thread, so torch
-    # (imported with the server) does not spread over the cores the scheduler computes on.
-    limit_torch_threads(1)
-    signals = _Signals()
-    signals.install()
-    sock = bind_socket(args.host, args.port)
+def run_server(args: ServerArgs, runtime: Runtime, sock: socket.socket, signals: Signals, started: float) -> int:
+    """Serves on ``sock`` (bound, not yet listening) with the loaded ``runtime`` until SIGTERM/SIGINT
+    (returns 0) or an engine process dies (returns 1); ``serve_start.serve`` calls it once the
+    model is loaded, ``started`` being when its start-up began (``time.perf_counter()``)."""
     url = server_url(args.host, args.port)
-    try:
-        started = time.perf_counter()
-        # A GGUF (the default model is one) is converted on its first use, with a progress bar,
-        # or found in the cache; either way the checkpoint's own log line says which.
-        logger.info("[1/2] model: %s", args.model_path or "embedded default model (SmolLM2-135M-Instruct GGUF)")
-        model_path = resolve_model_path(args)
-        logger.info("[2/2] starting the scheduler and detokenizer processes; loading weights from %s and the tokenizer", model_path)
-        runtime = launch_runtime(args, model_path)
-    except _StartupInterrupted:
-        logger.info("interrupted during start-up")
-        sock.close()
-        return 0
-    except BaseException:
-        sock.close()
-        raise
     exit_code = 0
     try:
         ready = runtime.ready
@@ -222,7 +150,7 @@ def serve(args: ServerArgs) -> int:
         server = _Server(config, lambda: ready_line(app.state.ctx, url), app, args.shutdown_grace_s)
         signals.server = server
         server.run(sockets=[sock])
-    except _StartupInterrupted:
+    except StartupInterrupted:
         logger.info("interrupted during start-up")
     finally:
         logger.info("shutting down the engine processes")
@@ -272,3 +200,7 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             print(self._line(), flush=True)
+
+
+# bind_socket and server_url live in startup (no torch); importable from here as before.
+__all__ = ["bind_socket", "create_app", "ready_line", "run_server", "server_url"]
