@@ -170,3 +170,37 @@ def test_runtime_endpoint_sends_the_api_key() -> None:
             sgl.RuntimeEndpoint(fake.url + "/nothing-here")
     finally:
         fake.close()
+
+
+class _Echo(sgl.Backend):
+    """Answers every gen with its max_new_tokens: the executor's bookkeeping without a model."""
+
+    name = "echo"
+
+    def generate(self, req: Any) -> Any:
+        from engine_lang.backends.base import GenOutput
+
+        return GenOutput(f"<{req.sampling_params['max_new_tokens']}>", {"prompt": req.text})
+
+
+def test_states_keep_order_across_forks_and_after_the_run() -> None:
+    import threading
+    import time
+
+    @sgl.function
+    def prog(s: Any, n: int) -> None:
+        s += "a"
+        forks = s.fork(3)
+        forks += [sgl.gen("g", max_tokens=n + i) for i in range(3)]
+        s += forks[2]["g"]
+        forks.join()
+
+    before = threading.active_count()
+    for n in range(50):
+        state = prog.run(n, backend=_Echo())
+        assert state["g"] == [f"<{n}>", f"<{n + 1}>", f"<{n + 2}>"] and state.text() == f"a<{n + 2}>"
+        state += "b"  # a state stays usable after its run
+        state += sgl.gen("x", max_tokens=1)
+        assert state.text() == f"a<{n + 2}>b<1>" and state.get_meta_info("x") == {"prompt": f"a<{n + 2}>b"}
+    time.sleep(1.5)  # idle workers leave
+    assert threading.active_count() <= before + 1

@@ -30,6 +30,8 @@ from engine_lang.state_group import ProgramStateGroup
 from engine_lang.streaming import StreamingMixin
 
 _STOP = object()
+# Seconds a state's worker waits for work before it leaves.
+_IDLE_S = 1.0
 
 
 class _Evaluate:
@@ -66,18 +68,27 @@ class ProgramState(StreamingMixin):
         return self
 
     def submit(self, expr: Any) -> None:
-        with self._cond:
+        with self._cond:  # one lock with the worker's exit, so nothing is queued behind a leaving worker
             self._pending += 1
-            if self._thread is None or not self._thread.is_alive():
+            self._queue.put(expr)
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="engine-lang-state", daemon=True)
                 self._thread.start()
-        self._queue.put(expr)
 
     def _work(self) -> None:
         while True:
-            expr = self._queue.get()
+            try:
+                # An idle worker leaves (submit starts another): a state used after its run ended
+                # holds no thread.
+                expr = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                expr = _STOP
             if expr is _STOP:
-                return
+                with self._cond:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue  # added to after the run ended: keep working
             try:
                 if self._error is None:
                     self._execute(expr)
@@ -90,8 +101,9 @@ class ProgramState(StreamingMixin):
                     self._cond.notify_all()
 
     def _stop_worker(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(_STOP)
+        with self._cond:
+            if self._thread is not None:
+                self._queue.put(_STOP)
 
     def sync(self) -> None:
         """Waits for everything queued so far; raises the state's first error."""
