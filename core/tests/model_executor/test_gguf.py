@@ -162,6 +162,30 @@ def test_conversion_is_cached_by_content(tmp_path: pathlib.Path, monkeypatch: py
         resolve_checkpoint(path)
 
 
+def test_processes_starting_together_convert_once(tmp_path: pathlib.Path, llama_source: tuple[str, Any],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two starts on a fresh cache: the second waits for the first's conversion and reuses it."""
+    import threading
+
+    path, _ = _gguf(tmp_path, llama_source[1], "Q8_0")
+    real, calls, entered = gguf_convert.convert_gguf, [], threading.Event()
+
+    def slow_conversion(*args: Any, **kwargs: Any) -> None:
+        calls.append(args[1])
+        entered.set()
+        threading.Event().wait(1.0)  # the other start arrives while this one converts
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_convert, "convert_gguf", slow_conversion)
+    results: list[str] = []
+    first = threading.Thread(target=lambda: results.append(resolve_checkpoint(path)))
+    first.start()
+    assert entered.wait(60)
+    results.append(resolve_checkpoint(path))  # blocks on the lock until the first has finished
+    first.join(60)
+    assert len(calls) == 1 and len(results) == 2 and results[0] == results[1]
+
+
 def test_directory_with_two_ggufs_or_a_split_gguf_is_refused(tmp_path: pathlib.Path) -> None:
     (tmp_path / "a.gguf").write_bytes(b"")
     (tmp_path / "b.gguf").write_bytes(b"")

@@ -8,6 +8,7 @@ and the detokenizer all load it through the one Hugging Face path. Later starts 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -103,15 +104,37 @@ def prepare_gguf_checkpoint(gguf_path: str, check_architecture: Callable[[str], 
             ``-config`` directory without weights is written (seconds, and no dequantized copy
             of the model on disk).
     """
-    from engine.model_executor.gguf_convert import SOURCE_FILE, convert_gguf
-
     full = converted_dir(gguf_path)
     target = full if weights else full + "-config"
-    for ready in (full, target):
+    cached = _cached_conversion(gguf_path, (full, target))
+    if cached is not None:
+        return cached
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    # One process converts; another that wants the same directory meanwhile waits and reuses it
+    # (servers and engines started together on a fresh cache would each convert otherwise).
+    with open(target + ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("GGUF %s: another process is converting it; waiting", os.path.basename(gguf_path))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        cached = _cached_conversion(gguf_path, (full, target))
+        return cached if cached is not None else _convert(gguf_path, target, check_architecture, weights)
+
+
+def _cached_conversion(gguf_path: str, candidates: tuple[str, ...]) -> str | None:
+    from engine.model_executor.gguf_convert import SOURCE_FILE
+
+    for ready in candidates:
         if os.path.isfile(os.path.join(ready, SOURCE_FILE)):
             logger.info("GGUF %s: using its conversion cached in %s", os.path.basename(gguf_path), ready)
             return ready
-    os.makedirs(os.path.dirname(target), exist_ok=True)
+    return None
+
+
+def _convert(gguf_path: str, target: str, check_architecture: Callable[[str], None], weights: bool) -> str:
+    from engine.model_executor.gguf_convert import SOURCE_FILE, convert_gguf
+
     tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(target))
     started = time.perf_counter()
     logger.info("converting GGUF %s to a %s in %s (once; later starts reuse it)", gguf_path,
