@@ -112,6 +112,11 @@ class RMSNorm(nn.Module):
         return PendingNorm(x2, residual.reshape(-1, x.shape[-1]), self.weight, self.variance_epsilon, normed, res_sum)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32 and x.device.type == "cpu":
+            # One call instead of seven; on the CPU in float32 its result is bit-identical to the
+            # composite below (checked over hidden sizes 64-4096), and per-call overhead is what a
+            # CPU decode step spends most on outside the weight products.
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.variance_epsilon)
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
