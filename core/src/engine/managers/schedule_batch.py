@@ -17,6 +17,7 @@ from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.managers.stop_strings import StopStringCheck
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.mem_cache.memory_pool import ReqToTokenPool, TokenToKVPoolAllocator
 
@@ -99,6 +100,8 @@ class Req:
         # Speculative decoding: verify forwards this request took part in, drafts kept in them.
         self.spec_verify_ct = 0
         self.spec_accepted_tokens = 0
+        # Stop strings: the output decoded as the detokenizer will (set by the scheduler).
+        self.stop_check: StopStringCheck | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:
@@ -149,6 +152,12 @@ class Req:
         if self.finished():
             return
         params = self.sampling_params
+        # A stop string ends the request at the token that completes it, even the last allowed
+        # one (the detokenizer reports that match), and before min_new_tokens, as there.
+        matched = self.stop_check.feed(self.output_ids) if self.stop_check is not None else None
+        if matched is not None:
+            self.finished_reason = FinishReason("stop", matched=matched)
+            return
         if len(self.output_ids) >= params.max_new_tokens:
             self.finished_reason = FinishReason("length", length=params.max_new_tokens)
             return

@@ -22,6 +22,7 @@ from engine.managers.policy import PolicyContext
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
 from engine.managers.scheduler_decode import DecodeMixin, InflightDecode
 from engine.managers.scheduler_output import OutputMixin
+from engine.managers.stop_strings import stop_string_check
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sampling.sampling_params import SamplingParams
@@ -138,6 +139,8 @@ class Scheduler(DecodeMixin, OutputMixin):
             return
         # Leave room for at least the prompt and one token within the context.
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
+        req.stop_check = stop_string_check(params, req.origin_input_ids, self.grammar_queue.tokenizer_path,
+                                           self.args.trust_remote_code)
         if not self.grammar_queue.submit(req):
             self.waiting_queue.append(req)
 

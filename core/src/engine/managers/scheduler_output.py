@@ -6,6 +6,7 @@ from typing import Any
 
 from engine.managers.io_struct import BatchTokenIDOut
 from engine.managers.schedule_batch import Req
+from engine.managers.stop_strings import prompt_tail
 
 
 class OutputMixin:
@@ -41,7 +42,7 @@ class OutputMixin:
             start = req.send_offset
             out.rids.append(req.rid)
             out.new_token_ids.append(req.output_ids[start:])
-            out.prompt_tail_ids.append(req.origin_input_ids[-16:] if start == 0 else None)
+            out.prompt_tail_ids.append(prompt_tail(req.origin_input_ids) if start == 0 else None)
             out.finished_reasons.append(req.finished_reason.to_json() if req.finished_reason else None)
             out.prompt_tokens.append(len(req.origin_input_ids))
             out.completion_tokens.append(len(req.output_ids))
