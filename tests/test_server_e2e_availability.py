@@ -267,3 +267,22 @@ def test_sigkill_of_the_server_leaves_no_ipc_directory(servers: dict[str, Server
     server.proc.wait(10)
     assert _wait(lambda: not [pid for pid in children if _alive(pid)], 15), "children outlived a SIGKILLed server"
     assert _wait(lambda: not glob.glob(pattern), 10), glob.glob(pattern)
+
+
+def test_sigterm_while_the_model_loads_exits_zero_and_leaves_no_process(long_context_ckpt: str,
+                                                                        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The engine processes start before the server's own imports; a SIGTERM to the process group
+    once they run (the model still loading) ends the start-up: status 0, no process left."""
+    server = launch(long_context_ckpt, str(tmp_path_factory.mktemp("interrupted-start")), api_key=None,
+                    new_session=True)
+    try:
+        assert _wait(lambda: "[2/2] starting the scheduler" in server.log() and len(server.descendants()) >= 2, 120), \
+            server.log()[-3000:]
+        children = server.descendants()
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        assert server.proc.wait(60) == 0, server.log()[-3000:]
+    finally:
+        server.stop(signal.SIGKILL)
+    assert "interrupted during start-up" in server.log() or "serving" in server.log(), server.log()[-3000:]
+    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 15), "engine processes left behind"
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*")), server.log()[-3000:]

@@ -191,21 +191,25 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
     ipc = IpcNames.create()
     parent_pid = os.getpid()
     tokenizer_writer, tokenizer_reader = pipe(to_child=True)
-    readers, replica_processes = [], []
-    for dp_rank in range(args.dp_size):
-        procs, reader = launch_replica(args, model_path, ipc.for_replica(dp_rank), dp_rank, parent_pid)
-        readers.append(reader)
-        replica_processes.append(procs)
-    processes = [p for procs in replica_processes for p in procs]
-    # One thread: it decodes one request at a time (RAYON: the tokenizers library's own pool).
-    processes.append(ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
-                                  (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer",
-                                  env={**pool_env(1), "RAYON_NUM_THREADS": "1"}))
-    starting = StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes)
+    readers: list[Any] = []
+    replica_processes: list[list[Any]] = []
+    processes: list[Any] = []
+    # From here a failure or a signal (SIGTERM/SIGINT during start-up) stops whatever has
+    # started and removes the IPC directory, wherever it lands.
     try:
+        for dp_rank in range(args.dp_size):
+            procs, reader = launch_replica(args, model_path, ipc.for_replica(dp_rank), dp_rank, parent_pid)
+            readers.append(reader)
+            replica_processes.append(procs)
+            processes.extend(procs)
+        # One thread: it decodes one request at a time (RAYON: the tokenizers library's own pool).
+        processes.append(ChildProcess("engine.managers.detokenizer_manager:detokenizer_process",
+                                      (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer",
+                                      env={**pool_env(1), "RAYON_NUM_THREADS": "1"}))
+        starting = StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes)
         preflight(args, model_path)
     except BaseException:
-        starting.abort()
+        StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes).abort()
         for reader in readers:
             reader.close()
         raise
