@@ -66,11 +66,12 @@ class GrammarQueue:
 
     def _make_backend(self) -> Any:
         import engine.plugins as plugins
-        from engine.managers.tokenizer_utils import load_tokenizer
+        from engine.managers.tokenizer_utils import shared_tokenizer
 
         if self.tokenizer_path is None:
             raise GrammarError("structured output needs a tokenizer; this server runs with --skip-tokenizer-init")
-        tokenizer = load_tokenizer(self.tokenizer_path, self._trust_remote_code)
+        # The one stop-string checks decode with: a server loads it once, here, at start-up.
+        tokenizer = shared_tokenizer(self.tokenizer_path, self._trust_remote_code)
         info = TokenizerInfo(tokenizer, self.vocab_size, self.stop_token_ids, self.tokenizer_path)
         backend = plugins.create_grammar_backend(self.backend_name, info, self._disabled, self._plugin_options)
         logger.info("grammar backend %s ready (vocabulary %d)", self.backend_name, self.vocab_size)

@@ -9,10 +9,10 @@ processes agree on the token that ends the request and the text it ends with.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any
 
 from engine.managers.incremental_detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.managers.tokenizer_utils import shared_tokenizer
 
 if TYPE_CHECKING:
     from engine.sampling.sampling_params import SamplingParams
@@ -24,13 +24,6 @@ PROMPT_TAIL_TOKENS = 16
 def prompt_tail(input_ids: list[int]) -> list[int]:
     """The prompt tokens both decoders take as the context of the first output token."""
     return input_ids[-PROMPT_TAIL_TOKENS:]
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: str, trust_remote_code: bool) -> Any:
-    from engine.managers.tokenizer_utils import load_tokenizer
-
-    return load_tokenizer(path, trust_remote_code)
 
 
 class StopStringCheck:
@@ -59,8 +52,9 @@ class StopStringCheck:
 def stop_string_check(params: SamplingParams, input_ids: list[int], tokenizer_path: str | None,
                       trust_remote_code: bool = False) -> StopStringCheck | None:
     """The check for a request with stop strings; None without stop strings or without a
-    tokenizer (--skip-tokenizer-init: outputs are ids, no text to match). The tokenizer loads
-    once per process, with the first request that has stop strings."""
+    tokenizer (--skip-tokenizer-init: outputs are ids, no text to match). The tokenizer is the
+    process's shared one (a server's grammar backend loads it at start-up; else the first request
+    with stop strings does)."""
     if not params.stop or tokenizer_path is None:
         return None
-    return StopStringCheck(_tokenizer(tokenizer_path, trust_remote_code), params, input_ids)
+    return StopStringCheck(shared_tokenizer(tokenizer_path, trust_remote_code), params, input_ids)
