@@ -186,7 +186,8 @@ class TokenizerManager:
             if reason is not None:
                 state.finished_reason = reason
                 if reason.get("type") == "stop" and isinstance(reason.get("matched"), str):
-                    # Ended by a stop string at the detokenizer: the scheduler may still run it.
+                    # The scheduler ends such a request itself (managers/stop_strings.py); this
+                    # abort covers a match only the detokenizer saw (its final flush), a no-op else.
                     self._send_for(rid, AbortReq(rid, "stop string"))
             state.event.set()
 

@@ -30,7 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = field(default_factory=list)  # stop strings (applied by the detokenizer)
+    stop: list[str] = field(default_factory=list)  # stop strings (scheduler ends, detokenizer cuts)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
