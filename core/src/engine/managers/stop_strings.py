@@ -35,6 +35,8 @@ class StopStringCheck:
         self._matcher = StopStringMatcher(params.stop)
         # Output tokens already decoded (a retracted request keeps its output and this state).
         self._fed = 0
+        # The text's last max_stop_len - 1 characters: all a match completed later can reach back.
+        self._tail = ""
 
     def feed(self, output_ids: list[int]) -> str | None:
         """Decodes the tokens appended since the last call; returns the stop string their text
@@ -43,9 +45,13 @@ class StopStringCheck:
         self._fed = len(output_ids)
         if not new:
             return None
-        before = len(self._detok.output_text)
-        self._detok.add_tokens(new)
-        matched, _ = self._matcher.feed(self._detok.output_text, before)
+        new_text = self._detok.add_tokens(new)
+        if not new_text:
+            return None  # an incomplete character: no text yet, no match
+        text = self._tail + new_text
+        matched, _ = self._matcher.feed(text, len(self._tail))
+        keep = self._matcher.max_stop_len - 1
+        self._tail = text[-keep:] if keep else ""
         return self._matcher.matched if matched else None
 
 
