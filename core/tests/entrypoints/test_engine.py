@@ -77,12 +77,17 @@ def test_stop_token_ids_and_ignore_eos(engine: Engine) -> None:
 
 def test_stop_string_cuts_text(engine: Engine) -> None:
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    full = engine.generate("The lazy dog", params)["text"]
+    first = engine.generate("The lazy dog", params)
+    full = first["text"]
     assert len(full) > 6
     stop = full[3:6]
     out = engine.generate("The lazy dog", {**params, "stop": [stop]})
     assert out["text"] == full[: full.index(stop)]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # The scheduler ended it at the token that completes the stop string, not at max_new_tokens.
+    ids = first["output_ids"]
+    k = next(k for k in range(1, len(ids) + 1) if stop in engine.tokenizer.decode(ids[:k]))
+    assert out["output_ids"] == ids[:k] and out["meta_info"]["completion_tokens"] == k < 16
 
 
 def test_cached_tokens_on_shared_prefix(engine: Engine) -> None:
