@@ -167,3 +167,19 @@ def test_check_agrees_with_the_detokenizer_token_by_token(tok: Any, base: list[i
     hits = [check.feed(base[:k]) for k in range(1, MAX_NEW + 1)]
     k = _first_match(tok, base, stop)
     assert hits[: k - 1] == [None] * (k - 1) and hits[k - 1] == stop
+
+
+def test_stop_strings_without_a_tokenizer_are_refused() -> None:
+    # --skip-tokenizer-init: no text exists to match in, so a stop string is a request error
+    # naming the field, not silently ignored; stop_token_ids still work there.
+    from types import SimpleNamespace
+
+    from engine.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+
+    manager = SimpleNamespace(tokenizer=None, context_len=64, _check_structured=lambda params: None)
+    req = GenerateRequest(input_ids=[5, 6], sampling_params={"stop": "\n"})
+    with pytest.raises(RequestError, match=r"stop: invalid value \['\\n'\].*--skip-tokenizer-init.*stop_token_ids") as info:
+        TokenizerManager.validate(manager, req, [5, 6])  # type: ignore[arg-type]
+    assert info.value.field == "stop"
+    ok = GenerateRequest(input_ids=[5, 6], sampling_params={"stop_token_ids": [7]})
+    assert TokenizerManager.validate(manager, ok, [5, 6]).stop_token_ids == [7]  # type: ignore[arg-type]

@@ -236,6 +236,9 @@ class TokenizerManager:
                 "text" if req.text is not None else "input_ids")
         if req.top_logprobs_num < 0 or req.top_logprobs_num > 20:
             raise RequestError(f"top_logprobs_num: invalid value {req.top_logprobs_num}; accepted: 0..20", "top_logprobs_num")
+        if params.stop and self.tokenizer is None:
+            raise RequestError(f"stop: invalid value {params.stop!r}; this server runs with --skip-tokenizer-init and "
+                               "has no text to match stop strings in; use stop_token_ids", "stop")
         self._check_structured(params)
         return params
 
