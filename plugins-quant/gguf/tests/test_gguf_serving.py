@@ -191,7 +191,10 @@ def test_quant_gguf_needs_no_dequantized_copy_on_disk(tmp_path: pathlib.Path, so
     assert glob.glob(os.path.join(full, "*.safetensors"))
     assert generate_greedy(make_scheduler(light, quant="gguf"), PROMPTS, 8) == \
         generate_greedy(make_scheduler(full, quant="gguf"), PROMPTS, 8)
+    # With no --quant the CPU keeps GGUF blocks by default (KEEP_GGUF_QUANTIZED_ON_CPU): the light
+    # conversion serves as is; without the plugin the weights would have to be on disk.
+    assert generate_greedy(make_scheduler(light), PROMPTS, 8) == generate_greedy(make_scheduler(full), PROMPTS, 8)
     with pytest.raises(ModelLoadError, match="no weights found"):
-        make_scheduler(light)  # without --quant gguf the weights would have to be on disk
+        make_scheduler(light, disable_plugin=["gguf"])
     shutil.rmtree(light)
     assert resolve_checkpoint(path, weights=False) == full
