@@ -25,30 +25,41 @@ if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-# Modules that take the longest on a CPU-only machine (per-test durations summed by module; then
-# the other modules that start servers), slowest first. Under pytest-xdist they are handed out
-# first, so the long ones run side by side at the start rather than one of them alone at the end.
+# Modules that take the longest on a CPU-only machine (per-test durations summed by module, from
+# a pytest --report-log of the suite on two workers), slowest first. Under pytest-xdist they are
+# handed out first, so the long ones run side by side at the start, not one alone at the end.
 # Only the order changes: a module missing here runs all the same, after these.
 SLOW_MODULES: tuple[str, ...] = (
     "tests/test_docs_examples.py",
     "tests/test_default_model.py",
-    "plugins/platform-cuda/tests/test_gemv_norm.py",
-    "tests/test_default_model_spec.py",
-    "plugins/platform-cuda/tests/test_qkv_prologue.py",
-    "tests/test_quant_across_attention_backends.py",
-    "plugins/platform-cuda/tests/test_qkv_prologue_layer.py",
-    "plugins/platform-cuda/tests/test_gemv_kernel.py",
-    "plugins-quant/compressed-tensors/tests/test_ct_end_to_end.py",
-    "plugins-quant/awq/tests/test_awq_end_to_end.py",
-    "tests/test_server_e2e.py",
-    "tests/test_bench_cli_e2e.py",
-    "tests/test_server_e2e_availability.py",
-    "tests/test_server_e2e_lifecycle.py",
-    "tests/test_server_e2e_parallel.py",
-    "tests/test_server_e2e_parallel_pp.py",
-    "tests/test_server_e2e_dp.py",
+    "core/tests/layers/moe/test_align_kernel.py",
     "tests/test_server_e2e_tools.py",
     "tests/test_structured_output_e2e.py",
+    "tests/test_server_e2e_parallel.py",
+    "tests/test_server_e2e_availability.py",
+    "plugins/platform-cuda/tests/test_gemv_norm.py",
+    "tests/test_server_e2e_lifecycle.py",
+    "core/tests/managers/test_scheduler_pp.py",
+    "core/tests/distributed/test_parallel_grammar.py",
+    "tests/test_server_e2e_dp.py",
+    "core/tests/speculative/test_scheduler_tree.py",
+    "core/tests/distributed/test_parallel_parity.py",
+    "tests/test_server_e2e_parallel_pp.py",
+    "plugins/lang/tests/test_runtime_endpoint.py",
+    "tests/test_server_e2e.py",
+    "core/tests/layers/moe/test_moe_small_batch.py",
+    "plugins/lang/tests/test_openai_backend.py",
+    "plugins/platform-cuda/tests/test_qkv_prologue.py",
+    "plugins/platform-cuda/tests/test_gemv_kernel.py",
+    "core/tests/entrypoints/test_engine.py",
+    "tests/test_default_model_spec.py",
+    "core/tests/entrypoints/test_child_process.py",
+    "plugins/lang/tests/test_engine_backend.py",
+    "tests/test_bench_cli_e2e.py",
+    "plugins/platform-cuda/tests/test_qkv_prologue_layer.py",
+    "tests/test_quant_across_attention_backends.py",
+    "plugins-quant/compressed-tensors/tests/test_ct_end_to_end.py",
+    "plugins-quant/awq/tests/test_awq_end_to_end.py",
 )
 
 
