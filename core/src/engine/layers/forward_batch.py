@@ -118,8 +118,8 @@ class ForwardBatch:
     captured_layers: dict[int, torch.Tensor] = field(default_factory=dict)
     # Rotary cos/sin at ``positions``, computed by the first layer and read by the others (the
     # unfused path: ``RotaryEmbedding.rotate_joint``): rope key -> (positions, cos, sin, the
-    # positions' version when they were read).
-    rope_cos_sin: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = field(default_factory=dict)
+    # rotary embedding that read them).
+    rope_cos_sin: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:

@@ -78,7 +78,7 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
     def rotate_joint(self, positions: torch.Tensor, qk: torch.Tensor,
-                     shared: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> torch.Tensor:
+                     shared: dict[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]) -> torch.Tensor:
         """q and k rotated in one pass: ``qk`` ``[T, (heads + kv_heads) * head_dim]`` (the two
         side by side, e.g. a view of the fused q/k/v output) -> a new tensor of that shape.
 
@@ -87,13 +87,13 @@ class RotaryEmbedding(nn.Module):
         forward's dict, ``ForwardBatch.rope_cos_sin``) once the first layer has put them there.
         """
         entry = shared.get(self.key)
-        # The same tensor at the same version: a static batch (graph runners) rewrites its
-        # positions in place between steps, which bumps the version, so they are read anew.
-        if entry is None or entry[0] is not positions or entry[3] != positions._version:
+        # Read anew by the layer that wrote them: it runs first in every forward, and a static
+        # batch (graph runners) rewrites the same positions tensor in place between steps.
+        if entry is None or entry[0] is not positions or entry[3] is self:
             cos = self.cos_cache[positions].to(qk.dtype)
             sin = self.sin_cache[positions].to(qk.dtype)
             entry = (positions, torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :],
-                     positions._version)
+                     self)
             shared[self.key] = entry
         t = qk.shape[0]
         x = qk.view(t, -1, self.head_dim)
