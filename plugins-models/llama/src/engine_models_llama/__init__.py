@@ -13,3 +13,10 @@ def register_models(register):  # type: ignore[no-untyped-def]
         factory="engine_models_llama.llama:model_class_for",
         description="Llama 2/3, Mistral, Qwen2/2.5 and Qwen3 dense decoders",
     ))
+    register(ModelSpec(
+        name="llama-classification",
+        architectures=("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"),
+        factory="engine_models_llama.classification:model_class_for",
+        description="sequence classification and reward heads (num_labels=1) over the same decoders",
+    ))
