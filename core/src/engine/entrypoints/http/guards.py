@@ -1,13 +1,17 @@
-"""The front door: API-key check and request-body size limit, as one ASGI middleware.
+"""The front door: CORS, API-key check and request-body size limit, as one ASGI middleware.
 
 Pure ASGI (not Starlette's ``BaseHTTPMiddleware``) so streamed responses and
-client-disconnect notifications pass through untouched.
+client-disconnect notifications pass through untouched. CORS (``--allowed-origins``) is the
+outermost layer: a browser's preflight ``OPTIONS`` carries no credentials, so it is answered
+before the key is checked, and the key check's 401 still carries the CORS headers (the
+browser then shows the 401, not an opaque CORS failure).
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,6 +27,15 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # Load balancers probe /health without credentials.
 OPEN_PATHS = frozenset({"/health"})
+# The key when neither --api-key nor the YAML file gives one (keeps it out of `ps`).
+API_KEY_ENV = "ENGINE_API_KEY"
+
+
+def effective_api_key(api_key: str | None) -> str | None:
+    """``--api-key`` (flag or YAML), else ``$ENGINE_API_KEY``; None (no key) when neither is set."""
+    if api_key:
+        return api_key
+    return os.environ.get(API_KEY_ENV) or None
 
 
 class FrontDoor:
@@ -30,11 +43,20 @@ class FrontDoor:
     and records each request's arrival (``Arrivals``) for a shutdown's drain."""
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 arrivals: Arrivals | None = None) -> None:
+                 arrivals: Arrivals | None = None, allowed_origins: list[str] | None = None) -> None:
         self.app = app
+        api_key = effective_api_key(api_key)
         self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.arrivals = arrivals
+        self.entry: ASGIApp = self._checked
+        if allowed_origins:
+            from starlette.middleware.cors import CORSMiddleware
+
+            # Credentials (cookies) are not how this API authenticates: the key is a header,
+            # which the preflight lets through (allow_headers).
+            self.entry = CORSMiddleware(self._checked, allow_origins=list(allowed_origins),  # type: ignore[arg-type]
+                                        allow_methods=["*"], allow_headers=["*"], expose_headers=["*"])
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -43,11 +65,11 @@ class FrontDoor:
         # Recorded before anything is read or awaited: a shutdown drains what arrived before it.
         if self.arrivals is not None and self.arrivals.arrive():
             try:
-                await self._checked(scope, receive, send)
+                await self.entry(scope, receive, send)
             finally:
                 self.arrivals.leave()
             return
-        await self._checked(scope, receive, send)
+        await self.entry(scope, receive, send)
 
     async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])

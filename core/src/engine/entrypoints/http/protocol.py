@@ -2,21 +2,29 @@
 
 Models are strict (``"10"`` is not an integer) and forbid unknown fields, so a
 typo such as ``temprature`` is a 400 naming the field instead of being silently
-ignored. Fields OpenAI clients commonly send that change nothing here are
-declared and ignored (``IGNORED_FIELDS``). Responses are plain dicts built by
-the serving modules; the tests check them against the ``openai`` package's types.
+ignored. Every field of OpenAI's published chat and completions request schemas is
+declared: those that apply act, the others (``IGNORED_FIELDS``: bookkeeping, hosted
+features) are accepted and ignored with one debug log per request. Null means the default
+wherever OpenAI's schema allows null. Responses are plain dicts built by the serving modules;
+the tests check them against the ``openai`` package's types.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # Context-free limits OpenAI documents; the context length is checked per request.
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
+
+#: Request fields accepted and ignored: they change nothing in the output of a self-hosted
+#: model (OpenAI's bookkeeping, caching hints, hosted tools, vLLM's grammar-backend choice).
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "prompt_cache_options",
+                  "prompt_cache_retention", "safety_identifier", "verbosity", "prediction", "web_search_options",
+                  "moderation", "guided_decoding_backend", "guided_whitespace_pattern")
 
 
 class _Body(BaseModel):
@@ -28,6 +36,17 @@ class StreamOptions(_Body):
     include_usage: bool = False
     # vLLM/SGLang extension: usage on every chunk. Accepted, treated as include_usage.
     continuous_usage_stats: bool = False
+    # OpenAI pads chunks against side channels on its network; nothing to pad here.
+    include_obfuscation: bool = True
+
+
+def _null_means_default(model: type[BaseModel], data: Any) -> Any:
+    """Drops explicit nulls of fields whose default is not null (OpenAI: null is the default)."""
+    if not isinstance(data, dict):
+        return data
+    fields = model.model_fields
+    return {k: v for k, v in data.items()
+            if not (v is None and k in fields and fields[k].default is not None and not fields[k].is_required())}
 
 
 class SamplingFields(_Body):
@@ -63,10 +82,26 @@ class SamplingFields(_Body):
     priority: int | None = None
     # Request id for /abort_request (``-i`` is appended per choice when n > 1).
     rid: str | None = None
+    # -- vLLM's structured-output fields, onto the grammar parameters above --
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     # -- accepted and ignored (OpenAI bookkeeping that does not change the output) --
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _null_means_default(cls, data)
+
+    def ignored_fields(self) -> list[str]:
+        """The fields of this request that were accepted and have no effect here."""
+        return [name for name in IGNORED_FIELDS if getattr(self, name, None) is not None]
 
 
 class ContentPart(BaseModel):
@@ -112,6 +147,24 @@ class ChatCompletionRequest(SamplingFields):
     response_format: dict[str, Any] | None = None
     # Extra variables for the tokenizer's chat template (e.g. enable_thinking).
     chat_template_kwargs: dict[str, Any] | None = None
+    # "none" turns thinking off (enable_thinking=false) on a server with --reasoning-parser;
+    # the other levels are the model's own (accepted, ignored).
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # Only text is generated: ["text"] is accepted, audio is a 400.
+    modalities: list[Literal["text", "audio"]] | None = None
+    audio: dict[str, Any] | None = None
+    # The deprecated functions API, served as tools (the answer carries tool_calls).
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    # -- accepted and ignored (IGNORED_FIELDS) --
+    prompt_cache_key: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    moderation: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):

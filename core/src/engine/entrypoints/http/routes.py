@@ -10,10 +10,12 @@ from starlette.responses import JSONResponse, Response
 from engine.entrypoints.http.context import ServingContext
 from engine.entrypoints.http.errors import APIError, parse_body
 from engine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
+from engine.entrypoints.http.responses import router as responses_router
 from engine.entrypoints.http.serving_chat import create_chat_completion
 from engine.entrypoints.http.serving_completions import create_completion
 
 router = APIRouter()
+router.include_router(responses_router)  # /v1/responses (OpenAI's Responses API)
 
 
 def serving_context(request: Request) -> ServingContext:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from engine.entrypoints.http.errors import APIError
 from engine.entrypoints.http.protocol import SamplingFields
+
+logger = logging.getLogger(__name__)
 
 # Engine field names in RequestError messages, as the OpenAI API calls them.
 RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
@@ -21,9 +24,13 @@ _COPIED = (
 
 
 def check_common(req: SamplingFields) -> None:
-    """Rejects what the engine cannot honour, instead of silently ignoring it."""
+    """Rejects what the engine cannot honour, instead of silently ignoring it; logs (debug) the
+    accepted fields that have no effect here."""
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+    ignored = req.ignored_fields()
+    if ignored:
+        logger.debug("request fields accepted and ignored: %s", ", ".join(ignored))
 
 
 def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
@@ -47,7 +54,53 @@ def sampling_params(req: SamplingFields, max_tokens: int) -> dict[str, Any]:
         raise APIError(400, f"response_format: cannot be combined with {given[0]}; send one of them",
                        param="response_format")
     params.update(grammar)
+    guided = guided_params(req)
+    if guided:
+        taken = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if k in params]
+        if taken:
+            clash = "response_format" if taken[0] in ("json_schema", "structural_tag") else taken[0]
+            raise APIError(400, f"{next(iter(guided.values()))[1]}: cannot be combined with {clash}; send one of them",
+                           param=next(iter(guided.values()))[1])
+        params.update({k: v for k, (v, _) in guided.items()})
     return params
+
+
+# vLLM's structured-output fields: (field, the engine's grammar parameter).
+GUIDED_FIELDS = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "ebnf"),
+                 ("guided_grammar", "ebnf"))
+
+
+def guided_params(req: SamplingFields) -> dict[str, tuple[str, str]]:
+    """vLLM's ``guided_*`` fields as {engine grammar parameter: (value, field)}; one at most."""
+    given = [(name, engine) for name, engine in GUIDED_FIELDS if getattr(req, name, None) is not None]
+    if not given:
+        return {}
+    if len(given) > 1:
+        raise APIError(400, f"{given[1][0]}: cannot be combined with {given[0][0]}; send one guided_* field",
+                       param=given[1][0])
+    name, engine = given[0]
+    value = getattr(req, name)
+    if name == "guided_json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise APIError(400, "guided_json: not valid JSON; expected a JSON Schema (an object or its JSON "
+                                    "text)", param="guided_json") from None
+        if not isinstance(value, dict):
+            raise APIError(400, "guided_json: expected a JSON Schema object", param="guided_json")
+        return {engine: (json.dumps(value), name)}
+    if name == "guided_choice":
+        if not value:
+            raise APIError(400, "guided_choice: expected at least one choice", param="guided_choice")
+        # An EBNF alternation of string literals (JSON escapes are the grammar's escapes).
+        return {engine: ("root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value), name)}
+    return {engine: (value, name)}
+
+
+def guided_renames(req: SamplingFields) -> dict[str, str]:
+    """Engine grammar parameter -> the guided_* field, for grammar errors."""
+    return {engine: field for engine, (_, field) in guided_params(req).items()}
 
 
 def _logit_bias(bias: dict[str, float]) -> dict[int, float]:

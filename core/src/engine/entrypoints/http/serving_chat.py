@@ -34,6 +34,7 @@ from engine.entrypoints.http.sampling import (
     check_common,
     check_max_tokens,
     grammar_renames,
+    guided_renames,
     sampling_params,
     stream_usage_wanted,
 )
@@ -65,7 +66,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     _check_supported(req)
     ctx.check_accepting()
     plan = plan_tools(req)
-    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=req.chat_template_kwargs, tools=plan)
+    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=template_kwargs(ctx, req), tools=plan)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -80,7 +81,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         rid=req.rid or response_id,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0)
     # A forced tool_choice is a JSON schema made from the tools: its errors are the tools'.
-    forced = {"json_schema": "tools"} if plan.forced else grammar_renames(req.response_format)
+    forced = {"json_schema": "tools"} if plan.forced else {**grammar_renames(req.response_format),
+                                                            **guided_renames(req)}
     choices = await make_choices(ctx, [base], req.n, renames={**_RENAMES, "max_new_tokens": max_param, **forced})
     reader = output_parser(ctx, plan, base.sampling_params)
     created = int(time.time())
@@ -110,6 +112,54 @@ def _check_supported(req: ChatCompletionRequest) -> None:
     check_common(req)
     if req.top_logprobs and not req.logprobs:
         raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
+    if req.modalities is not None and "audio" in req.modalities:
+        raise APIError(400, "modalities: 'audio' output is not supported; accepted: [\"text\"]", param="modalities")
+    if req.audio is not None:
+        raise APIError(400, "audio: audio output is not supported; omit it", param="audio")
+    _functions_as_tools(req)
+
+
+def _functions_as_tools(req: ChatCompletionRequest) -> None:
+    """The deprecated ``functions`` / ``function_call`` as ``tools`` / ``tool_choice``."""
+    if req.functions is None and req.function_call is None:
+        return
+    if req.tools is not None or req.tool_choice is not None:
+        raise APIError(400, "functions: cannot be combined with tools or tool_choice; send tools (functions is "
+                            "its deprecated form)", param="functions")
+    if req.functions is not None:
+        req.tools = [{"type": "function", "function": f} for f in req.functions]
+    call = req.function_call
+    if isinstance(call, dict):
+        if not isinstance(call.get("name"), str):
+            raise APIError(400, 'function_call: expected "none", "auto" or {"name": ...}', param="function_call")
+        req.tool_choice = {"type": "function", "function": {"name": call["name"]}}
+    elif call is not None:
+        if call not in ("none", "auto"):
+            raise APIError(400, f"function_call: invalid value {call!r}; accepted: none, auto, "
+                                '{"name": ...}', param="function_call")
+        req.tool_choice = call
+
+
+def template_kwargs(ctx: ServingContext, req: Any) -> dict[str, Any] | None:
+    """``chat_template_kwargs``, with ``reasoning_effort: none`` as ``enable_thinking: false`` on a
+    server with a reasoning parser (the switch Qwen3-style templates read)."""
+    kwargs = req.chat_template_kwargs
+    if req.reasoning_effort == "none" and ctx.reasoning_parser is not None:
+        kwargs = {"enable_thinking": False, **(kwargs or {})}
+    return kwargs
+
+
+def first_call_deltas(delta: dict[str, Any]) -> list[dict[str, Any]]:
+    """``delta`` as OpenAI streams a new tool call: the delta that names it carries empty
+    arguments, its argument text follows in a delta of its own (clients that append every
+    delta's arguments to the first one's would otherwise read the first piece twice)."""
+    calls = delta.get("tool_calls")
+    if not calls or not any("id" in c and c["function"]["arguments"] for c in calls):
+        return [delta]
+    named = [{**c, "function": {**c["function"], "arguments": ""}} if "id" in c else c for c in calls]
+    rest = [{"index": c["index"], "function": {"arguments": c["function"]["arguments"]}}
+            for c in calls if "id" in c and c["function"]["arguments"]]
+    return [{**delta, "tool_calls": named}, {"tool_calls": rest}]
 
 
 def _logprobs(ctx: ServingContext, req: ChatCompletionRequest, meta: dict[str, Any], start: int) -> dict[str, Any] | None:
@@ -161,6 +211,9 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
                 logprobs = None
             if not delta and logprobs is None and reason is None:
                 continue  # the detokenizer held back a partial character
+            *before, delta = first_call_deltas(delta)
+            for early in before:
+                yield chunk([{"index": i, "delta": early, "logprobs": None, "finish_reason": None}])
             part: dict[str, Any] = {"index": i, "delta": delta,
                                     "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:

@@ -34,6 +34,7 @@ from engine.entrypoints.http.sampling import (
     check_common,
     check_max_tokens,
     grammar_renames,
+    guided_renames,
     sampling_params,
     stream_usage_wanted,
 )
@@ -72,7 +73,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         top_logprobs_num=req.logprobs or 0, priority=req.priority or 0,
     ) for p, ids in enumerate(prompts)]
-    choices = await make_choices(ctx, bases, req.n, renames={**_RENAMES, **grammar_renames(req.response_format)},
+    choices = await make_choices(ctx, bases, req.n, renames={**_RENAMES, **grammar_renames(req.response_format),
+                                                             **guided_renames(req)},
                                  group_rid=rid)
     for choice in choices:
         check_max_tokens(max_tokens, len(choice.prompt_ids), ctx.context_len, "max_tokens")
