@@ -93,7 +93,9 @@ class ServerArgs:
     # -- server -------------------------------------------------------------
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(30000, "HTTP port")
-    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health")
+    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health (default: the ENGINE_API_KEY environment variable, if set)")
+    allowed_origins: list[str] = opt([], "Browser origin allowed to call the API (CORS), e.g. http://localhost:3000, or * for any; repeatable; default: none")
+    responses_store_size: int = opt(1000, "Responses kept for /v1/responses previous_response_id and GET (in memory); the least recently used are evicted beyond it")
     stream_interval: int = opt(1, "Stream to the client every N generated tokens")
     tokenizer_workers: int = opt(2, "Threads tokenizing prompts and rendering chat templates off the HTTP event loop; 0 tokenizes on the loop")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest HTTP request body in bytes; larger ones are refused with 413")
@@ -134,6 +136,8 @@ class ServerArgs:
         _positive(self, "tp_size", "dp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
         _positive_or_none(self, "max_total_tokens", "max_running_requests", "context_length")
         _positive(self, "max_body_bytes")
+        if self.responses_store_size < 0:
+            raise ConfigError(f"--responses-store-size: invalid value {self.responses_store_size}; accepted: an integer >= 0 (0 stores nothing)")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ConfigError(f"--cpu-threads: invalid value {self.cpu_threads}; accepted: an integer >= 1")
         if self.tokenizer_workers < 0:

@@ -93,7 +93,7 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(native_router)
-    app.add_middleware(FrontDoor, api_key=args.api_key, arrivals=arrivals,
+    app.add_middleware(FrontDoor, api_key=args.api_key, arrivals=arrivals, allowed_origins=args.allowed_origins,
                        max_body_bytes=args.max_body_bytes if max_body_bytes is None else max_body_bytes)
     return app
 
