@@ -22,6 +22,7 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EVICTION_POLICIES = ("lru", "lfu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TASKS = ("auto", "generate", "embed", "score")
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bool = True, **kw: Any) -> Any:
@@ -43,6 +44,8 @@ class ServerArgs:
     context_length: int | None = opt(None, "Maximum tokens per request (default: the model's max_position_embeddings)")
     skip_tokenizer_init: bool = opt(False, "Run without a tokenizer: requests give input_ids, outputs are ids")
     trust_remote_code: bool = opt(False, "Allow custom code from the model directory (transformers)")
+    task: str = opt("auto", "What the model serves: generate (text), embed (pooled vectors, /v1/embeddings) or score (classification/reward heads); 'auto' chooses from the checkpoint's architecture (BertModel: embed, *ForSequenceClassification: score, causal LMs: generate). With embed and no --model-path the embedded all-MiniLM-L6-v2 is served", TASKS)
+    enable_matryoshka: bool = opt(False, "Accept the embeddings 'dimensions' field (truncate, then normalise) on a model whose config.json does not declare Matryoshka training (is_matryoshka, matryoshka_dimensions)")
     # -- plugins ------------------------------------------------------------
     attention: str | None = opt(None, "Attention backend plugin (default: the platform's choice)")
     quant: str | None = opt(None, "Quantization method plugin (default: the checkpoint's quantization_config)")
@@ -93,6 +96,7 @@ class ServerArgs:
     # -- server -------------------------------------------------------------
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(30000, "HTTP port")
+    grpc_port: int | None = opt(None, "Also serve the native API over gRPC on this port, on --host, beside HTTP (needs the plugserve-grpc distribution; docs/grpc.md)")
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health (default: the ENGINE_API_KEY environment variable, if set)")
     allowed_origins: list[str] = opt([], "Browser origin allowed to call the API (CORS), e.g. http://localhost:3000, or * for any; repeatable; default: none")
     responses_store_size: int = opt(1000, "Responses kept for /v1/responses previous_response_id and GET (in memory); the least recently used are evicted beyond it")
@@ -148,6 +152,8 @@ class ServerArgs:
             raise ConfigError(f"--mem-fraction-static: invalid value {self.mem_fraction_static}; accepted: a number between 0 and 1")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port: invalid value {self.port}; accepted: 1..65535")
+        if self.grpc_port is not None and (not 0 < self.grpc_port < 65536 or self.grpc_port == self.port):
+            raise ConfigError(f"--grpc-port: invalid value {self.grpc_port}; accepted: 1..65535, other than --port ({self.port})")
         if self.schedule_conservativeness <= 0:
             raise ConfigError(f"--schedule-conservativeness: invalid value {self.schedule_conservativeness}; accepted: > 0")
         self._validate_parallel()

@@ -212,6 +212,8 @@ def _default_gguf_method(args: ServerArgs, platform: Any, reg: Any) -> Any:
     (``gguf_loader.default_gguf_quant``, off unless flipped there), else None."""
     from engine.model_executor.gguf_loader import default_gguf_quant
 
+    if args.model_path is None and args.task == "embed":
+        return None  # the embedded embedding model is a safetensors checkpoint, not the default GGUF
     name = default_gguf_quant(args.model_path, platform.device_type, args.dtype)
     if name is None or name in args.disable_plugin:
         return None

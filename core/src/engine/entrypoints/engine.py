@@ -8,7 +8,7 @@ from typing import Any
 
 from engine.config import ServerArgs
 from engine.entrypoints.launch import launch_runtime
-from engine.managers.tokenizer_manager import GenerateRequest, TokenizerManager
+from engine.managers.tokenizer_manager import EmbeddingRequest, GenerateRequest, TokenizerManager
 
 
 class Engine:
@@ -137,6 +137,22 @@ class Engine:
         async for out in self.tokenizer_manager.generate(req):
             pass
         return out
+
+    # -- pooling (--task embed / score) ------------------------------------------------
+    def encode(self, prompt: str | list[str] | list[int] | list[list[int]],
+               dimensions: int | None = None) -> dict[str, Any] | list[dict[str, Any]]:
+        """Pools one input (returns a dict) or a batch (returns a list of dicts), as SGLang's
+        ``Engine.encode``: each dict has ``embedding`` (floats) and ``meta_info``
+        (``prompt_tokens``, ``cached_tokens``). An input is a text or a list of token ids.
+        Raises ``RequestError`` naming the field on bad input."""
+        single = isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt)
+                                             and all(isinstance(t, int) for t in prompt))
+        inputs: list[Any] = [prompt] if single else list(prompt)
+        req = EmbeddingRequest(inputs=inputs, dimensions=dimensions, field_name="prompt")
+        results = self.loop.run_until_complete(self.tokenizer_manager.embed(req))
+        outputs = [{"embedding": r.embedding, "meta_info": {"prompt_tokens": r.prompt_tokens,
+                                                            "cached_tokens": r.cached_tokens}} for r in results]
+        return outputs[0] if single else outputs
 
     # -- control -------------------------------------------------------------------
     def flush_cache(self) -> bool:

@@ -24,6 +24,15 @@ def resolve_model_path(args: ServerArgs) -> str:
     """The Hugging Face directory to load: the default model or a GGUF converted once, or the path."""
     from engine.model_executor.checkpoint import resolve_checkpoint
 
+    if not args.model_path and args.task == "embed":
+        from engine.default_model.embedding import embedding_model_dir
+
+        return embedding_model_dir()  # the embedded all-MiniLM-L6-v2, unzipped once
+    if not args.model_path and args.task == "score":
+        from engine.errors import ConfigError
+
+        raise ConfigError("--task score: no embedded scoring model; accepted: --model-path DIR of a "
+                          "*ForSequenceClassification checkpoint")
     # --quant gguf reads every tensor from the GGUF: its conversion needs no dequantized weights.
     return resolve_checkpoint(args.model_path or None, args.disable_plugin, weights=args.quant != "gguf")
 
@@ -35,6 +44,7 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     run that passes here fails later only for reasons that need the weights or the device.
     """
     from engine.model_executor.checkpoint import load_hf_config
+    from engine.pooling import check_task
     from engine.preflight import check_without_checkpoint, parser_log_lines, speed_notes
     from engine.selection import select_components
 
@@ -44,6 +54,7 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     for line in parser_log_lines(args):
         logger.info(line)
     config = load_hf_config(model_path, args.trust_remote_code)
+    check_task(args, config)
     selection = select_components(args, config)
     for note in speed_notes(selection):
         logger.warning(note)

@@ -1,7 +1,8 @@
 """Messages between the three processes (pickled over ZeroMQ).
 
-tokenizer manager --TokenizedGenerateReqInput/AbortReq/control--> scheduler
+tokenizer manager --TokenizedGenerateReqInput/TokenizedEmbeddingReqInput/AbortReq/control--> scheduler
 scheduler --BatchTokenIDOut--> detokenizer --BatchStrOut--> tokenizer manager
+scheduler --BatchEmbeddingOut--> tokenizer manager (pooled vectors need no detokenizing)
 scheduler --control replies--> tokenizer manager
 This module is a contract like the hook specs: fields are only ever added.
 """
@@ -30,6 +31,35 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     # Higher runs first under the priority policy.
     priority: int = 0
+
+
+@dataclass
+class TokenizedEmbeddingReqInput:
+    """A prefill-only request of a pooling model (--task embed or score): no token is sampled,
+    the prompt's token states are pooled into one vector."""
+
+    # Unique request id (the tokenizer manager makes one when the client gave none).
+    rid: str
+    # Prompt token ids.
+    input_ids: list[int]
+    # Matryoshka truncation: keep the first this many values (before normalising); None keeps all.
+    dimensions: int | None = None
+    # Higher runs first under the priority policy.
+    priority: int = 0
+
+
+@dataclass
+class BatchEmbeddingOut:
+    """Finished pooling requests of one scheduler step (sent straight to the tokenizer manager)."""
+
+    rids: list[str]
+    # Per request: the vector (float32 values), or None when the request failed.
+    embeddings: list[list[float] | None]
+    # Per request: None on success, else {"type": "abort", "message": ...}.
+    errors: list[dict[str, Any] | None]
+    prompt_tokens: list[int]
+    # Prompt tokens served from the radix cache (decoder models with last-token pooling).
+    cached_tokens: list[int]
 
 
 @dataclass
@@ -124,3 +154,10 @@ class SchedulerReady:
     dtype: str
     eos_token_ids: list[int]
     plugins: list[dict[str, Any]]
+    # "generate" | "embed" | "score" (``engine.pooling.resolve_task``).
+    task: str = "generate"
+    # Pooling models: the length of the vectors returned (hidden size, or labels for score).
+    embedding_size: int = 0
+    # Pooling models: ``PoolingConfig.to_dict()`` plus "matryoshka" (bool) and
+    # "matryoshka_dimensions" (accepted sizes, None: any up to embedding_size).
+    pooling: dict[str, Any] = field(default_factory=dict)

@@ -102,6 +102,12 @@ class Req:
         self.spec_accepted_tokens = 0
         # Stop strings: the output decoded as the detokenizer will (set by the scheduler).
         self.stop_check: StopStringCheck | None = None
+        # Pooling models (prefill only): the running reduction of the prompt's token states
+        # (an ``engine.layers.pooler.PoolState``; None for generation requests), the Matryoshka
+        # size asked for, and whether every prompt token must run (no cached prefix skipped).
+        self.pool_state: Any = None
+        self.dimensions: int | None = None
+        self.pool_every_token = False
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:
@@ -124,7 +130,7 @@ class Req:
         """Sets ``fill_ids`` and matches the longest cached prefix (leaving >= 1 token to run)."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None and self.req_pool_idx is None:
-            max_prefix = len(self.fill_ids) - 1
+            max_prefix = 0 if self.pool_every_token else len(self.fill_ids) - 1
             if self.wants_prompt_logprobs():
                 # Prompt logprobs need the logits of those positions: do not skip them.
                 max_prefix = min(max_prefix, max(self.logprob_start_len, 0))

@@ -22,6 +22,7 @@ from engine.managers.policy import PolicyContext
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
 from engine.managers.scheduler_decode import DecodeMixin, InflightDecode
 from engine.managers.scheduler_output import OutputMixin
+from engine.managers.scheduler_pooling import PoolingMixin
 from engine.managers.stop_strings import stop_string_check
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
@@ -58,7 +59,7 @@ def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
     return ids
 
 
-class Scheduler(DecodeMixin, OutputMixin):
+class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
     def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
         self.args = args
         self.runner = ModelRunner(args, model_path, platform)
@@ -118,7 +119,8 @@ class Scheduler(DecodeMixin, OutputMixin):
         from engine.mem_cache.chunk_cache import ChunkCache
         from engine.mem_cache.radix_cache import RadixCache
 
-        if self.args.disable_radix_cache:
+        # An encoder's states depend on the tokens after them: it writes no KV to share.
+        if self.args.disable_radix_cache or not self.runner.uses_kv_cache:
             return ChunkCache(self.req_to_token_pool, self.allocator, self.args.page_size)
         return RadixCache(self.req_to_token_pool, self.allocator, self.args.page_size,
                           eviction_policy=self.args.radix_eviction_policy)
@@ -287,7 +289,9 @@ class Scheduler(DecodeMixin, OutputMixin):
                     - reserved - admitted_cost)
 
         rem_input = self.args.max_prefill_tokens
-        rem_chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_enabled else 1 << 62
+        # Bidirectional (encoder) models see the whole prompt in one forward: no chunks.
+        chunking = self.args.chunked_prefill_enabled and self.runner.uses_kv_cache
+        rem_chunk = self.args.chunked_prefill_size if chunking else 1 << 62
         can_run: list[Req] = []
         new_chunked: Req | None = None
 
@@ -400,6 +404,8 @@ class Scheduler(DecodeMixin, OutputMixin):
     # -- running -------------------------------------------------------------------
     def run_extend(self, batch: ScheduleBatch) -> bool:
         """Runs a prefill batch; False when its KV could not be allocated (requeued)."""
+        if batch.reqs[0].pool_state is not None:  # a pooling server's batches hold only pooling requests
+            return self.run_pooling(batch)
         started = time.perf_counter()
         fb = self._prepare_extend(batch)
         if fb is None:

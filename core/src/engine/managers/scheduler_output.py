@@ -25,6 +25,10 @@ class OutputMixin:
     # -- output ---------------------------------------------------------------------
     def _emit(self, reqs: list[Req]) -> None:
         """Queues new tokens of ``reqs`` for the detokenizer (streaming ones every interval)."""
+        pooled = [r for r in reqs if r.pool_state is not None]
+        if pooled:  # pooling requests end with a vector, not tokens (``PoolingMixin``)
+            self._emit_pooled(pooled)  # type: ignore[attr-defined]
+            reqs = [r for r in reqs if r.pool_state is None]
         send = [r for r in reqs if r.finished() or (
             r.stream and len(r.output_ids) - r.send_offset >= self.args.stream_interval)]
         if not send:

@@ -22,9 +22,11 @@ from engine.distributed import RankPlacement
 from engine.errors import EngineError
 from engine.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOut,
     ControlReply,
     ControlReq,
     SchedulerReady,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from engine.managers.process_utils import IpcNames, exit_if_orphaned, ignore_group_signals, setup_child_logging
@@ -50,6 +52,9 @@ def _ready_info(scheduler: Any) -> SchedulerReady:
         dtype=str(runner.dtype).replace("torch.", ""),
         eos_token_ids=sorted(scheduler.eos_token_ids),
         plugins=[p.to_dict() for p in plugins.list_plugins(scheduler.args.disable_plugin)],
+        task=runner.task,
+        embedding_size=runner.embedding_size,
+        pooling=runner.pooling_info(),
     )
 
 
@@ -205,7 +210,8 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
                 next_orphan_check = now + _ORPHAN_CHECK_S
             scheduler.step()
             for out in scheduler.take_outputs():
-                to_detok.send_pyobj(out)
+                # Vectors need no detokenizing: straight to the tokenizer manager.
+                (to_tokenizer if isinstance(out, BatchEmbeddingOut) else to_detok).send_pyobj(out)
     except Exception as exc:
         # The parent's watchdog sees the exit code and fails pending requests.
         _crashed(exc, placement)
@@ -261,6 +267,9 @@ def _dispatch(scheduler: Any, msg: Any) -> ControlReply | None:
             req = Req(msg.rid, msg.input_ids, SamplingParams(), set())
             req.finished_reason = FinishReason("abort", message=str(exc))
             scheduler._emit([req])
+        return None
+    if isinstance(msg, TokenizedEmbeddingReqInput):
+        scheduler.add_embedding_request(msg)
         return None
     if isinstance(msg, AbortReq):
         scheduler.abort_request(msg.rid, msg.message)

@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.errors import EngineError
 from engine.managers.arrivals import Arrivals
 from engine.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOut,
     BatchStrOut,
     ControlReply,
     ControlReq,
@@ -31,27 +31,18 @@ from engine.managers.io_struct import (
 )
 from engine.constrained.base import GrammarError, GrammarKey
 from engine.constrained.validation import GrammarValidator
+from engine.managers.request_state import (  # noqa: F401  (public here since the start)
+    EngineDeadError,
+    ReqState,
+    RequestError,
+    ServerShuttingDownError,
+)
+from engine.managers.tokenizer_embed import EmbedMixin, EmbeddingRequest, EmbeddingResult  # noqa: F401
 from engine.managers.tokenizer_pool import TextTooLongError, TokenizerPool
 from engine.router.router import Router, merge_control_replies
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """A child process of the engine died; no request can complete."""
-
-
-class ServerShuttingDownError(RuntimeError):
-    """The server is draining for shutdown: the request was not started, or ran past the grace period."""
-
-
-class RequestError(EngineError):
-    """A request is invalid; ``field`` names the offending field (for HTTP 400s)."""
-
-    def __init__(self, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass
@@ -69,27 +60,7 @@ class GenerateRequest:
     priority: int = 0
 
 
-@dataclass
-class ReqState:
-    rid: str
-    prompt_ids: list[int]
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict[str, Any] | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    output_token_logprobs: list[Any] = field(default_factory=list)
-    output_top_logprobs: list[Any] = field(default_factory=list)
-    input_token_logprobs: list[Any] | None = None
-    input_top_logprobs: list[Any] | None = None
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    created: float = field(default_factory=time.perf_counter)
-    first_token_time: float | None = None
-    last_time: float | None = None
-    # Set when the request is failed from outside (engine death, end of the shutdown grace period).
-    error: BaseException | None = None
-
-
-class TokenizerManager:
+class TokenizerManager(EmbedMixin):
     def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady,
                  processes: list[Any], tokenizer: Any | None) -> None:
         import zmq
@@ -143,6 +114,8 @@ class TokenizerManager:
             msg = await self.recv.recv_pyobj()
             if isinstance(msg, BatchStrOut):
                 self._handle_str_out(msg)
+            elif isinstance(msg, BatchEmbeddingOut):
+                self._handle_embedding_out(msg)
             elif isinstance(msg, ControlReply):
                 fut = self.control_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
@@ -222,6 +195,7 @@ class TokenizerManager:
         return self.tokenize(req)
 
     def validate(self, req: GenerateRequest, input_ids: list[int]) -> SamplingParams:
+        self.check_generation_task("text generation")
         try:
             params = SamplingParams.from_dict(req.sampling_params)
         except SamplingParamsError as exc:

@@ -105,6 +105,9 @@ class ModelRunner:
 
         free_before, _ = self.platform.memory_info(self.device)
         self.model = load_model(args, model_path, cfg, self.device, self.selection)
+        # Encoders (bidirectional attention) compute every state in one forward and keep no KV.
+        self.uses_kv_cache = bool(getattr(self.model, "uses_kv_cache", True))
+        self._init_pooling(model_path)
         # Weights quantized while loading (fp8 from a bf16 checkpoint, ...) freed their
         # full-precision copies into the allocator's cache; give that back to the device so the
         # pool is sized from the weights in their final form, not from the loading peak.
@@ -131,8 +134,8 @@ class ModelRunner:
 
     def _maybe_capture_graphs(self) -> Any:
         args = self.args
-        if args.disable_cuda_graph or not self.platform.supports_graph_capture():
-            return None
+        if args.disable_cuda_graph or not self.platform.supports_graph_capture() or self.task != "generate":
+            return None  # pooling models run prefills only: no decode step to capture
         if self.placement.pp_size > 1:
             logger.info("pipeline parallelism: decode steps run eagerly (CUDA graphs off)")
             return None
@@ -168,9 +171,53 @@ class ModelRunner:
         check_backend_selectable(attention.spec, self.platform.device_type, self.args.page_size, name)
         return dtype
 
+    def _init_pooling(self, model_path: str) -> None:
+        """``--task`` resolved from the architecture; for pooling tasks, the pooler (from the
+        checkpoint's sentence-transformers files, else the architecture's default)."""
+        from engine.layers.pooler import Pooler
+        from engine.pooling import matryoshka_dimensions, read_pooling_config, resolve_task
+
+        arch = self.hf_config.architectures[0]
+        self.task = resolve_task(self.args.task, arch)
+        self.pooler: Pooler | None = None
+        self.pooling_config: Any = None
+        self.embedding_size = 0
+        if self.task == "generate":
+            if getattr(self.model, "has_lm_head", True) is False:
+                raise ConfigError("--task generate: the checkpoint has no LM head (lm_head.weight), so it cannot "
+                                  "generate; accepted for it: --task embed")
+            return
+        if not callable(getattr(self.model, "forward_hidden", None)):
+            raise ConfigError(f"--task {self.task}: the model plugin for {arch} cannot pool (its model class has no "
+                              "forward_hidden); accepted for it: --task generate")
+        if self.placement.pp_size > 1:
+            raise ConfigError(f"--task {self.task}: pooling models run without pipeline parallelism; accepted: --pp-size 1")
+        config = read_pooling_config(model_path, arch)
+        # A scoring model's head maps the pooled state to its labels (``pooling_head``).
+        head = getattr(self.model, "pooling_head", None)
+        if self.task == "score":
+            config = getattr(self.model, "score_pooling", None) or config
+        self.pooling_config = config
+        self.pooler = Pooler(config.method, config.normalize, head)
+        self.embedding_size = int(getattr(self.model, "pooling_size", None) or self.hf_config.hidden_size)
+        self.matryoshka = matryoshka_dimensions(self.hf_config)
+        logger.info("task %s: %s pooling%s (%s), vectors of %d", self.task, config.method,
+                    ", L2-normalised" if config.normalize else "", config.source, self.embedding_size)
+
+    def pooling_info(self) -> dict[str, Any]:
+        """What the tokenizer manager checks requests against (``SchedulerReady.pooling``)."""
+        if self.pooling_config is None:
+            return {}
+        declared, sizes = self.matryoshka
+        return {**self.pooling_config.to_dict(), "matryoshka": declared or self.args.enable_matryoshka,
+                "matryoshka_dimensions": sizes}
+
     def _init_pools(self, free_before: int) -> None:
         args = self.args
         stage_layers = self.end_layer - self.start_layer
+        if not self.uses_kv_cache:
+            self._init_encoder_pools()
+            return
         kv = MHATokenToKVPool(0, 1, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, stage_layers, "cpu")
         per_token = kv.bytes_per_token()
         weight_bytes = self._weight_bytes()
@@ -211,6 +258,21 @@ class ModelRunner:
                     tokens * per_token / 2**20, str(self.kv_cache_dtype).replace("torch.", ""), per_token, max_reqs)
         if self.token_to_kv_pool.is_fp8:
             self._log_kv_scales()
+
+    def _init_encoder_pools(self) -> None:
+        """An encoder's pools: slot bookkeeping only (the scheduler's token budget), no K/V
+        buffers (a pool of zero layers)."""
+        args = self.args
+        tokens = args.max_total_tokens or 4 * max(args.max_prefill_tokens, self.context_len)
+        tokens = max(tokens // args.page_size * args.page_size, args.page_size)
+        self.max_total_num_tokens = tokens
+        max_reqs = args.max_running_requests or max(64, min(4096, tokens // 8))
+        self.max_running_requests = max_reqs
+        self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(tokens, args.page_size, self.kv_cache_dtype, self.num_kv_heads,
+                                                 self.head_dim, 0, self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, args.page_size, self.device)
+        logger.info("encoder model: no KV cache; %d token slots, %d request slots", tokens, max_reqs)
 
     def _log_kv_scales(self) -> None:
         from engine.layers.radix_attention import RadixAttention
@@ -277,6 +339,13 @@ class ModelRunner:
         self.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def forward_hidden(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Runs a pooling model's prefill: ``[num_tokens, hidden]`` final token states."""
+        self.prepare(forward_batch)
+        self.attn_backend.init_forward_metadata(forward_batch)
+        return self.model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
     def _forward_stage(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """This pipeline stage's part of the forward, in micro-batches.

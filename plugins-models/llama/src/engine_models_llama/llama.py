@@ -161,6 +161,8 @@ class LlamaForCausalLM(nn.Module):
 
     #: the decoder stack (subclasses with other layers set their own).
     model_cls: type[nn.Module] = LlamaModel
+    #: checkpoint names of the heads over the decoder (a classification model's ``score.``).
+    head_prefixes: tuple[str, ...] = ("lm_head.",)
 
     def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
@@ -183,12 +185,25 @@ class LlamaForCausalLM(nn.Module):
             return hidden
         return self.logits_processor(hidden, self.lm_head, forward_batch)
 
+    @torch.no_grad()
+    def forward_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       forward_batch: ForwardBatch) -> torch.Tensor:
+        """The final (normed) state of every token, for pooling (``--task embed``: Qwen3-Embedding,
+        gte-Qwen). Pooling models run on one pipeline stage."""
+        hidden = self.model(input_ids, positions, forward_batch)
+        assert not isinstance(hidden, PPProxyTensors), "pooling runs without pipeline parallelism"
+        return hidden
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
+            if not name.startswith(("model.", *self.head_prefixes)):
+                # Embedding checkpoints saved from the bare decoder (Qwen3-Embedding, gte-Qwen)
+                # name its tensors without the "model." prefix.
+                name = f"model.{name}"
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue
             kv_scale = kv_scale_target(name)
@@ -213,7 +228,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 loader(param, tensor, shard)
             loaded.add(target)
-        missing = sorted(n for n in params if n not in loaded and not (self.tie_word_embeddings and n.startswith("lm_head.")))
+        # A bare decoder (embedding checkpoints) has no LM head: it can pool but not generate.
+        self.has_lm_head = self.tie_word_embeddings or "lm_head.weight" in loaded
+        missing = sorted(n for n in params if n not in loaded and not n.startswith("lm_head."))
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} parameters, e.g. {', '.join(missing[:3])}")
 
