@@ -237,13 +237,15 @@ def iterate_gguf_blocks(gguf_path: str, config: Any, block_names: Collection[str
     """
     import numpy as np
     import torch
-    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
     from tqdm.auto import tqdm
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    if reader is None:
-        reader = GGUFReader(gguf_path)
-    gguf_arch = str(reader.get_field("general.architecture").contents())
+    from engine.model_executor.gguf_index import architecture, open_tensor_index
+
+    if reader is None:  # the tensor table only: parsing the vocabulary's metadata takes seconds
+        reader = open_tensor_index(gguf_path)
+    gguf_arch = architecture(reader)
     config_dict = config.to_dict()  # once: the processor reads it for every tensor
     processor = TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config_dict)
     name_map = _weights_map(config, processor, names_dir)
