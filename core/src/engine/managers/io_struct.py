@@ -46,6 +46,9 @@ class TokenizedEmbeddingReqInput:
     dimensions: int | None = None
     # Higher runs first under the priority policy.
     priority: int = 0
+    # Segment id of each prompt token (a cross-encoder's text pair: 0 for the first text, 1 for
+    # the second), as the tokenizer's pair encoding gives them; None: all 0.
+    token_type_ids: list[int] | None = None
 
 
 @dataclass

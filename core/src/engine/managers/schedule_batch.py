@@ -108,6 +108,8 @@ class Req:
         self.pool_state: Any = None
         self.dimensions: int | None = None
         self.pool_every_token = False
+        # A cross-encoder's segment id per prompt token (None: all 0).
+        self.token_type_ids: list[int] | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:

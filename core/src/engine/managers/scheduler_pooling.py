@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from engine.layers.pooler import PoolState
 from engine.managers.io_struct import BatchEmbeddingOut, TokenizedEmbeddingReqInput
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
@@ -40,6 +42,7 @@ class PoolingMixin:
         req = Req(recv.rid, input_ids, params, set(), priority=recv.priority)
         req.pool_state = PoolState()
         req.dimensions = recv.dimensions
+        req.token_type_ids = recv.token_type_ids
         pooler = self.runner.pooler
         req.pool_every_token = pooler is not None and pooler.needs_every_token
         self.reqs[req.rid] = req
@@ -77,6 +80,8 @@ class PoolingMixin:
         except OutOfKVMemory:
             self._requeue_failed_extend(batch)  # type: ignore[attr-defined]
             return False
+        if any(r.token_type_ids for r in batch.reqs):
+            fb.extra["token_type_ids"] = _segment_ids(batch.reqs, fb.input_ids.device)
         hidden = self.runner.forward_hidden(fb)
         pooler = self.runner.pooler
         pooler.add_batch([r.pool_state for r in batch.reqs], hidden, list(fb.extend_seq_lens_cpu or []))
@@ -111,3 +116,14 @@ class PoolingMixin:
             out.cached_tokens.append(req.cached_tokens)
             self.reqs.pop(req.rid, None)
         self.outbox.append(out)
+
+
+def _segment_ids(reqs: list[Req], device: Any) -> torch.Tensor:
+    """The batch's segment id per new token (``ForwardBatch.extra["token_type_ids"]``): each
+    request's ids for the tokens this step runs, 0 for requests without any."""
+    ids: list[int] = []
+    for req in reqs:
+        start = len(req.prefix_indices)
+        types = req.token_type_ids
+        ids.extend(types[start:start + req.extend_input_len] if types else [0] * req.extend_input_len)
+    return torch.tensor(ids, dtype=torch.int64, device=device)

@@ -27,6 +27,8 @@ class EmbeddingRequest:
     priority: int = 0
     # The request field the inputs came from, named in errors ("input" for OpenAI's API).
     field_name: str = "input"
+    # Per input given as token ids, its segment ids (text pairs for cross-encoders) or None.
+    token_type_ids: list[list[int] | None] | None = None
 
 
 @dataclass
@@ -86,11 +88,12 @@ class EmbedMixin:
         states = [ReqState(rid, ids) for rid, ids in zip(rids, ids_list)]
         if req.rid:
             self.add_group(req.rid, rids)  # type: ignore[attr-defined]
-        for state in states:
+        for i, state in enumerate(states):
             self.states[state.rid] = state
             replica = self.router.route(state.rid, state.prompt_ids).replica
             self.sends[replica].send_pyobj(TokenizedEmbeddingReqInput(
-                rid=state.rid, input_ids=state.prompt_ids, dimensions=dims, priority=req.priority))
+                rid=state.rid, input_ids=state.prompt_ids, dimensions=dims, priority=req.priority,
+                token_type_ids=req.token_type_ids[i] if req.token_type_ids else None))
         try:
             await asyncio.gather(*(self._wait_embedding(s) for s in states))
         finally:

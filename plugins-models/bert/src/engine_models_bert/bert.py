@@ -4,7 +4,8 @@ The scheduler hands a packed batch (every row's tokens back to back, ``extend_se
 per row, never a cached prefix or a chunk: encoders declare ``uses_kv_cache = False``). Each
 layer pads the rows into one ``[rows, longest, ...]`` block for torch's scaled-dot-product
 attention with a key-padding mask and packs the result again; no KV is stored. Token type ids
-are zero (single-segment inputs, as sentence-transformers sends) and positions are absolute.
+are zero (single-segment inputs, as sentence-transformers sends) unless the batch carries a
+text pair's (``forward_batch.extra["token_type_ids"]``, cross-encoders); positions are absolute.
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ class BertModel(nn.Module):
         lens = forward_batch.extend_seq_lens_cpu or [int(input_ids.numel())]
         layout = RowLayout(list(lens), input_ids.device)
         emb = self.embeddings
-        hidden = (emb.word_embeddings(input_ids) + emb.position_embeddings(positions)
-                  + emb.token_type_embeddings.weight[0])
+        # Segment ids come with text pairs (cross-encoders); single texts are segment 0.
+        types = forward_batch.extra.get("token_type_ids")
+        segment = emb.token_type_embeddings(types) if types is not None else emb.token_type_embeddings.weight[0]
+        hidden = emb.word_embeddings(input_ids) + emb.position_embeddings(positions) + segment
         hidden = emb.LayerNorm(hidden)
         for layer in self.encoder.layer:
             hidden = layer(hidden, layout)

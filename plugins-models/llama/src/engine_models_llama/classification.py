@@ -4,7 +4,7 @@
 the decoder of the causal LM and replace the LM head by ``score``, a linear layer from the hidden
 size to ``num_labels``, read at one position per sequence: the last token that is not the padding
 token, as transformers picks it (its batches may be padded on either side, so it takes the
-rightmost non-padding token; a prompt that ends in padding tokens is scored where they start).
+rightmost non-padding token).
 """
 
 from __future__ import annotations
@@ -14,39 +14,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.pipeline import PPMissingLayer, PPProxyTensors
 from engine.layers.quantization import QuantizationConfig
 from engine.model_executor.forward_batch import ForwardBatch
+from engine.pooling import PoolingConfig
 from engine_models_llama.llama import LlamaForCausalLM
-
-
-def last_non_pad_rows(forward_batch: ForwardBatch, pad_token_id: int | None) -> torch.Tensor:
-    """Per row of an EXTEND batch, the index (into the batch's tokens) of its last new token that
-    is not ``pad_token_id``; every row's last new token when there is no padding token.
-
-    A row whose new tokens are all padding gets its first new token, as transformers does for an
-    all-padding sequence (it takes position 0).
-    """
-    assert forward_batch.extend_seq_lens is not None and forward_batch.extend_start_loc is not None, (
-        "sequence classification runs on prefill (EXTEND) batches only")
-    starts = forward_batch.extend_start_loc
-    lens = forward_batch.extend_seq_lens
-    ends = starts + lens - 1
-    if pad_token_id is None:
-        return ends
-    ids = forward_batch.input_ids
-    token_index = torch.arange(ids.shape[0], device=ids.device)
-    row_of_token = torch.repeat_interleave(torch.arange(lens.shape[0], device=ids.device), lens)
-    candidates = torch.where(ids != pad_token_id, token_index, torch.full_like(token_index, -1))
-    last = torch.full_like(ends, -1).scatter_reduce(0, row_of_token, candidates, reduce="amax")
-    return torch.where(last >= 0, last, starts)
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):
     """The decoder of ``LlamaForCausalLM`` (and its checkpoint loading) with a ``score`` head.
 
-    ``forward`` returns ``[batch_size, num_labels]`` float32 logits, one row per sequence.
+    A pooling model (``--task score``): the engine pools ``forward_hidden``'s states at each
+    request's last token (``score_pooling``) and maps the pooled state to ``num_labels`` logits
+    with ``pooling_head``.
     """
+
+    head_prefixes = ("score.",)
 
     def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
         # Not the causal LM's constructor: no LM head and no logits processor to build.
@@ -55,20 +37,33 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
         self.model = self.model_cls(config, quant_config)
         self.num_labels = int(config.num_labels)
         # The head stays unquantized: num_labels outputs cost nothing next to the decoder.
-        self.score = (nn.Linear(config.hidden_size, self.num_labels, bias=False)
-                      if self.model.stage.is_last else PPMissingLayer())
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.tie_word_embeddings = False
         pad = getattr(config, "pad_token_id", None)
         self.pad_token_id = int(pad) if pad is not None else None
+        self.pooling_size = self.num_labels
+        self.score_pooling = PoolingConfig("last", False, f"{type(self).__name__}: the last non-padding token")
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                forward_batch: ForwardBatch) -> torch.Tensor | PPProxyTensors:
-        hidden = self.model(input_ids, positions, forward_batch)
-        if isinstance(hidden, PPProxyTensors):
-            return hidden
-        rows = hidden[last_non_pad_rows(forward_batch, self.pad_token_id)]
-        return self.score(rows).float()
+    def pooling_input(self, input_ids: list[int]) -> list[int]:
+        """The prompt as scored: without its trailing padding tokens. transformers reads the last
+        token that is not padding; under causal attention the states up to it do not depend on
+        the padding after it, so last-token pooling of the trimmed prompt reads the same state
+        (also when the padding would have come in a chunk of its own or after a cached prefix).
+        An all-padding prompt keeps its first token, where transformers reads one.
+        """
+        if self.pad_token_id is None:
+            return input_ids
+        end = len(input_ids)
+        while end > 1 and input_ids[end - 1] == self.pad_token_id:
+            end -= 1
+        return input_ids[:end]
+
+    def pooling_head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` pooled states -> ``[n, num_labels]`` logits."""
+        return self.score(pooled.to(self.score.weight.dtype))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} scores (--task score); it does not generate")
 
 
 class MistralForSequenceClassification(LlamaForSequenceClassification):

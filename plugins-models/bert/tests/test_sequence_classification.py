@@ -1,0 +1,71 @@
+"""``BertForSequenceClassification`` (cross-encoders, ``--task score``): logits equal
+transformers' on a tiny random checkpoint (float32, CPU), for single texts and text pairs with
+segment ids, through the scheduler's pooling path."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+# float32 on the CPU through other kernels than transformers': summation order only.
+ATOL = 1e-4
+
+# (token ids, segment ids or None): [CLS]=2 ... [SEP]=3, pairs as a BERT tokenizer encodes them.
+INPUTS: list[tuple[list[int], list[int] | None]] = [
+    ([2, 50, 51, 52, 3], None),
+    ([2, 60, 61, 3, 70, 71, 72, 73, 3], [0, 0, 0, 0, 1, 1, 1, 1, 1]),
+    ([2, 80, 3, 90, 3], [0, 0, 0, 1, 1]),
+    ([2, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 3], None),
+]
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_logits_match_transformers(tmp_path: Any, num_labels: int) -> None:
+    from engine.managers.io_struct import BatchEmbeddingOut, TokenizedEmbeddingReqInput
+    from engine.testing.checkpoints import load_hf_model, make_tiny_checkpoint
+    from engine.testing.harness import make_scheduler
+
+    path = make_tiny_checkpoint(str(tmp_path), "BertForSequenceClassification", num_labels=num_labels, hidden_size=32,
+                                intermediate_size=64, num_attention_heads=4, max_position_embeddings=64)
+    scheduler = make_scheduler(path)
+    assert scheduler.runner.task == "score" and scheduler.runner.embedding_size == num_labels
+    for i, (ids, types) in enumerate(INPUTS):
+        scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=f"r{i}", input_ids=ids, token_type_ids=types))
+    got: dict[str, list[float]] = {}
+    while True:
+        busy = scheduler.step()
+        for msg in scheduler.take_outputs():
+            if isinstance(msg, BatchEmbeddingOut):
+                assert msg.errors == [None] * len(msg.rids), msg.errors
+                got.update(zip(msg.rids, msg.embeddings))
+        if not busy:
+            break
+    hf = load_hf_model(path, reference="BertForSequenceClassification")
+    for i, (ids, types) in enumerate(INPUTS):
+        with torch.no_grad():
+            segments = torch.tensor([types]) if types is not None else None
+            ref = hf(torch.tensor([ids]), token_type_ids=segments).logits[0]
+        ours = torch.tensor(got[f"r{i}"])
+        err = (ours - ref).abs().max().item()
+        assert err <= ATOL, f"input {i}: max abs logit error {err} > {ATOL} ({ours} vs {ref})"
+    # The segment ids matter: the same tokens as one segment score differently.
+    with torch.no_grad():
+        one_segment = hf(torch.tensor([INPUTS[1][0]])).logits[0]
+    assert (one_segment - torch.tensor(got["r1"])).abs().max().item() > 10 * ATOL
+
+
+def test_a_checkpoint_without_pooler_is_refused(tmp_path: Any) -> None:
+    from engine.errors import ModelLoadError
+    from engine.testing.checkpoints import tiny_config
+    from engine_models_bert.classification import BertForSequenceClassification
+
+    config = tiny_config("BertForSequenceClassification", num_labels=2, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, max_position_embeddings=64, num_hidden_layers=1)
+    model = BertForSequenceClassification(config)
+    weights = [(f"bert.{name}", p.detach()) for name, p in model.named_parameters()
+               if not name.startswith(("pooler.", "classifier."))]
+    weights += [(name, p.detach()) for name, p in model.named_parameters() if name.startswith("classifier.")]
+    with pytest.raises(ModelLoadError, match="no pooler weights"):
+        model.load_weights(weights)
