@@ -246,6 +246,18 @@ def test_fp8_on_a_platform_without_fp8_arithmetic_says_it_brings_no_speed(
             assert notes[0].startswith("quant fp8: platform 'cpu' has no fp8 arithmetic"), notes
 
 
+def test_a_method_without_fast_cpu_kernels_says_so_once_on_the_cpu(
+        llama_ckpt: str, caplog: pytest.LogCaptureFixture) -> None:
+    from engine.entrypoints.launch import preflight
+
+    # w8a8_int8 declares fast_device_types=("cuda",): the CPU runs its torch reference.
+    with caplog.at_level(logging.WARNING, logger="engine.entrypoints.launch"):
+        preflight(build_server_args({"model_path": llama_ckpt, "platform": "cpu", "quant": "w8a8_int8"}), llama_ckpt)
+    notes = [r.getMessage() for r in caplog.records if "reference path" in r.getMessage()]
+    assert notes == ["quant w8a8_int8: on cpu it runs its torch reference path (fast kernels on: cuda), which "
+                     "saves weight memory but decodes slower than the unquantized model here"], notes
+
+
 def test_more_ranks_than_devices_fails_before_any_process_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 

@@ -110,6 +110,10 @@ class QuantMethodSpec:
     device_types: tuple[str, ...] = ("cuda",)
     #: ``quant_method`` values in a checkpoint's ``quantization_config`` this handles.
     checkpoint_methods: tuple[str, ...] = ()
+    #: device types where its kernels decode faster than the unquantized model; elsewhere among
+    #: ``device_types`` it runs a reference path (memory saved, not time), which start-up says
+    #: once. None: every device type it runs on.
+    fast_device_types: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

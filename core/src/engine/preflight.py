@@ -37,6 +37,8 @@ def check_without_checkpoint(args: ServerArgs) -> None:
     check_required_plugins(args.required_plugins)
     plugins.check_plugin_options(args.plugin_options, args.disable_plugin)
     check_paths(args)
+    for name, _ in enabled_frontends(args):
+        frontend_entry_point(name)
     disabled = args.disable_plugin
     reg = plugins.get_registry(disabled)
 
@@ -73,6 +75,32 @@ def check_without_checkpoint(args: ServerArgs) -> None:
         raise ConfigError(f"--quant: quantization method '{quant.name}' does not run on platform '{platform_name}' "
                           f"(runs on: {', '.join(quant.device_types)}); methods for {device}: "
                           f"{names_for_device(reg, 'quantization', device)}")
+
+
+# Frontends beside HTTP (engine.entrypoints.frontend): name -> (the ServerArgs field that turns it
+# on, the distribution providing it). The name is the entry point's in FRONTEND_GROUP.
+FRONTENDS = {"grpc": ("grpc_port", "plugserve-grpc")}
+FRONTEND_GROUP = "engine.frontends"
+
+
+def enabled_frontends(args: ServerArgs) -> list[tuple[str, int]]:
+    """(name, port) of each frontend whose flag is set."""
+    return [(name, getattr(args, flag)) for name, (flag, _) in FRONTENDS.items() if getattr(args, flag, None)]
+
+
+def frontend_entry_point(name: str) -> Any:
+    """The entry point of frontend ``name`` (not loaded); a one-line error naming the flag and the
+    distribution to install when none is installed."""
+    try:
+        from importlib_metadata import entry_points
+    except ImportError:  # pragma: no cover - a dependency of the core
+        from importlib.metadata import entry_points  # type: ignore[assignment]
+    found = list(entry_points(group=FRONTEND_GROUP, name=name))
+    if not found:
+        flag, dist = FRONTENDS[name]
+        raise PluginError(f"--{flag.replace('_', '-')}: serving {name} needs the {dist} distribution, which is not "
+                          f"installed; pip install {dist} (in a clone of the repository: pip install -e plugins/{name})")
+    return found[0]
 
 
 _ACCEPTED_MODEL = "accepted: a Hugging Face model directory (with config.json), or a GGUF file (.gguf)"
@@ -222,8 +250,9 @@ def parser_log_lines(args: ServerArgs) -> list[str]:
 def speed_notes(selection: Any) -> list[str]:
     """Start-up warnings for a selected method that brings no speed on the selected platform:
     fp8 weights on a device without fp8 arithmetic (``Platform.fp8_dtype()`` is None, the CPU
-    among them) are dequantized in every linear on every step, which saves memory, not time.
-    ``selection`` is ``engine.selection.Selection``."""
+    among them) are dequantized in every linear on every step, which saves memory, not time; a
+    method whose spec lists ``fast_device_types`` without the platform's device type runs its
+    reference path. ``selection`` is ``engine.selection.Selection``."""
     quant = selection.quant
     if quant is None:
         return []
@@ -232,6 +261,12 @@ def speed_notes(selection: Any) -> list[str]:
         return [f"quant {quant.name}: platform '{selection.platform_choice.name}' has no fp8 arithmetic, so every "
                 "linear dequantizes its fp8 weights on every step: this saves weight memory but decodes slower "
                 "than the unquantized model here"]
+    fast = getattr(quant.spec, "fast_device_types", None)
+    device = selection.platform.device_type
+    if fast is not None and device not in fast:
+        return [f"quant {quant.name}: on {device} it runs its torch reference path (fast kernels on: "
+                f"{', '.join(fast)}), which saves weight memory but decodes slower than the unquantized "
+                "model here"]
     return []
 
 

@@ -15,5 +15,6 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
         factory="engine_quant_awq.config:AwqConfig.from_config",
         description="AWQ 4-bit weights (AutoAWQ GEMM layout), groups of 32-128; Triton dequantize-GEMM on CUDA, torch on CPU",
         device_types=("cuda", "cpu"),
+        fast_device_types=("cuda",),  # the CPU runs the torch reference
         checkpoint_methods=("awq",),
     ))

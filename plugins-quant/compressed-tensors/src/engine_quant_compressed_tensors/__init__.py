@@ -16,5 +16,6 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
         description="compressed-tensors checkpoints: pack-quantized int4/int8 weight-only (W4A16, W8A16) "
                     "and float-quantized FP8 (served by the fp8 plugin)",
         device_types=("cuda", "cpu"),
+        fast_device_types=("cuda",),  # the CPU runs the torch reference
         checkpoint_methods=("compressed-tensors",),
     ))

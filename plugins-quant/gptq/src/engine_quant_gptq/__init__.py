@@ -15,5 +15,6 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
         factory="engine_quant_gptq.config:GptqConfig.from_config",
         description="GPTQ 4/8-bit weights (AutoGPTQ/GPTQModel layout, act-order g_idx); Triton dequantize-GEMM on CUDA, torch on CPU",
         device_types=("cuda", "cpu"),
+        fast_device_types=("cuda",),  # the CPU runs the torch reference
         checkpoint_methods=("gptq",),
     ))

@@ -17,5 +17,6 @@ def register_quantization_methods(register):  # type: ignore[no-untyped-def]
         description=("int8 weights (per channel); Triton weight-only GEMV/GEMM for a few tokens, int8 x int8 "
                      "(per-token or static activation scales) above; torch references on CPU"),
         device_types=("cuda", "cpu"),
+        fast_device_types=("cuda",),  # the CPU runs the torch reference
         checkpoint_methods=("w8a8_int8",),
     ))
