@@ -61,8 +61,8 @@ class EmbedMixin:
         from engine.managers.request_state import RequestError
 
         if self.task != "generate":
-            raise RequestError(f"this server runs an embedding/scoring model (--task {self.task}); {what} needs a "
-                               "generation model (--task generate)", "model")
+            raise RequestError(f"{what}: this server serves an embedding/scoring model (--task {self.task}), which "
+                               "cannot generate; serve a generation model (--task generate)", "model")
 
     async def embed(self, req: EmbeddingRequest) -> list[EmbeddingResult]:
         """Pools every input of ``req``; raises ``RequestError`` naming the field on bad input."""

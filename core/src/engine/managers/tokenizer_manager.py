@@ -195,7 +195,7 @@ class TokenizerManager(EmbedMixin):
         return self.tokenize(req)
 
     def validate(self, req: GenerateRequest, input_ids: list[int]) -> SamplingParams:
-        self.check_generation_task("text generation")
+        self.check_generation_task("generation")
         try:
             params = SamplingParams.from_dict(req.sampling_params)
         except SamplingParamsError as exc:

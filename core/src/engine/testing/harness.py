@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 from engine.config import ServerArgs
-from engine.managers.io_struct import TokenizedGenerateReqInput
+from engine.managers.io_struct import BatchEmbeddingOut, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
 
 _rids = itertools.count()
 
@@ -24,6 +24,32 @@ def submit(scheduler: Any, input_ids: list[int], sampling_params: dict[str, Any]
     scheduler.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=list(input_ids),
                                                     sampling_params=dict(sampling_params or {}), **kw))
     return rid
+
+
+def embed_prompts(scheduler: Any, prompts: list[list[int]], dimensions: int | None = None) -> list[dict[str, Any]]:
+    """Runs pooling requests (a scheduler of ``--task embed|score``) to completion, all at once.
+
+    Returns per prompt ``{"embedding": [floats] | None, "error": dict | None, "prompt_tokens",
+    "cached_tokens"}`` in prompt order.
+    """
+    rids = []
+    for ids in prompts:
+        rid = f"emb-{next(_rids)}"
+        scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=rid, input_ids=list(ids), dimensions=dimensions))
+        rids.append(rid)
+    results: dict[str, dict[str, Any]] = {}
+
+    def collect() -> None:
+        for msg in scheduler.take_outputs():
+            assert isinstance(msg, BatchEmbeddingOut), f"a pooling request produced {type(msg).__name__}"
+            for i, rid in enumerate(msg.rids):
+                results[rid] = {"embedding": msg.embeddings[i], "error": msg.errors[i],
+                                "prompt_tokens": msg.prompt_tokens[i], "cached_tokens": msg.cached_tokens[i]}
+
+    while scheduler.step():
+        collect()
+    collect()
+    return [results[r] for r in rids]
 
 
 class OutputCollector:

@@ -8,14 +8,19 @@ from fastapi import APIRouter, Request
 from starlette.responses import JSONResponse, Response
 
 from engine.entrypoints.http.context import ServingContext
+from engine.entrypoints.http.embeddings import check_generation_server
+from engine.entrypoints.http.embeddings import router as embeddings_router
 from engine.entrypoints.http.errors import APIError, parse_body
 from engine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
 from engine.entrypoints.http.responses import router as responses_router
+from engine.entrypoints.http.scoring import router as scoring_router
 from engine.entrypoints.http.serving_chat import create_chat_completion
 from engine.entrypoints.http.serving_completions import create_completion
 
 router = APIRouter()
 router.include_router(responses_router)  # /v1/responses (OpenAI's Responses API)
+router.include_router(scoring_router)  # /v1/rerank, /v1/score, /classify (docs/embeddings.md)
+router.include_router(embeddings_router)  # /v1/embeddings and /encode (docs/embeddings.md)
 
 
 def serving_context(request: Request) -> ServingContext:
@@ -25,12 +30,14 @@ def serving_context(request: Request) -> ServingContext:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     """OpenAI chat completions (``messages`` through the tokenizer's chat template)."""
+    check_generation_server(serving_context(request), "/v1/chat/completions")
     return await create_chat_completion(serving_context(request), request)
 
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     """OpenAI (legacy) text completions."""
+    check_generation_server(serving_context(request), "/v1/completions")
     return await create_completion(serving_context(request), request)
 
 
