@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.version import __version__
+from engine.entrypoints.frontend import RunningFrontend, start_frontends, stop_frontends
 from engine.entrypoints.http.context import ServingContext, served_model_name
 from engine.entrypoints.http.errors import install_error_handlers
 from engine.entrypoints.http.guards import FrontDoor
@@ -147,7 +148,7 @@ def run_server(args: ServerArgs, runtime: Runtime, sock: socket.socket, signals:
         verbose = args.log_level == "debug"
         config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                                 timeout_graceful_shutdown=_FLUSH_S, lifespan="on")
-        server = _Server(config, lambda: ready_line(app.state.ctx, url), app, args.shutdown_grace_s)
+        server = _Server(config, lambda: ready_line(app.state.ctx, url), app, args.shutdown_grace_s, on_fatal)
         signals.server = server
         server.run(sockets=[sock])
     except StartupInterrupted:
@@ -166,14 +167,18 @@ async def _loop_turns(turns: int) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's Server, printing the ready line once it accepts connections, and draining the
-    tokenizer manager's requests before uvicorn's own shutdown closes connections."""
+    """uvicorn's Server, starting the frontends beside HTTP (``--grpc-port``) and printing the
+    ready line once it accepts connections, and draining the tokenizer manager's requests (theirs
+    too) before uvicorn's own shutdown closes connections."""
 
-    def __init__(self, config: uvicorn.Config, line: Callable[[], str], app: FastAPI, grace_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, line: Callable[[], str], app: FastAPI, grace_s: float,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         super().__init__(config)
         self._line = line
         self._app = app
         self._grace_s = grace_s
+        self._on_fatal = on_fatal
+        self._frontends: list[tuple[str, RunningFrontend]] = []
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         ctx = getattr(self._app.state, "ctx", None)
@@ -187,6 +192,9 @@ class _Server(uvicorn.Server):
                 server.close()
             for sock in sockets or []:
                 sock.close()
+            # The frontends stop taking calls too; theirs in flight drain with the HTTP requests
+            # (a second more: calls ended at the deadline still write their error status).
+            stopping = asyncio.ensure_future(stop_frontends(self._frontends, self._grace_s + 1))
             await _loop_turns(_SETTLE_TURNS)
             logger.info("shutting down: no new connections; %d request(s) received get up to %g s to finish",
                         ctx.manager.arrivals.open, self._grace_s)
@@ -194,12 +202,24 @@ class _Server(uvicorn.Server):
             if ended:
                 # Give the handlers a moment to write the 503s and error events they now hold.
                 await asyncio.sleep(0.1)
+            await stopping
+        else:
+            await stop_frontends(self._frontends, None)
+        self._frontends = []
         await super().shutdown(sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        if self.started:
-            print(self._line(), flush=True)
+        if not self.started:
+            return
+        try:
+            self._frontends = await start_frontends(self._app.state.ctx)
+        except Exception as exc:  # a busy port, a broken plugin: the server exits with status 1
+            logger.error("a frontend failed to start: %s: %s", type(exc).__name__, exc)
+            if self._on_fatal is not None:
+                self._on_fatal(f"a frontend failed to start: {exc}")
+            return
+        print(self._line(), flush=True)
 
 
 # bind_socket and server_url live in startup (no torch); importable from here as before.

@@ -34,6 +34,9 @@ def serve(args: ServerArgs) -> int:
     signals = Signals()
     signals.install()
     sock = bind_socket(args.host, args.port)
+    if args.grpc_port:
+        # gRPC binds once the model is loaded; a busy port fails now instead.
+        bind_socket(args.host, args.grpc_port, "--grpc-port").close()
     starting: StartingRuntime | None = None
     try:
         started = time.perf_counter()

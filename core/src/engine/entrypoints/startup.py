@@ -34,8 +34,9 @@ class Signals:
         self.server.should_exit = True
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Binds (without listening, so clients get 'connection refused' while the model loads)."""
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """Binds (without listening, so clients get 'connection refused' while the model loads);
+    ``flag`` is the option the error names."""
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -47,8 +48,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"--port: cannot listen on {host}:{port}: {exc.strerror} "
-                          "(is another server running? pick another --port)") from None
+        raise ConfigError(f"{flag}: cannot listen on {host}:{port}: {exc.strerror} "
+                          f"(is another server running? pick another {flag})") from None
     return sock
 
 

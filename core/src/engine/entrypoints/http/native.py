@@ -143,14 +143,19 @@ async def _flush_cache(ctx: ServingContext) -> Response:
 @router.get("/health")
 async def health(request: Request) -> Response:
     """200 when the scheduler answers a health check in time, else 503."""
-    ctx = _ctx(request)
+    await check_health(_ctx(request))
+    return JSONResponse({"status": "ok"})
+
+
+async def check_health(ctx: ServingContext) -> None:
+    """Returns when the scheduler answers a health check in time; a 503 otherwise (also while
+    the server drains, so load balancers stop sending). The gRPC frontend's Health calls it too."""
     if ctx.manager.draining:
         raise shutting_down_error("the server is shutting down")
     try:
         await _control(ctx, "health", HEALTH_TIMEOUT_S)
     except APIError as exc:
         raise APIError(503, f"unhealthy: {exc.message}") from None
-    return JSONResponse({"status": "ok"})
 
 
 @router.get("/get_server_info")
