@@ -8,16 +8,14 @@ answer a factual question sensibly and stop at ChatML's ``<|im_end|>``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import Server, free_port, server_info  # noqa: E402
+from test_server_e2e_harness import Server, server_info, shared_default_server  # noqa: E402
 
 from engine.testing.default_model import CHATS, MAX_NEW_TOKENS, chat_prompt_ids  # noqa: E402
 
@@ -87,20 +85,11 @@ def test_greedy_answers_equal_transformers_on_the_same_gguf(model_dir: str, gguf
 
 
 @pytest.fixture(scope="module")
-def default_server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``engine serve`` with no --model-path (the conversion is already cached by ``model_dir``)."""
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("default-model") / "server.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", str(port), "--host", "127.0.0.1",
-                                 "--max-total-tokens", "8192"],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    server = Server(proc, port, log_path, api_key=None)
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+def default_server(model_dir: str, request: pytest.FixtureRequest,
+                   tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """``engine serve`` with no --model-path (the session's shared one; the conversion is already
+    cached by ``model_dir``)."""
+    return shared_default_server(request.config, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

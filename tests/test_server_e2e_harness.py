@@ -24,6 +24,7 @@ API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 _START_TIMEOUT_S = 180.0
 _SERVER_KEY = pytest.StashKey["Server"]()
+_DEFAULT_SERVER_KEY = pytest.StashKey["Server"]()
 
 
 def free_port() -> int:
@@ -131,6 +132,31 @@ def shared_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
         server.wait_ready()
         config.stash[_SERVER_KEY] = server
     return config.stash[_SERVER_KEY]
+
+
+def shared_default_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The session's shared ``engine serve`` on the embedded default model, as the docs start it
+    (no --model-path, no API key, served as 'default'), started on first use and stopped when
+    pytest ends. Every module that needs that server and no other flags uses this one: a start
+    costs 10-15 s of CPU (under pytest-xdist, one per worker).
+    """
+    if _DEFAULT_SERVER_KEY not in config.stash:
+        port = free_port()
+        log_path = str(tmp_path_factory.mktemp("default-model-server") / "server.log")
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1",
+                                     "--port", str(port), "--max-total-tokens", "16384"],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        server = Server(proc, port, log_path, api_key=None)
+        config.add_cleanup(server.stop)
+        # A first start on a fresh $ENGINE_CACHE_DIR also converts the default model's GGUF.
+        server.wait_ready(timeout=600)
+        config.stash[_DEFAULT_SERVER_KEY] = server
+    server = config.stash[_DEFAULT_SERVER_KEY]
+    if server.proc.poll() is not None:
+        raise RuntimeError(f"the shared default-model server exited with {server.proc.returncode}:\n"
+                           f"{server.log()[-4000:]}")
+    return server
 
 
 def server_info(server: Server) -> dict[str, Any]:

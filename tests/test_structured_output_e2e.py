@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,7 +19,7 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import Server, free_port  # noqa: E402
+from test_server_e2e_harness import Server, shared_default_server  # noqa: E402
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
@@ -58,22 +56,9 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    from engine.model_executor.checkpoint import resolve_checkpoint
-
-    resolve_checkpoint(None)  # the GGUF conversion, cached in $ENGINE_CACHE_DIR before the server starts
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("structured") / "server.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--port", str(port), "--host", "127.0.0.1",
-                                 "--max-total-tokens", "8192"],
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    srv = Server(proc, port, log_path, api_key=None)
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """The session's shared server on the embedded default model."""
+    return shared_default_server(request.config, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,8 @@
-"""Fixtures of the frontend-language tests: a default-model server per module (started on first
-use), the default model's transformers tokenizer, and a backend that records its requests."""
+"""Fixtures of the frontend-language tests: the session's shared default-model server (started on
+first use), the default model's transformers tokenizer, and a backend that records its requests."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,22 +14,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_lang import RuntimeEndpoint  # noqa: E402
 from lang_programs import Recording  # noqa: E402
-from test_server_e2e_harness import Server, free_port  # noqa: E402
+from test_server_e2e_harness import Server, shared_default_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    """``engine serve`` on the embedded default model, as the docs start it."""
-    port = free_port()
-    log_path = str(tmp_path_factory.mktemp("lang-server") / "server.log")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
-                                 "--max-total-tokens", "16384"], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
-    server = Server(proc, port, log_path, api_key=None)
-    server.wait_ready(timeout=300)
-    yield server
-    server.stop()
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    """``engine serve`` on the embedded default model, as the docs start it (the session's shared one)."""
+    return shared_default_server(request.config, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
