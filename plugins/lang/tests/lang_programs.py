@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from engine_lang import *  # noqa: F403 - the seed's examples use the bare names
-from engine_lang import function, select
+from engine_lang import assistant, function, gen, select, user
 from engine_lang.backends.base import GenOutput, GenRequest
 
 
@@ -45,6 +45,30 @@ def conditional_gen(s, question):  # noqa: ANN001, ANN201
         s += gen(max_tokens=50)  # noqa: F405
     else:
         s += gen(max_tokens=20)  # noqa: F405
+
+
+# -- programs run on several backends, whose greedy results must agree --------------------------------
+QUESTION = "What is the capital of France?"
+
+
+@function
+def program(s: Any, question: str) -> None:
+    s += "Question: " + question + "\nAnswer:"
+    s += gen("plain", max_tokens=8, stop="\n")
+    s += "\nIs that right? Answer:"
+    s += select("check", choices=[" yes, it is", " no, it is not"])
+    forks = s.fork(2)
+    forks += gen("branch", max_tokens=4)
+    forks.join()
+
+
+@function
+def conversation(s: Any, question: str) -> None:
+    s += user(question)
+    s += assistant(gen("reply", max_tokens=10))
+    with s.user():
+        s += "And in one word?"
+    s += assistant(gen("word", max_tokens=4))
 
 
 def check_seed_patterns(backend: Any) -> None:

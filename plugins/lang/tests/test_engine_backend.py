@@ -1,5 +1,6 @@
 """The language on an in-process engine (``engine_lang.Engine``, default model, CPU): the kit,
-and the same programs as on the server, checked against the engine's own ``generate``."""
+and the same programs as on the server (equal greedy results to ``RuntimeEndpoint`` on the
+session's default-model server), checked against the engine's own ``generate``."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 from engine_lang import Engine, assistant, function, gen, select, system, user
 from engine_lang.testing import BackendConformance
-from lang_programs import Recording, check_seed_patterns
+from lang_programs import QUESTION, Recording, check_seed_patterns, conversation, program
 
 
 class RecordingEngine(Recording, Engine):
@@ -67,6 +68,19 @@ def test_gen_and_chat_equal_the_engines_own_generate(engine_backend: Engine, tok
     prompt = tokenizer.apply_chat_template(talk.messages()[:2], tokenize=False, add_generation_prompt=True)
     assert talk["reply"] == _by_hand(engine_backend, prompt, {"max_new_tokens": 12, "temperature": 0})["text"]
     assert talk.text() == tokenizer.apply_chat_template(talk.messages(), tokenize=False)
+
+
+@pytest.mark.parametrize("prog", [program, conversation], ids=["text", "chat"])
+def test_the_same_program_gives_the_same_greedy_results_as_on_the_server(engine_backend: Engine, endpoint: Any,
+                                                                       prog: Any) -> None:
+    local = prog.run(QUESTION, temperature=0, backend=engine_backend)
+    served = prog.run(QUESTION, temperature=0, backend=endpoint)
+    assert local.text() == served.text()
+    assert local.messages() == served.messages()
+    if prog is program:
+        assert local["plain"] == served["plain"] and local["branch"] == served["branch"]
+        assert local["check"] == served["check"]
+        assert local.get_meta_info("check")["scores"] == pytest.approx(served.get_meta_info("check")["scores"], abs=2e-2)
 
 
 def test_select_fork_and_batch(engine_backend: Engine) -> None:

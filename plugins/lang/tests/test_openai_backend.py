@@ -12,13 +12,11 @@ from engine_lang import (
     ProgramError,
     RuntimeEndpoint,
     UnsupportedOperation,
-    assistant,
     function,
     gen,
-    select,
-    user,
 )
 from engine_lang.testing import BackendConformance
+from lang_programs import QUESTION, conversation, program
 
 
 @pytest.fixture(scope="module")
@@ -42,31 +40,11 @@ class TestRuntimeEndpointConformance(BackendConformance):
         return endpoint
 
 
-@function
-def program(s: Any, question: str) -> None:
-    s += "Question: " + question + "\nAnswer:"
-    s += gen("plain", max_tokens=8, stop="\n")
-    s += "\nIs that right? Answer:"
-    s += select("check", choices=[" yes, it is", " no, it is not"])
-    forks = s.fork(2)
-    forks += gen("branch", max_tokens=4)
-    forks.join()
-
-
-@function
-def conversation(s: Any, question: str) -> None:
-    s += user(question)
-    s += assistant(gen("reply", max_tokens=10))
-    with s.user():
-        s += "And in one word?"
-    s += assistant(gen("word", max_tokens=4))
-
-
 @pytest.mark.parametrize("prog", [program, conversation], ids=["text", "chat"])
 def test_the_same_program_gives_the_same_greedy_results(openai_backend: OpenAI, endpoint: RuntimeEndpoint,
                                                         prog: Any) -> None:
-    native = prog.run("What is the capital of France?", temperature=0, backend=endpoint)
-    openai = prog.run("What is the capital of France?", temperature=0, backend=openai_backend)
+    native = prog.run(QUESTION, temperature=0, backend=endpoint)
+    openai = prog.run(QUESTION, temperature=0, backend=openai_backend)
     assert openai.text() == native.text()
     assert openai.messages() == native.messages()
     if prog is program:
