@@ -1,0 +1,148 @@
+"""End to end: ``engine serve --task embed`` on the embedded all-MiniLM-L6-v2, driven by the
+``openai`` client and langchain's ``OpenAIEmbeddings``, against sentence-transformers on the same
+model directory (the oracle)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_server_e2e_harness import API_KEY, Server, free_port  # noqa: E402
+
+MAX_COSINE_DISTANCE = 1e-5
+SENTENCES = ["Hi.", "The cat sat on the mat.",
+             "Retrieval-augmented generation looks up passages that are close to the question in an embedding "
+             "space and hands them to the model together with the question, so the answer can cite them.",
+             "Paris is the capital of France; Berlin is the capital of Germany; Madrid is the capital of Spain."]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from engine.default_model.embedding import embedding_model_dir
+
+    return embedding_model_dir()
+
+
+@pytest.fixture(scope="module")
+def oracle(model_dir: str) -> Any:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(model_dir, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp("embed-logs") / "server.log")
+    cmd = [sys.executable, "-m", "engine", "serve", "--task", "embed", "--enable-matryoshka", "--host", "127.0.0.1",
+           "--port", str(port), "--api-key", API_KEY]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    srv = Server(proc, port, log_path)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _cosine_distance(a: Any, b: Any) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(1.0 - a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def _client(server: Server) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+def test_openai_client_equals_sentence_transformers(server: Server, oracle: Any, encoding_format: str) -> None:
+    # The openai client asks for base64 when no format is given and decodes it; "float" is the JSON list.
+    kwargs = {"encoding_format": encoding_format} if encoding_format == "float" else {}
+    result = _client(server).embeddings.create(model="default", input=SENTENCES, **kwargs)
+    expected = oracle.encode(SENTENCES)
+    assert [d.index for d in result.data] == list(range(len(SENTENCES)))
+    for got, want in zip(result.data, expected):
+        assert len(got.embedding) == 384
+        assert _cosine_distance(got.embedding, want) < MAX_COSINE_DISTANCE
+        assert np.linalg.norm(got.embedding) == pytest.approx(1.0, abs=1e-5)
+    tokens = sum(len(oracle.tokenizer(s)["input_ids"]) for s in SENTENCES)
+    assert (result.usage.prompt_tokens, result.usage.total_tokens) == (tokens, tokens)
+
+
+def test_base64_is_the_float_vector(server: Server) -> None:
+    body = {"model": "default", "input": SENTENCES[1]}
+    floats = server.post("/v1/embeddings", json={**body, "encoding_format": "float"}).json()["data"][0]["embedding"]
+    packed = server.post("/v1/embeddings", json={**body, "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    assert np.frombuffer(base64.b64decode(packed), dtype="<f4").tolist() == floats
+
+
+def test_dimensions_truncate_then_normalise(server: Server, oracle: Any) -> None:
+    result = _client(server).embeddings.create(model="default", input=SENTENCES[2], dimensions=64)
+    want = oracle.encode(SENTENCES[2])[:64]
+    assert len(result.data[0].embedding) == 64
+    assert _cosine_distance(result.data[0].embedding, want) < MAX_COSINE_DISTANCE
+    assert np.linalg.norm(result.data[0].embedding) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_token_id_inputs_equal_text_inputs(server: Server, oracle: Any) -> None:
+    ids = [oracle.tokenizer(s)["input_ids"] for s in SENTENCES[:2]]
+    by_ids = _client(server).embeddings.create(model="default", input=ids, encoding_format="float")
+    one = _client(server).embeddings.create(model="default", input=ids[1], encoding_format="float")
+    expected = oracle.encode(SENTENCES[:2])
+    for got, want in zip(by_ids.data, expected):
+        assert _cosine_distance(got.embedding, want) < MAX_COSINE_DISTANCE
+    assert _cosine_distance(one.data[0].embedding, expected[1]) < MAX_COSINE_DISTANCE
+
+
+def test_langchain_openai_embeddings(server: Server, oracle: Any) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(model="default", base_url=server.url + "/v1", api_key=API_KEY,
+                                  check_embedding_ctx_length=False)
+    docs = embeddings.embed_documents(SENTENCES)
+    query = embeddings.embed_query("Which city is the capital of France?")
+    for got, want in zip(docs, oracle.encode(SENTENCES)):
+        assert _cosine_distance(got, want) < MAX_COSINE_DISTANCE
+    assert _cosine_distance(query, oracle.encode("Which city is the capital of France?")) < MAX_COSINE_DISTANCE
+
+
+def test_native_encode(server: Server, oracle: Any) -> None:
+    r = server.post("/encode", json={"text": SENTENCES[1]})
+    assert r.status_code == 200, r.text
+    assert _cosine_distance(r.json()["embedding"], oracle.encode(SENTENCES[1])) < MAX_COSINE_DISTANCE
+    assert r.json()["meta_info"]["prompt_tokens"] == len(oracle.tokenizer(SENTENCES[1])["input_ids"])
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"input": []}, "input", "the list is empty"),
+    ({"input": ["fine", ""]}, "input", "input[1]: the text is empty"),
+    ({"input": {"text": "hi"}}, "input", "accepted: a string"),
+    ({"input": " ".join(["word"] * 600)}, "input", "context length is 512"),
+    ({"input": [[101, 99999, 102]]}, "input", "outside the vocabulary"),
+    ({"input": "hi", "dimensions": 385}, "dimensions", "from 1 to 384"),
+    ({"input": "hi", "encoding_format": "hex"}, "encoding_format", "accepted: float, base64"),
+    ({"input": "hi", "truncate": True}, "truncate", "truncate"),
+])
+def test_bad_inputs_are_400s_naming_the_field(server: Server, body: dict[str, Any], param: str, words: str) -> None:
+    r = server.post("/v1/embeddings", json={"model": "default", **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+
+
+def test_generation_routes_are_400s_on_an_embedding_server(server: Server) -> None:
+    r = server.post("/v1/completions", json={"model": "default", "prompt": "Hello", "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    r = server.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"], r.text
