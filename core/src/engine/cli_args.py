@@ -27,7 +27,8 @@ def fail(message: str) -> typing.NoReturn:
 
 # Flags of the HTTP server alone: commands that run no server (``engine generate``) refuse them
 # instead of ignoring them. A YAML file shared with ``engine serve`` may still set them.
-SERVER_ONLY = ("host", "port", "grpc_port", "api_key", "max_body_bytes", "shutdown_grace_s")
+SERVER_ONLY = ("host", "port", "grpc_port", "api_key", "max_body_bytes", "shutdown_grace_s",
+               "allowed_origins", "responses_store_size")
 
 
 def _help_with_default(f: dataclasses.Field[Any]) -> str:
