@@ -146,3 +146,24 @@ def test_generation_routes_are_400s_on_an_embedding_server(server: Server) -> No
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     r = server.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"], r.text
+
+
+def test_rerank_and_score_by_cosine_similarity(server: Server, oracle: Any) -> None:
+    """On an embedding model, /v1/rerank and /v1/score score a pair by the cosine similarity of its
+    texts' vectors (vLLM's fallback for embedding models); /classify needs a classifier."""
+    query = "What is the capital of Germany?"
+    vectors = oracle.encode([query, *SENTENCES])
+    expected = [float(vectors[0] @ v / (np.linalg.norm(vectors[0]) * np.linalg.norm(v))) for v in vectors[1:]]
+    r = server.post("/v1/rerank", json={"model": "default", "query": query, "documents": SENTENCES, "top_n": 3})
+    assert r.status_code == 200, r.text
+    results = r.json()["results"]
+    assert [x["index"] for x in results] == sorted(range(len(SENTENCES)), key=lambda i: -expected[i])[:3]
+    assert results[0]["index"] == 3  # the passage about capitals
+    for x in results:
+        assert abs(x["relevance_score"] - expected[x["index"]]) < MAX_COSINE_DISTANCE
+        assert x["document"] == {"text": SENTENCES[x["index"]]}
+    r = server.post("/v1/score", json={"model": "default", "text_1": query, "text_2": SENTENCES[2:]})
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(expected[2:], abs=MAX_COSINE_DISTANCE)
+    r = server.post("/classify", json={"model": "default", "input": query})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "--task score" in r.text, r.text
