@@ -37,6 +37,7 @@ SLOW_MODULES: tuple[str, ...] = (
     "tests/test_server_e2e_responses.py",
     "tests/test_structured_output_e2e.py",
     "tests/test_server_e2e_embeddings.py",
+    "tests/test_server_e2e_scoring.py",
     "tests/test_server_e2e_parallel.py",
     "tests/test_server_e2e_availability.py",
     "plugins/platform-cuda/tests/test_gemv_norm.py",
