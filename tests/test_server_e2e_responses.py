@@ -63,7 +63,14 @@ def test_key_from_the_environment_and_cors(server: Server) -> None:
 
 
 def test_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     calls: list[str] = []

@@ -250,3 +250,49 @@ def test_background_response_and_cancel(client: TestClient) -> None:
         assert client.post(f"/v1/responses/{plain}/cancel").status_code == 400
     finally:
         manager.token_delay = 0.0
+
+
+def test_input_items_are_listed(client: TestClient) -> None:
+    items = [{"role": "user", "content": "first"}, {"type": "message", "role": "user", "id": "msg_given",
+                                                    "content": [{"type": "input_text", "text": "second"}]}]
+    rid = client.post("/v1/responses", json={"input": items}).json()["id"]
+    listed = client.get(f"/v1/responses/{rid}/input_items").json()
+    assert listed["object"] == "list" and listed["has_more"] is False
+    assert [i["content"][0]["text"] for i in listed["data"]] == ["second", "first"]  # newest first, as OpenAI
+    assert listed["first_id"] == "msg_given" and listed["data"][1]["id"].startswith("msg_")
+    page = client.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "limit": 1}).json()
+    assert [i["content"][0]["text"] for i in page["data"]] == ["first"] and page["has_more"] is True
+    rest = client.get(f"/v1/responses/{rid}/input_items", params={"order": "asc", "after": page["last_id"]}).json()
+    assert [i["id"] for i in rest["data"]] == ["msg_given"]
+    assert client.get(f"/v1/responses/{rid}/input_items", params={"order": "up"}).json()["error"]["param"] == "order"
+
+
+def test_an_aborted_generation_fails_the_response(client: TestClient) -> None:
+    import threading
+
+    manager = _manager(client)
+    manager.token_delay = 0.05
+
+    def abort_when_running() -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            running = [rid for rid in list(manager.states) if rid.startswith("resp_")]
+            if running:
+                manager.abort(running[0], "aborted by an operator")
+                return
+            time.sleep(0.01)
+
+    try:
+        for stream in (True, False):
+            aborter = threading.Thread(target=abort_when_running)
+            aborter.start()
+            r = client.post("/v1/responses", json={"input": "x", "stream": stream})
+            aborter.join()
+            if stream:
+                last = _events(r)[-1]
+                assert last.type == "response.failed" and last.response.status == "failed"
+                assert last.response.error and "aborted by an operator" in last.response.error.message
+            else:
+                assert r.status_code == 400 and r.json()["error"]["code"] == "request_aborted", r.text
+    finally:
+        manager.token_delay = 0.0

@@ -45,13 +45,20 @@ from engine.entrypoints.http.responses_items import (
     chat_tool_choice,
     chat_tools,
     check_unsupported,
+    input_items,
     input_messages,
     reasoning_effort,
     renamed,
     response_format,
 )
-from engine.entrypoints.http.responses_store import ResponseStore, StoredResponse
-from engine.entrypoints.http.sampling import RENAMES, check_max_tokens, grammar_renames, sampling_params
+from engine.entrypoints.http.responses_store import ResponseStore, StoredResponse, store_of
+from engine.entrypoints.http.responses_stored import router as stored_router
+from engine.entrypoints.http.sampling import (
+    RENAMES,
+    check_max_tokens,
+    grammar_renames,
+    sampling_params,
+)
 from engine.entrypoints.http.serving_chat import template_kwargs
 from engine.entrypoints.http.tool_calling import ToolPlan, output_parser, plan_tools
 from engine.managers.tokenizer_manager import (
@@ -67,6 +74,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
+router.include_router(stored_router)  # GET, DELETE, input_items, cancel
 
 
 @dataclass
@@ -78,16 +86,14 @@ class Run:
     reader: ChatOutputParser | None
     #: the conversation so far (without the instructions), stored for follow-ups.
     conversation: list[dict[str, Any]]
-    store: bool
+    #: this request's input items (``GET .../input_items``).
+    input_items: list[dict[str, Any]]
+    #: where it is kept when the request asks to be stored (``store``), else None.
+    store: ResponseStore | None
+    #: a background response's entry (stored from the start).
+    entry: StoredResponse | None = None
     #: what ended the generation early (the response then has status "failed").
     failure: APIError | None = None
-
-
-def _store(request: Request) -> ResponseStore:
-    state = request.app.state
-    if getattr(state, "responses", None) is None:
-        state.responses = ResponseStore(state.ctx.args.responses_store_size)
-    return state.responses  # type: ignore[no-any-return]
 
 
 @router.post("/v1/responses")
@@ -100,20 +106,20 @@ async def create_response(request: Request) -> Response:
     if req.ignored_fields():
         logger.debug("responses fields accepted and ignored: %s", ", ".join(req.ignored_fields()))
     ctx.check_accepting()
-    store = _store(request)
+    store = store_of(request.app.state)
     try:
         run = await _prepare(ctx, req, store)
     except APIError as exc:
         raise renamed(exc) from None
     if req.stream:
-        return SSEResponse(_sse(ctx, run, store))
+        return SSEResponse(_sse(ctx, run))
     if req.background:
-        entry = StoredResponse(run.writer.response, rid=run.choices[0].request.rid)
+        run.entry = StoredResponse(run.writer.response, rid=run.choices[0].request.rid, input_items=run.input_items)
         run.writer.response["status"] = "queued"
-        entry.task = asyncio.ensure_future(_background(ctx, run, store, entry))
-        store.put(entry)
+        run.entry.task = asyncio.ensure_future(_background(ctx, run))
+        store.put(run.entry)
         return JSONResponse(run.writer.response)
-    task = asyncio.ensure_future(_run(ctx, run, store))
+    task = asyncio.ensure_future(_run(ctx, run))
     watcher = asyncio.ensure_future(_disconnect(request))
     try:
         await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -168,7 +174,8 @@ async def _prepare(ctx: ServingContext, req: ResponsesRequest, store: ResponseSt
     if reader is not None and req.max_tool_calls is not None:
         reader.max_calls = min(req.max_tool_calls, reader.max_calls or req.max_tool_calls)
     writer = ResponseWriter(_skeleton(ctx, req, response_id, plan))
-    return Run(writer, choices, reader, conversation, req.store is not False)
+    return Run(writer, choices, reader, conversation, input_items(req.input),
+               store if req.store is not False else None)
 
 
 def _skeleton(ctx: ServingContext, req: ResponsesRequest, response_id: str, plan: ToolPlan) -> dict[str, Any]:
@@ -211,9 +218,14 @@ async def _events(ctx: ServingContext, run: Run) -> AsyncIterator[dict[str, Any]
     except Exception as exc:
         log_stream_failure(f"response {writer.response['id']}", exc)
         run.failure = _api_error(exc)
-        status, error = "failed", {"code": run.failure.code or "server_error", "message": run.failure.message}
+        # OpenAI's error codes are a closed list: a request the engine refused is an invalid
+        # prompt, anything else (an abort, a dead engine) a server error; the message says which.
+        code = "invalid_prompt" if isinstance(exc, RequestError) else "server_error"
+        status, error = "failed", {"code": code, "message": run.failure.message}
     usage = _usage(ctx, writer, last["meta_info"] if last else {})
-    for event in writer.finish(status, usage, error, reason, completed_at=int(time.time())):
+    final = writer.finish(status, usage, error, reason, completed_at=int(time.time()))
+    _save(run)  # before the last event: a client may send the follow-up as soon as it has it
+    for event in final:
         yield event
 
 
@@ -240,82 +252,37 @@ def _usage(ctx: ServingContext, writer: ResponseWriter, meta: dict[str, Any]) ->
             "total_tokens": prompt + output}
 
 
-def _save(run: Run, store: ResponseStore, entry: StoredResponse | None = None) -> None:
-    if not run.store:
+def _save(run: Run) -> None:
+    if run.store is None:
         return
-    entry = entry or StoredResponse(run.writer.response, rid=run.choices[0].request.rid)
+    entry = run.entry or StoredResponse(run.writer.response, rid=run.choices[0].request.rid,
+                                        input_items=run.input_items)
     entry.conversation = run.conversation + conversation_of(run.writer.items)
-    store.put(entry)
+    run.store.put(entry)
 
 
-async def _run(ctx: ServingContext, run: Run, store: ResponseStore,
-               entry: StoredResponse | None = None) -> dict[str, Any]:
+async def _run(ctx: ServingContext, run: Run) -> dict[str, Any]:
     async for _ in _events(ctx, run):
         pass
-    _save(run, store, entry)
     return run.writer.response
 
 
-async def _background(ctx: ServingContext, run: Run, store: ResponseStore, entry: StoredResponse) -> None:
+async def _background(ctx: ServingContext, run: Run) -> None:
     run.writer.response["status"] = "in_progress"
     try:
-        await _run(ctx, run, store, entry)
+        await _run(ctx, run)
     except asyncio.CancelledError:
         run.writer.finish("cancelled", None)  # the stream was closed, which aborted the request
-        _save(run, store, entry)
+        _save(run)
         raise
 
 
-async def _sse(ctx: ServingContext, run: Run, store: ResponseStore) -> AsyncIterator[bytes]:
+async def _sse(ctx: ServingContext, run: Run) -> AsyncIterator[bytes]:
     async for event in _events(ctx, run):
         data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
         yield f"event: {event['type']}\ndata: {data}\n\n".encode()
-    _save(run, store)
 
 
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _stored(request: Request, response_id: str) -> StoredResponse:
-    entry = _store(request).get(response_id)
-    if entry is None:
-        raise APIError(404, f"response '{response_id}' not found (never stored, deleted, or evicted)",
-                       param="response_id", code="response_not_found")
-    return entry
-
-
-@router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> Response:
-    if request.query_params.get("stream") in ("true", "1"):
-        raise APIError(400, "stream: replaying a stored response's events is not supported; GET it without stream",
-                       param="stream")
-    return JSONResponse(_stored(request, response_id).response)
-
-
-@router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> Response:
-    entry = _stored(request, response_id)
-    if entry.running:
-        entry.task.cancel()  # type: ignore[union-attr]
-    _store(request).delete(response_id)
-    return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
-
-
-@router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(response_id: str, request: Request) -> Response:
-    """Cancels a background response still running (its engine request is aborted)."""
-    entry = _stored(request, response_id)
-    if entry.task is None:
-        raise APIError(400, f"response '{response_id}' was not created with background: true; only background "
-                            "responses can be cancelled", param="response_id")
-    if entry.running:
-        entry.task.cancel()
-        await asyncio.gather(entry.task, return_exceptions=True)
-        if entry.response["status"] in ("queued", "in_progress"):  # cancelled before it began
-            entry.response["status"] = "cancelled"
-    elif entry.response["status"] != "cancelled":
-        raise APIError(400, f"response '{response_id}' is already {entry.response['status']} and cannot be "
-                            "cancelled", param="response_id")
-    return JSONResponse(entry.response)

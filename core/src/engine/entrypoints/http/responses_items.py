@@ -128,6 +128,24 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` as the items ``GET .../input_items`` lists: a string is a user message; every
+    item gets an ``id`` when it has none (OpenAI's item types)."""
+    from engine.entrypoints.http.responses_events import new_id
+
+    if isinstance(value, str):
+        value = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
+    out = []
+    for item in value:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            item["content"] = [{"type": "input_text", "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+        item.setdefault("id", new_id(prefix.get(item["type"], "item")))
+        out.append(item)
+    return out
+
+
 def _string(item: dict[str, Any], key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):

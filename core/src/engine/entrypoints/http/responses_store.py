@@ -24,6 +24,8 @@ class StoredResponse:
     conversation: list[dict[str, Any]] = field(default_factory=list)
     #: the engine request id (cancel aborts it).
     rid: str | None = None
+    #: the request's input items, each with an ``id`` (``GET /v1/responses/{id}/input_items``).
+    input_items: list[dict[str, Any]] = field(default_factory=list)
     #: a background response's task, None otherwise.
     task: asyncio.Task[None] | None = None
 
@@ -63,3 +65,10 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> StoredResponse | None:
         return self._entries.pop(response_id, None)
+
+
+def store_of(state: Any) -> ResponseStore:
+    """The app's store (``app.state``), made on first use with ``--responses-store-size``."""
+    if getattr(state, "responses", None) is None:
+        state.responses = ResponseStore(state.ctx.args.responses_store_size)
+    return state.responses  # type: ignore[no-any-return]
