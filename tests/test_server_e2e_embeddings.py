@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import API_KEY, Server, free_port  # noqa: E402
+from test_server_e2e_harness import API_KEY, Server, free_port, shared_default_server  # noqa: E402
 
 MAX_COSINE_DISTANCE = 1e-5
 SENTENCES = ["Hi.", "The cat sat on the mat.",
@@ -142,10 +142,23 @@ def test_bad_inputs_are_400s_naming_the_field(server: Server, body: dict[str, An
 
 
 def test_generation_routes_are_400s_on_an_embedding_server(server: Server) -> None:
+    info = server.get("/get_model_info").json()
+    assert (info["is_generation"], info["task"]) == (False, "embed")
     r = server.post("/v1/completions", json={"model": "default", "prompt": "Hello", "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     r = server.post("/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "Hi"}]})
     assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"], r.text
+    r = server.post("/generate", json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 400 and "--task embed" in r.json()["error"]["message"], r.text
+
+
+def test_embeddings_are_a_400_on_a_generation_server(request: pytest.FixtureRequest,
+                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    # The session's shared server on the embedded chat model (other modules start it anyway).
+    chat = shared_default_server(request.config, tmp_path_factory)
+    r = chat.post("/v1/embeddings", json={"model": "default", "input": "Hello"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
+    assert "--task embed" in r.json()["error"]["message"]
 
 
 def test_rerank_and_score_by_cosine_similarity(server: Server, oracle: Any) -> None:

@@ -224,7 +224,10 @@ def _model_info(ctx: ServingContext) -> dict[str, Any]:
     tokenizer = ctx.tokenizer
     special = getattr(tokenizer, "special_tokens_map", None) or {}
     return {"model_path": ctx.model_path, "served_model_name": ctx.model_name,
-            "tokenizer_path": ctx.args.tokenizer_path or ctx.model_path, "is_generation": True,
+            "tokenizer_path": ctx.args.tokenizer_path or ctx.model_path,
+            # SGLang's flag: False for an embedding or scoring model (--task embed|score).
+            "is_generation": getattr(ctx.ready, "task", "generate") == "generate",
+            "task": getattr(ctx.ready, "task", "generate"),
             "context_len": ctx.context_len, "chat_template": getattr(tokenizer, "chat_template", None) or None,
             "special_tokens": {k: v for k, v in special.items() if isinstance(v, str)}}
 
