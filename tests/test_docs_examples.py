@@ -3,14 +3,14 @@
 Blocks are collected by tests/docs_blocks.py under the convention described there and in
 docs/README.md ("Writing docs"): one test per runnable block, a skip directive's reason as the
 skip reason, a page's blocks in order in one temporary directory. A server on the embedded
-default model is started once, on a free port, when the first block that mentions
-``127.0.0.1:30000`` / ``localhost:30000`` runs; those addresses and ``OPENAI_BASE_URL`` point at it.
+default model (the session's shared one, ``shared_default_server``) is started on a free port
+when the first block that mentions ``127.0.0.1:30000`` / ``localhost:30000`` runs, if no other
+module started it already; those addresses and ``OPENAI_BASE_URL`` point at it.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,19 +29,19 @@ from docs_blocks import (  # noqa: E402
     parse_page,
     relative_links,
 )
-from test_server_e2e_harness import Server, free_port  # noqa: E402
+from test_server_e2e_harness import Server, shared_default_server  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCKS: list[Block] = list(iter_blocks(ROOT))
 _OUTPUT_TAIL = 6000
-_SERVER_START_TIMEOUT_S = 600.0
 
 
 class DocsEnvironment:
     """What the blocks run with: the environment, and the default-model server started on demand."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self._log_dir = log_dir
+    def __init__(self, config: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._config = config
+        self._tmp_path_factory = tmp_path_factory
         self._server: Server | None = None
         self._start_error: str | None = None
         self._pages: dict[str, PageRun] = {}
@@ -50,22 +50,13 @@ class DocsEnvironment:
         if self._start_error is not None:  # one failed start is reported by every block that needs it
             raise RuntimeError(self._start_error)
         if self._server is None:
-            port = free_port()
-            log_path = str(self._log_dir / "server.log")
-            # No --model-path: the embedded default model, served as 'default', as the docs show.
-            # A small pool keeps the server's memory modest on a shared test machine.
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1",
-                                         "--port", str(port), "--max-total-tokens", "16384"],
-                                        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            server = Server(proc, port, log_path, api_key=None)
+            # No --model-path: the embedded default model, served as 'default', as the docs show
+            # (the session's shared server, which other default-model modules use too).
             try:
-                # The first start in a fresh $ENGINE_CACHE_DIR also converts the default model's GGUF.
-                server.wait_ready(timeout=_SERVER_START_TIMEOUT_S)
+                self._server = shared_default_server(self._config, self._tmp_path_factory)
             except RuntimeError as exc:
                 self._start_error = f"the default-model server did not start: {exc}"
                 raise
-            self._server = server
         return self._server.port
 
     def env(self) -> dict[str, str]:
@@ -84,15 +75,13 @@ class DocsEnvironment:
         return self._pages[block.page]
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.stop()
         for run in self._pages.values():
             run.close()
 
 
 @pytest.fixture(scope="module")
-def docs_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsEnvironment]:
-    environment = DocsEnvironment(tmp_path_factory.mktemp("docs-examples"))
+def docs_env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsEnvironment]:
+    environment = DocsEnvironment(request.config, tmp_path_factory)
     try:
         yield environment
     finally:
