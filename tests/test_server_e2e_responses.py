@@ -93,8 +93,11 @@ def test_agents_sdk_runs_an_agent_with_a_function_tool(server: Server) -> None:
                               tool_use_behavior="run_llm_again")
         try:
             called = await Runner.run(caller, "What is the weather in Paris?", max_turns=2)
-            answered = await Runner.run(writer, called.to_input_list() + [
+            # Streamed: the SDK reads the Responses events as they come.
+            answered = Runner.run_streamed(writer, called.to_input_list() + [
                 {"role": "user", "content": "Say it in one sentence."}], max_turns=2)
+            kinds = {event.type async for event in answered.stream_events()}
+            assert "raw_response_event" in kinds
             return called, answered
         finally:
             await async_client.close()
