@@ -155,3 +155,20 @@ def test_cors_preflight_needs_no_key(tokenizer: Any) -> None:
     with make_client(tokenizer, api_key="k") as c:  # no --allowed-origins: no CORS headers
         r = c.options("/v1/chat/completions", headers=preflight)
         assert r.status_code == 401 and "access-control-allow-origin" not in r.headers
+
+
+def test_reasoning_effort_none_turns_thinking_off() -> None:
+    from types import SimpleNamespace
+
+    from engine.entrypoints.http.protocol import ChatCompletionRequest
+    from engine.entrypoints.http.serving_chat import template_kwargs
+
+    def kwargs(parser: Any, **fields: Any) -> Any:
+        req = ChatCompletionRequest.model_validate({"messages": MESSAGES, **fields})
+        return template_kwargs(SimpleNamespace(reasoning_parser=parser), req)  # type: ignore[arg-type]
+
+    assert kwargs(object(), reasoning_effort="none") == {"enable_thinking": False}
+    assert kwargs(object(), reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == \
+        {"enable_thinking": True}  # the explicit template switch wins
+    assert kwargs(object(), reasoning_effort="high") is None
+    assert kwargs(None, reasoning_effort="none") is None  # no reasoning parser: not a reasoning model
