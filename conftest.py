@@ -42,6 +42,7 @@ SLOW_MODULES: tuple[str, ...] = (
     "tests/test_server_e2e_availability.py",
     "plugins/platform-cuda/tests/test_gemv_norm.py",
     "tests/test_server_e2e_lifecycle.py",
+    "tests/test_server_e2e_grpc.py",
     "core/tests/managers/test_scheduler_pp.py",
     "core/tests/distributed/test_parallel_grammar.py",
     "tests/test_server_e2e_dp.py",

@@ -125,9 +125,16 @@ def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_
 
 
 def shared_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Server:
-    """The session's shared server on ``model_path``, started on first use and stopped when pytest ends."""
+    """The session's shared server on ``model_path``, started on first use and stopped when pytest ends.
+    With plugserve-grpc installed it serves gRPC too, on ``extra["grpc_port"]``
+    (tests/test_server_e2e_grpc.py), which costs no second start."""
     if _SERVER_KEY not in config.stash:
-        server = launch(model_path, str(tmp_path_factory.mktemp("e2e-logs")))
+        import importlib.util
+
+        grpc = ("--grpc-port", str(free_port())) if importlib.util.find_spec("engine_grpc") else ()
+        server = launch(model_path, str(tmp_path_factory.mktemp("e2e-logs")), *grpc)
+        if grpc:
+            server.extra["grpc_port"] = int(grpc[1])
         config.add_cleanup(server.stop)
         server.wait_ready()
         config.stash[_SERVER_KEY] = server

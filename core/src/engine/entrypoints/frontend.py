@@ -38,6 +38,7 @@ from engine.entrypoints.http.generation import Choice, make_choices, stream_outp
 from engine.entrypoints.http.native import _model_info, _output, _server_info, check_health
 from engine.entrypoints.http.native_request import build_requests
 from engine.entrypoints.http.protocol import GenerateReqInput
+from engine.managers.tokenizer_embed import EmbeddingRequest
 from engine.managers.tokenizer_manager import EngineDeadError, RequestError, ServerShuttingDownError
 from engine.preflight import enabled_frontends, frontend_entry_point
 
@@ -55,8 +56,8 @@ class RunningFrontend(Protocol):
 
 
 class NativeAPI:
-    """SGLang's native API (``/generate``, ``/abort_request``, ``/health``, ``/get_model_info``,
-    ``/get_server_info``) as methods taking and returning what those routes take and return.
+    """SGLang's native API (``/generate``, ``/encode``, ``/abort_request``, ``/health``,
+    ``/get_model_info``, ``/get_server_info``) as methods taking and returning what those routes take and return.
 
     Every method raises ``APIError`` for a request that fails, with the status and the message
     (naming the field) the HTTP route would answer.
@@ -124,6 +125,21 @@ class NativeAPI:
                     yield {"index": choice.index, **_output(ctx, req, out)}
         except (EngineDeadError, ServerShuttingDownError, RequestError) as exc:
             raise _api_error(exc) from None
+
+    async def embed(self, inputs: list[str | list[int]], dimensions: int | None = None, rid: str | None = None,
+                    field_name: str = "text") -> list[dict[str, Any]]:
+        """``/encode``: pools each input (a text or token ids) on a server of ``--task embed`` or
+        ``score``; returns ``{"index", "embedding", "prompt_tokens", "cached_tokens"}`` per input,
+        in order. ``field_name`` is the field errors name for the inputs."""
+        ctx = self._ctx
+        ctx.check_accepting()
+        request = EmbeddingRequest(inputs=list(inputs), dimensions=dimensions, rid=rid or None, field_name=field_name)
+        try:
+            results = await ctx.manager.embed(request)
+        except (EngineDeadError, ServerShuttingDownError, RequestError) as exc:
+            raise _api_error(exc) from None
+        return [{"index": r.index, "embedding": r.embedding, "prompt_tokens": r.prompt_tokens,
+                 "cached_tokens": r.cached_tokens} for r in results]
 
     def abort(self, rid: str) -> list[str]:
         """Aborts the request ``rid`` (or every request a request's own id stands for: its ``n``

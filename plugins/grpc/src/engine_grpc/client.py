@@ -48,6 +48,17 @@ class Client:
             request.input_ids.ids.extend(input_ids)
         return self.stub.Generate(request, metadata=self.metadata, timeout=self.timeout)
 
+    def embed(self, texts: list[str] | None = None, input_ids: list[list[int]] | None = None,
+              dimensions: int | None = None, rid: str = "") -> list[list[float]]:
+        """The vector of each input (texts, or token-id lists), in order; on a ``--task embed``
+        server. The whole reply (token counts too) is ``stub.Embed``'s."""
+        request = pb.EmbedRequest(texts=texts or [], input_ids=[pb.TokenIds(ids=ids) for ids in input_ids or []],
+                                  rid=rid)
+        if dimensions is not None:
+            request.dimensions = dimensions
+        reply = self.stub.Embed(request, metadata=self.metadata, timeout=self.timeout)
+        return [list(e.values) for e in reply.embeddings]
+
     def abort(self, rid: str) -> list[str]:
         """Aborts the running request ``rid``; returns the ids aborted (NOT_FOUND: none runs)."""
         reply = self.stub.Abort(pb.AbortRequest(rid=rid), metadata=self.metadata, timeout=self.timeout)

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any
 
+from engine.entrypoints.frontend import APIError
 from engine_grpc import plugserve_pb2 as pb
 
 
@@ -97,6 +98,25 @@ def _logprob(value: float | None) -> float:
     return -math.inf if value is None else float(value)
 
 
+def embed_inputs(request: pb.EmbedRequest) -> tuple[list[str | list[int]], str]:
+    """The inputs and the field they came from (named in errors); both or neither is a 400."""
+    if request.texts and request.input_ids:
+        raise APIError(400, "texts: give texts or input_ids, not both", param="texts")
+    if request.input_ids:
+        return [list(ids.ids) for ids in request.input_ids], "input_ids"
+    if not request.texts:
+        raise APIError(400, "texts: required (or input_ids): the inputs to embed", param="texts")
+    return list(request.texts), "texts"
+
+
+def embed_response(results: list[dict[str, Any]]) -> pb.EmbedResponse:
+    response = pb.EmbedResponse(prompt_tokens=sum(r["prompt_tokens"] for r in results))
+    for r in results:
+        response.embeddings.append(pb.Embedding(values=r["embedding"], index=r["index"],
+                                                prompt_tokens=r["prompt_tokens"], cached_tokens=r["cached_tokens"]))
+    return response
+
+
 def model_info(info: dict[str, Any]) -> pb.ModelInfo:
     return pb.ModelInfo(
         model_path=str(info.get("model_path") or ""), served_model_name=str(info.get("served_model_name") or ""),
@@ -117,4 +137,5 @@ def server_info(info: dict[str, Any]) -> pb.ServerInfo:
         kv_used_tokens=number("kv_used_tokens"), json=json.dumps(info, default=str))
 
 
-__all__ = ["ResponseBuilder", "finish_reason", "generate_body", "model_info", "sampling_params", "server_info"]
+__all__ = ["ResponseBuilder", "embed_inputs", "embed_response", "finish_reason", "generate_body", "model_info",
+           "sampling_params", "server_info"]

@@ -39,6 +39,11 @@ class EngineStub:
                 request_serializer=engine__grpc_dot_plugserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=engine__grpc_dot_plugserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/plugserve.v1.Engine/Embed',
+                request_serializer=engine__grpc_dot_plugserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=engine__grpc_dot_plugserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/plugserve.v1.Engine/Abort',
                 request_serializer=engine__grpc_dot_plugserve__pb2.AbortRequest.SerializeToString,
@@ -69,6 +74,14 @@ class EngineServicer:
         choice (`sampling_params.n` > 1 makes several choices); otherwise one response per choice,
         when it finishes. Cancelling the call aborts the request (its KV cache is freed).
         A choice aborted by Abort ends with finish_reason.type "abort", then the call with ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Pools each input into a vector (/encode), on a server started with --task embed (or score:
+        the classification head's outputs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -107,6 +120,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=engine__grpc_dot_plugserve__pb2.GenerateRequest.FromString,
                     response_serializer=engine__grpc_dot_plugserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=engine__grpc_dot_plugserve__pb2.EmbedRequest.FromString,
+                    response_serializer=engine__grpc_dot_plugserve__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -156,6 +174,33 @@ class Engine:
             '/plugserve.v1.Engine/Generate',
             engine__grpc_dot_plugserve__pb2.GenerateRequest.SerializeToString,
             engine__grpc_dot_plugserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/plugserve.v1.Engine/Embed',
+            engine__grpc_dot_plugserve__pb2.EmbedRequest.SerializeToString,
+            engine__grpc_dot_plugserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,6 +93,15 @@ class EngineService(pb_grpc.EngineServicer):
 
         await self._run(context, work)
 
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        async def work() -> pb.EmbedResponse:
+            inputs, field = convert.embed_inputs(request)
+            dimensions = request.dimensions if request.HasField("dimensions") else None
+            results = await self._api.embed(inputs, dimensions, request.rid, field)
+            return convert.embed_response(results)
+
+        return await self._run(context, work)
+
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         async def work() -> pb.AbortResponse:
             return pb.AbortResponse(aborted_rids=self._api.abort(request.rid))
