@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_server_e2e_harness import MODEL_NAME, Server, launch  # noqa: E402
@@ -44,7 +45,15 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Any]:
                          intermediate_size=64, num_attention_heads=4, max_position_embeddings=128,
                          id2label={0: "relevant"}, label2id={"relevant": 0})
     tokenizer = _bert_tokenizer(path)  # replaces the byte-level BPE the helper copies
-    return path, load_hf_model(path, reference="BertForSequenceClassification"), tokenizer
+    model = load_hf_model(path, reference="BertForSequenceClassification")
+    # Random weights score every pair alike; a larger classifier, centred on the test's pairs,
+    # spreads their scores over (0, 1).
+    with torch.no_grad():
+        model.classifier.weight.mul_(300.0)
+        logits = model(**tokenizer([QUERY] * len(DOCUMENTS), DOCUMENTS, padding=True, return_tensors="pt")).logits
+        model.classifier.bias.sub_(logits.mean())
+    model.save_pretrained(path)
+    return path, model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +83,11 @@ def _pair_tokens(reference: tuple[str, Any, Any], a: str, b: str) -> int:
 
 
 def test_rerank_orders_documents_by_the_cross_encoder(server: Server, reference: tuple[str, Any, Any]) -> None:
-    expected = [_sigmoid(_logit(reference, QUERY, d)) for d in DOCUMENTS]
+    from sentence_transformers import CrossEncoder
+
+    # sentence-transformers' CrossEncoder on the same directory is the oracle of relevance scores.
+    expected = [float(s) for s in CrossEncoder(reference[0], device="cpu").predict([(QUERY, d) for d in DOCUMENTS])]
+    assert max(expected) - min(expected) > 0.1  # far apart: the order is the model's, not rounding's
     r = server.post("/v1/rerank", json={"model": MODEL_NAME, "query": QUERY, "documents": DOCUMENTS})
     assert r.status_code == 200, r.text
     body = r.json()
