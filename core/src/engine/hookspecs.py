@@ -125,6 +125,9 @@ class ModelSpec:
     options: dict = ...)`` (``options``: the plugin's options, hook API 2; optional)
     and exposing ``forward(input_ids, positions, forward_batch) -> LogitsProcessorOutput``
     and ``load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> None``.
+    A model that pools (``--task embed|score``) also exposes
+    ``forward_hidden(input_ids, positions, forward_batch) -> Tensor[num_tokens, hidden]``; an
+    encoder sets ``uses_kv_cache = False`` (docs/embeddings.md).
     """
 
     name: str
