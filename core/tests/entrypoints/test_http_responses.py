@@ -202,6 +202,11 @@ def test_store_evicts_the_least_recently_used(tokenizer: Any) -> None:
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"instructions": "x"}, "input"),
+    ({"input": []}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"role": "system", "content": "only reasoning follows"}, {"type": "reasoning", "summary": []}],
+      "max_output_tokens": 99999}, "max_output_tokens"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input[0].arguments"),
 ])
 def test_bad_requests_name_the_field(client: TestClient, body: dict[str, Any], param: str) -> None:
     r = client.post("/v1/responses", json=body)

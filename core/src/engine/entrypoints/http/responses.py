@@ -151,6 +151,9 @@ async def _prepare(ctx: ServingContext, req: ResponsesRequest, store: ResponseSt
     assert req.input is not None  # check_unsupported
     conversation += input_messages(req.input)
     system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if not system + conversation:
+        raise APIError(400, "input: holds no message for the model (reasoning items alone are left out of "
+                            "the prompt)", param="input")
     chat = ChatCompletionRequest.model_validate({
         "messages": system + conversation, "tools": chat_tools(req.tools),
         "tool_choice": chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,

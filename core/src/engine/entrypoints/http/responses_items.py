@@ -11,6 +11,7 @@ becomes ``reasoning_effort``. Bad input is a 400 naming the Responses field
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -76,8 +77,8 @@ class ResponsesRequest(BaseModel):
 
 def check_unsupported(req: ResponsesRequest) -> None:
     """400s for what this server cannot honour."""
-    if req.input is None:
-        raise APIError(400, "input: required: a string, or a list of input items", param="input")
+    if req.input is None or req.input == []:
+        raise APIError(400, "input: required: a string, or a list of at least one input item", param="input")
     if req.conversation is not None:
         raise APIError(400, "conversation: the Conversations API is not served here; continue a conversation "
                             "with previous_response_id", param="conversation")
@@ -110,8 +111,13 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                                param=f"{where}.role")
             out.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
+            arguments = _string(item, "arguments", where)
+            try:
+                json.loads(arguments or "{}")
+            except ValueError:
+                raise APIError(400, f"{where}.arguments: not valid JSON", param=f"{where}.arguments") from None
             call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+                    "function": {"name": _string(item, "name", where), "arguments": arguments}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # the text and calls of one turn
