@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
 from engine.entrypoints.http.errors import (
     APIError,
     engine_dead_error,
     from_request_error,
+    from_validation_error,
     parse_body,
     shutting_down_error,
 )
@@ -154,12 +156,15 @@ async def _prepare(ctx: ServingContext, req: ResponsesRequest, store: ResponseSt
     if not system + conversation:
         raise APIError(400, "input: holds no message for the model (reasoning items alone are left out of "
                             "the prompt)", param="input")
-    chat = ChatCompletionRequest.model_validate({
-        "messages": system + conversation, "tools": chat_tools(req.tools),
-        "tool_choice": chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
-        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-        "response_format": response_format(req.text), "reasoning_effort": reasoning_effort(req.reasoning),
-    })
+    try:
+        chat = ChatCompletionRequest.model_validate({
+            "messages": system + conversation, "tools": chat_tools(req.tools),
+            "tool_choice": chat_tool_choice(req.tool_choice), "parallel_tool_calls": req.parallel_tool_calls,
+            "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+            "response_format": response_format(req.text), "reasoning_effort": reasoning_effort(req.reasoning),
+        })
+    except ValidationError as exc:  # the items were checked above; this names what slipped through
+        raise from_validation_error(exc, ChatCompletionRequest) from None
     plan = plan_tools(chat)
     prompt_ids = await ctx.render_chat(chat.messages, template_kwargs=template_kwargs(ctx, chat), tools=plan)
     max_tokens = req.max_output_tokens
