@@ -39,7 +39,7 @@ def test_logits_match_transformers(tmp_path: Any, num_labels: int) -> None:
         for msg in scheduler.take_outputs():
             if isinstance(msg, BatchEmbeddingOut):
                 assert msg.errors == [None] * len(msg.rids), msg.errors
-                got.update(zip(msg.rids, msg.embeddings))
+                got.update(zip(msg.rids, msg.embeddings, strict=True))
         if not busy:
             break
     hf = load_hf_model(path, reference="BertForSequenceClassification")
@@ -57,9 +57,10 @@ def test_logits_match_transformers(tmp_path: Any, num_labels: int) -> None:
 
 
 def test_a_checkpoint_without_pooler_is_refused(tmp_path: Any) -> None:
+    from engine_models_bert.classification import BertForSequenceClassification
+
     from engine.errors import ModelLoadError
     from engine.testing.checkpoints import tiny_config
-    from engine_models_bert.classification import BertForSequenceClassification
 
     config = tiny_config("BertForSequenceClassification", num_labels=2, hidden_size=32, intermediate_size=64,
                          num_attention_heads=4, max_position_embeddings=64, num_hidden_layers=1)

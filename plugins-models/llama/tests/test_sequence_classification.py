@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 import torch
 
-
 # float32 on the CPU through different kernels than transformers': summation order only.
 ATOL = 1e-4
 PAD = 3
@@ -24,7 +23,7 @@ def _scores(scheduler: Any, prompts: list[list[int]]) -> torch.Tensor:
     from engine.managers.io_struct import BatchEmbeddingOut, TokenizedEmbeddingReqInput
 
     rids = [f"score-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(rids, prompts):
+    for rid, prompt in zip(rids, prompts, strict=True):
         scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=rid, input_ids=list(prompt)))
     got: dict[str, list[float]] = {}
     while True:
@@ -32,7 +31,7 @@ def _scores(scheduler: Any, prompts: list[list[int]]) -> torch.Tensor:
         for msg in scheduler.take_outputs():
             if isinstance(msg, BatchEmbeddingOut):
                 assert msg.errors == [None] * len(msg.rids), msg.errors
-                got.update(zip(msg.rids, msg.embeddings))
+                got.update(zip(msg.rids, msg.embeddings, strict=True))
         if not busy:
             break
     return torch.tensor([got[rid] for rid in rids])
@@ -47,7 +46,6 @@ def _scores(scheduler: Any, prompts: list[list[int]]) -> torch.Tensor:
 def test_logits_match_transformers(tmp_path: Any, architecture: str, num_labels: int,
                                    pad_token_id: int | None) -> None:
     from engine.testing.checkpoints import load_hf_model, make_tiny_checkpoint
-
     from engine.testing.harness import make_scheduler
 
     model_dir = make_tiny_checkpoint(str(tmp_path), architecture, num_labels=num_labels, pad_token_id=pad_token_id)
@@ -71,8 +69,9 @@ def test_logits_match_transformers(tmp_path: Any, architecture: str, num_labels:
 
 
 def test_scored_prompt_drops_trailing_padding(tmp_path: Any) -> None:
-    from engine.testing.checkpoints import tiny_config
     from engine_models_llama.classification import LlamaForSequenceClassification
+
+    from engine.testing.checkpoints import tiny_config
 
     config = tiny_config("LlamaForSequenceClassification", num_labels=2, pad_token_id=PAD, num_hidden_layers=1)
     model = LlamaForSequenceClassification(config)

@@ -119,7 +119,7 @@ async def score_pairs(ctx: ServingContext, firsts: list[str], seconds: list[str]
 def _encode_pairs(tokenizer: Any, firsts: list[str], seconds: list[str]) -> list[tuple[list[int], list[int] | None]]:
     """Token ids (and segment ids where the tokenizer makes them) of each text pair."""
     out = []
-    for a, b in zip(firsts, seconds):
+    for a, b in zip(firsts, seconds, strict=True):
         enc = tokenizer(a, b, add_special_tokens=True)
         types = enc.get("token_type_ids")
         out.append((list(enc["input_ids"]), list(types) if types is not None and any(types) else None))
@@ -131,14 +131,14 @@ async def _cosine_scores(ctx: ServingContext, firsts: list[str], seconds: list[s
     """Cosine similarity of each pair's embeddings; each distinct text is embedded once."""
     distinct = list(dict.fromkeys([*firsts, *seconds]))
     results: list[EmbeddingResult] = await ctx.manager.embed(EmbeddingRequest(inputs=list(distinct), field_name=field))
-    vectors = {text: r.embedding for text, r in zip(distinct, results)}
-    scores = [_cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds)]
+    vectors = {text: r.embedding for text, r in zip(distinct, results, strict=True)}
+    scores = [_cosine(vectors[a], vectors[b]) for a, b in zip(firsts, seconds, strict=True)]
     return scores, sum(r.prompt_tokens for r in results)
 
 
 def _cosine(a: list[float], b: list[float]) -> float:
     norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
-    return sum(x * y for x, y in zip(a, b)) / norm if norm else 0.0
+    return sum(x * y for x, y in zip(a, b, strict=True)) / norm if norm else 0.0
 
 
 def _usage(tokens: int) -> dict[str, int]:
