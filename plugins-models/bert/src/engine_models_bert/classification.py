@@ -2,7 +2,7 @@
 
 transformers' head: BertModel's pooler (tanh of a dense layer over the ``[CLS]`` state), dropout
 (nothing at inference) and ``classifier``, a linear layer to ``num_labels``. A cross-encoder
-reranker (ms-marco MiniLM, bge-reranker-base) is the ``num_labels == 1`` case, fed the query and
+reranker (sentence-transformers' ms-marco MiniLM models) is the ``num_labels == 1`` case, fed the query and
 the document as one text pair with segment ids 0 and 1 (``token_type_ids``).
 """
 
