@@ -7,16 +7,15 @@ same checkpoint served with ``--task embed``.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
-import math
 from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("engine_grpc", reason="plugserve-grpc is not installed")
 import grpc  # noqa: E402
-
 from engine_grpc import plugserve_pb2 as pb  # noqa: E402
 from engine_grpc.client import Client, collect  # noqa: E402
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import grpc
 import pytest
-
-from engine.entrypoints.frontend import APIError
 from engine_grpc import plugserve_pb2 as pb
 from engine_grpc import plugserve_pb2_grpc as pb_grpc
 from engine_grpc.server import start
+
+from engine.entrypoints.frontend import APIError
 
 KEY = (("authorization", "Bearer k"),)
 
@@ -48,6 +48,8 @@ class FakeAPI:
         try:
             for i in range(1, 10_000):
                 reason = {"type": "abort", "message": "aborted by request"} if body.get("rid") == "ab" and i == 2 else None
+                if body.get("rid") == "forty" and i == 40:
+                    reason = {"type": "length"}
                 yield {"index": 0, "text": "a" * i, "output_ids": list(range(i)),
                        "meta_info": {"id": "r", "prompt_tokens": 1, "completion_tokens": i, "finish_reason": reason}}
                 if reason:
@@ -137,3 +139,25 @@ def test_a_cancelled_stream_closes_the_generation_at_once() -> None:
 
     api = asyncio.run(_with_server(check))
     assert api.bodies[0]["stream"] is True
+
+
+def test_stop_refuses_new_calls_and_lets_those_in_flight_finish() -> None:
+    async def main() -> None:
+        api = FakeAPI()
+        port = _port()
+        frontend = await start(api, "127.0.0.1", port)  # type: ignore[arg-type]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = pb_grpc.EngineStub(channel)
+            call = stub.Generate(pb.GenerateRequest(text="x", rid="forty", stream=True), metadata=KEY)
+            texts = [(await call.read()).text]
+            stopping = asyncio.ensure_future(frontend.stop(10))
+            await asyncio.sleep(0.05)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Health(pb.HealthRequest())
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            while (response := await call.read()) is not grpc.aio.EOF:
+                texts.append(response.text)
+            assert await call.code() == grpc.StatusCode.OK and "".join(texts) == "a" * 40
+            await asyncio.wait_for(stopping, 5)
+
+    asyncio.run(main())

@@ -121,7 +121,7 @@ class NativeAPI:
                     # Closed now, not when collected: the abort (and freeing the KV) is immediate.
                     await outputs.aclose()
             else:
-                for choice, out in zip(choices, await _final_outputs(ctx, choices)):
+                for choice, out in zip(choices, await _final_outputs(ctx, choices), strict=True):
                     yield {"index": choice.index, **_output(ctx, req, out)}
         except (EngineDeadError, ServerShuttingDownError, RequestError) as exc:
             raise _api_error(exc) from None
@@ -166,10 +166,10 @@ class NativeAPI:
 
 async def _final_outputs(ctx: ServingContext, choices: list[Choice]) -> list[dict[str, Any]]:
     async def last(choice: Choice) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+        last_out: dict[str, Any] = {}
         async for out in ctx.manager.generate(choice.request, choice.prepared):
-            pass
-        return out
+            last_out = out  # not streamed: the one and only output
+        return last_out
 
     tasks = [asyncio.ensure_future(last(c)) for c in choices]
     try:
