@@ -81,3 +81,17 @@ def test_scored_prompt_drops_trailing_padding(tmp_path: Any) -> None:
     assert model.pooling_input([PAD, PAD, PAD]) == [PAD]
     config.pad_token_id = None
     assert LlamaForSequenceClassification(config).pooling_input([1, PAD]) == [1, PAD]
+
+
+def test_task_score_needs_a_head_and_embed_pools_without_it(tmp_path: Any) -> None:
+    from engine.errors import ConfigError
+    from engine.testing.checkpoints import make_tiny_checkpoint
+    from engine.testing.harness import make_scheduler
+
+    causal = make_tiny_checkpoint(str(tmp_path / "causal"), "LlamaForCausalLM", num_hidden_layers=1)
+    with pytest.raises(ConfigError, match="--task score: .*LlamaForCausalLM has no classification head"):
+        make_scheduler(causal, task="score")
+    classifier = make_tiny_checkpoint(str(tmp_path / "classifier"), "Qwen2ForSequenceClassification", num_labels=3,
+                                      num_hidden_layers=1)
+    runner = make_scheduler(classifier, task="embed").runner
+    assert runner.pooler.head is None and runner.embedding_size == 64  # the hidden size, not 3 labels

@@ -193,13 +193,20 @@ class ModelRunner:
         if self.placement.pp_size > 1:
             raise ConfigError(f"--task {self.task}: pooling models run without pipeline parallelism; accepted: --pp-size 1")
         config = read_pooling_config(model_path, arch)
-        # A scoring model's head maps the pooled state to its labels (``pooling_head``).
-        head = getattr(self.model, "pooling_head", None)
+        # A scoring model's head maps the pooled state to its labels (``pooling_head``); embedding
+        # (--task embed) pools the token states without it.
+        head = None
         if self.task == "score":
+            head = getattr(self.model, "pooling_head", None)
+            if head is None:
+                raise ConfigError(f"--task score: the model plugin for {arch} has no classification head "
+                                  "(pooling_head; a *ForSequenceClassification checkpoint has one); accepted for it: "
+                                  "--task embed or generate")
             config = getattr(self.model, "score_pooling", None) or config
         self.pooling_config = config
         self.pooler = Pooler(config.method, config.normalize, head)
-        self.embedding_size = int(getattr(self.model, "pooling_size", None) or self.hf_config.hidden_size)
+        size = getattr(self.model, "pooling_size", None) if head is not None else None
+        self.embedding_size = int(size or self.hf_config.hidden_size)
         self.matryoshka = matryoshka_dimensions(self.hf_config)
         logger.info("task %s: %s pooling%s (%s), vectors of %d", self.task, config.method,
                     ", L2-normalised" if config.normalize else "", config.source, self.embedding_size)
