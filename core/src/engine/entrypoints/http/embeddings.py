@@ -32,8 +32,8 @@ class EmbeddingsBody(BaseModel):
 
     input: Any = None
     model: str | None = None
-    # "float" (a JSON list) or "base64" (float32 little-endian bytes).
-    encoding_format: str = "float"
+    # "float" (a JSON list; also when null) or "base64" (float32 little-endian bytes).
+    encoding_format: str | None = "float"
     # Matryoshka truncation (normalised after truncating); None: the model's size.
     dimensions: int | None = None
     # A caller's end-user id: accepted, recorded nowhere.
@@ -97,13 +97,13 @@ async def create_embeddings(request: Request) -> Response:
     ctx = serving_context(request)
     body = parse_body(await request.body(), EmbeddingsBody)
     ctx.check_model(body.model)
-    if body.encoding_format not in ("float", "base64"):
+    fmt = body.encoding_format or "float"
+    if fmt not in ("float", "base64"):
         raise APIError(400, f"encoding_format: invalid value {body.encoding_format!r}; accepted: float, base64",
                        param="encoding_format")
     inputs = openai_inputs(body.input)
     ctx.check_accepting()
     results = await ctx.manager.embed(EmbeddingRequest(inputs=inputs, dimensions=body.dimensions))
-    fmt = body.encoding_format
     data = [{"object": "embedding", "index": r.index,
              "embedding": encode_base64(r.embedding) if fmt == "base64" else r.embedding} for r in results]
     tokens = sum(r.prompt_tokens for r in results)
