@@ -172,3 +172,19 @@ def test_reasoning_effort_none_turns_thinking_off() -> None:
         {"enable_thinking": True}  # the explicit template switch wins
     assert kwargs(object(), reasoning_effort="high") is None
     assert kwargs(None, reasoning_effort="none") is None  # no reasoning parser: not a reasoning model
+
+
+def test_every_field_of_openais_request_schemas_is_declared() -> None:
+    """The installed ``openai`` package's request TypedDicts: a field a newer client sends shows up here."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+    from openai.types.responses import response_create_params
+
+    from engine.entrypoints.http.protocol import ChatCompletionRequest, CompletionRequest
+    from engine.entrypoints.http.responses_items import ResponsesRequest
+
+    for params, model in ((chat_create_params.CompletionCreateParamsStreaming, ChatCompletionRequest),
+                          (completion_create_params.CompletionCreateParamsStreaming, CompletionRequest),
+                          (response_create_params.ResponseCreateParamsStreaming, ResponsesRequest)):
+        keys = params.__required_keys__ | params.__optional_keys__
+        assert not keys - set(model.model_fields), (model.__name__, sorted(keys - set(model.model_fields)))
