@@ -27,6 +27,8 @@ RUNNABLE = ("bash", "sh", "console", "python")
 BLOCK_TIMEOUT_S = 180.0
 # Addresses of the documented default server; the test points them at its own server's port.
 DEFAULT_ADDRESSES = ("127.0.0.1:30000", "localhost:30000")
+# The same server's gRPC address (``--grpc-port 50051`` in docs/grpc.md), moved likewise.
+GRPC_ADDRESSES = ("127.0.0.1:50051", "localhost:50051")
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _DIRECTIVE = re.compile(r"^\s*<!--\s*doc-test:(?P<body>.*?)-->\s*$")
@@ -55,7 +57,7 @@ class Block:
         return self.file is None and self.lang in RUNNABLE
 
     def needs_server(self) -> bool:
-        return self.runs and self.skip is None and any(a in self.text for a in DEFAULT_ADDRESSES)
+        return self.runs and self.skip is None and any(a in self.text for a in DEFAULT_ADDRESSES + GRPC_ADDRESSES)
 
 
 def pages(root: Path) -> list[Path]:
@@ -139,12 +141,13 @@ def console_script(text: str) -> str:
     return "\n".join(commands) + "\n"
 
 
-def point_at(text: str, port: int | None) -> str:
-    """``text`` with the default server's address moved to ``port`` (unchanged when None)."""
-    if port is None:
-        return text
-    for address in DEFAULT_ADDRESSES:
-        text = text.replace(address, f"{address.split(':')[0]}:{port}")
+def point_at(text: str, port: int | None, grpc_port: int | None = None) -> str:
+    """``text`` with the default server's address moved to ``port`` and its gRPC address to
+    ``grpc_port`` (each unchanged when None)."""
+    for addresses, to in ((DEFAULT_ADDRESSES, port), (GRPC_ADDRESSES, grpc_port)):
+        if to is not None:
+            for address in addresses:
+                text = text.replace(address, f"{address.split(':')[0]}:{to}")
     return text
 
 
@@ -197,9 +200,9 @@ class PageRun:
     """
 
     def __init__(self, blocks: list[Block], env: Callable[[], dict[str, str]],
-                 port: Callable[[], int]) -> None:
+                 port: Callable[[], int], grpc_port: Callable[[], int] | None = None) -> None:
         self.blocks = blocks
-        self._env, self._port = env, port
+        self._env, self._port, self._grpc_port = env, port, grpc_port
         self._dir = tempfile.TemporaryDirectory(prefix="doc-page-")
         self.cwd = Path(self._dir.name)
         self._results: dict[int, Outcome | str | None] = {}  # index -> outcome, skip reason, or None
@@ -220,7 +223,9 @@ class PageRun:
         if self._failed is not None:
             return f"not run: the earlier block {self._failed.id} failed"
         port = self._port() if any(a in block.text for a in DEFAULT_ADDRESSES) and block.skip is None else None
-        text = point_at(block.text, port)
+        grpc = (self._grpc_port() if self._grpc_port is not None and block.skip is None
+                and any(a in block.text for a in GRPC_ADDRESSES) else None)
+        text = point_at(block.text, port, grpc)
         if block.file is not None:
             target = self.cwd / block.file
             target.parent.mkdir(parents=True, exist_ok=True)

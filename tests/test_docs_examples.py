@@ -59,6 +59,15 @@ class DocsEnvironment:
                 raise
         return self._server.port
 
+    def grpc_port(self) -> int:
+        """The same server's gRPC port (it serves gRPC where plugserve-grpc is installed)."""
+        self.port()
+        assert self._server is not None
+        if "grpc_port" not in self._server.extra:
+            raise RuntimeError("the default-model server serves no gRPC: plugserve-grpc is not installed "
+                               "(pip install -e plugins/grpc)")
+        return int(self._server.extra["grpc_port"])
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         # `python3` and `engine` in a block are this interpreter's, whatever PATH the runner had.
@@ -71,7 +80,8 @@ class DocsEnvironment:
 
     def page(self, block: Block) -> PageRun:
         if block.page not in self._pages:
-            self._pages[block.page] = PageRun([b for b in BLOCKS if b.page == block.page], self.env, self.port)
+            self._pages[block.page] = PageRun([b for b in BLOCKS if b.page == block.page], self.env, self.port,
+                                              self.grpc_port)
         return self._pages[block.page]
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ with ``config.add_cleanup``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -129,8 +130,6 @@ def shared_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactor
     With plugserve-grpc installed it serves gRPC too, on ``extra["grpc_port"]``
     (tests/test_server_e2e_grpc.py), which costs no second start."""
     if _SERVER_KEY not in config.stash:
-        import importlib.util
-
         grpc = ("--grpc-port", str(free_port())) if importlib.util.find_spec("engine_grpc") else ()
         server = launch(model_path, str(tmp_path_factory.mktemp("e2e-logs")), *grpc)
         if grpc:
@@ -149,12 +148,16 @@ def shared_default_server(config: pytest.Config, tmp_path_factory: pytest.TempPa
     """
     if _DEFAULT_SERVER_KEY not in config.stash:
         port = free_port()
+        # With plugserve-grpc installed it serves gRPC too (docs/grpc.md's examples run on it).
+        grpc = ("--grpc-port", str(free_port())) if importlib.util.find_spec("engine_grpc") else ()
         log_path = str(tmp_path_factory.mktemp("default-model-server") / "server.log")
         with open(log_path, "wb") as log:
             proc = subprocess.Popen([sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1",
-                                     "--port", str(port), "--max-total-tokens", "16384"],
+                                     "--port", str(port), "--max-total-tokens", "16384", *grpc],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         server = Server(proc, port, log_path, api_key=None)
+        if grpc:
+            server.extra["grpc_port"] = int(grpc[1])
         config.add_cleanup(server.stop)
         # A first start on a fresh $ENGINE_CACHE_DIR also converts the default model's GGUF.
         server.wait_ready(timeout=600)
