@@ -23,37 +23,28 @@ INPUTS: list[tuple[list[int], list[int] | None]] = [
 
 @pytest.mark.parametrize("num_labels", [1, 3])
 def test_logits_match_transformers(tmp_path: Any, num_labels: int) -> None:
-    from engine.managers.io_struct import BatchEmbeddingOut, TokenizedEmbeddingReqInput
     from engine.testing.checkpoints import load_hf_model, make_tiny_checkpoint
-    from engine.testing.harness import make_scheduler
+    from engine.testing.harness import embed_prompts, make_scheduler
 
     path = make_tiny_checkpoint(str(tmp_path), "BertForSequenceClassification", num_labels=num_labels, hidden_size=32,
                                 intermediate_size=64, num_attention_heads=4, max_position_embeddings=64)
     scheduler = make_scheduler(path)
     assert scheduler.runner.task == "score" and scheduler.runner.embedding_size == num_labels
-    for i, (ids, types) in enumerate(INPUTS):
-        scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=f"r{i}", input_ids=ids, token_type_ids=types))
-    got: dict[str, list[float]] = {}
-    while True:
-        busy = scheduler.step()
-        for msg in scheduler.take_outputs():
-            if isinstance(msg, BatchEmbeddingOut):
-                assert msg.errors == [None] * len(msg.rids), msg.errors
-                got.update(zip(msg.rids, msg.embeddings, strict=True))
-        if not busy:
-            break
+    results = embed_prompts(scheduler, [ids for ids, _ in INPUTS], token_type_ids=[types for _, types in INPUTS])
+    assert [r["error"] for r in results] == [None] * len(INPUTS)
+    got = [torch.tensor(r["embedding"]) for r in results]
     hf = load_hf_model(path, reference="BertForSequenceClassification")
     for i, (ids, types) in enumerate(INPUTS):
         with torch.no_grad():
             segments = torch.tensor([types]) if types is not None else None
             ref = hf(torch.tensor([ids]), token_type_ids=segments).logits[0]
-        ours = torch.tensor(got[f"r{i}"])
+        ours = got[i]
         err = (ours - ref).abs().max().item()
         assert err <= ATOL, f"input {i}: max abs logit error {err} > {ATOL} ({ours} vs {ref})"
     # The segment ids matter: the same tokens as one segment score differently.
     with torch.no_grad():
         one_segment = hf(torch.tensor([INPUTS[1][0]])).logits[0]
-    assert (one_segment - torch.tensor(got["r1"])).abs().max().item() > 10 * ATOL
+    assert (one_segment - got[1]).abs().max().item() > 10 * ATOL
 
 
 def test_a_checkpoint_without_pooler_is_refused(tmp_path: Any) -> None:

@@ -20,21 +20,11 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12, PAD, PAD], [100, PAD, 300, 400, 500, 60
 
 def _scores(scheduler: Any, prompts: list[list[int]]) -> torch.Tensor:
     """Each prompt's logits, through the scheduler's pooling path (prefill-only requests)."""
-    from engine.managers.io_struct import BatchEmbeddingOut, TokenizedEmbeddingReqInput
+    from engine.testing.harness import embed_prompts
 
-    rids = [f"score-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(rids, prompts, strict=True):
-        scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=rid, input_ids=list(prompt)))
-    got: dict[str, list[float]] = {}
-    while True:
-        busy = scheduler.step()
-        for msg in scheduler.take_outputs():
-            if isinstance(msg, BatchEmbeddingOut):
-                assert msg.errors == [None] * len(msg.rids), msg.errors
-                got.update(zip(msg.rids, msg.embeddings, strict=True))
-        if not busy:
-            break
-    return torch.tensor([got[rid] for rid in rids])
+    results = embed_prompts(scheduler, prompts)
+    assert [r["error"] for r in results] == [None] * len(prompts)
+    return torch.tensor([r["embedding"] for r in results])
 
 
 @pytest.mark.parametrize(("architecture", "num_labels", "pad_token_id"), [

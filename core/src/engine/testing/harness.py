@@ -26,16 +26,20 @@ def submit(scheduler: Any, input_ids: list[int], sampling_params: dict[str, Any]
     return rid
 
 
-def embed_prompts(scheduler: Any, prompts: list[list[int]], dimensions: int | None = None) -> list[dict[str, Any]]:
-    """Runs pooling requests (a scheduler of ``--task embed|score``) to completion, all at once.
+def embed_prompts(scheduler: Any, prompts: list[list[int]], dimensions: int | None = None,
+                  token_type_ids: list[list[int] | None] | None = None) -> list[dict[str, Any]]:
+    """Runs pooling requests (a scheduler of ``--task embed|score``) to completion, all at once;
+    ``token_type_ids``: per prompt, its segment ids (a cross-encoder's text pair) or None.
 
     Returns per prompt ``{"embedding": [floats] | None, "error": dict | None, "prompt_tokens",
     "cached_tokens"}`` in prompt order.
     """
     rids = []
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         rid = f"emb-{next(_rids)}"
-        scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=rid, input_ids=list(ids), dimensions=dimensions))
+        types = token_type_ids[i] if token_type_ids else None
+        scheduler.add_embedding_request(TokenizedEmbeddingReqInput(rid=rid, input_ids=list(ids), dimensions=dimensions,
+                                                                   token_type_ids=types))
         rids.append(rid)
     results: dict[str, dict[str, Any]] = {}
 
