@@ -127,7 +127,8 @@ class ModelSpec:
     and ``load_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> None``.
     A model that pools (``--task embed|score``) also exposes
     ``forward_hidden(input_ids, positions, forward_batch) -> Tensor[num_tokens, hidden]``; an
-    encoder sets ``uses_kv_cache = False`` (docs/embeddings.md).
+    encoder sets ``uses_kv_cache = False``; a scoring model sets ``pooling_head`` and
+    ``pooling_size``, optionally ``score_pooling`` and ``pooling_input`` (docs/embeddings.md).
     """
 
     name: str
