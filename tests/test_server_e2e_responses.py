@@ -165,3 +165,14 @@ def test_streamed_named_tool_call_reassembles(client: openai.OpenAI) -> None:
             final_tool_calls[index].function.arguments += tool_call.function.arguments
     assert list(final_tool_calls) == [0] and final_tool_calls[0].function.name == "get_weather"
     assert json.loads(final_tool_calls[0].function.arguments)["city"] in CITIES
+
+
+def test_langchain_on_the_responses_api(server: Server) -> None:
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model=MODEL_NAME, use_responses_api=True,  # type: ignore[arg-type]
+                     max_tokens=16, temperature=0.0, max_retries=0)
+    reply = llm.invoke("Say hello.")
+    assert reply.text.strip() and reply.usage_metadata and reply.usage_metadata["output_tokens"] > 0
+    streamed = "".join(chunk.text for chunk in llm.stream("Say hello."))
+    assert streamed == reply.text
