@@ -301,3 +301,17 @@ def test_an_aborted_generation_fails_the_response(client: TestClient) -> None:
                 assert r.status_code == 400 and r.json()["error"]["code"] == "request_aborted", r.text
     finally:
         manager.token_delay = 0.0
+
+
+def test_truncation_auto_drops_the_oldest_items(client: TestClient) -> None:
+    items = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"M{i}: " + "lorem ipsum " * 120}
+             for i in range(9)]
+    body = {"input": items, "instructions": "KEEP-ME", "max_output_tokens": 100}
+    too_long = client.post("/v1/responses", json=body)
+    assert too_long.status_code == 400, too_long.text
+    r = client.post("/v1/responses", json={**body, "truncation": "auto"})
+    assert r.status_code == 200, r.text
+    sent = _manager(client).sent[-1].input_ids
+    prompt = client.app.state.ctx.tokenizer.decode(sent)  # type: ignore[attr-defined]
+    assert "KEEP-ME" in prompt and "M8:" in prompt and "M0:" not in prompt
+    assert 2048 - len(sent) >= 100

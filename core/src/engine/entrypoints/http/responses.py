@@ -51,6 +51,7 @@ from engine.entrypoints.http.responses_items import (
     input_messages,
     reasoning_effort,
     renamed,
+    render_prompt,
     response_format,
 )
 from engine.entrypoints.http.responses_store import ResponseStore, StoredResponse, store_of
@@ -166,7 +167,8 @@ async def _prepare(ctx: ServingContext, req: ResponsesRequest, store: ResponseSt
     except ValidationError as exc:  # the items were checked above; this names what slipped through
         raise from_validation_error(exc, ChatCompletionRequest) from None
     plan = plan_tools(chat)
-    prompt_ids = await ctx.render_chat(chat.messages, template_kwargs=template_kwargs(ctx, chat), tools=plan)
+    prompt_ids = await render_prompt(ctx, chat.messages, template_kwargs(ctx, chat), plan, len(system),
+                                     req.truncation == "auto", req.max_output_tokens or 1)
     max_tokens = req.max_output_tokens
     if max_tokens is None:
         max_tokens = max(ctx.context_len - len(prompt_ids), 1)

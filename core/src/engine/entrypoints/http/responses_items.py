@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.entrypoints.http.errors import APIError
+
+if TYPE_CHECKING:
+    from engine.entrypoints.http.context import ServingContext
+    from engine.entrypoints.http.tool_calling import ToolPlan
 
 #: Input item types served; the others (hosted tools' calls, item references) are a 400.
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -25,7 +29,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "system", "developer", "assistant")
 #: Fields accepted and ignored: bookkeeping and hosted features that change nothing here.
 IGNORED_FIELDS = ("metadata", "user", "service_tier", "safety_identifier", "prompt_cache_key",
-                  "prompt_cache_retention", "prompt_cache_options", "context_management", "truncation",
+                  "prompt_cache_retention", "prompt_cache_options", "context_management",
                   "stream_options", "include", "moderation", "background_options", "access_programs", "image")
 
 
@@ -246,3 +250,25 @@ def renamed(exc: APIError) -> APIError:
         message = re.sub(pattern, name, message)
         param = re.sub(pattern, name, param) if param else param
     return APIError(exc.status, message, param=param, code=exc.code, type=exc.type)
+
+
+async def render_prompt(ctx: ServingContext, messages: list[Any], kwargs: dict[str, Any] | None, plan: ToolPlan,
+                        keep: int, truncate: bool, reserve: int) -> list[int]:
+    """Token ids of ``messages`` under the chat template. With ``truncation: auto`` the oldest
+    messages after the first ``keep`` (the instructions) are dropped, with tool results left
+    without their call, until the prompt leaves ``reserve`` tokens of the context; the last
+    message always stays (a prompt still too long is the usual 400)."""
+    messages = list(messages)
+    while True:
+        droppable = truncate and len(messages) - keep > 1
+        try:
+            ids = await ctx.render_chat(messages, template_kwargs=kwargs, tools=plan)
+        except APIError as exc:
+            if not (droppable and exc.code == "context_length_exceeded"):
+                raise
+        else:
+            if not (droppable and ctx.context_len - len(ids) < reserve):
+                return ids
+        del messages[keep]
+        while len(messages) - keep > 1 and messages[keep].role == "tool":
+            del messages[keep]
