@@ -120,6 +120,9 @@ def test_langchain_openai_embeddings(server: Server, oracle: Any) -> None:
 def test_native_encode(server: Server, oracle: Any) -> None:
     r = server.post("/encode", json={"text": SENTENCES[1]})
     assert r.status_code == 200, r.text
+    # Finished embedding requests are counted like any other (Prometheus /metrics).
+    metrics = server.get("/metrics").text
+    assert 'engine_requests_total{finish_reason="length",model_name="default"}' in metrics, metrics[-2000:]
     assert _cosine_distance(r.json()["embedding"], oracle.encode(SENTENCES[1])) < MAX_COSINE_DISTANCE
     assert r.json()["meta_info"]["prompt_tokens"] == len(oracle.tokenizer(SENTENCES[1])["input_ids"])
 

@@ -8,6 +8,7 @@ all go through ``embed``: it validates and tokenizes a batch of inputs, sends on
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ class EmbedMixin:
     states: dict[str, Any]
     router: Any
     sends: list[Any]
+    on_route: list[Any]
+    on_finish: list[Any]
     dead: str | None
 
     @property
@@ -90,8 +93,10 @@ class EmbedMixin:
             self.add_group(req.rid, rids)  # type: ignore[attr-defined]
         for i, state in enumerate(states):
             self.states[state.rid] = state
-            replica = self.router.route(state.rid, state.prompt_ids).replica
-            self.sends[replica].send_pyobj(TokenizedEmbeddingReqInput(
+            decision = self.router.route(state.rid, state.prompt_ids)
+            for callback in self.on_route:
+                callback(state.rid, decision)
+            self.sends[decision.replica].send_pyobj(TokenizedEmbeddingReqInput(
                 rid=state.rid, input_ids=state.prompt_ids, dimensions=dims, priority=req.priority,
                 token_type_ids=req.token_type_ids[i] if req.token_type_ids else None))
         try:
@@ -103,6 +108,9 @@ class EmbedMixin:
                 if state.finished_reason is None and self.dead is None:
                     self._send_for(state.rid, AbortReq(state.rid, "client disconnected"))  # type: ignore[attr-defined]
                 self.router.finish(state.rid)
+                if state.finished_reason is not None:
+                    for callback in self.on_finish:  # metrics: requests, prompt and cached tokens, latency
+                        callback(state)
         return [EmbeddingResult(i, s.meta["embedding"], len(s.prompt_ids), s.meta.get("cached_tokens", 0))
                 for i, s in enumerate(states)]
 
@@ -117,6 +125,7 @@ class EmbedMixin:
             raise RequestError(f"input: {reason.get('message')}", "input")
 
     def _handle_embedding_out(self, msg: BatchEmbeddingOut) -> None:
+        now = time.perf_counter()
         for i, rid in enumerate(msg.rids):
             state = self.states.get(rid)
             if state is None:
@@ -124,7 +133,8 @@ class EmbedMixin:
             error = msg.errors[i]
             state.finished_reason = error or {"type": "length", "length": 0}
             state.meta.update(embedding=msg.embeddings[i], prompt_tokens=msg.prompt_tokens[i],
-                              cached_tokens=msg.cached_tokens[i])
+                              cached_tokens=msg.cached_tokens[i], completion_tokens=0)
+            state.last_time = now
             state.event.set()
 
     def _check_dimensions(self, dims: Any) -> int | None:
