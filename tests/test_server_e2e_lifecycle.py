@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -23,10 +24,15 @@ _CLI = [sys.executable, "-m", "engine"]
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Iterator[tuple[Server, Server]]:
-    """Two private servers (each test ends one), started side by side."""
+    """Two private servers (each test ends one), started side by side; the first serves gRPC too
+    where plugserve-grpc is installed, so its SIGTERM drains a gRPC stream with the HTTP one."""
     ckpt = llama_ckpt_dir
     logs = str(tmp_path_factory.mktemp("lifecycle-logs"))
-    pair = (launch(ckpt, logs, api_key=None), launch(ckpt, logs, api_key=None))
+    grpc_port = free_port() if importlib.util.find_spec("engine_grpc") else None
+    first = launch(ckpt, logs, *(("--grpc-port", str(grpc_port)) if grpc_port else ()), api_key=None)
+    if grpc_port:
+        first.extra["grpc_port"] = grpc_port
+    pair = (first, launch(ckpt, logs, api_key=None))
     try:
         for server in pair:
             server.wait_ready()
@@ -70,15 +76,32 @@ def test_sigterm_finishes_inflight_then_exits_cleanly(servers: tuple[Server, Ser
         except httpx.HTTPError as exc:
             result["error"] = repr(exc)
 
-    thread = threading.Thread(target=stream)
-    thread.start()
-    assert _wait_until_inflight(server), "the streamed request never started"
+    def grpc_stream() -> None:
+        from engine_grpc.client import Client, collect
+
+        with Client(f"127.0.0.1:{server.extra['grpc_port']}", timeout=60) as client:
+            call = client.generate(input_ids=[5, 6, 7], stream=True,
+                                   sampling_params={"max_new_tokens": 300, "ignore_eos": True})
+            result["grpc"] = (collect(call), call.code())
+
+    threads = []
+    if "grpc_port" in server.extra:  # the longer one first, so that both are in flight at the signal
+        threads.append(threading.Thread(target=grpc_stream))
+        threads[-1].start()
+        assert _wait_until_inflight(server), "the gRPC stream never started"
+    threads.append(threading.Thread(target=stream))
+    threads[-1].start()
+    assert _wait_until_inflight(server, len(threads)), "the streamed requests never started"
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.log()[-3000:]
-    thread.join(30)
+    for thread in threads:
+        thread.join(30)
     events = result.get("events")
     assert events, (result, server.log()[-3000:])
     assert events[-1] == "data: [DONE]" and '"finish_reason":{"type":"length"' in events[-2], events[-2:]
+    if "grpc_port" in server.extra:  # the gRPC stream drained to its end too
+        (output,), code = result["grpc"]
+        assert (code.name, output.finish_reason, len(output.token_ids)) == ("OK", "length", 300), result["grpc"]
     # multiprocessing's resource tracker leaves a moment after its parent: allow it that moment.
     deadline = time.monotonic() + 5.0
     while [pid for pid in children if _alive(pid)] and time.monotonic() < deadline:
@@ -88,10 +111,10 @@ def test_sigterm_finishes_inflight_then_exits_cleanly(servers: tuple[Server, Ser
         httpx.get(server.url + "/health", timeout=5)
 
 
-def _wait_until_inflight(server: Server, timeout: float = 20.0) -> bool:
+def _wait_until_inflight(server: Server, count: int = 1, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if httpx.get(server.url + "/get_server_info", timeout=10).json()["num_inflight_reqs"]:
+        if httpx.get(server.url + "/get_server_info", timeout=10).json()["num_inflight_reqs"] >= count:
             return True
         time.sleep(0.01)
     return False
