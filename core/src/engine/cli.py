@@ -54,11 +54,10 @@ def check_before_start(server_args: ServerArgs) -> None:
     check_without_checkpoint(server_args)
     check_devices(server_args)
     if server_args.tp_size * server_args.pp_size * server_args.ep_size > 1 and server_args.node_rank == 0:
-        from engine.model_executor.checkpoint import resolve_checkpoint
+        from engine.entrypoints.launch import resolve_model_path
 
-        model_path = resolve_checkpoint(server_args.model_path or None, server_args.disable_plugin,
-                                        weights=server_args.quant != "gguf")
-        check_split_from_config_json(server_args, model_path)
+        # The embedded embedding model under --task embed, the default model's conversion, or the path.
+        check_split_from_config_json(server_args, resolve_model_path(server_args))
 
 
 # -- commands ----------------------------------------------------------------------------
