@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.errors import ConfigError
-from engine.layers.pooler import PoolState, Pooler, pool
+from engine.layers.pooler import Pooler, PoolState, pool
 from engine.pooling import check_task, default_task, read_pooling_config, resolve_task
 
 # Two rows packed back to back: row 0 has 3 tokens, row 1 has 2.
