@@ -58,8 +58,10 @@ def _finished_requests(server: Server) -> float:
 
 def test_streamed_generate_equals_native_generate(server: Server, client: Client) -> None:
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
-    http = server.post("/generate", json={"text": PROMPT, "sampling_params": params}).json()
-    responses = list(client.generate(text=PROMPT, sampling_params=params, stream=True, return_logprob=True))
+    http = server.post("/generate", json={"text": PROMPT, "sampling_params": params, "return_logprob": True,
+                                          "logprob_start_len": 0}).json()
+    responses = list(client.generate(text=PROMPT, sampling_params=params, stream=True, return_logprob=True,
+                                     logprob_start_len=0))
     # A response per increment (increments arriving together while the loop is busy come as one).
     assert len(responses) > 1 and all(r.token_ids for r in responses)
     (out,) = collect(responses)
@@ -67,6 +69,11 @@ def test_streamed_generate_equals_native_generate(server: Server, client: Client
     meta = http["meta_info"]
     assert (out.finish_reason, out.prompt_tokens, out.completion_tokens) == ("length", meta["prompt_tokens"], 12)
     assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx([e[0] for e in meta["output_token_logprobs"]], abs=1e-4)
+    prompt = meta["input_token_logprobs"]  # [logprob, id, text], the first logprob null
+    assert [lp.token_id for lp in out.input_logprobs] == [e[1] for e in prompt]
+    assert math.isnan(out.input_logprobs[0].logprob)
+    assert [lp.logprob for lp in out.input_logprobs[1:]] == pytest.approx([e[0] for e in prompt[1:]], abs=1e-4)
     # The same prompt again, not streamed: one response, the whole output, the prompt from the cache.
     (again,) = list(client.generate(input_ids=None, text=PROMPT, sampling_params=params))
     assert list(again.token_ids) == out.token_ids and again.text == out.text

@@ -20,7 +20,7 @@ def test_a_changed_proto_is_reported_stale(tmp_path: Path) -> None:
     package = tmp_path / "engine_grpc"
     package.mkdir()
     proto = Path(codegen.PACKAGE_DIR, "plugserve.proto").read_text()
-    changed = proto.replace("  int32 top_logprobs_num = 8;\n", "  int32 top_logprobs_num = 8;\n  bool echo = 9;\n")
+    changed = proto.replace("  int32 top_logprobs_num = 8;\n", "  int32 top_logprobs_num = 8;\n  bool echo = 99;\n")
     assert changed != proto
     (package / "plugserve.proto").write_text(changed)
     assert codegen.stale_reasons(str(tmp_path)) == ["plugserve_pb2.py does not describe plugserve.proto"]

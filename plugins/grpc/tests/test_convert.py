@@ -19,9 +19,10 @@ def test_only_the_fields_set_reach_the_body() -> None:
         "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "stop": ["\n"], "stop_token_ids": [7],
                             "ignore_eos": False, "logit_bias": {"3": -1.5}},
     }
-    ids = pb.GenerateRequest(input_ids=pb.TokenIds(ids=[1, 2]), return_logprob=True, top_logprobs_num=3)
+    ids = pb.GenerateRequest(input_ids=pb.TokenIds(ids=[1, 2]), return_logprob=True, top_logprobs_num=3,
+                             logprob_start_len=0)
     assert convert.generate_body(ids) == {"stream": False, "input_ids": [1, 2], "sampling_params": {},
-                                          "return_logprob": True, "top_logprobs_num": 3}
+                                          "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": 0}
     # No prompt: the engine's own check answers (it names the field).
     assert "text" not in convert.generate_body(pb.GenerateRequest()) and "input_ids" not in convert.generate_body(pb.GenerateRequest())
 
@@ -32,6 +33,8 @@ def _out(index: int, ids: list[int], text: str, reason: dict | None = None, logp
     if logprobs:
         meta["output_token_logprobs"] = [[-0.5 * (i + 1), t, None] for i, t in enumerate(ids)]
         meta["output_top_logprobs"] = [[[-0.1, 9, None], [None, 8, None]] for _ in ids]
+        meta["input_token_logprobs"] = [[None, 1, None], [-2.0, 2, None]]  # every output repeats them
+        meta["input_top_logprobs"] = [None, None]
     return {"index": index, "text": text, "output_ids": ids, "meta_info": meta}
 
 
@@ -44,9 +47,11 @@ def test_cumulative_outputs_become_deltas_per_choice() -> None:
     assert [(r.index, list(r.token_ids), r.text) for r in responses] == [
         (0, [5], "He"), (1, [6], "Yo"), (0, [7], "llo"), (1, [8], "!"), (0, [9], ".")]
     assert [len(r.logprobs) for r in responses] == [1, 0, 1, 0, 1]
+    assert [len(r.input_logprobs) for r in responses] == [2, 0, 0, 0, 0]  # a choice's first response only
+    assert math.isnan(responses[0].input_logprobs[0].logprob) and responses[0].input_logprobs[1].logprob == -2.0
     assert responses[2].logprobs[0].token_id == 7 and responses[2].logprobs[0].logprob == -1.0
     assert [t.token_id for t in responses[2].logprobs[0].top] == [9, 8]
-    assert math.isinf(responses[2].logprobs[0].top[1].logprob)
+    assert math.isnan(responses[2].logprobs[0].top[1].logprob)  # null: no logprob
     assert not responses[0].HasField("finish_reason") and responses[3].finish_reason.matched_token_id == 8
     first, second = collect(responses)
     assert (first.rid, first.text, first.token_ids, first.finish_reason, first.matched) == ("r-0", "Hello.", [5, 7, 9], "stop", ".")

@@ -94,6 +94,8 @@ class Output:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    # With logprob_start_len: the prompt's, from that position.
+    input_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     # The last response's counts and finish reason ("" while it runs).
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -110,6 +112,7 @@ def collect(responses: Iterable[pb.GenerateResponse]) -> list[Output]:
         out.text += response.text
         out.token_ids.extend(response.token_ids)
         out.logprobs.extend(response.logprobs)
+        out.input_logprobs.extend(response.input_logprobs)
         out.prompt_tokens, out.completion_tokens = response.prompt_tokens, response.completion_tokens
         out.cached_tokens = response.cached_tokens
         if response.HasField("finish_reason"):

@@ -31,6 +31,8 @@ def generate_body(request: pb.GenerateRequest) -> dict[str, Any]:
     if request.return_logprob or request.top_logprobs_num:
         body["return_logprob"] = True
         body["top_logprobs_num"] = request.top_logprobs_num
+    if request.HasField("logprob_start_len"):
+        body["logprob_start_len"] = request.logprob_start_len
     return body
 
 
@@ -62,19 +64,18 @@ class ResponseBuilder:
         index = out["index"]
         meta = out["meta_info"]
         ids, text = out["output_ids"], out["text"]
+        first = index not in self._sent
         sent_ids, sent_chars, sent_logprobs = self._sent.get(index, (0, 0, 0))
         logprobs = meta.get("output_token_logprobs") or []
-        tops = meta.get("output_top_logprobs") or []
         self._sent[index] = (len(ids), len(text), len(logprobs))
         response = pb.GenerateResponse(
             rid=str(meta.get("id") or ""), index=index, token_ids=ids[sent_ids:], text=text[sent_chars:],
             prompt_tokens=meta.get("prompt_tokens", 0), completion_tokens=meta.get("completion_tokens", 0),
             cached_tokens=meta.get("cached_tokens", 0), e2e_latency=meta.get("e2e_latency", 0.0))
-        for i in range(sent_logprobs, len(logprobs)):
-            top = tops[i] if i < len(tops) and tops[i] else []
-            response.logprobs.append(pb.TokenLogprob(
-                token_id=logprobs[i][1], logprob=_logprob(logprobs[i][0]),
-                top=[pb.TopLogprob(token_id=t[1], logprob=_logprob(t[0])) for t in top]))
+        response.logprobs.extend(_token_logprobs(logprobs, meta.get("output_top_logprobs"), sent_logprobs))
+        if first:
+            response.input_logprobs.extend(
+                _token_logprobs(meta.get("input_token_logprobs") or [], meta.get("input_top_logprobs"), 0))
         reason = meta.get("finish_reason")
         if reason is not None:
             response.finish_reason.CopyFrom(finish_reason(reason))
@@ -94,8 +95,19 @@ def finish_reason(reason: dict[str, Any]) -> pb.FinishReason:
     return out
 
 
+def _token_logprobs(entries: list[Any], tops: list[Any] | None, start: int) -> list[pb.TokenLogprob]:
+    """``[logprob, token_id, text]`` entries (and their top alternatives) from ``start`` on."""
+    tops = tops or []
+    out = []
+    for i in range(start, len(entries)):
+        top = tops[i] if i < len(tops) and tops[i] else []
+        out.append(pb.TokenLogprob(token_id=entries[i][1], logprob=_logprob(entries[i][0]),
+                                   top=[pb.TopLogprob(token_id=t[1], logprob=_logprob(t[0])) for t in top]))
+    return out
+
+
 def _logprob(value: float | None) -> float:
-    return -math.inf if value is None else float(value)
+    return math.nan if value is None else float(value)
 
 
 def embed_inputs(request: pb.EmbedRequest) -> tuple[list[str | list[int]], str]:
