@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import os
+import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -186,3 +188,17 @@ def test_embed_equals_v1_embeddings(embed_server: Server) -> None:
         with pytest.raises(grpc.RpcError) as bad:  # a pooling server does not generate
             list(client.generate(text="x"))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_busy_grpc_port_fails_before_the_model_loads(llama_ckpt_dir: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run([sys.executable, "-m", "engine", "serve", "--model-path", llama_ckpt_dir,
+                              "--port", str(free_port()), "--grpc-port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        f"error: --grpc-port: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(is another server running? pick another --grpc-port)")

@@ -35,6 +35,7 @@ from engine.entrypoints.http.errors import (
     shutting_down_error,
 )
 from engine.entrypoints.http.generation import Choice, make_choices, stream_outputs
+from engine.entrypoints.http.guards import effective_api_key
 from engine.entrypoints.http.native import _model_info, _output, _server_info, check_health
 from engine.entrypoints.http.native_request import build_requests
 from engine.entrypoints.http.protocol import GenerateReqInput
@@ -65,8 +66,6 @@ class NativeAPI:
 
     def __init__(self, ctx: ServingContext) -> None:
         self._ctx = ctx
-        from engine.entrypoints.http.guards import effective_api_key
-
         key = effective_api_key(ctx.args.api_key)
         self._expected = f"Bearer {key}".encode() if key else None
 
