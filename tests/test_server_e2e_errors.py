@@ -62,7 +62,7 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("native unknown sampling param", "/generate", {"text": "a", "sampling_params": {"max_tokenz": 1}}, 400,
      "max_tokenz", "did you mean max_new_tokens"),
     ("native both prompts", "/generate", {"text": "a", "input_ids": [1]}, 400, "text", "exactly one"),
-    ("unknown route", "/v1/embeddings", {"input": "a"}, 404, None, "no route"),
+    ("unknown route", "/v1/moderations", {"input": "a"}, 404, None, "no route"),
 ]
 
 

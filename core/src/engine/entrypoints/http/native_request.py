@@ -3,7 +3,7 @@
 SGLang clients (its ``bench_serving``, its ``RuntimeEndpoint``, router sidecars) send
 the whole of SGLang's ``GenerateReqInput`` and ``SamplingParams``, with nulls and
 defaults for what they do not use (``"lora_path": null`` on every request). Every such
-field therefore has one of three fates here, listed in docs/api.md:
+field therefore has one of three fates here, listed in docs/native-api.md:
 
 - it acts (``ACTING_FIELDS``, and the sampling parameters ``SamplingParams`` knows);
 - it is bookkeeping that changes no output and is ignored (``IGNORED_FIELDS``);
