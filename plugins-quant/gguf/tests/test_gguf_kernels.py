@@ -60,8 +60,22 @@ def test_every_path_matches_the_torch_path(name: str, m: int) -> None:
         assert _rel(gguf_matmul(x, planes, qtype, 24, path=path), want) < BAR[torch.float32], path
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+# Without a GPU (Triton's interpreter, 5-12 s a case) a sample runs: each type in one half
+# dtype, each dtype on some type, split-K on one K-quant; the rest run in the GPU sweep.
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _sampled(*values: object, cpu: int | tuple[int, ...]) -> list[object]:
+    keep = (cpu,) if isinstance(cpu, int) else cpu
+    def param(v: object, marks: list[object]) -> object:
+        return pytest.param(*v, marks=marks) if isinstance(v, tuple) else pytest.param(v, marks=marks)
+
+    return [param(v, [] if i in keep else _GPU) for i, v in enumerate(values)]
+
+
+@pytest.mark.parametrize("name,dtype", _sampled(
+    ("Q4_K", torch.float16), ("Q8_0", torch.bfloat16), ("Q6_K", torch.float16),
+    ("Q4_K", torch.bfloat16), ("Q8_0", torch.float16), ("Q6_K", torch.bfloat16), cpu=(0, 1, 2)))
 def test_half_precision_writes_its_columns_only(name: str, dtype: torch.dtype) -> None:
     qtype = TYPES[name]
     w = formats.random_blocks(16, 256 if qtype != formats.Q6_K else 512, qtype, torch.Generator().manual_seed(7),
@@ -76,7 +90,7 @@ def test_half_precision_writes_its_columns_only(name: str, dtype: torch.dtype) -
         assert out[:, :8].abs().max() == 0 and out[:, 24:].abs().max() == 0
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("name", _sampled("Q4_K", "Q6_K", "Q4_0", cpu=0))
 def test_split_k_adds_the_partial_sums(name: str) -> None:
     qtype = TYPES[name]
     _, _, split, _ = gemv_config(qtype, 1, 32, 512, sms=132)
