@@ -16,12 +16,19 @@ every replay of a CUDA graph; splits past a short row's end are empty and write
 ``lse = -inf``, which stage 2 weighs as zero. With a single split (batches large
 enough to fill the GPU on their own) stage 1 writes the output directly and stage 2
 is skipped.
+
+Stage 1 has two loops (``decode_tiles`` picks one by the split count). The plain loop loads a
+block's slots and then its K/V. The slots-ahead loop loads each block's slots one block early,
+so the K/V addresses are known when the block starts and Triton's pipeliner double-buffers the
+gathers (async copies); it wins where programs walk long sequences (few splits, large batches).
+An e4m3 pool under bf16 queries is gathered as int32 words and widened by ``jit_math.widen_e4m3_words``.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,6 +39,8 @@ from engine_attention_triton.jit_math import (
     block_size,
     check_kernel_dtype,
     dot_precision,
+    gathers_words,
+    widen,
 )
 
 #: A split shorter than this costs more in workspace traffic and merging than it saves.
@@ -44,16 +53,19 @@ TARGET_PROGRAMS_PER_SM = 4
 
 @triton.jit
 def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
-    """One block of keys (``mask_n``: the live ones, at least one) into the online softmax state."""
+                  DOT_PRECISION: tl.constexpr, WORDS: tl.constexpr):
+    """One block of keys (``mask_n``: the live ones, at least one) into the online softmax state.
+
+    ``k`` and ``v`` are the gathered tiles as loaded (``WORDS``: int32 words of four e4m3 values).
+    """
     # An fp8 pool widens exactly to q's dtype; its k_scale is folded into sm_scale.
-    qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+    qk = tl.dot(q, tl.trans(widen(k, q.dtype, WORDS)), input_precision=DOT_PRECISION)
     qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
     qk = tl.where(mask_n[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    v = v.to(q.dtype)
+    v = widen(v, q.dtype, WORDS)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
@@ -81,6 +93,8 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
+    SLOTS_AHEAD: tl.constexpr,
+    WORDS: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output itself; no log-sum-exp, no merge pass.
     # PDL: launched with programmatic dependent launch. Until gdc_wait the program reads only what
@@ -117,8 +131,25 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
-    k_base = K_Buf + kv_head * stride_kh + offs_d[None, :]
-    v_base = V_Buf + kv_head * stride_vh + offs_dv[None, :]
+    if WORDS:
+        # The fp8 pool gathered as int32 words of four values (strides in bytes are multiples of 4).
+        offs_kc = tl.arange(0, BLOCK_D // 4)
+        mask_kc = offs_kc < HEAD_DIM // 4
+        offs_vc = tl.arange(0, BLOCK_DV // 4)
+        mask_vc = offs_vc < V_DIM // 4
+        k_base = (K_Buf + kv_head * stride_kh).to(tl.pointer_type(tl.int32), bitcast=True) + offs_kc[None, :]
+        v_base = (V_Buf + kv_head * stride_vh).to(tl.pointer_type(tl.int32), bitcast=True) + offs_vc[None, :]
+        kt = stride_kt // 4
+        vt = stride_vt // 4
+    else:
+        offs_kc = offs_d
+        mask_kc = mask_d
+        offs_vc = offs_dv
+        mask_vc = mask_dv
+        k_base = K_Buf + kv_head * stride_kh + offs_d[None, :]
+        v_base = V_Buf + kv_head * stride_vh + offs_dv[None, :]
+        kt = stride_kt
+        vt = stride_vt
     first = lo
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -127,32 +158,47 @@ def _decode_split_kernel(
         mask_n = offs_n < hi
         loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
         old = mask_n & (offs_n < seq_len - 1)
-        k_old = tl.load(k_base + loc[:, None] * stride_kt, mask=old[:, None] & mask_d[None, :], other=0.0)
-        v_old = tl.load(v_base + loc[:, None] * stride_vt, mask=old[:, None] & mask_dv[None, :], other=0.0)
+        k_old = tl.load(k_base + loc[:, None] * kt, mask=old[:, None] & mask_kc[None, :], other=0.0)
+        v_old = tl.load(v_base + loc[:, None] * vt, mask=old[:, None] & mask_vc[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         new = mask_n & (offs_n == seq_len - 1)
-        k_new = tl.load(k_base + loc[:, None] * stride_kt, mask=new[:, None] & mask_d[None, :], other=0.0)
-        v_new = tl.load(v_base + loc[:, None] * stride_vt, mask=new[:, None] & mask_dv[None, :], other=0.0)
-        # Widening an fp8 pool's values to q's dtype is exact, so the block is as the loop's.
-        k_first = tl.where(new[:, None], k_new.to(q.dtype), k_old.to(q.dtype))
-        v_first = tl.where(new[:, None], v_new.to(q.dtype), v_old.to(q.dtype))
+        k_new = tl.load(k_base + loc[:, None] * kt, mask=new[:, None] & mask_kc[None, :], other=0.0)
+        v_new = tl.load(v_base + loc[:, None] * vt, mask=new[:, None] & mask_vc[None, :], other=0.0)
         if lo < hi:
-            m_i, l_i, acc = _attend_block(q, k_first, v_first, mask_n, m_i, l_i, acc, sm_scale, logit_cap,
-                                          HAS_CAP, DOT_PRECISION)
+            m_i, l_i, acc = _attend_block(q, tl.where(new[:, None], k_new, k_old), tl.where(new[:, None], v_new, v_old),
+                                          mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP, DOT_PRECISION, WORDS)
         first = lo + BLOCK_N
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
     # Every block starts below hi, so it holds at least one live key and m_new stays finite.
-    for start in range(first, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(k_base + loc[:, None] * stride_kt, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        v = tl.load(v_base + loc[:, None] * stride_vt, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)
-        m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
-                                      DOT_PRECISION)
+    if SLOTS_AHEAD:
+        # Each block's slots are loaded one block ahead, so its K/V addresses are known when the
+        # block starts: Triton's pipeliner then keeps NUM_STAGES - 1 blocks of K/V in flight
+        # (async copies into shared memory) while the current one is attended. Loading the slots
+        # in the same block makes the gathers wait on them, and the pipeliner keeps one buffer.
+        offs_nx = first + tl.arange(0, BLOCK_N)
+        loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
+        for start in range(first, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            loc = loc_nx.to(tl.int64)
+            offs_nx = offs_n + BLOCK_N
+            loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
+            k = tl.load(k_base + loc[:, None] * kt, mask=mask_n[:, None] & mask_kc[None, :], other=0.0)
+            v = tl.load(v_base + loc[:, None] * vt, mask=mask_n[:, None] & mask_vc[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
+                                          DOT_PRECISION, WORDS)
+    else:
+        for start in range(first, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(k_base + loc[:, None] * kt, mask=mask_n[:, None] & mask_kc[None, :], other=0.0)
+            v = tl.load(v_base + loc[:, None] * vt, mask=mask_n[:, None] & mask_vc[None, :], other=0.0)
+            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
+                                          DOT_PRECISION, WORDS)
 
     # An empty split (past the row's end) writes zeros and lse = -inf: weight zero in stage 2.
     has_keys = l_i > 0
@@ -235,6 +281,32 @@ def choose_num_kv_splits(
     return max(1, min(splits, max_kv_splits))
 
 
+class DecodeTiles(NamedTuple):
+    slots_ahead: bool
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool) -> DecodeTiles:
+    """Stage 1's tiles: by the split count (so by the batch size alone, as CUDA graphs need).
+
+    Few splits (batch >= ~16 at 8 KV heads on 132 SMs) mean long loops per program: there the
+    slots-ahead loop keeps ``num_stages - 1`` blocks in flight and small blocks keep more programs
+    on each SM. On an H200 at Llama-3-8B heads and 1.5k tokens, batch 512, bf16 pool: 762 us with
+    (32 keys, 4 warps, 4 stages) against 805 us with the plain loop's (64, 4, 3); fp8 words pool:
+    599 us with (32, 2 warps, 3) against 710 us (``benchmarks/bench_decode.py --sweep``). Many
+    splits (batch 1) cover ~100 keys each, where the plain loop's single (64, 4, 3) is as fast.
+    """
+    if head_dim > 128 or q_dtype == torch.float32:
+        return DecodeTiles(False, 32, 4, 3)
+    if num_kv_splits > 4:
+        return DecodeTiles(False, 64, 4, 3)
+    if words:
+        return DecodeTiles(True, 32, 2, 3)
+    return DecodeTiles(True, 32, 4, 4)
+
+
 def decode_attention_fwd(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -253,8 +325,10 @@ def decode_attention_fwd(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 3,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    slots_ahead: bool | None = None,
+    words: bool | None = None,
     pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
@@ -273,7 +347,8 @@ def decode_attention_fwd(
         sm_scale: softmax scale; ``logit_cap`` > 0 enables the tanh soft cap;
             ``sliding_window_size`` W >= 0 keeps keys at most W positions behind the query.
         k_scale, v_scale: an fp8 pool's per-tensor scales (the kernel reads ``stored * scale``).
-        block_n, num_warps, num_stages: tile overrides for benchmarking.
+        block_n, num_warps, num_stages, slots_ahead, words: overrides of ``decode_tiles`` and
+            ``gathers_words`` (benchmarks and tests).
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
             position, while the previous kernel drains, and stage 2 lets the next kernel start.
@@ -298,8 +373,13 @@ def decode_attention_fwd(
     if batch == 0:
         return
     group = num_heads // num_kv_heads
-    if block_n is None:
-        block_n = 32 if head_dim > 128 or q.dtype == torch.float32 else 64
+    if words is None:
+        words = gathers_words(q, k_buffer, v_buffer)
+    tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, words)
+    slots_ahead = tiles.slots_ahead if slots_ahead is None else slots_ahead
+    block_n = block_n or tiles.block_n
+    num_warps = num_warps or tiles.num_warps
+    num_stages = num_stages or tiles.num_stages
     precision = dot_precision(q.dtype)
     # One split (large batches fill the GPU without splitting): stage 1 writes the output.
     direct = num_kv_splits == 1
@@ -328,6 +408,8 @@ def decode_attention_fwd(
         DOT_PRECISION=precision,
         DIRECT=direct,
         PDL=pdl,
+        SLOTS_AHEAD=slots_ahead,
+        WORDS=words,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -362,4 +444,4 @@ def has_pdl(device: torch.device) -> bool:
     return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["choose_num_kv_splits", "decode_attention_fwd", "has_pdl"]
+__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words", "has_pdl"]
