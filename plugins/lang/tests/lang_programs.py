@@ -71,6 +71,21 @@ def conversation(s: Any, question: str) -> None:
     s += assistant(gen("word", max_tokens=4))
 
 
+def check_same_greedy_results(prog: Any, backend: Any, reference: Any) -> None:
+    """``prog`` (``program`` or ``conversation``) at temperature 0 gives on ``backend`` what it gives
+    on ``reference``: text, messages, variables and (up to float noise) the choice scores."""
+    import pytest
+
+    ours = prog.run(QUESTION, temperature=0, backend=backend)
+    theirs = prog.run(QUESTION, temperature=0, backend=reference)
+    assert ours.text() == theirs.text()
+    assert ours.messages() == theirs.messages()
+    if prog is program:
+        assert ours["plain"] == theirs["plain"] and ours["branch"] == theirs["branch"]
+        assert ours["check"] == theirs["check"]
+        assert ours.get_meta_info("check")["scores"] == pytest.approx(theirs.get_meta_info("check")["scores"], abs=2e-2)
+
+
 def check_seed_patterns(backend: Any) -> None:
     """Runs the three patterns on ``backend`` (a Recording one) and checks what each means."""
     set_default_backend(backend)  # noqa: F405

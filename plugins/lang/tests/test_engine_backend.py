@@ -11,7 +11,13 @@ from typing import Any
 import pytest
 from engine_lang import Engine, assistant, function, gen, select, system, user
 from engine_lang.testing import BackendConformance
-from lang_programs import QUESTION, Recording, check_seed_patterns, conversation, program
+from lang_programs import (
+    Recording,
+    check_same_greedy_results,
+    check_seed_patterns,
+    conversation,
+    program,
+)
 
 
 class RecordingEngine(Recording, Engine):
@@ -73,14 +79,7 @@ def test_gen_and_chat_equal_the_engines_own_generate(engine_backend: Engine, tok
 @pytest.mark.parametrize("prog", [program, conversation], ids=["text", "chat"])
 def test_the_same_program_gives_the_same_greedy_results_as_on_the_server(engine_backend: Engine, endpoint: Any,
                                                                        prog: Any) -> None:
-    local = prog.run(QUESTION, temperature=0, backend=engine_backend)
-    served = prog.run(QUESTION, temperature=0, backend=endpoint)
-    assert local.text() == served.text()
-    assert local.messages() == served.messages()
-    if prog is program:
-        assert local["plain"] == served["plain"] and local["branch"] == served["branch"]
-        assert local["check"] == served["check"]
-        assert local.get_meta_info("check")["scores"] == pytest.approx(served.get_meta_info("check")["scores"], abs=2e-2)
+    check_same_greedy_results(prog, engine_backend, endpoint)
 
 
 def test_select_fork_and_batch(engine_backend: Engine) -> None:

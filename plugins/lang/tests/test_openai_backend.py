@@ -16,7 +16,7 @@ from engine_lang import (
     gen,
 )
 from engine_lang.testing import BackendConformance
-from lang_programs import QUESTION, conversation, program
+from lang_programs import check_same_greedy_results, conversation, program
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +43,7 @@ class TestRuntimeEndpointConformance(BackendConformance):
 @pytest.mark.parametrize("prog", [program, conversation], ids=["text", "chat"])
 def test_the_same_program_gives_the_same_greedy_results(openai_backend: OpenAI, endpoint: RuntimeEndpoint,
                                                         prog: Any) -> None:
-    native = prog.run(QUESTION, temperature=0, backend=endpoint)
-    openai = prog.run(QUESTION, temperature=0, backend=openai_backend)
-    assert openai.text() == native.text()
-    assert openai.messages() == native.messages()
-    if prog is program:
-        assert openai["plain"] == native["plain"] and openai["branch"] == native["branch"]
-        assert openai["check"] == native["check"]
-        assert openai.get_meta_info("check")["scores"] == pytest.approx(native.get_meta_info("check")["scores"], abs=2e-2)
+    check_same_greedy_results(prog, openai_backend, endpoint)
 
 
 def test_chat_messages_go_to_chat_completions(openai_backend: OpenAI, tokenizer: Any) -> None:
