@@ -41,9 +41,10 @@ _expected: dict[str, list[list[int]]] = {}
 
 
 def _plain(path: str, attention: str, prompts: list[list[int]]) -> list[list[int]]:
-    if attention not in _expected:
-        _expected[attention] = generate_greedy(make_scheduler(path, attention=attention), prompts, 20)
-    return _expected[attention]
+    key = f"{attention}/{len(prompts)}"
+    if key not in _expected:
+        _expected[key] = generate_greedy(make_scheduler(path, attention=attention), prompts, 20)
+    return _expected[key]
 
 
 def _spec(path: str, proposer: Proposer, attention: str = "torch_native", **kw: Any) -> Any:
@@ -57,6 +58,9 @@ def _spec(path: str, proposer: Proposer, attention: str = "torch_native", **kw: 
 @pytest.mark.parametrize("attention", BACKENDS)
 def test_oracle_tree_exact_with_prefix_hits_and_chunking(llama_ckpt: str, prompts: list[list[int]],
                                                          attention: str) -> None:
+    if attention == "triton" and not torch.cuda.is_available():
+        # Triton's interpreter: the two prompts that share a prefix (the 48-token one is chunked).
+        prompts = [prompts[0], prompts[3]]
     expected = _plain(llama_ckpt, attention, prompts)
     sched = _spec(llama_ckpt, OracleTreeProposer(prompts, expected, depth=4), attention, chunked_prefill_size=16)
     for _ in range(2):  # the second round hits the prefix cache
