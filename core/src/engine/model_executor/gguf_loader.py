@@ -19,17 +19,13 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from engine.default_model import cache_root  # re-exported: the gguf plugin imports it from here
 from engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 # llama.cpp's split files (model-00001-of-00003.gguf) need merging first.
 _SPLIT = re.compile(r"-\d{5}-of-\d{5}\.gguf$")
-
-
-def cache_root() -> str:
-    """The engine's cache directory: ``$ENGINE_CACHE_DIR`` or ``~/.cache/engine``."""
-    return os.environ.get("ENGINE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "engine")
 
 
 def find_gguf(model_path: str) -> str | None:
