@@ -18,6 +18,14 @@ class StreamingMixin:
     _error: BaseException | None
 
     # -- streaming -------------------------------------------------------------------------------
+    def _take(self, seen: int, var_name: str | None) -> tuple[list[str], int, bool]:
+        """The chunks appended since ``seen`` (``var_name``'s only, if given), the new count, and
+        whether the stream has ended with nothing left to read."""
+        with self._cond:
+            new, seen = self._chunks[seen:], len(self._chunks)
+            done = self._finished and not new
+        return [text for variable, text in new if var_name is None or variable == var_name], seen, done
+
     def text_iter(self, var_name: str | None = None) -> Iterator[str]:
         """With ``run(stream=True)``: the text as it is appended (only ``var_name``'s if given)."""
         if not self._run.stream:
@@ -28,11 +36,8 @@ class StreamingMixin:
                 with self._cond:
                     while seen >= len(self._chunks) and not self._finished:
                         self._cond.wait(0.1)
-                    new, seen = self._chunks[seen:], len(self._chunks)
-                    done = self._finished and not new
-                for variable, text in new:
-                    if var_name is None or variable == var_name:
-                        yield text
+                texts, seen, done = self._take(seen, var_name)
+                yield from texts
                 if done:
                     break
         except KeyboardInterrupt:
@@ -48,15 +53,13 @@ class StreamingMixin:
         seen = 0
         try:
             while True:
-                with self._cond:
-                    new, seen = self._chunks[seen:], len(self._chunks)
-                    done = self._finished and not new
-                for variable, text in new:
-                    if var_name is None or variable == var_name:
-                        yield text
+                before = seen
+                texts, seen, done = self._take(seen, var_name)
+                for text in texts:
+                    yield text
                 if done:
                     break
-                if not new:
+                if seen == before:
                     await asyncio.sleep(0.01)
         except (KeyboardInterrupt, asyncio.CancelledError):
             self._run.cancel()
