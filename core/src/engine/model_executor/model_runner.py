@@ -183,7 +183,9 @@ class ModelRunner:
         self.pooling_config: Any = None
         self.embedding_size = 0
         if self.task == "generate":
-            if getattr(self.model, "has_lm_head", True) is False:
+            # Only the last pipeline stage holds the LM head; the others have none by design.
+            last_stage = self.placement.pp_rank == self.placement.pp_size - 1
+            if last_stage and getattr(self.model, "has_lm_head", True) is False:
                 raise ConfigError("--task generate: the checkpoint has no LM head (lm_head.weight), so it cannot "
                                   "generate; accepted for it: --task embed")
             return

@@ -229,8 +229,7 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor, shard)
             loaded.add(target)
         # A bare decoder (embedding checkpoints) has no LM head: it can pool but not generate.
-        # Pipeline stages but the last hold no head by design; the last stage answers for them.
-        self.has_lm_head = not self.model.stage.is_last or self.tie_word_embeddings or "lm_head.weight" in loaded
+        self.has_lm_head = self.tie_word_embeddings or "lm_head.weight" in loaded
         missing = sorted(n for n in params if n not in loaded and not n.startswith("lm_head."))
         if missing:
             raise ModelLoadError(f"checkpoint lacks {len(missing)} parameters, e.g. {', '.join(missing[:3])}")
