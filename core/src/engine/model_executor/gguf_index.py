@@ -67,6 +67,10 @@ class GGUFTensorIndex:
         if alignment <= 0 or alignment & (alignment - 1):
             raise UnsupportedGGUF(f"{path}: general.alignment {alignment} is not a power of two")
         start = -(-offset // alignment) * alignment
+        from gguf import GGMLQuantizationType as T
+
+        self._plain = {T.F16: np.float16, T.F32: np.float32, T.F64: np.float64, T.I8: np.int8,
+                       T.I16: np.int16, T.I32: np.int32, T.I64: np.int64}  # stored as numbers, not blocks
         self.tensors = [self._tensor(start, *entry) for entry in table]
 
     def _string(self, offset: int) -> tuple[str, int]:
@@ -101,13 +105,9 @@ class GGUFTensorIndex:
         qtype = GGMLQuantizationType(ggml_type)
         n_elems = int(np.prod(dims)) if dims else 1
         np_dims = tuple(reversed(dims))
-        plain = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
-                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
-                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
-                 GGMLQuantizationType.I64: np.int64}
         first = start + rel
-        if qtype in plain:
-            dtype = np.dtype(plain[qtype])
+        if qtype in self._plain:
+            dtype = np.dtype(self._plain[qtype])
             view = np.ndarray((n_elems,), dtype=dtype, buffer=self.data, offset=first)
         else:
             block_size, type_size = GGML_QUANT_SIZES[qtype]
