@@ -182,8 +182,9 @@ def test_token_id_streams_time_the_first_token_not_the_end(server: FakeServer) -
     for r in results:
         assert r.success and r.output_len == 8 and r.generated_text == ""
         assert len(r.itl) == 7 and all(gap > 0 for gap in r.itl)
-        # Seven token gaps of >= TOKEN_DELAY_S each come after the first token.
-        assert r.ttft <= r.latency - 7 * TOKEN_DELAY_S
+        # Seven measured gaps come after the first token (the bug gave TTFT == latency). Their
+        # length is not checked: on a busy machine the client may read several events at once.
+        assert r.ttft < r.latency
         assert r.ttft + sum(r.itl) == pytest.approx(r.latency, abs=0.05)
 
 
