@@ -196,7 +196,8 @@ LAYERS: list[list[str]] = [
     ["engine.entrypoints"],
     ["engine.managers", "engine.router", "engine.speculative", "engine.constrained"],
     ["engine.model_executor", "engine.selection"],
-    ["engine.layers", "engine.attention", "engine.sampling", "engine.distributed", "engine.parsers"],
+    ["engine.layers", "engine.attention", "engine.sampling", "engine.distributed", "engine.parsers",
+     "engine.multimodal"],
     # speculative.checks validates flags for ServerArgs, beside the configuration it checks
     ["engine.mem_cache", "engine.config", "engine.speculative.checks", "engine.plugins",
      "engine.plugin_registry", "engine.preflight", "engine.metrics", "engine.default_model",

@@ -102,6 +102,9 @@ class ServerArgs:
     responses_store_size: int = opt(1000, "Responses kept for /v1/responses previous_response_id and GET (in memory); the least recently used are evicted beyond it")
     stream_interval: int = opt(1, "Stream to the client every N generated tokens")
     tokenizer_workers: int = opt(2, "Threads tokenizing prompts and rendering chat templates off the HTTP event loop; 0 tokenizes on the loop")
+    allow_remote_media: bool = opt(False, "Fetch http(s) image and video URLs in requests (limited to --max-body-bytes and 10 s each); default: only data: URLs and local files")
+    limit_mm_per_prompt: int = opt(16, "Most images plus videos one request may carry (vision-language models); more is a 400")
+    mm_embedding_cache_mb: int = opt(256, "Device memory for image and video embeddings cached by image hash (vision-language models; taken from the KV cache's share)")
     max_body_bytes: int = opt(32 * 1024 * 1024, "Largest HTTP request body in bytes; larger ones are refused with 413")
     shutdown_grace_s: float = opt(10.0, "On SIGTERM/SIGINT, seconds in-flight requests may run before they are ended with a 503 error")
     log_level: str = opt("info", "Log verbosity", LOG_LEVELS)
@@ -139,7 +142,9 @@ class ServerArgs:
                 raise ConfigError(f"{_flag(f.name)}: invalid value {value!r}; accepted: {', '.join(choices)}")
         _positive(self, "tp_size", "dp_size", "page_size", "max_prefill_tokens", "cuda_graph_max_bs", "stream_interval")
         _positive_or_none(self, "max_total_tokens", "max_running_requests", "context_length")
-        _positive(self, "max_body_bytes")
+        _positive(self, "max_body_bytes", "limit_mm_per_prompt")
+        if self.mm_embedding_cache_mb < 0:
+            raise ConfigError(f"--mm-embedding-cache-mb: invalid value {self.mm_embedding_cache_mb}; accepted: an integer >= 0")
         if self.responses_store_size < 0:
             raise ConfigError(f"--responses-store-size: invalid value {self.responses_store_size}; accepted: an integer >= 0 (0 stores nothing)")
         if self.cpu_threads is not None and self.cpu_threads < 1:

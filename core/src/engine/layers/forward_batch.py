@@ -110,6 +110,16 @@ class ForwardBatch:
     pp_proxy: Any = None
     # Free-form slot for extensions (speculative decoding, multimodal, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Multimodal models (``engine.multimodal``), prefill: [num_tokens, hidden] embeddings the model
+    # runs on instead of embedding ``input_ids`` (text embeddings with the items' rows scattered
+    # in; built by the model runner). None: embed ``input_ids``.
+    input_embeds: torch.Tensor | None = None
+    # Per row (extend rows, then decode rows): an ``engine.multimodal.runtime.RowMultimodal`` when
+    # the row's request carries images or video, else None; None when no row does.
+    mm_rows: list[Any] | None = None
+    # M-RoPE models (``engine.multimodal.MRopeModel``): [3, num_tokens] positions; the model
+    # runner passes them as ``positions`` to the model.
+    mrope_positions: torch.Tensor | None = None
     # Hidden states a speculative proposer reads (EAGLE; ``engine.layers.hidden_capture``): None
     # captures nothing; () the LM head's input; decoder layer ids: those layers' outputs,
     # concatenated in this order. Returned in ``LogitsProcessorOutput.hidden_states``.

@@ -110,6 +110,12 @@ class Req:
         self.pool_every_token = False
         # A cross-encoder's segment id per prompt token (None: all 0).
         self.token_type_ids: list[int] | None = None
+        # Images and video (``engine.multimodal.MultimodalItem``, placeholder runs in
+        # origin_input_ids hold pad ids); M-RoPE models: the prompt's [3, n] positions and the
+        # delta of the positions after it (set by the scheduler on arrival).
+        self.mm_items: list[Any] = []
+        self.mrope_positions: torch.Tensor | None = None
+        self.mrope_delta = 0
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:
@@ -257,9 +263,14 @@ class ScheduleBatch:
             self.req_to_token_pool.write(req.req_pool_idx, p, out_cache_loc[offset : offset + s - p])
             offset += s - p
             input_ids.extend(req.fill_ids[p:])
-        return ForwardBatch.build(
+        fb = ForwardBatch.build(
             self.forward_mode, input_ids, [r.req_pool_idx for r in rows], seq_lens,
             prefix_lens, out_cache_loc, self.device, num_extend_reqs=num_extend, return_logprob=return_logprob)
+        if rows and (rows[0].mrope_positions is not None or any(r.mm_items for r in rows)):
+            from engine.multimodal.runtime import attach_extend
+
+            attach_extend(fb, rows, prefix_lens, seq_lens)
+        return fb
 
     def decode_tokens_needed(self) -> int:
         """KV slots the next decode step needs (a whole page per row when pages are larger)."""
@@ -299,11 +310,16 @@ class ScheduleBatch:
         r2t[ints[0], ints[1]] = out_cache_loc.to(device=r2t.device, dtype=r2t.dtype)
         if input_ids is None:
             input_ids = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64)
-        return ForwardBatch(
+        fb = ForwardBatch(
             forward_mode=ForwardMode.DECODE, batch_size=bs,
             input_ids=input_ids.to(self.device, non_blocking=True), req_pool_indices=ints[0],
             positions=ints[1], seq_lens=ints[2], out_cache_loc=ints[3], decode_ints=ints,
             seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens))
+        if reqs and reqs[0].mrope_positions is not None:
+            from engine.multimodal.runtime import attach_decode
+
+            attach_decode(fb, reqs)
+        return fb
 
     # -- membership -----------------------------------------------------------
     def filter(self, keep: list[Req] | None = None) -> None:

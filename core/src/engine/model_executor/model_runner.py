@@ -107,6 +107,7 @@ class ModelRunner:
         self.model = load_model(args, model_path, cfg, self.device, self.selection)
         # Encoders (bidirectional attention) compute every state in one forward and keep no KV.
         self.uses_kv_cache = bool(getattr(self.model, "uses_kv_cache", True))
+        self._init_multimodal()
         self._init_pooling(model_path)
         # Weights quantized while loading (fp8 from a bf16 checkpoint, ...) freed their
         # full-precision copies into the allocator's cache; give that back to the device so the
@@ -132,10 +133,24 @@ class ModelRunner:
         self.capture_hidden: tuple[int, ...] | None = None
         self.cuda_graph_runner = self._maybe_capture_graphs()
 
+    def _init_multimodal(self) -> None:
+        """A model with ``embed_multimodal`` takes images: its item-embedding cache (its budget is
+        taken from the KV pool's) and, with ``mm_positions``, M-RoPE positions."""
+        from engine.multimodal import is_multimodal, uses_mrope
+        from engine.multimodal.runtime import EmbeddingCache
+
+        self.multimodal = is_multimodal(self.model)
+        self.mrope = uses_mrope(self.model)
+        budget = (getattr(self.args, "mm_embedding_cache_mb", 0) << 20) if self.multimodal else 0
+        self.mm_cache = EmbeddingCache(budget)
+
     def _maybe_capture_graphs(self) -> Any:
         args = self.args
         if args.disable_cuda_graph or not self.platform.supports_graph_capture() or self.task != "generate":
             return None  # pooling models run prefills only: no decode step to capture
+        if self.mrope:
+            logger.info("M-RoPE model: decode steps run eagerly (CUDA graphs off)")
+            return None
         if self.placement.pp_size > 1:
             logger.info("pipeline parallelism: decode steps run eagerly (CUDA graphs off)")
             return None
@@ -242,6 +257,8 @@ class ModelRunner:
                         weight_bytes / 2**30, held / 2**30)
             budget = self.platform.kv_cache_budget(free_before, free_now, total, weight_bytes,
                                                    args.mem_fraction_static)
+            # The vision-embedding cache comes out of the same budget.
+            budget -= self.mm_cache.budget_bytes
             tokens = int(max(budget, 0) // per_token)
             if self.device.type == "cpu":
                 tokens = min(tokens, _CPU_MAX_POOL_TOKENS)
@@ -347,7 +364,21 @@ class ModelRunner:
             return self._forward_stage(forward_batch)
         self.prepare(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        positions = forward_batch.positions
+        if self.multimodal:
+            positions = self._prepare_multimodal(forward_batch)
+        return self.model(forward_batch.input_ids, positions, forward_batch)
+
+    def _prepare_multimodal(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """A multimodal model's prefill runs on input embeddings built here (text embeddings with
+        the items' rows); M-RoPE models get ``[3, T]`` positions."""
+        from engine.multimodal.runtime import build_input_embeds
+
+        if forward_batch.mm_rows is not None and forward_batch.input_embeds is None:
+            forward_batch.input_embeds = build_input_embeds(self.model, forward_batch, self.mm_cache)
+        if forward_batch.mrope_positions is not None:
+            return forward_batch.mrope_positions
+        return forward_batch.positions
 
     @torch.inference_mode()
     def forward_hidden(self, forward_batch: ForwardBatch) -> torch.Tensor:
