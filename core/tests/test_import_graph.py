@@ -197,7 +197,7 @@ LAYERS: list[list[str]] = [
     ["engine.managers", "engine.router", "engine.speculative", "engine.constrained"],
     ["engine.model_executor", "engine.selection"],
     ["engine.layers", "engine.attention", "engine.sampling", "engine.distributed", "engine.parsers",
-     "engine.multimodal"],
+     "engine.lora", "engine.multimodal"],
     # speculative.checks validates flags for ServerArgs, beside the configuration it checks
     ["engine.mem_cache", "engine.config", "engine.speculative.checks", "engine.plugins",
      "engine.plugin_registry", "engine.preflight", "engine.metrics", "engine.default_model",

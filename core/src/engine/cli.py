@@ -196,8 +196,10 @@ _register_subcommands()
 
 
 def main() -> None:
+    from engine.cli_args import split_multi_value_flags
+
     try:
-        app(standalone_mode=True)
+        app(args=split_multi_value_flags(sys.argv[1:]), standalone_mode=True)
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)

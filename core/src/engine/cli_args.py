@@ -58,8 +58,9 @@ def _server_arg_params(hidden: tuple[str, ...] = ()) -> list[inspect.Parameter]:
         decls = [flag]
         if f.name == "model_path":
             decls.append("--model")
-        if origin is list:
-            # Repeatable: each use adds one item (``--disable-plugin a --disable-plugin b``).
+        if origin in (list, dict):
+            # Repeatable: each use adds one item (``--disable-plugin a --disable-plugin b``); a
+            # mapping's items are KEY=VALUE (``--lora-paths a=DIR``), parsed by ServerArgs.
             annotation: Any = Optional[list[str]]
             if f.name == "required_plugins":
                 decls.append("--required-plugin")  # one requirement per use reads better singular
@@ -77,6 +78,45 @@ def _server_arg_params(hidden: tuple[str, ...] = ()) -> list[inspect.Parameter]:
                                     default=typer.Option(None, "--plugin-option",
                                                          help="PLUGIN.KEY=VALUE option for a plugin; repeatable")))
     return params
+
+
+# Flags that take several values after one use, as SGLang's do (``--lora-paths a=DIR b=DIR``);
+# click options take one value each, so ``split_multi_value_flags`` repeats the flag per value.
+MULTI_VALUE_FLAGS = ("--lora-paths", "--lora-target-modules")
+
+
+def split_multi_value_flags(argv: list[str]) -> list[str]:
+    """``--lora-paths a=X b=Y`` becomes ``--lora-paths a=X --lora-paths b=Y``: the words after a
+    multi-value flag, up to the next option, are its values. A word is taken only while it reads
+    as one (a ``NAME=PATH`` or an existing directory for --lora-paths, a module name or ``all``
+    for --lora-target-modules), so a command's own positional argument after them stays one."""
+    import os
+
+    from engine.config import LORA_TARGET_MODULES
+
+    def is_value(flag: str, word: str) -> bool:
+        if word.startswith("-"):
+            return False
+        if flag == "--lora-paths":
+            return "=" in word or os.path.isdir(word)
+        return word in LORA_TARGET_MODULES or word == "all"
+
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        out.append(word)
+        i += 1
+        if word == "--":
+            out.extend(argv[i:])
+            break
+        if word in MULTI_VALUE_FLAGS and i < len(argv):
+            out.append(argv[i])  # the first value is the flag's own, whatever it reads as
+            i += 1
+            while i < len(argv) and is_value(word, argv[i]):
+                out.extend([word, argv[i]])
+                i += 1
+    return out
 
 
 def _parse_plugin_options(items: list[str] | None) -> dict[str, dict[str, Any]]:

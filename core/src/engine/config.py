@@ -23,6 +23,8 @@ LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EVICTION_POLICIES = ("lru", "lfu")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TASKS = ("auto", "generate", "embed", "score")
+#: Projections a LoRA adapter may target (PEFT's module names in Llama-family checkpoints).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, cli: bool = True, **kw: Any) -> Any:
@@ -72,7 +74,7 @@ class ServerArgs:
     enable_priority_preemption: bool = opt(False, "Let the schedule policy retract running requests for more urgent waiting ones (priority policy)")
     # -- device execution ---------------------------------------------------
     disable_cuda_graph: bool = opt(False, "Do not capture decode steps in CUDA graphs")
-    cuda_graph_max_bs: int = opt(256, "Largest decode batch captured in a CUDA graph")
+    cuda_graph_max_bs: int = opt(1024, "Largest decode batch captured in a CUDA graph (graphs stop at the running-request limit too)")
     disable_overlap_schedule: bool = opt(False, "Do not prepare the next batch while the device runs the current one")
     cpu_threads: int | None = opt(None, "CPU threads each scheduler rank computes with (default: OMP_NUM_THREADS if set, else the cores this process may use less one, split over the ranks on this machine); the server's other processes use one each")
     tp_size: int = opt(1, "Tensor-parallel size: ranks (one process and device each) splitting every layer's heads and MLP")
@@ -93,6 +95,14 @@ class ServerArgs:
     speculative_eagle_topk: int = opt(1, "Branching of tree-drafting proposers (eagle); 1 drafts chains")
     speculative_draft_model_path: str | None = opt(None, "Checkpoint of the draft model (--speculative-algorithm draft): same tokenizer as the target")
     speculative_max_batch_size: int = opt(8, "Speculate only while at most this many requests decode; larger batches decode one token per step")
+    # -- LoRA adapters (docs/lora.md) -------------------------------------------
+    enable_lora: bool = opt(False, "Serve LoRA adapters; implied by --lora-paths, and alone it allows loading adapters at run time (/load_lora_adapter)")
+    lora_paths: dict[str, str] = opt({}, "LoRA adapters loaded at start: NAME=PATH (a PEFT adapter directory) or a bare PATH (named after its directory); one flag may take several (YAML: a list or a mapping)")
+    max_loras_per_batch: int = opt(8, "Distinct LoRA adapters one forward may use (adapter slots in device memory); base-model requests need none")
+    max_loaded_loras: int | None = opt(None, "LoRA adapters kept in host memory; loading one more unloads the least recently used unpinned adapter no request is using (default: no limit)")
+    max_lora_rank: int | None = opt(None, "Largest LoRA rank served (sizes the device slots; default: the largest rank among --lora-paths, else 64)")
+    lora_target_modules: list[str] = opt([], "Projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all (default: those of the --lora-paths adapters, else all)")
+    lora_backend: str = opt("auto", "LoRA backend plugin computing the adapters' shrink/expand products; 'auto': triton on CUDA/ROCm when installed, else torch_native")
     # -- server -------------------------------------------------------------
     host: str = opt("127.0.0.1", "HTTP bind address")
     port: int = opt(30000, "HTTP port")
@@ -122,6 +132,8 @@ class ServerArgs:
             if key not in names:
                 raise ConfigError(f"unknown key '{key}'{where}{did_you_mean(key, names)}")
         hints = typing.get_type_hints(cls)
+        if "lora_paths" in values:
+            values = {**values, "lora_paths": parse_lora_paths(values["lora_paths"])}
         kwargs = {k: _coerce(k, v, hints[k]) for k, v in values.items()}
         args = cls(**kwargs)
         args.validate()
@@ -162,6 +174,7 @@ class ServerArgs:
         if self.schedule_conservativeness <= 0:
             raise ConfigError(f"--schedule-conservativeness: invalid value {self.schedule_conservativeness}; accepted: > 0")
         self._validate_parallel()
+        self._validate_lora()
         if not isinstance(self.plugin_options, dict) or not all(isinstance(v, dict) for v in self.plugin_options.values()):
             raise ConfigError("plugin_options: expected a mapping {plugin: {key: value}}")
         if self.disable_plugin:
@@ -176,6 +189,44 @@ class ServerArgs:
             from engine.speculative.checks import check_speculative_args
 
             check_speculative_args(self)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """LoRA is on with start-up adapters or --enable-lora (run-time loading only)."""
+        return self.enable_lora or bool(self.lora_paths)
+
+    def _validate_lora(self) -> None:
+        self.lora_paths = parse_lora_paths(self.lora_paths)
+        _positive(self, "max_loras_per_batch")
+        _positive_or_none(self, "max_loaded_loras", "max_lora_rank")
+        for name, path in self.lora_paths.items():
+            if not os.path.isdir(path):
+                raise ConfigError(f"--lora-paths: {name}={path}: not a directory; accepted: a PEFT adapter "
+                                  "directory (adapter_config.json and adapter_model.safetensors)")
+        if self.max_loaded_loras is not None and len(self.lora_paths) > self.max_loaded_loras:
+            raise ConfigError(f"--max-loaded-loras: invalid value {self.max_loaded_loras}; accepted: at least the "
+                              f"{len(self.lora_paths)} adapters of --lora-paths")
+        targets = list(self.lora_target_modules)
+        if targets == ["all"]:
+            self.lora_target_modules = list(LORA_TARGET_MODULES)
+        else:
+            for name in targets:
+                if name not in LORA_TARGET_MODULES:
+                    raise ConfigError(f"--lora-target-modules: invalid value {name!r}; accepted: "
+                                      f"{', '.join(LORA_TARGET_MODULES)}, or all{did_you_mean(name, LORA_TARGET_MODULES)}")
+        if not self.lora_enabled:
+            return
+        if self.speculative_algorithm:
+            raise ConfigError(f"--speculative-algorithm: invalid value {self.speculative_algorithm!r} with LoRA "
+                              "adapters; accepted: none (the proposers draft without the adapters)")
+        if self.lora_backend != "auto":
+            import engine.plugins as plugins
+            from engine.errors import PluginError
+
+            try:
+                plugins.get_lora_backend(self.lora_backend, self.disable_plugin)
+            except PluginError as exc:
+                raise PluginError(f"--lora-backend: {exc}") from None
 
     def _validate_grammar_backend(self) -> None:
         """``--grammar-backend`` names an installed grammar backend (the error lists them)."""
@@ -227,6 +278,37 @@ class ServerArgs:
     @property
     def chunked_prefill_enabled(self) -> bool:
         return self.chunked_prefill_size > 0
+
+
+def parse_lora_paths(value: Any) -> dict[str, str]:
+    """``--lora-paths`` / YAML ``lora_paths`` as {name: path}: a mapping, or a list (or one string)
+    of ``NAME=PATH`` and bare ``PATH`` items, a bare path being named after its directory."""
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items()]
+        for k, v in items:
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise ConfigError(f"--lora-paths: invalid entry {k!r}: {v!r}; accepted: NAME: PATH (strings)")
+    elif isinstance(value, (list, tuple, str)):
+        items = []
+        for item in [value] if isinstance(value, str) else value:
+            if not isinstance(item, str):
+                raise ConfigError(f"--lora-paths: invalid value {item!r}; accepted: NAME=PATH or PATH")
+            name, sep, path = item.partition("=")
+            if not sep:
+                path = item
+                name = os.path.basename(os.path.normpath(item))
+            items.append((name, path))
+    else:
+        raise ConfigError(f"--lora-paths: invalid value {value!r}; accepted: NAME=PATH items or a mapping")
+    out: dict[str, str] = {}
+    for name, path in items:
+        if not name or not path or any(c.isspace() for c in name):
+            raise ConfigError(f"--lora-paths: invalid value {name}={path!r}; accepted: NAME=PATH with a non-empty "
+                              "name without spaces and a path")
+        if name in out:
+            raise ConfigError(f"--lora-paths: adapter name {name!r} is given twice ({out[name]}, {path}); names must differ")
+        out[name] = path
+    return out
 
 
 def _flag(name: str) -> str:

@@ -61,7 +61,9 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    and on every retraction, with the reason (a ``release(rid)`` without it is still called);
 #:    ``Proposer.on_request_end(RequestEnd)`` receives each ended request's prompt and output ids.
 #: 6 (also): ``PluginOption.accepts`` (types an option takes besides its default's).
-HOOK_API_VERSION = 6
+#: 7: ``register_lora_backends`` / ``LoraBackendSpec`` (LoRA adapters' segmented shrink/expand;
+#:    the backend interface is ``engine.lora.backend.LoraBackend``).
+HOOK_API_VERSION = 7
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -258,6 +260,22 @@ class SpeculativeAlgorithmSpec:
 
 
 @dataclass(frozen=True)
+class LoraBackendSpec:
+    """A LoRA backend (``--lora-backend NAME``): the segmented shrink/expand products of the
+    adapters of one batch.
+
+    ``factory(options: dict = ...) -> engine.lora.backend.LoraBackend``; one instance per
+    scheduler rank, shared by every LoRA-wrapped layer. Since hook API 7.
+    """
+
+    name: str
+    factory: Factory
+    #: device types it runs on; default ``("cuda",)``, like ``AttentionBackendSpec.device_types``.
+    device_types: tuple[str, ...] = ("cuda",)
+    description: str = ""
+
+
+@dataclass(frozen=True)
 class PluginOption:
     """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``).
 
@@ -355,6 +373,13 @@ class EngineHookSpecs:
         """
 
     @hookspec
+    def register_lora_backends(self, register: Callable[[LoraBackendSpec], None]) -> None:
+        """Register LoRA backends by calling ``register(LoraBackendSpec(...))``.
+
+        Not firstresult. Since hook API 7.
+        """
+
+    @hookspec
     def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
@@ -379,6 +404,7 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     ToolCallParserSpec: ("tool-parser", "register_tool_call_parsers"),
     ReasoningParserSpec: ("reasoning-parser", "register_reasoning_parsers"),
     SpeculativeAlgorithmSpec: ("speculative", "register_speculative_algorithms"),
+    LoraBackendSpec: ("lora-backend", "register_lora_backends"),
     PluginOption: ("option", "register_plugin_options"),
 }
 
@@ -422,6 +448,7 @@ __all__ = [
     "AttentionBackendSpec",
     "EngineHookSpecs",
     "GrammarBackendSpec",
+    "LoraBackendSpec",
     "ModelSpec",
     "PlatformSpec",
     "PluginOption",

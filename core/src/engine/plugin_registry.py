@@ -48,6 +48,8 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("router", "shortest-queue"): "plugserve-router-policies",
     ("speculative", "ngram"): "plugserve-spec-ngram",
     ("speculative", "draft"): "plugserve-spec-draft",
+    ("lora-backend", "torch_native"): "plugserve-lora-torch-native",
+    ("lora-backend", "triton"): "plugserve-lora-triton",
 }
 
 

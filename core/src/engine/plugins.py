@@ -35,6 +35,7 @@ from engine.hookspecs import (
     AttentionBackendSpec,
     Factory,
     GrammarBackendSpec,
+    LoraBackendSpec,
     ModelSpec,
     PlatformSpec,
     PluginOption,
@@ -312,6 +313,40 @@ def create_proposer(name: str, ctx: Any, disabled: Iterable[str] = (),
     spec = reg.get("speculative", name, "speculative algorithm")
     entry = reg.entries["speculative"][name]
     return create(spec.factory, ctx, options=reg.options_for(entry.plugin.name, plugin_options or {}))
+
+
+def lora_backends(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("lora-backend")
+
+
+def get_lora_backend(name: str, disabled: Iterable[str] = ()) -> LoraBackendSpec:
+    return get_registry(disabled).get("lora-backend", name, "LoRA backend")
+
+
+def default_lora_backend(device_type: str, disabled: Iterable[str] = ()) -> str:
+    """``--lora-backend auto``: ``triton`` on CUDA and ROCm devices where it is installed (and
+    enabled), else ``torch_native``."""
+    names = lora_backends(disabled)
+    if device_type in ("cuda", "rocm", "hip") and "triton" in names:
+        return "triton"
+    return "torch_native"
+
+
+def create_lora_backend(name: str, device_type: str, disabled: Iterable[str] = (),
+                        plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The ``engine.lora.backend.LoraBackend`` of the LoRA backend ``name`` (``auto`` chooses by
+    device type), built with its plugin's options (hook API 7). A backend that does not list
+    ``device_type`` is refused, naming the ones that run there."""
+    if name == "auto":
+        name = default_lora_backend(device_type, disabled)
+    reg = get_registry(disabled)
+    spec = reg.get("lora-backend", name, "LoRA backend")
+    if device_type not in spec.device_types:
+        here = [n for n, e in reg.entries["lora-backend"].items() if device_type in e.spec.device_types]
+        raise PluginError(f"--lora-backend: '{name}' does not run on {device_type} devices "
+                          f"(it runs on {', '.join(spec.device_types)}); here: {', '.join(here) or 'none installed'}")
+    entry = reg.entries["lora-backend"][name]
+    return create(spec.factory, options=reg.options_for(entry.plugin.name, plugin_options or {}))
 
 
 def _create_parser(kind: str, name: str, label: str, disabled: Iterable[str],

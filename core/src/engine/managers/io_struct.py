@@ -31,6 +31,12 @@ class TokenizedGenerateReqInput:
     stream: bool = False
     # Higher runs first under the priority policy.
     priority: int = 0
+    # Images and video (``engine.multimodal.MultimodalItem``); their placeholder runs in
+    # input_ids hold the items' pad ids.
+    mm_items: list[Any] = field(default_factory=list)
+    # LoRA adapter NAME the request runs with (loaded with --lora-paths or LoadLoraAdapterReqInput);
+    # None: the base model.
+    lora_name: str | None = None
 
 
 @dataclass
@@ -71,6 +77,41 @@ class AbortReq:
     rid: str
     # Why (shown to the client in finish_reason.message).
     message: str = "aborted"
+
+
+@dataclass
+class LoadLoraAdapterReqInput:
+    """Load a PEFT adapter directory under ``name`` (every TP/PP rank loads it). A ``pinned``
+    adapter is never unloaded to make room under --max-loaded-loras."""
+
+    name: str
+    path: str
+    pinned: bool = False
+    # Matches the reply (LoraAdapterReqOutput.token) to the request, as ControlReq's does.
+    token: int = 0
+
+
+@dataclass
+class UnloadLoraAdapterReqInput:
+    """Unload the adapter ``name``: new requests on it are refused at once; it is dropped when
+    the requests running on it have finished."""
+
+    name: str
+    # Matches the reply (LoraAdapterReqOutput.token) to the request.
+    token: int = 0
+
+
+@dataclass
+class LoraAdapterReqOutput:
+    """The scheduler's answer to a load or unload."""
+
+    success: bool
+    # Why it failed (naming the field and value), or what was done.
+    message: str
+    # Name -> path of every adapter loaded after the call.
+    loaded: dict[str, str] = field(default_factory=dict)
+    # The request's token (the scheduler copies it from the load or unload request).
+    token: int = 0
 
 
 @dataclass
@@ -164,3 +205,5 @@ class SchedulerReady:
     # Pooling models: ``PoolingConfig.to_dict()`` plus "matryoshka" (bool) and
     # "matryoshka_dimensions" (accepted sizes, None: any up to embedding_size).
     pooling: dict[str, Any] = field(default_factory=dict)
+    # The model takes images (and video): it implements ``engine.multimodal.MultimodalModel``.
+    multimodal: bool = False

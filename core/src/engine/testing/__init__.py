@@ -10,6 +10,8 @@
   outputs right, whole and streamed with every chunk boundary (``ToolCallCase``, ``ReasoningCase``).
 - ``SpeculativeProposerConformance``: a speculative proposer returns well-formed drafts and the
   engine with it gives exactly the output without speculation (greedy, tiny model).
+- ``LoraBackendConformance`` (``check_lora_backend``): a LoRA backend's segmented shrink/expand
+  match the torch reference, empty segments and rank-0 slots included.
 - ``GrammarBackendConformance`` (``engine.testing.grammar_kit``): a grammar backend accepts exactly
   its grammars' strings and its masks agree with a reference.
 
@@ -20,6 +22,7 @@ class attributes it documents. Checkpoint helpers live in ``engine.testing.check
 
 from engine.testing.conformance import (
     AttentionBackendConformance,
+    LoraBackendConformance,
     ModelConformance,
     PlatformConformance,
     QuantMethodConformance,
@@ -36,6 +39,7 @@ from engine.testing.grammar_kit import GrammarBackendConformance
 __all__ = [
     "AttentionBackendConformance",
     "GrammarBackendConformance",
+    "LoraBackendConformance",
     "ModelConformance",
     "PlatformConformance",
     "QuantMethodConformance",

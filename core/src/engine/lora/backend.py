@@ -1,0 +1,85 @@
+"""The interface of LoRA backend plugins (``--lora-backend``; hook ``register_lora_backends``).
+
+A forward's tokens are split into segments, contiguous runs of tokens that use one adapter slot
+of the device pool. A backend computes, for one LoRA-wrapped projection, the low-rank product
+``x @ A^T`` (``shrink``) and adds ``scaling * y @ B^T`` to the layer's output (``expand``) for
+every segment with the slot's weights. The reference below is the definition; the conformance
+kit (``engine.testing.conformance.lora``) holds a backend to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class LoraBatchInfo:
+    """Which adapter slot each token of one forward uses (all tensors on the tokens' device)."""
+
+    num_segments: int
+    #: int32 [num_segments + 1]: token offsets of the segments into x (a segment may be empty).
+    seg_indptr: torch.Tensor
+    #: int32 [num_segments]: the device-pool slot of each segment.
+    weight_indices: torch.Tensor
+    #: int32 [num_slots]: each slot's rank; 0 is an empty slot or the base model (adds nothing).
+    lora_ranks: torch.Tensor
+    #: float32 [num_slots]: each slot's scaling, lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
+    scalings: torch.Tensor
+    #: the longest segment in tokens, a host int (kernels size grids with it; may be an upper bound).
+    max_seg_len: int
+
+
+@runtime_checkable
+class LoraBackend(Protocol):
+    """Segmented (SGMV) shrink and expand. Both must be capturable in CUDA graphs on CUDA: no host
+    synchronisation and no allocation whose size depends on tensor values."""
+
+    name: str
+
+    def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
+        """x [T, K]; weights [num_slots, n_slices * R, K] (A matrices stacked per slice, rows
+        beyond a slot's rank zero). Returns [T, n_slices * R] in x's dtype; rows of tokens whose
+        slot has rank 0 are zero."""
+        ...
+
+    def expand(self, y: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo, out: torch.Tensor,
+               slice_offsets: Sequence[int]) -> None:
+        """y [T, n_slices * R] from ``shrink``; weights [num_slots, N_total, R] (B matrices);
+        adds in place, for each slice i of ``slice_offsets`` (n_slices + 1 column offsets into
+        out) and token t of a segment on slot w with rank > 0:
+        ``out[t, off[i]:off[i+1]] += scalings[w] * y[t, i*R:(i+1)*R] @ weights[w, off[i]:off[i+1], :].T``."""
+        ...
+
+
+def reference_shrink(x: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
+    """``LoraBackend.shrink`` as a plain loop over segments, in float32 (the kit's oracle)."""
+    out = torch.zeros(x.shape[0], weights.shape[1], dtype=torch.float32, device=x.device)
+    bounds = info.seg_indptr.tolist()
+    for seg, slot in enumerate(info.weight_indices.tolist()):
+        lo, hi = bounds[seg], bounds[seg + 1]
+        if hi > lo and int(info.lora_ranks[slot]) > 0:
+            out[lo:hi] = x[lo:hi].float() @ weights[slot].float().T
+    return out.to(x.dtype)
+
+
+def reference_expand(y: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo, out: torch.Tensor,
+                     slice_offsets: Sequence[int]) -> None:
+    """``LoraBackend.expand`` as a plain loop over segments and slices, accumulating in float32."""
+    rank = y.shape[1] // (len(slice_offsets) - 1)
+    bounds = info.seg_indptr.tolist()
+    for seg, slot in enumerate(info.weight_indices.tolist()):
+        lo, hi = bounds[seg], bounds[seg + 1]
+        if hi <= lo or int(info.lora_ranks[slot]) == 0:
+            continue
+        scale = float(info.scalings[slot])
+        for i in range(len(slice_offsets) - 1):
+            a, b = slice_offsets[i], slice_offsets[i + 1]
+            delta = y[lo:hi, i * rank:(i + 1) * rank].float() @ weights[slot, a:b, :].float().T
+            out[lo:hi, a:b] = (out[lo:hi, a:b].float() + scale * delta).to(out.dtype)
+
+
+__all__ = ["LoraBackend", "LoraBatchInfo", "reference_expand", "reference_shrink"]

@@ -1,0 +1,83 @@
+"""``TorchNativeLoraBackend``: the LoRA shrink/expand of ``engine.lora.backend`` in plain torch.
+
+On the CPU each segment is one matmul over its tokens' rows (segment bounds are read on the host,
+which costs nothing there). On an accelerator reading them would synchronise the device and break
+CUDA-graph capture, so each token's slot is found on the device (``searchsorted`` over the segment
+offsets) and every slot of the pool runs one matmul over all tokens, masked to its own: more
+arithmetic (``num_slots`` times the adapters' share, small beside the base layer's) for no host
+round trip and shapes fixed by the batch size alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.lora.backend import LoraBatchInfo
+
+
+class TorchNativeLoraBackend:
+    """``per_segment``: True runs one matmul per segment (reads segment bounds on the host),
+    False one masked matmul per slot; None (the default) chooses by the tensors' device."""
+
+    name = "torch_native"
+
+    def __init__(self, per_segment: bool | None = None) -> None:
+        self.per_segment = per_segment
+
+    def _per_segment(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cpu" if self.per_segment is None else self.per_segment
+
+    # -- shrink: y = x @ A^T per segment -------------------------------------------------
+    def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], weights.shape[1], dtype=x.dtype, device=x.device)
+        if self._per_segment(x):
+            for lo, hi, slot, _ in _host_segments(info):
+                torch.matmul(x[lo:hi], weights[slot].T, out=out[lo:hi])
+            return out
+        token_slot = _token_slots(info, x.shape[0])
+        for slot in range(weights.shape[0]):
+            mask = ((token_slot == slot) & (info.lora_ranks[slot] > 0)).to(x.dtype).unsqueeze(1)
+            out.add_((x @ weights[slot].T) * mask)
+        return out
+
+    # -- expand: out[:, slice] += scaling * y_slice @ B_slice^T -----------------------------
+    def expand(self, y: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo, out: torch.Tensor,
+               slice_offsets: Sequence[int]) -> None:
+        n_slices = len(slice_offsets) - 1
+        rank = y.shape[1] // n_slices
+        if self._per_segment(out):
+            for lo, hi, slot, scale in _host_segments(info):
+                for i in range(n_slices):
+                    a, b = slice_offsets[i], slice_offsets[i + 1]
+                    out[lo:hi, a:b].addmm_(y[lo:hi, i * rank:(i + 1) * rank], weights[slot, a:b].T, alpha=scale)
+            return
+        token_slot = _token_slots(info, y.shape[0])
+        # Per-token scale, zero for rank-0 slots: one product per slot, masked to its tokens.
+        scale = torch.where(info.lora_ranks > 0, info.scalings, torch.zeros_like(info.scalings))
+        for slot in range(weights.shape[0]):
+            weight = ((token_slot == slot).to(torch.float32) * scale[slot]).to(out.dtype).unsqueeze(1)
+            for i in range(n_slices):
+                a, b = slice_offsets[i], slice_offsets[i + 1]
+                out[:, a:b].add_((y[:, i * rank:(i + 1) * rank] @ weights[slot, a:b].T) * weight)
+
+
+def _host_segments(info: LoraBatchInfo) -> list[tuple[int, int, int, float]]:
+    """(first token, end, slot, scaling) of each non-empty segment on a slot with rank > 0."""
+    bounds = info.seg_indptr.tolist()
+    ranks = info.lora_ranks.tolist()
+    scalings = info.scalings.tolist()
+    return [(bounds[s], bounds[s + 1], slot, scalings[slot])
+            for s, slot in enumerate(info.weight_indices.tolist()[:info.num_segments])
+            if bounds[s + 1] > bounds[s] and ranks[slot] > 0]
+
+
+def _token_slots(info: LoraBatchInfo, num_tokens: int) -> torch.Tensor:
+    """Each token's slot, on the device: the segment whose end offset first exceeds its index.
+    Tokens beyond the last segment (CUDA-graph padding) get slot -1, which matches none."""
+    positions = torch.arange(num_tokens, device=info.seg_indptr.device, dtype=torch.int32)
+    seg = torch.searchsorted(info.seg_indptr[1:info.num_segments + 1], positions, right=True)
+    inside = seg < info.num_segments
+    slots = info.weight_indices[seg.clamp(max=max(info.num_segments - 1, 0))].to(torch.int64)
+    return torch.where(inside, slots, torch.full_like(slots, -1))
