@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox style), with the common rope scalings."""
+"""Rotary position embeddings (neox style), with the common rope scalings, and the multimodal
+rotary (M-RoPE) of Qwen2-VL."""
 
 from __future__ import annotations
 
@@ -115,6 +116,43 @@ class RotaryEmbedding(nn.Module):
         rotated = rot * c + torch.cat((-x2, x1), dim=-1) * s
         out = torch.cat((rotated, passthrough), dim=-1) if passthrough.numel() else rotated
         return out.reshape(t, -1)
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal rotary embedding (Qwen2-VL's M-RoPE): each token has three positions (temporal,
+    height, width), and the rotated pairs split into three consecutive sections of
+    ``mrope_section`` pairs, the first turning with the temporal position, the second with the
+    height, the third with the width.
+
+    ``forward`` takes positions ``[3, T]``, or ``[T]`` where the three are equal (text tokens, and
+    every decode token): then it rotates exactly as ``RotaryEmbedding`` does.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, base: float,
+                 scaling: dict[str, Any] | None, mrope_section: list[int]) -> None:
+        if len(mrope_section) != 3 or sum(mrope_section) != rotary_dim // 2:
+            raise ValueError(f"mrope_section: invalid value {list(mrope_section)}; accepted: three section sizes "
+                             f"(temporal, height, width) adding up to half the rotary dimension ({rotary_dim // 2})")
+        scaling = dict(scaling or {})
+        # Older configs name the multimodal rotary "mrope": its frequencies are the default ones.
+        if scaling.get("rope_type", scaling.get("type")) == "mrope":
+            scaling.pop("type", None)
+            scaling["rope_type"] = "default"
+        super().__init__(head_dim, rotary_dim, max_position, base, scaling)
+        self.mrope_section = [int(n) for n in mrope_section]
+        self.key = (*self.key, "mrope", tuple(self.mrope_section))
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        cos = self._by_section(self.cos_cache[positions]).to(q.dtype)
+        sin = self._by_section(self.sin_cache[positions]).to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _by_section(self, table: torch.Tensor) -> torch.Tensor:
+        """``[3, T, rotary_dim / 2]`` (each token's angles at its three positions) ->
+        ``[T, rotary_dim / 2]``: section ``i`` of the pairs taken from position row ``i``."""
+        return torch.cat([part[i] for i, part in enumerate(table.split(self.mrope_section, dim=-1))], dim=-1)
 
 
 def get_rope(head_dim: int, max_position: int, config: Any, rotary_dim: int | None = None) -> RotaryEmbedding:
