@@ -1,0 +1,196 @@
+"""SGMV shrink + expand against the torch_native backend and the base layer's own matmul.
+
+Llama-3-8B's LoRA-wrapped projections (hidden 4096, 8 KV heads of 128, MLP 14336):
+qkv (3 slices), o, gate_up (2 slices), down. Scenarios: decode at batch 1 (one adapter), decode
+with 64 one-token segments over 8 distinct slots, prefill with 4 segments of 512 tokens.
+Every timing is a CUDA graph of ``--reps`` calls replayed (the engine captures decode the same
+way), so launch overhead counts as it does in a captured step. Prints microseconds per call,
+the bytes each LoRA call must move over the time (GB/s), and the LoRA share of the layer
+(shrink + expand over the base bf16 matmul ``x @ W.T``).
+
+    python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
+
+``--sweep`` also times shrink and expand alone over a grid of block sizes and warps per scenario
+and layer (the numbers behind ``shrink_config``/``expand_config``), prints the heuristic's time
+beside the best, and writes every timing to FILE.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from engine_lora_torch_native.backend import TorchNativeLoraBackend
+from engine_lora_triton.backend import TritonLoraBackend
+from engine_lora_triton.kernels import (
+    expand_config,
+    sgmv_expand,
+    sgmv_shrink,
+    shrink_config,
+    sm_count,
+)
+
+from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
+
+HIDDEN, KV, MLP = 4096, 1024, 14336
+#: layer -> (K, slice widths of the output)
+LAYERS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)),
+          "gate_up": (HIDDEN, (MLP, MLP)), "down": (MLP, (HIDDEN,))}
+#: scenario -> (segment lengths, distinct adapter slots cycled over the segments)
+SCENARIOS = {"decode-1": ([1], 1), "decode-64x8": ([1] * 64, 8), "prefill-4x512": ([512] * 4, 4)}
+SLOTS = 9  # --max-loras-per-batch 8 plus one rank-0 slot (the base model)
+
+
+def graph_time_us(fn: Callable[[], object], reps: int) -> float:
+    """Microseconds per call of ``fn``, from a CUDA graph of ``reps`` calls replayed five times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (5 * reps)
+
+
+#: candidate configs: (BLOCK_R, BLOCK_K, warps) one token a program; (BLOCK_T, BLOCK_R, BLOCK_K, warps,
+#: stages) with tl.dot; (BLOCK_N, warps) one token a program; (BLOCK_T, BLOCK_N, warps) with tl.dot.
+SHRINK_GEMV = [(2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4),
+               (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (16, 1024, 8)]
+SHRINK_DOT = [(16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3),
+              (32, 64, 128, 4, 4), (64, 32, 128, 4, 3), (16, 64, 128, 4, 4)]
+EXPAND_GEMV = [(32, 2), (32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]
+EXPAND_DOT = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8), (64, 256, 8)]
+
+
+def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+          out: torch.Tensor, offsets: list[int], rank: int, reps: int) -> list[dict[str, Any]]:
+    """Shrink and expand timed alone, with the heuristic's config and every candidate."""
+    rows, k = a.shape[1], a.shape[2]
+    width, sms = offsets[-1] - offsets[0], sm_count(x.device)
+    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
+    decode = info.max_seg_len <= 1
+    shrink_cfgs = [dict(BLOCK_T=1, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2) for r, kk, w in SHRINK_GEMV] \
+        if decode else [dict(BLOCK_T=t, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=st)
+                        for t, r, kk, w, st in SHRINK_DOT]
+    expand_cfgs = [dict(BLOCK_T=1, BLOCK_N=n, BLOCK_R=triton_pow2(rank), num_warps=w, num_stages=1)
+                   for n, w in EXPAND_GEMV] if decode else \
+        [dict(BLOCK_T=t, BLOCK_N=n, BLOCK_R=max(16, triton_pow2(rank)), num_warps=w, num_stages=1)
+         for t, n, w in EXPAND_DOT]
+    y = sgmv_shrink(x, a, *args, info.num_segments, info.max_seg_len)
+    rows_out: list[dict[str, Any]] = []
+    for op, default, cfgs in (("shrink", shrink_config(info.num_segments, info.max_seg_len, rows, k, sms), shrink_cfgs),
+                              ("expand", expand_config(info.num_segments, info.max_seg_len, width, rank, sms),
+                               expand_cfgs)):
+        timed = []
+        for cfg in [default] + cfgs:
+            if op == "shrink":
+                fn = functools.partial(sgmv_shrink, x, a, *args, info.num_segments, info.max_seg_len, cfg)
+            else:
+                fn = functools.partial(sgmv_expand, y, b, out, *args, info.scalings, info.num_segments,
+                                       info.max_seg_len, offsets, cfg)
+            timed.append((graph_time_us(fn, reps), cfg))
+        best = min(timed[1:], key=lambda tc: tc[0])
+        print(f"sweep {scen:<14} {layer:<8} {op:<6} heuristic {timed[0][0]:7.1f} us {timed[0][1]}  "
+              f"best {best[0]:7.1f} us {best[1]}")
+        rows_out += [dict(scenario=scen, layer=layer, op=op, us=t, heuristic=i == 0, **c)
+                     for i, (t, c) in enumerate(timed)]
+    return rows_out
+
+
+def triton_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def lora_call(backend: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoraBatchInfo,
+              out: torch.Tensor, offsets: list[int]) -> None:
+    backend.expand(backend.shrink(x, a, info), b, info, out, offsets)
+
+
+def build(lens: list[int], distinct: int, rank: int, dev: torch.device) -> LoraBatchInfo:
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    ranks = torch.tensor([rank] * (SLOTS - 1) + [0], dtype=torch.int32)
+    return LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr.to(dev),
+                         weight_indices=torch.tensor([i % distinct for i in range(len(lens))], dtype=torch.int32,
+                                                     device=dev),
+                         lora_ranks=ranks.to(dev), scalings=torch.full((SLOTS,), 2.0, device=dev),
+                         max_seg_len=max(lens))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--sweep", metavar="FILE.json", help="also sweep block sizes; write the timings here")
+    args = ap.parse_args()
+    swept: list[dict[str, Any]] = []
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    torch.manual_seed(0)
+    triton_be, native_be = TritonLoraBackend(), TorchNativeLoraBackend(per_segment=False)
+    print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
+          f"CUDA graphs of {args.reps} calls")
+    print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'native us':>9} "
+          f"{'triton/base':>11} {'native/base':>11}")
+    for scen, (lens, distinct) in SCENARIOS.items():
+        info = build(lens, distinct, args.rank, dev)
+        tokens = sum(lens)
+        totals = [0.0, 0.0, 0.0]
+        for layer, (k, widths) in LAYERS.items():
+            n = sum(widths)
+            offsets = [0]
+            for w in widths:
+                offsets.append(offsets[-1] + w)
+            s = len(widths)
+            x = torch.randn(tokens, k, device=dev, dtype=dt)
+            w_base = torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
+            a = torch.randn(SLOTS, s * args.rank, k, device=dev, dtype=dt) / k ** 0.5
+            b = torch.randn(SLOTS, n, args.rank, device=dev, dtype=dt) / args.rank ** 0.5
+            out = torch.zeros(tokens, n, device=dev, dtype=dt)
+            # Correctness on these shapes first (one token per segment is enough for the loop).
+            y = triton_be.shrink(x, a, info)
+            ref_y = reference_shrink(x, a, info)
+            got = out.clone()
+            triton_be.expand(ref_y, b, info, got, offsets)
+            want = out.float()
+            reference_expand(ref_y, b, info, want, offsets)
+            err_y = float((y.float() - ref_y.float()).abs().max() / ref_y.float().abs().max().clamp_min(1e-6))
+            err_o = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+            assert err_y < 2e-2 and err_o < 2e-2, f"{scen} {layer}: relative error shrink {err_y:.3g}, expand {err_o:.3g}"
+
+            t_base = graph_time_us(functools.partial(torch.matmul, x, w_base.T), args.reps)
+            t_tri = graph_time_us(functools.partial(lora_call, triton_be, x, a, b, info, out, offsets), args.reps)
+            t_nat = graph_time_us(functools.partial(lora_call, native_be, x, a, b, info, out, offsets), args.reps)
+            used = min(distinct, len(lens))
+            moved = 2 * (tokens * k + used * s * args.rank * k + 2 * tokens * s * args.rank
+                         + used * n * args.rank + 2 * tokens * n)
+            totals = [totals[0] + t_base, totals[1] + t_tri, totals[2] + t_nat]
+            if args.sweep:
+                swept += sweep(scen, layer, info, x, a, b, out, offsets, args.rank, args.reps)
+            print(f"{scen:<14} {layer:<8} {t_base:8.1f} {t_tri:9.1f} {moved / t_tri / 1e3:6.0f} {t_nat:9.1f} "
+                  f"{t_tri / t_base:11.2f} {t_nat / t_base:11.2f}")
+        print(f"{scen:<14} {'all 4':<8} {totals[0]:8.1f} {totals[1]:9.1f} {'':>6} {totals[2]:9.1f} "
+              f"{totals[1] / totals[0]:11.2f} {totals[2] / totals[0]:11.2f}")
+    if args.sweep:
+        with open(args.sweep, "w") as f:
+            json.dump(swept, f, indent=0)
+
+
+if __name__ == "__main__":
+    main()

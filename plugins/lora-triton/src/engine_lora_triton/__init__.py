@@ -1,0 +1,27 @@
+"""The ``triton`` LoRA backend: this project's segmented shrink/expand (SGMV) Triton kernels.
+
+Importing this module registers the backend only; triton is imported when the backend is
+selected (``--lora-backend triton``, or ``auto`` on CUDA and ROCm, whose device type is
+``cuda``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from engine.hookspecs import LoraBackendSpec, hookimpl
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``, numpy on the CPU):
+    the backend then also runs on the cpu platform, slowly, so tests check it without a GPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@hookimpl
+def register_lora_backends(register):  # type: ignore[no-untyped-def]
+    register(LoraBackendSpec(
+        name="triton", factory="engine_lora_triton.backend:create",
+        device_types=("cuda", "cpu") if interpreting() else ("cuda",),
+        description="Triton SGMV kernels: one program per segment token tile and output tile; "
+                    "token-parallel matrix-vector form for one-token segments (decode)"))

@@ -1,0 +1,243 @@
+"""Segmented LoRA shrink and expand (SGMV) in Triton.
+
+The tokens of one forward are split into segments, contiguous runs that share one adapter slot
+(``seg_indptr``, ``weight_indices``). Each program owns one token tile of one segment and one
+tile of the output columns, so every program multiplies by a single adapter's matrix:
+
+- shrink: ``y[t, :] = x[t, :] @ A[w].T`` over ``K`` (the layer's input), ``A[w]`` being
+  ``[n_slices * R, K]``; rows of a rank-0 slot are written as zeros.
+- expand: ``out[t, off_i:off_i+1] += scaling[w] * y[t, i*R:(i+1)*R] @ B[w, off_i:off_i+1].T``
+  for each slice ``i`` (q/k/v of a fused QKV, gate/up); a rank-0 slot's rows are not touched.
+
+Two forms of the same kernels, chosen per call from host-side sizes:
+
+- ``DOT`` (prefill, segments of several tokens): token tiles of 16-64 rows, ``tl.dot``.
+- token-parallel (``BLOCK_T == 1``, every segment one token: decode with one segment per
+  request): a program is one token's matrix-vector product, a broadcast multiply and a sum in
+  float32, with narrow output tiles so that a small batch still spreads over the SMs.
+
+CUDA-graph safe: the grid comes from ``num_segments`` and ``max_seg_len`` (host ints, which may
+be upper bounds: token tiles past a segment's end return at once) and the tensors' shapes; no
+host sync; the only allocation is shrink's output, sized by ``x`` and ``A`` (its rows of tokens
+outside every segment, the padding of a captured batch, are not written).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+# Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
+# to float32 before the product.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    """``a [M, C] @ b [N, C].T`` in float32."""
+    if DOT:
+        if WIDEN:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            return tl.dot(a, tl.trans(b), input_precision="ieee")
+        return tl.dot(a, tl.trans(b))
+    return tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
+                   ROWS: tl.constexpr, K: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    seg = tl.program_id(0)
+    start = tl.load(seg_indptr_ptr + seg)
+    end = tl.load(seg_indptr_ptr + seg + 1)
+    t0 = start + tl.program_id(1) * BLOCK_T
+    if t0 >= end:  # past this segment's end (max_seg_len is an upper bound), or an empty segment
+        return
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.load(ranks_ptr + slot)
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    t_ok = offs_t < end
+    r_ok = offs_r < ROWS
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    if rank > 0:  # a rank-0 slot (base model) keeps the zeros
+        x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
+        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
+                  + offs_k[None, :] * stride_ak)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            xv = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            av = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += _product(xv, av, DOT, WIDEN, IEEE)
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K * stride_ak
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_r[None, :] * stride_yr
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, lo, hi, y_col0, offs_r, r_ok, b_slot,
+                  stride_yt, stride_yr, stride_bn, stride_br,
+                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    """Adds slice ``[lo, hi)``'s share of the column tile starting at ``n0`` to ``acc``."""
+    if (n0 < hi) & (n0 + BLOCK_N > lo):
+        in_slice = (cols >= lo) & (cols < hi)
+        y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
+        yv = tl.load(y_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        b_ptrs = b_ptr + b_slot + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+        bv = tl.load(b_ptrs, mask=in_slice[:, None] & r_ok[None, :], other=0.0)
+        acc += _product(yv, bv, DOT, WIDEN, IEEE)
+    return acc
+
+
+@triton.jit
+def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
+                   off0, off1, off2, off3,
+                   stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+                   R: tl.constexpr, N_SLICES: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    seg = tl.program_id(0)
+    start = tl.load(seg_indptr_ptr + seg)
+    end = tl.load(seg_indptr_ptr + seg + 1)
+    t0 = start + tl.program_id(1) * BLOCK_T
+    if t0 >= end:
+        return
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.load(ranks_ptr + slot)
+    if rank == 0:  # the base model: its rows of out stay as they are
+        return
+    scale = tl.load(scalings_ptr + slot)
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < end
+    n0 = off0 + tl.program_id(2) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_slot = slot.to(tl.int64) * stride_bs
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    acc = _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, off0, off1, 0, offs_r, r_ok, b_slot,
+                        stride_yt, stride_yr, stride_bn, stride_br, BLOCK_N, DOT, WIDEN, IEEE)
+    if N_SLICES > 1:
+        acc = _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, off1, off2, R, offs_r, r_ok, b_slot,
+                            stride_yt, stride_yr, stride_bn, stride_br, BLOCK_N, DOT, WIDEN, IEEE)
+    if N_SLICES > 2:
+        acc = _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, off2, off3, 2 * R, offs_r, r_ok,
+                            b_slot, stride_yt, stride_yr, stride_bn, stride_br, BLOCK_N, DOT, WIDEN, IEEE)
+    last = off1 if N_SLICES == 1 else (off2 if N_SLICES == 2 else off3)
+    mask = t_ok[:, None] & (cols < last)[None, :]
+    out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + cols[None, :] * stride_on
+    cur = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H100/H200) under the interpreter, so CPU
+    tests take the block sizes a GPU would."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _token_tile(num_segments: int, max_seg_len: int, col_tiles: int, sms: int) -> int:
+    """The largest token tile (16-64) that still gives about two programs per SM."""
+    for block in (64, 32):
+        if block <= triton.next_power_of_2(max_seg_len) and \
+                num_segments * triton.cdiv(max_seg_len, block) * col_tiles >= 2 * sms:
+            return block
+    return 16
+
+
+def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> dict[str, int]:
+    """Block sizes and warps of ``_shrink_kernel`` for a call's host-side sizes."""
+    if max_seg_len <= 1:
+        # One token per program, latency-bound on the loop over K: narrow row tiles give a small
+        # batch programs for the SMs, and wide K tiles (about 8K elements a tile) few iterations.
+        block_r = 16 if num_segments * triton.cdiv(rows, 16) >= sms else 8 if num_segments >= 8 else 4
+        block_r = min(block_r, triton.next_power_of_2(rows))
+        block_k = min(triton.next_power_of_2(k), max(256, 8192 // block_r))
+        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=8 if block_k * block_r >= 8192 else 4,
+                    num_stages=2)
+    block_r = min(64, max(16, triton.next_power_of_2(rows)))
+    block_t = _token_tile(num_segments, max_seg_len, triton.cdiv(rows, block_r), sms)
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=min(64, max(16, triton.next_power_of_2(k))), num_warps=4,
+                num_stages=3)
+
+
+def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
+    """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes."""
+    if max_seg_len <= 1:
+        block_n = 64 if num_segments * triton.cdiv(width, 64) >= 2 * sms else 32
+        return dict(BLOCK_T=1, BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(r), num_warps=4, num_stages=1)
+    block_n = 64 if width >= 64 else max(16, triton.next_power_of_2(width))
+    return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, triton.cdiv(width, block_n), sms), BLOCK_N=block_n,
+                BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4, num_stages=1)
+
+
+def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
+                ranks: torch.Tensor, num_segments: int, max_seg_len: int,
+                config: dict[str, int] | None = None) -> torch.Tensor:
+    """``[T, ROWS]`` in x's dtype: each token's row times its segment's ``a[slot]`` (``[ROWS, K]``)
+    transposed; zeros for tokens of rank-0 slots (rows of tokens in no segment are unspecified).
+    ``config`` overrides ``shrink_config`` (the benchmark's sweeps)."""
+    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+        raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
+    tokens, k = x.shape
+    rows = a.shape[1]
+    # Rows of tokens outside every segment (the padding of a CUDA-graph batch) are left unwritten:
+    # expand never reads them, and a memset per call would cost a launch in every LoRA layer.
+    y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
+    if tokens == 0 or num_segments == 0 or max_seg_len == 0 or rows == 0:
+        return y
+    cfg = config or shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device))
+    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(rows, cfg["BLOCK_R"]))
+    _shrink_kernel[grid](
+        x, a, y, seg_indptr, weight_indices, ranks,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
+        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, **cfg)
+    return y
+
+
+def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
+                weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                num_segments: int, max_seg_len: int, slice_offsets: Sequence[int],
+                config: dict[str, int] | None = None) -> None:
+    """``out[t, off_i:off_i+1] += scalings[w] * y[t, i*R:(i+1)*R] @ b[w, off_i:off_i+1].T`` in
+    place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
+    overrides ``expand_config``."""
+    offsets = [int(o) for o in slice_offsets]
+    n_slices = len(offsets) - 1
+    if not 1 <= n_slices <= 3:
+        raise ValueError(f"expand: slice_offsets {offsets} gives {n_slices} slices; 1 to 3 are supported")
+    if any(hi < lo for lo, hi in zip(offsets, offsets[1:], strict=False)) or offsets[0] < 0 or offsets[-1] > out.shape[1]:
+        raise ValueError(f"expand: slice_offsets {offsets} must rise within out's {out.shape[1]} columns")
+    if b.dim() != 3 or b.shape[1] < offsets[-1]:
+        raise ValueError(f"expand: weights {tuple(b.shape)} must be [slots, N >= {offsets[-1]}, R]")
+    r = b.shape[2]
+    if y.shape != (out.shape[0], n_slices * r):
+        raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {n_slices * r}]")
+    width = offsets[-1] - offsets[0]
+    if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or width == 0 or r == 0:
+        return
+    cfg = config or expand_config(num_segments, max_seg_len, width, r, sm_count(out.device))
+    padded = offsets + [offsets[-1]] * (4 - len(offsets))
+    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(width, cfg["BLOCK_N"]))
+    _expand_kernel[grid](
+        y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded,
+        y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        R=r, N_SLICES=n_slices, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, **cfg)

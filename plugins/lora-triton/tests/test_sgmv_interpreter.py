@@ -1,0 +1,117 @@
+"""The SGMV kernels against the torch loop, on the CPU under Triton's interpreter.
+
+The root conftest sets ``TRITON_INTERPRET=1`` where no CUDA device is present; the backend then
+lists the cpu device too and the same kernels run in numpy. Tiny shapes (the interpreter runs
+every program in Python): both kernel forms (token tiles with ``tl.dot``, and one token per
+program for decode), empty segments, rank-0 slots holding stale weights, one to three slices at
+uneven column offsets, strided tensors, and a ``max_seg_len`` above the longest segment with
+padding tokens after the last segment (as a captured CUDA-graph batch has).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_lora_triton import interpreting
+from engine_lora_triton.backend import TritonLoraBackend
+
+from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
+from engine.testing.conformance.lora import LoraBackendConformance
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (set where no GPU is present)")
+
+
+class TestTritonLoraInterpreted(LoraBackendConformance):
+    backend_name = "triton"
+    device = "cpu"
+
+
+def _info(lens: list[int], slots: list[int], ranks: list[int], slack: int = 0) -> LoraBatchInfo:
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    return LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr, weight_indices=torch.tensor(slots, dtype=torch.int32),
+                         lora_ranks=torch.tensor(ranks, dtype=torch.int32), scalings=torch.rand(len(ranks)) + 0.5,
+                         max_seg_len=max(lens) + slack)
+
+
+def _pool(ranks: list[int], n_slices: int, r: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A and B with zeros beyond each slot's rank; rank-0 slots keep stale values."""
+    a = torch.randn(len(ranks), n_slices * r, k) / k ** 0.5
+    b = torch.randn(len(ranks), n, r) / r ** 0.5
+    for slot, rank in enumerate(ranks):
+        if rank:
+            for i in range(n_slices):
+                a[slot, i * r + rank:(i + 1) * r] = 0
+            b[slot, :, rank:] = 0
+    return a.to(dtype), b.to(dtype)
+
+
+# (segment lengths, slots, slot ranks, R, K, slice offsets, padding tokens, max_seg_len slack)
+CASES = {
+    "decode-qkv": ([1, 1, 1, 1, 1, 1], [2, 0, 2, 1, 3, 1], [0, 4, 16, 8], 16, 40, [0, 16, 24, 32], 0, 0),
+    "decode-padded": ([1, 1, 0, 1], [1, 0, 1, 1], [0, 8], 8, 24, [0, 24], 3, 0),
+    "prefill-gate-up": ([5, 0, 19, 1, 0, 3], [1, 2, 0, 1, 1, 2], [0, 8, 4], 8, 48, [5, 21, 37], 2, 4),
+    "prefill-o": ([0, 17, 6], [0, 1, 0], [16, 0], 16, 64, [0, 40], 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernels_match_the_loop(case: str) -> None:
+    torch.manual_seed(sorted(CASES).index(case))
+    lens, slots, ranks, r, k, offsets, pad, slack = CASES[case]
+    info = _info(lens, slots, ranks, slack)
+    backend = TritonLoraBackend()
+    n_slices = len(offsets) - 1
+    real = sum(lens)
+    tokens = real + pad
+    a, b = _pool(ranks, n_slices, r, k, offsets[-1] + 3, torch.float32)
+    # x and out are column windows of wider tensors: the kernels must follow the strides.
+    x = torch.randn(tokens, k + 5)[:, 2:k + 2]
+    y = backend.shrink(x, a, info)
+    want_y = reference_shrink(x, a, info)
+    torch.testing.assert_close(y[:real], want_y[:real], atol=1e-5, rtol=1e-5)
+    wide = torch.randn(tokens, offsets[-1] + 7)
+    out = wide[:, 1:offsets[-1] + 4]
+    before = out.clone()
+    backend.expand(want_y, b, info, out, offsets)
+    want = before.clone()
+    reference_expand(want_y, b, info, want, offsets)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    # Columns outside the slices, padding tokens and rank-0 segments keep their exact bits.
+    assert torch.equal(out[:, :offsets[0]], before[:, :offsets[0]])
+    assert torch.equal(out[:, offsets[-1]:], before[:, offsets[-1]:])
+    assert torch.equal(out[real:], before[real:])
+
+
+def test_bfloat16_decode_and_prefill() -> None:
+    torch.manual_seed(7)
+    ranks = [16, 0, 8]
+    a, b = _pool(ranks, 3, 16, 32, 48, torch.bfloat16)
+    backend = TritonLoraBackend()
+    for lens, slots in (([1, 1, 1, 1], [0, 1, 2, 0]), ([9, 0, 7], [2, 1, 0])):
+        info = _info(lens, slots, ranks)
+        x = torch.randn(sum(lens), 32).to(torch.bfloat16)
+        y = backend.shrink(x, a, info)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, reference_shrink(x, a, info), atol=2e-2, rtol=2e-2)
+        out = torch.randn(sum(lens), 48).to(torch.bfloat16)
+        want = out.clone()
+        reference_expand(y, b, info, want, [0, 32, 40, 48])
+        backend.expand(y, b, info, out, [0, 32, 40, 48])
+        torch.testing.assert_close(out, want, atol=5e-2, rtol=2e-2)
+
+
+def test_bad_shapes_are_named() -> None:
+    info = _info([2], [0], [4])
+    backend = TritonLoraBackend()
+    y = torch.zeros(2, 8)
+    out = torch.zeros(2, 16)
+    b = torch.zeros(1, 16, 4)
+    with pytest.raises(ValueError, match=r"slice_offsets \[0, 4, 8, 12, 14, 16\] gives 5 slices; 1 to 3"):
+        backend.expand(y, b, info, out, [0, 4, 8, 12, 14, 16])
+    with pytest.raises(ValueError, match=r"slice_offsets \[0, 20\] must rise within out's 16 columns"):
+        backend.expand(y, b, info, out, [0, 20])
+    with pytest.raises(ValueError, match=r"y \(2, 8\) must be \[T, n_slices \* R\] = \[2, 4\]"):
+        backend.expand(y, b, info, out, [0, 16])
+    with pytest.raises(ValueError, match=r"shrink: x \(2, 6\) must be \[T, K\] and weights \(1, 8, 5\)"):
+        backend.shrink(torch.zeros(2, 6), torch.zeros(1, 8, 5), info)
