@@ -135,6 +135,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
                   recv.logprob_start_len, recv.top_logprobs_num, recv.stream, recv.priority)
         self.reqs[req.rid] = req
         error = self._validate(req)
+        if not error and (recv.mm_items or self.runner.mrope):
+            error = self._attach_multimodal(req, recv.mm_items)
         if error:
             req.finished_reason = FinishReason("abort", message=error)
             self._emit([req])
@@ -171,6 +173,17 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
             return f"token id {bad} is outside the vocabulary (0..{vocab - 1})"
         return None
 
+    def _attach_multimodal(self, req: Req, items: list[Any]) -> str | None:
+        """Gives a request its images and video and, on M-RoPE models, its prompt's positions."""
+        if items and not self.runner.multimodal:
+            return (f"this model ({self.runner.hf_config.architectures[0]}) takes no images or video; "
+                    "accepted: text only")
+        req.mm_items = list(items)
+        if self.runner.mrope:
+            positions, delta = self.runner.model.mm_positions(req.origin_input_ids, req.mm_items)
+            req.mrope_positions, req.mrope_delta = positions.long().cpu(), int(delta)
+        return None
+
     def abort_request(self, rid: str, message: str = "aborted") -> None:
         """Aborts one request (or all with rid ''); its KV is freed at the next step."""
         targets = list(self.reqs) if rid == "" else [rid]
@@ -188,6 +201,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
                 continue
             req.finished_reason = FinishReason("abort", message=message)
             aborted.append(req)
+            self.runner.mm_cache.release(rid)
             self.grammar_queue.remove(req)  # still compiling: it is in no other queue
             if req in self.waiting_queue:
                 self.waiting_queue.remove(req)
@@ -395,6 +409,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
         """Frees (into the prefix cache) the KV of running requests and requeues them in front."""
         for req in reqs:
             self.tree_cache.cache_finished_req(req)
+            self.runner.mm_cache.release(req.rid)
             req.reset_for_retract()
             if self.speculator is not None:
                 self.speculator.request_retracted(req)
@@ -469,6 +484,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
             if req.is_chunked > 0:
                 self.tree_cache.cache_unfinished_req(req)
                 continue
+            if req.mm_items:
+                self.runner.mm_cache.release(req.rid)  # its prefill is done
             if req.sampling_params.max_new_tokens == 0:
                 # Prompt only (scoring, prefix warm-up): the sampled token is not part of the
                 # answer, as in SGLang; its prompt logprobs were recorded above.

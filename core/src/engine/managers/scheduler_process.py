@@ -55,6 +55,7 @@ def _ready_info(scheduler: Any) -> SchedulerReady:
         task=runner.task,
         embedding_size=runner.embedding_size,
         pooling=runner.pooling_info(),
+        multimodal=runner.multimodal,
     )
 
 

@@ -38,6 +38,7 @@ from engine.managers.request_state import (  # noqa: F401  (public here since th
     ServerShuttingDownError,
 )
 from engine.managers.tokenizer_embed import EmbedMixin, EmbeddingRequest, EmbeddingResult  # noqa: F401
+from engine.managers.tokenizer_mm import MultimodalMixin, native_media
 from engine.managers.tokenizer_pool import TextTooLongError, TokenizerPool
 from engine.router.router import Router, merge_control_replies
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
@@ -58,9 +59,15 @@ class GenerateRequest:
     top_logprobs_num: int = 0
     stream: bool = False
     priority: int = 0
+    # Images and video of a text prompt (SGLang's native fields; the text holds one placeholder per item):
+    # a data: URL, file path or URL per image; per video a list of frames.
+    image_data: Any = None
+    video_data: Any = None
+    # Set when the prompt is processed (chat image parts, image_data): the items its ids carry.
+    mm_items: list[Any] = field(default_factory=list)
 
 
-class TokenizerManager(EmbedMixin):
+class TokenizerManager(MultimodalMixin, EmbedMixin):
     def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady,
                  processes: list[Any], tokenizer: Any | None) -> None:
         import zmq
@@ -166,6 +173,10 @@ class TokenizerManager(EmbedMixin):
 
     # -- requests ----------------------------------------------------------------
     def tokenize(self, req: GenerateRequest) -> list[int]:
+        if req.image_data is not None or req.video_data is not None:
+            text, media = self._media_prompt(req)
+            ids, req.mm_items = self.process_media_sync(text, media, True, "text")
+            return ids
         if req.input_ids is not None:
             ids = req.input_ids
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -187,12 +198,24 @@ class TokenizerManager(EmbedMixin):
 
     async def tokenize_async(self, req: GenerateRequest) -> list[int]:
         """``tokenize`` with long texts on the tokenizer pool (the event loop stays free)."""
+        if req.image_data is not None or req.video_data is not None:
+            text, media = self._media_prompt(req)
+            ids, req.mm_items = await self.process_media(text, media, True, "text")
+            return ids
         if isinstance(req.text, str) and req.input_ids is None and self.tokenizer is not None:
             try:
                 return await self.pool.encode(req.text)
             except TextTooLongError as exc:
                 raise RequestError(f"text: {exc}", "text") from None
         return self.tokenize(req)
+
+    def _media_prompt(self, req: GenerateRequest) -> tuple[str, list[Any]]:
+        media = native_media(req.image_data, req.video_data)
+        self.require_mm_processor(media[0].param if media else "image_data")
+        if not isinstance(req.text, str) or req.input_ids is not None:
+            raise RequestError("image_data/video_data: need a text prompt holding the model's placeholders "
+                               "(not input_ids)", "text")
+        return req.text, media
 
     def validate(self, req: GenerateRequest, input_ids: list[int]) -> SamplingParams:
         self.check_generation_task("generation")
@@ -274,7 +297,7 @@ class TokenizerManager(EmbedMixin):
         self.sends[decision.replica].send_pyobj(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=params.to_dict(),
             return_logprob=req.return_logprob, logprob_start_len=logprob_start,
-            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority))
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority, mm_items=req.mm_items))
         finished = False
         try:
             while True:

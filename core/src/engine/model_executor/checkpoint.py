@@ -52,4 +52,22 @@ def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"--model-path: cannot read {model_path}/config.json: {exc}") from None
     if not getattr(config, "architectures", None):
         raise ModelLoadError(f"{model_path}/config.json names no 'architectures'; cannot pick a model plugin")
+    _lift_text_config(config)
     return config
+
+
+# What the engine reads from a config (pool sizing, parallelism checks, sampling) about the decoder.
+_DECODER_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "max_position_embeddings", "intermediate_size", "rms_norm_eps", "sliding_window")
+
+
+def _lift_text_config(config: Any) -> None:
+    """A vision-language config nests its decoder's shapes in ``text_config``: they are copied to
+    the top level where it has none, so the engine sizes pools and checks parallelism by them."""
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else None
+    if text is None or text is config:
+        return
+    for key in _DECODER_KEYS:
+        if getattr(config, key, None) is None and getattr(text, key, None) is not None:
+            setattr(config, key, getattr(text, key))

@@ -139,7 +139,9 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor | PPProxyTensors:
         if self.stage.is_first:
-            hidden, residual = self.embed_tokens(input_ids), None
+            # A vision-language model's prefill arrives embedded (engine.multimodal).
+            embeds = forward_batch.input_embeds
+            hidden, residual = (self.embed_tokens(input_ids) if embeds is None else embeds), None
         else:
             assert forward_batch.pp_proxy is not None
             hidden, residual = forward_batch.pp_proxy.hidden_states, forward_batch.pp_proxy.residual
