@@ -65,7 +65,7 @@ def test_backend_sglang_generate(server: Server, prompt_key: str) -> None:
 
 
 def test_backend_sglang_generate_with_a_lora_is_refused_by_name(server: Server) -> None:
-    # Its --lora-name sends the adapter in lora_path: a feature this server lacks, named in the 400.
+    # Its --lora-name sends the adapter in lora_path: this server runs without LoRA, named in the 400.
     r = server.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 2}, "lora_path": "a"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
     assert "LoRA adapters" in r.json()["error"]["message"]

@@ -84,8 +84,6 @@ def test_off_values_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("field, value, feature", [
-    ("lora_path", "my-adapter", "LoRA adapters"),
-    ("lora_path", ["a", None], "LoRA adapters"),
     ("image_data", "http://x/cat.png", "image inputs"),
     ("input_embeds", [[0.1, 0.2]], "input embeddings"),
     ("return_hidden_states", True, "hidden states"),

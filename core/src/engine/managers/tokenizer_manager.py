@@ -26,6 +26,7 @@ from engine.managers.io_struct import (
     BatchStrOut,
     ControlReply,
     ControlReq,
+    LoraAdapterReqOutput,
     SchedulerReady,
     TokenizedGenerateReqInput,
 )
@@ -39,6 +40,7 @@ from engine.managers.request_state import (  # noqa: F401  (public here since th
 )
 from engine.managers.tokenizer_embed import EmbedMixin, EmbeddingRequest, EmbeddingResult  # noqa: F401
 from engine.managers.tokenizer_mm import MultimodalMixin, native_media
+from engine.managers.tokenizer_lora import LORA_TIMEOUT_S, LoraMixin  # noqa: F401  (public: the HTTP routes' timeout)
 from engine.managers.tokenizer_pool import TextTooLongError, TokenizerPool
 from engine.router.router import Router, merge_control_replies
 from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
@@ -65,9 +67,11 @@ class GenerateRequest:
     video_data: Any = None
     # Set when the prompt is processed (chat image parts, image_data): the items its ids carry.
     mm_items: list[Any] = field(default_factory=list)
+    # The LoRA adapter to run with: its name, or the path it was loaded from; None: the base model.
+    lora_path: str | None = None
 
 
-class TokenizerManager(MultimodalMixin, EmbedMixin):
+class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
     def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady,
                  processes: list[Any], tokenizer: Any | None) -> None:
         import zmq
@@ -93,7 +97,8 @@ class TokenizerManager(MultimodalMixin, EmbedMixin):
         # Observers notified of each routing decision: (request id, RouteDecision) (metrics).
         self.on_route: list[Any] = []
         self.states: dict[str, ReqState] = {}
-        self.control_waiters: dict[int, asyncio.Future[ControlReply]] = {}
+        # Futures of control and LoRA load/unload requests, by token, until their reply comes.
+        self.control_waiters: dict[int, asyncio.Future[Any]] = {}
         self._tokens = itertools.count(1)
         self.dead: str | None = None
         # Set by ``drain``: requests that arrive from then on are refused with ServerShuttingDownError.
@@ -123,7 +128,7 @@ class TokenizerManager(MultimodalMixin, EmbedMixin):
                 self._handle_str_out(msg)
             elif isinstance(msg, BatchEmbeddingOut):
                 self._handle_embedding_out(msg)
-            elif isinstance(msg, ControlReply):
+            elif isinstance(msg, (ControlReply, LoraAdapterReqOutput)):
                 fut = self.control_waiters.pop(msg.token, None)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)
@@ -237,6 +242,7 @@ class TokenizerManager(MultimodalMixin, EmbedMixin):
             raise RequestError(f"stop: invalid value {params.stop!r}; this server runs with --skip-tokenizer-init and "
                                "has no text to match stop strings in; use stop_token_ids", "stop")
         self._check_structured(params)
+        self.lora.resolve(req.lora_path)
         return params
 
     @functools.cached_property
@@ -281,6 +287,8 @@ class TokenizerManager(MultimodalMixin, EmbedMixin):
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
         self.start()
         input_ids, params = prepared or self.prepare(req)
+        # Resolved again as it is sent: the adapter may have been unloaded since ``prepare``.
+        lora_name = self.lora.resolve(req.lora_path)
         rid = req.rid or uuid.uuid4().hex
         if rid in self.states:
             raise RequestError(f"rid: a request with id '{rid}' is already running", "rid")
@@ -297,7 +305,7 @@ class TokenizerManager(MultimodalMixin, EmbedMixin):
         self.sends[decision.replica].send_pyobj(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=params.to_dict(),
             return_logprob=req.return_logprob, logprob_start_len=logprob_start,
-            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority, mm_items=req.mm_items))
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority, mm_items=req.mm_items, lora_name=lora_name))
         finished = False
         try:
             while True:

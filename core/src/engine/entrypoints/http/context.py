@@ -74,6 +74,24 @@ class ServingContext:
         raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}'",
                        param="model", code="model_not_found")
 
+    def resolve_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a generation request's ``model`` selects: an adapter's name, or
+        ``BASE:NAME`` (SGLang's form); None for the base model. 404 for anything else."""
+        if name is None or name in (self.model_name, self.model_path, self.args.model_path):
+            return None
+        if not self.args.lora_enabled:
+            self.check_model(name)
+        adapters = self.manager.lora.adapters
+        if name in adapters:
+            return name
+        for i, char in enumerate(name):  # the base model's own name may hold a colon too
+            if char == ":" and name[:i] in (self.model_name, self.model_path) and name[i + 1:] in adapters:
+                return name[i + 1:]
+        names = ", ".join(f"'{a}'" for a in sorted(adapters))
+        also = f" and the LoRA adapters {names}" if names else " (no LoRA adapter is loaded now)"
+        raise APIError(404, f"model '{name}' does not exist; this server serves '{self.model_name}'{also}",
+                       param="model", code="model_not_found")
+
     def check_alive(self) -> None:
         if self.manager.dead is not None:
             raise engine_dead_error(self.manager.dead)
@@ -116,19 +134,28 @@ class ServingContext:
         return text
 
     async def render_chat(self, messages: list[Any], add_generation_prompt: bool = True,
-                          template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None,
+                          mm_items: list[Any] | None = None) -> list[int]:
         """Token ids of ``messages`` under the tokenizer's chat template (rendered and tokenized
         off the event loop); ``tools`` (a chat request's validated tool fields) are rendered
         through the template, or into the system prompt where the template ignores them."""
         from engine.entrypoints.http.tool_calling import ToolPlan, template_messages
 
         tokenizer = self.require_tokenizer("messages")
-        conversation = [chat_message_dict(m, i) for i, m in enumerate(messages)]
+        # Image and video parts are taken where the caller collects the items (``mm_items``).
+        media: list[Any] | None = [] if mm_items is not None else None
+        conversation = [chat_message_dict(m, i, media) for i, m in enumerate(messages)]
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, f"messages: model '{self.model_name}' has no chat template; "
                                 "use /v1/completions with a prompt", param="messages")
         conversation, tool_kwargs = template_messages(conversation, tools or ToolPlan(), tokenizer, self.tool_parser)
         template_kwargs = {**(template_kwargs or {}), **tool_kwargs}
+        if media:
+            assert mm_items is not None
+            ids, items = await self.manager.render_chat_media(conversation, media, add_generation_prompt,
+                                                              template_kwargs, tokenizer)
+            mm_items.extend(items)
+            return ids
         try:
             return await self.manager.pool.render_chat(conversation, add_generation_prompt, template_kwargs)
         except TextTooLongError as exc:
@@ -138,20 +165,28 @@ class ServingContext:
                            param="messages") from None
 
 
-def chat_message_dict(message: Any, index: int) -> dict[str, Any]:
+def chat_message_dict(message: Any, index: int, media: list[Any] | None = None) -> dict[str, Any]:
     """One pydantic ChatMessage as the plain dict chat templates expect: text content, an
     assistant's ``tool_calls`` with their arguments decoded (templates write them as JSON), a
-    tool message's ``tool_call_id``."""
+    tool message's ``tool_call_id``. With ``media`` (a list), image and video parts are accepted:
+    the content stays a list of parts and their sources are appended to ``media``."""
+    from engine.entrypoints.http.media_parts import is_media_part, media_part
+
     where = f"messages[{index}]"
     content = message.content
     if isinstance(content, list):
-        texts = []
+        texts, parts = [], []
         for j, part in enumerate(content):
+            if media is not None and is_media_part(part.type):
+                parts.append(media_part(part, f"{where}.content[{j}]", media))
+                continue
             if part.type != "text" or part.text is None:
-                raise APIError(400, f"{where}.content[{j}].type: '{part.type}' parts are not supported; "
-                                    "only text parts", param=f"{where}.content[{j}].type")
+                accepted = "text, image_url and video_url parts" if media is not None else "only text parts"
+                raise APIError(400, f"{where}.content[{j}].type: '{part.type}' parts are not supported here; "
+                                    f"accepted: {accepted}", param=f"{where}.content[{j}].type")
             texts.append(part.text)
-        content = "\n".join(texts)
+            parts.append({"type": "text", "text": part.text})
+        content = parts if len(parts) > len(texts) else "\n".join(texts)
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name

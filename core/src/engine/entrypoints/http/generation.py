@@ -104,6 +104,12 @@ async def make_choices(ctx: ServingContext, prompts: Sequence[GenerateRequest], 
     return choices
 
 
+def response_model(ctx: ServingContext, requested: str | None, lora: str | None) -> str:
+    """The ``model`` a response names: the request's own when it selected a LoRA adapter (as
+    vLLM answers), else the served model name."""
+    return requested if lora is not None and requested is not None else ctx.model_name
+
+
 def _check_rid_free(ctx: ServingContext, rid: str, seen: set[str]) -> None:
     if rid in seen or rid in ctx.manager.states or rid in ctx.manager.groups:
         raise APIError(400, f"rid: a request with id '{rid}' is already running", param="rid")

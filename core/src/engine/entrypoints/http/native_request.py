@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine.entrypoints.http.errors import APIError
-from engine.managers.tokenizer_manager import GenerateRequest
+from engine.entrypoints.http.errors import APIError, from_request_error
+from engine.managers.tokenizer_manager import GenerateRequest, RequestError
 
 if TYPE_CHECKING:
     from engine.entrypoints.http.context import ServingContext
@@ -46,24 +46,24 @@ ACTING_FIELDS = (
     "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
     # This server never logs prompts or outputs, so a request that forbids it is honoured as is.
     "no_logs",
+    # A loaded LoRA adapter's name (or the path it was loaded from), one for all prompts or one per prompt.
+    "lora_path",
 )
 
 # Set by SGLang's own HTTP layer or used only to label its logs: nothing here to change.
-IGNORED_FIELDS = ("validation_time", "conversation_id")
+# ``lora_id`` is the id SGLang's tokenizer manager fills in from ``lora_path``; here the adapter
+# name travels on its own.
+IGNORED_FIELDS = ("validation_time", "conversation_id", "lora_id")
 
 _DISAGG = "prefill/decode disaggregation"
 _MULTIMODAL_OFF = (None, [])
 UNSUPPORTED_FIELDS = (
     Unsupported("input_embeds", "input embeddings (send text or input_ids)"),
-    Unsupported("image_data", "image inputs", _MULTIMODAL_OFF),
-    Unsupported("video_data", "video inputs", _MULTIMODAL_OFF),
     Unsupported("audio_data", "audio inputs", _MULTIMODAL_OFF),
     Unsupported("modalities", "multimodal inputs", _MULTIMODAL_OFF),
     Unsupported("token_ids_logprob", "logprobs of chosen token ids", (None, [])),
     Unsupported("return_hidden_states", "returning hidden states", (None, False)),
     Unsupported("session_params", "sessions (continuing a cached prompt)", (None, {})),
-    Unsupported("lora_path", "LoRA adapters"),
-    Unsupported("lora_id", "LoRA adapters"),
     Unsupported("custom_logit_processor", "custom logit processors"),
     Unsupported("bootstrap_host", _DISAGG),
     Unsupported("bootstrap_port", _DISAGG),
@@ -146,6 +146,19 @@ def _per_prompt(value: Any, count: int, name: str, default: Any) -> list[Any]:
     return [default if value is None else value] * count
 
 
+def _media_per_prompt(value: Any, count: int, batch: bool, name: str) -> list[Any]:
+    """``image_data``/``video_data`` per prompt: as given for one prompt; for a batch, a list with
+    one entry (or null) per prompt."""
+    if value is None or value == []:
+        return [None] * count
+    if not batch:
+        return [value]
+    if not isinstance(value, list) or len(value) != count:
+        raise APIError(400, f"{name}: a batch of {count} prompts needs a list of {count} entries (null for none)",
+                       param=name)
+    return list(value)
+
+
 def build_requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[GenerateRequest], list[int], bool]:
     """The body's prompts as GenerateRequests, with each one's ``n``; and whether it is a batch."""
     check_request_fields(req)
@@ -178,6 +191,9 @@ def build_requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[Gen
     want_logprob = _per_prompt(req.return_logprob, count, "return_logprob", False)
     start_len = _per_prompt(req.logprob_start_len, count, "logprob_start_len", -1)
     top_num = _per_prompt(req.top_logprobs_num, count, "top_logprobs_num", 0)
+    images = _media_per_prompt(req.image_data, count, batch, "image_data")
+    videos = _media_per_prompt(req.video_data, count, batch, "video_data")
+    loras = _lora_names(ctx, req.lora_path, count)
     prompts, copies = [], []
     for i in range(count):
         n = per_prompt[i].pop("n", 1)
@@ -188,5 +204,21 @@ def build_requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[Gen
         prompts.append(GenerateRequest(
             text=texts[i], input_ids=ids[i], sampling_params=per_prompt[i], rid=rids[i],
             return_logprob=want_logprob[i], logprob_start_len=start_len[i], top_logprobs_num=top_num[i],
-            stream=bool(req.stream), priority=req.priority or 0))
+            stream=bool(req.stream), priority=req.priority or 0,
+            image_data=images[i], video_data=videos[i], lora_path=loras[i]))
     return prompts, copies, batch
+
+
+def _lora_names(ctx: ServingContext, value: Any, count: int) -> list[str | None]:
+    """Each prompt's adapter name: one ``lora_path`` for all, or one per prompt (null: the base
+    model); a name no adapter is loaded under is a 400 naming it, before anything runs."""
+    if isinstance(value, list) and len(value) != count:
+        raise APIError(400, f"lora_path: {len(value)} entries for {count} prompts", param="lora_path")
+    values = value if isinstance(value, list) else [value] * count
+    if all(v is None for v in values):
+        return [None] * count  # the base model (also on a server without LoRA)
+    try:
+        return [ctx.manager.lora.resolve(v, f"lora_path[{i}]" if isinstance(value, list) else "lora_path")
+                for i, v in enumerate(values)]
+    except RequestError as exc:
+        raise from_request_error(exc) from None

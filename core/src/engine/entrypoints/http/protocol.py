@@ -217,6 +217,10 @@ class GenerateReqInput(_Body):
     rid: str | list[str] | None = None
     priority: int | None = None
     no_logs: bool | None = False
+    # A loaded LoRA adapter's name (or its path): one for every prompt, or one (or null) per prompt.
+    lora_path: str | list[str | None] | None = None
+    # SGLang's internal adapter id (its tokenizer manager sets it from lora_path); ignored.
+    lora_id: Any = None
     # -- SGLang features this server lacks: any type here, native_request accepts only "off" --
     input_embeds: Any = None
     image_data: Any = None
@@ -226,8 +230,6 @@ class GenerateReqInput(_Body):
     token_ids_logprob: Any = None
     return_hidden_states: Any = False
     session_params: Any = None
-    lora_path: Any = None
-    lora_id: Any = None
     custom_logit_processor: Any = None
     bootstrap_host: Any = None
     bootstrap_port: Any = None
@@ -249,3 +251,27 @@ class AbortRequest(_Body):
     rid: str = ""
     # Abort every request in flight (SGLang's abort_all).
     abort_all: bool = False
+
+
+class LoadLoraAdapterRequest(_Body):
+    """``POST /load_lora_adapter`` (SGLang's body; vLLM's ``/v1/load_lora_adapter`` takes the same)."""
+
+    # The name requests select it by (``lora_path`` of /generate, ``model`` of the OpenAI routes).
+    lora_name: str
+    # A PEFT adapter directory (adapter_config.json and adapter_model.safetensors) on the server.
+    lora_path: str
+    # Never unloaded to make room under --max-loaded-loras.
+    pinned: bool = False
+    # SGLang's internal adapter id; ignored.
+    lora_id: Any = None
+    # vLLM's: replace the weights of an adapter loaded under this name (only false here).
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """``POST /unload_lora_adapter``: requests running on the adapter finish with it."""
+
+    lora_name: str
+    # SGLang's internal adapter id (vLLM's lora_int_id); ignored.
+    lora_id: Any = None
+    lora_int_id: Any = None

@@ -37,6 +37,7 @@ from engine.entrypoints.http.generation import (
     aborted_error,
     log_stream_failure,
     make_choices,
+    response_model,
     stream_finish_reason,
     stream_outputs,
 )
@@ -104,7 +105,7 @@ async def create_response(request: Request) -> Response:
     """OpenAI Responses: ``input`` items in, output items (messages, function calls, reasoning) out."""
     ctx: ServingContext = request.app.state.ctx
     req = parse_body(await request.body(), ResponsesRequest)
-    ctx.check_model(req.model)
+    ctx.resolve_model(req.model)  # a 404 before the input is read
     check_unsupported(req)
     if req.ignored_fields():
         logger.debug("responses fields accepted and ignored: %s", ", ".join(req.ignored_fields()))
@@ -175,27 +176,31 @@ async def _prepare(ctx: ServingContext, req: ResponsesRequest, store: ResponseSt
     else:
         check_max_tokens(max_tokens, len(prompt_ids), ctx.context_len, "max_output_tokens")
     response_id = new_id("resp")
+    lora = ctx.resolve_model(req.model)  # checked on arrival; resolved again, it may have been unloaded since
     base = GenerateRequest(input_ids=prompt_ids, sampling_params=plan.sampling(sampling_params(chat, max_tokens),
-                                                                              ctx.tool_parser), rid=response_id)
+                                                                              ctx.tool_parser), rid=response_id,
+                           lora_path=lora)
     renames = {**RENAMES, "input_ids": "input", "text": "input", "max_new_tokens": "max_output_tokens",
                **({"json_schema": "tools"} if plan.forced else grammar_renames(chat.response_format))}
     choices = await make_choices(ctx, [base], 1, renames=renames)
     reader = output_parser(ctx, plan, base.sampling_params)
     if reader is not None and req.max_tool_calls is not None:
         reader.max_calls = min(req.max_tool_calls, reader.max_calls or req.max_tool_calls)
-    writer = ResponseWriter(_skeleton(ctx, req, response_id, plan))
+    writer = ResponseWriter(_skeleton(ctx, req, response_id, plan, response_model(ctx, req.model, lora)))
     return Run(writer, choices, reader, conversation, input_items(req.input),
                store if req.store is not False else None)
 
 
-def _skeleton(ctx: ServingContext, req: ResponsesRequest, response_id: str, plan: ToolPlan) -> dict[str, Any]:
+def _skeleton(ctx: ServingContext, req: ResponsesRequest, response_id: str, plan: ToolPlan,
+              model: str) -> dict[str, Any]:
     """The response object before any output (what ``response.created`` carries)."""
     fmt = (req.text or {}).get("format") or {"type": "text"}
     return {
         "id": response_id, "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "background": bool(req.background), "completed_at": None, "error": None, "incomplete_details": None,
         "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
-        "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {}, "model": ctx.model_name,
+        "max_tool_calls": req.max_tool_calls, "metadata": req.metadata or {},
+        "model": model,
         "output": [], "parallel_tool_calls": plan.parallel, "previous_response_id": req.previous_response_id,
         "reasoning": req.reasoning or {"effort": None, "summary": None}, "service_tier": "default",
         "store": req.store is not False, "temperature": 1.0 if req.temperature is None else req.temperature,

@@ -11,6 +11,7 @@ from engine.entrypoints.http.context import ServingContext
 from engine.entrypoints.http.embeddings import check_generation_server
 from engine.entrypoints.http.embeddings import router as embeddings_router
 from engine.entrypoints.http.errors import APIError, parse_body
+from engine.entrypoints.http.lora import router as lora_router
 from engine.entrypoints.http.protocol import DetokenizeRequest, TokenizeRequest
 from engine.entrypoints.http.responses import router as responses_router
 from engine.entrypoints.http.scoring import router as scoring_router
@@ -21,6 +22,7 @@ router = APIRouter()
 router.include_router(responses_router)  # /v1/responses (OpenAI's Responses API)
 router.include_router(scoring_router)  # /v1/rerank, /v1/score, /classify (docs/embeddings.md)
 router.include_router(embeddings_router)  # /v1/embeddings and /encode (docs/embeddings.md)
+router.include_router(lora_router)  # /load_lora_adapter, /unload_lora_adapter (docs/lora.md)
 
 
 def serving_context(request: Request) -> ServingContext:
@@ -41,22 +43,29 @@ async def completions(request: Request) -> Response:
     return await create_completion(serving_context(request), request)
 
 
-def _model_card(ctx: ServingContext) -> dict[str, Any]:
-    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "engine",
-            "root": ctx.model_path, "parent": None, "max_model_len": ctx.context_len}
+def _model_card(ctx: ServingContext, adapter: str | None = None) -> dict[str, Any]:
+    """The base model's card, or a LoRA adapter's: its name, its directory as ``root`` and the
+    base model as ``parent`` (as vLLM lists adapters)."""
+    if adapter is None:
+        name, root, parent = ctx.model_name, ctx.model_path, None
+    else:
+        name, root, parent = adapter, ctx.manager.lora.adapters[adapter], ctx.model_name
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "engine",
+            "root": root, "parent": parent, "max_model_len": ctx.context_len}
 
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> Response:
-    """The one model this server serves."""
-    return JSONResponse({"object": "list", "data": [_model_card(serving_context(request))]})
+    """The base model, then the LoRA adapters loaded now."""
+    ctx = serving_context(request)
+    cards = [_model_card(ctx)] + [_model_card(ctx, a) for a in sorted(ctx.manager.lora.adapters)]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, request: Request) -> Response:
     ctx = serving_context(request)
-    ctx.check_model(model)
-    return JSONResponse(_model_card(ctx))
+    return JSONResponse(_model_card(ctx, ctx.resolve_model(model)))
 
 
 @router.post("/v1/tokenize")

@@ -20,6 +20,7 @@ from engine.entrypoints.http.generation import (
     log_stream_failure,
     make_choices,
     matched_stop,
+    response_model,
     run_to_completion,
     sse,
     sse_error,
@@ -62,11 +63,13 @@ _RENAMES = {**RENAMES, "input_ids": "messages", "text": "messages"}
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     req = parse_body(await request.body(), ChatCompletionRequest)
-    ctx.check_model(req.model)
+    lora = ctx.resolve_model(req.model)
     _check_supported(req)
     ctx.check_accepting()
     plan = plan_tools(req)
-    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=template_kwargs(ctx, req), tools=plan)
+    mm_items: list[Any] = []  # images and video of the messages' content parts
+    prompt_ids = await ctx.render_chat(req.messages, template_kwargs=template_kwargs(ctx, req), tools=plan,
+                                       mm_items=mm_items)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is None:
@@ -79,7 +82,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     base = GenerateRequest(
         input_ids=prompt_ids, sampling_params=plan.sampling(sampling_params(req, max_tokens), ctx.tool_parser),
         rid=req.rid or response_id,
-        return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0)
+        return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0,
+        mm_items=mm_items,
+        lora_path=lora)
     # A forced tool_choice is a JSON schema made from the tools: its errors are the tools'.
     forced = {"json_schema": "tools"} if plan.forced else {**grammar_renames(req.response_format),
                                                             **guided_renames(req)}
@@ -103,7 +108,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         }
         body_choices.append(entry)
     return JSONResponse({
-        "id": response_id, "object": "chat.completion", "created": created, "model": ctx.model_name,
+        "id": response_id, "object": "chat.completion", "created": created,
+        "model": response_model(ctx, req.model, lora),
         "choices": body_choices, "usage": usage(choices, by_index), "system_fingerprint": None,
     })
 
@@ -176,10 +182,11 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
     # Per choice: the output read as it streams (reasoning, content, tool-call deltas).
     readers = {c.index: reader.stream() for c in choices} if reader is not None else {}
     with_reasoning = ctx.reasoning_parser is not None
+    model = response_model(ctx, req.model, choices[0].request.lora_path)
 
     def chunk(parts: list[dict[str, Any]], usage_block: dict[str, Any] | None = None) -> bytes:
         data: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                                "model": ctx.model_name, "choices": parts}
+                                "model": model, "choices": parts}
         if with_usage:
             data["usage"] = usage_block  # null on every chunk but the last, as OpenAI does
         return sse(data)

@@ -20,6 +20,7 @@ from engine.entrypoints.http.generation import (
     log_stream_failure,
     make_choices,
     matched_stop,
+    response_model,
     run_to_completion,
     sse,
     sse_error,
@@ -54,7 +55,7 @@ _DEFAULT_MAX_TOKENS = 16
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     req = parse_body(await request.body(), CompletionRequest)
-    ctx.check_model(req.model)
+    lora = ctx.resolve_model(req.model)
     _check_supported(req)
     ctx.check_accepting()
     prompts = await _prompt_ids(ctx, req)
@@ -71,7 +72,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         return_logprob=req.logprobs is not None,
         # With echo the prompt's logprobs are wanted too, from its first token.
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
-        top_logprobs_num=req.logprobs or 0, priority=req.priority or 0,
+        top_logprobs_num=req.logprobs or 0, priority=req.priority or 0, lora_path=lora,
     ) for p, ids in enumerate(prompts)]
     choices = await make_choices(ctx, bases, req.n, renames={**_RENAMES, **grammar_renames(req.response_format),
                                                              **guided_renames(req)},
@@ -94,7 +95,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         })
     by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}
     return JSONResponse({
-        "id": response_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        "id": response_id, "object": "text_completion", "created": created,
+        "model": response_model(ctx, req.model, lora),
         "choices": body_choices, "usage": usage(choices, by_index), "system_fingerprint": None,
     })
 
@@ -161,10 +163,11 @@ def _logprobs(ctx: ServingContext, req: CompletionRequest, meta: dict[str, Any],
 async def _stream(ctx: ServingContext, req: CompletionRequest, choices: list[Choice], echoes: list[str],
                   response_id: str, created: int) -> AsyncIterator[bytes]:
     with_usage = stream_usage_wanted(req)
+    model = response_model(ctx, req.model, choices[0].request.lora_path)
 
     def chunk(parts: list[dict[str, Any]], usage_block: dict[str, Any] | None = None) -> bytes:
         data: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created,
-                                "model": ctx.model_name, "choices": parts}
+                                "model": model, "choices": parts}
         if with_usage:
             data["usage"] = usage_block
         return sse(data)
