@@ -87,6 +87,8 @@ class LoadLoraAdapterReqInput:
     name: str
     path: str
     pinned: bool = False
+    # Matches the reply to the request (``LoraAdapterReqOutput.token``).
+    token: int = 0
     # Matches the reply (LoraAdapterReqOutput.token) to the request, as ControlReq's does.
     token: int = 0
 
@@ -97,6 +99,8 @@ class UnloadLoraAdapterReqInput:
     the requests running on it have finished."""
 
     name: str
+    # Matches the reply to the request (``LoraAdapterReqOutput.token``).
+    token: int = 0
     # Matches the reply (LoraAdapterReqOutput.token) to the request.
     token: int = 0
 
@@ -110,6 +114,8 @@ class LoraAdapterReqOutput:
     message: str
     # Name -> path of every adapter loaded after the call.
     loaded: dict[str, str] = field(default_factory=dict)
+    # The request's token.
+    token: int = 0
     # The request's token (the scheduler copies it from the load or unload request).
     token: int = 0
 
