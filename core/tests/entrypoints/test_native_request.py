@@ -84,7 +84,7 @@ def test_off_values_are_accepted() -> None:
 
 
 @pytest.mark.parametrize("field, value, feature", [
-    ("image_data", "http://x/cat.png", "image inputs"),
+    ("audio_data", "http://x/cat.wav", "audio inputs"),
     ("input_embeds", [[0.1, 0.2]], "input embeddings"),
     ("return_hidden_states", True, "hidden states"),
     ("data_parallel_rank", 1, "data-parallel routing"),

@@ -48,6 +48,8 @@ ACTING_FIELDS = (
     "no_logs",
     # A loaded LoRA adapter's name (or the path it was loaded from), one for all prompts or one per prompt.
     "lora_path",
+    # Images and video of vision-language models (docs/multimodal.md); one entry per prompt in a batch.
+    "image_data", "video_data",
 )
 
 # Set by SGLang's own HTTP layer or used only to label its logs: nothing here to change.
