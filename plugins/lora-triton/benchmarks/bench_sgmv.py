@@ -28,6 +28,7 @@ from engine_lora_torch_native.backend import TorchNativeLoraBackend
 from engine_lora_triton.backend import TritonLoraBackend
 from engine_lora_triton.kernels import (
     expand_config,
+    has_pdl,
     sgmv_expand,
     sgmv_shrink,
     shrink_config,
@@ -43,6 +44,7 @@ LAYERS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)),
 #: scenario -> (segment lengths, distinct adapter slots cycled over the segments)
 SCENARIOS = {"decode-1": ([1], 1), "decode-64x8": ([1] * 64, 8), "prefill-4x512": ([512] * 4, 4)}
 SLOTS = 9  # --max-loras-per-batch 8 plus one rank-0 slot (the base model)
+DEVICE = "cuda"
 
 
 def graph_time_us(fn: Callable[[], object], reps: int) -> float:
@@ -85,6 +87,7 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
     width, sms = offsets[-1] - offsets[0], sm_count(x.device)
     args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
     decode = info.max_seg_len <= 1
+    pdl = has_pdl(x.device)
     shrink_cfgs = [dict(BLOCK_T=1, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2) for r, kk, w in SHRINK_GEMV] \
         if decode else [dict(BLOCK_T=t, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=st)
                         for t, r, kk, w, st in SHRINK_DOT]
@@ -100,10 +103,10 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
         timed = []
         for cfg in [default] + cfgs:
             if op == "shrink":
-                fn = functools.partial(sgmv_shrink, x, a, *args, info.num_segments, info.max_seg_len, cfg)
+                fn = functools.partial(sgmv_shrink, x, a, *args, info.num_segments, info.max_seg_len, pdl, cfg)
             else:
                 fn = functools.partial(sgmv_expand, y, b, out, *args, info.scalings, info.num_segments,
-                                       info.max_seg_len, offsets, cfg)
+                                       info.max_seg_len, offsets, pdl, cfg)
             timed.append((graph_time_us(fn, reps), cfg))
         best = min(timed[1:], key=lambda tc: tc[0])
         print(f"sweep {scen:<14} {layer:<8} {op:<6} heuristic {timed[0][0]:7.1f} us {timed[0][1]}  "
@@ -140,18 +143,19 @@ def main() -> None:
     ap.add_argument("--sweep", metavar="FILE.json", help="also sweep block sizes; write the timings here")
     args = ap.parse_args()
     swept: list[dict[str, Any]] = []
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     dt = torch.bfloat16
     torch.manual_seed(0)
     triton_be, native_be = TritonLoraBackend(), TorchNativeLoraBackend(per_segment=False)
+    plain_be = TritonLoraBackend(pdl=False)
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
-    print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'native us':>9} "
-          f"{'triton/base':>11} {'native/base':>11}")
+    print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'no-pdl us':>9} "
+          f"{'native us':>9} {'triton/base':>11} {'native/base':>11}")
     for scen, (lens, distinct) in SCENARIOS.items():
         info = build(lens, distinct, args.rank, dev)
         tokens = sum(lens)
-        totals = [0.0, 0.0, 0.0]
+        totals = [0.0, 0.0, 0.0, 0.0]
         for layer, (k, widths) in LAYERS.items():
             n = sum(widths)
             offsets = [0]
@@ -176,16 +180,17 @@ def main() -> None:
 
             t_base = graph_time_us(functools.partial(torch.matmul, x, w_base.T), args.reps)
             t_tri = graph_time_us(functools.partial(lora_call, triton_be, x, a, b, info, out, offsets), args.reps)
+            t_plain = graph_time_us(functools.partial(lora_call, plain_be, x, a, b, info, out, offsets), args.reps)
             t_nat = graph_time_us(functools.partial(lora_call, native_be, x, a, b, info, out, offsets), args.reps)
             used = min(distinct, len(lens))
             moved = 2 * (tokens * k + used * s * args.rank * k + 2 * tokens * s * args.rank
                          + used * n * args.rank + 2 * tokens * n)
-            totals = [totals[0] + t_base, totals[1] + t_tri, totals[2] + t_nat]
+            totals = [totals[0] + t_base, totals[1] + t_tri, totals[2] + t_nat, totals[3] + t_plain]
             if args.sweep:
                 swept += sweep(scen, layer, info, x, a, b, out, offsets, args.rank, args.reps)
-            print(f"{scen:<14} {layer:<8} {t_base:8.1f} {t_tri:9.1f} {moved / t_tri / 1e3:6.0f} {t_nat:9.1f} "
-                  f"{t_tri / t_base:11.2f} {t_nat / t_base:11.2f}")
-        print(f"{scen:<14} {'all 4':<8} {totals[0]:8.1f} {totals[1]:9.1f} {'':>6} {totals[2]:9.1f} "
+            print(f"{scen:<14} {layer:<8} {t_base:8.1f} {t_tri:9.1f} {moved / t_tri / 1e3:6.0f} {t_plain:9.1f} "
+                  f"{t_nat:9.1f} {t_tri / t_base:11.2f} {t_nat / t_base:11.2f}")
+        print(f"{scen:<14} {'sum':<8} {totals[0]:8.1f} {totals[1]:9.1f} {'':>6} {totals[3]:9.1f} {totals[2]:9.1f} "
               f"{totals[1] / totals[0]:11.2f} {totals[2] / totals[0]:11.2f}")
     if args.sweep:
         with open(args.sweep, "w") as f:

@@ -1,7 +1,8 @@
 """The SGMV kernels compile for an H100/H200 (sm_90) in the forms the launchers pick for
 Llama-3-8B's projections (decode: one token a program; prefill: token tiles with ``tl.dot``), in
-bfloat16, without register spills. The interpreter tests check the arithmetic; this checks that
-the code the GPU runs (early returns, the slice helper, the constexpr branches) compiles.
+bfloat16 with programmatic dependent launch, without register spills, each with one PDL trigger
+before its one wait. The interpreter tests check the arithmetic; this checks that the code the GPU
+runs (early returns, the slice selection, the constexpr branches) compiles.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), as a script run.
 """
@@ -10,15 +11,20 @@ from __future__ import annotations
 
 import json
 
-from engine.testing.aot import compile_kernel, compiled_facts, spill_bytes
+from engine.testing.aot import compile_kernel, compiled_facts, pdl_order, spill_bytes
 
 INDEX = dict(seg_indptr_ptr="*i32", weight_indices_ptr="*i32", ranks_ptr="*i32")
 
 
-def _compile_all() -> dict[str, int]:
+def _facts(kernel: object) -> dict[str, object]:
+    ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
+    return {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}
+
+
+def _compile_all() -> dict[str, dict[str, object]]:
     from engine_lora_triton import kernels as k
 
-    facts: dict[str, int] = {}
+    facts: dict[str, dict[str, object]] = {}
     types = {a: "i32" for a in k._shrink_kernel.arg_names}
     types.update(x_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16", **INDEX)
     for name, (segments, seg_len, rows, width) in {"decode-1": (1, 1, 48, 4096), "decode-64": (64, 1, 48, 14336),
@@ -27,24 +33,28 @@ def _compile_all() -> dict[str, int]:
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
         kernel = compile_kernel(k._shrink_kernel, types, dict(ROWS=rows, K=width, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
-                                                              IEEE=False, **cfg), num_warps=warps)
-        facts[f"shrink-{name}"] = spill_bytes(kernel.asm["ptx"])
+                                                              IEEE=False, PDL=True, **cfg), num_warps=warps)
+        facts[f"shrink-{name}"] = _facts(kernel)
     types = {a: "i32" for a in k._expand_kernel.arg_names}
     types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
-    for name, (segments, seg_len, slices, r) in {"decode-1": (1, 1, 3, 16), "decode-64": (64, 1, 2, 64),
-                                                 "prefill": (4, 512, 3, 64)}.items():
+    for name, (segments, seg_len, r) in {"decode-1": (1, 1, 16), "decode-64": (64, 1, 64),
+                                         "prefill": (4, 512, 64)}.items():
         cfg = k.expand_config(segments, seg_len, 6144, r, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
-        kernel = compile_kernel(k._expand_kernel, types, dict(R=r, N_SLICES=slices, DOT=cfg["BLOCK_T"] > 1,
-                                                              WIDEN=False, IEEE=False, **cfg), num_warps=warps)
-        facts[f"expand-{name}"] = spill_bytes(kernel.asm["ptx"])
+        kernel = compile_kernel(k._expand_kernel, types, dict(R=r, DOT=cfg["BLOCK_T"] > 1, WIDEN=False, IEEE=False,
+                                                              PDL=True, **cfg), num_warps=warps)
+        facts[f"expand-{name}"] = _facts(kernel)
     return facts
 
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     facts = compiled_facts(__file__, timeout=600)
-    assert len(facts) == 6 and all(v == 0 for v in facts.values()), facts
+    assert len(facts) == 6, facts
+    for name, got in facts.items():
+        assert got["spill_bytes"] == 0, (name, got)
+        assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)
+        assert got["loads_before_wait"] >= 4, (name, got)  # segment bounds, slot, rank, weights
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from engine.hookspecs import LoraBackendSpec, hookimpl
+from engine.hookspecs import LoraBackendSpec, PluginOption, hookimpl
 
 
 def interpreting() -> bool:
@@ -25,3 +25,10 @@ def register_lora_backends(register):  # type: ignore[no-untyped-def]
         device_types=("cuda", "cpu") if interpreting() else ("cuda",),
         description="Triton SGMV kernels: one program per segment token tile and output tile; "
                     "token-parallel matrix-vector form for one-token segments (decode)"))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    register(PluginOption(plugin="lora-triton", key="pdl", default=True,
+                          help="sm_90+: launch shrink and expand with programmatic dependent launch (each starts "
+                               "while the kernel before it drains, reading the batch info and its first weights)"))

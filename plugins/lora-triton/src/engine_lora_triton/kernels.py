@@ -55,7 +55,11 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, rank
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
                    ROWS: tl.constexpr, K: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        # Before its wait a program reads only the batch info and A (written before the forward),
+        # and writes nothing: the previous kernel may still be running.
+        tl.extra.cuda.gdc_launch_dependents()
     seg = tl.program_id(0)
     start = tl.load(seg_indptr_ptr + seg)
     end = tl.load(seg_indptr_ptr + seg + 1)
@@ -63,50 +67,37 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, rank
     if t0 >= end:  # past this segment's end (max_seg_len is an upper bound), or an empty segment
         return
     slot = tl.load(weight_indices_ptr + seg)
-    rank = tl.load(ranks_ptr + slot)
+    live = tl.load(ranks_ptr + slot) > 0  # a rank-0 slot (base model) keeps zeros, reads nothing
     offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     t_ok = offs_t < end
-    r_ok = offs_r < ROWS
-    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    if rank > 0:  # a rank-0 slot (base model) keeps the zeros
-        x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
-        a_ptrs = (a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
-                  + offs_k[None, :] * stride_ak)
-        for k0 in range(0, K, BLOCK_K):
+    r_ok = (offs_r < ROWS) & live
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak
+    av = tl.load(a_ptrs, mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    xv = tl.load(x_ptrs, mask=(t_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = _product(xv, av, DOT, WIDEN, IEEE)
+    if live:
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             k_ok = offs_k < K - k0
-            xv = tl.load(x_ptrs, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            av = tl.load(a_ptrs, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            xv = tl.load(x_ptrs + k0 * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            av = tl.load(a_ptrs + k0 * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc += _product(xv, av, DOT, WIDEN, IEEE)
-            x_ptrs += BLOCK_K * stride_xk
-            a_ptrs += BLOCK_K * stride_ak
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_r[None, :] * stride_yr
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & r_ok[None, :])
-
-
-@triton.jit
-def _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, lo, hi, y_col0, offs_r, r_ok, b_slot,
-                  stride_yt, stride_yr, stride_bn, stride_br,
-                  BLOCK_N: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
-    """Adds slice ``[lo, hi)``'s share of the column tile starting at ``n0`` to ``acc``."""
-    if (n0 < hi) & (n0 + BLOCK_N > lo):
-        in_slice = (cols >= lo) & (cols < hi)
-        y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
-        yv = tl.load(y_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        b_ptrs = b_ptr + b_slot + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
-        bv = tl.load(b_ptrs, mask=in_slice[:, None] & r_ok[None, :], other=0.0)
-        acc += _product(yv, bv, DOT, WIDEN, IEEE)
-    return acc
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_r < ROWS)[None, :])
 
 
 @triton.jit
 def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
-                   off0, off1, off2, off3,
+                   off0, off1, off2, off3, tiles0, tiles01,
                    stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
-                   R: tl.constexpr, N_SLICES: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+                   R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seg = tl.program_id(0)
     start = tl.load(seg_indptr_ptr + seg)
     end = tl.load(seg_indptr_ptr + seg + 1)
@@ -117,25 +108,31 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:  # the base model: its rows of out stay as they are
         return
-    scale = tl.load(scalings_ptr + slot)
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    t_ok = offs_t < end
-    n0 = off0 + tl.program_id(2) * BLOCK_N
-    cols = n0 + tl.arange(0, BLOCK_N)
+    # Column tiles never straddle slices: tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice 1,
+    # the rest slice 2 (the host passes the tile count as both bounds when there are fewer slices);
+    # each tile reads its own slice's R columns of y.
+    tile = tl.program_id(2)
+    in1 = tile >= tiles0
+    in2 = tile >= tiles01
+    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
+    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
+    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < hi
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    b_slot = slot.to(tl.int64) * stride_bs
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    acc = _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, off0, off1, 0, offs_r, r_ok, b_slot,
-                        stride_yt, stride_yr, stride_bn, stride_br, BLOCK_N, DOT, WIDEN, IEEE)
-    if N_SLICES > 1:
-        acc = _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, off1, off2, R, offs_r, r_ok, b_slot,
-                            stride_yt, stride_yr, stride_bn, stride_br, BLOCK_N, DOT, WIDEN, IEEE)
-    if N_SLICES > 2:
-        acc = _expand_slice(acc, y_ptr, b_ptr, offs_t, t_ok, cols, n0, off2, off3, 2 * R, offs_r, r_ok,
-                            b_slot, stride_yt, stride_yr, stride_bn, stride_br, BLOCK_N, DOT, WIDEN, IEEE)
-    last = off1 if N_SLICES == 1 else (off2 if N_SLICES == 2 else off3)
-    mask = t_ok[:, None] & (cols < last)[None, :]
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    scale = tl.load(scalings_ptr + slot)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < end
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
+    yv = tl.load(y_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+    acc = _product(yv, bv, DOT, WIDEN, IEEE)
+    mask = t_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + cols[None, :] * stride_on
     cur = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
@@ -190,11 +187,12 @@ def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: 
 
 
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
-                ranks: torch.Tensor, num_segments: int, max_seg_len: int,
+                ranks: torch.Tensor, num_segments: int, max_seg_len: int, pdl: bool = False,
                 config: dict[str, int] | None = None) -> torch.Tensor:
     """``[T, ROWS]`` in x's dtype: each token's row times its segment's ``a[slot]`` (``[ROWS, K]``)
     transposed; zeros for tokens of rank-0 slots (rows of tokens in no segment are unspecified).
-    ``config`` overrides ``shrink_config`` (the benchmark's sweeps)."""
+    ``pdl``: launch with programmatic dependent launch (``has_pdl``). ``config`` overrides
+    ``shrink_config`` (the benchmark's sweeps)."""
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
     tokens, k = x.shape
@@ -209,13 +207,14 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     _shrink_kernel[grid](
         x, a, y, seg_indptr, weight_indices, ranks,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
-        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, **cfg)
+        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl,
+        launch_pdl=pdl, **cfg)
     return y
 
 
 def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
-                num_segments: int, max_seg_len: int, slice_offsets: Sequence[int],
+                num_segments: int, max_seg_len: int, slice_offsets: Sequence[int], pdl: bool = False,
                 config: dict[str, int] | None = None) -> None:
     """``out[t, off_i:off_i+1] += scalings[w] * y[t, i*R:(i+1)*R] @ b[w, off_i:off_i+1].T`` in
     place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
@@ -236,8 +235,26 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
         return
     cfg = config or expand_config(num_segments, max_seg_len, width, r, sm_count(out.device))
     padded = offsets + [offsets[-1]] * (4 - len(offsets))
-    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(width, cfg["BLOCK_N"]))
+    tiles = [triton.cdiv(hi - lo, cfg["BLOCK_N"]) for lo, hi in zip(offsets, offsets[1:], strict=False)]
+    total = sum(tiles)
+    tiles0 = tiles[0] if n_slices > 1 else total
+    tiles01 = tiles[0] + tiles[1] if n_slices > 2 else total
+    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), total)
     _expand_kernel[grid](
-        y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded,
+        y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
         y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        R=r, N_SLICES=n_slices, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, **cfg)
+        R=r, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
+        **cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (CUDA sm_90+, compiled:
+    not under Triton's interpreter, not on ROCm)."""
+    if device.type != "cuda" or _INTERPRETED or torch.version.hip is not None:
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
