@@ -9,6 +9,10 @@ the bytes each LoRA call must move over the time (GB/s), and the LoRA share of t
 (shrink + expand over the base bf16 matmul ``x @ W.T``).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
+        [--result-file F.jsonl]
+
+``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
+backend as its peer) and the base matmuls' time, as rows of the benchmarks page's ``lora`` area.
 
 ``--sweep`` also times shrink and expand alone over a grid of block sizes and warps per scenario
 and layer (the numbers behind ``shrink_config``/``expand_config``), prints the heuristic's time
@@ -35,6 +39,7 @@ from engine_lora_triton.kernels import (
     sm_count,
 )
 
+from engine.bench.results import append_rows
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
@@ -43,6 +48,9 @@ LAYERS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)),
           "gate_up": (HIDDEN, (MLP, MLP)), "down": (MLP, (HIDDEN,))}
 #: scenario -> (segment lengths, distinct adapter slots cycled over the segments)
 SCENARIOS = {"decode-1": ([1], 1), "decode-64x8": ([1] * 64, 8), "prefill-4x512": ([512] * 4, 4)}
+#: how a result row names each scenario
+SCENARIO_WORDS = {"decode-1": "decode batch 1 (one adapter)", "decode-64x8": "decode batch 64 (8 adapters)",
+                  "prefill-4x512": "prefill 4 x 512 tokens (4 adapters)"}
 SLOTS = 9  # --max-loras-per-batch 8 plus one rank-0 slot (the base model)
 DEVICE = "cuda"
 
@@ -141,6 +149,7 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", metavar="FILE.json", help="also sweep block sizes; write the timings here")
+    ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
     args = ap.parse_args()
     swept: list[dict[str, Any]] = []
     dev = torch.device(DEVICE)
@@ -192,6 +201,14 @@ def main() -> None:
                   f"{t_nat:9.1f} {t_tri / t_base:11.2f} {t_nat / t_base:11.2f}")
         print(f"{scen:<14} {'sum':<8} {totals[0]:8.1f} {totals[1]:9.1f} {'':>6} {totals[3]:9.1f} {totals[2]:9.1f} "
               f"{totals[1] / totals[0]:11.2f} {totals[2] / totals[0]:11.2f}")
+        what = f"Llama-3-8B qkv, o, gate_up, down of one layer, {SCENARIO_WORDS[scen]}"
+        device = torch.cuda.get_device_name(dev)
+        append_rows(args.result_file,
+                    {"area": "lora", "bench": "kernel", "device": device, "us": round(totals[1], 2),
+                     "config": f"LoRA shrink + expand (triton), rank {args.rank}, bf16, {what}",
+                     "peer": {"config": "torch_native backend, same run", "us": round(totals[2], 2)}},
+                    {"area": "lora", "bench": "kernel", "device": device, "us": round(totals[0], 2),
+                     "config": f"base layers' bf16 matmuls (no LoRA), {what}"})
     if args.sweep:
         with open(args.sweep, "w") as f:
             json.dump(swept, f, indent=0)
