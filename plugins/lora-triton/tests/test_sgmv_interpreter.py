@@ -115,3 +115,5 @@ def test_bad_shapes_are_named() -> None:
         backend.expand(y, b, info, out, [0, 16])
     with pytest.raises(ValueError, match=r"shrink: x \(2, 6\) must be \[T, K\] and weights \(1, 8, 5\)"):
         backend.shrink(torch.zeros(2, 6), torch.zeros(1, 8, 5), info)
+    with pytest.raises(ValueError, match=r"shrink: weights dtype torch.bfloat16 must be x's dtype torch.float32"):
+        backend.shrink(torch.zeros(2, 6), torch.zeros(1, 8, 6, dtype=torch.bfloat16), info)

@@ -195,6 +195,8 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     ``shrink_config`` (the benchmark's sweeps)."""
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
+    if a.dtype != x.dtype:
+        raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
     tokens, k = x.shape
     rows = a.shape[1]
     # Rows of tokens outside every segment (the padding of a CUDA-graph batch) are left unwritten:
@@ -230,6 +232,8 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     r = b.shape[2]
     if y.shape != (out.shape[0], n_slices * r):
         raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {n_slices * r}]")
+    if b.dtype != y.dtype:
+        raise ValueError(f"expand: weights dtype {b.dtype} must be y's dtype {y.dtype}")
     width = offsets[-1] - offsets[0]
     if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or width == 0 or r == 0:
         return
