@@ -1,7 +1,8 @@
 """The SGMV kernels on a CUDA GPU at Llama-3-8B's shapes (K 4096, N 4096/1024 per slice, ranks 16
 and 64, bfloat16), compiled (not interpreted), against the float32 torch loop; the conformance kit
-on cuda; and one capture in a CUDA graph replayed after the batch's segments change in place (the
-engine's captured decode rewrites ``seg_indptr``/``weight_indices`` between replays)."""
+on cuda; and CUDA graphs (one-token segments, and 16-token ones) replayed after the batch's
+segments change in place, as the engine's captured decode rewrites ``seg_indptr`` and
+``weight_indices`` between replays."""
 
 from __future__ import annotations
 
@@ -72,34 +73,40 @@ def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
     assert _rel(out, want) < 1e-2
 
 
-def test_cuda_graph_replay_follows_the_segments() -> None:
+# (segments captured, segments of the replay): same count, the replay's within the captured
+# max_seg_len; tokens past the replay's last segment are padding.
+GRAPH_CASES = {"decode": ([1] * 32, [1] * 20 + [0] * 12), "chunks": ([16, 16], [5, 11])}
+
+
+@pytest.mark.parametrize("case", sorted(GRAPH_CASES))
+def test_cuda_graph_replay_follows_the_segments(case: str) -> None:
     torch.manual_seed(3)
+    captured, replayed = GRAPH_CASES[case]
     ranks = [16, 8, 0, 16]
     a, b = _pool(ranks, 16, 4096, (4096, 1024, 1024))
     offsets = [0, 4096, 5120, 6144]
-    batch = 32
-    info = _info([1] * batch, [i % 4 for i in range(batch)], ranks)
-    x = torch.randn(batch, 4096, device=DEV).bfloat16()
-    out = torch.zeros(batch, 6144, device=DEV).bfloat16()
+    tokens = sum(captured)
+    info = _info(captured, [i % 4 for i in range(len(captured))], ranks)
+    x = torch.randn(tokens, 4096, device=DEV).bfloat16()
+    out = torch.zeros(tokens, 6144, device=DEV).bfloat16()
     backend = TritonLoraBackend()
     backend.expand(backend.shrink(x, a, info), b, info, out, offsets)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = backend.shrink(x, a, info)
         backend.expand(y, b, info, out, offsets)
-    # A new batch in the same buffers: 20 real tokens in 3 segments on other slots; the rest pads.
-    new_indptr = torch.tensor([0, 7, 7, 20] + [20] * (batch - 3), dtype=torch.int32, device=DEV)
-    new_slots = torch.tensor([3, 0, 1] + [2] * (batch - 3), dtype=torch.int32, device=DEV)
-    info.seg_indptr.copy_(new_indptr)
-    info.weight_indices.copy_(new_slots)
-    x.copy_(torch.randn(batch, 4096, device=DEV).bfloat16())
+    # A new batch in the same buffers, on other slots (the engine refills them before a replay).
+    real = sum(replayed)
+    indptr = torch.zeros(len(replayed) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(replayed, dtype=torch.int32), 0)
+    info.seg_indptr.copy_(indptr.to(DEV))
+    info.weight_indices.copy_(torch.randint(0, 4, (len(replayed),), dtype=torch.int32, device=DEV))
+    x.copy_(torch.randn(tokens, 4096, device=DEV).bfloat16())
     out.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    # The replay must have followed the new segments (num_segments stays the captured 32).
-    want_y = reference_shrink(x, a, info)
-    assert _rel(y[:20], want_y[:20]) < 1e-2
-    want = torch.zeros(batch, 6144, device=DEV)
+    assert _rel(y[:real], reference_shrink(x, a, info)[:real]) < 1e-2
+    want = torch.zeros(tokens, 6144, device=DEV)
     reference_expand(y, b, info, want, offsets)
     assert _rel(out, want) < 1e-2
-    assert not out[20:].any(), "padding tokens were written"
+    assert not out[real:].any(), "padding tokens were written"
