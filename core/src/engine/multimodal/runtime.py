@@ -100,10 +100,17 @@ def build_input_embeds(model: Any, fb: ForwardBatch, cache: EmbeddingCache) -> t
     rows: list[RowMultimodal | None] = fb.mm_rows or []
     embeds = model.get_input_embeddings()(fb.input_ids)
     needed: dict[int, MultimodalItem] = {}
+    # This batch's embeddings by hash, held here: putting new ones may evict others from the cache.
+    found: dict[int, torch.Tensor] = {}
     for row in rows:
         for item in row.items if row is not None else ():
-            if item.offset < row.end and item.end > row.start and cache.get(item.hash) is None:
-                needed.setdefault(item.hash, item)
+            if item.offset < row.end and item.end > row.start and item.hash not in found:
+                cached = cache.get(item.hash)
+                if cached is None:
+                    needed.setdefault(item.hash, item)
+                else:
+                    found[item.hash] = cached
+                    cache.hits += 1
     if needed:
         todo = list(needed.values())
         outs = model.embed_multimodal(todo)
@@ -113,7 +120,7 @@ def build_input_embeds(model: Any, fb: ForwardBatch, cache: EmbeddingCache) -> t
             if out.shape[0] != item.length:
                 raise RuntimeError(f"embed_multimodal: a {item.modality} with {item.length} placeholder tokens got "
                                    f"an embedding of {out.shape[0]} rows")
-            cache.put(item.hash, out)
+            found[item.hash] = out
         cache.computed += len(todo)
     assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
     token_start = 0
@@ -123,15 +130,14 @@ def build_input_embeds(model: Any, fb: ForwardBatch, cache: EmbeddingCache) -> t
                 lo, hi = max(item.offset, row.start), min(item.end, row.end)
                 if lo >= hi:
                     continue
-                emb = cache.get(item.hash)
-                assert emb is not None
-                if item.hash not in needed:
-                    cache.hits += 1
+                emb = found[item.hash]
                 if hi < item.end:  # the item goes on in a later chunk
                     cache.pin(row.rid, item.hash)
                 dst = token_start + lo - row.start
                 embeds[dst:dst + hi - lo] = emb[lo - item.offset:hi - item.offset].to(embeds.dtype)
         token_start += fb.extend_seq_lens_cpu[i] if i < len(fb.extend_seq_lens_cpu) else 1
+    for key in needed:  # after the pins: an item a later chunk needs is not evicted on arrival
+        cache.put(key, found[key])
     return embeds
 
 
