@@ -52,6 +52,7 @@ class Engine:
         stream: bool = False,
         rid: str | list[str] | None = None,
         priority: int | None = None,
+        lora_path: str | list[str | None] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generates for one prompt (returns a dict) or a batch (returns a list of dicts).
 
@@ -59,9 +60,11 @@ class Engine:
         ``completion_tokens``, ``cached_tokens``, ``finish_reason``...). With
         ``stream=True`` (single prompt) returns an iterator of cumulative outputs.
         With ``sampling_params["n"] > 1`` a single prompt returns a list of n outputs.
+        ``lora_path``: the LoRA adapter (its name) every prompt runs with, or one per prompt
+        (None: the base model); docs/lora.md.
         """
         reqs, single = self._build_requests(prompt, sampling_params, input_ids, return_logprob,
-                                            logprob_start_len, top_logprobs_num, rid, priority)
+                                            logprob_start_len, top_logprobs_num, rid, priority, lora_path)
         if stream:
             if not single or len(reqs) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -71,7 +74,7 @@ class Engine:
 
     def _build_requests(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                         logprob_start_len: int | None, top_logprobs_num: int, rid: Any,
-                        priority: int | None) -> tuple[list[GenerateRequest], bool]:
+                        priority: int | None, lora_path: Any = None) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if prompt is not None:
@@ -87,6 +90,9 @@ class Engine:
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
         rids = rid if isinstance(rid, list) else [rid] * n
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
+        if len(loras) != n:
+            raise ValueError(f"lora_path has {len(loras)} entries for {n} prompts")
         reqs: list[GenerateRequest] = []
         for i in range(n):
             p = dict(params[i])
@@ -100,7 +106,7 @@ class Engine:
                     text=texts[i], input_ids=ids[i], sampling_params=cp, rid=this_rid,
                     return_logprob=return_logprob,
                     logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, priority=priority or 0))
+                    top_logprobs_num=top_logprobs_num, priority=priority or 0, lora_path=loras[i]))
             if copies > 1:
                 single = False
         return reqs, single
@@ -153,6 +159,16 @@ class Engine:
         outputs = [{"embedding": r.embedding, "meta_info": {"prompt_tokens": r.prompt_tokens,
                                                             "cached_tokens": r.cached_tokens}} for r in results]
         return outputs[0] if single else outputs
+
+    # -- LoRA adapters -----------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, str]:
+        """Loads the PEFT adapter directory ``path`` as ``name``; returns the loaded adapters
+        (name -> path). Raises RequestError naming the field when it cannot be served."""
+        return self.loop.run_until_complete(self.tokenizer_manager.load_lora_adapter(name, path, pinned))
+
+    def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """Unloads ``name`` (requests running on it finish with it); returns the loaded adapters."""
+        return self.loop.run_until_complete(self.tokenizer_manager.unload_lora_adapter(name))
 
     # -- control -------------------------------------------------------------------
     def flush_cache(self) -> bool:

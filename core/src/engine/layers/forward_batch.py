@@ -110,6 +110,9 @@ class ForwardBatch:
     pp_proxy: Any = None
     # Free-form slot for extensions (speculative decoding, multimodal, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # LoRA (``engine.lora``): per row (extend rows, then decode rows), the load id of the adapter
+    # the row runs with, None for the base model; None when no row has one.
+    lora_uids: list[int | None] | None = None
     # Multimodal models (``engine.multimodal``), prefill: [num_tokens, hidden] embeddings the model
     # runs on instead of embedding ``input_ids`` (text embeddings with the items' rows scattered
     # in; built by the model runner). None: embed ``input_ids``.
@@ -164,7 +167,8 @@ class ForwardBatch:
                 seq_lens_cpu=self.seq_lens_cpu[lo:hi], seq_lens_sum=sum(self.seq_lens_cpu[lo:hi]),
                 num_extend_reqs=max(0, min(hi, self.num_extend_reqs) - lo), return_logprob=self.return_logprob,
                 req_to_token_pool=self.req_to_token_pool, token_to_kv_pool=self.token_to_kv_pool,
-                attn_backend=self.attn_backend, sampling_info=self.sampling_info, extra=self.extra)
+                attn_backend=self.attn_backend, sampling_info=self.sampling_info, extra=self.extra,
+                lora_uids=self.lora_uids[lo:hi] if self.lora_uids is not None else None)
             if self.forward_mode.is_extend():
                 assert self.extend_seq_lens is not None and self.extend_prefix_lens is not None
                 assert self.extend_prefix_lens_cpu is not None and self.extend_seq_lens_cpu is not None

@@ -111,6 +111,10 @@ class LinearBase(nn.Module):
         #: the platform's skinny GEMM (``layer_kernels()['linear']``), used by the unquantized
         #: method for inputs of few rows; None: always ``F.linear``.
         self.skinny_linear: Any = None
+        #: LoRA adapters' slots for this projection (``engine.lora.layers.LoraLayer``), set by the
+        #: model runner when LoRA is on: ``lora.apply(x, out)`` adds the batch's adapters to the
+        #: output before any all-reduce or gather. None: no LoRA.
+        self.lora: Any = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's ``linear`` kernel when it offers one (quantized methods ignore it)."""
@@ -120,7 +124,7 @@ class LinearBase(nn.Module):
         """Whether the RMSNorm before this layer may hand it ``PendingNorm`` inputs (asked once, at
         start-up, by ``quantization.fusion.link_norm_consumers``): the method is the unquantized
         one and the platform's skinny GEMM offers norm fusion."""
-        return (isinstance(self.quant_method, UnquantizedLinearMethod)
+        return (isinstance(self.quant_method, UnquantizedLinearMethod) and self.lora is None
                 and bool(getattr(self.skinny_linear, "norm_fusion", False)))
 
     def takes_pending_norm(self, x: torch.Tensor) -> bool:
@@ -201,6 +205,8 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.quant_method.apply(self, x, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, out)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -301,6 +307,9 @@ class RowParallelLinear(LinearBase):
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
         # The bias is added once, after the reduction.
         out = self.quant_method.apply(self, x, None)
+        if self.lora is not None:
+            # This rank's share (A sharded by input like the weight): summed by the all-reduce.
+            self.lora.apply(x, out)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

@@ -116,6 +116,10 @@ class Req:
         self.mm_items: list[Any] = []
         self.mrope_positions: torch.Tensor | None = None
         self.mrope_delta = 0
+        # LoRA: the adapter's name and load id (set by the scheduler on arrival; None: the base
+        # model). The load id also keys the request's prefixes in the radix cache.
+        self.lora_name: str | None = None
+        self.lora_uid: int | None = None
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:
@@ -142,7 +146,10 @@ class Req:
             if self.wants_prompt_logprobs():
                 # Prompt logprobs need the logits of those positions: do not skip them.
                 max_prefix = min(max_prefix, max(self.logprob_start_len, 0))
-            match = tree_cache.match_prefix(self.fill_ids[:max_prefix])
+            if self.lora_uid is None:
+                match = tree_cache.match_prefix(self.fill_ids[:max_prefix])
+            else:  # an adapter's KV differs from the base model's: its own namespace
+                match = tree_cache.match_prefix(self.fill_ids[:max_prefix], namespace=self.lora_uid)
             self.prefix_indices, self.last_node = match.device_indices, match.last_node
         self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
 
@@ -193,6 +200,12 @@ class Req:
 
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+def _lora_uids(rows: list[Req]) -> list[int | None] | None:
+    """Each row's adapter load id, or None when no row runs an adapter."""
+    uids = [r.lora_uid for r in rows]
+    return uids if any(u is not None for u in uids) else None
 
 
 class ScheduleBatch:
@@ -266,6 +279,7 @@ class ScheduleBatch:
         fb = ForwardBatch.build(
             self.forward_mode, input_ids, [r.req_pool_idx for r in rows], seq_lens,
             prefix_lens, out_cache_loc, self.device, num_extend_reqs=num_extend, return_logprob=return_logprob)
+        fb.lora_uids = _lora_uids(rows)
         if rows and (rows[0].mrope_positions is not None or any(r.mm_items for r in rows)):
             from engine.multimodal.runtime import attach_extend
 
@@ -315,6 +329,7 @@ class ScheduleBatch:
             input_ids=input_ids.to(self.device, non_blocking=True), req_pool_indices=ints[0],
             positions=ints[1], seq_lens=ints[2], out_cache_loc=ints[3], decode_ints=ints,
             seq_lens_cpu=seq_lens, seq_lens_sum=sum(seq_lens))
+        fb.lora_uids = _lora_uids(reqs)
         if reqs and reqs[0].mrope_positions is not None:
             from engine.multimodal.runtime import attach_decode
 

@@ -21,6 +21,7 @@ from engine.managers.logprobs import record_output_logprobs, record_prompt_logpr
 from engine.managers.policy import PolicyContext
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
 from engine.managers.scheduler_decode import DecodeMixin, InflightDecode
+from engine.managers.scheduler_lora import LoraMixin
 from engine.managers.scheduler_output import OutputMixin
 from engine.managers.scheduler_pooling import PoolingMixin
 from engine.managers.stop_strings import stop_string_check
@@ -59,7 +60,7 @@ def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
     return ids
 
 
-class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
+class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
     def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
         self.args = args
         self.runner = ModelRunner(args, model_path, platform)
@@ -105,6 +106,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
                             "last one's tokens); decode steps of batches above --speculative-max-batch-size overlap")
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: dict[str, str] = {}
+        self._init_lora()  # loads the --lora-paths adapters
         # Counters for /get_server_info and metrics.
         self.num_retractions = 0
         self.forward_steps = 0
@@ -134,7 +136,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
         req = Req(recv.rid, recv.input_ids, params, self.eos_token_ids, recv.return_logprob,
                   recv.logprob_start_len, recv.top_logprobs_num, recv.stream, recv.priority)
         self.reqs[req.rid] = req
-        error = self._validate(req)
+        error = self._validate(req) or self._attach_lora(req, getattr(recv, "lora_name", None))
         if not error and (recv.mm_items or self.runner.mrope):
             error = self._attach_multimodal(req, recv.mm_items)
         if error:
@@ -228,6 +230,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
         if self.pending_aborts:
             self.drain()
             self._apply_aborts()
+        if self.lora_draining:
+            self._reap_loras()
         if self.grammar_queue.waiting:
             self._admit_compiled_grammars()
         if self.chunked_req is not None or (self.waiting_queue and self._admission_needs_settled_batch()):
@@ -280,7 +284,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
             for req in self.waiting_queue:
                 # Retracted requests resume from prompt + output: match what admission will.
                 tokens = req.origin_input_ids + req.output_ids
-                match = self.tree_cache.match_prefix(tokens[:-1])
+                match = (self.tree_cache.match_prefix(tokens[:-1]) if req.lora_uid is None
+                         else self.tree_cache.match_prefix(tokens[:-1], namespace=req.lora_uid))
                 req.prefix_len_hint, req.last_node = len(match.device_indices), match.last_node
         self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_ctx)
 
@@ -336,16 +341,19 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin):
             # request admitted this round (same cached depth, same next _SHARE_PROBE tokens: a
             # shared system prompt, or parallel samples n > 1) waits one round, then finds that
             # prefix in the cache instead of computing it twice in one batch.
-            admitted_prefixes: set[tuple[int, tuple[int, ...]]] = set()
+            admitted_prefixes: set[tuple[int | None, int, tuple[int, ...]]] = set()
             share = not self.args.disable_radix_cache
             for req in list(self.waiting_queue):
                 if running + len(can_run) >= self.max_running_requests:
                     break
+                if req.lora_uid is not None and self._lora_blocks(req, self.running_batch.reqs + can_run):
+                    continue  # its adapter would exceed --max-loras-per-batch: a later batch
                 req.init_next_round_input(self.tree_cache)
                 key = None
                 if share and req.extend_input_len >= _SHARE_MIN_PROMPT:
                     depth = len(req.prefix_indices)
-                    key = (depth, tuple(req.fill_ids[depth : depth + _SHARE_PROBE]))
+                    # Prefixes are shared within an adapter only (the radix cache's namespaces).
+                    key = (req.lora_uid, depth, tuple(req.fill_ids[depth : depth + _SHARE_PROBE]))
                     if key in admitted_prefixes:
                         continue
                 if req.extend_input_len > rem_input and can_run:

@@ -25,9 +25,12 @@ from engine.managers.io_struct import (
     BatchEmbeddingOut,
     ControlReply,
     ControlReq,
+    LoadLoraAdapterReqInput,
+    LoraAdapterReqOutput,
     SchedulerReady,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
+    UnloadLoraAdapterReqInput,
 )
 from engine.managers.process_utils import IpcNames, exit_if_orphaned, ignore_group_signals, setup_child_logging
 
@@ -257,7 +260,7 @@ def _is_peer_failure(exc: BaseException) -> bool:
                                    "peer", "socket"))
 
 
-def _dispatch(scheduler: Any, msg: Any) -> ControlReply | None:
+def _dispatch(scheduler: Any, msg: Any) -> ControlReply | LoraAdapterReqOutput | None:
     if isinstance(msg, TokenizedGenerateReqInput):
         try:
             scheduler.add_request(msg)
@@ -275,6 +278,10 @@ def _dispatch(scheduler: Any, msg: Any) -> ControlReply | None:
     if isinstance(msg, AbortReq):
         scheduler.abort_request(msg.rid, msg.message)
         return None
+    if isinstance(msg, LoadLoraAdapterReqInput):
+        return scheduler.load_lora_adapter(msg)
+    if isinstance(msg, UnloadLoraAdapterReqInput):
+        return scheduler.unload_lora_adapter(msg)
     if isinstance(msg, ControlReq):
         if msg.kind == "flush_cache":
             return ControlReply(msg.kind, msg.token, ok=scheduler.flush_cache())

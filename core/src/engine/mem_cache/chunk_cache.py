@@ -41,8 +41,8 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         """Nothing is stored, so nothing to forget."""
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Always an empty match with ``last_node`` None."""
+    def match_prefix(self, key: list[int], namespace: int | None = None) -> MatchResult:
+        """Always an empty match with ``last_node`` None (in any namespace)."""
         return MatchResult(
             device_indices=torch.empty(0, dtype=torch.int64, device=self.device), last_node=None
         )

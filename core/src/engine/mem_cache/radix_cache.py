@@ -5,6 +5,10 @@ Each edge stores a run of tokens (``key``) and the KV slots of those tokens
 keys are compared page by page, because the allocator hands out and frees KV in
 whole pages: a cached partial page could not be shared without sharing the page.
 
+Prefixes live in namespaces: None (the base model) under the root, and one per LoRA adapter
+load (an ``int``) under its own permanently locked child of the root, keyed ``("ns", id)``;
+a prefix computed with one adapter is never matched for another or for the base model.
+
 Nodes on the path of a running request are locked (``lock_ref > 0``) and never
 evicted; ``evictable_size`` and ``protected_size`` count the tokens of unlocked
 and locked nodes and always add up to the tokens stored in the tree.
@@ -95,6 +99,11 @@ def _common_prefix_len(edge: list[int], key: list[int], start: int) -> int:
     return lo
 
 
+def _namespace_of(req: PrefixCacheReq) -> int | None:
+    """A request's prefix namespace: its LoRA adapter's load id, None for the base model."""
+    return getattr(req, "lora_uid", None)
+
+
 class RadixCache(BasePrefixCache):
     """Prefix cache storing token runs in a radix tree (see module docstring).
 
@@ -158,8 +167,41 @@ class RadixCache(BasePrefixCache):
     def _aligned(self, length: int) -> int:
         return length - length % self.page_size
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
-        """Longest cached, page-aligned prefix of ``key``.
+    def _namespace_root(self, namespace: int | None, create: bool) -> TreeNode | None:
+        """The node a namespace's prefixes hang from: the root for None, else its child
+        ``("ns", namespace)`` (locked for good: it holds no tokens and is never evicted)."""
+        if namespace is None:
+            return self.root_node
+        node = self.root_node.children.get(("ns", namespace))
+        if node is None and create:
+            node = TreeNode(next(self._ids))
+            node.parent = self.root_node
+            node.value = self._no_slots
+            node.lock_ref = 1
+            self.root_node.children[("ns", namespace)] = node
+        return node
+
+    def drop_namespace(self, namespace: int) -> int:
+        """Frees every cached prefix of a namespace (an unloaded adapter's); none may be locked
+        by a running request. Returns the tokens freed."""
+        top = self.root_node.children.pop(("ns", namespace), None)
+        if top is None:
+            return 0
+        freed, stack = [], list(top.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref:
+                raise RuntimeError(f"drop_namespace({namespace}): {node!r} is locked by a running request")
+            freed.append(node.value)
+            stack.extend(node.children.values())
+        tokens = sum(len(v) for v in freed)
+        self._evictable_size -= tokens
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed))
+        return tokens
+
+    def match_prefix(self, key: Sequence[int], namespace: int | None = None) -> MatchResult:
+        """Longest cached, page-aligned prefix of ``key`` in ``namespace``.
 
         Splits the last node when the match ends inside its edge, so that locking
         ``last_node`` protects exactly the matched tokens. Refreshes the access
@@ -169,7 +211,9 @@ class RadixCache(BasePrefixCache):
             key = list(key)
         # A trailing partial page never matches: _match_len rounds down to pages.
         end = self._aligned(len(key))
-        node = self.root_node
+        node = self._namespace_root(namespace, create=False)
+        if node is None:
+            return MatchResult(device_indices=self._no_slots, last_node=self.root_node)
         now = next(self._clock)
         node.last_access_time = now
         values: list[torch.Tensor] = []
@@ -196,8 +240,8 @@ class RadixCache(BasePrefixCache):
             indices = torch.cat(values)
         return MatchResult(device_indices=indices, last_node=node)
 
-    def insert(self, key: Sequence[int], value: torch.Tensor) -> int:
-        """Stores ``value`` under ``key``; see ``BasePrefixCache.insert``.
+    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: int | None = None) -> int:
+        """Stores ``value`` under ``key`` in ``namespace``; see ``BasePrefixCache.insert``.
 
         With ``page_size > 1`` only whole pages are stored: a trailing partial
         page of ``key`` is ignored and stays with the caller.
@@ -207,7 +251,8 @@ class RadixCache(BasePrefixCache):
         if type(key) is not list:  # stored edges must compare list to list
             key = list(key)
         end = self._aligned(len(key))
-        node = self.root_node
+        node = self._namespace_root(namespace, create=True)
+        assert node is not None
         now = next(self._clock)
         node.last_access_time = now
         pos = 0
@@ -338,7 +383,7 @@ class RadixCache(BasePrefixCache):
         allocator = self.token_to_kv_pool_allocator
         if is_insert:
             aligned_len = self._aligned(len(token_ids))
-            new_prefix_len = self.insert(token_ids[:aligned_len], kv[:aligned_len])
+            new_prefix_len = self.insert(token_ids[:aligned_len], kv[:aligned_len], _namespace_of(req))
             # Positions cached meanwhile by another request: ours are duplicates.
             allocator.free(kv[tree_prefix_len:new_prefix_len])
             # The partial last page cannot be cached.
@@ -363,10 +408,11 @@ class RadixCache(BasePrefixCache):
         aligned_len = self._aligned(len(token_ids))
         aligned_ids = token_ids[:aligned_len]
         tree_prefix_len = self._aligned(len(req.prefix_indices))
-        new_prefix_len = self.insert(aligned_ids, kv[:aligned_len])
+        namespace = _namespace_of(req)
+        new_prefix_len = self.insert(aligned_ids, kv[:aligned_len], namespace)
         self.token_to_kv_pool_allocator.free(kv[tree_prefix_len:new_prefix_len])
 
-        match = self.match_prefix(aligned_ids)
+        match = self.match_prefix(aligned_ids, namespace)
         new_indices = match.device_indices
         assert len(new_indices) == aligned_len, "just-inserted prefix must match in full"
         # Positions before tree_prefix_len already hold these very slots.

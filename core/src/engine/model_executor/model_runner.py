@@ -117,6 +117,15 @@ class ModelRunner:
         self.layer_kernels: dict[str, Any] = self.platform.layer_kernels()
         self._install_layer_kernels()
         link_activation_quantizers(self.model)
+        #: LoRA adapters (``--lora-paths`` / ``--enable-lora``): slots on the target layers, sized
+        #: before the KV pool so the pool is sized without them. None: LoRA off.
+        self.lora: Any = None
+        self._lora_capturing = False
+        if args.lora_enabled:
+            from engine.lora.setup import create_lora_manager
+
+            self.lora = create_lora_manager(args, self.model, self.platform, self.dtype, self.device,
+                                            (self.start_layer, self.end_layer))
         link_norm_consumers(self.model)  # after both: it needs the kernels and out_quant
         self._init_pools(free_before)
         self.attn_backend = self._create_attention_backend()
@@ -159,7 +168,16 @@ class ModelRunner:
             return None
         from engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
-        return CudaGraphRunner(self, args.cuda_graph_max_bs)
+        if self.lora is None:
+            return CudaGraphRunner(self, args.cuda_graph_max_bs)
+        # Decode graphs hold the LoRA path: captured on the static batch info, every replay
+        # refills its buffers (``LoraManager.prepare(graph=True)``).
+        self.lora.static_rows(self.max_running_requests + 1)
+        self._lora_capturing = True
+        try:
+            return CudaGraphRunner(self, args.cuda_graph_max_bs)
+        finally:
+            self._lora_capturing = False
     # -- set-up -------------------------------------------------------------
     def _install_layer_kernels(self) -> None:
         """Offers the platform's fused kernels to every layer that can use them."""
@@ -346,6 +364,19 @@ class ModelRunner:
         forward_batch.req_to_token_pool = self.req_to_token_pool
         forward_batch.token_to_kv_pool = self.token_to_kv_pool
         forward_batch.attn_backend = self.attn_backend
+        if self.lora is not None:
+            self._prepare_lora(forward_batch)
+
+    def _prepare_lora(self, forward_batch: ForwardBatch, graph: bool = False) -> None:
+        """The batch's adapter slots for every LoRA layer (``ForwardBatch.lora_uids``)."""
+        assert self.lora is not None
+        if self._lora_capturing:
+            self.lora.state.batch_info = self.lora.capture_info(forward_batch.batch_size)
+            return
+        rows = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
+        if forward_batch.forward_mode.is_mixed() and rows is not None:
+            rows = list(rows) + [1] * (forward_batch.batch_size - len(rows))
+        self.lora.prepare(forward_batch.lora_uids, rows or [1] * forward_batch.batch_size, graph=graph)
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -359,6 +390,8 @@ class ModelRunner:
             forward_batch.capture_hidden = self.capture_hidden
         graphs = self.cuda_graph_runner
         if graphs is not None and graphs.can_run(forward_batch):
+            if self.lora is not None:
+                self._prepare_lora(forward_batch, graph=True)
             return graphs.replay(forward_batch)
         if self.placement.pp_size > 1:
             return self._forward_stage(forward_batch)

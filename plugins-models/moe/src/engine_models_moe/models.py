@@ -148,6 +148,9 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     #: checkpoint names of an expert's gate, up and down projections.
     expert_names = ("gate_proj", "up_proj", "down_proj")
+    #: LoRA adapters attach to the attention projections only (engine.lora.layers): the
+    #: experts' weights live in fused MoE tensors, not in linear layers.
+    lora_modules = ("qkv_proj", "o_proj")
 
     model_cls = MoeModel
 

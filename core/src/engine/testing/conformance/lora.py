@@ -131,6 +131,38 @@ def _rank0_rows(info: LoraBatchInfo) -> torch.Tensor:
     return mask
 
 
+def make_peft_adapter(base: str, out: str, r: int, targets: list[str] | tuple[str, ...], seed: int,
+                      alpha: float | None = None, use_rslora: bool = False) -> str:
+    """A random PEFT LoRA adapter of the checkpoint ``base`` (``lora_alpha`` 2r unless given),
+    written to ``out`` with ``save_pretrained``. ``init_lora_weights=False`` draws B at random too
+    (PEFT's default zero B would leave the model unchanged). Needs ``peft``."""
+    from peft import LoraConfig, get_peft_model
+
+    from engine.testing.checkpoints import load_hf_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else 2 * r, target_modules=list(targets),
+                        init_lora_weights=False, use_rslora=use_rslora)
+    get_peft_model(load_hf_model(base), config).save_pretrained(out)
+    return out
+
+
+def peft_greedy(base: str, adapter: str | None, prompts: list[list[int]], max_new_tokens: int,
+                merged: bool = False) -> list[list[int]]:
+    """Greedy output ids of PEFT's ``PeftModel`` (or its ``merge_and_unload()``) in float32, the
+    oracle of LoRA parity tests; the base model alone when ``adapter`` is None."""
+    from peft import PeftModel
+
+    from engine.testing.checkpoints import hf_greedy, load_hf_model
+
+    model = load_hf_model(base)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+        if merged:
+            model = model.merge_and_unload().eval()
+    return [hf_greedy(model, p, max_new_tokens) for p in prompts]
+
+
 class LoraBackendConformance:
     """Set ``backend_name`` (and ``device``, default cpu). ``test_matches_reference`` runs
     ``check_lora_backend``; ``test_spec`` checks the registration."""
@@ -166,4 +198,5 @@ class LoraBackendConformance:
         backend.expand(y, b, info, torch.zeros(0, 24, device=dev), [0, 24])
 
 
-__all__ = ["LoraBackendConformance", "check_lora_backend", "random_batch_info", "random_pool_weights"]
+__all__ = ["LoraBackendConformance", "check_lora_backend", "make_peft_adapter", "peft_greedy", "random_batch_info",
+           "random_pool_weights"]

@@ -1,0 +1,171 @@
+"""LoRA on a model's projections: what each linear layer holds and adds.
+
+The model runner walks the model once (``attach_lora``): every tensor-parallel linear layer whose
+name is a LoRA target (``qkv_proj`` for q/k/v, ``gate_up_proj`` for gate/up, ``o_proj``,
+``down_proj``, or an unfused ``q_proj``...) gets a ``LoraLayer`` in ``layer.lora``, which the
+layer calls on its input and output before any all-reduce or gather (``engine.layers.linear``).
+A model class may narrow the targets with ``lora_modules`` (names of its linear layers; the
+mixture-of-experts models list their attention projections only). Module names of the model stay
+as they were, so checkpoints load unchanged.
+
+Each ``LoraLayer`` holds the device pool's slots for this projection: A ``[slots, n_slices * R,
+K]`` and B ``[slots, N, R]`` in this rank's shard, and adds ``shrink``/``expand`` of the batch's
+adapters through the LoRA backend. Column-parallel layers keep A whole and shard B by output
+like the layer; row-parallel layers shard A by input like the layer and keep B whole, so each
+rank's part is summed by the layer's own all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from engine.lora.backend import LoraBackend, LoraBatchInfo
+
+if TYPE_CHECKING:
+    pass
+
+#: fused projection -> the PEFT modules it stacks, in output order.
+STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class LoraState:
+    """What every LoRA layer of one model reads per forward: the backend and the batch's info
+    (None when no row of the batch uses an adapter: the layers add nothing)."""
+
+    def __init__(self, backend: LoraBackend) -> None:
+        self.backend = backend
+        self.batch_info: LoraBatchInfo | None = None
+
+
+@dataclass
+class SliceShard:
+    """Where slice ``i`` of a layer (one PEFT module) lies: its rows of the full B, and the
+    columns of A, for this rank."""
+
+    peft_name: str
+    #: this rank's rows of the full output of this slice: [start, start + size).
+    out_start: int
+    out_size: int
+
+
+class LoraLayer(nn.Module):
+    """The LoRA slots of one projection, in this rank's shard."""
+
+    def __init__(self, state: LoraState, slices: list[SliceShard], row_parallel: bool, in_full: int,
+                 in_start: int, in_size: int, out_full: list[int], num_slots: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.state = state
+        self.slices = slices
+        self.row_parallel = row_parallel
+        self.in_full, self.in_start, self.in_size = in_full, in_start, in_size
+        #: full (unsharded) output size of each slice, for checking adapter shapes.
+        self.out_full = out_full
+        self.max_rank = max_rank
+        offsets = [0]
+        for s in slices:
+            offsets.append(offsets[-1] + s.out_size)
+        self.slice_offsets = offsets
+        n = len(slices)
+        self.register_buffer("a_buffer", torch.zeros(num_slots, n * max_rank, in_size, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("b_buffer", torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype, device=device),
+                             persistent=False)
+
+    def shard(self, slice_index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of one slice's full (A [r, in], B [out, r])."""
+        s = self.slices[slice_index]
+        if self.row_parallel:
+            a = a[:, self.in_start:self.in_start + self.in_size]
+        else:
+            b = b[s.out_start:s.out_start + s.out_size]
+        return a, b
+
+    def load_slot(self, slot: int, parts: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Writes one adapter's sharded matrices (None: slice not targeted) into ``slot``."""
+        a_buf, b_buf = self.a_buffer[slot], self.b_buffer[slot]
+        a_buf.zero_()
+        b_buf.zero_()
+        r_max = self.max_rank
+        for i, part in enumerate(parts):
+            if part is None:
+                continue
+            a, b = part
+            r = a.shape[0]
+            a_buf[i * r_max:i * r_max + r].copy_(a, non_blocking=True)
+            lo, hi = self.slice_offsets[i], self.slice_offsets[i + 1]
+            b_buf[lo:hi, :r].copy_(b, non_blocking=True)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Adds the batch's adapters' ``scaling * (x @ A^T) @ B^T`` to ``out`` in place."""
+        info = self.state.batch_info
+        if info is None:
+            return
+        x2 = x.reshape(-1, x.shape[-1])
+        out2 = out.view(-1, out.shape[-1])
+        backend = self.state.backend
+        y = backend.shrink(x2, self.a_buffer, info)
+        backend.expand(y, self.b_buffer, info, out2, self.slice_offsets)
+
+
+def lora_target_layers(model: nn.Module, targets: set[str]) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
+    """Linear layers of ``model`` that get LoRA: module name -> (layer, PEFT names of its
+    slices), for the PEFT names in ``targets``. A layer whose slices are none of ``targets``
+    gets nothing."""
+    from engine.layers.linear import LinearBase, ReplicatedLinear
+
+    allowed = getattr(model, "lora_modules", None)
+    out: dict[str, tuple[nn.Module, tuple[str, ...]]] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase) or isinstance(module, ReplicatedLinear):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        if allowed is not None and leaf not in allowed:
+            continue
+        peft_names = STACKED.get(leaf, (leaf,))
+        if not set(peft_names) & targets:
+            continue
+        out[name] = (module, peft_names)
+    return out
+
+
+def build_lora_layer(module: Any, peft_names: tuple[str, ...], state: LoraState, num_slots: int,
+                     max_rank: int, dtype: torch.dtype, device: torch.device) -> LoraLayer:
+    """The ``LoraLayer`` of one linear layer, shaped by its kind and this rank's shard."""
+    from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+
+    tp_rank, tp_size = module.tp_rank, module.tp_size
+    if isinstance(module, RowParallelLinear):
+        size = module.input_size_per_partition
+        slices = [SliceShard(peft_names[0], 0, module.output_size)]
+        return LoraLayer(state, slices, True, module.input_size, tp_rank * size, size, [module.output_size],
+                         num_slots, max_rank, dtype, device)
+    parts = list(module.output_partition_sizes)
+    fulls = list(module.output_sizes)
+    if len(parts) != len(peft_names):
+        raise ValueError(f"{type(module).__name__} has {len(parts)} output slices, LoRA expects {len(peft_names)}")
+    slices = []
+    for i, (peft, size) in enumerate(zip(peft_names, parts)):
+        shard_rank = tp_rank
+        if isinstance(module, QKVParallelLinear) and i > 0:
+            shard_rank = tp_rank // module.kv_replicas  # ranks sharing a KV head read the same rows
+            fulls[i] = module.num_kv_heads * module.head_size * max(1, tp_size // module.kv_replicas)
+        slices.append(SliceShard(peft, shard_rank * size, size))
+    return LoraLayer(state, slices, False, module.input_size, 0, module.input_size, fulls,
+                     num_slots, max_rank, dtype, device)
+
+
+def attach_lora(model: nn.Module, targets: set[str], state: LoraState, num_slots: int, max_rank: int,
+                dtype: torch.dtype, device: torch.device) -> dict[str, LoraLayer]:
+    """Gives every target layer of ``model`` its ``LoraLayer`` (``layer.lora``); returns them by
+    the PEFT module path of each slice's parent (``model.layers.0.self_attn``) + layer name."""
+    layers: dict[str, LoraLayer] = {}
+    for name, (module, peft_names) in lora_target_layers(model, targets).items():
+        lora = build_lora_layer(module, peft_names, state, num_slots, max_rank, dtype, device)
+        module.lora = lora
+        layers[name] = lora
+    return layers
