@@ -80,12 +80,11 @@ def graph_time_us(fn: Callable[[], object], reps: int) -> float:
 
 #: candidate configs: (BLOCK_R, BLOCK_K, warps) one token a program; (BLOCK_T, BLOCK_R, BLOCK_K, warps,
 #: stages) with tl.dot; (BLOCK_N, warps) one token a program; (BLOCK_T, BLOCK_N, warps) with tl.dot.
-SHRINK_GEMV = [(1, 4096, 4), (1, 8192, 8), (2, 8192, 8), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 4),
-               (8, 1024, 8), (16, 256, 4), (16, 512, 4), (16, 512, 8), (16, 1024, 8)]
-SHRINK_DOT = [(16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3),
-              (32, 64, 128, 4, 4), (64, 32, 128, 4, 3), (16, 64, 128, 4, 4)]
-EXPAND_GEMV = [(32, 2), (32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]
-EXPAND_DOT = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 4), (128, 128, 8), (64, 256, 8)]
+SHRINK_GEMV = [(1, 4096, 4), (1, 8192, 8), (2, 4096, 8), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8),
+               (16, 256, 4), (16, 512, 8)]
+SHRINK_DOT = [(16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 4), (64, 32, 128, 4, 3)]
+EXPAND_GEMV = [(32, 2), (32, 4), (64, 4), (128, 4), (256, 8)]
+EXPAND_DOT = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 4)]
 
 
 def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
