@@ -1,7 +1,8 @@
 """torch.profiler summary of decode steps: GPU time per step by kernel class and the top kernels.
 
 CUDA graphs are off so every kernel is attributed; the sum of kernel time per step is the
-device-busy time a captured graph would need, to compare with `engine bench one-batch`'s step.
+device-busy time a captured graph would need. The first line also gives the median wall time of a
+step in the unprofiled warm-up run (as `engine bench one-batch` times it), for comparison.
 
 usage: python scripts/profile_decode.py CONFIG_DIR [--attention triton] [--batch-size 1]
        [--input-len 128] [--steps 20] [--timeline 40]
@@ -95,7 +96,9 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     from engine.managers.scheduler import Scheduler
 
     sched = Scheduler(args, a.config_dir, platform)
-    run_one(sched, a.batch_size, a.input_len, 4, overlap=False)
+    # The warm-up runs the steps unprofiled, as engine bench one-batch does (overlap as the scheduler
+    # has it): its median step is the wall time the kernel table below is compared with.
+    warm = run_one(sched, a.batch_size, a.input_len, max(4, a.steps + 1))
     # Profile the prefill alone, then prefill + decode; the difference is the decode steps.
     on_gpu = sched.runner.device.type == "cuda"
     activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU  # CPU: a dry run of the script
@@ -122,8 +125,10 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     base, full = kernels(pre), kernels(prof)
     per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
     total = sum(per_step.values())
+    graphs = "graphs" if sched.runner.cuda_graph_runner is not None else "eager"
     print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}, "
-          f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms")
+          f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms; unprofiled step "
+          f"{warm.median_decode_latency_s * 1e3:.3f} ms ({graphs}, overlap {'on' if warm.overlap else 'off'})")
     groups: dict[str, float] = collections.defaultdict(float)
     for k, v in per_step.items():
         groups[classify(k)] += v
