@@ -24,13 +24,17 @@ class MultimodalProcessor:
                  trust_remote_code: bool = False) -> None:
         from transformers import AutoProcessor
 
-        # torchvision-backed ("fast") image processors are not required: the PIL/numpy ones.
-        try:
-            self.processor = AutoProcessor.from_pretrained(model_path, backend="pil",
-                                                           trust_remote_code=trust_remote_code)
-        except TypeError:  # transformers before 5 names the choice use_fast
-            self.processor = AutoProcessor.from_pretrained(model_path, use_fast=False,
-                                                           trust_remote_code=trust_remote_code)
+        own = _model_processor_loader(model_path)
+        if own is not None:
+            self.processor = own(model_path, trust_remote_code=trust_remote_code)
+        else:
+            # torchvision-backed ("fast") image processors are not required: the PIL/numpy ones.
+            try:
+                self.processor = AutoProcessor.from_pretrained(model_path, backend="pil",
+                                                               trust_remote_code=trust_remote_code)
+            except TypeError:  # transformers before 5 names the choice use_fast
+                self.processor = AutoProcessor.from_pretrained(model_path, use_fast=False,
+                                                               trust_remote_code=trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
         self.vocab_size = vocab_size
         self.limit_per_prompt = limit_per_prompt
@@ -126,6 +130,26 @@ class MultimodalProcessor:
         features = _split_features(modality, count, {k: v for k, v in out.items() if k not in _TEXT_KEYS})
         return [MultimodalItem(modality, features_hash(modality, f), offset, length, f)
                 for (offset, length), f in zip(runs, features)]
+
+
+def _model_processor_loader(model_path: str) -> Any:
+    """The model class's ``load_processor(path, trust_remote_code=False)`` when its plugin provides
+    one (a processor transformers cannot build here: Qwen2-VL's needs torchvision for its video
+    processor), else None. The class is the one the checkpoint's ``architectures`` selects."""
+    import json
+    import os
+
+    import engine.plugins as plugins
+
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            architecture = (json.load(f).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None  # a tokenizer directory without config.json: the Hugging Face processor
+    if architecture not in plugins.model_architectures():
+        return None
+    cls = plugins.model_class_of(plugins.get_model_spec(architecture), architecture)
+    return getattr(cls, "load_processor", None)
 
 
 def _runs(ids: list[int], token_id: int | None) -> list[tuple[int, int]]:
