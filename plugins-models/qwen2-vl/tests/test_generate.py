@@ -1,47 +1,62 @@
-"""Greedy generation through the engine (an in-process scheduler: chunked prefill, a mixed batch)
-equals transformers' ``generate`` in float32, on tiny random Qwen2-VL and Qwen2.5-VL checkpoints:
-one image, two images of different sizes, a video, and a text-only request in the same batch.
-
-Prompts are built here as the Hugging Face processor builds them (vision start, the run of
-image or video pad tokens, vision end), with ``Qwen2VLImageProcessorPil`` for images and the
-processor's patch layout for video frames; both sides get the same ids and pixels.
+"""Tiny random Qwen2-VL and Qwen2.5-VL checkpoints (tokenizer with the vision tokens, chat template,
+image processor config) through the engine: chat prompts with images and video rendered and
+processed by the runtime's ``MultimodalProcessor`` (the plugin's PIL processor), run on an
+in-process scheduler (32-token chunks cut the image and video runs; one batch mixes them with a
+text-only request). Greedy output equals transformers' ``generate`` in float32 on the same ids
+and pixels, and the decoder's logits at three-section positions equal transformers' text forward.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
-from engine.multimodal import MultimodalItem, apply_pad_ids, features_hash
+from engine.managers.io_struct import TokenizedGenerateReqInput
+from engine.managers.scheduler import check_no_leak
+from engine.multimodal.media import MediaLimits, MediaRef, load_image
+from engine.multimodal.processor import MultimodalProcessor
 from engine.testing.checkpoints import copy_tokenizer
-from engine.testing.harness import OutputCollector, make_scheduler, submit
+from engine.testing.harness import make_scheduler
 
 SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-PATCH, MERGE, TEMPORAL = 4, 2, 2
-MAX_NEW_TOKENS = 10
+# Qwen2-VL's template: each image or video part becomes its placeholder between the vision tokens.
+TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+            "{% for part in message['content'] %}"
+            "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+            "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+            "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+PATCH = 4
+NEW_TOKENS = 10
 TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=1024, bos_token_id=0, eos_token_id=3,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
 VISION = {
     "Qwen2VLForConditionalGeneration": dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, patch_size=PATCH),
-    # windows of 2x2 merged tokens, block 1 attends to whole frames
+    # windows of 2x2 merged tokens; block 1 attends to whole frames
     "Qwen2_5_VLForConditionalGeneration": dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                                                patch_size=PATCH, window_size=16, out_hidden_size=64,
                                                fullatt_block_indexes=[1], tokens_per_second=2),
 }
 
 
-def build_checkpoint(directory: str, architecture: str) -> Any:
-    """A random tiny checkpoint with the test tokenizer plus the vision tokens; returns the tokenizer."""
+def build_checkpoint(directory: str, architecture: str) -> str:
     import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     copy_tokenizer(directory)
     tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(directory)
+    # Images of 8x8 to 32x32 pixels: 2x2 to 8x8 patches, 1 to 16 merged tokens.
+    Qwen2VLImageProcessorPil(min_pixels=64, max_pixels=32 * 32, patch_size=PATCH, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(directory)
     start, end, image, video = tokenizer.convert_tokens_to_ids(SPECIAL)
     config_cls = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
     config = config_cls(text_config={**TEXT, "vocab_size": len(tokenizer)}, vision_config=VISION[architecture],
@@ -54,105 +69,91 @@ def build_checkpoint(directory: str, architecture: str) -> Any:
             if "norm" not in name:
                 p.mul_(3.0)  # logits far from ties, so greedy choices are stable
     model.save_pretrained(directory)
-    return tokenizer
+    return directory
 
 
-def video_patches(frames: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalized frames ``[F, C, H, W]`` in the video processor's layout: ``[t*h*w, C*T*P*P]``
-    patches (``T`` consecutive frames per patch, merge blocks together) and the grid ``[1, 3]``."""
-    f, c, h, w = frames.shape
-    t, gh, gw = f // TEMPORAL, h // PATCH, w // PATCH
-    x = frames.reshape(t, TEMPORAL, c, gh // MERGE, MERGE, PATCH, gw // MERGE, MERGE, PATCH)
-    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, c * TEMPORAL * PATCH * PATCH)
-    return torch.from_numpy(np.ascontiguousarray(x)), torch.tensor([[t, gh, gw]])
+def png(seed: int, height: int, width: int) -> str:
+    import numpy as np
+    from PIL import Image
 
-
-class Prompts:
-    def __init__(self, tokenizer: Any, video_seconds: float | None) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-        self.tokenizer = tokenizer
-        self.ids = dict(zip(SPECIAL, tokenizer.convert_tokens_to_ids(SPECIAL), strict=True))
-        self.images = Qwen2VLImageProcessorPil(min_pixels=64, max_pixels=32 * 32, patch_size=PATCH, merge_size=MERGE,
-                                               temporal_patch_size=TEMPORAL)
-        self.rng = np.random.default_rng(0)
-        # Qwen2.5-VL's processor gives each video the time its temporal patches span.
-        self.video_seconds = video_seconds
-
-    def image(self, h: int, w: int) -> Any:
-        from PIL import Image
-
-        return Image.fromarray((self.rng.random((h, w, 3)) * 255).astype("uint8"))
-
-    def video(self, frames: int, h: int, w: int) -> np.ndarray:
-        return self.rng.standard_normal((frames, 3, h, w)).astype(np.float32)
-
-    def build(self, parts: list[Any]) -> tuple[list[int], list[MultimodalItem]]:
-        """Chat prompt ids with each image/video's placeholder run, and its items."""
-        text = lambda s: self.tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
-        ids, items = text("<|im_start|>user\n"), []
-        for part in parts:
-            if isinstance(part, str):
-                ids += text(part)
-                continue
-            if isinstance(part, np.ndarray):
-                pixels, grid = video_patches(part)
-                features = {"pixel_values_videos": pixels, "video_grid_thw": grid}
-                if self.video_seconds is not None:
-                    features["second_per_grid_ts"] = torch.tensor([self.video_seconds])
-                modality, pad = "video", self.ids["<|video_pad|>"]
-            else:
-                out = self.images(images=[part], return_tensors="pt")
-                features = {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
-                modality, pad = "image", self.ids["<|image_pad|>"]
-            length = int(next(v for k, v in features.items() if k.endswith("grid_thw")).prod()) // MERGE**2
-            ids.append(self.ids["<|vision_start|>"])
-            items.append(MultimodalItem(modality, features_hash(modality, features), len(ids), length, features))
-            ids += [pad] * length + [self.ids["<|vision_end|>"]]
-        return ids + text("<|im_end|>\n<|im_start|>assistant\n"), items
-
-
-def hf_greedy(model: Any, ids: list[int], items: list[MultimodalItem], pad_ids: dict[str, int]) -> list[int]:
-    tokens = torch.tensor([ids])
-    types = torch.zeros_like(tokens)
-    types[tokens == pad_ids["<|image_pad|>"]] = 1
-    types[tokens == pad_ids["<|video_pad|>"]] = 2
-    inputs: dict[str, Any] = {}
-    for item in items:
-        for key, value in item.features.items():
-            inputs.setdefault(key, []).append(value)
-    inputs = {k: torch.cat(v) for k, v in inputs.items()}
-    with torch.no_grad():
-        out = model.generate(tokens, attention_mask=torch.ones_like(tokens), mm_token_type_ids=types,
-                             do_sample=False, max_new_tokens=MAX_NEW_TOKENS, **inputs)
-    return out[0, len(ids):].tolist()
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module", params=list(VISION), ids=["qwen2-vl", "qwen2.5-vl"])
-def checkpoint(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, Any]:
-    directory = str(tmp_path_factory.mktemp(request.param))
-    return request.param, directory, build_checkpoint(directory, request.param)
-
-
-@pytest.fixture(scope="module")
-def hf_model(checkpoint: tuple[str, str, Any]) -> Any:
+def setup(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     import transformers
 
-    architecture, directory, _ = checkpoint
-    return getattr(transformers, architecture).from_pretrained(directory, dtype=torch.float32).eval()
+    directory = build_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
+    scheduler = make_scheduler(directory, chunked_prefill_size=32)
+    processor = MultimodalProcessor(directory, scheduler.runner.vocab_size, 4, MediaLimits())
+    hf = getattr(transformers, request.param).from_pretrained(directory, dtype=torch.float32).eval()
+    return scheduler, processor, hf
 
 
-@pytest.fixture(scope="module")
-def scheduler(checkpoint: tuple[str, str, Any]) -> Any:
-    # Chunks of 32 tokens cut the image and video runs.
-    return make_scheduler(checkpoint[1], chunked_prefill_size=32)
+def chat(processor: MultimodalProcessor, parts: list[Any]) -> tuple[str, list[MediaRef]]:
+    """A one-message chat prompt of text, ``("image", url)`` and ``("video", [frame urls])`` parts."""
+    content, media = [], []
+    for i, part in enumerate(parts):
+        if isinstance(part, str):
+            content.append({"type": "text", "text": part})
+        else:
+            content.append({"type": part[0]})
+            media.append(MediaRef(part[0], part[1], f"messages[0].content[{i}]"))
+    prompt = processor.render_chat([{"role": "user", "content": content}], True, {}, processor.tokenizer)
+    return prompt, media
 
 
-def test_decoder_logits_with_three_section_positions(hf_model: Any, scheduler: Any) -> None:
+def reference(setup: Any, prompt: str, media: list[MediaRef]) -> list[int]:
+    """transformers' greedy tokens on the processor's ids and pixels."""
+    _, processor, hf = setup
+    limits = MediaLimits()
+    images = [load_image(m.source, m.param, limits) for m in media if m.modality == "image"]
+    videos = [[load_image(f, m.param, limits) for f in m.source] for m in media if m.modality == "video"]
+    inputs = processor.processor(text=[prompt], images=images or None, videos=videos or None, return_tensors="pt",
+                                 add_special_tokens=False)
+    ids = inputs["input_ids"]
+    types = torch.zeros_like(ids)
+    types[ids == processor.token_ids["image"]] = 1
+    types[ids == processor.token_ids["video"]] = 2
+    with torch.no_grad():
+        out = hf.generate(**inputs, mm_token_type_ids=types, do_sample=False, max_new_tokens=NEW_TOKENS)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_greedy_matches_transformers(setup: Any) -> None:
+    scheduler, processor, _ = setup
+    requests = {
+        "one image": ["Describe ", ("image", png(1, 24, 32)), " briefly."],
+        "two images": [("image", png(2, 16, 16)), " and ", ("image", png(3, 40, 24)), " differ how?"],
+        "video": ["Watch ", ("video", [png(4, 16, 24), png(5, 16, 24), png(6, 16, 24)]), " then tell."],
+        "text only": ["No picture here."],
+    }
+    want, got = {}, {}
+    for rid, parts in requests.items():
+        prompt, media = chat(processor, parts)
+        want[rid] = reference(setup, prompt, media)
+        ids, items = processor.process(prompt, media, False, "messages")
+        assert [it.modality for it in items] == [m.modality for m in media]
+        scheduler.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=ids, mm_items=items, sampling_params={
+            "max_new_tokens": NEW_TOKENS, "temperature": 0.0}))
+        got[rid] = []
+    scheduler.run_until_idle()  # all four in one batch
+    for out in scheduler.take_outputs():
+        for i, rid in enumerate(out.rids):
+            got[rid] += out.new_token_ids[i]
+    assert got == want
+    check_no_leak(scheduler)
+
+
+def test_decoder_logits_with_three_section_positions(setup: Any) -> None:
     """Text through the decoder at arbitrary (temporal, height, width) positions: the last
     position's logits agree with transformers' text forward given the same position ids."""
     from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 
+    scheduler, _, hf = setup
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(4, 2048, (23,), generator=gen).tolist()
     positions = torch.randint(0, 300, (3, len(ids)), generator=gen)
@@ -163,33 +164,10 @@ def test_decoder_logits_with_three_section_positions(hf_model: Any, scheduler: A
     batch = ForwardBatch.build(ForwardMode.EXTEND, ids, slots, [len(ids)], [0], loc, runner.device)
     batch.mrope_positions = positions
     try:
-        ours = runner.forward(batch)
+        ours = runner.forward(batch).next_token_logits[0].float()
     finally:
         runner.token_to_kv_pool_allocator.free(loc)
         runner.req_to_token_pool.free(slots)
     with torch.no_grad():
-        want = hf_model(torch.tensor([ids]), position_ids=positions[:, None, :]).logits[0, -1]
-    torch.testing.assert_close(ours.next_token_logits[0].float(), want, atol=1e-4, rtol=1e-4)
-
-
-def test_greedy_matches_transformers(checkpoint: tuple[str, str, Any], hf_model: Any, scheduler: Any) -> None:
-    architecture, _, tokenizer = checkpoint
-    prompts = Prompts(tokenizer, 0.5 if architecture.startswith("Qwen2_5") else None)
-    requests = {
-        "one image": prompts.build(["describe ", prompts.image(24, 32), " briefly"]),
-        "two images": prompts.build([prompts.image(16, 16), " and ", prompts.image(40, 24), " differ how?"]),
-        "video": prompts.build(["watch ", prompts.video(4, 16, 24), " then tell"]),
-        "text only": prompts.build(["no picture here"]),
-    }
-    want = {name: hf_greedy(hf_model, ids, items, prompts.ids) for name, (ids, items) in requests.items()}
-    vocab = scheduler.runner.vocab_size
-    params = {"max_new_tokens": MAX_NEW_TOKENS, "temperature": 0.0}
-    # All four requests run in one batch.
-    rids = {name: submit(scheduler, apply_pad_ids(ids, items, vocab), params, mm_items=items)
-            for name, (ids, items) in requests.items()}
-    collector = OutputCollector()
-    while scheduler.step():
-        collector.collect(scheduler)
-    collector.collect(scheduler)
-    got = {name: collector.ids.get(rid, []) for name, rid in rids.items()}
-    assert got == want
+        want = hf(torch.tensor([ids]), position_ids=positions[:, None, :]).logits[0, -1]
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)

@@ -76,6 +76,14 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.visual = VisionTransformer(vision, self.windowed)
         self.language_model = Qwen2VLLanguageModel(decoder_config(config), quant_config)
 
+    @staticmethod
+    def load_processor(path: str, trust_remote_code: bool = False) -> Any:
+        """The tokenizer side's processor (``engine.multimodal``): transformers' Qwen2-VL processor
+        needs torchvision, so the plugin's PIL one (``processor.py``) stands in for it."""
+        from engine_models_qwen2_vl.processor import Qwen2VLProcessorPil
+
+        return Qwen2VLProcessorPil.from_pretrained(path, trust_remote_code)
+
     @property
     def has_lm_head(self) -> bool:
         return getattr(self.language_model, "has_lm_head", True)

@@ -1,0 +1,131 @@
+"""Qwen2-VL's prompt processing for a machine without torchvision.
+
+transformers' ``Qwen2VLProcessor`` always loads its video processor, which exists only as a
+torchvision one, so ``AutoProcessor`` cannot build it without torchvision (nor with the PIL
+backend the engine asks for). ``Qwen2VLProcessorPil`` does the same work from the checkpoint's
+own files: the tokenizer and chat template, images through transformers'
+``Qwen2VLImageProcessorPil`` (the same pixels as the processor's PIL backend), video frames
+resized with PIL to one size, normalized like the images and cut into the video layout (two
+consecutive frames per temporal patch), and each image or video placeholder expanded into its
+run of pad tokens, one per merged patch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class Qwen2VLProcessorPil:
+    """The interface the engine's multimodal runtime uses of a Hugging Face processor."""
+
+    image_token = "<|image_pad|>"
+    video_token = "<|video_pad|>"
+
+    def __init__(self, tokenizer: Any, image_processor: Any, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        # Frames are processed here (``videos``): the runtime asks for a video processor.
+        self.video_processor = self
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+
+    @classmethod
+    def from_pretrained(cls, path: str, trust_remote_code: bool = False) -> Qwen2VLProcessorPil:
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return cls(tokenizer, Qwen2VLImageProcessorPil.from_pretrained(path), _chat_template(path))
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tokenize: bool = False,
+                            add_generation_prompt: bool = False, **kwargs: Any) -> Any:
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=tokenize,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def __call__(self, text: list[str], images: list[Any] | None = None, videos: list[list[Any]] | None = None,
+                 return_tensors: str = "pt", add_special_tokens: bool = True, **_: Any) -> dict[str, torch.Tensor]:
+        """Ids of each prompt with its placeholders expanded, and the pixels of all items.
+
+        Raises:
+            ValueError: the prompts hold another number of placeholders than there are images
+                (or videos).
+        """
+        out: dict[str, torch.Tensor] = {}
+        merge = int(self.image_processor.merge_size) ** 2
+        runs = {self.image_token: [], self.video_token: []}
+        if images:
+            pixels = self.image_processor(images=images, return_tensors="pt")
+            out["pixel_values"], out["image_grid_thw"] = pixels["pixel_values"], pixels["image_grid_thw"]
+            runs[self.image_token] = [int(g.prod()) // merge for g in out["image_grid_thw"]]
+        if videos:
+            parts = [self.video_patches(frames) for frames in videos]
+            out["pixel_values_videos"] = torch.cat([p for p, _ in parts])
+            out["video_grid_thw"] = torch.cat([g for _, g in parts])
+            runs[self.video_token] = [int(g.prod()) // merge for _, g in parts]
+        expanded = [self._expand(prompt, runs) for prompt in text]
+        for token, lengths in runs.items():
+            if lengths:
+                raise ValueError(f"the prompts hold fewer '{token}' placeholders than the {len(lengths)} extra items given")
+        ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
+        if len({len(row) for row in ids}) > 1:
+            raise ValueError("prompts of different lengths: process one prompt per call")
+        out["input_ids"] = torch.tensor(ids, dtype=torch.int64)
+        out["attention_mask"] = torch.ones_like(out["input_ids"])
+        return out
+
+    def _expand(self, prompt: str, runs: dict[str, list[int]]) -> str:
+        """Each placeholder, in prompt order, becomes as many copies as its item has tokens."""
+        pieces, i = [], 0
+        while True:
+            hits = [(prompt.find(t, i), t) for t in runs if prompt.find(t, i) >= 0]
+            if not hits:
+                return "".join(pieces) + prompt[i:]
+            at, token = min(hits)
+            if not runs[token]:
+                raise ValueError(f"the prompt holds more '{token}' placeholders than items given")
+            pieces.append(prompt[i:at] + token * runs[token].pop(0))
+            i = at + len(token)
+
+    def video_patches(self, frames: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frames (PIL images) -> ``[t*h*w, C*T*P*P]`` patches and the grid ``[1, 3]``: every frame
+        resized to the first one's ``smart_resize`` size, a last frame repeated to fill the last
+        temporal patch."""
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        ip = self.image_processor
+        patch, merge, temporal = int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size)
+        first = frames[0]
+        h, w = smart_resize(first.height, first.width, factor=patch * merge, min_pixels=ip.size.shortest_edge,
+                            max_pixels=ip.size.longest_edge)
+        mean = np.asarray(ip.image_mean, dtype=np.float32)[:, None, None]
+        std = np.asarray(ip.image_std, dtype=np.float32)[:, None, None]
+        arrays = [np.asarray(f.convert("RGB").resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.float32)
+                  for f in frames]
+        x = (np.stack(arrays).transpose(0, 3, 1, 2) * float(ip.rescale_factor) - mean) / std
+        if len(x) % temporal:
+            x = np.concatenate([x, np.repeat(x[-1:], temporal - len(x) % temporal, axis=0)])
+        t, gh, gw = len(x) // temporal, h // patch, w // patch
+        x = x.reshape(t, temporal, 3, gh // merge, merge, patch, gw // merge, merge, patch)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, 3 * temporal * patch * patch)
+        return torch.from_numpy(np.ascontiguousarray(x)), torch.tensor([[t, gh, gw]])
+
+
+def _chat_template(path: str) -> str | None:
+    """The processor's chat template file of a checkpoint (``chat_template.jinja`` or
+    ``chat_template.json``), else None (the tokenizer's)."""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    legacy = os.path.join(path, "chat_template.json")
+    if os.path.isfile(legacy):
+        with open(legacy, encoding="utf-8") as f:
+            return json.load(f).get("chat_template")
+    return None
