@@ -68,9 +68,9 @@ def read_adapter_config(path: str) -> dict[str, Any]:
         with open(file, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError) as exc:
-        raise LoraAdapterError(f"{file}: not readable JSON ({exc})") from None
+        raise LoraAdapterError(f"lora_path {path!r}: {CONFIG_FILE} is not readable JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise LoraAdapterError(f"{file}: expected a JSON object")
+        raise LoraAdapterError(f"lora_path {path!r}: {CONFIG_FILE}: expected a JSON object")
     return data
 
 
@@ -103,40 +103,41 @@ def load_adapter(name: str, path: str, dtype: torch.dtype) -> LoraWeights:
 
     from engine.config import LORA_TARGET_MODULES
 
-    config = parse_adapter_config(read_adapter_config(path), os.path.join(path, CONFIG_FILE))
+    config = parse_adapter_config(read_adapter_config(path), f"lora_path {path!r}: {CONFIG_FILE}")
     file = os.path.join(path, WEIGHTS_FILE)
+    where = f"lora_path {path!r}: {WEIGHTS_FILE}"
     if not os.path.isfile(file):
         raise LoraAdapterError(f"lora_path {path!r}: no {WEIGHTS_FILE}; accepted: a PEFT adapter directory "
                                "saved with safetensors (peft's default)")
     try:
         tensors = load_file(file, device="cpu")
     except Exception as exc:  # a truncated or foreign file: say which
-        raise LoraAdapterError(f"{file}: not a readable safetensors file ({exc})") from None
+        raise LoraAdapterError(f"{where}: not a readable safetensors file ({exc})") from None
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         match = _KEY.match(key)
         if match is None:
-            raise LoraAdapterError(f"{file}: tensor {key!r} is not served; accepted: lora_A/lora_B weights of "
+            raise LoraAdapterError(f"{where}: tensor {key!r} is not served; accepted: lora_A/lora_B weights of "
                                    f"{', '.join(LORA_TARGET_MODULES)} (no embeddings, biases or extra modules)")
         module = match.group("module")
         leaf = module.rsplit(".", 1)[-1]
         if leaf not in LORA_TARGET_MODULES:
-            raise LoraAdapterError(f"{file}: target module {leaf!r} ({key}) is not served; accepted: "
+            raise LoraAdapterError(f"{where}: target module {leaf!r} ({key}) is not served; accepted: "
                                    f"{', '.join(LORA_TARGET_MODULES)}")
         halves.setdefault(module, {})[match.group("ab")] = tensor
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module, pair in halves.items():
         if set(pair) != {"A", "B"}:
             missing = "lora_B" if "A" in pair else "lora_A"
-            raise LoraAdapterError(f"{file}: {module} has no {missing} weight")
+            raise LoraAdapterError(f"{where}: {module} has no {missing} weight")
         a, b = pair["A"], pair["B"]
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] != config.rank or b.shape[1] != config.rank:
-            raise LoraAdapterError(f"{file}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not "
+            raise LoraAdapterError(f"{where}: {module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not "
                                    f"have rank r={config.rank}; accepted: lora_A [r, in], lora_B [out, r]")
         weights[module] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
         config.target_modules.add(module.rsplit(".", 1)[-1])
     if not weights:
-        raise LoraAdapterError(f"{file}: no lora_A/lora_B weights")
+        raise LoraAdapterError(f"{where}: no lora_A/lora_B weights")
     return LoraWeights(name=name, path=path, config=config, weights=weights)
 
 
@@ -149,7 +150,7 @@ def startup_lora_shape(lora_paths: dict[str, str]) -> tuple[int, set[str]]:
     rank, targets = 0, set()
     for path in lora_paths.values():
         data = read_adapter_config(path)
-        cfg = parse_adapter_config(data, os.path.join(path, CONFIG_FILE))
+        cfg = parse_adapter_config(data, f"lora_path {path!r}: {CONFIG_FILE}")
         rank = max(rank, cfg.rank)
         declared = data.get("target_modules")
         if isinstance(declared, list):

@@ -81,11 +81,11 @@ class LoraManager:
     def _shard(self, w: LoraWeights) -> HostAdapter:
         cfg = w.config
         if cfg.rank > self.max_rank:
-            raise LoraAdapterError(f"adapter {w.name!r} ({w.path}): r {cfg.rank} exceeds --max-lora-rank "
+            raise LoraAdapterError(f"lora_path {w.path!r} (adapter {w.name!r}): r {cfg.rank} exceeds --max-lora-rank "
                                    f"{self.max_rank}; accepted: r <= {self.max_rank} (raise --max-lora-rank)")
         outside = sorted(cfg.target_modules - self.targets)
         if outside:
-            raise LoraAdapterError(f"adapter {w.name!r} ({w.path}): target module {outside[0]} is not enabled; "
+            raise LoraAdapterError(f"lora_path {w.path!r} (adapter {w.name!r}): target module {outside[0]} is not enabled; "
                                    f"accepted: {', '.join(sorted(self.targets))} (--lora-target-modules)")
         parts: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
         for module, (a, b) in w.weights.items():
@@ -97,7 +97,7 @@ class LoraManager:
             layer = self.layers[layer_name]
             want_a, want_b = (cfg.rank, layer.in_full), (layer.out_full[i], cfg.rank)
             if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-                raise LoraAdapterError(f"adapter {w.name!r} ({w.path}): {module} has lora_A {tuple(a.shape)} and "
+                raise LoraAdapterError(f"lora_path {w.path!r} (adapter {w.name!r}): {module} has lora_A {tuple(a.shape)} and "
                                        f"lora_B {tuple(b.shape)}; the base model needs {want_a} and {want_b}")
             parts.setdefault(layer_name, [None] * len(layer.slices))[i] = layer.shard(i, a, b)
         uid = self._next_uid
@@ -115,7 +115,7 @@ class LoraManager:
         if match is not None and not start <= int(match.group(1)) < end:
             return
         served = sorted({s.peft_name for layer in self.layers.values() for s in layer.slices})
-        raise LoraAdapterError(f"adapter {w.name!r} ({w.path}): module {module} takes no LoRA weights in this "
+        raise LoraAdapterError(f"lora_path {w.path!r} (adapter {w.name!r}): module {module} takes no LoRA weights in this "
                                f"model; accepted: {', '.join(served)} of its decoder layers")
 
     def unload(self, uid: int) -> None:
