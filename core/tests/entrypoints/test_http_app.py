@@ -216,7 +216,7 @@ def test_native_generate_single_batch_and_stream(client: TestClient) -> None:
     ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "wizard"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1000}, 400, "max_tokens", "too large"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model", "does not exist"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0].type", "not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, 400, "messages[0].content[0].type", "not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop", "invalid value 5"),
     ({"model": "tiny"}, 400, "messages", "required"),
 ])
