@@ -101,6 +101,10 @@ def test_generate_takes_image_data(client: TestClient) -> None:
     assert r.status_code == 200, r.text
     req, _ = client.app.state.ctx.manager.sent[-1]
     assert len(req.mm_items) == 1
+    # The offline Engine's path: the same processing, on the calling thread.
+    sync = GenerateRequest(text="<image>\nWhat is it?", image_data=[png_data_url(4)])
+    ids, _ = client.app.state.ctx.manager.prepare(sync)
+    assert [it.hash for it in sync.mm_items] == [it.hash for it in req.mm_items] and len(ids) > IMAGE_TOKENS
     r = client.post("/generate", json={"text": "What is it?", "image_data": [png_data_url(4)],
                                        "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 400 and "placeholder" in r.json()["error"]["message"]

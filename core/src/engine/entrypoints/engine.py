@@ -53,6 +53,8 @@ class Engine:
         rid: str | list[str] | None = None,
         priority: int | None = None,
         lora_path: str | list[str | None] | None = None,
+        image_data: Any = None,
+        video_data: Any = None,
     ) -> dict[str, Any] | list[dict[str, Any]] | Iterator[dict[str, Any]]:
         """Generates for one prompt (returns a dict) or a batch (returns a list of dicts).
 
@@ -62,9 +64,13 @@ class Engine:
         With ``sampling_params["n"] > 1`` a single prompt returns a list of n outputs.
         ``lora_path``: the LoRA adapter (its name) every prompt runs with, or one per prompt
         (None: the base model); docs/lora.md.
+        ``image_data`` / ``video_data``: a vision-language model's images (a data: URL, path or URL,
+        or a list) and videos (frame lists) for the prompt, one entry per prompt of a batch; the
+        prompt holds the model's placeholder once per item (docs/multimodal.md).
         """
         reqs, single = self._build_requests(prompt, sampling_params, input_ids, return_logprob,
-                                            logprob_start_len, top_logprobs_num, rid, priority, lora_path)
+                                            logprob_start_len, top_logprobs_num, rid, priority, lora_path,
+                                            (image_data, video_data))
         if stream:
             if not single or len(reqs) != 1:
                 raise ValueError("stream=True takes a single prompt with n=1")
@@ -74,7 +80,8 @@ class Engine:
 
     def _build_requests(self, prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: bool,
                         logprob_start_len: int | None, top_logprobs_num: int, rid: Any,
-                        priority: int | None, lora_path: Any = None) -> tuple[list[GenerateRequest], bool]:
+                        priority: int | None, lora_path: Any = None,
+                        media: tuple[Any, Any] = (None, None)) -> tuple[list[GenerateRequest], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if prompt is not None:
@@ -93,6 +100,9 @@ class Engine:
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * n
         if len(loras) != n:
             raise ValueError(f"lora_path has {len(loras)} entries for {n} prompts")
+        images, videos = ([value] * n if value is None or single else list(value) for value in media)
+        if len(images) != n or len(videos) != n:
+            raise ValueError(f"image_data/video_data: a batch of {n} prompts needs one entry (or None) per prompt")
         reqs: list[GenerateRequest] = []
         for i in range(n):
             p = dict(params[i])
@@ -106,7 +116,8 @@ class Engine:
                     text=texts[i], input_ids=ids[i], sampling_params=cp, rid=this_rid,
                     return_logprob=return_logprob,
                     logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-                    top_logprobs_num=top_logprobs_num, priority=priority or 0, lora_path=loras[i]))
+                    top_logprobs_num=top_logprobs_num, priority=priority or 0, lora_path=loras[i],
+                    image_data=images[i], video_data=videos[i]))
             if copies > 1:
                 single = False
         return reqs, single
