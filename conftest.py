@@ -34,6 +34,7 @@ SLOW_MODULES: tuple[str, ...] = (
     "tests/test_default_model.py",
     "core/tests/layers/moe/test_align_kernel.py",
     "tests/test_server_e2e_tools.py",
+    "tests/test_server_e2e_lora.py",
     "tests/test_server_e2e_responses.py",
     "tests/test_structured_output_e2e.py",
     "tests/test_server_e2e_embeddings.py",

@@ -186,5 +186,5 @@ class LoraMixin:
 
 def _field_of(message: str, default: str) -> str:
     """The request field a scheduler's refusal names first (its messages start with the field)."""
-    head = message.split(":", 1)[0].strip()
-    return head if head in ("lora_name", "lora_path", "max_lora_rank", "lora_target_modules") else default
+    head = message.split(None, 1)[0].rstrip(":") if message.strip() else ""
+    return head if head in ("lora_name", "lora_path") else default
