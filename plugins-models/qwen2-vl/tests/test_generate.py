@@ -123,29 +123,49 @@ def reference(setup: Any, prompt: str, media: list[MediaRef]) -> list[int]:
     return out[0, ids.shape[1]:].tolist()
 
 
-def test_greedy_matches_transformers(setup: Any) -> None:
+def run(setup: Any, requests: dict[str, list[Any]]) -> dict[str, tuple[list[int], int, list[int]]]:
+    """Runs the chat requests together: per request, its output ids, cached prompt tokens and
+    transformers' greedy ids."""
     scheduler, processor, _ = setup
-    requests = {
-        "one image": ["Describe ", ("image", png(1, 24, 32)), " briefly."],
-        "two images": [("image", png(2, 16, 16)), " and ", ("image", png(3, 40, 24)), " differ how?"],
-        "video": ["Watch ", ("video", [png(4, 16, 24), png(5, 16, 24), png(6, 16, 24)]), " then tell."],
-        "text only": ["No picture here."],
-    }
-    want, got = {}, {}
+    results: dict[str, Any] = {}
     for rid, parts in requests.items():
         prompt, media = chat(processor, parts)
-        want[rid] = reference(setup, prompt, media)
         ids, items = processor.process(prompt, media, False, "messages")
         assert [it.modality for it in items] == [m.modality for m in media]
         scheduler.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=ids, mm_items=items, sampling_params={
             "max_new_tokens": NEW_TOKENS, "temperature": 0.0}))
-        got[rid] = []
-    scheduler.run_until_idle()  # all four in one batch
+        results[rid] = [[], 0, reference(setup, prompt, media)]
+    scheduler.run_until_idle()
     for out in scheduler.take_outputs():
         for i, rid in enumerate(out.rids):
-            got[rid] += out.new_token_ids[i]
-    assert got == want
+            results[rid][0] += out.new_token_ids[i]
+            results[rid][1] = out.cached_tokens[i]
     check_no_leak(scheduler)
+    return {rid: tuple(r) for rid, r in results.items()}
+
+
+def test_greedy_matches_transformers(setup: Any) -> None:
+    results = run(setup, {  # all four in one batch
+        "one image": ["Describe ", ("image", png(1, 24, 32)), " briefly."],
+        "two images": [("image", png(2, 16, 16)), " and ", ("image", png(3, 40, 24)), " differ how?"],
+        "video": ["Watch ", ("video", [png(4, 16, 24), png(5, 16, 24), png(6, 16, 24)]), " then tell."],
+        "text only": ["No picture here."],
+    })
+    for rid, (got, _, want) in results.items():
+        assert got == want, rid
+
+
+def test_the_same_image_reuses_the_cached_prefix(setup: Any) -> None:
+    processor = setup[1]
+    url = png(7, 24, 24)
+    (item,) = processor.process(*chat(processor, [("image", url), "Is it red?"]), False, "messages")[1]
+    first = run(setup, {"first": [("image", url), "Is it red?"]})["first"]
+    again = run(setup, {"again": [("image", url), "Is it blue?"]})["again"]
+    other = run(setup, {"other": [("image", png(8, 24, 24)), "Is it red?"]})["other"]
+    assert first[1] <= item.offset and again[1] >= item.end  # the image's KV is reused
+    assert other[1] <= item.offset  # a different image shares only the text before it
+    for got, _, want in (first, again, other):
+        assert got == want
 
 
 def test_decoder_logits_with_three_section_positions(setup: Any) -> None:
