@@ -70,22 +70,31 @@ def window_order(grid: Grid, merge: int, window: int) -> tuple[torch.Tensor, lis
     return torch.cat(order), lengths
 
 
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: Sequence[int],
-                      scale: float) -> torch.Tensor:
-    """Bidirectional attention within consecutive segments of ``lengths`` tokens.
+class Segments:
+    """Consecutive segments of a packed sequence, grouped by length for batched attention: one
+    group per distinct length (the frames of images of one size, the full windows of a grid),
+    with the token indices of its segments. Built once per forward, on the host, and shared by
+    the blocks that attend within the same segments."""
 
-    ``q``, ``k``, ``v``: ``[tokens, heads, head_dim]``. Segments of one length (the frames of
-    images of one size, the full windows of a grid) run as one batched call; no token attends
-    across a segment boundary and no padding is computed.
-    """
+    def __init__(self, lengths: Sequence[int], device: torch.device) -> None:
+        starts, at = {}, 0
+        for n in lengths:
+            starts.setdefault(n, []).append(at)
+            at += n
+        #: (segments, length, token indices [segments * length]) per distinct length.
+        self.groups = [(len(first), n, (torch.tensor(first)[:, None] + torch.arange(n)).reshape(-1).to(device))
+                       for n, first in starts.items()]
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
+                      scale: float) -> torch.Tensor:
+    """Bidirectional attention within each segment: ``q``, ``k``, ``v`` ``[tokens, heads,
+    head_dim]``. Segments of one length run as one batched call; no token attends across a
+    segment boundary and no padding is computed."""
     out = torch.empty_like(q)
-    starts = torch.tensor([0, *lengths[:-1]], device=q.device).cumsum(0)
-    sizes = torch.tensor(list(lengths), device=q.device)
-    for size in sizes.unique().tolist():
-        first = starts[sizes == size]
-        index = (first[:, None] + torch.arange(size, device=q.device)).reshape(-1)
+    for count, size, index in segments.groups:
         # [segments, heads, size, head_dim]
-        qs, ks, vs = (x[index].view(first.numel(), size, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        qs, ks, vs = (x[index].view(count, size, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         out[index] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
@@ -107,11 +116,11 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = segment_attention(q, k, v, lengths, self.head_dim**-0.5)
+        out = segment_attention(q, k, v, segments, self.head_dim**-0.5)
         return self.proj(out.reshape(n, -1))
 
 
@@ -150,8 +159,8 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
 
@@ -233,14 +242,14 @@ class VisionTransformer(nn.Module):
         order -> ``[patches / merge^2, out_dim]`` merged tokens in the same order."""
         x = self.patch_embed(pixels)
         cos, sin = self.rotary(grid, x.device)
-        frames = [h * w for t, h, w in grid for _ in range(t)]
+        frames = Segments([h * w for t, h, w in grid for _ in range(t)], x.device)
         if not self.windowed:
             for block in self.blocks:
                 x = block(x, cos, sin, frames)
             return self.merger(x)
         unit = self.merge * self.merge
-        order, windows = window_order(grid, self.merge, self.window)
-        order = order.to(x.device)
+        order, window_lengths = window_order(grid, self.merge, self.window)
+        order, windows = order.to(x.device), Segments(window_lengths, x.device)
 
         def by_window(t: torch.Tensor) -> torch.Tensor:  # merged-token order -> window order, per patch
             return t.view(-1, unit, *t.shape[1:])[order].flatten(0, 1)
