@@ -10,7 +10,12 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.lora.adapter import LoraAdapterError, load_adapter, parse_adapter_config, startup_lora_shape
+from engine.lora.adapter import (
+    LoraAdapterError,
+    load_adapter,
+    parse_adapter_config,
+    startup_lora_shape,
+)
 
 
 def test_reads_peft_adapter(llama_ckpt: str, peft_adapter: Callable[..., str]) -> None:

@@ -44,7 +44,7 @@ def test_llama_batch_of_eight_over_four_adapters_equals_peft(llama_ckpt: str, pe
     # adapters: admission holds adapters back and slots are reused.
     names = ["all8", None, "all64", "qv8", "rs16", "all8", "qv8", None]
     sched = make_scheduler(llama_ckpt, dtype="float32", lora_paths=adapters, max_loras_per_batch=2)
-    got = _run(sched, list(zip(prompts, names)))
+    got = _run(sched, list(zip(prompts, names, strict=True)))
     base = peft_greedy(llama_ckpt, None, prompts, MAX_NEW)
     assert all(got[i] != base[i] for i, n in enumerate(names) if n), "an adapter left the output unchanged"
     for name in dict.fromkeys(names):
@@ -68,7 +68,7 @@ def test_qwen3_equals_peft(qwen3_ckpt: str, peft_adapter: Callable[..., str]) ->
     prompts = _prompts(2, 3)
     names = ["all8", "qv64", None]
     sched = make_scheduler(qwen3_ckpt, dtype="float32", lora_paths=adapters, chunked_prefill_size=8)
-    got = _run(sched, list(zip(prompts, names)))
+    got = _run(sched, list(zip(prompts, names, strict=True)))
     for i, name in enumerate(names):
         want = peft_greedy(qwen3_ckpt, adapters.get(name) if name else None, [prompts[i]], MAX_NEW)
         assert [got[i]] == want, f"adapter {name}"

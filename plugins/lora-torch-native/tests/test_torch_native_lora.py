@@ -1,10 +1,14 @@
 from __future__ import annotations
 
 import torch
+from engine_lora_torch_native.backend import TorchNativeLoraBackend
 
 from engine.testing import LoraBackendConformance
-from engine.testing.conformance.lora import check_lora_backend, random_batch_info, random_pool_weights
-from engine_lora_torch_native.backend import TorchNativeLoraBackend
+from engine.testing.conformance.lora import (
+    check_lora_backend,
+    random_batch_info,
+    random_pool_weights,
+)
 
 
 class TestTorchNativeLora(LoraBackendConformance):

@@ -18,15 +18,12 @@ rank's part is summed by the layer's own all-reduce.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from engine.lora.backend import LoraBackend, LoraBatchInfo
-
-if TYPE_CHECKING:
-    pass
 
 #: fused projection -> the PEFT modules it stacks, in output order.
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -149,7 +146,7 @@ def build_lora_layer(module: Any, peft_names: tuple[str, ...], state: LoraState,
     if len(parts) != len(peft_names):
         raise ValueError(f"{type(module).__name__} has {len(parts)} output slices, LoRA expects {len(peft_names)}")
     slices = []
-    for i, (peft, size) in enumerate(zip(peft_names, parts)):
+    for i, (peft, size) in enumerate(zip(peft_names, parts, strict=True)):
         shard_rank = tp_rank
         if isinstance(module, QKVParallelLinear) and i > 0:
             shard_rank = tp_rank // module.kv_replicas  # ranks sharing a KV head read the same rows

@@ -179,13 +179,13 @@ class LoraManager:
             return
         seg_slots: list[int] = []
         indptr = [0]
-        for slot, n in zip(slots, rows_tokens):
+        for slot, n in zip(slots, rows_tokens, strict=True):
             if seg_slots and seg_slots[-1] == slot:
                 indptr[-1] += n
             else:
                 seg_slots.append(slot)
                 indptr.append(indptr[-1] + n)
-        lens = [b - a for a, b in zip(indptr[:-1], indptr[1:])]
+        lens = [b - a for a, b in zip(indptr[:-1], indptr[1:], strict=True)]
         self.state.batch_info = LoraBatchInfo(
             num_segments=len(seg_slots),
             seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(self.device, non_blocking=True),

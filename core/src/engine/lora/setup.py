@@ -37,8 +37,8 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
                                           args.plugin_options)
     manager = LoraManager(model, backend, targets, max_rank, args.max_loras_per_batch, dtype, device, layer_range)
     _unfuse_activation_quant(model)
-    slot_bytes = sum(l.a_buffer.numel() * l.a_buffer.element_size() + l.b_buffer.numel() * l.b_buffer.element_size()
-                     for l in manager.layers.values())
+    slot_bytes = sum(buf.numel() * buf.element_size() for layer in manager.layers.values()
+                     for buf in (layer.a_buffer, layer.b_buffer))
     logger.info("LoRA: backend %s, %d slots of rank %d on %s (%d layers, %.1f MiB)", backend.name,
                 args.max_loras_per_batch, max_rank, " ".join(sorted(targets)), len(manager.layers), slot_bytes / 2**20)
     return manager

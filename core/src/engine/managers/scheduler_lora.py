@@ -12,7 +12,11 @@ import logging
 from collections import OrderedDict
 from typing import Any
 
-from engine.managers.io_struct import LoadLoraAdapterReqInput, LoraAdapterReqOutput, UnloadLoraAdapterReqInput
+from engine.managers.io_struct import (
+    LoadLoraAdapterReqInput,
+    LoraAdapterReqOutput,
+    UnloadLoraAdapterReqInput,
+)
 
 logger = logging.getLogger(__name__)
 

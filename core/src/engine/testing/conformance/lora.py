@@ -9,7 +9,13 @@ from typing import Any, ClassVar
 import torch
 
 from engine.lora.backend import LoraBackend, LoraBatchInfo, reference_expand, reference_shrink
-from engine.testing.conformance._common import KIT_SEED, derive_seed, device_or_skip, generator, randn
+from engine.testing.conformance._common import (
+    KIT_SEED,
+    derive_seed,
+    device_or_skip,
+    generator,
+    randn,
+)
 
 #: (n_slices, output columns of each slice) the kit draws: o/down, gate_up, qkv with GQA.
 SLICE_SHAPES = ((1, (48,)), (2, (40, 40)), (3, (32, 16, 16)))
