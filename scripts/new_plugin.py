@@ -1,7 +1,7 @@
 """Creates a new plugin distribution from plugins/_template.
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
-KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec
+KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec | lora
 NAME: the name users see and select (``--reasoning-parser NAME``, ``engine plugins list``,
 ``--disable-plugin NAME``): letters, digits, ``_`` and ``-`` (``deep-think``). It is the
 entry-point name and the registered name; the import package spells ``-`` as ``_``
@@ -102,6 +102,16 @@ KINDS = {
               '    on_request_end if you keep state across steps or requests)\n'
               '    (engine.speculative.Proposer, docs/speculative_internals.md)."""\n\n\n'
               'def create(ctx: ProposerContext) -> MyProposer:\n    return MyProposer()\n')),
+    "lora": dict(
+        deps=["plugserve-lora-torch-native>=0.1"],
+        hook="register_lora_backends", spec_cls="LoraBackendSpec", kit="LoraBackendConformance",
+        spec='LoraBackendSpec(name="{name}", factory="{package}.impl:Backend", device_types=("cpu", "cuda"))',
+        kit_attrs='    backend_name = "{name}"',
+        impl=('from engine_lora_torch_native.backend import TorchNativeLoraBackend\n\n\n'
+              'class Backend(TorchNativeLoraBackend):\n'
+              '    """Starts as the torch reference; replace shrink and expand (engine.lora.backend.LoraBackend,\n'
+              '    docs/lora.md)."""\n\n'
+              '    name = "{name}"\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",
