@@ -146,3 +146,23 @@ def test_an_image_on_a_text_only_model_is_refused(llama_ckpt: str, setup: Any) -
     scheduler.add_request(req)
     (out,) = scheduler.take_outputs()
     assert out.finished_reasons[0]["type"] == "abort" and "takes no images" in out.finished_reasons[0]["message"]
+
+
+def test_a_retracted_image_request_resumes_with_the_same_output(setup: Any) -> None:
+    scheduler = setup[0]
+    scheduler.add_request(_request(setup, "retracted", "Once more.", [10]))
+    for _ in range(3):  # the prefill and two decode steps
+        scheduler.step()
+    (req,) = [r for r in scheduler.running_batch.reqs if r.rid == "retracted"]
+    assert len(req.output_ids) == 3
+    scheduler._retract([req])
+    scheduler.running_batch.filter([r for r in scheduler.running_batch.reqs if r is not req])
+    # Nothing cached: the re-prefill runs the image (and the output so far) through the model again.
+    scheduler.tree_cache.evict(scheduler.runner.max_total_num_tokens)
+    scheduler.runner.mm_cache.clear()
+    computed = scheduler.runner.mm_cache.computed
+    scheduler.run_until_idle()
+    scheduler.take_outputs()
+    check_no_leak(scheduler)
+    assert scheduler.runner.mm_cache.computed == computed + 1
+    assert req.output_ids == _reference(setup, "Once more.", [10]) and req.retractions == 1
