@@ -95,6 +95,8 @@ def test_mixed_adapter_batch_equals_peft(setup: dict[str, Any], peft_greedy: Any
     # One adapter for every prompt of a batch; an adapter's path works as its name.
     r = _generate(server, PROMPTS[:2], setup["dirs"]["b"])
     assert [out["output_ids"] for out in r.json()] == [peft_greedy("b", p) for p in PROMPTS[:2]]
+    metrics = server.get("/metrics").text
+    assert f'engine_lora_requests_total{{lora_name="b",model_name="{MODEL_NAME}"}} 5.0' in metrics, metrics
 
 
 def test_prefix_is_not_shared_across_adapters(setup: dict[str, Any]) -> None:

@@ -36,6 +36,8 @@ class ServerMetrics:
                                      labels, registry=r)
         self.requests = Counter(f"{PREFIX}requests", "Finished requests by finish reason",
                                 [*labels, "finish_reason"], registry=r)
+        self.lora_requests = Counter(f"{PREFIX}lora_requests", "Finished requests that ran with a LoRA adapter, "
+                                     "by adapter name", [*labels, "lora_name"], registry=r)
         self.running = Gauge(f"{PREFIX}num_running_reqs", "Requests being decoded or prefilled", labels, registry=r)
         self.queued = Gauge(f"{PREFIX}num_queue_reqs", "Requests waiting in the scheduler's queue", labels,
                             registry=r)
@@ -97,6 +99,8 @@ class ServerMetrics:
         self.cached_tokens.labels(name).inc(cached)
         reason = (state.finished_reason or {}).get("type", "unknown")
         self.requests.labels(name, reason).inc()
+        if meta.get("lora_name"):
+            self.lora_requests.labels(name, meta["lora_name"]).inc()
         self._prompt_total += prompt
         self._cached_total += cached
         if self._prompt_total:

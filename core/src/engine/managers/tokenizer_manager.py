@@ -293,6 +293,8 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
         if rid in self.states:
             raise RequestError(f"rid: a request with id '{rid}' is already running", "rid")
         state = ReqState(rid, input_ids)
+        if lora_name is not None:
+            state.meta["lora_name"] = lora_name  # for /metrics (engine_lora_requests_total)
         decision = self.router.route(rid, input_ids)
         if self.router.num_replicas > 1:
             state.meta["dp_rank"] = decision.replica
