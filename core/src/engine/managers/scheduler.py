@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import ServerArgs
 from engine.constrained.scheduling import GrammarQueue
+from engine.errors import ConfigError
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
@@ -96,6 +97,9 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
         if args.speculative_algorithm:
             from engine.speculative.worker import Speculator
 
+            if self.runner.multimodal:
+                raise ConfigError(f"--speculative-algorithm {args.speculative_algorithm}: not available for "
+                                  f"vision-language models ({self.runner.hf_config.architectures[0]}); accepted: none")
             self.speculator = Speculator(self)
             if self.enable_overlap and self.speculator.wants_hidden:
                 # Its proposer reads each target forward's hidden states in step order.

@@ -150,6 +150,10 @@ class ModelRunner:
 
         self.multimodal = is_multimodal(self.model)
         self.mrope = uses_mrope(self.model)
+        if self.multimodal and self.placement.pp_size > 1:
+            raise ConfigError(f"--pp-size {self.placement.pp_size}: vision-language models "
+                              f"({self.hf_config.architectures[0]}) run without pipeline parallelism; accepted: "
+                              "--pp-size 1 (use --tp-size to split the model)")
         budget = (getattr(self.args, "mm_embedding_cache_mb", 0) << 20) if self.multimodal else 0
         self.mm_cache = EmbeddingCache(budget)
 
