@@ -132,6 +132,8 @@ def test_openai_model_selects_an_adapter(client: TestClient) -> None:
         assert _sent(client)[-1] == lora
     r = client.post("/v1/completions", json={"model": "b", "prompt": [5, 6], "max_tokens": 1, "stream": True})
     assert r.status_code == 200 and '"model":"b"' in r.text and _sent(client)[-1] == "b"
+    r = client.post("/v1/responses", json={"model": "b", "input": "hi", "max_output_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "b" and _sent(client)[-1] == "b", r.text
     r = client.post("/v1/chat/completions", json={**chat, "model": "tiny:zz"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert r.json()["error"]["message"] == ("model 'tiny:zz' does not exist; this server serves 'tiny' and the "
