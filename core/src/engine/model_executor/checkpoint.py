@@ -58,7 +58,8 @@ def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
 
 # What the engine reads from a config (pool sizing, parallelism checks, sampling) about the decoder.
 _DECODER_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                 "head_dim", "max_position_embeddings", "intermediate_size", "rms_norm_eps", "sliding_window")
+                 "head_dim", "max_position_embeddings", "intermediate_size", "rms_norm_eps", "sliding_window",
+                 "eos_token_id")
 
 
 def _lift_text_config(config: Any) -> None:
