@@ -12,6 +12,7 @@ once), with one progress bar over the whole conversion, and a dtype rule (below)
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -63,9 +64,32 @@ def one_gguf_parse(gguf_path: str) -> Iterator[Any]:
 
         gguf.GGUFReader = _SharedReader
         try:
-            yield shared
+            with one_name_table():  # transformers' weight loader builds the GGUF name map too
+                yield shared
         finally:
             gguf.GGUFReader = original
+
+
+@contextlib.contextmanager
+def one_name_table() -> Iterator[None]:
+    """Inside the block, ``gguf.get_tensor_name_map(arch, n_blocks)`` builds each table once.
+
+    transformers' ``get_gguf_hf_weights_map`` walks the model's submodules and asks for the whole
+    GGUF name table at every one of them (about 400 on a 30-layer model: 6 s of CPU, against 0.02 s
+    built once). The table is a pure function of its arguments, and only read.
+    """
+    import gguf
+
+    with _SHARING:
+        original = gguf.get_tensor_name_map
+        if getattr(original, "cache_info", None) is not None:  # an enclosing block's
+            yield
+            return
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+        try:
+            yield
+        finally:
+            gguf.get_tensor_name_map = original
 
 
 def load_gguf_config(gguf_path: str) -> Any:
@@ -208,7 +232,8 @@ def _weights_map(config: Any, processor: Any, names_dir: str | None) -> dict[str
 
     with torch.device("meta"):  # only the parameter names are needed, not memory
         skeleton = AutoModelForCausalLM.from_config(config)
-    names = get_gguf_hf_weights_map(skeleton, processor)
+    with one_name_table():
+        names = get_gguf_hf_weights_map(skeleton, processor)
     if path is not None:
         try:  # written whole then renamed; a read-only cache keeps building it
             tmp = f"{path}.{os.getpid()}.tmp"
