@@ -167,13 +167,18 @@ def _runs(ids: list[int], token_id: int | None) -> list[tuple[int, int]]:
     return runs
 
 
+def _is_video_key(key: str) -> bool:
+    # Qwen2.5-VL's seconds per temporal patch belong to its videos though the name does not say so.
+    return "video" in key or key == "second_per_grid_ts"
+
+
 def _split_features(modality: str, count: int, outputs: dict[str, Any]) -> list[dict[str, Any]]:
     """The processor's batched outputs for one modality, as one dict per item.
 
     Two layouts exist: one row per item (LLaVA's ``pixel_values`` [n, 3, H, W]), and patches of
     all items concatenated with a ``*_grid_thw`` [n, 3] saying how many each has (Qwen2-VL).
     """
-    mine = {k: v for k, v in outputs.items() if ("video" in k) == (modality == "video") and hasattr(v, "shape")}
+    mine = {k: v for k, v in outputs.items() if _is_video_key(k) == (modality == "video") and hasattr(v, "shape")}
     grid = next((v for k, v in mine.items() if k.endswith("grid_thw")), None)
     sizes = [int(g.prod()) for g in grid] if grid is not None else None
     parts: list[dict[str, Any]] = [{} for _ in range(count)]
