@@ -14,62 +14,15 @@ from typing import Any
 
 import pytest
 import torch
+from engine_models_qwen2_vl.testing import TINY_VISION, make_tiny_checkpoint
 
 from engine.managers.io_struct import TokenizedGenerateReqInput
 from engine.managers.scheduler import check_no_leak
 from engine.multimodal.media import MediaLimits, MediaRef, load_image
 from engine.multimodal.processor import MultimodalProcessor
-from engine.testing.checkpoints import copy_tokenizer
 from engine.testing.harness import make_scheduler
 
-SPECIAL = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-# Qwen2-VL's template: each image or video part becomes its placeholder between the vision tokens.
-TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-            "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-            "{% for part in message['content'] %}"
-            "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-            "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
-            "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-            "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-PATCH = 4
 NEW_TOKENS = 10
-TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=1024, bos_token_id=0, eos_token_id=3,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-VISION = {
-    "Qwen2VLForConditionalGeneration": dict(depth=2, embed_dim=32, num_heads=2, hidden_size=64, patch_size=PATCH),
-    # windows of 2x2 merged tokens; block 1 attends to whole frames
-    "Qwen2_5_VLForConditionalGeneration": dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                                               patch_size=PATCH, window_size=16, out_hidden_size=64,
-                                               fullatt_block_indexes=[1], tokens_per_second=2),
-}
-
-
-def build_checkpoint(directory: str, architecture: str) -> str:
-    import transformers
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    copy_tokenizer(directory)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(directory)
-    # Images of 8x8 to 32x32 pixels: 2x2 to 8x8 patches, 1 to 16 merged tokens.
-    Qwen2VLImageProcessorPil(min_pixels=64, max_pixels=32 * 32, patch_size=PATCH, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(directory)
-    start, end, image, video = tokenizer.convert_tokens_to_ids(SPECIAL)
-    config_cls = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
-    config = config_cls(text_config={**TEXT, "vocab_size": len(tokenizer)}, vision_config=VISION[architecture],
-                        vision_start_token_id=start, vision_end_token_id=end, image_token_id=image,
-                        video_token_id=video)
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(3.0)  # logits far from ties, so greedy choices are stable
-    model.save_pretrained(directory)
-    return directory
 
 
 def png(seed: int, height: int, width: int) -> str:
@@ -82,11 +35,11 @@ def png(seed: int, height: int, width: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-@pytest.fixture(scope="module", params=list(VISION), ids=["qwen2-vl", "qwen2.5-vl"])
+@pytest.fixture(scope="module", params=list(TINY_VISION), ids=["qwen2-vl", "qwen2.5-vl"])
 def setup(request: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     import transformers
 
-    directory = build_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
+    directory = make_tiny_checkpoint(str(tmp_path_factory.mktemp(request.param)), request.param)
     scheduler = make_scheduler(directory, chunked_prefill_size=32)
     processor = MultimodalProcessor(directory, scheduler.runner.vocab_size, 4, MediaLimits())
     hf = getattr(transformers, request.param).from_pretrained(directory, dtype=torch.float32).eval()
