@@ -141,3 +141,36 @@ def test_an_image_on_a_text_only_model_is_a_400(llama_ckpt: str) -> None:
         assert r.status_code == 400 and r.json()["error"]["param"] == "image_data"
         ok = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         assert ok.status_code == 200, ok.text
+
+
+def test_remote_images_are_fetched_within_the_limits() -> None:
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from engine.multimodal.media import MediaError, MediaLimits, load_image
+
+    png = base64.b64decode(png_data_url(5).split(",", 1)[1])
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/cat.png" else 404)
+            self.end_headers()
+            if self.path == "/cat.png":
+                self.wfile.write(png)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert load_image(f"{url}/cat.png", "p", MediaLimits(allow_remote=True)).size == (37, 30)
+        with pytest.raises(MediaError, match="larger than 100 bytes"):
+            load_image(f"{url}/cat.png", "p", MediaLimits(allow_remote=True, max_bytes=100))
+        with pytest.raises(MediaError, match="404"):
+            load_image(f"{url}/dog.png", "p", MediaLimits(allow_remote=True))
+        with pytest.raises(MediaError, match="--allow-remote-media"):
+            load_image(f"{url}/cat.png", "p", MediaLimits())
+    finally:
+        server.shutdown()

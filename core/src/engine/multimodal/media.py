@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -125,11 +126,24 @@ def _read_file(path: str, param: str, limits: MediaLimits) -> bytes:
 
 
 def _fetch(url: str, param: str, limits: MediaLimits) -> bytes:
+    """The body of an http(s) URL: at most ``max_bytes``, within ``REMOTE_TIMEOUT_S`` in all."""
+    deadline = time.monotonic() + REMOTE_TIMEOUT_S
+    chunks: list[bytes] = []
+    size = 0
     try:
         with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT_S) as resp:  # noqa: S310 (opt-in, http(s) only)
-            data = resp.read(limits.max_bytes + 1)
+            while True:
+                chunk = resp.read(1 << 16)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > limits.max_bytes:
+                    raise MediaError(f"{url[:200]} is larger than {limits.max_bytes} bytes", param)
+                if time.monotonic() > deadline:
+                    raise MediaError(f"fetching {url[:200]} took longer than {REMOTE_TIMEOUT_S:g} s", param)
+                chunks.append(chunk)
+    except MediaError:
+        raise
     except Exception as exc:  # URLError, timeouts, HTTP errors: all the client's to fix
         raise MediaError(f"fetching {url[:200]} failed: {exc}", param) from None
-    if len(data) > limits.max_bytes:
-        raise MediaError(f"{url[:200]} is larger than {limits.max_bytes} bytes", param)
-    return data
+    return b"".join(chunks)
