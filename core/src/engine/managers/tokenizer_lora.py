@@ -25,7 +25,7 @@ logger = logging.getLogger("engine.managers.tokenizer_manager")
 # How long a LoRA load or unload waits for the scheduler (reading an adapter from disk included).
 LORA_TIMEOUT_S = 60.0
 # How to get an adapter served, for the errors that say none by that name is.
-_HOW_TO_LOAD = "load one with POST /load_lora_adapter"
+_HOW_TO_LOAD = "load one with POST /load_lora_adapter or Engine.load_lora_adapter"
 
 
 class LoraRegistry:
