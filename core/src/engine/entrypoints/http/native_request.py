@@ -55,14 +55,15 @@ ACTING_FIELDS = (
 # Set by SGLang's own HTTP layer or used only to label its logs: nothing here to change.
 # ``lora_id`` is the id SGLang's tokenizer manager fills in from ``lora_path``; here the adapter
 # name travels on its own.
-IGNORED_FIELDS = ("validation_time", "conversation_id", "lora_id")
+# ``modalities`` is SGLang's hint of the media kinds of a request ("image", "multi-images", "video"):
+# here each item's own field (image_data, video_data) says what it is.
+IGNORED_FIELDS = ("validation_time", "conversation_id", "lora_id", "modalities")
 
 _DISAGG = "prefill/decode disaggregation"
 _MULTIMODAL_OFF = (None, [])
 UNSUPPORTED_FIELDS = (
     Unsupported("input_embeds", "input embeddings (send text or input_ids)"),
     Unsupported("audio_data", "audio inputs", _MULTIMODAL_OFF),
-    Unsupported("modalities", "multimodal inputs", _MULTIMODAL_OFF),
     Unsupported("token_ids_logprob", "logprobs of chosen token ids", (None, [])),
     Unsupported("return_hidden_states", "returning hidden states", (None, False)),
     Unsupported("session_params", "sessions (continuing a cached prompt)", (None, {})),
