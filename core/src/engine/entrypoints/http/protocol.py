@@ -105,7 +105,8 @@ class SamplingFields(_Body):
 
 
 class ContentPart(BaseModel):
-    """One part of a multi-part message; only ``text`` parts are supported."""
+    """One part of a multi-part message: ``text``, or on the chat route ``image_url`` / ``video_url``
+    (their payload stays in the extra fields; ``entrypoints.http.media_parts`` reads it)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     type: str
