@@ -254,3 +254,13 @@ def test_manager_round_trip_over_sockets(tmp_path: Path) -> None:
             await manager.close()
 
     asyncio.run(run())
+
+
+def test_an_adapter_unloaded_after_model_was_read_is_named_as_model(client: TestClient,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # The route resolved ``model`` to an adapter that is gone by the time the manager checks it.
+    monkeypatch.setattr(client.app.state.ctx, "resolve_model", lambda name: "gone")
+    r = client.post("/v1/completions", json={"model": "gone", "prompt": [5], "max_tokens": 1})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "model" and error["message"].startswith(
+        "model: LoRA adapter 'gone' is not loaded"), r.text

@@ -12,7 +12,9 @@ from engine.entrypoints.http.protocol import SamplingFields
 logger = logging.getLogger(__name__)
 
 # Engine field names in RequestError messages, as the OpenAI API calls them.
-RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+# The OpenAI routes select a LoRA adapter by ``model``: an adapter unloaded after the route read
+# ``model`` is refused by the tokenizer manager under the engine's name, ``lora_path``.
+RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "lora_path": "model"}
 
 # OpenAI name -> SamplingParams name, for fields copied when given.
 _COPIED = (
