@@ -71,7 +71,7 @@ class Qwen2VLProcessorPil:
         expanded = [self._expand(prompt, runs) for prompt in text]
         for token, lengths in runs.items():
             if lengths:
-                raise ValueError(f"the prompts hold fewer '{token}' placeholders than the {len(lengths)} extra items given")
+                raise ValueError(f"{len(lengths)} item(s) have no '{token}' placeholder in the prompt")
         ids = self.tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
         if len({len(row) for row in ids}) > 1:
             raise ValueError("prompts of different lengths: process one prompt per call")

@@ -1,0 +1,63 @@
+"""``Qwen2VLProcessorPil``: the video patch layout, placeholder expansion and its errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from engine_models_qwen2_vl.processor import Qwen2VLProcessorPil
+from engine_models_qwen2_vl.testing import write_processor_files
+from PIL import Image
+
+
+@pytest.fixture(scope="module")
+def processor(tmp_path_factory: pytest.TempPathFactory) -> Qwen2VLProcessorPil:
+    directory = str(tmp_path_factory.mktemp("qwen2-vl-processor"))
+    write_processor_files(directory, patch_size=4, min_pixels=64, max_pixels=32 * 32)
+    return Qwen2VLProcessorPil.from_pretrained(directory)
+
+
+def _frames(n: int, h: int, w: int) -> list[Any]:
+    rng = np.random.default_rng(n)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for _ in range(n)]
+
+
+def test_video_patches_follow_the_video_layout(processor: Qwen2VLProcessorPil) -> None:
+    """Row ``(t, block row, block column, row in block, column in block)``, values
+    ``(channel, frame in patch, y, x)``; an odd last frame is repeated."""
+    frames = _frames(3, 16, 24)  # sizes already multiples of 8: no resize
+    patches, grid = processor.video_patches(frames)
+    assert grid.tolist() == [[2, 4, 6]] and patches.shape == (2 * 4 * 6, 3 * 2 * 4 * 4)
+    ip = processor.image_processor
+    mean, std = np.asarray(ip.image_mean)[:, None, None], np.asarray(ip.image_std)[:, None, None]
+    pixels = [(np.asarray(f, dtype=np.float32).transpose(2, 0, 1) / 255 - mean) / std for f in frames]
+    pixels.append(pixels[-1])
+    row = 0
+    for t in range(2):
+        for by in range(2):
+            for bx in range(3):
+                for my in range(2):
+                    for mx in range(2):
+                        y, x = (by * 2 + my) * 4, (bx * 2 + mx) * 4
+                        want = np.stack([pixels[2 * t + k][:, y:y + 4, x:x + 4] for k in range(2)], axis=1)
+                        np.testing.assert_allclose(patches[row].numpy(), want.reshape(-1), rtol=1e-5, atol=1e-5)
+                        row += 1
+
+
+def test_placeholders_expand_to_each_items_tokens(processor: Qwen2VLProcessorPil) -> None:
+    prompt = "a <|image_pad|> b <|video_pad|> c <|image_pad|>"
+    out = processor(text=[prompt], images=_frames(2, 16, 16), videos=[_frames(2, 8, 16)], add_special_tokens=False)
+    ids = out["input_ids"][0]
+    image, video = processor.tokenizer.convert_tokens_to_ids([processor.image_token, processor.video_token])
+    assert int((ids == image).sum()) == 2 * 4 and int((ids == video).sum()) == 2
+    assert out["image_grid_thw"].tolist() == [[1, 4, 4]] * 2 and out["video_grid_thw"].tolist() == [[1, 2, 4]]
+    assert out["pixel_values"].dtype == torch.float32
+
+
+def test_placeholders_must_match_the_items(processor: Qwen2VLProcessorPil) -> None:
+    with pytest.raises(ValueError, match="more '<\\|image_pad\\|>' placeholders than items"):
+        processor(text=["<|image_pad|><|image_pad|>"], images=_frames(1, 16, 16))
+    with pytest.raises(ValueError, match="1 item\\(s\\) have no '<\\|image_pad\\|>' placeholder"):
+        processor(text=["<|image_pad|>"], images=_frames(2, 16, 16))
