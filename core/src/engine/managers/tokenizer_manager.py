@@ -216,7 +216,8 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
 
     def _media_prompt(self, req: GenerateRequest) -> tuple[str, list[Any]]:
         media = native_media(req.image_data, req.video_data)
-        self.require_mm_processor(media[0].param if media else "image_data")
+        if media:
+            self.check_takes_media(media[0].param, media[0].modality)
         if not isinstance(req.text, str) or req.input_ids is not None:
             raise RequestError("image_data/video_data: need a text prompt holding the model's placeholders "
                                "(not input_ids)", "text")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING, Any
 
 from engine.managers.request_state import RequestError
@@ -41,12 +42,18 @@ class MultimodalMixin:
             MediaLimits(getattr(args, "allow_remote_media", False), getattr(args, "max_body_bytes", 32 << 20)),
             getattr(args, "trust_remote_code", False))
 
-    def require_mm_processor(self, param: str, modality: str = "image") -> MultimodalProcessor:
-        processor = self.mm_processor
-        if processor is None:
-            arch = getattr(self, "model_name", None) or self.model_path
-            raise RequestError(f"{param}: this model ({arch}) takes no {modality} input; accepted: text only "
+    def check_takes_media(self, param: str, modality: str = "image") -> None:
+        """A RequestError naming ``param`` unless the model takes images (checked without loading
+        the processor: that happens on a tokenizer worker)."""
+        if not getattr(self.ready, "multimodal", False):
+            name = os.path.basename(os.path.normpath(self.model_path))
+            raise RequestError(f"{param}: this model ({name}) takes no {modality} input; accepted: text only "
                                "(serve a vision-language model for images)", param)
+
+    def require_mm_processor(self, param: str, modality: str = "image") -> MultimodalProcessor:
+        self.check_takes_media(param, modality)
+        processor = self.mm_processor
+        assert processor is not None
         return processor
 
     def process_media_sync(self, prompt: str, media: list[MediaRef], add_special_tokens: bool,
