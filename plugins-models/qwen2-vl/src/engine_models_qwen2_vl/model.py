@@ -63,7 +63,8 @@ class Qwen2VLLanguageModel(LlamaForCausalLM):
 
 
 class Qwen2VLForConditionalGeneration(nn.Module):
-    #: Qwen2.5-VL's tower: RMSNorm, gated MLP and window attention.
+    #: True: Qwen2.5-VL's tower (RMSNorm, gated MLP, window attention) and time-spaced video
+    #: positions; False: Qwen2-VL's.
     windowed = False
 
     def __init__(self, config: Any, quant_config: QuantizationConfig | None = None) -> None:
