@@ -41,7 +41,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("m", [1, 5, 33])
 def test_kernel_matches_reference(bits: int, group_size: int, symmetric: bool, act_order: bool, m: int) -> None:
     device = "cuda" if _CUDA else "cpu"
-    n, k = 96, 256
+    n, k = 48, 256  # the configs 96 outputs get, at half the GEMV's programs (the interpreter's cost)
     kw = _weight(n, k, bits, group_size, symmetric, act_order, device, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(device)
     bias = torch.randn(n).to(device)
