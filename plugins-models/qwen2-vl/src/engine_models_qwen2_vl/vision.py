@@ -59,13 +59,16 @@ def window_order(grid: Grid, merge: int, window: int) -> tuple[torch.Tensor, lis
     order, lengths, base = [], [], 0
     for t, h, w in grid:
         gh, gw = h // merge, w // merge
-        index = torch.arange(t * gh * gw).view(t, gh, gw)
-        for frame in range(t):
-            for r in range(0, gh, window):
-                for c in range(0, gw, window):
-                    block = index[frame, r:r + window, c:c + window].reshape(-1)
-                    order.append(block + base)
-                    lengths.append(block.numel() * merge * merge)
+        # One frame's windows, laid out once: pad the merged grid to whole windows with -1, read it
+        # window by window, drop the padding; every frame of the item repeats it at its own offset.
+        ph, pw = -gh % window, -gw % window
+        padded = F.pad(torch.arange(gh * gw).view(gh, gw), (0, pw, 0, ph), value=-1)
+        windows = padded.view((gh + ph) // window, window, (gw + pw) // window, window).transpose(1, 2)
+        windows = windows.reshape(-1, window * window)
+        frame = windows[windows >= 0]
+        sizes = ((windows >= 0).sum(1) * merge * merge).tolist()
+        order.append((torch.arange(t)[:, None] * (gh * gw) + frame).reshape(-1) + base)
+        lengths += sizes * t
         base += t * gh * gw
     return torch.cat(order), lengths
 
