@@ -109,6 +109,9 @@ def test_prefix_cache_is_keyed_by_the_image(setup: Any) -> None:
     assert out["other"][1] <= item.offset  # a different image shares only the text before it
     assert out["other"][0] == _reference(setup, "Is it red?", [6])
     assert cache.computed == computed + 1  # only the new image ran through the tower
+    stats = scheduler.stats()
+    assert (stats["mm_items_embedded"], stats["mm_embedding_cache_hits"]) == (cache.computed, cache.hits)
+    assert 0 < stats["mm_embedding_cache_bytes"] <= 256 << 20
 
 
 def test_chunked_prefill_cutting_an_image_matches(setup: Any) -> None:

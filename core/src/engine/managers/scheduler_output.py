@@ -116,7 +116,16 @@ class OutputMixin:
             "grammar_compiles": self.grammar_queue.compiler.compiles,
             "grammar_cache_hits": self.grammar_queue.compiler.hits,
             **self._spec_stats(),
+            **self._mm_stats(),
         }
+
+    def _mm_stats(self) -> dict[str, Any]:
+        """Vision-language models: the item-embedding cache's bytes, items embedded, cache hits."""
+        if not getattr(self.runner, "multimodal", False):
+            return {}
+        cache = self.runner.mm_cache
+        return {"mm_embedding_cache_bytes": cache.bytes, "mm_items_embedded": cache.computed,
+                "mm_embedding_cache_hits": cache.hits}
 
     def _spec_stats(self) -> dict[str, Any]:
         """Speculative decoding counters (none when it is off)."""
