@@ -112,6 +112,7 @@ def test_prefix_cache_is_keyed_by_the_image(setup: Any) -> None:
     stats = scheduler.stats()
     assert (stats["mm_items_embedded"], stats["mm_embedding_cache_hits"]) == (cache.computed, cache.hits)
     assert 0 < stats["mm_embedding_cache_bytes"] <= 256 << 20
+    assert scheduler.flush_cache() and len(cache) == 0 and scheduler.stats()["mm_embedding_cache_bytes"] == 0
 
 
 def test_chunked_prefill_cutting_an_image_matches(setup: Any) -> None:

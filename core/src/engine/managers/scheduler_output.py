@@ -87,6 +87,9 @@ class OutputMixin:
         self.tree_cache.reset()
         self.allocator.clear()
         self.req_to_token_pool.clear()
+        mm_cache = getattr(self.runner, "mm_cache", None)
+        if mm_cache is not None:  # image embeddings are cached prefixes too
+            mm_cache.clear()
         return True
 
     def stats(self) -> dict[str, Any]:
