@@ -6,6 +6,7 @@ with placeholders, decoding, resizing, placeholder expansion) turned into prompt
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from engine.multimodal.items import MultimodalItem, apply_pad_ids, features_hash
@@ -36,6 +37,10 @@ class MultimodalProcessor:
                 self.processor = AutoProcessor.from_pretrained(model_path, use_fast=False,
                                                                trust_remote_code=trust_remote_code)
         self.tokenizer = getattr(self.processor, "tokenizer", None)
+        # The tokenizer workers share this processor; a fast tokenizer used from two threads at
+        # once can fail ("Already borrowed") when a call changes its padding/truncation state.
+        # Decoding the images runs outside the lock.
+        self._lock = threading.Lock()
         self.vocab_size = vocab_size
         self.limit_per_prompt = limit_per_prompt
         self.limits = limits
@@ -105,7 +110,8 @@ class MultimodalProcessor:
         if videos:
             kwargs["videos"] = videos
         try:
-            out = self.processor(**kwargs)
+            with self._lock:
+                out = self.processor(**kwargs)
         except MediaError:
             raise
         except Exception as exc:  # the processor's own refusal: a size it cannot take, a frame count...
