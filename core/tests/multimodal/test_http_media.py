@@ -174,3 +174,12 @@ def test_remote_images_are_fetched_within_the_limits() -> None:
             load_image(f"{url}/cat.png", "p", MediaLimits())
     finally:
         server.shutdown()
+
+
+def test_video_on_an_image_only_model_is_a_400(client: TestClient) -> None:
+    r = _chat(client, {"type": "video_url", "video_url": {"url": [png_data_url(1), png_data_url(2)]}})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages[0].content[1].video_url" and "takes no video input" in err["message"], err
+    r = _chat(client, {"type": "video_url", "video_url": {"url": png_data_url(1)}})
+    assert r.status_code == 400 and "list of frame URLs" in r.json()["error"]["message"]
