@@ -6,6 +6,7 @@ Flags of ``serve``, ``generate`` and ``config show`` are generated from
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from typing import Any, Optional
@@ -203,6 +204,12 @@ def main() -> None:
     except EngineError as exc:
         typer.echo(f"error: {exc}", err=True)
         sys.exit(2)
+    finally:
+        # The command is done; what it imported (torch, transformers) would otherwise be walked by
+        # one last garbage collection as the interpreter exits (0.3-1 s of CPU: a stopped
+        # `engine serve` took twice as long to exit). Frozen objects are skipped by it; atexit
+        # handlers and refcount releases still run.
+        gc.freeze()
 
 
 if __name__ == "__main__":
