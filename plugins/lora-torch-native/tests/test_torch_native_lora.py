@@ -20,6 +20,11 @@ def test_per_slot_path_matches_reference() -> None:
     check_lora_backend(TorchNativeLoraBackend(per_segment=False), "cpu")
 
 
+def test_gathered_path_matches_reference() -> None:
+    """Batches of few tokens over several segments (decode) run as gathered batched products."""
+    check_lora_backend(TorchNativeLoraBackend(per_segment=True, gather_max_tokens=1 << 20), "cpu")
+
+
 def test_padding_tokens_beyond_the_segments_are_untouched() -> None:
     gen = torch.Generator().manual_seed(0)
     info = random_batch_info(gen, [3, 2], [1, 2], torch.device("cpu"))

@@ -19,23 +19,63 @@ from engine.lora.backend import LoraBatchInfo
 
 class TorchNativeLoraBackend:
     """``per_segment``: True runs one matmul per segment (reads segment bounds on the host),
-    False one masked matmul per slot; None (the default) chooses by the tensors' device."""
+    False one masked matmul per slot; None (the default) chooses by the tensors' device. On the
+    host path, batches of several segments and at most ``gather_max_tokens`` tokens (decode
+    steps) gather each token's matrices and run one batched product instead: a decode step of
+    many adapters is then two products per layer, not two per row."""
 
     name = "torch_native"
 
-    def __init__(self, per_segment: bool | None = None) -> None:
+    def __init__(self, per_segment: bool | None = None, gather_max_tokens: int = 32) -> None:
         self.per_segment = per_segment
+        self.gather_max_tokens = gather_max_tokens
+        # Every LoRA layer of one forward gets the same info: its segments are read once.
+        self._segments_of: tuple[LoraBatchInfo | None, list[tuple[int, int, int, float]]] = (None, [])
+        self._gather_of: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _host_segments(self, info: LoraBatchInfo) -> list[tuple[int, int, int, float]]:
+        if self._segments_of[0] is not info:
+            self._segments_of = (info, _host_segments(info))
+            self._gather_of = None
+        return self._segments_of[1]
+
+    def _token_gather(self, info: LoraBatchInfo, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's slot (0 for tokens outside the segments that add anything) and whether
+        it adds anything, from the host segments; made once per forward."""
+        segments = self._host_segments(info)
+        if self._gather_of is None or self._gather_of[0].shape[0] != num_tokens:
+            slots = torch.zeros(num_tokens, dtype=torch.int64)
+            keep = torch.zeros(num_tokens, dtype=torch.bool)
+            for lo, hi, slot, _ in segments:
+                slots[lo:hi] = slot
+                keep[lo:hi] = True
+            device = info.seg_indptr.device
+            self._gather_of = (slots.to(device), keep.to(device))
+        return self._gather_of
 
     def _per_segment(self, t: torch.Tensor) -> bool:
         return t.device.type == "cpu" if self.per_segment is None else self.per_segment
 
     # -- shrink: y = x @ A^T per segment -------------------------------------------------
     def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
-        out = torch.zeros(x.shape[0], weights.shape[1], dtype=x.dtype, device=x.device)
         if self._per_segment(x):
-            for lo, hi, slot, _ in _host_segments(info):
+            segments = self._host_segments(info)
+            if len(segments) == 1 and segments[0][:2] == (0, x.shape[0]):
+                return x @ weights[segments[0][2]].T  # one adapter for the whole batch
+            if len(segments) > 1 and x.shape[0] <= self.gather_max_tokens:
+                # One product against every slot's A (a few times the adapters' share, tiny next
+                # to the layer), then each token's own slot's columns: far faster on the CPU than
+                # a batched product of one-row matrices.
+                slots, keep = self._token_gather(info, x.shape[0])
+                num_slots, cols = weights.shape[0], weights.shape[1]
+                every = (x @ weights.reshape(num_slots * cols, -1).T).view(x.shape[0], num_slots, cols)
+                y = every[torch.arange(x.shape[0], device=x.device), slots]
+                return y * keep.to(y.dtype).unsqueeze(1)
+            out = torch.zeros(x.shape[0], weights.shape[1], dtype=x.dtype, device=x.device)
+            for lo, hi, slot, _ in segments:
                 torch.matmul(x[lo:hi], weights[slot].T, out=out[lo:hi])
             return out
+        out = torch.zeros(x.shape[0], weights.shape[1], dtype=x.dtype, device=x.device)
         token_slot = _token_slots(info, x.shape[0])
         for slot in range(weights.shape[0]):
             mask = ((token_slot == slot) & (info.lora_ranks[slot] > 0)).to(x.dtype).unsqueeze(1)
@@ -48,7 +88,19 @@ class TorchNativeLoraBackend:
         n_slices = len(slice_offsets) - 1
         rank = y.shape[1] // n_slices
         if self._per_segment(out):
-            for lo, hi, slot, scale in _host_segments(info):
+            segments = self._host_segments(info)
+            if len(segments) > 1 and out.shape[0] <= self.gather_max_tokens:
+                slots, keep = self._token_gather(info, out.shape[0])
+                scale = (info.scalings[slots] * keep).to(out.dtype).unsqueeze(1)
+                gathered = weights[slots]  # [T, N_total, R]: each token's own B
+                for i in range(n_slices):
+                    a, b = slice_offsets[i], slice_offsets[i + 1]
+                    # A broadcast multiply and a sum over R: batched one-row products, which
+                    # torch.bmm runs several times slower on the CPU.
+                    delta = (gathered[:, a:b] * y[:, None, i * rank:(i + 1) * rank]).sum(-1)
+                    out[:, a:b].add_(delta * scale)
+                return
+            for lo, hi, slot, scale in segments:
                 for i in range(n_slices):
                     a, b = slice_offsets[i], slice_offsets[i + 1]
                     out[lo:hi, a:b].addmm_(y[lo:hi, i * rank:(i + 1) * rank], weights[slot, a:b].T, alpha=scale)
