@@ -87,3 +87,56 @@ def test_mixed_batches_and_pages_keep_the_adapter(llama_ckpt: str, peft_adapter:
     assert [got[0], got[2]] == peft_greedy(llama_ckpt, path, [prompts[0], prompts[2]], MAX_NEW)
     assert [got[1]] == peft_greedy(llama_ckpt, None, [prompts[1]], MAX_NEW)
     check_no_leak(sched)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_shards_add_up_to_the_full_update(tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's LoRA layer, built as the layer is sharded (tp 4 replicates the 2 KV heads),
+    gives its columns of the full update (QKV) or a part that sums to it (o_proj, A sharded by
+    input), so the layer's own gather or all-reduce completes it."""
+    import torch
+
+    import engine.layers.linear as linear
+    from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
+    from engine.lora.layers import LoraState, build_lora_layer
+
+    class Reference:
+        name = "reference"
+        shrink = staticmethod(reference_shrink)
+        expand = staticmethod(reference_expand)
+
+    gen = torch.Generator().manual_seed(5)
+    r, hidden, head, heads, kv_heads, tokens = 4, 64, 16, 4, 2, 3
+    a = {n: torch.randn(r, hidden, generator=gen) for n in ("q", "k", "v", "o")}
+    b = {"q": torch.randn(heads * head, r, generator=gen), "k": torch.randn(kv_heads * head, r, generator=gen),
+         "v": torch.randn(kv_heads * head, r, generator=gen), "o": torch.randn(hidden, r, generator=gen)}
+    x = torch.randn(tokens, hidden, generator=gen)
+    state = LoraState(Reference())
+    state.batch_info = LoraBatchInfo(1, torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                                     torch.tensor([r, 0], dtype=torch.int32), torch.tensor([0.5, 0.0]), tokens)
+    full = {n: 0.5 * (x @ a[n].T) @ b[n].T for n in a}
+    o_sum = torch.zeros(tokens, hidden)
+    for rank in range(tp):
+        monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: tp)
+        monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: rank)  # noqa: B023
+        qkv = linear.QKVParallelLinear(hidden, head, heads, kv_heads)
+        o_proj = linear.RowParallelLinear(heads * head, hidden)
+        layers = [(build_lora_layer(qkv, ("q_proj", "k_proj", "v_proj"), state, 2, r, torch.float32,
+                                    torch.device("cpu")), "qkv"),
+                  (build_lora_layer(o_proj, ("o_proj",), state, 2, r, torch.float32, torch.device("cpu")), "o")]
+        for layer, kind in layers:
+            names = ("q", "k", "v") if kind == "qkv" else ("o",)
+            layer.load_slot(0, [layer.shard(i, a[n], b[n]) for i, n in enumerate(names)])
+        qkv_out = torch.zeros(tokens, qkv.output_size_per_partition)
+        layers[0][0].apply(x, qkv_out)
+        kv_rank = rank // qkv.kv_replicas
+        q_cols, kv_cols = qkv.num_heads * head, qkv.num_kv_heads * head
+        want = torch.cat([full["q"][:, rank * q_cols:(rank + 1) * q_cols],
+                          full["k"][:, kv_rank * kv_cols:(kv_rank + 1) * kv_cols],
+                          full["v"][:, kv_rank * kv_cols:(kv_rank + 1) * kv_cols]], dim=1)
+        torch.testing.assert_close(qkv_out, want)
+        part = torch.zeros(tokens, hidden)
+        shard = hidden // tp
+        layers[1][0].apply(x[:, rank * shard:(rank + 1) * shard], part)
+        o_sum += part
+    torch.testing.assert_close(o_sum, full["o"])
