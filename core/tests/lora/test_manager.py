@@ -154,3 +154,32 @@ def test_moe_attention_adapter_equals_peft(tmp_path_factory: pytest.TempPathFact
     sched = make_scheduler(ckpt, dtype="float32", enable_lora=True, lora_target_modules=["all"])
     reply = sched.load_lora_adapter(LoadLoraAdapterReqInput("mlp", mlp))
     assert not reply.success and "experts.0.gate_proj takes no LoRA weights" in reply.message, reply.message
+
+
+def test_slots_lru_and_static_decode_info(llama_ckpt: str, adapters: dict[str, str]) -> None:
+    """The device pool: an adapter a batch needs takes the least recently used slot the batch
+    does not need; decode info for CUDA graphs is one segment per row in static buffers whose
+    rows past the batch read the base slot."""
+    sched = make_scheduler(llama_ckpt, dtype="float32", enable_lora=True, max_loras_per_batch=2, max_lora_rank=8)
+    lora = sched.runner.lora
+    uids = [sched.load_lora_adapter(LoadLoraAdapterReqInput(n, adapters["b"])).success and sched.lora_names[n]
+            for n in ("x", "y", "z")]
+    x, y, z = uids
+    lora.prepare([x, None, x], [3, 2, 4])
+    info = lora.state.batch_info
+    assert info.seg_indptr.tolist() == [0, 3, 5, 9] and info.max_seg_len == 4
+    assert info.weight_indices.tolist() == [lora.slot_uid.index(x), lora.base_slot, lora.slot_uid.index(x)]
+    lora.prepare([y], [1])
+    lora.prepare([z], [1])  # both slots taken: x, the least recently used, gives way
+    assert set(lora.slot_uid) == {y, z}
+    assert int(lora.ranks[lora.base_slot]) == 0 and lora.ranks.tolist().count(8) == 2
+    lora.prepare(None, [1, 1])
+    assert lora.state.batch_info is None, "a batch without adapters runs no LoRA work"
+    lora.static_rows(8)
+    lora.prepare([y, None, x], [1, 1, 1], graph=True)
+    info = lora.state.batch_info
+    indices = lora._static["indices"]
+    assert info.weight_indices.data_ptr() == indices.data_ptr() and info.num_segments == 3
+    assert indices[3:].tolist() == [lora.base_slot] * 5
+    assert info.weight_indices.tolist() == [lora.slot_uid.index(y), lora.base_slot, lora.slot_uid.index(x)]
+    assert info.seg_indptr.tolist() == [0, 1, 2, 3]
