@@ -101,7 +101,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The run is over: what it built is frozen, so the interpreter's exit skips one last garbage
-    collection over it (about 1 s per pytest process that imported torch; an xdist worker at the
-    end of the suite holds far more). Cleanups and atexit handlers still run."""
+    """The run is over: what it built is frozen, so neither the collections of pytest's own
+    shutdown nor the interpreter's last one walk it again (1.0-1.2 -> 0.12 s from here to exit for
+    a small kernel-test run; an xdist worker at the end of the suite holds far more). Cleanups
+    (the shared servers' stop) and atexit handlers still run. No test runs pytest in-process."""
     gc.freeze()
