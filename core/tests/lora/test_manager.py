@@ -183,3 +183,18 @@ def test_slots_lru_and_static_decode_info(llama_ckpt: str, adapters: dict[str, s
     assert indices[3:].tolist() == [lora.base_slot] * 5
     assert info.weight_indices.tolist() == [lora.slot_uid.index(y), lora.base_slot, lora.slot_uid.index(x)]
     assert info.seg_indptr.tolist() == [0, 1, 2, 3]
+
+
+def test_decode_graph_replays_keep_each_rows_adapter(llama_ckpt: str, adapters: dict[str, str]) -> None:
+    """Decode steps replayed from (CPU stand-in) graphs read the rows' slots from the static
+    buffers: 3 rows on two adapters and the base model, padded to a 4-row graph, equal PEFT."""
+    from engine.testing.graphs import EagerReplayGraphs
+
+    sched = make_scheduler(llama_ckpt, dtype="float32", lora_paths={"a": adapters["a"], "b": adapters["b"]})
+    graphs = sched.runner.cuda_graph_runner = EagerReplayGraphs(sched.runner, 4)
+    col = OutputCollector()
+    rids = [submit(sched, PROMPT, PARAMS, lora_name=n) for n in ("a", None, "b")]
+    _finish(sched, col)
+    assert graphs.replayed and set(graphs.replayed) == {4}
+    for rid, name in zip(rids, ("a", None, "b"), strict=True):
+        assert col.ids[rid] == peft_greedy(llama_ckpt, adapters.get(name) if name else None, [PROMPT], 6)[0], name

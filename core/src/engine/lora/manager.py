@@ -209,10 +209,14 @@ class LoraManager:
         return LoraBatchInfo(num_segments=bs, seg_indptr=indptr[:bs + 1], weight_indices=indices[:bs],
                              lora_ranks=self.ranks, scalings=self.scalings, max_seg_len=1)
 
-    def capture_info(self, bs: int) -> LoraBatchInfo:
-        """The info a CUDA graph of ``bs`` decode rows is captured with: the static buffers, all
-        rows on the base slot until a replay's ``prepare`` writes the batch's slots."""
-        return self._decode_info([self.base_slot] * bs)
+    def static_info(self, bs: int) -> LoraBatchInfo:
+        """The info a decode graph of ``bs`` rows runs on: views of the static buffers, as the
+        last ``prepare(graph=True)`` filled them (all rows on the base slot before any)."""
+        if "indices" not in self._static or self._static["indices"].numel() < bs:
+            self.static_rows(bs)
+        return LoraBatchInfo(num_segments=bs, seg_indptr=self._static["indptr"][:bs + 1],
+                             weight_indices=self._static["indices"][:bs], lora_ranks=self.ranks,
+                             scalings=self.scalings, max_seg_len=1)
 
     def clear(self) -> None:
         self.state.batch_info = None

@@ -128,6 +128,9 @@ class ModelRunner:
                                             (self.start_layer, self.end_layer))
         link_norm_consumers(self.model)  # after both: it needs the kernels and out_quant
         self._init_pools(free_before)
+        if self.lora is not None:
+            # Sized once for the largest decode batch: captured graphs keep reading these buffers.
+            self.lora.static_rows(self.max_running_requests + 1)
         self.attn_backend = self._create_attention_backend()
         warmup = getattr(self.attn_backend, "warmup", None)
         if callable(warmup):
@@ -176,7 +179,6 @@ class ModelRunner:
             return CudaGraphRunner(self, args.cuda_graph_max_bs)
         # Decode graphs hold the LoRA path: captured on the static batch info, every replay
         # refills its buffers (``LoraManager.prepare(graph=True)``).
-        self.lora.static_rows(self.max_running_requests + 1)
         self._lora_capturing = True
         try:
             return CudaGraphRunner(self, args.cuda_graph_max_bs)
@@ -374,8 +376,12 @@ class ModelRunner:
     def _prepare_lora(self, forward_batch: ForwardBatch, graph: bool = False) -> None:
         """The batch's adapter slots for every LoRA layer (``ForwardBatch.lora_uids``)."""
         assert self.lora is not None
-        if self._lora_capturing:
-            self.lora.state.batch_info = self.lora.capture_info(forward_batch.batch_size)
+        graphs = getattr(self, "cuda_graph_runner", None)
+        static = graphs is not None and forward_batch.input_ids.data_ptr() == graphs.input_ids.data_ptr()
+        if self._lora_capturing or static:
+            # A graph's own static batch (capture): its rows' slots are in the static buffers,
+            # which ``prepare(graph=True)`` refills before every replay.
+            self.lora.state.batch_info = self.lora.static_info(forward_batch.batch_size)
             return
         rows = forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None
         if forward_batch.forward_mode.is_mixed() and rows is not None:
