@@ -199,6 +199,9 @@ _register_subcommands()
 
 def main() -> None:
     from engine.cli_args import split_multi_value_flags
+    from engine.entrypoints.child_process import tune_gc
+
+    tune_gc()  # before the command imports torch and transformers
 
     # At exit, what the command imported (torch, transformers) would otherwise be walked by one
     # last garbage collection (0.3-1 s of CPU: a stopped `engine serve` took twice as long to

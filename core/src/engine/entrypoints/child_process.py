@@ -11,6 +11,7 @@ may be handed the write end of a pipe (``InheritedConnection``) for the ready ha
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import subprocess
@@ -93,8 +94,24 @@ class ChildProcess:
             pass
 
 
+#: Allocations between young-generation collections in the engine's own processes (Python's default
+#: is 700). Start-up builds hundreds of thousands of long-lived objects (torch, transformers, the
+#: model), and at 700 the collector walks that growing heap again and again: 0.6 s of the
+#: scheduler's 6.6 s and of the CLI's 4.2 s starting the default model. At 10,000: 0.9 s less CPU
+#: per `engine generate` (9.8 -> 8.9 s, 3 processes), at most that many young objects in cycles
+#: waiting a little longer to be freed.
+GC_GEN0_THRESHOLD = 10_000
+
+
+def tune_gc() -> None:
+    """Sets ``GC_GEN0_THRESHOLD`` (the older generations' thresholds stay): for a process of the
+    engine's own (the CLI, the scheduler and detokenizer children), not a user's script."""
+    gc.set_threshold(GC_GEN0_THRESHOLD, *gc.get_threshold()[1:])
+
+
 def bootstrap(payload_fd: int) -> None:
     """The child's side: read sys.path and the call from the parent, then run it."""
+    tune_gc()
     with os.fdopen(payload_fd, "rb") as f:
         sys.path[:] = pickle.load(f)
         target, args = pickle.load(f)
