@@ -68,6 +68,9 @@ def test_unload_waits_for_running_requests_then_reload(llama_ckpt: str, adapters
     assert col.ids[again] == peft_greedy(llama_ckpt, adapters["b"], [PROMPT], 6)[0]
     assert col.meta[again]["cached_tokens"] == 0, "the reloaded name reused the old adapter's prefix"
     assert uid not in sched.runner.lora.adapters and not sched.lora_draining
+    stats = sched.stats()
+    assert stats["lora_adapters"] == {"a": adapters["b"]} and stats["lora_draining"] == []
+    assert "a" in stats["lora_slots"] and None in stats["lora_slots"]
     check_no_leak(sched)
 
 

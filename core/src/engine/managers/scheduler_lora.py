@@ -148,6 +148,17 @@ class LoraMixin:
             if drop is not None:
                 drop(uid)
 
+    def _lora_stats(self) -> dict[str, Any]:
+        """LoRA counters for /get_server_info (none when LoRA is off): adapters loaded, those
+        unloaded but still running, and the adapter in each device slot (None: empty)."""
+        manager = self.runner.lora
+        if manager is None:
+            return {}
+        names = {uid: entry[0] for uid, entry in self.lora_loaded.items()}
+        return {"lora_adapters": {name: self.lora_loaded[uid][1] for name, uid in self.lora_names.items()},
+                "lora_draining": sorted(names[uid] for uid in self.lora_draining),
+                "lora_slots": [names.get(uid) if uid is not None else None for uid in manager.slot_uid]}
+
     def _lora_reply(self, success: bool, message: str) -> LoraAdapterReqOutput:
         loaded = {name: self.lora_loaded[uid][1] for name, uid in self.lora_names.items()}
         return LoraAdapterReqOutput(success=success, message=message, loaded=loaded)

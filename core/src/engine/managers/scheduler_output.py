@@ -120,6 +120,7 @@ class OutputMixin:
             "grammar_cache_hits": self.grammar_queue.compiler.hits,
             **self._spec_stats(),
             **self._mm_stats(),
+            **self._lora_stats(),
         }
 
     def _mm_stats(self) -> dict[str, Any]:
