@@ -5,5 +5,5 @@
 - ``engine.lora.adapter``: reading and validating PEFT adapter directories.
 - ``engine.lora.layers``: the LoRA-wrapped linear layers a model's projections become.
 - ``engine.lora.manager``: host copies of the loaded adapters, the device slot pool and the
-  per-forward batch info.
+  per-forward batch info; ``engine.lora.setup`` builds it for a model runner.
 """
