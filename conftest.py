@@ -13,6 +13,12 @@ import os
 
 import pytest
 
+# Young garbage collected every 10,000 allocations instead of 700, as in the engine's own processes
+# (engine.entrypoints.child_process.GC_GEN0_THRESHOLD): a test process holds torch, transformers
+# and models, and Triton's interpreter allocates fast, so at 700 the collector keeps walking that
+# heap: 4-7% of a kernel-test module's CPU (gguf kernels 19.4 -> 18.0 s, qkv prologue 17.2 -> 16.4).
+gc.set_threshold(10_000, *gc.get_threshold()[1:])
+
 
 def _has_cuda() -> bool:
     try:
@@ -24,12 +30,6 @@ def _has_cuda() -> bool:
 
 if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
-
-# Young garbage collected every 10,000 allocations instead of 700, as in the engine's own processes
-# (engine.entrypoints.child_process.GC_GEN0_THRESHOLD): a test process holds torch, transformers
-# and models, and Triton's interpreter allocates fast, so at 700 the collector keeps walking that
-# heap: 4-7% of a kernel-test module's CPU (gguf kernels 19.4 -> 18.0 s, qkv prologue 17.2 -> 16.4).
-gc.set_threshold(10_000, *gc.get_threshold()[1:])
 
 
 # Modules that take the longest on a CPU-only machine (per-test durations summed by module, from
