@@ -67,3 +67,14 @@ def test_refuses_foreign_tensors_and_missing_files(tmp_path, llama_ckpt: str, pe
               os.path.join(tmp_path, "adapter_model.safetensors"))
     with pytest.raises(LoraAdapterError, match="do not have rank r=4"):
         load_adapter("x", str(tmp_path), torch.float32)
+
+
+def test_random_adapter_for_a_config_loads(tmp_path, llama_ckpt: str) -> None:  # type: ignore[no-untyped-def]
+    """``write_random_adapter`` (benchmarks on dummy weights) writes what ``load_adapter`` reads."""
+    from engine.lora.adapter import write_random_adapter
+    from engine.model_executor.checkpoint import load_hf_config
+
+    path = write_random_adapter(load_hf_config(llama_ckpt, False), str(tmp_path / "r"), 4, ["q_proj", "down_proj"])
+    w = load_adapter("r", path, torch.float32)
+    assert w.config.rank == 4 and w.config.target_modules == {"q_proj", "down_proj"}
+    assert w.weights["model.layers.1.mlp.down_proj"][0].shape == (4, 128)

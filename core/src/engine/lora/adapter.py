@@ -158,3 +158,36 @@ def startup_lora_shape(lora_paths: dict[str, str]) -> tuple[int, set[str]]:
         else:  # a regular expression or "all-linear"
             targets |= set(LORA_TARGET_MODULES)
     return rank, targets
+
+
+def write_random_adapter(hf_config: Any, out: str, r: int, targets: tuple[str, ...] | list[str], seed: int = 0,
+                         alpha: float | None = None, scale: float = 0.02) -> str:
+    """Writes a PEFT LoRA adapter of random weights (normal, ``scale``) for a Llama-family model
+    of ``hf_config`` (a transformers config or anything with its fields) to ``out``: what
+    benchmarks on ``--load-format dummy`` models load, with no base weights or peft needed."""
+    from safetensors.torch import save_file
+
+    hidden = hf_config.hidden_size
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // heads
+    inter = hf_config.intermediate_size
+    shapes = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+              "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+              "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(hf_config.num_hidden_layers):
+        for module in targets:
+            fan_in, fan_out = shapes[module]
+            block = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{block}.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen) * scale
+    os.makedirs(out, exist_ok=True)
+    save_file(tensors, os.path.join(out, WEIGHTS_FILE))
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": alpha if alpha is not None else 2 * r,
+              "target_modules": list(targets), "bias": "none", "use_rslora": False}
+    with open(os.path.join(out, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return out
