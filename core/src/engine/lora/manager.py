@@ -217,6 +217,3 @@ class LoraManager:
         return LoraBatchInfo(num_segments=bs, seg_indptr=self._static["indptr"][:bs + 1],
                              weight_indices=self._static["indices"][:bs], lora_ranks=self.ranks,
                              scalings=self.scalings, max_seg_len=1)
-
-    def clear(self) -> None:
-        self.state.batch_info = None
