@@ -177,7 +177,8 @@ def test_stop_strings_without_a_tokenizer_are_refused() -> None:
     from engine.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 
     manager = SimpleNamespace(tokenizer=None, context_len=64, _check_structured=lambda params: None,
-                              check_generation_task=lambda what: None)
+                              check_generation_task=lambda what: None,
+                              lora=SimpleNamespace(resolve=lambda value: None))
     req = GenerateRequest(input_ids=[5, 6], sampling_params={"stop": "\n"})
     with pytest.raises(RequestError, match=r"stop: invalid value \['\\n'\].*--skip-tokenizer-init.*stop_token_ids") as info:
         TokenizerManager.validate(manager, req, [5, 6])  # type: ignore[arg-type]
