@@ -319,6 +319,13 @@ def device_type_available(device_type: str) -> bool:
     return module is not None and bool(module.is_available())
 
 
+def device_supports_bf16(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 (the CPU does; a GPU older than Ampere does not)."""
+    module = _device_module(device.type)
+    probe = getattr(module, "is_bf16_supported", None) if module is not None else None
+    return True if probe is None else bool(probe())
+
+
 def _platform_for(device: torch.device) -> Platform | None:
     platform = _CURRENT
     return platform if platform is not None and platform.device_type == device.type else None

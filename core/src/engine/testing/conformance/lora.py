@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 
 from engine.lora.backend import LoraBackend, LoraBatchInfo, reference_expand, reference_shrink
+from engine.platforms import device_supports_bf16
 from engine.testing.conformance._common import (
     KIT_SEED,
     derive_seed,
@@ -86,7 +87,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str)
 
 def dtypes_for(device: torch.device) -> list[torch.dtype]:
     """float32 everywhere; bfloat16 where the device computes it (CPU does, slowly but exactly enough)."""
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+    if not device_supports_bf16(device):
         return [torch.float32, torch.float16]
     return [torch.float32, torch.bfloat16]
 
