@@ -9,7 +9,7 @@ the bytes each LoRA call must move over the time (GB/s), and the LoRA share of t
 (shrink + expand over the base bf16 matmul ``x @ W.T``).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
-        [--result-file F.jsonl]
+        [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-4x512]
 
 ``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
 backend as its peer) and the base matmuls' time, as rows of the benchmarks page's ``lora`` area.
@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", metavar="FILE.json", help="also sweep block sizes; write the timings here")
     ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
+    ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
+                    help="which scenarios to run (default: all)")
     args = ap.parse_args()
     swept: list[dict[str, Any]] = []
     dev = torch.device(DEVICE)
@@ -160,7 +162,8 @@ def main() -> None:
           f"CUDA graphs of {args.reps} calls")
     print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'no-pdl us':>9} "
           f"{'native us':>9} {'triton/base':>11} {'native/base':>11}")
-    for scen, (lens, distinct) in SCENARIOS.items():
+    for scen in args.scenarios:
+        lens, distinct = SCENARIOS[scen]
         info = build(lens, distinct, args.rank, dev)
         tokens = sum(lens)
         totals = [0.0, 0.0, 0.0, 0.0]
