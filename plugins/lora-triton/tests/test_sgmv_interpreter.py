@@ -4,8 +4,9 @@ The root conftest sets ``TRITON_INTERPRET=1`` where no CUDA device is present; t
 lists the cpu device too and the same kernels run in numpy. Tiny shapes (the interpreter runs
 every program in Python): both kernel forms (token tiles with ``tl.dot``, and one token per
 program for decode), empty segments, rank-0 slots holding stale weights, one to three slices at
-uneven column offsets, strided tensors, and a ``max_seg_len`` above the longest segment with
-padding tokens after the last segment (as a captured CUDA-graph batch has).
+uneven column offsets, strided tensors, decode batches large enough for the per-slot expand, and a
+``max_seg_len`` above the longest segment with padding tokens after the last segment (as a
+captured CUDA-graph batch has).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def _pool(ranks: list[int], n_slices: int, r: int, k: int, n: int, dtype: torch.
 CASES = {
     "decode-qkv": ([1, 1, 1, 1, 1, 1], [2, 0, 2, 1, 3, 1], [0, 4, 16, 8], 16, 40, [0, 16, 24, 32], 0, 0),
     "decode-padded": ([1, 1, 0, 1], [1, 0, 1, 1], [0, 8], 8, 24, [0, 24], 3, 0),
+    # 16+ segments: expand runs one program per (slot, column tile) over the batch's tokens.
+    "decode-slots": ([1] * 9 + [0] + [1] * 8, [i * 5 % 4 for i in range(18)], [0, 4, 8, 8], 8, 16, [0, 70, 80], 2, 0),
     "prefill-gate-up": ([5, 0, 19, 1, 0, 3], [1, 2, 0, 1, 1, 2], [0, 8, 4], 8, 48, [5, 21, 37], 2, 4),
     "prefill-o": ([0, 17, 6], [0, 1, 0], [16, 0], 16, 64, [0, 40], 0, 0),
 }

@@ -138,6 +138,55 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
+                         num_segments, off0, off1, off2, off3, tiles0, tiles01,
+                         stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+                         R: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_R: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Decode batches (segments of at most one token): one program per (slot, column tile) reads
+    # its B tile once and applies it to every token of the batch on that slot, instead of every
+    # token reading its adapter's whole B.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.program_id(0)
+    rank = tl.load(ranks_ptr + slot)
+    if rank == 0:
+        return
+    tile = tl.program_id(1)
+    in1 = tile >= tiles0
+    in2 = tile >= tiles01
+    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
+    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
+    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < hi
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    scale = tl.load(scalings_ptr + slot)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for s0 in range(0, SEGS, BLOCK_S):
+        segs = s0 + tl.arange(0, BLOCK_S)
+        s_ok = segs < num_segments
+        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
+        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
+        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+        mine = s_ok & (owner == slot) & (end > tok)
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            rows = tok.to(tl.int64)
+            yv = tl.load(y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr,
+                         mask=mine[:, None] & r_ok[None, :], other=0.0)
+            acc = _product(yv, bv, True, WIDEN, IEEE)
+            mask = mine[:, None] & n_ok[None, :]
+            out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
+            cur = tl.load(out_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -179,10 +228,14 @@ def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: i
 
 def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
     """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes."""
+    if max_seg_len <= 1 and num_segments >= 16:
+        # A decode batch: one program per (slot, column tile) over the batch's tokens on that slot
+        # (``_expand_slots_kernel``), so each adapter's B is read once, not once per token.
+        return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4,
+                    num_stages=1)
     if max_seg_len <= 1:
-        # H200 sweep: 32 columns a program at batch 1 (1.1-1.6 us), 128 at batch 64.
-        block_n = 32 if num_segments < 16 else 128
-        return dict(BLOCK_T=1, BLOCK_N=block_n, BLOCK_R=triton.next_power_of_2(r), num_warps=4, num_stages=1)
+        # H200 sweep: 32 columns a program at batch 1 (1.1-1.6 us a call).
+        return dict(BLOCK_T=1, BLOCK_N=32, BLOCK_R=triton.next_power_of_2(r), num_warps=4, num_stages=1)
     block_n = 64 if width >= 64 else max(16, triton.next_power_of_2(width))
     return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, triton.cdiv(width, block_n), sms), BLOCK_N=block_n,
                 BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4, num_stages=1)
@@ -245,6 +298,15 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     total = sum(tiles)
     tiles0 = tiles[0] if n_slices > 1 else total
     tiles01 = tiles[0] + tiles[1] if n_slices > 2 else total
+    if cfg.get("SLOTS"):
+        segs = triton.next_power_of_2(num_segments)
+        _expand_slots_kernel[(ranks.shape[0], total)](
+            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
+            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            R=r, SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+            WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
     grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), total)
     _expand_kernel[grid](
         y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
