@@ -30,5 +30,6 @@ def register_lora_backends(register):  # type: ignore[no-untyped-def]
 @hookimpl
 def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(plugin="lora-triton", key="pdl", default=True,
-                          help="sm_90+: launch shrink and expand with programmatic dependent launch (each starts "
-                               "while the kernel before it drains, reading the batch info and its first weights)"))
+                          help="sm_90+: launch decode batches' shrink and expand with programmatic dependent launch "
+                               "(each starts while the kernel before it drains, reading the batch info and its "
+                               "first weights)"))

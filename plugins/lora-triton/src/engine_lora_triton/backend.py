@@ -13,9 +13,12 @@ from engine_lora_triton.kernels import has_pdl, sgmv_expand, sgmv_shrink
 class TritonLoraBackend:
     """Segmented shrink (``x @ A.T``) and in-place expand (``out += s * y @ B.T``) per adapter slot.
 
-    ``pdl``: launch both kernels with programmatic dependent launch where the device has it
-    (sm_90+): a kernel starts while the one before it drains, reading the batch info and its first
-    weight tile before it waits."""
+    ``pdl``: launch both kernels with programmatic dependent launch for decode batches (segments
+    of at most one token) where the device has it (sm_90+): a kernel starts while the one before it
+    drains, reading the batch info and its first weight tile before it waits. Multi-token batches
+    launch without it: their grids fill the GPU, and early programs of the next kernel waiting on
+    SMs slowed them (H200, bench_sgmv.py: prefill of 4 x 512 tokens 327 us with PDL, 273 us
+    without; decode batch 1 11.1 us with, 19.0 us without)."""
 
     name = "triton"
 
@@ -24,12 +27,15 @@ class TritonLoraBackend:
 
     def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: Any) -> torch.Tensor:
         return sgmv_shrink(x, weights, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                           info.num_segments, info.max_seg_len, pdl=self.pdl and has_pdl(x.device))
+                           info.num_segments, info.max_seg_len, pdl=self._pdl(info, x.device))
 
     def expand(self, y: torch.Tensor, weights: torch.Tensor, info: Any, out: torch.Tensor,
                slice_offsets: Sequence[int]) -> None:
         sgmv_expand(y, weights, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                    info.num_segments, info.max_seg_len, slice_offsets, pdl=self.pdl and has_pdl(out.device))
+                    info.num_segments, info.max_seg_len, slice_offsets, pdl=self._pdl(info, out.device))
+
+    def _pdl(self, info: Any, device: torch.device) -> bool:
+        return self.pdl and info.max_seg_len <= 1 and has_pdl(device)
 
 
 def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
