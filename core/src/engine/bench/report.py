@@ -46,6 +46,7 @@ AREAS: tuple[Area, ...] = (
     Area("parallelism", "Parallelism", "`engine bench one-batch --tp-size 2 --result-file F` (or `offline --dp-size 2`)"),
     Area("moe", "Mixture of experts", "`engine bench one-batch --model-path docs/bench_configs/qwen3-30b-a3b --result-file F`"),
     Area("speculative", "Speculative decoding", "`engine bench spec --result-file F`"),
+    Area("lora", "LoRA adapters", "`python3 plugins/lora-triton/benchmarks/bench_sgmv.py --result-file F`"),
     Area("structured-output", "Structured output", "`engine bench one-batch --json-schema '' --result-file F`"),
     Area("cpu-default-model", "CPU default model", "`engine bench cpu-compare --result-file F`"),
     Area("startup", "Start-up", "`engine bench startup --result-file F`"),
