@@ -15,6 +15,9 @@ Two forms of the same kernels, chosen per call from host-side sizes:
 - token-parallel (``BLOCK_T == 1``, every segment one token: decode with one segment per
   request): a program is one token's matrix-vector product, a broadcast multiply and a sum in
   float32, with narrow output tiles so that a small batch still spreads over the SMs.
+- per-slot expand (``_expand_slots_kernel``, decode batches of 16+ segments): a program per
+  (adapter slot, column tile) reads its B tile once and applies it to the batch's tokens on that
+  slot.
 
 CUDA-graph safe: the grid comes from ``num_segments`` and ``max_seg_len`` (host ints, which may
 be upper bounds: token tiles past a segment's end return at once) and the tensors' shapes; no
