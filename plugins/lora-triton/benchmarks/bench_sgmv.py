@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from engine_lora_torch_native.backend import TorchNativeLoraBackend
 from engine_lora_triton.backend import TritonLoraBackend
-from engine_lora_triton.kernels import (
+from engine_lora_triton.launch import (
     expand_config,
     has_pdl,
     sgmv_expand,

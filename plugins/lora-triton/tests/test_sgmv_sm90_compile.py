@@ -23,13 +23,14 @@ def _facts(kernel: object) -> dict[str, object]:
 
 def _compile_all() -> dict[str, dict[str, object]]:
     from engine_lora_triton import kernels as k
+    from engine_lora_triton import launch
 
     facts: dict[str, dict[str, object]] = {}
     types = {a: "i32" for a in k._shrink_kernel.arg_names}
     types.update(x_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16", **INDEX)
     for name, (segments, seg_len, rows, width) in {"decode-1": (1, 1, 48, 4096), "decode-64": (64, 1, 48, 14336),
                                                    "prefill": (4, 512, 48, 4096)}.items():
-        cfg = k.shrink_config(segments, seg_len, rows, width, 132)
+        cfg = launch.shrink_config(segments, seg_len, rows, width, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
         kernel = compile_kernel(k._shrink_kernel, types, dict(ROWS=rows, K=width, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
@@ -41,7 +42,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
     slot_types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     for name, (segments, seg_len, r) in {"decode-1": (1, 1, 16), "decode-64": (64, 1, 64),
                                          "prefill": (4, 512, 64)}.items():
-        cfg = k.expand_config(segments, seg_len, 6144, r, 132)
+        cfg = launch.expand_config(segments, seg_len, 6144, r, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
         if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, column tile)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine_lora_triton.kernels import has_pdl, sgmv_expand, sgmv_shrink
+from engine_lora_triton.launch import has_pdl, sgmv_expand, sgmv_shrink
 
 
 class TritonLoraBackend:

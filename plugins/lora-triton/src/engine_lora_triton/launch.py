@@ -1,0 +1,161 @@
+"""Launch shapes and launchers of the SGMV kernels (``engine_lora_triton.kernels``).
+
+Block sizes come from host-side sizes only (``shrink_config``, ``expand_config``), so the grids
+of a captured CUDA graph stay valid for every batch of the same size.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+
+from engine_lora_triton.kernels import (
+    _INTERPRETED,
+    _expand_kernel,
+    _expand_slots_kernel,
+    _shrink_kernel,
+)
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``; 132 (an H100/H200) under the interpreter, so CPU
+    tests take the block sizes a GPU would."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _token_tile(num_segments: int, max_seg_len: int, col_tiles: int, sms: int) -> int:
+    """The largest token tile (16-64) that still gives about two programs per SM."""
+    for block in (64, 32):
+        if block <= triton.next_power_of_2(max_seg_len) and \
+                num_segments * triton.cdiv(max_seg_len, block) * col_tiles >= 2 * sms:
+            return block
+    return 16
+
+
+def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> dict[str, int]:
+    """Block sizes and warps of ``_shrink_kernel`` for a call's host-side sizes."""
+    if max_seg_len <= 1:
+        # One token per program, latency-bound on the loop over K: one or two rows a program give
+        # even batch 1 a program per SM or so, and K tiles of 4-8K elements few iterations. On an
+        # H200 (bench_sgmv.py --sweep, rank 16): batch 1 1.2-2.3 us a shrink against 2.0-5.9 us
+        # with 4 rows over 2K, batch 64 3.0-9.9 us against 7.3-25.9 us with 8-16 rows over 0.5-1K.
+        block_r = min(1 if num_segments < 16 else 2, triton.next_power_of_2(rows))
+        block_k = min(triton.next_power_of_2(k), 8192 if block_r == 1 and k > 4096 else 4096)
+        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=8 if block_k * block_r >= 8192 else 4,
+                    num_stages=2)
+    block_r = min(64, max(16, triton.next_power_of_2(rows)))
+    block_t = _token_tile(num_segments, max_seg_len, triton.cdiv(rows, block_r), sms)
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=min(64, max(16, triton.next_power_of_2(k))), num_warps=4,
+                num_stages=3)
+
+
+def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
+    """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes."""
+    if max_seg_len <= 1 and num_segments >= 16:
+        # A decode batch: one program per (slot, column tile) over the batch's tokens on that slot
+        # (``_expand_slots_kernel``), so each adapter's B is read once, not once per token.
+        return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4,
+                    num_stages=1)
+    if max_seg_len <= 1:
+        # H200 sweep: 32 columns a program at batch 1 (1.1-1.6 us a call).
+        return dict(BLOCK_T=1, BLOCK_N=32, BLOCK_R=triton.next_power_of_2(r), num_warps=4, num_stages=1)
+    block_n = 64 if width >= 64 else max(16, triton.next_power_of_2(width))
+    return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, triton.cdiv(width, block_n), sms), BLOCK_N=block_n,
+                BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4, num_stages=1)
+
+
+def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
+                ranks: torch.Tensor, num_segments: int, max_seg_len: int, pdl: bool = False,
+                config: dict[str, int] | None = None) -> torch.Tensor:
+    """``[T, ROWS]`` in x's dtype: each token's row times its segment's ``a[slot]`` (``[ROWS, K]``)
+    transposed; zeros for tokens of rank-0 slots (rows of tokens in no segment are unspecified).
+    ``pdl``: launch with programmatic dependent launch (``has_pdl``). ``config`` overrides
+    ``shrink_config`` (the benchmark's sweeps)."""
+    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+        raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
+    if a.dtype != x.dtype:
+        raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
+    tokens, k = x.shape
+    rows = a.shape[1]
+    # Rows of tokens outside every segment (the padding of a CUDA-graph batch) are left unwritten:
+    # expand never reads them, and a memset per call would cost a launch in every LoRA layer.
+    y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
+    if tokens == 0 or num_segments == 0 or max_seg_len == 0 or rows == 0:
+        return y
+    cfg = config or shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device))
+    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(rows, cfg["BLOCK_R"]))
+    _shrink_kernel[grid](
+        x, a, y, seg_indptr, weight_indices, ranks,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
+        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl,
+        launch_pdl=pdl, **cfg)
+    return y
+
+
+def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
+                weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
+                num_segments: int, max_seg_len: int, slice_offsets: Sequence[int], pdl: bool = False,
+                config: dict[str, int] | None = None) -> None:
+    """``out[t, off_i:off_i+1] += scalings[w] * y[t, i*R:(i+1)*R] @ b[w, off_i:off_i+1].T`` in
+    place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
+    overrides ``expand_config``."""
+    offsets = [int(o) for o in slice_offsets]
+    n_slices = len(offsets) - 1
+    if not 1 <= n_slices <= 3:
+        raise ValueError(f"expand: slice_offsets {offsets} gives {n_slices} slices; 1 to 3 are supported")
+    if any(hi < lo for lo, hi in zip(offsets, offsets[1:], strict=False)) or offsets[0] < 0 or offsets[-1] > out.shape[1]:
+        raise ValueError(f"expand: slice_offsets {offsets} must rise within out's {out.shape[1]} columns")
+    if b.dim() != 3 or b.shape[1] < offsets[-1]:
+        raise ValueError(f"expand: weights {tuple(b.shape)} must be [slots, N >= {offsets[-1]}, R]")
+    r = b.shape[2]
+    if y.shape != (out.shape[0], n_slices * r):
+        raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {n_slices * r}]")
+    if b.dtype != y.dtype:
+        raise ValueError(f"expand: weights dtype {b.dtype} must be y's dtype {y.dtype}")
+    width = offsets[-1] - offsets[0]
+    if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or width == 0 or r == 0:
+        return
+    cfg = config or expand_config(num_segments, max_seg_len, width, r, sm_count(out.device))
+    padded = offsets + [offsets[-1]] * (4 - len(offsets))
+    tiles = [triton.cdiv(hi - lo, cfg["BLOCK_N"]) for lo, hi in zip(offsets, offsets[1:], strict=False)]
+    total = sum(tiles)
+    tiles0 = tiles[0] if n_slices > 1 else total
+    tiles01 = tiles[0] + tiles[1] if n_slices > 2 else total
+    if cfg.get("SLOTS"):
+        segs = triton.next_power_of_2(num_segments)
+        _expand_slots_kernel[(ranks.shape[0], total)](
+            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
+            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            R=r, SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+            WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return
+    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), total)
+    _expand_kernel[grid](
+        y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
+        y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        R=r, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
+        **cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def _pdl_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may use programmatic dependent launch (CUDA sm_90+, compiled:
+    not under Triton's interpreter, not on ROCm)."""
+    if device.type != "cuda" or _INTERPRETED or torch.version.hip is not None:
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
