@@ -127,3 +127,18 @@ def test_pad_ids_are_in_vocabulary_and_differ_between_images() -> None:
     assert pa[0] == 7 and pa[7:] == [7, 7] and all(0 <= t < 50 for t in pa)
     assert pa == apply_pad_ids(ids, [same], 50) and pa != pb
     assert sum(x != y for x, y in zip(pad_ids(a.hash, 64, 50), pad_ids(b.hash, 64, 50))) > 50
+
+
+def test_items_that_do_not_fit_the_prompt_are_this_requests_error() -> None:
+    # An M-RoPE model's mm_positions refusing the items (ValueError) ends that request with the
+    # reason; it must not escape into the scheduler loop, which serves every other request.
+    from engine.managers.scheduler import Scheduler
+
+    class Refusing(FakeVLM):
+        def mm_positions(self, input_ids: list[int], items: list[MultimodalItem]) -> tuple[torch.Tensor, int]:
+            raise ValueError("2 image placeholders in the prompt, 1 image given")
+
+    scheduler = SimpleNamespace(runner=SimpleNamespace(multimodal=True, mrope=True, model=Refusing()))
+    req = SimpleNamespace(origin_input_ids=[1, 2, 3], mm_items=[])
+    error = Scheduler._attach_multimodal(scheduler, req, [_item(1, 1, 1)])  # type: ignore[arg-type]
+    assert error == "image/video items: 2 image placeholders in the prompt, 1 image given"

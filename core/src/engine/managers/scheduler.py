@@ -186,7 +186,10 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
                     "accepted: text only")
         req.mm_items = list(items)
         if self.runner.mrope:
-            positions, delta = self.runner.model.mm_positions(req.origin_input_ids, req.mm_items)
+            try:
+                positions, delta = self.runner.model.mm_positions(req.origin_input_ids, req.mm_items)
+            except ValueError as exc:  # items that do not fit the prompt: this request's error only
+                return f"image/video items: {exc}"
             req.mrope_positions, req.mrope_delta = positions.long().cpu(), int(delta)
         return None
 
