@@ -30,8 +30,7 @@ import sys
 
 import torch
 import triton
-from triton.testing import do_bench
-
+from bench_kernels import DEV, copy_bandwidth_gbs, median_ms  # the script's folder is on sys.path
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
@@ -41,18 +40,6 @@ GRAPH_BELOW = 256 << 20
 #: (slots_ahead, block_n, num_warps, num_stages) tried by --sweep.
 GRID = ([(0, bn, 4, 3) for bn in (32, 64)]
         + [(1, bn, w, s) for bn, w, s in itertools.product((32, 64), (1, 2, 4), (2, 3, 4))])
-DEV = "cuda"
-
-
-def median_ms(fn) -> float:
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def copy_bandwidth_gbs() -> float:
-    """Device-to-device copy of 1 GiB: bytes read plus written over time."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=DEV).random_(0, 255)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3) / 1e9
 
 
 class Problem:
