@@ -63,7 +63,9 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #: 6 (also): ``PluginOption.accepts`` (types an option takes besides its default's).
 #: 7: ``register_lora_backends`` / ``LoraBackendSpec`` (LoRA adapters' segmented shrink/expand;
 #:    the backend interface is ``engine.lora.backend.LoraBackend``).
-HOOK_API_VERSION = 7
+#: 8: ``AttentionBackendSpec.kv_layouts`` and ``AttentionLayerInfo.kv_layout`` (the KV layouts a
+#:    backend reads: "mha", and "mla" for multi-head latent attention models).
+HOOK_API_VERSION = 8
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -93,6 +95,11 @@ class AttentionBackendSpec:
     #: ``--kv-cache-dtype`` values it accepts ("auto": the activation dtype; "fp8_e4m3",
     #: "fp8_e5m2": float8 K/V with per-layer scales, see ``engine.attention.base``). Since hook API 3.
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    #: KV-cache layouts it reads: "mha" (K and V per KV head, ``MHATokenToKVPool``) and "mla"
+    #: (one latent row per token, V its leading ``v_head_dim`` dims, ``MLATokenToKVPool``; see
+    #: ``engine.attention.base``). The engine refuses, before loading weights, a model whose
+    #: layout (its class's ``kv_layout``) the backend does not list. Since hook API 8.
+    kv_layouts: tuple[str, ...] = ("mha",)
 
 
 @dataclass(frozen=True)
