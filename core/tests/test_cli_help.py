@@ -52,7 +52,8 @@ def test_generate_refuses_server_flags_and_hides_them() -> None:
     runner = CliRunner()
     for name in SERVER_ONLY:
         flag = "--" + name.replace("_", "-")
-        result = runner.invoke(app, ["generate", flag, "1"])
+        value = [] if isinstance(getattr(ServerArgs(), name), bool) else ["1"]  # a switch takes none
+        result = runner.invoke(app, ["generate", flag, *value])
         assert result.exit_code == 2, result.output
         assert result.output.strip().splitlines()[-1].startswith(f"error: {flag}: not an option of this command"), \
             result.output

@@ -200,7 +200,8 @@ LAYERS: list[list[str]] = [
      "engine.lora", "engine.multimodal"],
     # speculative.checks validates flags for ServerArgs, beside the configuration it checks
     ["engine.mem_cache", "engine.config", "engine.speculative.checks", "engine.plugins",
-     "engine.plugin_registry", "engine.preflight", "engine.metrics", "engine.default_model",
+     "engine.plugin_registry", "engine.preflight", "engine.metrics", "engine.metrics_compat",
+     "engine.default_model",
      "engine.pooling"],
     ["engine.hookspecs", "engine.platforms", "engine.errors", "engine.version", "engine.deprecation",
      "engine.cpu_threads"],

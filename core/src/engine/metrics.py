@@ -9,10 +9,13 @@ several servers (or tests) in one process never collide.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from engine.metrics_compat import CompatMetrics
 
 PREFIX = "engine_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -25,7 +28,7 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0
 class ServerMetrics:
     """The server's metrics; ``observe_finished`` per request, ``update_from_server_info`` per scrape."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, compat: str = "none", max_model_len: int = 1 << 17) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
@@ -86,6 +89,12 @@ class ServerMetrics:
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
+        # --metrics-compat: SGLang's and/or vLLM's names, for their published Grafana dashboards.
+        self.compat: CompatMetrics | None = None
+        if compat != "none":
+            from engine.metrics_compat import CompatMetrics
+
+            self.compat = CompatMetrics(r, model_name, compat, max_model_len)
 
     def observe_finished(self, state: Any) -> None:
         """Records one finished request (a tokenizer manager ``ReqState``)."""
@@ -103,8 +112,11 @@ class ServerMetrics:
             self.lora_requests.labels(name, meta["lora_name"]).inc()
         self._prompt_total += prompt
         self._cached_total += cached
-        if self._prompt_total:
-            self.cache_hit_rate.labels(name).set(self._cached_total / self._prompt_total)
+        hit_rate = self._cached_total / self._prompt_total if self._prompt_total else None
+        if hit_rate is not None:
+            self.cache_hit_rate.labels(name).set(hit_rate)
+        if self.compat is not None:
+            self.compat.observe_finished(state, prompt, completion, cached, hit_rate)
         if state.first_token_time is not None:
             self.ttft.labels(name).observe(state.first_token_time - state.created)
             if state.last_time is not None and completion > 1:
@@ -146,6 +158,8 @@ class ServerMetrics:
         if "spec_verify_steps" in info:
             for kind in ("verify", "tree", "fallback"):
                 self.spec_steps.labels(name, kind).set(info.get(f"spec_{kind}_steps", 0))
+        if self.compat is not None:
+            self.compat.update_from_server_info(info)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -77,7 +77,7 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
         manager.start()
         ctx = ServingContext(args=args, manager=manager, ready=runtime.ready, model_path=runtime.model_path,
                              model_name=served_model_name(args, runtime.model_path), tokenizer=tokenizer)
-        ctx.metrics = ServerMetrics(ctx.model_name)
+        ctx.metrics = ServerMetrics(ctx.model_name, getattr(args, "metrics_compat", "none"), runtime.ready.context_len)
         manager.on_finish.append(ctx.metrics.observe_finished)
         manager.on_route.append(ctx.metrics.observe_route)
         app.state.ctx = ctx
