@@ -194,7 +194,7 @@ LAYERS: list[list[str]] = [
     ["engine", "engine.__main__", "engine.cli", "engine.cli_args", "engine.cli_bench", "engine.cli_table",
      "engine.bench", "engine.testing"],
     ["engine.entrypoints"],
-    ["engine.managers", "engine.router", "engine.speculative", "engine.constrained"],
+    ["engine.managers", "engine.router", "engine.speculative", "engine.constrained", "engine.disaggregation"],
     ["engine.model_executor", "engine.selection"],
     ["engine.layers", "engine.attention", "engine.sampling", "engine.distributed", "engine.parsers",
      "engine.lora", "engine.multimodal"],

@@ -65,6 +65,11 @@ ENTRY_POINT_GROUP = "engine.plugins"
 #:    the backend interface is ``engine.lora.backend.LoraBackend``).
 #: 8: ``AttentionBackendSpec.kv_layouts`` and ``AttentionLayerInfo.kv_layout`` (the KV layouts a
 #:    backend reads: "mha", and "mla" for multi-head latent attention models).
+#:    ``register_kv_transfer_backends`` / ``KvTransferSpec`` (prefill/decode disaggregation's KV
+#:    transfer; the backend interface is ``engine.disaggregation.KvTransferBackend``).
+#:    ``register_kv_storage_tiers`` / ``KvStorageTierSpec`` (where the hierarchical prefix cache
+#:    keeps KV evicted from the device pool; the tier interface is
+#:    ``engine.mem_cache.kv_tier.KvStorageTier``).
 HOOK_API_VERSION = 8
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -283,6 +288,40 @@ class LoraBackendSpec:
 
 
 @dataclass(frozen=True)
+class KvTransferSpec:
+    """A KV transfer backend of prefill/decode disaggregation (``--disaggregation-transfer-backend
+    NAME``): moves a request's prompt KV from a prefill server's rank to a decode server's.
+
+    ``factory(ctx: engine.disaggregation.KvTransferContext, options: dict = ...) ->
+    engine.disaggregation.KvTransferBackend``; one instance per scheduler rank of a server
+    started with ``--disaggregation-mode``. Since hook API 8.
+    """
+
+    name: str
+    factory: Factory
+    #: device types whose KV pools it moves; default ``("cpu", "cuda")``.
+    device_types: tuple[str, ...] = ("cpu", "cuda")
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class KvStorageTierSpec:
+    """A KV storage tier of the hierarchical prefix cache (``--hicache-storage-backend NAME``):
+    holds KV evicted from the device pool until a later prefix match loads it back.
+
+    ``factory(layout: engine.mem_cache.kv_tier.KvLayout, num_tokens: int, options: dict = ...)
+    -> engine.mem_cache.kv_tier.KvStorageTier``; one instance per scheduler rank (each holds its
+    rank's shard of the KV heads). Since hook API 8.
+    """
+
+    name: str
+    factory: Factory
+    description: str = ""
+    #: device types whose KV pools it backs; default ``("cpu", "cuda")``.
+    device_types: tuple[str, ...] = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
 class PluginOption:
     """An option a plugin adds under its name (YAML ``plugin_options: {name: {key: value}}``).
 
@@ -387,6 +426,20 @@ class EngineHookSpecs:
         """
 
     @hookspec
+    def register_kv_transfer_backends(self, register: Callable[[KvTransferSpec], None]) -> None:
+        """Register KV transfer backends by calling ``register(KvTransferSpec(...))``.
+
+        Not firstresult. Since hook API 8.
+        """
+
+    @hookspec
+    def register_kv_storage_tiers(self, register: Callable[[KvStorageTierSpec], None]) -> None:
+        """Register KV storage tiers by calling ``register(KvStorageTierSpec(...))``.
+
+        Not firstresult. Since hook API 8.
+        """
+
+    @hookspec
     def register_plugin_options(self, register: Callable[[PluginOption], None]) -> None:
         """Declare options under the plugin's name by calling ``register(PluginOption(...))``.
 
@@ -412,6 +465,8 @@ SPEC_KINDS: dict[type, tuple[str, str]] = {
     ReasoningParserSpec: ("reasoning-parser", "register_reasoning_parsers"),
     SpeculativeAlgorithmSpec: ("speculative", "register_speculative_algorithms"),
     LoraBackendSpec: ("lora-backend", "register_lora_backends"),
+    KvTransferSpec: ("kv-transfer", "register_kv_transfer_backends"),
+    KvStorageTierSpec: ("kv-tier", "register_kv_storage_tiers"),
     PluginOption: ("option", "register_plugin_options"),
 }
 
@@ -455,6 +510,8 @@ __all__ = [
     "AttentionBackendSpec",
     "EngineHookSpecs",
     "GrammarBackendSpec",
+    "KvStorageTierSpec",
+    "KvTransferSpec",
     "LoraBackendSpec",
     "ModelSpec",
     "PlatformSpec",

@@ -35,6 +35,8 @@ from engine.hookspecs import (
     AttentionBackendSpec,
     Factory,
     GrammarBackendSpec,
+    KvStorageTierSpec,
+    KvTransferSpec,
     LoraBackendSpec,
     ModelSpec,
     PlatformSpec,
@@ -347,6 +349,53 @@ def create_lora_backend(name: str, device_type: str, disabled: Iterable[str] = (
                           f"(it runs on {', '.join(spec.device_types)}); here: {', '.join(here) or 'none installed'}")
     entry = reg.entries["lora-backend"][name]
     return create(spec.factory, options=reg.options_for(entry.plugin.name, plugin_options or {}))
+
+
+def kv_transfer_backends(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("kv-transfer")
+
+
+def get_kv_transfer_backend(name: str, disabled: Iterable[str] = ()) -> KvTransferSpec:
+    return get_registry(disabled).get("kv-transfer", name, "KV transfer backend")
+
+
+def create_kv_transfer_backend(name: str, ctx: Any, device_type: str, disabled: Iterable[str] = (),
+                               plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The ``engine.disaggregation.KvTransferBackend`` of the KV transfer backend ``name``, built
+    for ``ctx`` (an ``engine.disaggregation.KvTransferContext``) with its plugin's options (hook
+    API 8). A backend that does not list ``device_type`` is refused, naming the ones that do."""
+    reg = get_registry(disabled)
+    spec = reg.get("kv-transfer", name, "KV transfer backend")
+    if device_type not in spec.device_types:
+        here = [n for n, e in reg.entries["kv-transfer"].items() if device_type in e.spec.device_types]
+        raise PluginError(f"--disaggregation-transfer-backend: '{name}' does not move KV of {device_type} devices "
+                          f"(it moves {', '.join(spec.device_types)}); here: {', '.join(here) or 'none installed'}")
+    entry = reg.entries["kv-transfer"][name]
+    return create(spec.factory, ctx, options=reg.options_for(entry.plugin.name, plugin_options or {}))
+
+
+def kv_storage_tiers(disabled: Iterable[str] = ()) -> list[str]:
+    return get_registry(disabled).names("kv-tier")
+
+
+def get_kv_storage_tier(name: str, disabled: Iterable[str] = ()) -> KvStorageTierSpec:
+    return get_registry(disabled).get("kv-tier", name, "KV storage tier")
+
+
+def create_kv_storage_tier(name: str, layout: Any, num_tokens: int, disabled: Iterable[str] = (),
+                           plugin_options: dict[str, dict[str, Any]] | None = None) -> Any:
+    """The ``engine.mem_cache.kv_tier.KvStorageTier`` named ``name`` for a rank's ``layout`` (a
+    ``KvLayout``), holding ``num_tokens`` token slots, with its plugin's options (hook API 8). A
+    tier that does not list the pool's device type is refused, naming the ones that do."""
+    reg = get_registry(disabled)
+    spec = reg.get("kv-tier", name, "KV storage tier")
+    device_type = layout.device_type
+    if device_type not in spec.device_types:
+        here = [n for n, e in reg.entries["kv-tier"].items() if device_type in e.spec.device_types]
+        raise PluginError(f"--hicache-storage-backend: '{name}' does not back KV pools on {device_type} devices "
+                          f"(it backs {', '.join(spec.device_types)}); here: {', '.join(here) or 'none installed'}")
+    entry = reg.entries["kv-tier"][name]
+    return create(spec.factory, layout, num_tokens, options=reg.options_for(entry.plugin.name, plugin_options or {}))
 
 
 def _create_parser(kind: str, name: str, label: str, disabled: Iterable[str],

@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.deprecation import warn_deprecated
 from engine.testing.conformance.attention import AttentionBackendConformance
+from engine.testing.conformance.kv_transfer import KvTransferConformance
 from engine.testing.conformance.lora import LoraBackendConformance, check_lora_backend
 from engine.testing.conformance.model import ModelConformance, check_greedy_until_near_tie
 from engine.testing.conformance.parsers import (
@@ -29,6 +30,7 @@ from engine.testing.conformance.speculative import SpeculativeProposerConformanc
 
 __all__ = [
     "AttentionBackendConformance",
+    "KvTransferConformance",
     "LoraBackendConformance",
     "ModelConformance",
     "PlatformConformance",

@@ -1,0 +1,248 @@
+"""``ZmqKvTransfer``: KV payloads over ZeroMQ/TCP, served by a thread per backend.
+
+Prefill role: a ROUTER socket on ``ctx.host:ctx.port`` answers decode servers' fetches; a
+payload published before its fetch waits (up to ``ctx.timeout_s``), a fetch that arrives
+first is parked until the payload comes. Decode role: one DEALER socket per prefill server
+sends fetches and receives ``[header, K bytes, V bytes]`` (or ``[header]`` with an error).
+The scheduler's thread talks to the backend's thread through an inproc socket, so no zmq
+socket is ever used by two threads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+import zmq
+
+from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferBackend, KvTransferContext
+
+logger = logging.getLogger(__name__)
+
+_TICK_MS = 50  # how often the thread looks for expired payloads and fetches
+
+
+def _to_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def _from_bytes(buf: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+    torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(torch_dtype).reshape(shape)
+
+
+class ZmqKvTransfer(KvTransferBackend):
+    def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
+        super().__init__(ctx)
+        if ctx.role not in ("prefill", "decode"):
+            raise ValueError(f"role: invalid value {ctx.role!r}; accepted: prefill, decode")
+        self._zmq = zmq.Context()
+        wake = f"inproc://kv-transfer-{id(self)}"
+        self._commands = self._socket(zmq.PULL)
+        self._commands.bind(wake)
+        self._send_lock = threading.Lock()
+        self._to_thread = self._socket(zmq.PUSH)
+        self._to_thread.connect(wake)
+        self._results: queue.Queue[tuple[str, KvPayload | str]] = queue.Queue()
+        self._counts = {"published": 0, "served": 0, "fetched": 0, "failed": 0, "expired": 0,
+                        "bytes_sent": 0, "bytes_received": 0}
+        self.port = ctx.port
+        self._router: Any = None
+        if ctx.role == "prefill":
+            self._router = self._socket(zmq.ROUTER)
+            address = f"tcp://{ctx.host}"
+            try:
+                if ctx.port:
+                    self._router.bind(f"{address}:{ctx.port}")
+                else:
+                    self.port = self._router.bind_to_random_port(address)
+            except zmq.ZMQError as exc:
+                self.close()
+                raise OSError(f"--disaggregation-bootstrap-port: cannot listen on {ctx.host}:{ctx.port} ({exc})") from None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{ctx.role}", daemon=True)
+        self._thread.start()
+
+    def _socket(self, kind: int) -> Any:
+        sock = self._zmq.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def _command(self, *frames: Any) -> None:
+        with self._send_lock:
+            self._to_thread.send_multipart(list(frames))
+
+    # -- the scheduler's side -------------------------------------------------------------
+    def publish(self, key: str, payload: KvPayload) -> None:
+        header = {"key": key, "first_token": payload.first_token, "k_shape": list(payload.k.shape),
+                  "v_shape": list(payload.v.shape), "dtype": str(payload.k.dtype), "meta": payload.meta}
+        self._command(b"publish", key.encode(), json.dumps(header).encode(), _to_bytes(payload.k), _to_bytes(payload.v))
+
+    def discard(self, key: str) -> None:
+        self._command(b"discard", key.encode())
+
+    def fetch(self, key: str, host: str, port: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        self._command(b"fetch", key.encode(), json.dumps([host, int(port), deadline]).encode())
+
+    def cancel(self, key: str) -> None:
+        self._command(b"cancel", key.encode())
+
+    def poll(self, wait_s: float = 0.0) -> list[tuple[str, KvPayload | str]]:
+        out: list[tuple[str, KvPayload | str]] = []
+        try:
+            out.append(self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait())
+            while True:
+                out.append(self._results.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "zmq", "port": self.port, **self._counts}
+
+    def close(self) -> None:
+        if getattr(self, "_thread", None) is not None and not self._stopped:
+            self._command(b"stop")
+            self._thread.join(5)
+        self._zmq.destroy(linger=0)
+
+    # -- the backend's thread -------------------------------------------------------------
+    def _run(self) -> None:
+        self._ready: dict[str, tuple[list[Any], float]] = {}  # prefill: key -> (frames, expires)
+        self._parked: dict[str, list[tuple[bytes, float]]] = {}  # prefill: key -> [(peer, expires)]
+        self._pending: dict[str, tuple[tuple[str, int], float]] = {}  # decode: key -> (address, deadline)
+        self._dealers: dict[tuple[str, int], Any] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self._commands, zmq.POLLIN)
+        if self._router is not None:
+            self._poller.register(self._router, zmq.POLLIN)
+        try:
+            while not self._stopped:
+                events = dict(self._poller.poll(_TICK_MS))
+                if self._commands in events:
+                    self._drain(self._commands, self._on_command)
+                if self._router is not None and self._router in events:
+                    self._drain(self._router, self._on_fetch_request)
+                for address, dealer in list(self._dealers.items()):
+                    if dealer in events:
+                        self._drain(dealer, self._on_reply)
+                self._expire(time.monotonic())
+        except Exception:  # the scheduler's fetches then time out with a message; log the cause
+            logger.exception("KV transfer thread failed")
+        finally:
+            self._stopped = True
+
+    @staticmethod
+    def _drain(sock: Any, handle: Any) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _on_command(self, frames: list[bytes]) -> None:
+        op = frames[0]
+        if op == b"stop":
+            self._stopped = True
+        elif op == b"publish":
+            key = frames[1].decode()
+            self._counts["published"] += 1
+            parked = self._parked.pop(key, [])
+            if parked:
+                self._serve(parked[0][0], key, frames[2:])
+            else:
+                self._ready[key] = (frames[2:], time.monotonic() + self.ctx.timeout_s)
+        elif op == b"discard":
+            self._ready.pop(frames[1].decode(), None)
+        elif op == b"fetch":
+            key = frames[1].decode()
+            host, port, deadline = json.loads(frames[2])
+            self._pending[key] = ((host, port), deadline)
+            request = {"op": "fetch", "key": key, "layout": self.ctx.layout.to_dict(),
+                       "timeout_s": max(deadline - time.monotonic(), 0.0)}
+            self._dealer(host, port).send(json.dumps(request).encode())
+        elif op == b"cancel":
+            key = frames[1].decode()
+            entry = self._pending.pop(key, None)
+            if entry is not None:
+                self._dealer(*entry[0]).send(json.dumps({"op": "discard", "key": key}).encode())
+
+    def _dealer(self, host: str, port: int) -> Any:
+        dealer = self._dealers.get((host, port))
+        if dealer is None:
+            dealer = self._socket(zmq.DEALER)
+            dealer.connect(f"tcp://{host}:{port}")
+            self._poller.register(dealer, zmq.POLLIN)
+            self._dealers[(host, port)] = dealer
+        return dealer
+
+    def _serve(self, peer: bytes, key: str, frames: list[Any]) -> None:
+        self._router.send_multipart([peer, *frames])
+        self._counts["served"] += 1
+        self._counts["bytes_sent"] += sum(len(f) for f in frames[1:])
+
+    def _on_fetch_request(self, frames: list[bytes]) -> None:
+        peer, body = frames[0], json.loads(frames[-1])
+        key = body.get("key", "")
+        if body.get("op") == "discard":
+            self._ready.pop(key, None)
+            self._parked.pop(key, None)
+            return
+        theirs = KvLayout.from_dict(body.get("layout", {}))
+        why = self.ctx.layout.mismatch(theirs)
+        if why is not None:
+            error = (f"KV layouts differ between the prefill server ({self.ctx.host}:{self.port}) and this decode "
+                     f"server: {why} (decode vs prefill); both need the same model, --tp-size and --kv-cache-dtype")
+            self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
+            self._ready.pop(key, None)
+            return
+        ready = self._ready.pop(key, None)
+        if ready is not None:
+            self._serve(peer, key, ready[0])
+        else:
+            wait = min(float(body.get("timeout_s", self.ctx.timeout_s)), self.ctx.timeout_s)
+            self._parked.setdefault(key, []).append((peer, time.monotonic() + wait))
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        header = json.loads(frames[0])
+        key = header.get("key", "")
+        entry = self._pending.pop(key, None)
+        if entry is None:
+            return  # cancelled or timed out meanwhile
+        if "error" in header:
+            self._counts["failed"] += 1
+            self._results.put((key, header["error"]))
+            return
+        k = _from_bytes(frames[1], header["dtype"], header["k_shape"])
+        v = _from_bytes(frames[2], header["dtype"], header["v_shape"])
+        self._counts["fetched"] += 1
+        self._counts["bytes_received"] += len(frames[1]) + len(frames[2])
+        self._results.put((key, KvPayload(int(header["first_token"]), k, v, dict(header.get("meta") or {}))))
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, (_, expires) in self._ready.items() if expires <= now]:
+            del self._ready[key]
+            self._counts["expired"] += 1
+        for key, peers in list(self._parked.items()):
+            for peer, expires in [p for p in peers if p[1] <= now]:
+                error = (f"the prefill server ({self.ctx.host}:{self.port}) produced no KV for this request "
+                         f"within {self.ctx.timeout_s:g} s")
+                self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
+                peers.remove((peer, expires))
+            if not peers:
+                del self._parked[key]
+        for key, ((host, port), deadline) in list(self._pending.items()):
+            if deadline <= now:
+                del self._pending[key]
+                self._counts["failed"] += 1
+                self._results.put((key, f"no KV arrived from the prefill server's transfer port {host}:{port} in "
+                                        "time (--disaggregation-timeout); is the prefill server up?"))
+                self._dealer(host, port).send(json.dumps({"op": "discard", "key": key}).encode())
