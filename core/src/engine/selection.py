@@ -120,7 +120,9 @@ def select_components(args: ServerArgs, hf_config: Any, platform: Any | None = N
     model = Selected("model", arch, model_spec, model_owner, reg.options_for(model_owner.name, opts))
     policy_spec = plugins.get_schedule_policy(args.schedule_policy, disabled)
     policy = _selected(reg, "policy", policy_spec.name, policy_spec, opts)
-    attention = _select_attention(args, platform, reg)
+    # The model class's KV layout ("mla": multi-head latent attention) limits the backends.
+    kv_layout = str(getattr(plugins.model_class_of(model_spec, arch), "kv_layout", "mha"))
+    attention = _select_attention(args, platform, reg, kv_layout, arch)
     dtype = resolve_dtype(args.dtype, hf_config, platform.default_dtype())
     quant, quant_config = _select_quant(args, hf_config, platform, reg, dtype)
     return Selection(platform, platform_choice, attention, model, policy, quant, quant_config, dtype)
@@ -131,11 +133,21 @@ def _selected(reg: Any, kind: str, name: str, spec: Any, opts: dict[str, Any]) -
     return Selected(kind, name, spec, owner, reg.options_for(owner.name, opts) if owner else {})
 
 
-def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
+def _select_attention(args: ServerArgs, platform: Any, reg: Any, kv_layout: str = "mha",
+                      architecture: str = "") -> Selected:
+    from engine.attention.selection import check_kv_layout, reads_kv_layout
+
     disabled = args.disable_plugin
     device = platform.device_type
+    # Enabled backends for this device that read the model's KV layout.
+    readers = [n for n in reg.names("attention") if device in reg.entries["attention"][n].spec.device_types
+               and reads_kv_layout(reg.entries["attention"][n].spec, kv_layout)]
     if args.attention:
         name = args.attention
+        spec = reg.get("attention", name, "attention backend")
+    elif kv_layout != "mha":
+        # The platform picks its default among the backends that read the layout.
+        name = str(call_with_accepted(platform.default_attention_backend, available=tuple(readers)))
         spec = reg.get("attention", name, "attention backend")
     else:
         name = plugins.default_attention_backend(platform, disabled)
@@ -146,6 +158,7 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any) -> Selected:
                               f"choose one with --attention (backends for platform '{platform.name}': "
                               f"{names_for_device(reg, 'attention', device)})") from None
     check_attention_on_platform(spec, device, platform.name, reg, args.page_size, args.kv_cache_dtype)
+    check_kv_layout(spec, kv_layout, architecture, readers)
     refusal = _platform_refusal(platform, "unsupported_attention_reason", name)
     if refusal:
         usable = _supported_on(platform, reg, "attention", "supported_attention_backends")

@@ -30,6 +30,17 @@ Tensor layouts (all backends share them):
   (int32, already written for the new tokens too);
 - returns ``[num_tokens, num_heads * head_dim]`` in q's dtype.
 
+KV layouts (``AttentionBackendSpec.kv_layouts``; the layer's ``kv_layout``, the pool's ``kv_layout``):
+- "mha": the above; K and V in separate buffers of each layer.
+- "mla" (multi-head latent attention, DeepSeek-V2/V3; ``MLATokenToKVPool``): the layer calls the
+  backend as an MQA layer with one KV head, ``head_dim = kv_lora_rank + rope_dim`` (576 for
+  DeepSeek) and ``v_head_dim = kv_lora_rank`` (512): q ``[T, num_heads * head_dim]`` (queries
+  already projected into the latent space), k ``[T, head_dim]`` (the latent and the rotated
+  rope key), v the view of k's leading ``v_head_dim`` dims. The pool has ONE buffer per layer,
+  ``get_key_buffer(L)`` ``[rows, 1, head_dim]``; ``get_value_buffer(L)`` is the view of its leading
+  ``v_head_dim`` dims (not a buffer of its own). The backend returns
+  ``[T, num_heads * v_head_dim]``; an fp8 pool's V is read with ``k_scale``.
+
 FP8 KV cache (``--kv-cache-dtype fp8_e4m3|fp8_e5m2``): the pool's ``dtype`` (storage) is then a
 float8 type while q stays in the activation dtype. ``save_kv`` stores ``k / layer.k_scale`` and
 ``v / layer.v_scale`` (saturated); a backend reads ``stored * scale`` (``k_scale``/``v_scale`` are
@@ -68,6 +79,8 @@ class AttentionLayerInfo:
     # FP8 KV cache: the pool stores k / k_scale and v / v_scale; readers multiply back.
     k_scale: float = 1.0
     v_scale: float = 1.0
+    # The KV pool's layout: "mha", or "mla" (one latent row per token; see the module docstring).
+    kv_layout: str = "mha"
 
 
 @dataclass
@@ -83,6 +96,7 @@ class AttentionContext:
     page_size: int
     max_context_len: int
     req_to_token_pool: ReqToTokenPool
+    # ``MHATokenToKVPool``, or ``MLATokenToKVPool`` for an "mla" model (``token_to_kv_pool.kv_layout``).
     token_to_kv_pool: MHATokenToKVPool
     # The backend plugin's options: its PluginOption defaults overridden by the user's
     # ``plugin_options: {<plugin entry-point name>: {<key>: value}}``.
@@ -186,7 +200,8 @@ class AttentionBackend(ABC):
         v: torch.Tensor | None,
     ) -> None:
         """Writes the new tokens' K/V into the pool at ``out_cache_loc`` (an fp8 pool quantizes
-        them with the layer's ``k_scale``/``v_scale``)."""
+        them with the layer's ``k_scale``/``v_scale``). An "mla" pool stores k alone (v is a view
+        of it, and may be None)."""
         if k is None:
             return
         pool = forward_batch.token_to_kv_pool
@@ -196,7 +211,7 @@ class AttentionBackend(ABC):
             layer.layer_id,
             forward_batch.out_cache_loc,
             k.view(-1, layer.num_kv_heads, layer.head_dim),
-            v.view(-1, layer.num_kv_heads, head_dim_v),
+            None if v is None else v.view(-1, layer.num_kv_heads, head_dim_v),
             getattr(layer, "k_scale", 1.0),
             getattr(layer, "v_scale", 1.0),
         )

@@ -50,7 +50,7 @@ class RadixAttention(nn.Module):
 
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int,
                  layer_id: int, logit_cap: float = 0.0, sliding_window_size: int = -1,
-                 v_head_dim: int = -1) -> None:
+                 v_head_dim: int = -1, kv_layout: str = "mha") -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -60,6 +60,9 @@ class RadixAttention(nn.Module):
         self.logit_cap = logit_cap
         self.sliding_window_size = sliding_window_size if sliding_window_size else -1
         self.v_head_dim = v_head_dim
+        #: "mha", or "mla" for multi-head latent attention (one latent KV row per token; the
+        #: model's class declares ``kv_layout = "mla"`` and the runner builds an MLA pool).
+        self.kv_layout = kv_layout
         # Per-tensor scales of an fp8 KV cache (stored = x / scale). Python floats, not tensors:
         # kernels take them as scalars, so a step neither reads them back from the device nor
         # breaks CUDA-graph capture. Unused when the pool stores the activation dtype.

@@ -2,7 +2,8 @@
 
 ``ReqToTokenPool`` maps (request slot, position) to a KV slot index.
 ``TokenToKVPool`` (``MHATokenToKVPool``) holds K and V for every layer, indexed by
-KV slot. ``TokenToKVPoolAllocator`` hands out KV slots, page-aligned when the
+KV slot; ``MLATokenToKVPool`` holds one latent row per token and layer instead (multi-head
+latent attention: V is the row's leading dims). ``TokenToKVPoolAllocator`` hands out KV slots, page-aligned when the
 page size is larger than one. Slot 0 of the KV pool is never handed out: padded
 tokens (CUDA-graph padding, dummy decode rows) write there harmlessly.
 
@@ -102,6 +103,9 @@ class MHATokenToKVPool:
     ``dtype`` is the storage dtype: the activation dtype, or a float8 type (``is_fp8``).
     """
 
+    #: the KV layout attention backends read (``AttentionBackendSpec.kv_layouts``).
+    kv_layout = "mha"
+
     def __init__(
         self,
         size: int,
@@ -176,6 +180,66 @@ class MHATokenToKVPool:
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+
+
+class MLATokenToKVPool:
+    """Multi-head latent attention's KV: per layer ONE buffer ``[size + page_size, 1, kv_lora_rank +
+    rope_dim]`` holding each token's normalised latent ``c_kv`` followed by its rotated ``k_pe``.
+
+    It is read like an MQA pool with a single KV head: ``get_key_buffer`` is the whole row (the
+    key of the weight-absorbed form), ``get_value_buffer`` the view of its leading
+    ``kv_lora_rank`` dims (V is the latent itself, stored once). An fp8 pool stores
+    ``row / k_scale`` and readers multiply V by ``k_scale`` too (the layer's ``v_scale`` is unused).
+    """
+
+    kv_layout = "mla"
+
+    def __init__(self, size: int, page_size: int, dtype: torch.dtype, kv_lora_rank: int, rope_dim: int,
+                 num_layers: int, device: str | torch.device, start_layer: int = 0) -> None:
+        self.size = size
+        self.start_layer = start_layer
+        self.page_size = page_size
+        self.dtype = dtype
+        self.kv_lora_rank = kv_lora_rank
+        self.rope_dim = rope_dim
+        # The MHA pool's shape attributes, as an MQA reader sees this pool.
+        self.num_kv_heads = 1
+        self.head_dim = kv_lora_rank + rope_dim
+        self.v_head_dim = kv_lora_rank
+        self.num_layers = num_layers
+        self.device = device
+        self.store_kv: Any = None  # the platform's store_kv writes separate K and V: not used here
+        rows = size + page_size  # the first page (slot 0 included) takes padding writes
+        self.k_buffer = [torch.zeros((rows, 1, self.head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffer = [buf[..., :kv_lora_rank] for buf in self.k_buffer]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id - self.start_layer]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id - self.start_layer]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.get_key_buffer(layer_id), self.get_value_buffer(layer_id)
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """No platform kernel writes this layout; one indexed copy per layer stores the row."""
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor,
+                      cache_v: torch.Tensor | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Writes rows ``cache_k`` ``[len(loc), 1, kv_lora_rank + rope_dim]`` at KV slots ``loc``;
+        ``cache_v`` (the same rows' leading dims, or None) and ``v_scale`` are ignored."""
+        if cache_k.dtype != self.dtype:
+            cache_k = quantize_kv(cache_k, self.dtype, k_scale)
+        self.get_key_buffer(layer_id)[loc] = cache_k.view(-1, 1, self.head_dim)
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.head_dim * elem
 
 
 class TokenToKVPoolAllocator:

@@ -96,6 +96,11 @@ def load_model(args: ServerArgs, model_path: str, config: Any, device: torch.dev
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    # A model deriving tensors from its weights in their final form (DeepSeek's MLA splits kv_b_proj
+    # into per-head absorption matrices) does so now, after every quant method has processed them.
+    finish = getattr(model, "post_load_weights", None)
+    if callable(finish):
+        finish()
     if quant is not None:
         from engine.layers.vocab_parallel_embedding import ParallelLMHead
 

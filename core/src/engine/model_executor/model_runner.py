@@ -17,6 +17,7 @@ from engine.layers.quantization.fusion import link_activation_quantizers, link_n
 from engine.layers.sampler import Sampler, SampleOutput
 from engine.mem_cache.memory_pool import (
     MHATokenToKVPool,
+    MLATokenToKVPool,
     ReqToTokenPool,
     TokenToKVPoolAllocator,
     resolve_kv_cache_dtype,
@@ -107,6 +108,7 @@ class ModelRunner:
         self.model = load_model(args, model_path, cfg, self.device, self.selection)
         # Encoders (bidirectional attention) compute every state in one forward and keep no KV.
         self.uses_kv_cache = bool(getattr(self.model, "uses_kv_cache", True))
+        self._init_kv_layout()
         self._init_multimodal()
         self._init_pooling(model_path)
         # Weights quantized while loading (fp8 from a bf16 checkpoint, ...) freed their
@@ -266,8 +268,7 @@ class ModelRunner:
         if not self.uses_kv_cache:
             self._init_encoder_pools()
             return
-        kv = MHATokenToKVPool(0, 1, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, stage_layers, "cpu")
-        per_token = kv.bytes_per_token()
+        per_token = self._make_kv_pool(0, 1, stage_layers, "cpu").bytes_per_token()
         weight_bytes = self._weight_bytes()
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
@@ -299,15 +300,34 @@ class ModelRunner:
         self.max_running_requests = max_reqs
         # +1 slot so a request can be prefilled while max_reqs decode.
         self.req_to_token_pool = ReqToTokenPool(max_reqs + 1, self.context_len + 8, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(
-            tokens, page, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, stage_layers, self.device,
-            start_layer=self.start_layer)
+        self.token_to_kv_pool = self._make_kv_pool(tokens, page, stage_layers, self.device)
         self.token_to_kv_pool.use_kernels(self.layer_kernels)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(tokens, page, self.device)
         logger.info("KV pool: %d tokens (%.1f MiB, %s, %d bytes per token), %d request slots", tokens,
                     tokens * per_token / 2**20, str(self.kv_cache_dtype).replace("torch.", ""), per_token, max_reqs)
         if self.token_to_kv_pool.is_fp8:
             self._log_kv_scales()
+
+    def _init_kv_layout(self) -> None:
+        """The model's KV layout (its class's ``kv_layout``): "mha", or "mla" for multi-head latent
+        attention, whose model gives ``kv_lora_rank`` and ``qk_rope_head_dim``: its layers attend
+        as MQA with one KV head of ``kv_lora_rank + qk_rope_head_dim`` dims (V: the leading
+        ``kv_lora_rank``), so the backend and the pool get those shapes instead of the config's."""
+        self.kv_layout = str(getattr(self.model, "kv_layout", "mha"))
+        if self.kv_layout == "mla":
+            rank, rope = int(self.model.kv_lora_rank), int(self.model.qk_rope_head_dim)
+            self.num_kv_heads, self.head_dim, self.v_head_dim = 1, rank + rope, rank
+        elif self.kv_layout != "mha":
+            raise ConfigError(f"model {self.hf_config.architectures[0]}: kv_layout {self.kv_layout!r}; accepted: "
+                              "mha, mla")
+
+    def _make_kv_pool(self, tokens: int, page: int, layers: int, device: Any) -> Any:
+        """The KV pool of the model's layout (``MLATokenToKVPool`` for "mla")."""
+        if self.kv_layout == "mla":
+            return MLATokenToKVPool(tokens, page, self.kv_cache_dtype, self.v_head_dim, self.head_dim - self.v_head_dim,
+                                    layers, device, start_layer=self.start_layer)
+        return MHATokenToKVPool(tokens, page, self.kv_cache_dtype, self.num_kv_heads, self.head_dim, layers, device,
+                                start_layer=self.start_layer)
 
     def _init_encoder_pools(self) -> None:
         """An encoder's pools: slot bookkeeping only (the scheduler's token budget), no K/V

@@ -13,4 +13,5 @@ def register_attention_backends(register):  # type: ignore[no-untyped-def]
         description="Reference attention in plain PyTorch (SDPA); runs on every device",
         device_types=("cpu", "cuda", "xpu", "npu"),
         kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
+        kv_layouts=("mha", "mla"),
     ))

@@ -6,6 +6,9 @@ through ``req_to_token``); decode rows run together, padded to the longest row. 
 over its new tokens by its ancestor matrix.
 An fp8 pool (``--kv-cache-dtype fp8_*``) is read as ``stored * scale`` in float32, then
 attended in q's dtype: the reference for the other backends' fp8 paths.
+The "mla" KV layout (multi-head latent attention) needs nothing of its own: the pool's value
+buffer is a view of the key rows' leading dims, read like any MQA pool with ``v_head_dim <
+head_dim``; only an fp8 pool's V is dequantized with ``k_scale`` (it is the stored key row).
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         scores = scores.masked_fill(~mask, float("-inf"))
         return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scaling)
+
+
+def _v_scale(layer: AttentionLayerInfo) -> float:
+    """The scale V was stored with: the key's in the "mla" layout (V is part of the key row)."""
+    return layer.k_scale if getattr(layer, "kv_layout", "mha") == "mla" else layer.v_scale
 
 
 def _causal_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
@@ -98,7 +106,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             seq = prefix + ext
             slots = r2t.req_to_token[forward_batch.req_pool_indices[row], :seq].long()
             kr = dequantize_kv(k_buf[slots], q.dtype, layer.k_scale).transpose(0, 1).unsqueeze(0)
-            vr = dequantize_kv(v_buf[slots], q.dtype, layer.v_scale).transpose(0, 1).unsqueeze(0)
+            vr = dequantize_kv(v_buf[slots], q.dtype, _v_scale(layer)).transpose(0, 1).unsqueeze(0)
             qr = q3[start : start + ext].transpose(0, 1).unsqueeze(0)
             if forward_batch.tree_mask is None:
                 q_pos = torch.arange(prefix, seq, device=q.device)
@@ -127,7 +135,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         kb = dequantize_kv(k_buf.index_select(0, flat).view(*idx.shape, *k_buf.shape[1:]), q.dtype,
                            layer.k_scale).permute(0, 2, 1, 3)  # [B, Hkv, L, D]
         vb = dequantize_kv(v_buf.index_select(0, flat).view(*idx.shape, *v_buf.shape[1:]), q.dtype,
-                           layer.v_scale).permute(0, 2, 1, 3)
+                           _v_scale(layer)).permute(0, 2, 1, 3)
         mask = valid
         if layer.sliding_window_size > 0:
             last = (forward_batch.seq_lens - 1)[:, None]

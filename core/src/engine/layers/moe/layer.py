@@ -40,6 +40,7 @@ from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.reference import fused_moe_reference
 from engine.layers.moe.route_align import route_align_applies, route_and_align, to_local_expert_ids
 from engine.layers.moe.router import select_experts
+from engine.layers.moe.router_grouped import GroupedTopK, grouped_topk
 from engine.layers.quantization import FusedMoEMethodBase, QuantizationConfig, is_layer_ignored
 
 
@@ -111,14 +112,21 @@ class FusedMoE(nn.Module):
         prefix: the layer's checkpoint prefix (``model.layers.3.mlp.experts``).
         reduce_results: all-reduce the output over the tensor-parallel group; False leaves each
             rank's partial sum (for a caller that adds more before one reduction).
+        routing: grouped top-k routing (DeepSeek; ``engine.layers.moe.router_grouped``) instead of
+            softmax top-k; ``renormalize`` is then ``routing.renormalize``.
     """
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, quant_config: QuantizationConfig | None = None, prefix: str = "",
-                 params_dtype: torch.dtype | None = None, reduce_results: bool = True) -> None:
+                 params_dtype: torch.dtype | None = None, reduce_results: bool = True,
+                 routing: GroupedTopK | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k
+        if routing is not None:
+            routing.check_experts(num_experts, top_k)
+            renormalize = routing.renormalize
+        self.routing = routing
         self.renormalize = renormalize
         self.reduce_results = reduce_results
         #: An activation-and-mul for ``fused_moe`` (``[slots, 2I] -> [slots, I]``) when the experts'
@@ -181,8 +189,9 @@ class FusedMoE(nn.Module):
     def _route_align_block_m(self, router_logits: torch.Tensor) -> int | None:
         """``BLOCK_M`` of the kernel's tiles when routing and alignment take one launch for this
         batch (CUDA, decode sizes, a quant method that takes the blocks); None otherwise."""
-        if not (getattr(self.quant_method, "takes_expert_blocks", False) and triton_available(router_logits)):
-            return None
+        if self.routing is not None or not (getattr(self.quant_method, "takes_expert_blocks", False)
+                                            and triton_available(router_logits)):
+            return None  # grouped routing runs its own torch operations
         from engine.layers.moe.fused_moe import pick_blocks
         from engine.layers.moe.small_batch import small_batch_applies
 
@@ -193,9 +202,15 @@ class FusedMoE(nn.Module):
         applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)
         return block_m if applies else None
 
-    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
+                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``correction_bias``: with grouped routing, the per-expert bias added to the scores for
+        the choice (DeepSeek-V3's ``e_score_correction_bias``)."""
         block_m = self._route_align_block_m(router_logits)
-        if block_m is not None:
+        if self.routing is not None:
+            topk_weights, topk_ids = grouped_topk(router_logits, self.top_k, self.routing, correction_bias)
+            topk_ids = self.local_expert_ids(topk_ids)
+        elif block_m is not None:
             topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
         else:

@@ -1,0 +1,102 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) in the weight-absorbed form.
+
+Each token's keys and values are compressed into one latent ``c_kv`` (``kv_lora_rank`` dims,
+RMS-normed) plus one rotary key ``k_pe`` (``qk_rope_head_dim`` dims) shared by all heads; the
+KV cache stores just those (``MLATokenToKVPool``: 576 values a token and layer for DeepSeek).
+Head h's key would be ``[W_UK[h] c_kv || k_pe]`` and its value ``W_UV[h] c_kv`` (``kv_b_proj``
+holds both). Absorbing ``W_UK`` into the query (``q_lat = q_nope W_UK[h]``) makes attention an MQA
+over the cached rows: q ``[q_lat || q_pe]`` (576 dims), one KV head ``[c_kv || k_pe]``, V the
+latent (the row's first 512 dims). The output, still in latent space, goes through ``W_UV[h]``
+and ``o_proj``. ``W_UK``/``W_UV`` are split from ``kv_b_proj`` once its weights are final
+(``absorb_kv_b_proj``, called from the model's ``post_load_weights``).
+
+Tensor parallelism splits the heads (``q_proj``/``q_b_proj``, ``kv_b_proj`` column-parallel,
+``o_proj`` row-parallel); the latent projections and the cache are replicated on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.distributed import divide, get_tensor_model_parallel_world_size
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.layers.quantization import QuantizationConfig
+from engine.layers.radix_attention import RadixAttention
+from engine.model_executor.forward_batch import ForwardBatch
+from engine_models_deepseek.rope import DeepseekRotaryEmbedding, softmax_scale
+
+# transformers' (and DeepSeek's) q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon,
+# not the config's rms_norm_eps.
+_LATENT_NORM_EPS = 1e-6
+
+
+class DeepseekMLA(nn.Module):
+    def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.total_heads = int(config.num_attention_heads)
+        self.num_heads = divide(self.total_heads, get_tensor_model_parallel_world_size())
+        self.nope_dim = int(config.qk_nope_head_dim)
+        self.rope_dim = int(config.qk_rope_head_dim)
+        self.v_dim = int(config.v_head_dim)
+        self.kv_lora_rank = int(config.kv_lora_rank)
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        qk_dim = self.nope_dim + self.rope_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias, quant_config=quant_config,
+                                             prefix=f"{prefix}.q_a_proj")
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, self.total_heads * qk_dim, quant_config=quant_config,
+                                                 prefix=f"{prefix}.q_b_proj")
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, self.total_heads * qk_dim, quant_config=quant_config,
+                                               prefix=f"{prefix}.q_proj")
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias,
+                                                   quant_config=quant_config, prefix=f"{prefix}.kv_a_proj_with_mqa")
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, self.total_heads * (self.nope_dim + self.v_dim),
+                                              quant_config=quant_config, prefix=f"{prefix}.kv_b_proj")
+        self.o_proj = RowParallelLinear(self.total_heads * self.v_dim, hidden, bias=bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")
+        self.rotary_emb = DeepseekRotaryEmbedding(config)
+        latent_dim = self.kv_lora_rank + self.rope_dim
+        self.attn = RadixAttention(self.num_heads, latent_dim, softmax_scale(config), 1, layer_id,
+                                   v_head_dim=self.kv_lora_rank, kv_layout="mla")
+        # Per head: W_UK [H, nope, rank] (absorbed into q) and W_UV [H, v, rank] (applied to the
+        # output); filled by absorb_kv_b_proj once the weights are loaded.
+        self.register_buffer("w_uk", torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank), persistent=False)
+        self.register_buffer("w_uv", torch.empty(self.num_heads, self.v_dim, self.kv_lora_rank), persistent=False)
+
+    @torch.no_grad()
+    def absorb_kv_b_proj(self) -> None:
+        """Splits this rank's ``kv_b_proj`` into ``w_uk`` and ``w_uv``, read through the layer itself
+        (its output for the identity), so any quantization method's weights come out dequantized."""
+        eye = torch.eye(self.kv_lora_rank, dtype=self.w_uk.dtype, device=self.w_uk.device)
+        weight = self.kv_b_proj(eye).t()  # [H * (nope + v), rank]
+        per_head = weight.reshape(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        self.w_uk.copy_(per_head[:, :self.nope_dim])
+        self.w_uv.copy_(per_head[:, self.nope_dim:])
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q_nope, q_pe = q.view(tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(tokens, 1, self.rope_dim))
+        # q_nope W_UK per head: [H, T, nope] @ [H, nope, rank] -> [H, T, rank]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, rank + rope]
+        k = torch.cat((c_kv.view(tokens, 1, self.kv_lora_rank), k_pe), dim=-1)  # [T, 1, rank + rope]
+        o = self.attn(q_full.reshape(tokens, -1), k.view(tokens, -1), k[..., :self.kv_lora_rank], forward_batch)
+        # Out of latent space per head: [H, T, rank] @ [H, rank, v] -> [H, T, v]
+        o = torch.bmm(o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1), self.w_uv.transpose(1, 2))
+        return self.o_proj(o.transpose(0, 1).reshape(tokens, self.num_heads * self.v_dim))
