@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EVICTION_POLICIES = ("lru", "lfu")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TASKS = ("auto", "generate", "embed", "score")
 #: Projections a LoRA adapter may target (PEFT's module names in Llama-family checkpoints).
@@ -69,6 +70,11 @@ class ServerArgs:
     kv_cache_dtype: str = opt("auto", "KV-cache storage dtype; 'auto' is the activation dtype, fp8_* store K/V in 8 bits with per-layer scales (from the checkpoint, else 1.0), doubling the tokens the pool holds", KV_CACHE_DTYPES)
     disable_radix_cache: bool = opt(False, "Use a plain chunk cache instead of the radix prefix cache")
     radix_eviction_policy: str = opt("lru", "Which unlocked radix-cache leaves are evicted first", EVICTION_POLICIES)
+    enable_hierarchical_cache: bool = opt(False, "Keep prefixes evicted from the device KV pool in a storage tier (host memory by default) and load them back on a later match instead of recomputing them")
+    hicache_ratio: float = opt(2.0, "Tier size as a multiple of the device KV pool's tokens (used when --hicache-size is 0)")
+    hicache_size: float = opt(0.0, "Tier size in GB per rank; 0: --hicache-ratio decides")
+    hicache_write_policy: str = opt("write_through", "When a prefix is copied to the tier: on insert (write_through) or when evicted from the device (write_back)", HICACHE_WRITE_POLICIES)
+    hicache_storage_backend: str = opt("host", "KV storage tier plugin holding evicted prefixes: host (memory, built in), file (plugin kvtier-file), or another installed tier")
     schedule_conservativeness: float = opt(1.0, "Higher reserves more KV for future decode tokens when admitting requests")
     enable_mixed_chunk: bool = opt(False, "Run prefill chunks and decode rows in one mixed batch")
     enable_priority_preemption: bool = opt(False, "Let the schedule policy retract running requests for more urgent waiting ones (priority policy)")
@@ -171,6 +177,10 @@ class ServerArgs:
             raise ConfigError(f"--port: invalid value {self.port}; accepted: 1..65535")
         if self.grpc_port is not None and (not 0 < self.grpc_port < 65536 or self.grpc_port == self.port):
             raise ConfigError(f"--grpc-port: invalid value {self.grpc_port}; accepted: 1..65535, other than --port ({self.port})")
+        if self.hicache_ratio <= 0:
+            raise ConfigError(f"--hicache-ratio: invalid value {self.hicache_ratio}; accepted: a number > 0")
+        if self.hicache_size < 0:
+            raise ConfigError(f"--hicache-size: invalid value {self.hicache_size}; accepted: a number of GB >= 0 (0: --hicache-ratio decides)")
         if self.schedule_conservativeness <= 0:
             raise ConfigError(f"--schedule-conservativeness: invalid value {self.schedule_conservativeness}; accepted: > 0")
         self._validate_parallel()

@@ -128,6 +128,10 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
         # An encoder's states depend on the tokens after them: it writes no KV to share.
         if self.args.disable_radix_cache or not self.runner.uses_kv_cache:
             return ChunkCache(self.req_to_token_pool, self.allocator, self.args.page_size)
+        if self.args.enable_hierarchical_cache:
+            from engine.managers.scheduler_hicache import create_hierarchical_cache
+
+            return create_hierarchical_cache(self.args, self.runner)
         return RadixCache(self.req_to_token_pool, self.allocator, self.args.page_size,
                           eviction_policy=self.args.radix_eviction_policy)
 
@@ -291,8 +295,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
             for req in self.waiting_queue:
                 # Retracted requests resume from prompt + output: match what admission will.
                 tokens = req.origin_input_ids + req.output_ids
-                match = (self.tree_cache.match_prefix(tokens[:-1]) if req.lora_uid is None
-                         else self.tree_cache.match_prefix(tokens[:-1], namespace=req.lora_uid))
+                match = self.tree_cache.prefix_hint(tokens[:-1], req.lora_uid)
                 req.prefix_len_hint, req.last_node = len(match.device_indices), match.last_node
         self.waiting_queue = self.policy.order(self.waiting_queue, self.policy_ctx)
 
@@ -461,6 +464,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
             # Admission estimated memory that eviction could not deliver: requeue and retry later.
             self._requeue_failed_extend(batch)
             return None
+        self.tree_cache.ready_for_forward()  # prefixes loaded back from a KV tier come first
         rows = batch.reqs + batch.decoding_reqs
         fb.sampling_info = SamplingBatchInfo.from_reqs(rows, self.runner.vocab_size, self.device, self.eos_token_ids)
         return fb

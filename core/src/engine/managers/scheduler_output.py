@@ -121,6 +121,7 @@ class OutputMixin:
             **self._spec_stats(),
             **self._mm_stats(),
             **self._lora_stats(),
+            **self.tree_cache.stats(),
         }
 
     def _mm_stats(self) -> dict[str, Any]:

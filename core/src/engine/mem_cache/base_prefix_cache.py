@@ -95,6 +95,22 @@ class BasePrefixCache(ABC):
             The matched KV slots and the node to lock while they are used.
         """
 
+    def prefix_hint(self, key: list[int], namespace: int | None = None) -> MatchResult:
+        """The match admission ordering looks at (LPM and similar policies): like
+        ``match_prefix`` but without side effects beyond it; a hierarchical cache loads
+        nothing back for it."""
+        if namespace is None:
+            return self.match_prefix(key)
+        return self.match_prefix(key, namespace=namespace)  # type: ignore[call-arg]
+
+    def ready_for_forward(self) -> None:
+        """Called before a prefill forward: KV the cache is still copying into the device pool
+        for the batch (a hierarchical cache's loads) must be ordered before it."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for ``/get_server_info`` and ``/metrics`` (none by default)."""
+        return {}
+
     @abstractmethod
     def insert(self, key: list[int], value: torch.Tensor) -> int:
         """Stores ``value`` (KV slots, one per token of ``key``) under ``key``.

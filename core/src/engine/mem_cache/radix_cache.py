@@ -115,6 +115,9 @@ class RadixCache(BasePrefixCache):
             (fewest hits first, ties by LRU).
     """
 
+    #: node class (the hierarchical cache's nodes carry a host copy too)
+    _node_cls: type[TreeNode] = TreeNode
+
     def __init__(
         self,
         req_to_token_pool: ReqToTokenPool,
@@ -143,7 +146,7 @@ class RadixCache(BasePrefixCache):
     # -- lifecycle ----------------------------------------------------------
     def reset(self) -> None:
         """Empties the tree; the pools are left to the caller."""
-        self.root_node = TreeNode(next(self._ids))
+        self.root_node = self._node_cls(next(self._ids))
         # Returned by every empty match; callers treat match results as read-only.
         self._no_slots = torch.empty(0, dtype=torch.int64, device=self.device)
         self.root_node.value = self._no_slots
@@ -174,7 +177,7 @@ class RadixCache(BasePrefixCache):
             return self.root_node
         node = self.root_node.children.get(("ns", namespace))
         if node is None and create:
-            node = TreeNode(next(self._ids))
+            node = self._node_cls(next(self._ids))
             node.parent = self.root_node
             node.value = self._no_slots
             node.lock_ref = 1
@@ -273,8 +276,8 @@ class RadixCache(BasePrefixCache):
     # -- tree surgery -------------------------------------------------------
     def _add_leaf(
         self, parent: TreeNode, child_key: ChildKey, key: list[int], value: torch.Tensor, now: int
-    ) -> None:
-        leaf = TreeNode(next(self._ids))
+    ) -> TreeNode:
+        leaf = self._node_cls(next(self._ids))
         leaf.parent = parent
         leaf.key = key
         # Own a compact int64 copy: callers often pass views of a request's row
@@ -283,6 +286,7 @@ class RadixCache(BasePrefixCache):
         leaf.last_access_time = now
         parent.children[child_key] = leaf
         self._evictable_size += len(key)
+        return leaf
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
         """Cuts ``child``'s edge after ``split_len`` tokens; returns the new upper node.
@@ -292,7 +296,7 @@ class RadixCache(BasePrefixCache):
         """
         parent = child.parent
         assert parent is not None
-        upper = TreeNode(next(self._ids))
+        upper = self._node_cls(next(self._ids))
         upper.parent = parent
         upper.key = child.key[:split_len]
         upper.value = child.value[:split_len]

@@ -1,0 +1,143 @@
+"""KV storage tiers: where the hierarchical prefix cache keeps KV evicted from the device pool.
+
+A tier stores K and V of single token slots, addressed by the tier's own slot numbers. The
+hierarchical cache (``engine.mem_cache.hiradix_cache``) owns the bookkeeping: it allocates and
+frees tier slots through the methods below (one allocator per tier, paged like the device
+pool) and decides what is written and read back; a tier implements only ``write`` and ``read``
+(plus ``close`` when it holds files or connections).
+
+Tiers are plugins (``register_kv_storage_tiers`` / ``KvStorageTierSpec``, hook API 8):
+``factory(layout: KvLayout, num_tokens: int, options: dict = ...) -> KvStorageTier``. The
+built-in ``host`` tier keeps pages in (pinned, on CUDA) host memory; ``file`` (plugin
+``kvtier-file``) keeps them in a file. Every tensor a tier receives or returns lives in host
+memory: device <-> host copies are the cache's job (``engine.mem_cache.kv_transfer``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.mem_cache.memory_pool import TokenToKVPoolAllocator
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """The shape of one rank's KV pool: what a tier must be able to store per token slot.
+
+    With tensor parallelism every rank has its own pool shard (its KV heads) and its own tier
+    instance; ``tp_rank`` lets a tier keep the ranks' data apart (file names, remote keys).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+    page_size: int
+    #: type of the device pool's device ("cpu", "cuda", ...): a host-memory tier pins its
+    #: buffers when copies come from an accelerator.
+    device_type: str = "cpu"
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V of one token over all layers of this rank."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * self.num_kv_heads * (self.head_dim + self.v_head_dim) * elem
+
+
+class KvStorageTier(ABC):
+    """A slot-addressed KV store below the device pool (see the module docstring).
+
+    Args:
+        layout: the rank's KV layout; ``write`` receives and ``read`` returns per-layer tensors
+            ``[n, num_kv_heads, head_dim]`` (V: ``v_head_dim``) of ``layout.dtype``.
+        num_tokens: capacity in token slots; rounded down to whole pages (at least one page).
+    """
+
+    #: ``read`` returns page-locked (pinned) host memory, so a copy to the device can be
+    #: asynchronous; when False the cache pins a staging copy itself.
+    returns_pinned: bool = False
+
+    def __init__(self, layout: KvLayout, num_tokens: int) -> None:
+        page = layout.page_size
+        num_tokens = max(num_tokens // page * page, page)
+        self.layout = layout
+        self.size = num_tokens
+        # Tier slots 1..size; slot page 0 stays unused, as in the device pool.
+        self.allocator = TokenToKVPoolAllocator(num_tokens, page, "cpu")
+
+    # -- slot bookkeeping (called by the cache) ---------------------------------
+    def available_size(self) -> int:
+        """Free token slots."""
+        return self.allocator.available_size()
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """``num_tokens`` free slots (a whole number of pages), or None when too few are free."""
+        return self.allocator.alloc(num_tokens)
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots)
+
+    def clear(self) -> None:
+        """Frees every slot (the cache forgets everything it stored)."""
+        self.allocator.clear()
+
+    # -- storage (implemented by a tier) -------------------------------------------
+    @abstractmethod
+    def write(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Stores, for every layer ``i``, ``k[i][j]`` and ``v[i][j]`` at slot ``slots[j]``.
+
+        ``slots`` is int64 on the CPU; the tensors are CPU tensors, one per layer.
+        """
+
+    @abstractmethod
+    def read(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """K and V stored at ``slots``, one ``[len(slots), heads, dim]`` CPU tensor per layer."""
+
+    def close(self) -> None:
+        """Releases files, connections or memory; the tier is not used afterwards."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        gib = self.size * self.layout.bytes_per_token() / 2**30
+        return f"{type(self).__name__}: {self.size} tokens ({gib:.2f} GiB)"
+
+
+class HostMemoryTier(KvStorageTier):
+    """The built-in ``host`` tier: one host-memory K and V buffer per layer, indexed by slot.
+
+    The buffers are pinned when the device pool is on an accelerator (the copies to and from it
+    are then asynchronous DMA) and ordinary memory on the CPU, where pinning means nothing.
+    """
+
+    def __init__(self, layout: KvLayout, num_tokens: int) -> None:
+        super().__init__(layout, num_tokens)
+        rows = self.size + layout.page_size
+        self.pinned = layout.device_type == "cuda" and torch.cuda.is_available()
+        self.returns_pinned = self.pinned
+
+        def buffer(dim: int) -> torch.Tensor:
+            return torch.zeros((rows, layout.num_kv_heads, dim), dtype=layout.dtype, pin_memory=self.pinned)
+
+        self.k_buffer = [buffer(layout.head_dim) for _ in range(layout.num_layers)]
+        self.v_buffer = [buffer(layout.v_head_dim) for _ in range(layout.num_layers)]
+
+    def write(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        for buf, src in zip(self.k_buffer, k):
+            buf[slots] = src
+        for buf, src in zip(self.v_buffer, v):
+            buf[slots] = src
+
+    def read(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        def gather(buf: torch.Tensor) -> torch.Tensor:
+            out = torch.empty((len(slots), *buf.shape[1:]), dtype=buf.dtype, pin_memory=self.pinned)
+            return torch.index_select(buf, 0, slots, out=out)
+
+        return [gather(b) for b in self.k_buffer], [gather(b) for b in self.v_buffer]
+
+    def close(self) -> None:
+        self.k_buffer, self.v_buffer = [], []
