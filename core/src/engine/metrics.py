@@ -86,6 +86,18 @@ class ServerMetrics:
             f"{PREFIX}spec_steps", "Speculative decoding: decode steps over the scheduler's life, by kind "
             "(verify: drafts verified; tree: those with a tree draft; fallback: decoded without drafts)",
             [*labels, "kind"], registry=r)
+        # --enable-hierarchical-cache (docs/kv_cache.md): counts over the scheduler's life.
+        self.hicache_hit_tokens = Gauge(
+            f"{PREFIX}hicache_hit_tokens", "Hierarchical cache: prompt tokens found at admission, by tier "
+            "(device: in the KV pool; host: loaded back from the storage tier)", [*labels, "tier"], registry=r)
+        self.hicache_hit_rate = Gauge(
+            f"{PREFIX}hicache_hit_rate", "Hierarchical cache: hit tokens / prompt tokens looked up, by tier",
+            [*labels, "tier"], registry=r)
+        self.hicache_bytes = Gauge(
+            f"{PREFIX}hicache_bytes_moved", "Hierarchical cache: KV bytes copied, by direction (to_tier: "
+            "written to the storage tier; to_device: loaded back)", [*labels, "direction"], registry=r)
+        self.hicache_tier_tokens = Gauge(f"{PREFIX}hicache_tier_tokens", "Tokens held in the storage tier",
+                                         labels, registry=r)
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
@@ -158,8 +170,21 @@ class ServerMetrics:
         if "spec_verify_steps" in info:
             for kind in ("verify", "tree", "fallback"):
                 self.spec_steps.labels(name, kind).set(info.get(f"spec_{kind}_steps", 0))
+        if "hicache_lookup_tokens" in info:
+            self._update_hicache(info)
         if self.compat is not None:
             self.compat.update_from_server_info(info)
+
+    def _update_hicache(self, info: dict[str, Any]) -> None:
+        name = self.model_name
+        lookups = max(info["hicache_lookup_tokens"], 1)  # rates from counts: sums over replicas stay right
+        for tier in ("device", "host"):
+            hits = info.get(f"hicache_{tier}_hit_tokens", 0)
+            self.hicache_hit_tokens.labels(name, tier).set(hits)
+            self.hicache_hit_rate.labels(name, tier).set(hits / lookups)
+        self.hicache_bytes.labels(name, "to_tier").set(info.get("hicache_bytes_written", 0))
+        self.hicache_bytes.labels(name, "to_device").set(info.get("hicache_bytes_loaded", 0))
+        self.hicache_tier_tokens.labels(name).set(info.get("hicache_host_tokens", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

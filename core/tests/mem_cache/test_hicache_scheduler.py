@@ -12,6 +12,7 @@ import pytest
 
 from engine.errors import ConfigError
 from engine.managers.scheduler import check_no_leak
+from engine.metrics import ServerMetrics
 from engine.testing.harness import OutputCollector, make_scheduler, submit
 
 CONVERSATIONS, TURNS, HISTORY, USER, NEW = 3, 2, 48, 8, 4
@@ -55,6 +56,12 @@ def test_returning_conversation_is_served_from_host_memory(llama_ckpt: str, refe
     assert stats["hicache_host_hit_tokens"] >= CONVERSATIONS * HISTORY
     assert stats["hicache_bytes_loaded"] > 0 and stats["hicache_bytes_written"] > 0
     check_no_leak(sched)
+    metrics = ServerMetrics("tiny")
+    metrics.update_from_server_info(stats)
+    text = metrics.render().decode()
+    host_hits = stats["hicache_host_hit_tokens"]
+    assert f'engine_hicache_hit_tokens{{model_name="tiny",tier="host"}} {float(host_hits)}' in text
+    assert f'engine_hicache_bytes_moved{{direction="to_device",model_name="tiny"}} {float(stats["hicache_bytes_loaded"])}' in text
     assert sched.flush_cache() and sched.tree_cache.host_size() == 0
 
 
