@@ -15,7 +15,21 @@ from engine.cli_args import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                        help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler; report writes the benchmarks page.")
+                        help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler, vision; random-lora writes "
+                             "adapters to benchmark with; report writes the benchmarks page.")
+
+
+_LORA_NAME = _opt("lora_name", Optional[list[str]], None, "--lora-name",
+                  help="LoRA adapters of --lora-paths the requests run with, round-robin over the batch "
+                       "(batch 64 over 8 names: 8 distinct adapters); several after one flag")
+
+
+def _check_lora_names(server_args: ServerArgs, names: list[str] | None) -> None:
+    """Every --lora-name is one of the --lora-paths adapters (checked before anything loads)."""
+    for name in names or ():
+        if name not in server_args.lora_paths:
+            loaded = ", ".join(server_args.lora_paths) or "none (pass --lora-paths NAME=DIR ...)"
+            fail(f"--lora-name: invalid value {name!r}; accepted: the --lora-paths adapters: {loaded}")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -36,14 +50,16 @@ def _ints(text: str, flag: str) -> list[int]:
     _opt("result_file", Optional[str], None, "--result-file", help="Append JSON lines here"),
     _opt("json_schema", Optional[str], None, "--json-schema",
          help="Decode every request under this JSON Schema file ('' = a built-in schema), with --grammar-backend"),
+    _LORA_NAME,
 ])
 def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, output_len: str,
-                  result_file: str | None, json_schema: str | None) -> None:
+                  result_file: str | None, json_schema: str | None, lora_name: list[str] | None) -> None:
     """Static-batch latency: prefill, then median decode step, for each size combination."""
     from engine.bench.json_schema import load_bench_schema
 
     # Flags are checked before the benchmark (and torch) is imported: a typo answers at once.
     sizes = _ints(batch_size, "--batch-size"), _ints(input_len, "--input-len"), _ints(output_len, "--output-len")
+    _check_lora_names(server_args, lora_name)
     try:
         schema = load_bench_schema(json_schema)
     except (OSError, ValueError) as exc:
@@ -55,7 +71,7 @@ def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, outp
     setup_child_logging(server_args.log_level, "bench")
     from engine.bench.one_batch import bench_one_batch
 
-    bench_one_batch(server_args, *sizes, result_file, json_schema=schema)
+    bench_one_batch(server_args, *sizes, result_file, json_schema=schema, lora_names=lora_name)
 
 
 _DATASET_OPTS = [
@@ -163,17 +179,20 @@ def cpu_compare_cmd(server_args: ServerArgs, batch_size: str, input_len: int, ou
 @bench_app.command("offline")
 @with_server_args(_DATASET_OPTS + [
     _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),
+    _LORA_NAME,
 ])
-def offline_cmd(server_args: ServerArgs, result_file: str | None, **dataset: Any) -> None:
+def offline_cmd(server_args: ServerArgs, result_file: str | None, lora_name: list[str] | None,
+                **dataset: Any) -> None:
     """Offline throughput of the whole Engine on a dataset (every request submitted at once)."""
     from engine.bench.datasets import DATASET_NAMES, DatasetArgs
     from engine.bench.offline import bench_offline
 
+    _check_lora_names(server_args, lora_name)
     if dataset["dataset_name"] not in DATASET_NAMES:
         fail(f"--dataset-name: invalid value {dataset['dataset_name']!r}; accepted: {', '.join(DATASET_NAMES)}")
     try:
         data = DatasetArgs(**dataset)
-        bench_offline(server_args, data, result_file)
+        bench_offline(server_args, data, result_file, lora_names=lora_name)
     except (ValueError, FileNotFoundError) as exc:
         fail(str(exc))
 
@@ -191,6 +210,8 @@ def _serving_params() -> list[inspect.Parameter]:
         if base is bool:
             ann: Any = bool
             decls = [f"{flag}/--no-{flag[2:]}"]
+        elif base is list:  # several values after one flag (split_multi_value_flags) or one per use
+            ann, decls = Optional[list[str]], [flag]
         elif base in (int, float, str):
             ann = Optional[base] if type(None) in typing.get_args(hint) else base
             decls = [flag]
@@ -222,6 +243,77 @@ def serving_cmd(**kwargs: Any) -> None:
 
 serving_cmd.__signature__ = inspect.Signature(_serving_params())  # type: ignore[attr-defined]
 bench_app.command("serving")(serving_cmd)
+
+
+@bench_app.command("vision")
+@with_server_args([
+    _opt("image_count", int, 1, "--image-count", help="Images in the prompt"),
+    _opt("image_resolution", str, "1024x1024", "--image-resolution", help="Their size, WIDTHxHEIGHT (random pixels)"),
+    _opt("text_words", int, 16, "--text-words", help="Words of text after the images"),
+    _opt("reps", int, 5, "--reps", help="Timed runs of each measurement (medians reported)"),
+    _opt("result_file", Optional[str], None, "--result-file", help="Append a JSON line here"),
+])
+def vision_cmd(server_args: ServerArgs, image_count: int, image_resolution: str, text_words: int, reps: int,
+               result_file: str | None) -> None:
+    """A vision-language model's image prefill: the vision encoder's time and share, against a
+    text-only prefill of the same token count."""
+    from engine.bench.images import parse_resolution
+
+    try:
+        parse_resolution(image_resolution)
+    except ValueError as exc:
+        fail(str(exc))
+    for flag, value, least in (("--image-count", image_count, 1), ("--text-words", text_words, 0), ("--reps", reps, 1)):
+        if value < least:
+            fail(f"{flag}: invalid value {value}; accepted: >= {least}")
+    from engine.managers.process_utils import setup_child_logging
+
+    setup_child_logging(server_args.log_level, "bench")
+    from engine.bench.vision import bench_vision
+
+    try:
+        bench_vision(server_args, image_count, image_resolution, text_words, reps, result_file)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+@bench_app.command("random-lora")
+def random_lora_cmd(
+    model_path: str = typer.Option(..., "--model-path", help="Base model directory (its config.json; weights not needed)"),
+    output: str = typer.Option(..., "--output", help="Directory to write the adapters in (one subdirectory each)"),
+    rank: int = typer.Option(16, "--rank", help="LoRA rank"),
+    num: int = typer.Option(8, "--num", help="Adapters to write"),
+    targets: str = typer.Option("all", "--targets", help="Target modules, e.g. 'q_proj v_proj', or all seven"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the first adapter (the next ones count up)"),
+) -> None:
+    """Random PEFT adapters for a model's shape (benchmarks on --load-format dummy); prints the
+    --lora-paths arguments that load them."""
+    import os
+
+    from engine.config import LORA_TARGET_MODULES
+
+    modules = list(LORA_TARGET_MODULES) if targets.strip() == "all" else targets.replace(",", " ").split()
+    bad = [m for m in modules if m not in LORA_TARGET_MODULES]
+    if bad or not modules:
+        fail(f"--targets: invalid value {targets!r}; accepted: all, or some of {' '.join(LORA_TARGET_MODULES)}")
+    for flag, value in (("--rank", rank), ("--num", num)):
+        if value < 1:
+            fail(f"{flag}: invalid value {value}; accepted: >= 1")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        fail(f"--model-path: cannot read a config from {model_path!r}: {exc}")
+    config = getattr(config, "text_config", None) or config
+    from engine.lora.adapter import write_random_adapter
+
+    paths = []
+    for i in range(num):
+        path = os.path.join(output, f"lora{i}")
+        write_random_adapter(config, path, rank, modules, seed=seed + i)
+        paths.append(f"lora{i}={path}")
+    typer.echo(" ".join(paths))
 
 
 @bench_app.command("scheduler")

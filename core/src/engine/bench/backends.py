@@ -33,6 +33,8 @@ class ResponseUpdate:
     completion_tokens: int | None
     # Error reported in-band (an SSE event with "error"); fails the request.
     error: str | None = None
+    # Server's count of prompt tokens, when it reports one (what an image costs is known there only).
+    prompt_tokens: int | None = None
     # Running count of generated tokens, when the response carries one (native /generate:
     # its ``output_ids``). New tokens are timed by this count, not by text: a server started
     # with --skip-tokenizer-init streams ids with empty text, and a partial character's bytes
@@ -85,10 +87,12 @@ def _native_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
     schema = _schema(opts)
     if schema is not None:
         sampling["json_schema"] = schema
+    lora = {"lora_path": req.lora_name} if req.lora_name is not None else {}
     return {
         prompt_key: req.prompt,
         "sampling_params": sampling,
         "stream": opts.stream,
+        **lora,
         **opts.extra_body,
     }
 
@@ -101,6 +105,7 @@ def _native_parse(data: dict[str, Any]) -> ResponseUpdate:
         cumulative=True,
         completion_tokens=meta.get("completion_tokens"),
         error=_error_text(data),
+        prompt_tokens=meta.get("prompt_tokens"),
         # Every event of a /generate stream is cumulative: its output_ids (or, from servers
         # that omit them, meta_info.completion_tokens) count all tokens so far.
         tokens_so_far=len(ids) if isinstance(ids, list) else meta.get("completion_tokens"),
@@ -109,7 +114,8 @@ def _native_parse(data: dict[str, Any]) -> ResponseUpdate:
 
 def _openai_common(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
     payload: dict[str, Any] = {
-        "model": opts.model,
+        # An adapter is selected by its name in place of the model's (docs/lora.md).
+        "model": req.lora_name if req.lora_name is not None else opts.model,
         "max_tokens": req.output_len,
         "temperature": 0.0,
         "stream": opts.stream,
@@ -131,7 +137,11 @@ def _completions_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, A
 
 
 def _chat_payload(req: BenchRequest, opts: RequestOptions) -> dict[str, Any]:
-    messages = [{"role": "user", "content": req.prompt}]
+    content: Any = req.prompt
+    if req.images:
+        content = [*({"type": "image_url", "image_url": {"url": url}} for url in req.images),
+                   {"type": "text", "text": req.prompt}]
+    messages = [{"role": "user", "content": content}]
     return {**_openai_common(req, opts), "messages": messages, **opts.extra_body}
 
 
@@ -149,6 +159,7 @@ def _openai_parse(data: dict[str, Any]) -> ResponseUpdate:
         cumulative=False,
         completion_tokens=usage.get("completion_tokens"),
         error=_error_text(data),
+        prompt_tokens=usage.get("prompt_tokens"),
     )
 
 
@@ -183,12 +194,15 @@ class _StreamState:
         self.last_token_at = start
         self.tokens_seen = 0
         self.reported_tokens: int | None = None
+        self.prompt_tokens: int | None = None
         self.itl: list[float] = []
         self.chunks = 0
 
     def add(self, update: ResponseUpdate, now: float) -> None:
         if update.completion_tokens is not None:
             self.reported_tokens = update.completion_tokens
+        if update.prompt_tokens is not None:
+            self.prompt_tokens = update.prompt_tokens
         if update.cumulative:
             text_grew = len(update.text) > len(self.text)
             self.text = update.text if text_grew else self.text
@@ -274,6 +288,9 @@ async def send_request(
     # Without any token there is no first token; TTFT is then the whole wait.
     result.ttft = (progress.first_token_at or end) - start
     result.itl = progress.itl
+    if req.images and progress.prompt_tokens is not None:
+        # The client cannot count an image's tokens: the server's count is the prompt's length.
+        result.prompt_len = progress.prompt_tokens
     if progress.reported_tokens is not None:
         result.output_len = progress.reported_tokens
     elif tokenizer is not None:

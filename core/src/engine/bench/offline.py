@@ -11,7 +11,7 @@ from engine.config import ServerArgs
 
 
 async def _run_with_progress(engine: Any, prompts: list[list[int]], params: list[dict[str, Any]],
-                             progress: bool) -> list[dict[str, Any]]:
+                             progress: bool, loras: list[str | None]) -> list[dict[str, Any]]:
     """Runs every request at once; prints a progress line at each tenth of completions."""
     import asyncio
     import sys
@@ -22,7 +22,8 @@ async def _run_with_progress(engine: Any, prompts: list[list[int]], params: list
 
     async def one(i: int) -> tuple[int, dict[str, Any]]:
         out: dict[str, Any] = {}
-        async for out in manager.generate(GenerateRequest(input_ids=prompts[i], sampling_params=params[i])):
+        async for out in manager.generate(GenerateRequest(input_ids=prompts[i], sampling_params=params[i],
+                                                                  lora_path=loras[i])):
             pass
         return i, out
 
@@ -38,7 +39,8 @@ async def _run_with_progress(engine: Any, prompts: list[list[int]], params: list
 
 
 def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None = None,
-                  progress: bool = True) -> dict[str, Any]:
+                  progress: bool = True, lora_names: list[str] | None = None) -> dict[str, Any]:
+    """Runs the dataset; with ``lora_names`` request ``i`` runs on ``lora_names[i % len]``."""
     from engine.entrypoints.engine import Engine
 
     with Engine(**args.to_dict()) as engine:
@@ -55,7 +57,8 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
             print(f"running {len(prompts)} requests...", flush=True)
         before = engine.get_server_info()
         start = time.perf_counter()
-        outs = engine.loop.run_until_complete(_run_with_progress(engine, prompts, params, progress))
+        loras = [lora_names[i % len(lora_names)] if lora_names else None for i in range(len(prompts))]
+        outs = engine.loop.run_until_complete(_run_with_progress(engine, prompts, params, progress, loras))
         duration = time.perf_counter() - start
         info = engine.get_server_info()
     out_tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
@@ -69,6 +72,7 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         "attention": info["attention_backend"], "device": info["device"], "platform": info["platform"],
         "disable_radix_cache": args.disable_radix_cache, "model_path": args.model_path, "quant": args.quant,
         "tp_size": args.tp_size,
+        **(_lora_fields(args, lora_names, len(prompts)) if lora_names else {}),
         **_step_breakdown(before, info, duration),
     }
     if args.dp_size > 1:  # which replica got what, and why (cache_hit, least_loaded, round_robin, ...)
@@ -88,6 +92,14 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         print(f"{'router':<28}{args.router_policy:>14}  decisions per replica: {result['router_decisions']}")
     append_rows(result_file, result)
     return result
+
+
+def _lora_fields(args: ServerArgs, names: list[str], num_prompts: int) -> dict[str, Any]:
+    """A LoRA run's row fields: the adapters used and their largest rank."""
+    from engine.lora.adapter import startup_lora_shape
+
+    rank, _ = startup_lora_shape({n: args.lora_paths[n] for n in names})
+    return {"lora_adapters": min(len(names), num_prompts), "lora_rank": rank}
 
 
 def _decisions_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:

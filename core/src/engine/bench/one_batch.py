@@ -43,7 +43,8 @@ def _sync(device: torch.device) -> None:
 
 
 def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, seed: int = 0,
-            overlap: bool | None = None, json_schema: str | None = None) -> OneBatchResult:
+            overlap: bool | None = None, json_schema: str | None = None,
+            lora_names: list[str] | None = None) -> OneBatchResult:
     """Prefill ``batch_size`` random prompts, then decode ``output_len - 1`` steps.
 
     With ``overlap`` (default: the scheduler's setting, on for CUDA) each decode step is
@@ -56,6 +57,9 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
     batched apply; under overlap the previous step's tokens are accepted while the forward
     runs, as the server does). A request whose JSON completes starts a new one, so every
     step stays constrained whatever ``output_len`` is.
+
+    ``lora_names``: loaded adapters the requests run with, round-robin (request ``i`` on
+    ``lora_names[i % len]``), attached as the scheduler attaches a request's ``lora_path``.
     """
     from engine.managers.schedule_batch import Req, ScheduleBatch
     from engine.managers.scheduler_decode import InflightDecode
@@ -73,6 +77,10 @@ def run_one(scheduler: Any, batch_size: int, input_len: int, output_len: int, se
         req = Req(f"bench-{i}", ids, SamplingParams(max_new_tokens=output_len, temperature=0, ignore_eos=True), set())
         req.fill_ids = list(ids)
         req.extend_input_len = input_len
+        if lora_names:
+            error = scheduler._attach_lora(req, lora_names[i % len(lora_names)])
+            if error:
+                raise ValueError(error)
         reqs.append(req)
     grammar = scheduler.grammar_queue if json_schema is not None else None
     if grammar is not None:
@@ -163,7 +171,7 @@ def _append(reqs: list[Any], tokens: list[int], grammar: Any) -> None:
 
 def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
                     result_file: str | None = None, warmup: bool = True, platform: Any = None,
-                    json_schema: str | None = None) -> list[OneBatchResult]:
+                    json_schema: str | None = None, lora_names: list[str] | None = None) -> list[OneBatchResult]:
     """Runs every (batch size, input, output) combination; with ``--tp-size``/``--pp-size`` above 1,
     in one process per rank, all running the same batches (rank 0 prints and records). With
     ``warmup`` each (batch size, input length) first runs once untimed (prefill and one decode step),
@@ -173,7 +181,8 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
     from engine.managers.scheduler import Scheduler
 
     if args.tp_size * args.pp_size > 1 and distributed.get_placement().world_size == 1:
-        return _bench_in_ranks(args, batch_sizes, input_lens, output_lens, result_file, warmup, json_schema)
+        return _bench_in_ranks(args, batch_sizes, input_lens, output_lens, result_file, warmup, json_schema,
+                               lora_names)
     model_path = resolve_model_path(args)
     scheduler = Scheduler(args, model_path, platform)
     lead = distributed.get_placement().rank == 0
@@ -183,27 +192,45 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
         # (Triton JIT-compiles each tile class and constant size on first use; a different shape may
         # pick different tiles) and its decode step captured before anything is timed.
         for bs, il in dict.fromkeys(itertools.product(batch_sizes, input_lens)):
-            run_one(scheduler, bs, il, 2, json_schema=json_schema)
+            run_one(scheduler, bs, il, 2, json_schema=json_schema, lora_names=lora_names)
     for bs, il, ol in itertools.product(batch_sizes, input_lens, output_lens):
-        res = run_one(scheduler, bs, il, ol, json_schema=json_schema)
+        res = run_one(scheduler, bs, il, ol, json_schema=json_schema, lora_names=lora_names)
         results.append(res)
         if not lead:
             continue
         print(f"batch {bs} input {il} output {ol}: prefill {res.prefill_latency_s * 1e3:.2f} ms "
               f"({res.prefill_throughput:.0f} tok/s), median decode {res.median_decode_latency_s * 1e3:.3f} ms "
               f"({res.median_decode_throughput:.1f} tok/s), total {res.total_latency_s:.2f} s"
-              f"{' (overlapped decode)' if res.overlap else ''}{' (json_schema)' if json_schema else ''}", flush=True)
+              f"{' (overlapped decode)' if res.overlap else ''}{' (json_schema)' if json_schema else ''}"
+              f"{_lora_note(lora_names, bs)}", flush=True)
         append_rows(result_file, {"bench": "one-batch", "device": scheduler.runner.platform.describe(),
                                   "attention": scheduler.runner.attention_backend_name,
                                   "cuda_graph": scheduler.runner.cuda_graph_runner is not None,
                                   "model_path": args.model_path, "quant": args.quant,
                                   "tp_size": args.tp_size, "pp_size": args.pp_size, "ep_size": args.ep_size,
-                                  "json_schema": json_schema is not None, **res.to_dict()})
+                                  "json_schema": json_schema is not None, **_lora_fields(scheduler, lora_names, bs),
+                                  **res.to_dict()})
     return results
 
 
+def _lora_note(names: list[str] | None, batch_size: int) -> str:
+    return f" (LoRA: {min(len(names), batch_size)} adapter(s))" if names else ""
+
+
+def _lora_fields(scheduler: Any, names: list[str] | None, batch_size: int) -> dict[str, Any]:
+    """A LoRA run's row fields: the adapters used and the rank the slots are sized for."""
+    if not names:
+        return {}
+    from engine.lora.adapter import startup_lora_shape
+
+    rank, _ = startup_lora_shape({n: scheduler.args.lora_paths[n] for n in names})
+    return {"lora_adapters": min(len(names), batch_size), "lora_rank": rank,
+            "lora_backend": getattr(scheduler.runner.lora.state.backend, "name", None)}
+
+
 def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
-                    result_file: str | None, warmup: bool, json_schema: str | None = None) -> list[OneBatchResult]:
+                    result_file: str | None, warmup: bool, json_schema: str | None = None,
+                    lora_names: list[str] | None = None) -> list[OneBatchResult]:
     """One child process per rank (as the server starts them); returns rank 0's results."""
     from engine.distributed.ranks import init_method, node_placements
     from engine.entrypoints.child_process import ChildProcess, pipe
@@ -217,7 +244,7 @@ def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
             procs.append(ChildProcess("engine.bench.one_batch:_rank_main",
                                       (args, batch_sizes, input_lens, output_lens,
                                        result_file if placement.rank == 0 else None, warmup, placement, writer,
-                                       json_schema),
+                                       json_schema, lora_names),
                                       name=f"bench rank {placement.rank}"))
         while True:
             if readers[0].poll(0.5):
@@ -235,7 +262,8 @@ def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
 
 
 def _rank_main(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
-               result_file: str | None, warmup: bool, placement: Any, conn: Any, json_schema: str | None = None) -> None:
+               result_file: str | None, warmup: bool, placement: Any, conn: Any, json_schema: str | None = None,
+               lora_names: list[str] | None = None) -> None:
     from engine.managers.process_utils import setup_child_logging
     from engine.managers.scheduler_process import join_replica
 
@@ -243,7 +271,7 @@ def _rank_main(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], 
     try:
         platform = join_replica(args, placement)
         results = bench_one_batch(args, batch_sizes, input_lens, output_lens, result_file, warmup, platform,
-                                  json_schema)
+                                  json_schema, lora_names)
     except Exception as exc:
         conn.send(("error", f"rank {placement.rank}: {type(exc).__name__}: {exc}"))
         raise

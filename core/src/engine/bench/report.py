@@ -46,7 +46,9 @@ AREAS: tuple[Area, ...] = (
     Area("parallelism", "Parallelism", "`engine bench one-batch --tp-size 2 --result-file F` (or `offline --dp-size 2`)"),
     Area("moe", "Mixture of experts", "`engine bench one-batch --model-path docs/bench_configs/qwen3-30b-a3b --result-file F`"),
     Area("speculative", "Speculative decoding", "`engine bench spec --result-file F`"),
-    Area("lora", "LoRA adapters", "`python3 plugins/lora-triton/benchmarks/bench_sgmv.py --result-file F`"),
+    Area("lora", "LoRA adapters", "`engine bench one-batch --lora-paths ... --lora-name ... --result-file F`"),
+    Area("vlm", "Vision-language models", "`engine bench vision --result-file F`, or `engine bench serving "
+         "--dataset-name image --result-file F`"),
     Area("structured-output", "Structured output", "`engine bench one-batch --json-schema '' --result-file F`"),
     Area("cpu-default-model", "CPU default model", "`engine bench cpu-compare --result-file F`"),
     Area("startup", "Start-up", "`engine bench startup --result-file F`"),
@@ -135,6 +137,10 @@ def _size(row: dict[str, Any], key: str) -> int:
 def infer_area(row: dict[str, Any]) -> str | None:
     """The area a row as a benchmark wrote it belongs to; None for a kind the page does not place."""
     kind = bench_kind(row)
+    if row.get("lora_adapters") and kind in ("one-batch", "offline"):
+        return "lora"
+    if kind == "serving" and row.get("dataset_name") == "image":
+        return "vlm"
     if kind == "one-batch":
         if row.get("json_schema"):
             return "structured-output"
@@ -152,7 +158,7 @@ def infer_area(row: dict[str, Any]) -> str | None:
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
             "scheduler-decode-step": "serving", "default-model-cpu-decode": "cpu-default-model",
             "cpu-compare": "cpu-default-model",
-            "all-reduce": "parallelism", "hf-baseline": "decode"}.get(kind)
+            "all-reduce": "parallelism", "hf-baseline": "decode", "vision": "vlm"}.get(kind)
 
 
 def infer_config(row: dict[str, Any]) -> str:
@@ -165,13 +171,21 @@ def infer_config(row: dict[str, Any]) -> str:
     if kind == "one-batch":
         parts += [str(row.get("attention", "?")), f"batch {row.get('batch_size')}",
                   f"{row.get('input_len')} in / {row.get('output_len')} out"]
+        if row.get("lora_adapters"):
+            parts.append(f"{row['lora_adapters']} rank-{row.get('lora_rank')} LoRA adapter"
+                         f"{'s' if row['lora_adapters'] > 1 else ''} ({row.get('lora_backend')})")
         parts += [f"{k.split('_')[0].upper()}={row[k]}" for k in ("tp_size", "pp_size", "ep_size") if _size(row, k) > 1]
     elif kind == "offline":
         parts += [str(row.get("attention", "?")), f"{row.get('dataset')}, {row.get('num_prompts')} prompts"]
+        if row.get("lora_adapters"):
+            parts.append(f"{row['lora_adapters']} rank-{row.get('lora_rank')} LoRA adapters")
         if _size(row, "tp_size") > 1:
             parts.append(f"TP={row['tp_size']}")
         if _size(row, "dp_size") > 1:
             parts.append(f"DP={row['dp_size']}, {row.get('router_policy')}")
+    elif kind == "vision":
+        parts += [f"{row.get('image_count')} x {row.get('image_resolution')} image, "
+                  f"{row.get('prompt_tokens')} prompt tokens ({row.get('image_tokens')} of images)"]
     elif kind == "spec":
         parts += [f"{row.get('algorithm') or 'no speculation'}, k = {row.get('num_draft_tokens', 1) - 1}",
                   f"batch {row.get('batch_size')}", f"{row.get('workload')} workload"]
@@ -277,6 +291,12 @@ def _serving(row: dict[str, Any]) -> Figure:
     return Figure(f"mean TTFT {row['mean_ttft_ms']:.1f} ms", row["mean_ttft_ms"], higher_is_better=False)
 
 
+def _vision(row: dict[str, Any]) -> Figure:
+    return Figure(f"encoder {_n(row['encoder_ms'])} ms of a {_n(row['image_prefill_ms'])} ms prefill "
+                  f"(share {row['encoder_share']:.2f}); text-only prefill {_n(row['text_prefill_ms'])} ms",
+                  row["image_prefill_ms"], higher_is_better=False)
+
+
 def _hf(row: dict[str, Any]) -> Figure:
     key = row.get("figure") or "hf_eager_bs1_tok_s"
     return Figure(f"{_rate(row[key])} tok/s", row[key])
@@ -318,6 +338,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "one-batch": _one_batch, "offline": _offline, "spec": _spec, "startup": _startup, "serving": _serving,
     "hf-baseline": _hf, "default-model-cpu-decode": _cpu_default, "scheduler-decode-step": _scheduler,
     "all-reduce": _microseconds, "kernel": _microseconds, "soak": _soak, "cpu-compare": _cpu_compare,
+    "vision": _vision,
 }
 
 

@@ -6,7 +6,7 @@ backends that send them (``engine.bench.backends``), so none of those imports an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -31,3 +31,7 @@ class BenchRequest:
     prompt_len: int
     # max_new_tokens sent to the server; with ignore_eos it is also the expected output length.
     output_len: int
+    # Images sent with the prompt (data URLs), before its text; the server counts their tokens.
+    images: list[str] = field(default_factory=list)
+    # The LoRA adapter the request runs with (--lora-name); None is the base model.
+    lora_name: str | None = None

@@ -87,13 +87,27 @@ def load_tokenizer(name_or_path: str) -> TokenizerLike:
 
 def build_requests(args: BenchServingArgs, tokenizer: TokenizerLike | None) -> list[BenchRequest]:
     """The dataset ``args`` names, as text when a tokenizer is loaded and ids otherwise."""
-    return_text = tokenizer is not None and not args.tokenize_prompt
-    if not return_text and not BACKENDS[args.backend].accepts_token_ids:
-        raise ValueError(
-            f"backend {args.backend!r} needs text prompts: pass --tokenizer and drop "
-            "--tokenize-prompt / --skip-tokenizer-init"
+    if args.dataset_name == "image":
+        from engine.bench.images import sample_image_requests
+
+        requests = sample_image_requests(
+            args.num_prompts, args.image_count, args.image_resolution, args.image_format,
+            args.random_input_len, args.random_output_len, args.random_range_ratio, args.seed, tokenizer,
         )
-    return sample_requests(args, tokenizer, return_text)
+    else:
+        return_text = tokenizer is not None and not args.tokenize_prompt
+        if not return_text and not BACKENDS[args.backend].accepts_token_ids:
+            raise ValueError(
+                f"backend {args.backend!r} needs text prompts: pass --tokenizer and drop "
+                "--tokenize-prompt / --skip-tokenizer-init"
+            )
+        requests = sample_requests(args, tokenizer, return_text)
+    if args.lora_name:
+        # Each request picks an adapter at random (seeded), as SGLang's bench_serving does.
+        rng = np.random.default_rng(args.seed)
+        for req, pick in zip(requests, rng.integers(0, len(args.lora_name), size=len(requests))):
+            req.lora_name = args.lora_name[int(pick)]
+    return requests
 
 
 async def resolve_model(args: BenchServingArgs) -> BenchServingArgs:
@@ -261,8 +275,10 @@ def _result_extra(args: BenchServingArgs, results: list[RequestResult]) -> dict[
     keys = [
         "backend", "model", "dataset_name", "request_rate", "max_concurrency", "num_prompts",
         "seed", "sharegpt_output_len", "random_input_len", "random_output_len",
-        "random_range_ratio",
+        "random_range_ratio", "lora_name",
     ]  # fmt: skip
+    if args.dataset_name == "image":
+        keys += ["image_count", "image_resolution", "image_format"]
     if args.dataset_name == "generated-shared-prefix":
         keys += [f.name for f in dataclasses.fields(args) if f.name.startswith("gsp_")]
     extra: dict[str, Any] = {key: getattr(args, key) for key in keys}

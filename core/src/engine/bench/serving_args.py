@@ -76,6 +76,13 @@ class BenchServingArgs(DatasetArgs):
     # Give each request its own copy of the schema (a distinct title), so each one compiles:
     # the time to first token with a new schema instead of a cached one.
     json_schema_unique: bool = False
+    # LoRA adapters the server has loaded (--lora-name A B ...): each request picks one at random
+    # (seeded), as SGLang's bench_serving does; sent as /generate's lora_path or OpenAI's model.
+    lora_name: list[str] | None = None
+    # --dataset-name image (SGLang's flags): images per request, their size and encoding.
+    image_count: int = 1
+    image_resolution: str = "1024x1024"
+    image_format: str = "jpeg"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -90,6 +97,11 @@ class BenchServingArgs(DatasetArgs):
             raise ValueError(f"--num-prompts must be >= 1, got {self.num_prompts}")
         if self.warmup_requests < 0:
             raise ValueError(f"--warmup-requests must be >= 0, got {self.warmup_requests}")
+        if self.lora_name is not None and not self.lora_name:
+            raise ValueError("--lora-name: expected one or more adapter names, got none")
+        if self.dataset_name == "image" and self.backend != "openai-chat":
+            raise ValueError(f"--dataset-name image: images go through the chat API; accepted --backend: "
+                             f"openai-chat (got {self.backend!r})")
 
     def server_url(self) -> str:
         """Root URL of the server, without a trailing slash."""
