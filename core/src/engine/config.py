@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 EVICTION_POLICIES = ("lru", "lfu")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TASKS = ("auto", "generate", "embed", "score")
@@ -93,6 +94,11 @@ class ServerArgs:
     enable_custom_all_reduce: bool = opt(False, "CUDA, one host: tensor-parallel all-reduces up to 2 MiB as one kernel of this project over peer memory (torch symmetric memory, no multicast) instead of NCCL")
     dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
     router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
+    # -- prefill/decode disaggregation (docs/disaggregation.md) ----------------------
+    disaggregation_mode: str = opt("null", "Serve one half of disaggregated requests (those carrying a bootstrap_room, sent by `engine router --prefill/--decode`): prefill computes the prompt's KV and first token and hands the KV over, decode receives it and generates the rest; null: a whole server", DISAGGREGATION_MODES)
+    disaggregation_bootstrap_port: int = opt(8998, "Prefill mode: the port (on --host) decode servers fetch KV from")
+    disaggregation_transfer_backend: str = opt("zmq", "KV transfer backend plugin moving prompt KV from prefill to decode servers (zmq: TCP from host memory)")
+    disaggregation_timeout_s: float = opt(60.0, "Seconds a decode server waits for a request's KV (and a prefill server keeps KV no decode server fetched) before the request fails")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
     # -- speculative decoding (docs/speculative.md) ----------------------------
     speculative_algorithm: str | None = opt(None, "Speculative-decoding proposer plugin (ngram, draft); default: none, one token per decode step")
@@ -190,6 +196,7 @@ class ServerArgs:
         if self.disable_plugin:
             from engine.plugins import resolve_plugin_names
 
+        self._validate_disaggregation()
             # A misspelt name would otherwise disable nothing, silently. A name users select an
             # implementation by (``hermes``) stands for the plugin registering it (``toolparser_hermes``).
             self.disable_plugin = resolve_plugin_names(self.disable_plugin, "--disable-plugin")
@@ -210,6 +217,27 @@ class ServerArgs:
         _positive(self, "max_loras_per_batch")
         _positive_or_none(self, "max_loaded_loras", "max_lora_rank")
         for name, path in self.lora_paths.items():
+    def _validate_disaggregation(self) -> None:
+        if self.disaggregation_timeout_s <= 0:
+            raise ConfigError(f"--disaggregation-timeout-s: invalid value {self.disaggregation_timeout_s}; "
+                              "accepted: a number of seconds > 0")
+        if self.disaggregation_mode == "null":
+            return
+        if not 0 < self.disaggregation_bootstrap_port < 65536 or self.disaggregation_bootstrap_port == self.port:
+            raise ConfigError(f"--disaggregation-bootstrap-port: invalid value {self.disaggregation_bootstrap_port}; "
+                              f"accepted: 1..65535, other than --port ({self.port})")
+        many = [f"{_flag(name)} {getattr(self, name)}" for name in ("tp_size", "pp_size", "dp_size") if getattr(self, name) != 1]
+        if many:
+            raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode}: runs one rank per server (the KV of "
+                              f"one pool moves as a whole); {', '.join(many)} is not supported; accepted: 1")
+        from engine import plugins
+        from engine.errors import PluginError
+
+        try:
+            plugins.get_kv_transfer_backend(self.disaggregation_transfer_backend, self.disable_plugin)
+        except (ConfigError, PluginError) as exc:
+            raise PluginError(f"--disaggregation-transfer-backend: {exc}") from None
+
             if not os.path.isdir(path):
                 raise ConfigError(f"--lora-paths: {name}={path}: not a directory; accepted: a PEFT adapter "
                                   "directory (adapter_config.json and adapter_model.safetensors)")

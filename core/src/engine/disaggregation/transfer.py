@@ -41,6 +41,8 @@ class KvLayout:
     dtype: str
     tp_size: int = 1
     page_size: int = 1
+    #: the KV pool's kind: "mha" (K and V per head) or "mla" (one latent row; ``v`` is empty).
+    kv_layout: str = "mha"
 
     def mismatch(self, other: KvLayout) -> str | None:
         """Why KV of ``other``'s layout cannot be written into this one (None: it can)."""

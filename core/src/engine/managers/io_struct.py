@@ -37,6 +37,11 @@ class TokenizedGenerateReqInput:
     # LoRA adapter NAME the request runs with (loaded with --lora-paths or LoadLoraAdapterReqInput);
     # None: the base model.
     lora_name: str | None = None
+    # Prefill/decode disaggregation (set by the router): the prefill server's KV transfer address
+    # and the room both servers name this request's KV by; None: an ordinary request.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 @dataclass

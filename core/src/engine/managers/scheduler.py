@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import ServerArgs
 from engine.constrained.scheduling import GrammarQueue
+from engine.disaggregation.scheduler_mixin import DisaggregationMixin
 from engine.errors import ConfigError
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
@@ -61,7 +62,7 @@ def eos_token_ids_of(model_path: str, hf_config: Any) -> set[int]:
     return ids
 
 
-class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
+class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, DisaggregationMixin):
     def __init__(self, args: ServerArgs, model_path: str, platform: Any | None = None) -> None:
         self.args = args
         self.runner = ModelRunner(args, model_path, platform)
@@ -112,6 +113,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
         self.pending_aborts: dict[str, str] = {}
         self._init_lora()  # loads the --lora-paths adapters
         # Counters for /get_server_info and metrics.
+        self._init_disaggregation()  # --disaggregation-mode: the KV transfer backend
         self.num_retractions = 0
         self.forward_steps = 0
         self.decode_steps = 0
@@ -144,7 +146,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
         req = Req(recv.rid, recv.input_ids, params, self.eos_token_ids, recv.return_logprob,
                   recv.logprob_start_len, recv.top_logprobs_num, recv.stream, recv.priority)
         self.reqs[req.rid] = req
-        error = self._validate(req) or self._attach_lora(req, getattr(recv, "lora_name", None))
+        error = (self._validate(req) or self._attach_lora(req, getattr(recv, "lora_name", None))
+                 or self._disagg_attach(req, recv))
         if not error and (recv.mm_items or self.runner.mrope):
             error = self._attach_multimodal(req, recv.mm_items)
         if error:
@@ -234,7 +237,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
     # -- the loop --------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.running_batch.reqs or self.chunked_req
-                    or self.pending_aborts or self.inflight or self.grammar_queue.waiting)
+                    or self.pending_aborts or self.inflight or self.grammar_queue.waiting or self.disagg_busy())
 
     def step(self) -> bool:
         """Runs one batch; returns False when there was nothing to do."""
@@ -246,6 +249,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
         if self.grammar_queue.waiting:
             self._admit_compiled_grammars()
         if self.chunked_req is not None or (self.waiting_queue and self._admission_needs_settled_batch()):
+        self._disagg_step()  # decode mode: fetch and admit requests whose KV comes from a prefill server
             self.drain()
         batch = self.get_new_batch_prefill()
         if batch is not None and self.run_extend(batch):
@@ -460,7 +464,9 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin):
         want_logprob = any(r.return_logprob for r in batch.reqs)
         try:
             fb = batch.prepare_for_extend(return_logprob=want_logprob)
+        staged = self._disagg_stage(batch)  # prefill mode: host copies of prompts' KV to hand over
         except OutOfKVMemory:
+        self._disagg_publish(staged)
             # Admission estimated memory that eviction could not deliver: requeue and retry later.
             self._requeue_failed_extend(batch)
             return None

@@ -126,6 +126,7 @@ class OutputMixin:
 
     def _mm_stats(self) -> dict[str, Any]:
         """Vision-language models: the item-embedding cache's bytes, items embedded, cache hits."""
+            **self._disagg_stats(),  # type: ignore[attr-defined]
         if not getattr(self.runner, "multimodal", False):
             return {}
         cache = self.runner.mm_cache

@@ -69,6 +69,11 @@ class GenerateRequest:
     mm_items: list[Any] = field(default_factory=list)
     # The LoRA adapter to run with: its name, or the path it was loaded from; None: the base model.
     lora_path: str | None = None
+    # Prefill/decode disaggregation (docs/disaggregation.md): the prefill server's KV transfer
+    # address and the room the router gave the request; None: an ordinary request.
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
@@ -308,7 +313,8 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
         self.sends[decision.replica].send_pyobj(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=params.to_dict(),
             return_logprob=req.return_logprob, logprob_start_len=logprob_start,
-            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority, mm_items=req.mm_items, lora_name=lora_name))
+            top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority, mm_items=req.mm_items, lora_name=lora_name,
+            bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room))
         finished = False
         try:
             while True:

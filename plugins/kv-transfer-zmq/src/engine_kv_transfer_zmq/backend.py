@@ -244,5 +244,5 @@ class ZmqKvTransfer(KvTransferBackend):
                 del self._pending[key]
                 self._counts["failed"] += 1
                 self._results.put((key, f"no KV arrived from the prefill server's transfer port {host}:{port} in "
-                                        "time (--disaggregation-timeout); is the prefill server up?"))
+                                        "time (--disaggregation-timeout-s); is the prefill server up?"))
                 self._dealer(host, port).send(json.dumps({"op": "discard", "key": key}).encode())

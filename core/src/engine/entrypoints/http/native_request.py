@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from engine.entrypoints.http.disaggregation import bootstrap_fields
 from engine.entrypoints.http.errors import APIError, from_request_error
 from engine.managers.tokenizer_manager import GenerateRequest, RequestError
 
@@ -50,6 +51,8 @@ ACTING_FIELDS = (
     "lora_path",
     # Images and video of vision-language models (docs/multimodal.md); one entry per prompt in a batch.
     "image_data", "video_data",
+    # Prefill/decode disaggregation (docs/disaggregation.md): set by `engine router`.
+    "bootstrap_host", "bootstrap_port", "bootstrap_room",
 )
 
 # Set by SGLang's own HTTP layer or used only to label its logs: nothing here to change.
@@ -59,7 +62,6 @@ ACTING_FIELDS = (
 # here each item's own field (image_data, video_data) says what it is.
 IGNORED_FIELDS = ("validation_time", "conversation_id", "lora_id", "modalities")
 
-_DISAGG = "prefill/decode disaggregation"
 _MULTIMODAL_OFF = (None, [])
 UNSUPPORTED_FIELDS = (
     Unsupported("input_embeds", "input embeddings (send text or input_ids)"),
@@ -68,10 +70,7 @@ UNSUPPORTED_FIELDS = (
     Unsupported("return_hidden_states", "returning hidden states", (None, False)),
     Unsupported("session_params", "sessions (continuing a cached prompt)", (None, {})),
     Unsupported("custom_logit_processor", "custom logit processors"),
-    Unsupported("bootstrap_host", _DISAGG),
-    Unsupported("bootstrap_port", _DISAGG),
-    Unsupported("bootstrap_room", _DISAGG),
-    Unsupported("bootstrap_pair_key", _DISAGG),
+    Unsupported("bootstrap_pair_key", "pairing keys of prefill/decode disaggregation (the room and the request id pair them)"),
     Unsupported("data_parallel_rank", "data-parallel routing (this server has one rank, 0)", (None, 0)),
     Unsupported("background", "background requests", (None, False)),
     Unsupported("extra_key", "prefix-cache namespaces (extra_key)"),
@@ -197,6 +196,7 @@ def build_requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[Gen
     images = _media_per_prompt(req.image_data, count, batch, "image_data")
     videos = _media_per_prompt(req.video_data, count, batch, "video_data")
     loras = _lora_names(ctx, req.lora_path, count)
+    bootstrap = bootstrap_fields(ctx, req, count)
     prompts, copies = [], []
     for i in range(count):
         n = per_prompt[i].pop("n", 1)
@@ -208,7 +208,7 @@ def build_requests(ctx: ServingContext, req: GenerateReqInput) -> tuple[list[Gen
             text=texts[i], input_ids=ids[i], sampling_params=per_prompt[i], rid=rids[i],
             return_logprob=want_logprob[i], logprob_start_len=start_len[i], top_logprobs_num=top_num[i],
             stream=bool(req.stream), priority=req.priority or 0,
-            image_data=images[i], video_data=videos[i], lora_path=loras[i]))
+            image_data=images[i], video_data=videos[i], lora_path=loras[i], **bootstrap[i]))
     return prompts, copies, batch
 
 

@@ -82,6 +82,12 @@ class SamplingFields(_Body):
     priority: int | None = None
     # Request id for /abort_request (``-i`` is appended per choice when n > 1).
     rid: str | None = None
+    # Prefill/decode disaggregation (set by ``engine router``; docs/disaggregation.md): the prefill
+    # server's KV transfer address and the room naming this request's KV. Checked by
+    # entrypoints.http.disaggregation.
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
     # -- vLLM's structured-output fields, onto the grammar parameters above --
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
+from engine.entrypoints.http.disaggregation import bootstrap_fields
 from engine.entrypoints.http.errors import APIError, parse_body
 from engine.entrypoints.http.generation import (
     SSE_DONE,
@@ -84,7 +85,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         rid=req.rid or response_id,
         return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, priority=req.priority or 0,
         mm_items=mm_items,
-        lora_path=lora)
+        lora_path=lora, **bootstrap_fields(ctx, req)[0])
     # A forced tool_choice is a JSON schema made from the tools: its errors are the tools'.
     forced = {"json_schema": "tools"} if plan.forced else {**grammar_renames(req.response_format),
                                                             **guided_renames(req)}

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import JSONResponse, Response
 
+from engine.entrypoints.http.disaggregation import bootstrap_fields
 from engine.entrypoints.http.errors import APIError, parse_body
 from engine.entrypoints.http.generation import (
     SSE_DONE,
@@ -66,6 +67,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                        param="max_tokens")
     response_id = f"cmpl-{uuid.uuid4().hex}"
     rid = req.rid or response_id
+    bootstrap = bootstrap_fields(ctx, req, len(prompts))
     bases = [GenerateRequest(
         input_ids=ids, sampling_params=sampling_params(req, max_tokens),
         rid=rid if len(prompts) == 1 else f"{rid}-{p}",
@@ -73,6 +75,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         # With echo the prompt's logprobs are wanted too, from its first token.
         logprob_start_len=0 if req.echo and req.logprobs is not None else -1,
         top_logprobs_num=req.logprobs or 0, priority=req.priority or 0, lora_path=lora,
+        **bootstrap[p],
     ) for p, ids in enumerate(prompts)]
     choices = await make_choices(ctx, bases, req.n, renames={**_RENAMES, **grammar_renames(req.response_format),
                                                              **guided_renames(req)},

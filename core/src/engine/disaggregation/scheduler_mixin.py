@@ -1,0 +1,232 @@
+"""The scheduler's half of prefill/decode disaggregation (``--disaggregation-mode``).
+
+Prefill mode: a request carrying a ``bootstrap_room`` runs its prompt and samples its first
+token (its ``max_new_tokens`` is capped at 1); right after that prefill its prompt's KV is
+copied to host memory and published to the transfer backend, and the request ends as usual
+(its KV stays in the prefix cache like any finished request's).
+
+Decode mode: such a request leaves the waiting queue for ``disagg_waiting`` while its KV is
+fetched from the prefill server. When the payload arrives, the request gets a request slot
+and KV slots for its prompt, the payload is written into the pool, and the request joins the
+running batch with the prefill server's first token appended, exactly as after a local
+prefill. A fetch that fails (time-out, layout mismatch, dead peer) ends the request with the
+reason; an aborted request's fetch is cancelled (nothing was allocated for it yet).
+
+Requests without a room run locally on either kind of server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferContext, transfer_key
+from engine.managers.schedule_batch import FinishReason, OutOfKVMemory
+
+if TYPE_CHECKING:
+    from engine.managers.io_struct import TokenizedGenerateReqInput
+    from engine.managers.schedule_batch import Req, ScheduleBatch
+
+logger = logging.getLogger(__name__)
+
+# How long an idle decode server waits on the transfer backend per step (keeps the loop from
+# spinning while only fetches are outstanding).
+_IDLE_WAIT_S = 0.002
+
+
+def kv_layout_of(runner: Any, args: Any) -> KvLayout:
+    pool = runner.token_to_kv_pool
+    return KvLayout(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                    v_head_dim=pool.v_head_dim, dtype=str(pool.dtype), tp_size=args.tp_size,
+                    page_size=args.page_size, kv_layout=getattr(pool, "kv_layout", "mha"))
+
+
+class DisaggregationMixin:
+    """Mixed into ``Scheduler``: ``_init_disaggregation`` at start, ``_disagg_attach`` per new
+    request, ``_disagg_step`` at the top of every step, ``_disagg_stage``/``_disagg_publish``
+    around a prefill batch's finish."""
+
+    args: Any
+    runner: Any
+    # Class defaults: a scheduler built without ``_init_disaggregation`` (tests' stand-ins) is a whole server.
+    kv_transfer: Any = None
+    disagg_mode = "null"
+
+    def _init_disaggregation(self) -> None:
+        self.disagg_mode = self.args.disaggregation_mode
+        self.kv_transfer: Any = None
+        self.disagg_waiting: dict[str, Req] = {}  # decode: key -> request whose KV is on its way
+        self.disagg_arrived: list[tuple[Req, KvPayload]] = []  # decode: KV here, waiting for slots
+        self.disagg_counts = {"requests": 0, "transferred": 0, "failed": 0, "transfer_bytes": 0,
+                              "transfer_wait_s": 0.0}
+        self._disagg_started: dict[str, float] = {}
+        if self.disagg_mode == "null":
+            return
+        import engine.plugins as plugins
+
+        args = self.args
+        ctx = KvTransferContext(
+            role=self.disagg_mode, layout=kv_layout_of(self.runner, args), host=args.host,
+            port=args.disaggregation_bootstrap_port if self.disagg_mode == "prefill" else 0,
+            timeout_s=args.disaggregation_timeout_s, device=str(self.runner.device))
+        self.kv_transfer = plugins.create_kv_transfer_backend(
+            args.disaggregation_transfer_backend, ctx, torch.device(self.runner.device).type,
+            args.disable_plugin, args.plugin_options)
+        where = f" on {args.host}:{getattr(self.kv_transfer, 'port', ctx.port)}" if self.disagg_mode == "prefill" else ""
+        logger.info("disaggregation: %s server, KV transfer '%s'%s", self.disagg_mode,
+                    args.disaggregation_transfer_backend, where)
+
+    # -- arrival -------------------------------------------------------------------------
+    def _disagg_attach(self, req: Req, recv: TokenizedGenerateReqInput) -> str | None:
+        """Marks a disaggregated request (an error message when it cannot be one)."""
+        room = getattr(recv, "bootstrap_room", None)
+        if room is None or self.kv_transfer is None or req.sampling_params.max_new_tokens == 0:
+            return None  # runs here as on a whole server
+        if recv.mm_items:
+            return "images and video are not supported with --disaggregation-mode; send text prompts"
+        if recv.return_logprob:
+            return "logprobs are not supported with --disaggregation-mode (the first token is sampled on the prefill server)"
+        req.disagg_key = transfer_key(room, req.rid)  # type: ignore[attr-defined]
+        req.disagg_source = (recv.bootstrap_host, recv.bootstrap_port)  # type: ignore[attr-defined]
+        self.disagg_counts["requests"] += 1
+        if self.disagg_mode == "prefill":
+            req.sampling_params.max_new_tokens = 1  # the decode server generates the rest
+        else:
+            self._disagg_started[req.rid] = time.monotonic()
+        return None
+
+    # -- decode: fetch, receive, admit -----------------------------------------------------
+    def _disagg_step(self) -> None:
+        if self.kv_transfer is None or self.disagg_mode != "decode":
+            return
+        queue: list[Req] = self.waiting_queue  # type: ignore[attr-defined]
+        fetching = [r for r in queue if getattr(r, "disagg_key", None) and not getattr(r, "disagg_done", False)]
+        for req in fetching:
+            queue.remove(req)
+            self.disagg_waiting[req.disagg_key] = req  # type: ignore[attr-defined]
+            host, port = req.disagg_source  # type: ignore[attr-defined]
+            left = self.args.disaggregation_timeout_s - (time.monotonic() - self._disagg_started.get(req.rid, time.monotonic()))
+            self.kv_transfer.fetch(req.disagg_key, host, port, max(left, 0.0))  # type: ignore[attr-defined]
+        for key, req in list(self.disagg_waiting.items()):
+            if req.finished():  # aborted while its KV was on the way
+                del self.disagg_waiting[key]
+                self.kv_transfer.cancel(key)
+                self._disagg_started.pop(req.rid, None)
+        self.disagg_arrived = [(r, p) for r, p in self.disagg_arrived if not r.finished()]
+        idle = not (queue or self.running_batch.reqs or self.disagg_arrived)  # type: ignore[attr-defined]
+        wait = _IDLE_WAIT_S if idle and self.disagg_waiting else 0.0
+        failed: list[Req] = []
+        for key, result in self.kv_transfer.poll(wait) if self.disagg_waiting else []:
+            req = self.disagg_waiting.pop(key, None)
+            if req is None:
+                continue
+            if isinstance(result, str):
+                failed.append(self._disagg_fail(req, f"KV transfer failed: {result}"))
+            elif result.num_tokens != len(req.origin_input_ids):
+                failed.append(self._disagg_fail(req, f"KV transfer failed: the prefill server sent KV for "
+                                                     f"{result.num_tokens} tokens, the prompt has {len(req.origin_input_ids)}"))
+            else:
+                self.disagg_counts["transferred"] += 1
+                self.disagg_counts["transfer_bytes"] += result.nbytes
+                self.disagg_counts["transfer_wait_s"] += time.monotonic() - self._disagg_started.pop(req.rid, time.monotonic())
+                self.disagg_arrived.append((req, result))
+        if failed:
+            self._emit(failed)  # type: ignore[attr-defined]
+        if self.disagg_arrived:
+            self._disagg_admit()
+
+    def _disagg_fail(self, req: Req, message: str) -> Req:
+        self.disagg_counts["failed"] += 1
+        self._disagg_started.pop(req.rid, None)
+        req.finished_reason = FinishReason("abort", message=message)
+        return req
+
+    def _disagg_admit(self) -> None:
+        """Writes arrived KV into the pool and starts decoding those requests (as many as fit)."""
+        self.drain()  # type: ignore[attr-defined]  # the in-flight decode step first (overlap)
+        running = self.running_batch  # type: ignore[attr-defined]
+        pool = self.runner.token_to_kv_pool
+        done: list[Req] = []
+        left: list[tuple[Req, KvPayload]] = []
+        for req, payload in self.disagg_arrived:
+            if left or len(running.reqs) + len(done) >= self.max_running_requests:  # type: ignore[attr-defined]
+                left.append((req, payload))
+                continue
+            req.init_next_round_input(None)
+            match = self.tree_cache.match_prefix([])  # type: ignore[attr-defined]
+            req.prefix_indices, req.last_node = match.device_indices, match.last_node
+            self.tree_cache.inc_lock_ref(req.last_node)  # type: ignore[attr-defined]
+            batch: ScheduleBatch = self._new_batch([req])  # type: ignore[attr-defined]
+            n = len(req.origin_input_ids)
+            try:
+                batch._alloc_req_slots([req])
+                slots = batch._alloc_tokens([0], [n], [-1])
+            except OutOfKVMemory:
+                self.tree_cache.dec_lock_ref(req.last_node)  # type: ignore[attr-defined]
+                if req.req_pool_idx is not None:
+                    self.req_to_token_pool.free(req.req_pool_idx)  # type: ignore[attr-defined]
+                req.req_pool_idx = None
+                left.append((req, payload))  # running requests hold the pool: retry after they finish
+                continue
+            self.req_to_token_pool.write(req.req_pool_idx, 0, slots)  # type: ignore[attr-defined]
+            index = slots.to(pool.k_buffer[0].device)
+            for layer in range(pool.num_layers):
+                pool.k_buffer[layer][index] = payload.k[layer].to(pool.k_buffer[layer].device, non_blocking=True)
+                if getattr(pool, "kv_layout", "mha") != "mla":  # MLA's V is a view of its K rows
+                    pool.v_buffer[layer][index] = payload.v[layer].to(pool.v_buffer[layer].device, non_blocking=True)
+            req.disagg_done = True  # type: ignore[attr-defined]  # a retraction later recomputes locally
+            req.append_output(payload.first_token)
+            req.check_finished()
+            if req.finished():
+                self.tree_cache.cache_finished_req(req)  # type: ignore[attr-defined]
+            else:
+                self.tree_cache.cache_unfinished_req(req)  # type: ignore[attr-defined]
+                running.reqs.append(req)
+            done.append(req)
+        self.disagg_arrived = left
+        if done:
+            self._emit(done)  # type: ignore[attr-defined]
+
+    # -- prefill: stage and publish ------------------------------------------------------
+    def _disagg_stage(self, batch: ScheduleBatch) -> list[tuple[Req, torch.Tensor, torch.Tensor]]:
+        """Host copies of the prompt KV of the batch's disaggregated rows whose prefill ends now
+        (taken before the finish hands their slots to the prefix cache)."""
+        if self.kv_transfer is None or self.disagg_mode != "prefill":
+            return []
+        pool = self.runner.token_to_kv_pool
+        r2t = self.req_to_token_pool.req_to_token  # type: ignore[attr-defined]
+        staged = []
+        for req in batch.reqs:
+            if getattr(req, "disagg_key", None) is None or req.is_chunked:
+                continue
+            index = r2t[req.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
+            k = torch.stack([buf[index] for buf in pool.k_buffer]).cpu()
+            if getattr(pool, "kv_layout", "mha") == "mla":
+                v = k.new_empty((*k.shape[:3], 0))
+            else:
+                v = torch.stack([buf[index] for buf in pool.v_buffer]).cpu()
+            staged.append((req, k, v))
+        return staged
+
+    def _disagg_publish(self, staged: list[tuple[Req, torch.Tensor, torch.Tensor]]) -> None:
+        for req, k, v in staged:
+            if not req.output_ids or (req.finished_reason is not None and req.finished_reason.kind == "abort"):
+                continue  # nothing to continue from: the decode server's fetch fails by its deadline
+            payload = KvPayload(req.output_ids[0], k, v, {"prompt_tokens": len(req.origin_input_ids)})
+            self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
+            self.disagg_counts["transferred"] += 1
+            self.disagg_counts["transfer_bytes"] += payload.nbytes
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def disagg_busy(self) -> bool:
+        return self.kv_transfer is not None and bool(self.disagg_waiting or self.disagg_arrived)
+
+    def _disagg_stats(self) -> dict[str, Any]:
+        if self.kv_transfer is None:
+            return {}
+        return {"disaggregation": {"mode": self.disagg_mode, "waiting_for_kv": len(self.disagg_waiting),
+                                   "kv_arrived": len(self.disagg_arrived), **self.disagg_counts,
+                                   "backend": self.kv_transfer.stats()}}
