@@ -12,6 +12,8 @@
   engine with it gives exactly the output without speculation (greedy, tiny model).
 - ``LoraBackendConformance`` (``check_lora_backend``): a LoRA backend's segmented shrink/expand
   match the torch reference, empty segments and rank-0 slots included.
+- ``KvStorageTierConformance`` (``check_kv_tier``): a KV storage tier returns what was written,
+  bit-exactly, keeps ranks apart and backs the hierarchical prefix cache.
 - ``GrammarBackendConformance`` (``engine.testing.grammar_kit``): a grammar backend accepts exactly
   its grammars' strings and its masks agree with a reference.
 
@@ -22,6 +24,7 @@ class attributes it documents. Checkpoint helpers live in ``engine.testing.check
 
 from engine.testing.conformance import (
     AttentionBackendConformance,
+    KvStorageTierConformance,
     LoraBackendConformance,
     ModelConformance,
     PlatformConformance,
@@ -38,6 +41,7 @@ from engine.testing.grammar_kit import GrammarBackendConformance
 
 __all__ = [
     "AttentionBackendConformance",
+    "KvStorageTierConformance",
     "GrammarBackendConformance",
     "LoraBackendConformance",
     "ModelConformance",

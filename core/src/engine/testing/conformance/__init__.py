@@ -13,6 +13,7 @@ from typing import Any
 
 from engine.deprecation import warn_deprecated
 from engine.testing.conformance.attention import AttentionBackendConformance
+from engine.testing.conformance.kv_tier import KvStorageTierConformance, check_kv_tier
 from engine.testing.conformance.kv_transfer import KvTransferConformance
 from engine.testing.conformance.lora import LoraBackendConformance, check_lora_backend
 from engine.testing.conformance.model import ModelConformance, check_greedy_until_near_tie
@@ -30,6 +31,7 @@ from engine.testing.conformance.speculative import SpeculativeProposerConformanc
 
 __all__ = [
     "AttentionBackendConformance",
+    "KvStorageTierConformance",
     "KvTransferConformance",
     "LoraBackendConformance",
     "ModelConformance",
@@ -43,6 +45,7 @@ __all__ = [
     "ToolCallCase",
     "ToolCallParserConformance",
     "check_greedy_until_near_tie",
+    "check_kv_tier",
     "check_lora_backend",
 ]
 

@@ -1,0 +1,7 @@
+from __future__ import annotations
+
+from engine.testing import KvStorageTierConformance
+
+
+class TestHostTier(KvStorageTierConformance):
+    tier_name = "host"
