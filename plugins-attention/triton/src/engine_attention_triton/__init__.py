@@ -26,6 +26,8 @@ def register_attention_backends(register):  # type: ignore[no-untyped-def]
         device_types=("cuda", "cpu") if interpreting() else ("cuda",),
         supports_cuda_graph=True,
         kv_cache_dtypes=("auto", "fp8_e4m3", "fp8_e5m2"),
+        # "mla": DeepSeek's latent KV rows, read by the kernels of mla_attention.
+        kv_layouts=("mha", "mla"),
     ))
 
 

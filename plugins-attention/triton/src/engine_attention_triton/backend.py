@@ -18,6 +18,10 @@ uses a split count that depends on the batch size alone, so a replay neither all
 synchronises with the host. A verify graph runs the extend kernel with every row
 ``tokens_per_row`` long (a fixed grid); its slots, prefix lengths and offsets are the graph
 runner's static buffers (``engine.model_executor.cuda_graph_runner.VerifyGraphRunner``).
+
+An "mla" pool (``MLATokenToKVPool``: one latent+rope row per token, V its leading dims) runs the
+kernels of ``mla_attention`` instead, with the same metadata, workspaces and graph paths; decode
+then splits each row over ``mla_head_blocks`` programs per split instead of one per KV head.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from engine_attention_triton.decode_attention import (
     has_pdl,
 )
 from engine_attention_triton.extend_attention import extend_attention_fwd
+from engine_attention_triton.mla_attention import mla_decode_fwd, mla_extend_fwd, mla_head_blocks
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch import ForwardBatch
@@ -130,6 +135,9 @@ class TritonAttnBackend(AttentionBackend):
 
             patch_interpreter_index()
         self.kv_fp8 = ctx.token_to_kv_pool.is_fp8
+        self.mla = getattr(ctx.token_to_kv_pool, "kv_layout", "mha") == "mla"
+        # Decode programs per row and split: one per KV head, or per block of query heads (MLA).
+        self.kv_programs = mla_head_blocks(self.num_heads) if self.mla else self.num_kv_heads
         self.num_sms = (
             torch.cuda.get_device_properties(self.device).multi_processor_count
             if self.device.type == "cuda" else _INTERPRETER_SMS
@@ -144,7 +152,7 @@ class TritonAttnBackend(AttentionBackend):
             bs = forward_batch.batch_size
             max_seq_len = max(forward_batch.seq_lens_cpu, default=1)
             splits = choose_num_kv_splits(
-                bs, self.num_kv_heads, self.num_sms, self.max_kv_splits, max_seq_len
+                bs, self.kv_programs, self.num_sms, self.max_kv_splits, max_seq_len
             )
             part_out, part_lse = self._workspaces(bs, splits)
             self.forward_metadata = DecodeMetadata(
@@ -184,6 +192,8 @@ class TritonAttnBackend(AttentionBackend):
         metadata = self.forward_metadata
         if not isinstance(metadata, ExtendMetadata):
             raise RuntimeError("triton attention: forward_extend before init_forward_metadata")
+        if self.mla:
+            return self._mla_extend(q, k, layer, forward_batch, metadata, save_kv_cache)
         v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         if k is not None and v is not None and save_kv_cache:
@@ -226,7 +236,8 @@ class TritonAttnBackend(AttentionBackend):
         if not isinstance(metadata, DecodeMetadata):
             raise RuntimeError("triton attention: forward_decode before init_forward_metadata")
         if save_kv_cache and k is not None:
-            self.save_kv(layer, forward_batch, k, v)
+            # An MLA pool stores k's rows alone (v is a view of them).
+            self.save_kv(layer, forward_batch, k, None if self.mla else v)
         v_dim = layer.v_head_dim if layer.v_head_dim > 0 else layer.head_dim
         if layer.num_heads > metadata.part_out.shape[1] or v_dim > metadata.part_out.shape[3]:
             raise ValueError(
@@ -234,10 +245,18 @@ class TritonAttnBackend(AttentionBackend):
                 f"v_dim {v_dim}; the workspace was sized for {metadata.part_out.shape[1]} "
                 f"heads of v_dim {metadata.part_out.shape[3]}"
             )
-        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         q3 = q.view(-1, layer.num_heads, layer.head_dim)
         out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
         k_scale, v_scale = self._kv_scales(layer)
+        if self.mla:
+            self._check_mla_layer(layer)
+            mla_decode_fwd(
+                q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id), out, self.req_to_token,
+                metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
+                metadata.num_kv_splits, layer.scaling, v_dim, layer.logit_cap, kv_scale=k_scale,
+            )
+            return out.view(-1, layer.num_heads * v_dim)
+        k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         decode_attention_fwd(
             q3, k_buffer, v_buffer, out, self.req_to_token,
             metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
@@ -245,6 +264,50 @@ class TritonAttnBackend(AttentionBackend):
             k_scale=k_scale, v_scale=v_scale, pdl=self.pdl,
         )
         return out.view(-1, layer.num_heads * v_dim)
+
+    def _mla_extend(
+        self, q: torch.Tensor, k: torch.Tensor | None, layer: AttentionLayerInfo,
+        forward_batch: ForwardBatch, metadata: ExtendMetadata, save_kv_cache: bool,
+    ) -> torch.Tensor:
+        """Extend over the "mla" layout: saves k's latent+rope rows, runs ``mla_extend_fwd``."""
+        self._check_mla_layer(layer)
+        kv_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        if k is not None and save_kv_cache:
+            self.save_kv(layer, forward_batch, k, None)
+        if k is None or self.kv_fp8:
+            # Already stored by the layer, or stored as fp8 and attended as stored.
+            k_new = kv_buffer[forward_batch.out_cache_loc]
+        else:
+            k_new = k.reshape(-1, 1, layer.head_dim).to(q.dtype)
+        v_dim = layer.v_head_dim
+        q3 = q.view(-1, layer.num_heads, layer.head_dim)
+        out = q.new_empty((q3.shape[0], layer.num_heads, v_dim))
+        assert forward_batch.extend_prefix_lens is not None
+        assert forward_batch.extend_seq_lens is not None
+        assert forward_batch.extend_start_loc is not None
+        mla_extend_fwd(
+            q3, k_new, out, kv_buffer, self.req_to_token, forward_batch.req_pool_indices,
+            forward_batch.extend_prefix_lens, forward_batch.extend_seq_lens,
+            forward_batch.extend_start_loc, metadata.max_extend_len, layer.scaling, v_dim,
+            layer.logit_cap, kv_scale=self._kv_scales(layer)[0],
+            tree_mask=forward_batch.tree_mask, tree_mask_indptr=forward_batch.tree_mask_indptr,
+        )
+        return out.view(-1, layer.num_heads * v_dim)
+
+    def _check_mla_layer(self, layer: AttentionLayerInfo) -> None:
+        """The MLA kernels read V as the rows' leading ``v_head_dim`` dims of one KV head, and
+        implement no sliding window (no MLA model has one)."""
+        if layer.num_kv_heads != 1 or not 0 < layer.v_head_dim < layer.head_dim:
+            raise ValueError(
+                f"triton attention: layer {layer.layer_id} on an 'mla' pool has num_kv_heads="
+                f"{layer.num_kv_heads}, head_dim={layer.head_dim}, v_head_dim={layer.v_head_dim}; "
+                f"accepted: one KV head, 0 < v_head_dim < head_dim (kv_lora_rank + rope dim)"
+            )
+        if layer.sliding_window_size > 0:
+            raise ValueError(
+                f"triton attention: layer {layer.layer_id} has sliding_window_size="
+                f"{layer.sliding_window_size} on an 'mla' pool; accepted: -1 (no window)"
+            )
 
     def _kv_scales(self, layer: AttentionLayerInfo) -> tuple[float, float]:
         """The layer's fp8 KV scales; 1.0 for a pool in the activation dtype (scales unused)."""
@@ -272,7 +335,7 @@ class TritonAttnBackend(AttentionBackend):
                 f"triton attention: graph batch size {bs} exceeds max_bs={graph.part_out.shape[0]}"
             )
         # Batch size alone decides the split count, so capture and every replay agree.
-        splits = choose_num_kv_splits(bs, self.num_kv_heads, self.num_sms, self.max_kv_splits)
+        splits = choose_num_kv_splits(bs, self.kv_programs, self.num_sms, self.max_kv_splits)
         metadata = DecodeMetadata(req_pool_indices[:bs], seq_lens[:bs], splits, graph.part_out[:bs],
                                   graph.part_lse[:bs])
         graph.captured[bs] = metadata

@@ -1,0 +1,58 @@
+"""The MLA kernels compile for an H100/H200 (sm_90) at DeepSeek's shape (16 query heads, a latent of
+512 + 64 dims) with their default tiles over a bf16 pool, without register spills.
+
+Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a kernel that only
+Triton's interpreter accepts, or a tile choice that spills, fails here on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine.testing.aot import compiled_facts, spill_bytes
+
+DEEPSEEK = dict(LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64, HAS_CAP=False, DOT_PRECISION="tf32")
+
+
+def _compile(fn, types: dict[str, str], consts: dict[str, object], num_warps: int, num_stages: int):  # type: ignore[no-untyped-def]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
+             if a not in consts and (signature[a].startswith("*") or a.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
+                    constexprs={(names.index(c),): v for c, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _compile_all() -> dict[str, int]:
+    from engine_attention_triton import mla_attention as m
+
+    scalars = dict(sm_scale="fp32", logit_cap="fp32", out_scale="fp32")
+    decode = _compile(m._mla_decode_split_kernel,
+                      dict(Q="*bf16", KV="*bf16", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
+                           Part_Out="*fp32", Part_Lse="*fp32", **scalars),
+                      dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, **DEEPSEEK),
+                      num_warps=4, num_stages=2)
+    block_m, block_n, warps, stages = m.default_mla_extend_config(torch.bfloat16, torch.bfloat16)
+    extend = _compile(m._mla_extend_kernel,
+                      dict(Q="*bf16", K_New="*bf16", Out="*bf16", KV="*bf16", Req_To_Token="*i32",
+                           Req_Pool_Indices="*i64", Prefix_Lens="*i64", Extend_Lens="*i64", Extend_Start="*i64",
+                           Tree_Mask="*u8", Tree_Mask_Indptr="*i64", **scalars),
+                      dict(BLOCK_M=block_m, BLOCK_N=block_n, TREE_MASK=False, **DEEPSEEK),
+                      num_warps=warps, num_stages=stages)
+    return {"decode": spill_bytes(decode.asm["ptx"]), "extend": spill_bytes(extend.asm["ptx"])}
+
+
+def test_mla_kernels_compile_for_sm90_without_spills() -> None:
+    assert compiled_facts(__file__, timeout=600) == {"decode": 0, "extend": 0}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))
