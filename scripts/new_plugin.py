@@ -1,7 +1,7 @@
 """Creates a new plugin distribution from plugins/_template.
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
-KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec | lora
+KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec | lora | kvtier
 NAME: the name users see and select (``--reasoning-parser NAME``, ``engine plugins list``,
 ``--disable-plugin NAME``): letters, digits, ``_`` and ``-`` (``deep-think``). It is the
 entry-point name and the registered name; the import package spells ``-`` as ``_``
@@ -112,6 +112,15 @@ KINDS = {
               '    """Starts as the torch reference; replace shrink and expand (engine.lora.backend.LoraBackend,\n'
               '    docs/lora.md)."""\n\n'
               '    name = "{name}"\n')),
+    "kvtier": dict(
+        deps=[],
+        hook="register_kv_storage_tiers", spec_cls="KvStorageTierSpec", kit="KvStorageTierConformance",
+        spec='KvStorageTierSpec(name="{name}", factory="{package}.impl:Tier", device_types=("cpu", "cuda"))',
+        kit_attrs='    tier_name = "{name}"',
+        impl=('from engine.mem_cache.kv_tier import HostMemoryTier\n\n\n'
+              'class Tier(HostMemoryTier):\n'
+              '    """Starts as the host-memory tier; replace write and read (and close) with your store\'s\n'
+              '    (engine.mem_cache.kv_tier.KvStorageTier, docs/kv_cache.md)."""\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",

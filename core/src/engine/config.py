@@ -187,16 +187,18 @@ class ServerArgs:
             raise ConfigError(f"--hicache-ratio: invalid value {self.hicache_ratio}; accepted: a number > 0")
         if self.hicache_size < 0:
             raise ConfigError(f"--hicache-size: invalid value {self.hicache_size}; accepted: a number of GB >= 0 (0: --hicache-ratio decides)")
+        if self.enable_hierarchical_cache:
+            self._validate_hicache()
         if self.schedule_conservativeness <= 0:
             raise ConfigError(f"--schedule-conservativeness: invalid value {self.schedule_conservativeness}; accepted: > 0")
         self._validate_parallel()
         self._validate_lora()
+        self._validate_disaggregation()
         if not isinstance(self.plugin_options, dict) or not all(isinstance(v, dict) for v in self.plugin_options.values()):
             raise ConfigError("plugin_options: expected a mapping {plugin: {key: value}}")
         if self.disable_plugin:
             from engine.plugins import resolve_plugin_names
 
-        self._validate_disaggregation()
             # A misspelt name would otherwise disable nothing, silently. A name users select an
             # implementation by (``hermes``) stands for the plugin registering it (``toolparser_hermes``).
             self.disable_plugin = resolve_plugin_names(self.disable_plugin, "--disable-plugin")
@@ -207,16 +209,22 @@ class ServerArgs:
 
             check_speculative_args(self)
 
+    def _validate_hicache(self) -> None:
+        if self.disable_radix_cache:
+            raise ConfigError("--enable-hierarchical-cache: needs the radix cache; accepted: without --disable-radix-cache")
+        from engine import plugins
+        from engine.errors import PluginError
+
+        try:
+            plugins.get_kv_storage_tier(self.hicache_storage_backend, self.disable_plugin)
+        except (ConfigError, PluginError) as exc:
+            raise PluginError(f"--hicache-storage-backend: {exc}") from None
+
     @property
     def lora_enabled(self) -> bool:
         """LoRA is on with start-up adapters or --enable-lora (run-time loading only)."""
         return self.enable_lora or bool(self.lora_paths)
 
-    def _validate_lora(self) -> None:
-        self.lora_paths = parse_lora_paths(self.lora_paths)
-        _positive(self, "max_loras_per_batch")
-        _positive_or_none(self, "max_loaded_loras", "max_lora_rank")
-        for name, path in self.lora_paths.items():
     def _validate_disaggregation(self) -> None:
         if self.disaggregation_timeout_s <= 0:
             raise ConfigError(f"--disaggregation-timeout-s: invalid value {self.disaggregation_timeout_s}; "
@@ -238,6 +246,11 @@ class ServerArgs:
         except (ConfigError, PluginError) as exc:
             raise PluginError(f"--disaggregation-transfer-backend: {exc}") from None
 
+    def _validate_lora(self) -> None:
+        self.lora_paths = parse_lora_paths(self.lora_paths)
+        _positive(self, "max_loras_per_batch")
+        _positive_or_none(self, "max_loaded_loras", "max_lora_rank")
+        for name, path in self.lora_paths.items():
             if not os.path.isdir(path):
                 raise ConfigError(f"--lora-paths: {name}={path}: not a directory; accepted: a PEFT adapter "
                                   "directory (adapter_config.json and adapter_model.safetensors)")

@@ -6,11 +6,13 @@ greedy output equals an unlimited pool's; with it off, the prefix is recomputed.
 from __future__ import annotations
 
 import random
+import re
 from typing import Any
 
 import pytest
 
-from engine.errors import ConfigError
+from engine.config import ServerArgs
+from engine.errors import ConfigError, PluginError
 from engine.managers.scheduler import check_no_leak
 from engine.metrics import ServerMetrics
 from engine.testing.harness import OutputCollector, make_scheduler, submit
@@ -73,11 +75,13 @@ def test_without_the_tier_the_prefix_is_recomputed(llama_ckpt: str, reference: l
     assert "hicache_host_hit_tokens" not in sched.stats()
 
 
-def test_unknown_tier_is_refused(llama_ckpt: str) -> None:
-    with pytest.raises(Exception, match="KV storage tier 'nowhere'"):
-        make_scheduler(llama_ckpt, enable_hierarchical_cache=True, hicache_storage_backend="nowhere", **SMALL)
-
-
-def test_bad_hicache_sizes_are_config_errors(llama_ckpt: str) -> None:
-    with pytest.raises(ConfigError, match="--hicache-ratio: invalid value -1"):
-        make_scheduler(llama_ckpt, enable_hierarchical_cache=True, hicache_ratio=-1)
+@pytest.mark.parametrize("values,message", [
+    ({"hicache_storage_backend": "nowhere"}, "--hicache-storage-backend: unknown KV storage tier 'nowhere'; installed: "),
+    ({"hicache_ratio": -1}, "--hicache-ratio: invalid value -1.0; accepted: a number > 0"),
+    ({"hicache_size": -2}, "--hicache-size: invalid value -2.0"),
+    ({"hicache_write_policy": "sometimes"}, "--hicache-write-policy: invalid value 'sometimes'; accepted: write_through, write_back"),
+    ({"disable_radix_cache": True}, "--enable-hierarchical-cache: needs the radix cache"),
+])
+def test_bad_settings_are_refused_before_the_model_loads(values: dict[str, Any], message: str) -> None:
+    with pytest.raises((ConfigError, PluginError), match=re.escape(message)):
+        ServerArgs.from_dict({"enable_hierarchical_cache": True, **values})
