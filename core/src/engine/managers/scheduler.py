@@ -112,8 +112,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         self.reqs: dict[str, Req] = {}
         self.pending_aborts: dict[str, str] = {}
         self._init_lora()  # loads the --lora-paths adapters
-        # Counters for /get_server_info and metrics.
         self._init_disaggregation()  # --disaggregation-mode: the KV transfer backend
+        # Counters for /get_server_info and metrics.
         self.num_retractions = 0
         self.forward_steps = 0
         self.decode_steps = 0
@@ -244,12 +244,12 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         if self.pending_aborts:
             self.drain()
             self._apply_aborts()
+        self._disagg_step()  # decode mode: fetch and admit requests whose KV comes from a prefill server
         if self.lora_draining:
             self._reap_loras()
         if self.grammar_queue.waiting:
             self._admit_compiled_grammars()
         if self.chunked_req is not None or (self.waiting_queue and self._admission_needs_settled_batch()):
-        self._disagg_step()  # decode mode: fetch and admit requests whose KV comes from a prefill server
             self.drain()
         batch = self.get_new_batch_prefill()
         if batch is not None and self.run_extend(batch):
@@ -455,7 +455,9 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         self.forward_steps += 1
         self.extend_tokens += sum(r.extend_input_len for r in batch.reqs)
         self.extend_time_s += time.perf_counter() - started
+        staged = self._disagg_stage(batch)  # prefill mode: host copies of prompts' KV to hand over
         self._finish_extend(batch, fb, logits, sample)
+        self._disagg_publish(staged)
         return True
 
     def _prepare_extend(self, batch: ScheduleBatch) -> Any:
@@ -464,9 +466,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         want_logprob = any(r.return_logprob for r in batch.reqs)
         try:
             fb = batch.prepare_for_extend(return_logprob=want_logprob)
-        staged = self._disagg_stage(batch)  # prefill mode: host copies of prompts' KV to hand over
         except OutOfKVMemory:
-        self._disagg_publish(staged)
             # Admission estimated memory that eviction could not deliver: requeue and retry later.
             self._requeue_failed_extend(batch)
             return None

@@ -121,12 +121,12 @@ class OutputMixin:
             **self._spec_stats(),
             **self._mm_stats(),
             **self._lora_stats(),
+            **self._disagg_stats(),  # type: ignore[attr-defined]
             **self.tree_cache.stats(),
         }
 
     def _mm_stats(self) -> dict[str, Any]:
         """Vision-language models: the item-embedding cache's bytes, items embedded, cache hits."""
-            **self._disagg_stats(),  # type: ignore[attr-defined]
         if not getattr(self.runner, "multimodal", False):
             return {}
         cache = self.runner.mm_cache
