@@ -1,0 +1,169 @@
+"""DeepSeek-V2 and V3 against transformers on tiny random float32 checkpoints (the scheduler in
+process, no server): greedy token for token through chunked prefill and a prefix-cache hit; the
+grouped router against transformers' routers; the MLA pool; the refusal of a backend that does
+not read the "mla" KV layout."""
+
+from __future__ import annotations
+
+import random
+import re
+import types
+
+import pytest
+import torch
+
+from engine import plugins
+from engine.config import ServerArgs
+from engine.errors import ConfigError
+from engine.hookspecs import AttentionBackendSpec, hookimpl
+from engine.layers.moe import GroupedTopK, grouped_topk
+from engine.mem_cache.memory_pool import MLATokenToKVPool
+from engine.selection import select_components
+from engine.testing.checkpoints import copy_tokenizer, hf_greedy, load_hf_model, tiny_config
+from engine.testing.harness import OutputCollector, make_scheduler, submit
+from engine_models_deepseek.models import routing_for
+
+VOCAB = 512
+MAX_NEW = 10
+_SHAPES = dict(vocab_size=VOCAB, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+               qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+               n_group=2, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=32, n_shared_experts=1,
+               max_position_embeddings=512)
+CONFIGS = {
+    # V2-Lite's shape: no q_lora_rank; softmax routing limited to the best group.
+    "DeepseekV2ForCausalLM": dict(_SHAPES, q_lora_rank=None, topk_method="group_limited_greedy", norm_topk_prob=False,
+                                  routed_scaling_factor=1.5),
+    # V3: q_lora_rank, sigmoid routing with a correction bias, YaRN with an mscale ratio != 1.
+    "DeepseekV3ForCausalLM": dict(_SHAPES, q_lora_rank=48, routed_scaling_factor=2.5, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.707}),
+}
+
+
+def _build(directory: str, arch: str) -> str:
+    import transformers
+
+    config = tiny_config(arch, **CONFIGS[arch])
+    torch.manual_seed(7)
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(3.0)  # random init has tiny logits: keep greedy choices away from near-ties
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.05)  # the bias must change the choice, not be zero
+    model.save_pretrained(directory, safe_serialization=True)
+    copy_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    arch = request.param
+    return arch, _build(str(tmp_path_factory.mktemp(arch)), arch)
+
+
+def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hit(checkpoint: tuple[str, str]) -> None:
+    arch, path = checkpoint
+    hf = load_hf_model(path, reference=arch)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 21)]
+    # Prompts of 21 tokens prefill in chunks of 8; the second round repeats the second prompt
+    # with a new tail, so its first 21 tokens come from the radix cache.
+    sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024)
+    assert type(sched.runner.token_to_kv_pool) is MLATokenToKVPool
+    sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
+    col = OutputCollector()
+    rounds = [prompts, [prompts[1] + [rng.randrange(4, VOCAB) for _ in range(6)]]]
+    for batch in rounds:
+        rids = [submit(sched, p, sp) for p in batch]
+        while sched.step():
+            col.collect(sched)
+        col.collect(sched)
+        for rid, prompt in zip(rids, batch):
+            assert col.ids[rid] == hf_greedy(hf, prompt, MAX_NEW), f"{arch}: prompt of {len(prompt)} tokens differs"
+    assert col.meta[rids[0]]["cached_tokens"] >= 16, col.meta[rids[0]]
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_grouped_router_matches_transformers(arch: str) -> None:
+    import transformers
+
+    module = vars(transformers.models)["deepseek_v2" if "V2" in arch else "deepseek_v3"]
+    router_cls = getattr(module, f"modeling_{module.__name__.rsplit('.', 1)[1]}")
+    config = tiny_config(arch, **dict(CONFIGS[arch], n_routed_experts=16, n_group=4, topk_group=2,
+                                      num_experts_per_tok=3))
+    router = getattr(router_cls, "DeepseekV2TopkRouter" if "V2" in arch else "DeepseekV3TopkRouter")(config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is not None:
+            bias.copy_(torch.randn(bias.shape, generator=gen) * 0.3)
+    hidden = torch.randn(64, config.hidden_size, generator=gen)
+    logits, ref_w, ref_ids = router(hidden)
+    weights, ids = grouped_topk(logits, 3, routing_for(config), bias)
+    order, ref_order = ids.long().sort(dim=-1), ref_ids.sort(dim=-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), ref_w.gather(1, ref_order.indices))
+
+
+def test_grouped_topk_keeps_to_the_best_groups() -> None:
+    # Two groups of 4; group 1 holds the two best experts by the top-2 sum, group 0 the single best.
+    logits = torch.tensor([[3.0, -5, -5, -5, 1.0, 1.0, -5, -5]])
+    v3 = GroupedTopK("sigmoid", 2, 1, "top2_sum", renormalize=True, scaling_factor=2.0)
+    weights, ids = grouped_topk(logits, 2, v3)
+    assert sorted(ids[0].tolist()) == [4, 5]
+    torch.testing.assert_close(weights.sum(), torch.tensor(2.0))
+    _, ids = grouped_topk(logits, 2, GroupedTopK("softmax", 2, 1, "max"))
+    assert ids[0, 0].item() == 0 and 0 <= ids[0, 1].item() < 4
+    with pytest.raises(ValueError, match="topk_group=1 groups of 2; accepted"):
+        GroupedTopK("softmax", 4, 1).check_experts(8, 3)
+
+
+def test_mla_pool_stores_one_latent_row() -> None:
+    pool = MLATokenToKVPool(16, 1, torch.float32, 8, 4, 2, "cpu")
+    assert pool.kv_layout == "mla" and pool.bytes_per_token() == 2 * 12 * 4
+    rows = torch.randn(3, 1, 12)
+    pool.set_kv_buffer(1, torch.tensor([2, 5, 7]), rows, None)
+    k, v = pool.get_kv_buffer(1)
+    assert torch.equal(k[[2, 5, 7]], rows) and torch.equal(v[[2, 5, 7]], rows[..., :8])
+    assert v.data_ptr() == k.data_ptr()  # V is a view of the latent, not a second buffer
+
+
+def _no_mla_backend() -> types.ModuleType:
+    mod = types.ModuleType("nomla")
+
+    @hookimpl
+    def register_attention_backends(register):  # type: ignore[no-untyped-def]
+        register(AttentionBackendSpec(name="nomla", factory="engine_attention_torch_native.backend:create",
+                                      device_types=("cpu",)))
+
+    mod.register_attention_backends = register_attention_backends  # type: ignore[attr-defined]
+    return mod
+
+
+def test_backend_without_the_mla_layout_is_refused_before_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    reg = plugins.PluginRegistry(extra_plugins=[("nomla", _no_mla_backend())])
+    monkeypatch.setattr(plugins, "get_registry", lambda disabled=(): reg)
+    config = types.SimpleNamespace(architectures=["DeepseekV3ForCausalLM"], torch_dtype="float32",
+                                   quantization_config=None)
+    with pytest.raises(ConfigError) as err:
+        select_components(ServerArgs.from_dict({"platform": "cpu", "attention": "nomla"}), config)
+    assert re.fullmatch(r"--attention nomla: backend 'nomla' does not read the 'mla' KV layout of "
+                        r"DeepseekV3ForCausalLM; backends that do: (.*, )?torch_native(, .*)?", str(err.value)), err.value
+    # Without --attention the platform picks among the backends that read the layout.
+    chosen = select_components(ServerArgs.from_dict({"platform": "cpu"}), config).attention.name
+    assert chosen == "torch_native"
+    # An MHA model may still use it.
+    llama = types.SimpleNamespace(architectures=["LlamaForCausalLM"], torch_dtype="float32", quantization_config=None)
+    assert select_components(ServerArgs.from_dict({"platform": "cpu", "attention": "nomla"}), llama).attention.name == "nomla"
+
+
+def test_unknown_topk_method_is_refused() -> None:
+    config = tiny_config("DeepseekV2ForCausalLM", **dict(CONFIGS["DeepseekV2ForCausalLM"]))
+    config.topk_method = "random"
+    with pytest.raises(Exception, match=r"config topk_method: invalid value 'random'; accepted: greedy, "
+                                        r"group_limited_greedy, noaux_tc"):
+        routing_for(config)
