@@ -190,8 +190,10 @@ def config_show(server_args: ServerArgs, as_json: bool) -> None:
 
 def _register_subcommands() -> None:
     from engine.cli_bench import bench_app
+    from engine.cli_router import router_cmd
 
     app.add_typer(bench_app, name="bench")
+    app.command("router")(router_cmd)
 
 
 _register_subcommands()

@@ -238,7 +238,7 @@ class ServerArgs:
         if many:
             raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode}: runs one rank per server (the KV of "
                               f"one pool moves as a whole); {', '.join(many)} is not supported; accepted: 1")
-        from engine import plugins
+        import engine.plugins as plugins
         from engine.errors import PluginError
 
         try:
