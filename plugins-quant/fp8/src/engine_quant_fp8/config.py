@@ -121,10 +121,17 @@ class Fp8Config(QuantizationConfig):
         return Fp8LinearMethod(self)
 
     def get_moe_method(self, layer: nn.Module, prefix: str) -> FusedMoEMethodBase | None:
-        """FP8 experts (``engine_quant_fp8.moe``), on the fly only."""
+        """FP8 experts: quantized per channel on the fly (``engine_quant_fp8.moe``), or a block-wise
+        serialized checkpoint's (``engine_quant_fp8.moe_block``, DeepSeek-V3)."""
+        if self.checkpoint_serialized and self.weight_strategy == "block":
+            from engine_quant_fp8.moe_block import Fp8BlockMoEMethod
+
+            assert self.weight_block_size is not None
+            return Fp8BlockMoEMethod(self.weight_block_size, self.block_scale_name)
         if self.checkpoint_serialized:
-            raise ModelLoadError(f"fp8: {prefix}: FP8-serialized mixture-of-experts checkpoints are not supported yet; "
-                                 "serve the 16-bit checkpoint with --quant fp8 (experts quantized per channel at load)")
+            raise ModelLoadError(f"fp8: {prefix}: FP8-serialized mixture-of-experts checkpoints with {self.weight_strategy}-"
+                                 "wise scales are not supported; accepted: block-wise (weight_block_size) checkpoints, "
+                                 "or the 16-bit checkpoint with --quant fp8 (experts quantized per channel at load)")
         from engine_quant_fp8.moe import Fp8MoEMethod
 
         return Fp8MoEMethod()
