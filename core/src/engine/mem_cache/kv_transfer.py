@@ -45,7 +45,7 @@ class KvTransfer:
         self.is_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self._pending: list[_PendingWrite] = []
-        self._load_events: list[Any] = []
+        self._load_events: list[tuple[Any, list[torch.Tensor], torch.Tensor]] = []
         self.bytes_per_token = tier.layout.bytes_per_token()
         # Counters for metrics.
         self.tokens_written = 0
@@ -111,8 +111,9 @@ class KvTransfer:
                 buf[idx] = staged
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        # The pinned sources must outlive the asynchronous copies: the event's owner keeps them.
-        self._load_events.append((event, ks, vs))
+        # The pinned sources and the index (made on the compute stream, read on the copy stream)
+        # must outlive the asynchronous copies: the entry keeps them until its event completes.
+        self._load_events.append((event, ks + vs, idx))
 
     def wait_loads(self) -> None:
         """Makes the compute stream wait for the loads issued so far (no CPU wait)."""
