@@ -9,13 +9,12 @@ several servers (or tests) in one process never collide.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-if TYPE_CHECKING:
-    from engine.metrics_compat import CompatMetrics
+from engine.metrics_compat import CompatMetrics, first_token_time
 
 PREFIX = "engine_"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -104,8 +103,6 @@ class ServerMetrics:
         # --metrics-compat: SGLang's and/or vLLM's names, for their published Grafana dashboards.
         self.compat: CompatMetrics | None = None
         if compat != "none":
-            from engine.metrics_compat import CompatMetrics
-
             self.compat = CompatMetrics(r, model_name, compat, max_model_len)
 
     def observe_finished(self, state: Any) -> None:
@@ -129,10 +126,11 @@ class ServerMetrics:
             self.cache_hit_rate.labels(name).set(hit_rate)
         if self.compat is not None:
             self.compat.observe_finished(state, prompt, completion, cached, hit_rate)
-        if state.first_token_time is not None:
-            self.ttft.labels(name).observe(state.first_token_time - state.created)
+        first = first_token_time(state)
+        if first is not None:
+            self.ttft.labels(name).observe(first - state.created)
             if state.last_time is not None and completion > 1:
-                self.itl.labels(name).observe((state.last_time - state.first_token_time) / (completion - 1))
+                self.itl.labels(name).observe((state.last_time - first) / (completion - 1))
         end = state.last_time if state.last_time is not None else state.first_token_time
         if end is not None:
             self.e2e.labels(name).observe(end - state.created)

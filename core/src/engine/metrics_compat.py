@@ -45,6 +45,16 @@ def token_count_buckets(max_len: int) -> tuple[float, ...]:
         scale *= 10
 
 
+def first_token_time(state: Any) -> float | None:
+    """When a request's first token was sampled: the scheduler's ``first_token`` stage
+    (``engine.managers.timeline``), else when the tokenizer manager received it. A request that
+    does not stream receives all its tokens at the end, so only the stage tells its TTFT."""
+    for name, t, _ in state.meta.get("stages") or ():
+        if name == "first_token":
+            return min(float(t), state.first_token_time) if state.first_token_time is not None else float(t)
+    return state.first_token_time
+
+
 def request_phases(state: Any) -> dict[str, float]:
     """Seconds a finished request spent queued, prefilling, decoding and running in all, from the
     scheduler's stage times (``meta["stages"]``) and the tokenizer manager's token times; a phase
@@ -52,7 +62,7 @@ def request_phases(state: Any) -> dict[str, float]:
     stages = state.meta.get("stages") or []
     scheduled = next((t for name, t, _ in stages if name == "scheduled"), None)
     queued = next((t for name, t, _ in stages if name == "queued"), state.created)
-    first, last = state.first_token_time, state.last_time
+    first, last = first_token_time(state), state.last_time
     out: dict[str, float] = {}
     if scheduled is not None:
         out["queue"] = max(0.0, scheduled - queued)
@@ -145,10 +155,11 @@ class CompatMetrics:
         """One finished request (``ServerMetrics.observe_finished`` has read its counts)."""
         name = self.model_name
         ttft = e2e = tpot = None
-        if state.first_token_time is not None:
-            ttft = state.first_token_time - state.created
+        first = first_token_time(state)
+        if first is not None:
+            ttft = first - state.created
             if state.last_time is not None and completion > 1:
-                tpot = (state.last_time - state.first_token_time) / (completion - 1)
+                tpot = (state.last_time - first) / (completion - 1)
         end = state.last_time if state.last_time is not None else state.first_token_time
         if end is not None:
             e2e = end - state.created

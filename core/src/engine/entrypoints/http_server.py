@@ -32,8 +32,10 @@ from fastapi import FastAPI
 from engine.version import __version__
 from engine.entrypoints.frontend import RunningFrontend, start_frontends, stop_frontends
 from engine.entrypoints.http.context import ServingContext, served_model_name
+from engine.entrypoints.http.dashboard import router as dashboard_router
 from engine.entrypoints.http.errors import install_error_handlers
 from engine.entrypoints.http.guards import FrontDoor
+from engine.entrypoints.http.live_view import LiveView
 from engine.entrypoints.http.native import router as native_router
 from engine.entrypoints.http.routes import router as openai_router
 from engine.entrypoints.startup import Signals, StartupInterrupted, bind_socket, server_url
@@ -80,6 +82,15 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
         ctx.metrics = ServerMetrics(ctx.model_name, getattr(args, "metrics_compat", "none"), runtime.ready.context_len)
         manager.on_finish.append(ctx.metrics.observe_finished)
         manager.on_route.append(ctx.metrics.observe_route)
+        if not getattr(args, "disable_dashboard", False):
+            ctx.live_view = LiveView()
+            manager.on_finish.append(ctx.live_view.observe_finished)
+        tracer = None
+        if getattr(args, "otlp_traces_endpoint", None):
+            from engine.entrypoints.tracing import RequestTracer  # the SDK is imported only when on
+
+            tracer = RequestTracer(args.otlp_traces_endpoint, ctx.model_name)
+            manager.on_finish.append(tracer.observe_finished)
         app.state.ctx = ctx
         watcher = asyncio.ensure_future(_watch_engine(manager, on_fatal))
         try:
@@ -88,12 +99,16 @@ def create_app(runtime: Runtime, tokenizer: Any | None, *, on_fatal: Callable[[s
             watcher.cancel()
             logger.info("stopping the tokenizer manager")
             await manager.close()
+            if tracer is not None:
+                tracer.shutdown()  # exports the spans still queued
 
     app = FastAPI(title="engine", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible and SGLang-native APIs; see docs/api.md")
     install_error_handlers(app)
     app.include_router(openai_router)
     app.include_router(native_router)
+    if not getattr(args, "disable_dashboard", False):
+        app.include_router(dashboard_router)
     app.add_middleware(FrontDoor, api_key=args.api_key, arrivals=arrivals, allowed_origins=args.allowed_origins,
                        max_body_bytes=args.max_body_bytes if max_body_bytes is None else max_body_bytes)
     return app

@@ -62,6 +62,8 @@ class DetokenizerManager:
             if msg.spec_verify_ct is not None:
                 out.spec_verify_ct = (out.spec_verify_ct or []) + [msg.spec_verify_ct[i]]
                 out.spec_accepted_tokens = (out.spec_accepted_tokens or []) + [msg.spec_accepted_tokens[i]]
+            if msg.stages is not None:
+                out.stages = (out.stages or []) + [msg.stages[i]]
             if reason is not None:
                 self.states.pop(rid, None)
                 self.finished[rid] = None

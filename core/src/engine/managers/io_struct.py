@@ -172,6 +172,8 @@ class BatchTokenIDOut:
     # draft tokens the target kept in them (totals so far).
     spec_verify_ct: list[int] | None = None
     spec_accepted_tokens: list[int] | None = None
+    # Per request: its stage times (managers/timeline.py) once it finished, else None.
+    stages: list[list[tuple[str, float, int]] | None] | None = None
 
 
 @dataclass
@@ -193,6 +195,8 @@ class BatchStrOut:
     # Speculative decoding, as in BatchTokenIDOut (None when off).
     spec_verify_ct: list[int] | None = None
     spec_accepted_tokens: list[int] | None = None
+    # As in BatchTokenIDOut.
+    stages: list[list[tuple[str, float, int]] | None] | None = None
 
 
 @dataclass

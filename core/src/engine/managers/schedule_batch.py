@@ -8,6 +8,7 @@ memory for the new tokens.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,8 @@ class Req:
         # model). The load id also keys the request's prefixes in the radix cache.
         self.lora_name: str | None = None
         self.lora_uid: int | None = None
+        # (stage, perf_counter time, tokens) for the live view and tracing (managers/timeline.py).
+        self.stages: list[tuple[str, float, int]] = [("queued", time.perf_counter(), len(self.origin_input_ids))]
 
     # -- lifecycle ----------------------------------------------------------
     def finished(self) -> bool:

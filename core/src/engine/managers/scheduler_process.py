@@ -158,7 +158,7 @@ def join_replica(args: Any, placement: RankPlacement) -> Any:
     import engine.distributed as distributed
     import engine.plugins as plugins
 
-    if placement.world_size == 1:
+    if placement.world_size == 1 and placement.dp_attn_size == 1:
         distributed.init_distributed(placement, "")
         return None
     platform = plugins.select_platform(args.platform, args.disable_plugin, args.plugin_options)
@@ -188,9 +188,17 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
     poller.register(recv, zmq.POLLIN)
     pending: list[Any] = []  # message sends to the other ranks not yet complete
     next_orphan_check = 0.0
+    turns = None
+    if placement.dp_attn_size > 1:  # DP attention: the replicas step together
+        from engine.managers.dp_attention_turns import DPAttentionTurns
+
+        turns = DPAttentionTurns(scheduler)
     try:
         while True:
-            timeout = 0 if scheduler.has_work() else 500
+            if turns is None:
+                timeout = 0 if scheduler.has_work() else 500
+            else:  # the other replicas wait for this one's turn: poll briefly
+                timeout = 0 if scheduler.has_work() or turns.any_busy else 20
             msgs = []
             if poller.poll(timeout):
                 while True:
@@ -212,7 +220,10 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
             if now >= next_orphan_check:  # also while busy: outputs to a dead parent would block forever
                 exit_if_orphaned(parent_pid, ipc)
                 next_orphan_check = now + _ORPHAN_CHECK_S
-            scheduler.step()
+            if turns is None:
+                scheduler.step()
+            else:
+                turns.step()
             for out in scheduler.take_outputs():
                 # Vectors need no detokenizing: straight to the tokenizer manager.
                 (to_tokenizer if isinstance(out, BatchEmbeddingOut) else to_detok).send_pyobj(out)
@@ -287,6 +298,10 @@ def _dispatch(scheduler: Any, msg: Any) -> ControlReply | LoraAdapterReqOutput |
             return ControlReply(msg.kind, msg.token, ok=scheduler.flush_cache())
         if msg.kind in ("server_info", "health"):
             return ControlReply(msg.kind, msg.token, data=scheduler.stats())
+        if msg.kind == "requests":  # the live view's table (managers/timeline.py)
+            from engine.managers.timeline import live_requests
+
+            return ControlReply(msg.kind, msg.token, data=live_requests(scheduler))
         return ControlReply(msg.kind, msg.token, ok=False, data={"error": f"unknown control '{msg.kind}'"})
     logger.warning("scheduler ignored a message of type %s", type(msg).__name__)
     return None

@@ -169,6 +169,8 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
                               cached_tokens=msg.cached_tokens[i])
             if msg.spec_verify_ct is not None:
                 state.meta.update(spec_verify_ct=msg.spec_verify_ct[i], spec_accepted_tokens=msg.spec_accepted_tokens[i])
+            if msg.stages is not None and msg.stages[i] is not None:
+                state.meta["stages"] = msg.stages[i]  # the scheduler's stage times (managers/timeline.py)
             if state.first_token_time is None and msg.new_token_ids[i]:
                 state.first_token_time = now
             state.last_time = now

@@ -13,6 +13,7 @@ from engine.managers.tokenizer_pool import TextTooLongError
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
+    from engine.entrypoints.http.live_view import LiveView
     from engine.entrypoints.http.tool_calling import ToolPlan
     from engine.managers.io_struct import SchedulerReady
     from engine.managers.tokenizer_manager import TokenizerManager
@@ -44,6 +45,8 @@ class ServingContext:
     # None with --skip-tokenizer-init: only token-id prompts work then.
     tokenizer: Any | None
     metrics: ServerMetrics | None = None
+    # The live view's memory (/dashboard); None with --disable-dashboard.
+    live_view: LiveView | None = None
     # Unix time the model was loaded (``created`` of /v1/models).
     created: int = field(default_factory=lambda: int(time.time()))
     # Memo of single-token texts for logprob outputs (decoding is the costly part).

@@ -25,8 +25,10 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-# Load balancers probe /health without credentials.
-OPEN_PATHS = frozenset({"/health"})
+# Load balancers probe /health without credentials; the live view's page and static files hold
+# nothing secret (its data routes need the key, which the page sends).
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
+OPEN_PREFIXES = ("/dashboard/static/",)
 # The key when neither --api-key nor the YAML file gives one (keeps it out of `ps`).
 API_KEY_ENV = "ENGINE_API_KEY"
 
@@ -73,7 +75,8 @@ class FrontDoor:
 
     async def _checked(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope.get("path") not in OPEN_PATHS:
+        path = scope.get("path") or ""
+        if self.expected is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
