@@ -2,6 +2,7 @@
 
 usage: python scripts/new_plugin.py KIND NAME [--dest DIR]
 KIND: attention | quant | model | policy | platform | router | toolparser | reasoning | grammar | spec | lora | kvtier
+      | kvtransfer
 NAME: the name users see and select (``--reasoning-parser NAME``, ``engine plugins list``,
 ``--disable-plugin NAME``): letters, digits, ``_`` and ``-`` (``deep-think``). It is the
 entry-point name and the registered name; the import package spells ``-`` as ``_``
@@ -121,6 +122,16 @@ KINDS = {
               'class Tier(HostMemoryTier):\n'
               '    """Starts as the host-memory tier; replace write and read (and close) with your store\'s\n'
               '    (engine.mem_cache.kv_tier.KvStorageTier, docs/kv_cache.md)."""\n')),
+    "kvtransfer": dict(
+        deps=["plugserve-kvtransfer-zmq>=0.1"],
+        hook="register_kv_transfer_backends", spec_cls="KvTransferSpec", kit="KvTransferConformance",
+        spec='KvTransferSpec(name="{name}", factory="{package}.impl:Backend", device_types=("cpu", "cuda"))',
+        kit_attrs='    backend_name = "{name}"',
+        impl=('from engine_kvtransfer_zmq.backend import ZmqKvTransfer\n\n\n'
+              'class Backend(ZmqKvTransfer):\n'
+              '    """Starts as the ZeroMQ/TCP transfer; replace publish/discard (prefill side) and\n'
+              '    fetch/cancel/poll (decode side) with your transport\n'
+              '    (engine.disaggregation.KvTransferBackend, docs/disaggregation.md)."""\n')),
     "platform": dict(
         deps=["plugserve-platform-cpu>=0.1"],
         hook="register_platforms", spec_cls="PlatformSpec", kit="PlatformConformance",

@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 KIND_TO_REGISTRY = {"attention": "attention", "policy": "policy", "platform": "platform",
                     "quant": "quantization", "model": "model", "router": "router",
                     "toolparser": "tool-parser", "reasoning": "reasoning-parser", "grammar": "grammar",
-                    "spec": "speculative", "lora": "lora-backend", "kvtier": "kv-tier"}
+                    "spec": "speculative", "lora": "lora-backend", "kvtier": "kv-tier",
+                    "kvtransfer": "kv-transfer"}
 SEGMENT = {"model": "models"}  # distribution/package segment, as the built-in plugins spell it
 
 

@@ -50,7 +50,7 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("speculative", "draft"): "plugserve-spec-draft",
     ("lora-backend", "torch_native"): "plugserve-lora-torch-native",
     ("lora-backend", "triton"): "plugserve-lora-triton",
-    ("kv-transfer", "zmq"): "plugserve-kv-transfer-zmq",
+    ("kv-transfer", "zmq"): "plugserve-kvtransfer-zmq",
     ("kv-tier", "host"): "plugserve-kvtier-host",
     ("kv-tier", "file"): "plugserve-kvtier-file",
 }

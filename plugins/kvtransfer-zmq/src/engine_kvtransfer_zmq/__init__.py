@@ -10,5 +10,5 @@ from engine.hookspecs import KvTransferSpec, hookimpl
 @hookimpl
 def register_kv_transfer_backends(register: Callable[[KvTransferSpec], None]) -> None:
     register(KvTransferSpec(
-        name="zmq", factory="engine_kv_transfer_zmq.backend:ZmqKvTransfer", device_types=("cpu", "cuda"),
+        name="zmq", factory="engine_kvtransfer_zmq.backend:ZmqKvTransfer", device_types=("cpu", "cuda"),
         description="ZeroMQ over TCP from host memory (GPU KV is staged through the host)"))
