@@ -212,7 +212,7 @@ class ServerArgs:
     def _validate_hicache(self) -> None:
         if self.disable_radix_cache:
             raise ConfigError("--enable-hierarchical-cache: needs the radix cache; accepted: without --disable-radix-cache")
-        from engine import plugins
+        import engine.plugins as plugins
         from engine.errors import PluginError
 
         try:
