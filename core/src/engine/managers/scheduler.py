@@ -27,6 +27,7 @@ from engine.managers.scheduler_lora import LoraMixin
 from engine.managers.scheduler_output import OutputMixin
 from engine.managers.scheduler_pooling import PoolingMixin
 from engine.managers.stop_strings import stop_string_check
+from engine.managers.timeline import mark
 from engine.model_executor.model_runner import ModelRunner
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sampling.sampling_params import SamplingParams
@@ -158,7 +159,9 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - len(req.origin_input_ids))
         req.stop_check = stop_string_check(params, req.origin_input_ids, self.grammar_queue.tokenizer_path,
                                            self.args.trust_remote_code)
-        if not self.grammar_queue.submit(req):
+        if self.grammar_queue.submit(req):
+            mark(req, "grammar")
+        else:
             self.waiting_queue.append(req)
 
     def _admit_compiled_grammars(self) -> None:
@@ -166,6 +169,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         failed. Waits briefly for a compile only when nothing else can run."""
         idle = not (self.waiting_queue or self.running_batch.reqs or self.chunked_req or self.inflight)
         ready, failed = self.grammar_queue.poll(wait_s=0.005 if idle else 0.0)
+        for req in ready:
+            mark(req, "queued")
         self.waiting_queue.extend(ready)
         for req, message in failed:
             req.finished_reason = FinishReason("abort", message=message)
@@ -389,6 +394,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
                     new_chunked = req
                 can_run.append(req)
                 self.waiting_queue.remove(req)
+                mark(req, "scheduled")
                 if key is not None:
                     admitted_prefixes.add(key)
                 admitted_cost += cost
@@ -433,6 +439,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
             self.tree_cache.cache_finished_req(req)
             self.runner.mm_cache.release(req.rid)
             req.reset_for_retract()
+            mark(req, "retracted")
             if self.speculator is not None:
                 self.speculator.request_retracted(req)
         self.num_retractions += len(reqs)
@@ -447,6 +454,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         fb = self._prepare_extend(batch)
         if fb is None:
             return False
+        for req in batch.reqs:
+            mark(req, "prefill_chunk", req.extend_input_len, started)
         logits = self.runner.forward(fb)
         if self.speculator is not None:
             self.speculator.hand_hidden_states(batch.reqs + batch.decoding_reqs, fb, logits)
@@ -519,6 +528,8 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
                 finished_or_streamed.append(req)
                 continue
             req.append_output(ids[i], accepted[i])
+            if len(req.output_ids) == 1:
+                mark(req, "first_token", 1)
             record_output_logprobs(req, i, sample)
             req.check_finished()
             if req.finished():

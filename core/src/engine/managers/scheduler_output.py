@@ -71,6 +71,11 @@ class OutputMixin:
                 out.input_token_logprobs.append(None)
                 out.input_top_logprobs.append(None)
             req.send_offset = len(req.output_ids)
+            if req.finished_reason is not None:
+                out.stages = out.stages or [None] * (len(out.rids) - 1)
+                out.stages.append(list(req.stages))
+            elif out.stages is not None:
+                out.stages.append(None)
             if req.finished_reason is not None and self.reqs.pop(req.rid, None) is not None:
                 # Every end (finish in a prefill, decode or verify step, abort, refusal) passes
                 # here exactly once: the proposer learns of it here.

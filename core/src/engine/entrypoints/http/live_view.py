@@ -131,7 +131,8 @@ class LiveView:
             record = {"rid": rid, "state": row.get("state", "queued"), "created": state.created,
                       "first_token": state.first_token_time, "end": None, "stages": row.get("stages", []),
                       "prompt_tokens": row.get("prompt_tokens", len(state.prompt_ids)),
-                      "output_tokens": len(state.output_ids), "cached_tokens": row.get("cached_tokens", 0),
+                      "output_tokens": max(row.get("output_tokens", 0), len(state.output_ids)),
+                      "cached_tokens": row.get("cached_tokens", 0),
                       "finish_reason": None}
         elif rid in self.finished:
             record = self.finished[rid]

@@ -58,7 +58,11 @@
     const xs = events.map((e) => e.time);
     for (const id in charts) {
       const c = charts[id];
-      c.plot.setData([xs].concat(c.fields.map((f) => events.map(f))));
+      const series = c.fields.map((f) => events.map(f));
+      c.plot.setData([xs].concat(series));
+      // What the chart holds, for scripts and tests reading the page: points, and each series' peak.
+      $(id).dataset.points = String(xs.length);
+      $(id).dataset.peaks = JSON.stringify(series.map((v) => Math.max(0, ...v.filter((x) => x !== null && x !== undefined))));
     }
   }
 
