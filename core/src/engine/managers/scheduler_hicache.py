@@ -27,7 +27,7 @@ def tier_tokens(args: ServerArgs, device_tokens: int, bytes_per_token: int) -> i
 
 def create_hierarchical_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
     """The ``HiRadixCache`` over ``runner``'s pools with the tier ``--hicache-storage-backend``."""
-    from engine import plugins
+    import engine.plugins as plugins
 
     pool = runner.token_to_kv_pool
     if not (hasattr(pool, "k_buffer") and hasattr(pool, "v_buffer")):

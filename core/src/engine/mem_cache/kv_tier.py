@@ -98,7 +98,7 @@ class KvStorageTier(ABC):
     def read(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V stored at ``slots``, one ``[len(slots), heads, dim]`` CPU tensor per layer."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a tier holding nothing to release keeps it)
         """Releases files, connections or memory; the tier is not used afterwards."""
 
     def describe(self) -> str:
@@ -127,9 +127,9 @@ class HostMemoryTier(KvStorageTier):
         self.v_buffer = [buffer(layout.v_head_dim) for _ in range(layout.num_layers)]
 
     def write(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        for buf, src in zip(self.k_buffer, k):
+        for buf, src in zip(self.k_buffer, k, strict=True):
             buf[slots] = src
-        for buf, src in zip(self.v_buffer, v):
+        for buf, src in zip(self.v_buffer, v, strict=True):
             buf[slots] = src
 
     def read(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

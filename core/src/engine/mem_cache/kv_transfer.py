@@ -68,7 +68,7 @@ class KvTransfer:
         with torch.cuda.stream(self.copy_stream):
             hk = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in ks]
             hv = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in vs]
-            for dst, src in zip(hk + hv, ks + vs):
+            for dst, src in zip(hk + hv, ks + vs, strict=True):
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
@@ -98,7 +98,7 @@ class KvTransfer:
         ks, vs = self.tier.read(tier_slots)
         idx = device_slots.to(self.device, torch.int64)
         if not self.is_cuda:
-            for buf, src in zip(self.pool.k_buffer + self.pool.v_buffer, ks + vs):
+            for buf, src in zip(self.pool.k_buffer + self.pool.v_buffer, ks + vs, strict=True):
                 buf[idx] = src.to(buf.dtype)
             return
         if not self.tier.returns_pinned:
@@ -106,7 +106,7 @@ class KvTransfer:
         assert self.copy_stream is not None
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            for buf, src in zip(self.pool.k_buffer + self.pool.v_buffer, ks + vs):
+            for buf, src in zip(self.pool.k_buffer + self.pool.v_buffer, ks + vs, strict=True):
                 staged = src.to(self.device, non_blocking=True)
                 buf[idx] = staged
             event = torch.cuda.Event()

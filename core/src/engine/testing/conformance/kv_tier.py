@@ -47,7 +47,7 @@ def _random_kv(gen: torch.Generator, layout: KvLayout, n: int) -> tuple[list[tor
 
 def _same(got: list[torch.Tensor], want: list[torch.Tensor], layout: KvLayout, n: int, what: str) -> None:
     assert len(got) == layout.num_layers, f"{what}: {len(got)} layers returned, expected {layout.num_layers}"
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.device.type == "cpu", f"{what}: layer {i} returned on {g.device}, not the CPU"
         assert g.dtype == layout.dtype, f"{what}: layer {i} returned {g.dtype}, not {layout.dtype}"
         assert tuple(g.shape) == (n, *w.shape[1:]), f"{what}: layer {i} has shape {tuple(g.shape)}"
@@ -99,7 +99,7 @@ def check_ranks_apart(factory: TierFactory, seed: int = KIT_SEED) -> None:
             kv = _random_kv(gen, tier.layout, len(slots))
             tier.write(slots, *kv)
             written.append(kv)
-        for rank, (tier, (k, v)) in enumerate(zip(tiers, written)):
+        for rank, (tier, (k, v)) in enumerate(zip(tiers, written, strict=True)):
             got_k, got_v = tier.read(slots)
             _same(got_k, k, tier.layout, len(slots), f"rank {rank}: K")
             _same(got_v, v, tier.layout, len(slots), f"rank {rank}: V")
