@@ -126,7 +126,8 @@ def check_devices(args: ServerArgs) -> None:
     """This node has a device for each of its ranks (``--tp-size`` x ``--pp-size`` / ``--nnodes``
     x ``--dp-size``). Probes the platform (imports torch), so it runs only when a node has
     several ranks; the CPU platform runs any number of ranks on its one device."""
-    per_node = args.tp_size * args.pp_size // max(1, args.nnodes) * args.dp_size
+    replica = 1 if getattr(args, "enable_dp_attention", False) else args.tp_size * args.pp_size  # DP attention: one rank each
+    per_node = replica // max(1, args.nnodes) * args.dp_size
     if per_node <= 1:
         return
     spec, platform = plugins.choose_platform(args.platform, args.disable_plugin, args.plugin_options)

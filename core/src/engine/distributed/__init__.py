@@ -19,7 +19,8 @@ The names below are the package's API (layers and plugins import them from ``eng
 each lives in a module of its own concern: ``placement`` (where a rank sits), ``parallel_state``
 (the groups this process joined), ``collectives`` (group-wide operations), ``point_to_point``
 (pipeline traffic), ``custom_all_reduce`` (the one-shot all-reduce), ``model_split`` (whether a
-model splits that many ways). ``ranks`` (where each rank of a replica runs) and ``one_shot`` (the
+model splits that many ways), ``dp_attention`` (the MLPs split across data-parallel replicas:
+``data_parallel_mlp`` builds a layer's MLP for it). ``ranks`` (where each rank of a replica runs) and ``one_shot`` (the
 kernel) are imported by name where needed.
 """
 
@@ -33,6 +34,7 @@ from engine.distributed.collectives import (
     tensor_model_parallel_broadcast,
 )
 from engine.distributed.custom_all_reduce import OneShotAllReduce
+from engine.distributed.dp_attention import data_parallel_mlp, dp_attention_size
 from engine.distributed.model_split import check_model_parallel, divide
 from engine.distributed.parallel_state import (
     destroy_distributed,
@@ -73,8 +75,10 @@ __all__ = [
     "all_reduce_min",
     "broadcast_objects",
     "check_model_parallel",
+    "data_parallel_mlp",
     "destroy_distributed",
     "divide",
+    "dp_attention_size",
     "get_expert_parallel_world_size",
     "get_pipeline_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",

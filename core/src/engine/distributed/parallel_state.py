@@ -37,6 +37,10 @@ class ParallelState:
     cpu_group: Any = None
     # --enable-custom-all-reduce: small all-reduces over peer memory (None: NCCL only).
     one_shot: OneShotAllReduce | None = None
+    # DP attention (engine.distributed.dp_attention): the replicas' group on the device backend
+    # and on gloo (None when off).
+    dp_attn_group: Any = None
+    dp_attn_cpu_group: Any = None
 
 
 STATE = ParallelState()
@@ -106,6 +110,8 @@ def init_distributed(placement: RankPlacement, backend: str, custom_all_reduce: 
     set_expert_parallel(placement.ep_size)
     STATE.placement = placement
     if placement.world_size == 1:
+        if placement.dp_attn_size > 1:
+            _join_dp_attention(placement, backend or "gloo")
         return
     timeout = datetime.timedelta(seconds=placement.timeout_s)
     try:
@@ -139,6 +145,29 @@ def init_distributed(placement: RankPlacement, backend: str, custom_all_reduce: 
                                                  tp_group_on_one_host(placement))
 
 
+def _join_dp_attention(placement: RankPlacement, backend: str) -> None:
+    """Joins the group of the ``dp_attn_size`` replicas, each one rank (``--enable-dp-attention``):
+    their MLPs split across it. The rest of the model is whole on every replica (ep size 1)."""
+    import torch.distributed as dist
+
+    from engine.errors import EngineError
+
+    STATE.ep_size = 1
+    timeout = datetime.timedelta(seconds=placement.timeout_s)
+    try:
+        dist.init_process_group(backend=backend, init_method=placement.init_method, rank=placement.dp_attn_rank,
+                                world_size=placement.dp_attn_size, timeout=timeout)
+        STATE.dp_attn_group = dist.group.WORLD
+        STATE.dp_attn_cpu_group = (STATE.dp_attn_group if backend == "gloo"
+                                   else dist.new_group(backend="gloo", timeout=timeout))
+        dist.barrier(group=STATE.dp_attn_cpu_group)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise EngineError(f"{placement.describe()}: the {placement.dp_attn_size} DP-attention replicas did not all "
+                          f"join at {placement.init_method} within {placement.timeout_s:g} s: {first}") from None
+    logger.info("%s joined %s (%s)", placement.describe(), placement.init_method, backend)
+
+
 def tp_group_on_one_host(placement: RankPlacement) -> bool:
     """Whether every rank of this rank's tensor-parallel group runs on this host (a collective
     over the world's CPU group: every rank must call it)."""
@@ -153,11 +182,12 @@ def tp_group_on_one_host(placement: RankPlacement) -> bool:
 
 
 def destroy_distributed() -> None:
-    if STATE.placement.world_size > 1:
+    if STATE.placement.world_size > 1 or STATE.placement.dp_attn_size > 1:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
     STATE.placement, STATE.tp_group, STATE.cpu_group, STATE.one_shot = SINGLE, None, None, None
+    STATE.dp_attn_group = STATE.dp_attn_cpu_group = None
     set_tensor_model_parallel(0, 1)
     set_expert_parallel(1)

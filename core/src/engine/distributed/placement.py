@@ -26,6 +26,10 @@ class RankPlacement:
     # Expert-parallel size (--ep-size, a divisor of tp_size): MoE layers split their experts
     # this many ways across the tensor-parallel ranks (engine.layers.moe).
     ep_size: int = 1
+    # DP attention (--enable-dp-attention): this replica's index among the dp_attn_size replicas
+    # whose MLPs run tensor-parallel together (engine.distributed.dp_attention); 1: off.
+    dp_attn_rank: int = 0
+    dp_attn_size: int = 1
 
     @property
     def world_size(self) -> int:
@@ -40,6 +44,8 @@ class RankPlacement:
         return self.rank // self.tp_size
 
     def describe(self) -> str:
+        if self.dp_attn_size > 1:
+            return f"DP-attention rank {self.dp_attn_rank}/{self.dp_attn_size}"
         return f"rank {self.rank} (tp {self.tp_rank}/{self.tp_size}, pp {self.pp_rank}/{self.pp_size})"
 
 

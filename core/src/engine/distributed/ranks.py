@@ -34,8 +34,30 @@ def init_method(args: ServerArgs, dp_rank: int) -> str:
     return f"tcp://127.0.0.1:{free_port()}"
 
 
+def dp_attention_init_method(args: ServerArgs) -> str:
+    """The one rendezvous every replica of a DP-attention server joins (``--dist-init-addr``, or a
+    free local port picked once for ``args``: the launcher asks once per replica)."""
+    if args.dist_init_addr:
+        return init_method(args, 0)
+    key = id(args)
+    if key not in _DP_ATTENTION_METHODS:
+        _DP_ATTENTION_METHODS.clear()  # an earlier server's; its port is free again
+        _DP_ATTENTION_METHODS[key] = f"tcp://127.0.0.1:{free_port()}"
+    return _DP_ATTENTION_METHODS[key]
+
+
+_DP_ATTENTION_METHODS: dict[int, str] = {}
+
+
 def node_placements(args: ServerArgs, dp_rank: int, method: str) -> list[RankPlacement]:
-    """The ranks of replica ``dp_rank`` this node (``--node-rank``) runs."""
+    """The ranks of replica ``dp_rank`` this node (``--node-rank``) runs.
+
+    With DP attention a replica is one rank (attention is not split), on local device ``dp_rank``,
+    and ``method`` is the rendezvous of all ``--dp-size`` replicas (``dp_attention_init_method``)."""
+    if getattr(args, "enable_dp_attention", False):
+        return [RankPlacement(rank=0, tp_size=1, pp_size=1, local_rank=dp_rank, init_method=method,
+                              timeout_s=args.dist_timeout_s, ep_size=args.ep_size, dp_attn_rank=dp_rank,
+                              dp_attn_size=args.dp_size)]
     world = args.tp_size * args.pp_size
     per_node = world // args.nnodes
     first = args.node_rank * per_node

@@ -67,7 +67,9 @@ def check_parallel_layout(args: ServerArgs, hf_config: Any, platform: Any) -> No
     from engine.distributed import check_model_parallel
 
     check_model_parallel(hf_config, args.tp_size, args.pp_size, args.ep_size)
-    per_node = args.tp_size * args.pp_size // args.nnodes * args.dp_size
+    # DP attention: each replica is one rank.
+    replica = 1 if getattr(args, "enable_dp_attention", False) else args.tp_size * args.pp_size
+    per_node = replica // args.nnodes * args.dp_size
     if per_node > 1 and platform.device_type != "cpu":
         try:
             platform.device(per_node - 1)

@@ -13,7 +13,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
-from engine.distributed.ranks import init_method, node_placements, rank_name
+from engine.distributed.ranks import dp_attention_init_method, init_method, node_placements, rank_name
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
@@ -37,7 +37,9 @@ def launch_ranks(args: ServerArgs, model_path: str, ipc: IpcNames | None, dp_ran
         raise ConfigError(f"--node-rank: invalid value {args.node_rank} here; the server and the offline Engine "
                           "run on node 0; start the other nodes with `engine serve --node-rank N`, which runs "
                           "only their ranks")
-    if args.nnodes > 1 or args.tp_size * args.pp_size > 1:
+    if getattr(args, "enable_dp_attention", False):
+        method = dp_attention_init_method(args)
+    elif args.nnodes > 1 or args.tp_size * args.pp_size > 1:
         method = init_method(args, dp_rank)
     else:
         method = ""

@@ -172,6 +172,9 @@ class ModelRunner:
         if self.placement.pp_size > 1:
             logger.info("pipeline parallelism: decode steps run eagerly (CUDA graphs off)")
             return None
+        if self.placement.dp_attn_size > 1:  # the MLPs' token gathers size themselves on the host
+            logger.info("DP attention: decode steps run eagerly (CUDA graphs off)")
+            return None
         if not getattr(self.attn_backend, "supports_cuda_graph", False):
             logger.info("attention backend '%s' cannot be captured; CUDA graphs off", self.attention_backend_name)
             return None

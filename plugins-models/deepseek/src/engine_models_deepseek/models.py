@@ -25,7 +25,7 @@ from engine_models_llama.llama import LlamaDecoderLayer, LlamaModel
 from engine_models_moe.models import MoeForCausalLM
 from torch import nn
 
-from engine.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
+from engine.distributed import data_parallel_mlp, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from engine.errors import ModelLoadError
 from engine.layers.activation import get_act_and_mul
 from engine.layers.layernorm import RMSNorm
@@ -125,8 +125,10 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         nn.Module.__init__(self)  # not LlamaDecoderLayer's: attention and MLP differ
         self.self_attn = DeepseekMLA(config, layer_id, quant_config, f"{prefix}.self_attn")
-        self.mlp: nn.Module = (DeepseekMoE(config, quant_config, f"{prefix}.mlp") if is_moe_layer(config, layer_id)
-                               else DeepseekMLP(config, config.intermediate_size, quant_config, f"{prefix}.mlp"))
+        # DP attention: the MLP splits across the data-parallel replicas (engine.distributed.dp_attention).
+        self.mlp: nn.Module = data_parallel_mlp(
+            lambda: DeepseekMoE(config, quant_config, f"{prefix}.mlp") if is_moe_layer(config, layer_id)
+            else DeepseekMLP(config, config.intermediate_size, quant_config, f"{prefix}.mlp"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
