@@ -28,7 +28,8 @@ def fail(message: str) -> typing.NoReturn:
 # Flags of the HTTP server alone: commands that run no server (``engine generate``) refuse them
 # instead of ignoring them. A YAML file shared with ``engine serve`` may still set them.
 SERVER_ONLY = ("host", "port", "grpc_port", "api_key", "max_body_bytes", "shutdown_grace_s",
-               "allowed_origins", "responses_store_size")
+               "allowed_origins", "responses_store_size", "metrics_compat", "disable_dashboard",
+               "otlp_traces_endpoint")
 
 
 def _help_with_default(f: dataclasses.Field[Any]) -> str:

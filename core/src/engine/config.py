@@ -93,7 +93,6 @@ class ServerArgs:
     dist_timeout_s: float = opt(300.0, "Seconds the ranks wait for each other: for all nodes to join at start-up, and for any one collective")
     enable_custom_all_reduce: bool = opt(False, "CUDA, one host: tensor-parallel all-reduces up to 2 MiB as one kernel of this project over peer memory (torch symmetric memory, no multicast) instead of NCCL")
     dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
-    enable_dp_attention: bool = opt(False, "DP attention, with --tp-size N --dp-size N: each of the N replicas runs attention on its own requests and KV, and the MLPs (experts by --ep-size) run tensor-parallel across all N, on every replica's tokens gathered; for MLA models, whose KV does not split by heads")
     router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
     # -- prefill/decode disaggregation (docs/disaggregation.md) ----------------------
     disaggregation_mode: str = opt("null", "Serve one half of disaggregated requests (those carrying a bootstrap_room, sent by `engine router --prefill/--decode`): prefill computes the prompt's KV and first token and hands the KV over, decode receives it and generates the rest; null: a whole server", DISAGGREGATION_MODES)
@@ -122,6 +121,9 @@ class ServerArgs:
     grpc_port: int | None = opt(None, "Also serve the native API over gRPC on this port, on --host, beside HTTP (needs the plugserve-grpc distribution; docs/grpc.md)")
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on every route but /health (default: the ENGINE_API_KEY environment variable, if set)")
     allowed_origins: list[str] = opt([], "Browser origin allowed to call the API (CORS), e.g. http://localhost:3000, or * for any; repeatable; default: none")
+    metrics_compat: str = opt("none", "Also export /metrics under SGLang's (sglang:*) or vLLM's (vllm:*) names and bucket layouts, or both (all), so their Grafana dashboards work unchanged", ("none", "sglang", "vllm", "all"))
+    disable_dashboard: bool = opt(False, "Do not serve the live view at /dashboard (and its event feed /dashboard/feed)")
+    otlp_traces_endpoint: str | None = opt(None, "Export an OpenTelemetry trace per request (its queue, prefill and decode stages) over OTLP/HTTP to this URL, e.g. http://localhost:4318/v1/traces (needs the core's 'tracing' extra); default: off")
     responses_store_size: int = opt(1000, "Responses kept for /v1/responses previous_response_id and GET (in memory); the least recently used are evicted beyond it")
     stream_interval: int = opt(1, "Stream to the client every N generated tokens")
     tokenizer_workers: int = opt(2, "Threads tokenizing prompts and rendering chat templates off the HTTP event loop; 0 tokenizes on the loop")
@@ -182,6 +184,8 @@ class ServerArgs:
             raise ConfigError(f"--mem-fraction-static: invalid value {self.mem_fraction_static}; accepted: a number between 0 and 1")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port: invalid value {self.port}; accepted: 1..65535")
+        if self.otlp_traces_endpoint is not None:
+            _check_otlp_endpoint(self.otlp_traces_endpoint)
         if self.grpc_port is not None and (not 0 < self.grpc_port < 65536 or self.grpc_port == self.port):
             raise ConfigError(f"--grpc-port: invalid value {self.grpc_port}; accepted: 1..65535, other than --port ({self.port})")
         if self.hicache_ratio <= 0:
@@ -323,18 +327,6 @@ class ServerArgs:
                 raise ConfigError(f"--dist-init-addr: invalid value {self.dist_init_addr!r}; accepted: HOST:PORT, e.g. 10.0.0.1:29500")
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"--dist-timeout-s: invalid value {self.dist_timeout_s}; accepted: a number of seconds > 0")
-        if self.enable_dp_attention:
-            self._validate_dp_attention()
-
-    def _validate_dp_attention(self) -> None:
-        if self.tp_size != self.dp_size or self.tp_size < 2:
-            raise ConfigError(f"--enable-dp-attention: needs --tp-size N --dp-size N with N >= 2; got --tp-size "
-                              f"{self.tp_size} --dp-size {self.dp_size}")
-        for flag, value, off in (("--pp-size", self.pp_size, 1), ("--nnodes", self.nnodes, 1),
-                                 ("--speculative-algorithm", self.speculative_algorithm, None)):
-            if value != off:
-                raise ConfigError(f"{flag}: invalid value {value!r} with --enable-dp-attention; accepted: {off} "
-                                  "(the replicas run one forward per step, on one node)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -377,6 +369,26 @@ def parse_lora_paths(value: Any) -> dict[str, str]:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+def _check_otlp_endpoint(url: str) -> None:
+    """An http(s) URL, and the OpenTelemetry SDK and OTLP/HTTP exporter installed (checked before
+    the model loads, not after)."""
+    import importlib.util
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.netloc:
+        raise ConfigError(f"--otlp-traces-endpoint: invalid value {url!r}; accepted: an http(s) URL of an OTLP/HTTP "
+                          "collector, e.g. http://localhost:4318/v1/traces")
+    for module in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(f"--otlp-traces-endpoint: {module} is not installed; "
+                              "install the core's tracing extra: pip install 'plugserve-core[tracing]'")
 
 
 def _positive(args: ServerArgs, *names: str) -> None:
