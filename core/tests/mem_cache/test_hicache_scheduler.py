@@ -48,8 +48,14 @@ def reference(llama_ckpt: str) -> list[list[int]]:
 SMALL = dict(max_total_tokens=128)
 
 
-def test_returning_conversation_is_served_from_host_memory(llama_ckpt: str, reference: list[list[int]]) -> None:
-    sched = make_scheduler(llama_ckpt, enable_hierarchical_cache=True, hicache_write_policy="write_back", **SMALL)
+@pytest.mark.parametrize("settings", [
+    {"hicache_write_policy": "write_back"},
+    # Pages, and prompts split into chunks cached between them (cache_unfinished_req).
+    {"hicache_write_policy": "write_through", "page_size": 4, "chunked_prefill_size": 16},
+], ids=["write_back", "write_through-pages-chunks"])
+def test_returning_conversation_is_served_from_host_memory(llama_ckpt: str, reference: list[list[int]],
+                                                           settings: dict[str, Any]) -> None:
+    sched = make_scheduler(llama_ckpt, enable_hierarchical_cache=True, **settings, **SMALL)
     outputs, cached = multi_turn(sched)
     assert outputs == reference
     stats = sched.stats()

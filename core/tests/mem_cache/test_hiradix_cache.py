@@ -165,6 +165,21 @@ def test_drop_namespace_and_reset_free_both_tiers() -> None:
     assert cache.host_size() == 0 and cache.total_size() == 0
 
 
+def test_namespaces_load_back_only_their_own_prefixes() -> None:
+    cache, allocator, pool = make_cache()
+    a = list(range(100, 120))
+    slots = allocator.alloc(20)
+    for layer in range(pool.num_layers):
+        pool.k_buffer[layer][slots] = torch.tensor(a, dtype=torch.float32)[:, None, None].expand(-1, 1, 2)
+        pool.v_buffer[layer][slots] = -pool.k_buffer[layer][slots]
+    cache.insert(a, slots, namespace=5)
+    cache.evict(20)
+    assert cache.match_prefix(a).prefix_len == 0  # the base model's namespace
+    assert cache.match_prefix(a, namespace=6).prefix_len == 0
+    assert kv_tokens(pool, cache.match_prefix(a, namespace=5).device_indices) == a
+    check_invariants(cache, allocator)
+
+
 def test_bad_write_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--hicache-write-policy: invalid value 'sometimes'"):
         make_cache(policy="sometimes")
