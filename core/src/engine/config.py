@@ -93,6 +93,7 @@ class ServerArgs:
     dist_timeout_s: float = opt(300.0, "Seconds the ranks wait for each other: for all nodes to join at start-up, and for any one collective")
     enable_custom_all_reduce: bool = opt(False, "CUDA, one host: tensor-parallel all-reduces up to 2 MiB as one kernel of this project over peer memory (torch symmetric memory, no multicast) instead of NCCL")
     dp_size: int = opt(1, "Data-parallel size: replicas of the model, each with its own scheduler process, KV pool and device(s), behind one server")
+    enable_dp_attention: bool = opt(False, "DP attention, with --tp-size N --dp-size N: each of the N replicas runs attention on its own requests and KV, and the MLPs (experts by --ep-size) run tensor-parallel across all N, on every replica's tokens gathered; for MLA models, whose KV does not split by heads")
     router_policy: str = opt("cache-aware", "How requests are spread over the --dp-size replicas (a router-policy plugin): cache-aware, round-robin, shortest-queue")
     # -- prefill/decode disaggregation (docs/disaggregation.md) ----------------------
     disaggregation_mode: str = opt("null", "Serve one half of disaggregated requests (those carrying a bootstrap_room, sent by `engine router --prefill/--decode`): prefill computes the prompt's KV and first token and hands the KV over, decode receives it and generates the rest; null: a whole server", DISAGGREGATION_MODES)
@@ -327,6 +328,18 @@ class ServerArgs:
                 raise ConfigError(f"--dist-init-addr: invalid value {self.dist_init_addr!r}; accepted: HOST:PORT, e.g. 10.0.0.1:29500")
         if self.dist_timeout_s <= 0:
             raise ConfigError(f"--dist-timeout-s: invalid value {self.dist_timeout_s}; accepted: a number of seconds > 0")
+        if self.enable_dp_attention:
+            self._validate_dp_attention()
+
+    def _validate_dp_attention(self) -> None:
+        if self.tp_size != self.dp_size or self.tp_size < 2:
+            raise ConfigError(f"--enable-dp-attention: needs --tp-size N --dp-size N with N >= 2; got --tp-size "
+                              f"{self.tp_size} --dp-size {self.dp_size}")
+        for flag, value, off in (("--pp-size", self.pp_size, 1), ("--nnodes", self.nnodes, 1),
+                                 ("--speculative-algorithm", self.speculative_algorithm, None)):
+            if value != off:
+                raise ConfigError(f"{flag}: invalid value {value!r} with --enable-dp-attention; accepted: {off} "
+                                  "(the replicas run one forward per step, on one node)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
