@@ -128,3 +128,18 @@ def test_prefill_after_scattered_frees_gets_ascending_slots(page_size: int) -> N
     slots = alloc.alloc_extend([0, 0], [12, 8], [-1, -1])
     assert slots is not None and slots.numel() == 20
     assert torch.equal(slots, torch.sort(slots).values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int32])
+def test_cpu_pool_buffers_are_zeros_of_the_asked_shape_and_dtype(dtype: torch.dtype) -> None:
+    from engine.mem_cache.memory_pool import MHATokenToKVPool, zeroed_buffer
+
+    buf = zeroed_buffer((5, 3, 4), dtype, "cpu")
+    assert buf.shape == (5, 3, 4) and buf.dtype == dtype and buf.is_contiguous()
+    assert not buf.float().any()
+    buf[2, 1] = 1  # writable, and rows do not share memory
+    assert buf.float().sum().item() == 4
+    pool = MHATokenToKVPool(6, 1, torch.float32, 2, 8, 2, "cpu")
+    assert [tuple(b.shape) for b in pool.k_buffer] == [(7, 2, 8)] * 2
+    assert all(not b.any() for b in pool.k_buffer + pool.v_buffer)
+    assert zeroed_buffer((0, 2), torch.float32, "cpu").shape == (0, 2)

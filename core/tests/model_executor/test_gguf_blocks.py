@@ -75,3 +75,16 @@ def test_the_tensor_names_are_kept_beside_the_conversion(tmp_path: pathlib.Path,
     (kept / gguf_convert.NAMES_FILE).write_text(json.dumps(saved))
     with pytest.raises(AssertionError, match="built again"):
         list(iterate_gguf_blocks(path, config, wanted, progress=False, names_dir=str(kept)))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_dequantize_rows_in_chunks_equals_gguf_dequantize(qtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.model_executor.gguf_convert as convert
+
+    monkeypatch.setattr(convert, "_DEQUANT_CHUNK_ROWS", 16)  # 3 chunks, the last one short
+    gtype = gguf.GGMLQuantizationType[qtype]
+    rows = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
+    data = gguf.quantize(rows, gtype)
+    chunked = convert.dequantize_rows(data, gtype)
+    assert chunked.dtype == np.float32 and chunked.shape == (37, 64)
+    assert np.array_equal(chunked, gguf.dequantize(data, gtype))

@@ -145,8 +145,9 @@ class StartingRuntime:
         """Loads the tokenizer while the scheduler loads the model, then waits for the model.
 
         The tokenizer is loaded once, here, and handed to the detokenizer, which so never
-        imports what ``AutoTokenizer`` pulls in (torch among it). On failure stops the
-        children and raises.
+        imports what ``AutoTokenizer`` pulls in (torch among it), nor transformers at all for a
+        tokenizer the ``tokenizers`` library decodes alone (``decode_only``). On failure stops
+        the children and raises.
         """
         try:
             tokenizer = self._share_tokenizer()
@@ -171,7 +172,11 @@ class StartingRuntime:
 
                 tokenizer = load_tokenizer(args.tokenizer_path or self.model_path, args.trust_remote_code)
             try:
-                self.tokenizer_writer.send(tokenizer)
+                from engine.managers.decode_only import decoding_tokenizer
+
+                # The tokenizers library's own object where it decodes alike: the detokenizer then
+                # needs no transformers to unpickle it.
+                self.tokenizer_writer.send(decoding_tokenizer(tokenizer))
             except Exception as exc:  # not picklable (remote code): the detokenizer loads its own
                 logger.debug("tokenizer not shared with the detokenizer (%s)", exc)
                 self.tokenizer_writer.send(None)

@@ -13,8 +13,8 @@ from engine_platform_cpu.memory import usable_memory
 
 # Default KV pool: this share of the memory available when the engine starts, less the
 # weights, kept between a floor (a busy machine still gets a working pool) and a cap (a big
-# machine is not taken over: CPU memory is shared with everything, and the pool is zeroed at
-# start, about 0.9 s per GiB on the 2-core test machine).
+# machine is not taken over: CPU memory is shared with everything). The pool's pages become
+# resident as KV is written (``zeroed_buffer``), so its size costs nothing at start.
 DEFAULT_MEM_FRACTION_STATIC = 0.2
 DEFAULT_KV_FLOOR_BYTES = 128 << 20
 DEFAULT_KV_CAP_BYTES = 512 << 20
