@@ -34,6 +34,8 @@ def _to_bytes(t: torch.Tensor) -> memoryview:
 
 def _from_bytes(buf: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
     torch_dtype = getattr(torch, dtype.removeprefix("torch."))
+    if not buf:  # an MLA pool's V (its rows hold V inside K), or an empty prompt
+        return torch.empty(shape, dtype=torch_dtype)
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(torch_dtype).reshape(shape)
 
 

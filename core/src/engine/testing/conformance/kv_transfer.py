@@ -150,6 +150,18 @@ class KvTransferConformance:
             decode.close()
             prefill.close()
 
+    def test_mla_payload_with_empty_v(self, pair: tuple[Any, Any]) -> None:
+        """An MLA pool's V lives inside its K rows: the payload's ``v`` has no elements."""
+        from engine.disaggregation import KvPayload
+
+        prefill, decode = pair
+        k = torch.randn(2, 5, 1, 24, generator=generator(self.seed)).to(torch.bfloat16)
+        prefill.publish("room:mla", KvPayload(3, k, k.new_empty((2, 5, 1, 0))))
+        decode.fetch("room:mla", "127.0.0.1", self._port(prefill), 10.0)
+        got = wait_for(decode, "room:mla")
+        assert not isinstance(got, str), got
+        assert torch.equal(got.k, k) and tuple(got.v.shape) == (2, 5, 1, 0)
+
     def test_page_size_may_differ(self) -> None:
         prefill = self._create("prefill", _layout(page_size=16))
         decode = self._create("decode", _layout(page_size=1))
