@@ -15,8 +15,9 @@ bytes run inside a CUDA graph over copies of the inputs larger than L2 together 
 data from HBM, as when serving); larger ones run eagerly (``do_bench`` clears L2 first).
 
 Each (batch, ctx) times the backend's defaults (``MLA_DECODE_BLOCK_H`` heads a program, the split
-count ``choose_num_kv_splits`` gives for ``mla_head_blocks`` programs a row). ``--sweep`` also
-times a grid of (block_h, block_n, warps, stages) and split counts. ``--check`` first compares one
+count ``choose_num_kv_splits`` gives for ``mla_head_blocks`` programs a row, at most 16). ``--sweep``
+also times a grid of (block_h, block_n, warps, stages) at half, twice and four times that split
+count (up to 64). ``--check`` first compares one
 call of each dtype with the float64 torch reference (also runs on the CPU under
 ``TRITON_INTERPRET=1``, at the smallest sizes given).
 """
@@ -38,7 +39,9 @@ NUM_HEADS, LORA, ROPE = 16, 512, 64  # DeepSeek-V2-Lite
 DIM = LORA + ROPE
 SCALE = (128 + 64) ** -0.5  # 1/sqrt(qk_nope_head_dim + qk_rope_head_dim)
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
-MAX_SPLITS = 16
+#: The backend's default cap is 16 (``triton.max_kv_splits``); the sweep looks beyond it, since a
+#: batch-1 row of MLA is one program a split (16 heads in one block) where MHA has one per KV head.
+MAX_SPLITS = 64
 GRAPH_BELOW = 256 << 20
 #: (block_h, block_n, num_warps, num_stages) tried by --sweep.
 GRID = list(itertools.product((16,), (16, 32, 64), (4, 8), (1, 2, 3)))
@@ -145,12 +148,12 @@ def main() -> None:
     programs = mla_head_blocks(NUM_HEADS, MLA_DECODE_BLOCK_H)
     for name, bs, ctx in itertools.product(args.dtypes, args.batch_sizes, args.ctx):
         prob = Problem(DTYPES[name], bs, ctx)
-        default = choose_num_kv_splits(bs, programs, num_sms, MAX_SPLITS, ctx)
+        default = choose_num_kv_splits(bs, programs, num_sms, 16, ctx)
         print(line(name, prob, "default", default, prob.time_ms(default, {}), args.peak), flush=True)
         if args.sweep:
             for block_h, block_n, warps, stages in GRID:
                 tiles = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)
-                for splits in sorted({default, max(1, default // 2), min(MAX_SPLITS, 2 * default)}):
+                for splits in sorted({max(1, default // 2), default, *(min(MAX_SPLITS, f * default) for f in (2, 4))}):
                     ms = prob.time_ms(splits, tiles)
                     label = f"h{block_h} n{block_n} w{warps} s{stages}"
                     print(line(name, prob, label, splits, ms, args.peak), flush=True)

@@ -161,6 +161,9 @@ def _join_dp_attention(placement: RankPlacement, backend: str) -> None:
         STATE.dp_attn_cpu_group = (STATE.dp_attn_group if backend == "gloo"
                                    else dist.new_group(backend="gloo", timeout=timeout))
         dist.barrier(group=STATE.dp_attn_cpu_group)
+        if backend != "gloo":  # the device communicator now, before the KV pool takes free memory
+            dist.all_reduce(torch.zeros(1, device=torch.device(placement_device_type(backend), placement.local_rank)),
+                            group=STATE.dp_attn_group)
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise EngineError(f"{placement.describe()}: the {placement.dp_attn_size} DP-attention replicas did not all "
