@@ -15,6 +15,7 @@ DeepSeek's own configs). The softmax-scale part of YaRN (``mscale_all_dim``) is
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -70,6 +71,22 @@ def _yarn_inv_freq(dim: int, base: float, scaling: dict[str, Any], max_position:
     return inv, float(attention_factor)
 
 
+# The cos/sin tables of one configuration, shared by every layer's rotary module (V3's 163,840
+# positions make a table pair of 42 MB; one per layer would be 2.5 GB): weak, so they go with the model.
+_TABLES: weakref.WeakValueDictionary[tuple[Any, ...], torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _tables(key: tuple[Any, ...], inv: torch.Tensor, max_position: int,
+            attention_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    device = torch.empty(0).device  # the device the model is being built on
+    cos, sin = _TABLES.get((*key, "cos", device)), _TABLES.get((*key, "sin", device))
+    if cos is None or sin is None:
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv.to(device))
+        cos, sin = freqs.cos() * attention_factor, freqs.sin() * attention_factor
+        _TABLES[(*key, "cos", device)], _TABLES[(*key, "sin", device)] = cos, sin
+    return cos, sin
+
+
 class DeepseekRotaryEmbedding(nn.Module):
     """Rotates the rope dims of q ``[T, H, d]`` and k ``[T, 1, d]`` at ``positions``."""
 
@@ -88,9 +105,10 @@ class DeepseekRotaryEmbedding(nn.Module):
         # V2's transformers class has no rope_interleave switch: its complex rotation always pairs
         # adjacent dims.
         self.interleave = bool(getattr(config, "rope_interleave", True))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv)
-        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+        key = (dim, base, repr(sorted(scaling.items())), max_position)
+        cos, sin = _tables(key, inv, max_position, attention_factor)
+        self.register_buffer("cos_cache", cos, persistent=False)
+        self.register_buffer("sin_cache", sin, persistent=False)
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.interleave:
