@@ -75,6 +75,32 @@ SLOW_MODULES: tuple[str, ...] = (
 )
 
 
+# The session's shared servers (tests/test_server_e2e_harness.py) start once per pytest process, so
+# under xdist once per worker that uses them. The modules that call one (or whose conftest.py does)
+# form one group, which one worker runs: each server starts once in the suite, not once a worker
+# (a default-model start costs ~16 s of CPU, a tiny-checkpoint one ~10).
+SHARED_SERVER_GROUPS: tuple[tuple[str, str], ...] = (
+    ("shared_default_server(", "shared-default-model-server"),
+    ("shared_server(", "shared-tiny-checkpoint-server"),
+)
+_shared_group_cache: dict[str, str | None] = {}
+
+
+def _shared_server_group(path: str) -> str | None:
+    """The shared-server group of the test module at ``path`` (None: it starts no shared server)."""
+    if path not in _shared_group_cache:
+        texts = []
+        for source in (path, os.path.join(os.path.dirname(path), "conftest.py")):
+            try:
+                with open(source, encoding="utf-8") as f:
+                    texts.append(f.read())
+            except OSError:
+                pass
+        found = [group for call, group in SHARED_SERVER_GROUPS if any(call in text for text in texts)]
+        _shared_group_cache[path] = found[0] if found else None
+    return _shared_group_cache[path]
+
+
 def _module_of(item: pytest.Item) -> str:
     return item.nodeid.split("::", 1)[0]
 
@@ -82,7 +108,7 @@ def _module_of(item: pytest.Item) -> str:
 def _group_of(item: pytest.Item) -> str:
     marker = item.get_closest_marker("xdist_group")
     if marker is None:
-        return _module_of(item)
+        return _shared_server_group(str(item.path)) or _module_of(item)
     return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
 
 
@@ -90,13 +116,14 @@ def _group_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``--dist loadgroup`` (scripts/test.sh): each module not in an explicit group forms
     its own, so a module runs on one worker and its module- and session-scoped fixtures (servers,
-    checkpoints, compiled kernels) are set up once; the groups of SLOW_MODULES come first."""
+    checkpoints, compiled kernels) are set up once; the modules of a shared server form one group
+    (SHARED_SERVER_GROUPS); the groups of SLOW_MODULES come first."""
     # On an xdist worker (where collection happens) xdist sets `loadgroup` and resets `dist`.
     if not getattr(config.option, "loadgroup", False):
         return
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_module_of(item)))
+            item.add_marker(pytest.mark.xdist_group(_shared_server_group(str(item.path)) or _module_of(item)))
     rank: dict[str, int] = {}
     for item in items:
         if _module_of(item) in SLOW_MODULES:
