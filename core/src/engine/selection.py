@@ -158,7 +158,8 @@ def _select_attention(args: ServerArgs, platform: Any, reg: Any, kv_layout: str 
                               f"choose one with --attention (backends for platform '{platform.name}': "
                               f"{names_for_device(reg, 'attention', device)})") from None
     check_attention_on_platform(spec, device, platform.name, reg, args.page_size, args.kv_cache_dtype)
-    check_kv_layout(spec, kv_layout, architecture, readers)
+    check_kv_layout(spec, kv_layout, architecture, readers,
+                    "" if args.attention else f"platform '{platform.name}' picks it by default")
     refusal = _platform_refusal(platform, "unsupported_attention_reason", name)
     if refusal:
         usable = _supported_on(platform, reg, "attention", "supported_attention_backends")

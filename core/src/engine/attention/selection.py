@@ -17,7 +17,8 @@ def reads_kv_layout(spec: Any, kv_layout: str) -> bool:
     return kv_layout in getattr(spec, "kv_layouts", ("mha",))
 
 
-def check_kv_layout(spec: Any, kv_layout: str, architecture: str, readers: Iterable[str]) -> None:
+def check_kv_layout(spec: Any, kv_layout: str, architecture: str, readers: Iterable[str],
+                    chosen_by: str = "") -> None:
     """Raises ``ConfigError`` unless backend ``spec`` reads the model's ``kv_layout``.
 
     Args:
@@ -25,12 +26,15 @@ def check_kv_layout(spec: Any, kv_layout: str, architecture: str, readers: Itera
         kv_layout: the model class's ``kv_layout`` ("mha" unless it declares another).
         architecture: the checkpoint's architecture, for the message.
         readers: the enabled backends for this device that do read it, for the message.
+        chosen_by: how the backend was picked when not by ``--attention`` (``"platform 'cuda' picks
+            it by default"``), for the message.
     """
     if reads_kv_layout(spec, kv_layout):
         return
     names = ", ".join(readers) or "none installed"
-    raise ConfigError(f"--attention {spec.name}: backend '{spec.name}' does not read the '{kv_layout}' KV layout of "
-                      f"{architecture}; backends that do: {names}")
+    how = f" ({chosen_by}; choose another with --attention)" if chosen_by else ""
+    raise ConfigError(f"--attention {spec.name}: backend '{spec.name}'{how} does not read the '{kv_layout}' KV layout "
+                      f"of {architecture}; backends that do: {names}")
 
 
 __all__ = ["check_backend_selectable", "check_kv_cache_dtype", "check_kv_layout", "reads_kv_layout"]
