@@ -51,6 +51,7 @@ KNOWN_DISTRIBUTIONS: dict[tuple[str, str], str] = {
     ("lora-backend", "torch_native"): "plugserve-lora-torch-native",
     ("lora-backend", "triton"): "plugserve-lora-triton",
     ("kv-transfer", "zmq"): "plugserve-kvtransfer-zmq",
+    ("kv-transfer", "torch"): "plugserve-kvtransfer-torch",
     ("kv-tier", "host"): "plugserve-kvtier-host",
     ("kv-tier", "file"): "plugserve-kvtier-file",
 }

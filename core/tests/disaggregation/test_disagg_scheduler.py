@@ -4,6 +4,7 @@ runs those)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -70,6 +71,29 @@ def test_greedy_output_equals_a_whole_server(pair: tuple[Any, Any]) -> None:
     decode.flush_cache()
     check_no_leak(prefill)
     check_no_leak(decode)
+
+
+def test_torch_distributed_backend_gives_the_same_output(pair: tuple[Any, Any]) -> None:
+    """The torch backend (gloo here) in place of zmq on both schedulers, for a few prompts."""
+    from engine_kvtransfer_torch.backend import TorchKvTransfer
+
+    prefill, decode = pair
+    saved = prefill.kv_transfer, decode.kv_transfer
+    prefill.kv_transfer = TorchKvTransfer(dataclasses.replace(saved[0].ctx, port=0))
+    decode.kv_transfer = TorchKvTransfer(saved[1].ctx)
+    try:
+        prompts = [[11 + i, 4, 40 + i, 8] * (1 + 3 * i) for i in range(3)]
+        want = generate_greedy(decode, prompts, _GREEDY["max_new_tokens"], ignore_eos=True)
+        rids = [f"torch-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(rids, prompts):
+            _submit_pair(prefill, decode, prompt, rid, room=13)
+        col = _run([prefill, decode], rids)
+        assert [col.ids[r] for r in rids] == want
+        assert decode.kv_transfer.stats()["fetched"] == len(prompts)
+    finally:
+        prefill.kv_transfer.close()
+        decode.kv_transfer.close()
+        prefill.kv_transfer, decode.kv_transfer = saved
 
 
 def test_a_stop_token_from_the_prefill_side_ends_the_request(pair: tuple[Any, Any]) -> None:

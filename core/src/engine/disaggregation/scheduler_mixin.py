@@ -198,16 +198,18 @@ class DisaggregationMixin:
             return []
         pool = self.runner.token_to_kv_pool
         r2t = self.req_to_token_pool.req_to_token  # type: ignore[attr-defined]
+        # Host memory unless the backend moves device tensors itself (NCCL).
+        where = getattr(self.kv_transfer, "payload_device", "cpu")
         staged = []
         for req in batch.reqs:
             if getattr(req, "disagg_key", None) is None or req.is_chunked:
                 continue
             index = r2t[req.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
-            k = torch.stack([buf[index] for buf in pool.k_buffer]).cpu()
+            k = torch.stack([buf[index] for buf in pool.k_buffer]).to(where)
             if getattr(pool, "kv_layout", "mha") == "mla":
                 v = k.new_empty((*k.shape[:3], 0))
             else:
-                v = torch.stack([buf[index] for buf in pool.v_buffer]).cpu()
+                v = torch.stack([buf[index] for buf in pool.v_buffer]).to(where)
             staged.append((req, k, v))
         return staged
 

@@ -68,6 +68,10 @@ class ZmqKvTransfer(KvTransferBackend):
                 self.close()
                 raise OSError(f"--disaggregation-bootstrap-port: cannot listen on {ctx.host}:{ctx.port} ({exc})") from None
         self._stopped = False
+        # Decode: key -> ((host, port), deadline) of each fetch under way; the backend's thread and
+        # subclasses' data-path threads end fetches through ``_finish_fetch``.
+        self._pending: dict[str, tuple[tuple[str, int], float]] = {}
+        self._pending_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{ctx.role}", daemon=True)
         self._thread.start()
 
@@ -82,9 +86,14 @@ class ZmqKvTransfer(KvTransferBackend):
 
     # -- the scheduler's side -------------------------------------------------------------
     def publish(self, key: str, payload: KvPayload) -> None:
+        self._command(b"publish", key.encode(), *self._payload_frames(key, payload))
+
+    def _payload_frames(self, key: str, payload: KvPayload) -> list[Any]:
+        """The frames a fetch of ``key`` is answered with: a JSON header, then K and V bytes.
+        Subclasses with another data path send the header alone (scheduler's thread)."""
         header = {"key": key, "first_token": payload.first_token, "k_shape": list(payload.k.shape),
                   "v_shape": list(payload.v.shape), "dtype": str(payload.k.dtype), "meta": payload.meta}
-        self._command(b"publish", key.encode(), json.dumps(header).encode(), _to_bytes(payload.k), _to_bytes(payload.v))
+        return [json.dumps(header).encode(), _to_bytes(payload.k), _to_bytes(payload.v)]
 
     def discard(self, key: str) -> None:
         self._command(b"discard", key.encode())
@@ -119,7 +128,6 @@ class ZmqKvTransfer(KvTransferBackend):
     def _run(self) -> None:
         self._ready: dict[str, tuple[list[Any], float]] = {}  # prefill: key -> (frames, expires)
         self._parked: dict[str, list[tuple[bytes, float]]] = {}  # prefill: key -> [(peer, expires)]
-        self._pending: dict[str, tuple[tuple[str, int], float]] = {}  # decode: key -> (address, deadline)
         self._dealers: dict[tuple[str, int], Any] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._commands, zmq.POLLIN)
@@ -134,7 +142,7 @@ class ZmqKvTransfer(KvTransferBackend):
                     self._drain(self._router, self._on_fetch_request)
                 for address, dealer in list(self._dealers.items()):
                     if dealer in events:
-                        self._drain(dealer, self._on_reply)
+                        self._drain(dealer, lambda frames, address=address: self._on_reply(frames, address))
                 self._expire(time.monotonic())
         except Exception:  # the scheduler's fetches then time out with a message; log the cause
             logger.exception("KV transfer thread failed")
@@ -163,17 +171,20 @@ class ZmqKvTransfer(KvTransferBackend):
             else:
                 self._ready[key] = (frames[2:], time.monotonic() + self.ctx.timeout_s)
         elif op == b"discard":
-            self._ready.pop(frames[1].decode(), None)
+            if self._ready.pop(frames[1].decode(), None) is not None:
+                self._dropped(frames[1].decode())
         elif op == b"fetch":
             key = frames[1].decode()
             host, port, deadline = json.loads(frames[2])
-            self._pending[key] = ((host, port), deadline)
+            with self._pending_lock:
+                self._pending[key] = ((host, port), deadline)
             request = {"op": "fetch", "key": key, "layout": self.ctx.layout.to_dict(),
                        "timeout_s": max(deadline - time.monotonic(), 0.0)}
             self._dealer(host, port).send(json.dumps(request).encode())
         elif op == b"cancel":
             key = frames[1].decode()
-            entry = self._pending.pop(key, None)
+            with self._pending_lock:
+                entry = self._pending.pop(key, None)
             if entry is not None:
                 self._dealer(*entry[0]).send(json.dumps({"op": "discard", "key": key}).encode())
 
@@ -186,6 +197,9 @@ class ZmqKvTransfer(KvTransferBackend):
             self._dealers[(host, port)] = dealer
         return dealer
 
+    def _dropped(self, key: str) -> None:
+        """A published payload nobody will fetch was let go (subclasses free what they kept)."""
+
     def _serve(self, peer: bytes, key: str, frames: list[Any]) -> None:
         self._router.send_multipart([peer, *frames])
         self._counts["served"] += 1
@@ -195,7 +209,8 @@ class ZmqKvTransfer(KvTransferBackend):
         peer, body = frames[0], json.loads(frames[-1])
         key = body.get("key", "")
         if body.get("op") == "discard":
-            self._ready.pop(key, None)
+            if self._ready.pop(key, None) is not None:
+                self._dropped(key)
             self._parked.pop(key, None)
             return
         theirs = KvLayout.from_dict(body.get("layout", {}))
@@ -204,7 +219,8 @@ class ZmqKvTransfer(KvTransferBackend):
             error = (f"KV layouts differ between the prefill server ({self.ctx.host}:{self.port}) and this decode "
                      f"server: {why} (decode vs prefill); both need the same model, --tp-size and --kv-cache-dtype")
             self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
-            self._ready.pop(key, None)
+            if self._ready.pop(key, None) is not None:
+                self._dropped(key)
             return
         ready = self._ready.pop(key, None)
         if ready is not None:
@@ -213,25 +229,33 @@ class ZmqKvTransfer(KvTransferBackend):
             wait = min(float(body.get("timeout_s", self.ctx.timeout_s)), self.ctx.timeout_s)
             self._parked.setdefault(key, []).append((peer, time.monotonic() + wait))
 
-    def _on_reply(self, frames: list[bytes]) -> None:
+    def _finish_fetch(self, key: str, result: KvPayload | str) -> bool:
+        """Ends a fetch with its payload or error (False: it was cancelled or timed out already)."""
+        with self._pending_lock:
+            if self._pending.pop(key, None) is None:
+                return False
+        if isinstance(result, str):
+            self._counts["failed"] += 1
+        else:
+            self._counts["fetched"] += 1
+            self._counts["bytes_received"] += result.nbytes
+        self._results.put((key, result))
+        return True
+
+    def _on_reply(self, frames: list[bytes], address: tuple[str, int]) -> None:
         header = json.loads(frames[0])
         key = header.get("key", "")
-        entry = self._pending.pop(key, None)
-        if entry is None:
-            return  # cancelled or timed out meanwhile
         if "error" in header:
-            self._counts["failed"] += 1
-            self._results.put((key, header["error"]))
+            self._finish_fetch(key, header["error"])
             return
         k = _from_bytes(frames[1], header["dtype"], header["k_shape"])
         v = _from_bytes(frames[2], header["dtype"], header["v_shape"])
-        self._counts["fetched"] += 1
-        self._counts["bytes_received"] += len(frames[1]) + len(frames[2])
-        self._results.put((key, KvPayload(int(header["first_token"]), k, v, dict(header.get("meta") or {}))))
+        self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, dict(header.get("meta") or {})))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, (_, expires) in self._ready.items() if expires <= now]:
             del self._ready[key]
+            self._dropped(key)
             self._counts["expired"] += 1
         for key, peers in list(self._parked.items()):
             for peer, expires in [p for p in peers if p[1] <= now]:
@@ -241,10 +265,9 @@ class ZmqKvTransfer(KvTransferBackend):
                 peers.remove((peer, expires))
             if not peers:
                 del self._parked[key]
-        for key, ((host, port), deadline) in list(self._pending.items()):
-            if deadline <= now:
-                del self._pending[key]
-                self._counts["failed"] += 1
-                self._results.put((key, f"no KV arrived from the prefill server's transfer port {host}:{port} in "
-                                        "time (--disaggregation-timeout-s); is the prefill server up?"))
+        with self._pending_lock:
+            late = [(key, address) for key, (address, deadline) in self._pending.items() if deadline <= now]
+        for key, (host, port) in late:
+            if self._finish_fetch(key, f"no KV arrived from the prefill server's transfer port {host}:{port} in "
+                                       "time (--disaggregation-timeout-s); is the prefill server up?"):
                 self._dealer(host, port).send(json.dumps({"op": "discard", "key": key}).encode())

@@ -1,0 +1,162 @@
+"""``TorchKvTransfer``: the zmq backend's handshake, with K and V sent over torch.distributed.
+
+Each prefill/decode pair of ranks shares a process group of two (rank 0 the prefill side),
+made on the pair's first transfer through the prefill side's TCPStore (its port travels in the
+fetch answer's header). A pair's transfers run in order on one thread per side, so sends and
+receives match without tags. Gloo moves host tensors; NCCL (CUDA pools) moves device tensors
+directly, so the prefill side keeps the payload on its device (``payload_device``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine.disaggregation.transfer import KvPayload, KvTransferContext
+from engine_kvtransfer_zmq.backend import ZmqKvTransfer
+
+logger = logging.getLogger(__name__)
+
+Job = tuple[Callable[[Any], None], Callable[[str], None]]  # (run with the group, fail with a reason)
+
+
+class _Pair:
+    """One prefill/decode pair: its process group (made on first use) and its ordered jobs."""
+
+    def __init__(self, name: str, make_group: Callable[[], Any]) -> None:
+        self.name = name
+        self.broken: str | None = None
+        self._make_group = make_group
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=f"kv-pair-{name[:8]}", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        group = None
+        while (job := self._jobs.get()) is not None:
+            run, fail = job
+            if self.broken is not None:
+                fail(self.broken)
+                continue
+            try:
+                if group is None:
+                    group = self._make_group()
+                run(group)
+            except Exception as exc:  # noqa: BLE001 - a dead peer or a time-out: this pair is done
+                self.broken = f"{type(exc).__name__}: {exc}"
+                logger.warning("KV transfer pair %s failed: %s", self.name, self.broken)
+                fail(self.broken)
+
+
+class TorchKvTransfer(ZmqKvTransfer):
+    def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
+        self._device = torch.device(ctx.device)
+        self._nccl = self._device.type == "cuda"
+        #: where the scheduler leaves payloads it publishes (the mixin reads it).
+        self.payload_device = str(self._device) if self._nccl else "cpu"
+        self._op_timeout = datetime.timedelta(seconds=ctx.timeout_s)
+        self._stash: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stash_lock = threading.Lock()
+        self._pairs: dict[Any, _Pair] = {}
+        self._store: Any = None
+        self._store_port = 0
+        if ctx.role == "prefill":
+            self._store = dist.TCPStore(ctx.host, 0, is_master=True, wait_for_workers=False, timeout=self._op_timeout)
+            self._store_port = self._store.port
+        super().__init__(ctx, options)
+
+    def _group(self, store: Any, name: str, rank: int) -> Any:
+        prefixed = dist.PrefixStore(f"kv-pair/{name}", store)
+        if self._nccl:
+            torch.cuda.set_device(self._device)
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._op_timeout
+            return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
+        return dist.ProcessGroupGloo(prefixed, rank, 2, self._op_timeout)
+
+    # -- prefill side ------------------------------------------------------------------
+    def _payload_frames(self, key: str, payload: KvPayload) -> list[Any]:
+        with self._stash_lock:
+            self._stash[key] = (payload.k.contiguous(), payload.v.contiguous())
+        header = {"key": key, "first_token": payload.first_token, "k_shape": list(payload.k.shape),
+                  "v_shape": list(payload.v.shape), "dtype": str(payload.k.dtype), "meta": payload.meta}
+        return [json.dumps(header).encode()]
+
+    def _dropped(self, key: str) -> None:
+        with self._stash_lock:
+            self._stash.pop(key, None)
+
+    def _serve(self, peer: bytes, key: str, frames: list[Any]) -> None:
+        with self._stash_lock:
+            tensors = self._stash.pop(key, None)
+        pair = self._pairs.get(peer)
+        if tensors is None or (pair is not None and pair.broken is not None):
+            why = "its payload was dropped" if tensors is None else f"the pair's process group failed ({pair.broken})"  # type: ignore[union-attr]
+            self._router.send_multipart([peer, json.dumps({"key": key, "error": f"torch KV transfer: {why}"}).encode()])
+            if pair is not None and pair.broken is not None:
+                pair.stop()
+                del self._pairs[peer]
+            return
+        if pair is None:
+            name = f"{self._store_port}-{peer.hex()}"
+            pair = self._pairs[peer] = _Pair(name, lambda name=name: self._group(self._store, name, 0))
+        header = {**json.loads(frames[0]), "pair": pair.name, "store_port": self._store_port}
+        self._router.send_multipart([peer, json.dumps(header).encode()])
+        k, v = tensors
+
+        def send(group: Any) -> None:
+            group.send([k], 1, 0).wait()
+            if v.numel():
+                group.send([v], 1, 0).wait()
+
+        pair.submit((send, lambda why: None))
+        self._counts["served"] += 1
+        self._counts["bytes_sent"] += k.numel() * k.element_size() + v.numel() * v.element_size()
+
+    # -- decode side -------------------------------------------------------------------
+    def _on_reply(self, frames: list[bytes], address: tuple[str, int]) -> None:
+        header = json.loads(frames[0])
+        if "pair" not in header:
+            super()._on_reply(frames, address)
+            return
+        key, host = header["key"], address[0]
+        slot = (host, int(header["store_port"]), header["pair"])
+        pair = self._pairs.get(slot)
+        if pair is None:
+            pair = self._pairs[slot] = _Pair(header["pair"], lambda: self._group(
+                dist.TCPStore(host, slot[1], is_master=False, timeout=self._op_timeout), slot[2], 1))
+        dtype = getattr(torch, header["dtype"].removeprefix("torch."))
+        device = self._device if self._nccl else torch.device("cpu")
+
+        def receive(group: Any) -> None:
+            # Received even when the fetch was cancelled meanwhile: the pair's stream stays in step.
+            k = torch.empty(header["k_shape"], dtype=dtype, device=device)
+            v = torch.empty(header["v_shape"], dtype=dtype, device=device)
+            group.recv([k], 0, 0).wait()
+            if v.numel():
+                group.recv([v], 0, 0).wait()
+            if self._nccl:
+                torch.cuda.current_stream(device).synchronize()
+            self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, dict(header.get("meta") or {})))
+
+        pair.submit((receive, lambda why: self._finish_fetch(key, f"torch KV transfer from {host} failed: {why}")))
+
+    def close(self) -> None:
+        super().close()
+        for pair in list(self._pairs.values()):
+            pair.stop()
+        self._pairs.clear()
