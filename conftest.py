@@ -39,6 +39,7 @@ if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
 SLOW_MODULES: tuple[str, ...] = (
     "tests/test_docs_examples.py",
     "tests/test_default_model.py",
+    "tests/test_dashboard_browser.py",
     "tests/test_disaggregation_e2e.py",
     "core/tests/layers/moe/test_align_kernel.py",
     "tests/test_server_e2e_tools.py",

