@@ -125,19 +125,12 @@ def test_streaming_through_the_router(servers: tuple[Server, Server], router: st
         "/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": _GREEDY}).json()["output_ids"]
 
 
-def test_errors_and_missing_kv_end_requests_and_free_kv(servers: tuple[Server, Server], router: str) -> None:
+def test_a_refused_request_ends_at_once_and_kv_is_freed(servers: tuple[Server, Server], router: str) -> None:
     prefill, decode = servers
     # A request both halves refuse: the client gets the 400, not a hang.
     bad = _post(router, "/generate", {"input_ids": [1, 2], "sampling_params": {"temperature": -1}})
     assert bad.status_code == 400 and "temperature" in bad.text, bad.text
-    # KV that never comes (no prefill server ran this room): the decode server gives up in time.
-    started = time.monotonic()
-    lost = decode.post("/generate", json={"input_ids": [4, 5, 6], "sampling_params": _GREEDY, "bootstrap_room": 12345,
-                                          "bootstrap_host": "127.0.0.1",
-                                          "bootstrap_port": prefill.get("/get_server_info").json()[
-                                              "disaggregation_bootstrap_port"]})
-    assert time.monotonic() - started < _TIMEOUT_S + 10
-    assert "KV transfer failed" in lost.text, lost.text
+    # (KV that never comes times out with the reason: core/tests/disaggregation, in-process.)
     for server in (prefill, decode):
         server.post("/flush_cache")
         assert_no_kv_leak(wait_idle(server))
