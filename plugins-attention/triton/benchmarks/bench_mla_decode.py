@@ -44,15 +44,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
 MAX_SPLITS = 64
 GRAPH_BELOW = 256 << 20
 #: (block_h, block_n, num_warps, num_stages) tried by --sweep.
-GRID = list(itertools.product((16,), (16, 32, 64), (4, 8), (1, 2, 3)))
+GRID = list(itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3)))
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class Problem:
     """``copies`` independent decode batches of ``bs`` rows of ``ctx`` tokens over one pool dtype."""
 
-    def __init__(self, dtype: torch.dtype, bs: int, ctx: int, graphs: bool = True) -> None:
-        self.bs, self.ctx, self.dtype = bs, ctx, dtype
+    def __init__(self, dtype: torch.dtype, bs: int, ctx: int, graphs: bool = True, heads: int = NUM_HEADS) -> None:
+        self.bs, self.ctx, self.dtype, self.heads = bs, ctx, dtype, heads
         self.kv_scale = 0.5 if dtype.itemsize == 1 else 1.0  # an fp8 pool's per-layer scale
         elem = torch.empty(0, dtype=dtype).element_size()
         self.bytes = bs * ctx * (DIM * elem + 4)
@@ -63,13 +63,13 @@ class Problem:
         for _ in range(self.copies):
             kv = (torch.randn(total + 1, 1, DIM, device=DEV) * 0.5).to(dtype)
             slots = (torch.randperm(total, device=DEV) + 1).to(torch.int32).view(bs, ctx)
-            q = torch.randn(bs, NUM_HEADS, DIM, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32,
+            q = torch.randn(bs, heads, DIM, dtype=torch.bfloat16 if DEV == "cuda" else torch.float32,
                             device=DEV)
-            self.inputs.append((q, kv, q.new_empty(bs, NUM_HEADS, LORA), slots))
+            self.inputs.append((q, kv, q.new_empty(bs, heads, LORA), slots))
         self.reqs = torch.arange(bs, device=DEV)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int64, device=DEV)
-        self.part_out = torch.empty(bs, NUM_HEADS, MAX_SPLITS, LORA, dtype=torch.float32, device=DEV)
-        self.part_lse = torch.empty(bs, NUM_HEADS, MAX_SPLITS, dtype=torch.float32, device=DEV)
+        self.part_out = torch.empty(bs, heads, MAX_SPLITS, LORA, dtype=torch.float32, device=DEV)
+        self.part_lse = torch.empty(bs, heads, MAX_SPLITS, dtype=torch.float32, device=DEV)
 
     def call(self, i: int, splits: int, tiles: dict):
         q, kv, out, slots = self.inputs[i]
@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--ctx", type=int, nargs="+", default=[1024, 2048, 4096], help="tokens per row")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--heads", type=int, default=NUM_HEADS,
+                        help="query heads on the rank (16: V2-Lite; 128: V3 whole, as under DP attention)")
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
     parser.add_argument("--sweep", action="store_true", help="also time the tile grid and split counts")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first")
@@ -133,7 +135,7 @@ def main() -> None:
         patch_interpreter_index()
     if args.check:
         for name in args.dtypes:
-            prob = Problem(DTYPES[name], min(args.batch_sizes), min(args.ctx), graphs=False)
+            prob = Problem(DTYPES[name], min(args.batch_sizes), min(args.ctx), graphs=False, heads=args.heads)
             print(prob.check(min(3, MAX_SPLITS)), flush=True)
         if DEV != "cuda":
             return
@@ -144,10 +146,10 @@ def main() -> None:
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# {props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
           f"{now:%Y-%m-%d %H:%M} UTC; copy {copy_bandwidth_gbs():.0f} GB/s (read + write); "
-          f"fractions of {args.peak:.0f} GB/s; {NUM_HEADS} heads, {LORA}+{ROPE} latent", flush=True)
-    programs = mla_head_blocks(NUM_HEADS, MLA_DECODE_BLOCK_H)
+          f"fractions of {args.peak:.0f} GB/s; {args.heads} heads, {LORA}+{ROPE} latent", flush=True)
+    programs = mla_head_blocks(args.heads, MLA_DECODE_BLOCK_H)
     for name, bs, ctx in itertools.product(args.dtypes, args.batch_sizes, args.ctx):
-        prob = Problem(DTYPES[name], bs, ctx)
+        prob = Problem(DTYPES[name], bs, ctx, heads=args.heads)
         default = choose_num_kv_splits(bs, programs, num_sms, 16, ctx)
         print(line(name, prob, "default", default, prob.time_ms(default, {}), args.peak), flush=True)
         if args.sweep:

@@ -51,15 +51,16 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, atol: float = 
     assert err <= atol, f"{what}: max abs err {err:.3g} (limit {atol})"
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_mla_decode_matches_reference(splits: int) -> None:
+@pytest.mark.parametrize("splits, heads", [(1, HEADS), (3, 20)])
+def test_mla_decode_matches_reference(splits: int, heads: int) -> None:
+    """20 heads: two blocks of query heads, the second 4 of 16 live."""
     seq_lens = [1, 17, 40, 33]
     pool = MLAPool(seq_lens, seed=splits)
     bs = len(seq_lens)
-    q = torch.randn(bs, HEADS, DIM)
-    out = torch.full((bs, HEADS, LORA), float("nan"))
-    part_out = torch.full((bs, HEADS, 4, LORA), float("nan"))
-    part_lse = torch.full((bs, HEADS, 4), float("nan"))
+    q = torch.randn(bs, heads, DIM)
+    out = torch.full((bs, heads, LORA), float("nan"))
+    part_out = torch.full((bs, heads, 4, LORA), float("nan"))
+    part_lse = torch.full((bs, heads, 4), float("nan"))
     mla_decode_fwd(q, pool.kv, out, pool.req_to_token, torch.tensor(pool.rows), torch.tensor(seq_lens),
                    part_out, part_lse, splits, SCALE, LORA, block_n=16)
     ref = reference_decode(q, pool.kv, pool.kv[..., :LORA], pool.req_to_token, pool.rows, seq_lens, SCALE)
