@@ -1,10 +1,13 @@
 """End to end: ``engine serve --task embed`` on the embedded all-MiniLM-L6-v2, driven by the
 ``openai`` client and langchain's ``OpenAIEmbeddings``, against sentence-transformers on the same
-model directory (the oracle)."""
+model directory (the oracle). Where plugserve-grpc is installed the server serves gRPC too, and
+its ``Embed`` must equal ``/v1/embeddings``."""
 
 from __future__ import annotations
 
 import base64
+import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -42,11 +45,14 @@ def oracle(model_dir: str) -> Any:
 def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     port = free_port()
     log_path = str(tmp_path_factory.mktemp("embed-logs") / "server.log")
+    grpc = ("--grpc-port", str(free_port())) if importlib.util.find_spec("engine_grpc") else ()
     cmd = [sys.executable, "-m", "engine", "serve", "--task", "embed", "--enable-matryoshka", "--host", "127.0.0.1",
-           "--port", str(port), "--api-key", API_KEY]
+           "--port", str(port), "--api-key", API_KEY, *grpc]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     srv = Server(proc, port, log_path)
+    if grpc:
+        srv.extra["grpc_port"] = int(grpc[1])
     try:
         srv.wait_ready()
         yield srv
@@ -183,3 +189,35 @@ def test_rerank_and_score_by_cosine_similarity(server: Server, oracle: Any) -> N
     assert [d["score"] for d in r.json()["data"]] == pytest.approx(expected[2:], abs=MAX_COSINE_DISTANCE)
     r = server.post("/classify", json={"model": "default", "input": query})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "--task score" in r.text, r.text
+
+
+def test_grpc_embed_equals_v1_embeddings(server: Server) -> None:
+    pytest.importorskip("engine_grpc", reason="plugserve-grpc is not installed")
+    import grpc
+    from engine_grpc import plugserve_pb2 as pb
+    from engine_grpc.client import Client
+
+    texts = ["a short one", "a rather longer sentence to embed, with more tokens in it", "mid length text"]
+    with Client(f"127.0.0.1:{server.extra['grpc_port']}", api_key=API_KEY, timeout=60) as client:
+        reply = client.stub.Embed(pb.EmbedRequest(texts=texts), metadata=client.metadata)
+        http = server.post("/v1/embeddings", json={"input": texts}).json()
+        assert [e.index for e in reply.embeddings] == [0, 1, 2]
+        assert reply.prompt_tokens == http["usage"]["prompt_tokens"]
+        for ours, theirs in zip(reply.embeddings, http["data"], strict=True):
+            assert len(ours.values) == len(theirs["embedding"])
+            assert max(abs(a - b) for a, b in zip(ours.values, theirs["embedding"], strict=True)) < 1e-5
+            assert math.isclose(sum(v * v for v in ours.values), 1.0, rel_tol=1e-4)  # normalised
+        ids = server.post("/v1/tokenize", json={"prompt": texts[0]}).json()["tokens"]
+        (by_ids,) = client.embed(input_ids=[ids])
+        assert max(abs(a - b) for a, b in zip(by_ids, http["data"][0]["embedding"], strict=True)) < 1e-5
+        (short,) = client.embed(texts=[texts[0]], dimensions=64)  # --enable-matryoshka
+        assert len(short) == 64 and math.isclose(sum(v * v for v in short), 1.0, rel_tol=1e-4)
+        with pytest.raises(grpc.RpcError) as bad:
+            client.embed(texts=["a"], dimensions=385)
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.value.details().startswith("dimensions:")
+        with pytest.raises(grpc.RpcError) as bad:
+            client.embed()
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.value.details().startswith("texts:")
+        with pytest.raises(grpc.RpcError) as bad:  # a pooling server does not generate
+            list(client.generate(text="x"))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,8 +1,8 @@
 """End to end: the gRPC service of ``engine serve --grpc-port`` through the packaged stubs.
 
 Generation runs on the session's shared tiny-Llama server, which serves gRPC beside HTTP when
-plugserve-grpc is installed (no start of its own); ``Embed`` on one server of this module's, the
-same checkpoint served with ``--task embed``.
+plugserve-grpc is installed (no start of its own). ``Embed`` is checked on the embedding server of
+tests/test_server_e2e_embeddings.py, which serves gRPC too.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 
 pytest.importorskip("engine_grpc", reason="plugserve-grpc is not installed")
 import grpc  # noqa: E402
-from engine_grpc import plugserve_pb2 as pb  # noqa: E402
 from engine_grpc.client import Client, collect  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -28,7 +27,6 @@ from test_server_e2e_harness import (  # noqa: E402
     Server,
     assert_no_kv_leak,
     free_port,
-    launch,
     server_info,
     shared_server,
     wait_idle,
@@ -149,45 +147,6 @@ def test_bad_requests_name_the_field(server: Server, client: Client) -> None:
             stranger.model_info()
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert stranger.health() == "ok"  # as /health, no key needed
-
-
-@pytest.fixture(scope="module")
-def embed_server(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Iterator[Server]:
-    grpc_port = free_port()
-    server = launch(llama_ckpt_dir, str(tmp_path_factory.mktemp("grpc-embed")), "--task", "embed",
-                    "--grpc-port", str(grpc_port))
-    server.extra["grpc_port"] = grpc_port
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
-def test_embed_equals_v1_embeddings(embed_server: Server) -> None:
-    texts = ["a short one", "a rather longer sentence to embed, with more tokens in it", "mid length text"]
-    with Client(f"127.0.0.1:{embed_server.extra['grpc_port']}", api_key=API_KEY, timeout=60) as client:
-        reply = client.stub.Embed(pb.EmbedRequest(texts=texts), metadata=client.metadata)
-        http = embed_server.post("/v1/embeddings", json={"input": texts}).json()
-        assert [e.index for e in reply.embeddings] == [0, 1, 2]
-        assert reply.prompt_tokens == http["usage"]["prompt_tokens"]
-        for ours, theirs in zip(reply.embeddings, http["data"], strict=True):
-            # The second run reads the prompts' prefixes from the radix cache: equal up to float32 rounding.
-            assert len(ours.values) == len(theirs["embedding"])
-            assert max(abs(a - b) for a, b in zip(ours.values, theirs["embedding"], strict=True)) < 1e-5
-            assert math.isclose(sum(v * v for v in ours.values), 1.0, rel_tol=1e-4)  # normalised
-        ids = embed_server.post("/v1/tokenize", json={"prompt": texts[0]}).json()["tokens"]
-        (by_ids,) = client.embed(input_ids=[ids])
-        assert max(abs(a - b) for a, b in zip(by_ids, http["data"][0]["embedding"], strict=True)) < 1e-5
-        with pytest.raises(grpc.RpcError) as bad:
-            client.embed(texts=["a"], dimensions=5)
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.value.details().startswith("dimensions:")
-        with pytest.raises(grpc.RpcError) as bad:
-            client.embed()
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and bad.value.details().startswith("texts:")
-        with pytest.raises(grpc.RpcError) as bad:  # a pooling server does not generate
-            list(client.generate(text="x"))
-        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_a_busy_grpc_port_fails_before_the_model_loads(llama_ckpt_dir: str) -> None:
