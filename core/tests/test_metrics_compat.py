@@ -99,3 +99,18 @@ def test_phases_and_token_buckets() -> None:
     assert phases == pytest.approx({"queue": 0.04, "prefill": 0.15, "inference": 1.15, "decode": 1.0})
     assert token_count_buckets(64) == (1, 2, 5, 10, 20, 50)
     assert token_count_buckets(1) == (1,)
+
+
+def test_grafana_dashboard_queries_existing_series() -> None:
+    """docs/grafana/engine.json: valid JSON whose every ``engine_*`` series is one /metrics exports."""
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "grafana" / "engine.json"
+    dashboard = json.loads(path.read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    referenced = {re.sub(r"_(total|bucket|sum|count)$", "", name) for e in exprs for name in re.findall(r"engine_\w+", e)}
+    families = set(_families(ServerMetrics("m")))
+    assert referenced and referenced <= families, referenced - families
+    assert all('model_name=~"$model_name"' in e or "label_values" in e for e in exprs)

@@ -33,7 +33,7 @@
     const opts = {
       width: Math.max(300, el.clientWidth || 380), height: 170,
       scales: { x: { time: true } },
-      series: [{}].concat(series.map((s) => ({ label: s[0], stroke: s[1], width: 1.5, spanGaps: true }))),
+      series: [{}].concat(series.map((s) => ({ label: s[0], stroke: s[1], width: 1.5, spanGaps: true, dash: s[3] }))),
       axes: [{}, { size: 50 }],
       legend: { live: false },
     };
@@ -42,7 +42,7 @@
 
   function initCharts() {
     makeChart("c-load", [["running", "#2f6fdf", (e) => e.running], ["queued", "#e0a21b", (e) => e.queued],
-                         ["decode batch", "#3aa35c", (e) => e.decode_batch_size]]);
+                         ["decode batch", "#3aa35c", (e) => e.decode_batch_size, [5, 4]]]);
     makeChart("c-kv", [["device KV", "#2f6fdf", (e) => pct(e.kv_usage)], ["host KV", "#8c5bd6", (e) => pct(e.host_kv_usage)],
                        ["cache hit", "#3aa35c", (e) => pct(e.cache_hit_rate)]]);
     makeChart("c-tput", [["prefill", "#2f6fdf", (e) => e.prefill_tokens_per_s], ["decode", "#3aa35c", (e) => e.decode_tokens_per_s]]);
