@@ -121,7 +121,9 @@ class HostMemoryTier(KvStorageTier):
         self.returns_pinned = self.pinned
 
         def buffer(dim: int) -> torch.Tensor:
-            return torch.zeros((rows, layout.num_kv_heads, dim), dtype=layout.dtype, pin_memory=self.pinned)
+            # Uninitialised: a slot is read only after it was written, and untouched pages of a
+            # large tier cost nothing until used (pinned ones are locked at allocation anyway).
+            return torch.empty((rows, layout.num_kv_heads, dim), dtype=layout.dtype, pin_memory=self.pinned)
 
         self.k_buffer = [buffer(layout.head_dim) for _ in range(layout.num_layers)]
         self.v_buffer = [buffer(layout.v_head_dim) for _ in range(layout.num_layers)]
