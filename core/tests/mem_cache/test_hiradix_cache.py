@@ -180,6 +180,12 @@ def test_namespaces_load_back_only_their_own_prefixes() -> None:
     check_invariants(cache, allocator)
 
 
+def test_a_host_tier_larger_than_free_memory_is_refused() -> None:
+    layout = KvLayout(num_layers=64, num_kv_heads=8, head_dim=128, v_head_dim=128, dtype=torch.float32, page_size=1)
+    with pytest.raises(ConfigError, match=r"--hicache-size/--hicache-ratio: the host tier of this rank needs [\d.]+ GiB"):
+        HostMemoryTier(layout, 1 << 40)
+
+
 def test_bad_write_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--hicache-write-policy: invalid value 'sometimes'"):
         make_cache(policy="sometimes")

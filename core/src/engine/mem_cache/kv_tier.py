@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ConfigError
 from engine.mem_cache.memory_pool import TokenToKVPoolAllocator
 
 
@@ -117,6 +118,7 @@ class HostMemoryTier(KvStorageTier):
     def __init__(self, layout: KvLayout, num_tokens: int) -> None:
         super().__init__(layout, num_tokens)
         rows = self.size + layout.page_size
+        _check_host_memory(rows * layout.bytes_per_token())
         self.pinned = layout.device_type == "cuda" and torch.cuda.is_available()
         self.returns_pinned = self.pinned
 
@@ -143,3 +145,24 @@ class HostMemoryTier(KvStorageTier):
 
     def close(self) -> None:
         self.k_buffer, self.v_buffer = [], []
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_host_memory(need: int) -> None:
+    """Refuses a tier the machine's free memory cannot hold (it would be killed, not slowed)."""
+    available = _available_host_bytes()
+    if available is not None and need > 0.9 * available:
+        raise ConfigError(f"--hicache-size/--hicache-ratio: the host tier of this rank needs {need / 2**30:.1f} GiB "
+                          f"but {available / 2**30:.1f} GiB of host memory are available; accepted: a tier "
+                          f"within 90% of it (a smaller --hicache-size or --hicache-ratio, or the file tier)")
