@@ -75,6 +75,10 @@ class CudaGraphRunner:
         self._padding[2].fill_(self.fill_seq_len)
         self.ints = self._padding.clone()
         self.req_pool_indices, self.positions, self.seq_lens, self.out_cache_loc = self.ints.unbind(0)
+        # M-RoPE models (Qwen2-VL): a decode row's rotary position is its position plus the
+        # request's delta, the same in all three sections; replays copy it in (padding rows: 0).
+        self.mrope = bool(getattr(runner, "mrope", False))
+        self.mrope_row = torch.zeros(self.max_bs, dtype=torch.int64, device=d) if self.mrope else None
         self.platform = runner.platform
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -91,6 +95,13 @@ class CudaGraphRunner:
         self.runner.prepare(fb)
         return fb
 
+    def _model_positions(self, fb: ForwardBatch) -> torch.Tensor:
+        """What the captured model reads as positions: ``[3, bs]`` from ``mrope_row`` on M-RoPE
+        models (built inside the graph), else the static positions."""
+        if self.mrope_row is None:
+            return fb.positions
+        return self.mrope_row[: fb.batch_size].unsqueeze(0).expand(3, -1).contiguous()
+
     @torch.inference_mode()
     def _capture_all(self) -> None:
         backend = self.runner.attn_backend
@@ -102,7 +113,7 @@ class CudaGraphRunner:
             backend.init_forward_metadata_capture_cuda_graph(bs, fb.req_pool_indices, fb.seq_lens)
             with platform.stream_context(stream):
                 for _ in range(2):  # warm-up: compile kernels, settle allocator
-                    warm = self.runner.model(fb.input_ids, fb.positions, fb).next_token_logits
+                    warm = self.runner.model(fb.input_ids, self._model_positions(fb), fb).next_token_logits
             stream.synchronize()
             shared = bs > OWN_LOGITS_MAX_BS
             if shared and self._shared_logits is None:  # the largest graph comes first
@@ -111,7 +122,7 @@ class CudaGraphRunner:
             graph = platform.create_graph()
             with platform.graph_capture(graph, self.pool, stream):
                 with platform.decode_capture_context(self.runner.model):
-                    logits = self.runner.model(fb.input_ids, fb.positions, fb).next_token_logits
+                    logits = self.runner.model(fb.input_ids, self._model_positions(fb), fb).next_token_logits
                     if shared:  # the graph's own logits go back to the pool once captured
                         logits = self._shared_logits[:bs].copy_(logits)
             self.pool = graph.pool()
@@ -140,6 +151,10 @@ class CudaGraphRunner:
             for static, given in zip(self.ints, (fb.req_pool_indices, fb.positions, fb.seq_lens, fb.out_cache_loc),
                                      strict=True):
                 static[:bs].copy_(given, non_blocking=True)
+        if self.mrope_row is not None:
+            self.mrope_row[bs:padded].zero_()
+            rows = fb.mrope_positions[0] if fb.mrope_positions is not None else fb.positions
+            self.mrope_row[:bs].copy_(rows, non_blocking=True)
         seq_lens_cpu = list(fb.seq_lens_cpu) + [self.fill_seq_len] * (padded - bs)
         self.runner.attn_backend.init_forward_metadata_replay_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded], seq_lens_cpu)

@@ -166,9 +166,6 @@ class ModelRunner:
         args = self.args
         if args.disable_cuda_graph or not self.platform.supports_graph_capture() or self.task != "generate":
             return None  # pooling models run prefills only: no decode step to capture
-        if self.mrope:
-            logger.info("M-RoPE model: decode steps run eagerly (CUDA graphs off)")
-            return None
         if self.placement.pp_size > 1:
             logger.info("pipeline parallelism: decode steps run eagerly (CUDA graphs off)")
             return None
