@@ -9,7 +9,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine.managers.request_state import ReqState
 from engine.metrics import ServerMetrics
-from engine.metrics_compat import SGLANG_E2E_BUCKETS, VLLM_TTFT_BUCKETS, request_phases, token_count_buckets
+from engine.metrics_compat import (
+    SGLANG_E2E_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    request_phases,
+    token_count_buckets,
+)
 
 # What examples/monitoring/grafana/dashboards/json/sglang-dashboard.json queries (SGLang).
 SGLANG_DASHBOARD = ["sglang:e2e_request_latency_seconds", "sglang:time_to_first_token_seconds",

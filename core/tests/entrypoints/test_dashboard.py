@@ -185,7 +185,9 @@ class _Collector(BaseHTTPRequestHandler):
     received: list[Any] = []
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
 
         body = self.rfile.read(int(self.headers["content-length"]))
         message = ExportTraceServiceRequest()
