@@ -116,9 +116,9 @@ class HostMemoryTier(KvStorageTier):
     """
 
     def __init__(self, layout: KvLayout, num_tokens: int) -> None:
+        _check_host_memory((num_tokens + layout.page_size) * layout.bytes_per_token())  # before any allocation
         super().__init__(layout, num_tokens)
         rows = self.size + layout.page_size
-        _check_host_memory(rows * layout.bytes_per_token())
         self.pinned = layout.device_type == "cuda" and torch.cuda.is_available()
         self.returns_pinned = self.pinned
 
