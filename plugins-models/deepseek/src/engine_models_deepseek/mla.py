@@ -8,7 +8,7 @@ holds both). Absorbing ``W_UK`` into the query (``q_lat = q_nope W_UK[h]``) make
 over the cached rows: q ``[q_lat || q_pe]`` (576 dims), one KV head ``[c_kv || k_pe]``, V the
 latent (the row's first 512 dims). The output, still in latent space, goes through ``W_UV[h]``
 and ``o_proj``. ``W_UK``/``W_UV`` are split from ``kv_b_proj`` once its weights are final
-(``absorb_kv_b_proj``, called from the model's ``post_load_weights``).
+(``absorb_kv_b_proj``, called from the model's ``post_load_weights``), which is then dropped.
 
 Tensor parallelism splits the heads (``q_proj``/``q_b_proj``, ``kv_b_proj`` column-parallel,
 ``o_proj`` row-parallel); the latent projections and the cache are replicated on every rank.
@@ -75,12 +75,14 @@ class DeepseekMLA(nn.Module):
     @torch.no_grad()
     def absorb_kv_b_proj(self) -> None:
         """Splits this rank's ``kv_b_proj`` into ``w_uk`` and ``w_uv``, read through the layer itself
-        (its output for the identity), so any quantization method's weights come out dequantized."""
+        (its output for the identity), so any quantization method's weights come out dequantized;
+        then drops ``kv_b_proj``, which the absorbed form never runs (its bytes again otherwise)."""
         eye = torch.eye(self.kv_lora_rank, dtype=self.w_uk.dtype, device=self.w_uk.device)
         weight = self.kv_b_proj(eye).t()  # [H * (nope + v), rank]
         per_head = weight.reshape(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         self.w_uk.copy_(per_head[:, :self.nope_dim])
         self.w_uv.copy_(per_head[:, self.nope_dim:])
+        del self.kv_b_proj
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
