@@ -83,7 +83,7 @@ def _server_arg_params(hidden: tuple[str, ...] = ()) -> list[inspect.Parameter]:
 
 # Flags that take several values after one use, as SGLang's do (``--lora-paths a=DIR b=DIR``);
 # click options take one value each, so ``split_multi_value_flags`` repeats the flag per value.
-MULTI_VALUE_FLAGS = ("--lora-paths", "--lora-target-modules")
+MULTI_VALUE_FLAGS = ("--lora-paths", "--lora-target-modules", "--lora-name")
 
 
 def split_multi_value_flags(argv: list[str]) -> list[str]:
@@ -100,6 +100,8 @@ def split_multi_value_flags(argv: list[str]) -> list[str]:
             return False
         if flag == "--lora-paths":
             return "=" in word or os.path.isdir(word)
+        if flag == "--lora-name":  # engine bench's adapter names: no command there takes a positional
+            return True
         return word in LORA_TARGET_MODULES or word == "all"
 
     out: list[str] = []
