@@ -108,13 +108,14 @@ def idle_forward(model: nn.Module, hidden_size: int, dtype: torch.dtype, device:
             module(empty)
 
 
-def any_rank_busy(busy: bool) -> bool:
-    """Whether any replica has work this turn (a gloo all-reduce; every replica calls it each turn)."""
+def turn_flags(busy: bool, stopping: bool) -> tuple[bool, bool]:
+    """Whether any replica has work this turn, and whether any was asked to stop (one gloo
+    all-reduce; every replica calls it each turn)."""
     import torch.distributed as dist
 
-    flag = torch.tensor([int(busy)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=STATE.dp_attn_cpu_group)
-    return bool(flag.item())
+    flags = torch.tensor([int(busy), int(stopping)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=STATE.dp_attn_cpu_group)
+    return bool(flags[0].item()), bool(flags[1].item())
 
 
-__all__ = ["any_rank_busy", "begin_forward", "data_parallel_mlp", "dp_attention_size", "idle_forward", "mlp_parallel"]
+__all__ = ["begin_forward", "data_parallel_mlp", "dp_attention_size", "idle_forward", "mlp_parallel", "turn_flags"]

@@ -3,7 +3,8 @@
 The replicas' MLPs run tensor-parallel across all of them, so every replica must be inside the
 same forward at once. Each loop turn the replicas first agree (one gloo all-reduce) whether any
 has work; if one does, each runs exactly one forward: its scheduler's step (which runs at most
-one), or, with nothing of its own to run, an idle forward through the MLPs alone. A step that
+one), or, with nothing of its own to run, an idle forward through the MLPs alone. A replica asked
+to stop says so in the same exchange, and all stop at that turn. A step that
 ran more than one forward would leave the others behind, so the engine refuses the options that
 make one (speculative decoding, pipeline parallelism) with DP attention.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.distributed.dp_attention import any_rank_busy, begin_forward, idle_forward
+from engine.distributed.dp_attention import begin_forward, idle_forward, turn_flags
 
 
 class DPAttentionTurns:
@@ -37,11 +38,15 @@ class DPAttentionTurns:
 
         return forward
 
-    def step(self) -> None:
+    def step(self, stopping: bool = False) -> bool:
+        """One turn; returns True when some replica was asked to stop (``stopping``): then every
+        replica stops at this same turn, none left waiting in a collective for one gone."""
         busy = self.scheduler.has_work()
-        self.any_busy = any_rank_busy(busy)
+        self.any_busy, stop = turn_flags(busy, stopping)
+        if stop:
+            return True
         if not self.any_busy:
-            return
+            return False
         before = self.forwards
         if busy:
             self.scheduler.step()
@@ -51,6 +56,7 @@ class DPAttentionTurns:
             idle_forward(runner.model, int(runner.hf_config.hidden_size), runner.dtype, runner.device)
         elif ran > 1:
             raise RuntimeError(f"DP attention: a scheduler step ran {ran} forwards; the replicas step one at a time")
+        return False
 
 
 __all__ = ["DPAttentionTurns"]

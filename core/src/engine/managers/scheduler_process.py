@@ -189,6 +189,7 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
     pending: list[Any] = []  # message sends to the other ranks not yet complete
     next_orphan_check = 0.0
     turns = None
+    stopping = False  # DP attention: asked to stop; the replicas stop together at the next turn
     if placement.dp_attn_size > 1:  # DP attention: the replicas step together
         from engine.managers.dp_attention_turns import DPAttentionTurns
 
@@ -210,6 +211,9 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
                 share_messages(msgs, placement, pending)
             for msg in msgs:
                 if isinstance(msg, ControlReq) and msg.kind == "shutdown":
+                    if turns is not None:
+                        stopping = True
+                        continue
                     logger.info("stopping: the server asked")
                     _finish_sends(pending)
                     os._exit(0)
@@ -222,8 +226,9 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
                 next_orphan_check = now + _ORPHAN_CHECK_S
             if turns is None:
                 scheduler.step()
-            else:
-                turns.step()
+            elif turns.step(stopping):
+                logger.info("stopping: the server asked")
+                os._exit(0)
             for out in scheduler.take_outputs():
                 # Vectors need no detokenizing: straight to the tokenizer manager.
                 (to_tokenizer if isinstance(out, BatchEmbeddingOut) else to_detok).send_pyobj(out)
