@@ -49,8 +49,18 @@ CASES = {
 }
 
 
+_independent: dict[tuple[str, str], tuple[list[float], list[float]]] = {}
+
+
 def _independent_logprobs(server: Any, prefix: str, choice: str) -> tuple[list[float], list[float]]:
-    """The choice's token logprobs after the prefix and alone, each from its own request."""
+    """The choice's token logprobs after the prefix and alone, each from its own request (asked
+    once per module: every choices method is checked against the same scores)."""
+    if (prefix, choice) not in _independent:
+        _independent[prefix, choice] = _ask_independent_logprobs(server, prefix, choice)
+    return _independent[prefix, choice]
+
+
+def _ask_independent_logprobs(server: Any, prefix: str, choice: str) -> tuple[list[float], list[float]]:
     prefix_ids = httpx.post(server.url + "/v1/tokenize", json={"prompt": prefix}).json()["tokens"]
     out = native(server, {"text": prefix + choice, "sampling_params": {"max_new_tokens": 0},
                           "return_logprob": True, "logprob_start_len": 0})
