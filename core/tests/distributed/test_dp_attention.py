@@ -51,3 +51,16 @@ def test_dp_attention_refuses_other_layouts(flags: dict[str, int], message: str)
 
     with pytest.raises(ConfigError, match=message):
         ServerArgs.from_dict({"model_path": "x", "enable_dp_attention": True, **flags})
+
+
+def test_a_model_without_split_mlps_is_refused() -> None:
+    from torch import nn
+
+    from engine.distributed.dp_attention import check_model_splits_mlps
+    from engine.errors import EngineError
+
+    plain = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(EngineError, match="--enable-dp-attention: Sequential does not split its MLPs"):
+        check_model_splits_mlps(plain)
+    plain[0].dp_attention_mlp = True  # what data_parallel_mlp marks
+    check_model_splits_mlps(plain)

@@ -108,6 +108,17 @@ def idle_forward(model: nn.Module, hidden_size: int, dtype: torch.dtype, device:
             module(empty)
 
 
+def check_model_splits_mlps(model: nn.Module) -> None:
+    """Raises ``EngineError`` unless the model built its MLPs through ``data_parallel_mlp`` (a model
+    that did not would run whole on every replica, in lockstep for nothing)."""
+    from engine.errors import EngineError
+
+    if not any(getattr(m, "dp_attention_mlp", False) for m in model.modules()):
+        raise EngineError(f"--enable-dp-attention: {type(model).__name__} does not split its MLPs across the "
+                          "data-parallel replicas (engine.distributed.data_parallel_mlp); models that do: "
+                          "DeepseekV2ForCausalLM, DeepseekV3ForCausalLM")
+
+
 def turn_flags(busy: bool, stopping: bool) -> tuple[bool, bool]:
     """Whether any replica has work this turn, and whether any was asked to stop (one gloo
     all-reduce; every replica calls it each turn)."""
@@ -118,4 +129,4 @@ def turn_flags(busy: bool, stopping: bool) -> tuple[bool, bool]:
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-__all__ = ["begin_forward", "data_parallel_mlp", "dp_attention_size", "idle_forward", "mlp_parallel", "turn_flags"]
+__all__ = ["begin_forward", "check_model_splits_mlps", "data_parallel_mlp", "dp_attention_size", "idle_forward", "mlp_parallel", "turn_flags"]

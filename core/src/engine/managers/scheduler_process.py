@@ -85,6 +85,10 @@ def scheduler_process(args: Any, model_path: str, ipc: IpcNames | None, ready_co
     try:
         platform = join_replica(args, placement)
         scheduler = make_scheduler(args, model_path, platform)
+        if placement.dp_attn_size > 1:
+            from engine.distributed.dp_attention import check_model_splits_mlps
+
+            check_model_splits_mlps(scheduler.runner.model)
     except EngineError as exc:
         ready_conn.send(("error", str(exc)))
         os._exit(1)
