@@ -234,3 +234,24 @@ def test_spans_reach_an_otlp_collector() -> None:
     # A retraction splits the phases: queue, prefill, queue again, prefill, decode.
     stages = [("scheduled", 1.0, 0), ("retracted", 2.0, 0), ("scheduled", 3.0, 0)]
     assert [p[0] for p in phases(stages, 0.0, 4.0, 5.0)] == ["queue", "prefill", "queue", "prefill", "decode"]
+
+
+def test_server_flag_wires_the_tracer(tokenizer: Any) -> None:
+    """--otlp-traces-endpoint: the app's tokenizer manager hands finished requests to the tracer,
+    and the server's shutdown exports what is queued."""
+    pytest.importorskip("opentelemetry.sdk")
+    _Collector.received = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        app = _make_app(tokenizer, ScriptedManager, otlp_traces_endpoint=f"http://127.0.0.1:{server.server_port}/v1/traces")
+        with TestClient(app, headers=AUTH):
+            state = _finished("wired", time.perf_counter() - 0.5, ttft=0.1, total=0.4)
+            for callback in app.state.ctx.manager.on_finish:
+                callback(state)
+    finally:
+        server.shutdown()
+    spans = [span for _, message in _Collector.received for rs in message.resource_spans
+             for ss in rs.scope_spans for span in ss.spans]
+    roots = [s for s in spans if s.name == "engine.request"]
+    assert len(roots) == 1 and {a.key: a.value.string_value for a in roots[0].attributes}["engine.request_id"] == "wired"
