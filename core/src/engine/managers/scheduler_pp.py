@@ -32,6 +32,7 @@ from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.scheduler import Scheduler
 from engine.managers.scheduler_decode import InflightDecode
+from engine.managers.timeline import mark
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ class PipelineScheduler(Scheduler):
                 fb = self._prepare_extend(batch)
                 if fb is not None:
                     self.extend_tokens += sum(r.extend_input_len for r in batch.reqs)
+                    for req in batch.reqs:  # the live view's and tracing's stages
+                        mark(req, "prefill_chunk", req.extend_input_len)
                     self._launch(True, batch, fb, None)
                     return "extend"
         return "decode" if self._launch_decode_micro_batch(busy) else None
