@@ -88,7 +88,9 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.num_layers = cfg.num_hidden_layers
         tp = self.placement.tp_size
-        distributed.check_model_parallel(cfg, tp, self.placement.pp_size, self.placement.ep_size)
+        # DP attention: the placement's ep_size is its MLPs' (split over the replicas, checked at launch).
+        ep = self.placement.ep_size if self.placement.dp_attn_size == 1 else 1
+        distributed.check_model_parallel(cfg, tp, self.placement.pp_size, ep)
         # Heads of this tensor-parallel rank; KV heads are replicated when fewer than ranks.
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.num_heads = cfg.num_attention_heads // tp
