@@ -82,7 +82,7 @@ def _gathered_call(inner: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
         sizes = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
         parts = [torch.empty_like(sizes) for _ in range(size)]
         dist.all_gather(parts, sizes, group=STATE.dp_attn_group)
-        _counts = [int(p.item()) for p in parts]
+        _counts = [int(n) for n in torch.cat(parts).tolist()]  # one device-to-host copy
     counts = _counts
     if counts[rank] != x.shape[0]:
         raise RuntimeError(f"DP attention: this forward's MLP got {x.shape[0]} tokens after {counts[rank]}")
@@ -91,7 +91,7 @@ def _gathered_call(inner: Callable[[torch.Tensor], torch.Tensor], x: torch.Tenso
     padded[: x.shape[0]] = x
     rows = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(rows, padded, group=STATE.dp_attn_group)
-    tokens = torch.cat([r[:n] for r, n in zip(rows, counts)])
+    tokens = torch.cat([r[:n] for r, n in zip(rows, counts, strict=True)])
     with mlp_parallel():
         out = inner(tokens)
     start = sum(counts[:rank])
@@ -129,4 +129,5 @@ def turn_flags(busy: bool, stopping: bool) -> tuple[bool, bool]:
     return bool(flags[0].item()), bool(flags[1].item())
 
 
-__all__ = ["begin_forward", "check_model_splits_mlps", "data_parallel_mlp", "dp_attention_size", "idle_forward", "mlp_parallel", "turn_flags"]
+__all__ = ["begin_forward", "check_model_splits_mlps", "data_parallel_mlp", "dp_attention_size", "idle_forward",
+           "mlp_parallel", "turn_flags"]
