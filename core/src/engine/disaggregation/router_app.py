@@ -19,6 +19,9 @@ from engine.disaggregation.router import _CONNECT_TIMEOUT_S, ROUTES, PDRouter, P
 from engine.errors import ConfigError
 
 
+_DISCONNECT_POLL_S = 0.5
+
+
 def create_app(router: PDRouter) -> Any:
     import httpx
 
@@ -48,8 +51,16 @@ def create_app(router: PDRouter) -> Any:
             body = await request.json()
         except ValueError:
             return JSONResponse(RouterError(400, "the request body is not valid JSON").body, status_code=400)
+        task = asyncio.ensure_future(route(state["client"], router, request.url.path, body))
+        # A client that goes away before the answer: cancelling closes both halves' connections,
+        # which aborts the request on both servers (a stream's disconnect closes its relay instead).
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)
         try:
-            status, data = await route(state["client"], router, request.url.path, body)
+            status, data = task.result()
         except RouterError as err:
             return JSONResponse(err.body, status_code=err.status)
         if status == 200 and not isinstance(data, (dict, list)):
