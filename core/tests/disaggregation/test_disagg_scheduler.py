@@ -155,11 +155,48 @@ def test_a_layout_mismatch_fails_naming_it(pair: tuple[Any, Any]) -> None:
     assert "KV layouts differ" in message and "num_kv_heads" in message, message
 
 
-def test_requests_it_cannot_split_are_refused(pair: tuple[Any, Any]) -> None:
-    prefill, _ = pair
-    submit(prefill, [5, 6, 7], _GREEDY, rid="lp", bootstrap_room=12, return_logprob=True)
-    col = _run([prefill], ["lp"], timeout_s=5)
-    assert col.finish["lp"]["type"] == "abort" and "logprobs" in col.finish["lp"]["message"]
+def _logprobs(schedulers: list[Any], rid: str, timeout_s: float = 30.0) -> dict[str, list[Any]]:
+    """Steps the schedulers until ``rid`` ends on the last one; its logprob fields, concatenated."""
+    got: dict[str, list[Any]] = {"output_token_logprobs": [], "output_top_logprobs": [], "input_token_logprobs": []}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for s in schedulers:
+            s.step()
+        for s in schedulers[:-1]:
+            s.take_outputs()
+        for msg in schedulers[-1].take_outputs():
+            for i, r in enumerate(msg.rids):
+                if r != rid:
+                    continue
+                got["output_token_logprobs"] += msg.output_token_logprobs[i]
+                got["output_top_logprobs"] += msg.output_top_logprobs[i]
+                got["input_token_logprobs"] += msg.input_token_logprobs[i] or []
+                if msg.finished_reasons[i] is not None:
+                    return got
+    raise AssertionError(f"{rid} did not finish in {timeout_s} s")
+
+
+def test_logprobs_of_prompt_and_output_equal_a_whole_server(pair: tuple[Any, Any]) -> None:
+    prefill, decode = pair
+    prompt, kw = [21, 22, 23, 24, 25, 26, 27], {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    submit(decode, prompt, _GREEDY, rid="lp-whole", **kw)
+    want = _logprobs([decode], "lp-whole")
+    submit(prefill, prompt, _GREEDY, rid="lp", bootstrap_room=12, **kw)
+    submit(decode, prompt, _GREEDY, rid="lp", bootstrap_room=12, bootstrap_host="127.0.0.1",
+           bootstrap_port=_port(prefill), **kw)
+    got = _logprobs([prefill, decode], "lp")
+    assert len(got["output_token_logprobs"]) == _GREEDY["max_new_tokens"] and len(got["input_token_logprobs"]) == len(prompt)
+    for field in want:
+        for a, b in zip(got[field], want[field], strict=True):
+            assert _close(a, b), (field, a, b)
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) < 1e-4
+    return a == b
 
 
 @pytest.mark.parametrize("values, needle", [

@@ -44,6 +44,20 @@ def kv_layout_of(runner: Any, args: Any) -> KvLayout:
                     page_size=args.page_size, kv_layout=getattr(pool, "kv_layout", "mha"))
 
 
+def _pairs(rows: list[Any] | None) -> list[tuple[Any, ...]] | None:
+    return None if rows is None else [tuple(r) for r in rows]
+
+
+def _take_logprobs(req: Req, sent: dict[str, Any]) -> None:
+    """The prefill server's logprobs of the first token (and of the prompt), as if computed here
+    (they crossed as JSON: pairs come back as tuples)."""
+    req.output_token_logprobs = _pairs(sent.get("output_token_logprobs")) or []
+    req.output_top_logprobs = [_pairs(row) or [] for row in sent.get("output_top_logprobs") or []]
+    req.input_token_logprobs = _pairs(sent.get("input_token_logprobs"))
+    if sent.get("input_top_logprobs") is not None:
+        req.input_top_logprobs = [_pairs(row) or [] for row in sent["input_top_logprobs"]]
+
+
 class DisaggregationMixin:
     """Mixed into ``Scheduler``: ``_init_disaggregation`` at start, ``_disagg_attach`` per new
     request, ``_disagg_step`` at the top of every step, ``_disagg_stage``/``_disagg_publish``
@@ -87,8 +101,6 @@ class DisaggregationMixin:
             return None  # runs here as on a whole server
         if recv.mm_items:
             return "images and video are not supported with --disaggregation-mode; send text prompts"
-        if recv.return_logprob:
-            return "logprobs are not supported with --disaggregation-mode (the first token is sampled on the prefill server)"
         req.disagg_key = transfer_key(room, req.rid)  # type: ignore[attr-defined]
         req.disagg_source = (recv.bootstrap_host, recv.bootstrap_port)  # type: ignore[attr-defined]
         self.disagg_counts["requests"] += 1
@@ -178,6 +190,8 @@ class DisaggregationMixin:
                 if getattr(pool, "kv_layout", "mha") != "mla":  # MLA's V is a view of its K rows
                     pool.v_buffer[layer][index] = payload.v[layer].to(pool.v_buffer[layer].device, non_blocking=True)
             req.disagg_done = True  # type: ignore[attr-defined]  # a retraction later recomputes locally
+            if req.return_logprob:
+                _take_logprobs(req, payload.meta.get("logprobs") or {})
             req.append_output(payload.first_token)
             req.check_finished()
             if req.finished():
@@ -217,7 +231,13 @@ class DisaggregationMixin:
         for req, k, v in staged:
             if not req.output_ids or (req.finished_reason is not None and req.finished_reason.kind == "abort"):
                 continue  # nothing to continue from: the decode server's fetch fails by its deadline
-            payload = KvPayload(req.output_ids[0], k, v, {"prompt_tokens": len(req.origin_input_ids)})
+            meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids)}
+            if req.return_logprob:  # the first token's, and the prompt's when asked: computed here only
+                meta["logprobs"] = {"output_token_logprobs": req.output_token_logprobs[:1],
+                                    "output_top_logprobs": req.output_top_logprobs[:1],
+                                    "input_token_logprobs": req.input_token_logprobs,
+                                    "input_top_logprobs": req.input_top_logprobs}
+            payload = KvPayload(req.output_ids[0], k, v, meta)
             self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
             self.disagg_counts["transferred"] += 1
             self.disagg_counts["transfer_bytes"] += payload.nbytes

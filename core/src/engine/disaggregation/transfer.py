@@ -63,7 +63,9 @@ class KvPayload:
     """One request's prompt KV in host memory, and the first token the prefill server sampled.
 
     ``k``: ``[num_layers, num_tokens, num_kv_heads, head_dim]``; ``v`` likewise with
-    ``v_head_dim``; both in the KV pool's storage dtype (fp8 pools travel as stored).
+    ``v_head_dim``; both in the KV pool's storage dtype (fp8 pools travel as stored). ``meta``
+    is JSON-able (the prompt's length; with logprobs, the first token's and the prompt's) and
+    must arrive as sent, up to tuples becoming lists.
     """
 
     first_token: int
