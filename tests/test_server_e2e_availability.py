@@ -2,8 +2,8 @@
 
 Huge prompts are refused without stalling /health; aborting a request's own id ends
 all its choices; disconnects are not logged as errors; SIGTERM — to the main pid or
-to the whole process group — drains and exits 0; a SIGKILLed server leaves no IPC
-directory behind. No timing thresholds: every wait is bounded generously and the
+to the whole process group — drains in-flight HTTP and gRPC streams and exits 0 with no engine
+process left; a SIGKILLed server leaves no IPC directory behind. No timing thresholds: every wait is bounded generously and the
 assertions are about outcomes (status codes, events, exit codes, files).
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import http.client
+import importlib.util
 import json
 import os
 import re
@@ -27,7 +28,14 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import MODEL_NAME, Server, assert_no_kv_leak, launch, wait_idle  # noqa: E402
+from test_server_e2e_harness import (  # noqa: E402
+    MODEL_NAME,
+    Server,
+    assert_no_kv_leak,
+    free_port,
+    launch,
+    wait_idle,
+)
 
 # The tiny model decodes ~700 tokens/s on an idle 2-core machine, so a request that must outlast a
 # test's polling and signalling needs a long context: these servers' checkpoint allows 32,768 tokens.
@@ -51,13 +59,18 @@ def long_context_ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 def servers(tmp_path_factory: pytest.TempPathFactory, long_context_ckpt: str) -> Iterator[dict[str, Server]]:
     """Three private servers started side by side; the tests that end one say which."""
     logs = str(tmp_path_factory.mktemp("availability-logs"))
+    # The group server serves gRPC too where plugserve-grpc is installed: its drain covers a gRPC stream.
+    grpc_port = free_port() if importlib.util.find_spec("engine_grpc") else None
     started = {
         # Shared by the request-level tests, then stopped by a SIGTERM to its process group.
         # Its grace is an upper bound the drained requests (20 x 60 tokens) never come near.
-        "group": launch(long_context_ckpt, logs, "--shutdown-grace-s", "120", api_key=None, new_session=True),
+        "group": launch(long_context_ckpt, logs, "--shutdown-grace-s", "120",
+                        *(("--grpc-port", str(grpc_port)) if grpc_port else ()), api_key=None, new_session=True),
         "drain": launch(long_context_ckpt, logs, "--shutdown-grace-s", "1", api_key=None),
         "kill": launch(long_context_ckpt, logs, api_key=None),
     }
+    if grpc_port:
+        started["group"].extra["grpc_port"] = grpc_port
     try:
         for server in started.values():
             server.wait_ready()
@@ -175,14 +188,38 @@ def test_client_disconnects_are_not_logged_as_errors(servers: dict[str, Server])
     assert "never retrieved" not in log and "Traceback" not in log, log[-3000:]
 
 
+def _native_stream(server: Server, out: dict[str, Any]) -> None:
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+            out["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
+    except httpx.HTTPError as exc:
+        out["error"] = repr(exc)
+
+
+def _grpc_stream(server: Server, out: dict[str, Any]) -> None:
+    from engine_grpc.client import Client, collect
+
+    with Client(f"127.0.0.1:{server.extra['grpc_port']}", timeout=120) as client:
+        call = client.generate(input_ids=[5, 6, 7], stream=True, sampling_params={"max_new_tokens": 300, "ignore_eos": True})
+        out["grpc"] = (collect(call), call.code())
+
+
 def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None:
-    """20 streamed requests are sent, then the whole process group gets a SIGTERM 0.5 s later (what
-    systemd, Docker and Kubernetes send). Half the requests are whole in the server's socket
-    buffers by then; the other half have sent their headers and all but the last byte of their
-    body, which arrives after the listening socket has closed. Every one of them had been
+    """A streamed native /generate request and (with plugserve-grpc) a gRPC stream are in flight;
+    20 streamed completions are sent, then the whole process group gets a SIGTERM 0.5 s later
+    (what systemd, Docker and Kubernetes send). Half the completions are whole in the server's
+    socket buffers by then; the other half have sent their headers and all but the last byte of
+    their body, which arrives after the listening socket has closed. Every one of them had been
     received, so every one ends with its finish reason, and the server exits 0."""
     server = servers["group"]
     children = server.descendants()
+    assert len(server.engine_children()) == 2, children
+    native: dict[str, Any] = {}
+    streams = []
+    for stream in (_grpc_stream, _native_stream) if "grpc_port" in server.extra else (_native_stream,):
+        streams.append(_in_thread(stream, server, native))
+        assert _wait(lambda: _inflight(server) >= len(streams)), f"{stream.__name__} never started"
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     conns, tails = [], []
     for i in range(_DRAINED_STREAMS):
@@ -215,6 +252,14 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
                         if c["finish_reason"]])
     assert server.proc.wait(180) == 0, server.log()[-3000:]
     assert reasons == [["length"]] * _DRAINED_STREAMS, (reasons, server.log()[-3000:])
+    for thread in streams:
+        thread.join(30)
+    events = native.get("events")
+    assert events, (native, server.log()[-3000:])
+    assert events[-1] == "data: [DONE]" and '"finish_reason":{"type":"length"' in events[-2], events[-2:]
+    if "grpc_port" in server.extra:  # the gRPC stream drained to its end too
+        (output,), code = native["grpc"]
+        assert (code.name, output.finish_reason, len(output.token_ids)) == ("OK", "length", 300), native["grpc"]
     drained = re.search(r"shutting down: no new connections; (\d+) request\(s\) received", server.log())
     assert drained and int(drained.group(1)) >= _DRAINED_STREAMS // 2, server.log()[-3000:]
     assert _wait(lambda: not [pid for pid in children if _alive(pid)], 10), "engine processes left behind"
@@ -230,7 +275,10 @@ def _accepts_connections(host: str, port: int) -> bool:
 
 
 def test_sigterm_past_the_grace_period_ends_requests_cleanly(servers: dict[str, Server]) -> None:
+    """A SIGTERM to the server's own pid (not its group): past the grace period the requests still
+    in flight end with server_shutting_down, and the engine processes exit with the server."""
     server = servers["drain"]
+    children = server.descendants()
     stream: dict[str, Any] = {}
     plain: dict[str, Any] = {}
 
@@ -256,6 +304,10 @@ def test_sigterm_past_the_grace_period_ends_requests_cleanly(servers: dict[str, 
     assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down", r.text
     log = server.log()
     assert "Cancel" not in log and "Traceback" not in log, log[-3000:]
+    # multiprocessing's resource tracker leaves a moment after its parent: allow it that moment.
+    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 5), "processes left behind after SIGTERM"
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=5)
 
 
 def test_sigkill_of_the_server_leaves_no_ipc_directory(servers: dict[str, Server]) -> None:

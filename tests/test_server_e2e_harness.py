@@ -80,6 +80,26 @@ class Server:
                 todo.extend(kids)
         return out
 
+    def engine_children(self) -> list[int]:
+        """Pids of the server's engine processes (scheduler, detokenizer): its direct children
+        started through engine.entrypoints.child_process, or forked from it (same command line),
+        not helpers such as multiprocessing's resource tracker."""
+        def cmdline(pid: int) -> bytes:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                return f.read()
+
+        own, out = cmdline(self.proc.pid), []
+        for pid in self.descendants():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+                line = cmdline(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if parent == self.proc.pid and (b"engine.entrypoints.child_process" in line or line == own):
+                out.append(pid)
+        return out
+
     def wait_ready(self, timeout: float = _START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
