@@ -90,3 +90,42 @@ def test_detokenizer_gets_the_tokenizer_and_never_loads_torch(llama_ckpt: str) -
             assert "libtorch" in f.read()  # the probe sees torch where it is loaded
         with open(f"/proc/{detokenizer.pid}/maps") as f:
             assert "libtorch" not in f.read(), "the detokenizer imported torch"
+
+
+_FORKING = textwrap.dedent("""
+    import decimal, sys, time
+    from engine.entrypoints.child_process import ChildProcess, allow_forked_children, can_fork_children
+
+    assert allow_forked_children() and can_fork_children()
+    # The child has what this process imported (decimal: a fresh interpreter would not), and
+    # computes on two threads without hanging.
+    code = ("import sys, torch; torch.set_num_threads(2); torch.randn(512, 512).exp().matmul(torch.ones(512, 8)); "
+            "sys.exit(5 if 'decimal' in sys.modules else 1)")
+    child = ChildProcess("builtins:exec", (code,), name="forked")
+    child.join(60)
+    sleeper = ChildProcess("time:sleep", (60,), name="sleeps")
+    assert sleeper.is_alive() and sleeper.exitcode is None
+    sleeper.kill()
+    sleeper.join(10)
+    print(child.exitcode, sleeper.exitcode)
+""")
+
+
+def test_the_engines_commands_fork_children_that_share_their_imports(tmp_path: Path) -> None:
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("needs Linux")
+    script = tmp_path / "forking.py"
+    script.write_text(_FORKING)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    if "AssertionError" in proc.stderr and "allow_forked_children" in proc.stderr:
+        pytest.skip("torch here has a device runtime: children start fresh")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["5", "-9"]
+
+
+def test_a_process_that_imported_torch_first_starts_fresh_children() -> None:
+    import torch  # noqa: F401  (this test process computed with it already)
+
+    from engine.entrypoints.child_process import allow_forked_children, can_fork_children
+
+    assert not allow_forked_children() and not can_fork_children()

@@ -194,11 +194,13 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
 
     The children are fresh interpreters (``child_process``), never importers of the user's
     ``__main__``; they start before this process's own checks so that their imports and the
-    model load overlap with them. ``model_path``: the checkpoint ``resolve_model_path`` already
-    returned for ``args`` (None: resolved here).
+    model load overlap with them. Under ``engine serve`` / ``engine generate`` on a CPU-only
+    torch they are forks of this process instead, started once it has imported torch and
+    transformers' config classes (``child_process.allow_forked_children``). ``model_path``: the
+    checkpoint ``resolve_model_path`` already returned for ``args`` (None: resolved here).
     """
     from engine.cpu_threads import pool_env
-    from engine.entrypoints.child_process import ChildProcess, pipe
+    from engine.entrypoints.child_process import ChildProcess, forking_children, pipe
     from engine.preflight import check_split_from_config_json, check_without_checkpoint
 
     # Names, paths and the model's split are checked before any child starts or weight loads.
@@ -206,6 +208,13 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
     if model_path is None:
         model_path = resolve_model_path(args)
     check_split_from_config_json(args, model_path)
+    if forking_children():
+        from engine.model_executor.checkpoint import load_hf_config
+
+        # Forked children inherit what this process imported: torch and transformers' config
+        # classes (seconds of CPU), which preflight imports below anyway, are imported once here.
+        load_hf_config(model_path, args.trust_remote_code)
+        logger.info("engine processes start as forks of this one (CPU-only torch): they share its imports")
     ipc = IpcNames.create()
     parent_pid = os.getpid()
     tokenizer_writer, tokenizer_reader = pipe(to_child=True)

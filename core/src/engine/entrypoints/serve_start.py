@@ -3,7 +3,9 @@
 The scheduler process's imports and model load are the longest part of a start. They begin as
 soon as the port is bound and the checkpoint is resolved; this process imports the HTTP server
 (FastAPI, uvicorn, torch: seconds) and loads the tokenizer while the scheduler works, then runs
-the server (``http_server.run_server``). Nothing here imports torch.
+the server (``http_server.run_server``). Nothing here imports torch, except on a CPU-only torch,
+where the children are forks of this process and share its torch and transformers imports
+(``child_process.allow_forked_children``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def serve(args: ServerArgs) -> int:
     starting: StartingRuntime | None = None
     try:
         started = time.perf_counter()
+        from engine.entrypoints.child_process import allow_forked_children
+
+        # With a CPU-only torch the children are forks of this process: it imports torch (and
+        # transformers' config classes, in start_runtime) first, and they inherit them.
+        allow_forked_children()
         # A GGUF (the default model is one) is converted on its first use, with a progress bar,
         # or found in the cache; either way the checkpoint's own log line says which.
         logger.info("[1/2] model: %s", args.model_path or "embedded default model (SmolLM2-135M-Instruct GGUF)")
