@@ -43,7 +43,10 @@ class _Pair:
         self._jobs.put(job)
 
     def stop(self) -> None:
+        """Ends the pair's thread after its queued jobs (a blocked transfer ends by its time-out)."""
         self._jobs.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
 
     def _run(self) -> None:
         group = None
@@ -60,6 +63,8 @@ class _Pair:
                 self.broken = f"{type(exc).__name__}: {exc}"
                 logger.warning("KV transfer pair %s failed: %s", self.name, self.broken)
                 fail(self.broken)
+        # The group's own threads end here, in this thread, while the interpreter still runs.
+        del group
 
 
 class TorchKvTransfer(ZmqKvTransfer):
