@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.testing.conformance.kv_transfer import KvTransferConformance
+from engine.testing import KvTransferConformance
 
 
 class TestZmqKvTransfer(KvTransferConformance):

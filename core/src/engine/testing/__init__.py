@@ -14,6 +14,8 @@
   match the torch reference, empty segments and rank-0 slots included.
 - ``KvStorageTierConformance`` (``check_kv_tier``): a KV storage tier returns what was written,
   bit-exactly, keeps ranks apart and backs the hierarchical prefix cache.
+- ``KvTransferConformance``: a KV transfer backend (prefill/decode disaggregation) moves payloads
+  bit-exactly, refuses a layout mismatch naming it and ends every fetch by its deadline.
 - ``GrammarBackendConformance`` (``engine.testing.grammar_kit``): a grammar backend accepts exactly
   its grammars' strings and its masks agree with a reference.
 
@@ -25,6 +27,7 @@ class attributes it documents. Checkpoint helpers live in ``engine.testing.check
 from engine.testing.conformance import (
     AttentionBackendConformance,
     KvStorageTierConformance,
+    KvTransferConformance,
     LoraBackendConformance,
     ModelConformance,
     PlatformConformance,
@@ -42,6 +45,7 @@ from engine.testing.grammar_kit import GrammarBackendConformance
 __all__ = [
     "AttentionBackendConformance",
     "KvStorageTierConformance",
+    "KvTransferConformance",
     "GrammarBackendConformance",
     "LoraBackendConformance",
     "ModelConformance",
