@@ -60,7 +60,7 @@ def test_greedy_output_equals_a_whole_server(pair: tuple[Any, Any]) -> None:
     prompts = [[7 + i, 20 + 3 * i, 5, 9 + i, 11] * (1 + 4 * (i % 3)) for i in range(6)]  # up to 45 tokens: chunked
     want = generate_greedy(decode, prompts, _GREEDY["max_new_tokens"], ignore_eos=True)  # no room: runs whole
     rids = [f"pair-{i}" for i in range(len(prompts))]
-    for rid, prompt in zip(rids, prompts):
+    for rid, prompt in zip(rids, prompts, strict=True):
         _submit_pair(prefill, decode, prompt, rid, room=7)
     col = _run([prefill, decode], rids)
     assert [col.ids[r] for r in rids] == want
@@ -85,7 +85,7 @@ def test_torch_distributed_backend_gives_the_same_output(pair: tuple[Any, Any]) 
         prompts = [[11 + i, 4, 40 + i, 8] * (1 + 3 * i) for i in range(3)]
         want = generate_greedy(decode, prompts, _GREEDY["max_new_tokens"], ignore_eos=True)
         rids = [f"torch-{i}" for i in range(len(prompts))]
-        for rid, prompt in zip(rids, prompts):
+        for rid, prompt in zip(rids, prompts, strict=True):
             _submit_pair(prefill, decode, prompt, rid, room=13)
         col = _run([prefill, decode], rids)
         assert [col.ids[r] for r in rids] == want
@@ -138,9 +138,9 @@ def test_kv_that_never_comes_times_out_with_the_reason(pair: tuple[Any, Any]) ->
 
 def test_a_layout_mismatch_fails_naming_it(pair: tuple[Any, Any]) -> None:
     import torch
+    from engine_kvtransfer_zmq.backend import ZmqKvTransfer
 
     from engine.disaggregation import KvLayout, KvPayload, KvTransferContext, transfer_key
-    from engine_kvtransfer_zmq.backend import ZmqKvTransfer
 
     _, decode = pair
     theirs = KvLayout(num_layers=2, num_kv_heads=7, head_dim=16, v_head_dim=16, dtype="torch.float32")
@@ -193,7 +193,7 @@ def test_logprobs_of_prompt_and_output_equal_a_whole_server(pair: tuple[Any, Any
 
 def _close(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) < 1e-4
     return a == b

@@ -15,7 +15,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from engine.disaggregation.router import _CONNECT_TIMEOUT_S, ROUTES, PDRouter, PrefillServer, RouterError, route
+from engine.disaggregation.router import (
+    _CONNECT_TIMEOUT_S,
+    ROUTES,
+    PDRouter,
+    PrefillServer,
+    RouterError,
+    route,
+)
 from engine.errors import ConfigError
 
 
@@ -74,7 +81,7 @@ def create_app(router: PDRouter) -> Any:
     async def health() -> Response:
         urls = [p.url for p in router.prefill] + list(router.decode)
         results = await asyncio.gather(*(_get(state["client"], u + "/health", router) for u in urls))
-        down = [u for u, (status, _) in zip(urls, results) if status != 200]
+        down = [u for u, (status, _) in zip(urls, results, strict=True) if status != 200]
         if down:
             return JSONResponse(RouterError(503, f"not healthy: {', '.join(down)}").body, status_code=503)
         return Response(status_code=200)

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from engine_kvtransfer_zmq.backend import ZmqKvTransfer
 
 from engine.disaggregation.transfer import KvPayload, KvTransferContext
-from engine_kvtransfer_zmq.backend import ZmqKvTransfer
 
 logger = logging.getLogger(__name__)
 
