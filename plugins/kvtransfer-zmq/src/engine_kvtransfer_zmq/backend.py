@@ -129,6 +129,8 @@ class ZmqKvTransfer(KvTransferBackend):
         self._ready: dict[str, tuple[list[Any], float]] = {}  # prefill: key -> (frames, expires)
         self._parked: dict[str, list[tuple[bytes, float]]] = {}  # prefill: key -> [(peer, expires)]
         self._dealers: dict[tuple[str, int], Any] = {}
+        # Decode: each dealer's monitor, so a prefill server that goes away fails its fetches at once.
+        self._monitors: dict[Any, tuple[str, int]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._commands, zmq.POLLIN)
         if self._router is not None:
@@ -143,6 +145,9 @@ class ZmqKvTransfer(KvTransferBackend):
                 for address, dealer in list(self._dealers.items()):
                     if dealer in events:
                         self._drain(dealer, lambda frames, address=address: self._on_reply(frames, address))
+                for monitor, address in list(self._monitors.items()):
+                    if monitor in events:
+                        self._on_monitor(monitor, address)
                 self._expire(time.monotonic())
         except Exception:  # the scheduler's fetches then time out with a message; log the cause
             logger.exception("KV transfer thread failed")
@@ -195,7 +200,28 @@ class ZmqKvTransfer(KvTransferBackend):
             dealer.connect(f"tcp://{host}:{port}")
             self._poller.register(dealer, zmq.POLLIN)
             self._dealers[(host, port)] = dealer
+            monitor = dealer.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._poller.register(monitor, zmq.POLLIN)
+            self._monitors[monitor] = (host, port)
         return dealer
+
+    def _on_monitor(self, monitor: Any, address: tuple[str, int]) -> None:
+        """A prefill server's connection closed: its fetches under way cannot be answered (it
+        keeps payloads in memory only), so they fail now rather than at their deadlines."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            with self._pending_lock:
+                lost = [key for key, (where, _) in self._pending.items() if where == address]
+            for key in lost:
+                self._finish_fetch(key, f"the prefill server's transfer port {address[0]}:{address[1]} closed the "
+                                        "connection (the prefill server stopped?)")
 
     def _dropped(self, key: str) -> None:
         """A published payload nobody will fetch was let go (subclasses free what they kept)."""

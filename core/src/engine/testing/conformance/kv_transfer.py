@@ -187,6 +187,21 @@ class KvTransferConformance:
         finally:
             decode.close()
 
+    def test_a_prefill_side_that_goes_away_fails_waiting_fetches_soon(self) -> None:
+        """Well before the fetch's deadline: a stopped prefill server cannot answer any more."""
+        prefill, decode = self._create("prefill"), self._create("decode")
+        try:
+            decode.fetch("room:w", "127.0.0.1", self._port(prefill), 60.0)
+            time.sleep(0.5)  # connected and parked on the prefill side
+            prefill.close()
+            started = time.monotonic()
+            got = wait_for(decode, "room:w", 15.0)
+            assert isinstance(got, str) and got, got
+            assert time.monotonic() - started < 5.0, "a fetch from a stopped prefill side waited for its deadline"
+        finally:
+            decode.close()
+            prefill.close()
+
     def test_unpublished_key_fails_by_deadline(self) -> None:
         prefill = self._create("prefill", timeout_s=self.short_timeout_s)
         decode = self._create("decode")
