@@ -244,6 +244,10 @@ class ServerArgs:
         if many:
             raise ConfigError(f"--disaggregation-mode {self.disaggregation_mode}: runs one rank per server (the KV of "
                               f"one pool moves as a whole); {', '.join(many)} is not supported; accepted: 1")
+        if self.disaggregation_mode == "decode" and self.speculative_algorithm:
+            # Its proposers start from the target's prefill (hidden states, drafts), which ran elsewhere.
+            raise ConfigError(f"--speculative-algorithm {self.speculative_algorithm}: not supported with "
+                              "--disaggregation-mode decode; accepted: none")
         import engine.plugins as plugins
         from engine.errors import PluginError
 

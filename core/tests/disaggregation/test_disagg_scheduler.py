@@ -205,6 +205,7 @@ def _close(a: Any, b: Any) -> bool:
     ({"disaggregation_bootstrap_port": 30000}, "--disaggregation-bootstrap-port"),
     ({"disaggregation_transfer_backend": "carrier-pigeon"}, "--disaggregation-transfer-backend"),
     ({"disaggregation_timeout_s": 0}, "--disaggregation-timeout-s"),
+    ({"speculative_algorithm": "ngram"}, "--speculative-algorithm ngram"),
 ])
 def test_config_refusals_name_the_flag(values: dict[str, Any], needle: str) -> None:
     with pytest.raises(EngineError, match=needle.replace("-", r"\-")):
