@@ -96,6 +96,26 @@ def test_torch_distributed_backend_gives_the_same_output(pair: tuple[Any, Any]) 
         prefill.kv_transfer, decode.kv_transfer = saved
 
 
+def test_a_full_decode_pool_waits_and_retracts_with_the_same_output(pair: tuple[Any, Any], llama_ckpt: str) -> None:
+    """A decode pool too small for every arrived request at once: KV waits in host memory for
+    slots, running requests are retracted (and recompute locally), and the output is unchanged."""
+    prefill, _ = pair
+    small = make_scheduler(llama_ckpt, disaggregation_mode="decode", max_total_tokens=160)
+    try:
+        prompts = [[7 + i, 20 + 3 * i, 5, 9 + i, 11] * 8 for i in range(5)]
+        want = generate_greedy(small, prompts, 32, ignore_eos=True)
+        rids = [f"small-{i}" for i in range(len(prompts))]
+        for rid, prompt in zip(rids, prompts, strict=True):
+            _submit_pair(prefill, small, prompt, rid, room=14, max_new_tokens=32)
+        col = _run([prefill, small], rids, timeout_s=60)
+        assert [col.ids[r] for r in rids] == want
+        assert small.num_retractions > 0, "the pool was meant to be too small for all five at once"
+        small.flush_cache()
+        check_no_leak(small)
+    finally:
+        small.kv_transfer.close()
+
+
 def test_a_stop_token_from_the_prefill_side_ends_the_request(pair: tuple[Any, Any]) -> None:
     prefill, decode = pair
     prompt = [3, 30, 300, 4, 40]
