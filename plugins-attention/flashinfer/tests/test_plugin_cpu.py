@@ -35,11 +35,11 @@ def test_registration() -> None:
     assert spec.factory == "engine_attention_flashinfer.backend:create"
     assert spec.device_types == ("cuda",) and spec.supports_cuda_graph
     options = [o for o in plugins.plugin_options().values() if o.plugin == "flashinfer"]
-    assert [(o.key, o.default) for o in options] == [("workspace_mb", 128)]
+    assert [(o.key, o.default) for o in options] == [("workspace_mb", 384)]
 
 
 def test_options() -> None:
-    assert parse_options({}) == {"workspace_mb": 128}
+    assert parse_options({}) == {"workspace_mb": 384}
     assert parse_options({"workspace_mb": "256"}) == {"workspace_mb": 256}
     with pytest.raises(ValueError, match="accepted: workspace_mb"):
         parse_options({"workspspace_mb": 1})

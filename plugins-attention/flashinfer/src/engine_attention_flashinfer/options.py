@@ -6,9 +6,11 @@ from typing import Any
 
 #: Options and their defaults; the plugin registers the same names (see ``__init__``).
 DEFAULT_OPTIONS: dict[str, int] = {
-    # Float workspace shared by every wrapper (split-KV partial outputs), in MiB.
-    # FlashInfer recommends 128 MiB; long contexts with large batches may need more.
-    "workspace_mb": 128,
+    # Float workspace shared by every wrapper (split-KV partial outputs), in MiB. A split-KV
+    # prefill of a full 8,192-token chunk at 32 heads x 128 needs ~320 MiB of it (2.5x the
+    # chunk's float32 output), so 128 MiB overflows at the default --chunked-prefill-size;
+    # SGLang's default is the same 384 MiB.
+    "workspace_mb": 384,
 }
 
 
