@@ -180,3 +180,11 @@ def test_the_committed_page_is_generated_from_the_committed_results() -> None:
     assert page.read_text(encoding="utf-8") == build_page(results), (
         "docs/benchmarks.md differs from its result files: regenerate it with "
         "`engine bench report docs/bench_results/*.jsonl --output docs/benchmarks.md` (do not edit it by hand)")
+
+
+def test_a_startup_row_with_cpu_seconds_shows_them(tmp_path: pathlib.Path) -> None:
+    startup = {"bench": "startup", "floor_s": 4.0, "generate_s": 6.0, "serve_s": 5.0, "generate_cpu_s": 11.5,
+               "serve_cpu_s": 7.25, "machine": "2 cores", "command": "engine bench startup", "date": "2026-11-28"}
+    page = build_page([_write(tmp_path / "r.jsonl", startup)])
+    assert _table(page, "Start-up")[0][4] == ("Engine 6.00 s, serve 5.00 s (import floor 4.00 s); "
+                                              "CPU-s a run: Engine 11.50, serve 7.25")

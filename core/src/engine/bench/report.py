@@ -281,8 +281,12 @@ def _spec(row: dict[str, Any]) -> Figure:
 def _startup(row: dict[str, Any]) -> Figure:
     parts = [f"{label} {row[key]:.2f} s" for label, key in (("Engine", "generate_s"), ("serve", "serve_s"))
              if key in row]
-    return Figure(", ".join(parts) + f" (import floor {row['floor_s']:.2f} s)",
-                  row.get("generate_s", row.get("serve_s")), higher_is_better=False)
+    text = ", ".join(parts) + f" (import floor {row['floor_s']:.2f} s)"
+    cpu = [f"{label} {row[key]:.2f}" for label, key in (("Engine", "generate_cpu_s"), ("serve", "serve_cpu_s"))
+           if key in row]
+    if cpu:
+        text += "; CPU-s a run: " + ", ".join(cpu)
+    return Figure(text, row.get("generate_s", row.get("serve_s")), higher_is_better=False)
 
 
 def _serving(row: dict[str, Any]) -> Figure:
