@@ -34,11 +34,8 @@ def create_hierarchical_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
         raise ConfigError(f"--enable-hierarchical-cache: not available for this model's KV pool "
                           f"({type(pool).__name__}); accepted: models with per-layer K and V buffers")
     placement = getattr(runner, "placement", None)
-    layout = KvLayout(
-        num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
-        v_head_dim=pool.v_head_dim, dtype=pool.dtype, page_size=args.page_size,
-        device_type=runner.device.type,
-        tp_rank=getattr(placement, "tp_rank", 0), tp_size=getattr(placement, "tp_size", 1))
+    layout = KvLayout.of_pool(pool, args.page_size, runner.device.type,
+                              tp_rank=getattr(placement, "tp_rank", 0), tp_size=getattr(placement, "tp_size", 1))
     tokens = tier_tokens(args, runner.max_total_num_tokens, layout.bytes_per_token())
     if tokens < args.page_size:
         raise ConfigError(f"--hicache-size {args.hicache_size}: holds {tokens} tokens at "

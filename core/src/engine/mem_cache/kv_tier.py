@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,18 @@ class KvLayout:
     device_type: str = "cpu"
     tp_rank: int = 0
     tp_size: int = 1
+    #: the device pool's ``kv_layout``: "mha", or "mla", whose V is a view of the leading dims of
+    #: its K rows; an "mla" layout has ``v_head_dim == 0`` (tiers receive and return empty V).
+    kv_layout: str = "mha"
+
+    @classmethod
+    def of_pool(cls, pool: Any, page_size: int, device_type: str = "cpu", tp_rank: int = 0,
+                tp_size: int = 1) -> KvLayout:
+        """The layout a tier needs for ``pool``: an MLA pool's K rows only (its V is inside them)."""
+        kind = getattr(pool, "kv_layout", "mha")
+        return cls(num_layers=pool.num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                   v_head_dim=0 if kind == "mla" else pool.v_head_dim, dtype=pool.dtype, page_size=page_size,
+                   device_type=device_type, tp_rank=tp_rank, tp_size=tp_size, kv_layout=kind)
 
     def bytes_per_token(self) -> int:
         """Bytes of K and V of one token over all layers of this rank."""
@@ -55,7 +68,8 @@ class KvStorageTier(ABC):
 
     Args:
         layout: the rank's KV layout; ``write`` receives and ``read`` returns per-layer tensors
-            ``[n, num_kv_heads, head_dim]`` (V: ``v_head_dim``) of ``layout.dtype``.
+            ``[n, num_kv_heads, head_dim]`` (V: ``v_head_dim``) of ``layout.dtype``; V tensors of
+            an "mla" layout have no elements (``v_head_dim`` 0).
         num_tokens: capacity in token slots; rounded down to whole pages (at least one page).
     """
 

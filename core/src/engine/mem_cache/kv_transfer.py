@@ -13,6 +13,10 @@ Ordering on CUDA, which is what makes reusing freed device slots safe:
   for the loads issued so far, before the forward that reads them. The CPU never blocks.
 
 On the CPU (and devices without streams) the same calls run synchronously, in order.
+
+An "mla" pool (``pool.kv_layout``) keeps V as a view of the leading dims of its K rows: only the
+K rows move, and the tier's layout has ``v_head_dim`` 0 (``KvLayout.of_pool``), so it receives
+and returns empty V tensors.
 """
 
 from __future__ import annotations
@@ -36,11 +40,18 @@ class _PendingWrite:
 
 
 class KvTransfer:
-    """Moves KV slot contents between ``pool`` (an ``MHATokenToKVPool``) and ``tier``."""
+    """Moves KV slot contents between ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool``)
+    and ``tier``."""
 
     def __init__(self, pool: Any, tier: KvStorageTier, device: torch.device | str) -> None:
         self.pool = pool
         self.tier = tier
+        self.key_only = getattr(pool, "kv_layout", "mha") == "mla"
+        if self.key_only and tier.layout.v_head_dim != 0:
+            raise ValueError(f"{type(tier).__name__}: layout v_head_dim {tier.layout.v_head_dim} for an 'mla' KV "
+                             "pool, whose V lives in its K rows; accepted: 0 (KvLayout.of_pool(pool, ...))")
+        # The device buffers a copy writes: V views of an MLA pool are written through K.
+        self._dest = pool.k_buffer if self.key_only else pool.k_buffer + pool.v_buffer
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
@@ -58,21 +69,25 @@ class KvTransfer:
         self.tokens_written += len(device_slots)
         idx = device_slots.to(self.device, torch.int64)
         ks = [buf[idx] for buf in self.pool.k_buffer]
-        vs = [buf[idx] for buf in self.pool.v_buffer]
+        if self.key_only:
+            vs = [torch.empty((len(idx), t.shape[1], 0), dtype=t.dtype) for t in ks]
+        else:
+            vs = [buf[idx] for buf in self.pool.v_buffer]
         if not self.is_cuda:
             self.tier.write(tier_slots, [t.cpu() for t in ks], [t.cpu() for t in vs])
             return
         compute = torch.cuda.current_stream(self.device)
         assert self.copy_stream is not None
         self.copy_stream.wait_stream(compute)
+        srcs = ks if self.key_only else ks + vs
         with torch.cuda.stream(self.copy_stream):
-            hk = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in ks]
-            hv = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in vs]
-            for dst, src in zip(hk + hv, ks + vs, strict=True):
+            hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in srcs]
+            for dst, src in zip(hosts, srcs, strict=True):
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        self._pending.append(_PendingWrite(event, tier_slots, hk, hv, ks + vs))
+        n = len(ks)
+        self._pending.append(_PendingWrite(event, tier_slots, hosts[:n], vs if self.key_only else hosts[n:], srcs))
 
     def poll(self) -> None:
         """Hands finished device -> host copies to the tier (never blocks)."""
@@ -96,24 +111,25 @@ class KvTransfer:
         self.complete_writes()
         self.tokens_loaded += len(tier_slots)
         ks, vs = self.tier.read(tier_slots)
+        srcs = ks if self.key_only else ks + vs
         idx = device_slots.to(self.device, torch.int64)
         if not self.is_cuda:
-            for buf, src in zip(self.pool.k_buffer + self.pool.v_buffer, ks + vs, strict=True):
+            for buf, src in zip(self._dest, srcs, strict=True):
                 buf[idx] = src.to(buf.dtype)
             return
         if not self.tier.returns_pinned:
-            ks, vs = [t.pin_memory() for t in ks], [t.pin_memory() for t in vs]
+            srcs = [t.pin_memory() for t in srcs]
         assert self.copy_stream is not None
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
-            for buf, src in zip(self.pool.k_buffer + self.pool.v_buffer, ks + vs, strict=True):
+            for buf, src in zip(self._dest, srcs, strict=True):
                 staged = src.to(self.device, non_blocking=True)
                 buf[idx] = staged
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         # The pinned sources and the index (made on the compute stream, read on the copy stream)
         # must outlive the asynchronous copies: the entry keeps them until its event completes.
-        self._load_events.append((event, ks + vs, idx))
+        self._load_events.append((event, srcs, idx))
 
     def wait_loads(self) -> None:
         """Makes the compute stream wait for the loads issued so far (no CPU wait)."""

@@ -52,7 +52,8 @@ class FileTier(KvStorageTier):
         n = len(slots)
         if n == 0:
             return
-        parts = [t.contiguous().view(torch.uint8).reshape(n, -1) for t in (*k, *v)]
+        # Widths spelled out: an "mla" layout's V tensors have no elements (reshape(n, -1) refuses them).
+        parts = [t.contiguous().view(torch.uint8).reshape(n, t.numel() * t.element_size() // n) for t in (*k, *v)]
         rows = torch.cat(parts, dim=1)
         order = torch.argsort(slots)
         rows = rows[order].numpy()

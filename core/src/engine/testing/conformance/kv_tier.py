@@ -1,7 +1,8 @@
 """``check_kv_tier`` / ``KvStorageTierConformance``: a KV storage tier stores and returns K and V
 bit-exactly per slot (float32, bfloat16, float8; page sizes 1 and 4; V narrower than K), keeps
 two tensor-parallel ranks' instances apart, and backs the hierarchical prefix cache: a prefix
-evicted from a device pool into the tier comes back with the same KV."""
+evicted from a device pool into the tier comes back with the same KV, for an MLA pool too (whose
+tier layout has ``v_head_dim`` 0: only the latent K rows are stored, V tensors are empty)."""
 
 from __future__ import annotations
 
@@ -143,6 +144,49 @@ def check_backs_the_cache(factory: TierFactory, seed: int = KIT_SEED) -> None:
         tier.close()
 
 
+def check_mla_backs_the_cache(factory: TierFactory, seed: int = KIT_SEED) -> None:
+    """An MLA pool (V is a view of its K rows) through the cache: the tier gets K rows and empty V,
+    the evicted prefix loads back bit-exactly, and the bytes moved are the K rows' only."""
+    from engine.mem_cache import ReqToTokenPool, TokenToKVPoolAllocator
+    from engine.mem_cache.hiradix_cache import HiRadixCache
+    from engine.mem_cache.memory_pool import MLATokenToKVPool
+
+    pool = MLATokenToKVPool(24, 1, torch.float32, kv_lora_rank=8, rope_dim=4, num_layers=2, device="cpu")
+    layout = KvLayout.of_pool(pool, 1)
+    assert (layout.kv_layout, layout.head_dim, layout.v_head_dim) == ("mla", 12, 0), layout
+    allocator = TokenToKVPoolAllocator(24, 1, "cpu")
+    tier = factory(layout, TIER_TOKENS)
+    cache = HiRadixCache(ReqToTokenPool(2, 32, "cpu"), allocator, pool, tier, write_policy="write_back")
+    gen = generator(derive_seed(seed, "mla cache"))
+    try:
+        keys = [list(range(100, 116)), list(range(200, 216))]
+        rows = []
+        for key in keys:
+            if allocator.available_size() < len(key):
+                cache.evict(len(key) - allocator.available_size())
+            slots = allocator.alloc(len(key))
+            assert slots is not None
+            k, _ = _random_kv(gen, layout, len(key))
+            for i in range(layout.num_layers):
+                pool.k_buffer[i][slots] = k[i]
+            cache.insert(key, slots)
+            rows.append(k)
+        match = cache.match_prefix(keys[0])
+        assert match.prefix_len == len(keys[0]), f"MLA: the evicted prefix matched {match.prefix_len} tokens"
+        idx = match.device_indices
+        _same([b[idx] for b in pool.k_buffer], rows[0], layout, len(idx), "MLA loaded back: K rows")
+        stats = cache.stats()
+        # 2 layers x 12 dims x 4 bytes = 96 bytes a token; copying the V views too would move
+        # 2 x (12 + 8) x 4 = 160.
+        per_token = layout.num_layers * (pool.kv_lora_rank + pool.rope_dim) * 4
+        moved = stats["hicache_bytes_written"] + stats["hicache_bytes_loaded"]
+        tokens = cache.transfer.tokens_written + cache.transfer.tokens_loaded
+        assert tokens >= 2 * len(keys[0]) and moved == tokens * per_token, (
+            f"MLA: {moved} bytes moved for {tokens} token copies; expected {per_token} a token (K rows only)")
+    finally:
+        tier.close()
+
+
 class KvStorageTierConformance:
     """Set ``tier_name`` (and ``plugin_options``, ``{plugin: {key: value}}``: e.g. a directory)."""
 
@@ -170,6 +214,9 @@ class KvStorageTierConformance:
     def test_backs_the_prefix_cache(self) -> None:
         check_backs_the_cache(self.factory(), self.seed)
 
+    def test_backs_the_prefix_cache_of_an_mla_pool(self) -> None:
+        check_mla_backs_the_cache(self.factory(), self.seed)
+
 
 def check_kv_tier(factory: TierFactory, seed: int = KIT_SEED) -> None:
     """Every check of the kit on a tier factory ``(layout, num_tokens) -> KvStorageTier``."""
@@ -177,3 +224,4 @@ def check_kv_tier(factory: TierFactory, seed: int = KIT_SEED) -> None:
         check_round_trip(factory, dtype, page_size, seed)
     check_ranks_apart(factory, seed)
     check_backs_the_cache(factory, seed)
+    check_mla_backs_the_cache(factory, seed)
