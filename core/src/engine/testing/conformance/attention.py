@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import pytest
@@ -11,44 +10,31 @@ import torch
 
 from engine import plugins
 from engine.hookspecs import resolve_factory
-from engine.testing.conformance._common import KIT_SEED, derive_seed, device_or_skip, generator, randn
-
-# How a random batch of each mode is drawn: (rows, prefix range, new tokens per row).
-_MAX_PREFIX, _MAX_EXTEND = 90, 40
-# FP8 KV case: per-layer scales that are not powers of two (so a scale applied wrongly or not
-# at all changes the result), and one key/value element far past the format's range (the write
-# must saturate: a float -> fp8 cast of an overflowing value gives NaN on GPUs).
-_FP8_K_SCALE, _FP8_V_SCALE, _FP8_OUTLIER = 0.0371, 0.0219, 1.0e4
-
-
-@dataclass
-class _Rows:
-    """The rows of one drawn batch: extend rows first, then decode rows (the MIXED layout)."""
-
-    prefix: list[int]  # cached tokens per row
-    extend: list[int]  # new tokens per row (1 for decode rows)
-    num_extend_reqs: int  # leading rows that are extend rows
+from engine.testing.conformance._attention_rows import FP8_K_SCALE as _FP8_K_SCALE
+from engine.testing.conformance._attention_rows import FP8_OUTLIER as _FP8_OUTLIER
+from engine.testing.conformance._attention_rows import FP8_V_SCALE as _FP8_V_SCALE
+from engine.testing.conformance._attention_rows import MAX_PREFIX as _MAX_PREFIX
+from engine.testing.conformance._attention_rows import draw_rows as _draw_rows
+from engine.testing.conformance._common import (
+    KIT_SEED,
+    derive_seed,
+    device_or_skip,
+    generator,
+    randn,
+)
+from engine.testing.conformance.attention_mla import MLACases
 
 
-def _draw_rows(rng: random.Random, mode: str) -> _Rows:
-    if mode == "decode":
-        bs = rng.randint(1, 6)
-        return _Rows([rng.randint(0, _MAX_PREFIX) for _ in range(bs)], [1] * bs, 0)
-    n_ext = rng.randint(1, 6) if mode == "extend" else rng.randint(1, 3)
-    n_dec = 0 if mode == "extend" else rng.randint(1, 4)
-    prefix = [rng.randint(0, _MAX_PREFIX) for _ in range(n_ext)]
-    prefix += [rng.randint(1, _MAX_PREFIX) for _ in range(n_dec)]  # a decode row follows its prompt
-    extend = [rng.randint(1, _MAX_EXTEND) for _ in range(n_ext)] + [1] * n_dec
-    return _Rows(prefix, extend, n_ext)
-
-
-class AttentionBackendConformance:
+class AttentionBackendConformance(MLACases):
     """Set ``backend_name``; optionally ``device``, ``dtypes``, ``page_sizes``, ``atol``, shapes.
 
     The backend must declare the kit's device in ``AttentionBackendSpec.device_types`` (default
     ``("cuda",)``) and accept the kit's page sizes: the engine would refuse it otherwise. A backend
     whose spec lists ``fp8_e4m3``/``fp8_e5m2`` in ``kv_cache_dtypes`` must pass the fp8-KV cases
     (the reference attends over the pool's dequantized values, so the tolerance is the dtype's).
+    A backend whose spec lists ``"mla"`` in ``kv_layouts`` must pass the MLA cases too
+    (``engine.testing.conformance.attention_mla``: weight-absorbed latent attention over an
+    ``MLATokenToKVPool``, fp8 included when declared).
     Every batch is drawn from a seed derived from ``seed`` and the test's parameters; a
     failure message names that seed.
     """
@@ -126,7 +112,7 @@ class AttentionBackendConformance:
         kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
                          randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), layer.k_scale, layer.v_scale)
         last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
-        new_loc = alloc.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext)], last)
+        new_loc = alloc.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext, strict=True)], last)
         off = 0
         for i in range(bs):
             r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
@@ -162,7 +148,7 @@ class AttentionBackendConformance:
         device = kv.device
         rows = _draw_rows(random.Random(seed), mode)
         prefix, ext, bs = rows.prefix, rows.extend, len(rows.prefix)
-        seq = [p + e for p, e in zip(prefix, ext)]
+        seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         slots, new_loc, q, k, v = self._fill_rows(r2t, kv, alloc, gen, prefix, ext, dtype, layer)
         n = sum(ext)
@@ -260,12 +246,12 @@ class AttentionBackendConformance:
         bs = len(parents)
         prefix = [rng.randint(0, _MAX_PREFIX) for _ in range(bs)]
         ext = [len(p) for p in parents]
-        seq = [p + e for p, e in zip(prefix, ext)]
+        seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         H, D = self.num_heads, self.head_dim
         slots, new_loc, q, k, v = self._fill_rows(r2t, kv, alloc, gen, prefix, ext, dtype, layer)
         n = sum(ext)
         fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * n, slots, seq, prefix, new_loc, device)
-        fb.positions = torch.tensor([p + d for p, par in zip(prefix, parents) for d in depths(par)],
+        fb.positions = torch.tensor([p + d for p, par in zip(prefix, parents, strict=True) for d in depths(par)],
                                     dtype=torch.int64, device=device)
         fb.tree_mask, fb.tree_mask_indptr = tree_mask_of_rows(parents, device)
         fb.req_to_token_pool, fb.token_to_kv_pool, fb.attn_backend = r2t, kv, backend
