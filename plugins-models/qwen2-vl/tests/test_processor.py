@@ -61,3 +61,21 @@ def test_placeholders_must_match_the_items(processor: Qwen2VLProcessorPil) -> No
         processor(text=["<|image_pad|><|image_pad|>"], images=_frames(1, 16, 16))
     with pytest.raises(ValueError, match="1 item\\(s\\) have no '<\\|image_pad\\|>' placeholder"):
         processor(text=["<|image_pad|>"], images=_frames(2, 16, 16))
+
+
+@pytest.mark.parametrize("patch_size, limits, sizes", [
+    (4, (64, 32 * 32), [(16, 16), (37, 53), (90, 20)]),  # the fixture's limits: images shrink
+    (14, (56 * 56, 28 * 28 * 1280), [(150, 97), (3, 420), (28, 28)]),  # Qwen2-VL's defaults: grow and cut
+])
+def test_image_pixels_equal_transformers(patch_size: int, limits: tuple[int, int],
+                                         sizes: list[tuple[int, int]]) -> None:
+    """The plugin's uint8 patching and value table give transformers' exact float32 pixels."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ip = Qwen2VLImageProcessorPil(patch_size=patch_size, min_pixels=limits[0], max_pixels=limits[1])
+    rng = np.random.default_rng(patch_size)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    want = ip(images=images, return_tensors="pt")
+    pixels, grid = Qwen2VLProcessorPil(None, ip).image_pixels(images)
+    assert torch.equal(grid, want["image_grid_thw"])
+    assert pixels.dtype == torch.float32 and torch.equal(pixels, want["pixel_values"])

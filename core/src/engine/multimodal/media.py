@@ -95,7 +95,7 @@ def load_image(source: Any, param: str, limits: MediaLimits) -> Any:
     try:
         image = Image.open(io.BytesIO(data))
         image.load()
-        return image.convert("RGB")
+        return image if image.mode == "RGB" else image.convert("RGB")  # no copy of an RGB image
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise MediaError(f"cannot decode the image ({len(data)} bytes): {exc}", param) from None
 

@@ -9,7 +9,7 @@ import logging
 import threading
 from typing import Any
 
-from engine.multimodal.items import MultimodalItem, apply_pad_ids, features_hash
+from engine.multimodal.items import MultimodalItem, apply_pad_ids, media_hash
 from engine.multimodal.media import MediaError, MediaLimits, MediaRef, load_image, load_video
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,11 @@ class MultimodalProcessor:
         self.tokenizer = getattr(self.processor, "tokenizer", None)
         # The tokenizer workers share this processor; a fast tokenizer used from two threads at
         # once can fail ("Already borrowed") when a call changes its padding/truncation state.
-        # Decoding the images runs outside the lock.
-        self._lock = threading.Lock()
+        # Only the processor's tokenizer is locked: decoding, resizing and normalizing the
+        # images of concurrent requests run in parallel (PIL and numpy release the GIL).
+        if self.tokenizer is not None:
+            self.processor.tokenizer = _LockedTokenizer(self.tokenizer)
+        self.processor_key = _processor_key(self.processor)
         self.vocab_size = vocab_size
         self.limit_per_prompt = limit_per_prompt
         self.limits = limits
@@ -110,8 +113,7 @@ class MultimodalProcessor:
         if videos:
             kwargs["videos"] = videos
         try:
-            with self._lock:
-                out = self.processor(**kwargs)
+            out = self.processor(**kwargs)
         except MediaError:
             raise
         except Exception as exc:  # the processor's own refusal: a size it cannot take, a frame count...
@@ -119,13 +121,17 @@ class MultimodalProcessor:
             raise MediaError(f"the model's processor refused the input: {exc}", first) from None
         ids = out["input_ids"][0].tolist()
         items = []
-        for modality, count in (("image", len(images)), ("video", len(videos))):
-            if count:
-                items += self._items(modality, count, ids, out, where)
+        for modality, found in (("image", [[image] for image in images]), ("video", videos)):
+            if found:
+                items += self._items(modality, found, ids, out, where)
         items.sort(key=lambda it: it.offset)
         return apply_pad_ids(ids, items, self.vocab_size), items
 
-    def _items(self, modality: str, count: int, ids: list[int], out: Any, where: str) -> list[MultimodalItem]:
+    def _items(self, modality: str, frames: list[list[Any]], ids: list[int], out: Any,
+               where: str) -> list[MultimodalItem]:
+        """One item per image (one frame) or video, in prompt order: the processor expands the
+        placeholders in the order it was given the media."""
+        count = len(frames)
         runs = _runs(ids, self.token_ids[modality])
         if len(runs) != count:
             total = sum(n for _, n in runs)
@@ -134,8 +140,51 @@ class MultimodalProcessor:
             start, _ = runs[0]  # adjacent items with no text between: equal shares
             runs = [(start + i * total // count, total // count) for i in range(count)]
         features = _split_features(modality, count, {k: v for k, v in out.items() if k not in _TEXT_KEYS})
-        return [MultimodalItem(modality, features_hash(modality, f), offset, length, f)
-                for (offset, length), f in zip(runs, features)]
+        return [MultimodalItem(modality, media_hash(modality, pixels, f, self.processor_key), offset, length, f)
+                for (offset, length), f, pixels in zip(runs, features, frames)]
+
+
+class _LockedTokenizer:
+    """A tokenizer whose calls hold one lock; everything else passes through."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.__dict__["_tokenizer"] = tokenizer
+        self.__dict__["_lock"] = threading.RLock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._tokenizer, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+        lock = self._lock
+
+        def locked(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return value(*args, **kwargs)
+
+        return locked
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._tokenizer, name, value)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+
+def _processor_key(processor: Any) -> bytes:
+    """The processor's class and its image and video settings: what, besides the pixels,
+    decides an item's features (part of its hash)."""
+    parts = [f"{type(processor).__module__}.{type(processor).__qualname__}"]
+    for name in ("image_processor", "video_processor"):
+        sub = getattr(processor, name, None)
+        if sub is None or sub is processor:
+            continue
+        to_json = getattr(sub, "to_json_string", None)
+        parts.append(f"{name}={type(sub).__qualname__}:{to_json() if callable(to_json) else ''}")
+    return "\n".join(parts).encode()
 
 
 def _model_processor_loader(model_path: str) -> Any:

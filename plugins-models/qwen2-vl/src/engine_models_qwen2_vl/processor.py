@@ -32,6 +32,7 @@ class Qwen2VLProcessorPil:
         # Frames are processed here (``videos``): the runtime asks for a video processor.
         self.video_processor = self
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
+        self._table: np.ndarray | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, trust_remote_code: bool = False) -> Qwen2VLProcessorPil:
@@ -60,8 +61,7 @@ class Qwen2VLProcessorPil:
         merge = int(self.image_processor.merge_size) ** 2
         runs = {self.image_token: [], self.video_token: []}
         if images:
-            pixels = self.image_processor(images=images, return_tensors="pt")
-            out["pixel_values"], out["image_grid_thw"] = pixels["pixel_values"], pixels["image_grid_thw"]
+            out["pixel_values"], out["image_grid_thw"] = self.image_pixels(images)
             runs[self.image_token] = [int(g.prod()) // merge for g in out["image_grid_thw"]]
         if videos:
             parts = [self.video_patches(frames) for frames in videos]
@@ -78,6 +78,58 @@ class Qwen2VLProcessorPil:
         out["input_ids"] = torch.tensor(ids, dtype=torch.int64)
         out["attention_mask"] = torch.ones_like(out["input_ids"])
         return out
+
+    def image_pixels(self, images: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The images' ``pixel_values`` [patches, C*T*P*P] and ``image_grid_thw`` [n, 3], equal
+        to those of transformers' ``Qwen2VLImageProcessorPil``.
+
+        Resized as uint8 by PIL (as transformers does), cut into patches while still uint8, then
+        rescaled and normalized in one pass through a per-channel table of the 256 values: the
+        same float32 arithmetic per value as transformers' rescale-then-normalize, in a quarter
+        of the memory traffic. A processor configured otherwise than resize-rescale-normalize of
+        RGB images goes through transformers.
+        """
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        ip = self.image_processor
+        if not (getattr(ip, "do_resize", False) and all(getattr(im, "mode", None) == "RGB" for im in images)):
+            pixels = ip(images=images, return_tensors="pt")
+            return pixels["pixel_values"], pixels["image_grid_thw"]
+        patch, merge, temporal = int(ip.patch_size), int(ip.merge_size), int(ip.temporal_patch_size)
+        sizes = [smart_resize(im.height, im.width, factor=patch * merge, min_pixels=ip.size.shortest_edge,
+                              max_pixels=ip.size.longest_edge) for im in images]
+        grids = [(1, h // patch, w // patch) for h, w in sizes]
+        table = self._value_table()
+        out = np.empty((sum(g * w for _, g, w in grids), 3, temporal, patch, patch), dtype=np.float32)
+        row = 0
+        for im, (h, w), (_, gh, gw) in zip(images, sizes, grids):
+            pixels = np.asarray(im.resize((w, h), resample=ip.resample))
+            # (block row, block column, row in block, column in block, channel, y, x), as transformers.
+            blocks = pixels.reshape(gh // merge, merge, patch, gw // merge, merge, patch, 3)
+            blocks = np.ascontiguousarray(blocks.transpose(0, 3, 1, 4, 6, 2, 5)).reshape(gh * gw, 3, patch, patch)
+            mine = out[row:row + gh * gw]
+            for c in range(3):
+                np.take(table[c], blocks[:, c], out=mine[:, c, 0], mode="clip")
+            mine[:, :, 1:] = mine[:, :, :1]  # one image fills every frame of its temporal patch
+            row += gh * gw
+        return (torch.from_numpy(out.reshape(row, 3 * temporal * patch * patch)),
+                torch.tensor(grids, dtype=torch.int64))
+
+    def _value_table(self) -> np.ndarray:
+        """[3, 256] float32: what transformers' rescale (float64, then float32) and normalize
+        (float32) make of each uint8 value of each channel."""
+        if self._table is None:
+            ip = self.image_processor
+            values = np.arange(256, dtype=np.float64)
+            if ip.do_rescale:
+                values = values * float(ip.rescale_factor)
+            values = np.broadcast_to(values.astype(np.float32), (3, 256))
+            if ip.do_normalize:
+                mean = np.broadcast_to(np.asarray(ip.image_mean, dtype=np.float32), (3,))[:, None]
+                std = np.broadcast_to(np.asarray(ip.image_std, dtype=np.float32), (3,))[:, None]
+                values = (values - mean) / std
+            self._table = np.ascontiguousarray(values, dtype=np.float32)
+        return self._table
 
     def _expand(self, prompt: str, runs: dict[str, list[int]]) -> str:
         """Each placeholder, in prompt order, becomes as many copies as its item has tokens."""
