@@ -63,7 +63,9 @@ class KvPayload:
     """One request's prompt KV in host memory, and the first token the prefill server sampled.
 
     ``k``: ``[num_layers, num_tokens, num_kv_heads, head_dim]``; ``v`` likewise with
-    ``v_head_dim``; both in the KV pool's storage dtype (fp8 pools travel as stored). ``meta``
+    ``v_head_dim``; both in the KV pool's storage dtype (fp8 pools travel as stored). An "mla"
+    pool's V is the leading dims of its K rows: ``v`` is ``[num_layers, num_tokens, 1, 0]`` and
+    only K travels. ``meta``
     is JSON-able (the prompt's length; with logprobs, the first token's and the prompt's) and
     must arrive as sent, up to tuples becoming lists.
     """
@@ -135,5 +137,5 @@ class KvTransferBackend(ABC):
         """Counters for /get_server_info (bytes moved, transfers, failures)."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (optional: a backend holding nothing keeps it)
         """Stops the backend's threads and sockets (idempotent)."""

@@ -156,11 +156,20 @@ class KvTransferConformance:
 
         prefill, decode = pair
         k = torch.randn(2, 5, 1, 24, generator=generator(self.seed)).to(torch.bfloat16)
+        sent_before = prefill.stats().get("bytes_sent")
         prefill.publish("room:mla", KvPayload(3, k, k.new_empty((2, 5, 1, 0))))
         decode.fetch("room:mla", "127.0.0.1", self._port(prefill), 10.0)
         got = wait_for(decode, "room:mla")
         assert not isinstance(got, str), got
         assert torch.equal(got.k, k) and tuple(got.v.shape) == (2, 5, 1, 0)
+        if sent_before is not None:  # a backend that counts its bytes moved the K rows' only
+            want = sent_before + k.numel() * k.element_size()
+            deadline = time.monotonic() + 5.0  # the serving thread counts after its send
+            while prefill.stats()["bytes_sent"] < want and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert prefill.stats()["bytes_sent"] == want, (
+                f"bytes_sent grew by {prefill.stats()['bytes_sent'] - sent_before} for an MLA payload of "
+                f"{want - sent_before} K bytes and no V")
 
     def test_page_size_may_differ(self) -> None:
         prefill = self._create("prefill", _layout(page_size=16))
