@@ -31,8 +31,11 @@ def test_video_patches_follow_the_video_layout(processor: Qwen2VLProcessorPil) -
     patches, grid = processor.video_patches(frames)
     assert grid.tolist() == [[2, 4, 6]] and patches.shape == (2 * 4 * 6, 3 * 2 * 4 * 4)
     ip = processor.image_processor
-    mean, std = np.asarray(ip.image_mean)[:, None, None], np.asarray(ip.image_std)[:, None, None]
-    pixels = [(np.asarray(f, dtype=np.float32).transpose(2, 0, 1) / 255 - mean) / std for f in frames]
+    mean = np.asarray(ip.image_mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(ip.image_std, dtype=np.float32)[:, None, None]
+    scale = np.float32(ip.rescale_factor)
+    # float32 arithmetic per value: the processor's value table must reproduce it exactly.
+    pixels = [(np.asarray(f, dtype=np.float32).transpose(2, 0, 1) * scale - mean) / std for f in frames]
     pixels.append(pixels[-1])
     row = 0
     for t in range(2):
@@ -42,7 +45,7 @@ def test_video_patches_follow_the_video_layout(processor: Qwen2VLProcessorPil) -
                     for mx in range(2):
                         y, x = (by * 2 + my) * 4, (bx * 2 + mx) * 4
                         want = np.stack([pixels[2 * t + k][:, y:y + 4, x:x + 4] for k in range(2)], axis=1)
-                        np.testing.assert_allclose(patches[row].numpy(), want.reshape(-1), rtol=1e-5, atol=1e-5)
+                        np.testing.assert_array_equal(patches[row].numpy(), want.reshape(-1))
                         row += 1
 
 

@@ -33,6 +33,7 @@ class Qwen2VLProcessorPil:
         self.video_processor = self
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
         self._table: np.ndarray | None = None
+        self._frame_table: np.ndarray | None = None
 
     @classmethod
     def from_pretrained(cls, path: str, trust_remote_code: bool = False) -> Qwen2VLProcessorPil:
@@ -156,17 +157,29 @@ class Qwen2VLProcessorPil:
         first = frames[0]
         h, w = smart_resize(first.height, first.width, factor=patch * merge, min_pixels=ip.size.shortest_edge,
                             max_pixels=ip.size.longest_edge)
-        mean = np.asarray(ip.image_mean, dtype=np.float32)[:, None, None]
-        std = np.asarray(ip.image_std, dtype=np.float32)[:, None, None]
-        arrays = [np.asarray(f.convert("RGB").resize((w, h), resample=Image.Resampling.BICUBIC), dtype=np.float32)
-                  for f in frames]
-        x = (np.stack(arrays).transpose(0, 3, 1, 2) * float(ip.rescale_factor) - mean) / std
+        x = np.stack([np.asarray((f if f.mode == "RGB" else f.convert("RGB")).resize(
+            (w, h), resample=Image.Resampling.BICUBIC)) for f in frames])
         if len(x) % temporal:
             x = np.concatenate([x, np.repeat(x[-1:], temporal - len(x) % temporal, axis=0)])
         t, gh, gw = len(x) // temporal, h // patch, w // patch
-        x = x.reshape(t, temporal, 3, gh // merge, merge, patch, gw // merge, merge, patch)
-        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, 3 * temporal * patch * patch)
-        return torch.from_numpy(np.ascontiguousarray(x)), torch.tensor([[t, gh, gw]])
+        # Cut while uint8: (t, block row, block column, row in block, column in block, channel, frame, y, x).
+        x = x.reshape(t, temporal, gh // merge, merge, patch, gw // merge, merge, patch, 3)
+        x = np.ascontiguousarray(x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)).reshape(t * gh * gw, 3, -1)
+        table = self._video_table()
+        out = np.empty(x.shape, dtype=np.float32)
+        for c in range(3):
+            np.take(table[c], x[:, c], out=out[:, c], mode="clip")
+        return torch.from_numpy(out.reshape(t * gh * gw, -1)), torch.tensor([[t, gh, gw]])
+
+    def _video_table(self) -> np.ndarray:
+        """[3, 256] float32: each uint8 value of a frame's channel rescaled and normalized in float32."""
+        if self._frame_table is None:
+            ip = self.image_processor
+            mean = np.asarray(ip.image_mean, dtype=np.float32)[:, None]
+            std = np.asarray(ip.image_std, dtype=np.float32)[:, None]
+            values = np.arange(256, dtype=np.float32)[None, :] * np.float32(ip.rescale_factor)
+            self._frame_table = np.ascontiguousarray((values - mean) / std, dtype=np.float32)
+        return self._frame_table
 
 
 def _chat_template(path: str) -> str | None:
