@@ -156,6 +156,8 @@ class _LockedTokenizer:
             return self._tokenizer(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("_tokenizer", "_lock"):  # a copy made without __init__: no recursion
+            raise AttributeError(name)
         value = getattr(self._tokenizer, name)
         if not callable(value) or isinstance(value, type):
             return value
