@@ -5,6 +5,7 @@ one selected, then all uninstalled: selecting the attention backend becomes a cl
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -26,8 +27,12 @@ def _engine(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "engine", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def _pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "-q", *args], check=True, capture_output=True, timeout=300)
+def _pip(command: str, *args: str) -> None:
+    # The plugins are local directories without dependencies: pip needs no index, and asking
+    # PyPI for a newer pip is a network call a test should not make.
+    offline = ["--no-index"] if command == "install" else []
+    subprocess.run([sys.executable, "-m", "pip", command, "-q", "--disable-pip-version-check", *offline, *args],
+                   check=True, capture_output=True, timeout=300)
 
 
 @pytest.mark.slow
@@ -48,9 +53,13 @@ def test_one_plugin_of_each_kind_from_the_template(tmp_path: pathlib.Path, llama
         assert ran.returncode == 0, ran.stderr
         # Every generated conformance test passes against its installed plugin, in one pytest run;
         # -rs prints skip reasons (the template's quant method has no checkpoint format).
+        # The generated tests need no pytest plugin; without autoloading, pytest skips importing
+        # (and assertion-rewriting) the ones this environment happens to have: ~4 CPU-s of a
+        # ~16 CPU-s run here (langsmith's alone rewrites 227 modules where no bytecode is cached).
         kit = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                               *[str(d / "tests") for d in dests.values()]],
-                             capture_output=True, text=True, timeout=400, cwd=str(tmp_path))
+                             capture_output=True, text=True, timeout=400, cwd=str(tmp_path),
+                             env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
         assert kit.returncode == 0, kit.stdout[-3000:]
         assert "failed" not in kit.stdout and "serialized_config is None" in kit.stdout, kit.stdout[-3000:]
         # Installed but disabled: the error names the plugin and what disabled it, before any model load.
