@@ -45,6 +45,9 @@ _LONG = {"max_new_tokens": 30000, "ignore_eos": True}
 # The group SIGTERM test: streams sent before the signal, and the tokens each must still receive.
 _DRAINED_STREAMS = 20
 _DRAINED_TOKENS = 60
+# The native and gRPC streams of that test: long enough (~2 s at full speed) that the first is still
+# running when the second starts, and both when the signal comes.
+_STREAM_TOKENS = 1500
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +192,8 @@ def test_client_disconnects_are_not_logged_as_errors(servers: dict[str, Server])
 
 
 def _native_stream(server: Server, out: dict[str, Any]) -> None:
-    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 300, "ignore_eos": True}, "stream": True}
+    body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": _STREAM_TOKENS, "ignore_eos": True},
+            "stream": True}
     try:
         with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
             out["events"] = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -201,7 +205,8 @@ def _grpc_stream(server: Server, out: dict[str, Any]) -> None:
     from engine_grpc.client import Client, collect
 
     with Client(f"127.0.0.1:{server.extra['grpc_port']}", timeout=120) as client:
-        call = client.generate(input_ids=[5, 6, 7], stream=True, sampling_params={"max_new_tokens": 300, "ignore_eos": True})
+        call = client.generate(input_ids=[5, 6, 7], stream=True,
+                               sampling_params={"max_new_tokens": _STREAM_TOKENS, "ignore_eos": True})
         out["grpc"] = (collect(call), call.code())
 
 
@@ -238,7 +243,7 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
     os.killpg(server.proc.pid, signal.SIGTERM)
     assert _wait(lambda: not _accepts_connections(host, int(port)), 30), "the listening socket stayed open"
     time.sleep(0.2)  # the drain has begun: the last bytes below arrive during it
-    for conn, tail in zip(conns, tails):
+    for conn, tail in zip(conns, tails, strict=True):
         if tail:
             conn.send(tail)
     reasons = []
@@ -259,7 +264,8 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
     assert events[-1] == "data: [DONE]" and '"finish_reason":{"type":"length"' in events[-2], events[-2:]
     if "grpc_port" in server.extra:  # the gRPC stream drained to its end too
         (output,), code = native["grpc"]
-        assert (code.name, output.finish_reason, len(output.token_ids)) == ("OK", "length", 300), native["grpc"]
+        assert (code.name, output.finish_reason, len(output.token_ids)) == ("OK", "length", _STREAM_TOKENS), \
+            native["grpc"]
     drained = re.search(r"shutting down: no new connections; (\d+) request\(s\) received", server.log())
     assert drained and int(drained.group(1)) >= _DRAINED_STREAMS // 2, server.log()[-3000:]
     assert _wait(lambda: not [pid for pid in children if _alive(pid)], 10), "engine processes left behind"
