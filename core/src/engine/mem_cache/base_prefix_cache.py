@@ -103,7 +103,7 @@ class BasePrefixCache(ABC):
             return self.match_prefix(key)
         return self.match_prefix(key, namespace=namespace)  # type: ignore[call-arg]
 
-    def ready_for_forward(self) -> None:
+    def ready_for_forward(self) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Called before a prefill forward: KV the cache is still copying into the device pool
         for the batch (a hierarchical cache's loads) must be ordered before it."""
 

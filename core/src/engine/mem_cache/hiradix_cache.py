@@ -94,30 +94,9 @@ class HiRadixCache(TierSideMixin, RadixCache):
         into device slots first (``load_back``, when the device has room), so the result is
         always device slots."""
         self.transfer.poll()
-        if type(key) is not list:
-            key = list(key)
-        end = self._aligned(len(key))
-        top = self._namespace_root(namespace, create=False)
+        top, path = self._match_path(key, namespace)
         if top is None:
             return MatchResult(device_indices=self._no_slots, last_node=self.root_node)
-        now = next(self._clock)
-        top.last_access_time = now
-        path: list[TreeNode] = []
-        node, pos = top, 0
-        while pos < end:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            matched = self._match_len(child.key, key, pos)
-            if matched == 0:
-                break
-            if matched < len(child.key):
-                child = self._split_node(child, matched)
-            child.last_access_time = now
-            child.hit_count += 1
-            path.append(child)
-            node = child
-            pos += matched
         on_device = 0
         while on_device < len(path) and path[on_device].value is not None:
             on_device += 1
@@ -131,11 +110,7 @@ class HiRadixCache(TierSideMixin, RadixCache):
             self.host_hit_tokens += sum(len(n.key) for n in loaded)
             self._maybe_log()
         nodes = device_nodes + loaded
-        if not nodes:
-            return MatchResult(device_indices=self._no_slots, last_node=top)
-        values = [n.value for n in nodes]
-        indices = values[0] if len(values) == 1 else torch.cat(values)  # type: ignore[arg-type]
-        return MatchResult(device_indices=indices, last_node=nodes[-1])
+        return MatchResult(device_indices=self._cat_values(nodes), last_node=nodes[-1] if nodes else top)
 
     def prefix_hint(self, key: Sequence[int], namespace: int | None = None) -> MatchResult:
         """The device part of the match, loading nothing (admission ordering only)."""

@@ -312,7 +312,7 @@ class TokenToKVPoolAllocator:
         ``last_locs[i]`` is the KV slot of request i's token at ``prefix_len - 1``
         (ignored when ``prefix_len == 0``); new tokens continue that page first.
         """
-        total = sum(s - p for p, s in zip(prefix_lens, seq_lens))
+        total = sum(s - p for p, s in zip(prefix_lens, seq_lens, strict=True))
         if self._unsorted and total > len(seq_lens):
             # A prefill (more new tokens than rows); decode steps skip this per-step sort.
             self.free_pages = torch.sort(self.free_pages).values
@@ -321,14 +321,14 @@ class TokenToKVPoolAllocator:
             return self.alloc(total)
         ps = self.page_size
         new_pages_needed = sum(
-            (s + ps - 1) // ps - (p + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens)
+            (s + ps - 1) // ps - (p + ps - 1) // ps for p, s in zip(prefix_lens, seq_lens, strict=True)
         )
         pages = self._take_pages(new_pages_needed)
         if pages is None:
             return None
         out: list[torch.Tensor] = []
         cursor = 0
-        for prefix_len, seq_len, last_loc in zip(prefix_lens, seq_lens, last_locs):
+        for prefix_len, seq_len, last_loc in zip(prefix_lens, seq_lens, last_locs, strict=True):
             pieces = []
             pos = prefix_len
             if prefix_len % ps and seq_len > prefix_len:

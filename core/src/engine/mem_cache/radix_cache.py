@@ -210,17 +210,26 @@ class RadixCache(BasePrefixCache):
         ``last_node`` protects exactly the matched tokens. Refreshes the access
         time and hit count of every node on the path.
         """
+        top, path = self._match_path(key, namespace)
+        if top is None:
+            return MatchResult(device_indices=self._no_slots, last_node=self.root_node)
+        return MatchResult(device_indices=self._cat_values(path), last_node=path[-1] if path else top)
+
+    def _match_path(self, key: Sequence[int], namespace: int | None) -> tuple[TreeNode | None, list[TreeNode]]:
+        """The namespace's root and the nodes matching ``key``'s longest page-aligned prefix, the
+        last one split where the match ends inside its edge; refreshes their access time and hit
+        count. (None, []) when the namespace has no tree."""
         if type(key) is not list:  # slices must compare list to list
             key = list(key)
         # A trailing partial page never matches: _match_len rounds down to pages.
         end = self._aligned(len(key))
-        node = self._namespace_root(namespace, create=False)
-        if node is None:
-            return MatchResult(device_indices=self._no_slots, last_node=self.root_node)
+        top = self._namespace_root(namespace, create=False)
+        if top is None:
+            return None, []
         now = next(self._clock)
-        node.last_access_time = now
-        values: list[torch.Tensor] = []
-        pos = 0
+        top.last_access_time = now
+        path: list[TreeNode] = []
+        node, pos = top, 0
         while pos < end:
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -232,16 +241,18 @@ class RadixCache(BasePrefixCache):
                 child = self._split_node(child, matched)
             child.last_access_time = now
             child.hit_count += 1
-            values.append(child.value)
+            path.append(child)
             node = child
             pos += matched
-        if not values:
-            indices = self._no_slots
-        elif len(values) == 1:
-            indices = values[0]
-        else:
-            indices = torch.cat(values)
-        return MatchResult(device_indices=indices, last_node=node)
+        return top, path
+
+    def _cat_values(self, nodes: list[TreeNode]) -> torch.Tensor:
+        """The device slots of ``nodes``, in order (no copy for a single node)."""
+        if not nodes:
+            return self._no_slots
+        if len(nodes) == 1:
+            return nodes[0].value  # type: ignore[return-value]
+        return torch.cat([n.value for n in nodes])  # type: ignore[misc]
 
     def insert(self, key: Sequence[int], value: torch.Tensor, namespace: int | None = None) -> int:
         """Stores ``value`` under ``key`` in ``namespace``; see ``BasePrefixCache.insert``.
