@@ -56,10 +56,13 @@ def test_one_plugin_of_each_kind_from_the_template(tmp_path: pathlib.Path, llama
         # The generated tests need no pytest plugin; without autoloading, pytest skips importing
         # (and assertion-rewriting) the ones this environment happens to have: ~4 CPU-s of a
         # ~16 CPU-s run here (langsmith's alone rewrites 227 modules where no bytecode is cached).
+        # One torch thread unless the caller chose (scripts/test.sh does): the tiny models' matmuls
+        # spin 2 OpenMP threads beside the other test workers for ~10x their CPU time.
         kit = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                               *[str(d / "tests") for d in dests.values()]],
                              capture_output=True, text=True, timeout=400, cwd=str(tmp_path),
-                             env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"})
+                             env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+                                  "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         assert kit.returncode == 0, kit.stdout[-3000:]
         assert "failed" not in kit.stdout and "serialized_config is None" in kit.stdout, kit.stdout[-3000:]
         # Installed but disabled: the error names the plugin and what disabled it, before any model load.
