@@ -91,6 +91,28 @@ def test_broken_registration_is_listed_with_error() -> None:
     assert reg.plugins["bad"].status == "broken" and "boom" in reg.plugins["bad"].error
 
 
+def test_entry_point_whose_metadata_vanished_is_broken_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A distribution being uninstalled while the registry scans: its metadata read fails."""
+    import importlib_metadata
+
+    class Vanishing:
+        name, group, value = "going", plugins.ENTRY_POINT_GROUP, "gone_module"
+
+        @property
+        def dist(self) -> object:
+            raise importlib_metadata.MetadataNotFound("No package metadata was found.")
+
+    real = importlib_metadata.entry_points
+
+    def entry_points(**kw: object) -> list[object]:
+        return [*real(**kw), Vanishing()]
+
+    monkeypatch.setattr(importlib_metadata, "entry_points", entry_points)
+    reg = plugins.PluginRegistry()
+    assert reg.plugins["going"].status == "broken" and "unreadable package metadata" in reg.plugins["going"].error
+    assert reg.plugins["torch_native"].status == "ok"
+
+
 def test_wrong_spec_type_marks_plugin_broken() -> None:
     @hookimpl
     def register_attention_backends(register):  # type: ignore[no-untyped-def]

@@ -129,10 +129,15 @@ class PluginRegistry:
             from importlib.metadata import entry_points  # type: ignore[assignment]
 
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            dist = ep.dist.name if ep.dist else "?"
-            version = ep.dist.version if ep.dist else "?"
             if ep.name in self.plugins:
                 continue  # the same distribution seen twice on sys.path
+            try:
+                dist = ep.dist.name if ep.dist else "?"
+                version = ep.dist.version if ep.dist else "?"
+            except Exception as exc:  # its metadata vanished: a pip (un)install running right now
+                self.plugins[ep.name] = PluginInfo(ep.name, "?", "?", status="broken",
+                                                   error=f"unreadable package metadata: {_one_line(exc)}")
+                continue
             why = self._disabled_reason(ep.name)
             if why:
                 self.plugins[ep.name] = PluginInfo(ep.name, dist, version, status="disabled", disabled_by=why)
