@@ -46,4 +46,4 @@ def create_hierarchical_cache(args: ServerArgs, runner: Any) -> HiRadixCache:
     logger.info("hierarchical cache: %s, %s", tier.describe(), args.hicache_write_policy)
     return HiRadixCache(runner.req_to_token_pool, runner.token_to_kv_pool_allocator, pool, tier,
                         page_size=args.page_size, eviction_policy=args.radix_eviction_policy,
-                        write_policy=args.hicache_write_policy)
+                        write_policy=args.hicache_write_policy, platform=getattr(runner, "platform", None))

@@ -55,6 +55,8 @@ class HiRadixCache(TierSideMixin, RadixCache):
         kv_pool: the device KV pool (``k_buffer``/``v_buffer`` per layer) the slots index.
         tier: where evicted nodes go; its slots are allocated and freed here.
         write_policy: ``write_through`` or ``write_back``.
+        platform: the ``engine.platforms.Platform`` whose streams and events overlap the copies
+            with compute; None copies synchronously.
         The other arguments are ``RadixCache``'s.
     """
 
@@ -62,7 +64,7 @@ class HiRadixCache(TierSideMixin, RadixCache):
 
     def __init__(self, req_to_token_pool: Any, token_to_kv_pool_allocator: Any, kv_pool: Any,
                  tier: KvStorageTier, page_size: int = 1, eviction_policy: str = "lru",
-                 write_policy: str = "write_through") -> None:
+                 write_policy: str = "write_through", platform: Any | None = None) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ConfigError(f"--hicache-write-policy: invalid value {write_policy!r}; "
                               f"accepted: {', '.join(WRITE_POLICIES)}")
@@ -70,7 +72,7 @@ class HiRadixCache(TierSideMixin, RadixCache):
             raise ConfigError(f"KV tier page size {tier.layout.page_size} must equal --page-size {page_size}")
         self.tier = tier
         self.write_policy = write_policy
-        self.transfer = KvTransfer(kv_pool, tier, token_to_kv_pool_allocator.device)
+        self.transfer = KvTransfer(kv_pool, tier, token_to_kv_pool_allocator.device, platform)
         # Tier-only nodes a running load reads: the tier must not evict them meanwhile.
         self._pinned_host: set[int] = set()
         self._count_hits = True

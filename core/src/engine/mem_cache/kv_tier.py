@@ -133,7 +133,8 @@ class HostMemoryTier(KvStorageTier):
         _check_host_memory((num_tokens + layout.page_size) * layout.bytes_per_token())  # before any allocation
         super().__init__(layout, num_tokens)
         rows = self.size + layout.page_size
-        self.pinned = layout.device_type == "cuda" and torch.cuda.is_available()
+        # A pool on a CUDA device means CUDA is there to pin with.
+        self.pinned = layout.device_type == "cuda"
         self.returns_pinned = self.pinned
 
         def buffer(dim: int) -> torch.Tensor:

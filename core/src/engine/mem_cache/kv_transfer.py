@@ -43,7 +43,8 @@ class KvTransfer:
     """Moves KV slot contents between ``pool`` (an ``MHATokenToKVPool`` or ``MLATokenToKVPool``)
     and ``tier``."""
 
-    def __init__(self, pool: Any, tier: KvStorageTier, device: torch.device | str) -> None:
+    def __init__(self, pool: Any, tier: KvStorageTier, device: torch.device | str,
+                 platform: Any | None = None) -> None:
         self.pool = pool
         self.tier = tier
         self.key_only = getattr(pool, "kv_layout", "mha") == "mla"
@@ -53,8 +54,11 @@ class KvTransfer:
         # The device buffers a copy writes: V views of an MLA pool are written through K.
         self._dest = pool.k_buffer if self.key_only else pool.k_buffer + pool.v_buffer
         self.device = torch.device(device)
-        self.is_cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
+        # Streams and events come from the platform (engine.platforms); without one, or on a
+        # device without streams, every copy runs synchronously.
+        self.platform = platform
+        self.copy_stream = platform.create_stream() if platform is not None and self.device.type != "cpu" else None
+        self.is_cuda = self.copy_stream is not None
         self._pending: list[_PendingWrite] = []
         self._load_events: list[tuple[Any, list[torch.Tensor], torch.Tensor]] = []
         self.bytes_per_token = tier.layout.bytes_per_token()
@@ -76,18 +80,22 @@ class KvTransfer:
         if not self.is_cuda:
             self.tier.write(tier_slots, [t.cpu() for t in ks], [t.cpu() for t in vs])
             return
-        compute = torch.cuda.current_stream(self.device)
-        assert self.copy_stream is not None
-        self.copy_stream.wait_stream(compute)
+        self._copy_stream_waits_for_compute()
         srcs = ks if self.key_only else ks + vs
-        with torch.cuda.stream(self.copy_stream):
+        with self.platform.stream_context(self.copy_stream):
             hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in srcs]
             for dst, src in zip(hosts, srcs, strict=True):
                 dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self.platform.create_event()
             event.record(self.copy_stream)
         n = len(ks)
         self._pending.append(_PendingWrite(event, tier_slots, hosts[:n], vs if self.key_only else hosts[n:], srcs))
+
+    def _copy_stream_waits_for_compute(self) -> None:
+        """Queues on the copy stream a wait for everything issued so far on the current stream."""
+        marker = self.platform.create_event()
+        marker.record()  # on the current (compute) stream
+        self.copy_stream.wait_event(marker)
 
     def poll(self) -> None:
         """Hands finished device -> host copies to the tier (never blocks)."""
@@ -119,13 +127,12 @@ class KvTransfer:
             return
         if not self.tier.returns_pinned:
             srcs = [t.pin_memory() for t in srcs]
-        assert self.copy_stream is not None
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
+        self._copy_stream_waits_for_compute()
+        with self.platform.stream_context(self.copy_stream):
             for buf, src in zip(self._dest, srcs, strict=True):
                 staged = src.to(self.device, non_blocking=True)
                 buf[idx] = staged
-            event = torch.cuda.Event()
+            event = self.platform.create_event()
             event.record(self.copy_stream)
         # The pinned sources and the index (made on the compute stream, read on the copy stream)
         # must outlive the asynchronous copies: the entry keeps them until its event completes.
@@ -135,9 +142,8 @@ class KvTransfer:
         """Makes the compute stream wait for the loads issued so far (no CPU wait)."""
         if not self._load_events:
             return
-        compute = torch.cuda.current_stream(self.device)
         for event, _, _ in self._load_events:
-            compute.wait_event(event)
+            event.wait()  # the current (compute) stream waits; the CPU does not
         self._load_events = [e for e in self._load_events if not e[0].query()]
 
     def reset(self) -> None:
