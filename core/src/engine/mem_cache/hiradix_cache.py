@@ -147,39 +147,14 @@ class HiRadixCache(TierSideMixin, RadixCache):
         self.transfer.wait_loads()
 
     # -- inserting -------------------------------------------------------------------
-    def insert(self, key: Sequence[int], value: torch.Tensor, namespace: int | None = None) -> int:
-        """As ``RadixCache.insert``; a tier-only node on the path takes the caller's slots for its
-        tokens (the caller just computed them), so the returned length ends before it."""
-        if len(value) != len(key):
-            raise ValueError(f"insert: key has {len(key)} tokens but value has {len(value)} slots")
-        if type(key) is not list:
-            key = list(key)
-        end = self._aligned(len(key))
-        node = self._namespace_root(namespace, create=True)
-        assert node is not None
-        now = next(self._clock)
-        node.last_access_time = now
-        pos, adopted_from = 0, None
-        while pos < end:
-            child_key = self._child_key(key, pos)
-            child = node.children.get(child_key)
-            matched = 0 if child is None else self._match_len(child.key, key, pos)
-            if child is None or matched == 0:
-                self._add_leaf(node, child_key, key[pos:end], value[pos:end], now)
-                break
-            if matched < len(child.key):
-                child = self._split_node(child, matched)
-            child.last_access_time = now
-            if child.value is None:
-                if adopted_from is None:
-                    adopted_from = pos
-                child.value = value[pos : pos + matched].to(dtype=torch.int64, copy=True)
-                self._evictable_size += matched
-            elif adopted_from is not None:
-                raise AssertionError(f"{child!r} is on the device below a tier-only node")
-            node = child
-            pos += matched
-        return pos if adopted_from is None else adopted_from
+    def _adopt_on_insert(self, node: TreeNode, value: torch.Tensor) -> bool:
+        """A tier-only node on the path takes the caller's slots for its tokens (the caller just
+        computed them), so ``insert`` returns a length that ends before it."""
+        if node.value is not None:
+            return False
+        node.value = value.to(dtype=torch.int64, copy=True)
+        self._evictable_size += len(value)
+        return True
 
     def _add_leaf(self, parent: TreeNode, child_key: Any, key: list[int], value: torch.Tensor,
                   now: int) -> TreeNode:

@@ -269,7 +269,7 @@ class RadixCache(BasePrefixCache):
         assert node is not None
         now = next(self._clock)
         node.last_access_time = now
-        pos = 0
+        pos, adopted_from = 0, None
         while pos < end:
             child_key = self._child_key(key, pos)
             child = node.children.get(child_key)
@@ -280,9 +280,19 @@ class RadixCache(BasePrefixCache):
             if matched < len(child.key):
                 child = self._split_node(child, matched)
             child.last_access_time = now
+            if self._adopt_on_insert(child, value[pos : pos + matched]):
+                adopted_from = pos if adopted_from is None else adopted_from
+            elif adopted_from is not None:
+                raise AssertionError(f"{child!r} holds slots below a node that adopted the caller's")
             node = child
             pos += matched
-        return pos
+        return pos if adopted_from is None else adopted_from
+
+    def _adopt_on_insert(self, node: TreeNode, value: torch.Tensor) -> bool:
+        """Whether an existing ``node`` on an insert's path takes the caller's slots ``value``
+        for its tokens (then ``insert`` returns the length before the first such node). A plain
+        radix tree's nodes always hold their own slots: never."""
+        return False
 
     # -- tree surgery -------------------------------------------------------
     def _add_leaf(
