@@ -204,3 +204,40 @@ def test_random_work_keeps_both_pools_consistent(page_size: int, policy: str) ->
         else:
             put(cache, allocator, pool, key[: len(key) // page_size * page_size])
         check_invariants(cache, allocator)
+
+
+def test_slot_runs_split_at_every_gap() -> None:
+    from engine.mem_cache.kv_transfer import slot_runs
+
+    assert slot_runs(torch.tensor([5, 6, 7, 2, 3, 9], dtype=torch.int64)) == [(5, 0, 3), (2, 3, 2), (9, 5, 1)]
+    assert slot_runs(torch.tensor([4], dtype=torch.int64)) == [(4, 0, 1)]
+    assert slot_runs(torch.empty(0, dtype=torch.int64)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_row_copies_move_the_same_bytes_as_the_tier_api(dtype: torch.dtype) -> None:
+    """The host tier's rows path (runs of slots, V narrower than K padded in the row) stores what
+    ``write`` would, and loads back bit-exactly into other device slots."""
+    from engine.mem_cache.kv_transfer import KvTransfer
+
+    gen = torch.Generator().manual_seed(7)
+    pool = MHATokenToKVPool(40, 1, dtype, 2, 8, 3, "cpu", v_head_dim=4)
+    for buf in pool.k_buffer + pool.v_buffer:
+        buf.copy_((torch.randn(buf.shape, generator=gen) * 3).to(dtype))
+    layout = KvLayout.of_pool(pool, 1)
+    tier = HostMemoryTier(layout, 32)
+    transfer = KvTransfer(pool, tier, "cpu")
+    assert transfer.rows is not None
+    tier.free(tier.alloc(32)[torch.tensor([3, 4, 10, 11, 12, 20])])  # a fragmented free list
+    dev = torch.tensor([7, 1, 30, 31, 32, 2], dtype=torch.int64)
+    slots = tier.alloc(6)
+    assert slots.tolist() == [4, 5, 11, 12, 13, 21]  # sorted: three runs
+    transfer.backup(dev, slots)
+    got_k, got_v = tier.read(slots)
+    for i in range(3):
+        assert torch.equal(got_k[i].view(torch.uint8), pool.k_buffer[i][dev].view(torch.uint8))
+        assert torch.equal(got_v[i].view(torch.uint8), pool.v_buffer[i][dev].view(torch.uint8))
+    back = torch.tensor([33, 34, 35, 36, 37, 38], dtype=torch.int64)
+    transfer.load(slots, back)
+    for buf in pool.k_buffer + pool.v_buffer:
+        assert torch.equal(buf[back].view(torch.uint8), buf[dev].view(torch.uint8))

@@ -91,8 +91,16 @@ class KvStorageTier(ABC):
         return self.allocator.available_size()
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """``num_tokens`` free slots (a whole number of pages), or None when too few are free."""
-        return self.allocator.alloc(num_tokens)
+        """``num_tokens`` free slots (a whole number of pages), or None when too few are free.
+
+        The free list is kept sorted, so the slots come in as few runs of consecutive slots as
+        the free space allows (a tier with ``host_rows`` moves each run with one copy).
+        """
+        allocator = self.allocator
+        if allocator._unsorted:
+            allocator.free_pages = torch.sort(allocator.free_pages).values
+            allocator._unsorted = False
+        return allocator.alloc(num_tokens)
 
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
@@ -113,6 +121,18 @@ class KvStorageTier(ABC):
     def read(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """K and V stored at ``slots``, one ``[len(slots), heads, dim]`` CPU tensor per layer."""
 
+    def host_rows(self) -> torch.Tensor | None:
+        """The tier's storage as one host tensor ``[slots, parts, kv_heads, width]``, or None.
+
+        A tier that keeps every slot as one row of a host tensor (pinned when ``layout.device_type``
+        is an accelerator) returns it: parts are the K of each layer, then the V of each layer
+        (none for an "mla" layout), each in the first ``head_dim`` / ``v_head_dim`` entries of
+        ``width``. The cache then copies KV between the device and these rows itself, one DMA
+        copy per run of consecutive slots on a side stream, and calls neither ``write`` nor
+        ``read`` for its transfers.
+        """
+        return None
+
     def close(self) -> None:  # noqa: B027 (optional: a tier holding nothing to release keeps it)
         """Releases files, connections or memory; the tier is not used afterwards."""
 
@@ -123,32 +143,40 @@ class KvStorageTier(ABC):
 
 
 class HostMemoryTier(KvStorageTier):
-    """The built-in ``host`` tier: one host-memory K and V buffer per layer, indexed by slot.
+    """The built-in ``host`` tier: one host-memory row per slot holding its K and V of every layer.
 
-    The buffers are pinned when the device pool is on an accelerator (the copies to and from it
-    are then asynchronous DMA) and ordinary memory on the CPU, where pinning means nothing.
+    The rows are one tensor ``[slots, parts, kv_heads, width]`` (``host_rows``): the K of each
+    layer, then the V of each layer (none for an MLA layout), each padded to the widest part. A
+    slot's KV is thus one contiguous run of bytes, and a run of consecutive slots too: the cache
+    moves it to and from the device with one DMA copy (``engine.mem_cache.kv_transfer``). The
+    rows are pinned when the device pool is on an accelerator (the copies are then asynchronous)
+    and ordinary memory on the CPU, where pinning means nothing.
     """
 
     def __init__(self, layout: KvLayout, num_tokens: int) -> None:
-        _check_host_memory((num_tokens + layout.page_size) * layout.bytes_per_token())  # before any allocation
+        _check_host_memory((num_tokens + layout.page_size) * _row_bytes(layout))  # before any allocation
         super().__init__(layout, num_tokens)
         rows = self.size + layout.page_size
         # A pool on a CUDA device means CUDA is there to pin with.
         self.pinned = layout.device_type == "cuda"
         self.returns_pinned = self.pinned
+        parts, width = _row_shape(layout)
+        # Uninitialised: a slot is read only after it was written, and untouched pages of a large
+        # tier cost nothing until used (pinned ones are locked at allocation anyway).
+        self.rows = torch.empty((rows, parts, layout.num_kv_heads, width), dtype=layout.dtype,
+                                pin_memory=self.pinned)
+        layers = layout.num_layers
+        self.k_buffer = [self.rows[:, i, :, : layout.head_dim] for i in range(layers)]
+        if layout.v_head_dim:
+            self.v_buffer = [self.rows[:, layers + i, :, : layout.v_head_dim] for i in range(layers)]
+        else:
+            self.v_buffer = [self.rows[:, 0, :, :0] for _ in range(layers)]
 
-        def buffer(dim: int) -> torch.Tensor:
-            # Uninitialised: a slot is read only after it was written, and untouched pages of a
-            # large tier cost nothing until used (pinned ones are locked at allocation anyway).
-            return torch.empty((rows, layout.num_kv_heads, dim), dtype=layout.dtype, pin_memory=self.pinned)
-
-        self.k_buffer = [buffer(layout.head_dim) for _ in range(layout.num_layers)]
-        self.v_buffer = [buffer(layout.v_head_dim) for _ in range(layout.num_layers)]
+    def host_rows(self) -> torch.Tensor | None:
+        return self.rows
 
     def write(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        for buf, src in zip(self.k_buffer, k, strict=True):
-            buf[slots] = src
-        for buf, src in zip(self.v_buffer, v, strict=True):
+        for buf, src in zip(self.k_buffer + self.v_buffer, k + v, strict=True):
             buf[slots] = src
 
     def read(self, slots: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -160,6 +188,19 @@ class HostMemoryTier(KvStorageTier):
 
     def close(self) -> None:
         self.k_buffer, self.v_buffer = [], []
+        self.rows = torch.empty(0)
+
+
+def _row_shape(layout: KvLayout) -> tuple[int, int]:
+    """(parts, width) of a host row: K of each layer then V of each layer, padded to one width."""
+    if layout.v_head_dim == 0:
+        return layout.num_layers, layout.head_dim
+    return 2 * layout.num_layers, max(layout.head_dim, layout.v_head_dim)
+
+
+def _row_bytes(layout: KvLayout) -> int:
+    parts, width = _row_shape(layout)
+    return parts * layout.num_kv_heads * width * torch.empty((), dtype=layout.dtype).element_size()
 
 
 def _available_host_bytes() -> int | None:

@@ -14,4 +14,4 @@ def register_kv_storage_tiers(register):  # type: ignore[no-untyped-def]
     register(KvStorageTierSpec(
         name="host", factory="engine.mem_cache.kv_tier:HostMemoryTier",
         device_types=("cpu", "cuda", "rocm", "xpu", "npu"),
-        description="Host memory, one K and V buffer per layer (pinned when the pool is on a GPU)"))
+        description="Host memory, one row of all layers' K and V per slot (pinned when the pool is on a GPU)"))
