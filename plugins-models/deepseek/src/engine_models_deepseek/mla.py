@@ -90,15 +90,55 @@ class DeepseekMLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         else:
             q = self.q_proj(hidden)
-        q_nope, q_pe = q.view(tokens, self.num_heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        q = q.view(tokens, self.num_heads, -1)
+        kv_a = self.kv_a_proj_with_mqa(hidden)
+        if self._prologue_applies(kv_a, forward_batch):
+            o = self._attend_fused(positions, q, kv_a, forward_batch)
+        else:
+            o = self._attend(positions, q, kv_a, forward_batch)
+        # Out of latent space per head, [H, T, rank] @ [H, rank, v], written as [T, H, v] directly.
+        out = o.new_empty(tokens, self.num_heads, self.v_dim)
+        torch.bmm(o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1), self.w_uv.transpose(1, 2),
+                  out=out.transpose(0, 1))
+        return self.o_proj(out.view(tokens, self.num_heads * self.v_dim))
+
+    def _attend(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """The torch path (CPU; the reference of the fused one)."""
+        tokens = q.shape[0]
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv.contiguous())
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe.reshape(tokens, 1, self.rope_dim))
         # q_nope W_UK per head: [H, T, nope] @ [H, nope, rank] -> [H, T, rank]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
         q_full = torch.cat((q_lat, q_pe), dim=-1)  # [T, H, rank + rope]
         k = torch.cat((c_kv.view(tokens, 1, self.kv_lora_rank), k_pe), dim=-1)  # [T, 1, rank + rope]
-        o = self.attn(q_full.reshape(tokens, -1), k.view(tokens, -1), k[..., :self.kv_lora_rank], forward_batch)
-        # Out of latent space per head: [H, T, rank] @ [H, rank, v] -> [H, T, v]
-        o = torch.bmm(o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1), self.w_uv.transpose(1, 2))
-        return self.o_proj(o.transpose(0, 1).reshape(tokens, self.num_heads * self.v_dim))
+        return self.attn(q_full.reshape(tokens, -1), k.view(tokens, -1), k[..., :self.kv_lora_rank], forward_batch)
+
+    def _prologue_applies(self, kv_a: torch.Tensor, forward_batch: ForwardBatch) -> bool:
+        """The fused prologue runs on CUDA over an MLA pool (it writes the pool itself)."""
+        pool = forward_batch.token_to_kv_pool
+        return (kv_a.is_cuda and getattr(pool, "kv_layout", None) == "mla"
+                and forward_batch.out_cache_loc is not None and self.kv_a_layernorm.out_quant is None)
+
+    def _attend_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
+                      forward_batch: ForwardBatch) -> torch.Tensor:
+        """``_attend`` with the norm, rope, cats and pool store in one launch (``mla_prologue``) and
+        the absorbed ``q_nope @ W_UK`` written by one bmm into the query rows' latent part."""
+        from engine_models_deepseek.mla_prologue import mla_prologue
+
+        tokens = q.shape[0]
+        latent_dim = self.kv_lora_rank + self.rope_dim
+        q_full = q.new_empty(tokens, self.num_heads, latent_dim)
+        k = kv_a.new_empty(tokens, latent_dim)
+        torch.bmm(q[..., :self.nope_dim].transpose(0, 1), self.w_uk,
+                  out=q_full[..., :self.kv_lora_rank].transpose(0, 1))
+        pool = forward_batch.token_to_kv_pool
+        rope = self.rotary_emb
+        mla_prologue(q, kv_a, positions, rope.cos_cache, rope.sin_cache, self.kv_a_layernorm.weight,
+                     self.kv_a_layernorm.variance_epsilon, self.nope_dim, rope.interleave, q_full, k,
+                     pool.get_key_buffer(self.attn.layer_id), forward_batch.out_cache_loc,
+                     float(self.attn.k_scale) if pool.is_fp8() else 1.0)
+        # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
+        return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)
