@@ -15,7 +15,7 @@ from engine.cli_args import _opt, fail, with_server_args
 from engine.config import ServerArgs
 
 bench_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                        help="Benchmarks: one-batch, offline, serving, startup, spec, scheduler, vision; random-lora writes "
+                        help="Benchmarks: one-batch, offline, serving, multi-turn, startup, spec, scheduler, vision; random-lora writes "
                              "adapters to benchmark with; report writes the benchmarks page.")
 
 
@@ -243,6 +243,43 @@ def serving_cmd(**kwargs: Any) -> None:
 
 serving_cmd.__signature__ = inspect.Signature(_serving_params())  # type: ignore[attr-defined]
 bench_app.command("serving")(serving_cmd)
+
+
+@bench_app.command("multi-turn")
+def multi_turn_cmd(
+    base_url: Optional[str] = typer.Option(None, "--base-url", help="Server root, e.g. http://10.0.0.5:30000"),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(30000, "--port"),
+    num_conversations: int = typer.Option(16, "--num-conversations", help="Conversations"),
+    num_turns: int = typer.Option(4, "--num-turns", help="Turns of each conversation"),
+    history_len: int = typer.Option(2048, "--history-len", help="Random token ids each conversation starts with"),
+    turn_input_len: int = typer.Option(128, "--turn-input-len", help="Token ids of each new user message"),
+    output_len: int = typer.Option(64, "--output-len", help="Tokens each answer generates"),
+    max_concurrency: int = typer.Option(8, "--max-concurrency", help="Turns in flight at most"),
+    request_rate: str = typer.Option("inf", "--request-rate", help="Turns started per second at most (inf: no limit)"),
+    vocab_size: Optional[int] = typer.Option(None, "--vocab-size", help="Ids to draw from (default: the server's)"),
+    seed: int = typer.Option(1, "--seed"),
+    flush_cache: bool = typer.Option(True, "--flush-cache/--no-flush-cache",
+                                     help="Empty the server's prefix cache before the run"),
+    result_file: Optional[str] = typer.Option(None, "--result-file", help="Append a JSON line here"),
+) -> None:
+    """Multi-turn conversations against a running server: each turn resends the whole
+    conversation, turns go round-robin over the conversations (prefix reuse, KV cache tiers)."""
+    try:
+        rate = float(request_rate)
+    except ValueError:
+        fail(f"--request-rate: invalid value {request_rate!r}; accepted: a number > 0 or inf")
+    from engine.bench.multi_turn import MultiTurnArgs, bench_multi_turn
+
+    args = MultiTurnArgs(base_url=base_url, host=host, port=port, num_conversations=num_conversations,
+                         num_turns=num_turns, history_len=history_len, turn_input_len=turn_input_len,
+                         output_len=output_len, max_concurrency=max_concurrency, request_rate=rate,
+                         vocab_size=vocab_size, seed=seed, flush_cache=flush_cache, result_file=result_file)
+    try:
+        args.validate()
+        bench_multi_turn(args)
+    except (ValueError, RuntimeError, OSError) as exc:
+        fail(str(exc))
 
 
 @bench_app.command("vision")
