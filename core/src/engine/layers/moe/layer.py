@@ -186,12 +186,17 @@ class FusedMoE(nn.Module):
             return topk_ids
         return to_local_expert_ids(topk_ids, self.expert_start, self.num_local_experts)
 
-    def _route_align_block_m(self, router_logits: torch.Tensor) -> int | None:
+    def _grouped(self, correction_bias: torch.Tensor | None) -> bool:
+        """Whether this call routes through ``grouped_topk``: grouped routing that is not plain
+        softmax top-k (DeepSeek-V2-Lite's "greedy" is; it then takes the one-launch router)."""
+        return self.routing is not None and (correction_bias is not None or not self.routing.is_softmax_topk)
+
+    def _route_align_block_m(self, router_logits: torch.Tensor, grouped: bool) -> int | None:
         """``BLOCK_M`` of the kernel's tiles when routing and alignment take one launch for this
         batch (CUDA, decode sizes, a quant method that takes the blocks); None otherwise."""
-        if self.routing is not None or not (getattr(self.quant_method, "takes_expert_blocks", False)
-                                            and triton_available(router_logits)):
-            return None  # grouped routing runs its own torch operations
+        if grouped or not (getattr(self.quant_method, "takes_expert_blocks", False)
+                           and triton_available(router_logits)):
+            return None  # grouped routing has its own router
         from engine.layers.moe.fused_moe import pick_blocks
         from engine.layers.moe.small_batch import small_batch_applies
 
@@ -206,8 +211,10 @@ class FusedMoE(nn.Module):
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
         """``correction_bias``: with grouped routing, the per-expert bias added to the scores for
         the choice (DeepSeek-V3's ``e_score_correction_bias``)."""
-        block_m = self._route_align_block_m(router_logits)
-        if self.routing is not None:
+        grouped = self._grouped(correction_bias)
+        block_m = self._route_align_block_m(router_logits, grouped)
+        if grouped:
+            assert self.routing is not None
             topk_weights, topk_ids = grouped_topk(router_logits, self.top_k, self.routing, correction_bias)
             topk_ids = self.local_expert_ids(topk_ids)
         elif block_m is not None:

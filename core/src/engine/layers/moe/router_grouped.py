@@ -10,12 +10,17 @@ multiplied by ``scaling_factor`` (DeepSeek's ``routed_scaling_factor``).
 
 ``FusedMoE(..., routing=GroupedTopK(...))`` routes this way instead of plain softmax top-k
 (``select_experts``); the experts then run on the same paths (the torch reference, the fused
-Triton kernel, expert parallelism). The computation is torch operations on every device.
+Triton kernel, expert parallelism). On CUDA (with triton installed) the routing is one Triton
+launch (``engine.layers.moe.router_grouped_kernel``); elsewhere the torch operations of
+``grouped_topk_reference``, which are also its test oracle. ``FusedMoE`` sends routing that is
+plain softmax top-k (``GroupedTopK.is_softmax_topk``: DeepSeek-V2-Lite's "greedy") to
+``select_experts``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.util import find_spec
 
 import torch
 
@@ -53,6 +58,12 @@ class GroupedTopK:
             raise ValueError(f"GroupedTopK: topk_groups {self.topk_groups} of num_groups {self.num_groups}; accepted: "
                              "num_groups >= 1 and 1 <= topk_groups <= num_groups")
 
+    @property
+    def is_softmax_topk(self) -> bool:
+        """Whether this routing is plain softmax top-k (``select_experts``'s: every group eligible,
+        no scaling), which the one-launch router computes; with a correction bias it is not."""
+        return self.scoring == "softmax" and self.topk_groups == self.num_groups and self.scaling_factor == 1.0
+
     def check_experts(self, num_experts: int, top_k: int) -> None:
         """Raises ``ValueError`` when ``num_experts`` do not split into the groups, or the eligible
         groups hold fewer than ``top_k`` experts."""
@@ -82,6 +93,16 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, routing: GroupedTopK,
     Returns:
         ``(topk_weights, topk_ids)``: ``[tokens, top_k]`` float32 weights and int32 global expert ids.
     """
+    if router_logits.is_cuda and find_spec("triton") is not None:
+        from engine.layers.moe.router_grouped_kernel import grouped_topk_triton
+
+        return grouped_topk_triton(router_logits, top_k, routing, correction_bias)
+    return grouped_topk_reference(router_logits, top_k, routing, correction_bias)
+
+
+def grouped_topk_reference(router_logits: torch.Tensor, top_k: int, routing: GroupedTopK,
+                           correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``grouped_topk`` in torch operations: the CPU path and the kernel's oracle."""
     logits = router_logits.float()
     scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(logits)
     choice = scores if correction_bias is None else scores + correction_bias.float()
