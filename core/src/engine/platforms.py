@@ -16,6 +16,7 @@ for API 4 keep working.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator
 from typing import Any
@@ -212,6 +213,12 @@ class Platform(ABC):
         """Whether host buffers copied to the device every step should be pinned."""
         return False
 
+    def alloc_pinned_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A large, long-lived host tensor of exactly ``shape`` (uninitialised), page-locked where
+        that makes copies to this platform's devices asynchronous (the hierarchical cache's host
+        tier). Default: ``torch.empty(..., pin_memory=pin_host_memory())``."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.pin_host_memory())
+
     def empty_cache(self) -> None:
         """Returns cached allocator memory to the device."""
 
@@ -281,6 +288,22 @@ class TorchCudaPlatform(Platform):
 
     def pin_host_memory(self) -> bool:
         return self.is_available()
+
+    def alloc_pinned_host(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Pages of an ordinary allocation registered with ``cudaHostRegister``: the caching host
+        allocator behind ``pin_memory=True`` rounds every block up to a power of two (a 20 GiB
+        tier would lock 32 GiB). Falls back to ``pin_memory=True`` when registration fails."""
+        tensor = torch.empty(shape, dtype=dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or not self.is_available():
+            return torch.empty(shape, dtype=dtype, pin_memory=self.pin_host_memory())
+        runtime = torch.cuda.cudart()
+        if int(runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        # Unregistered when this tensor object goes (views made from it may outlive it: their
+        # pages are then pageable again, still valid, and copies fall back to synchronous ones).
+        weakref.finalize(tensor, runtime.cudaHostUnregister, tensor.data_ptr())
+        return tensor
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()

@@ -23,6 +23,7 @@ import torch
 
 from engine.errors import ConfigError
 from engine.mem_cache.memory_pool import TokenToKVPoolAllocator
+from engine.platforms import current_platform
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,12 @@ class HostMemoryTier(KvStorageTier):
         parts, width = _row_shape(layout)
         # Uninitialised: a slot is read only after it was written, and untouched pages of a large
         # tier cost nothing until used (pinned ones are locked at allocation anyway).
-        self.rows = torch.empty((rows, parts, layout.num_kv_heads, width), dtype=layout.dtype,
-                                pin_memory=self.pinned)
+        shape = (rows, parts, layout.num_kv_heads, width)
+        platform = current_platform()
+        if self.pinned and platform is not None:
+            self.rows = platform.alloc_pinned_host(shape, layout.dtype)  # exactly this size, locked
+        else:
+            self.rows = torch.empty(shape, dtype=layout.dtype, pin_memory=self.pinned)
         layers = layout.num_layers
         self.k_buffer = [self.rows[:, i, :, : layout.head_dim] for i in range(layers)]
         if layout.v_head_dim:
