@@ -1,23 +1,32 @@
 """Segmented LoRA shrink and expand (SGMV) in Triton.
 
 The tokens of one forward are split into segments, contiguous runs that share one adapter slot
-(``seg_indptr``, ``weight_indices``). Each program owns one token tile of one segment and one
-tile of the output columns, so every program multiplies by a single adapter's matrix:
+(``seg_indptr``, ``weight_indices``). Each program multiplies by a single adapter's matrix:
 
 - shrink: ``y[t, :] = x[t, :] @ A[w].T`` over ``K`` (the layer's input), ``A[w]`` being
   ``[n_slices * R, K]``; rows of a rank-0 slot are written as zeros.
 - expand: ``out[t, off_i:off_i+1] += scaling[w] * y[t, i*R:(i+1)*R] @ B[w, off_i:off_i+1].T``
   for each slice ``i`` (q/k/v of a fused QKV, gate/up); a rank-0 slot's rows are not touched.
 
-Two forms of the same kernels, chosen per call from host-side sizes:
+The forms, chosen per call from host-side sizes (``engine_lora_triton.launch``):
 
-- ``DOT`` (prefill, segments of several tokens): token tiles of 16-64 rows, ``tl.dot``.
-- token-parallel (``BLOCK_T == 1``, every segment one token: decode with one segment per
-  request): a program is one token's matrix-vector product, a broadcast multiply and a sum in
-  float32, with narrow output tiles so that a small batch still spreads over the SMs.
-- per-slot expand (``_expand_slots_kernel``, decode batches of 16+ segments): a program per
-  (adapter slot, column tile) reads its B tile once and applies it to the batch's tokens on that
-  slot.
+- ``DOT`` (prefill, segments of several tokens): a program per token tile of 16-64 rows of one
+  segment and tile of output columns, ``tl.dot``.
+- token-parallel (``BLOCK_T == 1``, small decode batches): a program is one token's
+  matrix-vector product, a broadcast multiply and a sum in float32, with narrow output tiles so
+  that a small batch still spreads over the SMs.
+- per-slot (``_shrink_slots_kernel``, ``_expand_slots_kernel``, decode batches of 16+ one-token
+  segments): a program per adapter slot and tile of A's rows or B's columns reads its weight tile
+  once and applies it, with ``tl.dot``, to every token of the batch on that slot.
+
+Split-K shrink (``SPLIT > 1``): when a shrink has too few (token tile, row tile) groups to fill
+the GPU (a short prefill, a decode batch over few adapters), each group's ``K`` is cut into
+``SPLIT`` chunks, one program each. The programs add their float32 partial products into a
+scratch accumulator (zero between calls) and count themselves in a per-group counter; the last
+one of a group reads the sum (and writes the accumulator's zeros back), stores it in y's
+dtype and resets the counter. Groups never share accumulator rows, and every program of a group
+takes the same branches, so each call leaves the scratch as it found it. The float32 sum runs in
+arrival order: its last bits may differ between runs.
 
 CUDA-graph safe: the grid comes from ``num_segments`` and ``max_seg_len`` (host ints, which may
 be upper bounds: token tiles past a segment's end return at once) and the tensors' shapes; no
@@ -51,11 +60,34 @@ def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
+                ROWS: tl.constexpr, SPLIT: tl.constexpr):
+    """Stores a program's ``acc`` [tokens, rows] into y; under split-K, adds it to the group's
+    scratch rows and, in the group's last program, moves their sum into y."""
+    mask = row_ok[:, None] & r_ok[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
+    if SPLIT == 1:
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc_ptrs = acc_ptr + rows[:, None] * ROWS + offs_r[None, :]
+        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
+        # Every thread's adds come before the counter's release (the barrier orders them).
+        tl.debug_barrier()
+        if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == SPLIT - 1:
+            # Read in L2, where the other programs' adds landed (L1 is not coherent across SMs).
+            total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(acc_ptrs, tl.zeros_like(acc), mask=mask)
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed")
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
-                   ROWS: tl.constexpr, K: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ROWS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
                    DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Grid: (segments, token tiles, row tiles * SPLIT); the program's K chunk is [k_lo, k_lo + CHUNK).
     if PDL:
         # Before its wait a program reads only the batch info and A (written before the forward),
         # and writes nothing: the previous kernel may still be running.
@@ -68,26 +100,123 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, rank
         return
     slot = tl.load(weight_indices_ptr + seg)
     live = tl.load(ranks_ptr + slot) > 0  # a rank-0 slot (base model) keeps zeros, reads nothing
+    r_tile = tl.program_id(2) // SPLIT
+    split = tl.program_id(2) % SPLIT
+    k_lo = split * CHUNK
     offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     t_ok = offs_t < end
-    r_ok = (offs_r < ROWS) & live
+    r_ok = offs_r < ROWS
     x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
     a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak
-    av = tl.load(a_ptrs, mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    av = tl.load(a_ptrs, mask=(r_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    xv = tl.load(x_ptrs, mask=(t_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
-    acc = _product(xv, av, DOT, WIDEN, IEEE)
+    rows = offs_t.to(tl.int64)
     if live:
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            xv = tl.load(x_ptrs + k0 * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            av = tl.load(a_ptrs + k0 * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        xv = tl.load(x_ptrs, mask=t_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+        acc = _product(xv, av, DOT, WIDEN, IEEE)
+        for kk in range(BLOCK_K, CHUNK, BLOCK_K):
+            k_ok = offs_k < K - kk
+            xv = tl.load(x_ptrs + kk * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            av = tl.load(a_ptrs + kk * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc += _product(xv, av, DOT, WIDEN, IEEE)
-    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_r[None, :] * stride_yr
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_r < ROWS)[None, :])
+        group = (seg * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // SPLIT) + r_tile
+        _store_rows(acc, rows, t_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
+                    ROWS, SPLIT)
+    elif split == 0:
+        y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
+        tl.store(y_ptrs, tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S: tl.constexpr):
+    """Rows of segments ``[s0, s0 + BLOCK_S)`` (one token each) and which of them are on ``slot``."""
+    segs = s0 + tl.arange(0, BLOCK_S)
+    s_ok = segs < num_segments
+    owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
+    tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
+    end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+    return tok.to(tl.int64), s_ok & (owner == slot) & (end > tok)
+
+
+@triton.jit
+def _shrink_slots_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+                         num_segments, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
+                         ROWS: tl.constexpr, K: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+                         WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Decode batches (segments of at most one token): a program per (slot, row tile, K chunk)
+    # reads its tile of A once for every token of the batch on that slot, instead of every token
+    # reading its adapter's whole A. Grid: (slots, row tiles, SPLIT).
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.program_id(0)
+    live = tl.load(ranks_ptr + slot) > 0
+    split = tl.program_id(2)
+    k_lo = split * CHUNK
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    r_ok = offs_r < ROWS
+    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak
+    av0 = tl.load(a_ptrs, mask=(r_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for s0 in range(0, SEGS, BLOCK_S):
+        rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            if live:
+                x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
+                xv = tl.load(x_ptrs, mask=mine[:, None] & (offs_k < K)[None, :], other=0.0)
+                acc = _product(xv, av0, True, WIDEN, IEEE)
+                for kk in range(BLOCK_K, CHUNK, BLOCK_K):
+                    k_ok = offs_k < K - kk
+                    xv = tl.load(x_ptrs + kk * stride_xk, mask=mine[:, None] & k_ok[None, :], other=0.0)
+                    av = tl.load(a_ptrs + kk * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                    acc += _product(xv, av, True, WIDEN, IEEE)
+                group = (slot * tl.num_programs(1) + tl.program_id(1)) * ((SEGS + BLOCK_S - 1) // BLOCK_S) + s0 // BLOCK_S
+                _store_rows(acc, rows, mine, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
+                            ROWS, SPLIT)
+            elif split == 0:
+                y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
+                tl.store(y_ptrs, tl.zeros((BLOCK_S, BLOCK_R), dtype=y_ptr.dtype.element_ty),
+                         mask=mine[:, None] & r_ok[None, :])
+
+
+@triton.jit
+def _slice_tile(b_ptr, scalings_ptr, slot, rank, tile, off0, off1, off2, off3, tiles0, tiles01,
+                stride_bs, stride_bn, stride_br, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Expand's column tile ``tile``: its columns of out, their mask, the first column of y it
+    reads, the columns of y within the slot's rank, the slot's tile of B and its scaling.
+
+    Column tiles never straddle slices: tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice
+    1, the rest slice 2 (the host passes the tile count as both bounds when there are fewer
+    slices); each tile reads its own slice's R columns of y."""
+    in1 = tile >= tiles0
+    in2 = tile >= tiles01
+    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
+    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
+    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < hi
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    scale = tl.load(scalings_ptr + slot)
+    return cols, n_ok, y_col0 + offs_r, r_ok, bv, scale
+
+
+@triton.jit
+def _add_rows(out_ptr, rows, row_ok, cols, n_ok, stride_ot, stride_on, scale, acc):
+    """``out[rows, cols] += scale * acc`` in float32."""
+    mask = row_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
+    cur = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -108,34 +237,17 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:  # the base model: its rows of out stay as they are
         return
-    # Column tiles never straddle slices: tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice 1,
-    # the rest slice 2 (the host passes the tile count as both bounds when there are fewer slices);
-    # each tile reads its own slice's R columns of y.
-    tile = tl.program_id(2)
-    in1 = tile >= tiles0
-    in2 = tile >= tiles01
-    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
-    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
-    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
-    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    scale = tl.load(scalings_ptr + slot)
+    cols, n_ok, y_cols, r_ok, bv, scale = _slice_tile(b_ptr, scalings_ptr, slot, rank, tl.program_id(2), off0, off1,
+                                                      off2, off3, tiles0, tiles01, stride_bs, stride_bn, stride_br,
+                                                      R, BLOCK_N, BLOCK_R)
     if PDL:
         tl.extra.cuda.gdc_wait()
     offs_t = t0 + tl.arange(0, BLOCK_T)
     t_ok = offs_t < end
-    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
-    yv = tl.load(y_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-    acc = _product(yv, bv, DOT, WIDEN, IEEE)
-    mask = t_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + cols[None, :] * stride_on
-    cur = tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+    rows = offs_t.to(tl.int64)
+    yv = tl.load(y_ptr + rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
+                 mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+    _add_rows(out_ptr, rows, t_ok, cols, n_ok, stride_ot, stride_on, scale, _product(yv, bv, DOT, WIDEN, IEEE))
 
 
 @triton.jit
@@ -153,35 +265,14 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:
         return
-    tile = tl.program_id(1)
-    in1 = tile >= tiles0
-    in2 = tile >= tiles01
-    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
-    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
-    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
-    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    scale = tl.load(scalings_ptr + slot)
+    cols, n_ok, y_cols, r_ok, bv, scale = _slice_tile(b_ptr, scalings_ptr, slot, rank, tl.program_id(1), off0, off1,
+                                                      off2, off3, tiles0, tiles01, stride_bs, stride_bn, stride_br,
+                                                      R, BLOCK_N, BLOCK_R)
     if PDL:
         tl.extra.cuda.gdc_wait()
     for s0 in range(0, SEGS, BLOCK_S):
-        segs = s0 + tl.arange(0, BLOCK_S)
-        s_ok = segs < num_segments
-        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
-        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
-        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
-        mine = s_ok & (owner == slot) & (end > tok)
+        rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            rows = tok.to(tl.int64)
-            yv = tl.load(y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr,
+            yv = tl.load(y_ptr + rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
                          mask=mine[:, None] & r_ok[None, :], other=0.0)
-            acc = _product(yv, bv, True, WIDEN, IEEE)
-            mask = mine[:, None] & n_ok[None, :]
-            out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
-            cur = tl.load(out_ptrs, mask=mask, other=0.0)
-            tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+            _add_rows(out_ptr, rows, mine, cols, n_ok, stride_ot, stride_on, scale, _product(yv, bv, True, WIDEN, IEEE))

@@ -17,6 +17,7 @@ from engine_lora_triton.kernels import (
     _expand_kernel,
     _expand_slots_kernel,
     _shrink_kernel,
+    _shrink_slots_kernel,
 )
 
 
@@ -42,8 +43,51 @@ def _token_tile(num_segments: int, max_seg_len: int, col_tiles: int, sms: int) -
     return 16
 
 
-def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> dict[str, int]:
-    """Block sizes and warps of ``_shrink_kernel`` for a call's host-side sizes."""
+#: Split-K shrink scratch per device: a float32 accumulator of this many elements (a call's
+#: ``tokens * rows`` must fit) and this many per-group counters, both zero between calls.
+SCRATCH_FLOATS = 1 << 20
+SCRATCH_GROUPS = 1 << 14
+_scratch_of: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device's split-K accumulator and counters, made once (zeros) and never replaced: a
+    captured graph keeps their addresses. Kernels on one device use them one at a time, as
+    kernels on one stream run; two streams running split-K shrinks at once would share them."""
+    key = (device.type, device.index)
+    if key not in _scratch_of:
+        _scratch_of[key] = (torch.zeros(SCRATCH_FLOATS, dtype=torch.float32, device=device),
+                            torch.zeros(SCRATCH_GROUPS, dtype=torch.int32, device=device))
+    return _scratch_of[key]
+
+
+def _split_k(k: int, block_k: int, groups: int, target: int, most: int = 32) -> tuple[int, int]:
+    """(SPLIT, CHUNK): K chunks per group so that ``groups * SPLIT`` reaches about ``target``
+    programs, each chunk a whole number of ``block_k`` tiles."""
+    k_tiles = triton.cdiv(k, block_k)
+    split = max(1, min(most, k_tiles, triton.cdiv(target, max(1, groups))))
+    chunk = triton.cdiv(k_tiles, split) * block_k
+    return triton.cdiv(k, chunk), chunk
+
+
+def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
+                  num_slots: int = 0) -> dict[str, int]:
+    """Block sizes, K split and warps of the shrink for a call's host-side sizes (``SLOTS``: the
+    per-slot kernel over ``num_slots`` slots)."""
+    return dict(_shrink_config(num_segments, max_seg_len, rows, k, sms, num_slots))
+
+
+@functools.lru_cache(maxsize=256)
+def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
+                   num_slots: int) -> dict[str, int]:
+    if max_seg_len <= 1 and num_segments >= 16 and num_slots > 0:
+        # A decode batch: a program per (slot, row tile, K chunk) reads its tile of A once for
+        # all the batch's tokens on that slot; K is split to give about two programs per SM.
+        block_r = min(64, max(16, triton.next_power_of_2(rows)))
+        block_k = 128
+        split, chunk = _split_k(k, block_k, num_slots * triton.cdiv(rows, block_r), 2 * sms)
+        return dict(SLOTS=1, BLOCK_T=1, BLOCK_S=min(64, triton.next_power_of_2(num_segments)), BLOCK_R=block_r,
+                    BLOCK_K=block_k, SPLIT=split, CHUNK=chunk, num_warps=8 if block_r >= 32 else 4, num_stages=2)
     if max_seg_len <= 1:
         # One token per program, latency-bound on the loop over K: one or two rows a program give
         # even batch 1 a program per SM or so, and K tiles of 4-8K elements few iterations. On an
@@ -51,16 +95,28 @@ def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: i
         # with 4 rows over 2K, batch 64 3.0-9.9 us against 7.3-25.9 us with 8-16 rows over 0.5-1K.
         block_r = min(1 if num_segments < 16 else 2, triton.next_power_of_2(rows))
         block_k = min(triton.next_power_of_2(k), 8192 if block_r == 1 and k > 4096 else 4096)
-        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=8 if block_k * block_r >= 8192 else 4,
-                    num_stages=2)
+        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=1, CHUNK=triton.cdiv(k, block_k) * block_k,
+                    num_warps=8 if block_k * block_r >= 8192 else 4, num_stages=2)
     block_r = min(64, max(16, triton.next_power_of_2(rows)))
-    block_t = _token_tile(num_segments, max_seg_len, triton.cdiv(rows, block_r), sms)
-    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=min(64, max(16, triton.next_power_of_2(k))), num_warps=4,
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    r_tiles = triton.cdiv(rows, block_r)
+    block_t = _token_tile(num_segments, max_seg_len, r_tiles, sms)
+    groups = num_segments * triton.cdiv(max_seg_len, block_t) * r_tiles
+    # Few token tiles (a short prefill): split K so that the GPU fills instead of a handful of
+    # programs looping over all of it.
+    split, chunk = _split_k(k, block_k, groups, 2 * sms) if groups < sms else (1, triton.cdiv(k, block_k) * block_k)
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, CHUNK=chunk, num_warps=4,
                 num_stages=3)
 
 
 def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
-    """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes."""
+    """Block sizes and warps of the expand for a call's host-side sizes (``SLOTS``: the per-slot
+    kernel)."""
+    return dict(_expand_config(num_segments, max_seg_len, width, r, sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
     if max_seg_len <= 1 and num_segments >= 16:
         # A decode batch: one program per (slot, column tile) over the batch's tokens on that slot
         # (``_expand_slots_kernel``), so each adapter's B is read once, not once per token.
@@ -92,13 +148,29 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
     if tokens == 0 or num_segments == 0 or max_seg_len == 0 or rows == 0:
         return y
-    cfg = config or shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device))
-    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(rows, cfg["BLOCK_R"]))
-    _shrink_kernel[grid](
-        x, a, y, seg_indptr, weight_indices, ranks,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
-        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl,
-        launch_pdl=pdl, **cfg)
+    cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device), a.shape[0]))
+    slots = cfg.pop("SLOTS", 0)
+    if slots:
+        grid = (a.shape[0], triton.cdiv(rows, cfg["BLOCK_R"]), cfg["SPLIT"])
+        groups = grid[0] * grid[1] * triton.cdiv(triton.next_power_of_2(num_segments), cfg["BLOCK_S"])
+    else:
+        grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(rows, cfg["BLOCK_R"]))
+        groups = grid[0] * grid[1] * grid[2]
+        grid = (grid[0], grid[1], grid[2] * cfg["SPLIT"])
+    if cfg["SPLIT"] > 1 and (tokens * rows > SCRATCH_FLOATS or groups > SCRATCH_GROUPS):
+        # Beyond the scratch (batches far larger than the ones that need a split): whole K.
+        cfg.update(SPLIT=1, CHUNK=triton.cdiv(k, cfg["BLOCK_K"]) * cfg["BLOCK_K"])
+        grid = (grid[0], grid[1], 1 if slots else triton.cdiv(rows, cfg["BLOCK_R"]))
+    acc, counters = _scratch(x.device) if cfg["SPLIT"] > 1 else (y, y)
+    common = dict(ROWS=rows, K=k, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl)
+    strides = (x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1))
+    if slots:
+        cfg.pop("BLOCK_T")
+        _shrink_slots_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, num_segments, *strides,
+                                   SEGS=triton.next_power_of_2(num_segments), **common, **cfg)
+    else:
+        _shrink_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, *strides,
+                             DOT=cfg["BLOCK_T"] > 1, **common, **cfg)
     return y
 
 
@@ -125,7 +197,7 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     width = offsets[-1] - offsets[0]
     if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or width == 0 or r == 0:
         return
-    cfg = config or expand_config(num_segments, max_seg_len, width, r, sm_count(out.device))
+    cfg = config or _expand_config(num_segments, max_seg_len, width, r, sm_count(out.device))
     padded = offsets + [offsets[-1]] * (4 - len(offsets))
     tiles = [triton.cdiv(hi - lo, cfg["BLOCK_N"]) for lo, hi in zip(offsets, offsets[1:], strict=False)]
     total = sum(tiles)
