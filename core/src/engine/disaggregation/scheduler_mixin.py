@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferContext, transfer_key
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory
+from engine.managers.timeline import mark
 
 if TYPE_CHECKING:
     from engine.managers.io_struct import TokenizedGenerateReqInput
@@ -35,6 +37,8 @@ logger = logging.getLogger(__name__)
 # How long an idle decode server waits on the transfer backend per step (keeps the loop from
 # spinning while only fetches are outstanding).
 _IDLE_WAIT_S = 0.002
+# Per-request transfer records kept for /get_server_info (``disaggregation.recent``).
+_RECENT = 64
 
 
 def kv_layout_of(runner: Any, args: Any) -> KvLayout:
@@ -77,6 +81,8 @@ class DisaggregationMixin:
         self.disagg_counts = {"requests": 0, "transferred": 0, "failed": 0, "transfer_bytes": 0,
                               "transfer_wait_s": 0.0}
         self._disagg_started: dict[str, float] = {}
+        # The newest requests' transfers: bytes and seconds on this side (``_disagg_stats``).
+        self.disagg_recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         if self.disagg_mode == "null":
             return
         import engine.plugins as plugins
@@ -122,6 +128,7 @@ class DisaggregationMixin:
             host, port = req.disagg_source  # type: ignore[attr-defined]
             left = self.args.disaggregation_timeout_s - (time.monotonic() - self._disagg_started.get(req.rid, time.monotonic()))
             self.kv_transfer.fetch(req.disagg_key, host, port, max(left, 0.0))  # type: ignore[attr-defined]
+            mark(req, "kv_fetch", len(req.origin_input_ids))
         for key, req in list(self.disagg_waiting.items()):
             if req.finished():  # aborted while its KV was on the way
                 del self.disagg_waiting[key]
@@ -141,9 +148,12 @@ class DisaggregationMixin:
                 failed.append(self._disagg_fail(req, f"KV transfer failed: the prefill server sent KV for "
                                                      f"{result.num_tokens} tokens, the prompt has {len(req.origin_input_ids)}"))
             else:
+                waited = time.monotonic() - self._disagg_started.pop(req.rid, time.monotonic())
                 self.disagg_counts["transferred"] += 1
                 self.disagg_counts["transfer_bytes"] += result.nbytes
-                self.disagg_counts["transfer_wait_s"] += time.monotonic() - self._disagg_started.pop(req.rid, time.monotonic())
+                self.disagg_counts["transfer_wait_s"] += waited
+                mark(req, "kv_arrived", result.num_tokens)
+                result.meta["wait_s"] = waited
                 self.disagg_arrived.append((req, result))
         if failed:
             self._emit(failed)  # type: ignore[attr-defined]
@@ -184,15 +194,17 @@ class DisaggregationMixin:
                 left.append((req, payload))  # running requests hold the pool: retry after they finish
                 continue
             self.req_to_token_pool.write(req.req_pool_idx, 0, slots)  # type: ignore[attr-defined]
-            index = slots.to(pool.k_buffer[0].device)
-            for layer in range(pool.num_layers):
-                pool.k_buffer[layer][index] = payload.k[layer].to(pool.k_buffer[layer].device, non_blocking=True)
-                if getattr(pool, "kv_layout", "mha") != "mla":  # MLA's V is a view of its K rows
-                    pool.v_buffer[layer][index] = payload.v[layer].to(pool.v_buffer[layer].device, non_blocking=True)
+            write_s = self._disagg_write(pool, slots, payload)
             req.disagg_done = True  # type: ignore[attr-defined]  # a retraction later recomputes locally
             if req.return_logprob:
                 _take_logprobs(req, payload.meta.get("logprobs") or {})
             req.append_output(payload.first_token)
+            # The decode server's first token is the prefill server's, handed over now: its TTFT
+            # (metrics, live view, tracing) counts from here.
+            mark(req, "first_token", 1)
+            self.disagg_recent.append({
+                "rid": req.rid, "tokens": n, "bytes": payload.nbytes, "wait_s": round(payload.meta.get("wait_s", 0.0), 6),
+                "transfer_s": _rounded(payload.meta.get("transfer_s")), "write_s": round(write_s, 6)})
             req.check_finished()
             if req.finished():
                 self.tree_cache.cache_finished_req(req)  # type: ignore[attr-defined]
@@ -204,6 +216,23 @@ class DisaggregationMixin:
         if done:
             self._emit(done)  # type: ignore[attr-defined]
 
+    def _disagg_write(self, pool: Any, slots: torch.Tensor, payload: KvPayload) -> float:
+        """Copies a payload's KV into the pool at ``slots``: one host-to-device copy of all
+        layers' K (and V), then a scatter per layer on the device. Returns the seconds it took
+        (waiting for the device, so the figure is the copy's and not its launch's)."""
+        started = time.perf_counter()
+        device = pool.k_buffer[0].device
+        index = slots.to(device)
+        k = payload.k.to(device, non_blocking=True)
+        mla = getattr(pool, "kv_layout", "mha") == "mla"  # MLA's V is a view of its K rows
+        v = None if mla else payload.v.to(device, non_blocking=True)
+        for layer in range(pool.num_layers):
+            pool.k_buffer[layer][index] = k[layer]
+            if v is not None:
+                pool.v_buffer[layer][index] = v[layer]
+        self.runner.platform.synchronize()
+        return time.perf_counter() - started
+
     # -- prefill: stage and publish ------------------------------------------------------
     def _disagg_stage(self, batch: ScheduleBatch) -> list[tuple[Req, torch.Tensor, torch.Tensor]]:
         """Host copies of the prompt KV of the batch's disaggregated rows whose prefill ends now
@@ -214,17 +243,24 @@ class DisaggregationMixin:
         r2t = self.req_to_token_pool.req_to_token  # type: ignore[attr-defined]
         # Host memory unless the backend moves device tensors itself (NCCL).
         where = getattr(self.kv_transfer, "payload_device", "cpu")
+        # Device pools stage into pinned host memory (torch's caching host allocator reuses the
+        # blocks once payloads are sent), copied asynchronously and waited for once per batch.
+        pin = where == "cpu" and self.runner.platform.pin_host_memory()
         staged = []
+        started = time.perf_counter()
         for req in batch.reqs:
             if getattr(req, "disagg_key", None) is None or req.is_chunked:
                 continue
             index = r2t[req.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
-            k = torch.stack([buf[index] for buf in pool.k_buffer]).to(where)
+            k = _gather(pool.k_buffer, index, where, pin)
             if getattr(pool, "kv_layout", "mha") == "mla":
                 v = k.new_empty((*k.shape[:3], 0))
             else:
-                v = torch.stack([buf[index] for buf in pool.v_buffer]).to(where)
+                v = _gather(pool.v_buffer, index, where, pin)
             staged.append((req, k, v))
+        if pin and staged:
+            self.runner.platform.synchronize()
+        self._disagg_stage_s = time.perf_counter() - started
         return staged
 
     def _disagg_publish(self, staged: list[tuple[Req, torch.Tensor, torch.Tensor]]) -> None:
@@ -241,6 +277,11 @@ class DisaggregationMixin:
             self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
             self.disagg_counts["transferred"] += 1
             self.disagg_counts["transfer_bytes"] += payload.nbytes
+            # The batch's staging time, shared by its rows in proportion to their bytes.
+            total = sum(kk.numel() * kk.element_size() + vv.numel() * vv.element_size() for _, kk, vv in staged)
+            stage_s = getattr(self, "_disagg_stage_s", 0.0) * payload.nbytes / max(total, 1)
+            self.disagg_recent.append({"rid": req.rid, "tokens": payload.num_tokens, "bytes": payload.nbytes,
+                                       "stage_s": round(stage_s, 6)})
 
     # -- bookkeeping ---------------------------------------------------------------------
     def disagg_busy(self) -> bool:
@@ -251,4 +292,19 @@ class DisaggregationMixin:
             return {}
         return {"disaggregation": {"mode": self.disagg_mode, "waiting_for_kv": len(self.disagg_waiting),
                                    "kv_arrived": len(self.disagg_arrived), **self.disagg_counts,
-                                   "backend": self.kv_transfer.stats()}}
+                                   "backend": self.kv_transfer.stats(), "recent": list(self.disagg_recent)}}
+
+
+def _rounded(value: Any) -> float | None:
+    return None if value is None else round(float(value), 6)
+
+
+def _gather(buffers: list[torch.Tensor], index: torch.Tensor, where: str, pin: bool) -> torch.Tensor:
+    """``[num_layers, len(index), ...]``: the rows ``index`` of every layer's buffer, on ``where``
+    (into pinned host memory, asynchronously, when ``pin``)."""
+    rows = torch.stack([buf[index] for buf in buffers])
+    if not pin:
+        return rows.to(where)
+    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    host.copy_(rows, non_blocking=True)
+    return host

@@ -9,7 +9,10 @@ so the two processes' times compare), ``tokens`` what the stage handled. The nam
 - ``scheduled``: it was admitted to a prefill batch (again after a retraction);
 - ``prefill_chunk``: a prefill forward over ``tokens`` of its prompt began;
 - ``retracted``: it was taken off the running batch to free KV (it resumes later);
-- ``first_token``: its first output token was sampled.
+- ``first_token``: its first output token was sampled; on a disaggregated decode server, the
+  prefill server's first token was handed over with the KV (TTFT counts from there);
+- ``kv_fetch``, ``kv_arrived``: on a disaggregated decode server, its KV was asked of the prefill
+  server, and it arrived (``tokens``: the prompt's).
 
 The finished request's list rides on its last output message to the tokenizer manager, whose
 own times are the arrival (``ReqState.created``) and the last token (``ReqState.last_time``).

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.hookspecs import KvTransferSpec, hookimpl
+from engine.hookspecs import KvTransferSpec, PluginOption, hookimpl
+
+PLUGIN = "kvtransfer_torch"
 
 
 @hookimpl
@@ -13,3 +15,10 @@ def register_kv_transfer_backends(register: Callable[[KvTransferSpec], None]) ->
     register(KvTransferSpec(
         name="torch", factory="engine_kvtransfer_torch.backend:TorchKvTransfer", device_types=("cpu", "cuda"),
         description="torch.distributed send/recv between the two servers' ranks: gloo on CPU, NCCL on CUDA"))
+
+
+@hookimpl
+def register_plugin_options(register):  # type: ignore[no-untyped-def]
+    register(PluginOption(PLUGIN, "process_group", "auto",
+                          "auto (NCCL for CUDA pools, gloo for CPU pools), nccl or gloo; gloo on CUDA pools stages "
+                          "the KV in host memory and serves a prefill/decode pair on one GPU, which NCCL refuses"))

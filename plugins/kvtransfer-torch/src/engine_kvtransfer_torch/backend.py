@@ -14,17 +14,19 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from engine_kvtransfer_zmq.backend import ZmqKvTransfer
+from engine_kvtransfer_zmq.backend import ZmqKvTransfer, received_meta
 
 from engine.disaggregation.transfer import KvPayload, KvTransferContext
 
 logger = logging.getLogger(__name__)
 
+_GROUPS = ("auto", "nccl", "gloo")
 Job = tuple[Callable[[Any], None], Callable[[str], None]]  # (run with the group, fail with a reason)
 
 
@@ -70,7 +72,13 @@ class _Pair:
 class TorchKvTransfer(ZmqKvTransfer):
     def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
         self._device = torch.device(ctx.device)
-        self._nccl = self._device.type == "cuda"
+        group = str((options or {}).get("process_group", "auto"))
+        if group not in _GROUPS:
+            raise ValueError(f"kvtransfer_torch.process_group: invalid value {group!r}; accepted: {', '.join(_GROUPS)}")
+        if group == "nccl" and self._device.type != "cuda":
+            raise ValueError(f"kvtransfer_torch.process_group: 'nccl' needs a CUDA KV pool, this one is on {ctx.device}; "
+                             "accepted here: auto, gloo")
+        self._nccl = self._device.type == "cuda" and group != "gloo"
         #: where the scheduler leaves payloads it publishes (the mixin reads it).
         self.payload_device = str(self._device) if self._nccl else "cpu"
         self._op_timeout = datetime.timedelta(seconds=ctx.timeout_s)
@@ -119,7 +127,7 @@ class TorchKvTransfer(ZmqKvTransfer):
         if pair is None:
             name = f"{self._store_port}-{peer.hex()}"
             pair = self._pairs[peer] = _Pair(name, lambda name=name: self._group(self._store, name, 0))
-        header = {**json.loads(frames[0]), "pair": pair.name, "store_port": self._store_port}
+        header = {**json.loads(frames[0]), "pair": pair.name, "store_port": self._store_port, "sent_unix": time.time()}
         self._router.send_multipart([peer, json.dumps(header).encode()])
         k, v = tensors
 
@@ -156,9 +164,13 @@ class TorchKvTransfer(ZmqKvTransfer):
                 group.recv([v], 0, 0).wait()
             if self._nccl:
                 torch.cuda.current_stream(device).synchronize()
-            self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, dict(header.get("meta") or {})))
+            self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, received_meta(header)))
 
         pair.submit((receive, lambda why: self._finish_fetch(key, f"torch KV transfer from {host} failed: {why}")))
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "backend": "torch", "process_group": "nccl" if self._nccl else "gloo",
+                "pairs": len(self._pairs)}
 
     def close(self) -> None:
         super().close()

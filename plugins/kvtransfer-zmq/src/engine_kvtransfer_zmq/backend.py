@@ -39,6 +39,20 @@ def _from_bytes(buf: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(torch_dtype).reshape(shape)
 
 
+def _stamped(header: bytes) -> bytes:
+    """The JSON header with the time it leaves this side (``sent_unix``, wall clock)."""
+    return json.dumps({**json.loads(header), "sent_unix": time.time()}).encode()
+
+
+def received_meta(header: dict[str, Any]) -> dict[str, Any]:
+    """The payload's ``meta`` with ``transfer_s``: seconds from the prefill side's send to now
+    (wall clocks of the two machines; exact on one host)."""
+    meta = dict(header.get("meta") or {})
+    if "sent_unix" in header:
+        meta["transfer_s"] = max(time.time() - float(header["sent_unix"]), 0.0)
+    return meta
+
+
 class ZmqKvTransfer(KvTransferBackend):
     def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
         super().__init__(ctx)
@@ -227,7 +241,7 @@ class ZmqKvTransfer(KvTransferBackend):
         """A published payload nobody will fetch was let go (subclasses free what they kept)."""
 
     def _serve(self, peer: bytes, key: str, frames: list[Any]) -> None:
-        self._router.send_multipart([peer, *frames])
+        self._router.send_multipart([peer, _stamped(frames[0]), *frames[1:]])
         self._counts["served"] += 1
         self._counts["bytes_sent"] += sum(len(f) for f in frames[1:])
 
@@ -276,7 +290,7 @@ class ZmqKvTransfer(KvTransferBackend):
             return
         k = _from_bytes(frames[1], header["dtype"], header["k_shape"])
         v = _from_bytes(frames[2], header["dtype"], header["v_shape"])
-        self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, dict(header.get("meta") or {})))
+        self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, received_meta(header)))
 
     def _expire(self, now: float) -> None:
         for key in [k for k, (_, expires) in self._ready.items() if expires <= now]:

@@ -1,0 +1,269 @@
+"""Prefill/decode disaggregation on one machine: a prefill server, a decode server and the router,
+for each KV transfer backend given, against the decode server serving the same prompts whole.
+
+Per backend: both servers start side by side (``--mem-fraction-static`` each, so a pair shares
+one GPU), the router in front. The prompts (random token ids, ``--input-len`` each) first run
+whole on the decode server, streamed one at a time: the reference outputs and the single-server
+TTFT/ITL. Both prefix caches are flushed, then the same prompts run through the router, one at a
+time: greedy outputs must match the reference token for token, and each request's KV transfer
+is read from both servers' ``/get_server_info`` (``disaggregation.recent``): bytes, the prefill
+side's staging (device to host), the transfer (send to arrival), the decode side's write into
+its pool, and the decode server's wait from the request's arrival to its KV. Then, with
+``--concurrency`` > 1, the prompts again (caches flushed), that many at once, for throughput.
+
+Prints JSON lines: one per request (``"kind": "request"``) and one summary per backend
+(``"kind": "summary"``); ``--result-file`` appends the summaries.
+
+    python3 benchmarks/bench_disaggregation.py --model-path docs/bench_configs/qwen3-0.6b \\
+        --load-format dummy --input-len 4096 --output-len 128 --num-prompts 4 --backend zmq
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(url: str, procs: list[subprocess.Popen[bytes]], logs: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for proc, log in zip(procs, logs, strict=True):
+            if proc.poll() is not None:
+                raise RuntimeError(f"a process exited with {proc.returncode}; log tail:\n{_tail(log)}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not healthy within {timeout_s} s; logs: {' '.join(logs)}")
+
+
+def _tail(path: str, n: int = 3000) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()[-n:]
+
+
+@contextmanager
+def _processes(cmds: list[list[str]], log_dir: str) -> Iterator[tuple[list[subprocess.Popen[bytes]], list[str]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+    try:
+        for i, cmd in enumerate(cmds):
+            logs.append(os.path.join(log_dir, f"proc-{len(os.listdir(log_dir))}-{i}.log"))
+            with open(logs[-1], "wb") as out:
+                procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT))
+        yield procs, logs
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One streamed /generate: its output ids, TTFT and inter-token gaps."""
+    start = time.perf_counter()
+    times: list[float] = []
+    ids: list[int] = []
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                raise RuntimeError(f"{url}/generate streamed an error: {event['error']}")
+            now = time.perf_counter()
+            got = event.get("output_ids") or []
+            new = got[len(ids):] if got[: len(ids)] == ids else got  # cumulative or per-event ids
+            ids.extend(new)
+            times.extend([now] * len(new))
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
+    steps = len(times) - 1
+    return {"ids": ids, "ttft_s": times[0] - start if times else None,
+            "itl_s": (times[-1] - times[0]) / steps if steps > 0 else None,
+            "itl_p99_s": sorted(gaps)[int(0.99 * (len(gaps) - 1))] if gaps else None,
+            "e2e_s": time.perf_counter() - start}
+
+
+def _info(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/get_server_info", timeout=10).json()
+
+
+def _recent(url: str) -> dict[str, dict[str, Any]]:
+    info = _info(url)
+    block = info.get("disaggregation") or {}
+    return {row["rid"]: row for row in block.get("recent", [])}
+
+
+def _flush(*urls: str) -> None:
+    for url in urls:
+        r = httpx.post(url + "/flush_cache", timeout=30)
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
+
+
+def _mean(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], log_dir: str, vocab: int) -> dict[str, Any]:
+    p_port, d_port, r_port, boot = _port(), _port(), _port(), _port()
+    common = [sys.executable, "-m", "engine", "serve", "--model-path", a.model_path, "--load-format", a.load_format,
+              "--skip-tokenizer-init", "--log-level", "warning",
+              "--disaggregation-transfer-backend", backend, *shlex.split(a.extra)]
+    if a.mem_fraction_static:
+        common += ["--mem-fraction-static", str(a.mem_fraction_static)]
+    for option in a.plugin_option:
+        common += ["--plugin-option", option]
+    prefill = [*common, "--port", str(p_port), "--disaggregation-mode", "prefill",
+               "--disaggregation-bootstrap-port", str(boot)]
+    decode = [*common, "--port", str(d_port), "--disaggregation-mode", "decode"]
+    p_url, d_url, r_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port))
+    t0 = time.perf_counter()
+    with _processes([prefill, decode], log_dir) as (procs, logs):
+        for url in (p_url, d_url):
+            _wait(url, procs, logs, a.start_timeout_s)
+        started_s = time.perf_counter() - t0
+        router = [sys.executable, "-m", "engine", "router", "--prefill", p_url, "--decode", d_url,
+                  "--port", str(r_port), "--log-level", "warning"]
+        with _processes([router], log_dir) as (router_procs, router_logs):
+            _wait(r_url, router_procs, router_logs, 60)
+            greedy = {"temperature": 0, "max_new_tokens": a.output_len, "ignore_eos": True}
+            warm = [random.Random(99).randrange(3, min(vocab, 20000)) for _ in range(a.input_len)]
+            _stream(d_url, {"input_ids": warm, "sampling_params": {**greedy, "max_new_tokens": 4}})
+            _stream(r_url, {"input_ids": warm[::-1], "sampling_params": {**greedy, "max_new_tokens": 4}})
+            whole = [_stream(d_url, {"input_ids": p, "sampling_params": greedy}) for p in prompts]
+            _flush(p_url, d_url)
+            rids = [f"bench-{backend}-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
+            disagg = [_stream(r_url, {"input_ids": p, "sampling_params": greedy, "rid": rid})
+                      for p, rid in zip(prompts, rids, strict=True)]
+            pre, dec = _recent(p_url), _recent(d_url)
+            rows = []
+            for i, (w, d, rid) in enumerate(zip(whole, disagg, rids, strict=True)):
+                same = sum(1 for x, y in zip(w["ids"], d["ids"], strict=False) if x == y)
+                first_diff = next((j for j, (x, y) in enumerate(zip(w["ids"], d["ids"], strict=False)) if x != y), None)
+                row = {"kind": "request", "backend": backend, "prompt": i, "rid": rid,
+                       "match": w["ids"] == d["ids"], "first_difference": first_diff, "same_tokens": same,
+                       "tokens": len(d["ids"]),
+                       "whole": {k: w[k] for k in ("ttft_s", "itl_s", "itl_p99_s", "e2e_s")},
+                       "disaggregated": {k: d[k] for k in ("ttft_s", "itl_s", "itl_p99_s", "e2e_s")},
+                       "prefill_side": pre.get(rid), "decode_side": dec.get(rid)}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            concurrent: dict[str, Any] = {}
+            if a.concurrency > 1:
+                _flush(p_url, d_url)
+                results: list[dict[str, Any]] = [{} for _ in prompts]
+
+                def one(i: int) -> None:
+                    results[i] = _stream(r_url, {"input_ids": prompts[i], "sampling_params": greedy})
+                begin = time.perf_counter()
+                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                took = time.perf_counter() - begin
+                concurrent = {"concurrency": len(prompts), "duration_s": took,
+                              "output_tok_s": sum(len(r.get("ids", [])) for r in results) / took,
+                              "mean_ttft_s": _mean([r.get("ttft_s") for r in results]),
+                              "mean_itl_s": _mean([r.get("itl_s") for r in results]),
+                              "all_match": all(r.get("ids") == w["ids"] for r, w in zip(results, whole, strict=True))}
+            info_p, info_d = _info(p_url).get("disaggregation", {}), _info(d_url).get("disaggregation", {})
+            info_p.pop("recent", None)
+            info_d.pop("recent", None)
+    dec_rows = [r["decode_side"] or {} for r in rows]
+    pre_rows = [r["prefill_side"] or {} for r in rows]
+    summary = {"kind": "summary", "backend": backend, "model": a.model_path, "input_len": a.input_len,
+               "output_len": a.output_len, "num_prompts": len(prompts), "servers_start_s": round(started_s, 1),
+               "all_match": all(r["match"] for r in rows),
+               "kv_bytes_per_request": _mean([r.get("bytes") for r in dec_rows]),
+               "prefill_stage_s": _mean([r.get("stage_s") for r in pre_rows]),
+               "transfer_s": _mean([r.get("transfer_s") for r in dec_rows]),
+               "decode_write_s": _mean([r.get("write_s") for r in dec_rows]),
+               "decode_wait_s": _mean([r.get("wait_s") for r in dec_rows]),
+               "ttft_s": {"whole": _mean([r["whole"]["ttft_s"] for r in rows]),
+                          "disaggregated": _mean([r["disaggregated"]["ttft_s"] for r in rows])},
+               "itl_s": {"whole": _mean([r["whole"]["itl_s"] for r in rows]),
+                         "disaggregated": _mean([r["disaggregated"]["itl_s"] for r in rows])},
+               "concurrent": concurrent, "prefill_counts": info_p, "decode_counts": info_d,
+               "logs": logs}
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--input-len", type=int, default=4096)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=0, help="also run the prompts this many at once (0: not)")
+    ap.add_argument("--backend", action="append", help="KV transfer backend (repeatable; default zmq)")
+    ap.add_argument("--plugin-option", action="append", default=[], help="passed to both servers (repeatable)")
+    ap.add_argument("--mem-fraction-static", type=float, default=0.35, help="each server's (0: the platform's default)")
+    ap.add_argument("--extra", default="", help="more engine serve arguments for both servers")
+    ap.add_argument("--start-timeout-s", type=float, default=300)
+    ap.add_argument("--budget-s", type=float, default=0, help="skip a backend when less than this is left (0: none)")
+    ap.add_argument("--result-file", default=None)
+    a = ap.parse_args()
+    # A time limit's SIGTERM unwinds like an error, so the servers started here are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with open(os.path.join(a.model_path, "config.json")) as f:
+        vocab = int(json.load(f).get("vocab_size", 32000))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, min(vocab, 20000)) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    log_dir = tempfile.mkdtemp(prefix="bench-disagg-")
+    begin = time.perf_counter()
+    per_backend: list[float] = []
+    for backend in a.backend or ["zmq"]:
+        left = a.budget_s - (time.perf_counter() - begin)
+        if a.budget_s and per_backend and left < max(per_backend) * 1.1:
+            print(json.dumps({"kind": "skipped", "backend": backend, "left_s": round(left, 1)}), flush=True)
+            continue
+        t = time.perf_counter()
+        try:
+            summary = _run_backend(a, backend, prompts, log_dir, vocab)
+        except Exception as exc:  # noqa: BLE001 - report and go on with the next backend
+            print(json.dumps({"kind": "error", "backend": backend, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
+            for name in sorted(os.listdir(log_dir)):
+                print(f"--- {name}\n{_tail(os.path.join(log_dir, name))}", flush=True)
+            continue
+        per_backend.append(time.perf_counter() - t)
+        summary["wall_s"] = round(per_backend[-1], 1)
+        print(json.dumps(summary), flush=True)
+        if a.result_file:
+            with open(a.result_file, "a") as f:
+                f.write(json.dumps(summary) + "\n")
+
+
+if __name__ == "__main__":
+    main()
