@@ -4,7 +4,9 @@ Each request goes to one prefill server and one decode server at once, both bodi
 the same ``bootstrap_room`` and request ids, and ``bootstrap_host``/``bootstrap_port`` naming
 the prefill server's KV transfer address. The client gets the decode server's answer
 (streamed as it comes for ``"stream": true``); the prefill server's answer is read only for
-its errors. Servers are taken in turn (round robin) per kind.
+its errors. Per kind, a router policy (``engine.router.RouterPolicy``, the plugin kind the
+data-parallel router uses) picks the server from the requests each has in flight: by default
+``shortest-queue``, the one with the fewest outstanding requests.
 
 Failures end the request at once, never a hang: a prefill server that answers an error or
 cannot be reached ends the request with that error and the decode half is cancelled (closing
@@ -15,20 +17,26 @@ that fails or goes away mid-stream ends the stream with an in-band error event.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
+
+from engine.router import RouterPolicy
+from engine.router.router import Router
 
 logger = logging.getLogger(__name__)
 
 ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 _CONNECT_TIMEOUT_S = 5.0
+#: ``engine router --policy``'s default: per kind, the server with the fewest requests in flight.
+DEFAULT_POLICY = "shortest-queue"
+KINDS = ("prefill", "decode")
 
 
 class RouterError(Exception):
@@ -53,24 +61,38 @@ class PrefillServer:
 
 @dataclass
 class PDRouter:
-    """Routing state: the servers of each kind and counts for ``/get_server_info``."""
+    """Routing state: the servers of each kind, the policy choosing among them (one instance
+    per kind, built by ``policy_factory(kind, num_servers)``; None: the ``policy`` plugin), the
+    requests in flight on each server, and counts for ``/get_server_info``."""
 
     prefill: list[PrefillServer]
     decode: list[str]
     api_key: str | None = None
+    policy: str = DEFAULT_POLICY
+    policy_factory: Callable[[str, int], RouterPolicy] | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill_failed": 0, "decode_failed": 0})
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one --prefill and one --decode server")
-        self._prefill_turn = itertools.cycle(range(len(self.prefill)))
-        self._decode_turn = itertools.cycle(range(len(self.decode)))
+        make = self.policy_factory or _plugin_policy(self.policy)
+        sizes = {"prefill": len(self.prefill), "decode": len(self.decode)}
+        # One server of a kind needs no choice (engine.router.Router then takes no policy).
+        self._routers = {kind: Router(n, make(kind, n) if n > 1 else None, self.policy) for kind, n in sizes.items()}
+
+    def pair(self, key: str, prompt: list[int]) -> tuple[PrefillServer, str]:
+        """The servers for one client request (``key``, unique among those in flight); both count
+        it in flight until ``release(kind, key)``."""
+        p = self._routers["prefill"].route(key, prompt).replica
+        d = self._routers["decode"].route(key, prompt).replica
+        return self.prefill[p], self.decode[d]
+
+    def release(self, kind: str, key: str) -> None:
+        """The ``kind`` half of request ``key`` ended (any way; repeated calls are ignored)."""
+        self._routers[kind].finish(key)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def pair(self) -> tuple[PrefillServer, str]:
-        return self.prefill[next(self._prefill_turn)], self.decode[next(self._decode_turn)]
 
     def bodies(self, path: str, body: dict[str, Any], prefill: PrefillServer) -> tuple[dict[str, Any], dict[str, Any]]:
         """The prefill and decode servers' bodies for one client request."""
@@ -89,7 +111,42 @@ class PDRouter:
         return prefill_body, shared
 
     def stats(self) -> dict[str, Any]:
-        return {"prefill": [p.url for p in self.prefill], "decode": list(self.decode), **self.counts}
+        loads = {kind: [{"url": url, **{k: v for k, v in row.items() if k != "index"}}
+                        for url, row in zip(self._urls(kind), self._routers[kind].stats()["replicas"], strict=True)]
+                 for kind in KINDS}
+        return {"prefill": [p.url for p in self.prefill], "decode": list(self.decode), "policy": self.policy,
+                "servers": loads, **self.counts}
+
+    def _urls(self, kind: str) -> list[str]:
+        return [p.url for p in self.prefill] if kind == "prefill" else list(self.decode)
+
+
+def _plugin_policy(name: str) -> Callable[[str, int], RouterPolicy]:
+    def make(kind: str, num_servers: int) -> RouterPolicy:
+        import engine.plugins as plugins
+
+        return plugins.create_router_policy(name, num_servers)  # type: ignore[no-any-return]
+    return make
+
+
+def prompt_key(path: str, body: dict[str, Any]) -> list[int]:
+    """What a policy sees as the request's prompt: its token ids when the body gives ids, else
+    the UTF-8 bytes of its text (the router has no tokenizer; a cache-aware policy then matches
+    prefixes of text, as SGLang's router does). A batch is keyed by its first prompt."""
+    if path == "/generate":
+        ids, text = body.get("input_ids"), body.get("text")
+        prompt: Any = ids if ids is not None else text
+    elif path == "/v1/completions":
+        prompt = body.get("prompt")
+    else:
+        prompt = json.dumps(body.get("messages"), ensure_ascii=False, separators=(",", ":"))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(prompt.encode())
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    return []
 
 
 def _batch_size(body: dict[str, Any]) -> int | None:
@@ -132,12 +189,22 @@ async def _prefill_outcome(client: Any, router: PDRouter, server: PrefillServer,
 async def route(client: Any, router: PDRouter, path: str, body: dict[str, Any]) -> tuple[int, Any]:
     """Runs one request; returns (status, JSON body) or, for a stream, (200, an async iterator
     of SSE bytes)."""
-    prefill, decode = router.pair()
-    prefill_body, decode_body = router.bodies(path, body, prefill)
+    if not isinstance(body, dict):
+        raise RouterError(400, "the request body must be a JSON object")
+    key = uuid.uuid4().hex
+    prefill, decode = router.pair(key, prompt_key(path, body))
+    try:
+        prefill_body, decode_body = router.bodies(path, body, prefill)
+    except BaseException:
+        router.release("prefill", key)
+        router.release("decode", key)
+        raise
     router.counts["requests"] += 1
     prefill_task = asyncio.ensure_future(_prefill_outcome(client, router, prefill, path, prefill_body))
+    prefill_task.add_done_callback(lambda _: router.release("prefill", key))
     request = client.build_request("POST", decode + path, json=decode_body, headers=router.headers())
     decode_task = asyncio.ensure_future(client.send(request, stream=True))
+    decode_done = lambda: router.release("decode", key)  # noqa: E731
     try:
         done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
         if prefill_task in done and prefill_task.result() is not None:
@@ -148,6 +215,7 @@ async def route(client: Any, router: PDRouter, path: str, body: dict[str, Any]) 
             router.counts["decode_failed"] += 1
             raise _failure("decode", decode, exc) from None
     except BaseException:
+        decode_done()
         prefill_task.cancel()
         decode_task.cancel()
         if decode_task.done() and not decode_task.cancelled() and decode_task.exception() is None:
@@ -159,10 +227,14 @@ async def route(client: Any, router: PDRouter, path: str, body: dict[str, Any]) 
         except BaseException:
             prefill_task.cancel()
             raise
+        finally:
+            decode_done()
         if response.status_code >= 400:
             prefill_task.cancel()
         return response.status_code, data
-    return 200, _relay(router, response, prefill_task, decode)
+    # A stream's decode half ends with its relay, or when the response is dropped unread.
+    weakref.finalize(response, decode_done)
+    return 200, _relay(router, response, prefill_task, decode, decode_done)
 
 
 async def _read_json(response: Any, prefill_task: asyncio.Future[Any], decode: str) -> Any:
@@ -188,7 +260,8 @@ async def _read_json(response: Any, prefill_task: asyncio.Future[Any], decode: s
         await response.aclose()
 
 
-async def _relay(router: PDRouter, response: Any, prefill_task: asyncio.Future[Any], decode: str) -> AsyncIterator[bytes]:
+async def _relay(router: PDRouter, response: Any, prefill_task: asyncio.Future[Any], decode: str,
+                 release: Callable[[], None]) -> AsyncIterator[bytes]:
     """The decode server's SSE bytes; an in-band error event when either half fails."""
     chunks = response.aiter_raw()
     step: asyncio.Future[bytes] | None = None
@@ -214,6 +287,7 @@ async def _relay(router: PDRouter, response: Any, prefill_task: asyncio.Future[A
                 return
             yield chunk
     finally:
+        release()
         if step is not None:
             step.cancel()
         prefill_task.cancel()

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.disaggregation.router import (
     _CONNECT_TIMEOUT_S,
+    DEFAULT_POLICY,
     ROUTES,
     PDRouter,
     PrefillServer,
@@ -24,7 +25,6 @@ from engine.disaggregation.router import (
     route,
 )
 from engine.errors import ConfigError
-
 
 _DISCONNECT_POLL_S = 0.5
 
@@ -109,10 +109,11 @@ async def _get(client: Any, url: str, router: PDRouter) -> tuple[int, Any]:
         return r.status_code, None
 
 
-def discover(prefill_urls: list[str], decode_urls: list[str], api_key: str | None, wait_s: float) -> PDRouter:
+def discover(prefill_urls: list[str], decode_urls: list[str], api_key: str | None, wait_s: float,
+             policy: str = DEFAULT_POLICY) -> PDRouter:
     """Asks every server its --disaggregation-mode (and a prefill server its bootstrap port),
     waiting up to ``wait_s`` for servers still starting; a server of the wrong mode, or one that
-    never answers, is a ConfigError naming it."""
+    never answers, is a ConfigError naming it. ``policy``: the router policy per kind."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -144,4 +145,4 @@ def discover(prefill_urls: list[str], decode_urls: list[str], api_key: str | Non
         if mode != "decode":
             raise ConfigError(f"--decode {url}: that server runs --disaggregation-mode {mode!r}; accepted: a server "
                               "started with --disaggregation-mode decode")
-    return PDRouter(prefill, [u.rstrip("/") for u in decode_urls], api_key)
+    return PDRouter(prefill, [u.rstrip("/") for u in decode_urls], api_key, policy)
