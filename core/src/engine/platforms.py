@@ -297,8 +297,12 @@ class TorchCudaPlatform(Platform):
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes == 0 or not self.is_available():
             return torch.empty(shape, dtype=dtype, pin_memory=self.pin_host_memory())
-        runtime = torch.cuda.cudart()
-        if int(runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) != 0:
+        try:
+            runtime = torch.cuda.cudart()
+            registered = int(runtime.cudaHostRegister(tensor.data_ptr(), nbytes, 0)) == 0
+        except (AttributeError, RuntimeError):  # a build without the runtime bindings
+            registered = False
+        if not registered:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         # Unregistered when this tensor object goes (views made from it may outlive it: their
         # pages are then pageable again, still valid, and copies fall back to synchronous ones).

@@ -19,10 +19,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.errors import ConfigError
-from engine.mem_cache.memory_pool import TokenToKVPoolAllocator
 from engine.platforms import current_platform
 
 
@@ -84,7 +84,7 @@ class KvStorageTier(ABC):
         self.layout = layout
         self.size = num_tokens
         # Tier slots 1..size; slot page 0 stays unused, as in the device pool.
-        self.allocator = TokenToKVPoolAllocator(num_tokens, page, "cpu")
+        self.allocator = _SlotBitmap(num_tokens, page)
 
     # -- slot bookkeeping (called by the cache) ---------------------------------
     def available_size(self) -> int:
@@ -94,14 +94,10 @@ class KvStorageTier(ABC):
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """``num_tokens`` free slots (a whole number of pages), or None when too few are free.
 
-        The free list is kept sorted, so the slots come in as few runs of consecutive slots as
-        the free space allows (a tier with ``host_rows`` moves each run with one copy).
+        The lowest free slots, ascending: they come in as few runs of consecutive slots as the
+        free space allows (a tier with ``host_rows`` moves each run with one copy).
         """
-        allocator = self.allocator
-        if allocator._unsorted:
-            allocator.free_pages = torch.sort(allocator.free_pages).values
-            allocator._unsorted = False
-        return allocator.alloc(num_tokens)
+        return self.allocator.alloc(num_tokens)
 
     def free(self, slots: torch.Tensor) -> None:
         self.allocator.free(slots)
@@ -206,6 +202,43 @@ def _row_shape(layout: KvLayout) -> tuple[int, int]:
 def _row_bytes(layout: KvLayout) -> int:
     parts, width = _row_shape(layout)
     return parts * layout.num_kv_heads * width * torch.empty((), dtype=layout.dtype).element_size()
+
+
+class _SlotBitmap:
+    """Free tier pages as a mask: an allocation takes the lowest free pages, so the slots of a
+    transfer form long runs of consecutive slots. One pass over the mask per allocation (about
+    0.1 ms for a million pages), where keeping a free list sorted would sort it on every one."""
+
+    def __init__(self, size: int, page_size: int) -> None:
+        self.page_size = page_size
+        self.free_mask = np.zeros(size // page_size + 1, dtype=bool)
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_mask[1:] = True  # page 0 is never handed out
+        self.free_pages = len(self.free_mask) - 1
+
+    def available_size(self) -> int:
+        return self.free_pages * self.page_size
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        assert need % self.page_size == 0, "tier allocations are whole pages"
+        count = need // self.page_size
+        if count > self.free_pages:
+            return None
+        pages = np.flatnonzero(self.free_mask)[:count]
+        self.free_mask[pages] = False
+        self.free_pages -= count
+        slots = (pages[:, None] * self.page_size + np.arange(self.page_size)).reshape(-1)
+        return torch.from_numpy(slots.astype(np.int64))
+
+    def free(self, slots: torch.Tensor) -> None:
+        if slots.numel() == 0:
+            return
+        pages = np.unique(slots.numpy() // self.page_size)
+        pages = pages[~self.free_mask[pages]]  # a page is freed once, whichever of its slots come
+        self.free_mask[pages] = True
+        self.free_pages += len(pages)
 
 
 def _available_host_bytes() -> int | None:
