@@ -17,8 +17,8 @@ data from HBM, as when serving); larger ones run eagerly (``do_bench`` clears L2
 Each (batch, ctx) times the backend's defaults (``MLA_DECODE_BLOCK_H`` heads a program, the split
 count ``choose_num_kv_splits`` gives for ``mla_head_blocks`` programs a row, at most 16). ``--sweep``
 also times a grid of (block_h, block_n, warps, stages) at half, twice and four times that split
-count (up to 64). ``--check`` first compares one
-call of each dtype with the float64 torch reference (also runs on the CPU under
+count (up to 64); ``--variants`` the loop and fp8 widening variants of ``VARIANTS``. ``--check``
+first compares one call of each dtype with the float64 torch reference (also runs on the CPU under
 ``TRITON_INTERPRET=1``, at the smallest sizes given).
 """
 
@@ -32,7 +32,11 @@ import sys
 import torch
 import triton
 from engine_attention_triton.decode_attention import choose_num_kv_splits
-from engine_attention_triton.mla_attention import MLA_DECODE_BLOCK_H, mla_decode_fwd, mla_head_blocks
+from engine_attention_triton.mla_attention import (
+    MLA_DECODE_BLOCK_H,
+    mla_decode_fwd,
+    mla_head_blocks,
+)
 from engine_attention_triton.reference import reference_decode
 
 NUM_HEADS, LORA, ROPE = 16, 512, 64  # DeepSeek-V2-Lite
@@ -45,6 +49,23 @@ MAX_SPLITS = 64
 GRAPH_BELOW = 256 << 20
 #: (block_h, block_n, num_warps, num_stages) tried by --sweep.
 GRID = list(itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3)))
+#: Loops and widenings timed by --variants beside the default (fp8: the words path's loop and
+#: stages; "cvt": Triton's own e4m3 -> bf16 widening in the plain loop, the kernel's only fp8 path
+#: before the words path).
+VARIANTS = {
+    "fp8_e4m3": {
+        "cvt plain w8 s2": dict(words=False, slots_ahead=False, num_warps=8, num_stages=2),
+        "words plain w4 s2": dict(words=True, slots_ahead=False, num_warps=4, num_stages=2),
+        "words ahead w4 s2": dict(words=True, slots_ahead=True, num_warps=4, num_stages=2),
+        "words ahead w4 s4": dict(words=True, slots_ahead=True, num_warps=4, num_stages=4),
+        "words ahead n16 w4 s3": dict(words=True, slots_ahead=True, block_n=16, num_warps=4, num_stages=3),
+        "words ahead w8 s3": dict(words=True, slots_ahead=True, num_warps=8, num_stages=3),
+    },
+    "bf16": {
+        "ahead w4 s3": dict(slots_ahead=True, num_warps=4, num_stages=3),
+        "ahead n16 w4 s3": dict(slots_ahead=True, block_n=16, num_warps=4, num_stages=3),
+    },
+}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -128,6 +149,8 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
     parser.add_argument("--sweep", action="store_true", help="also time the tile grid and split counts")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time the loop and widening variants of VARIANTS at the default split count")
     args = parser.parse_args()
     if DEV == "cpu":
         from engine_attention_triton.interpreter_compat import patch_interpreter_index
@@ -152,6 +175,9 @@ def main() -> None:
         prob = Problem(DTYPES[name], bs, ctx, heads=args.heads)
         default = choose_num_kv_splits(bs, programs, num_sms, 16, ctx)
         print(line(name, prob, "default", default, prob.time_ms(default, {}), args.peak), flush=True)
+        if args.variants:
+            for label, tiles in VARIANTS.get(name, {}).items():
+                print(line(name, prob, label, default, prob.time_ms(default, tiles), args.peak), flush=True)
         if args.sweep:
             for block_h, block_n, warps, stages in GRID:
                 tiles = dict(block_h=block_h, block_n=block_n, num_warps=warps, num_stages=stages)

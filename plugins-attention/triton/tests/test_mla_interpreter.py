@@ -51,9 +51,11 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, atol: float = 
     assert err <= atol, f"{what}: max abs err {err:.3g} (limit {atol})"
 
 
+@pytest.mark.parametrize("slots_ahead", [False, True])
 @pytest.mark.parametrize("splits, heads", [(1, HEADS), (3, 20)])
-def test_mla_decode_matches_reference(splits: int, heads: int) -> None:
-    """20 heads: two blocks of query heads, the second 4 of 16 live."""
+def test_mla_decode_matches_reference(splits: int, heads: int, slots_ahead: bool) -> None:
+    """20 heads: two blocks of query heads, the second 4 of 16 live. Both loops (the slots-ahead
+    one is what an e4m3 pool runs on the GPU; here over a float32 pool)."""
     seq_lens = [1, 17, 40, 33]
     pool = MLAPool(seq_lens, seed=splits)
     bs = len(seq_lens)
@@ -62,9 +64,9 @@ def test_mla_decode_matches_reference(splits: int, heads: int) -> None:
     part_out = torch.full((bs, heads, 4, LORA), float("nan"))
     part_lse = torch.full((bs, heads, 4), float("nan"))
     mla_decode_fwd(q, pool.kv, out, pool.req_to_token, torch.tensor(pool.rows), torch.tensor(seq_lens),
-                   part_out, part_lse, splits, SCALE, LORA, block_n=16)
+                   part_out, part_lse, splits, SCALE, LORA, block_n=16, slots_ahead=slots_ahead)
     ref = reference_decode(q, pool.kv, pool.kv[..., :LORA], pool.req_to_token, pool.rows, seq_lens, SCALE)
-    assert_close(out, ref, f"decode splits={splits}")
+    assert_close(out, ref, f"decode splits={splits} slots_ahead={slots_ahead}")
 
 
 def test_mla_decode_equals_the_unabsorbed_attention() -> None:
@@ -162,10 +164,11 @@ def test_backend_reads_the_mla_pool_in_mixed_and_decode_batches() -> None:
     """The backend on an ``MLATokenToKVPool`` (page size 4): a MIXED batch (a fresh prompt, a chunk
     after a cached prefix, a decode row) saves each k row once and attends like the reference,
     then a decode step over the rows it left, planned as a CUDA graph's would be."""
+    from engine_attention_triton.backend import create
+
     from engine.attention import AttentionContext, AttentionLayerInfo
     from engine.layers.forward_batch import ForwardBatch, ForwardMode
     from engine.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
-    from engine_attention_triton.backend import create
 
     torch.manual_seed(0)
     page = 4

@@ -26,7 +26,14 @@ import triton
 import triton.language as tl
 
 from engine_attention_triton.decode_attention import _decode_merge_kernel
-from engine_attention_triton.jit_math import base2_scores, block_size, check_kernel_dtype, dot_precision
+from engine_attention_triton.jit_math import (
+    base2_scores,
+    block_size,
+    check_kernel_dtype,
+    dot_precision,
+    gathers_words,
+    widen_e4m3_words,
+)
 
 
 @triton.jit
@@ -57,6 +64,17 @@ def _load_kv(KV, loc, stride_t, mask_n, offs_c, mask_c, offs_r, mask_r, LORA: tl
 
 
 @triton.jit
+def _load_kv_words(KV_Words, loc, stride_t_words, mask_n, offs_cw, mask_cw, offs_rw, mask_rw,
+                   LORA: tl.constexpr):
+    """``_load_kv`` of an e4m3 pool under bf16 queries: the rows gathered as int32 words (four
+    values each) and widened on the integer pipe (``widen_e4m3_words``), exactly."""
+    base = KV_Words + loc[:, None] * stride_t_words
+    c = tl.load(base + offs_cw[None, :], mask=mask_n[:, None] & mask_cw[None, :], other=0)
+    r = tl.load(base + LORA // 4 + offs_rw[None, :], mask=mask_n[:, None] & mask_rw[None, :], other=0)
+    return widen_e4m3_words(c), widen_e4m3_words(r)
+
+
+@triton.jit
 def _mla_decode_split_kernel(
     Q, KV, Req_To_Token, Req_Pool_Indices, Seq_Lens, Part_Out, Part_Lse,
     sm_scale, logit_cap, out_scale, num_kv_splits,
@@ -65,8 +83,13 @@ def _mla_decode_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
+    WORDS: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output; no log-sum-exp, no merge pass.
+    # WORDS: an e4m3 pool gathered as int32 words (``_load_kv_words``).
+    # SLOTS_AHEAD: each block's slots are loaded one block early, so its rows' addresses are known
+    # when the block starts and Triton's pipeliner keeps num_stages - 1 blocks of gathers in flight
+    # (loading them in the same block makes the gathers wait on the slots: one buffer).
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -88,13 +111,40 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < hi
-        loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, q_c.dtype)
-        m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
-                                  HAS_CAP, DOT_PRECISION)
+    if WORDS:
+        kv_words = KV.to(tl.pointer_type(tl.int32), bitcast=True)
+    else:
+        kv_words = KV
+    offs_cw = tl.arange(0, BLOCK_C // 4)
+    offs_rw = tl.arange(0, BLOCK_R // 4)
+    if SLOTS_AHEAD:
+        offs_nx = lo + tl.arange(0, BLOCK_N)
+        loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            loc = loc_nx.to(tl.int64)
+            offs_nx = offs_n + BLOCK_N
+            loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
+            if WORDS:
+                c, r = _load_kv_words(kv_words, loc, stride_kvt // 4, mask_n, offs_cw, offs_cw < LORA // 4,
+                                      offs_rw, offs_rw < ROPE // 4, LORA)
+            else:
+                c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, q_c.dtype)
+            m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
+                                      HAS_CAP, DOT_PRECISION)
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            if WORDS:
+                c, r = _load_kv_words(kv_words, loc, stride_kvt // 4, mask_n, offs_cw, offs_cw < LORA // 4,
+                                      offs_rw, offs_rw < ROPE // 4, LORA)
+            else:
+                c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, q_c.dtype)
+            m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
+                                      HAS_CAP, DOT_PRECISION)
 
     # An empty split (past the row's end) writes zeros and lse = -inf: weight zero in the merge.
     has_keys = l_i > 0
@@ -123,14 +173,18 @@ def mla_decode_fwd(
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     num_kv_splits: int, sm_scale: float, kv_lora_rank: int, logit_cap: float = 0.0, *,
     kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int = 32, num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None, slots_ahead: bool | None = None, words: bool | None = None,
 ) -> None:
     """Decode attention of ``q`` ``[batch, num_heads, lora + rope]`` over each row's whole sequence
     in the MLA pool ``kv_buffer`` ``[slots, 1, lora + rope]`` (the new token already saved there),
     writing ``out`` ``[batch, num_heads, lora]``. The workspaces and ``num_kv_splits`` are those of
     ``decode_attention_fwd`` with ``v_dim = lora``; ``kv_scale``: an fp8 pool's scale. The tiles
-    (``block_h`` heads by ``block_n`` keys, 4 warps, 2 stages; 8 warps over an fp8 pool) compile
-    for sm_90 at DeepSeek's 16 heads and 512 + 64 dims without register spills."""
+    (``block_h`` heads by ``block_n`` keys, 4 warps, 2 stages, the plain loop) compile for sm_90
+    at DeepSeek's 16 heads and 512 + 64 dims without register spills. An e4m3 pool under bf16
+    queries (``gathers_words``) is gathered as int32 words and widened on the integer pipe, in the
+    slots-ahead loop with 3 stages: Triton's own e4m3 -> bf16 widening goes through f16 with one
+    slow F2F conversion per value, which held the fp8 kernel at 0.13-0.14 of the read bound on an
+    H200 at every size. ``words``, ``slots_ahead``, ``num_stages``: overrides (benchmarks, tests)."""
     check_kernel_dtype(q.dtype, "q")
     batch, num_heads, head_dim = q.shape
     _check_mla_shapes(q, kv_buffer, kv_lora_rank, "decode")
@@ -146,6 +200,14 @@ def mla_decode_fwd(
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
     block_h = min(block_h, block_size(num_heads))
+    if words is None:
+        words = kv_lora_rank % 4 == 0 and gathers_words(q, kv_buffer, kv_buffer)
+    if slots_ahead is None:
+        slots_ahead = words
+    if num_stages is None:
+        num_stages = 3 if words else 2
+    if num_warps is None:
+        num_warps = 8 if kv_buffer.element_size() == 1 and not words else 4
     _mla_decode_split_kernel[(batch, triton.cdiv(num_heads, block_h), num_kv_splits)](
         q, kv_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
         sm_scale * kv_scale, logit_cap, float(kv_scale), num_kv_splits,
@@ -154,7 +216,7 @@ def mla_decode_fwd(
         NUM_HEADS=num_heads, BLOCK_H=max(16, block_h), BLOCK_N=block_n,
         LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_size(kv_lora_rank), BLOCK_R=block_size(rope),
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        num_warps=num_warps or (8 if kv_buffer.element_size() == 1 else 4), num_stages=num_stages,
+        WORDS=words, SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages,
     )
     if direct:
         return
