@@ -188,3 +188,17 @@ def test_a_startup_row_with_cpu_seconds_shows_them(tmp_path: pathlib.Path) -> No
     page = build_page([_write(tmp_path / "r.jsonl", startup)])
     assert _table(page, "Start-up")[0][4] == ("Engine 6.00 s, serve 5.00 s (import floor 4.00 s); "
                                               "CPU-s a run: Engine 11.50, serve 7.25")
+
+
+def test_a_multi_turn_row_goes_to_kv_cache_tiers_against_its_tier_off_peer(tmp_path: pathlib.Path) -> None:
+    row = {"bench": "multi-turn", "device": H200, "num_conversations": 64, "num_turns": 4, "history_len": 2048,
+           "turn_input_len": 128, "output_len": 32, "max_concurrency": 16, "request_throughput": 12.5,
+           "input_throughput": 30000.0, "median_ttft_ms": 812.4, "cached_token_ratio": 0.71,
+           "command": "engine bench multi-turn", "date": "2026-11-29 01:30",
+           "peer": {"config": "tier off", "request_throughput": 5.0, "input_throughput": 12000.0,
+                    "median_ttft_ms": 3000.0, "cached_token_ratio": 0.2}}
+    page = build_page([_write(tmp_path / "kv.jsonl", row)])
+    [cells] = _table(page, "KV cache tiers")
+    assert cells[0] == "64 conversations x 4 turns, 2048-token histories, 128 in / 32 out a turn, concurrency 16"
+    assert cells[4] == "12.50 turns/s (30,000 prompt tok/s), median TTFT 812 ms, 71% of prompt tokens cached"
+    assert cells[5] == "2.50x tier off"

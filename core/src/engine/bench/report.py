@@ -42,6 +42,8 @@ AREAS: tuple[Area, ...] = (
     Area("decode", "Decode latency", "`engine bench one-batch --batch-size \"1 64\" --result-file F`"),
     Area("offline", "Offline throughput", "`engine bench offline --result-file F`"),
     Area("serving", "Serving", "`engine bench serving --result-file F` against `engine serve`, or `scripts/soak.py`"),
+    Area("kv-cache", "KV cache tiers", "`engine bench multi-turn --result-file F` against `engine serve "
+         "--enable-hierarchical-cache`"),
     Area("quantization", "Quantization", "`engine bench one-batch --quant METHOD --result-file F`"),
     Area("parallelism", "Parallelism", "`engine bench one-batch --tp-size 2 --result-file F` (or `offline --dp-size 2`)"),
     Area("moe", "Mixture of experts", "`engine bench one-batch --model-path docs/bench_configs/qwen3-30b-a3b --result-file F`"),
@@ -157,7 +159,7 @@ def infer_area(row: dict[str, Any]) -> str | None:
         return "quantization" if row.get("quant") else "offline"
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
             "scheduler-decode-step": "serving", "default-model-cpu-decode": "cpu-default-model",
-            "cpu-compare": "cpu-default-model",
+            "cpu-compare": "cpu-default-model", "multi-turn": "kv-cache",
             "all-reduce": "parallelism", "hf-baseline": "decode", "vision": "vlm"}.get(kind)
 
 
@@ -193,6 +195,10 @@ def infer_config(row: dict[str, Any]) -> str:
         parts += [str(row.get("gguf")), f"batch {row.get('batch_size')}",
                   f"{row.get('input_len')} in / {row.get('output_len')} out",
                   f"{row.get('threads')} thread{'s' if row.get('threads') != 1 else ''}"]
+    elif kind == "multi-turn":
+        parts += [f"{row.get('num_conversations')} conversations x {row.get('num_turns')} turns, "
+                  f"{row.get('history_len')}-token histories, {row.get('turn_input_len')} in / "
+                  f"{row.get('output_len')} out a turn, concurrency {row.get('max_concurrency')}"]
     elif kind == "hf-baseline":
         parts += ["Hugging Face transformers `generate`", str(row.get("figure") or "hf_eager_bs1_tok_s")]
     else:
@@ -295,6 +301,13 @@ def _serving(row: dict[str, Any]) -> Figure:
     return Figure(f"mean TTFT {row['mean_ttft_ms']:.1f} ms", row["mean_ttft_ms"], higher_is_better=False)
 
 
+def _multi_turn(row: dict[str, Any]) -> Figure:
+    rate = row["request_throughput"]
+    return Figure(f"{rate:.2f} turns/s ({_rate(row['input_throughput'])} prompt tok/s), median TTFT "
+                  f"{_n(row['median_ttft_ms'], 0)} ms, {100 * row['cached_token_ratio']:.0f}% of prompt tokens cached",
+                  rate)
+
+
 def _vision(row: dict[str, Any]) -> Figure:
     return Figure(f"encoder {_n(row['encoder_ms'])} ms of a {_n(row['image_prefill_ms'])} ms prefill "
                   f"(share {row['encoder_share']:.2f}); text-only prefill {_n(row['text_prefill_ms'])} ms",
@@ -342,7 +355,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "one-batch": _one_batch, "offline": _offline, "spec": _spec, "startup": _startup, "serving": _serving,
     "hf-baseline": _hf, "default-model-cpu-decode": _cpu_default, "scheduler-decode-step": _scheduler,
     "all-reduce": _microseconds, "kernel": _microseconds, "soak": _soak, "cpu-compare": _cpu_compare,
-    "vision": _vision,
+    "vision": _vision, "multi-turn": _multi_turn,
 }
 
 
