@@ -36,8 +36,32 @@ def _port(prefill: Any) -> int:
     return prefill.kv_transfer.port
 
 
-def _run(schedulers: list[Any], rids: list[str], timeout_s: float = 30.0) -> OutputCollector:
-    col = OutputCollector()
+class _StageCollector(OutputCollector):
+    """Also keeps each finished request's stages (managers/timeline.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages: dict[str, list[Any]] = {}
+
+    def collect(self, scheduler: Any) -> None:
+        original = scheduler.take_outputs
+
+        def take() -> list[Any]:
+            msgs = original()
+            for msg in msgs:
+                for i, rid in enumerate(msg.rids):
+                    if msg.stages is not None and msg.stages[i] is not None:
+                        self.stages[rid] = msg.stages[i]
+            return msgs
+        scheduler.take_outputs = take
+        try:
+            super().collect(scheduler)
+        finally:
+            del scheduler.take_outputs
+
+
+def _run(schedulers: list[Any], rids: list[str], timeout_s: float = 30.0) -> _StageCollector:
+    col = _StageCollector()
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not all(r in col.finish for r in rids):
         for s in schedulers:
@@ -67,6 +91,16 @@ def test_greedy_output_equals_a_whole_server(pair: tuple[Any, Any]) -> None:
     assert all(col.finish[r]["type"] == "length" for r in rids)
     stats = decode.stats()["disaggregation"]
     assert stats["transferred"] >= len(prompts) and stats["failed"] == 0 and stats["waiting_for_kv"] == 0
+    # Each request's transfer, on both sides; the decode side's TTFT stage is the handover.
+    sent = {row["rid"]: row for row in prefill.stats()["disaggregation"]["recent"]}
+    got = {row["rid"]: row for row in stats["recent"]}
+    for rid, prompt in zip(rids, prompts, strict=True):
+        assert got[rid]["bytes"] == sent[rid]["bytes"] > 0 and got[rid]["tokens"] == len(prompt)
+        assert got[rid]["wait_s"] > 0 and got[rid]["transfer_s"] >= 0 and got[rid]["write_s"] >= 0
+        assert sent[rid]["stage_s"] >= 0
+        names = [name for name, _, _ in col.stages[rid]]
+        assert names.index("scheduled") <= names.index("kv_fetch") < names.index("kv_arrived") < names.index("first_token")
+        assert names.count("first_token") == 1 and "prefill_chunk" not in names
     prefill.flush_cache()
     decode.flush_cache()
     check_no_leak(prefill)

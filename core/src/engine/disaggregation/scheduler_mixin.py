@@ -128,6 +128,8 @@ class DisaggregationMixin:
             host, port = req.disagg_source  # type: ignore[attr-defined]
             left = self.args.disaggregation_timeout_s - (time.monotonic() - self._disagg_started.get(req.rid, time.monotonic()))
             self.kv_transfer.fetch(req.disagg_key, host, port, max(left, 0.0))  # type: ignore[attr-defined]
+            # Its prefill runs elsewhere from here: queue and prefill phases (metrics, tracing) split here.
+            mark(req, "scheduled")
             mark(req, "kv_fetch", len(req.origin_input_ids))
         for key, req in list(self.disagg_waiting.items()):
             if req.finished():  # aborted while its KV was on the way

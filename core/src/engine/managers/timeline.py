@@ -6,7 +6,8 @@ so the two processes' times compare), ``tokens`` what the stage handled. The nam
 
 - ``queued``: the request entered the waiting queue (again after its grammar compiled);
 - ``grammar``: its grammar started compiling (structured output);
-- ``scheduled``: it was admitted to a prefill batch (again after a retraction);
+- ``scheduled``: it was admitted to a prefill batch (again after a retraction); on a
+  disaggregated decode server, its KV was asked of the prefill server (its prefill runs there);
 - ``prefill_chunk``: a prefill forward over ``tokens`` of its prompt began;
 - ``retracted``: it was taken off the running batch to free KV (it resumes later);
 - ``first_token``: its first output token was sampled; on a disaggregated decode server, the
