@@ -38,6 +38,16 @@ from typing import Any
 
 import httpx
 
+_BEGIN = time.perf_counter()
+
+
+def _on_term(*_: Any) -> None:
+    raise TimeoutError("stopped by SIGTERM (a time limit)")
+
+
+def _say(what: str) -> None:
+    print(f"[{time.perf_counter() - _BEGIN:6.1f} s] {what}", file=sys.stderr, flush=True)
+
 
 def _port() -> int:
     with socket.socket() as s:
@@ -152,19 +162,24 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
         for url in (p_url, d_url):
             _wait(url, procs, logs, a.start_timeout_s)
         started_s = time.perf_counter() - t0
+        _say(f"{backend}: both servers ready in {started_s:.1f} s")
         router = [sys.executable, "-m", "engine", "router", "--prefill", p_url, "--decode", d_url,
                   "--port", str(r_port), "--log-level", "warning"]
         with _processes([router], log_dir) as (router_procs, router_logs):
             _wait(r_url, router_procs, router_logs, 60)
+            _say(f"{backend}: router ready")
             greedy = {"temperature": 0, "max_new_tokens": a.output_len, "ignore_eos": True}
             warm = [random.Random(99).randrange(3, min(vocab, 20000)) for _ in range(a.input_len)]
             _stream(d_url, {"input_ids": warm, "sampling_params": {**greedy, "max_new_tokens": 4}})
             _stream(r_url, {"input_ids": warm[::-1], "sampling_params": {**greedy, "max_new_tokens": 4}})
+            _say(f"{backend}: warmed up")
             whole = [_stream(d_url, {"input_ids": p, "sampling_params": greedy}) for p in prompts]
+            _say(f"{backend}: reference (whole) done")
             _flush(p_url, d_url)
             rids = [f"bench-{backend}-{i}-{random.getrandbits(32):08x}" for i in range(len(prompts))]
             disagg = [_stream(r_url, {"input_ids": p, "sampling_params": greedy, "rid": rid})
                       for p, rid in zip(prompts, rids, strict=True)]
+            _say(f"{backend}: disaggregated done")
             pre, dec = _recent(p_url), _recent(d_url)
             rows = []
             for i, (w, d, rid) in enumerate(zip(whole, disagg, rids, strict=True)):
@@ -236,7 +251,7 @@ def main() -> None:
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
     # A time limit's SIGTERM unwinds like an error, so the servers started here are stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, _on_term)
     with open(os.path.join(a.model_path, "config.json")) as f:
         vocab = int(json.load(f).get("vocab_size", 32000))
     rng = random.Random(0)
@@ -256,6 +271,8 @@ def main() -> None:
             print(json.dumps({"kind": "error", "backend": backend, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
             for name in sorted(os.listdir(log_dir)):
                 print(f"--- {name}\n{_tail(os.path.join(log_dir, name))}", flush=True)
+            if isinstance(exc, TimeoutError):
+                break
             continue
         per_backend.append(time.perf_counter() - t)
         summary["wall_s"] = round(per_backend[-1], 1)
