@@ -1,7 +1,8 @@
 """The DeepSeek plugin's CUDA kernels compile for an H100/H200 (sm_90) without register spills:
 the fused MLA prologue at DeepSeek-V2-Lite's shape (16 heads, nope 128, latent 512 + rope 64) over
 a bf16 and an fp8 pool, and the grouped top-k router at V3's (256 experts in 8 groups, top 8, the
-sigmoid with correction bias and top-2 group scores) and V2's (160 experts, 8 groups of 20).
+sigmoid with correction bias and top-2 group scores) and V2's (160 experts, 8 groups of 20), and
+the router's float32 GEMV at 8 tokens of hidden 2048.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a construct only
 Triton's interpreter accepts fails here on a machine without a GPU.
@@ -41,6 +42,11 @@ def _compile_all() -> dict[str, int]:
     v2 = compile_kernel(rg._grouped_topk_kernel, router_types,
                         dict(GROUPS=8, PER_GROUP=20, TOPK_GROUPS=3, TOP_K=6, SIGMOID=False, TOP2=False, HAS_BIAS=False,
                              RENORMALIZE=False, LIMIT_GROUPS=True, BLOCK_G=8, BLOCK_P=32, BLOCK_K=8), num_warps=4)
+    from engine_models_deepseek import gate_kernel as gk
+
+    gate = compile_kernel(gk._gate_kernel, _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32"}),
+                          dict(HIDDEN=2048, BLOCK_T=8, BLOCK_E=2, BLOCK_K=512), num_warps=4)
+    out["gate"] = spill_bytes(gate.asm["ptx"])
     out["router_v3"] = spill_bytes(v3.asm["ptx"])
     out["router_v2"] = spill_bytes(v2.asm["ptx"])
     return out
@@ -48,7 +54,7 @@ def _compile_all() -> dict[str, int]:
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     assert compiled_facts(__file__, timeout=600) == {"prologue_bf16": 0, "prologue_fp8e4nv": 0,
-                                                     "router_v3": 0, "router_v2": 0}
+                                                     "gate": 0, "router_v3": 0, "router_v2": 0}
 
 
 if __name__ == "__main__":

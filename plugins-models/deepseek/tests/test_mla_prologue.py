@@ -93,3 +93,21 @@ def test_rejects_odd_rope() -> None:
         mla_prologue(q, kv, torch.zeros(1, dtype=torch.long, device=DEV), torch.zeros(4, 2, device=DEV),
                      torch.zeros(4, 2, device=DEV), torch.ones(16, device=DEV), 1e-6, 8, True,
                      torch.zeros(1, 2, 19, device=DEV), torch.zeros(1, 19, device=DEV))
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_gate_kernel_matches_float32_linear(tokens: int) -> None:
+    """The router's one-launch float32 logits equal ``F.linear(x.float(), weight)`` (the CPU
+    path) up to summation order; 11 experts (not a multiple of the kernel's 2-row blocks) and 600
+    hidden (not a multiple of its 512-wide steps)."""
+    from engine_models_deepseek.gate_kernel import MAX_TOKENS, gate_logits
+    from engine_models_deepseek.models import GATE_KERNEL_MAX_TOKENS
+
+    assert GATE_KERNEL_MAX_TOKENS == MAX_TOKENS
+    gen = torch.Generator().manual_seed(tokens)
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    x = torch.randn(tokens, 600, generator=gen).to(dtype)
+    weight = torch.randn(11, 600, generator=gen) * 0.05
+    out = gate_logits(x.to(DEV), weight.to(DEV))
+    assert out.dtype == torch.float32 and out.shape == (tokens, 11)
+    torch.testing.assert_close(out.cpu(), torch.nn.functional.linear(x.float(), weight), atol=1e-4, rtol=1e-4)

@@ -35,6 +35,9 @@ from engine.layers.quantization import QuantizationConfig
 from engine_models_deepseek.mla import DeepseekMLA
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+#: Decode batches up to this many tokens compute the router's logits in one launch
+#: (``gate_kernel.MAX_TOKENS``; a literal here so the CPU path does not import triton).
+GATE_KERNEL_MAX_TOKENS = 8
 
 
 def routing_for(config: Any) -> GroupedTopK:
@@ -84,6 +87,10 @@ class DeepseekGate(nn.Module):
                                         if with_bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS and x.stride(-1) == 1:
+            from engine_models_deepseek.gate_kernel import gate_logits
+
+            return gate_logits(x, self.weight)  # one launch instead of a cast and a two-kernel GEMV
         return F.linear(x.float(), self.weight)
 
 
