@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import random
 import shlex
 import signal
@@ -47,6 +48,18 @@ def _on_term(*_: Any) -> None:
 
 def _say(what: str) -> None:
     print(f"[{time.perf_counter() - _BEGIN:6.1f} s] {what}", file=sys.stderr, flush=True)
+
+
+def _device() -> tuple[str, str]:
+    """The GPU's name as nvidia-smi gives it (no CUDA context here), else the CPU's."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, check=True).stdout.splitlines()
+        if out:
+            return f"cuda:0 {out[0].strip()}", "gpu"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return f"CPU: {platform.machine()}, {os.cpu_count()} cores", "cpu"
 
 
 def _port() -> int:
@@ -217,20 +230,35 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
             info_d.pop("recent", None)
     dec_rows = [r["decode_side"] or {} for r in rows]
     pre_rows = [r["prefill_side"] or {} for r in rows]
-    summary = {"kind": "summary", "backend": backend, "model": a.model_path, "input_len": a.input_len,
-               "output_len": a.output_len, "num_prompts": len(prompts), "servers_start_s": round(started_s, 1),
-               "all_match": all(r["match"] for r in rows),
-               "kv_bytes_per_request": _mean([r.get("bytes") for r in dec_rows]),
-               "prefill_stage_s": _mean([r.get("stage_s") for r in pre_rows]),
-               "transfer_s": _mean([r.get("transfer_s") for r in dec_rows]),
-               "decode_write_s": _mean([r.get("write_s") for r in dec_rows]),
-               "decode_wait_s": _mean([r.get("wait_s") for r in dec_rows]),
-               "ttft_s": {"whole": _mean([r["whole"]["ttft_s"] for r in rows]),
-                          "disaggregated": _mean([r["disaggregated"]["ttft_s"] for r in rows])},
-               "itl_s": {"whole": _mean([r["whole"]["itl_s"] for r in rows]),
-                         "disaggregated": _mean([r["disaggregated"]["itl_s"] for r in rows])},
-               "concurrent": concurrent, "prefill_counts": info_p, "decode_counts": info_d,
-               "logs": logs}
+    def ms(values: list[Any]) -> float | None:
+        mean = _mean(values)
+        return None if mean is None else round(mean * 1e3, 3)
+
+    group = f"process group {a.group}" if backend == "torch" and a.group else ""
+    where = "prefill and decode servers on one GPU" if a.device_kind == "gpu" else "prefill and decode servers on one machine"
+    summary = {
+        "kind": "summary", "bench": "disaggregation", "area": "disaggregation",
+        "config": (f"{os.path.basename(a.model_path.rstrip('/'))} shape, {a.input_len} in / {a.output_len} out, "
+                   f"{len(prompts)} requests one at a time, {backend} transfer{' (' + group + ')' if group else ''}, "
+                   f"{where}"),
+        "command": "python3 benchmarks/bench_disaggregation.py " + shlex.join(a.argv),
+        "device": a.device, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "backend": backend, "model_path": a.model_path, "input_len": a.input_len, "output_len": a.output_len,
+        "num_prompts": len(prompts), "servers_start_s": round(started_s, 1),
+        "all_match": all(r["match"] for r in rows),
+        "kv_mib": (_mean([r.get("bytes") for r in dec_rows]) or 0) / 2**20,
+        "prefill_stage_ms": ms([r.get("stage_s") for r in pre_rows]),
+        "transfer_ms": ms([r.get("transfer_s") for r in dec_rows]),
+        "decode_write_ms": ms([r.get("write_s") for r in dec_rows]),
+        "decode_wait_ms": ms([r.get("wait_s") for r in dec_rows]),
+        "ttft_ms": ms([r["disaggregated"]["ttft_s"] for r in rows]),
+        "itl_ms": ms([r["disaggregated"]["itl_s"] for r in rows]),
+        "itl_p99_ms": ms([r["disaggregated"]["itl_p99_s"] for r in rows]),
+        "peer": {"config": "the decode server serving the same prompts whole, same run",
+                 "ttft_ms": ms([r["whole"]["ttft_s"] for r in rows]), "itl_ms": ms([r["whole"]["itl_s"] for r in rows]),
+                 "itl_p99_ms": ms([r["whole"]["itl_p99_s"] for r in rows])},
+        "concurrent": concurrent, "prefill_counts": info_p, "decode_counts": info_d,
+    }
     return summary
 
 
@@ -250,6 +278,10 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=0, help="skip a backend when less than this is left (0: none)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
+    a.argv = sys.argv[1:]
+    a.device, a.device_kind = _device()
+    options = dict(o.split("=", 1) for o in a.plugin_option if "=" in o)
+    a.group = options.get("kvtransfer_torch.process_group", "")
     # A time limit's SIGTERM unwinds like an error, so the servers started here are stopped.
     signal.signal(signal.SIGTERM, _on_term)
     with open(os.path.join(a.model_path, "config.json")) as f:

@@ -44,6 +44,7 @@ AREAS: tuple[Area, ...] = (
     Area("serving", "Serving", "`engine bench serving --result-file F` against `engine serve`, or `scripts/soak.py`"),
     Area("kv-cache", "KV cache tiers", "`engine bench multi-turn --result-file F` against `engine serve "
          "--enable-hierarchical-cache`"),
+    Area("disaggregation", "Disaggregation", "`python3 benchmarks/bench_disaggregation.py --result-file F`"),
     Area("quantization", "Quantization", "`engine bench one-batch --quant METHOD --result-file F`"),
     Area("parallelism", "Parallelism", "`engine bench one-batch --tp-size 2 --result-file F` (or `offline --dp-size 2`)"),
     Area("moe", "Mixture of experts", "`engine bench one-batch --model-path docs/bench_configs/qwen3-30b-a3b --result-file F`"),
@@ -160,7 +161,8 @@ def infer_area(row: dict[str, Any]) -> str | None:
     return {"spec": "speculative", "startup": "startup", "serving": "serving", "soak": "serving",
             "scheduler-decode-step": "serving", "default-model-cpu-decode": "cpu-default-model",
             "cpu-compare": "cpu-default-model", "multi-turn": "kv-cache",
-            "all-reduce": "parallelism", "hf-baseline": "decode", "vision": "vlm"}.get(kind)
+            "all-reduce": "parallelism", "hf-baseline": "decode", "vision": "vlm",
+            "disaggregation": "disaggregation"}.get(kind)
 
 
 def infer_config(row: dict[str, Any]) -> str:
@@ -308,6 +310,15 @@ def _multi_turn(row: dict[str, Any]) -> Figure:
                   rate)
 
 
+def _disaggregation(row: dict[str, Any]) -> Figure:
+    """KV transfer per request (a peer serving the prompts whole has none), then TTFT and ITL."""
+    text = f"TTFT {_n(row['ttft_ms'])} ms, ITL {row['itl_ms']:.2f} ms"
+    if "transfer_ms" in row:
+        text = (f"KV {_n(row['kv_mib'], 0)} MiB a request: staged {_n(row['prefill_stage_ms'])} ms, sent "
+                f"{_n(row['transfer_ms'])} ms, written {_n(row['decode_write_ms'])} ms; " + text)
+    return Figure(text, row["ttft_ms"], higher_is_better=False)
+
+
 def _vision(row: dict[str, Any]) -> Figure:
     return Figure(f"encoder {_n(row['encoder_ms'])} ms of a {_n(row['image_prefill_ms'])} ms prefill "
                   f"(share {row['encoder_share']:.2f}); text-only prefill {_n(row['text_prefill_ms'])} ms",
@@ -355,7 +366,7 @@ _FIGURES: dict[str, Callable[[dict[str, Any]], Figure]] = {
     "one-batch": _one_batch, "offline": _offline, "spec": _spec, "startup": _startup, "serving": _serving,
     "hf-baseline": _hf, "default-model-cpu-decode": _cpu_default, "scheduler-decode-step": _scheduler,
     "all-reduce": _microseconds, "kernel": _microseconds, "soak": _soak, "cpu-compare": _cpu_compare,
-    "vision": _vision, "multi-turn": _multi_turn,
+    "vision": _vision, "multi-turn": _multi_turn, "disaggregation": _disaggregation,
 }
 
 

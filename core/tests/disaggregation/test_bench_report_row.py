@@ -1,0 +1,26 @@
+"""A benchmarks/bench_disaggregation.py summary row on the benchmarks page (docs/benchmarks.md):
+its area, its figure (KV per request, staging, transfer, write, TTFT, ITL) and its ratio to the
+decode server serving the same prompts whole."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from engine.bench.report import build_page
+
+
+def test_a_disaggregation_row_shows_its_transfer_and_its_whole_server_peer(tmp_path: pathlib.Path) -> None:
+    row = {"kind": "summary", "bench": "disaggregation", "config": "qwen3-0.6b shape, 4096 in / 128 out",
+           "command": "python3 benchmarks/bench_disaggregation.py", "device": "cuda:0 NVIDIA H200",
+           "date": "2026-11-29 00:45", "kv_mib": 448.0, "prefill_stage_ms": 21.04, "transfer_ms": 95.5,
+           "decode_write_ms": 12.25, "ttft_ms": 180.0, "itl_ms": 1.234,
+           "peer": {"config": "whole", "ttft_ms": 45.0, "itl_ms": 1.2}}
+    path = tmp_path / "disaggregation.jsonl"
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    section = build_page([path]).split("## Disaggregation\n", 1)[1].split("\n## ", 1)[0]
+    cells = [c.strip() for c in section.splitlines()[-1].strip("|").split(" | ")]
+    assert cells[0] == "qwen3-0.6b shape, 4096 in / 128 out" and cells[2] == "H200"
+    assert cells[4] == ("KV 448 MiB a request: staged 21.0 ms, sent 95.5 ms, written 12.2 ms; "
+                        "TTFT 180.0 ms, ITL 1.23 ms")
+    assert cells[5] == "0.25x whole"
