@@ -2,14 +2,21 @@
 
 Llama-3-8B's LoRA-wrapped projections (hidden 4096, 8 KV heads of 128, MLP 14336):
 qkv (3 slices), o, gate_up (2 slices), down. Scenarios: decode at batch 1 (one adapter), decode
-with 64 one-token segments over 8 distinct slots, prefill with 4 segments of 512 tokens.
-Every timing is a CUDA graph of ``--reps`` calls replayed (the engine captures decode the same
-way), so launch overhead counts as it does in a captured step. Prints microseconds per call,
-the bytes each LoRA call must move over the time (GB/s), and the LoRA share of the layer
-(shrink + expand over the base bf16 matmul ``x @ W.T``).
+with 64 one-token segments over 8 distinct slots, prefill of one 128-token prompt, prefill with 4
+segments of 512 tokens. Every timing is a CUDA graph of ``--reps`` calls replayed (the engine
+captures decode the same way), so launch overhead counts as it does in a captured step. Prints
+microseconds per call, the bytes each LoRA call must move over the time (GB/s), the LoRA share
+of the layer (shrink + expand over the base bf16 matmul ``x @ W.T``), and ``eager us``: the
+wall time per call of the same calls launched one by one from Python (what an uncaptured
+prefill pays, launch overhead included).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
-        [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-4x512]
+        [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-1x128 prefill-4x512]
+        [--old] [--without-pdl]
+
+``--old`` also times the shrink forms the launchers used before the per-slot decode shrink and
+split K (token-parallel decode shrink; prefill shrink over all of K in each program);
+``--without-pdl`` the same kernels launched without programmatic dependent launch.
 
 ``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
 backend as its peer) and the base matmuls' time, as rows of the benchmarks page's ``lora`` area.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,9 +55,11 @@ HIDDEN, KV, MLP = 4096, 1024, 14336
 LAYERS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)),
           "gate_up": (HIDDEN, (MLP, MLP)), "down": (MLP, (HIDDEN,))}
 #: scenario -> (segment lengths, distinct adapter slots cycled over the segments)
-SCENARIOS = {"decode-1": ([1], 1), "decode-64x8": ([1] * 64, 8), "prefill-4x512": ([512] * 4, 4)}
+SCENARIOS = {"decode-1": ([1], 1), "decode-64x8": ([1] * 64, 8), "prefill-1x128": ([128], 1),
+             "prefill-4x512": ([512] * 4, 4)}
 #: how a result row names each scenario
 SCENARIO_WORDS = {"decode-1": "decode batch 1 (one adapter)", "decode-64x8": "decode batch 64 (8 adapters)",
+                  "prefill-1x128": "prefill 1 x 128 tokens (one adapter)",
                   "prefill-4x512": "prefill 4 x 512 tokens (4 adapters)"}
 SLOTS = 9  # --max-loras-per-batch 8 plus one rank-0 slot (the base model)
 DEVICE = "cuda"
@@ -78,13 +88,79 @@ def graph_time_us(fn: Callable[[], object], reps: int) -> float:
     return start.elapsed_time(end) * 1000 / (5 * reps)
 
 
+def eager_time_us(fn: Callable[[], object], reps: int) -> float:
+    """Wall microseconds per call of ``fn`` launched ``reps`` times from Python, then synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e6 / reps
+
+
+def old_shrink_config(info: LoraBatchInfo, rows: int, k: int, sms: int) -> dict[str, int]:
+    """The shrink form before the per-slot decode kernel and split K: token-parallel decode, and
+    prefill programs looping over all of K."""
+    cfg = shrink_config(info.num_segments, info.max_seg_len, rows, k, sms)  # no slots: token-parallel
+    cfg.update(SPLIT=1, CHUNK=-(-k // cfg["BLOCK_K"]) * cfg["BLOCK_K"])
+    return cfg
+
+
+class OldShrinkBackend(TritonLoraBackend):
+    """The triton backend with ``old_shrink_config``."""
+
+    def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: Any) -> torch.Tensor:
+        cfg = old_shrink_config(info, weights.shape[1], weights.shape[2], sm_count(x.device))
+        return sgmv_shrink(x, weights, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                           info.max_seg_len, pdl=self._pdl(info, x.device), config=cfg)
+
+
 #: candidate configs: (BLOCK_R, BLOCK_K, warps) one token a program; (BLOCK_T, BLOCK_R, BLOCK_K, warps,
-#: stages) with tl.dot; (BLOCK_N, warps) one token a program; (BLOCK_T, BLOCK_N, warps) with tl.dot.
-SHRINK_GEMV = [(1, 4096, 4), (1, 8192, 8), (2, 4096, 8), (4, 1024, 4), (4, 2048, 8), (8, 512, 4), (8, 1024, 8),
-               (16, 256, 4), (16, 512, 8)]
-SHRINK_DOT = [(16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 4), (64, 32, 128, 4, 3)]
-EXPAND_GEMV = [(32, 2), (32, 4), (64, 4), (128, 4), (256, 8)]
+#: stages, SPLIT) with tl.dot; (BLOCK_R, BLOCK_K, warps, programs aimed at per SM) per-slot shrink;
+#: (BLOCK_N, warps) one token a program; (BLOCK_T, BLOCK_N, warps) with tl.dot; (BLOCK_N, warps)
+#: per-slot expand.
+SHRINK_GEMV = [(1, 4096, 4), (1, 8192, 8), (2, 4096, 8), (4, 1024, 4)]
+SHRINK_DOT = [(16, 64, 64, 4, 3, 0), (16, 64, 64, 4, 3, 1), (32, 64, 64, 4, 3, 0), (64, 64, 64, 4, 3, 0),
+              (16, 64, 128, 4, 3, 0)]
+SHRINK_SLOTS = [(16, 128, 4, 2), (64, 128, 8, 1), (64, 128, 8, 2), (64, 128, 8, 4), (64, 64, 4, 2), (16, 256, 8, 2)]
+EXPAND_GEMV = [(32, 2), (32, 4), (64, 4), (128, 4)]
 EXPAND_DOT = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 4)]
+EXPAND_SLOTS = [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]
+
+
+def shrink_candidates(info: LoraBatchInfo, rows: int, k: int, sms: int) -> list[dict[str, int]]:
+    """The sweep's shrink configs for a scenario's form."""
+    def split(block_k: int, groups: int, per_sm: float) -> dict[str, int]:
+        tiles = -(-k // block_k)
+        n = max(1, min(32, tiles, int(per_sm * sms) // max(1, groups)))
+        chunk = -(-tiles // n) * block_k
+        return dict(SPLIT=-(-k // chunk), CHUNK=chunk)
+
+    if info.max_seg_len <= 1 and info.num_segments >= 16:
+        return [dict(SLOTS=1, BLOCK_T=1, BLOCK_S=64, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2,
+                     **split(kk, SLOTS * -(-rows // r), per_sm)) for r, kk, w, per_sm in SHRINK_SLOTS]
+    if info.max_seg_len <= 1:
+        return [dict(BLOCK_T=1, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2, SPLIT=1, CHUNK=-(-k // kk) * kk)
+                for r, kk, w in SHRINK_GEMV]
+    out = []
+    for t, r, kk, w, st, use_split in SHRINK_DOT:
+        groups = info.num_segments * -(-info.max_seg_len // t) * -(-rows // r)
+        parts = split(kk, groups, 2) if use_split else dict(SPLIT=1, CHUNK=-(-k // kk) * kk)
+        out.append(dict(BLOCK_T=t, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=st, **parts))
+    return out
+
+
+def expand_candidates(info: LoraBatchInfo, rank: int) -> list[dict[str, int]]:
+    """The sweep's expand configs for a scenario's form."""
+    block_r = max(16, triton_pow2(rank))
+    if info.max_seg_len <= 1 and info.num_segments >= 16:
+        return [dict(SLOTS=1, BLOCK_T=1, BLOCK_N=n, BLOCK_R=block_r, num_warps=w, num_stages=1)
+                for n, w in EXPAND_SLOTS]
+    if info.max_seg_len <= 1:
+        return [dict(BLOCK_T=1, BLOCK_N=n, BLOCK_R=triton_pow2(rank), num_warps=w, num_stages=1)
+                for n, w in EXPAND_GEMV]
+    return [dict(BLOCK_T=t, BLOCK_N=n, BLOCK_R=block_r, num_warps=w, num_stages=1) for t, n, w in EXPAND_DOT]
 
 
 def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -93,18 +169,13 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
     rows, k = a.shape[1], a.shape[2]
     width, sms = offsets[-1] - offsets[0], sm_count(x.device)
     args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
-    decode = info.max_seg_len <= 1
-    pdl = has_pdl(x.device)
-    shrink_cfgs = [dict(BLOCK_T=1, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2) for r, kk, w in SHRINK_GEMV] \
-        if decode else [dict(BLOCK_T=t, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=st)
-                        for t, r, kk, w, st in SHRINK_DOT]
-    expand_cfgs = [dict(BLOCK_T=1, BLOCK_N=n, BLOCK_R=triton_pow2(rank), num_warps=w, num_stages=1)
-                   for n, w in EXPAND_GEMV] if decode else \
-        [dict(BLOCK_T=t, BLOCK_N=n, BLOCK_R=max(16, triton_pow2(rank)), num_warps=w, num_stages=1)
-         for t, n, w in EXPAND_DOT]
+    pdl = has_pdl(x.device) and info.max_seg_len <= 1
+    shrink_cfgs = shrink_candidates(info, rows, k, sms)
+    expand_cfgs = expand_candidates(info, rank)
     y = sgmv_shrink(x, a, *args, info.num_segments, info.max_seg_len)
     rows_out: list[dict[str, Any]] = []
-    for op, default, cfgs in (("shrink", shrink_config(info.num_segments, info.max_seg_len, rows, k, sms), shrink_cfgs),
+    for op, default, cfgs in (("shrink", shrink_config(info.num_segments, info.max_seg_len, rows, k, sms, SLOTS),
+                               shrink_cfgs),
                               ("expand", expand_config(info.num_segments, info.max_seg_len, width, rank, sms),
                                expand_cfgs)):
         timed = []
@@ -151,22 +222,27 @@ def main() -> None:
     ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
                     help="which scenarios to run (default: all)")
+    ap.add_argument("--old", action="store_true", help="also time the shrink forms before per-slot decode and split K")
+    ap.add_argument("--without-pdl", action="store_true", help="also time the kernels launched without PDL")
     args = ap.parse_args()
     swept: list[dict[str, Any]] = []
     dev = torch.device(DEVICE)
     dt = torch.bfloat16
     torch.manual_seed(0)
     triton_be, native_be = TritonLoraBackend(), TorchNativeLoraBackend(per_segment=False)
-    plain_be = TritonLoraBackend(pdl=False)
+    # Extra columns: name -> backend.
+    extra = {**({"old us": OldShrinkBackend()} if args.old else {}),
+             **({"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {})}
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
-    print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'no-pdl us':>9} "
-          f"{'native us':>9} {'triton/base':>11} {'native/base':>11}")
+    print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'eager us':>9} "
+          + "".join(f"{name:>10}" for name in extra)
+          + f" {'native us':>9} {'triton/base':>11} {'native/base':>11}")
     for scen in args.scenarios:
         lens, distinct = SCENARIOS[scen]
         info = build(lens, distinct, args.rank, dev)
         tokens = sum(lens)
-        totals = [0.0, 0.0, 0.0, 0.0]
+        totals: dict[str, float] = {}
         for layer, (k, widths) in LAYERS.items():
             n = sum(widths)
             offsets = [0]
@@ -178,38 +254,47 @@ def main() -> None:
             a = torch.randn(SLOTS, s * args.rank, k, device=dev, dtype=dt) / k ** 0.5
             b = torch.randn(SLOTS, n, args.rank, device=dev, dtype=dt) / args.rank ** 0.5
             out = torch.zeros(tokens, n, device=dev, dtype=dt)
-            # Correctness on these shapes first (one token per segment is enough for the loop).
-            y = triton_be.shrink(x, a, info)
+            # Correctness on these shapes first, for every timed triton form.
             ref_y = reference_shrink(x, a, info)
-            got = out.clone()
-            triton_be.expand(ref_y, b, info, got, offsets)
             want = out.float()
             reference_expand(ref_y, b, info, want, offsets)
-            err_y = float((y.float() - ref_y.float()).abs().max() / ref_y.float().abs().max().clamp_min(1e-6))
-            err_o = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-            assert err_y < 2e-2 and err_o < 2e-2, f"{scen} {layer}: relative error shrink {err_y:.3g}, expand {err_o:.3g}"
+            for be in [triton_be, *extra.values()]:
+                y = be.shrink(x, a, info)
+                got = out.clone()
+                be.expand(ref_y, b, info, got, offsets)
+                err_y = float((y.float() - ref_y.float()).abs().max() / ref_y.float().abs().max().clamp_min(1e-6))
+                err_o = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+                assert err_y < 2e-2 and err_o < 2e-2, \
+                    f"{scen} {layer} {type(be).__name__}: relative error shrink {err_y:.3g}, expand {err_o:.3g}"
 
-            t_base = graph_time_us(functools.partial(torch.matmul, x, w_base.T), args.reps)
-            t_tri = graph_time_us(functools.partial(lora_call, triton_be, x, a, b, info, out, offsets), args.reps)
-            t_plain = graph_time_us(functools.partial(lora_call, plain_be, x, a, b, info, out, offsets), args.reps)
-            t_nat = graph_time_us(functools.partial(lora_call, native_be, x, a, b, info, out, offsets), args.reps)
+            call = functools.partial(functools.partial, lora_call)
+            tensors = (x, a, b, info, out, offsets)
+            t = {"base": graph_time_us(functools.partial(torch.matmul, x, w_base.T), args.reps),
+                 "triton": graph_time_us(call(triton_be, *tensors), args.reps),
+                 "eager": eager_time_us(call(triton_be, *tensors), args.reps),
+                 **{name: graph_time_us(call(be, *tensors), args.reps) for name, be in extra.items()},
+                 "native": graph_time_us(call(native_be, *tensors), args.reps)}
             used = min(distinct, len(lens))
             moved = 2 * (tokens * k + used * s * args.rank * k + 2 * tokens * s * args.rank
                          + used * n * args.rank + 2 * tokens * n)
-            totals = [totals[0] + t_base, totals[1] + t_tri, totals[2] + t_nat, totals[3] + t_plain]
+            for key, v in t.items():
+                totals[key] = totals.get(key, 0.0) + v
             if args.sweep:
                 swept += sweep(scen, layer, info, x, a, b, out, offsets, args.rank, args.reps)
-            print(f"{scen:<14} {layer:<8} {t_base:8.1f} {t_tri:9.1f} {moved / t_tri / 1e3:6.0f} {t_plain:9.1f} "
-                  f"{t_nat:9.1f} {t_tri / t_base:11.2f} {t_nat / t_base:11.2f}")
-        print(f"{scen:<14} {'sum':<8} {totals[0]:8.1f} {totals[1]:9.1f} {'':>6} {totals[3]:9.1f} {totals[2]:9.1f} "
-              f"{totals[1] / totals[0]:11.2f} {totals[2] / totals[0]:11.2f}")
+            print(f"{scen:<14} {layer:<8} {t['base']:8.1f} {t['triton']:9.1f} {moved / t['triton'] / 1e3:6.0f} "
+                  f"{t['eager']:9.1f} " + "".join(f"{t[name]:10.1f}" for name in extra)
+                  + f" {t['native']:9.1f} {t['triton'] / t['base']:11.2f} {t['native'] / t['base']:11.2f}")
+        print(f"{scen:<14} {'sum':<8} {totals['base']:8.1f} {totals['triton']:9.1f} {'':>6} {totals['eager']:9.1f} "
+              + "".join(f"{totals[name]:10.1f}" for name in extra)
+              + f" {totals['native']:9.1f} {totals['triton'] / totals['base']:11.2f} "
+              f"{totals['native'] / totals['base']:11.2f}", flush=True)
         what = f"Llama-3-8B qkv, o, gate_up, down of one layer, {SCENARIO_WORDS[scen]}"
         device = torch.cuda.get_device_name(dev)
         append_rows(args.result_file,
-                    {"area": "lora", "bench": "kernel", "device": device, "us": round(totals[1], 2),
+                    {"area": "lora", "bench": "kernel", "device": device, "us": round(totals["triton"], 2),
                      "config": f"LoRA shrink + expand (triton), rank {args.rank}, bf16, {what}",
-                     "peer": {"config": "torch_native backend, same run", "us": round(totals[2], 2)}},
-                    {"area": "lora", "bench": "kernel", "device": device, "us": round(totals[0], 2),
+                     "peer": {"config": "torch_native backend, same run", "us": round(totals["native"], 2)}},
+                    {"area": "lora", "bench": "kernel", "device": device, "us": round(totals["base"], 2),
                      "config": f"base layers' bf16 matmuls (no LoRA), {what}"})
     if args.sweep:
         with open(args.sweep, "w") as f:

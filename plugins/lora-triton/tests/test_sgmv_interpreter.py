@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_lora_triton import interpreting
 from engine_lora_triton.backend import TritonLoraBackend
-from engine_lora_triton.launch import _scratch, shrink_config
+from engine_lora_triton.launch import _scratch
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
 from engine.testing.conformance.lora import LoraBackendConformance
