@@ -146,10 +146,13 @@ def _recent(url: str) -> dict[str, dict[str, Any]]:
 
 
 def _flush(*urls: str) -> None:
+    """Empties the servers' prefix caches (retried while a just-finished request is still leaving)."""
     for url in urls:
-        r = httpx.post(url + "/flush_cache", timeout=30)
-        if r.status_code != 200:
-            raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
+        deadline = time.monotonic() + 10
+        while (r := httpx.post(url + "/flush_cache", timeout=30)).status_code != 200:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
+            time.sleep(0.1)
 
 
 def _mean(xs: list[float | None]) -> float | None:
