@@ -1,5 +1,6 @@
 """The SGMV kernels on a CUDA GPU at Llama-3-8B's shapes (K 4096, N 4096/1024 per slice, ranks 16
-and 64, bfloat16), compiled (not interpreted), against the float32 torch loop; the conformance kit
+and 64, bfloat16; decode over 9 slots and a 128-token prefill both split K), compiled (not
+interpreted), against the float32 torch loop, with the split-K scratch left zero; the conformance kit
 on cuda; and CUDA graphs (one-token segments, and 16-token ones) replayed after the batch's
 segments change in place, as the engine's captured decode rewrites ``seg_indptr`` and
 ``weight_indices`` between replays."""
@@ -9,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_lora_triton.backend import TritonLoraBackend
+from engine_lora_triton.launch import _scratch
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
 from engine.testing.conformance.lora import LoraBackendConformance
@@ -52,7 +54,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("r", [16, 64])
 @pytest.mark.parametrize("widths", [(4096, 1024, 1024), (4096,), (1024, 1024)], ids=["qkv", "o", "kv"])
-@pytest.mark.parametrize("lens", [[1] * 64, [300, 0, 1, 211, 17]], ids=["decode", "prefill"])
+@pytest.mark.parametrize("lens", [[1] * 64, [300, 0, 1, 211, 17], [128]], ids=["decode", "prefill", "short-prefill"])
 def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
     torch.manual_seed(r + len(widths) + len(lens))
     ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
@@ -71,6 +73,8 @@ def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
     reference_expand(y, b, info, want, offsets)
     backend.expand(y, b, info, out, offsets)
     assert _rel(out, want) < 1e-2
+    acc, counters = _scratch(x.device)
+    assert not acc.any() and not counters.any(), "split-K left the scratch dirty"
 
 
 # (segments captured, segments of the replay): same count, the replay's within the captured
