@@ -34,6 +34,9 @@ from engine.bench.results import run_command
 
 __all__ = ["MultiTurnArgs", "TurnResult", "bench_multi_turn", "per_turn_table"]
 
+#: ``/get_server_info`` hicache fields that are levels, not counters (reported as they are).
+_TIER_LEVELS = frozenset({"hicache_host_tokens", "hicache_host_capacity_tokens"})
+
 
 @dataclass
 class MultiTurnArgs:
@@ -123,7 +126,8 @@ async def _bench(args: MultiTurnArgs) -> tuple[BenchMetrics, list[TurnResult]]:
     ok = [t for t in turns if t.result.success]
     cached = sum(t.cached_tokens for t in ok)
     prompt = sum(t.result.prompt_len for t in ok)
-    tier = {k: after[k] - before.get(k, 0) for k in after}
+    # Counters over the run; the tier's fill and capacity as they are at its end.
+    tier = {k: v if k in _TIER_LEVELS else v - before.get(k, 0) for k, v in after.items()}
     settings = {"Conversations x turns": f"{args.num_conversations} x {args.num_turns}",
                 "History / turn input / output": f"{args.history_len} / {args.turn_input_len} / {args.output_len}",
                 "Max concurrency": args.max_concurrency, "Request rate": args.request_rate}
