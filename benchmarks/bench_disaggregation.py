@@ -9,10 +9,13 @@ time: greedy outputs must match the reference token for token, and each request'
 is read from both servers' ``/get_server_info`` (``disaggregation.recent``): bytes, the prefill
 side's staging (device to host), the transfer (send to arrival), the decode side's write into
 its pool, and the decode server's wait from the request's arrival to its KV. Then, with
-``--concurrency`` > 1, the prompts again (caches flushed), that many at once, for throughput.
+``--load-prompts N``, N other prompts arriving ``--arrival-interval-s`` apart, first whole on the
+decode server and then through the router (caches flushed before each): throughput, TTFT and ITL
+(mean and p99 over every gap), where each new prompt's prefill competes with running decodes.
 
-Prints JSON lines: one per request (``"kind": "request"``) and one summary per backend
-(``"kind": "summary"``); ``--result-file`` appends the summaries.
+Prints JSON lines: one per request (``"kind": "request"``) and, per backend, a summary row of
+docs/benchmarks.md (``"kind": "summary"``; a second one for the load phase); ``--result-file``
+appends the summaries.
 
     python3 benchmarks/bench_disaggregation.py --model-path docs/bench_configs/qwen3-0.6b \\
         --load-format dummy --input-len 4096 --output-len 128 --num-prompts 4 --backend zmq
@@ -108,7 +111,7 @@ def _processes(cmds: list[list[str]], log_dir: str) -> Iterator[tuple[list[subpr
                 proc.kill()
 
 
-def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _stream(url: str, body: dict[str, Any], gaps: bool = False) -> dict[str, Any]:
     """One streamed /generate: its output ids, TTFT and inter-token gaps."""
     start = time.perf_counter()
     times: list[float] = []
@@ -127,12 +130,15 @@ def _stream(url: str, body: dict[str, Any]) -> dict[str, Any]:
             new = got[len(ids):] if got[: len(ids)] == ids else got  # cumulative or per-event ids
             ids.extend(new)
             times.extend([now] * len(new))
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
+    between = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
     steps = len(times) - 1
-    return {"ids": ids, "ttft_s": times[0] - start if times else None,
-            "itl_s": (times[-1] - times[0]) / steps if steps > 0 else None,
-            "itl_p99_s": sorted(gaps)[int(0.99 * (len(gaps) - 1))] if gaps else None,
-            "e2e_s": time.perf_counter() - start}
+    out = {"ids": ids, "ttft_s": times[0] - start if times else None,
+           "itl_s": (times[-1] - times[0]) / steps if steps > 0 else None,
+           "itl_p99_s": sorted(between)[int(0.99 * (len(between) - 1))] if between else None,
+           "e2e_s": time.perf_counter() - start}
+    if gaps:
+        out["gaps"] = between
+    return out
 
 
 def _info(url: str) -> dict[str, Any]:
@@ -160,7 +166,8 @@ def _mean(xs: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], log_dir: str, vocab: int) -> dict[str, Any]:
+def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], load_prompts: list[list[int]],
+                 log_dir: str, vocab: int) -> list[dict[str, Any]]:
     p_port, d_port, r_port, boot = _port(), _port(), _port(), _port()
     common = [sys.executable, "-m", "engine", "serve", "--model-path", a.model_path, "--load-format", a.load_format,
               "--skip-tokenizer-init", "--log-level", "warning",
@@ -209,25 +216,12 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
                        "prefill_side": pre.get(rid), "decode_side": dec.get(rid)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            concurrent: dict[str, Any] = {}
-            if a.concurrency > 1:
-                _flush(p_url, d_url)
-                results: list[dict[str, Any]] = [{} for _ in prompts]
-
-                def one(i: int) -> None:
-                    results[i] = _stream(r_url, {"input_ids": prompts[i], "sampling_params": greedy})
-                begin = time.perf_counter()
-                threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                took = time.perf_counter() - begin
-                concurrent = {"concurrency": len(prompts), "duration_s": took,
-                              "output_tok_s": sum(len(r.get("ids", [])) for r in results) / took,
-                              "mean_ttft_s": _mean([r.get("ttft_s") for r in results]),
-                              "mean_itl_s": _mean([r.get("itl_s") for r in results]),
-                              "all_match": all(r.get("ids") == w["ids"] for r, w in zip(results, whole, strict=True))}
+            load: dict[str, Any] = {}
+            if a.load_prompts:
+                for mode, url in (("whole", d_url), ("disaggregated", r_url)):
+                    _flush(p_url, d_url)
+                    load[mode] = _load_phase(url, load_prompts, greedy, a.arrival_interval_s)
+                    _say(f"{backend}: load phase {mode} done")
             info_p, info_d = _info(p_url).get("disaggregation", {}), _info(d_url).get("disaggregation", {})
             info_p.pop("recent", None)
             info_d.pop("recent", None)
@@ -260,9 +254,44 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
         "peer": {"config": "the decode server serving the same prompts whole, same run",
                  "ttft_ms": ms([r["whole"]["ttft_s"] for r in rows]), "itl_ms": ms([r["whole"]["itl_s"] for r in rows]),
                  "itl_p99_ms": ms([r["whole"]["itl_p99_s"] for r in rows])},
-        "concurrent": concurrent, "prefill_counts": info_p, "decode_counts": info_d,
+        "prefill_counts": info_p, "decode_counts": info_d,
     }
-    return summary
+    if not load:
+        return [summary]
+    under_load = {
+        **{k: summary[k] for k in ("kind", "bench", "area", "command", "device", "date", "backend", "model_path",
+                                   "input_len", "output_len")},
+        "config": (f"{os.path.basename(a.model_path.rstrip('/'))} shape, {a.input_len} in / {a.output_len} out, "
+                   f"{a.load_prompts} requests arriving every {a.arrival_interval_s * 1e3:g} ms, {backend} transfer"
+                   f"{' (' + group + ')' if group else ''}, {where}"),
+        "figure": "itl_p99", "num_prompts": a.load_prompts, **load["disaggregated"],
+        "peer": {"config": "the decode server serving the same requests whole, same run", **load["whole"]},
+    }
+    return [summary, under_load]
+
+
+def _load_phase(url: str, prompts: list[list[int]], greedy: dict[str, Any], interval_s: float) -> dict[str, Any]:
+    """The prompts streamed with arrivals ``interval_s`` apart: throughput, TTFT and ITL (mean and
+    p99 over every gap of every request), in ms."""
+    results: list[dict[str, Any]] = [{} for _ in prompts]
+
+    def one(i: int) -> None:
+        results[i] = _stream(url, {"input_ids": prompts[i], "sampling_params": greedy}, gaps=True)
+
+    begin = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+        time.sleep(interval_s)
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - begin
+    gaps = sorted(g for r in results for g in r.get("gaps", []))
+    ttfts = [r["ttft_s"] for r in results if r.get("ttft_s") is not None]
+    return {"duration_s": round(took, 3), "output_tok_s": round(sum(len(r.get("ids", [])) for r in results) / took, 1),
+            "ttft_ms": round(1e3 * sum(ttfts) / max(len(ttfts), 1), 3),
+            "itl_ms": round(1e3 * sum(gaps) / max(len(gaps), 1), 3),
+            "itl_p99_ms": round(1e3 * gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else None}
 
 
 def main() -> None:
@@ -272,7 +301,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=0, help="also run the prompts this many at once (0: not)")
+    ap.add_argument("--load-prompts", type=int, default=0,
+                    help="then this many other prompts arriving --arrival-interval-s apart, whole and disaggregated "
+                         "(0: not)")
+    ap.add_argument("--arrival-interval-s", type=float, default=0.1)
     ap.add_argument("--backend", action="append", help="KV transfer backend (repeatable; default zmq)")
     ap.add_argument("--plugin-option", action="append", default=[], help="passed to both servers (repeatable)")
     ap.add_argument("--mem-fraction-static", type=float, default=0.35, help="each server's (0: the platform's default)")
@@ -291,6 +323,7 @@ def main() -> None:
         vocab = int(json.load(f).get("vocab_size", 32000))
     rng = random.Random(0)
     prompts = [[rng.randrange(3, min(vocab, 20000)) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    load_prompts = [[rng.randrange(3, min(vocab, 20000)) for _ in range(a.input_len)] for _ in range(a.load_prompts)]
     log_dir = tempfile.mkdtemp(prefix="bench-disagg-")
     begin = time.perf_counter()
     per_backend: list[float] = []
@@ -301,7 +334,7 @@ def main() -> None:
             continue
         t = time.perf_counter()
         try:
-            summary = _run_backend(a, backend, prompts, log_dir, vocab)
+            summaries = _run_backend(a, backend, prompts, load_prompts, log_dir, vocab)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next backend
             print(json.dumps({"kind": "error", "backend": backend, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
             for name in sorted(os.listdir(log_dir)):
@@ -310,11 +343,12 @@ def main() -> None:
                 break
             continue
         per_backend.append(time.perf_counter() - t)
-        summary["wall_s"] = round(per_backend[-1], 1)
-        print(json.dumps(summary), flush=True)
-        if a.result_file:
-            with open(a.result_file, "a") as f:
-                f.write(json.dumps(summary) + "\n")
+        for summary in summaries:
+            summary["wall_s"] = round(per_backend[-1], 1)
+            print(json.dumps(summary), flush=True)
+            if a.result_file:
+                with open(a.result_file, "a") as f:
+                    f.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":

@@ -311,11 +311,15 @@ def _multi_turn(row: dict[str, Any]) -> Figure:
 
 
 def _disaggregation(row: dict[str, Any]) -> Figure:
-    """KV transfer per request (a peer serving the prompts whole has none), then TTFT and ITL."""
+    """KV transfer per request (a peer serving the prompts whole has none), then TTFT and ITL;
+    ``figure: itl_p99`` (a run under load) adds throughput and compares ITL p99, else TTFT."""
     text = f"TTFT {_n(row['ttft_ms'])} ms, ITL {row['itl_ms']:.2f} ms"
     if "transfer_ms" in row:
         text = (f"KV {_n(row['kv_mib'], 0)} MiB a request: staged {_n(row['prefill_stage_ms'])} ms, sent "
                 f"{_n(row['transfer_ms'])} ms, written {_n(row['decode_write_ms'])} ms; " + text)
+    if row.get("figure") == "itl_p99":
+        text += f" (p99 {row['itl_p99_ms']:.2f} ms), {_rate(row['output_tok_s'])} output tok/s"
+        return Figure(text, row["itl_p99_ms"], higher_is_better=False)
     return Figure(text, row["ttft_ms"], higher_is_better=False)
 
 
