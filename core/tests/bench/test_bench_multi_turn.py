@@ -78,6 +78,7 @@ def test_conversations_return_to_their_prefix_in_the_host_tier(server_url: str, 
     line = json.loads(result_file.read_text().splitlines()[-1])
     assert line["bench"] == "multi-turn" and line["completed"] == CONVS * TURNS
     assert line["hicache_host_hit_tokens"] >= HISTORY, line  # served from host memory, not recomputed
+    assert line["hicache_host_capacity_tokens"] > 0 and line["hicache_bytes_loaded"] > 0, line
     assert 0 < line["cached_token_ratio"] < 1 and [r["turn"] for r in line["per_turn"]] == list(range(TURNS))
     assert line["per_turn"][0]["cached_ratio"] == 0.0  # the server's cache was flushed first
 
