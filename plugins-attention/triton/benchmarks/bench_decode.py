@@ -7,7 +7,7 @@ Run from the repository root on a CUDA GPU:
 
 Llama-3-8B heads (32 query heads on 8 KV heads, head dim 128), every row ``--ctx`` tokens long
 on a page-size-1 pool whose slots are shuffled (each block of keys is a gather of 128- or
-256-byte rows). The bytes a call must move are the K and V of every cached token once plus the
+256-byte rows; ``--slots rows`` gives each row consecutive slots instead). The bytes a call must move are the K and V of every cached token once plus the
 int32 slot of each; a line reports them over the median time as GB/s and as a fraction of
 ``--peak`` (4.29 TB/s: the device-to-device copy rate an H200 reaches, also printed as
 measured). Calls that move less than ``GRAPH_BELOW`` bytes run inside a CUDA graph over copies
@@ -15,7 +15,9 @@ of the inputs larger than L2 together (no launch gaps, data from HBM, as when se
 ones run eagerly (``triton.testing.do_bench``, which clears L2 first).
 
 Each batch size times the kernel's default tiles and split count for the pool's dtype (see
-``decode_tiles``), and the tiles given with ``--tiles``. ``--sweep`` first times every tile in
+``decode_tiles``), and the tiles given with ``--tiles`` (each also reports its output's largest
+difference from the default's). ``--both-orders`` adds the default tiles in the other launch
+order. ``--sweep`` first times every tile in
 ``GRID`` at the largest batch size, then also the best ``--top`` of them at every batch size;
 batches of 128 rows or more also try one and two splits.
 """
@@ -31,7 +33,11 @@ import sys
 import torch
 import triton
 from bench_kernels import DEV, copy_bandwidth_gbs, median_ms  # the script's folder is on sys.path
-from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from engine_attention_triton.decode_attention import (
+    HEADS_INNER,
+    choose_num_kv_splits,
+    decode_attention_fwd,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -45,7 +51,7 @@ GRID = ([(0, bn, 4, 3) for bn in (32, 64)]
 class Problem:
     """``copies`` independent decode batches of ``bs`` rows of ``ctx`` tokens over one pool dtype."""
 
-    def __init__(self, dtype: torch.dtype, bs: int, ctx: int) -> None:
+    def __init__(self, dtype: torch.dtype, bs: int, ctx: int, slots: str = "shuffled") -> None:
         self.bs, self.ctx, self.dtype = bs, ctx, dtype
         elem = torch.empty(0, dtype=dtype).element_size()
         self.bytes = bs * ctx * (NUM_KV_HEADS * HEAD_DIM * 2 * elem + 4)
@@ -55,7 +61,11 @@ class Problem:
         for _ in range(self.copies):
             k = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, device=DEV).to(dtype)
             v = torch.randn(total + 1, NUM_KV_HEADS, HEAD_DIM, device=DEV).to(dtype)
-            slots = (torch.randperm(total, device=DEV) + 1).to(torch.int32).view(bs, ctx)
+            if slots == "rows":  # each row's tokens in consecutive slots (as a prompt's prefill takes them)
+                rows = (torch.randperm(bs, device=DEV) * ctx)[:, None] + torch.arange(ctx, device=DEV)
+                slots = (rows + 1).to(torch.int32)
+            else:
+                slots = (torch.randperm(total, device=DEV) + 1).to(torch.int32).view(bs, ctx)
             q = torch.randn(bs, NUM_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=DEV)
             self.inputs.append((q, k, v, torch.empty_like(q), slots))
         self.reqs = torch.arange(bs, device=DEV)
@@ -67,6 +77,18 @@ class Problem:
         q, k, v, out, slots = self.inputs[i]
         return lambda: decode_attention_fwd(q, k, v, out, slots, self.reqs, self.seq_lens, self.part_out,
                                             self.part_lse, splits, HEAD_DIM**-0.5, pdl=True, **tiles)
+
+    def diff(self, splits: int, tiles: dict) -> float:
+        """Largest |difference| of the output from the default tiles' at the default split count
+        (both round to bf16: a layout or masking error shows as O(1), rounding as ~1e-2)."""
+        out = self.inputs[0][3]
+        if not hasattr(self, "expected"):
+            self.call(0, choose_num_kv_splits(self.bs, NUM_KV_HEADS, torch.cuda.get_device_properties(0)
+                                              .multi_processor_count, MAX_SPLITS, self.ctx), {})()
+            self.expected = out.float().clone()
+        out.fill_(float("nan"))
+        self.call(0, splits, tiles)()
+        return float((out.float() - self.expected).abs().max())
 
     def time_ms(self, splits: int, tiles: dict) -> float:
         calls = [self.call(i, splits, tiles) for i in range(self.copies)]
@@ -84,7 +106,13 @@ class Problem:
 
 def tiles_of(cfg: tuple) -> dict:
     tiles = dict(slots_ahead=bool(cfg[0]), block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
-    return tiles if len(cfg) == 4 else {**tiles, "words": bool(cfg[4])}
+    if len(cfg) > 4:
+        tiles["words"] = int(cfg[4])
+    if len(cfg) > 5:
+        tiles["heads_inner"] = bool(cfg[5])
+    if len(cfg) > 6:
+        tiles["kv_per_program"] = int(cfg[6])
+    return tiles
 
 
 def _compile_worker(args: tuple) -> str:
@@ -104,10 +132,11 @@ def precompile(dtype_names: list[str], cfgs: list[tuple], ctx: int, procs: int) 
         list(pool.imap_unordered(_compile_worker, jobs))
 
 
-def line(name: str, prob: Problem, label: str, splits: int, ms: float, peak: float) -> str:
+def line(name: str, prob: Problem, label: str, splits: int, ms: float, peak: float, diff: float | None = None) -> str:
     gbs = prob.bytes / (ms * 1e-3) / 1e9
     return (f"{name:<8} bs={prob.bs:<4} ctx={prob.ctx:<5} {label:<28} splits={splits:<2} "
-            f"{ms * 1e3:9.1f} us {gbs:6.0f} GB/s {gbs / peak:5.2f} of peak  bound {prob.bytes / peak / 1e3:8.1f} us")
+            f"{ms * 1e3:9.1f} us {gbs:6.0f} GB/s {gbs / peak:5.2f} of peak  bound {prob.bytes / peak / 1e3:8.1f} us"
+            + ("" if diff is None else f"  max|diff| {diff:.2g}"))
 
 
 def main() -> None:
@@ -116,9 +145,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 512])
     parser.add_argument("--ctx", type=int, default=1552, help="tokens per row")
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
+    parser.add_argument("--slots", choices=("shuffled", "rows"), default="shuffled",
+                        help="rows: each row's tokens in consecutive pool slots instead of shuffled ones")
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
-    parser.add_argument("--tiles", nargs="*", default=[], metavar="A,N,W,S[,WORDS]",
-                        help="also time these tiles (slots_ahead 0/1, block_n, warps, stages, fp8 words 0/1)")
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="A,N,W,S[,WORDS[,HEADS_INNER[,P]]]",
+                        help="also time these tiles (slots_ahead 0/1, block_n, warps, stages, fp8 words 0/1/2 "
+                             "(2: hardware widening to float16), launch order 0/1 (1: a row's KV heads together), "
+                             "KV heads per program)")
+    parser.add_argument("--both-orders", action="store_true",
+                        help="also time the default tiles in the other launch order (decode_attention.HEADS_INNER)")
     parser.add_argument("--top", type=int, default=5, help="--sweep: tiles carried to every batch size")
     parser.add_argument("--procs", type=int, default=12, help="--sweep: processes compiling the grid")
     args = parser.parse_args()
@@ -128,14 +163,15 @@ def main() -> None:
     print(f"# {props.name}, {num_sms} SMs, torch {torch.__version__}, triton {triton.__version__}, "
           f"{now:%Y-%m-%d %H:%M} UTC; copy {copy_bandwidth_gbs():.0f} GB/s (read + write); "
           f"fractions of {args.peak:.0f} GB/s", flush=True)
-    if args.sweep:
-        precompile(args.dtypes, GRID, args.ctx, args.procs)
+    given = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+    if args.sweep or len(given) > 1:
+        precompile(args.dtypes, (GRID if args.sweep else []) + given, args.ctx, args.procs)
     peak = args.peak
     for name in args.dtypes:
         dtype = DTYPES[name]
-        best: list[tuple] = [tuple(int(x) for x in t.split(",")) for t in args.tiles]
+        best: list[tuple] = list(given)
         if args.sweep:
-            big = Problem(dtype, max(args.batch_sizes), args.ctx)
+            big = Problem(dtype, max(args.batch_sizes), args.ctx, args.slots)
             splits = choose_num_kv_splits(big.bs, NUM_KV_HEADS, num_sms, MAX_SPLITS, args.ctx)
             timed = []
             for cfg in GRID:
@@ -145,13 +181,18 @@ def main() -> None:
             best += [cfg for _, cfg in sorted(timed)[: args.top]]
             del big
         for bs in args.batch_sizes:
-            prob = Problem(dtype, bs, args.ctx)
+            prob = Problem(dtype, bs, args.ctx, args.slots)
             default = choose_num_kv_splits(bs, NUM_KV_HEADS, num_sms, MAX_SPLITS, args.ctx)
             print(line(name, prob, "default", default, prob.time_ms(default, {}), peak), flush=True)
+            if args.both_orders:
+                other = not HEADS_INNER
+                print(line(name, prob, f"default heads_inner={int(other)}", default,
+                           prob.time_ms(default, {"heads_inner": other}), peak,
+                           prob.diff(default, {"heads_inner": other})), flush=True)
             for cfg in best:
                 for splits in sorted({default, 1, 2} if bs >= 128 else {default}):
                     ms = prob.time_ms(splits, tiles_of(cfg))
-                    print(line(name, prob, str(cfg), splits, ms, peak), flush=True)
+                    print(line(name, prob, str(cfg), splits, ms, peak, prob.diff(splits, tiles_of(cfg))), flush=True)
             del prob
             torch.cuda.empty_cache()
 

@@ -24,16 +24,17 @@ import re
 
 from engine.testing.aot import compiled_facts, compile_kernel, pdl_order, spill_bytes
 
-#: name -> (pool dtype, SLOTS_AHEAD, WORDS)
-POOLS = {"bf16": ("bf16", False, False), "fp8e4nv": ("fp8e4nv", False, True),
-         "fp8e4nv-ahead": ("fp8e4nv", True, True), "bf16-ahead": ("bf16", True, False)}
+#: name -> (pool dtype, SLOTS_AHEAD, WORDS, HEADS_INNER)
+POOLS = {"bf16": ("bf16", False, 0, False), "fp8e4nv": ("fp8e4nv", False, 1, False),
+         "fp8e4nv-ahead": ("fp8e4nv", True, 1, True), "bf16-ahead": ("bf16", True, 0, True),
+         "fp8e4nv-f16": ("fp8e4nv", True, 2, True)}
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
     from engine_attention_triton import decode_attention as da
 
     out: dict[str, dict[str, object]] = {}
-    for name, (pool, ahead, words) in POOLS.items():
+    for name, (pool, ahead, words, heads_inner) in POOLS.items():
         types = {a: "i32" for a in da._decode_split_kernel.arg_names}
         types.update(Q="*bf16", K_Buf="*" + pool, V_Buf="*" + pool, Req_To_Token="*i32", Req_Pool_Indices="*i64",
                      Seq_Lens="*i64", Part_Out="*fp32", Part_Lse="*fp32", sm_scale="fp32", logit_cap="fp32",
@@ -41,10 +42,12 @@ def _compile_all() -> dict[str, dict[str, object]]:
         split = compile_kernel(da._decode_split_kernel, types,
                                dict(GROUP=8, BLOCK_H=16, BLOCK_N=64, HEAD_DIM=128, V_DIM=128, BLOCK_D=128,
                                     BLOCK_DV=128, SLIDING_WINDOW=-1, HAS_CAP=False, DOT_PRECISION="tf32",
-                                    DIRECT=False, PDL=True, SLOTS_AHEAD=ahead, WORDS=words), num_warps=4)
+                                    DIRECT=False, PDL=True, SLOTS_AHEAD=ahead, WORDS=words,
+                                    HEADS_INNER=heads_inner), num_warps=4)
         ptx = split.asm["ptx"]
         out[f"split-{name}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx),
                                 "cvt_bf16_f16": ptx.count("cvt.bf16.f16"),
+                                "cvt_f16x2_e4m3x2": ptx.count("cvt.rn.f16x2.e4m3x2"),
                                 "async_waits": re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
     types = {a: "i32" for a in da._decode_merge_kernel.arg_names}
     types.update(Part_Out="*fp32", Part_Lse="*fp32", Out="*bf16")
@@ -61,7 +64,10 @@ def test_pdl_decode_kernels_compile_to_the_rule() -> None:
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)
         assert got["loads_before_wait"] >= 3, (name, got)  # lengths, slots, the first block's K and V
     assert info["split-fp8e4nv"]["cvt_bf16_f16"] == info["split-fp8e4nv-ahead"]["cvt_bf16_f16"] == 0, info
-    for name in ("fp8e4nv-ahead", "bf16-ahead"):  # three stages: a group still in flight at each wait
+    # words=2: the pool widens to float16 by the paired hardware conversion, never through bf16.
+    f16 = info["split-fp8e4nv-f16"]
+    assert f16["cvt_bf16_f16"] == 0 and f16["cvt_f16x2_e4m3x2"] > 0, f16
+    for name in ("fp8e4nv-ahead", "bf16-ahead", "fp8e4nv-f16"):  # three stages: a group still in flight at each wait
         assert any(int(n) > 0 for n in info[f"split-{name}"]["async_waits"]), (name, info[f"split-{name}"])
     assert {k: v for k, v in info["merge"].items() if k != "spill_bytes"} == {
         "waits": 1, "triggers": 1, "trigger_first": True, "loads_before_wait": 0}, info["merge"]

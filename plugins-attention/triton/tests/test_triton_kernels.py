@@ -222,14 +222,15 @@ def test_extend_tile_configs(seed: int, config: tuple[int, int, int, int], windo
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("pool_dtype,words", [(BF16, False), (FP8, True), (FP8, False)],
-                         ids=["bf16", "fp8-words", "fp8-widen"])
+@pytest.mark.parametrize("heads_inner", [False, True], ids=["rows-inner", "heads-inner"])
+@pytest.mark.parametrize("pool_dtype,words", [(BF16, 0), (FP8, 1), (FP8, 0), (FP8, 2)],
+                         ids=["bf16", "fp8-words", "fp8-widen", "fp8-f16"])
 @pytest.mark.parametrize("block_n,num_warps,num_stages,slots_ahead",
                          [(16, 4, 3, False), (32, 4, 2, False), (128, 4, 3, False), (64, 8, 3, False),
                           (64, 4, 2, False), (32, 4, 4, True), (32, 2, 3, True), (16, 1, 2, True),
                           (64, 8, 3, True)])
 def test_decode_tile_configs(seed: int, block_n: int, num_warps: int, num_stages: int, slots_ahead: bool,
-                             pool_dtype: torch.dtype, words: bool) -> None:
+                             pool_dtype: torch.dtype, words: int, heads_inner: bool) -> None:
     seq_lens = random_lens(6, 1, 1700)
     pools = PagedPools(seq_lens, 16, 2, 128, BF16)
     # An fp8 pool holds the bf16 values rounded to e4m3; the reference reads the same rounded values.
@@ -242,12 +243,13 @@ def test_decode_tile_configs(seed: int, block_n: int, num_warps: int, num_stages
         decode_attention_fwd(
             q, k, v, out, pools.req.req_to_token, pools.indices(), torch.tensor(seq_lens, device=DEV),
             part_out, part_lse, splits, 128**-0.5, block_n=block_n, num_warps=num_warps,
-            num_stages=num_stages, slots_ahead=slots_ahead, words=words,
+            num_stages=num_stages, slots_ahead=slots_ahead, words=words, heads_inner=heads_inner,
         )
         ref = reference_decode(q, k.float(), v.float(), pools.req.req_to_token, pools.req_slots, seq_lens,
                                128**-0.5)
         assert_matches(out, ref, BF16, f"decode tiles={block_n, num_warps, num_stages, slots_ahead} "
-                                       f"splits={splits} pool={pool_dtype} words={words} seed={seed}")
+                                       f"splits={splits} pool={pool_dtype} words={words} "
+                                       f"heads_inner={heads_inner} seed={seed}")
 
 
 def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
@@ -263,15 +265,15 @@ def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
     req_to_token = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
     req_to_token[:, 0] = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
     q = torch.randn(n, 1, 128, dtype=BF16, device=DEV)
-    for slots_ahead in (False, True):
+    for slots_ahead, words in ((False, 1), (True, 1), (True, 2)):
         out = torch.full_like(q, float("nan"))
         part = torch.empty(n, 1, 1, 128, device=DEV)
         decode_attention_fwd(q, k, v, out, req_to_token, torch.arange(n, device=DEV),
                              torch.ones(n, dtype=torch.int64, device=DEV), part, part[..., 0], 1, 1.0,
-                             slots_ahead=slots_ahead, words=True)
+                             slots_ahead=slots_ahead, words=words)
         want = values.to(BF16)[:, None].expand(n, 128)
         bad = (out[:, 0].float() != want.float()).any(1)  # value compare: -0 may come out +0
-        assert not bad.any(), f"slots_ahead={slots_ahead}: wrong for e4m3 bits {bits[bad].tolist()}"
+        assert not bad.any(), f"slots_ahead={slots_ahead} words={words}: wrong for e4m3 bits {bits[bad].tolist()}"
 
 
 # -- the backend, through ForwardBatch -------------------------------------------------

@@ -49,6 +49,25 @@ from engine_attention_triton.jit_math import (
 MIN_TOKENS_PER_SPLIT = 64
 #: Programs per SM stage 1 aims for: enough to hide the latency of the gathered loads.
 TARGET_PROGRAMS_PER_SM = 4
+#: Stage 1's launch order: a row's KV heads as consecutive programs (True) or each head's rows.
+HEADS_INNER = False
+#: KV heads one stage-1 program attends where the shapes allow (``kv_heads_per_program``).
+KV_PER_PROGRAM = 1
+
+
+def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None) -> int:
+    """KV heads per stage-1 program: ``wanted`` (default ``KV_PER_PROGRAM``) where it is a power of
+    two dividing ``num_kv_heads`` and both head dims are powers of two; 1 otherwise by default, and
+    an explicit ``wanted`` that does not fit is an error."""
+    per = KV_PER_PROGRAM if wanted is None else wanted
+    fits = (per >= 1 and per & (per - 1) == 0 and num_kv_heads % per == 0
+            and head_dim & (head_dim - 1) == 0 and v_dim & (v_dim - 1) == 0)
+    if fits:
+        return per
+    if wanted is None:
+        return 1
+    raise ValueError(f"decode attention: kv_per_program={wanted}; accepted: a power of two dividing "
+                     f"num_kv_heads={num_kv_heads}, with power-of-two head dims (got {head_dim}, {v_dim})")
 
 
 @triton.jit
@@ -56,16 +75,17 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP: 
                   DOT_PRECISION: tl.constexpr, WORDS: tl.constexpr):
     """One block of keys (``mask_n``: the live ones, at least one) into the online softmax state.
 
-    ``k`` and ``v`` are the gathered tiles as loaded (``WORDS``: int32 words of four e4m3 values).
+    ``k`` and ``v`` are the gathered tiles as loaded (``WORDS`` 1: int32 words of four e4m3 values;
+    2: e4m3 values and ``q`` in float16, which they widen to with one conversion per pair).
     """
     # An fp8 pool widens exactly to q's dtype; its k_scale is folded into sm_scale.
-    qk = tl.dot(q, tl.trans(widen(k, q.dtype, WORDS)), input_precision=DOT_PRECISION)
+    qk = tl.dot(q, tl.trans(widen(k, q.dtype, WORDS == 1)), input_precision=DOT_PRECISION)
     qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
     qk = tl.where(mask_n[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    v = widen(v, q.dtype, WORDS)
+    v = widen(v, q.dtype, WORDS == 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
@@ -95,6 +115,8 @@ def _decode_split_kernel(
     PDL: tl.constexpr,
     SLOTS_AHEAD: tl.constexpr,
     WORDS: tl.constexpr,
+    HEADS_INNER: tl.constexpr,
+    KV_PER_PROGRAM: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output itself; no log-sum-exp, no merge pass.
     # PDL: launched with programmatic dependent launch. Until gdc_wait the program reads only what
@@ -103,8 +125,19 @@ def _decode_split_kernel(
     # first block's gathers are in flight while that kernel drains. It lets the next kernels
     # launch at once: the merge reads nothing before its own wait, and the output projection
     # after it only weights, which it then streams during this kernel and the merge.
-    row = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
+    # HEADS_INNER: the KV heads of a row are consecutive programs, so they run together and read
+    # each token's K/V rows (adjacent in the pool) at about the same time.
+    # KV_PER_PROGRAM (P) KV heads per program: a token's P K/V rows are one contiguous gather of
+    # P * HEAD_DIM values, and the tiles are block-diagonal: query row r (head r // GROUP of the P)
+    # holds q in that head's HEAD_DIM columns and zeros elsewhere, so one dot over all P * HEAD_DIM
+    # columns gives each row its own head's scores, and row r's output is its head's columns of acc.
+    if HEADS_INNER:
+        kv_group = tl.program_id(0)
+        row = tl.program_id(1).to(tl.int64)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        kv_group = tl.program_id(1)
+    kv_head = kv_group * KV_PER_PROGRAM
     split = tl.program_id(2)
 
     seq_len = tl.load(Seq_Lens + row).to(tl.int32)
@@ -119,26 +152,29 @@ def _decode_split_kernel(
 
     offs_g = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + offs_g
-    mask_h = offs_g < GROUP
+    mask_h = offs_g < GROUP * KV_PER_PROGRAM
+    row_head = offs_g // GROUP  # which of the program's KV heads a query row reads
     offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
+    mask_d = offs_d < HEAD_DIM * KV_PER_PROGRAM
     offs_dv = tl.arange(0, BLOCK_DV)
-    mask_dv = offs_dv < V_DIM
+    mask_dv = offs_dv < V_DIM * KV_PER_PROGRAM
 
-    q_ptrs = Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
-    q_mask = mask_h[:, None] & mask_d[None, :]
+    q_ptrs = Q + row * stride_qb + heads[:, None] * stride_qh + (offs_d % HEAD_DIM)[None, :]
+    q_mask = mask_h[:, None] & mask_d[None, :] & ((offs_d // HEAD_DIM)[None, :] == row_head[:, None])
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
-    if WORDS:
+    if WORDS == 1:
         # The fp8 pool gathered as int32 words of four values (strides in bytes are multiples of 4).
         offs_kc = tl.arange(0, BLOCK_D // 4)
-        mask_kc = offs_kc < HEAD_DIM // 4
+        mask_kc = offs_kc < HEAD_DIM // 4 * KV_PER_PROGRAM
         offs_vc = tl.arange(0, BLOCK_DV // 4)
-        mask_vc = offs_vc < V_DIM // 4
-        k_base = (K_Buf + kv_head * stride_kh).to(tl.pointer_type(tl.int32), bitcast=True) + offs_kc[None, :]
-        v_base = (V_Buf + kv_head * stride_vh).to(tl.pointer_type(tl.int32), bitcast=True) + offs_vc[None, :]
+        mask_vc = offs_vc < V_DIM // 4 * KV_PER_PROGRAM
+        k_cols = offs_kc // (HEAD_DIM // 4) * (stride_kh // 4) + offs_kc % (HEAD_DIM // 4)
+        v_cols = offs_vc // (V_DIM // 4) * (stride_vh // 4) + offs_vc % (V_DIM // 4)
+        k_base = (K_Buf + kv_head * stride_kh).to(tl.pointer_type(tl.int32), bitcast=True) + k_cols[None, :]
+        v_base = (V_Buf + kv_head * stride_vh).to(tl.pointer_type(tl.int32), bitcast=True) + v_cols[None, :]
         kt = stride_kt // 4
         vt = stride_vt // 4
     else:
@@ -146,8 +182,10 @@ def _decode_split_kernel(
         mask_kc = mask_d
         offs_vc = offs_dv
         mask_vc = mask_dv
-        k_base = K_Buf + kv_head * stride_kh + offs_d[None, :]
-        v_base = V_Buf + kv_head * stride_vh + offs_dv[None, :]
+        k_cols = offs_d // HEAD_DIM * stride_kh + offs_d % HEAD_DIM
+        v_cols = offs_dv // V_DIM * stride_vh + offs_dv % V_DIM
+        k_base = K_Buf + kv_head * stride_kh + k_cols[None, :]
+        v_base = V_Buf + kv_head * stride_vh + v_cols[None, :]
         kt = stride_kt
         vt = stride_vt
     first = lo
@@ -162,6 +200,8 @@ def _decode_split_kernel(
         v_old = tl.load(v_base + loc[:, None] * vt, mask=old[:, None] & mask_vc[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if WORDS == 2:
+            q = q.to(tl.float16)
         new = mask_n & (offs_n == seq_len - 1)
         k_new = tl.load(k_base + loc[:, None] * kt, mask=new[:, None] & mask_kc[None, :], other=0.0)
         v_new = tl.load(v_base + loc[:, None] * vt, mask=new[:, None] & mask_vc[None, :], other=0.0)
@@ -171,6 +211,8 @@ def _decode_split_kernel(
         first = lo + BLOCK_N
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        if WORDS == 2:
+            q = q.to(tl.float16)
 
     # Every block starts below hi, so it holds at least one live key and m_new stays finite.
     if SLOTS_AHEAD:
@@ -207,9 +249,9 @@ def _decode_split_kernel(
     out_base = Part_Out + row * stride_pob + split * stride_pos
     # v_scale (an fp8 pool's; 1.0 otherwise, an exact no-op) is linear: stage 2's merge keeps it.
     tl.store(
-        out_base + heads[:, None] * stride_poh + offs_dv[None, :],
+        out_base + heads[:, None] * stride_poh + (offs_dv % V_DIM)[None, :],
         (acc / l_safe[:, None] * v_scale).to(Part_Out.dtype.element_ty),
-        mask=mask_h[:, None] & mask_dv[None, :],
+        mask=mask_h[:, None] & mask_dv[None, :] & ((offs_dv // V_DIM)[None, :] == row_head[:, None]),
     )
     if not DIRECT:
         tl.store(Part_Lse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
@@ -328,7 +370,9 @@ def decode_attention_fwd(
     num_warps: int | None = None,
     num_stages: int | None = None,
     slots_ahead: bool | None = None,
-    words: bool | None = None,
+    words: int | None = None,
+    heads_inner: bool | None = None,
+    kv_per_program: int | None = None,
     pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
@@ -348,7 +392,11 @@ def decode_attention_fwd(
             ``sliding_window_size`` W >= 0 keeps keys at most W positions behind the query.
         k_scale, v_scale: an fp8 pool's per-tensor scales (the kernel reads ``stored * scale``).
         block_n, num_warps, num_stages, slots_ahead, words: overrides of ``decode_tiles`` and
-            ``gathers_words`` (benchmarks and tests).
+            ``gathers_words`` (benchmarks and tests); ``words`` 2 widens an e4m3 pool to float16
+            with the hardware conversion and attends with q in float16 (benchmarks).
+        heads_inner: launch a row's KV heads as consecutive programs (default ``HEADS_INNER``).
+        kv_per_program: KV heads one stage-1 program attends (default ``KV_PER_PROGRAM``; a power of
+            two dividing the KV heads, over power-of-two head dims).
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
             position, while the previous kernel drains, and stage 2 lets the next kernel start.
@@ -374,7 +422,13 @@ def decode_attention_fwd(
         return
     group = num_heads // num_kv_heads
     if words is None:
-        words = gathers_words(q, k_buffer, v_buffer)
+        words = int(gathers_words(q, k_buffer, v_buffer))
+    elif words == 2 and not (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype != torch.float32):
+        raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
+                         f"under {q.dtype}")
+    if heads_inner is None:
+        heads_inner = HEADS_INNER
+    per_program = kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program)
     tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, words)
     slots_ahead = tiles.slots_ahead if slots_ahead is None else slots_ahead
     block_n = block_n or tiles.block_n
@@ -387,7 +441,9 @@ def decode_attention_fwd(
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
 
-    _decode_split_kernel[(batch, num_kv_heads, num_kv_splits)](
+    kv_groups = num_kv_heads // per_program
+    grid = (kv_groups, batch, num_kv_splits) if heads_inner else (batch, kv_groups, num_kv_splits)
+    _decode_split_kernel[grid](
         q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
         sm_scale * k_scale, logit_cap, float(v_scale), num_kv_splits,
         q.stride(0), q.stride(1),
@@ -397,19 +453,21 @@ def decode_attention_fwd(
         *dest_strides,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group,
-        BLOCK_H=block_size(group),
+        BLOCK_H=block_size(group * per_program),
         BLOCK_N=block_n,
         HEAD_DIM=head_dim,
         V_DIM=v_dim,
-        BLOCK_D=block_size(head_dim),
-        BLOCK_DV=block_size(v_dim),
+        BLOCK_D=block_size(head_dim) * per_program,
+        BLOCK_DV=block_size(v_dim) * per_program,
         SLIDING_WINDOW=sliding_window_size if sliding_window_size >= 0 else -1,
         HAS_CAP=logit_cap > 0,
         DOT_PRECISION=precision,
         DIRECT=direct,
         PDL=pdl,
         SLOTS_AHEAD=slots_ahead,
-        WORDS=words,
+        WORDS=int(words),
+        HEADS_INNER=bool(heads_inner),
+        KV_PER_PROGRAM=per_program,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -444,4 +502,5 @@ def has_pdl(device: torch.device) -> bool:
     return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words", "has_pdl"]
+__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words", "has_pdl",
+           "kv_heads_per_program"]

@@ -1,0 +1,66 @@
+"""The decode kernel's launch layouts against the float64 reference under Triton's interpreter.
+
+Several KV heads per program (block-diagonal query tiles: a wrong column or row mask mixes heads)
+and the heads-inner launch order, at GQA groups 1, 2 and 4, with and without splits, on rows of
+1..70 tokens on shuffled slots of a pool filled with random data, outputs poisoned with NaN first.
+float32 only: Triton's interpreter computes 16-bit ``tl.dot`` wrongly (the 16-bit and fp8 paths
+are GPU tests in test_triton_kernels.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_attention_triton import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (set where no GPU is present)")
+
+from engine_attention_triton.decode_attention import decode_attention_fwd, kv_heads_per_program  # noqa: E402
+from engine_attention_triton.interpreter_compat import patch_interpreter_index  # noqa: E402
+from engine_attention_triton.reference import reference_decode  # noqa: E402
+
+SCALE = 0.2
+
+
+def _run(group: int, kv_heads: int, head_dim: int, per_program: int, heads_inner: bool, splits: int,
+         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    patch_interpreter_index()
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [1, 70, 33, 17]
+    slots = sum(seq_lens) + 7
+    k = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    v = torch.randn(slots, kv_heads, head_dim, generator=gen)
+    req_to_token = torch.randint(0, slots, (len(seq_lens) + 1, 80), generator=gen, dtype=torch.int32)
+    order = torch.randperm(slots, generator=gen).to(torch.int32)
+    rows = [4, 2, 0, 3]  # pool rows not in batch order
+    used = 0
+    for row, n in zip(rows, seq_lens, strict=True):
+        req_to_token[row, :n] = order[used : used + n]
+        used += n
+    num_heads = group * kv_heads
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    part_out = torch.full((len(seq_lens), num_heads, splits + 1, head_dim), float("nan"))
+    part_lse = torch.full((len(seq_lens), num_heads, splits + 1), float("nan"))
+    reqs, lens = torch.tensor(rows), torch.tensor(seq_lens)
+    decode_attention_fwd(q, k, v, out, req_to_token, reqs, lens, part_out, part_lse, splits, SCALE,
+                         block_n=16, heads_inner=heads_inner, kv_per_program=per_program)
+    return out, reference_decode(q, k, v, req_to_token, rows, seq_lens, SCALE)
+
+
+@pytest.mark.parametrize("group,kv_heads,per_program,heads_inner,splits", [
+    (4, 4, 2, False, 1), (4, 4, 4, True, 3), (2, 4, 4, False, 2), (1, 8, 8, True, 1), (4, 2, 1, True, 2),
+])
+def test_heads_per_program_and_order_match_reference(group: int, kv_heads: int, per_program: int,
+                                                     heads_inner: bool, splits: int) -> None:
+    out, ref = _run(group, kv_heads, 32, per_program, heads_inner, splits, seed=group * 100 + per_program)
+    assert not torch.isnan(out).any(), "unwritten output"
+    err = (out.double() - ref).abs().max().item()
+    assert err < 1e-4, f"per_program={per_program} heads_inner={heads_inner} splits={splits}: max err {err:.3g}"
+
+
+def test_kv_heads_per_program_refuses_shapes_it_cannot_tile() -> None:
+    assert kv_heads_per_program(8, 96, 96) == 1  # the default falls back where it does not fit
+    for heads, dim, wanted in ((8, 96, 2), (6, 128, 4), (8, 128, 3)):
+        with pytest.raises(ValueError, match="kv_per_program"):
+            kv_heads_per_program(heads, dim, dim, wanted)
