@@ -139,6 +139,6 @@ class DeepseekMLA(nn.Module):
         mla_prologue(q, kv_a, positions, rope.cos_cache, rope.sin_cache, self.kv_a_layernorm.weight,
                      self.kv_a_layernorm.variance_epsilon, self.nope_dim, rope.interleave, q_full, k,
                      pool.get_key_buffer(self.attn.layer_id), forward_batch.out_cache_loc,
-                     float(self.attn.k_scale) if pool.is_fp8() else 1.0)
+                     float(self.attn.k_scale) if pool.is_fp8 else 1.0)
         # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
         return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)
