@@ -90,10 +90,15 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hit(checkpo
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1")
 def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The layer's CUDA wiring on the CPU: the fused prologue (under Triton's interpreter) writes the
-    pool and the query rows, the bmm writes the latent part in place, and the backend (torch_native)
-    reads the rows from the pool; greedy equal to transformers, with chunked prefill."""
+    """The model's CUDA wiring on the CPU, its kernels under Triton's interpreter: the fused prologue
+    writes the pool and the query rows, the bmm writes the latent part in place, the backend
+    (torch_native) reads the rows from the pool, the gate's logits and the grouped routing are the
+    one-launch kernels; greedy equal to transformers, with chunked prefill."""
+    import engine.layers.moe.layer as moe_layer
+    from engine.layers.moe.router_grouped_kernel import grouped_topk_triton
+    from engine_models_deepseek.gate_kernel import gate_logits
     from engine_models_deepseek.mla import DeepseekMLA
+    from engine_models_deepseek.models import DeepseekGate
 
     arch, path = checkpoint
     calls: list[int] = []
@@ -105,6 +110,8 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
 
     monkeypatch.setattr(DeepseekMLA, "_prologue_applies", lambda self, kv_a, forward_batch: True)
     monkeypatch.setattr(DeepseekMLA, "_attend_fused", counted)
+    monkeypatch.setattr(DeepseekGate, "forward", lambda self, x: gate_logits(x, self.weight))  # chunks of <= 8
+    monkeypatch.setattr(moe_layer, "grouped_topk", grouped_topk_triton)
     hf = load_hf_model(path, reference=arch)
     prompts = [[7, 99, 300, 41, 8], list(range(20, 41))]
     sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024)
