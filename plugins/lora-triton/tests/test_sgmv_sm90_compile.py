@@ -39,14 +39,14 @@ def _compile_all() -> dict[str, dict[str, object]]:
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
         consts = dict(ROWS=rows, K=width, WIDEN=False, IEEE=False, PDL=True)
+        split = cfg.pop("SPLIT")  # run-time (a split of 1 is specialised by the launch, not here)
         if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, row tile, K chunk)
             cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._shrink_slots_kernel, slot_types, dict(SEGS=segments, **consts, **cfg),
-                                    num_warps=warps)
+            kernel = compile_kernel(k._shrink_slots_kernel, slot_types, dict(**consts, **cfg), num_warps=warps)
         else:
             kernel = compile_kernel(k._shrink_kernel, types, dict(DOT=cfg["BLOCK_T"] > 1, **consts, **cfg),
                                     num_warps=warps)
-        facts[f"shrink-{name}"] = {**_facts(kernel), "split": cfg["SPLIT"]}
+        facts[f"shrink-{name}"] = {**_facts(kernel), "split": split}
     types = {a: "i32" for a in k._expand_kernel.arg_names}
     types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     slot_types = {a: "i32" for a in k._expand_slots_kernel.arg_names}
@@ -58,7 +58,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         cfg.pop("num_stages")
         if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, column tile)
             cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64,
+            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, BLOCK_S=64,
                                                                              WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
         else:

@@ -19,9 +19,9 @@ The forms, chosen per call from host-side sizes (``engine_lora_triton.launch``):
   segments): a program per adapter slot and tile of A's rows or B's columns reads its weight tile
   once and applies it, with ``tl.dot``, to every token of the batch on that slot.
 
-Split-K shrink (``SPLIT > 1``): when a shrink has too few (token tile, row tile) groups to fill
+Split-K shrink (``split_k > 1``): when a shrink has too few (token tile, row tile) groups to fill
 the GPU (a short prefill, a decode batch over few adapters), each group's ``K`` is cut into
-``SPLIT`` chunks, one program each. The programs add their float32 partial products into a
+``split_k`` chunks, one program each. The programs add their float32 partial products into a
 scratch accumulator (zero between calls) and count themselves in a per-group counter; the last
 one of a group reads the sum (and writes the accumulator's zeros back), stores it in y's
 dtype and resets the counter. Groups never share accumulator rows, and every program of a group
@@ -60,20 +60,20 @@ def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
-                ROWS: tl.constexpr, SPLIT: tl.constexpr):
+def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group, split_k,
+                ROWS: tl.constexpr):
     """Stores a program's ``acc`` [tokens, rows] into y; under split-K, adds it to the group's
     scratch rows and, in the group's last program, moves their sum into y."""
     mask = row_ok[:, None] & r_ok[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
-    if SPLIT == 1:
+    if split_k == 1:
         tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
     else:
         acc_ptrs = acc_ptr + rows[:, None] * ROWS + offs_r[None, :]
         tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
         # Every thread's adds come before the counter's release (the barrier orders them).
         tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == SPLIT - 1:
+        if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == split_k - 1:
             # Read in L2, where the other programs' adds landed (L1 is not coherent across SMs).
             total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(acc_ptrs, tl.zeros_like(acc), mask=mask)
@@ -83,11 +83,12 @@ def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, ac
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
+                   split_k, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
                    ROWS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
-                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
-    # Grid: (segments, token tiles, row tiles * SPLIT); the program's K chunk is [k_lo, k_lo + CHUNK).
+                   BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr,
+                   IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Grid: (segments, token tiles, row tiles * split_k); the program's K chunk is [k_lo, k_lo + CHUNK),
+    # CHUNK a multiple of BLOCK_K.
     if PDL:
         # Before its wait a program reads only the batch info and A (written before the forward),
         # and writes nothing: the previous kernel may still be running.
@@ -100,8 +101,8 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight
         return
     slot = tl.load(weight_indices_ptr + seg)
     live = tl.load(ranks_ptr + slot) > 0  # a rank-0 slot (base model) keeps zeros, reads nothing
-    r_tile = tl.program_id(2) // SPLIT
-    split = tl.program_id(2) % SPLIT
+    r_tile = tl.program_id(2) // split_k
+    split = tl.program_id(2) % split_k
     k_lo = split * CHUNK
     offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -122,9 +123,9 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight
             xv = tl.load(x_ptrs + kk * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             av = tl.load(a_ptrs + kk * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc += _product(xv, av, DOT, WIDEN, IEEE)
-        group = (seg * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // SPLIT) + r_tile
-        _store_rows(acc, rows, t_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
-                    ROWS, SPLIT)
+        group = (seg * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // split_k) + r_tile
+        _store_rows(acc, rows, t_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group, split_k,
+                    ROWS)
     elif split == 0:
         y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
         tl.store(y_ptrs, tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty),
@@ -144,13 +145,13 @@ def _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLO
 
 @triton.jit
 def _shrink_slots_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-                         num_segments, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
-                         ROWS: tl.constexpr, K: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
-                         WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         num_segments, split_k, stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
+                         stride_yt, stride_yr, ROWS: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, WIDEN: tl.constexpr,
+                         IEEE: tl.constexpr, PDL: tl.constexpr):
     # Decode batches (segments of at most one token): a program per (slot, row tile, K chunk)
     # reads its tile of A once for every token of the batch on that slot, instead of every token
-    # reading its adapter's whole A. Grid: (slots, row tiles, SPLIT).
+    # reading its adapter's whole A. Grid: (slots, row tiles, split_k).
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
@@ -164,7 +165,10 @@ def _shrink_slots_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, 
     av0 = tl.load(a_ptrs, mask=(r_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for s0 in range(0, SEGS, BLOCK_S):
+    # Passes of BLOCK_S segments (a while loop: the count is a run-time size, which Triton's
+    # interpreter cannot take as a range bound).
+    s0 = 0
+    while s0 < num_segments:
         rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             if live:
@@ -176,13 +180,14 @@ def _shrink_slots_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, 
                     xv = tl.load(x_ptrs + kk * stride_xk, mask=mine[:, None] & k_ok[None, :], other=0.0)
                     av = tl.load(a_ptrs + kk * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
                     acc += _product(xv, av, True, WIDEN, IEEE)
-                group = (slot * tl.num_programs(1) + tl.program_id(1)) * ((SEGS + BLOCK_S - 1) // BLOCK_S) + s0 // BLOCK_S
+                group = (slot * tl.num_programs(1) + tl.program_id(1)) * tl.cdiv(num_segments, BLOCK_S) + s0 // BLOCK_S
                 _store_rows(acc, rows, mine, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
-                            ROWS, SPLIT)
+                            split_k, ROWS)
             elif split == 0:
                 y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
                 tl.store(y_ptrs, tl.zeros((BLOCK_S, BLOCK_R), dtype=y_ptr.dtype.element_ty),
                          mask=mine[:, None] & r_ok[None, :])
+        s0 += BLOCK_S
 
 
 @triton.jit
@@ -254,7 +259,7 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
 def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
                          num_segments, off0, off1, off2, off3, tiles0, tiles01,
                          stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
-                         R: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_R: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # Decode batches (segments of at most one token): one program per (slot, column tile) reads
     # its B tile once and applies it to every token of the batch on that slot, instead of every
@@ -270,9 +275,11 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
                                                       R, BLOCK_N, BLOCK_R)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    for s0 in range(0, SEGS, BLOCK_S):
+    s0 = 0
+    while s0 < num_segments:
         rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             yv = tl.load(y_ptr + rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
                          mask=mine[:, None] & r_ok[None, :], other=0.0)
             _add_rows(out_ptr, rows, mine, cols, n_ok, stride_ot, stride_on, scale, _product(yv, bv, True, WIDEN, IEEE))
+        s0 += BLOCK_S

@@ -63,9 +63,10 @@ def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _split_k(k: int, block_k: int, groups: int, target: int, most: int = 32) -> tuple[int, int]:
     """(SPLIT, CHUNK): K chunks per group so that ``groups * SPLIT`` reaches about ``target``
-    programs, each chunk a whole number of ``block_k`` tiles."""
+    programs, each chunk a whole number of ``block_k`` tiles. The split is a power of two, so a
+    layer's chunk (a constexpr of the kernel) takes at most six values."""
     k_tiles = triton.cdiv(k, block_k)
-    split = max(1, min(most, k_tiles, triton.cdiv(target, max(1, groups))))
+    split = max(1, min(most, k_tiles, triton.next_power_of_2(triton.cdiv(target, max(1, groups)))))
     chunk = triton.cdiv(k_tiles, split) * block_k
     return triton.cdiv(k, chunk), chunk
 
@@ -83,11 +84,12 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
     if max_seg_len <= 1 and num_segments >= 16 and num_slots > 0:
         # A decode batch: a program per (slot, row tile, K chunk) reads its tile of A once for
         # all the batch's tokens on that slot; K is split to give about two programs per SM.
+        # 8 warps, and K tiles of 64 from 32-row tiles: no register spills on sm_90.
         block_r = min(64, max(16, triton.next_power_of_2(rows)))
-        block_k = 128
+        block_k = 64 if block_r >= 32 else 128
         split, chunk = _split_k(k, block_k, num_slots * triton.cdiv(rows, block_r), 2 * sms)
-        return dict(SLOTS=1, BLOCK_T=1, BLOCK_S=min(64, triton.next_power_of_2(num_segments)), BLOCK_R=block_r,
-                    BLOCK_K=block_k, SPLIT=split, CHUNK=chunk, num_warps=8 if block_r >= 32 else 4, num_stages=2)
+        return dict(SLOTS=1, BLOCK_T=1, BLOCK_S=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, CHUNK=chunk,
+                    num_warps=8, num_stages=2)
     if max_seg_len <= 1:
         # One token per program, latency-bound on the loop over K: one or two rows a program give
         # even batch 1 a program per SM or so, and K tiles of 4-8K elements few iterations. On an
@@ -120,8 +122,8 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
     if max_seg_len <= 1 and num_segments >= 16:
         # A decode batch: one program per (slot, column tile) over the batch's tokens on that slot
         # (``_expand_slots_kernel``), so each adapter's B is read once, not once per token.
-        return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4,
-                    num_stages=1)
+        block_r = max(16, triton.next_power_of_2(r))
+        return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4, num_stages=1)
     if max_seg_len <= 1:
         # H200 sweep: 32 columns a program at batch 1 (1.1-1.6 us a call).
         return dict(BLOCK_T=1, BLOCK_N=32, BLOCK_R=triton.next_power_of_2(r), num_warps=4, num_stages=1)
@@ -161,15 +163,18 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
         # Beyond the scratch (batches far larger than the ones that need a split): whole K.
         cfg.update(SPLIT=1, CHUNK=triton.cdiv(k, cfg["BLOCK_K"]) * cfg["BLOCK_K"])
         grid = (grid[0], grid[1], 1 if slots else triton.cdiv(rows, cfg["BLOCK_R"]))
-    acc, counters = _scratch(x.device) if cfg["SPLIT"] > 1 else (y, y)
+    acc, counters = _scratch(x.device)
     common = dict(ROWS=rows, K=k, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl)
-    strides = (x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1))
+    # The split is a run-time argument (Triton specialises a split of 1, whose programs store y
+    # directly); the chunk takes few values (``_split_k``), so few compiles serve every size.
+    sizes = (cfg.pop("SPLIT"), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+             y.stride(0), y.stride(1))
     if slots:
         cfg.pop("BLOCK_T")
-        _shrink_slots_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, num_segments, *strides,
-                                   SEGS=triton.next_power_of_2(num_segments), **common, **cfg)
+        _shrink_slots_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, num_segments, *sizes,
+                                   **common, **cfg)
     else:
-        _shrink_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, *strides,
+        _shrink_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, *sizes,
                              DOT=cfg["BLOCK_T"] > 1, **common, **cfg)
     return y
 
@@ -204,11 +209,11 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     tiles0 = tiles[0] if n_slices > 1 else total
     tiles01 = tiles[0] + tiles[1] if n_slices > 2 else total
     if cfg.get("SLOTS"):
-        segs = triton.next_power_of_2(num_segments)
+        # Passes of 64 segments whatever the batch size: one compile serves every captured batch.
         _expand_slots_kernel[(ranks.shape[0], total)](
             y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
             y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-            R=r, SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+            R=r, BLOCK_S=64, BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
             WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
