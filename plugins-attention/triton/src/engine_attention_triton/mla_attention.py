@@ -55,23 +55,22 @@ def _mla_fold(q_c, q_r, c, r, keep, m_i, l_i, acc, sm_scale, logit_cap,
 
 
 @triton.jit
-def _load_kv(KV, loc, stride_t, mask_n, offs_c, mask_c, offs_r, mask_r, LORA: tl.constexpr, dtype: tl.constexpr):
-    """The latent and rope tiles of the slots ``loc``, in q's dtype."""
-    base = KV + loc[:, None] * stride_t
-    c = tl.load(base + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0).to(dtype)
-    r = tl.load(base + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(dtype)
-    return c, r
-
-
-@triton.jit
-def _load_kv_words(KV_Words, loc, stride_t_words, mask_n, offs_cw, mask_cw, offs_rw, mask_rw,
-                   LORA: tl.constexpr):
-    """``_load_kv`` of an e4m3 pool under bf16 queries: the rows gathered as int32 words (four
-    values each) and widened on the integer pipe (``widen_e4m3_words``), exactly."""
-    base = KV_Words + loc[:, None] * stride_t_words
-    c = tl.load(base + offs_cw[None, :], mask=mask_n[:, None] & mask_cw[None, :], other=0)
-    r = tl.load(base + LORA // 4 + offs_rw[None, :], mask=mask_n[:, None] & mask_rw[None, :], other=0)
-    return widen_e4m3_words(c), widen_e4m3_words(r)
+def _load_kv(KV, loc, stride_t, mask_n, offs_c, mask_c, offs_r, mask_r, LORA: tl.constexpr, ROPE: tl.constexpr,
+             dtype: tl.constexpr, WORDS: tl.constexpr = False):
+    """The latent and rope tiles of the slots ``loc``, in q's dtype. ``WORDS``: an e4m3 pool under
+    bf16 queries, gathered as int32 words (four values each) and widened on the integer pipe
+    (``widen_e4m3_words``), exactly; ``offs_c``/``offs_r`` then count words."""
+    if WORDS:
+        base = KV.to(tl.pointer_type(tl.int32), bitcast=True) + loc[:, None] * (stride_t // 4)
+        c = tl.load(base + offs_c[None, :], mask=mask_n[:, None] & (offs_c < LORA // 4)[None, :], other=0)
+        r = tl.load(base + LORA // 4 + offs_r[None, :], mask=mask_n[:, None] & (offs_r < ROPE // 4)[None, :],
+                    other=0)
+        return widen_e4m3_words(c), widen_e4m3_words(r)
+    else:
+        base = KV + loc[:, None] * stride_t
+        c = tl.load(base + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0).to(dtype)
+        r = tl.load(base + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(dtype)
+        return c, r
 
 
 @triton.jit
@@ -86,7 +85,7 @@ def _mla_decode_split_kernel(
     WORDS: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output; no log-sum-exp, no merge pass.
-    # WORDS: an e4m3 pool gathered as int32 words (``_load_kv_words``).
+    # WORDS: an e4m3 pool gathered as int32 words (``_load_kv``).
     # SLOTS_AHEAD: each block's slots are loaded one block early, so its rows' addresses are known
     # when the block starts and Triton's pipeliner keeps num_stages - 1 blocks of gathers in flight
     # (loading them in the same block makes the gathers wait on the slots: one buffer).
@@ -111,40 +110,29 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
-    if WORDS:
-        kv_words = KV.to(tl.pointer_type(tl.int32), bitcast=True)
+    if WORDS:  # the tiles' columns counted in words of four values
+        offs_cl = tl.arange(0, BLOCK_C // 4)
+        offs_rl = tl.arange(0, BLOCK_R // 4)
     else:
-        kv_words = KV
-    offs_cw = tl.arange(0, BLOCK_C // 4)
-    offs_rw = tl.arange(0, BLOCK_R // 4)
+        offs_cl = offs_c
+        offs_rl = offs_r
     if SLOTS_AHEAD:
         offs_nx = lo + tl.arange(0, BLOCK_N)
         loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
+    else:
+        loc_nx = tl.zeros([BLOCK_N], dtype=tl.int32)  # unused
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        if SLOTS_AHEAD:
             loc = loc_nx.to(tl.int64)
             offs_nx = offs_n + BLOCK_N
             loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
-            if WORDS:
-                c, r = _load_kv_words(kv_words, loc, stride_kvt // 4, mask_n, offs_cw, offs_cw < LORA // 4,
-                                      offs_rw, offs_rw < ROPE // 4, LORA)
-            else:
-                c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, q_c.dtype)
-            m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
-                                      HAS_CAP, DOT_PRECISION)
-    else:
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
+        else:
             loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            if WORDS:
-                c, r = _load_kv_words(kv_words, loc, stride_kvt // 4, mask_n, offs_cw, offs_cw < LORA // 4,
-                                      offs_rw, offs_rw < ROPE // 4, LORA)
-            else:
-                c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, q_c.dtype)
-            m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
-                                      HAS_CAP, DOT_PRECISION)
+        c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_cl, mask_c, offs_rl, mask_r, LORA, ROPE, q_c.dtype, WORDS)
+        m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
+                                  HAS_CAP, DOT_PRECISION)
 
     # An empty split (past the row's end) writes zeros and lse = -inf: weight zero in the merge.
     has_keys = l_i > 0
@@ -268,7 +256,7 @@ def _mla_extend_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < prefix_len
         loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, q_c.dtype)
+        c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, ROPE, q_c.dtype)
         m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
                                   HAS_CAP, DOT_PRECISION)
 
@@ -277,7 +265,7 @@ def _mla_extend_kernel(
     for start in range(0, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        c, r = _load_kv(K_New, tok0 + offs_n, stride_knt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA,
+        c, r = _load_kv(K_New, tok0 + offs_n, stride_knt, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, ROPE,
                         q_c.dtype)
         keep = mask_n[None, :] & (offs_m[:, None] >= offs_n[None, :])
         if TREE_MASK:
