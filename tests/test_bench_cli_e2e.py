@@ -49,6 +49,10 @@ def test_offline_random_and_shared_prefix(tmp_path: pathlib.Path, llama_ckpt_dir
     assert random_row["extend_tokens"] == 12 * 24 - random_row["cached_tokens"] and random_row["retractions"] == 0
     assert random_row["decode_steps"] >= 5 and 1 <= random_row["mean_decode_batch"] <= 12
     assert 0 < random_row["prefill_time_share"] < 1
+    # Every decode step of the run falls in one batch-size band (the samples end with the run's counters).
+    assert sum(b["steps"] for b in random_row["decode_by_batch"]) == random_row["decode_steps"], random_row
+    assert 0 <= random_row["max_running"] <= 12 and random_row["timeline"], random_row
+    assert 0 <= random_row["graph_decode_steps"] <= random_row["decode_steps"]
     assert gsp_row["num_prompts"] == 8 and gsp_row["cached_tokens"] >= 6 * 64  # later questions reuse the system prompt
 
 

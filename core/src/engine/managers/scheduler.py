@@ -463,9 +463,11 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         sample = self.runner.sample(logits, fb)
         self.forward_steps += 1
         self.extend_tokens += sum(r.extend_input_len for r in batch.reqs)
-        self.extend_time_s += time.perf_counter() - started
         staged = self._disagg_stage(batch)  # prefill mode: host copies of prompts' KV to hand over
         self._finish_extend(batch, fb, logits, sample)
+        # After the sampled ids reached the host: the forward's device work is in the time (it was
+        # counted in the next decode step's before).
+        self.extend_time_s += time.perf_counter() - started
         self._disagg_publish(staged)
         return True
 

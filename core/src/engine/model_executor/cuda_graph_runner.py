@@ -64,6 +64,7 @@ class CudaGraphRunner:
         self.device = runner.device
         self.batch_sizes = capture_batch_sizes(min(max_bs, runner.max_running_requests))
         self.max_bs = self.batch_sizes[-1]
+        self.replays = 0  # decode steps run from a graph (the scheduler's stats)
         backend = runner.attn_backend
         backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         self.fill_seq_len = backend.get_cuda_graph_seq_len_fill_value()
@@ -159,6 +160,7 @@ class CudaGraphRunner:
         self.runner.attn_backend.init_forward_metadata_replay_cuda_graph(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded], seq_lens_cpu)
         self.graphs[padded].replay()
+        self.replays += 1
         return LogitsProcessorOutput(next_token_logits=self.outputs[padded][:bs])
 
 
