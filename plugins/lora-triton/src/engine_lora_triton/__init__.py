@@ -23,8 +23,9 @@ def register_lora_backends(register):  # type: ignore[no-untyped-def]
     register(LoraBackendSpec(
         name="triton", factory="engine_lora_triton.backend:create",
         device_types=("cuda", "cpu") if interpreting() else ("cuda",),
-        description="Triton SGMV kernels: one program per segment token tile and output tile; "
-                    "token-parallel matrix-vector form for one-token segments (decode)"))
+        description="Triton SGMV kernels: one program per segment token tile and output tile (prefill, "
+                    "K split when few); decode a token a program, or one program per adapter slot and "
+                    "weight tile from 16 tokens"))
 
 
 @hookimpl
