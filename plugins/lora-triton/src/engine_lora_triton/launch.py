@@ -21,6 +21,12 @@ from engine_lora_triton.kernels import (
 )
 
 
+def _cdiv(a: int, b: int) -> int:
+    # triton.cdiv is a Triton function: called from Python it costs microseconds per call, and
+    # the launchers run once per LoRA layer of every forward.
+    return -(-a // b)
+
+
 @functools.lru_cache(maxsize=8)
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -38,7 +44,7 @@ def _token_tile(num_segments: int, max_seg_len: int, col_tiles: int, sms: int) -
     """The largest token tile (16-64) that still gives about two programs per SM."""
     for block in (64, 32):
         if block <= triton.next_power_of_2(max_seg_len) and \
-                num_segments * triton.cdiv(max_seg_len, block) * col_tiles >= 2 * sms:
+                num_segments * _cdiv(max_seg_len, block) * col_tiles >= 2 * sms:
             return block
     return 16
 
@@ -65,10 +71,10 @@ def _split_k(k: int, block_k: int, groups: int, target: int, most: int = 32) -> 
     """(SPLIT, CHUNK): K chunks per group so that ``groups * SPLIT`` reaches about ``target``
     programs, each chunk a whole number of ``block_k`` tiles. The split is a power of two, so a
     layer's chunk (a constexpr of the kernel) takes at most six values."""
-    k_tiles = triton.cdiv(k, block_k)
-    split = max(1, min(most, k_tiles, triton.next_power_of_2(triton.cdiv(target, max(1, groups)))))
-    chunk = triton.cdiv(k_tiles, split) * block_k
-    return triton.cdiv(k, chunk), chunk
+    k_tiles = _cdiv(k, block_k)
+    split = max(1, min(most, k_tiles, triton.next_power_of_2(_cdiv(target, max(1, groups)))))
+    chunk = _cdiv(k_tiles, split) * block_k
+    return _cdiv(k, chunk), chunk
 
 
 def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
@@ -87,7 +93,7 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
         # 8 warps, and K tiles of 64 from 32-row tiles: no register spills on sm_90.
         block_r = min(64, max(16, triton.next_power_of_2(rows)))
         block_k = 64 if block_r >= 32 else 128
-        split, chunk = _split_k(k, block_k, num_slots * triton.cdiv(rows, block_r), 2 * sms)
+        split, chunk = _split_k(k, block_k, num_slots * _cdiv(rows, block_r), 2 * sms)
         return dict(SLOTS=1, BLOCK_T=1, BLOCK_S=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, CHUNK=chunk,
                     num_warps=8, num_stages=2)
     if max_seg_len <= 1:
@@ -97,16 +103,16 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
         # with 4 rows over 2K, batch 64 3.0-9.9 us against 7.3-25.9 us with 8-16 rows over 0.5-1K.
         block_r = min(1 if num_segments < 16 else 2, triton.next_power_of_2(rows))
         block_k = min(triton.next_power_of_2(k), 8192 if block_r == 1 and k > 4096 else 4096)
-        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=1, CHUNK=triton.cdiv(k, block_k) * block_k,
+        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=1, CHUNK=_cdiv(k, block_k) * block_k,
                     num_warps=8 if block_k * block_r >= 8192 else 4, num_stages=2)
     block_r = min(64, max(16, triton.next_power_of_2(rows)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
-    r_tiles = triton.cdiv(rows, block_r)
+    r_tiles = _cdiv(rows, block_r)
     block_t = _token_tile(num_segments, max_seg_len, r_tiles, sms)
-    groups = num_segments * triton.cdiv(max_seg_len, block_t) * r_tiles
+    groups = num_segments * _cdiv(max_seg_len, block_t) * r_tiles
     # Few token tiles (a short prefill): split K so that the GPU fills instead of a handful of
     # programs looping over all of it.
-    split, chunk = _split_k(k, block_k, groups, 2 * sms) if groups < sms else (1, triton.cdiv(k, block_k) * block_k)
+    split, chunk = _split_k(k, block_k, groups, 2 * sms) if groups < sms else (1, _cdiv(k, block_k) * block_k)
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, CHUNK=chunk, num_warps=4,
                 num_stages=3)
 
@@ -128,7 +134,7 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
         # H200 sweep: 32 columns a program at batch 1 (1.1-1.6 us a call).
         return dict(BLOCK_T=1, BLOCK_N=32, BLOCK_R=triton.next_power_of_2(r), num_warps=4, num_stages=1)
     block_n = 64 if width >= 64 else max(16, triton.next_power_of_2(width))
-    return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, triton.cdiv(width, block_n), sms), BLOCK_N=block_n,
+    return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, _cdiv(width, block_n), sms), BLOCK_N=block_n,
                 BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4, num_stages=1)
 
 
@@ -153,16 +159,16 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device), a.shape[0]))
     slots = cfg.pop("SLOTS", 0)
     if slots:
-        grid = (a.shape[0], triton.cdiv(rows, cfg["BLOCK_R"]), cfg["SPLIT"])
-        groups = grid[0] * grid[1] * triton.cdiv(triton.next_power_of_2(num_segments), cfg["BLOCK_S"])
+        grid = (a.shape[0], _cdiv(rows, cfg["BLOCK_R"]), cfg["SPLIT"])
+        groups = grid[0] * grid[1] * _cdiv(triton.next_power_of_2(num_segments), cfg["BLOCK_S"])
     else:
-        grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), triton.cdiv(rows, cfg["BLOCK_R"]))
+        grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), _cdiv(rows, cfg["BLOCK_R"]))
         groups = grid[0] * grid[1] * grid[2]
         grid = (grid[0], grid[1], grid[2] * cfg["SPLIT"])
     if cfg["SPLIT"] > 1 and (tokens * rows > SCRATCH_FLOATS or groups > SCRATCH_GROUPS):
         # Beyond the scratch (batches far larger than the ones that need a split): whole K.
-        cfg.update(SPLIT=1, CHUNK=triton.cdiv(k, cfg["BLOCK_K"]) * cfg["BLOCK_K"])
-        grid = (grid[0], grid[1], 1 if slots else triton.cdiv(rows, cfg["BLOCK_R"]))
+        cfg.update(SPLIT=1, CHUNK=_cdiv(k, cfg["BLOCK_K"]) * cfg["BLOCK_K"])
+        grid = (grid[0], grid[1], 1 if slots else _cdiv(rows, cfg["BLOCK_R"]))
     acc, counters = _scratch(x.device)
     common = dict(ROWS=rows, K=k, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl)
     # The split is a run-time argument (Triton specialises a split of 1, whose programs store y
@@ -179,6 +185,23 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     return y
 
 
+@functools.lru_cache(maxsize=64)
+def _slice_plan(offsets: tuple[int, ...], out_cols: int, b_shape: tuple[int, ...]) -> tuple[list[int], list[int], int]:
+    """The checked slices of an expand (a layer's are the same every call): the offsets padded to
+    four, each slice's width, and the rank R."""
+    offsets = tuple(int(o) for o in offsets)
+    n_slices = len(offsets) - 1
+    if not 1 <= n_slices <= 3:
+        raise ValueError(f"expand: slice_offsets {list(offsets)} gives {n_slices} slices; 1 to 3 are supported")
+    if any(hi < lo for lo, hi in zip(offsets, offsets[1:], strict=False)) or offsets[0] < 0 or offsets[-1] > out_cols:
+        raise ValueError(f"expand: slice_offsets {list(offsets)} must rise within out's {out_cols} columns")
+    if len(b_shape) != 3 or b_shape[1] < offsets[-1]:
+        raise ValueError(f"expand: weights {b_shape} must be [slots, N >= {offsets[-1]}, R]")
+    r = b_shape[2]
+    widths = [hi - lo for lo, hi in zip(offsets, offsets[1:], strict=False)]
+    return list(offsets) + [offsets[-1]] * (4 - len(offsets)), widths, r
+
+
 def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                 num_segments: int, max_seg_len: int, slice_offsets: Sequence[int], pdl: bool = False,
@@ -186,28 +209,18 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     """``out[t, off_i:off_i+1] += scalings[w] * y[t, i*R:(i+1)*R] @ b[w, off_i:off_i+1].T`` in
     place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
     overrides ``expand_config``."""
-    offsets = [int(o) for o in slice_offsets]
-    n_slices = len(offsets) - 1
-    if not 1 <= n_slices <= 3:
-        raise ValueError(f"expand: slice_offsets {offsets} gives {n_slices} slices; 1 to 3 are supported")
-    if any(hi < lo for lo, hi in zip(offsets, offsets[1:], strict=False)) or offsets[0] < 0 or offsets[-1] > out.shape[1]:
-        raise ValueError(f"expand: slice_offsets {offsets} must rise within out's {out.shape[1]} columns")
-    if b.dim() != 3 or b.shape[1] < offsets[-1]:
-        raise ValueError(f"expand: weights {tuple(b.shape)} must be [slots, N >= {offsets[-1]}, R]")
-    r = b.shape[2]
-    if y.shape != (out.shape[0], n_slices * r):
-        raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {n_slices * r}]")
+    padded, widths, r = _slice_plan(tuple(slice_offsets), out.shape[1], tuple(b.shape))
+    if y.shape != (out.shape[0], len(widths) * r):
+        raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {len(widths) * r}]")
     if b.dtype != y.dtype:
         raise ValueError(f"expand: weights dtype {b.dtype} must be y's dtype {y.dtype}")
-    width = offsets[-1] - offsets[0]
-    if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or width == 0 or r == 0:
+    if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or sum(widths) == 0 or r == 0:
         return
-    cfg = config or _expand_config(num_segments, max_seg_len, width, r, sm_count(out.device))
-    padded = offsets + [offsets[-1]] * (4 - len(offsets))
-    tiles = [triton.cdiv(hi - lo, cfg["BLOCK_N"]) for lo, hi in zip(offsets, offsets[1:], strict=False)]
+    cfg = config or _expand_config(num_segments, max_seg_len, sum(widths), r, sm_count(out.device))
+    tiles = [_cdiv(w, cfg["BLOCK_N"]) for w in widths]
     total = sum(tiles)
-    tiles0 = tiles[0] if n_slices > 1 else total
-    tiles01 = tiles[0] + tiles[1] if n_slices > 2 else total
+    tiles0 = tiles[0] if len(tiles) > 1 else total
+    tiles01 = tiles[0] + tiles[1] if len(tiles) > 2 else total
     if cfg.get("SLOTS"):
         # Passes of 64 segments whatever the batch size: one compile serves every captured batch.
         _expand_slots_kernel[(ranks.shape[0], total)](
@@ -217,7 +230,7 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
             WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
-    grid = (num_segments, triton.cdiv(max_seg_len, cfg["BLOCK_T"]), total)
+    grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), total)
     _expand_kernel[grid](
         y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
         y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
