@@ -164,8 +164,9 @@ def expand_candidates(info: LoraBatchInfo, rank: int) -> list[dict[str, int]]:
 
 
 def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-          out: torch.Tensor, offsets: list[int], rank: int, reps: int) -> list[dict[str, Any]]:
-    """Shrink and expand timed alone, with the heuristic's config and every candidate."""
+          out: torch.Tensor, offsets: list[int], rank: int, reps: int,
+          ops: tuple[str, ...] = ("shrink", "expand")) -> list[dict[str, Any]]:
+    """Shrink and/or expand (``ops``) timed alone, with the heuristic's config and every candidate."""
     rows, k = a.shape[1], a.shape[2]
     width, sms = offsets[-1] - offsets[0], sm_count(x.device)
     args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
@@ -178,6 +179,8 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
                                shrink_cfgs),
                               ("expand", expand_config(info.num_segments, info.max_seg_len, width, rank, sms),
                                expand_cfgs)):
+        if op not in ops:
+            continue
         timed = []
         for cfg in [default] + cfgs:
             if op == "shrink":
@@ -188,7 +191,7 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
             timed.append((graph_time_us(fn, reps), cfg))
         best = min(timed[1:], key=lambda tc: tc[0])
         print(f"sweep {scen:<14} {layer:<8} {op:<6} heuristic {timed[0][0]:7.1f} us {timed[0][1]}  "
-              f"best {best[0]:7.1f} us {best[1]}")
+              f"best {best[0]:7.1f} us {best[1]}; all: {' '.join(f'{t:.1f}' for t, _ in timed[1:])}", flush=True)
         rows_out += [dict(scenario=scen, layer=layer, op=op, us=t, heuristic=i == 0, **c)
                      for i, (t, c) in enumerate(timed)]
     return rows_out
@@ -219,6 +222,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", metavar="FILE.json", help="also sweep block sizes; write the timings here")
+    ap.add_argument("--sweep-ops", nargs="+", choices=("shrink", "expand"), default=["shrink", "expand"],
+                    help="which kernels --sweep times (default: both)")
     ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
                     help="which scenarios to run (default: all)")
@@ -280,7 +285,7 @@ def main() -> None:
             for key, v in t.items():
                 totals[key] = totals.get(key, 0.0) + v
             if args.sweep:
-                swept += sweep(scen, layer, info, x, a, b, out, offsets, args.rank, args.reps)
+                swept += sweep(scen, layer, info, x, a, b, out, offsets, args.rank, args.reps, tuple(args.sweep_ops))
             print(f"{scen:<14} {layer:<8} {t['base']:8.1f} {t['triton']:9.1f} {moved / t['triton'] / 1e3:6.0f} "
                   f"{t['eager']:9.1f} " + "".join(f"{t[name]:10.1f}" for name in extra)
                   + f" {t['native']:9.1f} {t['triton'] / t['base']:11.2f} {t['native'] / t['base']:11.2f}")
