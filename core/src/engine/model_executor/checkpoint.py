@@ -7,8 +7,11 @@ serial part of start-up short.
 
 from __future__ import annotations
 
+import importlib
 import os
-from collections.abc import Iterable
+import sys
+import threading
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from engine.errors import ModelLoadError
@@ -40,6 +43,7 @@ def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = (), wei
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
     """Reads config.json with transformers; every problem becomes a ModelLoadError."""
+    _import_config_validators()
     from transformers import AutoConfig
 
     if not os.path.isdir(model_path):
@@ -54,6 +58,67 @@ def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
         raise ModelLoadError(f"{model_path}/config.json names no 'architectures'; cannot pick a model plugin")
     _lift_text_config(config)
     return config
+
+
+_VALIDATORS = "transformers.utils.type_validators"
+
+
+class _DeferredActivations(Mapping[str, Any]):
+    """transformers' table of activation functions (``transformers.activations.ACT2FN``), imported
+    when first read."""
+
+    def _table(self) -> Mapping[str, Any]:
+        from transformers.activations import ACT2FN
+
+        return ACT2FN
+
+    def __getitem__(self, name: str) -> Any:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+def _import_config_validators() -> None:
+    """Imports ``transformers.utils.type_validators`` without ``transformers.activations``.
+
+    Config classes (Llama's among them) import that module, which imports ``transformers.activations``
+    for one validator's table of activation names, and through it transformers' model-loading
+    machinery: torch.distributed.tensor (with sympy) and accelerate, ~1.1 CPU-s in every process
+    that reads a config (the engine's main process, and each scheduler not forked from it), none
+    of which reading a config needs. The module is imported while transformers' torch check says
+    no, which leaves the table empty, and then given what that branch gives it: the check itself
+    and torch (its torch.device and tensor validators use them) and the table, deferred: the
+    first validator to read it imports transformers.activations. Only while no other thread runs
+    (the check is transformers' global for that instant); on any surprise the plain import
+    happens later, as before.
+    """
+    if _VALIDATORS in sys.modules or "transformers.activations" in sys.modules or threading.active_count() > 1:
+        return
+    try:
+        import torch
+
+        # The rest of what the module imports, imported first with the torch check intact.
+        import transformers.tokenization_utils_base  # noqa: F401
+        import transformers.video_utils  # noqa: F401
+        from transformers.utils import import_utils
+    except ImportError:
+        return
+    torch_check = import_utils.is_torch_available
+    import_utils.is_torch_available = lambda: False
+    try:
+        validators = importlib.import_module(_VALIDATORS)
+    except Exception:
+        sys.modules.pop(_VALIDATORS, None)
+        return
+    finally:
+        import_utils.is_torch_available = torch_check
+    validators.is_torch_available = torch_check
+    validators.torch = torch
+    validators.ACT2FN = _DeferredActivations()
 
 
 # What the engine reads from a config (pool sizing, parallelism checks, sampling) about the decoder.
