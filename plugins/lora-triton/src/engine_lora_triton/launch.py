@@ -160,7 +160,7 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     slots = cfg.pop("SLOTS", 0)
     if slots:
         grid = (a.shape[0], _cdiv(rows, cfg["BLOCK_R"]), cfg["SPLIT"])
-        groups = grid[0] * grid[1] * _cdiv(triton.next_power_of_2(num_segments), cfg["BLOCK_S"])
+        groups = grid[0] * grid[1] * _cdiv(num_segments, cfg["BLOCK_S"])
     else:
         grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), _cdiv(rows, cfg["BLOCK_R"]))
         groups = grid[0] * grid[1] * grid[2]
