@@ -73,12 +73,18 @@ def _port() -> int:
 
 def _wait(url: str, procs: list[subprocess.Popen[bytes]], logs: list[str], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    report = time.monotonic() + 10
     while time.monotonic() < deadline:
+        if time.monotonic() > report:  # where a slow start stands: each log's last line
+            report += 10
+            for log in logs:
+                last = _tail(log, 400).strip().splitlines()
+                _say(f"waiting for {url}; {os.path.basename(log)}: {last[-1] if last else '(empty)'}")
         for proc, log in zip(procs, logs, strict=True):
             if proc.poll() is not None:
                 raise RuntimeError(f"a process exited with {proc.returncode}; log tail:\n{_tail(log)}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -116,7 +122,7 @@ def _stream(url: str, body: dict[str, Any], gaps: bool = False) -> dict[str, Any
     start = time.perf_counter()
     times: list[float] = []
     ids: list[int] = []
-    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+    with httpx.stream("POST", url + "/generate", json={**body, "stream": True}, timeout=300, trust_env=False) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}/generate answered {r.status_code}: {r.read()[:500]!r}")
         for line in r.iter_lines():
@@ -142,7 +148,7 @@ def _stream(url: str, body: dict[str, Any], gaps: bool = False) -> dict[str, Any
 
 
 def _info(url: str) -> dict[str, Any]:
-    return httpx.get(url + "/get_server_info", timeout=10).json()
+    return httpx.get(url + "/get_server_info", timeout=10, trust_env=False).json()
 
 
 def _recent(url: str) -> dict[str, dict[str, Any]]:
@@ -155,7 +161,7 @@ def _flush(*urls: str) -> None:
     """Empties the servers' prefix caches (retried while a just-finished request is still leaving)."""
     for url in urls:
         deadline = time.monotonic() + 10
-        while (r := httpx.post(url + "/flush_cache", timeout=30)).status_code != 200:
+        while (r := httpx.post(url + "/flush_cache", timeout=30, trust_env=False)).status_code != 200:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
             time.sleep(0.1)
@@ -170,7 +176,7 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
                  log_dir: str, vocab: int) -> list[dict[str, Any]]:
     p_port, d_port, r_port, boot = _port(), _port(), _port(), _port()
     common = [sys.executable, "-m", "engine", "serve", "--model-path", a.model_path, "--load-format", a.load_format,
-              "--skip-tokenizer-init", "--log-level", "warning",
+              "--skip-tokenizer-init", "--log-level", a.server_log_level,
               "--disaggregation-transfer-backend", backend, *shlex.split(a.extra)]
     if a.mem_fraction_static:
         common += ["--mem-fraction-static", str(a.mem_fraction_static)]
@@ -310,9 +316,14 @@ def main() -> None:
     ap.add_argument("--mem-fraction-static", type=float, default=0.35, help="each server's (0: the platform's default)")
     ap.add_argument("--extra", default="", help="more engine serve arguments for both servers")
     ap.add_argument("--start-timeout-s", type=float, default=300)
+    ap.add_argument("--server-log-level", default="info", help="the servers' --log-level (their logs are printed on errors)")
     ap.add_argument("--budget-s", type=float, default=0, help="skip a backend when less than this is left (0: none)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
+    # Everything here talks to 127.0.0.1: keep any proxy of the environment out (the servers'
+    # and the router's clients too).
+    os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
+        x for x in (os.environ.get("NO_PROXY", ""), "127.0.0.1,localhost") if x)
     a.argv = sys.argv[1:]
     a.device, a.device_kind = _device()
     options = dict(o.split("=", 1) for o in a.plugin_option if "=" in o)

@@ -39,7 +39,9 @@ def create_app(router: PDRouter) -> Any:
         # No read time-out: a long generation streams for as long as it takes; a dead server is
         # seen at once by its closed connection.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S), limits=limits) as client:
+        # trust_env=False: the servers are reached directly, never through a proxy of the environment.
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=_CONNECT_TIMEOUT_S), limits=limits,
+                                     trust_env=False) as client:
             state["client"] = client
             yield
 
@@ -122,7 +124,8 @@ def discover(prefill_urls: list[str], decode_urls: list[str], api_key: str | Non
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                r = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=_CONNECT_TIMEOUT_S)
+                r = httpx.get(url.rstrip("/") + "/get_server_info", headers=headers, timeout=_CONNECT_TIMEOUT_S,
+                              trust_env=False)
                 if r.status_code == 200:
                     return r.json()
                 problem = f"/get_server_info answered {r.status_code}"
