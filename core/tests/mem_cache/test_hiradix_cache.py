@@ -7,6 +7,7 @@ checked by reading the slots a match returns.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -214,10 +215,16 @@ def test_slot_runs_split_at_every_gap() -> None:
     assert slot_runs(torch.empty(0, dtype=torch.int64)) == []
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_row_copies_move_the_same_bytes_as_the_tier_api(dtype: torch.dtype) -> None:
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.mark.parametrize("dtype,kernel", [(torch.bfloat16, False), (torch.float8_e4m3fn, False),
+                                          pytest.param(torch.bfloat16, True, marks=pytest.mark.skipif(
+                                              not _INTERPRETING, reason="the Triton kernel needs TRITON_INTERPRET=1"))])
+def test_row_copies_move_the_same_bytes_as_the_tier_api(dtype: torch.dtype, kernel: bool) -> None:
     """The host tier's rows path (runs of slots, V narrower than K padded in the row) stores what
-    ``write`` would, and loads back bit-exactly into other device slots."""
+    ``write`` would, and loads back bit-exactly into other device slots; with the GPU path's
+    Triton gather/scatter (checked against torch first, as on a GPU) as with torch ops."""
     from engine.mem_cache.kv_transfer import KvTransfer
 
     gen = torch.Generator().manual_seed(7)
@@ -227,7 +234,10 @@ def test_row_copies_move_the_same_bytes_as_the_tier_api(dtype: torch.dtype) -> N
     layout = KvLayout.of_pool(pool, 1)
     tier = HostMemoryTier(layout, 32)
     transfer = KvTransfer(pool, tier, "cpu")
-    assert transfer.rows is not None
+    assert transfer.rows is not None and transfer._table is None
+    if kernel:
+        transfer._table = transfer._kernel_table()
+        assert transfer._table is not None
     tier.free(tier.alloc(32)[torch.tensor([3, 4, 10, 11, 12, 20])])  # a fragmented free list
     dev = torch.tensor([7, 1, 30, 31, 32, 2], dtype=torch.int64)
     slots = tier.alloc(6)
@@ -241,3 +251,26 @@ def test_row_copies_move_the_same_bytes_as_the_tier_api(dtype: torch.dtype) -> N
     transfer.load(slots, back)
     for buf in pool.k_buffer + pool.v_buffer:
         assert torch.equal(buf[back].view(torch.uint8), buf[dev].view(torch.uint8))
+
+
+@pytest.mark.skipif(not _INTERPRETING, reason="the Triton copy kernel runs on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype,v_dim", [(torch.bfloat16, 4), (torch.float8_e4m3fn, 8)])
+def test_the_copy_kernel_gathers_and_scatters_every_layer_in_one_launch(dtype: torch.dtype, v_dim: int) -> None:
+    """The GPU path's kernel (here under the interpreter): rows of every part for a set of slots,
+    zero past a narrower part's dim, and back into other slots bit-exactly."""
+    from engine.mem_cache.kv_copy_kernel import PartTable
+
+    gen = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(24, 2, dim, generator=gen) * 3).to(dtype) for dim in (8, 8, v_dim, v_dim)]
+    table = PartTable(parts, 2, 8)
+    assert table.dense == (v_dim == 8)
+    idx = torch.tensor([3, 17, 1, 9, 22, 5, 6, 7, 11, 0], dtype=torch.int64)  # more than one token block
+    rows = table.gather(idx)
+    assert rows.shape == (10, 4, 2, 8)
+    for j, p in enumerate(parts):
+        assert torch.equal(rows[:, j, :, : p.shape[2]].view(torch.uint8), p[idx].view(torch.uint8))
+        assert not rows[:, j, :, p.shape[2] :].view(torch.uint8).any()
+    dest = torch.tensor([12, 13, 14, 15, 16, 18, 19, 20, 21, 23], dtype=torch.int64)
+    table.scatter(dest, rows)
+    for p in parts:
+        assert torch.equal(p[dest].view(torch.uint8), p[idx].view(torch.uint8))

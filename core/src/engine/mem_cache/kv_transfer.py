@@ -32,12 +32,15 @@ and returns empty V tensors.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engine.mem_cache.kv_tier import KvStorageTier
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -88,6 +91,9 @@ class KvTransfer:
         self.copy_stream = platform.create_stream() if platform is not None and self.device.type != "cpu" else None
         self.is_cuda = self.copy_stream is not None
         self.rows = self._usable_rows(tier.host_rows())
+        # On a GPU, one Triton launch gathers (or scatters) every layer's slots instead of one
+        # torch op per layer; used once it reproduces the torch path on scratch buffers here.
+        self._table = self._kernel_table() if self.rows is not None and self.is_cuda else None
         self._pending: list[_PendingWrite] = []
         # Copies in flight on the copy stream: (event, tensors they read or write).
         self._inflight: list[tuple[Any, list[torch.Tensor]]] = []
@@ -106,6 +112,35 @@ class KvTransfer:
               and all(rows.shape[2] == p.shape[1] and p.shape[2] <= rows.shape[3] for p in parts)
               and (not self.is_cuda or rows.is_pinned()))
         return _raw(rows) if ok else None
+
+    def _kernel_table(self) -> Any:
+        from engine.mem_cache.kv_copy_kernel import PartTable
+
+        rows = self.rows
+        assert rows is not None
+        heads, width = rows.shape[2], rows.shape[3]
+        parts = [_raw(p) for p in self._dest]
+        try:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            scratch = [torch.randint(0, 120, (16, heads, p.shape[2]), generator=gen, dtype=torch.uint8)
+                       .view(p.dtype).to(self.device) if p.element_size() == 1 else
+                       torch.randn(16, heads, p.shape[2], generator=gen).to(p.dtype).to(self.device) for p in parts]
+            check = PartTable(scratch, heads, width)
+            idx = torch.tensor([5, 0, 9, 3], dtype=torch.int64, device=self.device)
+            got = check.gather(idx)
+            ok = all(torch.equal(got[:, j, :, : p.shape[2]], p[idx]) for j, p in enumerate(scratch))
+            dest = torch.tensor([1, 2, 7, 15], dtype=torch.int64, device=self.device)
+            check.scatter(dest, got)
+            ok = ok and all(torch.equal(p[dest], p[idx]) for p in scratch)
+            table = PartTable(parts, heads, width) if ok else None
+        except Exception as exc:  # noqa: BLE001 - any failure means the torch path
+            logger.warning("hierarchical cache: the Triton KV copy kernel is unavailable (%s: %s); "
+                           "copying with one torch op per layer", type(exc).__name__, exc)
+            return None
+        if table is None:
+            logger.warning("hierarchical cache: the Triton KV copy kernel disagreed with torch on this device; "
+                           "copying with one torch op per layer")
+        return table
 
     # -- device -> tier ---------------------------------------------------------------
     def backup(self, device_slots: torch.Tensor, tier_slots: torch.Tensor) -> None:
@@ -139,16 +174,20 @@ class KvTransfer:
         rows = self.rows
         assert rows is not None
         parts, heads, width = rows.shape[1:]
-        # Gathered layer-major (each gather writes a contiguous block), then transposed into the
-        # rows' token-major layout: both on the compute stream, ahead of any reuse of the slots.
-        stage = torch.empty((parts, len(idx), heads, width), dtype=rows.dtype, device=self.device)
-        for j, buf in enumerate(self._dest):
-            buf = _raw(buf)
-            if buf.shape[2] == width:
-                torch.index_select(buf, 0, idx, out=stage[j])
-            else:
-                stage[j, :, :, : buf.shape[2]] = buf[idx]
-        tok = stage.transpose(0, 1).contiguous()
+        # On the compute stream, ahead of any reuse of the slots.
+        if self._table is not None:
+            tok = self._table.gather(idx)
+        else:
+            # Layer-major (each gather writes a contiguous block), then transposed into the rows'
+            # token-major layout.
+            stage = torch.empty((parts, len(idx), heads, width), dtype=rows.dtype, device=self.device)
+            for j, buf in enumerate(self._dest):
+                buf = _raw(buf)
+                if buf.shape[2] == width:
+                    torch.index_select(buf, 0, idx, out=stage[j])
+                else:
+                    stage[j, :, :, : buf.shape[2]] = buf[idx]
+            tok = stage.transpose(0, 1).contiguous()
         runs = slot_runs(tier_slots)
         if not self.is_cuda:
             for first, pos, length in runs:
@@ -225,6 +264,9 @@ class KvTransfer:
             tok = torch.empty((len(idx), *rows.shape[1:]), dtype=rows.dtype, device=self.device)
             for first, pos, length in runs:
                 tok[pos : pos + length].copy_(rows[first : first + length], non_blocking=non_blocking)
+            if self._table is not None:
+                self._table.scatter(idx, tok)
+                return tok
             for j, buf in enumerate(self._dest):
                 buf = _raw(buf)
                 buf.index_copy_(0, idx, tok[:, j, :, : buf.shape[2]])
