@@ -29,6 +29,7 @@ import os
 import platform
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -90,6 +91,20 @@ def _wait(url: str, procs: list[subprocess.Popen[bytes]], logs: list[str], timeo
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{url} not healthy within {timeout_s} s; logs: {' '.join(logs)}")
+
+
+def _dump_stacks(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Where servers that did not start are stuck: py-spy's dump of each and its children, when
+    py-spy is installed."""
+    spy = shutil.which("py-spy")
+    if spy is None:
+        _say("py-spy not installed: no stack dump")
+        return
+    for proc in procs:
+        if proc.poll() is None:
+            out = subprocess.run([spy, "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True,
+                                 text=True, timeout=20)
+            print(f"--- py-spy dump of {proc.pid}\n{out.stdout[-12000:]}{out.stderr[-1000:]}", flush=True)
 
 
 def _tail(path: str, n: int = 3000) -> str:
@@ -188,8 +203,12 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
     p_url, d_url, r_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port))
     t0 = time.perf_counter()
     with _processes([prefill, decode], log_dir) as (procs, logs):
-        for url in (p_url, d_url):
-            _wait(url, procs, logs, a.start_timeout_s)
+        try:
+            for url in (p_url, d_url):
+                _wait(url, procs, logs, a.start_timeout_s)
+        except RuntimeError:
+            _dump_stacks(procs)
+            raise
         started_s = time.perf_counter() - t0
         _say(f"{backend}: both servers ready in {started_s:.1f} s")
         router = [sys.executable, "-m", "engine", "router", "--prefill", p_url, "--decode", d_url,
