@@ -15,6 +15,7 @@ memory: device <-> host copies are the cache's job (``engine.mem_cache.kv_transf
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -162,10 +163,12 @@ class HostMemoryTier(KvStorageTier):
         # tier cost nothing until used (pinned ones are locked at allocation anyway).
         shape = (rows, parts, layout.num_kv_heads, width)
         platform = current_platform()
+        started = time.perf_counter()
         if self.pinned and platform is not None:
             self.rows = platform.alloc_pinned_host(shape, layout.dtype)  # exactly this size, locked
         else:
             self.rows = torch.empty(shape, dtype=layout.dtype, pin_memory=self.pinned)
+        self.alloc_seconds = time.perf_counter() - started
         layers = layout.num_layers
         self.k_buffer = [self.rows[:, i, :, : layout.head_dim] for i in range(layers)]
         if layout.v_head_dim:
@@ -175,6 +178,10 @@ class HostMemoryTier(KvStorageTier):
 
     def host_rows(self) -> torch.Tensor | None:
         return self.rows
+
+    def describe(self) -> str:
+        pinned = f", pinned in {self.alloc_seconds:.1f} s" if self.pinned else ""
+        return super().describe() + pinned
 
     def write(self, slots: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         for buf, src in zip(self.k_buffer + self.v_buffer, k + v, strict=True):
