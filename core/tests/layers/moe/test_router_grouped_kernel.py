@@ -56,7 +56,11 @@ def test_group_limit_excludes_a_better_expert(triton_device: str) -> None:
 def test_16_bit_strided_logits(triton_device: str) -> None:
     dtype = torch.bfloat16 if triton_device == "cuda" else torch.float16
     routing, experts, top_k, _ = ROUTINGS["v2"]
-    wide = (torch.randn(5, experts + 9, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
+    # Distinct values in 16 bits (steps of 0.05 over [-4, 4]): random bf16 logits tie, and
+    # torch.topk orders ties arbitrarily.
+    gen = torch.Generator().manual_seed(2)
+    wide = torch.stack([torch.randperm(experts + 9, generator=gen) for _ in range(5)]).float()
+    wide = (wide * 0.05 - 4.0).to(dtype)
     logits = wide[:, 4:4 + experts]
     weights, ids = grouped_topk_triton(logits.to(triton_device), top_k, routing)
     ref_w, ref_ids = grouped_topk_reference(logits, top_k, routing)
