@@ -33,11 +33,7 @@ import sys
 import torch
 import triton
 from bench_kernels import DEV, copy_bandwidth_gbs, median_ms  # the script's folder is on sys.path
-from engine_attention_triton.decode_attention import (
-    HEADS_INNER,
-    choose_num_kv_splits,
-    decode_attention_fwd,
-)
+from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -153,7 +149,7 @@ def main() -> None:
                              "(2: hardware widening to float16), launch order 0/1 (1: a row's KV heads together), "
                              "KV heads per program)")
     parser.add_argument("--both-orders", action="store_true",
-                        help="also time the default tiles in the other launch order (decode_attention.HEADS_INNER)")
+                        help="also time the default tiles in both launch orders (heads_inner 0 and 1)")
     parser.add_argument("--top", type=int, default=5, help="--sweep: tiles carried to every batch size")
     parser.add_argument("--procs", type=int, default=12, help="--sweep: processes compiling the grid")
     args = parser.parse_args()
@@ -184,11 +180,10 @@ def main() -> None:
             prob = Problem(dtype, bs, args.ctx, args.slots)
             default = choose_num_kv_splits(bs, NUM_KV_HEADS, num_sms, MAX_SPLITS, args.ctx)
             print(line(name, prob, "default", default, prob.time_ms(default, {}), peak), flush=True)
-            if args.both_orders:
-                other = not HEADS_INNER
-                print(line(name, prob, f"default heads_inner={int(other)}", default,
-                           prob.time_ms(default, {"heads_inner": other}), peak,
-                           prob.diff(default, {"heads_inner": other})), flush=True)
+            for order in (0, 1) if args.both_orders else ():
+                print(line(name, prob, f"default heads_inner={order}", default,
+                           prob.time_ms(default, {"heads_inner": bool(order)}), peak,
+                           prob.diff(default, {"heads_inner": bool(order)})), flush=True)
             for cfg in best:
                 for splits in sorted({default, 1, 2} if bs >= 128 else {default}):
                     ms = prob.time_ms(splits, tiles_of(cfg))

@@ -55,11 +55,12 @@ HEADS_INNER = False
 KV_PER_PROGRAM = 1
 
 
-def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None) -> int:
-    """KV heads per stage-1 program: ``wanted`` (default ``KV_PER_PROGRAM``) where it is a power of
-    two dividing ``num_kv_heads`` and both head dims are powers of two; 1 otherwise by default, and
-    an explicit ``wanted`` that does not fit is an error."""
-    per = KV_PER_PROGRAM if wanted is None else wanted
+def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None,
+                         default: int = KV_PER_PROGRAM) -> int:
+    """KV heads per stage-1 program: ``wanted`` (else ``default``) where it is a power of two
+    dividing ``num_kv_heads`` and both head dims are powers of two; 1 where the default does not
+    fit, and an explicit ``wanted`` that does not fit is an error."""
+    per = default if wanted is None else wanted
     fits = (per >= 1 and per & (per - 1) == 0 and num_kv_heads % per == 0
             and head_dim & (head_dim - 1) == 0 and v_dim & (v_dim - 1) == 0)
     if fits:
@@ -328,6 +329,8 @@ class DecodeTiles(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+    heads_inner: bool = HEADS_INNER
+    kv_per_program: int = KV_PER_PROGRAM
 
 
 def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool) -> DecodeTiles:
@@ -394,9 +397,9 @@ def decode_attention_fwd(
         block_n, num_warps, num_stages, slots_ahead, words: overrides of ``decode_tiles`` and
             ``gathers_words`` (benchmarks and tests); ``words`` 2 widens an e4m3 pool to float16
             with the hardware conversion and attends with q in float16 (benchmarks).
-        heads_inner: launch a row's KV heads as consecutive programs (default ``HEADS_INNER``).
-        kv_per_program: KV heads one stage-1 program attends (default ``KV_PER_PROGRAM``; a power of
-            two dividing the KV heads, over power-of-two head dims).
+        heads_inner: launch a row's KV heads as consecutive programs (default: ``decode_tiles``).
+        kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
+            shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
             position, while the previous kernel drains, and stage 2 lets the next kernel start.
@@ -426,10 +429,11 @@ def decode_attention_fwd(
     elif words == 2 and not (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype != torch.float32):
         raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
                          f"under {q.dtype}")
-    if heads_inner is None:
-        heads_inner = HEADS_INNER
-    per_program = kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program)
     tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, words)
+    heads_inner = tiles.heads_inner if heads_inner is None else heads_inner
+    # The tiles' choice falls back to one KV head a program where the shapes do not allow more.
+    per_program = (kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program) if kv_per_program
+                   else kv_heads_per_program(num_kv_heads, head_dim, v_dim, None, tiles.kv_per_program))
     slots_ahead = tiles.slots_ahead if slots_ahead is None else slots_ahead
     block_n = block_n or tiles.block_n
     num_warps = num_warps or tiles.num_warps
