@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -25,6 +26,8 @@ from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferBacken
 logger = logging.getLogger(__name__)
 
 _TICK_MS = 50  # how often the thread looks for expired payloads and fetches
+# Frames from this size on are received as views of the message rather than copied (K and V bytes).
+_VIEW_BYTES = 1 << 16
 
 
 def _to_bytes(t: torch.Tensor) -> memoryview:
@@ -32,11 +35,20 @@ def _to_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())
 
 
-def _from_bytes(buf: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
+def _from_bytes(buf: bytes | memoryview, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A tensor over the received bytes, without copying them (the tensor keeps the message
+    alive; nothing writes to a payload's tensors, so the buffer being read-only does not matter)."""
     torch_dtype = getattr(torch, dtype.removeprefix("torch."))
-    if not buf:  # an MLA pool's V (its rows hold V inside K), or an empty prompt
+    if not len(buf):  # an MLA pool's V (its rows hold V inside K), or an empty prompt
         return torch.empty(shape, dtype=torch_dtype)
-    return torch.frombuffer(bytearray(buf), dtype=torch.uint8).view(torch_dtype).reshape(shape)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8).view(torch_dtype).reshape(shape)
+
+
+def _frames(parts: list[Any]) -> list[bytes | memoryview]:
+    """Frames received without copying: small ones as bytes, KV-sized ones as views of the message."""
+    return [p.bytes if len(p) < _VIEW_BYTES else p.buffer for p in parts]
 
 
 def _stamped(header: bytes) -> bytes:
@@ -172,7 +184,7 @@ class ZmqKvTransfer(KvTransferBackend):
     def _drain(sock: Any, handle: Any) -> None:
         while True:
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = _frames(sock.recv_multipart(zmq.NOBLOCK, copy=False))
             except zmq.Again:
                 return
             handle(frames)
