@@ -154,11 +154,13 @@ class TorchKvTransfer(ZmqKvTransfer):
                 dist.TCPStore(host, slot[1], is_master=False, timeout=self._op_timeout), slot[2], 1))
         dtype = getattr(torch, header["dtype"].removeprefix("torch."))
         device = self._device if self._nccl else torch.device("cpu")
+        # gloo for a CUDA pool: receive into pinned memory, which the pool's device copies from fastest.
+        pin = not self._nccl and self._device.type == "cuda"
 
         def receive(group: Any) -> None:
             # Received even when the fetch was cancelled meanwhile: the pair's stream stays in step.
-            k = torch.empty(header["k_shape"], dtype=dtype, device=device)
-            v = torch.empty(header["v_shape"], dtype=dtype, device=device)
+            k = torch.empty(header["k_shape"], dtype=dtype, device=device, pin_memory=pin)
+            v = torch.empty(header["v_shape"], dtype=dtype, device=device, pin_memory=pin)
             group.recv([k], 0, 0).wait()
             if v.numel():
                 group.recv([v], 0, 0).wait()
