@@ -114,6 +114,8 @@ class KvTransfer:
         return _raw(rows) if ok else None
 
     def _kernel_table(self) -> Any:
+        """A ``PartTable`` over the pool once the kernel reproduced torch's gather and scatter on
+        scratch buffers of the pool's shapes (same compile, this device); None otherwise."""
         from engine.mem_cache.kv_copy_kernel import PartTable
 
         rows = self.rows
