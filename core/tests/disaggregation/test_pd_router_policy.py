@@ -145,3 +145,19 @@ def test_router_cli_refuses_an_unknown_policy_with_status_2() -> None:
                                       "--policy", "coin-flip", "--wait-s", "0"])
     assert result.exit_code == 2
     assert "--policy: invalid value 'coin-flip'" in result.output and "shortest-queue" in result.output
+
+
+def test_cache_aware_sends_a_shared_prefix_to_the_prefill_server_that_saw_it() -> None:
+    async def main() -> None:
+        servers, router = _Servers(), _router("cache-aware")
+        system = "You are a careful assistant. " * 20
+        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
+            for i, question in enumerate(["first?", "second?", "third?"]):
+                servers.release(f"c{i}")
+                await route(client, router, "/generate", {"text": system + question, "rid": f"c{i}"})
+            servers.release("other")
+            await route(client, router, "/generate", {"text": "Something else entirely. " * 20, "rid": "other"})
+        assert len(set(servers.prefill_hits[:3])) == 1  # the shared system prompt stays on one server
+        assert servers.prefill_hits[3] != servers.prefill_hits[0]  # an unrelated prompt goes to the other
+
+    asyncio.run(main())
