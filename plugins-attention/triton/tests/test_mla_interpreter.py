@@ -151,6 +151,32 @@ def test_mla_fp8_pool_reads_the_stored_latent_times_its_scale() -> None:
     assert_close(out, ref, "fp8 decode")
 
 
+@pytest.mark.parametrize("widen", ["f16", "cvt"])
+def test_mla_fp8_pool_under_16_bit_queries(widen: str) -> None:
+    """16-bit queries over an e4m3 pool: widened to float16 with q converted (the default) or to
+    q's dtype; the slots-ahead loop. (The interpreter's bfloat16 is not faithful: float16 here.)"""
+    seq_lens = [9, 23]
+    pool = MLAPool(seq_lens, seed=12, dtype=torch.float8_e4m3fn)
+    bs = len(seq_lens)
+    q = torch.randn(bs, HEADS, DIM).half()
+    out = torch.full((bs, HEADS, LORA), float("nan"), dtype=torch.float16)
+    part_out, part_lse = torch.empty(bs, HEADS, 2, LORA), torch.empty(bs, HEADS, 2)
+    mla_decode_fwd(q, pool.kv, out, pool.req_to_token, torch.tensor(pool.rows), torch.tensor(seq_lens),
+                   part_out, part_lse, 2, SCALE, LORA, kv_scale=0.5, block_n=16, widen=widen, slots_ahead=True)
+    wide = pool.kv.float() * 0.5
+    ref = reference_decode(q.float(), wide, wide[..., :LORA], pool.req_to_token, pool.rows, seq_lens, SCALE)
+    assert_close(out, ref, f"fp8 decode widen={widen}", atol=3e-3)
+
+
+def test_mla_widen_is_checked() -> None:
+    pool = MLAPool([3], seed=1, dtype=torch.float8_e4m3fn)
+    q = torch.randn(1, HEADS, DIM).half()
+    with pytest.raises(ValueError, match="widen='words'"):  # needs bf16 q and compiled inline PTX
+        mla_decode_fwd(q, pool.kv, torch.empty(1, HEADS, LORA, dtype=torch.float16), pool.req_to_token,
+                       torch.tensor(pool.rows), torch.tensor([3]), torch.empty(1, HEADS, 1, LORA),
+                       torch.empty(1, HEADS, 1), 1, SCALE, LORA, widen="words")
+
+
 def test_mla_shapes_are_checked() -> None:
     q = torch.randn(2, HEADS, DIM)
     kv = torch.randn(10, 2, DIM)

@@ -82,10 +82,12 @@ def _mla_decode_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-    WORDS: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    WIDEN: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output; no log-sum-exp, no merge pass.
-    # WORDS: an e4m3 pool gathered as int32 words (``_load_kv``).
+    # WIDEN (an fp8 pool's tiles into the dots): 0, to q's dtype by Triton; 1, an e4m3 pool
+    # gathered as int32 words (``_load_kv``) and widened to bf16; 2, to float16 (one conversion per
+    # pair of values), with q converted to float16 too.
     # SLOTS_AHEAD: each block's slots are loaded one block early, so its rows' addresses are known
     # when the block starts and Triton's pipeliner keeps num_stages - 1 blocks of gathers in flight
     # (loading them in the same block makes the gathers wait on the slots: one buffer).
@@ -106,11 +108,15 @@ def _mla_decode_split_kernel(
     q_row = Q + row * stride_qb + heads[:, None] * stride_qh
     q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     q_r = tl.load(q_row + LORA + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
+    if WIDEN == 2:
+        # bf16 -> f16 is exact within f16's range; beyond it a score would be inf, so q saturates.
+        q_c = tl.clamp(q_c.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q_r = tl.clamp(q_r.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
-    if WORDS:  # the tiles' columns counted in words of four values
+    if WIDEN == 1:  # the tiles' columns counted in words of four values
         offs_cl = tl.arange(0, BLOCK_C // 4)
         offs_rl = tl.arange(0, BLOCK_R // 4)
     else:
@@ -130,7 +136,8 @@ def _mla_decode_split_kernel(
             loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
         else:
             loc = tl.load(token_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-        c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_cl, mask_c, offs_rl, mask_r, LORA, ROPE, q_c.dtype, WORDS)
+        c, r = _load_kv(KV, loc, stride_kvt, mask_n, offs_cl, mask_c, offs_rl, mask_r, LORA, ROPE, q_c.dtype,
+                        WIDEN == 1)
         m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n[None, :], m_i, l_i, acc, sm_scale, logit_cap,
                                   HAS_CAP, DOT_PRECISION)
 
@@ -145,6 +152,9 @@ def _mla_decode_split_kernel(
         lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(Part_Lse + row * stride_plb + heads * stride_plh + split, lse, mask=mask_h)
 
+
+#: How the decode kernel widens an fp8 pool's tiles (``mla_decode_fwd``'s ``widen``).
+_WIDEN = {"cvt": 0, "words": 1, "f16": 2}
 
 #: Query heads a decode program holds: DeepSeek-V2-Lite's 16 in one block; more heads (V3's 128,
 #: or fewer per rank under TP) take several blocks, each reading the latent once.
@@ -161,18 +171,21 @@ def mla_decode_fwd(
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     num_kv_splits: int, sm_scale: float, kv_lora_rank: int, logit_cap: float = 0.0, *,
     kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int = 32, num_warps: int | None = None,
-    num_stages: int | None = None, slots_ahead: bool | None = None, words: bool | None = None,
+    num_stages: int | None = None, slots_ahead: bool | None = None, widen: str | None = None,
 ) -> None:
     """Decode attention of ``q`` ``[batch, num_heads, lora + rope]`` over each row's whole sequence
     in the MLA pool ``kv_buffer`` ``[slots, 1, lora + rope]`` (the new token already saved there),
     writing ``out`` ``[batch, num_heads, lora]``. The workspaces and ``num_kv_splits`` are those of
     ``decode_attention_fwd`` with ``v_dim = lora``; ``kv_scale``: an fp8 pool's scale. The tiles
     (``block_h`` heads by ``block_n`` keys, 4 warps, 2 stages, the plain loop) compile for sm_90
-    at DeepSeek's 16 heads and 512 + 64 dims without register spills. An e4m3 pool under bf16
-    queries (``gathers_words``) is gathered as int32 words and widened on the integer pipe, in the
-    slots-ahead loop with 3 stages: Triton's own e4m3 -> bf16 widening goes through f16 with one
-    slow F2F conversion per value, which held the fp8 kernel at 0.13-0.14 of the read bound on an
-    H200 at every size. ``words``, ``slots_ahead``, ``num_stages``: overrides (benchmarks, tests)."""
+    at DeepSeek's 16 heads and 512 + 64 dims without register spills.
+
+    An fp8 pool under 16-bit queries is widened to float16 (``widen="f16"``: one ``cvt`` per pair
+    of values) and q converted to float16 (exact in its range, saturated beyond), in the
+    slots-ahead loop with 8 warps and 3 stages. Triton's widening to bf16 (``"cvt"``) goes through f16 with
+    one slow F2F conversion per value: on an H200 at 256 rows of 2,048 tokens it took 518 us, 0.14
+    of the read bound; bf16 through the integer pipe (``"words"``, e4m3 only) 315 us.
+    ``widen``, ``slots_ahead``, ``num_stages``: overrides (benchmarks, tests)."""
     check_kernel_dtype(q.dtype, "q")
     batch, num_heads, head_dim = q.shape
     _check_mla_shapes(q, kv_buffer, kv_lora_rank, "decode")
@@ -188,14 +201,20 @@ def mla_decode_fwd(
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
     block_h = min(block_h, block_size(num_heads))
-    if words is None:
-        words = kv_lora_rank % 4 == 0 and gathers_words(q, kv_buffer, kv_buffer)
+    fp8 = kv_buffer.element_size() == 1
+    if widen is None:
+        widen = "f16" if fp8 and q.dtype != torch.float32 else "cvt"
+    if widen not in _WIDEN or (widen == "words" and not (kv_lora_rank % 4 == 0
+                                                         and gathers_words(q, kv_buffer, kv_buffer))):
+        raise ValueError(f"mla decode: widen={widen!r} for a {kv_buffer.dtype} pool and {q.dtype} q; accepted: "
+                         "cvt, f16, words (an e4m3 pool, bf16 q, 4-aligned rows, sm_80+ compiled)")
     if slots_ahead is None:
-        slots_ahead = words
+        slots_ahead = fp8 and widen != "cvt"
     if num_stages is None:
-        num_stages = 3 if words else 2
+        num_stages = 3 if slots_ahead else 2
     if num_warps is None:
-        num_warps = 8 if kv_buffer.element_size() == 1 and not words else 4
+        # 4 warps spill registers on sm_90 widening to f16 (68-76 bytes) or with Triton's cvt.
+        num_warps = 8 if fp8 and widen != "words" else 4
     _mla_decode_split_kernel[(batch, triton.cdiv(num_heads, block_h), num_kv_splits)](
         q, kv_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
         sm_scale * kv_scale, logit_cap, float(kv_scale), num_kv_splits,
@@ -204,7 +223,7 @@ def mla_decode_fwd(
         NUM_HEADS=num_heads, BLOCK_H=max(16, block_h), BLOCK_N=block_n,
         LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_size(kv_lora_rank), BLOCK_R=block_size(rope),
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        WORDS=words, SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages,
+        WIDEN=_WIDEN[widen], SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages,
     )
     if direct:
         return
