@@ -21,6 +21,7 @@ def router_cmd(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Key the router sends to the servers and requires from its clients on every route but /health (default: ENGINE_API_KEY, if set)"),
     wait_s: float = typer.Option(120.0, "--wait-s", help="Seconds to wait at start for the servers to answer (they may still be loading)"),
     policy: str = typer.Option("shortest-queue", "--policy", help="Router policy choosing among the servers of each kind (a router-policy plugin): shortest-queue (fewest requests in flight), round-robin, cache-aware, ..."),
+    decode_policy: Optional[str] = typer.Option(None, "--decode-policy", help="Router policy for the decode servers alone (default: --policy's)"),
     log_level: str = typer.Option("info", "--log-level", help="Log verbosity: debug, info, warning, error"),
 ) -> None:
     """Pair prefill and decode servers: each request runs its prompt on a prefill server and its
@@ -41,16 +42,17 @@ def router_cmd(
     import engine.plugins as plugins
 
     policies = plugins.router_policies()
-    if policy not in policies:
-        fail(f"--policy: invalid value {policy!r}; accepted: {', '.join(sorted(policies)) or 'none installed'}")
+    for flag, name in (("--policy", policy), ("--decode-policy", decode_policy)):
+        if name is not None and name not in policies:
+            fail(f"{flag}: invalid value {name!r}; accepted: {', '.join(sorted(policies)) or 'none installed'}")
     api_key = api_key or os.environ.get("ENGINE_API_KEY") or None
     try:
-        router = discover(prefill, decode, api_key, wait_s, policy)
+        router = discover(prefill, decode, api_key, wait_s, policy, decode_policy)
     except EngineError as exc:
         fail(str(exc))
     import uvicorn
 
     app = create_app(router)
-    typer.echo(f"router on http://{host}:{port} (policy {policy}): prefill {', '.join(p.url for p in router.prefill)}; "
+    typer.echo(f"router on http://{host}:{port} (policy {router.policy}, decode {router.decode_policy}): prefill {', '.join(p.url for p in router.prefill)}; "
                f"decode {', '.join(router.decode)}", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -145,6 +145,28 @@ def test_router_cli_refuses_an_unknown_policy_with_status_2() -> None:
                                       "--policy", "coin-flip", "--wait-s", "0"])
     assert result.exit_code == 2
     assert "--policy: invalid value 'coin-flip'" in result.output and "shortest-queue" in result.output
+    result = CliRunner().invoke(app, ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                                      "--decode-policy", "dice", "--wait-s", "0"])
+    assert result.exit_code == 2 and "--decode-policy: invalid value 'dice'" in result.output
+
+
+def test_decode_servers_can_have_their_own_policy() -> None:
+    async def main() -> None:
+        servers = _Servers()
+        router = PDRouter([PrefillServer(u, 8998) for u in PREFILLS], list(DECODES), policy="cache-aware",
+                          decode_policy="round-robin")
+        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as client:
+            held = asyncio.ensure_future(route(client, router, "/generate", {"text": "same prompt", "rid": "h"}))
+            await _settle()
+            for i in range(3):
+                servers.release(f"s{i}")
+                await route(client, router, "/generate", {"text": "same prompt", "rid": f"s{i}"})
+            servers.release("h")
+            await held
+        assert servers.decode_hits == [DECODES[0], DECODES[1], DECODES[2], DECODES[0]]  # in turn, busy or not
+        assert router.stats()["policy"] == "cache-aware" and router.stats()["decode_policy"] == "round-robin"
+
+    asyncio.run(main())
 
 
 def test_cache_aware_sends_a_shared_prefix_to_the_prefill_server_that_saw_it() -> None:

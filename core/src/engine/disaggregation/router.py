@@ -62,23 +62,27 @@ class PrefillServer:
 @dataclass
 class PDRouter:
     """Routing state: the servers of each kind, the policy choosing among them (one instance
-    per kind, built by ``policy_factory(kind, num_servers)``; None: the ``policy`` plugin), the
-    requests in flight on each server, and counts for ``/get_server_info``."""
+    per kind, built by ``policy_factory(kind, num_servers)``; None: the plugin named ``policy``,
+    and ``decode_policy`` for decode servers when given), the requests in flight on each server,
+    and counts for ``/get_server_info``."""
 
     prefill: list[PrefillServer]
     decode: list[str]
     api_key: str | None = None
     policy: str = DEFAULT_POLICY
+    decode_policy: str | None = None
     policy_factory: Callable[[str, int], RouterPolicy] | None = None
     counts: dict[str, int] = field(default_factory=lambda: {"requests": 0, "prefill_failed": 0, "decode_failed": 0})
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
             raise ValueError("the router needs at least one --prefill and one --decode server")
-        make = self.policy_factory or _plugin_policy(self.policy)
+        self.decode_policy = self.decode_policy or self.policy
+        names = {"prefill": self.policy, "decode": self.decode_policy}
+        make = self.policy_factory or (lambda kind, n: _plugin_policy(names[kind], n))
         sizes = {"prefill": len(self.prefill), "decode": len(self.decode)}
         # One server of a kind needs no choice (engine.router.Router then takes no policy).
-        self._routers = {kind: Router(n, make(kind, n) if n > 1 else None, self.policy) for kind, n in sizes.items()}
+        self._routers = {kind: Router(n, make(kind, n) if n > 1 else None, names[kind]) for kind, n in sizes.items()}
 
     def pair(self, key: str, prompt: list[int]) -> tuple[PrefillServer, str]:
         """The servers for one client request (``key``, unique among those in flight); both count
@@ -115,18 +119,17 @@ class PDRouter:
                         for url, row in zip(self._urls(kind), self._routers[kind].stats()["replicas"], strict=True)]
                  for kind in KINDS}
         return {"prefill": [p.url for p in self.prefill], "decode": list(self.decode), "policy": self.policy,
+                "decode_policy": self.decode_policy,
                 "servers": loads, **self.counts}
 
     def _urls(self, kind: str) -> list[str]:
         return [p.url for p in self.prefill] if kind == "prefill" else list(self.decode)
 
 
-def _plugin_policy(name: str) -> Callable[[str, int], RouterPolicy]:
-    def make(kind: str, num_servers: int) -> RouterPolicy:
-        import engine.plugins as plugins
+def _plugin_policy(name: str, num_servers: int) -> RouterPolicy:
+    import engine.plugins as plugins
 
-        return plugins.create_router_policy(name, num_servers)  # type: ignore[no-any-return]
-    return make
+    return plugins.create_router_policy(name, num_servers)  # type: ignore[no-any-return]
 
 
 def prompt_key(path: str, body: dict[str, Any]) -> list[int]:

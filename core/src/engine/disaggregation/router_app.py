@@ -112,10 +112,11 @@ async def _get(client: Any, url: str, router: PDRouter) -> tuple[int, Any]:
 
 
 def discover(prefill_urls: list[str], decode_urls: list[str], api_key: str | None, wait_s: float,
-             policy: str = DEFAULT_POLICY) -> PDRouter:
+             policy: str = DEFAULT_POLICY, decode_policy: str | None = None) -> PDRouter:
     """Asks every server its --disaggregation-mode (and a prefill server its bootstrap port),
     waiting up to ``wait_s`` for servers still starting; a server of the wrong mode, or one that
-    never answers, is a ConfigError naming it. ``policy``: the router policy per kind."""
+    never answers, is a ConfigError naming it. ``policy``: the router policy of both kinds
+    (``decode_policy``, when given, of decode servers)."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -148,4 +149,4 @@ def discover(prefill_urls: list[str], decode_urls: list[str], api_key: str | Non
         if mode != "decode":
             raise ConfigError(f"--decode {url}: that server runs --disaggregation-mode {mode!r}; accepted: a server "
                               "started with --disaggregation-mode decode")
-    return PDRouter(prefill, [u.rstrip("/") for u in decode_urls], api_key, policy)
+    return PDRouter(prefill, [u.rstrip("/") for u in decode_urls], api_key, policy, decode_policy)
