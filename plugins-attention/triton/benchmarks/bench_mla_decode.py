@@ -50,15 +50,13 @@ GRAPH_BELOW = 256 << 20
 #: (block_h, block_n, num_warps, num_stages) tried by --sweep.
 GRID = list(itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3)))
 #: Loops and widenings timed by --variants beside the default (fp8: "cvt", Triton's own e4m3 ->
-#: bf16 widening in the plain loop, the kernel's first fp8 path; "words", bf16 on the integer pipe;
-#: "f16", the default's widening, in other loops and tiles).
+#: bf16 widening in the plain loop, the kernel's first fp8 path; "f16", the default's widening, in
+#: the plain loop and with more stages). ``mla_decode_fwd(widen="words")`` is bf16 on the integer pipe.
 VARIANTS = {
     "fp8_e4m3": {
         "cvt plain w8 s2": dict(widen="cvt", slots_ahead=False, num_warps=8, num_stages=2),
-        "words ahead w4 s4": dict(widen="words", slots_ahead=True, num_warps=4, num_stages=4),
         "f16 plain w8 s2": dict(widen="f16", slots_ahead=False, num_warps=8, num_stages=2),
         "f16 ahead w8 s4": dict(widen="f16", slots_ahead=True, num_warps=8, num_stages=4),
-        "f16 ahead n16 w4 s3": dict(widen="f16", slots_ahead=True, block_n=16, num_warps=4, num_stages=3),
     },
     "bf16": {
         "ahead w4 s3": dict(slots_ahead=True, num_warps=4, num_stages=3),
