@@ -48,6 +48,7 @@ AREAS: tuple[Area, ...] = (
     Area("quantization", "Quantization", "`engine bench one-batch --quant METHOD --result-file F`"),
     Area("parallelism", "Parallelism", "`engine bench one-batch --tp-size 2 --result-file F` (or `offline --dp-size 2`)"),
     Area("moe", "Mixture of experts", "`engine bench one-batch --model-path docs/bench_configs/qwen3-30b-a3b --result-file F`"),
+    Area("mla", "DeepSeek (MLA)", "`engine bench one-batch --model-path docs/bench_configs/deepseek-v2-lite --result-file F`"),
     Area("speculative", "Speculative decoding", "`engine bench spec --result-file F`"),
     Area("lora", "LoRA adapters", "`engine bench one-batch --lora-paths ... --lora-name ... --result-file F`"),
     Area("vlm", "Vision-language models", "`engine bench vision --result-file F`, or `engine bench serving "
