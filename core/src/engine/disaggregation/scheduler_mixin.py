@@ -304,9 +304,11 @@ def _rounded(value: Any) -> float | None:
 def _gather(buffers: list[torch.Tensor], index: torch.Tensor, where: str, pin: bool) -> torch.Tensor:
     """``[num_layers, len(index), ...]``: the rows ``index`` of every layer's buffer, on ``where``
     (into pinned host memory, asynchronously, when ``pin``)."""
-    rows = torch.stack([buf[index] for buf in buffers])
     if not pin:
-        return rows.to(where)
-    host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    host.copy_(rows, non_blocking=True)
+        return torch.stack([buf[index] for buf in buffers]).to(where)
+    # Layer by layer into pinned memory: the device holds one layer's rows at a time, not all.
+    first = buffers[0]
+    host = torch.empty((len(buffers), index.numel(), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    for layer, buf in enumerate(buffers):
+        host[layer].copy_(buf[index], non_blocking=True)
     return host
