@@ -79,6 +79,10 @@ class TorchKvTransfer(ZmqKvTransfer):
             raise ValueError(f"kvtransfer_torch.process_group: 'nccl' needs a CUDA KV pool, this one is on {ctx.device}; "
                              "accepted here: auto, gloo")
         self._nccl = self._device.type == "cuda" and group != "gloo"
+        self._group_kind = "nccl" if self._nccl else "gloo"
+        # The GPU's UUID: NCCL cannot pair two ranks on one GPU, which the handshake then says.
+        uuid = getattr(torch.cuda.get_device_properties(self._device), "uuid", None) if self._nccl else None
+        self._gpu = None if uuid is None else str(uuid)
         #: where the scheduler leaves payloads it publishes (the mixin reads it).
         self.payload_device = str(self._device) if self._nccl else "cpu"
         self._op_timeout = datetime.timedelta(seconds=ctx.timeout_s)
@@ -100,6 +104,20 @@ class TorchKvTransfer(ZmqKvTransfer):
             opts._timeout = self._op_timeout
             return dist.ProcessGroupNCCL(prefixed, rank, 2, opts)
         return dist.ProcessGroupGloo(prefixed, rank, 2, self._op_timeout)
+
+    # -- handshake ---------------------------------------------------------------------
+    def _handshake(self) -> dict[str, Any]:
+        return {"process_group": self._group_kind, "gpu": self._gpu}
+
+    def _refusal(self, body: dict[str, Any]) -> str | None:
+        theirs = body.get("process_group")
+        if theirs is not None and theirs != self._group_kind:
+            return (f"torch KV transfer: the prefill server moves KV over {self._group_kind}, this decode server over "
+                    f"{theirs}; give both the same --plugin-option kvtransfer_torch.process_group")
+        if self._nccl and self._gpu is not None and body.get("gpu") == self._gpu:
+            return ("torch KV transfer: the prefill and decode servers share one GPU, which NCCL cannot pair; start "
+                    "both with --plugin-option kvtransfer_torch.process_group=gloo")
+        return None
 
     # -- prefill side ------------------------------------------------------------------
     def _payload_frames(self, key: str, payload: KvPayload) -> list[Any]:

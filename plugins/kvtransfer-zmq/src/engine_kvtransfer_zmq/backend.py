@@ -210,7 +210,7 @@ class ZmqKvTransfer(KvTransferBackend):
             with self._pending_lock:
                 self._pending[key] = ((host, port), deadline)
             request = {"op": "fetch", "key": key, "layout": self.ctx.layout.to_dict(),
-                       "timeout_s": max(deadline - time.monotonic(), 0.0)}
+                       "timeout_s": max(deadline - time.monotonic(), 0.0), **self._handshake()}
             self._dealer(host, port).send(json.dumps(request).encode())
         elif op == b"cancel":
             key = frames[1].decode()
@@ -249,6 +249,14 @@ class ZmqKvTransfer(KvTransferBackend):
                 self._finish_fetch(key, f"the prefill server's transfer port {address[0]}:{address[1]} closed the "
                                         "connection (the prefill server stopped?)")
 
+    def _handshake(self) -> dict[str, Any]:
+        """Decode side: fields added to each fetch request (a subclass's data path's needs)."""
+        return {}
+
+    def _refusal(self, body: dict[str, Any]) -> str | None:
+        """Prefill side: why the sender of fetch request ``body`` cannot be served (None: it can)."""
+        return None
+
     def _dropped(self, key: str) -> None:
         """A published payload nobody will fetch was let go (subclasses free what they kept)."""
 
@@ -267,9 +275,11 @@ class ZmqKvTransfer(KvTransferBackend):
             return
         theirs = KvLayout.from_dict(body.get("layout", {}))
         why = self.ctx.layout.mismatch(theirs)
+        error = self._refusal(body)
         if why is not None:
             error = (f"KV layouts differ between the prefill server ({self.ctx.host}:{self.port}) and this decode "
                      f"server: {why} (decode vs prefill); both need the same model, --tp-size and --kv-cache-dtype")
+        if error is not None:
             self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
             if self._ready.pop(key, None) is not None:
                 self._dropped(key)
