@@ -19,7 +19,7 @@ INDEX = dict(seg_indptr_ptr="*i32", weight_indices_ptr="*i32", ranks_ptr="*i32")
 
 def _facts(kernel: object) -> dict[str, object]:
     ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
-    return {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}
+    return {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx), "fences": ptx.count("fence.acq_rel.gpu")}
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
@@ -73,6 +73,9 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert len(facts) == 7, facts
     # The forms the launchers pick: split-K for a short prefill and the per-slot decode shrink.
     assert facts["shrink-prefill-1"]["split"] > 1 and facts["shrink-decode-64"]["split"] > 1, facts
+    # Split K: every thread fences after its adds to the scratch, and again before the last
+    # program reads them (a barrier and one thread's release leave the others' atomics in flight).
+    assert all(got["fences"] == 2 for name, got in facts.items() if name.startswith("shrink")), facts
     for name, got in facts.items():
         assert got["spill_bytes"] == 0, (name, got)
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)

@@ -44,6 +44,9 @@ import triton.language as tl
 # Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
 # to float32 before the product.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Compiled kernels fence with inline PTX; the interpreter runs programs one after another and has
+# no inline assembly.
+_FENCE = tl.constexpr(not _INTERPRETED)
 
 
 @triton.jit
@@ -60,6 +63,16 @@ def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _fence_gpu(x):
+    """Every thread waits until its earlier global writes and atomics are visible GPU-wide
+    (``fence.acq_rel.gpu``, CUDA's __threadfence): a CTA barrier and one thread's release do not
+    wait for the other threads' atomics in flight."""
+    if _FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group, split_k,
                 ROWS: tl.constexpr):
     """Stores a program's ``acc`` [tokens, rows] into y; under split-K, adds it to the group's
@@ -71,9 +84,11 @@ def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, ac
     else:
         acc_ptrs = acc_ptr + rows[:, None] * ROWS + offs_r[None, :]
         tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        # Every thread's adds come before the counter's release (the barrier orders them).
+        # Every thread's adds are visible before the counter counts this program.
+        _fence_gpu(group)
         tl.debug_barrier()
         if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == split_k - 1:
+            _fence_gpu(group)
             # Read in L2, where the other programs' adds landed (L1 is not coherent across SMs).
             total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(acc_ptrs, tl.zeros_like(acc), mask=mask)
