@@ -14,8 +14,8 @@ prefill pays, launch overhead included).
         [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-1x128 prefill-4x512]
         [--old] [--without-pdl]
 
-``--old`` also times the shrink forms the launchers used before the per-slot decode shrink and
-split K (token-parallel decode shrink; prefill shrink over all of K in each program);
+``--old`` also times the backend with ``split_k`` off, the shrink forms before the per-slot decode
+shrink and split K (token-parallel decode shrink; prefill shrink over all of K in each program);
 ``--without-pdl`` the same kernels launched without programmatic dependent launch.
 
 ``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
@@ -97,23 +97,6 @@ def eager_time_us(fn: Callable[[], object], reps: int) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e6 / reps
-
-
-def old_shrink_config(info: LoraBatchInfo, rows: int, k: int, sms: int) -> dict[str, int]:
-    """The shrink form before the per-slot decode kernel and split K: token-parallel decode, and
-    prefill programs looping over all of K."""
-    cfg = shrink_config(info.num_segments, info.max_seg_len, rows, k, sms)  # no slots: token-parallel
-    cfg.update(SPLIT=1, CHUNK=-(-k // cfg["BLOCK_K"]) * cfg["BLOCK_K"])
-    return cfg
-
-
-class OldShrinkBackend(TritonLoraBackend):
-    """The triton backend with ``old_shrink_config``."""
-
-    def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: Any) -> torch.Tensor:
-        cfg = old_shrink_config(info, weights.shape[1], weights.shape[2], sm_count(x.device))
-        return sgmv_shrink(x, weights, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
-                           info.max_seg_len, pdl=self._pdl(info, x.device), config=cfg)
 
 
 #: candidate configs: (BLOCK_R, BLOCK_K, warps) one token a program; (BLOCK_T, BLOCK_R, BLOCK_K, warps,
@@ -236,7 +219,7 @@ def main() -> None:
     torch.manual_seed(0)
     triton_be, native_be = TritonLoraBackend(), TorchNativeLoraBackend(per_segment=False)
     # Extra columns: name -> backend.
-    extra = {**({"old us": OldShrinkBackend()} if args.old else {}),
+    extra = {**({"old us": TritonLoraBackend(split_k=False)} if args.old else {}),
              **({"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {})}
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
@@ -263,7 +246,7 @@ def main() -> None:
             ref_y = reference_shrink(x, a, info)
             want = out.float()
             reference_expand(ref_y, b, info, want, offsets)
-            for be in [triton_be, *extra.values()]:
+            for be in [triton_be, triton_be, triton_be, *extra.values()]:  # split K sums in arrival order
                 y = be.shrink(x, a, info)
                 got = out.clone()
                 be.expand(ref_y, b, info, got, offsets)

@@ -34,3 +34,7 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           help="sm_90+: launch decode batches' shrink and expand with programmatic dependent launch "
                                "(each starts while the kernel before it drains, reading the batch info and its "
                                "first weights)"))
+    register(PluginOption(plugin="lora-triton", key="split_k", default=True,
+                          help="split the shrink's K over several programs where its tiles are too few for the GPU "
+                               "(decode batches of 16+ tokens: one program per adapter slot; short prefills); "
+                               "off: one token a program in decode, prefill programs over all of K"))

@@ -78,16 +78,17 @@ def _split_k(k: int, block_k: int, groups: int, target: int, most: int = 32) -> 
 
 
 def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
-                  num_slots: int = 0) -> dict[str, int]:
+                  num_slots: int = 0, split: bool = True) -> dict[str, int]:
     """Block sizes, K split and warps of the shrink for a call's host-side sizes (``SLOTS``: the
-    per-slot kernel over ``num_slots`` slots)."""
-    return dict(_shrink_config(num_segments, max_seg_len, rows, k, sms, num_slots))
+    per-slot kernel over ``num_slots`` slots). ``split=False``: no split-K forms (token-parallel
+    decode, prefill programs over all of K)."""
+    return dict(_shrink_config(num_segments, max_seg_len, rows, k, sms, num_slots, split))
 
 
 @functools.lru_cache(maxsize=256)
 def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
-                   num_slots: int) -> dict[str, int]:
-    if max_seg_len <= 1 and num_segments >= 16 and num_slots > 0:
+                   num_slots: int, split: bool = True) -> dict[str, int]:
+    if max_seg_len <= 1 and num_segments >= 16 and num_slots > 0 and split:
         # A decode batch: a program per (slot, row tile, K chunk) reads its tile of A once for
         # all the batch's tokens on that slot; K is split to give about two programs per SM.
         # 8 warps, and K tiles of 64 from 32-row tiles: no register spills on sm_90.
@@ -112,8 +113,8 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
     groups = num_segments * _cdiv(max_seg_len, block_t) * r_tiles
     # Few token tiles (a short prefill): split K so that the GPU fills instead of a handful of
     # programs looping over all of it.
-    split, chunk = _split_k(k, block_k, groups, 2 * sms) if groups < sms else (1, _cdiv(k, block_k) * block_k)
-    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, CHUNK=chunk, num_warps=4,
+    parts = _split_k(k, block_k, groups, 2 * sms) if groups < sms and split else (1, _cdiv(k, block_k) * block_k)
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=parts[0], CHUNK=parts[1], num_warps=4,
                 num_stages=3)
 
 
@@ -140,11 +141,11 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
 
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int, max_seg_len: int, pdl: bool = False,
-                config: dict[str, int] | None = None) -> torch.Tensor:
+                config: dict[str, int] | None = None, split: bool = True) -> torch.Tensor:
     """``[T, ROWS]`` in x's dtype: each token's row times its segment's ``a[slot]`` (``[ROWS, K]``)
     transposed; zeros for tokens of rank-0 slots (rows of tokens in no segment are unspecified).
     ``pdl``: launch with programmatic dependent launch (``has_pdl``). ``config`` overrides
-    ``shrink_config`` (the benchmark's sweeps)."""
+    ``shrink_config`` (the benchmark's sweeps); ``split=False`` keeps to the forms without split K."""
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
     if a.dtype != x.dtype:
@@ -156,7 +157,7 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
     if tokens == 0 or num_segments == 0 or max_seg_len == 0 or rows == 0:
         return y
-    cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device), a.shape[0]))
+    cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device), a.shape[0], split))
     slots = cfg.pop("SLOTS", 0)
     if slots:
         grid = (a.shape[0], _cdiv(rows, cfg["BLOCK_R"]), cfg["SPLIT"])
