@@ -1,8 +1,8 @@
 """LoRA decode under CUDA graphs on a GPU (run by the lead on a GPU): a tiny float32 Llama with
 the triton LoRA backend, 13 requests over three adapters and the base model decoded from a
 16-row graph (the per-slot kernels, with split K, and three padding rows), give PEFT's greedy
-tokens and the tokens of the same run with --disable-cuda-graph. Kept small (two LoRA layers per
-decoder layer, graphs up to 16 rows) so that the kernels' compiles stay few."""
+tokens. Kept small (one scheduler, two LoRA layers per decoder layer, graphs up to 16 rows) so
+that the kernels' compiles and the captures stay few."""
 
 from __future__ import annotations
 
@@ -51,18 +51,11 @@ def _run(ckpt: str, adapters: dict[str, str], prompts: list[list[int]], **kw: An
     return sched, [col.ids[r] for r in rids]
 
 
-def test_graph_decode_equals_eager_and_peft(ckpt: str, adapters: dict[str, str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graph_decode_equals_peft(ckpt: str, adapters: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
     rng = random.Random(9)
     prompts = [[rng.randrange(4, 1000) for _ in range(rng.randint(5, 30))] for _ in range(13)]
-    sched, eager = _run(ckpt, adapters, prompts, disable_cuda_graph=True)
-    assert sched.runner.cuda_graph_runner is None
-    check_no_leak(sched)
-    del sched
-    torch.cuda.empty_cache()
-
     replays: list[int] = []
     original = CudaGraphRunner.replay
 
@@ -74,7 +67,6 @@ def test_graph_decode_equals_eager_and_peft(ckpt: str, adapters: dict[str, str],
     sched, graphed = _run(ckpt, adapters, prompts)
     assert max(replays, default=0) == 13, f"decode steps of 13 rows ran from a graph: {replays}"
     check_no_leak(sched)
-    assert graphed == eager
     for i, p in enumerate(prompts):
         name = NAMES[i % 4]
         assert graphed[i] == peft_greedy(ckpt, adapters[name] if name else None, [p], NEW_TOKENS)[0], (i, name)
