@@ -158,15 +158,24 @@ class Outcome:
     timed_out: bool = False
 
 
+# Runs a python block's file as ``python3 FILE`` would: (script, cwd, env, timeout) -> (status,
+# output, timed out). tests/docs_warm.py's WarmPython.run is one.
+PythonRunner = Callable[[Path, Path, dict[str, str], float], tuple[int, str, bool]]
+
+
 def run_block(block: Block, text: str, cwd: Path, env: dict[str, str],
-              timeout: float = BLOCK_TIMEOUT_S) -> Outcome:
-    """Runs one block (``python3`` for python, ``bash -euo pipefail`` otherwise) in ``cwd``.
+              timeout: float = BLOCK_TIMEOUT_S, python: PythonRunner | None = None) -> Outcome:
+    """Runs one block (``python3`` for python, or ``python`` when given; ``bash -euo pipefail``
+    otherwise) in ``cwd``.
 
     The block runs in its own process group, which is killed afterwards, so a block that leaves
     a process behind (or overruns its time) cannot hold a port or a core for the next one.
     """
     if block.lang == "python":
         script, argv = cwd / f".block-{block.line}.py", ["python3"]
+        if python is not None:
+            script.write_text(text, encoding="utf-8")
+            return Outcome(*python(script, cwd, env, timeout))
     else:
         script, argv = cwd / f".block-{block.line}.sh", ["bash", "-euo", "pipefail"]
         if block.lang == "console":
@@ -200,8 +209,10 @@ class PageRun:
     """
 
     def __init__(self, blocks: list[Block], env: Callable[[], dict[str, str]],
-                 port: Callable[[], int], grpc_port: Callable[[], int] | None = None) -> None:
+                 port: Callable[[], int], grpc_port: Callable[[], int] | None = None,
+                 python: PythonRunner | None = None) -> None:
         self.blocks = blocks
+        self._python = python
         self._env, self._port, self._grpc_port = env, port, grpc_port
         self._dir = tempfile.TemporaryDirectory(prefix="doc-page-")
         self.cwd = Path(self._dir.name)
@@ -233,7 +244,7 @@ class PageRun:
             return None
         if block.skip is not None:
             return block.skip
-        outcome = run_block(block, text, self.cwd, self._env())
+        outcome = run_block(block, text, self.cwd, self._env(), python=self._python)
         if outcome.returncode != 0:
             self._failed = block
         return outcome
