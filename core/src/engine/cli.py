@@ -51,8 +51,19 @@ def check_before_start(server_args: ServerArgs) -> None:
     model's split over ``--tp-size`` x ``--pp-size`` read from the checkpoint's config.json (a GGUF
     is converted first, as start-up would), all before the server is imported or any process
     starts."""
-    from engine.preflight import check_devices, check_split_from_config_json, check_without_checkpoint
+    from engine.preflight import (
+        check_devices,
+        check_split_from_config_json,
+        check_without_checkpoint,
+        probes_platform,
+    )
 
+    if server_args.node_rank == 0 and probes_platform(server_args):
+        from engine.entrypoints.child_process import allow_forked_children
+
+        # The checks import torch to probe the platform: imported here first, on one compute
+        # thread, the engine's children can still be forks of this process (as without a probe).
+        allow_forked_children()
     check_without_checkpoint(server_args)
     check_devices(server_args)
     if server_args.tp_size * server_args.pp_size * server_args.ep_size > 1 and server_args.node_rank == 0:

@@ -224,6 +224,24 @@ def _check_expert_parallel(hf_config: Any, tp_size: int, ep_size: int) -> None:
                           f"must split evenly over {tp_size // ep_size} ranks; raise --ep-size or lower --tp-size")
 
 
+def probes_platform(args: ServerArgs) -> bool:
+    """Whether ``check_without_checkpoint`` or ``check_devices`` probes which platform claims the
+    machine (and so imports torch): several ranks on this node, or an ``--attention``/``--quant``
+    that does not run on every enabled platform's device type, without ``--platform``. A name the
+    registry does not hold counts as no probe: its check fails before any."""
+    replica = 1 if getattr(args, "enable_dp_attention", False) else args.tp_size * args.pp_size
+    if replica // max(1, args.nnodes) * args.dp_size > 1:
+        return True
+    if args.platform or not (args.attention or args.quant):
+        return False
+    reg = plugins.get_registry(args.disable_plugin)
+    named = [reg.entries.get(kind, {}).get(name) for kind, name in (("attention", args.attention),
+                                                                    ("quantization", args.quant)) if name]
+    if any(entry is None for entry in named):
+        return False
+    return not _runs_on_every_platform(reg, *(entry.spec for entry in named))
+
+
 def _runs_on_every_platform(reg: Any, *components: Any) -> bool:
     """Whether every given component spec (``None``: not named) lists the device type of every
     enabled platform plugin, read from their specs."""
@@ -321,4 +339,4 @@ def check_kv_cache_dtype(spec: AttentionBackendSpec, kv_cache_dtype: str) -> Non
 
 __all__ = ["check_backend_selectable", "check_devices", "check_kv_cache_dtype", "check_model_parallel",
            "check_model_path", "check_paths", "check_split_from_config_json", "check_without_checkpoint",
-           "names_for_device", "parser_log_lines", "speed_notes"]
+           "names_for_device", "parser_log_lines", "probes_platform", "speed_notes"]
