@@ -112,8 +112,10 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
     block_t = _token_tile(num_segments, max_seg_len, r_tiles, sms)
     groups = num_segments * _cdiv(max_seg_len, block_t) * r_tiles
     # Few token tiles (a short prefill): split K so that the GPU fills instead of a handful of
-    # programs looping over all of it.
-    parts = _split_k(k, block_k, groups, 2 * sms) if groups < sms and split else (1, _cdiv(k, block_k) * block_k)
+    # programs looping over all of it (a 128-token prompt has 8 tiles of 16 tokens). From half an
+    # SM count of tiles on, whole K, as before split K was measured.
+    few = groups <= sms // 2 and split
+    parts = _split_k(k, block_k, groups, 2 * sms) if few else (1, _cdiv(k, block_k) * block_k)
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=parts[0], CHUNK=parts[1], num_warps=4,
                 num_stages=3)
 
