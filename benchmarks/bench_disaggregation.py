@@ -188,7 +188,7 @@ def _mean(xs: list[float | None]) -> float | None:
 
 
 def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], load_prompts: list[list[int]],
-                 log_dir: str, vocab: int) -> list[dict[str, Any]]:
+                 log_dir: str, vocab: int) -> None:
     p_port, d_port, r_port, boot = _port(), _port(), _port(), _port()
     common = [sys.executable, "-m", "engine", "serve", "--model-path", a.model_path, "--load-format", a.load_format,
               "--skip-tokenizer-init", "--log-level", a.server_log_level,
@@ -241,32 +241,52 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
                        "prefill_side": pre.get(rid), "decode_side": dec.get(rid)}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            load: dict[str, Any] = {}
+            info_p, info_d = _info(p_url).get("disaggregation", {}), _info(d_url).get("disaggregation", {})
+            info_p.pop("recent", None)
+            info_d.pop("recent", None)
+            summary = _summary(a, backend, rows, started_s, info_p, info_d)
+            _emit(a, summary, t0)  # now: a time limit during the load phase keeps it
             if a.load_prompts:
+                load: dict[str, Any] = {}
                 for mode, url in (("whole", d_url), ("disaggregated", r_url)):
                     _flush(p_url, d_url)
                     load[mode] = _load_phase(url, load_prompts, greedy, a.arrival_interval_s)
                     _say(f"{backend}: load phase {mode} done")
-            info_p, info_d = _info(p_url).get("disaggregation", {}), _info(d_url).get("disaggregation", {})
-            info_p.pop("recent", None)
-            info_d.pop("recent", None)
+                _emit(a, _under_load(a, summary, load), t0)
+
+
+def _emit(a: argparse.Namespace, row: dict[str, Any], t0: float) -> None:
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(row), flush=True)
+    if a.result_file:
+        with open(a.result_file, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _names(a: argparse.Namespace, backend: str) -> tuple[str, str]:
+    group = f" (process group {a.group})" if backend == "torch" and a.group else ""
+    where = "prefill and decode servers on one GPU" if a.device_kind == "gpu" else "prefill and decode servers on one machine"
+    return f"{backend} transfer{group}", where
+
+
+def _summary(a: argparse.Namespace, backend: str, rows: list[dict[str, Any]], started_s: float,
+             info_p: dict[str, Any], info_d: dict[str, Any]) -> dict[str, Any]:
+    """The one-at-a-time phase's row for docs/benchmarks.md (the whole-server run as its peer)."""
     dec_rows = [r["decode_side"] or {} for r in rows]
     pre_rows = [r["prefill_side"] or {} for r in rows]
     def ms(values: list[Any]) -> float | None:
         mean = _mean(values)
         return None if mean is None else round(mean * 1e3, 3)
 
-    group = f"process group {a.group}" if backend == "torch" and a.group else ""
-    where = "prefill and decode servers on one GPU" if a.device_kind == "gpu" else "prefill and decode servers on one machine"
-    summary = {
+    transfer, where = _names(a, backend)
+    return {
         "kind": "summary", "bench": "disaggregation", "area": "disaggregation",
         "config": (f"{os.path.basename(a.model_path.rstrip('/'))} shape, {a.input_len} in / {a.output_len} out, "
-                   f"{len(prompts)} requests one at a time, {backend} transfer{' (' + group + ')' if group else ''}, "
-                   f"{where}"),
+                   f"{len(rows)} requests one at a time, {transfer}, {where}"),
         "command": "python3 benchmarks/bench_disaggregation.py " + shlex.join(a.argv),
         "device": a.device, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "backend": backend, "model_path": a.model_path, "input_len": a.input_len, "output_len": a.output_len,
-        "num_prompts": len(prompts), "servers_start_s": round(started_s, 1),
+        "num_prompts": len(rows), "servers_start_s": round(started_s, 1),
         "all_match": all(r["match"] for r in rows),
         "kv_mib": (_mean([r.get("bytes") for r in dec_rows]) or 0) / 2**20,
         "prefill_stage_ms": ms([r.get("stage_s") for r in pre_rows]),
@@ -281,18 +301,19 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
                  "itl_p99_ms": ms([r["whole"]["itl_p99_s"] for r in rows])},
         "prefill_counts": info_p, "decode_counts": info_d,
     }
-    if not load:
-        return [summary]
-    under_load = {
+
+
+def _under_load(a: argparse.Namespace, summary: dict[str, Any], load: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The load phase's row: ITL p99 against the whole-server run of the same arrivals."""
+    transfer, where = _names(a, summary["backend"])
+    return {
         **{k: summary[k] for k in ("kind", "bench", "area", "command", "device", "date", "backend", "model_path",
                                    "input_len", "output_len")},
         "config": (f"{os.path.basename(a.model_path.rstrip('/'))} shape, {a.input_len} in / {a.output_len} out, "
-                   f"{a.load_prompts} requests arriving every {a.arrival_interval_s * 1e3:g} ms, {backend} transfer"
-                   f"{' (' + group + ')' if group else ''}, {where}"),
+                   f"{a.load_prompts} requests arriving every {a.arrival_interval_s * 1e3:g} ms, {transfer}, {where}"),
         "figure": "itl_p99", "num_prompts": a.load_prompts, **load["disaggregated"],
         "peer": {"config": "the decode server serving the same requests whole, same run", **load["whole"]},
     }
-    return [summary, under_load]
 
 
 def _load_phase(url: str, prompts: list[list[int]], greedy: dict[str, Any], interval_s: float) -> dict[str, Any]:
@@ -364,7 +385,7 @@ def main() -> None:
             continue
         t = time.perf_counter()
         try:
-            summaries = _run_backend(a, backend, prompts, load_prompts, log_dir, vocab)
+            _run_backend(a, backend, prompts, load_prompts, log_dir, vocab)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next backend
             print(json.dumps({"kind": "error", "backend": backend, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
             for name in sorted(os.listdir(log_dir)):
@@ -373,12 +394,6 @@ def main() -> None:
                 break
             continue
         per_backend.append(time.perf_counter() - t)
-        for summary in summaries:
-            summary["wall_s"] = round(per_backend[-1], 1)
-            print(json.dumps(summary), flush=True)
-            if a.result_file:
-                with open(a.result_file, "a") as f:
-                    f.write(json.dumps(summary) + "\n")
 
 
 if __name__ == "__main__":
