@@ -46,6 +46,12 @@ def main_callback(
     """A pluggable LLM serving engine."""
 
 
+def _allow_forked_children() -> None:
+    from engine.entrypoints.child_process import allow_forked_children
+
+    allow_forked_children()
+
+
 def check_before_start(server_args: ServerArgs) -> None:
     """The checks ``engine config show`` runs, then the devices for several ranks per node and the
     model's split over ``--tp-size`` x ``--pp-size`` read from the checkpoint's config.json (a GGUF
@@ -55,17 +61,14 @@ def check_before_start(server_args: ServerArgs) -> None:
         check_devices,
         check_split_from_config_json,
         check_without_checkpoint,
-        probes_platform,
     )
 
-    if server_args.node_rank == 0 and probes_platform(server_args):
-        from engine.entrypoints.child_process import allow_forked_children
-
-        # The checks import torch to probe the platform: imported here first, on one compute
-        # thread, the engine's children can still be forks of this process (as without a probe).
-        allow_forked_children()
-    check_without_checkpoint(server_args)
-    check_devices(server_args)
+    # Where a check probes the platform (importing torch), torch is imported just before through
+    # allow_forked_children (one compute thread): the engine's children can still be forks of
+    # this process, as when nothing probes. Checks that fail earlier still fail before torch.
+    before_probe = _allow_forked_children if server_args.node_rank == 0 else None
+    check_without_checkpoint(server_args, before_probe)
+    check_devices(server_args, before_probe)
     if server_args.tp_size * server_args.pp_size * server_args.ep_size > 1 and server_args.node_rank == 0:
         from engine.entrypoints.launch import resolve_model_path
 

@@ -9,6 +9,7 @@ uses the attention checks below again for the backend it picks. Nothing here imp
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import engine.plugins as plugins
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from engine.hookspecs import AttentionBackendSpec
 
 
-def check_without_checkpoint(args: ServerArgs) -> None:
+def check_without_checkpoint(args: ServerArgs, before_probe: Callable[[], object] | None = None) -> None:
     """The start-up checks that need neither the checkpoint nor its weights, as one-line
     ``EngineError``s naming the flag, the value and what is accepted: required plugins, plugin
     options, and every component named by a flag (``--attention``, ``--quant``, ``--platform``,
@@ -29,7 +30,8 @@ def check_without_checkpoint(args: ServerArgs) -> None:
 
     Naming a device-bound component (``--attention``/``--quant``) without ``--platform`` probes
     which platform claims the machine, which imports the platform plugins' implementations (and
-    torch); everything else reads registered specs only.
+    torch); everything else reads registered specs only. ``before_probe`` is called right before
+    a probe (``engine serve`` imports torch there its own way, ``child_process.allow_forked_children``).
     """
     from engine.config import ServerArgs as _Defaults
     from engine.config import check_required_plugins
@@ -67,6 +69,8 @@ def check_without_checkpoint(args: ServerArgs) -> None:
             check_backend_selectable(attention, attention.device_types[0], args.page_size, args.kv_cache_dtype)
         return
     else:
+        if before_probe is not None:
+            before_probe()
         spec, _ = plugins.choose_platform(None, disabled, args.plugin_options)
         platform_name, device = spec.name, spec.device_type
     if attention is not None:
@@ -122,14 +126,17 @@ def check_paths(args: ServerArgs) -> None:
         check_split_from_config_json(args, args.model_path)
 
 
-def check_devices(args: ServerArgs) -> None:
+def check_devices(args: ServerArgs, before_probe: Callable[[], object] | None = None) -> None:
     """This node has a device for each of its ranks (``--tp-size`` x ``--pp-size`` / ``--nnodes``
-    x ``--dp-size``). Probes the platform (imports torch), so it runs only when a node has
-    several ranks; the CPU platform runs any number of ranks on its one device."""
+    x ``--dp-size``). Probes the platform (imports torch; ``before_probe`` is called first), so it
+    runs only when a node has several ranks; the CPU platform runs any number of ranks on its one
+    device."""
     replica = 1 if getattr(args, "enable_dp_attention", False) else args.tp_size * args.pp_size  # DP attention: one rank each
     per_node = replica // max(1, args.nnodes) * args.dp_size
     if per_node <= 1:
         return
+    if before_probe is not None:
+        before_probe()
     spec, platform = plugins.choose_platform(args.platform, args.disable_plugin, args.plugin_options)
     if platform.device_type == "cpu":
         return
@@ -222,24 +229,6 @@ def _check_expert_parallel(hf_config: Any, tp_size: int, ep_size: int) -> None:
     if inter is not None and int(inter) % (tp_size // ep_size):
         raise ConfigError(f"--tp-size {tp_size} with --ep-size {ep_size}: each expert's {inter} intermediate features "
                           f"must split evenly over {tp_size // ep_size} ranks; raise --ep-size or lower --tp-size")
-
-
-def probes_platform(args: ServerArgs) -> bool:
-    """Whether ``check_without_checkpoint`` or ``check_devices`` probes which platform claims the
-    machine (and so imports torch): several ranks on this node, or an ``--attention``/``--quant``
-    that does not run on every enabled platform's device type, without ``--platform``. A name the
-    registry does not hold counts as no probe: its check fails before any."""
-    replica = 1 if getattr(args, "enable_dp_attention", False) else args.tp_size * args.pp_size
-    if replica // max(1, args.nnodes) * args.dp_size > 1:
-        return True
-    if args.platform or not (args.attention or args.quant):
-        return False
-    reg = plugins.get_registry(args.disable_plugin)
-    named = [reg.entries.get(kind, {}).get(name) for kind, name in (("attention", args.attention),
-                                                                    ("quantization", args.quant)) if name]
-    if any(entry is None for entry in named):
-        return False
-    return not _runs_on_every_platform(reg, *(entry.spec for entry in named))
 
 
 def _runs_on_every_platform(reg: Any, *components: Any) -> bool:
@@ -339,4 +328,4 @@ def check_kv_cache_dtype(spec: AttentionBackendSpec, kv_cache_dtype: str) -> Non
 
 __all__ = ["check_backend_selectable", "check_devices", "check_kv_cache_dtype", "check_model_parallel",
            "check_model_path", "check_paths", "check_split_from_config_json", "check_without_checkpoint",
-           "names_for_device", "parser_log_lines", "probes_platform", "speed_notes"]
+           "names_for_device", "parser_log_lines", "speed_notes"]
