@@ -32,47 +32,45 @@ if "TRITON_INTERPRET" not in os.environ and not _has_cuda():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
-# Modules that take the longest on a CPU-only machine (per-test durations summed by module, from
-# a pytest --report-log of the suite on two workers), slowest first. Under pytest-xdist they are
-# handed out first, so the long ones run side by side at the start, not one alone at the end.
-# Only the order changes: a module missing here runs all the same, after these.
+# Modules that take the longest on a CPU-only machine, slowest group first (per-test durations
+# summed by group, from a pytest --report-log of the suite on two workers: a shared server's
+# group is ranked by its first module here). Under pytest-xdist they are handed out first,
+# longest first, so the long ones run side by side at the start and the short ones even out the
+# end, not one long module alone at the end. Only the order changes: a module missing here runs
+# all the same, after these.
 SLOW_MODULES: tuple[str, ...] = (
     "tests/test_docs_examples.py",
-    "tests/test_default_model.py",
-    "tests/test_dashboard_browser.py",
-    "tests/test_disaggregation_e2e.py",
-    "core/tests/layers/moe/test_align_kernel.py",
-    "tests/test_server_e2e_tools.py",
-    "tests/test_server_e2e_lora.py",
-    "tests/test_server_e2e_responses.py",
-    "tests/test_structured_output_e2e.py",
-    "tests/test_server_e2e_embeddings.py",
-    "tests/test_server_e2e_scoring.py",
-    "tests/test_server_e2e_parallel.py",
-    "tests/test_server_e2e_availability.py",
-    "tests/test_server_e2e_lifecycle.py",
-    "tests/test_server_e2e_grpc.py",
     "core/tests/distributed/test_parallel_parity.py",
-    "core/tests/distributed/test_parallel_grammar.py",
     "tests/test_server_e2e_dp.py",
-    "core/tests/speculative/test_scheduler_tree.py",
-    "tests/test_server_e2e_parallel_pp.py",
-    "plugins/lang/tests/test_runtime_endpoint.py",
-    "tests/test_server_e2e.py",
-    "core/tests/layers/moe/test_moe_small_batch.py",
-    "plugins/lang/tests/test_openai_backend.py",
-    "plugins/platform-cuda/tests/test_qkv_prologue.py",
-    "plugins/platform-cuda/tests/test_gemv_kernel.py",
-    "core/tests/entrypoints/test_engine.py",
-    "tests/test_default_model_spec.py",
-    "core/tests/entrypoints/test_child_process.py",
-    "plugins/lang/tests/test_engine_backend.py",
-    "tests/test_bench_cli_e2e.py",
-    "plugins/platform-cuda/tests/test_qkv_prologue_layer.py",
+    "tests/test_server_e2e_tools.py",
+    "tests/test_third_party_plugin.py",
+    "plugins-quant/gguf/tests/test_gguf_kernels.py",
+    "tests/test_server_e2e_availability.py",
     "plugins/platform-cuda/tests/test_gemv_norm.py",
+    "tests/test_server_e2e_parallel.py",
+    "plugins-attention/triton/tests/test_triton_interpreter.py",
+    "plugins-quant/int8/tests/test_int8_kernels.py",
+    "plugins/platform-cuda/tests/test_gemv_kernel.py",
+    "tests/test_server_e2e_responses.py",
     "tests/test_quant_across_attention_backends.py",
-    "plugins-quant/compressed-tensors/tests/test_ct_end_to_end.py",
-    "plugins-quant/awq/tests/test_awq_end_to_end.py",
+    "core/tests/layers/moe/test_moe_small_batch.py",
+    "plugins-quant/wna16/tests/test_kernels.py",
+    "core/tests/layers/moe/test_align_kernel.py",
+    "plugins/platform-cuda/tests/test_qkv_prologue.py",
+    "core/tests/distributed/test_parallel_grammar.py",
+    "core/tests/layers/moe/test_router_kernel.py",
+    "core/tests/speculative/test_scheduler_tree.py",
+    "tests/test_disaggregation_e2e.py",
+    "plugins/platform-cuda/tests/test_qkv_prologue_layer.py",
+    "tests/test_server_e2e_scoring.py",
+    "core/tests/layers/moe/test_moe_kernel.py",
+    "core/tests/entrypoints/test_child_process.py",
+    "core/tests/model_executor/test_gguf.py",
+    "tests/test_server_e2e_parallel_pp.py",
+    "core/tests/entrypoints/test_engine.py",
+    "core/tests/bench/test_bench_multi_turn.py",
+    "core/tests/test_cli_imports.py",
+    "plugins-models/moe/tests/test_moe_expert_parallel.py",
 )
 
 
