@@ -1,6 +1,6 @@
 """LoRA decode under CUDA graphs on a GPU (run by the lead on a GPU): a tiny float32 Llama with
 the triton LoRA backend, 13 requests over three adapters and the base model decoded from a
-16-row graph (the per-slot kernels, with split K, and three padding rows), give PEFT's greedy
+16-row graph (the per-slot expand, and three padding rows), give PEFT's greedy
 tokens. Kept small (one scheduler, two LoRA layers per decoder layer, graphs up to 16 rows) so
 that the kernels' compiles and the captures stay few."""
 

@@ -12,11 +12,9 @@ prefill pays, launch overhead included).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
         [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-1x128 prefill-4x512]
-        [--old] [--without-pdl]
+        [--without-pdl]
 
-``--old`` also times the backend with ``split_k`` off, the shrink forms before the per-slot decode
-shrink and split K (token-parallel decode shrink; prefill shrink over all of K in each program);
-``--without-pdl`` the same kernels launched without programmatic dependent launch.
+``--without-pdl`` also times the same kernels launched without programmatic dependent launch.
 
 ``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
 backend as its peer) and the base matmuls' time, as rows of the benchmarks page's ``lora`` area.
@@ -100,38 +98,20 @@ def eager_time_us(fn: Callable[[], object], reps: int) -> float:
 
 
 #: candidate configs: (BLOCK_R, BLOCK_K, warps) one token a program; (BLOCK_T, BLOCK_R, BLOCK_K, warps,
-#: stages, SPLIT) with tl.dot; (BLOCK_R, BLOCK_K, warps, programs aimed at per SM) per-slot shrink;
-#: (BLOCK_N, warps) one token a program; (BLOCK_T, BLOCK_N, warps) with tl.dot; (BLOCK_N, warps)
-#: per-slot expand.
-SHRINK_GEMV = [(1, 4096, 4), (1, 8192, 8), (2, 4096, 8), (4, 1024, 4)]
-SHRINK_DOT = [(16, 64, 64, 4, 3, 0), (16, 64, 64, 4, 3, 1), (32, 64, 64, 4, 3, 0), (64, 64, 64, 4, 3, 0),
-              (16, 64, 128, 4, 3, 0)]
-SHRINK_SLOTS = [(16, 128, 8, 2), (16, 64, 4, 2), (32, 64, 8, 2), (64, 64, 8, 1), (64, 64, 8, 2), (64, 64, 8, 4)]
+#: stages) with tl.dot; (BLOCK_N, warps) one token a program; (BLOCK_T, BLOCK_N, warps) with tl.dot;
+#: (BLOCK_N, warps) per-slot expand.
+SHRINK_GEMV = [(1, 4096, 4), (1, 8192, 8), (2, 4096, 8), (4, 1024, 4), (8, 512, 4), (16, 256, 4)]
+SHRINK_DOT = [(16, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (32, 64, 128, 4, 4), (64, 32, 128, 4, 3)]
 EXPAND_GEMV = [(32, 2), (32, 4), (64, 4), (128, 4)]
 EXPAND_DOT = [(16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 4)]
 EXPAND_SLOTS = [(32, 4), (64, 4), (64, 8), (128, 8)]
 
 
-def shrink_candidates(info: LoraBatchInfo, rows: int, k: int, sms: int) -> list[dict[str, int]]:
+def shrink_candidates(info: LoraBatchInfo) -> list[dict[str, int]]:
     """The sweep's shrink configs for a scenario's form."""
-    def split(block_k: int, groups: int, per_sm: float) -> dict[str, int]:
-        tiles = -(-k // block_k)
-        n = max(1, min(32, tiles, int(per_sm * sms) // max(1, groups)))
-        chunk = -(-tiles // n) * block_k
-        return dict(SPLIT=-(-k // chunk), CHUNK=chunk)
-
-    if info.max_seg_len <= 1 and info.num_segments >= 16:
-        return [dict(SLOTS=1, BLOCK_T=1, BLOCK_S=64, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2,
-                     **split(kk, SLOTS * -(-rows // r), per_sm)) for r, kk, w, per_sm in SHRINK_SLOTS]
     if info.max_seg_len <= 1:
-        return [dict(BLOCK_T=1, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2, SPLIT=1, CHUNK=-(-k // kk) * kk)
-                for r, kk, w in SHRINK_GEMV]
-    out = []
-    for t, r, kk, w, st, use_split in SHRINK_DOT:
-        groups = info.num_segments * -(-info.max_seg_len // t) * -(-rows // r)
-        parts = split(kk, groups, 2) if use_split else dict(SPLIT=1, CHUNK=-(-k // kk) * kk)
-        out.append(dict(BLOCK_T=t, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=st, **parts))
-    return out
+        return [dict(BLOCK_T=1, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=2) for r, kk, w in SHRINK_GEMV]
+    return [dict(BLOCK_T=t, BLOCK_R=r, BLOCK_K=kk, num_warps=w, num_stages=st) for t, r, kk, w, st in SHRINK_DOT]
 
 
 def expand_candidates(info: LoraBatchInfo, rank: int) -> list[dict[str, int]]:
@@ -154,12 +134,11 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
     width, sms = offsets[-1] - offsets[0], sm_count(x.device)
     args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
     pdl = has_pdl(x.device) and info.max_seg_len <= 1
-    shrink_cfgs = shrink_candidates(info, rows, k, sms)
+    shrink_cfgs = shrink_candidates(info)
     expand_cfgs = expand_candidates(info, rank)
     y = sgmv_shrink(x, a, *args, info.num_segments, info.max_seg_len)
     rows_out: list[dict[str, Any]] = []
-    for op, default, cfgs in (("shrink", shrink_config(info.num_segments, info.max_seg_len, rows, k, sms, SLOTS),
-                               shrink_cfgs),
+    for op, default, cfgs in (("shrink", shrink_config(info.num_segments, info.max_seg_len, rows, k, sms), shrink_cfgs),
                               ("expand", expand_config(info.num_segments, info.max_seg_len, width, rank, sms),
                                expand_cfgs)):
         if op not in ops:
@@ -210,7 +189,6 @@ def main() -> None:
     ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
                     help="which scenarios to run (default: all)")
-    ap.add_argument("--old", action="store_true", help="also time the shrink forms before per-slot decode and split K")
     ap.add_argument("--without-pdl", action="store_true", help="also time the kernels launched without PDL")
     args = ap.parse_args()
     swept: list[dict[str, Any]] = []
@@ -219,8 +197,7 @@ def main() -> None:
     torch.manual_seed(0)
     triton_be, native_be = TritonLoraBackend(), TorchNativeLoraBackend(per_segment=False)
     # Extra columns: name -> backend.
-    extra = {**({"old us": TritonLoraBackend(split_k=False)} if args.old else {}),
-             **({"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {})}
+    extra = {"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {}
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
     print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'eager us':>9} "
@@ -246,7 +223,7 @@ def main() -> None:
             ref_y = reference_shrink(x, a, info)
             want = out.float()
             reference_expand(ref_y, b, info, want, offsets)
-            for be in [triton_be, triton_be, triton_be, *extra.values()]:  # split K sums in arrival order
+            for be in [triton_be, *extra.values()]:
                 y = be.shrink(x, a, info)
                 got = out.clone()
                 be.expand(ref_y, b, info, got, offsets)

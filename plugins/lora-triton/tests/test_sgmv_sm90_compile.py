@@ -1,6 +1,6 @@
 """The SGMV kernels compile for an H100/H200 (sm_90) in the forms the launchers pick for
-Llama-3-8B's projections (decode: one token a program, or per slot with split K; prefill: token
-tiles with ``tl.dot``, split K for a short one), in
+Llama-3-8B's projections (decode: one token a program, expand per slot from 16 tokens; prefill:
+token tiles with ``tl.dot``), in
 bfloat16 with programmatic dependent launch, without register spills, each with one PDL trigger
 before its one wait. The interpreter tests check the arithmetic; this checks that the code the GPU
 runs (early returns, the slice selection, the constexpr branches) compiles.
@@ -19,7 +19,7 @@ INDEX = dict(seg_indptr_ptr="*i32", weight_indices_ptr="*i32", ranks_ptr="*i32")
 
 def _facts(kernel: object) -> dict[str, object]:
     ptx = kernel.asm["ptx"]  # type: ignore[attr-defined]
-    return {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx), "fences": ptx.count("fence.acq_rel.gpu")}
+    return {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
@@ -27,26 +27,16 @@ def _compile_all() -> dict[str, dict[str, object]]:
     from engine_lora_triton import launch
 
     facts: dict[str, dict[str, object]] = {}
-    scratch = dict(acc_ptr="*fp32", cnt_ptr="*i32")
     types = {a: "i32" for a in k._shrink_kernel.arg_names}
-    types.update(x_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16", **scratch, **INDEX)
-    slot_types = {a: "i32" for a in k._shrink_slots_kernel.arg_names}
-    slot_types.update(x_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16", **scratch, **INDEX)
+    types.update(x_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16", **INDEX)
     for name, (segments, seg_len, rows, width) in {"decode-1": (1, 1, 48, 4096), "decode-64": (64, 1, 48, 14336),
-                                                   "prefill-1": (1, 128, 48, 4096),
                                                    "prefill": (4, 512, 48, 4096)}.items():
-        cfg = launch.shrink_config(segments, seg_len, rows, width, 132, 9)
+        cfg = launch.shrink_config(segments, seg_len, rows, width, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
-        consts = dict(ROWS=rows, K=width, WIDEN=False, IEEE=False, PDL=True)
-        split = cfg.pop("SPLIT")  # run-time (a split of 1 is specialised by the launch, not here)
-        if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, row tile, K chunk)
-            cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._shrink_slots_kernel, slot_types, dict(**consts, **cfg), num_warps=warps)
-        else:
-            kernel = compile_kernel(k._shrink_kernel, types, dict(DOT=cfg["BLOCK_T"] > 1, **consts, **cfg),
-                                    num_warps=warps)
-        facts[f"shrink-{name}"] = {**_facts(kernel), "split": split}
+        kernel = compile_kernel(k._shrink_kernel, types, dict(ROWS=rows, K=width, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
+                                                              IEEE=False, PDL=True, **cfg), num_warps=warps)
+        facts[f"shrink-{name}"] = _facts(kernel)
     types = {a: "i32" for a in k._expand_kernel.arg_names}
     types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     slot_types = {a: "i32" for a in k._expand_slots_kernel.arg_names}
@@ -70,12 +60,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     facts = compiled_facts(__file__, timeout=600)
-    assert len(facts) == 7, facts
-    # The forms the launchers pick: split-K for a short prefill and the per-slot decode shrink.
-    assert facts["shrink-prefill-1"]["split"] > 1 and facts["shrink-decode-64"]["split"] > 1, facts
-    # Split K: every thread fences after its adds to the scratch, and again before the last
-    # program reads them (a barrier and one thread's release leave the others' atomics in flight).
-    assert all(got["fences"] == 2 for name, got in facts.items() if name.startswith("shrink")), facts
+    assert len(facts) == 6, facts
     for name, got in facts.items():
         assert got["spill_bytes"] == 0, (name, got)
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)

@@ -23,9 +23,9 @@ def register_lora_backends(register):  # type: ignore[no-untyped-def]
     register(LoraBackendSpec(
         name="triton", factory="engine_lora_triton.backend:create",
         device_types=("cuda", "cpu") if interpreting() else ("cuda",),
-        description="Triton SGMV kernels: one program per segment token tile and output tile (prefill, "
-                    "K split when few); decode a token a program, or one program per adapter slot and "
-                    "weight tile from 16 tokens"))
+        description="Triton SGMV kernels: one program per segment token tile and output tile (prefill); "
+                    "decode a token a program, expand one program per adapter slot and column tile from "
+                    "16 tokens"))
 
 
 @hookimpl
@@ -34,7 +34,3 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           help="sm_90+: launch decode batches' shrink and expand with programmatic dependent launch "
                                "(each starts while the kernel before it drains, reading the batch info and its "
                                "first weights)"))
-    register(PluginOption(plugin="lora-triton", key="split_k", default=True,
-                          help="split the shrink's K over several programs where its tiles are too few for the GPU "
-                               "(decode batches of 16+ tokens: one program per adapter slot; short prefills); "
-                               "off: one token a program in decode, prefill programs over all of K"))

@@ -22,15 +22,12 @@ class TritonLoraBackend:
 
     name = "triton"
 
-    def __init__(self, pdl: bool = True, split_k: bool = True) -> None:
+    def __init__(self, pdl: bool = True) -> None:
         self.pdl = pdl
-        #: the split-K shrink forms (per-slot decode shrink, short prefills); off: token-parallel
-        #: decode shrink and prefill programs over all of K.
-        self.split_k = split_k
 
     def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: Any) -> torch.Tensor:
         return sgmv_shrink(x, weights, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                           info.num_segments, info.max_seg_len, pdl=self._pdl(info, x.device), split=self.split_k)
+                           info.num_segments, info.max_seg_len, pdl=self._pdl(info, x.device))
 
     def expand(self, y: torch.Tensor, weights: torch.Tensor, info: Any, out: torch.Tensor,
                slice_offsets: Sequence[int]) -> None:
@@ -42,7 +39,6 @@ class TritonLoraBackend:
 
 
 def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
-    """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``,
-    ``lora-triton.split_k``); block sizes are chosen per call from the shapes."""
-    opts = options or {}
-    return TritonLoraBackend(pdl=bool(opts.get("pdl", True)), split_k=bool(opts.get("split_k", True)))
+    """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``);
+    block sizes are chosen per call from the shapes."""
+    return TritonLoraBackend(pdl=bool((options or {}).get("pdl", True)))

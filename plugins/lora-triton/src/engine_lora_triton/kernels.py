@@ -12,21 +12,12 @@ The forms, chosen per call from host-side sizes (``engine_lora_triton.launch``):
 
 - ``DOT`` (prefill, segments of several tokens): a program per token tile of 16-64 rows of one
   segment and tile of output columns, ``tl.dot``.
-- token-parallel (``BLOCK_T == 1``, small decode batches): a program is one token's
-  matrix-vector product, a broadcast multiply and a sum in float32, with narrow output tiles so
-  that a small batch still spreads over the SMs.
-- per-slot (``_shrink_slots_kernel``, ``_expand_slots_kernel``, decode batches of 16+ one-token
-  segments): a program per adapter slot and tile of A's rows or B's columns reads its weight tile
-  once and applies it, with ``tl.dot``, to every token of the batch on that slot.
-
-Split-K shrink (``split_k > 1``): when a shrink has too few (token tile, row tile) groups to fill
-the GPU (a short prefill, a decode batch over few adapters), each group's ``K`` is cut into
-``split_k`` chunks, one program each. The programs add their float32 partial products into a
-scratch accumulator (zero between calls) and count themselves in a per-group counter; the last
-one of a group reads the sum (and writes the accumulator's zeros back), stores it in y's
-dtype and resets the counter. Groups never share accumulator rows, and every program of a group
-takes the same branches, so each call leaves the scratch as it found it. The float32 sum runs in
-arrival order: its last bits may differ between runs.
+- token-parallel (``BLOCK_T == 1``, decode): a program is one token's matrix-vector product, a
+  broadcast multiply and a sum in float32, with narrow output tiles so that a small batch still
+  spreads over the SMs.
+- per-slot expand (``_expand_slots_kernel``, decode batches of 16+ one-token segments): a program
+  per adapter slot and column tile reads its tile of B once and applies it, with ``tl.dot``, to
+  every token of the batch on that slot.
 
 CUDA-graph safe: the grid comes from ``num_segments`` and ``max_seg_len`` (host ints, which may
 be upper bounds: token tiles past a segment's end return at once) and the tensors' shapes; no
@@ -44,9 +35,6 @@ import triton.language as tl
 # Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
 # to float32 before the product.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-# Compiled kernels fence with inline PTX; the interpreter runs programs one after another and has
-# no inline assembly.
-_FENCE = tl.constexpr(not _INTERPRETED)
 
 
 @triton.jit
@@ -63,47 +51,11 @@ def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _fence_gpu(x):
-    """Every thread waits until its earlier global writes and atomics are visible GPU-wide
-    (``fence.acq_rel.gpu``, CUDA's __threadfence): a CTA barrier and one thread's release do not
-    wait for the other threads' atomics in flight."""
-    if _FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def _store_rows(acc, rows, row_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group, split_k,
-                ROWS: tl.constexpr):
-    """Stores a program's ``acc`` [tokens, rows] into y; under split-K, adds it to the group's
-    scratch rows and, in the group's last program, moves their sum into y."""
-    mask = row_ok[:, None] & r_ok[None, :]
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
-    if split_k == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        acc_ptrs = acc_ptr + rows[:, None] * ROWS + offs_r[None, :]
-        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        # Every thread's adds are visible before the counter counts this program.
-        _fence_gpu(group)
-        tl.debug_barrier()
-        if tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel") == split_k - 1:
-            _fence_gpu(group)
-            # Read in L2, where the other programs' adds landed (L1 is not coherent across SMs).
-            total = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(acc_ptrs, tl.zeros_like(acc), mask=mask)
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed")
-
-
-@triton.jit
-def _shrink_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-                   split_k, stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
-                   ROWS: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr):
-    # Grid: (segments, token tiles, row tiles * split_k); the program's K chunk is [k_lo, k_lo + CHUNK),
-    # CHUNK a multiple of BLOCK_K.
+def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
+                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
+                   ROWS: tl.constexpr, K: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         # Before its wait a program reads only the batch info and A (written before the forward),
         # and writes nothing: the previous kernel may still be running.
@@ -116,35 +68,26 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight
         return
     slot = tl.load(weight_indices_ptr + seg)
     live = tl.load(ranks_ptr + slot) > 0  # a rank-0 slot (base model) keeps zeros, reads nothing
-    r_tile = tl.program_id(2) // split_k
-    split = tl.program_id(2) % split_k
-    k_lo = split * CHUNK
     offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_r = r_tile * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
     t_ok = offs_t < end
-    r_ok = offs_r < ROWS
+    r_ok = (offs_r < ROWS) & live
     x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
     a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak
-    av = tl.load(a_ptrs, mask=(r_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
+    av = tl.load(a_ptrs, mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    rows = offs_t.to(tl.int64)
+    xv = tl.load(x_ptrs, mask=(t_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
+    acc = _product(xv, av, DOT, WIDEN, IEEE)
     if live:
-        xv = tl.load(x_ptrs, mask=t_ok[:, None] & (offs_k < K)[None, :], other=0.0)
-        acc = _product(xv, av, DOT, WIDEN, IEEE)
-        for kk in range(BLOCK_K, CHUNK, BLOCK_K):
-            k_ok = offs_k < K - kk
-            xv = tl.load(x_ptrs + kk * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-            av = tl.load(a_ptrs + kk * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            xv = tl.load(x_ptrs + k0 * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+            av = tl.load(a_ptrs + k0 * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc += _product(xv, av, DOT, WIDEN, IEEE)
-        group = (seg * tl.num_programs(1) + tl.program_id(1)) * (tl.num_programs(2) // split_k) + r_tile
-        _store_rows(acc, rows, t_ok, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group, split_k,
-                    ROWS)
-    elif split == 0:
-        y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
-        tl.store(y_ptrs, tl.zeros((BLOCK_T, BLOCK_R), dtype=y_ptr.dtype.element_ty),
-                 mask=t_ok[:, None] & r_ok[None, :])
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_r[None, :] * stride_yr
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_r < ROWS)[None, :])
 
 
 @triton.jit
@@ -156,53 +99,6 @@ def _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLO
     tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
     end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
     return tok.to(tl.int64), s_ok & (owner == slot) & (end > tok)
-
-
-@triton.jit
-def _shrink_slots_kernel(x_ptr, a_ptr, y_ptr, acc_ptr, cnt_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-                         num_segments, split_k, stride_xt, stride_xk, stride_as, stride_ar, stride_ak,
-                         stride_yt, stride_yr, ROWS: tl.constexpr, K: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, WIDEN: tl.constexpr,
-                         IEEE: tl.constexpr, PDL: tl.constexpr):
-    # Decode batches (segments of at most one token): a program per (slot, row tile, K chunk)
-    # reads its tile of A once for every token of the batch on that slot, instead of every token
-    # reading its adapter's whole A. Grid: (slots, row tiles, split_k).
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    slot = tl.program_id(0)
-    live = tl.load(ranks_ptr + slot) > 0
-    split = tl.program_id(2)
-    k_lo = split * CHUNK
-    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_k = k_lo + tl.arange(0, BLOCK_K)
-    r_ok = offs_r < ROWS
-    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak
-    av0 = tl.load(a_ptrs, mask=(r_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    # Passes of BLOCK_S segments (a while loop: the count is a run-time size, which Triton's
-    # interpreter cannot take as a range bound).
-    s0 = 0
-    while s0 < num_segments:
-        rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            if live:
-                x_ptrs = x_ptr + rows[:, None] * stride_xt + offs_k[None, :] * stride_xk
-                xv = tl.load(x_ptrs, mask=mine[:, None] & (offs_k < K)[None, :], other=0.0)
-                acc = _product(xv, av0, True, WIDEN, IEEE)
-                for kk in range(BLOCK_K, CHUNK, BLOCK_K):
-                    k_ok = offs_k < K - kk
-                    xv = tl.load(x_ptrs + kk * stride_xk, mask=mine[:, None] & k_ok[None, :], other=0.0)
-                    av = tl.load(a_ptrs + kk * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                    acc += _product(xv, av, True, WIDEN, IEEE)
-                group = (slot * tl.num_programs(1) + tl.program_id(1)) * tl.cdiv(num_segments, BLOCK_S) + s0 // BLOCK_S
-                _store_rows(acc, rows, mine, offs_r, r_ok, y_ptr, stride_yt, stride_yr, acc_ptr, cnt_ptr, group,
-                            split_k, ROWS)
-            elif split == 0:
-                y_ptrs = y_ptr + rows[:, None] * stride_yt + offs_r[None, :] * stride_yr
-                tl.store(y_ptrs, tl.zeros((BLOCK_S, BLOCK_R), dtype=y_ptr.dtype.element_ty),
-                         mask=mine[:, None] & r_ok[None, :])
-        s0 += BLOCK_S
 
 
 @triton.jit
@@ -290,6 +186,8 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
                                                       R, BLOCK_N, BLOCK_R)
     if PDL:
         tl.extra.cuda.gdc_wait()
+    # Passes of BLOCK_S segments up to the run-time count (a while loop: Triton's interpreter
+    # cannot take a run-time range bound), so one compile serves every batch size.
     s0 = 0
     while s0 < num_segments:
         rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)

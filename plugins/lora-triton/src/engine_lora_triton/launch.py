@@ -17,7 +17,6 @@ from engine_lora_triton.kernels import (
     _expand_kernel,
     _expand_slots_kernel,
     _shrink_kernel,
-    _shrink_slots_kernel,
 )
 
 
@@ -49,54 +48,13 @@ def _token_tile(num_segments: int, max_seg_len: int, col_tiles: int, sms: int) -
     return 16
 
 
-#: Split-K shrink scratch per device: a float32 accumulator of this many elements (a call's
-#: ``tokens * rows`` must fit) and this many per-group counters, both zero between calls.
-SCRATCH_FLOATS = 1 << 20
-SCRATCH_GROUPS = 1 << 14
-_scratch_of: dict[tuple[str, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The device's split-K accumulator and counters, made once (zeros) and never replaced: a
-    captured graph keeps their addresses. Kernels on one device use them one at a time, as
-    kernels on one stream run; two streams running split-K shrinks at once would share them."""
-    key = (device.type, device.index)
-    if key not in _scratch_of:
-        _scratch_of[key] = (torch.zeros(SCRATCH_FLOATS, dtype=torch.float32, device=device),
-                            torch.zeros(SCRATCH_GROUPS, dtype=torch.int32, device=device))
-    return _scratch_of[key]
-
-
-def _split_k(k: int, block_k: int, groups: int, target: int, most: int = 32) -> tuple[int, int]:
-    """(SPLIT, CHUNK): K chunks per group so that ``groups * SPLIT`` reaches about ``target``
-    programs, each chunk a whole number of ``block_k`` tiles. The split is a power of two, so a
-    layer's chunk (a constexpr of the kernel) takes at most six values."""
-    k_tiles = _cdiv(k, block_k)
-    split = max(1, min(most, k_tiles, triton.next_power_of_2(_cdiv(target, max(1, groups)))))
-    chunk = _cdiv(k_tiles, split) * block_k
-    return _cdiv(k, chunk), chunk
-
-
-def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
-                  num_slots: int = 0, split: bool = True) -> dict[str, int]:
-    """Block sizes, K split and warps of the shrink for a call's host-side sizes (``SLOTS``: the
-    per-slot kernel over ``num_slots`` slots). ``split=False``: no split-K forms (token-parallel
-    decode, prefill programs over all of K)."""
-    return dict(_shrink_config(num_segments, max_seg_len, rows, k, sms, num_slots, split))
+def shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> dict[str, int]:
+    """Block sizes and warps of ``_shrink_kernel`` for a call's host-side sizes."""
+    return dict(_shrink_config(num_segments, max_seg_len, rows, k, sms))
 
 
 @functools.lru_cache(maxsize=256)
-def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int,
-                   num_slots: int, split: bool = True) -> dict[str, int]:
-    if max_seg_len <= 1 and num_segments >= 16 and num_slots > 0 and split:
-        # A decode batch: a program per (slot, row tile, K chunk) reads its tile of A once for
-        # all the batch's tokens on that slot; K is split to give about two programs per SM.
-        # 8 warps, and K tiles of 64 from 32-row tiles: no register spills on sm_90.
-        block_r = min(64, max(16, triton.next_power_of_2(rows)))
-        block_k = 64 if block_r >= 32 else 128
-        split, chunk = _split_k(k, block_k, num_slots * _cdiv(rows, block_r), 2 * sms)
-        return dict(SLOTS=1, BLOCK_T=1, BLOCK_S=64, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=split, CHUNK=chunk,
-                    num_warps=8, num_stages=2)
+def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> dict[str, int]:
     if max_seg_len <= 1:
         # One token per program, latency-bound on the loop over K: one or two rows a program give
         # even batch 1 a program per SM or so, and K tiles of 4-8K elements few iterations. On an
@@ -104,19 +62,11 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
         # with 4 rows over 2K, batch 64 3.0-9.9 us against 7.3-25.9 us with 8-16 rows over 0.5-1K.
         block_r = min(1 if num_segments < 16 else 2, triton.next_power_of_2(rows))
         block_k = min(triton.next_power_of_2(k), 8192 if block_r == 1 and k > 4096 else 4096)
-        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=1, CHUNK=_cdiv(k, block_k) * block_k,
-                    num_warps=8 if block_k * block_r >= 8192 else 4, num_stages=2)
+        return dict(BLOCK_T=1, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=8 if block_k * block_r >= 8192 else 4,
+                    num_stages=2)
     block_r = min(64, max(16, triton.next_power_of_2(rows)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
-    r_tiles = _cdiv(rows, block_r)
-    block_t = _token_tile(num_segments, max_seg_len, r_tiles, sms)
-    groups = num_segments * _cdiv(max_seg_len, block_t) * r_tiles
-    # Few token tiles (a short prefill): split K so that the GPU fills instead of a handful of
-    # programs looping over all of it (a 128-token prompt has 8 tiles of 16 tokens). From half an
-    # SM count of tiles on, whole K, as before split K was measured.
-    few = groups <= sms // 2 and split
-    parts = _split_k(k, block_k, groups, 2 * sms) if few else (1, _cdiv(k, block_k) * block_k)
-    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT=parts[0], CHUNK=parts[1], num_warps=4,
+    block_t = _token_tile(num_segments, max_seg_len, _cdiv(rows, block_r), sms)
+    return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=min(64, max(16, triton.next_power_of_2(k))), num_warps=4,
                 num_stages=3)
 
 
@@ -143,11 +93,11 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
 
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int, max_seg_len: int, pdl: bool = False,
-                config: dict[str, int] | None = None, split: bool = True) -> torch.Tensor:
+                config: dict[str, int] | None = None) -> torch.Tensor:
     """``[T, ROWS]`` in x's dtype: each token's row times its segment's ``a[slot]`` (``[ROWS, K]``)
     transposed; zeros for tokens of rank-0 slots (rows of tokens in no segment are unspecified).
     ``pdl``: launch with programmatic dependent launch (``has_pdl``). ``config`` overrides
-    ``shrink_config`` (the benchmark's sweeps); ``split=False`` keeps to the forms without split K."""
+    ``shrink_config`` (the benchmark's sweeps)."""
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
     if a.dtype != x.dtype:
@@ -159,32 +109,13 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
     if tokens == 0 or num_segments == 0 or max_seg_len == 0 or rows == 0:
         return y
-    cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device), a.shape[0], split))
-    slots = cfg.pop("SLOTS", 0)
-    if slots:
-        grid = (a.shape[0], _cdiv(rows, cfg["BLOCK_R"]), cfg["SPLIT"])
-        groups = grid[0] * grid[1] * _cdiv(num_segments, cfg["BLOCK_S"])
-    else:
-        grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), _cdiv(rows, cfg["BLOCK_R"]))
-        groups = grid[0] * grid[1] * grid[2]
-        grid = (grid[0], grid[1], grid[2] * cfg["SPLIT"])
-    if cfg["SPLIT"] > 1 and (tokens * rows > SCRATCH_FLOATS or groups > SCRATCH_GROUPS):
-        # Beyond the scratch (batches far larger than the ones that need a split): whole K.
-        cfg.update(SPLIT=1, CHUNK=_cdiv(k, cfg["BLOCK_K"]) * cfg["BLOCK_K"])
-        grid = (grid[0], grid[1], 1 if slots else _cdiv(rows, cfg["BLOCK_R"]))
-    acc, counters = _scratch(x.device)
-    common = dict(ROWS=rows, K=k, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl)
-    # The split is a run-time argument (Triton specialises a split of 1, whose programs store y
-    # directly); the chunk takes few values (``_split_k``), so few compiles serve every size.
-    sizes = (cfg.pop("SPLIT"), x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-             y.stride(0), y.stride(1))
-    if slots:
-        cfg.pop("BLOCK_T")
-        _shrink_slots_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, num_segments, *sizes,
-                                   **common, **cfg)
-    else:
-        _shrink_kernel[grid](x, a, y, acc, counters, seg_indptr, weight_indices, ranks, *sizes,
-                             DOT=cfg["BLOCK_T"] > 1, **common, **cfg)
+    cfg = config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device))
+    grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), _cdiv(rows, cfg["BLOCK_R"]))
+    _shrink_kernel[grid](
+        x, a, y, seg_indptr, weight_indices, ranks,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
+        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl,
+        launch_pdl=pdl, **cfg)
     return y
 
 
