@@ -252,6 +252,24 @@ def test_decode_tile_configs(seed: int, block_n: int, num_warps: int, num_stages
                                        f"heads_inner={heads_inner} seed={seed}")
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 3e4, 1e6], ids=["q1", "q3e4", "q1e6"])
+def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale: float) -> None:
+    """words=2 attends with q in float16: a row whose q exceeds float16's range (65504) must still match
+    (the kernel scales such a tile by 2^-16 and its scores by 2^16)."""
+    seq_lens = random_lens(5, 1, 900)
+    pools = PagedPools(seq_lens, 1, 2, 128, BF16)
+    k, v = pools.k_buffer.to(FP8), pools.v_buffer.to(FP8)
+    # Scores stay O(1..10): k is O(1), so q's scale is undone by the softmax scale.
+    q = torch.randn(5, 8, 128, dtype=BF16, device=DEV) * q_scale
+    scale = 0.3 / q_scale / 128**0.5
+    out = torch.full_like(q, float("nan"))
+    part = torch.full((5, 8, 1, 128), float("nan"), device=DEV)
+    decode_attention_fwd(q, k, v, out, pools.req.req_to_token, pools.indices(), torch.tensor(seq_lens, device=DEV),
+                         part, part[..., 0], 1, scale, words=2)
+    ref = reference_decode(q, k.float(), v.float(), pools.req.req_to_token, pools.req_slots, seq_lens, scale)
+    assert_matches(out, ref, BF16, f"words=2 q_scale={q_scale} seed={seed}")
+
+
 def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
     """Row i attends to one key whose V holds e4m3 bit pattern i (all 254 but NaN) in every dim: with
     one key the output is that value, which bf16 holds exactly (subnormals included)."""

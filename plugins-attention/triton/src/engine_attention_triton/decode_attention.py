@@ -21,7 +21,8 @@ Stage 1 has two loops (``decode_tiles`` picks one by the split count). The plain
 block's slots and then its K/V. The slots-ahead loop loads each block's slots one block early,
 so the K/V addresses are known when the block starts and Triton's pipeliner double-buffers the
 gathers (async copies); it wins where programs walk long sequences (few splits, large batches).
-An e4m3 pool under bf16 queries is gathered as int32 words and widened by ``jit_math.widen_e4m3_words``.
+An e4m3 pool under bf16 queries is gathered as int32 words and widened by ``jit_math.widen_e4m3_words``,
+or, at few splits on sm_89+, widened to float16 by the hardware conversion with q in float16.
 """
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP: 
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _q_to_f16(q):
+    """q (bf16) in float16 for the ``WORDS == 2`` path, and the factor its scores must be multiplied by.
+
+    float16 holds every bf16 value of magnitude below 65504 exactly (more mantissa, less range); a
+    tile holding a larger one is scaled by 2^-16 first (exact but for components under 2^-8, there
+    far below the tile's largest) and its scores by 2^16.
+    """
+    qf = q.to(tl.float32)
+    fac = tl.where(tl.max(tl.max(tl.abs(qf), 1), 0) > 32768.0, 65536.0, 1.0)
+    return (qf / fac).to(tl.float16), fac
 
 
 @triton.jit
@@ -202,7 +216,8 @@ def _decode_split_kernel(
         tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         if WORDS == 2:
-            q = q.to(tl.float16)
+            q, q_fac = _q_to_f16(q)
+            sm_scale = sm_scale * q_fac
         new = mask_n & (offs_n == seq_len - 1)
         k_new = tl.load(k_base + loc[:, None] * kt, mask=new[:, None] & mask_kc[None, :], other=0.0)
         v_new = tl.load(v_base + loc[:, None] * vt, mask=new[:, None] & mask_vc[None, :], other=0.0)
@@ -213,7 +228,8 @@ def _decode_split_kernel(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         if WORDS == 2:
-            q = q.to(tl.float16)
+            q, q_fac = _q_to_f16(q)
+            sm_scale = sm_scale * q_fac
 
     # Every block starts below hi, so it holds at least one live key and m_new stays finite.
     if SLOTS_AHEAD:
@@ -331,6 +347,9 @@ class DecodeTiles(NamedTuple):
     num_stages: int
     heads_inner: bool = HEADS_INNER
     kv_per_program: int = KV_PER_PROGRAM
+    #: An e4m3 pool under bf16 queries widens to float16 by the hardware's paired conversion
+    #: (``words`` 2, sm_89+) instead of to bf16 on the integer pipe (``widen_e4m3_words``).
+    widen_f16: bool = False
 
 
 def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool) -> DecodeTiles:
@@ -342,13 +361,21 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
     (32 keys, 4 warps, 4 stages) against 805 us with the plain loop's (64, 4, 3); fp8 words pool:
     599 us with (32, 2 warps, 3) against 710 us (``benchmarks/bench_decode.py --sweep``). Many
     splits (batch 1) cover ~100 keys each, where the plain loop's single (64, 4, 3) is as fast.
+
+    At few splits an e4m3 pool widens to float16 by the hardware conversion (``widen_f16``), q in
+    float16: on the H200 at batch 512 / 256 / 128, 583 / 296 / 154 us against 606 / 308 / 170 us
+    for the integer-pipe widening to bf16 (``--tiles 1,32,2,3,2,1,1``). The heads-inner launch order
+    it runs with was neither faster nor slower there; neither was a row's slots being consecutive
+    instead of shuffled, and several KV heads a program (``kv_per_program`` 2, 4, 8) was slower at
+    every tile tried (645 us at best for 2 heads, 825 us for 4), so the fp8 kernel's distance to the
+    KV-read bound (0.65 of it) is not the gathers' access pattern.
     """
     if head_dim > 128 or q_dtype == torch.float32:
         return DecodeTiles(False, 32, 4, 3)
     if num_kv_splits > 4:
         return DecodeTiles(False, 64, 4, 3)
     if words:
-        return DecodeTiles(True, 32, 2, 3)
+        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True)
     return DecodeTiles(True, 32, 4, 4)
 
 
@@ -424,12 +451,16 @@ def decode_attention_fwd(
     if batch == 0:
         return
     group = num_heads // num_kv_heads
-    if words is None:
+    chosen = words is None
+    if chosen:
         words = int(gathers_words(q, k_buffer, v_buffer))
     elif words == 2 and not (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype != torch.float32):
         raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
                          f"under {q.dtype}")
-    tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, words)
+    tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, bool(words))
+    if chosen and words == 1 and tiles.widen_f16 and _sm89(q.device.index if q.device.index is not None
+                                                           else torch.cuda.current_device()):
+        words = 2
     heads_inner = tiles.heads_inner if heads_inner is None else heads_inner
     # The tiles' choice falls back to one KV head a program where the shapes do not allow more.
     per_program = (kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program) if kv_per_program
@@ -491,6 +522,12 @@ def decode_attention_fwd(
         num_warps=4,
         launch_pdl=pdl,
     )
+
+
+@functools.cache
+def _sm89(index: int) -> bool:
+    """Whether the CUDA device converts e4m3 to float16 in hardware (sm_89+)."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 @functools.cache
