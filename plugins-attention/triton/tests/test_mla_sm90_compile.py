@@ -1,8 +1,8 @@
 """The MLA kernels compile for an H100/H200 (sm_90) at DeepSeek's shape (16 query heads, a latent of
-512 + 64 dims) with their default tiles, without register spills: over a bf16 pool, and over an
-e4m3 pool gathered as int32 words (the slots-ahead loop, 3 stages), whose widening must not go
-through Triton's f16 path (no ``cvt.bf16.f16``), and over an e4m3 pool widened to float16, one
-``cvt.rn.f16x2.e4m3x2`` per pair (the default for an fp8 pool).
+512 + 64 dims) with their default tiles, without register spills: over a bf16 pool (both loops),
+over an e4m3 pool gathered as int32 words (the slots-ahead loop, 3 stages; the default under bf16
+queries), whose widening must not go through Triton's f16 path (no ``cvt.bf16.f16``), and over an
+e4m3 pool widened to float16, one ``cvt.rn.f16x2.e4m3x2`` per pair.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a kernel that only
 Triton's interpreter accepts, or a tile choice that spills, fails here on a machine without a GPU.
@@ -44,6 +44,12 @@ def _compile_all() -> dict[str, int]:
                       dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=0,
                            SLOTS_AHEAD=False, **DEEPSEEK),
                       num_warps=4, num_stages=2)
+    ahead = _compile(m._mla_decode_split_kernel,
+                     dict(Q="*bf16", KV="*bf16", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
+                          Part_Out="*fp32", Part_Lse="*fp32", **scalars),
+                     dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=0,
+                          SLOTS_AHEAD=True, **DEEPSEEK),
+                     num_warps=4, num_stages=3)
     words = _compile(m._mla_decode_split_kernel,
                      dict(Q="*bf16", KV="*fp8e4nv", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
                           Part_Out="*fp32", Part_Lse="*fp32", **scalars),
@@ -64,6 +70,7 @@ def _compile_all() -> dict[str, int]:
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, TREE_MASK=False, **DEEPSEEK),
                       num_warps=warps, num_stages=stages)
     return {"decode": spill_bytes(decode.asm["ptx"]), "extend": spill_bytes(extend.asm["ptx"]),
+            "decode_slots_ahead": spill_bytes(ahead.asm["ptx"]),
             "decode_fp8_words": spill_bytes(words.asm["ptx"]),
             "fp8_words_f16_widening": "cvt.bf16.f16" in words.asm["ptx"],
             "decode_fp8_f16": spill_bytes(f16.asm["ptx"]),
@@ -71,7 +78,8 @@ def _compile_all() -> dict[str, int]:
 
 
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
-    assert compiled_facts(__file__, timeout=600) == {"decode": 0, "extend": 0, "decode_fp8_words": 0,
+    assert compiled_facts(__file__, timeout=600) == {"decode": 0, "extend": 0, "decode_slots_ahead": 0,
+                                                     "decode_fp8_words": 0,
                                                      "fp8_words_f16_widening": False, "decode_fp8_f16": 0,
                                                      "fp8_f16_pair_cvt": True}
 

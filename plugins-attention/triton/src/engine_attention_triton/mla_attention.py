@@ -177,15 +177,19 @@ def mla_decode_fwd(
     in the MLA pool ``kv_buffer`` ``[slots, 1, lora + rope]`` (the new token already saved there),
     writing ``out`` ``[batch, num_heads, lora]``. The workspaces and ``num_kv_splits`` are those of
     ``decode_attention_fwd`` with ``v_dim = lora``; ``kv_scale``: an fp8 pool's scale. The tiles
-    (``block_h`` heads by ``block_n`` keys, 4 warps, 2 stages, the plain loop) compile for sm_90
-    at DeepSeek's 16 heads and 512 + 64 dims without register spills.
+    (``block_h`` heads by ``block_n`` keys) compile for sm_90 at DeepSeek's 16 heads and 512 + 64
+    dims without register spills. A 16-bit pool: the plain loop with 4 warps and 2 stages at more
+    than 4 splits (small batches), the slots-ahead loop with 4 warps and 3 stages at up to 4 (on an
+    H200 at 256 rows of 2,048 tokens, 3 splits: 191.6 us, 0.74 of the read bound, against 204.0).
 
-    An fp8 pool under 16-bit queries is widened to float16 (``widen="f16"``: one ``cvt`` per pair
-    of values) and q converted to float16 (exact in its range, saturated beyond), in the
-    slots-ahead loop with 8 warps and 3 stages. Triton's widening to bf16 (``"cvt"``) goes through f16 with
-    one slow F2F conversion per value: on an H200 at 256 rows of 2,048 tokens it took 518 us, 0.14
-    of the read bound; bf16 through the integer pipe (``"words"``, e4m3 only) 315 us.
-    ``widen``, ``slots_ahead``, ``num_stages``: overrides (benchmarks, tests)."""
+    An fp8 pool under 16-bit queries is never widened by Triton's own conversion (``widen="cvt"``,
+    through f16 with one slow F2F per value: 514.9-518.2 us at that size, 0.14 of the bound): an
+    e4m3 pool under bf16 queries is gathered as int32 words and widened on the integer pipe
+    (``"words"``: 313.5 us, slots-ahead, 4 warps, 3 stages); otherwise it is widened to float16,
+    one conversion per pair, with q converted to float16, exact in its range and saturated beyond
+    (``"f16"``: 412.0 us for e4m3 at that size, slots-ahead, 8 warps: 4 spill). Both remain
+    issue-bound well above the 70.9 us of reads. ``widen``, ``slots_ahead``, ``num_warps``,
+    ``num_stages``: overrides (benchmarks, tests)."""
     check_kernel_dtype(q.dtype, "q")
     batch, num_heads, head_dim = q.shape
     _check_mla_shapes(q, kv_buffer, kv_lora_rank, "decode")
@@ -202,14 +206,14 @@ def mla_decode_fwd(
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
     block_h = min(block_h, block_size(num_heads))
     fp8 = kv_buffer.element_size() == 1
+    words_fit = kv_lora_rank % 4 == 0 and gathers_words(q, kv_buffer, kv_buffer)
     if widen is None:
-        widen = "f16" if fp8 and q.dtype != torch.float32 else "cvt"
-    if widen not in _WIDEN or (widen == "words" and not (kv_lora_rank % 4 == 0
-                                                         and gathers_words(q, kv_buffer, kv_buffer))):
+        widen = "cvt" if not fp8 or q.dtype == torch.float32 else "words" if words_fit else "f16"
+    if widen not in _WIDEN or (widen == "words" and not words_fit):
         raise ValueError(f"mla decode: widen={widen!r} for a {kv_buffer.dtype} pool and {q.dtype} q; accepted: "
                          "cvt, f16, words (an e4m3 pool, bf16 q, 4-aligned rows, sm_80+ compiled)")
     if slots_ahead is None:
-        slots_ahead = fp8 and widen != "cvt"
+        slots_ahead = widen != "cvt" if fp8 else num_kv_splits <= 4 and q.dtype != torch.float32
     if num_stages is None:
         num_stages = 3 if slots_ahead else 2
     if num_warps is None:
