@@ -49,9 +49,9 @@ MAX_SPLITS = 64
 GRAPH_BELOW = 256 << 20
 #: (block_h, block_n, num_warps, num_stages) tried by --sweep.
 GRID = list(itertools.product((16, 32), (16, 32, 64), (4, 8), (1, 2, 3)))
-#: Loops and widenings timed by --variants beside the default (fp8: "cvt", Triton's own e4m3 ->
-#: bf16 widening in the plain loop, the kernel's first fp8 path; "f16", the default's widening, in
-#: the plain loop and with more stages). ``mla_decode_fwd(widen="words")`` is bf16 on the integer pipe.
+#: Loops and widenings timed by --variants beside the default (fp8 under bf16 queries: the default
+#: gathers int32 words and widens them on the integer pipe; "cvt" is Triton's own e4m3 -> bf16
+#: widening, "f16" the pair conversion to float16 with q converted; bf16: the plain loop).
 VARIANTS = {
     "fp8_e4m3": {
         "cvt plain w8 s2": dict(widen="cvt", slots_ahead=False, num_warps=8, num_stages=2),
@@ -59,7 +59,7 @@ VARIANTS = {
         "f16 ahead w8 s4": dict(widen="f16", slots_ahead=True, num_warps=8, num_stages=4),
     },
     "bf16": {
-        "ahead w4 s3": dict(slots_ahead=True, num_warps=4, num_stages=3),
+        "plain w4 s2": dict(slots_ahead=False, num_warps=4, num_stages=2),
     },
 }
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
