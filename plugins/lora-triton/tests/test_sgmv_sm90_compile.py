@@ -1,6 +1,5 @@
 """The SGMV kernels compile for an H100/H200 (sm_90) in the forms the launchers pick for
-Llama-3-8B's projections (decode: one token a program, expand per slot from 16 tokens; prefill:
-token tiles with ``tl.dot``), in
+Llama-3-8B's projections (decode: one token a program; prefill: token tiles with ``tl.dot``), in
 bfloat16 with programmatic dependent launch, without register spills, each with one PDL trigger
 before its one wait. The interpreter tests check the arithmetic; this checks that the code the GPU
 runs (early returns, the slice selection, the constexpr branches) compiles.
@@ -48,7 +47,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         cfg.pop("num_stages")
         if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, column tile)
             cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, BLOCK_S=64,
+            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64,
                                                                              WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
         else:

@@ -23,9 +23,8 @@ def register_lora_backends(register):  # type: ignore[no-untyped-def]
     register(LoraBackendSpec(
         name="triton", factory="engine_lora_triton.backend:create",
         device_types=("cuda", "cpu") if interpreting() else ("cuda",),
-        description="Triton SGMV kernels: one program per segment token tile and output tile (prefill); "
-                    "decode a token a program, expand one program per adapter slot and column tile from "
-                    "16 tokens"))
+        description="Triton SGMV kernels: one program per segment token tile and output tile; "
+                    "token-parallel matrix-vector form for one-token segments (decode)"))
 
 
 @hookimpl

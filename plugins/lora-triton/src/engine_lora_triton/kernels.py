@@ -1,23 +1,23 @@
 """Segmented LoRA shrink and expand (SGMV) in Triton.
 
 The tokens of one forward are split into segments, contiguous runs that share one adapter slot
-(``seg_indptr``, ``weight_indices``). Each program multiplies by a single adapter's matrix:
+(``seg_indptr``, ``weight_indices``). Each program owns one token tile of one segment and one
+tile of the output columns, so every program multiplies by a single adapter's matrix:
 
 - shrink: ``y[t, :] = x[t, :] @ A[w].T`` over ``K`` (the layer's input), ``A[w]`` being
   ``[n_slices * R, K]``; rows of a rank-0 slot are written as zeros.
 - expand: ``out[t, off_i:off_i+1] += scaling[w] * y[t, i*R:(i+1)*R] @ B[w, off_i:off_i+1].T``
   for each slice ``i`` (q/k/v of a fused QKV, gate/up); a rank-0 slot's rows are not touched.
 
-The forms, chosen per call from host-side sizes (``engine_lora_triton.launch``):
+Two forms of the same kernels, chosen per call from host-side sizes:
 
-- ``DOT`` (prefill, segments of several tokens): a program per token tile of 16-64 rows of one
-  segment and tile of output columns, ``tl.dot``.
-- token-parallel (``BLOCK_T == 1``, decode): a program is one token's matrix-vector product, a
-  broadcast multiply and a sum in float32, with narrow output tiles so that a small batch still
-  spreads over the SMs.
-- per-slot expand (``_expand_slots_kernel``, decode batches of 16+ one-token segments): a program
-  per adapter slot and column tile reads its tile of B once and applies it, with ``tl.dot``, to
-  every token of the batch on that slot.
+- ``DOT`` (prefill, segments of several tokens): token tiles of 16-64 rows, ``tl.dot``.
+- token-parallel (``BLOCK_T == 1``, every segment one token: decode with one segment per
+  request): a program is one token's matrix-vector product, a broadcast multiply and a sum in
+  float32, with narrow output tiles so that a small batch still spreads over the SMs.
+- per-slot expand (``_expand_slots_kernel``, decode batches of 16+ segments): a program per
+  (adapter slot, column tile) reads its B tile once and applies it to the batch's tokens on that
+  slot.
 
 CUDA-graph safe: the grid comes from ``num_segments`` and ``max_seg_len`` (host ints, which may
 be upper bounds: token tiles past a segment's end return at once) and the tensors' shapes; no
@@ -91,51 +91,6 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, rank
 
 
 @triton.jit
-def _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S: tl.constexpr):
-    """Rows of segments ``[s0, s0 + BLOCK_S)`` (one token each) and which of them are on ``slot``."""
-    segs = s0 + tl.arange(0, BLOCK_S)
-    s_ok = segs < num_segments
-    owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
-    tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
-    end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
-    return tok.to(tl.int64), s_ok & (owner == slot) & (end > tok)
-
-
-@triton.jit
-def _slice_tile(b_ptr, scalings_ptr, slot, rank, tile, off0, off1, off2, off3, tiles0, tiles01,
-                stride_bs, stride_bn, stride_br, R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Expand's column tile ``tile``: its columns of out, their mask, the first column of y it
-    reads, the columns of y within the slot's rank, the slot's tile of B and its scaling.
-
-    Column tiles never straddle slices: tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice
-    1, the rest slice 2 (the host passes the tile count as both bounds when there are fewer
-    slices); each tile reads its own slice's R columns of y."""
-    in1 = tile >= tiles0
-    in2 = tile >= tiles01
-    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
-    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
-    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
-    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
-    scale = tl.load(scalings_ptr + slot)
-    return cols, n_ok, y_col0 + offs_r, r_ok, bv, scale
-
-
-@triton.jit
-def _add_rows(out_ptr, rows, row_ok, cols, n_ok, stride_ot, stride_on, scale, acc):
-    """``out[rows, cols] += scale * acc`` in float32."""
-    mask = row_ok[:, None] & n_ok[None, :]
-    out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
-    cur = tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
                    off0, off1, off2, off3, tiles0, tiles01,
                    stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
@@ -153,24 +108,41 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:  # the base model: its rows of out stay as they are
         return
-    cols, n_ok, y_cols, r_ok, bv, scale = _slice_tile(b_ptr, scalings_ptr, slot, rank, tl.program_id(2), off0, off1,
-                                                      off2, off3, tiles0, tiles01, stride_bs, stride_bn, stride_br,
-                                                      R, BLOCK_N, BLOCK_R)
+    # Column tiles never straddle slices: tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice 1,
+    # the rest slice 2 (the host passes the tile count as both bounds when there are fewer slices);
+    # each tile reads its own slice's R columns of y.
+    tile = tl.program_id(2)
+    in1 = tile >= tiles0
+    in2 = tile >= tiles01
+    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
+    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
+    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < hi
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    scale = tl.load(scalings_ptr + slot)
     if PDL:
         tl.extra.cuda.gdc_wait()
     offs_t = t0 + tl.arange(0, BLOCK_T)
     t_ok = offs_t < end
-    rows = offs_t.to(tl.int64)
-    yv = tl.load(y_ptr + rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
-                 mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-    _add_rows(out_ptr, rows, t_ok, cols, n_ok, stride_ot, stride_on, scale, _product(yv, bv, DOT, WIDEN, IEEE))
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
+    yv = tl.load(y_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+    acc = _product(yv, bv, DOT, WIDEN, IEEE)
+    mask = t_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + cols[None, :] * stride_on
+    cur = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
                          num_segments, off0, off1, off2, off3, tiles0, tiles01,
                          stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
-                         R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                         R: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_R: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     # Decode batches (segments of at most one token): one program per (slot, column tile) reads
     # its B tile once and applies it to every token of the batch on that slot, instead of every
@@ -181,18 +153,35 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:
         return
-    cols, n_ok, y_cols, r_ok, bv, scale = _slice_tile(b_ptr, scalings_ptr, slot, rank, tl.program_id(1), off0, off1,
-                                                      off2, off3, tiles0, tiles01, stride_bs, stride_bn, stride_br,
-                                                      R, BLOCK_N, BLOCK_R)
+    tile = tl.program_id(1)
+    in1 = tile >= tiles0
+    in2 = tile >= tiles01
+    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
+    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
+    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < hi
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    scale = tl.load(scalings_ptr + slot)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    # Passes of BLOCK_S segments up to the run-time count (a while loop: Triton's interpreter
-    # cannot take a run-time range bound), so one compile serves every batch size.
-    s0 = 0
-    while s0 < num_segments:
-        rows, mine = _slot_tokens(seg_indptr_ptr, weight_indices_ptr, num_segments, slot, s0, BLOCK_S)
+    for s0 in range(0, SEGS, BLOCK_S):
+        segs = s0 + tl.arange(0, BLOCK_S)
+        s_ok = segs < num_segments
+        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
+        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
+        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+        mine = s_ok & (owner == slot) & (end > tok)
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            yv = tl.load(y_ptr + rows[:, None] * stride_yt + y_cols[None, :] * stride_yr,
+            rows = tok.to(tl.int64)
+            yv = tl.load(y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr,
                          mask=mine[:, None] & r_ok[None, :], other=0.0)
-            _add_rows(out_ptr, rows, mine, cols, n_ok, stride_ot, stride_on, scale, _product(yv, bv, True, WIDEN, IEEE))
-        s0 += BLOCK_S
+            acc = _product(yv, bv, True, WIDEN, IEEE)
+            mask = mine[:, None] & n_ok[None, :]
+            out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
+            cur = tl.load(out_ptrs, mask=mask, other=0.0)
+            tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
