@@ -187,10 +187,18 @@ def _mean(xs: list[float | None]) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], load_prompts: list[list[int]],
-                 log_dir: str, vocab: int) -> None:
+def _prompts(a: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    """The measured prompts and the load phase's: seeded, so every backend gets the same ones."""
+    rng = random.Random(0)
+    top = min(vocab, 20000)
+    prompts = [[rng.randrange(3, top) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
+    return prompts, [[rng.randrange(3, top) for _ in range(a.input_len)] for _ in range(a.load_prompts)]
+
+
+def _run_backend(a: argparse.Namespace, backend: str, log_dir: str) -> None:
     p_port, d_port, r_port, boot = _port(), _port(), _port(), _port()
-    common = [sys.executable, "-m", "engine", "serve", "--model-path", a.model_path, "--load-format", a.load_format,
+    model = ["--model-path", a.model_path] if a.model_path else []
+    common = [sys.executable, "-m", "engine", "serve", *model, "--load-format", a.load_format,
               "--skip-tokenizer-init", "--log-level", a.server_log_level,
               "--disaggregation-transfer-backend", backend, *shlex.split(a.extra)]
     if a.mem_fraction_static:
@@ -217,6 +225,8 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
             _wait(r_url, router_procs, router_logs, 60)
             _say(f"{backend}: router ready")
             greedy = {"temperature": 0, "max_new_tokens": a.output_len, "ignore_eos": True}
+            vocab = int(_info(d_url)["vocab_size"])
+            prompts, load_prompts = _prompts(a, vocab)
             warm = [random.Random(99).randrange(3, min(vocab, 20000)) for _ in range(a.input_len)]
             _stream(d_url, {"input_ids": warm, "sampling_params": {**greedy, "max_new_tokens": 4}})
             _stream(r_url, {"input_ids": warm[::-1], "sampling_params": {**greedy, "max_new_tokens": 4}})
@@ -255,6 +265,13 @@ def _run_backend(a: argparse.Namespace, backend: str, prompts: list[list[int]], 
                 _emit(a, _under_load(a, summary, load), t0)
 
 
+def _model_name(a: argparse.Namespace) -> str:
+    if not a.model_path:
+        return "default model (SmolLM2-135M-Instruct)"
+    name = os.path.basename(a.model_path.rstrip("/"))
+    return f"{name} shape" if a.load_format == "dummy" else name
+
+
 def _emit(a: argparse.Namespace, row: dict[str, Any], t0: float) -> None:
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(row), flush=True)
@@ -281,7 +298,7 @@ def _summary(a: argparse.Namespace, backend: str, rows: list[dict[str, Any]], st
     transfer, where = _names(a, backend)
     return {
         "kind": "summary", "bench": "disaggregation", "area": "disaggregation",
-        "config": (f"{os.path.basename(a.model_path.rstrip('/'))} shape, {a.input_len} in / {a.output_len} out, "
+        "config": (f"{_model_name(a)}, {a.input_len} in / {a.output_len} out, "
                    f"{len(rows)} requests one at a time, {transfer}, {where}"),
         "command": "python3 benchmarks/bench_disaggregation.py " + shlex.join(a.argv),
         "device": a.device, "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -309,7 +326,7 @@ def _under_load(a: argparse.Namespace, summary: dict[str, Any], load: dict[str, 
     return {
         **{k: summary[k] for k in ("kind", "bench", "area", "command", "device", "date", "backend", "model_path",
                                    "input_len", "output_len")},
-        "config": (f"{os.path.basename(a.model_path.rstrip('/'))} shape, {a.input_len} in / {a.output_len} out, "
+        "config": (f"{_model_name(a)}, {a.input_len} in / {a.output_len} out, "
                    f"{a.load_prompts} requests arriving every {a.arrival_interval_s * 1e3:g} ms, {transfer}, {where}"),
         "figure": "itl_p99", "num_prompts": a.load_prompts, **load["disaggregated"],
         "peer": {"config": "the decode server serving the same requests whole, same run", **load["whole"]},
@@ -342,8 +359,8 @@ def _load_phase(url: str, prompts: list[list[int]], greedy: dict[str, Any], inte
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model-path", required=True)
-    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--model-path", default=None, help="checkpoint or config directory (default: the embedded model)")
+    ap.add_argument("--load-format", default="auto")
     ap.add_argument("--input-len", type=int, default=4096)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=4)
@@ -370,11 +387,6 @@ def main() -> None:
     a.group = options.get("kvtransfer_torch.process_group", "")
     # A time limit's SIGTERM unwinds like an error, so the servers started here are stopped.
     signal.signal(signal.SIGTERM, _on_term)
-    with open(os.path.join(a.model_path, "config.json")) as f:
-        vocab = int(json.load(f).get("vocab_size", 32000))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, min(vocab, 20000)) for _ in range(a.input_len)] for _ in range(a.num_prompts)]
-    load_prompts = [[rng.randrange(3, min(vocab, 20000)) for _ in range(a.input_len)] for _ in range(a.load_prompts)]
     log_dir = tempfile.mkdtemp(prefix="bench-disagg-")
     begin = time.perf_counter()
     per_backend: list[float] = []
@@ -385,7 +397,7 @@ def main() -> None:
             continue
         t = time.perf_counter()
         try:
-            _run_backend(a, backend, prompts, load_prompts, log_dir, vocab)
+            _run_backend(a, backend, log_dir)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next backend
             print(json.dumps({"kind": "error", "backend": backend, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
             for name in sorted(os.listdir(log_dir)):
