@@ -382,6 +382,9 @@ def main() -> None:
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = ",".join(
         x for x in (os.environ.get("NO_PROXY", ""), "127.0.0.1,localhost") if x)
     a.argv = sys.argv[1:]
+    if "--result-file" in a.argv:  # the stamped command reproduces the figures, not where they went
+        at = a.argv.index("--result-file")
+        del a.argv[at:at + 2]
     a.device, a.device_kind = _device()
     options = dict(o.split("=", 1) for o in a.plugin_option if "=" in o)
     a.group = options.get("kvtransfer_torch.process_group", "")
