@@ -18,7 +18,8 @@ docs/benchmarks.md (``"kind": "summary"``; a second one for the load phase); ``-
 appends the summaries.
 
     python3 benchmarks/bench_disaggregation.py --model-path docs/bench_configs/qwen3-0.6b \\
-        --load-format dummy --input-len 4096 --output-len 128 --num-prompts 4 --backend zmq
+        --load-format dummy --input-len 4096 --output-len 128 --num-prompts 4 --backend zmq \\
+        --mem-fraction-static 0 --extra "--attention triton --max-total-tokens 131072"
 """
 
 from __future__ import annotations
