@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from engine.testing.aot import compiled_facts, compile_kernel, spill_bytes
+from engine.testing.aot import compile_kernel, compiled_facts, spill_bytes
 
 
 def _compile_all() -> dict[str, dict[str, int]]:

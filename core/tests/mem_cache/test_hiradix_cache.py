@@ -77,7 +77,16 @@ def test_evicted_prefix_comes_back_from_host(policy: str) -> None:
     assert cache.match_prefix(a, load_back=False).prefix_len == 0
     match = cache.match_prefix(a + [1, 2])
     assert match.prefix_len == 20 and kv_tokens(pool, match.device_indices) == a
-    assert cache.host_hit_tokens == 20 and cache.stats()["hicache_bytes_loaded"] == 20 * 32
+    assert cache.stats()["hicache_bytes_loaded"] == 20 * 32
+    assert cache.host_hit_tokens == 0  # counted when its request is admitted
+    # Not admitted this round: matched again at the next attempt, now on the device, it is still
+    # the same host hit, counted once.
+    cache.match_prefix(a + [1, 2])
+    cache.note_admitted()
+    assert (cache.lookup_tokens, cache.device_hit_tokens, cache.host_hit_tokens) == (22, 0, 20)
+    cache.match_prefix(a + [3])
+    cache.note_admitted()
+    assert (cache.lookup_tokens, cache.device_hit_tokens, cache.host_hit_tokens) == (43, 20, 20)
     check_invariants(cache, allocator)
     # b went to the host in turn and is served from there too.
     assert kv_tokens(pool, cache.match_prefix(b).device_indices) == b

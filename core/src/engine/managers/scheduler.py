@@ -389,6 +389,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
                     break
                 if req.retractions == 0 and not req.output_ids:
                     req.cached_tokens = len(req.prefix_indices)
+                self.tree_cache.note_admitted()
                 if take_chunk(req, min(rem_chunk, rem_input) if can_run else rem_chunk):
                     req.is_chunked = 1
                     new_chunked = req

@@ -103,6 +103,11 @@ class BasePrefixCache(ABC):
             return self.match_prefix(key)
         return self.match_prefix(key, namespace=namespace)  # type: ignore[call-arg]
 
+    def note_admitted(self) -> None:  # noqa: B027 (optional hook, no-op by default)
+        """Called by the scheduler when the request of the latest ``match_prefix`` is admitted:
+        a cache that counts hits counts that match now, so a request matched again at every
+        admission attempt while it waits counts once."""
+
     def ready_for_forward(self) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Called before a prefill forward: KV the cache is still copying into the device pool
         for the batch (a hierarchical cache's loads) must be ordered before it."""

@@ -76,6 +76,12 @@ class HiRadixCache(TierSideMixin, RadixCache):
         # Tier-only nodes a running load reads: the tier must not evict them meanwhile.
         self._pinned_host: set[int] = set()
         self._count_hits = True
+        # The latest counted match, (lookup, device hit, host hit tokens, node ids loaded for it),
+        # added to the counters when its request is admitted (note_admitted).
+        self._pending_hits: tuple[int, int, int, set[int]] | None = None
+        # Nodes loaded back for a request not admitted yet: its next match finds them on the
+        # device, and they still count as host hits then.
+        self._loaded_unclaimed: set[int] = set()
         self.lookup_tokens = 0  # prompt tokens matched against the cache at admission
         self.device_hit_tokens = 0
         self.host_hit_tokens = 0
@@ -107,12 +113,26 @@ class HiRadixCache(TierSideMixin, RadixCache):
         if tier_nodes and load_back:
             loaded = self._load_back(device_nodes[-1] if device_nodes else top, tier_nodes)
         if load_back and self._count_hits:
-            self.lookup_tokens += len(key)
-            self.device_hit_tokens += sum(len(n.key) for n in device_nodes)
-            self.host_hit_tokens += sum(len(n.key) for n in loaded)
-            self._maybe_log()
+            from_host = [n for n in device_nodes if n.id in self._loaded_unclaimed] + loaded
+            self._loaded_unclaimed.update(n.id for n in loaded)
+            host = sum(len(n.key) for n in from_host)
+            device = sum(len(n.key) for n in device_nodes) + sum(len(n.key) for n in loaded) - host
+            self._pending_hits = (len(key), device, host, {n.id for n in from_host})
         nodes = device_nodes + loaded
         return MatchResult(device_indices=self._cat_values(nodes), last_node=nodes[-1] if nodes else top)
+
+    def note_admitted(self) -> None:
+        if self._pending_hits is None:
+            return
+        lookup, device, host, claimed = self._pending_hits
+        self._pending_hits = None
+        self.lookup_tokens += lookup
+        self.device_hit_tokens += device
+        self.host_hit_tokens += host
+        self._loaded_unclaimed -= claimed
+        if len(self._loaded_unclaimed) > 65536:  # ids of nodes whose requests never came back
+            self._loaded_unclaimed.clear()
+        self._maybe_log()
 
     def prefix_hint(self, key: Sequence[int], namespace: int | None = None) -> MatchResult:
         """The device part of the match, loading nothing (admission ordering only)."""
