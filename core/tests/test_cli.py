@@ -50,6 +50,30 @@ def test_plugins_list_table() -> None:
     assert verbose.exit_code == 0 and "cuda.gemv" in verbose.output and "PLATFORM" in verbose.output
 
 
+def test_plugins_list_shows_every_kind_registered_and_the_frontends() -> None:
+    from importlib.metadata import entry_points
+
+    from engine import plugins
+    from engine.hookspecs import SPEC_KINDS
+
+    res = runner.invoke(app, ["plugins", "list", "--json"])
+    assert res.exit_code == 0
+    rows = json.loads(res.output)
+    listed = {kind for row in rows for kind in row["registers"]}
+    registered = {kind for info in plugins.list_plugins() for kind in info.kinds}
+    # Every hook kind an installed plugin registered is listed (LoRA backends, KV tiers, KV transfer,
+    # router policies included: the repository installs one of each).
+    assert registered <= listed
+    assert {"lora-backend", "kv-tier", "kv-transfer", "router"} <= registered <= {k for k, _ in SPEC_KINDS.values()}
+    frontends = sorted(ep.name for ep in entry_points(group="engine.frontends"))
+    assert frontends == ["grpc"]  # plugserve-grpc is installed with the repository
+    assert [r["name"] for r in rows if "frontend" in r["registers"]] == frontends
+    assert next(r for r in rows if r["name"] == "grpc")["distribution"] == "plugserve-grpc"
+    assert [r["name"] for r in rows] == sorted(r["name"] for r in rows)
+    table = runner.invoke(app, ["plugins", "list"]).output
+    assert re.search(r"^grpc +plugserve-grpc +0\.1\.0 +ok +frontend: grpc$", table, re.M)
+
+
 def test_table_wraps_the_last_column_at_separators() -> None:
     from engine.cli_table import render_table, wrap_cell
 

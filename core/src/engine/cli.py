@@ -154,14 +154,15 @@ def plugins_list(
     --json) imports their implementations and torch, which takes seconds.
     """
     import engine.plugins as plugins
-    from engine.cli_table import plugin_rows, render_table
+    from engine.cli_table import frontend_infos, plugin_rows, render_table
 
     try:
         # As for serve: a plugin's name, or a name it registers (hermes for toolparser_hermes).
         disable_plugin = plugins.resolve_plugin_names(disable_plugin or [], "--disable-plugin")
     except EngineError as exc:
         fail(str(exc))
-    infos = plugins.list_plugins(disable_plugin or [])
+    # Hook plugins, then the frontends beside HTTP (engine.frontends), which register no hook.
+    infos = sorted(plugins.list_plugins(disable_plugin or []) + frontend_infos(), key=lambda p: p.name)
     if as_json:
         platforms = plugins.platform_statuses(disable_plugin or [])
         rows_json = [p.to_dict() for p in infos]
