@@ -19,6 +19,8 @@ _EXPORTS: dict[str, str] = {
     "SiluAndMul": "layers.activation",
     "GeluAndMul": "layers.activation",
     "get_act_and_mul": "layers.activation",
+    # the gated (SwiGLU-style) feed-forward block
+    "GatedMLP": "layers.mlp",
     # normalisation
     "RMSNorm": "layers.layernorm",
     "PendingNorm": "layers.layernorm",
@@ -93,6 +95,7 @@ if TYPE_CHECKING:
         set_weight_attrs,
     )
     from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+    from engine.layers.mlp import GatedMLP
     from engine.layers.moe.layer import FusedMoE, UnquantizedFusedMoEMethod, expert_params_mapping
     from engine.layers.moe.reference import fused_moe_reference
     from engine.layers.moe.router import select_experts

@@ -27,9 +27,8 @@ from torch import nn
 
 from engine.distributed import data_parallel_mlp, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from engine.errors import ModelLoadError
-from engine.layers.activation import get_act_and_mul
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from engine.layers.mlp import GatedMLP
 from engine.layers.moe import FusedMoE, GroupedTopK
 from engine.layers.quantization import QuantizationConfig
 from engine_models_deepseek.mla import DeepseekMLA
@@ -61,22 +60,6 @@ def routing_for(config: Any) -> GroupedTopK:
                        "max" if method == "group_limited_greedy" else "top2_sum", renormalize, scaling)
 
 
-class DeepseekMLP(nn.Module):
-    """A SwiGLU MLP: the dense layers' and the shared experts'."""
-
-    def __init__(self, config: Any, intermediate_size: int, quant_config: QuantizationConfig | None, prefix: str,
-                 reduce_results: bool = True) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2,
-                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, reduce_results=reduce_results,
-                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = get_act_and_mul(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class DeepseekGate(nn.Module):
     """The router: float32 logits (the checkpoints keep it unquantized) and V3's correction bias."""
 
@@ -105,8 +88,9 @@ class DeepseekMoE(nn.Module):
                                 routing.renormalize, quant_config=quant_config, prefix=f"{prefix}.experts",
                                 reduce_results=False, routing=routing)
         shared = int(getattr(config, "n_shared_experts", None) or 0)
-        self.shared_experts = (DeepseekMLP(config, config.moe_intermediate_size * shared, quant_config,
-                                           f"{prefix}.shared_experts", reduce_results=False) if shared else None)
+        self.shared_experts = (GatedMLP(config.hidden_size, config.moe_intermediate_size * shared, config.hidden_act,
+                                        quant_config, f"{prefix}.shared_experts", reduce_results=False)
+                               if shared else None)
         self.tp_size = get_tensor_model_parallel_world_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +119,7 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
         # DP attention: the MLP splits across the data-parallel replicas (engine.distributed.dp_attention).
         self.mlp: nn.Module = data_parallel_mlp(
             lambda: DeepseekMoE(config, quant_config, f"{prefix}.mlp") if is_moe_layer(config, layer_id)
-            else DeepseekMLP(config, config.intermediate_size, quant_config, f"{prefix}.mlp"))
+            else GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, quant_config, f"{prefix}.mlp"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

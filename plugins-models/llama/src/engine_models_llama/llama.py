@@ -16,11 +16,11 @@ from torch import nn
 
 from engine.distributed import get_tensor_model_parallel_world_size
 from engine.errors import ModelLoadError
-from engine.layers.activation import get_act_and_mul
 from engine.layers.hidden_capture import record_layer_output
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.mlp import GatedMLP
 from engine.layers.pipeline import PPMissingLayer, PPProxyTensors, make_layers, pp_stage
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import RadixAttention, kv_scale_target
@@ -39,20 +39,12 @@ def _sliding_window(config: Any, layer_id: int) -> int:
     return -1
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, quant_config: QuantizationConfig | None, prefix: str) -> None:
-        super().__init__()
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias,
-            quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(
-            config.intermediate_size, config.hidden_size, bias=bias,
-            quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = get_act_and_mul(config.hidden_act)
+class LlamaMLP(GatedMLP):
+    """The core's ``GatedMLP`` sized from a Llama-family config (``mlp_bias`` biases both linears)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def __init__(self, config: Any, quant_config: QuantizationConfig | None, prefix: str) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size, config.hidden_act, quant_config, prefix,
+                         bias=bool(getattr(config, "mlp_bias", False)))
 
 
 class LlamaAttention(nn.Module):

@@ -21,9 +21,9 @@ from engine_models_llama.llama import LlamaAttention, LlamaDecoderLayer, LlamaFo
 from torch import nn
 
 from engine.errors import ModelLoadError
-from engine.layers.activation import get_act_and_mul
 from engine.layers.layernorm import RMSNorm, normed_tensor
-from engine.layers.linear import MergedColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.layers.linear import ReplicatedLinear
+from engine.layers.mlp import GatedMLP
 from engine.layers.moe import FusedMoE, expert_params_mapping
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import kv_scale_target
@@ -47,22 +47,6 @@ def num_experts(config: Any) -> int:
     return int(getattr(config, "num_local_experts", None) or config.num_experts)
 
 
-class GatedMLP(nn.Module):
-    """A dense SwiGLU MLP of a given width (Qwen's shared expert and its dense layers)."""
-
-    def __init__(self, config: Any, intermediate_size: int, quant_config: QuantizationConfig | None, prefix: str,
-                 reduce_results: bool = True) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2,
-                                                       quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, reduce_results=reduce_results,
-                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
-        self.act_fn = get_act_and_mul(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
-
-
 class SparseMoeBlock(nn.Module):
     """Router + routed experts (+ Qwen2-MoE's gated shared expert)."""
 
@@ -78,7 +62,8 @@ class SparseMoeBlock(nn.Module):
             renormalize=True if mixtral else bool(getattr(config, "norm_topk_prob", False)),
             quant_config=quant_config, prefix=f"{prefix}.experts")
         shared = getattr(config, "shared_expert_intermediate_size", 0) or 0
-        self.shared_expert = GatedMLP(config, shared, quant_config, f"{prefix}.shared_expert") if shared else None
+        self.shared_expert = (GatedMLP(config.hidden_size, shared, config.hidden_act, quant_config,
+                                       f"{prefix}.shared_expert") if shared else None)
         self.shared_expert_gate = (ReplicatedLinear(config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
                                    if shared else None)
 
@@ -123,7 +108,8 @@ class MoeDecoderLayer(LlamaDecoderLayer):
             mlp = SparseMoeBlock(config, quant_config, f"{prefix}.{self.mlp_name}")
             first_reader = "gate"
         else:
-            mlp = GatedMLP(config, config.intermediate_size, quant_config, f"{prefix}.{self.mlp_name}")
+            mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, quant_config,
+                           f"{prefix}.{self.mlp_name}")
             first_reader = "gate_up_proj"
         setattr(self, self.mlp_name, mlp)
         self.norm_consumers = {"post_attention_layernorm": f"{self.mlp_name}.{first_reader}"}
