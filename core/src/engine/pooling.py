@@ -78,11 +78,18 @@ class PoolingConfig:
                 "default_dimensions": self.default_dimensions}
 
 
-def default_pooling(architecture: str) -> PoolingConfig:
+def default_pooling(architecture: str, encoder: bool | None = None) -> PoolingConfig:
     """Encoders: mean pooling, as sentence-transformers builds for a plain checkpoint; decoders:
-    the last token, as Qwen3-Embedding and gte-Qwen do; both L2-normalised."""
-    if architecture in ENCODER_ARCHITECTURES:
-        return PoolingConfig("mean", True, f"default for {architecture}")
+    the last token, as Qwen3-Embedding and gte-Qwen do; both L2-normalised.
+
+    ``encoder``: whether the model attends both ways (its class declares ``uses_kv_cache = False``);
+    None decides from the architecture, where every ``Bert*`` class is an encoder (the last token
+    of a BERT prompt is ``[SEP]``, whose state is not the text's vector).
+    """
+    if encoder is None:
+        encoder = architecture in ENCODER_ARCHITECTURES or architecture.startswith("Bert")
+    if encoder:
+        return PoolingConfig("mean", True, f"default for encoder {architecture}")
     return PoolingConfig("last", True, f"default for {architecture}")
 
 
@@ -99,8 +106,8 @@ _ST_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean"
 _ST_UNSUPPORTED = ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 
-def read_pooling_config(model_dir: str, architecture: str) -> PoolingConfig:
-    """The checkpoint's sentence-transformers pooling, else ``default_pooling``.
+def read_pooling_config(model_dir: str, architecture: str, encoder: bool | None = None) -> PoolingConfig:
+    """The checkpoint's sentence-transformers pooling, else ``default_pooling(architecture, encoder)``.
 
     ``modules.json`` lists the modules after the transformer: a ``Pooling`` module (its folder's
     ``config.json`` names the mode) and optionally ``Normalize``. A module this engine does not run
@@ -109,7 +116,7 @@ def read_pooling_config(model_dir: str, architecture: str) -> PoolingConfig:
     """
     modules_path = os.path.join(model_dir, "modules.json")
     if not os.path.isfile(modules_path):
-        return default_pooling(architecture)
+        return default_pooling(architecture, encoder)
     modules = _read_json(modules_path)
     if not isinstance(modules, list):
         raise ConfigError(f"--model-path: {modules_path}: expected a list of modules")

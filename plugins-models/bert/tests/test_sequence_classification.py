@@ -61,3 +61,43 @@ def test_a_checkpoint_without_pooler_is_refused(tmp_path: Any) -> None:
     weights += [(name, p.detach()) for name, p in model.named_parameters() if name.startswith("classifier.")]
     with pytest.raises(ModelLoadError, match="no pooler weights"):
         model.load_weights(weights)
+
+
+@pytest.mark.parametrize("pooling", [None, "cls", "mean"])
+def test_embed_pools_as_sentence_transformers(tmp_path: Any, pooling: str | None) -> None:
+    """``--task embed`` on a classification checkpoint pools the encoder's token states (no pooler,
+    no classifier) as sentence-transformers does: its ``1_Pooling`` mode when the checkpoint has
+    modules.json, else mean pooling, as sentence-transformers builds for a plain checkpoint. The
+    last token (``[SEP]``), a decoder's default, is never the vector of a BERT."""
+    import json
+    import os
+
+    from engine.testing.checkpoints import load_hf_model, make_tiny_checkpoint
+    from engine.testing.harness import embed_prompts, make_scheduler
+
+    path = make_tiny_checkpoint(str(tmp_path), "BertForSequenceClassification", num_labels=2, hidden_size=32,
+                                intermediate_size=64, num_attention_heads=4, max_position_embeddings=64)
+    if pooling is not None:
+        os.makedirs(os.path.join(path, "1_Pooling"))
+        with open(os.path.join(path, "modules.json"), "w") as f:
+            json.dump([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                       {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                       {"idx": 2, "name": "2", "path": "2_Normalize",
+                        "type": "sentence_transformers.models.Normalize"}], f)
+        with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+            json.dump({"word_embedding_dimension": 32, f"pooling_mode_{'cls_token' if pooling == 'cls' else 'mean_tokens'}": True}, f)
+    scheduler = make_scheduler(path, task="embed")
+    assert scheduler.runner.task == "embed" and scheduler.runner.pooling_config.method == (pooling or "mean")
+    results = embed_prompts(scheduler, [ids for ids, _ in INPUTS])
+    assert [r["error"] for r in results] == [None] * len(INPUTS)
+    encoder = load_hf_model(path, reference="BertForSequenceClassification").bert
+    for i, (ids, _) in enumerate(INPUTS):
+        with torch.no_grad():
+            states = encoder(torch.tensor([ids])).last_hidden_state[0]
+        ref = states[0] if pooling == "cls" else states.mean(0)
+        ref = ref / ref.norm()
+        ours = torch.tensor(results[i]["embedding"])
+        err = (ours - ref).abs().max().item()
+        assert err <= ATOL, f"input {i}: max abs error {err} > {ATOL}"
+        last = states[-1] / states[-1].norm()
+        assert (ours - last).abs().max().item() > 10 * ATOL

@@ -237,7 +237,8 @@ class ModelRunner:
                               "forward_hidden); accepted for it: --task generate")
         if self.placement.pp_size > 1:
             raise ConfigError(f"--task {self.task}: pooling models run without pipeline parallelism; accepted: --pp-size 1")
-        config = read_pooling_config(model_path, arch)
+        # A model without KV cache attends both ways (BERT): mean pooling by default, not the last token.
+        config = read_pooling_config(model_path, arch, encoder=not self.uses_kv_cache)
         # A scoring model's head maps the pooled state to its labels (``pooling_head``); embedding
         # (--task embed) pools the token states without it.
         head = None
