@@ -16,6 +16,7 @@ for API 4 keep working.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import weakref
 from abc import ABC, abstractmethod
@@ -23,6 +24,8 @@ from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class Platform(ABC):
@@ -309,6 +312,8 @@ class TorchCudaPlatform(Platform):
         except (AttributeError, RuntimeError):  # a build without the runtime bindings
             registered = False
         if not registered:
+            logger.warning("cudaHostRegister of %d bytes failed; pinning with pin_memory=True instead "
+                           "(torch's caching host allocator rounds the block up to a power of two)", nbytes)
             return torch.empty(shape, dtype=dtype, pin_memory=True)
         # Unregistered when this tensor object goes (views made from it may outlive it: their
         # pages are then pageable again, still valid, and copies fall back to synchronous ones).
