@@ -189,7 +189,7 @@ class TorchKvTransfer(ZmqKvTransfer):
         pair.submit((receive, lambda why: self._finish_fetch(key, f"torch KV transfer from {host} failed: {why}")))
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "backend": "torch", "process_group": "nccl" if self._nccl else "gloo",
+        return {**super().stats(), "backend": "torch", "process_group": self._group_kind,
                 "pairs": len(self._pairs)}
 
     def close(self) -> None:
