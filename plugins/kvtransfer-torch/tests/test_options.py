@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from engine_kvtransfer_torch.backend import TorchKvTransfer
 
@@ -32,45 +34,45 @@ def test_a_cpu_pool_uses_gloo(value: str) -> None:
         backend.close()
 
 
-def _roundtrip_error(prefill: TorchKvTransfer, decode: TorchKvTransfer) -> str:
+def _refusal(prefill_as: Callable[[TorchKvTransfer], None], decode_as: Callable[[TorchKvTransfer], None]) -> str:
+    """The error a decode server gets fetching from a prefill server, each set up by its
+    ``*_as`` first (no GPU here: the handshake alone runs)."""
     import time
 
     import torch
 
     from engine.disaggregation import KvPayload
 
-    k = torch.zeros(2, 3, 2, 8)
-    prefill.publish("r:1", KvPayload(5, k, k.clone(), {}))
-    decode.fetch("r:1", "127.0.0.1", prefill.port, 10.0)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for key, result in decode.poll(0.1):
-            assert key == "r:1" and isinstance(result, str), result
-            return result
-    raise AssertionError("no answer within 10 s")
+    prefill = TorchKvTransfer(KvTransferContext(role="prefill", layout=_LAYOUT, port=0, timeout_s=5.0))
+    decode = TorchKvTransfer(_ctx())
+    try:
+        prefill_as(prefill)
+        decode_as(decode)
+        k = torch.zeros(2, 3, 2, 8)
+        prefill.publish("r:1", KvPayload(5, k, k.clone(), {}))
+        decode.fetch("r:1", "127.0.0.1", prefill.port, 10.0)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for key, result in decode.poll(0.1):
+                assert key == "r:1" and isinstance(result, str), result
+                return result
+        raise AssertionError("no answer within 10 s")
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _as_nccl_on_one_gpu(side: TorchKvTransfer) -> None:
+    """As an NCCL rank on the GPU of UUID GPU-0f0e would be."""
+    side._nccl, side._group_kind, side._gpu = True, "nccl", "GPU-0f0e"
 
 
 def test_a_pair_with_different_process_groups_is_refused_naming_the_option() -> None:
-    prefill = TorchKvTransfer(KvTransferContext(role="prefill", layout=_LAYOUT, port=0, timeout_s=5.0))
-    decode = TorchKvTransfer(_ctx())
-    decode._group_kind = "nccl"  # as a decode server started with process_group=nccl on a GPU says
-    try:
-        error = _roundtrip_error(prefill, decode)
-        assert "over gloo, this decode server over nccl" in error and "kvtransfer_torch.process_group" in error
-    finally:
-        prefill.close()
-        decode.close()
+    # The decode side as a decode server started with process_group=nccl on a GPU says.
+    error = _refusal(lambda prefill: None, lambda decode: setattr(decode, "_group_kind", "nccl"))
+    assert "over gloo, this decode server over nccl" in error and "kvtransfer_torch.process_group" in error
 
 
 def test_nccl_servers_sharing_a_gpu_are_told_to_use_gloo() -> None:
-    prefill = TorchKvTransfer(KvTransferContext(role="prefill", layout=_LAYOUT, port=0, timeout_s=5.0))
-    decode = TorchKvTransfer(_ctx())
-    # Both sides as NCCL ranks on the GPU of one UUID would be (no GPU here: the handshake alone runs).
-    for side in (prefill, decode):
-        side._nccl, side._group_kind, side._gpu = True, "nccl", "GPU-0f0e"
-    try:
-        error = _roundtrip_error(prefill, decode)
-        assert "share one GPU" in error and "process_group=gloo" in error
-    finally:
-        prefill.close()
-        decode.close()
+    error = _refusal(_as_nccl_on_one_gpu, _as_nccl_on_one_gpu)
+    assert "share one GPU" in error and "process_group=gloo" in error
