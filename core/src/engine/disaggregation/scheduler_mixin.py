@@ -72,6 +72,7 @@ class DisaggregationMixin:
     # Class defaults: a scheduler built without ``_init_disaggregation`` (tests' stand-ins) is a whole server.
     kv_transfer: Any = None
     disagg_mode = "null"
+    _disagg_stage_s = 0.0  # the last prefill batch's staging seconds (``_disagg_stage`` sets it)
 
     def _init_disaggregation(self) -> None:
         self.disagg_mode = self.args.disaggregation_mode
@@ -266,6 +267,8 @@ class DisaggregationMixin:
         return staged
 
     def _disagg_publish(self, staged: list[tuple[Req, torch.Tensor, torch.Tensor]]) -> None:
+        # The batch's staging time, shared by its rows in proportion to their bytes.
+        total = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in staged)
         for req, k, v in staged:
             if not req.output_ids or (req.finished_reason is not None and req.finished_reason.kind == "abort"):
                 continue  # nothing to continue from: the decode server's fetch fails by its deadline
@@ -279,9 +282,7 @@ class DisaggregationMixin:
             self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
             self.disagg_counts["transferred"] += 1
             self.disagg_counts["transfer_bytes"] += payload.nbytes
-            # The batch's staging time, shared by its rows in proportion to their bytes.
-            total = sum(kk.numel() * kk.element_size() + vv.numel() * vv.element_size() for _, kk, vv in staged)
-            stage_s = getattr(self, "_disagg_stage_s", 0.0) * payload.nbytes / max(total, 1)
+            stage_s = self._disagg_stage_s * payload.nbytes / max(total, 1)
             self.disagg_recent.append({"rid": req.rid, "tokens": payload.num_tokens, "bytes": payload.nbytes,
                                        "stage_s": round(stage_s, 6)})
 
