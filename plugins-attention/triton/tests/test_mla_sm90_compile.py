@@ -34,34 +34,22 @@ def _compile(fn, types: dict[str, str], consts: dict[str, object], num_warps: in
                           options={"num_warps": num_warps, "num_stages": num_stages})
 
 
-def _compile_all() -> dict[str, int]:
+def _compile_all() -> dict[str, int | bool]:
     from engine_attention_triton import mla_attention as m
 
     scalars = dict(sm_scale="fp32", logit_cap="fp32", out_scale="fp32")
-    decode = _compile(m._mla_decode_split_kernel,
-                      dict(Q="*bf16", KV="*bf16", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
-                           Part_Out="*fp32", Part_Lse="*fp32", **scalars),
-                      dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=0,
-                           SLOTS_AHEAD=False, **DEEPSEEK),
-                      num_warps=4, num_stages=2)
-    ahead = _compile(m._mla_decode_split_kernel,
-                     dict(Q="*bf16", KV="*bf16", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
-                          Part_Out="*fp32", Part_Lse="*fp32", **scalars),
-                     dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=0,
-                          SLOTS_AHEAD=True, **DEEPSEEK),
-                     num_warps=4, num_stages=3)
-    words = _compile(m._mla_decode_split_kernel,
-                     dict(Q="*bf16", KV="*fp8e4nv", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
-                          Part_Out="*fp32", Part_Lse="*fp32", **scalars),
-                     dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=1,
-                          SLOTS_AHEAD=True, **DEEPSEEK),
-                     num_warps=4, num_stages=3)
-    f16 = _compile(m._mla_decode_split_kernel,
-                   dict(Q="*bf16", KV="*fp8e4nv", Req_To_Token="*i32", Req_Pool_Indices="*i64", Seq_Lens="*i64",
-                        Part_Out="*fp32", Part_Lse="*fp32", **scalars),
-                   dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=2,
-                        SLOTS_AHEAD=True, **DEEPSEEK),
-                   num_warps=8, num_stages=3)
+    ptx: dict[str, str] = {}
+    # name -> (pool dtype, WIDEN, SLOTS_AHEAD, num_warps, num_stages)
+    for name, (pool, widen, ahead, warps, stages) in {
+            "decode": ("bf16", 0, False, 4, 2), "ahead": ("bf16", 0, True, 4, 3),
+            "words": ("fp8e4nv", 1, True, 4, 3), "f16": ("fp8e4nv", 2, True, 8, 3)}.items():
+        kernel = _compile(m._mla_decode_split_kernel,
+                          dict(Q="*bf16", KV=f"*{pool}", Req_To_Token="*i32", Req_Pool_Indices="*i64",
+                               Seq_Lens="*i64", Part_Out="*fp32", Part_Lse="*fp32", **scalars),
+                          dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=widen,
+                               SLOTS_AHEAD=ahead, **DEEPSEEK),
+                          num_warps=warps, num_stages=stages)
+        ptx[name] = kernel.asm["ptx"]
     block_m, block_n, warps, stages = m.default_mla_extend_config(torch.bfloat16, torch.bfloat16)
     extend = _compile(m._mla_extend_kernel,
                       dict(Q="*bf16", K_New="*bf16", Out="*bf16", KV="*bf16", Req_To_Token="*i32",
@@ -69,12 +57,12 @@ def _compile_all() -> dict[str, int]:
                            Tree_Mask="*u8", Tree_Mask_Indptr="*i64", **scalars),
                       dict(BLOCK_M=block_m, BLOCK_N=block_n, TREE_MASK=False, **DEEPSEEK),
                       num_warps=warps, num_stages=stages)
-    return {"decode": spill_bytes(decode.asm["ptx"]), "extend": spill_bytes(extend.asm["ptx"]),
-            "decode_slots_ahead": spill_bytes(ahead.asm["ptx"]),
-            "decode_fp8_words": spill_bytes(words.asm["ptx"]),
-            "fp8_words_f16_widening": "cvt.bf16.f16" in words.asm["ptx"],
-            "decode_fp8_f16": spill_bytes(f16.asm["ptx"]),
-            "fp8_f16_pair_cvt": "cvt.rn.f16x2.e4m3x2" in f16.asm["ptx"] and "cvt.bf16.f16" not in f16.asm["ptx"]}
+    return {"decode": spill_bytes(ptx["decode"]), "extend": spill_bytes(extend.asm["ptx"]),
+            "decode_slots_ahead": spill_bytes(ptx["ahead"]),
+            "decode_fp8_words": spill_bytes(ptx["words"]),
+            "fp8_words_f16_widening": "cvt.bf16.f16" in ptx["words"],
+            "decode_fp8_f16": spill_bytes(ptx["f16"]),
+            "fp8_f16_pair_cvt": "cvt.rn.f16x2.e4m3x2" in ptx["f16"] and "cvt.bf16.f16" not in ptx["f16"]}
 
 
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
