@@ -33,8 +33,7 @@ async def _run_with_progress(engine: Any, prompts: list[list[int]], params: list
         while True:
             await asyncio.sleep(SAMPLE_INTERVAL_S)
             reply = await manager.control("server_info")
-            data = reply.data or {}
-            samples.append({"t": time.perf_counter() - start, **{k: float(data.get(k, 0) or 0) for k in _SAMPLED}})
+            samples.append(_sample_point(time.perf_counter() - start, reply.data or {}))
 
     async def one(i: int) -> tuple[int, dict[str, Any]]:
         out: dict[str, Any] = {}
@@ -156,15 +155,18 @@ def _step_breakdown(before: dict[str, Any], after: dict[str, Any], duration: flo
     }
 
 
+def _sample_point(t: float, info: dict[str, Any]) -> dict[str, float]:
+    """One point of the run's timeline: ``t`` (s) and the scheduler's ``_SAMPLED`` counters."""
+    return {"t": t, **{k: float(info.get(k, 0) or 0) for k in _SAMPLED}}
+
+
 def _timeline(before: dict[str, Any], samples: list[dict[str, float]], after: dict[str, Any],
               duration: float) -> dict[str, Any]:
     """What the samples of the timed run show: decode time by batch-size band (each interval
     between two samples counts in the band of its mean batch), when the last request was admitted
     (no request waiting), the most requests running at once, and a coarse timeline."""
-    def point(t: float, info: dict[str, Any]) -> dict[str, float]:
-        return {"t": t, **{k: float(info.get(k, 0) or 0) for k in _SAMPLED}}
-
-    points = [point(0.0, before), *samples, point(max(duration, samples[-1]["t"] if samples else 0.0), after)]
+    points = [_sample_point(0.0, before), *samples,
+              _sample_point(max(duration, samples[-1]["t"] if samples else 0.0), after)]
     bands: dict[int, list[float]] = {b: [0.0, 0.0, 0.0] for b in BATCH_BANDS}  # steps, rows, seconds
     for a, b in zip(points, points[1:], strict=False):
         steps = b["decode_steps"] - a["decode_steps"]
