@@ -156,7 +156,7 @@ def _stream(url: str, body: dict[str, Any], gaps: bool = False) -> dict[str, Any
     steps = len(times) - 1
     out = {"ids": ids, "ttft_s": times[0] - start if times else None,
            "itl_s": (times[-1] - times[0]) / steps if steps > 0 else None,
-           "itl_p99_s": sorted(between)[int(0.99 * (len(between) - 1))] if between else None,
+           "itl_p99_s": _p99(between),
            "e2e_s": time.perf_counter() - start}
     if gaps:
         out["gaps"] = between
@@ -181,6 +181,11 @@ def _flush(*urls: str) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url}/flush_cache answered {r.status_code}: {r.text[:300]}")
             time.sleep(0.1)
+
+
+def _p99(xs: list[float]) -> float | None:
+    """The 99th percentile (nearest rank below) of ``xs``; None for none."""
+    return sorted(xs)[int(0.99 * (len(xs) - 1))] if xs else None
 
 
 def _mean(xs: list[float | None]) -> float | None:
@@ -355,7 +360,7 @@ def _load_phase(url: str, prompts: list[list[int]], greedy: dict[str, Any], inte
     return {"duration_s": round(took, 3), "output_tok_s": round(sum(len(r.get("ids", [])) for r in results) / took, 1),
             "ttft_ms": round(1e3 * sum(ttfts) / max(len(ttfts), 1), 3),
             "itl_ms": round(1e3 * sum(gaps) / max(len(gaps), 1), 3),
-            "itl_p99_ms": round(1e3 * gaps[int(0.99 * (len(gaps) - 1))], 3) if gaps else None}
+            "itl_p99_ms": None if not gaps else round(1e3 * _p99(gaps), 3)}
 
 
 def main() -> None:
