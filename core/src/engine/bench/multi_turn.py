@@ -117,7 +117,10 @@ async def _bench(args: MultiTurnArgs) -> tuple[BenchMetrics, list[TurnResult]]:
         if not warm.result.success:
             raise RuntimeError(f"the warmup request to {url}/generate failed: {warm.result.error}")
         if args.flush_cache:
-            await client.post(url + "/flush_cache")
+            flushed = await client.post(url + "/flush_cache", headers=_auth())
+            if not flushed.is_success:
+                print(f"[bench] POST {url}/flush_cache returned {flushed.status_code}: the server's prefix cache "
+                      "was not emptied, so the first turns may find cached prefixes")
         before = await _hicache_counters(client, url)
         turns = await _run(args, client, url, histories, messages)
         after = await _hicache_counters(client, url)
