@@ -14,24 +14,15 @@ import json
 
 import torch
 
-from engine.testing.aot import compiled_facts, spill_bytes
+from engine.testing.aot import compiled_facts, compile_kernel, spill_bytes
 
 DEEPSEEK = dict(LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64, HAS_CAP=False, DOT_PRECISION="tf32")
 
 
 def _compile(fn, types: dict[str, str], consts: dict[str, object], num_warps: int, num_stages: int):  # type: ignore[no-untyped-def]
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = fn.arg_names
-    signature = {a: "constexpr" if a in consts else types.get(a, "i32") for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-             if a not in consts and (signature[a].startswith("*") or a.startswith("stride"))}
-    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                    constexprs={(names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    """``compile_kernel`` with every run-time argument not named in ``types`` an ``i32``."""
+    types = {a: types.get(a, "i32") for a in fn.arg_names if a not in consts}
+    return compile_kernel(fn, types, consts, num_warps=num_warps, num_stages=num_stages)
 
 
 def _compile_all() -> dict[str, int | bool]:

@@ -54,12 +54,12 @@ def spill_bytes(ptx: str, arch: int = 90) -> int:
 
 
 def compile_kernel(fn: Any, types: dict[str, str], consts: dict[str, Any], num_warps: int = 4,
-                   arch: int = 90, divisible: tuple[str, ...] = ()) -> Any:
+                   arch: int = 90, divisible: tuple[str, ...] = (), num_stages: int | None = None) -> Any:
     """``triton.compile`` of the jitted ``fn`` for ``sm_{arch}``: ``types`` gives each run-time
     argument's Triton type (``"*bf16"``, ``"i32"``, ...), ``consts`` the constexprs. Pointers,
     ``stride*`` arguments and those named in ``divisible`` are declared divisible by 16, as Triton
-    specializes them at a real launch on aligned shapes. Call it from a test file's ``__main__``
-    (``compiled_facts``), never under the interpreter."""
+    specializes them at a real launch on aligned shapes; ``num_stages`` None leaves Triton's default.
+    Call it from a test file's ``__main__`` (``compiled_facts``), never under the interpreter."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,7 +70,8 @@ def compile_kernel(fn: Any, types: dict[str, str], consts: dict[str, Any], num_w
              if a not in consts and (signature[a].startswith("*") or a.startswith("stride") or a in divisible)}
     src = ASTSource(fn=fn, signature=signature, attrs=attrs,
                     constexprs={(names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps} if num_stages is None else {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def pdl_order(ptx: str) -> dict[str, Any]:
