@@ -109,6 +109,26 @@ def check_ranks_apart(factory: TierFactory, seed: int = KIT_SEED) -> None:
             tier.close()
 
 
+def _insert_evicting(cache: Any, allocator: Any, pool: Any, layout: KvLayout, gen: torch.Generator,
+                     keys: list[list[int]]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Inserts each key into ``cache`` with fresh random KV written into ``pool`` (V only when the
+    layout has one), evicting into the tier first when the pool is too full; the KV of each key."""
+    kv = []
+    for key in keys:
+        if allocator.available_size() < len(key):
+            cache.evict(len(key) - allocator.available_size())
+        slots = allocator.alloc(len(key))
+        assert slots is not None
+        k, v = _random_kv(gen, layout, len(key))
+        for i in range(layout.num_layers):
+            pool.k_buffer[i][slots] = k[i]
+            if layout.v_head_dim:
+                pool.v_buffer[i][slots] = v[i]
+        cache.insert(key, slots)
+        kv.append((k, v))
+    return kv
+
+
 def check_backs_the_cache(factory: TierFactory, seed: int = KIT_SEED) -> None:
     """A prefix evicted from a small device pool into the tier loads back with the same KV."""
     from engine.mem_cache import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -123,17 +143,7 @@ def check_backs_the_cache(factory: TierFactory, seed: int = KIT_SEED) -> None:
     gen = generator(derive_seed(seed, "cache"))
     try:
         keys = [list(range(100, 116)), list(range(200, 216))]
-        kv: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
-        for key in keys:
-            if allocator.available_size() < len(key):
-                cache.evict(len(key) - allocator.available_size())
-            slots = allocator.alloc(len(key))
-            assert slots is not None
-            k, v = _random_kv(gen, layout, len(key))
-            for i in range(layout.num_layers):
-                pool.k_buffer[i][slots], pool.v_buffer[i][slots] = k[i], v[i]
-            cache.insert(key, slots)
-            kv.append((k, v))
+        kv = _insert_evicting(cache, allocator, pool, layout, gen, keys)
         assert cache.host_size() >= len(keys[0]), "the first prefix did not go to the tier"
         match = cache.match_prefix(keys[0])
         assert match.prefix_len == len(keys[0]), f"the evicted prefix matched {match.prefix_len} tokens"
@@ -160,17 +170,7 @@ def check_mla_backs_the_cache(factory: TierFactory, seed: int = KIT_SEED) -> Non
     gen = generator(derive_seed(seed, "mla cache"))
     try:
         keys = [list(range(100, 116)), list(range(200, 216))]
-        rows = []
-        for key in keys:
-            if allocator.available_size() < len(key):
-                cache.evict(len(key) - allocator.available_size())
-            slots = allocator.alloc(len(key))
-            assert slots is not None
-            k, _ = _random_kv(gen, layout, len(key))
-            for i in range(layout.num_layers):
-                pool.k_buffer[i][slots] = k[i]
-            cache.insert(key, slots)
-            rows.append(k)
+        rows = [k for k, _ in _insert_evicting(cache, allocator, pool, layout, gen, keys)]
         match = cache.match_prefix(keys[0])
         assert match.prefix_len == len(keys[0]), f"MLA: the evicted prefix matched {match.prefix_len} tokens"
         idx = match.device_indices
