@@ -10,11 +10,13 @@ import torch
 
 from engine import plugins
 from engine.hookspecs import resolve_factory
-from engine.testing.conformance._attention_rows import FP8_K_SCALE as _FP8_K_SCALE
-from engine.testing.conformance._attention_rows import FP8_OUTLIER as _FP8_OUTLIER
-from engine.testing.conformance._attention_rows import FP8_V_SCALE as _FP8_V_SCALE
-from engine.testing.conformance._attention_rows import MAX_PREFIX as _MAX_PREFIX
-from engine.testing.conformance._attention_rows import draw_rows as _draw_rows
+from engine.testing.conformance._attention_rows import (
+    FP8_K_SCALE,
+    FP8_OUTLIER,
+    FP8_V_SCALE,
+    MAX_PREFIX,
+    draw_rows,
+)
 from engine.testing.conformance._common import (
     KIT_SEED,
     derive_seed,
@@ -142,18 +144,18 @@ class AttentionBackendConformance(MLACases):
         layer = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, 0,
                                logit_cap=cap, sliding_window_size=window)
         if fp8:
-            layer.k_scale, layer.v_scale = _FP8_K_SCALE, _FP8_V_SCALE
+            layer.k_scale, layer.v_scale = FP8_K_SCALE, FP8_V_SCALE
         if mode == "mixed" and not backend.supports_mixed:
             pytest.skip(f"{type(backend).__name__}.supports_mixed is False: the scheduler never sends it MIXED batches")
         device = kv.device
-        rows = _draw_rows(random.Random(seed), mode)
+        rows = draw_rows(random.Random(seed), mode)
         prefix, ext, bs = rows.prefix, rows.extend, len(rows.prefix)
         seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         slots, new_loc, q, k, v = self._fill_rows(r2t, kv, alloc, gen, prefix, ext, dtype, layer)
         n = sum(ext)
         if fp8:
-            k[0, 0], v[-1, -1] = _FP8_OUTLIER, -_FP8_OUTLIER
+            k[0, 0], v[-1, -1] = FP8_OUTLIER, -FP8_OUTLIER
         fmode = {"decode": ForwardMode.DECODE, "extend": ForwardMode.EXTEND, "mixed": ForwardMode.MIXED}[mode]
         fb = ForwardBatch.build(fmode, [0] * n, slots, seq, prefix, new_loc, device,
                                 num_extend_reqs=rows.num_extend_reqs)
@@ -244,7 +246,7 @@ class AttentionBackendConformance(MLACases):
         parents = [[-1] + [rng.randrange(j) for j in range(1, rng.randint(2, 40))] for _ in range(rng.randint(2, 4))]
         parents += [list(range(-1, 9)), [-1]]
         bs = len(parents)
-        prefix = [rng.randint(0, _MAX_PREFIX) for _ in range(bs)]
+        prefix = [rng.randint(0, MAX_PREFIX) for _ in range(bs)]
         ext = [len(p) for p in parents]
         seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         H, D = self.num_heads, self.head_dim
@@ -322,8 +324,8 @@ def _check_fp8_store(kv: Any, loc: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # Half an ulp relative (3 mantissa bits for e4m3, 2 for e5m2); near zero, half the subnormal step.
     mantissa = 3 if kv.dtype == torch.float8_e4m3fn else 2
     rel, tiny = 2.0 ** -(mantissa + 1), finfo.smallest_normal * 2.0 ** -(mantissa + 1)
-    for name, stored, x, scale in (("K", kv.k_buffer[0][loc], k, _FP8_K_SCALE),
-                                   ("V", kv.v_buffer[0][loc], v, _FP8_V_SCALE)):
+    for name, stored, x, scale in (("K", kv.k_buffer[0][loc], k, FP8_K_SCALE),
+                                   ("V", kv.v_buffer[0][loc], v, FP8_V_SCALE)):
         want = (x.double() / scale).clamp(-finfo.max, finfo.max)
         got = stored.double()
         assert torch.isfinite(got).all(), f"{name}: non-finite values stored in the fp8 pool ({where})"
