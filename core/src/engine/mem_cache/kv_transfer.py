@@ -111,7 +111,13 @@ class KvTransfer:
         ok = (rows.dim() == 4 and rows.shape[1] == len(parts) and rows.dtype == parts[0].dtype
               and all(rows.shape[2] == p.shape[1] and p.shape[2] <= rows.shape[3] for p in parts)
               and (not self.is_cuda or rows.is_pinned()))
-        return _raw(rows) if ok else None
+        if not ok:
+            logger.warning("hierarchical cache: %s's host_rows() (shape %s, %s, pinned %s) do not fit the pool's "
+                           "%d parts of %s; copying through its write/read, one torch op per layer",
+                           type(self.tier).__name__, tuple(rows.shape), rows.dtype, rows.is_pinned(), len(parts),
+                           parts[0].dtype)
+            return None
+        return _raw(rows)
 
     def _kernel_table(self) -> Any:
         """A ``PartTable`` over the pool once the kernel reproduced torch's gather and scatter on
