@@ -18,6 +18,7 @@ a parent that never computed on more than one thread (an OpenMP pool does not su
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import pickle
 import signal
@@ -34,6 +35,9 @@ from typing import Any
 # named like one of our modules cannot shadow it before the parent's sys.path is installed.
 _SAFE_PATH = ["-P"] if sys.version_info >= (3, 11) else []
 _BOOTSTRAP = "import sys; from engine.entrypoints.child_process import bootstrap; bootstrap(int(sys.argv[1]))"
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class InheritedConnection:
@@ -97,6 +101,8 @@ class ChildProcess:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
             except ChildProcessError:  # reaped elsewhere: gone, its code unknown
+                logger.warning("%s (pid %d) was reaped outside ChildProcess: its exit code is unknown, 255 stands in",
+                               self.name, self.pid)
                 self._status = 255
                 return self._status
             if pid:

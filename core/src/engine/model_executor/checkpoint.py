@@ -8,6 +8,7 @@ serial part of start-up short.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -15,6 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = (), weights: bool = True) -> str:
@@ -111,7 +114,9 @@ def _import_config_validators() -> None:
     import_utils.is_torch_available = lambda: False
     try:
         validators = importlib.import_module(_VALIDATORS)
-    except Exception:
+    except Exception as exc:  # noqa: BLE001 - the plain import happens later, at its usual cost
+        logger.warning("importing %s without transformers.activations failed (%s); it is imported whole later",
+                       _VALIDATORS, exc)
         sys.modules.pop(_VALIDATORS, None)
         return
     finally:
