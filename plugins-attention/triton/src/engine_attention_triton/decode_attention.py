@@ -463,8 +463,7 @@ def decode_attention_fwd(
         words = 2
     heads_inner = tiles.heads_inner if heads_inner is None else heads_inner
     # The tiles' choice falls back to one KV head a program where the shapes do not allow more.
-    per_program = (kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program) if kv_per_program
-                   else kv_heads_per_program(num_kv_heads, head_dim, v_dim, None, tiles.kv_per_program))
+    per_program = kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program or None, tiles.kv_per_program)
     slots_ahead = tiles.slots_ahead if slots_ahead is None else slots_ahead
     block_n = block_n or tiles.block_n
     num_warps = num_warps or tiles.num_warps
