@@ -69,7 +69,6 @@ def test_prologue_matches_torch(interleave: bool, pool_dtype: torch.dtype | None
     expected = quantize_kv(k_ref, pool_dtype, k_scale).float()
     if pool_dtype.itemsize == 1:
         assert stored[1, LORA:].abs().max() == torch.finfo(pool_dtype).max  # saturated, not NaN
-        # One e4m3 step where a 16-bit rounding difference crosses a rounding boundary.
         checked = torch.ones_like(stored, dtype=torch.bool)
         if DEV == "cpu":
             # The interpreter's e4m3 conversion drops the carry of a mantissa rounding up to the next
