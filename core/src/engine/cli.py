@@ -111,9 +111,7 @@ def generate_cmd(server_args: ServerArgs, prompt: str, max_new_tokens: int, temp
     # This process's start-up lines (the checkpoint found or converted, the threads chosen) go
     # to stderr as serve's do; the children log there too.
     setup_child_logging(server_args.log_level, "generate")
-    from engine.entrypoints.child_process import allow_forked_children
-
-    allow_forked_children()  # before torch is imported: children share this process's imports where safe
+    _allow_forked_children()  # before torch is imported: children share this process's imports where safe
     from engine.cpu_threads import limit_torch_threads
     from engine.entrypoints.engine import Engine
 
