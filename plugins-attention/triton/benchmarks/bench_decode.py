@@ -7,8 +7,9 @@ Run from the repository root on a CUDA GPU:
 
 Llama-3-8B heads (32 query heads on 8 KV heads, head dim 128), every row ``--ctx`` tokens long
 on a page-size-1 pool whose slots are shuffled (each block of keys is a gather of 128- or
-256-byte rows; ``--slots rows`` gives each row consecutive slots instead). The bytes a call must move are the K and V of every cached token once plus the
-int32 slot of each; a line reports them over the median time as GB/s and as a fraction of
+256-byte rows; ``--slots rows`` gives each row consecutive slots instead). The bytes a call must
+move are the K and V of every cached token once plus the int32 slot of each; a line reports them
+over the median time as GB/s and as a fraction of
 ``--peak`` (4.29 TB/s: the device-to-device copy rate an H200 reaches, also printed as
 measured). Calls that move less than ``GRAPH_BELOW`` bytes run inside a CUDA graph over copies
 of the inputs larger than L2 together (no launch gaps, data from HBM, as when serving); larger
@@ -16,10 +17,10 @@ ones run eagerly (``triton.testing.do_bench``, which clears L2 first).
 
 Each batch size times the kernel's default tiles and split count for the pool's dtype (see
 ``decode_tiles``), and the tiles given with ``--tiles`` (each also reports its output's largest
-difference from the default's). ``--both-orders`` adds the default tiles in the other launch
-order. ``--sweep`` first times every tile in
-``GRID`` at the largest batch size, then also the best ``--top`` of them at every batch size;
-batches of 128 rows or more also try one and two splits.
+difference from the default's). ``--both-orders`` also times the default tiles in both launch
+orders (``heads_inner`` 0 and 1). ``--sweep`` first times every tile in ``GRID`` at the largest
+batch size, then also the best ``--top`` of them at every batch size; batches of 128 rows or more
+also try one and two splits.
 """
 
 from __future__ import annotations
