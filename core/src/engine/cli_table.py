@@ -58,15 +58,11 @@ def frontend_infos() -> list[PluginInfo]:
     """The installed frontends (entry points in ``engine.frontends``: plugserve-grpc), as plugins
     registering kind ``frontend``. They are not in the hook registry: the server loads one only when
     its flag is set (``--grpc-port``), so listing reads their metadata and imports nothing."""
-    try:
-        from importlib_metadata import entry_points
-    except ImportError:  # pragma: no cover - a dependency of the core
-        from importlib.metadata import entry_points  # type: ignore[assignment]
     from engine.plugin_registry import PluginInfo
-    from engine.preflight import FRONTEND_GROUP
+    from engine.preflight import frontend_entry_points
 
     infos = []
-    for ep in sorted(entry_points(group=FRONTEND_GROUP), key=lambda e: e.name):
+    for ep in frontend_entry_points():
         dist = ep.dist
         infos.append(PluginInfo(name=ep.name, distribution=dist.name if dist else "?",
                                 version=dist.version if dist else "?", kinds={"frontend": [ep.name]}))

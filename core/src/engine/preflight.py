@@ -92,14 +92,21 @@ def enabled_frontends(args: ServerArgs) -> list[tuple[str, int]]:
     return [(name, getattr(args, flag)) for name, (flag, _) in FRONTENDS.items() if getattr(args, flag, None)]
 
 
-def frontend_entry_point(name: str) -> Any:
-    """The entry point of frontend ``name`` (not loaded); a one-line error naming the flag and the
-    distribution to install when none is installed."""
+def frontend_entry_points(name: str | None = None) -> list[Any]:
+    """The installed frontends' entry points in ``FRONTEND_GROUP`` (only ``name``'s when given),
+    sorted by name, none loaded."""
     try:
         from importlib_metadata import entry_points
     except ImportError:  # pragma: no cover - a dependency of the core
         from importlib.metadata import entry_points  # type: ignore[assignment]
-    found = list(entry_points(group=FRONTEND_GROUP, name=name))
+    found = entry_points(group=FRONTEND_GROUP) if name is None else entry_points(group=FRONTEND_GROUP, name=name)
+    return sorted(found, key=lambda e: e.name)
+
+
+def frontend_entry_point(name: str) -> Any:
+    """The entry point of frontend ``name`` (not loaded); a one-line error naming the flag and the
+    distribution to install when none is installed."""
+    found = frontend_entry_points(name)
     if not found:
         flag, dist = FRONTENDS[name]
         raise PluginError(f"--{flag.replace('_', '-')}: serving {name} needs the {dist} distribution, which is not "

@@ -9,7 +9,12 @@ from typer.testing import CliRunner
 
 from engine.config import ServerArgs
 from engine.errors import ConfigError, PluginError
-from engine.preflight import FRONTEND_GROUP, enabled_frontends, frontend_entry_point
+from engine.preflight import (
+    FRONTEND_GROUP,
+    enabled_frontends,
+    frontend_entry_point,
+    frontend_entry_points,
+)
 
 
 def test_grpc_port_is_checked() -> None:
@@ -47,3 +52,15 @@ def test_the_installed_frontend_is_found_without_importing_it() -> None:
     pytest.importorskip("engine_grpc", reason="plugserve-grpc is not installed")
     entry = frontend_entry_point("grpc")
     assert entry.value == "engine_grpc.server:start" and entry.group == FRONTEND_GROUP
+
+
+def test_plugins_list_rows_of_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``engine plugins list`` shows an installed frontend as a plugin of kind frontend, and none
+    when none is installed."""
+    from engine.cli_table import frontend_infos
+
+    if frontend_entry_points():
+        infos = {info.name: info for info in frontend_infos()}
+        assert infos["grpc"].kinds == {"frontend": ["grpc"]}, infos
+    _no_frontends(monkeypatch)
+    assert frontend_infos() == []
