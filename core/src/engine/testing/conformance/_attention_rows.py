@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 # How a random batch of each mode is drawn: (rows, prefix range, new tokens per row).
 MAX_PREFIX, MAX_EXTEND = 90, 40
@@ -32,3 +35,20 @@ def draw_rows(rng: random.Random, mode: str) -> Rows:
     prefix += [rng.randint(1, MAX_PREFIX) for _ in range(n_dec)]  # a decode row follows its prompt
     extend = [rng.randint(1, MAX_EXTEND) for _ in range(n_ext)] + [1] * n_dec
     return Rows(prefix, extend, n_ext)
+
+
+def place_rows(r2t: Any, alloc: Any, slots: list[int], prefix: list[int], ext: list[int],
+               pre_loc: torch.Tensor) -> torch.Tensor:
+    """Writes each row's prefix slots into its request slot, allocates the new tokens' slots
+    after them (continuing a row's last page) and writes those; returns the new tokens' slots."""
+    off = 0
+    for i, p in enumerate(prefix):
+        r2t.write(slots[i], 0, pre_loc[off : off + p])
+        off += p
+    last = [int(r2t.req_to_token[slots[i], p - 1]) if p else -1 for i, p in enumerate(prefix)]
+    new_loc = alloc.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext, strict=True)], last)
+    off = 0
+    for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
+        r2t.write(slots[i], p, new_loc[off : off + e])
+        off += e
+    return new_loc

@@ -16,6 +16,7 @@ from engine.testing.conformance._attention_rows import (
     FP8_V_SCALE,
     MAX_PREFIX,
     draw_rows,
+    place_rows,
 )
 from engine.testing.conformance._common import (
     KIT_SEED,
@@ -107,18 +108,9 @@ class AttentionBackendConformance(MLACases):
         Hkv, D = self.num_kv_heads, self.head_dim
         slots = r2t.alloc(bs)
         pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
-        off = 0
-        for i in range(bs):
-            r2t.write(slots[i], 0, pre_loc[off : off + prefix[i]])
-            off += prefix[i]
+        new_loc = place_rows(r2t, alloc, slots, prefix, ext, pre_loc)
         kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype),
                          randn(gen, len(pre_loc), Hkv, D, device=device, dtype=dtype), layer.k_scale, layer.v_scale)
-        last = [int(r2t.req_to_token[slots[i], prefix[i] - 1]) if prefix[i] else -1 for i in range(bs)]
-        new_loc = alloc.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext, strict=True)], last)
-        off = 0
-        for i in range(bs):
-            r2t.write(slots[i], prefix[i], new_loc[off : off + ext[i]])
-            off += ext[i]
         n = sum(ext)
         q = randn(gen, n, self.num_heads * D, device=device, dtype=dtype)
         k = randn(gen, n, Hkv * D, device=device, dtype=dtype)

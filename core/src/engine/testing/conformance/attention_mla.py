@@ -26,6 +26,7 @@ from engine.testing.conformance._attention_rows import (
     FP8_OUTLIER,
     FP8_V_SCALE,
     draw_rows,
+    place_rows,
 )
 from engine.testing.conformance._common import derive_seed, device_or_skip, generator, randn
 
@@ -118,7 +119,7 @@ class MLACases:
         seq = [p + e for p, e in zip(prefix, ext, strict=True)]
         slots = r2t.alloc(bs)
         pre_loc = alloc.alloc_extend([0] * bs, prefix, [-1] * bs)
-        new_loc = _place_rows(r2t, alloc, slots, prefix, ext, pre_loc)
+        new_loc = place_rows(r2t, alloc, slots, prefix, ext, pre_loc)
         kv.set_kv_buffer(0, pre_loc, randn(gen, len(pre_loc), 1, D, device=device, dtype=dtype), None,
                          layer.k_scale, layer.v_scale)
         n = sum(ext)
@@ -148,19 +149,3 @@ class MLACases:
                                 f"({where})")
             off += ext[i]
 
-
-def _place_rows(r2t: Any, alloc: Any, slots: list[int], prefix: list[int], ext: list[int],
-                pre_loc: torch.Tensor) -> torch.Tensor:
-    """Writes each row's prefix slots into its request slot, allocates the new tokens' slots
-    after them (continuing a row's last page) and writes those; returns the new tokens' slots."""
-    off = 0
-    for i, p in enumerate(prefix):
-        r2t.write(slots[i], 0, pre_loc[off : off + p])
-        off += p
-    last = [int(r2t.req_to_token[slots[i], p - 1]) if p else -1 for i, p in enumerate(prefix)]
-    new_loc = alloc.alloc_extend(prefix, [p + e for p, e in zip(prefix, ext, strict=True)], last)
-    off = 0
-    for i, (p, e) in enumerate(zip(prefix, ext, strict=True)):
-        r2t.write(slots[i], p, new_loc[off : off + e])
-        off += e
-    return new_loc
