@@ -246,7 +246,8 @@ async def _hicache_counters(client: httpx.AsyncClient, url: str) -> dict[str, in
     (empty when it reports none)."""
     try:
         info = await _server_info(client, url)
-    except (httpx.HTTPError, ValueError):
+    except (httpx.HTTPError, ValueError) as exc:
+        print(f"[bench] cannot read {url}/get_server_info ({exc}); the hierarchical-cache counters are left out")
         return {}
     totals: dict[str, int] = {}
 
