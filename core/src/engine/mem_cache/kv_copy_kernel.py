@@ -26,38 +26,26 @@ _kernels: dict[str, Any] = {}
 
 
 def _get_kernels() -> dict[str, Any]:
-    """The two jitted kernels, built on first use (importing triton only then)."""
+    """The two jitted kernels (and their shared address helper), built on first use (importing
+    triton only then)."""
     if _kernels:
         return _kernels
     import triton
     import triton.language as tl
 
-    # Not specialised on the token count or the index's alignment: one compile serves every copy.
-    @triton.jit(do_not_specialize=["idx_ptr", "n"])
-    def gather(part_ptrs, part_dims, idx_ptr, out_ptr, n, HEADS: tl.constexpr, WIDTH: tl.constexpr,
-               PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, DENSE: tl.constexpr):
+    # A module global: the interpreter (TRITON_INTERPRET=1) looks a kernel's callees up among its
+    # module's globals, not its closure.
+    global _addresses
+
+    @triton.jit
+    def _addresses(part_ptrs, part_dims, idx_ptr, rows_ptr, n, HEADS: tl.constexpr, WIDTH: tl.constexpr,
+                   PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, DENSE: tl.constexpr):
+        """This program's (part, token block): the slots' addresses in the part, the rows'
+        addresses, the mask of the part's elements and that of whole rows (past a narrower
+        part's dim too)."""
         tb = tl.program_id(0)
         p = tl.program_id(1)
         # DENSE: every part is WIDTH wide (the usual K and V of one head_dim): a row is contiguous.
-        dim = WIDTH if DENSE else tl.load(part_dims + p)
-        base = tl.multiple_of(tl.load(part_ptrs + p).to(tl.pointer_type(out_ptr.dtype.element_ty)), 16)
-        t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        tmask = t < n
-        slot = tl.load(idx_ptr + t, mask=tmask, other=0).to(tl.int64)
-        e = tl.arange(0, BLOCK_E)
-        h = e // WIDTH
-        d = e % WIDTH
-        in_row = e < HEADS * WIDTH
-        src = base + slot[:, None] * (HEADS * dim) + (h * dim + d)[None, :]
-        vals = tl.load(src, mask=tmask[:, None] & (in_row & (d < dim))[None, :], other=0)
-        dst = out_ptr + t.to(tl.int64)[:, None] * (PARTS * HEADS * WIDTH) + p * (HEADS * WIDTH) + e[None, :]
-        tl.store(dst, vals, mask=tmask[:, None] & in_row[None, :])
-
-    @triton.jit(do_not_specialize=["idx_ptr", "n"])
-    def scatter(part_ptrs, part_dims, idx_ptr, rows_ptr, n, HEADS: tl.constexpr, WIDTH: tl.constexpr,
-                PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, DENSE: tl.constexpr):
-        tb = tl.program_id(0)
-        p = tl.program_id(1)
         dim = WIDTH if DENSE else tl.load(part_dims + p)
         base = tl.multiple_of(tl.load(part_ptrs + p).to(tl.pointer_type(rows_ptr.dtype.element_ty)), 16)
         t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -66,10 +54,25 @@ def _get_kernels() -> dict[str, Any]:
         e = tl.arange(0, BLOCK_E)
         h = e // WIDTH
         d = e % WIDTH
-        mask = tmask[:, None] & ((e < HEADS * WIDTH) & (d < dim))[None, :]
-        src = rows_ptr + t.to(tl.int64)[:, None] * (PARTS * HEADS * WIDTH) + p * (HEADS * WIDTH) + e[None, :]
-        vals = tl.load(src, mask=mask, other=0)
-        tl.store(base + slot[:, None] * (HEADS * dim) + (h * dim + d)[None, :], vals, mask=mask)
+        in_row = e < HEADS * WIDTH
+        part = base + slot[:, None] * (HEADS * dim) + (h * dim + d)[None, :]
+        row = rows_ptr + t.to(tl.int64)[:, None] * (PARTS * HEADS * WIDTH) + p * (HEADS * WIDTH) + e[None, :]
+        return part, row, tmask[:, None] & (in_row & (d < dim))[None, :], tmask[:, None] & in_row[None, :]
+
+    # Not specialised on the token count or the index's alignment: one compile serves every copy.
+    @triton.jit(do_not_specialize=["idx_ptr", "n"])
+    def gather(part_ptrs, part_dims, idx_ptr, out_ptr, n, HEADS: tl.constexpr, WIDTH: tl.constexpr,
+               PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, DENSE: tl.constexpr):
+        part, row, part_mask, row_mask = _addresses(part_ptrs, part_dims, idx_ptr, out_ptr, n, HEADS, WIDTH, PARTS,
+                                                    BLOCK_T, BLOCK_E, DENSE)
+        tl.store(row, tl.load(part, mask=part_mask, other=0), mask=row_mask)  # zeros past a part's dim
+
+    @triton.jit(do_not_specialize=["idx_ptr", "n"])
+    def scatter(part_ptrs, part_dims, idx_ptr, rows_ptr, n, HEADS: tl.constexpr, WIDTH: tl.constexpr,
+                PARTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, DENSE: tl.constexpr):
+        part, row, part_mask, _ = _addresses(part_ptrs, part_dims, idx_ptr, rows_ptr, n, HEADS, WIDTH, PARTS,
+                                             BLOCK_T, BLOCK_E, DENSE)
+        tl.store(part, tl.load(row, mask=part_mask, other=0), mask=part_mask)
 
     _kernels.update(gather=gather, scatter=scatter, next_pow2=triton.next_power_of_2)
     return _kernels
