@@ -37,8 +37,9 @@ def resolve_model_path(args: ServerArgs) -> str:
     return resolve_checkpoint(args.model_path or None, args.disable_plugin, weights=args.quant != "gguf")
 
 
-def preflight(args: ServerArgs, model_path: str) -> Any:
+def preflight(args: ServerArgs, model_path: str, config: Any = None) -> Any:
     """Runs in this process every check that needs no weights, so errors come fast and clean.
+    ``config``: the checkpoint's config when already read (None: read here).
 
     The selection is the same ``select_components`` the scheduler process builds from, so a
     run that passes here fails later only for reasons that need the weights or the device.
@@ -53,7 +54,8 @@ def preflight(args: ServerArgs, model_path: str) -> Any:
     check_without_checkpoint(args)
     for line in parser_log_lines(args):
         logger.info(line)
-    config = load_hf_config(model_path, args.trust_remote_code)
+    if config is None:
+        config = load_hf_config(model_path, args.trust_remote_code)
     check_task(args, config)
     selection = select_components(args, config)
     for note in speed_notes(selection):
@@ -208,12 +210,13 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
     if model_path is None:
         model_path = resolve_model_path(args)
     check_split_from_config_json(args, model_path)
+    hf_config = None
     if forking_children():
         from engine.model_executor.checkpoint import load_hf_config
 
         # Forked children inherit what this process imported: torch and transformers' config
-        # classes (seconds of CPU), which preflight imports below anyway, are imported once here.
-        load_hf_config(model_path, args.trust_remote_code)
+        # classes (seconds of CPU), which preflight needs below anyway, are imported once here.
+        hf_config = load_hf_config(model_path, args.trust_remote_code)
         logger.info("engine processes start as forks of this one (CPU-only torch): they share its imports")
     ipc = IpcNames.create()
     parent_pid = os.getpid()
@@ -234,7 +237,7 @@ def start_runtime(args: ServerArgs, model_path: str | None = None) -> StartingRu
                                       (args, model_path, ipc, parent_pid, tokenizer_reader), name="detokenizer",
                                       env={**pool_env(1), "RAYON_NUM_THREADS": "1"}))
         starting = StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes)
-        preflight(args, model_path)
+        preflight(args, model_path, hf_config)
     except BaseException:
         StartingRuntime(args, model_path, ipc, processes, readers, tokenizer_writer, replica_processes).abort()
         for reader in readers:
