@@ -15,14 +15,11 @@ leaves their order unspecified, so both agree wherever the torch result is defin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from engine.layers.moe.router_grouped import GroupedTopK
 
 
 @triton.jit
@@ -85,10 +82,11 @@ def _grouped_topk_kernel(
     tl.store(ids_ptr + token * TOP_K + offs_k, top_ids, mask=out_ok)
 
 
-def grouped_topk_triton(router_logits: torch.Tensor, top_k: int, routing: GroupedTopK,
+def grouped_topk_triton(router_logits: torch.Tensor, top_k: int, routing: Any,
                         correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``grouped_topk`` in one launch: same arguments and result (ties: see the module docstring).
-    Runs wherever Triton does: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``."""
+    Runs wherever Triton does: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``. ``routing`` is a
+    ``router_grouped.GroupedTopK`` (not imported here: that module imports this one)."""
     tokens, num_experts = router_logits.shape
     routing.check_experts(num_experts, top_k)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
