@@ -13,7 +13,9 @@ GB/s counts the bytes of the experts a call touches (weights only): comparable w
 bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best.
 
 usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
-       [--result-file out/results.jsonl]
+       [--launch gate_up down] [--warps 4 8] [--result-file out/results.jsonl]
+
+``--launch`` and ``--warps`` narrow the sweep (each tile is a Triton compile of about a second).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from engine_platform_cuda.graph_timing import graph_median_us
 
 from engine.bench.results import append_rows
 
-SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2)}
+#: experts, hidden, intermediate, top_k
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
+          "deepseek-v2-lite": (64, 2048, 1408, 6)}
 ROUTINGS = 8
 
 
@@ -78,7 +82,8 @@ def compare(shape: str, tokens: int) -> dict[str, object]:
     return row
 
 
-def sweep(shape: str) -> list[dict[str, object]]:
+def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"),
+          warp_counts: tuple[int, ...] = (4, 8)) -> list[dict[str, object]]:
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import launch_down, launch_gate_up, small_batch_tiles
 
@@ -96,11 +101,12 @@ def sweep(shape: str) -> list[dict[str, object]]:
 
     default = small_batch_tiles(top_k, hidden, inter)
     rows = []
-    for launch, grid_n, grid_k in (("gate_up", (2, 4, 8, 16, 32), (64, 128, 256, 512)),
-                                   ("down", (1, 2, 4, 8, 16), (64, 128, 256, 512))):
+    grids = {"gate_up": ((2, 4, 8, 16, 32), (64, 128, 256, 512)), "down": ((1, 2, 4, 8, 16), (64, 128, 256, 512))}
+    for launch in launches:
+        grid_n, grid_k = grids[launch]
         nbytes = top_k * (2 if launch == "gate_up" else 1) * hidden * inter * 2
         results = []
-        for bn, bk, warps in itertools.product(grid_n, grid_k, (4, 8)):
+        for bn, bk, warps in itertools.product(grid_n, grid_k, warp_counts):
             if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(top_k)) > 16384:
                 continue
             if launch == "gate_up":
@@ -125,9 +131,12 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--launch", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"],
+                    help="--sweep: which launches' tiles to time")
+    ap.add_argument("--warps", nargs="+", type=int, default=[4, 8], help="--sweep: warp counts to time")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
-    rows = sweep(a.shape) if a.sweep else [compare(a.shape, t) for t in a.tokens]
+    rows = sweep(a.shape, tuple(a.launch), tuple(a.warps)) if a.sweep else [compare(a.shape, t) for t in a.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
         append_rows(a.result_file, row)
