@@ -12,26 +12,16 @@ from __future__ import annotations
 import json
 import re
 
-from engine.testing.aot import compiled_facts
+from engine.testing.aot import compile_kernel, compiled_facts
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
-    import triton
     from engine_quant_int8 import kernels_w8a8 as k8
     from engine_quant_int8 import kernels_w8a16 as k16
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     def build(fn: object, types: dict[str, str], consts: dict[str, object], num_warps: int = 4,
               num_stages: int = 3) -> dict[str, object]:
-        names = fn.arg_names  # type: ignore[attr-defined]
-        signature = {n: "constexpr" if n in consts else types[n] for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n not in consts and (signature[n].startswith("*") or n.startswith("stride") or n == "N")}
-        src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
-                        attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        compiled = compile_kernel(fn, types, consts, num_warps=num_warps, divisible=("N",), num_stages=num_stages)
         ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
         return {"wgmma": "warp_group_dot" in ttgir, "async_copies": "async_copy_global_to_local" in ttgir,
                 "v4_loads": len(re.findall(r"ld\.global(?:\.nc)?\.v4", ptx)),

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.testing.aot import compiled_facts
+from engine.testing.aot import compile_kernel, compiled_facts
 
 
 def _loop_body(ptx: str) -> str:
@@ -30,20 +30,10 @@ def _loop_body(ptx: str) -> str:
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
-    import triton
     from engine_quant_wna16 import kernels as k
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     def build(fn: object, types: dict[str, str], consts: dict[str, object], num_warps: int, num_stages: int):
-        names = fn.arg_names  # type: ignore[attr-defined]
-        signature = {n: "constexpr" if n in consts else types[n] for n in names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                 if n not in consts and (signature[n].startswith("*") or n.startswith("stride") or n == "N")}
-        src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(c),): v for c, v in consts.items()},
-                        attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": num_warps, "num_stages": num_stages})
+        compiled = compile_kernel(fn, types, consts, num_warps=num_warps, divisible=("N",), num_stages=num_stages)
         ptx = compiled.asm["ptx"]
         loop = _loop_body(ptx)
         return {"wgmma": "wgmma.mma_async" in ptx, "ldmatrix": "ldmatrix" in ptx,

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.testing.aot import compiled_facts, spill_bytes
+from engine.testing.aot import compile_kernel, compiled_facts, spill_bytes
 
 _V4_LOAD = r"ld\.global(?:\.[\w:]+)*\.v4"
 SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (151936, 2048), (6144, 4096), (4096, 4096),
@@ -47,8 +47,6 @@ def _loop_body(ptx: str) -> str | None:
 def _compile_all() -> dict[str, dict[str, object]]:
     import triton
     from engine_platform_cuda import gemv
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
              "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_ym": "i32",
@@ -88,14 +86,8 @@ def _compile_all() -> dict[str, dict[str, object]]:
                 out[name] = out[seen[key]]
                 continue
             seen[key] = name
-            names = fn.arg_names
-            signature = {a: "constexpr" if a in consts else types[a] for a in names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-                     if a not in consts and (signature[a].startswith("*") or a.startswith("stride") or a == "N")}
-            src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                            constexprs={(names.index(c),): v for c, v in consts.items()})
-            compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            compiled = compile_kernel(fn, types, consts, num_warps=cfg.num_warps, divisible=("N",),
+                                      num_stages=cfg.num_stages)
             ptx = compiled.asm["ptx"]
             loop = _loop_body(ptx)
             body = ptx if loop is None else loop

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.testing.aot import compiled_facts, pdl_order, spill_bytes
+from engine.testing.aot import compile_kernel, compiled_facts, pdl_order, spill_bytes
 
 ACTS = ("bf16", "fp16", "fp32")
 CACHES = ("same", "fp8e4nv", "fp8e5")
@@ -31,17 +31,7 @@ _DIVISIBLE = ("head_dim", "v_head_dim", "rotary_dim", "cos_stride", "n_cols")
 
 
 def _compile(fn: object, types: dict[str, str], consts: dict[str, object], num_warps: int) -> object:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = fn.arg_names  # type: ignore[attr-defined]
-    signature = {a: "constexpr" if a in consts else types[a] for a in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names)
-             if a not in consts and (signature[a].startswith("*") or a.startswith("stride") or a in _DIVISIBLE)}
-    src = ASTSource(fn=fn, signature=signature, attrs=attrs,
-                    constexprs={(names.index(c),): v for c, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return compile_kernel(fn, types, consts, num_warps=num_warps, divisible=_DIVISIBLE)
 
 
 def _prologue_types(act: str, cache: str) -> dict[str, str]:
