@@ -45,6 +45,8 @@ from typing import Any
 import httpx
 
 _BEGIN = time.perf_counter()
+# Server log lines worth printing once both are up (where start-up time went).
+_STARTUP_WORDS = ("model loaded", "graph", "KV pool", "disaggregation:", "warm")
 
 
 def _on_term(*_: Any) -> None:
@@ -73,25 +75,35 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait(url: str, procs: list[subprocess.Popen[bytes]], logs: list[str], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    report = time.monotonic() + 10
+def _wait(urls: list[str], procs: list[subprocess.Popen[bytes]], logs: list[str], timeout_s: float) -> list[float]:
+    """Waits for every URL's /health; returns each one's seconds from now to healthy."""
+    begin = time.monotonic()
+    deadline = begin + timeout_s
+    report = begin + 10
+    ready: dict[str, float] = {}
     while time.monotonic() < deadline:
         if time.monotonic() > report:  # where a slow start stands: each log's last line
             report += 10
             for log in logs:
                 last = _tail(log, 400).strip().splitlines()
-                _say(f"waiting for {url}; {os.path.basename(log)}: {last[-1] if last else '(empty)'}")
+                _say(f"waiting; {os.path.basename(log)}: {last[-1] if last else '(empty)'}")
         for proc, log in zip(procs, logs, strict=True):
             if proc.poll() is not None:
                 raise RuntimeError(f"a process exited with {proc.returncode}; log tail:\n{_tail(log)}")
-        try:
-            if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        for url in urls:
+            if url in ready:
+                continue
+            try:
+                if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
+                    ready[url] = time.monotonic() - begin
+                    _say(f"{url} healthy after {ready[url]:.1f} s")
+            except httpx.HTTPError:
+                pass
+        if len(ready) == len(urls):
+            return [ready[u] for u in urls]
         time.sleep(0.2)
-    raise RuntimeError(f"{url} not healthy within {timeout_s} s; logs: {' '.join(logs)}")
+    late = [u for u in urls if u not in ready]
+    raise RuntimeError(f"{' '.join(late)} not healthy within {timeout_s} s; logs: {' '.join(logs)}")
 
 
 def _dump_stacks(procs: list[subprocess.Popen[bytes]]) -> None:
@@ -218,17 +230,19 @@ def _run_backend(a: argparse.Namespace, backend: str, log_dir: str) -> None:
     t0 = time.perf_counter()
     with _processes([prefill, decode], log_dir) as (procs, logs):
         try:
-            for url in (p_url, d_url):
-                _wait(url, procs, logs, a.start_timeout_s)
+            ready_s = _wait([p_url, d_url], procs, logs, a.start_timeout_s)
         except RuntimeError:
             _dump_stacks(procs)
             raise
         started_s = time.perf_counter() - t0
-        _say(f"{backend}: both servers ready in {started_s:.1f} s")
+        _say(f"{backend}: both servers ready in {started_s:.1f} s (prefill {ready_s[0]:.1f} s, decode {ready_s[1]:.1f} s)")
+        for log in logs:  # what start-up cost: weights, pool, graph capture
+            lines = [x for x in _tail(log, 20000).splitlines() if "] " in x[:30] and any(w in x for w in _STARTUP_WORDS)]
+            _say(f"{os.path.basename(log)}:\n  " + "\n  ".join(lines[-6:]))
         router = [sys.executable, "-m", "engine", "router", "--prefill", p_url, "--decode", d_url,
                   "--port", str(r_port), "--log-level", "warning"]
         with _processes([router], log_dir) as (router_procs, router_logs):
-            _wait(r_url, router_procs, router_logs, 60)
+            _wait([r_url], router_procs, router_logs, 60)
             _say(f"{backend}: router ready")
             greedy = {"temperature": 0, "max_new_tokens": a.output_len, "ignore_eos": True}
             vocab = int(_info(d_url)["vocab_size"])
@@ -261,6 +275,7 @@ def _run_backend(a: argparse.Namespace, backend: str, log_dir: str) -> None:
             info_p.pop("recent", None)
             info_d.pop("recent", None)
             summary = _summary(a, backend, rows, started_s, info_p, info_d)
+            summary["server_ready_s"] = {"prefill": round(ready_s[0], 1), "decode": round(ready_s[1], 1)}
             _emit(a, summary, t0)  # now: a time limit during the load phase keeps it
             if a.load_prompts:
                 load: dict[str, Any] = {}
@@ -314,6 +329,7 @@ def _summary(a: argparse.Namespace, backend: str, rows: list[dict[str, Any]], st
         "kv_mib": (_mean([r.get("bytes") for r in dec_rows]) or 0) / 2**20,
         "prefill_stage_ms": ms([r.get("stage_s") for r in pre_rows]),
         "transfer_ms": ms([r.get("transfer_s") for r in dec_rows]),
+        "decode_upload_ms": ms([r.get("upload_s") for r in dec_rows]),
         "decode_write_ms": ms([r.get("write_s") for r in dec_rows]),
         "decode_wait_ms": ms([r.get("wait_s") for r in dec_rows]),
         "ttft_ms": ms([r["disaggregated"]["ttft_s"] for r in rows]),

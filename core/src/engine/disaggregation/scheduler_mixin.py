@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferContext, transfer_key
+from engine.disaggregation.upload import KvUploader
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory
 from engine.managers.timeline import mark
 
@@ -71,6 +72,7 @@ class DisaggregationMixin:
     runner: Any
     # Class defaults: a scheduler built without ``_init_disaggregation`` (tests' stand-ins) is a whole server.
     kv_transfer: Any = None
+    disagg_uploader: KvUploader | None = None
     disagg_mode = "null"
     _disagg_stage_s = 0.0  # the last prefill batch's staging seconds (``_disagg_stage`` sets it)
 
@@ -78,7 +80,9 @@ class DisaggregationMixin:
         self.disagg_mode = self.args.disaggregation_mode
         self.kv_transfer: Any = None
         self.disagg_waiting: dict[str, Req] = {}  # decode: key -> request whose KV is on its way
-        self.disagg_arrived: list[tuple[Req, KvPayload]] = []  # decode: KV here, waiting for slots
+        self.disagg_arrived: list[tuple[Req, KvPayload]] = []  # decode: KV on the device, waiting for slots
+        # Decode: payloads written into the pool, kept (their device copies) until the write's event passed.
+        self._disagg_writing: list[tuple[Any, KvPayload]] = []
         self.disagg_counts = {"requests": 0, "transferred": 0, "failed": 0, "transfer_bytes": 0,
                               "transfer_wait_s": 0.0}
         self._disagg_started: dict[str, float] = {}
@@ -96,6 +100,8 @@ class DisaggregationMixin:
         self.kv_transfer = plugins.create_kv_transfer_backend(
             args.disaggregation_transfer_backend, ctx, torch.device(self.runner.device).type,
             args.disable_plugin, args.plugin_options)
+        if self.disagg_mode == "decode":
+            self.disagg_uploader = KvUploader(self.runner.platform, torch.device(self.runner.device))
         where = f" on {args.host}:{getattr(self.kv_transfer, 'port', ctx.port)}" if self.disagg_mode == "prefill" else ""
         logger.info("disaggregation: %s server, KV transfer '%s'%s", self.disagg_mode,
                     args.disaggregation_transfer_backend, where)
@@ -137,7 +143,10 @@ class DisaggregationMixin:
                 del self.disagg_waiting[key]
                 self.kv_transfer.cancel(key)
                 self._disagg_started.pop(req.rid, None)
-        self.disagg_arrived = [(r, p) for r, p in self.disagg_arrived if not r.finished()]
+        self._disagg_reap()
+        uploader = self.disagg_uploader
+        assert uploader is not None
+        self.disagg_arrived = self._disagg_live(self.disagg_arrived)
         idle = not (queue or self.running_batch.reqs or self.disagg_arrived)  # type: ignore[attr-defined]
         wait = _IDLE_WAIT_S if idle and self.disagg_waiting else 0.0
         failed: list[Req] = []
@@ -157,11 +166,29 @@ class DisaggregationMixin:
                 self.disagg_counts["transfer_wait_s"] += waited
                 mark(req, "kv_arrived", result.num_tokens)
                 result.meta["wait_s"] = waited
-                self.disagg_arrived.append((req, result))
+                uploader.submit(req, result)  # to the device off this thread
         if failed:
             self._emit(failed)  # type: ignore[attr-defined]
+        upload_wait = _IDLE_WAIT_S if idle and not self.disagg_waiting and uploader.busy() else 0.0
+        self.disagg_arrived += self._disagg_live(uploader.done(upload_wait))
         if self.disagg_arrived:
             self._disagg_admit()
+
+    def _disagg_live(self, arrived: list[tuple[Req, KvPayload]]) -> list[tuple[Req, KvPayload]]:
+        """``arrived`` without requests aborted meanwhile (their uploaded KV is let go)."""
+        live = [(r, p) for r, p in arrived if not r.finished()]
+        if len(live) < len(arrived) and self.disagg_uploader is not None:
+            self.disagg_uploader.release(len(arrived) - len(live))
+        return live
+
+    def _disagg_reap(self) -> None:
+        """Lets go of written payloads whose write the device has finished."""
+        if not self._disagg_writing:
+            return
+        left = [(e, p) for e, p in self._disagg_writing if not e.query()]
+        if self.disagg_uploader is not None:
+            self.disagg_uploader.release(len(self._disagg_writing) - len(left))
+        self._disagg_writing = left
 
     def _disagg_fail(self, req: Req, message: str) -> Req:
         self.disagg_counts["failed"] += 1
@@ -207,7 +234,8 @@ class DisaggregationMixin:
             mark(req, "first_token", 1)
             self.disagg_recent.append({
                 "rid": req.rid, "tokens": n, "bytes": payload.nbytes, "wait_s": round(payload.meta.get("wait_s", 0.0), 6),
-                "transfer_s": _rounded(payload.meta.get("transfer_s")), "write_s": round(write_s, 6)})
+                "transfer_s": _rounded(payload.meta.get("transfer_s")), "upload_s": _rounded(payload.meta.get("upload_s")),
+                "write_s": round(write_s, 6)})
             req.check_finished()
             if req.finished():
                 self.tree_cache.cache_finished_req(req)  # type: ignore[attr-defined]
@@ -220,20 +248,26 @@ class DisaggregationMixin:
             self._emit(done)  # type: ignore[attr-defined]
 
     def _disagg_write(self, pool: Any, slots: torch.Tensor, payload: KvPayload) -> float:
-        """Copies a payload's KV into the pool at ``slots``: one host-to-device copy of all
-        layers' K (and V), then a scatter per layer on the device. Returns the seconds it took
-        (waiting for the device, so the figure is the copy's and not its launch's)."""
+        """Scatters a payload's KV (on the pool's device already: ``KvUploader``) into the pool
+        at ``slots``, one copy per layer, queued behind the decode steps without waiting for
+        the device. Returns the seconds this thread spent on it (on the CPU, the copy's)."""
         started = time.perf_counter()
         device = pool.k_buffer[0].device
-        index = slots.to(device)
-        k = payload.k.to(device, non_blocking=True)
+        index = slots.to(device, non_blocking=True)
+        k = payload.k.to(device)
         mla = getattr(pool, "kv_layout", "mha") == "mla"  # MLA's V is a view of its K rows
-        v = None if mla else payload.v.to(device, non_blocking=True)
+        v = None if mla else payload.v.to(device)
         for layer in range(pool.num_layers):
             pool.k_buffer[layer][index] = k[layer]
             if v is not None:
                 pool.v_buffer[layer][index] = v[layer]
-        self.runner.platform.synchronize()
+        event = self.runner.platform.create_event() if device.type != "cpu" else None
+        if event is None:
+            if self.disagg_uploader is not None:
+                self.disagg_uploader.release()
+        else:
+            event.record()  # the payload's device copy stays allocated until the scatter ran
+            self._disagg_writing.append((event, payload))
         return time.perf_counter() - started
 
     # -- prefill: stage and publish ------------------------------------------------------
@@ -288,7 +322,8 @@ class DisaggregationMixin:
 
     # -- bookkeeping ---------------------------------------------------------------------
     def disagg_busy(self) -> bool:
-        return self.kv_transfer is not None and bool(self.disagg_waiting or self.disagg_arrived)
+        uploading = self.disagg_uploader is not None and self.disagg_uploader.busy()
+        return self.kv_transfer is not None and bool(self.disagg_waiting or self.disagg_arrived or uploading)
 
     def _disagg_stats(self) -> dict[str, Any]:
         if self.kv_transfer is None:
