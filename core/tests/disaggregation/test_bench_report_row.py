@@ -24,6 +24,11 @@ def test_a_disaggregation_row_shows_its_transfer_and_its_whole_server_peer(tmp_p
     assert cells[4] == ("KV 448 MiB a request: staged 21.0 ms, sent 95.5 ms, written 12.2 ms; "
                         "TTFT 180.0 ms, ITL 1.23 ms")
     assert cells[5] == "0.25x whole"
+    # A GPU pool's row names the decode side's host-to-device upload before the write.
+    row["decode_upload_ms"] = 30.5
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    section = build_page([path]).split("## Disaggregation\n", 1)[1].split("\n## ", 1)[0]
+    assert "sent 95.5 ms, uploaded 30.5 ms, written 12.2 ms; " in section.splitlines()[-1]
 
 
 def test_a_row_under_load_compares_itl_p99(tmp_path: pathlib.Path) -> None:
