@@ -5,7 +5,7 @@ device-busy time a captured graph would need. The first line also gives the medi
 step in the unprofiled warm-up run (as `engine bench one-batch` times it), for comparison.
 
 usage: python scripts/profile_decode.py CONFIG_DIR [--attention triton] [--batch-size 1]
-       [--input-len 128] [--steps 20] [--timeline 40]
+       [--input-len 128] [--steps 20] [--timeline 40] [--lora-paths NAME=PATH ... --lora-name NAME ...]
 
 ``--tp-size N`` runs N ranks, one process each, as ``engine bench one-batch --tp-size N`` does;
 every rank runs the same steps and rank 0 profiles and prints (pass ``--extra
@@ -31,6 +31,8 @@ def classify(name: str) -> str:
     low = name.lower()
     if any(k in low for k in ("nccl", "all_reduce", "allreduce")):
         return "communication"
+    if any(k in low for k in ("_shrink", "_expand")):  # the LoRA backend's SGMV kernels
+        return "lora"
     if any(k in low for k in ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "splitk")):
         return "gemm"
     if any(k in low for k in ("attn", "attention", "decode", "extend", "prefill", "flashinfer")):
@@ -58,12 +60,17 @@ def main() -> None:
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}' "
                     "(plugin switches are JSON true/false: '{\"plugin_options\": {\"cuda\": {\"pdl\": false}}}')")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each; rank 0 prints)")
+    ap.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
+                    help="LoRA adapters loaded at start, as engine serve --lora-paths")
+    ap.add_argument("--lora-name", nargs="+", default=None, metavar="NAME",
+                    help="adapters the requests run on, round-robin (as engine bench one-batch --lora-name)")
     a = ap.parse_args()
     from engine.config import ServerArgs
 
     args = ServerArgs.from_dict({"model_path": a.config_dir, "load_format": "dummy", "skip_tokenizer_init": True,
                                  "attention": a.attention, "disable_cuda_graph": True, "quant": a.quant,
-                                 "tp_size": a.tp_size, **json.loads(a.extra)})
+                                 "tp_size": a.tp_size, **({"lora_paths": a.lora_paths} if a.lora_paths else {}),
+                                 **json.loads(a.extra)})
     from engine.plugins import check_plugin_options
 
     check_plugin_options(args.plugin_options)  # as the engine's start-up checks them
@@ -98,7 +105,7 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     sched = Scheduler(args, a.config_dir, platform)
     # The warm-up runs the steps unprofiled, as engine bench one-batch does (overlap as the scheduler
     # has it): its median step is the wall time the kernel table below is compared with.
-    warm = run_one(sched, a.batch_size, a.input_len, max(4, a.steps + 1))
+    warm = run_one(sched, a.batch_size, a.input_len, max(4, a.steps + 1), lora_names=a.lora_name)
     # Profile the prefill alone, then prefill + decode; the difference is the decode steps.
     on_gpu = sched.runner.device.type == "cuda"
     activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU  # CPU: a dry run of the script
@@ -107,9 +114,9 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
         return profile(activities=[activity]) if lead else contextlib.nullcontext()
 
     with profiled() as pre:
-        run_one(sched, a.batch_size, a.input_len, 1, overlap=False)
+        run_one(sched, a.batch_size, a.input_len, 1, overlap=False, lora_names=a.lora_name)
     with profiled() as prof:
-        run_one(sched, a.batch_size, a.input_len, a.steps + 1, overlap=a.overlap)
+        run_one(sched, a.batch_size, a.input_len, a.steps + 1, overlap=a.overlap, lora_names=a.lora_name)
     if not lead:
         return
 

@@ -12,9 +12,11 @@ prefill pays, launch overhead included).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
         [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-1x128 prefill-4x512]
-        [--without-pdl]
+        [--without-pdl] [--old] [--breakdown]
 
-``--without-pdl`` also times the same kernels launched without programmatic dependent launch.
+``--without-pdl`` also times the same kernels launched without programmatic dependent launch;
+``--old`` decode batches with the token-parallel shrink (``slot_shrink=False``); ``--breakdown``
+each kernel alone.
 
 ``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
 backend as its peer) and the base matmuls' time, as rows of the benchmarks page's ``lora`` area.
@@ -41,6 +43,7 @@ from engine_lora_triton.launch import (
     has_pdl,
     sgmv_expand,
     sgmv_shrink,
+    sgmv_shrink_slots,
     shrink_config,
     sm_count,
 )
@@ -159,12 +162,38 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
     return rows_out
 
 
+def breakdown(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              out: torch.Tensor, offsets: list[int], reps: int) -> None:
+    """Each kernel alone with its heuristic config: shrink, expand of a finished y, and for decode
+    batches of 16+ segments the per-slot shrink and the expand of its partial sums."""
+    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
+    pdl = has_pdl(x.device) and info.max_seg_len <= 1
+    y = sgmv_shrink(x, a, *args, info.num_segments, info.max_seg_len)
+    t = {"shrink": graph_time_us(functools.partial(sgmv_shrink, x, a, *args, info.num_segments,
+                                                   info.max_seg_len, pdl), reps),
+         "expand": graph_time_us(functools.partial(sgmv_expand, y, b, out, *args, info.scalings, info.num_segments,
+                                                   info.max_seg_len, offsets, pdl), reps)}
+    if info.max_seg_len <= 1 and info.num_segments >= 16:
+        p = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl)
+        t["slot shrink"] = graph_time_us(functools.partial(sgmv_shrink_slots, x, a, *args, info.num_segments, pdl),
+                                         reps)
+        t[f"expand of {p.shape[0]} partials"] = graph_time_us(
+            functools.partial(sgmv_expand, p, b, out, *args, info.scalings, info.num_segments, info.max_seg_len,
+                              offsets, pdl), reps)
+    print(f"alone {scen:<14} {layer:<8} " + "; ".join(f"{k} {v:.1f} us" for k, v in t.items()), flush=True)
+
+
 def triton_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
 def lora_call(backend: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoraBatchInfo,
               out: torch.Tensor, offsets: list[int]) -> None:
+    """What a LoRA layer runs: the backend's ``apply`` where it has one, else shrink then expand."""
+    fused = getattr(backend, "apply", None)
+    if fused is not None:
+        fused(x, a, b, info, out, offsets)
+        return
     backend.expand(backend.shrink(x, a, info), b, info, out, offsets)
 
 
@@ -190,6 +219,10 @@ def main() -> None:
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
                     help="which scenarios to run (default: all)")
     ap.add_argument("--without-pdl", action="store_true", help="also time the kernels launched without PDL")
+    ap.add_argument("--old", action="store_true",
+                    help="also time decode batches with the token-parallel shrink (lora-triton.slot_shrink=false)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each kernel alone (shrink, per-slot shrink, expand) per layer")
     args = ap.parse_args()
     swept: list[dict[str, Any]] = []
     dev = torch.device(DEVICE)
@@ -198,6 +231,8 @@ def main() -> None:
     triton_be, native_be = TritonLoraBackend(), TorchNativeLoraBackend(per_segment=False)
     # Extra columns: name -> backend.
     extra = {"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {}
+    if args.old:
+        extra["old us"] = TritonLoraBackend(slot_shrink=False)
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
     print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'eager us':>9} "
@@ -229,8 +264,14 @@ def main() -> None:
                 be.expand(ref_y, b, info, got, offsets)
                 err_y = float((y.float() - ref_y.float()).abs().max() / ref_y.float().abs().max().clamp_min(1e-6))
                 err_o = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
-                assert err_y < 2e-2 and err_o < 2e-2, \
-                    f"{scen} {layer} {type(be).__name__}: relative error shrink {err_y:.3g}, expand {err_o:.3g}"
+                both = out.clone()
+                lora_call(be, x, a, b, info, both, offsets)
+                err_a = float((both.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+                assert err_y < 2e-2 and err_o < 2e-2 and err_a < 2e-2, \
+                    f"{scen} {layer} {type(be).__name__}: relative error shrink {err_y:.3g}, expand {err_o:.3g}, " \
+                    f"apply {err_a:.3g}"
+            if args.breakdown:
+                breakdown(scen, layer, info, x, a, b, out, offsets, args.reps)
 
             call = functools.partial(functools.partial, lora_call)
             tensors = (x, a, b, info, out, offsets)

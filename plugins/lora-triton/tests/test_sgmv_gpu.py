@@ -3,7 +3,8 @@ and 64, bfloat16; decode over 9 slots, prefills of 529 and 128 tokens), compiled
 interpreted), against the float32 torch loop; the conformance kit
 on cuda; and CUDA graphs (one-token segments, and 16-token ones) replayed after the batch's
 segments change in place, as the engine's captured decode rewrites ``seg_indptr`` and
-``weight_indices`` between replays."""
+``weight_indices`` between replays; ``apply`` on decode batches of 64 (the per-slot shrink's
+partial sums, K 4096 and 14336), in a graph too."""
 
 from __future__ import annotations
 
@@ -72,6 +73,61 @@ def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
     reference_expand(y, b, info, want, offsets)
     backend.expand(y, b, info, out, offsets)
     assert _rel(out, want) < 1e-2
+
+
+@pytest.mark.parametrize("r", [16, 64])
+@pytest.mark.parametrize("layer", ["qkv", "gate_up", "down"])
+def test_apply_decode_llama_shapes(r: int, layer: str) -> None:
+    """``apply`` on a decode batch of 64 over 9 slots: the per-slot shrink's partial sums over K
+    chunks (down: K 14336), added up by the expand, against the float32 loop."""
+    k, widths = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
+                 "down": (14336, (4096,))}[layer]
+    torch.manual_seed(r + k)
+    ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
+    info = _info([1] * 64, [i * 5 % SLOTS for i in range(64)], ranks)
+    a, b = _pool(ranks, r, k, widths)
+    x = torch.randn(64, k, device=DEV).bfloat16()
+    offsets = [0]
+    for w in widths:
+        offsets.append(offsets[-1] + w)
+    out = torch.randn(64, offsets[-1], device=DEV).bfloat16()
+    want = out.float()
+    reference_expand(reference_shrink(x.float(), a.float(), info), b.float(), info, want, offsets)
+    before = out.clone()
+    TritonLoraBackend().apply(x, a, b, info, out, offsets)
+    assert _rel(out - before.float(), want - before.float()) < 2e-2
+    base_rows = (info.weight_indices == 2).nonzero().flatten()
+    assert torch.equal(out[base_rows], before[base_rows]), "rows on the rank-0 slot changed"
+
+
+def test_apply_graph_replay_follows_the_segments() -> None:
+    """The per-slot shrink and the expand of its partial sums captured in a CUDA graph of 32 rows,
+    replayed with 20 one-token segments on other slots and 12 empty ones (padding rows)."""
+    torch.manual_seed(4)
+    ranks = [16, 8, 0, 16]
+    a, b = _pool(ranks, 16, 4096, (4096, 1024, 1024))
+    offsets = [0, 4096, 5120, 6144]
+    info = _info([1] * 32, [i % 4 for i in range(32)], ranks)
+    x = torch.randn(32, 4096, device=DEV).bfloat16()
+    out = torch.zeros(32, 6144, device=DEV).bfloat16()
+    backend = TritonLoraBackend()
+    backend.apply(x, a, b, info, out, offsets)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.apply(x, a, b, info, out, offsets)
+    indptr = torch.zeros(33, dtype=torch.int32)
+    indptr[1:21] = torch.arange(1, 21, dtype=torch.int32)
+    indptr[21:] = 20
+    info.seg_indptr.copy_(indptr.to(DEV))
+    info.weight_indices.copy_(torch.randint(0, 4, (32,), dtype=torch.int32, device=DEV))
+    x.copy_(torch.randn(32, 4096, device=DEV).bfloat16())
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.zeros(32, 6144, device=DEV)
+    reference_expand(reference_shrink(x, a, info), b, info, want, offsets)
+    assert _rel(out, want) < 2e-2
+    assert not out[20:].any(), "padding tokens were written"
 
 
 # (segments captured, segments of the replay): same count, the replay's within the captured

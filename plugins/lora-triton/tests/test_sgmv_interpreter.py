@@ -15,6 +15,7 @@ import pytest
 import torch
 from engine_lora_triton import interpreting
 from engine_lora_triton.backend import TritonLoraBackend
+from engine_lora_triton.launch import sgmv_expand, sgmv_shrink_slots
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
 from engine.testing.conformance.lora import LoraBackendConformance
@@ -86,6 +87,37 @@ def test_kernels_match_the_loop(case: str) -> None:
     assert torch.equal(out[:, :offsets[0]], before[:, :offsets[0]])
     assert torch.equal(out[:, offsets[-1]:], before[:, offsets[-1]:])
     assert torch.equal(out[real:], before[real:])
+
+
+@pytest.mark.parametrize("case", ["decode-slots", "decode-slots-many", "decode-qkv"])
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_apply_matches_the_loop(case: str, chunk: int) -> None:
+    """``apply``: decode batches of 16+ segments take the per-slot shrink's float32 partial sums
+    over K chunks (``chunk`` 32: three chunks of K 80, the last one short), others shrink + expand."""
+    torch.manual_seed(len(case) + chunk)
+    lens, slots, ranks, r, _, offsets, pad, slack = CASES[case]
+    k = 80
+    info = _info(lens, slots, ranks, slack)
+    n_slices = len(offsets) - 1
+    real = sum(lens)
+    a, b = _pool(ranks, n_slices, r, k, offsets[-1] + 3, torch.float32)
+    x = torch.randn(real + pad, k + 5)[:, 2:k + 2]
+    out = torch.randn(real + pad, offsets[-1] + 3)
+    want = out.clone()
+    reference_expand(reference_shrink(x, a, info), b, info, want, offsets)
+    if chunk:
+        if info.num_segments < 16:
+            pytest.skip("partial sums are for decode batches of 16+ segments")
+        cfg = dict(BLOCK_R=16, BLOCK_K=16, K_CHUNK=chunk, num_warps=4, num_stages=1)
+        p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                              config=cfg)
+        assert p.shape == (3, real + pad, n_slices * r) and p.dtype == torch.float32
+        sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                    info.num_segments, info.max_seg_len, offsets)
+    else:
+        TritonLoraBackend().apply(x, a, b, info, out, offsets)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[real:], want[real:])
 
 
 def test_bfloat16_decode_and_prefill() -> None:

@@ -47,23 +47,40 @@ def _compile_all() -> dict[str, dict[str, object]]:
         cfg.pop("num_stages")
         if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, column tile)
             cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64,
+            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64, SPLITS=1,
                                                                              WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
         else:
             kernel = compile_kernel(k._expand_kernel, types, dict(R=r, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
                                                                   IEEE=False, PDL=True, **cfg), num_warps=warps)
         facts[f"expand-{name}"] = _facts(kernel)
+        if cfg.get("BLOCK_N") and name == "decode-64":  # the expand of the per-slot shrink's partial sums
+            slot_types.update(y_ptr="*fp32")
+            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(
+                R=r, SEGS=segments, BLOCK_S=64, WIDEN=False, IEEE=False, PDL=True, **{**cfg, "SPLITS": 8}),
+                num_warps=warps)
+            facts["expand-decode-64-partials"] = _facts(kernel)
+    slot_shrink = {a: "i32" for a in k._shrink_slots_kernel.arg_names}
+    slot_shrink.update(x_ptr="*bf16", a_ptr="*bf16", p_ptr="*fp32", **INDEX)
+    for name, (rows, width) in {"qkv": (48, 4096), "down": (16, 14336), "rank-64-qkv": (192, 4096)}.items():
+        cfg = launch.slot_shrink_config(9, rows, width, 132)
+        warps = cfg.pop("num_warps")
+        cfg.pop("num_stages")
+        kernel = compile_kernel(k._shrink_slots_kernel, slot_shrink, dict(ROWS=rows, K=width, SEGS=64, BLOCK_S=64,
+                                                                          WIDEN=False, IEEE=False, PDL=True, **cfg),
+                                num_warps=warps)
+        facts[f"slot-shrink-{name}"] = _facts(kernel)
     return facts
 
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     facts = compiled_facts(__file__, timeout=600)
-    assert len(facts) == 6, facts
+    assert len(facts) == 10, facts
     for name, got in facts.items():
         assert got["spill_bytes"] == 0, (name, got)
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)
-        assert got["loads_before_wait"] >= 3, (name, got)  # rank, weights, scaling (and segment bounds)
+        # rank, weights, scaling (and segment bounds); the per-slot shrink: rank and segment bounds
+        assert got["loads_before_wait"] >= 3, (name, got)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,12 @@ class LoraBatchInfo:
 @runtime_checkable
 class LoraBackend(Protocol):
     """Segmented (SGMV) shrink and expand. Both must be capturable in CUDA graphs on CUDA: no host
-    synchronisation and no allocation whose size depends on tensor values."""
+    synchronisation and no allocation whose size depends on tensor values.
+
+    A backend may also offer ``apply(x, a_weights, b_weights, info, out, slice_offsets)``, the
+    same as ``expand(shrink(x, a_weights, info), b_weights, info, out, slice_offsets)`` computed
+    its own way (an intermediate other than ``shrink``'s ``y``); LoRA layers call it when present,
+    and the conformance kit holds it to the reference too."""
 
     name: str
 

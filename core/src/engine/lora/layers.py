@@ -105,6 +105,10 @@ class LoraLayer(nn.Module):
         x2 = x.reshape(-1, x.shape[-1])
         out2 = out.view(-1, out.shape[-1])
         backend = self.state.backend
+        fused = getattr(backend, "apply", None)
+        if fused is not None:
+            fused(x2, self.a_buffer, self.b_buffer, info, out2, self.slice_offsets)
+            return
         y = backend.shrink(x2, self.a_buffer, info)
         backend.expand(y, self.b_buffer, info, out2, self.slice_offsets)
 

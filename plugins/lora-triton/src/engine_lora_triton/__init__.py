@@ -33,3 +33,6 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           help="sm_90+: launch decode batches' shrink and expand with programmatic dependent launch "
                                "(each starts while the kernel before it drains, reading the batch info and its "
                                "first weights)"))
+    register(PluginOption(plugin="lora-triton", key="slot_shrink", default=True,
+                          help="decode batches of 16+ requests: shrink with one program per (adapter slot, row tile, "
+                               "K chunk), each adapter's A read once (false: one program per token)"))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from engine_lora_triton.launch import has_pdl, sgmv_expand, sgmv_shrink
+from engine_lora_triton.launch import has_pdl, sgmv_expand, sgmv_shrink, sgmv_shrink_slots
 
 
 class TritonLoraBackend:
@@ -22,8 +22,9 @@ class TritonLoraBackend:
 
     name = "triton"
 
-    def __init__(self, pdl: bool = True) -> None:
+    def __init__(self, pdl: bool = True, slot_shrink: bool = True) -> None:
         self.pdl = pdl
+        self.slot_shrink = slot_shrink
 
     def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: Any) -> torch.Tensor:
         return sgmv_shrink(x, weights, info.seg_indptr, info.weight_indices, info.lora_ranks,
@@ -34,6 +35,20 @@ class TritonLoraBackend:
         sgmv_expand(y, weights, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                     info.num_segments, info.max_seg_len, slice_offsets, pdl=self._pdl(info, out.device))
 
+    def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: Any, out: torch.Tensor,
+              slice_offsets: Sequence[int]) -> None:
+        """``expand(shrink(x))``; a decode batch of 16+ one-token segments takes the per-slot shrink,
+        whose float32 partial sums over K chunks the expand adds up (each adapter's A read once,
+        not once per token)."""
+        if self.slot_shrink and info.max_seg_len <= 1 and info.num_segments >= 16:
+            pdl = self._pdl(info, x.device)
+            p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                                  pdl=pdl)
+            sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                        info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl)
+            return
+        self.expand(self.shrink(x, a, info), b, info, out, slice_offsets)
+
     def _pdl(self, info: Any, device: torch.device) -> bool:
         return self.pdl and info.max_seg_len <= 1 and has_pdl(device)
 
@@ -41,4 +56,5 @@ class TritonLoraBackend:
 def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``);
     block sizes are chosen per call from the shapes."""
-    return TritonLoraBackend(pdl=bool((options or {}).get("pdl", True)))
+    options = options or {}
+    return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", True)))

@@ -141,9 +141,10 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
 @triton.jit
 def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
                          num_segments, off0, off1, off2, off3, tiles0, tiles01,
-                         stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+                         stride_ys, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
                          R: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                         PDL: tl.constexpr):
     # Decode batches (segments of at most one token): one program per (slot, column tile) reads
     # its B tile once and applies it to every token of the batch on that slot, instead of every
     # token reading its adapter's whole B.
@@ -178,10 +179,60 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
         mine = s_ok & (owner == slot) & (end > tok)
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             rows = tok.to(tl.int64)
-            yv = tl.load(y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr,
-                         mask=mine[:, None] & r_ok[None, :], other=0.0)
+            # y, or the per-slot shrink's SPLITS float32 partial sums of it (added here, rounded
+            # to B's dtype as a finished y would be).
+            y_ptrs = y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
+            y_mask = mine[:, None] & r_ok[None, :]
+            ysum = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+            for sp in range(1, SPLITS):
+                ysum += tl.load(y_ptrs + sp * stride_ys, mask=y_mask, other=0.0)
+            yv = ysum.to(b_ptr.dtype.element_ty)
             acc = _product(yv, bv, True, WIDEN, IEEE)
             mask = mine[:, None] & n_ok[None, :]
             out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
             cur = tl.load(out_ptrs, mask=mask, other=0.0)
             tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _shrink_slots_kernel(x_ptr, a_ptr, p_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, num_segments,
+                         stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ps, stride_pt, stride_pr,
+                         ROWS: tl.constexpr, K: tl.constexpr, K_CHUNK: tl.constexpr, SEGS: tl.constexpr,
+                         BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                         WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Decode batches (segments of at most one token): one program per (slot, row tile, K chunk)
+    # reads its tile of A once and multiplies it, with tl.dot, by every token of the batch on that
+    # slot; it stores float32 partial sums p[chunk, token, row], which the per-slot expand adds up
+    # (no atomics: each (chunk, token, row) has one writer).
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    slot = tl.program_id(0)
+    if tl.load(ranks_ptr + slot) == 0:  # the base model or an empty slot: the expand skips its tokens
+        return
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = offs_r < ROWS
+    chunk = tl.program_id(2)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar \
+        + (chunk * K_CHUNK + offs_k[None, :]).to(tl.int64) * stride_ak
+    for s0 in tl.static_range(0, SEGS, BLOCK_S):
+        segs = s0 + tl.arange(0, BLOCK_S)
+        s_ok = segs < num_segments
+        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
+        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
+        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+        mine = s_ok & (owner == slot) & (end > tok)
+        if PDL and s0 == 0:
+            # The batch info and A were written before the forward; x is the previous kernel's.
+            tl.extra.cuda.gdc_wait()
+        if tl.sum(mine.to(tl.int32), axis=0) > 0:
+            rows = tok.to(tl.int64)
+            x_ptrs = x_ptr + rows[:, None] * stride_xt + (chunk * K_CHUNK + offs_k[None, :]).to(tl.int64) * stride_xk
+            acc = tl.zeros((BLOCK_S, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K_CHUNK, BLOCK_K):
+                k_ok = offs_k < K - chunk * K_CHUNK - k0
+                xv = tl.load(x_ptrs + k0 * stride_xk, mask=mine[:, None] & k_ok[None, :], other=0.0)
+                av = tl.load(a_ptrs + k0 * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+                acc += _product(xv, av, True, WIDEN, IEEE)
+            p_ptrs = p_ptr + chunk.to(tl.int64) * stride_ps + rows[:, None] * stride_pt + offs_r[None, :] * stride_pr
+            tl.store(p_ptrs, acc, mask=mine[:, None] & r_ok[None, :])

@@ -17,6 +17,7 @@ from engine_lora_triton.kernels import (
     _expand_kernel,
     _expand_slots_kernel,
     _shrink_kernel,
+    _shrink_slots_kernel,
 )
 
 
@@ -68,6 +69,51 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
     block_t = _token_tile(num_segments, max_seg_len, _cdiv(rows, block_r), sms)
     return dict(BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=min(64, max(16, triton.next_power_of_2(k))), num_warps=4,
                 num_stages=3)
+
+
+def slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
+    """Block sizes of ``_shrink_slots_kernel``: 16-row tiles of A and the K chunk, the smallest of
+    256 to 4096 that keeps at least one program per SM over (slots, row tiles, chunks) and at most
+    16 chunks (the expand adds one partial sum per chunk)."""
+    return dict(_slot_shrink_config(num_slots, rows, k, sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
+    block_r = 16
+    tiles = num_slots * _cdiv(rows, block_r)
+    chunk = 256
+    while chunk < 4096 and (_cdiv(k, chunk) > 16 or tiles * _cdiv(k, 2 * chunk) >= sms):
+        chunk *= 2
+    chunk = min(chunk, triton.next_power_of_2(k))
+    return dict(BLOCK_R=block_r, BLOCK_K=min(64, chunk), K_CHUNK=chunk, num_warps=4, num_stages=2)
+
+
+def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
+                      ranks: torch.Tensor, num_segments: int, pdl: bool = False,
+                      config: dict[str, int] | None = None) -> torch.Tensor:
+    """Shrink of a decode batch (segments of at most one token) as float32 partial sums over K
+    chunks, ``[chunks, T, ROWS]``, for ``sgmv_expand`` to add up: a program per (slot, row tile,
+    chunk) reads its tile of ``a`` once for all the slot's tokens. Entries of tokens in no segment
+    or on rank-0 slots are unspecified (the expand never reads them)."""
+    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+        raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
+    if a.dtype != x.dtype:
+        raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
+    tokens, k = x.shape
+    rows = a.shape[1]
+    cfg = config or _slot_shrink_config(a.shape[0], rows, k, sm_count(x.device))
+    chunks = _cdiv(k, cfg["K_CHUNK"])
+    p = torch.empty((chunks, tokens, rows), dtype=torch.float32, device=x.device)
+    if tokens == 0 or num_segments == 0 or rows == 0:
+        return p
+    segs = 1 << (num_segments - 1).bit_length()
+    _shrink_slots_kernel[(a.shape[0], _cdiv(rows, cfg["BLOCK_R"]), chunks)](
+        x, a, p, seg_indptr, weight_indices, ranks, num_segments,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), p.stride(0), p.stride(1), p.stride(2),
+        ROWS=rows, K=k, SEGS=segs, BLOCK_S=min(64, max(16, segs)), WIDEN=_INTERPRETED,
+        IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, **cfg)
+    return p
 
 
 def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
@@ -143,9 +189,13 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
     overrides ``expand_config``."""
     padded, widths, r = _slice_plan(tuple(slice_offsets), out.shape[1], tuple(b.shape))
-    if y.shape != (out.shape[0], len(widths) * r):
+    partials = y.dim() == 3  # sgmv_shrink_slots's float32 sums per K chunk
+    if partials and not (max_seg_len <= 1 and num_segments >= 16 and y.dtype == torch.float32):
+        raise ValueError(f"expand: partial sums y {tuple(y.shape)} ({y.dtype}) are for decode batches of 16+ segments "
+                         f"in float32; got {num_segments} segments of up to {max_seg_len} tokens")
+    if y.shape[-2:] != (out.shape[0], len(widths) * r):
         raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {len(widths) * r}]")
-    if b.dtype != y.dtype:
+    if b.dtype != y.dtype and not partials:
         raise ValueError(f"expand: weights dtype {b.dtype} must be y's dtype {y.dtype}")
     if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or sum(widths) == 0 or r == 0:
         return
@@ -158,8 +208,10 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
         segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_slots_kernel[(ranks.shape[0], total)](
             y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
-            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
+            out.stride(0), out.stride(1),
             R=r, SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+            SPLITS=y.shape[0] if partials else 1,
             WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return

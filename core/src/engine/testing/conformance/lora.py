@@ -1,6 +1,8 @@
 """``check_lora_backend`` / ``LoraBackendConformance``: a LoRA backend's shrink and expand agree
 with the plain torch loop of ``engine.lora.backend`` on random segmented batches (empty segments,
-rank-0 slots, ranks 8 and 16, one to three slices, float32 and bfloat16 where the device has it)."""
+rank-0 slots, ranks 8 and 16, one to three slices, float32 and bfloat16 where the device has it),
+and so does its optional ``apply`` (shrink then expand in one call), on those batches and on a
+decode batch of one-token segments."""
 
 from __future__ import annotations
 
@@ -127,6 +129,29 @@ def check_lora_backend(spec_or_backend: Any, device: str | torch.device = "cpu",
             untouched = _rank0_rows(info)
             if untouched.any():
                 assert torch.equal(out[untouched], base[untouched]), f"{case}: expand changed rows of rank-0 segments"
+            if callable(getattr(backend, "apply", None)):
+                _check_apply(backend, gen, info, a, b, offsets, dev, dtype, case)
+                # A decode batch: one-token segments (and two empty ones), enough of them for the
+                # forms a backend keeps for many requests.
+                decode_lens = [1] * 18 + [0, 0]
+                decode_slots = [int(v) for v in torch.randint(0, len(SLOT_RANKS), (20,), generator=gen)]
+                decode = random_batch_info(gen, decode_lens, decode_slots, dev)
+                _check_apply(backend, gen, decode, a, b, offsets, dev, dtype, f"{case}, decode batch")
+
+
+def _check_apply(backend: Any, gen: torch.Generator, info: LoraBatchInfo, a: torch.Tensor, b: torch.Tensor,
+                 offsets: list[int], dev: torch.device, dtype: torch.dtype, case: str) -> None:
+    """A backend's optional ``apply`` equals the reference shrink then expand."""
+    tokens = int(info.seg_indptr[-1])
+    x = randn(gen, tokens, a.shape[2], device=dev, dtype=dtype)
+    base = randn(gen, tokens, offsets[-1], device=dev, dtype=dtype)
+    out, want = base.clone(), base.clone()
+    backend.apply(x, a, b, info, out, offsets)
+    reference_expand(reference_shrink(x, a, info), b, info, want, offsets)
+    _close(out, want, dtype, f"{case}: apply")
+    untouched = _rank0_rows(info)
+    if untouched.any():
+        assert torch.equal(out[untouched], base[untouched]), f"{case}: apply changed rows of rank-0 segments"
 
 
 def _rank0_rows(info: LoraBatchInfo) -> torch.Tensor:
