@@ -9,8 +9,15 @@ Qwen3-30B-A3B shape, under the H100's 50 MB L2):
 - ``grouped``: routing and alignment as ``FusedMoE`` runs them at that size (one launch up to
   ``ROUTE_ALIGN_PAYS_MAX_SLOTS``, else router + alignment), the two grouped GEMMs and the top-k sum.
 
+For a shape with shared experts (DeepSeek-V2-Lite: two of the routed experts' size, one SwiGLU MLP),
+``--tokens 1`` also times them: ``shared_fused`` (``fused_moe_small_batch(..., shared=...)``: the
+router, then the two launches streaming routed and shared weights) against ``shared_separate`` (the
+router, the two routed launches, then the shared MLP as the engine's CUDA platform runs it at batch
+1: its skinny GEMV, SiLU-and-mul, the GEMV, the add).
+
 GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
-bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best.
+bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best (with
+the shape's shared experts in the launches).
 
 usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
        [--launch gate_up down] [--warps 4 8] [--result-file out/results.jsonl]
@@ -34,6 +41,8 @@ from engine.bench.results import append_rows
 #: experts, hidden, intermediate, top_k
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8), "mixtral-8x7b": (8, 4096, 14336, 2),
           "deepseek-v2-lite": (64, 2048, 1408, 6)}
+#: shared experts, in routed experts' intermediate widths
+SHARED = {"deepseek-v2-lite": 2}
 ROUTINGS = 8
 
 
@@ -78,7 +87,39 @@ def compare(shape: str, tokens: int) -> dict[str, object]:
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_gbs"] = round(nbytes / us / 1e3, 1)
     torch.testing.assert_close(small(logits[0]), grouped(logits[0]), atol=2e-2, rtol=2e-2)
+    if SHARED.get(shape) and tokens == 1:
+        row.update(_shared(x, w13, w2, logits, top_k, SHARED[shape] * inter, nbytes))
     row.update(gpu=torch.cuda.get_device_name(), time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return row
+
+
+def _shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: list[torch.Tensor], top_k: int,
+            width: int, routed_bytes: float) -> dict[str, object]:
+    from engine_platform_cuda.gemv import skinny_linear
+    from engine_platform_cuda.kernels import silu_and_mul
+
+    from engine.layers.moe.router import select_experts
+    from engine.layers.moe.small_batch import fused_moe_small_batch
+
+    hidden = x.shape[1]
+    gate_up = torch.randn(2 * width, hidden, device=x.device, dtype=x.dtype) * 0.02
+    down = torch.randn(hidden, width, device=x.device, dtype=x.dtype) * 0.02
+
+    def fused(lg: torch.Tensor) -> torch.Tensor:
+        w, ids = select_experts(lg, top_k, True)
+        return fused_moe_small_batch(x, w13, w2, w, ids, shared=(gate_up, down))
+
+    def separate(lg: torch.Tensor) -> torch.Tensor:
+        w, ids = select_experts(lg, top_k, True)
+        return fused_moe_small_batch(x, w13, w2, w, ids) + skinny_linear(silu_and_mul(skinny_linear(x, gate_up)), down)
+
+    nbytes = routed_bytes + 3 * hidden * width * 2
+    row: dict[str, object] = {}
+    for name, fn in (("shared_fused", fused), ("shared_separate", separate)):
+        us = graph_median_us([lambda lg=lg, f=fn: f(lg) for lg in logits])
+        row[f"{name}_us"] = round(us, 2)
+        row[f"{name}_gbs"] = round(nbytes / us / 1e3, 1)
+    torch.testing.assert_close(fused(logits[0]), separate(logits[0]), atol=2e-2, rtol=2e-2)
     return row
 
 
@@ -89,25 +130,29 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"),
 
     experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, 1)
     routes = [select_experts(lg, top_k, True) for lg in logits]
-    act = torch.randn(top_k, inter, device="cuda", dtype=x.dtype)
+    chunks = SHARED.get(shape, 0)  # the shared experts ride in the same launches
+    gate_up = torch.randn(2 * chunks * inter, hidden, device="cuda", dtype=x.dtype) * 0.02 if chunks else None
+    down_w = torch.randn(hidden, chunks * inter, device="cuda", dtype=x.dtype) * 0.02 if chunks else None
+    act = torch.randn(top_k + chunks, inter, device="cuda", dtype=x.dtype)
     out_act = torch.empty_like(act)
     out = torch.empty(1, hidden, device="cuda", dtype=x.dtype)
 
     def up(ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
-        launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps)
+        launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps, shared_w13=gate_up, chunks=chunks)
 
     def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
-        launch_down(act, w2, None, ids, w, out, bn, bk, warps)
+        launch_down(act, w2, None, ids, w, out, bn, bk, warps, shared_w2=down_w, chunks=chunks)
 
-    default = small_batch_tiles(top_k, hidden, inter)
+    slots = top_k + chunks
+    default = small_batch_tiles(slots, hidden, inter)
     rows = []
     grids = {"gate_up": ((2, 4, 8, 16, 32), (64, 128, 256, 512)), "down": ((1, 2, 4, 8, 16), (64, 128, 256, 512))}
     for launch in launches:
         grid_n, grid_k = grids[launch]
-        nbytes = top_k * (2 if launch == "gate_up" else 1) * hidden * inter * 2
+        nbytes = slots * (2 if launch == "gate_up" else 1) * hidden * inter * 2
         results = []
         for bn, bk, warps in itertools.product(grid_n, grid_k, warp_counts):
-            if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(top_k)) > 16384:
+            if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(slots)) > 16384:
                 continue
             if launch == "gate_up":
                 calls = [lambda r=r, a=bn, b=bk, c=warps: up(r[1], a, b, c) for r in routes]
@@ -120,7 +165,8 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"),
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
                      and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]), None)
-        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "default": mine, "best": results[:5],
+        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "shared_chunks": chunks,
+               "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         rows.append(row)
     return rows

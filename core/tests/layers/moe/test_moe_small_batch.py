@@ -95,6 +95,49 @@ def test_tile_sizes_do_not_change_the_result(triton_device: str, tiles: dict[str
     torch.testing.assert_close(fused_moe_small_batch(x, w13, w2, w, ids, tiles=tiles), ref, atol=1e-4, rtol=1e-4)
 
 
+def _shared_mlp(device: str, dtype: torch.dtype, chunks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(2 * chunks * INTER, H, generator=gen) / H**0.5
+    down = torch.randn(H, chunks * INTER, generator=gen) / (chunks * INTER)**0.5
+    return gate_up.to(device, dtype), down.to(device, dtype)
+
+
+def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    g, u = (x @ gate_up.t()).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u) @ down.t()
+
+
+# top_k 2 + 2 chunks fills the down launch's 4-lane slot tile; 3 + 2 leaves 3 lanes of 8 empty.
+@pytest.mark.parametrize("tokens, top_k, chunks", [(1, 2, 2), (1, 3, 2), (2, 2, 1)],
+                         ids=["one-top2-two-chunks", "one-top3-two-chunks", "two-tokens-one-chunk"])
+def test_shared_experts_in_the_same_launches(triton_device: str, tokens: int, top_k: int, chunks: int) -> None:
+    """Shared experts (one SwiGLU MLP of ``chunks * I`` features) as extra slots of the two launches:
+    the routed result plus the MLP's, each rounded as separate layers round them."""
+    from engine.layers.moe.small_batch import fused_moe_small_batch, shared_chunks
+
+    x, w13, w2, w, ids = _case(triton_device, tokens, top_k, torch.float32, seed=30 + top_k)
+    gate_up, down = _shared_mlp(triton_device, torch.float32, chunks, seed=31)
+    assert shared_chunks(gate_up, down, w13) == chunks
+    ours = fused_moe_small_batch(x, w13, w2, w, ids, shared=(gate_up, down))
+    ref = fused_moe_reference(x, w13, w2, w, ids) + _swiglu(x, gate_up, down)
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+    held_elsewhere = torch.full_like(ids, -1)  # expert parallelism: the shared experts still run
+    torch.testing.assert_close(fused_moe_small_batch(x, w13, w2, w, held_elsewhere, shared=(gate_up, down)),
+                               _swiglu(x, gate_up, down), atol=1e-4, rtol=1e-4)
+
+
+def test_shared_experts_that_do_not_split_are_refused(triton_device: str) -> None:
+    from engine.layers.moe.small_batch import fused_moe_small_batch, shared_chunks
+
+    x, w13, w2, w, ids = _case(triton_device, 1, 2, torch.float32, seed=32)
+    gate_up, down = _shared_mlp(triton_device, torch.float32, 2, seed=33)
+    odd_up, odd_down = gate_up[:-2], down[:, :-1]  # 2 * I - 1 features: not whole chunks
+    assert shared_chunks(odd_up, odd_down, w13) == 0
+    assert shared_chunks(gate_up.half(), down.half(), w13) == 0
+    with pytest.raises(ValueError, match=r"fused_moe_small_batch: shared experts .*accepted"):
+        fused_moe_small_batch(x, w13, w2, w, ids, shared=(odd_up, odd_down))
+
+
 def test_bad_shapes_name_the_tensors() -> None:
     from engine.layers.moe.small_batch import fused_moe_small_batch
 

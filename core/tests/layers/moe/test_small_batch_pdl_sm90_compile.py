@@ -11,7 +11,8 @@
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), at the
 Qwen3-30B-A3B shape (128 experts, top 8, hidden 2048, expert intermediate 768) with the tiles
-``small_batch_tiles`` picks, bf16 and fp8 expert weights.
+``small_batch_tiles`` picks, bf16 and fp8 expert weights; and at DeepSeek-V2-Lite's (top 6 of 64,
+intermediate 1408) with its two shared experts in the same launches (bf16).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ def _types(fn: object, pointers: dict[str, str]) -> dict[str, str]:
 def _compile_all() -> dict[str, dict[str, object]]:
     from engine.layers.moe import router_kernel, small_batch
 
-    tiles = small_batch.small_batch_tiles(8, 2048, 768)
     out: dict[str, dict[str, object]] = {}
     topk = compile_kernel(router_kernel._softmax_topk_kernel,
                           _types(router_kernel._softmax_topk_kernel,
@@ -38,23 +38,25 @@ def _compile_all() -> dict[str, dict[str, object]]:
                           dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_K=8, PDL=True), num_warps=1)
     out["topk"] = {**pdl_order(topk.asm["ptx"]), "spill_bytes": spill_bytes(topk.asm["ptx"]),
                    "redux": topk.asm["ptx"].count("redux.sync")}
-    for w in WEIGHTS:
+    shapes = [(w, 8, 0, 2048, 768) for w in WEIGHTS] + [("bf16", 6, 2, 2048, 1408)]
+    for w, top_k, shared, hidden, inter in shapes:
         scale = w != "bf16"
+        tiles = small_batch.small_batch_tiles(top_k + shared, hidden, inter)
         up = compile_kernel(small_batch._small_gate_up_kernel,
                             _types(small_batch._small_gate_up_kernel,
                                    {"x_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
-                                    "act_ptr": "*bf16"}),
-                            dict(K=2048, TOP_K=8, HAS_SCALE=scale, BLOCK_N=tiles["UP_BLOCK_N"],
+                                    "act_ptr": "*bf16", "ws_ptr": "*" + w}),
+                            dict(K=hidden, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_N=tiles["UP_BLOCK_N"],
                                  BLOCK_K=tiles["UP_BLOCK_K"], PDL=True), num_warps=tiles["UP_WARPS"])
         down = compile_kernel(small_batch._small_down_kernel,
                               _types(small_batch._small_down_kernel,
                                      {"act_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
-                                      "topk_w_ptr": "*fp32", "out_ptr": "*bf16"}),
-                              dict(K=768, TOP_K=8, HAS_SCALE=scale, BLOCK_TK=8, BLOCK_N=tiles["DOWN_BLOCK_N"],
-                                   BLOCK_K=tiles["DOWN_BLOCK_K"], PDL=True), num_warps=tiles["DOWN_WARPS"])
+                                      "topk_w_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*" + w}),
+                              dict(K=inter, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_TK=8,
+                                   BLOCK_N=tiles["DOWN_BLOCK_N"], BLOCK_K=tiles["DOWN_BLOCK_K"], PDL=True), num_warps=tiles["DOWN_WARPS"])
         for name, kernel in (("gate_up", up), ("down", down)):
             ptx = kernel.asm["ptx"]
-            out[f"{name}-{w}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}
+            out[f"{name}-{w}{'-shared' if shared else ''}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx)}
     return out
 
 
@@ -64,7 +66,7 @@ def test_pdl_launches_compile_to_the_rule() -> None:
     assert {k: v for k, v in info["topk"].items() if k not in ("spill_bytes", "redux")} == waits_first, info["topk"]
     # Each of the 8 arg-max rounds is two single-instruction warp reductions (int32 max, id min).
     assert info["topk"]["redux"] >= 2 * 8, info["topk"]
-    for w in WEIGHTS:
+    for w in (*WEIGHTS, "bf16-shared"):
         up, down = info[f"gate_up-{w}"], info[f"down-{w}"]
         assert {k: v for k, v in up.items() if k != "spill_bytes"} == waits_first, (w, up)
         assert down["waits"] == 1 and down["triggers"] == 1 and not down["trigger_first"], (w, down)

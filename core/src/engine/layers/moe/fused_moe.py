@@ -223,7 +223,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               config: dict[str, int] | None = None,
               act_fn: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              blocks: ExpertBlocks | None = None, pdl: bool = False) -> torch.Tensor:
+              blocks: ExpertBlocks | None = None, pdl: bool = False,
+              shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The MoE layer's expert part, fused: same arguments and result as ``fused_moe_reference``.
 
     ``config`` overrides the tile sizes ``pick_blocks`` chooses (tests use small tiles).
@@ -237,12 +238,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     ``small_batch_applies`` (one or two tokens) takes ``fused_moe_small_batch`` instead: two launches, no
     alignment, the top-k sum in the down launch; ``pdl`` (sm_90+) launches those two with
     programmatic dependent launch (``fused_moe_small_batch``). The grouped path ignores it.
+    ``shared``: shared experts run in the small-batch launches (``fused_moe_small_batch``), their
+    output added; only where that path is taken (a ValueError otherwise).
     """
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     num_experts, two_inter, _ = w13.shape
     if config is None and act_fn is None and blocks is None and small_batch_applies(tokens, top_k, num_experts):
-        return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, pdl=pdl)
+        return fused_moe_small_batch(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, pdl=pdl, shared=shared)
+    if shared is not None:
+        raise ValueError(f"fused_moe: shared experts with {tokens} tokens, top {top_k} of {num_experts} experts "
+                         f"(config, act_fn or blocks given: {config is not None}, {act_fn is not None}, "
+                         f"{blocks is not None}); accepted only where the small-batch path is taken")
     num_slots = tokens * top_k
     cfg = config or pick_blocks(num_slots, num_experts)
     x = x.contiguous()

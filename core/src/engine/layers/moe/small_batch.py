@@ -53,13 +53,17 @@ def small_batch_applies(tokens: int, top_k: int, num_experts: int) -> bool:
 
 @triton.jit
 def _small_gate_up_kernel(
-    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr,
-    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr, ws_ptr,
+    N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am, stride_wsn,
+    K: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    slot = tl.program_id(0)
+    # Program row p is token p // (TOP_K + SHARED)'s slot j = p % (TOP_K + SHARED): a routed slot
+    # (j < TOP_K), or chunk j - TOP_K of the shared experts' N-row pieces.
+    p = tl.program_id(0)
     pid_n = tl.program_id(1)
+    token = p // (TOP_K + SHARED)
+    j = p % (TOP_K + SHARED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     if PDL:
@@ -67,7 +71,7 @@ def _small_gate_up_kernel(
         # its programs read the ids before they wait, which is safe once this program has waited.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    expert = tl.load(ids_ptr + slot)
+    expert = tl.load(ids_ptr + token * TOP_K + tl.minimum(j, TOP_K - 1))
     held = expert >= 0
     # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
@@ -75,9 +79,18 @@ def _small_gate_up_kernel(
     # x is addressed with the tile's full [BLOCK_N, BLOCK_K] shape (stride 0 along N), so it lands
     # in the weights' register layout; the repeated addresses are served by L1.
     zero_n = tl.zeros([BLOCK_N], dtype=tl.int64)[:, None]
-    x_ptrs = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm + zero_n + offs_k[None, :]
+    x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + zero_n + offs_k[None, :]
     g_ptrs = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
-    u_ptrs = g_ptrs + N * stride_wn
+    up_rows = N * stride_wn
+    if SHARED:
+        # The shared experts' [gate (SHARED * N rows); up (SHARED * N rows)] weight: chunk c's gate
+        # rows c * N .., its up rows (SHARED + c) * N ...
+        shared = j >= TOP_K
+        chunk_rows = (tl.maximum(j - TOP_K, 0) * N + rows).to(tl.int64)
+        g_ptrs = tl.where(shared, ws_ptr + chunk_rows[:, None] * stride_wsn + offs_k[None, :], g_ptrs)
+        up_rows = tl.where(shared, SHARED * N * stride_wsn, up_rows)
+        held = held | shared
+    u_ptrs = g_ptrs + up_rows
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for kk in range(0, K, BLOCK_K):
@@ -98,14 +111,14 @@ def _small_gate_up_kernel(
     out_ty = act_ptr.dtype.element_ty
     gate = gate.to(out_ty).to(tl.float32)
     act = (gate / (1.0 + tl.exp(-gate))).to(out_ty).to(tl.float32) * up.to(out_ty).to(tl.float32)
-    tl.store(act_ptr + slot.to(tl.int64) * stride_am + offs_n, act.to(out_ty), mask=n_ok)
+    tl.store(act_ptr + p.to(tl.int64) * stride_am + offs_n, act.to(out_ty), mask=n_ok)
 
 
 @triton.jit
 def _small_down_kernel(
-    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr,
-    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om,
-    K: tl.constexpr, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+    act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr, ws_ptr,
+    N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_wsn,
+    K: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
@@ -124,10 +137,19 @@ def _small_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     zero_n = tl.zeros([BLOCK_N], dtype=tl.int64)[None, :, None]
     k3 = offs_k[None, None, :]
-    held3 = held[:, None, None]
-    a_ptrs = act_ptr + slots[:, None, None] * stride_am + zero_n + k3
+    a_rows = token * (TOP_K + SHARED) + offs_t
+    a_ptrs = act_ptr + a_rows[:, None, None] * stride_am + zero_n + k3
     w_ptrs = (w_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None, None] * stride_we
               + rows[None, :, None] * stride_wn + k3)
+    if SHARED:
+        # Slots TOP_K .. TOP_K + SHARED - 1: the shared experts' down weight [N, SHARED * K], chunk
+        # c's columns c * K ...
+        shared = (offs_t >= TOP_K) & (offs_t < TOP_K + SHARED)
+        chunk_cols = (tl.maximum(offs_t - TOP_K, 0) * K).to(tl.int64)
+        w_ptrs = tl.where(shared[:, None, None],
+                          ws_ptr + chunk_cols[:, None, None] + rows[None, :, None] * stride_wsn + k3, w_ptrs)
+        held = held | shared
+    held3 = held[:, None, None]
     acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
     if PDL:
         ok = (k3 < K) & held3
@@ -152,10 +174,14 @@ def _small_down_kernel(
     # As the grouped down launch stores each slot's row (times its weight, in the activation dtype)
     # and sum_top_k adds them in slot order in float32.
     out_ty = out_ptr.dtype.element_ty
-    y = (y * weight[:, None]).to(out_ty).to(tl.float32)
+    routed = (y * weight[:, None]).to(out_ty).to(tl.float32)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        total += tl.sum(tl.where(offs_t[:, None] == k, y, 0.0), axis=0)
+        total += tl.sum(tl.where(offs_t[:, None] == k, routed, 0.0), axis=0)
+    if SHARED:
+        # As the shared experts' own down projection rounds its output and the model adds the two.
+        total = total.to(out_ty).to(tl.float32)
+        total += tl.sum(tl.where(shared[:, None], y, 0.0), axis=0).to(out_ty).to(tl.float32)
     tl.store(out_ptr + token * stride_om + offs_n, total.to(out_ty), mask=offs_n < N)
 
 
@@ -178,10 +204,25 @@ def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
             "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4}
 
 
+def shared_chunks(shared_w13: torch.Tensor, shared_w2: torch.Tensor, w13: torch.Tensor) -> int:
+    """How many ``I``-row chunks the shared experts' weights make (``[2 * S * I, H]`` gate then up
+    rows, ``[H, S * I]`` down) for experts ``w13 [E, 2 * I, H]``: ``S``, the extra slots per token
+    ``fused_moe_small_batch`` gives them; 0 where they do not split so (another width, layout or dtype)."""
+    _, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    width = shared_w2.shape[-1] if shared_w2.dim() == 2 else 0
+    if (inter == 0 or width % inter or shared_w13.shape != (2 * width, hidden) or shared_w2.shape != (hidden, width)
+            or shared_w13.dtype != w13.dtype or shared_w2.dtype != w13.dtype
+            or shared_w13.stride(1) != 1 or shared_w2.stride(1) != 1):
+        return 0
+    return width // inter
+
+
 def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                           topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                           w2_scale: torch.Tensor | None = None,
-                          tiles: dict[str, int] | None = None, pdl: bool = False) -> torch.Tensor:
+                          tiles: dict[str, int] | None = None, pdl: bool = False,
+                          shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``fused_moe`` (SwiGLU experts) in two launches with no alignment: same arguments and result
     as ``fused_moe_reference``. Correct for any batch; fast where slots do not share experts
     (``small_batch_applies``). ``tiles`` overrides ``small_batch_tiles`` (tests, sweeps; optional
@@ -190,7 +231,13 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     ``pdl`` (sm_90+; the ``pdl`` layer kernel entry): both launches use programmatic dependent
     launch. Gate/up waits for the previous kernel (the router's top-k) at once and then lets the down
     launch start, whose programs read the routing and their first weight tile while gate/up drains.
-    Results are unchanged."""
+    Results are unchanged.
+
+    ``shared``: the shared experts every token goes through (DeepSeek), as one SwiGLU MLP's
+    ``(gate_up weight [2 * S * I, H], down weight [H, S * I])`` (``shared_chunks`` > 0; unquantized
+    experts only). They run in the same two launches as ``S`` more slots per token of weight 1: the
+    result is the routed experts' plus the MLP's, each rounded to the activation dtype first as two
+    separate layers' outputs would be, with one launch pair streaming both weights."""
     tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     _, two_inter, _ = w13.shape
@@ -201,17 +248,26 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if w13.stride(2) != 1 or w2.stride(2) != 1:
         raise ValueError(f"fused_moe_small_batch: weight strides w13 {w13.stride()}, w2 {w2.stride()}; "
                          "accepted: unit stride along the last (input) dimension")
-    t = tiles or small_batch_tiles(top_k, hidden, inter)
+    chunks = 0
+    if shared is not None:
+        chunks = shared_chunks(shared[0], shared[1], w13)
+        if not chunks or w13_scale is not None:
+            raise ValueError(f"fused_moe_small_batch: shared experts {tuple(shared[0].shape)}, {tuple(shared[1].shape)} "
+                             f"({shared[0].dtype}) with experts w13 {tuple(w13.shape)} ({w13.dtype}, "
+                             f"{'scaled' if w13_scale is not None else 'unscaled'}); accepted: unscaled experts and "
+                             f"[2 * S * {inter}, {hidden}], [{hidden}, S * {inter}] of their dtype, unit last stride")
+    t = tiles or small_batch_tiles(top_k + chunks, hidden, inter)
     x = x.contiguous()
     ids = topk_ids.to(torch.int32).contiguous()
     weights = topk_weights.to(torch.float32).contiguous()
-    act = torch.empty(tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(tokens * (top_k + chunks), inter, dtype=x.dtype, device=x.device)
     out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl)
+    launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl,
+                   shared_w13=shared[0] if shared is not None else None, chunks=chunks)
     launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
-                pdl=pdl)
+                pdl=pdl, shared_w2=shared[1] if shared is not None else None, chunks=chunks)
     return out
 
 
@@ -220,25 +276,32 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
 
 
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
-                   act: torch.Tensor, block_n: int, block_k: int, num_warps: int, pdl: bool = False) -> None:
-    """The gate/up launch alone (``act [slots, I]`` written): ``fused_moe_small_batch``'s first
-    step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``."""
+                   act: torch.Tensor, block_n: int, block_k: int, num_warps: int, pdl: bool = False,
+                   shared_w13: torch.Tensor | None = None, chunks: int = 0) -> None:
+    """The gate/up launch alone (``act [tokens * (top_k + chunks), I]`` written): ``fused_moe_small_batch``'s
+    first step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``;
+    ``shared_w13`` with ``chunks`` = ``shared_chunks(...)``: the shared experts' gate/up rows too."""
     inter = w13.shape[1] // 2
-    _small_gate_up_kernel[(ids.numel(), triton.cdiv(inter, block_n))](
-        x, w13, scale if scale is not None else w13, ids, act, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        *_scale_strides(scale), act.stride(0), K=w13.shape[2], TOP_K=ids.shape[1], HAS_SCALE=scale is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
+    tokens, top_k = ids.shape
+    ws = shared_w13 if chunks else w13
+    _small_gate_up_kernel[(tokens * (top_k + chunks), triton.cdiv(inter, block_n))](
+        x, w13, scale if scale is not None else w13, ids, act, ws, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        *_scale_strides(scale), act.stride(0), ws.stride(0) if chunks else 0, K=w13.shape[2], TOP_K=top_k,
+        SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
+        num_stages=1, launch_pdl=pdl)
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
                 weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
-                pdl: bool = False) -> None:
+                pdl: bool = False, shared_w2: torch.Tensor | None = None, chunks: int = 0) -> None:
     """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
-    ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``."""
+    ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``;
+    ``shared_w2`` with ``chunks``: the shared experts' down rows too, their sum added."""
     tokens, top_k = ids.shape
     hidden = w2.shape[1]
+    ws = shared_w2 if chunks else w2
     _small_down_kernel[(tokens, triton.cdiv(hidden, block_n))](
-        act, w2, scale if scale is not None else w2, ids, weights, out, hidden, act.stride(0), w2.stride(0),
-        w2.stride(1), *_scale_strides(scale), out.stride(0), K=w2.shape[2], TOP_K=top_k, HAS_SCALE=scale is not None,
-        BLOCK_TK=triton.next_power_of_2(top_k), BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
-        num_stages=1, launch_pdl=pdl)
+        act, w2, scale if scale is not None else w2, ids, weights, out, ws, hidden, act.stride(0), w2.stride(0),
+        w2.stride(1), *_scale_strides(scale), out.stride(0), ws.stride(0) if chunks else 0, K=w2.shape[2], TOP_K=top_k,
+        SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_TK=triton.next_power_of_2(top_k + chunks), BLOCK_N=block_n,
+        BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
