@@ -1,5 +1,6 @@
-"""KV transfer plugin ``torch``: prefill/decode disaggregation over torch.distributed
-point-to-point (gloo on CPU, NCCL on CUDA; docs/disaggregation.md)."""
+"""KV transfer plugins ``torch`` (prefill/decode disaggregation over torch.distributed
+point-to-point: gloo on CPU, NCCL on CUDA) and ``cuda_ipc`` (GPU memory shared through CUDA
+IPC between two servers on one machine); docs/disaggregation.md."""
 
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ def register_kv_transfer_backends(register: Callable[[KvTransferSpec], None]) ->
     register(KvTransferSpec(
         name="torch", factory="engine_kvtransfer_torch.backend:TorchKvTransfer", device_types=("cpu", "cuda"),
         description="torch.distributed send/recv between the two servers' ranks: gloo on CPU, NCCL on CUDA"))
+    register(KvTransferSpec(
+        name="cuda_ipc", factory="engine_kvtransfer_torch.ipc:CudaIpcKvTransfer", device_types=("cuda",),
+        description="CUDA IPC between two servers on one machine: the decode server copies K and V out of the "
+                    "prefill server's GPU memory, device to device"))
 
 
 @hookimpl
