@@ -45,6 +45,7 @@ from engine_lora_triton.launch import (
     sgmv_shrink,
     sgmv_shrink_slots,
     shrink_config,
+    slot_shrink_config,
     sm_count,
 )
 
@@ -159,6 +160,55 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
               f"best {best[0]:7.1f} us {best[1]}; all: {' '.join(f'{t:.1f}' for t, _ in timed[1:])}", flush=True)
         rows_out += [dict(scenario=scen, layer=layer, op=op, us=t, heuristic=i == 0, **c)
                      for i, (t, c) in enumerate(timed)]
+    if info.max_seg_len <= 1 and info.num_segments >= 16 and {"slot_shrink", "slot_expand"} & set(ops):
+        rows_out += sweep_slots(scen, layer, info, x, a, b, out, offsets, rank, reps, ops)
+    return rows_out
+
+
+#: per-slot shrink (K_CHUNK, BLOCK_K, warps, stages); expand of its partial sums (BLOCK_N, warps).
+SLOT_SHRINK = [(256, 64, 4, 2), (512, 64, 4, 2), (512, 128, 4, 3), (1024, 64, 4, 3), (1024, 128, 4, 3),
+               (1024, 128, 8, 3), (2048, 128, 8, 3)]
+SLOT_EXPAND = [(64, 4), (128, 4), (128, 8), (256, 8)]
+
+
+def sweep_slots(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                out: torch.Tensor, offsets: list[int], rank: int, reps: int, ops: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The per-slot shrink (and the expand of its partials) over block sizes, each candidate's
+    partial sums checked against the heuristic's first."""
+    args = (info.seg_indptr, info.weight_indices, info.lora_ranks)
+    pdl = has_pdl(x.device)
+    default = slot_shrink_config(a.shape[0], a.shape[1], a.shape[2], sm_count(x.device))
+    want = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl).sum(0)
+    rows_out: list[dict[str, Any]] = []
+    if "slot_shrink" in ops:
+        timed = []
+        for cfg in [default] + [dict(BLOCK_R=16, BLOCK_K=bk, K_CHUNK=ch, num_warps=w, num_stages=st)
+                                for ch, bk, w, st in SLOT_SHRINK if ch <= triton_pow2(a.shape[2])]:
+            got = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl, cfg).sum(0)
+            used = info.weight_indices.long()
+            live = info.lora_ranks[used] > 0
+            assert torch.allclose(got[:info.num_segments][live], want[:info.num_segments][live], rtol=1e-2, atol=1e-2), cfg
+            timed.append((graph_time_us(functools.partial(sgmv_shrink_slots, x, a, *args, info.num_segments, pdl, cfg),
+                                        reps), cfg))
+        best = min(timed[1:], key=lambda tc: tc[0])
+        print(f"sweep {scen:<14} {layer:<8} slot shrink heuristic {timed[0][0]:6.1f} us {timed[0][1]}  best "
+              f"{best[0]:6.1f} us {best[1]}; all: {' '.join(f'{t:.1f}' for t, _ in timed[1:])}", flush=True)
+        rows_out += [dict(scenario=scen, layer=layer, op="slot_shrink", us=t, heuristic=i == 0, **c)
+                     for i, (t, c) in enumerate(timed)]
+    if "slot_expand" in ops:
+        p = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl)
+        timed = []
+        block_r = max(16, triton_pow2(rank))
+        for cfg in [None] + [dict(SLOTS=1, BLOCK_T=1, BLOCK_N=n, BLOCK_R=block_r, num_warps=w, num_stages=1)
+                             for n, w in SLOT_EXPAND]:
+            fn = functools.partial(sgmv_expand, p, b, out, *args, info.scalings, info.num_segments, info.max_seg_len,
+                                   offsets, pdl, cfg)
+            timed.append((graph_time_us(fn, reps), cfg))
+        best = min(timed[1:], key=lambda tc: tc[0])
+        print(f"sweep {scen:<14} {layer:<8} expand of {p.shape[0]} partials heuristic {timed[0][0]:6.1f} us  best "
+              f"{best[0]:6.1f} us {best[1]}; all: {' '.join(f'{t:.1f}' for t, _ in timed[1:])}", flush=True)
+        rows_out += [dict(scenario=scen, layer=layer, op="slot_expand", us=t, heuristic=i == 0, **(c or {}))
+                     for i, (t, c) in enumerate(timed)]
     return rows_out
 
 
@@ -213,7 +263,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--sweep", metavar="FILE.json", help="also sweep block sizes; write the timings here")
-    ap.add_argument("--sweep-ops", nargs="+", choices=("shrink", "expand"), default=["shrink", "expand"],
+    ap.add_argument("--sweep-ops", nargs="+", choices=("shrink", "expand", "slot_shrink", "slot_expand"),
+                    default=["shrink", "expand"],
                     help="which kernels --sweep times (default: both)")
     ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
