@@ -161,6 +161,7 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"),
             us = graph_median_us(calls)
             results.append({"block_n": bn, "block_k": bk, "warps": warps, "us": round(us, 2),
                             "gbs": round(nbytes / us / 1e3, 1)})
+            print(f"# {launch} {bn} x {bk}, {warps} warps: {us:.2f} us", flush=True)  # a cut run still tells
         results.sort(key=lambda r: r["us"])
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
