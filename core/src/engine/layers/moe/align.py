@@ -18,8 +18,6 @@ the torch operations below stay for the CPU and as the kernels' test oracle.
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import torch
 
 from engine.layers.moe.expert_blocks import (
@@ -29,6 +27,7 @@ from engine.layers.moe.expert_blocks import (
     kernel_can_align,
     max_padded_slots,
 )
+from engine.layers.moe.router import triton_available
 
 # ALIGN_KERNEL_MAX_SLOTS and ExpertBlocks are re-exported: callers know them from this module.
 __all__ = [
@@ -50,7 +49,7 @@ def align_slots_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
         num_experts: experts on this rank.
         block_m: slots per block of the grouped GEMM.
     """
-    if topk_ids.is_cuda and chunks_can_align(topk_ids.numel(), block_m) and find_spec("triton") is not None:
+    if triton_available(topk_ids) and chunks_can_align(topk_ids.numel(), block_m):
         from engine.layers.moe.align_kernel import align_slots_chunked, align_slots_triton
 
         if kernel_can_align(topk_ids.numel(), block_m):

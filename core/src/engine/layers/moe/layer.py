@@ -9,7 +9,9 @@ the checkpoint's per-expert tensors (``experts.{e}.w1/w3/w2`` or ``gate/up/down_
 CUDA, for a method with ``takes_expert_blocks``, routing, the mapping to this rank's expert ids
 and the kernel's slot alignment are one launch (``route_and_align``); the alignment reaches the
 method as ``layer.expert_blocks`` (``FusedMoEMethodBase.apply`` has no argument for it). At batches
-of 1-2 tokens (``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment.
+of 1-2 tokens (``small_batch_applies``) the router runs alone: ``fused_moe`` then needs no alignment;
+there, shared experts every token goes through (DeepSeek's, one SwiGLU MLP) can run in the routed
+experts' two launches (``fuses_shared`` / ``forward(..., shared=...)``).
 
 Parallelism. With ``tp`` tensor-parallel ranks of which ``ep`` form the expert-parallel split
 (``--ep-size``, a divisor of ``--tp-size``): expert-parallel rank ``tp_rank // (tp / ep)`` holds
@@ -39,20 +41,9 @@ from engine.layers.linear import set_weight_attrs
 from engine.layers.moe.align import ExpertBlocks
 from engine.layers.moe.reference import fused_moe_reference
 from engine.layers.moe.route_align import route_align_applies, route_and_align, to_local_expert_ids
-from engine.layers.moe.router import select_experts
+from engine.layers.moe.router import select_experts, triton_available
 from engine.layers.moe.router_grouped import GroupedTopK, grouped_topk
 from engine.layers.quantization import FusedMoEMethodBase, QuantizationConfig, is_layer_ignored
-
-
-def triton_available(x: torch.Tensor) -> bool:
-    """Whether the fused Triton kernel can run on ``x``'s device (CUDA with triton installed)."""
-    if not x.is_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
@@ -82,7 +73,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
 
             return fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                              act_fn=getattr(layer, "act_fn", None), blocks=getattr(layer, "expert_blocks", None),
-                             pdl=getattr(layer, "pdl", False))
+                             pdl=getattr(layer, "pdl", False), shared=getattr(layer, "shared_weights", None))
         return fused_moe_reference(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
@@ -135,6 +126,8 @@ class FusedMoE(nn.Module):
         #: During ``forward`` only: the alignment ``route_and_align`` computed with the routing
         #: (decode sizes on CUDA, for a quant method with ``takes_expert_blocks``), else None.
         self.expert_blocks: ExpertBlocks | None = None
+        #: During ``forward`` only: the shared experts' weights the kernel runs with the routed ones.
+        self.shared_weights: tuple[torch.Tensor, torch.Tensor] | None = None
         #: Programmatic dependent launch for the router's top-k and the small-batch expert launches
         #: (the platform's ``pdl`` layer-kernel entry, ``use_kernels``); quant methods pass it on.
         self.pdl = False
@@ -207,10 +200,31 @@ class FusedMoE(nn.Module):
         applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)
         return block_m if applies else None
 
+    def fuses_shared(self, hidden: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
+        """Whether ``forward(hidden, ..., shared=shared)`` may run these shared experts (one SwiGLU
+        MLP's ``(gate_up weight [2 * S * I, H], down weight [H, S * I])``, unquantized) in the routed
+        experts' launches: on CUDA, unquantized experts with SwiGLU, a batch the small-batch kernels
+        take (``small_batch_applies``), and shared weights that split into whole ``I``-row chunks."""
+        if shared is None or type(self.quant_method) is not UnquantizedFusedMoEMethod or self.act_fn is not None:
+            return False
+        if not triton_available(hidden):
+            return False
+        from engine.layers.moe.small_batch import shared_chunks, small_batch_applies
+
+        return (small_batch_applies(hidden.shape[0], self.top_k, self.num_local_experts)
+                and shared_chunks(shared[0], shared[1], self.w13_weight) > 0)
+
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
-                correction_bias: torch.Tensor | None = None) -> torch.Tensor:
+                correction_bias: torch.Tensor | None = None,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``correction_bias``: with grouped routing, the per-expert bias added to the scores for
-        the choice (DeepSeek-V3's ``e_score_correction_bias``)."""
+        the choice (DeepSeek-V3's ``e_score_correction_bias``). ``shared``: shared experts' weights
+        to add in the same launches, only where ``fuses_shared`` says so (a ValueError otherwise);
+        the output is then the routed experts' plus the shared MLP's."""
+        if shared is not None and not self.fuses_shared(hidden, shared):
+            raise ValueError(f"FusedMoE: shared experts {tuple(shared[0].shape)}, {tuple(shared[1].shape)} for "
+                             f"{hidden.shape[0]} tokens on {hidden.device.type}; accepted only where fuses_shared "
+                             "is true (CUDA, unquantized SwiGLU experts, small batches, whole chunks)")
         grouped = self._grouped(correction_bias)
         block_m = self._route_align_block_m(router_logits, grouped)
         if grouped:
@@ -223,10 +237,12 @@ class FusedMoE(nn.Module):
         else:
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
             topk_ids = self.local_expert_ids(topk_ids)
+        self.shared_weights = shared
         try:
             out = self.quant_method.apply(self, hidden, topk_weights, topk_ids)
         finally:
             self.expert_blocks = None
+            self.shared_weights = None
         if self.reduce_results and self.tp_size > 1:
             out = tensor_model_parallel_all_reduce(out)
         return out

@@ -10,8 +10,6 @@ result comes from the separate steps, which are also the kernel's test oracle.
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import torch
 
 from engine.layers.moe.align import align_slots_by_expert
@@ -23,7 +21,7 @@ from engine.layers.moe.route_align_sizes import (
     route_align_applies,
     route_align_fits,
 )
-from engine.layers.moe.router import select_experts
+from engine.layers.moe.router import select_experts, triton_available
 
 # The sizes are re-exported: callers know them from this module.
 __all__ = [
@@ -62,7 +60,7 @@ def route_and_align(router_logits: torch.Tensor, top_k: int, renormalize: bool, 
     """
     num_experts = router_logits.shape[1]
     num_local = num_experts if num_local_experts is None else num_local_experts
-    if (router_logits.is_cuda and find_spec("triton") is not None
+    if (triton_available(router_logits)
             and route_align_applies(router_logits.shape[0], num_experts, top_k, block_m)):
         from engine.layers.moe.route_align_kernel import route_and_align_triton
 

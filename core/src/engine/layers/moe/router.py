@@ -12,9 +12,18 @@ test oracle.
 
 from __future__ import annotations
 
-from importlib.util import find_spec
-
 import torch
+
+
+def triton_available(x: torch.Tensor) -> bool:
+    """Whether this package's Triton kernels can run on ``x``'s device (CUDA with triton installed)."""
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -32,7 +41,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         ``(topk_weights, topk_ids)``: ``[tokens, top_k]`` float32 weights and int32 global
         expert ids, highest weight first (on CUDA, equal weights: the lower expert id first).
     """
-    if router_logits.is_cuda and find_spec("triton") is not None:
+    if triton_available(router_logits):
         from engine.layers.moe.router_kernel import select_experts_triton
 
         return select_experts_triton(router_logits, top_k, renormalize, pdl=pdl)

@@ -20,9 +20,10 @@ plain softmax top-k (``GroupedTopK.is_softmax_topk``: DeepSeek-V2-Lite's "greedy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.util import find_spec
 
 import torch
+
+from engine.layers.moe.router import triton_available
 
 _SCORINGS = ("softmax", "sigmoid")
 _GROUP_SCORES = ("max", "top2_sum")
@@ -93,7 +94,7 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, routing: GroupedTopK,
     Returns:
         ``(topk_weights, topk_ids)``: ``[tokens, top_k]`` float32 weights and int32 global expert ids.
     """
-    if router_logits.is_cuda and find_spec("triton") is not None:
+    if triton_available(router_logits):
         from engine.layers.moe.router_grouped_kernel import grouped_topk_triton
 
         return grouped_topk_triton(router_logits, top_k, routing, correction_bias)
