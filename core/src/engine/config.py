@@ -98,7 +98,7 @@ class ServerArgs:
     # -- prefill/decode disaggregation (docs/disaggregation.md) ----------------------
     disaggregation_mode: str = opt("null", "Serve one half of disaggregated requests (those carrying a bootstrap_room, sent by `engine router --prefill/--decode`): prefill computes the prompt's KV and first token and hands the KV over, decode receives it and generates the rest; null: a whole server", DISAGGREGATION_MODES)
     disaggregation_bootstrap_port: int = opt(8998, "Prefill mode: the port (on --host) decode servers fetch KV from")
-    disaggregation_transfer_backend: str = opt("zmq", "KV transfer backend plugin moving prompt KV from prefill to decode servers, the same on both: zmq (TCP from host memory) or torch (torch.distributed send/recv: gloo on CPU, NCCL on CUDA)")
+    disaggregation_transfer_backend: str = opt("zmq", "KV transfer backend plugin moving prompt KV from prefill to decode servers, the same on both: zmq (TCP from host memory), torch (torch.distributed send/recv: gloo on CPU, NCCL on CUDA) or cuda_ipc (CUDA pools on one machine: device to device)")
     disaggregation_timeout_s: float = opt(60.0, "Seconds a decode server waits for a request's KV (and a prefill server keeps KV no decode server fetched) before the request fails")
     random_seed: int = opt(0, "Seed for weights of --load-format dummy and for unseeded sampling")
     # -- speculative decoding (docs/speculative.md) ----------------------------
