@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from engine.disaggregation.transfer import KvPayload
@@ -51,3 +52,31 @@ def test_inline_uploader_hands_payloads_back_at_once() -> None:
     assert up.done() == [("a", p)]
     assert not up.busy()
     up.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_uploads_to_the_gpu_on_a_side_stream() -> None:
+    from engine.platforms import TorchCudaPlatform
+
+    class _Cuda(TorchCudaPlatform):  # its streams and events; no plugin needed
+        def is_available(self) -> bool:
+            return True
+
+        def default_attention_backend(self, available: object) -> str:
+            return "triton"
+
+    up = KvUploader(_Cuda(), torch.device("cuda:0"))
+    try:
+        sent = [_payload(i) for i in range(3)]
+        for i, p in enumerate(sent):
+            up.submit(i, p)
+        got = _collect(up, 2)
+        up.release(2)
+        got += _collect(up, 1)
+        assert [item for item, _ in got] == [0, 1, 2]
+        for (_, p), q in zip(got, sent, strict=True):
+            assert p.k.device.type == "cuda" and torch.equal(p.k.cpu(), q.k) and torch.equal(p.v.cpu(), q.v)
+            assert p.meta["upload_s"] > 0
+    finally:
+        up.close()
