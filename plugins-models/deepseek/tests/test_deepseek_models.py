@@ -74,6 +74,12 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hit(checkpo
     # with a new tail, so its first 21 tokens come from the radix cache.
     sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024)
     assert type(sched.runner.token_to_kv_pool) is MLATokenToKVPool
+    # Unquantized: q (or q_a) and kv_a projections run as one linear over views of one weight.
+    from engine_models_deepseek.mla import DeepseekMLA
+
+    mlas = [m for m in sched.runner.model.modules() if isinstance(m, DeepseekMLA)]
+    assert mlas and all(m.input_weight is not None and m.kv_a_proj_with_mqa.weight.data_ptr()
+                        == m.input_weight[-m.kv_a_proj_with_mqa.weight.shape[0]:].data_ptr() for m in mlas)
     sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
     col = OutputCollector()
     rounds = [prompts, [prompts[1] + [rng.randrange(4, VOCAB) for _ in range(6)]]]
@@ -93,7 +99,9 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
     """The model's CUDA wiring on the CPU, its kernels under Triton's interpreter: the fused prologue
     writes the pool and the query rows, the bmm writes the latent part in place, the backend
     (torch_native) reads the rows from the pool, the gate's logits and the grouped routing are the
-    one-launch kernels; greedy equal to transformers, with chunked prefill."""
+    one-launch kernels, the experts the fused ones (at a decode batch of one, the shared expert in
+    the routed experts' launches); greedy equal to transformers, with chunked prefill."""
+    import engine.layers.moe.fused_moe as fused_module
     import engine.layers.moe.layer as moe_layer
     from engine.layers.moe.router_grouped_kernel import grouped_topk_triton
     from engine_models_deepseek.gate_kernel import gate_logits
@@ -112,17 +120,29 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
     monkeypatch.setattr(DeepseekMLA, "_attend_fused", counted)
     monkeypatch.setattr(DeepseekGate, "forward", lambda self, x: gate_logits(x, self.weight))  # chunks of <= 8
     monkeypatch.setattr(moe_layer, "grouped_topk", grouped_topk_triton)
+    monkeypatch.setattr(moe_layer, "triton_available", lambda x: True)
+    shared_calls: list[int] = []
+    real_small = fused_module.fused_moe_small_batch
+
+    def small(*args: object, **kwargs: object) -> torch.Tensor:
+        shared_calls.append(kwargs.get("shared") is not None)
+        return real_small(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "fused_moe_small_batch", small)
     hf = load_hf_model(path, reference=arch)
     prompts = [[7, 99, 300, 41, 8], list(range(20, 41))]
     sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024)
-    col = OutputCollector()
-    rids = [submit(sched, p, {"max_new_tokens": 4, "temperature": 0.0}) for p in prompts]
-    while sched.step():
+    # Two prompts together (decode batch 2: the grouped kernels), then one alone (batch 1).
+    for batch in (prompts, [[5, 61, 203]]):
+        col = OutputCollector()
+        rids = [submit(sched, p, {"max_new_tokens": 4, "temperature": 0.0}) for p in batch]
+        while sched.step():
+            col.collect(sched)
         col.collect(sched)
-    col.collect(sched)
+        for rid, prompt in zip(rids, batch, strict=True):
+            assert col.ids[rid] == hf_greedy(hf, prompt, 4), f"{arch}: prompt of {len(prompt)} tokens differs"
     assert calls, "the fused path did not run"
-    for rid, prompt in zip(rids, prompts, strict=True):
-        assert col.ids[rid] == hf_greedy(hf, prompt, 4), f"{arch}: prompt of {len(prompt)} tokens differs"
+    assert shared_calls and all(shared_calls), shared_calls
 
 
 @pytest.mark.gpu

@@ -10,6 +10,10 @@ latent (the row's first 512 dims). The output, still in latent space, goes throu
 and ``o_proj``. ``W_UK``/``W_UV`` are split from ``kv_b_proj`` once its weights are final
 (``absorb_kv_b_proj``, called from the model's ``post_load_weights``), which is then dropped.
 
+Both projections of the hidden state (``q_proj``, or V3's ``q_a_proj``, and ``kv_a_proj_with_mqa``)
+run as one linear where both are unquantized: after load their weights become two views of one
+concatenated matrix (``fuse_input_projections``), read by one skinny GEMV at decode instead of two.
+
 Tensor parallelism splits the heads (``q_proj``/``q_b_proj``, ``kv_b_proj`` column-parallel,
 ``o_proj`` row-parallel); the latent projections and the cache are replicated on every rank.
 """
@@ -23,7 +27,13 @@ from torch import nn
 
 from engine.distributed import divide, get_tensor_model_parallel_world_size
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+    linear_with_kernel,
+)
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import RadixAttention
 from engine.model_executor.forward_batch import ForwardBatch
@@ -35,6 +45,10 @@ _LATENT_NORM_EPS = 1e-6
 
 
 class DeepseekMLA(nn.Module):
+    #: One linear for the two projections of the hidden state where ``fuse_input_projections``
+    #: allows; False keeps them apart (the comparison a benchmark makes).
+    fuse_projections = True
+
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         hidden = config.hidden_size
@@ -71,6 +85,8 @@ class DeepseekMLA(nn.Module):
         # output); filled by absorb_kv_b_proj once the weights are loaded.
         self.register_buffer("w_uk", torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank), persistent=False)
         self.register_buffer("w_uv", torch.empty(self.num_heads, self.v_dim, self.kv_lora_rank), persistent=False)
+        #: ``[q rows; kv_a rows]`` once fused (the two layers' weights are views of it), else None.
+        self.input_weight: torch.Tensor | None = None
 
     @torch.no_grad()
     def absorb_kv_b_proj(self) -> None:
@@ -84,14 +100,40 @@ class DeepseekMLA(nn.Module):
         self.w_uv.copy_(per_head[:, self.nope_dim:])
         del self.kv_b_proj
 
+    @torch.no_grad()
+    def fuse_input_projections(self) -> None:
+        """Concatenates the loaded weights of ``q_proj`` (or ``q_a_proj``) and ``kv_a_proj_with_mqa``
+        into ``input_weight`` and makes each layer's weight a view of its rows (no extra memory),
+        where both are unquantized, unbiased and of one dtype; otherwise leaves them apart."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        layers = (first, self.kv_a_proj_with_mqa)
+        if not self.fuse_projections or not all(
+                type(lin.quant_method) is UnquantizedLinearMethod and lin.bias is None
+                and getattr(lin, "lora", None) is None for lin in layers):
+            return
+        if first.weight.dtype != self.kv_a_proj_with_mqa.weight.dtype:
+            return
+        fused = torch.cat([first.weight.data, self.kv_a_proj_with_mqa.weight.data], dim=0)
+        rows = first.weight.shape[0]
+        first.weight.data = fused[:rows]
+        self.kv_a_proj_with_mqa.weight.data = fused[rows:]
+        self.input_weight = fused
+
+    def _project_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(q_proj or q_a_proj output, kv_a)`` of ``hidden``: one linear when fused (two column
+        slices of its output), else the two layers."""
+        first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        if self.input_weight is None:
+            return first(hidden), self.kv_a_proj_with_mqa(hidden)
+        both = linear_with_kernel(getattr(first, "skinny_linear", None), hidden, self.input_weight)
+        return both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]
+        q, kv_a = self._project_input(hidden)
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        else:
-            q = self.q_proj(hidden)
+            q = self.q_b_proj(self.q_a_layernorm(q.contiguous()))
         q = q.view(tokens, self.num_heads, -1)
-        kv_a = self.kv_a_proj_with_mqa(hidden)
         if self._prologue_applies(kv_a, forward_batch):
             o = self._attend_fused(positions, q, kv_a, forward_batch)
         else:

@@ -28,6 +28,7 @@ from torch import nn
 from engine.distributed import data_parallel_mlp, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from engine.errors import ModelLoadError
 from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import UnquantizedLinearMethod
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import FusedMoE, GroupedTopK
 from engine.layers.quantization import QuantizationConfig
@@ -78,6 +79,15 @@ class DeepseekGate(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
+    """Routed experts (``FusedMoE``) plus the shared ones (a SwiGLU ``GatedMLP``). At the batches
+    the small-batch expert kernels take (decode of one or two tokens on CUDA), unquantized shared
+    experts run in the routed experts' two launches as extra slots of weight 1 (``FusedMoE.fuses_shared``):
+    one weight stream instead of five more launches (two GEMVs, the activation, the add)."""
+
+    #: Shared experts in the routed launches where ``FusedMoE.fuses_shared`` allows; False always
+    #: runs them as their own MLP (the comparison a benchmark makes).
+    fuse_shared_experts = True
+
     def __init__(self, config: Any, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
         experts = int(config.n_routed_experts)
@@ -92,10 +102,24 @@ class DeepseekMoE(nn.Module):
                                         quant_config, f"{prefix}.shared_experts", reduce_results=False)
                                if shared else None)
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.silu = config.hidden_act == "silu"
+
+    def _shared_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared experts' weights where the routed launches may run them, else None."""
+        mlp = self.shared_experts
+        if mlp is None or not self.fuse_shared_experts or not self.silu:
+            return None
+        gate_up, down = mlp.gate_up_proj, mlp.down_proj
+        if not all(type(lin.quant_method) is UnquantizedLinearMethod and lin.bias is None
+                   and getattr(lin, "lora", None) is None for lin in (gate_up, down)):
+            return None
+        shared = (gate_up.weight, down.weight)
+        return shared if self.experts.fuses_shared(x, shared) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias)
-        if self.shared_experts is not None:
+        shared = self._shared_weights(x)
+        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, shared=shared)
+        if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
@@ -160,10 +184,12 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
             yield name, tensor
 
     def post_load_weights(self) -> None:
-        """MLA's absorbed ``W_UK``/``W_UV`` from the loaded (and quant-processed) ``kv_b_proj``."""
+        """MLA's absorbed ``W_UK``/``W_UV`` from the loaded (and quant-processed) ``kv_b_proj``, and
+        its two input projections as one linear where they fuse."""
         for module in self.modules():
             if isinstance(module, DeepseekMLA):
                 module.absorb_kv_b_proj()
+                module.fuse_input_projections()
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
