@@ -149,29 +149,36 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_cuda_path_matches_transformers(checkpoint: tuple[str, str], kv_cache_dtype: str) -> None:
-    """The CUDA path in float32 (the fused MLA prologue, the one-launch gate and grouped router,
-    the triton MLA kernels, CUDA graphs at decode): greedy equal to transformers with a 16-bit
-    pool. Over an fp8 pool (the prologue's quantized store, the kernels' fp8 reads) the oracle is
-    the torch path on the CPU over the same fp8 pool: rows quantized from float32 values that
-    differ in the last bits may round to neighbouring fp8 values, so the first 3 tokens must agree."""
+    """The CUDA path in float32 (the fused MLA prologue and input projections, the one-launch gate
+    and grouped router, the triton MLA kernels, the experts' kernels with the shared expert in the
+    routed launches at batch 1, CUDA graphs at decode): greedy equal to transformers with a 16-bit
+    pool, for two prompts together and then one alone. Over an fp8 pool (the prologue's quantized
+    store, the kernels' fp8 reads; V2 only, the pool's path is the same for V3) the oracle is the
+    torch path on the CPU over the same fp8 pool: rows quantized from float32 values that differ in
+    the last bits may round to neighbouring fp8 values, so the first 3 tokens must agree."""
     arch, path = checkpoint
+    if kv_cache_dtype != "auto" and arch != "DeepseekV2ForCausalLM":
+        pytest.skip("the fp8 pool's path does not depend on the architecture: checked with V2")
     rng = random.Random(9)
-    prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 21, 13)]
+    rounds = [[[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 21)], [[rng.randrange(4, VOCAB) for _ in range(13)]]]
 
     def run(**kwargs: object) -> list[list[int]]:
         sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024,
                                kv_cache_dtype=kv_cache_dtype, **kwargs)
-        col = OutputCollector()
-        rids = [submit(sched, p, {"max_new_tokens": MAX_NEW, "temperature": 0.0}) for p in prompts]
-        while sched.step():
+        got = []
+        for prompts in rounds:
+            col = OutputCollector()
+            rids = [submit(sched, p, {"max_new_tokens": MAX_NEW, "temperature": 0.0}) for p in prompts]
+            while sched.step():
+                col.collect(sched)
             col.collect(sched)
-        col.collect(sched)
-        return [col.ids[rid] for rid in rids]
+            got += [col.ids[rid] for rid in rids]
+        return got
 
-    got = run(platform="cuda", attention="triton", cuda_graph_max_bs=4)
+    got = run(platform="cuda", attention="triton", cuda_graph_max_bs=2)
     if kv_cache_dtype == "auto":
         hf = load_hf_model(path, reference=arch)
-        assert got == [hf_greedy(hf, p, MAX_NEW) for p in prompts], arch
+        assert got == [hf_greedy(hf, p, MAX_NEW) for prompts in rounds for p in prompts], arch
     else:
         expected = run()
         assert all(len(g) == MAX_NEW and g[:3] == e[:3] for g, e in zip(got, expected, strict=True)), (got, expected)
