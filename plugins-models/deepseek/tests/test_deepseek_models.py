@@ -160,7 +160,8 @@ def test_cuda_path_matches_transformers(checkpoint: tuple[str, str], kv_cache_dt
     if kv_cache_dtype != "auto" and arch != "DeepseekV2ForCausalLM":
         pytest.skip("the fp8 pool's path does not depend on the architecture: checked with V2")
     rng = random.Random(9)
-    rounds = [[[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 21)], [[rng.randrange(4, VOCAB) for _ in range(13)]]]
+    rounds = [[[rng.randrange(4, VOCAB) for _ in range(n)] for n in (5, 21)],
+              [[rng.randrange(4, VOCAB) for _ in range(13)]]]
 
     def run(**kwargs: object) -> list[list[int]]:
         sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024,
