@@ -31,9 +31,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_server_e2e_harness import (  # noqa: E402
     MODEL_NAME,
     Server,
+    alive,
     assert_no_kv_leak,
     free_port,
+    inflight,
     launch,
+    wait_for,
     wait_idle,
 )
 
@@ -83,27 +86,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory, long_context_ckpt: str) ->
             server.stop(signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait(predicate: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
-def _inflight(server: Server) -> int:
-    return int(httpx.get(server.url + "/get_server_info", timeout=30).json()["num_inflight_reqs"])
-
-
 def _stream_events(server: Server, path: str, body: dict[str, Any], out: dict[str, Any]) -> None:
     try:
         with httpx.stream("POST", server.url + path, json=body, timeout=120) as r:
@@ -151,7 +133,7 @@ def test_abort_parent_rid_of_n2_aborts_both_choices(servers: dict[str, Server]) 
     body = {"model": MODEL_NAME, "prompt": "Abort me", "n": 2, "max_tokens": _LONG["max_new_tokens"], "ignore_eos": True,
             "stream": True, "rid": "parent-n2"}
     thread = _in_thread(_stream_events, server, "/v1/completions", body, out)
-    assert _wait(lambda: _inflight(server) == 2), "the two choices never started"
+    assert wait_for(lambda: inflight(server) == 2), "the two choices never started"
     r = httpx.post(server.url + "/abort_request", json={"rid": "parent-n2"}, timeout=30)
     assert r.status_code == 200 and r.json()["aborted"] == ["parent-n2-0", "parent-n2-1"], r.text
     thread.join(60)
@@ -171,7 +153,7 @@ def test_native_abort_reports_the_abort_finish_reason(servers: dict[str, Server]
     out: dict[str, Any] = {}
     body = {"input_ids": [5, 6, 7], "rid": "native-abort", "stream": True, "sampling_params": _LONG}
     thread = _in_thread(_stream_events, server, "/generate", body, out)
-    assert _wait(lambda: _inflight(server) == 1)
+    assert wait_for(lambda: inflight(server) == 1)
     assert httpx.post(server.url + "/abort_request", json={"rid": "native-abort"}, timeout=30).status_code == 200
     thread.join(60)
     events = out["events"]
@@ -224,7 +206,7 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
     streams = []
     for stream in (_grpc_stream, _native_stream) if "grpc_port" in server.extra else (_native_stream,):
         streams.append(_in_thread(stream, server, native))
-        assert _wait(lambda: _inflight(server) >= len(streams)), f"{stream.__name__} never started"
+        assert wait_for(lambda: inflight(server) >= len(streams)), f"{stream.__name__} never started"
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     conns, tails = [], []
     for i in range(_DRAINED_STREAMS):
@@ -241,7 +223,7 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
         tails.append(b"" if whole else body[-1:])
     time.sleep(0.5)
     os.killpg(server.proc.pid, signal.SIGTERM)
-    assert _wait(lambda: not _accepts_connections(host, int(port)), 30), "the listening socket stayed open"
+    assert wait_for(lambda: not _accepts_connections(host, int(port)), 30), "the listening socket stayed open"
     time.sleep(0.2)  # the drain has begun: the last bytes below arrive during it
     for conn, tail in zip(conns, tails, strict=True):
         if tail:
@@ -268,7 +250,7 @@ def test_group_sigterm_drains_and_exits_zero(servers: dict[str, Server]) -> None
             native["grpc"]
     drained = re.search(r"shutting down: no new connections; (\d+) request\(s\) received", server.log())
     assert drained and int(drained.group(1)) >= _DRAINED_STREAMS // 2, server.log()[-3000:]
-    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 10), "engine processes left behind"
+    assert wait_for(lambda: not [pid for pid in children if alive(pid)], 10), "engine processes left behind"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*"))
 
 
@@ -299,7 +281,7 @@ def test_sigterm_past_the_grace_period_ends_requests_cleanly(servers: dict[str, 
                           {"model": MODEL_NAME, "prompt": "Long", "max_tokens": _LONG["max_new_tokens"], "ignore_eos": True,
                            "stream": True}, stream),
                _in_thread(non_streamed)]
-    assert _wait(lambda: _inflight(server) == 2)
+    assert wait_for(lambda: inflight(server) == 2)
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(60) == 0, server.log()[-3000:]
     for thread in threads:
@@ -311,7 +293,7 @@ def test_sigterm_past_the_grace_period_ends_requests_cleanly(servers: dict[str, 
     log = server.log()
     assert "Cancel" not in log and "Traceback" not in log, log[-3000:]
     # multiprocessing's resource tracker leaves a moment after its parent: allow it that moment.
-    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 5), "processes left behind after SIGTERM"
+    assert wait_for(lambda: not [pid for pid in children if alive(pid)], 5), "processes left behind after SIGTERM"
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=5)
 
@@ -323,8 +305,8 @@ def test_sigkill_of_the_server_leaves_no_ipc_directory(servers: dict[str, Server
     children = server.descendants()
     server.proc.kill()
     server.proc.wait(10)
-    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 15), "children outlived a SIGKILLed server"
-    assert _wait(lambda: not glob.glob(pattern), 10), glob.glob(pattern)
+    assert wait_for(lambda: not [pid for pid in children if alive(pid)], 15), "children outlived a SIGKILLed server"
+    assert wait_for(lambda: not glob.glob(pattern), 10), glob.glob(pattern)
 
 
 def test_sigterm_while_the_model_loads_exits_zero_and_leaves_no_process(long_context_ckpt: str,
@@ -334,7 +316,7 @@ def test_sigterm_while_the_model_loads_exits_zero_and_leaves_no_process(long_con
     server = launch(long_context_ckpt, str(tmp_path_factory.mktemp("interrupted-start")), api_key=None,
                     new_session=True)
     try:
-        assert _wait(lambda: "[2/2] starting the scheduler" in server.log() and len(server.descendants()) >= 2, 120), \
+        assert wait_for(lambda: "[2/2] starting the scheduler" in server.log() and len(server.descendants()) >= 2, 120), \
             server.log()[-3000:]
         children = server.descendants()
         os.killpg(server.proc.pid, signal.SIGTERM)
@@ -342,5 +324,5 @@ def test_sigterm_while_the_model_loads_exits_zero_and_leaves_no_process(long_con
     finally:
         server.stop(signal.SIGKILL)
     assert "interrupted during start-up" in server.log() or "serving" in server.log(), server.log()[-3000:]
-    assert _wait(lambda: not [pid for pid in children if _alive(pid)], 15), "engine processes left behind"
+    assert wait_for(lambda: not [pid for pid in children if alive(pid)], 15), "engine processes left behind"
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"engine-ipc-{server.proc.pid}-*")), server.log()[-3000:]

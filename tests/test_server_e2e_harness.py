@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -205,6 +206,30 @@ def wait_idle(server: Server, timeout: float = 20.0) -> dict[str, Any]:
         time.sleep(0.2)
         info = server_info(server)
     return info
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Polls ``predicate`` until it holds or ``timeout`` seconds pass; its last answer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+def inflight(server: Server) -> int:
+    """The server's requests in flight (``num_inflight_reqs`` of /get_server_info)."""
+    return int(httpx.get(server.url + "/get_server_info", timeout=30).json()["num_inflight_reqs"])
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (Linux /proc); a zombie has exited."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def assert_no_kv_leak(info: dict[str, Any]) -> None:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import Server, free_port, launch  # noqa: E402
+from test_server_e2e_harness import Server, alive, free_port, inflight, launch, wait_for  # noqa: E402
 
 _CLI = [sys.executable, "-m", "engine"]
 
@@ -34,23 +34,6 @@ def server(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Ite
         srv.stop(signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
-    except FileNotFoundError:
-        return False
-
-
-def _wait_until_inflight(server: Server, count: int = 1, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if httpx.get(server.url + "/get_server_info", timeout=10).json()["num_inflight_reqs"] >= count:
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_engine_process_death_fails_requests_and_exits(server: Server) -> None:
     children = server.descendants()
     assert len(server.engine_children()) == 2, children  # the scheduler and the detokenizer
@@ -62,7 +45,7 @@ def test_engine_process_death_fails_requests_and_exits(server: Server) -> None:
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    assert _wait_until_inflight(server), "the request never started"
+    assert wait_for(lambda: inflight(server) >= 1, 20), "the request never started"
     os.kill(server.engine_children()[0], signal.SIGKILL)
     thread.join(30)
     r = result["r"]
@@ -70,10 +53,7 @@ def test_engine_process_death_fails_requests_and_exits(server: Server) -> None:
     started = time.monotonic()
     code = server.proc.wait(15)
     assert code != 0 and time.monotonic() - started < 5, (code, server.log()[-2000:])
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if _alive(pid)]
+    assert wait_for(lambda: not [pid for pid in children if alive(pid)], 5), "engine processes left behind"
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
