@@ -1,8 +1,9 @@
 """The DeepSeek plugin's CUDA kernels compile for an H100/H200 (sm_90) without register spills:
 the fused MLA prologue at DeepSeek-V2-Lite's shape (16 heads, nope 128, latent 512 + rope 64) over
 a bf16 and an fp8 pool, and the grouped top-k router at V3's (256 experts in 8 groups, top 8, the
-sigmoid with correction bias and top-2 group scores) and V2's (160 experts, 8 groups of 20), and
-the router's float32 GEMV at 8 tokens of hidden 2048.
+sigmoid with correction bias and top-2 group scores) and V2's (160 experts, 8 groups of 20), the
+router's float32 GEMV at 8 tokens of hidden 2048, and the per-head W_UK / W_UV products at 1 and 4
+tokens (V2-Lite: 16 heads, nope and v 128, latent 512; the tiles ``head_matvec`` picks).
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a construct only
 Triton's interpreter accepts fails here on a machine without a GPU.
@@ -47,6 +48,16 @@ def _compile_all() -> dict[str, int]:
     gate = compile_kernel(gk._gate_kernel, _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32"}),
                           dict(HIDDEN=2048, BLOCK_T=8, BLOCK_E=2, BLOCK_K=512), num_warps=4)
     out["gate"] = spill_bytes(gate.asm["ptx"])
+    from engine_models_deepseek import head_matvec as hm
+
+    hm_types = _types(hm._head_matvec_kernel, {"X": "*bf16", "W": "*bf16", "Out": "*bf16"})
+    for tokens in (1, 4):
+        for name, k, n, block_n, contiguous in (("w_uk", 128, 512, 64, "stride_wn"), ("w_uv", 512, 128, 8, "stride_wk")):
+            block_k = min(8192 // (tokens * block_n), k)  # as head_matvec picks (tokens a power of two)
+            kernel = compile_kernel(hm._head_matvec_kernel, hm_types,
+                                    {contiguous: 1, "K": k, "N": n, "BLOCK_T": tokens, "BLOCK_K": block_k,
+                                     "BLOCK_N": block_n}, num_warps=4)
+            out[f"{name}_{tokens}"] = spill_bytes(kernel.asm["ptx"])
     out["router_v3"] = spill_bytes(v3.asm["ptx"])
     out["router_v2"] = spill_bytes(v2.asm["ptx"])
     return out
@@ -54,7 +65,8 @@ def _compile_all() -> dict[str, int]:
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     assert compiled_facts(__file__, timeout=600) == {"prologue_bf16": 0, "prologue_fp8e4nv": 0,
-                                                     "gate": 0, "router_v3": 0, "router_v2": 0}
+                                                     "gate": 0, "router_v3": 0, "router_v2": 0,
+                                                     "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
 
 
 if __name__ == "__main__":

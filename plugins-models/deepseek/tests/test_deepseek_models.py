@@ -99,15 +99,18 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
     """The model's CUDA wiring on the CPU, its kernels under Triton's interpreter: the fused prologue
     writes the pool and the query rows, the bmm writes the latent part in place, the backend
     (torch_native) reads the rows from the pool, the gate's logits and the grouped routing are the
-    one-launch kernels, the experts the fused ones (at a decode batch of one, the shared expert in
-    the routed experts' launches); greedy equal to transformers, with chunked prefill."""
+    one-launch kernels, the per-head W_UK / W_UV products the one-launch kernel at small batches, the
+    experts the fused ones (at a decode batch of one, the shared expert in the routed experts'
+    launches); greedy equal to transformers, with chunked prefill."""
     import engine.layers.moe.fused_moe as fused_module
     import engine.layers.moe.layer as moe_layer
     from engine.layers.moe.router_grouped_kernel import grouped_topk_triton
     from engine_models_deepseek.gate_kernel import gate_logits
-    from engine_models_deepseek.mla import DeepseekMLA
+    from engine_models_deepseek.head_matvec import MAX_TOKENS
+    from engine_models_deepseek.mla import HEAD_MATVEC_MAX_TOKENS, DeepseekMLA
     from engine_models_deepseek.models import DeepseekGate
 
+    assert HEAD_MATVEC_MAX_TOKENS == MAX_TOKENS
     arch, path = checkpoint
     calls: list[int] = []
     real = DeepseekMLA._attend_fused
@@ -117,6 +120,7 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
         return real(self, *args)
 
     monkeypatch.setattr(DeepseekMLA, "_prologue_applies", lambda self, kv_a, forward_batch: True)
+    monkeypatch.setattr(DeepseekMLA, "_head_matvec_applies", lambda self, x: x.shape[0] <= HEAD_MATVEC_MAX_TOKENS)
     monkeypatch.setattr(DeepseekMLA, "_attend_fused", counted)
     monkeypatch.setattr(DeepseekGate, "forward", lambda self, x: gate_logits(x, self.weight))  # chunks of <= 8
     monkeypatch.setattr(moe_layer, "grouped_topk", grouped_topk_triton)

@@ -110,3 +110,29 @@ def test_gate_kernel_matches_float32_linear(tokens: int) -> None:
     out = gate_logits(x.to(DEV), weight.to(DEV))
     assert out.dtype == torch.float32 and out.shape == (tokens, 11)
     torch.testing.assert_close(out.cpu(), torch.nn.functional.linear(x.float(), weight), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_uk", "w_uv"])
+def test_head_matvec_matches_bmm(tokens: int, transposed: bool) -> None:
+    """The per-head products (``q_nope @ W_UK[h]``; the output's ``@ W_UV[h].T``) equal the model's
+    batched matmul, reading a strided x (a slice of wider rows) and writing a strided destination
+    (the latent part of query rows) and nothing else; 3 heads, K 40 and N 24 (no tile divides them)."""
+    from engine_models_deepseek.head_matvec import MAX_TOKENS, head_matvec
+
+    assert tokens <= MAX_TOKENS
+    gen = torch.Generator().manual_seed(tokens + 10 * transposed)
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    k, n = 40, 24
+    rows = torch.randn(tokens, HEADS, k + 8, generator=gen).to(dtype)
+    x = rows[..., 8:]  # strided along tokens and heads
+    w = (torch.randn(HEADS, n, k, generator=gen) if transposed else torch.randn(HEADS, k, n, generator=gen)) * 0.1
+    w = w.to(dtype)
+    dest = torch.full((tokens, HEADS, n + 5), float("nan"), dtype=dtype)
+    dest_dev = dest.to(DEV)
+    head_matvec(x.to(DEV), w.to(DEV), dest_dev[..., :n], transposed=transposed)
+    ref = torch.bmm(x.float().transpose(0, 1), (w.transpose(1, 2) if transposed else w).float()).transpose(0, 1)
+    torch.testing.assert_close(dest_dev[..., :n].float().cpu(), ref, atol=2e-2, rtol=2e-2)
+    assert dest_dev[..., n:].isnan().all()
+    with pytest.raises(ValueError, match="head_matvec: .*accepted"):
+        head_matvec(x.to(DEV), w.to(DEV), dest_dev[..., :n - 1], transposed=transposed)

@@ -39,6 +39,10 @@ from engine.layers.radix_attention import RadixAttention
 from engine.model_executor.forward_batch import ForwardBatch
 from engine_models_deepseek.rope import DeepseekRotaryEmbedding, softmax_scale
 
+#: Decode batches up to this many tokens multiply by W_UK and W_UV in one launch each
+#: (``head_matvec.MAX_TOKENS``; a literal here so the CPU path does not import triton).
+HEAD_MATVEC_MAX_TOKENS = 4
+
 # transformers' (and DeepSeek's) q_a_layernorm and kv_a_layernorm keep RMSNorm's default epsilon,
 # not the config's rms_norm_eps.
 _LATENT_NORM_EPS = 1e-6
@@ -48,6 +52,9 @@ class DeepseekMLA(nn.Module):
     #: One linear for the two projections of the hidden state where ``fuse_input_projections``
     #: allows; False keeps them apart (the comparison a benchmark makes).
     fuse_projections = True
+    #: The per-head W_UK / W_UV products in one Triton launch each at decode batches on CUDA
+    #: (``head_matvec``); False: batched GEMMs always (the comparison a benchmark makes).
+    head_matvec_kernel = True
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -140,9 +147,21 @@ class DeepseekMLA(nn.Module):
             o = self._attend(positions, q, kv_a, forward_batch)
         # Out of latent space per head, [H, T, rank] @ [H, rank, v], written as [T, H, v] directly.
         out = o.new_empty(tokens, self.num_heads, self.v_dim)
-        torch.bmm(o.view(tokens, self.num_heads, self.kv_lora_rank).transpose(0, 1), self.w_uv.transpose(1, 2),
-                  out=out.transpose(0, 1))
+        self._per_head(o.view(tokens, self.num_heads, self.kv_lora_rank), self.w_uv, out, transposed=True)
         return self.o_proj(out.view(tokens, self.num_heads * self.v_dim))
+
+    def _head_matvec_applies(self, x: torch.Tensor) -> bool:
+        return self.head_matvec_kernel and x.is_cuda and x.shape[0] <= HEAD_MATVEC_MAX_TOKENS
+
+    def _per_head(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> None:
+        """``out[t, h] = x[t, h] @ w[h]`` (``w[h].T`` when ``transposed``): one Triton launch at decode
+        batches on CUDA (``head_matvec``), else a batched GEMM writing ``out`` in place."""
+        if self._head_matvec_applies(x):
+            from engine_models_deepseek.head_matvec import head_matvec
+
+            head_matvec(x, w, out, transposed=transposed)
+            return
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2) if transposed else w, out=out.transpose(0, 1))
 
     def _attend(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
@@ -167,15 +186,14 @@ class DeepseekMLA(nn.Module):
     def _attend_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
                       forward_batch: ForwardBatch) -> torch.Tensor:
         """``_attend`` with the norm, rope, cats and pool store in one launch (``mla_prologue``) and
-        the absorbed ``q_nope @ W_UK`` written by one bmm into the query rows' latent part."""
+        the absorbed ``q_nope @ W_UK`` written straight into the query rows' latent part."""
         from engine_models_deepseek.mla_prologue import mla_prologue
 
         tokens = q.shape[0]
         latent_dim = self.kv_lora_rank + self.rope_dim
         q_full = q.new_empty(tokens, self.num_heads, latent_dim)
         k = kv_a.new_empty(tokens, latent_dim)
-        torch.bmm(q[..., :self.nope_dim].transpose(0, 1), self.w_uk,
-                  out=q_full[..., :self.kv_lora_rank].transpose(0, 1))
+        self._per_head(q[..., :self.nope_dim], self.w_uk, q_full[..., :self.kv_lora_rank], transposed=False)
         pool = forward_batch.token_to_kv_pool
         rope = self.rotary_emb
         mla_prologue(q, kv_a, positions, rope.cos_cache, rope.sin_cache, self.kv_a_layernorm.weight,
