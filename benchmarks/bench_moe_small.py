@@ -20,9 +20,11 @@ bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and p
 the shape's shared experts in the launches).
 
 usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
-       [--launch gate_up down] [--warps 4 8] [--result-file out/results.jsonl]
+       [--launch gate_up down] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512]
+       [--result-file out/results.jsonl]
 
-``--launch`` and ``--warps`` narrow the sweep (each tile is a Triton compile of about a second).
+``--launch``, ``--warps``, ``--stages``, ``--block-n`` and ``--block-k`` narrow or widen the sweep
+(each tile is a Triton compile of about a second).
 """
 
 from __future__ import annotations
@@ -123,8 +125,9 @@ def _shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: list[t
     return row
 
 
-def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"),
-          warp_counts: tuple[int, ...] = (4, 8)) -> list[dict[str, object]]:
+def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_counts: tuple[int, ...] = (4, 8),
+          stage_counts: tuple[int, ...] = (1,), block_n: tuple[int, ...] | None = None,
+          block_k: tuple[int, ...] | None = None) -> list[dict[str, object]]:
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import launch_down, launch_gate_up, small_batch_tiles
 
@@ -137,35 +140,38 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"),
     out_act = torch.empty_like(act)
     out = torch.empty(1, hidden, device="cuda", dtype=x.dtype)
 
-    def up(ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
-        launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps, shared_w13=gate_up, chunks=chunks)
+    def up(ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> None:
+        launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps, shared_w13=gate_up, chunks=chunks, num_stages=stages)
 
-    def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int) -> None:
-        launch_down(act, w2, None, ids, w, out, bn, bk, warps, shared_w2=down_w, chunks=chunks)
+    def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> None:
+        launch_down(act, w2, None, ids, w, out, bn, bk, warps, shared_w2=down_w, chunks=chunks, num_stages=stages)
 
     slots = top_k + chunks
     default = small_batch_tiles(slots, hidden, inter)
     rows = []
     grids = {"gate_up": ((2, 4, 8, 16, 32), (64, 128, 256, 512)), "down": ((1, 2, 4, 8, 16), (64, 128, 256, 512))}
     for launch in launches:
-        grid_n, grid_k = grids[launch]
+        grid_n, grid_k = block_n or grids[launch][0], block_k or grids[launch][1]
         nbytes = slots * (2 if launch == "gate_up" else 1) * hidden * inter * 2
         results = []
-        for bn, bk, warps in itertools.product(grid_n, grid_k, warp_counts):
+        for bn, bk, warps, stages in itertools.product(grid_n, grid_k, warp_counts, stage_counts):
             if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(slots)) > 16384:
                 continue
             if launch == "gate_up":
-                calls = [lambda r=r, a=bn, b=bk, c=warps: up(r[1], a, b, c) for r in routes]
+                calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages: up(r[1], a, b, c, d) for r in routes]
             else:
-                calls = [lambda r=r, a=bn, b=bk, c=warps: down(r[0], r[1], a, b, c) for r in routes]
+                calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages: down(r[0], r[1], a, b, c, d) for r in routes]
             us = graph_median_us(calls)
-            results.append({"block_n": bn, "block_k": bk, "warps": warps, "us": round(us, 2),
+            results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "us": round(us, 2),
                             "gbs": round(nbytes / us / 1e3, 1)})
-            print(f"# {launch} {bn} x {bk}, {warps} warps: {us:.2f} us", flush=True)  # a cut run still tells
+            # Each tile as it is timed: a run cut by a time limit still tells.
+            print(f"# {launch} {bn} x {bk}, {warps} warps, {stages} stages: {us:.2f} us "
+                  f"({nbytes / us / 1e3:.0f} GB/s)", flush=True)
         results.sort(key=lambda r: r["us"])
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
-                     and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]), None)
+                     and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]
+                     and r["stages"] == default.get(f"{prefix}_STAGES", 1)), None)
         row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "shared_chunks": chunks,
                "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -181,9 +187,16 @@ def main() -> None:
     ap.add_argument("--launch", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"],
                     help="--sweep: which launches' tiles to time")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8], help="--sweep: warp counts to time")
+    ap.add_argument("--stages", nargs="+", type=int, default=[1], help="--sweep: software-pipeline stages to time")
+    ap.add_argument("--block-n", nargs="+", type=int, default=None, help="--sweep: BLOCK_N values (default: a grid)")
+    ap.add_argument("--block-k", nargs="+", type=int, default=None, help="--sweep: BLOCK_K values (default: a grid)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
-    rows = sweep(a.shape, tuple(a.launch), tuple(a.warps)) if a.sweep else [compare(a.shape, t) for t in a.tokens]
+    if a.sweep:
+        rows = sweep(a.shape, tuple(a.launch), tuple(a.warps), tuple(a.stages), a.block_n and tuple(a.block_n),
+                     a.block_k and tuple(a.block_k))
+    else:
+        rows = [compare(a.shape, t) for t in a.tokens]
     for row in rows:
         print(json.dumps(row), flush=True)
         append_rows(a.result_file, row)

@@ -226,7 +226,7 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     """``fused_moe`` (SwiGLU experts) in two launches with no alignment: same arguments and result
     as ``fused_moe_reference``. Correct for any batch; fast where slots do not share experts
     (``small_batch_applies``). ``tiles`` overrides ``small_batch_tiles`` (tests, sweeps; optional
-    ``UP_WARPS`` / ``DOWN_WARPS``, default 4).
+    ``UP_WARPS`` / ``DOWN_WARPS``, default 4, and ``UP_STAGES`` / ``DOWN_STAGES``, default 1).
 
     ``pdl`` (sm_90+; the ``pdl`` layer kernel entry): both launches use programmatic dependent
     launch. Gate/up waits for the previous kernel (the router's top-k) at once and then lets the down
@@ -265,9 +265,11 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     if tokens == 0:
         return out
     launch_gate_up(x, w13, w13_scale, ids, act, t["UP_BLOCK_N"], t["UP_BLOCK_K"], t.get("UP_WARPS", 4), pdl=pdl,
-                   shared_w13=shared[0] if shared is not None else None, chunks=chunks)
+                   shared_w13=shared[0] if shared is not None else None, chunks=chunks,
+                   num_stages=t.get("UP_STAGES", 1))
     launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
-                pdl=pdl, shared_w2=shared[1] if shared is not None else None, chunks=chunks)
+                pdl=pdl, shared_w2=shared[1] if shared is not None else None, chunks=chunks,
+                num_stages=t.get("DOWN_STAGES", 1))
     return out
 
 
@@ -277,7 +279,7 @@ def _scale_strides(scale: torch.Tensor | None) -> tuple[int, int]:
 
 def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
                    act: torch.Tensor, block_n: int, block_k: int, num_warps: int, pdl: bool = False,
-                   shared_w13: torch.Tensor | None = None, chunks: int = 0) -> None:
+                   shared_w13: torch.Tensor | None = None, chunks: int = 0, num_stages: int = 1) -> None:
     """The gate/up launch alone (``act [tokens * (top_k + chunks), I]`` written): ``fused_moe_small_batch``'s
     first step, and what a tile sweep times. ``ids``: contiguous int32 ``[tokens, top_k]``;
     ``shared_w13`` with ``chunks`` = ``shared_chunks(...)``: the shared experts' gate/up rows too."""
@@ -288,12 +290,13 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | Non
         x, w13, scale if scale is not None else w13, ids, act, ws, inter, x.stride(0), w13.stride(0), w13.stride(1),
         *_scale_strides(scale), act.stride(0), ws.stride(0) if chunks else 0, K=w13.shape[2], TOP_K=top_k,
         SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
-        num_stages=1, launch_pdl=pdl)
+        num_stages=num_stages, launch_pdl=pdl)
 
 
 def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
                 weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
-                pdl: bool = False, shared_w2: torch.Tensor | None = None, chunks: int = 0) -> None:
+                pdl: bool = False, shared_w2: torch.Tensor | None = None, chunks: int = 0,
+                num_stages: int = 1) -> None:
     """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
     ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``;
     ``shared_w2`` with ``chunks``: the shared experts' down rows too, their sum added."""
@@ -304,4 +307,4 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None,
         act, w2, scale if scale is not None else w2, ids, weights, out, ws, hidden, act.stride(0), w2.stride(0),
         w2.stride(1), *_scale_strides(scale), out.stride(0), ws.stride(0) if chunks else 0, K=w2.shape[2], TOP_K=top_k,
         SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_TK=triton.next_power_of_2(top_k + chunks), BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=1, launch_pdl=pdl)
+        BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
