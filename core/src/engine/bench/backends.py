@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,6 +59,13 @@ class RequestOptions:
 
 
 _schema_copies = itertools.count()
+
+
+def auth_headers(api_key: str | None = None) -> dict[str, str]:
+    """The bearer-token header for ``api_key`` (None: the ``OPENAI_API_KEY`` environment
+    variable); no header where neither is set."""
+    key = api_key or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _schema(opts: RequestOptions) -> str | None:

@@ -19,7 +19,6 @@ import collections
 import dataclasses
 import datetime
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.bench.backends import BACKENDS, Backend, RequestOptions, send_request
+from engine.bench.backends import BACKENDS, Backend, RequestOptions, auth_headers, send_request
 from engine.bench.metrics import BenchMetrics, RequestResult, compute_metrics, format_report, to_json_line
 from engine.bench.requests import BenchRequest
 from engine.bench.results import run_command
@@ -117,7 +116,7 @@ async def _bench(args: MultiTurnArgs) -> tuple[BenchMetrics, list[TurnResult]]:
         if not warm.result.success:
             raise RuntimeError(f"the warmup request to {url}/generate failed: {warm.result.error}")
         if args.flush_cache:
-            flushed = await client.post(url + "/flush_cache", headers=_auth())
+            flushed = await client.post(url + "/flush_cache", headers=auth_headers())
             if not flushed.is_success:
                 print(f"[bench] POST {url}/flush_cache returned {flushed.status_code}: the server's prefix cache "
                       "was not emptied, so the first turns may find cached prefixes")
@@ -214,19 +213,14 @@ async def _send(client: httpx.AsyncClient, url: str, prompt: list[int], output_l
         return native.parse(data)
 
     backend = Backend(native.path, native.build_payload, parse, needs_model=False)
-    opts = RequestOptions(model=None, stream=True, ignore_eos=True, extra_body={}, headers=_auth())
+    opts = RequestOptions(model=None, stream=True, ignore_eos=True, extra_body={}, headers=auth_headers())
     req = BenchRequest(prompt=prompt, prompt_len=len(prompt), output_len=output_len)
     result = await send_request(client, url, backend, req, opts)
     return _Sent(conv, turn, result, seen.get("cached", 0), list(seen.get("ids", [])))
 
 
-def _auth() -> dict[str, str]:
-    key = os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 async def _server_info(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
-    response = await client.get(url + "/get_server_info", headers=_auth())
+    response = await client.get(url + "/get_server_info", headers=auth_headers())
     response.raise_for_status()
     return response.json()  # type: ignore[no-any-return]
 

@@ -11,7 +11,6 @@ import asyncio
 import dataclasses
 import datetime
 import math
-import os
 import sys
 import time
 from typing import Any
@@ -19,7 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.bench.backends import BACKENDS, RequestOptions, send_request
+from engine.bench.backends import BACKENDS, RequestOptions, auth_headers, send_request
 from engine.bench.datasets import BenchRequest, TokenizerLike, sample_requests
 from engine.bench.json_schema import load_bench_schema
 from engine.bench.metrics import (
@@ -120,7 +119,7 @@ async def resolve_model(args: BenchServingArgs) -> BenchServingArgs:
     url = args.server_url() + "/v1/models"
     try:
         async with httpx.AsyncClient(trust_env=False, timeout=30.0) as client:
-            response = await client.get(url, headers=_auth_headers(args))
+            response = await client.get(url, headers=auth_headers(args.api_key))
             response.raise_for_status()
             models = response.json().get("data") or []
         model = models[0]["id"] if models else None
@@ -174,7 +173,7 @@ async def run_requests(
         stream=not args.disable_stream,
         ignore_eos=not args.disable_ignore_eos,
         extra_body=dict(args.extra_request_body or {}),
-        headers=_auth_headers(args),
+        headers=auth_headers(args.api_key),
         json_schema=load_bench_schema(args.json_schema),
         json_schema_unique=args.json_schema_unique,
     )
@@ -254,11 +253,6 @@ class _ProgressPrinter:
         if self.enabled and (self.done % self.every == 0 or self.done == self.total):
             line = f"[bench] {self.done}/{self.total} requests done, {self.failed} failed"
             print(line, file=sys.stderr)
-
-
-def _auth_headers(args: BenchServingArgs) -> dict[str, str]:
-    key = args.api_key or os.environ.get("OPENAI_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _print_errors(results: list[RequestResult], limit: int = 3) -> None:
