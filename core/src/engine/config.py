@@ -488,10 +488,7 @@ def load_yaml(path: str) -> dict[str, Any]:
 
 def check_required_plugins(requirements: list[str]) -> None:
     """Checks ``required_plugins`` entries such as ``plugserve-attention-triton>=0.1``."""
-    try:
-        from importlib_metadata import PackageNotFoundError, version
-    except ImportError:
-        from importlib.metadata import PackageNotFoundError, version  # type: ignore[assignment]
+    from importlib_metadata import PackageNotFoundError, version
     from packaging.requirements import InvalidRequirement, Requirement
 
     for text in requirements:

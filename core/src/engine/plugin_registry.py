@@ -123,10 +123,7 @@ class PluginRegistry:
 
     # -- discovery ---------------------------------------------------------
     def _load_entry_points(self) -> None:
-        try:
-            from importlib_metadata import entry_points
-        except ImportError:  # the stdlib's is enough on Python >= 3.10
-            from importlib.metadata import entry_points  # type: ignore[assignment]
+        from importlib_metadata import entry_points
 
         for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             if ep.name in self.plugins:

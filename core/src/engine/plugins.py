@@ -105,7 +105,7 @@ def installed_plugins() -> dict[str, tuple[str, str]]:
     global _installed
     with _lock:
         if _installed is None:
-            from importlib.metadata import entry_points
+            from importlib_metadata import entry_points
 
             _installed = {ep.name: (ep.dist.name if ep.dist else "?", ep.dist.version if ep.dist else "?")
                           for ep in entry_points(group=ENTRY_POINT_GROUP)}

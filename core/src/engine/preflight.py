@@ -95,10 +95,8 @@ def enabled_frontends(args: ServerArgs) -> list[tuple[str, int]]:
 def frontend_entry_points(name: str | None = None) -> list[Any]:
     """The installed frontends' entry points in ``FRONTEND_GROUP`` (only ``name``'s when given),
     sorted by name, none loaded."""
-    try:
-        from importlib_metadata import entry_points
-    except ImportError:  # pragma: no cover - a dependency of the core
-        from importlib.metadata import entry_points  # type: ignore[assignment]
+    from importlib_metadata import entry_points
+
     found = entry_points(group=FRONTEND_GROUP) if name is None else entry_points(group=FRONTEND_GROUP, name=name)
     return sorted(found, key=lambda e: e.name)
 
