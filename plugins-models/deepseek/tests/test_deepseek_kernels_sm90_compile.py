@@ -3,7 +3,9 @@ the fused MLA prologue at DeepSeek-V2-Lite's shape (16 heads, nope 128, latent 5
 a bf16 and an fp8 pool, and the grouped top-k router at V3's (256 experts in 8 groups, top 8, the
 sigmoid with correction bias and top-2 group scores) and V2's (160 experts, 8 groups of 20), the
 router's float32 GEMV at 8 tokens of hidden 2048, and the per-head W_UK / W_UV products at 1 and 4
-tokens (V2-Lite: 16 heads, nope and v 128, latent 512; the tiles ``head_matvec`` picks).
+tokens (V2-Lite: 16 heads, nope and v 128, latent 512; the tiles ``head_matvec`` picks); the gate's
+and the per-head products' programmatic-dependent-launch variants keep the PDL rule
+(docs/cuda_kernels.md): weights requested before the one wait, the trigger after it.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a construct only
 Triton's interpreter accepts fails here on a machine without a GPU.
@@ -13,18 +15,18 @@ from __future__ import annotations
 
 import json
 
-from engine.testing.aot import compiled_facts, compile_kernel, spill_bytes
+from engine.testing.aot import compiled_facts, compile_kernel, pdl_order, spill_bytes
 
 
 def _types(fn: object, pointers: dict[str, str], floats: tuple[str, ...] = ()) -> dict[str, str]:
     return {a: pointers.get(a, "fp32" if a in floats else "i32") for a in fn.arg_names}  # type: ignore[attr-defined]
 
 
-def _compile_all() -> dict[str, int]:
+def _compile_all() -> dict[str, object]:
     from engine.layers.moe import router_grouped_kernel as rg
     from engine_models_deepseek import mla_prologue as mp
 
-    out: dict[str, int] = {}
+    out: dict[str, object] = {}
     for pool in ("bf16", "fp8e4nv"):
         kernel = compile_kernel(
             mp._mla_prologue_kernel,
@@ -45,9 +47,12 @@ def _compile_all() -> dict[str, int]:
                              RENORMALIZE=False, LIMIT_GROUPS=True, BLOCK_G=8, BLOCK_P=32, BLOCK_K=8), num_warps=4)
     from engine_models_deepseek import gate_kernel as gk
 
-    gate = compile_kernel(gk._gate_kernel, _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32"}),
-                          dict(HIDDEN=2048, BLOCK_T=8, BLOCK_E=2, BLOCK_K=512), num_warps=4)
-    out["gate"] = spill_bytes(gate.asm["ptx"])
+    for pdl in (False, True):
+        gate = compile_kernel(gk._gate_kernel, _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32"}),
+                              dict(HIDDEN=2048, BLOCK_T=8, BLOCK_E=2, BLOCK_K=512, PDL=pdl), num_warps=4)
+        out["gate_pdl" if pdl else "gate"] = spill_bytes(gate.asm["ptx"])
+        if pdl:
+            out["gate_pdl_order"] = pdl_order(gate.asm["ptx"])
     from engine_models_deepseek import head_matvec as hm
 
     hm_types = _types(hm._head_matvec_kernel, {"X": "*bf16", "W": "*bf16", "Out": "*bf16"})
@@ -56,17 +61,26 @@ def _compile_all() -> dict[str, int]:
             block_k = min(8192 // (tokens * block_n), k)  # as head_matvec picks (tokens a power of two)
             kernel = compile_kernel(hm._head_matvec_kernel, hm_types,
                                     {contiguous: 1, "K": k, "N": n, "BLOCK_T": tokens, "BLOCK_K": block_k,
-                                     "BLOCK_N": block_n}, num_warps=4)
+                                     "BLOCK_N": block_n, "PDL": tokens == 1}, num_warps=4)
             out[f"{name}_{tokens}"] = spill_bytes(kernel.asm["ptx"])
+            if tokens == 1:
+                out[f"{name}_pdl_order"] = pdl_order(kernel.asm["ptx"])
     out["router_v3"] = spill_bytes(v3.asm["ptx"])
     out["router_v2"] = spill_bytes(v2.asm["ptx"])
     return out
 
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
-    assert compiled_facts(__file__, timeout=600) == {"prologue_bf16": 0, "prologue_fp8e4nv": 0,
-                                                     "gate": 0, "router_v3": 0, "router_v2": 0,
-                                                     "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
+    """No spills; the PDL variants (gate logits, per-head products at one token) wait once, trigger
+    once after the wait, and request weights before it."""
+    facts = compiled_facts(__file__, timeout=600)
+    orders = {k: facts.pop(k) for k in [k for k in facts if k.endswith("_pdl_order")]}
+    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "gate": 0, "gate_pdl": 0, "router_v3": 0,
+                     "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
+    assert sorted(orders) == ["gate_pdl_order", "w_uk_pdl_order", "w_uv_pdl_order"]
+    for name, order in orders.items():
+        assert order["waits"] == 1 and order["triggers"] == 1 and not order["trigger_first"], (name, order)
+        assert order["loads_before_wait"] >= 1, (name, order)
 
 
 if __name__ == "__main__":

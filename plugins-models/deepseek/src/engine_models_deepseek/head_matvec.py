@@ -7,6 +7,11 @@ sized for matrices. Here program ``(head, n block)`` reads ``BLOCK_N`` output co
 weight once for all the batch's tokens (at most ``MAX_TOKENS``), widens in registers and
 accumulates in float32, and stores into a strided destination (the query rows' latent part, or
 the ``[T, H, v]`` rows ``o_proj`` reads), rounded once as the GEMM would round them.
+
+With ``pdl`` (sm_90+, the platform's ``pdl`` layer-kernel entry) the launch is a programmatic
+dependent one: each program requests its first weight tile (weights are no kernel's output) before
+it waits for the kernel before it, then reads ``x``, and lets the next kernel start (the output
+projection after ``W_UV`` streams its weights meanwhile).
 """
 
 from __future__ import annotations
@@ -23,30 +28,37 @@ MAX_TOKENS = 4
 @triton.jit
 def _head_matvec_kernel(X, W, Out, tokens, stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot,
                         stride_oh, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     head = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     mask_n = offs_n < N
     mask_t = offs_t < tokens
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = W + head * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn
+    x_ptrs = X + offs_t[:, None] * stride_xt + head * stride_xh + offs_k[None, :]
+    w = tl.load(w_ptrs, mask=(offs_k < K)[:, None] & mask_n[None, :], other=0.0)
+    if PDL:
+        # x is the previous kernel's output; the first weight tile is requested before the wait.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in tl.static_range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(X + offs_t[:, None] * stride_xt + head * stride_xh + offs_k[None, :],
-                    mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        w = tl.load(W + head * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        if k0 > 0:
+            w = tl.load(w_ptrs + k0 * stride_wk, mask=(offs_k + k0 < K)[:, None] & mask_n[None, :], other=0.0)
+        x = tl.load(x_ptrs + k0, mask=mask_t[:, None] & (offs_k + k0 < K)[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
     tl.store(Out + offs_t[:, None] * stride_ot + head * stride_oh + offs_n[None, :], acc.to(Out.dtype.element_ty),
              mask=mask_t[:, None] & mask_n[None, :])
 
 
-def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False) -> None:
+def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False,
+                pdl: bool = False) -> None:
     """``out[t, h] = x[t, h] @ w[h]`` (``transposed``: ``x[t, h] @ w[h].T``) for ``x`` ``[T, H, K]``,
     ``w`` ``[H, K, N]`` (``[H, N, K]`` when transposed) and ``out`` ``[T, H, N]``: what
     ``torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))`` computes. ``T`` at most
-    ``MAX_TOKENS``; each tensor's last dim contiguous (rows may be strided)."""
+    ``MAX_TOKENS``; each tensor's last dim contiguous (rows may be strided). ``pdl``: launched as a
+    programmatic dependent launch (sm_90+; results unchanged)."""
     tokens, heads, k = x.shape
     n = w.shape[1] if transposed else w.shape[2]
     w_k = w.shape[2] if transposed else w.shape[1]
@@ -64,5 +76,5 @@ def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed:
     block_k = min(8192 // (block_t * block_n), triton.next_power_of_2(k))
     _head_matvec_kernel[(heads, triton.cdiv(n, block_n))](
         x, w, out, tokens, x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
-        K=k, N=n, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4,
+        K=k, N=n, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, num_warps=4, launch_pdl=pdl,
     )

@@ -94,6 +94,11 @@ class DeepseekMLA(nn.Module):
         self.register_buffer("w_uv", torch.empty(self.num_heads, self.v_dim, self.kv_lora_rank), persistent=False)
         #: ``[q rows; kv_a rows]`` once fused (the two layers' weights are views of it), else None.
         self.input_weight: torch.Tensor | None = None
+        #: The platform's ``pdl`` entry (``use_kernels``): ``head_matvec`` as a dependent launch.
+        self.pdl = False
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        self.pdl = bool(kernels.get("pdl", False))
 
     @torch.no_grad()
     def absorb_kv_b_proj(self) -> None:
@@ -159,7 +164,7 @@ class DeepseekMLA(nn.Module):
         if self._head_matvec_applies(x):
             from engine_models_deepseek.head_matvec import head_matvec
 
-            head_matvec(x, w, out, transposed=transposed)
+            head_matvec(x, w, out, transposed=transposed, pdl=self.pdl)
             return
         torch.bmm(x.transpose(0, 1), w.transpose(1, 2) if transposed else w, out=out.transpose(0, 1))
 

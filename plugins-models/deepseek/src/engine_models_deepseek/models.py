@@ -69,12 +69,18 @@ class DeepseekGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
                                         if with_bias else None)
+        self.pdl = False
+
+    def use_kernels(self, kernels: dict[str, Any]) -> None:
+        """Takes the platform's ``pdl`` entry: the one-launch logits as a programmatic dependent launch."""
+        self.pdl = bool(kernels.get("pdl", False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS and x.stride(-1) == 1:
             from engine_models_deepseek.gate_kernel import gate_logits
 
-            return gate_logits(x, self.weight)  # one launch instead of a cast and a two-kernel GEMV
+            # One launch instead of a cast and a two-kernel GEMV.
+            return gate_logits(x, self.weight, pdl=self.pdl)
         return F.linear(x.float(), self.weight)
 
 
