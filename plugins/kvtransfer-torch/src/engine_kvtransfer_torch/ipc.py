@@ -55,6 +55,7 @@ def open_shared(desc: dict[str, Any] | None, dtype: torch.dtype, shape: list[int
     if desc is None:
         return torch.empty(shape, dtype=dtype)
     raw = lambda s: None if s is None else base64.b64decode(s)  # noqa: E731
+    torch.cuda.init()  # opening a handle needs this process's CUDA state (a no-op once a server runs)
     storage = torch.UntypedStorage._new_shared_cuda(
         desc["device"], raw(desc["handle"]), desc["size"], desc["offset"], raw(desc["ref_handle"]),
         desc["ref_offset"], raw(desc["event_handle"]), desc["event_sync"])
