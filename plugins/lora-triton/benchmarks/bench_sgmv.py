@@ -165,10 +165,11 @@ def sweep(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.
     return rows_out
 
 
-#: per-slot shrink (K_CHUNK, BLOCK_K, warps, stages); expand of its partial sums (BLOCK_N, warps).
-SLOT_SHRINK = [(256, 64, 4, 2), (512, 64, 4, 2), (512, 128, 4, 3), (1024, 64, 4, 3), (1024, 128, 4, 3),
-               (1024, 128, 8, 3), (2048, 128, 8, 3)]
-SLOT_EXPAND = [(64, 4), (128, 4), (128, 8), (256, 8)]
+#: per-slot shrink (K_CHUNK, BLOCK_K, warps, stages); expand of its partial sums (BLOCK_N, warps,
+#: column tiles a program).
+SLOT_SHRINK = [(128, 64, 4, 2), (256, 64, 4, 2), (256, 128, 4, 2), (512, 64, 4, 2), (512, 128, 4, 3),
+               (1024, 128, 4, 3), (1024, 128, 8, 3)]
+SLOT_EXPAND = [(64, 4, 1), (64, 4, 2), (64, 4, 4), (64, 4, 8), (64, 4, 16), (128, 4, 2), (128, 4, 8), (128, 8, 8)]
 
 
 def sweep_slots(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -199,8 +200,8 @@ def sweep_slots(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: 
         p = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl)
         timed = []
         block_r = max(16, triton_pow2(rank))
-        for cfg in [None] + [dict(SLOTS=1, BLOCK_T=1, BLOCK_N=n, BLOCK_R=block_r, num_warps=w, num_stages=1)
-                             for n, w in SLOT_EXPAND]:
+        for cfg in [None] + [dict(SLOTS=1, BLOCK_T=1, BLOCK_N=n, BLOCK_R=block_r, TILES=g, num_warps=w, num_stages=1)
+                             for n, w, g in SLOT_EXPAND]:
             fn = functools.partial(sgmv_expand, p, b, out, *args, info.scalings, info.num_segments, info.max_seg_len,
                                    offsets, pdl, cfg)
             timed.append((graph_time_us(fn, reps), cfg))
@@ -269,6 +270,8 @@ def main() -> None:
     ap.add_argument("--result-file", default=None, help="append the per-scenario sums as JSON lines")
     ap.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=list(SCENARIOS),
                     help="which scenarios to run (default: all)")
+    ap.add_argument("--layers", nargs="+", choices=list(LAYERS), default=list(LAYERS),
+                    help="which projections to run (default: all four; sums cover only these)")
     ap.add_argument("--without-pdl", action="store_true", help="also time the kernels launched without PDL")
     ap.add_argument("--old", action="store_true",
                     help="also time decode batches with the token-parallel shrink (lora-triton.slot_shrink=false)")
@@ -295,6 +298,8 @@ def main() -> None:
         tokens = sum(lens)
         totals: dict[str, float] = {}
         for layer, (k, widths) in LAYERS.items():
+            if layer not in args.layers:
+                continue
             n = sum(widths)
             offsets = [0]
             for w in widths:
@@ -345,7 +350,7 @@ def main() -> None:
               + "".join(f"{totals[name]:10.1f}" for name in extra)
               + f" {totals['native']:9.1f} {totals['triton'] / totals['base']:11.2f} "
               f"{totals['native'] / totals['base']:11.2f}", flush=True)
-        what = f"Llama-3-8B qkv, o, gate_up, down of one layer, {SCENARIO_WORDS[scen]}"
+        what = f"Llama-3-8B {', '.join(args.layers)} of one layer, {SCENARIO_WORDS[scen]}"
         device = torch.cuda.get_device_name(dev)
         append_rows(args.result_file,
                     {"area": "lora", "bench": "kernel", "device": device, "us": round(totals["triton"], 2),

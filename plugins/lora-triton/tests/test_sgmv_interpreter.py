@@ -58,6 +58,8 @@ CASES = {
     "prefill-o": ([0, 17, 6], [0, 1, 0], [16, 0], 16, 64, [0, 40], 0, 0),
     # More segments than one pass of the per-slot expand (64 a pass).
     "decode-slots-many": ([1] * 70, [i * 7 % 3 for i in range(70)], [8, 0, 4], 8, 24, [0, 20], 0, 0),
+    "decode-slots-qkv": ([1] * 11 + [0] + [1] * 8, [i * 3 % 5 for i in range(20)], [16, 0, 8, 16, 4], 16, 24,
+                         [3, 43, 59, 75], 1, 0),
 }
 
 
@@ -89,7 +91,7 @@ def test_kernels_match_the_loop(case: str) -> None:
     assert torch.equal(out[real:], before[real:])
 
 
-@pytest.mark.parametrize("case", ["decode-slots", "decode-slots-many", "decode-qkv"])
+@pytest.mark.parametrize("case", ["decode-slots", "decode-slots-many", "decode-slots-qkv", "decode-qkv"])
 @pytest.mark.parametrize("chunk", [0, 32])
 def test_apply_matches_the_loop(case: str, chunk: int) -> None:
     """``apply``: decode batches of 16+ segments take the per-slot shrink's float32 partial sums
@@ -118,6 +120,33 @@ def test_apply_matches_the_loop(case: str, chunk: int) -> None:
         TritonLoraBackend().apply(x, a, b, info, out, offsets)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[real:], want[real:])
+
+
+@pytest.mark.parametrize("case", ["decode-slots", "decode-slots-qkv"])
+@pytest.mark.parametrize("partials", [False, True])
+def test_slot_expand_tile_groups(case: str, partials: bool) -> None:
+    """The per-slot expand with programs over groups of 4 column tiles of 16: groups end at slice
+    ends (a last group with tiles past its slice), from y or from two chunks of partial sums."""
+    torch.manual_seed(11 + partials)
+    lens, slots, ranks, r, k, offsets, pad, slack = CASES[case]
+    info = _info(lens, slots, ranks, slack)
+    n_slices = len(offsets) - 1
+    real = sum(lens)
+    a, b = _pool(ranks, n_slices, r, k, offsets[-1] + 3, torch.float32)
+    x = torch.randn(real + pad, k)
+    y = reference_shrink(x, a, info)
+    if partials:
+        half = torch.rand_like(y)
+        y = torch.stack([y * half, y * (1 - half)])
+    out = torch.randn(real + pad, offsets[-1] + 3)
+    want = out.clone()
+    reference_expand(reference_shrink(x, a, info), b, info, want, offsets)
+    cfg = dict(SLOTS=1, BLOCK_T=1, BLOCK_N=16, BLOCK_R=16, TILES=4, num_warps=4, num_stages=1)
+    sgmv_expand(y, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings, info.num_segments,
+                info.max_seg_len, offsets, config=cfg)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[:, :offsets[0]], want[:, :offsets[0]])
+    assert torch.equal(out[:, offsets[-1]:], want[:, offsets[-1]:])
 
 
 def test_bfloat16_decode_and_prefill() -> None:

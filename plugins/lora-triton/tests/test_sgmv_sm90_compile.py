@@ -47,7 +47,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         cfg.pop("num_stages")
         if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, column tile)
             cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64, SPLITS=1,
+            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64, SPLITS=1, TILES=4,
                                                                              WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
         else:
@@ -57,7 +57,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         if cfg.get("BLOCK_N") and name == "decode-64":  # the expand of the per-slot shrink's partial sums
             slot_types.update(y_ptr="*fp32")
             kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(
-                R=r, SEGS=segments, BLOCK_S=64, WIDEN=False, IEEE=False, PDL=True, **{**cfg, "SPLITS": 8}),
+                R=r, SEGS=segments, BLOCK_S=64, WIDEN=False, IEEE=False, PDL=True, **{**cfg, "SPLITS": 8, "TILES": 16}),
                 num_warps=warps)
             facts["expand-decode-64-partials"] = _facts(kernel)
     slot_shrink = {a: "i32" for a in k._shrink_slots_kernel.arg_names}

@@ -16,8 +16,9 @@ Two forms of the same kernels, chosen per call from host-side sizes:
   request): a program is one token's matrix-vector product, a broadcast multiply and a sum in
   float32, with narrow output tiles so that a small batch still spreads over the SMs.
 - per-slot expand (``_expand_slots_kernel``, decode batches of 16+ segments): a program per
-  (adapter slot, column tile) reads its B tile once and applies it to the batch's tokens on that
-  slot.
+  (adapter slot, group of column tiles) reads its B tiles once and applies them to the batch's
+  tokens on that slot; the per-slot shrink (``_shrink_slots_kernel``) likewise reads each tile of
+  A once, and leaves float32 partial sums over K chunks that the expand adds up.
 
 CUDA-graph safe: the grid comes from ``num_segments`` and ``max_seg_len`` (host ints, which may
 be upper bounds: token tiles past a segment's end return at once) and the tensors' shapes; no
@@ -140,43 +141,48 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
 
 @triton.jit
 def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
-                         num_segments, off0, off1, off2, off3, tiles0, tiles01,
+                         num_segments, off0, off1, off2, off3, groups0, groups01,
                          stride_ys, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
                          R: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_R: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
-                         PDL: tl.constexpr):
-    # Decode batches (segments of at most one token): one program per (slot, column tile) reads
-    # its B tile once and applies it to every token of the batch on that slot, instead of every
-    # token reading its adapter's whole B.
+                         BLOCK_R: tl.constexpr, TILES: tl.constexpr, SPLITS: tl.constexpr, WIDEN: tl.constexpr,
+                         IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Decode batches (segments of at most one token): one program per (slot, group of TILES column
+    # tiles of one slice) gathers the batch's tokens on that slot and their y once, then applies
+    # each of its B tiles to them: every adapter's B is read once, not once per token, and y (or
+    # the per-slot shrink's partial sums) once per group, not once per tile.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     slot = tl.program_id(0)
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:
         return
-    tile = tl.program_id(1)
-    in1 = tile >= tiles0
-    in2 = tile >= tiles01
+    # Groups never straddle slices: groups [0, groups0) cover slice 0, [groups0, groups01) slice 1,
+    # the rest slice 2 (the host passes the group count as both bounds when there are fewer slices).
+    group = tl.program_id(1)
+    in1 = group >= groups0
+    in2 = group >= groups01
     lo = tl.where(in2, off2, tl.where(in1, off1, off0))
     hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    first = tl.where(in2, groups01, tl.where(in1, groups0, 0))
     y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
+    col0 = lo + (group - first) * (TILES * BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
-    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
-    bv = tl.load(b_ptrs, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+    b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + (col0 + offs_n[:, None]).to(tl.int64) * stride_bn \
+        + offs_r[None, :] * stride_br
     scale = tl.load(scalings_ptr + slot)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    for s0 in range(0, SEGS, BLOCK_S):
+    for s0 in tl.static_range(0, SEGS, BLOCK_S):
         segs = s0 + tl.arange(0, BLOCK_S)
         s_ok = segs < num_segments
         owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
         tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
         end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
         mine = s_ok & (owner == slot) & (end > tok)
+        if PDL and s0 == 0:
+            # The batch info, B and the scalings were written before the forward; y and out are
+            # the previous kernels'.
+            tl.extra.cuda.gdc_wait()
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             rows = tok.to(tl.int64)
             # y, or the per-slot shrink's SPLITS float32 partial sums of it (added here, rounded
@@ -187,11 +193,15 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
             for sp in range(1, SPLITS):
                 ysum += tl.load(y_ptrs + sp * stride_ys, mask=y_mask, other=0.0)
             yv = ysum.to(b_ptr.dtype.element_ty)
-            acc = _product(yv, bv, True, WIDEN, IEEE)
-            mask = mine[:, None] & n_ok[None, :]
-            out_ptrs = out_ptr + rows[:, None] * stride_ot + cols[None, :] * stride_on
-            cur = tl.load(out_ptrs, mask=mask, other=0.0)
-            tl.store(out_ptrs, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty), mask=mask)
+            out_ptrs = out_ptr + rows[:, None] * stride_ot + (col0 + offs_n[None, :]) * stride_on
+            for t in range(TILES):
+                n_ok = col0 + t * BLOCK_N + offs_n < hi
+                bv = tl.load(b_ptrs + t * BLOCK_N * stride_bn, mask=n_ok[:, None] & r_ok[None, :], other=0.0)
+                acc = _product(yv, bv, True, WIDEN, IEEE)
+                mask = mine[:, None] & n_ok[None, :]
+                cur = tl.load(out_ptrs + t * BLOCK_N * stride_on, mask=mask, other=0.0)
+                tl.store(out_ptrs + t * BLOCK_N * stride_on, (cur.to(tl.float32) + scale * acc).to(out_ptr.dtype.element_ty),
+                         mask=mask)
 
 
 @triton.jit

@@ -72,21 +72,20 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
 
 
 def slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
-    """Block sizes of ``_shrink_slots_kernel``: 16-row tiles of A and the K chunk, the smallest of
-    256 to 4096 that keeps at least one program per SM over (slots, row tiles, chunks) and at most
-    16 chunks (the expand adds one partial sum per chunk)."""
+    """Block sizes of ``_shrink_slots_kernel``: 16-row tiles of A and K chunks of 256 (more where
+    that would make over 32 chunks: the expand adds one partial sum per chunk). Short chunks keep
+    each program's loop short; on an H200 the shrink of o (16 chunks) took 2.9 us at decode batch
+    64 over 8 adapters, qkv in 8 chunks of 512 5.4 us (bench_sgmv.py --breakdown)."""
     return dict(_slot_shrink_config(num_slots, rows, k, sms))
 
 
 @functools.lru_cache(maxsize=256)
 def _slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
-    block_r = 16
-    tiles = num_slots * _cdiv(rows, block_r)
     chunk = 256
-    while chunk < 4096 and (_cdiv(k, chunk) > 16 or tiles * _cdiv(k, 2 * chunk) >= sms):
+    while _cdiv(k, chunk) > 32:
         chunk *= 2
-    chunk = min(chunk, triton.next_power_of_2(k))
-    return dict(BLOCK_R=block_r, BLOCK_K=min(64, chunk), K_CHUNK=chunk, num_warps=4, num_stages=2)
+    chunk = min(chunk, max(16, triton.next_power_of_2(k)))
+    return dict(BLOCK_R=16, BLOCK_K=min(64, chunk), K_CHUNK=chunk, num_warps=4, num_stages=2)
 
 
 def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
@@ -124,9 +123,12 @@ def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: 
 @functools.lru_cache(maxsize=256)
 def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
     if max_seg_len <= 1 and num_segments >= 16:
-        # A decode batch: one program per (slot, column tile) over the batch's tokens on that slot
-        # (``_expand_slots_kernel``), so each adapter's B is read once, not once per token.
-        return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4,
+        # A decode batch: one program per (slot, group of column tiles) over the batch's tokens on
+        # that slot (``_expand_slots_kernel``), so each adapter's B is read once, not once per
+        # token; the group's size comes from the slices and slots (``_slot_tiles``).
+        # Rank 64 takes 8 warps: with 4, y of 64 tokens and its partial sums spilled (sm_90 compile).
+        block_r = max(16, triton.next_power_of_2(r))
+        return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
                     num_stages=1)
     if max_seg_len <= 1:
         # H200 sweep: 32 columns a program at batch 1 (1.1-1.6 us a call).
@@ -134,6 +136,16 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
     block_n = 64 if width >= 64 else max(16, triton.next_power_of_2(width))
     return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, _cdiv(width, block_n), sms), BLOCK_N=block_n,
                 BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4, num_stages=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_tiles(tiles: tuple[int, ...], num_slots: int, sms: int) -> int:
+    """Column tiles a per-slot expand program loops over: the largest power of two up to 16 that
+    still gives every SM a program and a half over (slots, groups of each slice's tiles)."""
+    group = 1
+    while group < 16 and 2 * num_slots * sum(_cdiv(t, 2 * group) for t in tiles) >= 3 * sms:
+        group *= 2
+    return group
 
 
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
@@ -201,20 +213,25 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
         return
     cfg = config or _expand_config(num_segments, max_seg_len, sum(widths), r, sm_count(out.device))
     tiles = [_cdiv(w, cfg["BLOCK_N"]) for w in widths]
-    total = sum(tiles)
-    tiles0 = tiles[0] if len(tiles) > 1 else total
-    tiles01 = tiles[0] + tiles[1] if len(tiles) > 2 else total
     if cfg.get("SLOTS"):
+        group = cfg.get("TILES") or _slot_tiles(tuple(tiles), ranks.shape[0], sm_count(out.device))
+        groups = [_cdiv(t, group) for t in tiles]
+        total = sum(groups)
+        groups0 = groups[0] if len(groups) > 1 else total
+        groups01 = groups[0] + groups[1] if len(groups) > 2 else total
         segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_slots_kernel[(ranks.shape[0], total)](
-            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
+            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, groups0, groups01,
             y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
             out.stride(0), out.stride(1),
             R=r, SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
-            SPLITS=y.shape[0] if partials else 1,
+            TILES=group, SPLITS=y.shape[0] if partials else 1,
             WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
+    total = sum(tiles)
+    tiles0 = tiles[0] if len(tiles) > 1 else total
+    tiles01 = tiles[0] + tiles[1] if len(tiles) > 2 else total
     grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), total)
     _expand_kernel[grid](
         y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
