@@ -74,12 +74,13 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hit(checkpo
     # with a new tail, so its first 21 tokens come from the radix cache.
     sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024)
     assert type(sched.runner.token_to_kv_pool) is MLATokenToKVPool
-    # Unquantized: q (or q_a) and kv_a projections run as one linear over views of one weight.
+    # Unquantized: q (or q_a) and kv_a projections run as one linear, which the input norm feeds.
     from engine_models_deepseek.mla import DeepseekMLA
 
     mlas = [m for m in sched.runner.model.modules() if isinstance(m, DeepseekMLA)]
-    assert mlas and all(m.input_weight is not None and m.kv_a_proj_with_mqa.weight.data_ptr()
-                        == m.input_weight[-m.kv_a_proj_with_mqa.weight.shape[0]:].data_ptr() for m in mlas)
+    assert mlas and all(m.input_proj is not None and not hasattr(m, "kv_a_proj_with_mqa") for m in mlas)
+    assert all(layer.norm_consumers == {"input_layernorm": "self_attn.input_proj"}
+               for layer in sched.runner.model.model.layers)
     sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
     col = OutputCollector()
     rounds = [prompts, [prompts[1] + [rng.randrange(4, VOCAB) for _ in range(6)]]]

@@ -11,8 +11,9 @@ and ``o_proj``. ``W_UK``/``W_UV`` are split from ``kv_b_proj`` once its weights 
 (``absorb_kv_b_proj``, called from the model's ``post_load_weights``), which is then dropped.
 
 Both projections of the hidden state (``q_proj``, or V3's ``q_a_proj``, and ``kv_a_proj_with_mqa``)
-run as one linear where both are unquantized: after load their weights become two views of one
-concatenated matrix (``fuse_input_projections``), read by one skinny GEMV at decode instead of two.
+run as one linear where both are unquantized: after load they are replaced by one ``input_proj``
+over their concatenated weights (``fuse_input_projections``), one skinny GEMV at decode instead of
+two, into which the platform may fold the input RMSNorm.
 
 Tensor parallelism splits the heads (``q_proj``/``q_b_proj``, ``kv_b_proj`` column-parallel,
 ``o_proj`` row-parallel); the latent projections and the cache are replicated on every rank.
@@ -27,13 +28,7 @@ from torch import nn
 
 from engine.distributed import divide, get_tensor_model_parallel_world_size
 from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import (
-    ColumnParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-    UnquantizedLinearMethod,
-    linear_with_kernel,
-)
+from engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, UnquantizedLinearMethod
 from engine.layers.quantization import QuantizationConfig
 from engine.layers.radix_attention import RadixAttention
 from engine.model_executor.forward_batch import ForwardBatch
@@ -92,8 +87,11 @@ class DeepseekMLA(nn.Module):
         # output); filled by absorb_kv_b_proj once the weights are loaded.
         self.register_buffer("w_uk", torch.empty(self.num_heads, self.nope_dim, self.kv_lora_rank), persistent=False)
         self.register_buffer("w_uv", torch.empty(self.num_heads, self.v_dim, self.kv_lora_rank), persistent=False)
-        #: ``[q rows; kv_a rows]`` once fused (the two layers' weights are views of it), else None.
-        self.input_weight: torch.Tensor | None = None
+        #: Once fused (``fuse_input_projections``): one linear for q (or q_a) and kv_a, and their
+        #: output widths; None: the two layers.
+        self.input_proj: ReplicatedLinear | None = None
+        self.input_split = (0, 0)
+        self.prefix = prefix
         #: The platform's ``pdl`` entry (``use_kernels``): ``head_matvec`` as a dependent launch.
         self.pdl = False
 
@@ -114,31 +112,36 @@ class DeepseekMLA(nn.Module):
 
     @torch.no_grad()
     def fuse_input_projections(self) -> None:
-        """Concatenates the loaded weights of ``q_proj`` (or ``q_a_proj``) and ``kv_a_proj_with_mqa``
-        into ``input_weight`` and makes each layer's weight a view of its rows (no extra memory),
-        where both are unquantized, unbiased and of one dtype; otherwise leaves them apart."""
-        first = self.q_a_proj if self.q_lora_rank else self.q_proj
-        layers = (first, self.kv_a_proj_with_mqa)
+        """Replaces ``q_proj`` (or ``q_a_proj``) and ``kv_a_proj_with_mqa`` by one ``ReplicatedLinear``
+        ``input_proj`` over their concatenated weights (this rank's rows of each), where both are
+        unquantized, unbiased and of one dtype; otherwise leaves them apart. A single linear can
+        also take the input RMSNorm folded in (``norm_consumers``, set by the model)."""
+        first_name = "q_a_proj" if self.q_lora_rank else "q_proj"
+        first, kv_a = getattr(self, first_name), self.kv_a_proj_with_mqa
         if not self.fuse_projections or not all(
                 type(lin.quant_method) is UnquantizedLinearMethod and lin.bias is None
-                and getattr(lin, "lora", None) is None for lin in layers):
+                and getattr(lin, "lora", None) is None for lin in (first, kv_a)):
             return
-        if first.weight.dtype != self.kv_a_proj_with_mqa.weight.dtype:
+        if first.weight.dtype != kv_a.weight.dtype:
             return
-        fused = torch.cat([first.weight.data, self.kv_a_proj_with_mqa.weight.data], dim=0)
-        rows = first.weight.shape[0]
-        first.weight.data = fused[:rows]
-        self.kv_a_proj_with_mqa.weight.data = fused[rows:]
-        self.input_weight = fused
+        fused = torch.cat([first.weight.data, kv_a.weight.data], dim=0)
+        with torch.device("meta"):  # the weight comes next: allocate nothing
+            proj = ReplicatedLinear(fused.shape[1], fused.shape[0], bias=False, params_dtype=fused.dtype,
+                                    prefix=f"{self.prefix}.input_proj")
+        proj.weight = nn.Parameter(fused, requires_grad=False)
+        self.input_split = (first.weight.shape[0], kv_a.weight.shape[0])
+        self.input_proj = proj
+        delattr(self, first_name)
+        del self.kv_a_proj_with_mqa
 
     def _project_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(q_proj or q_a_proj output, kv_a)`` of ``hidden``: one linear when fused (two column
-        slices of its output), else the two layers."""
+        """``(q_proj or q_a_proj output, kv_a)`` of ``hidden`` (a tensor, or the input norm's
+        ``PendingNorm`` when it is folded into ``input_proj``): two column slices of one linear's
+        output when fused, else the two layers."""
+        if self.input_proj is not None:
+            return self.input_proj(hidden).split(self.input_split, dim=-1)
         first = self.q_a_proj if self.q_lora_rank else self.q_proj
-        if self.input_weight is None:
-            return first(hidden), self.kv_a_proj_with_mqa(hidden)
-        both = linear_with_kernel(getattr(first, "skinny_linear", None), hidden, self.input_weight)
-        return both.split([first.weight.shape[0], self.kv_a_proj_with_mqa.weight.shape[0]], dim=-1)
+        return first(hidden), self.kv_a_proj_with_mqa(hidden)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         tokens = hidden.shape[0]

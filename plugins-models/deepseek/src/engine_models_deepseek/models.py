@@ -139,7 +139,8 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     """The Llama decoder layer with MLA and a dense or mixture-of-experts MLP."""
 
-    # Both norms feed several linears (q and the latent; router, experts and shared experts).
+    # Both norms feed several linears (q and the latent; router, experts and shared experts), until
+    # post_load_weights fuses q and the latent into one (then the instance declares input_layernorm's).
     activation_consumers: dict[str, str] = {}
     norm_consumers: dict[str, str] = {}
 
@@ -191,11 +192,16 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     def post_load_weights(self) -> None:
         """MLA's absorbed ``W_UK``/``W_UV`` from the loaded (and quant-processed) ``kv_b_proj``, and
-        its two input projections as one linear where they fuse."""
+        its two input projections as one linear where they fuse (the input norm's consumer then)."""
         for module in self.modules():
             if isinstance(module, DeepseekMLA):
                 module.absorb_kv_b_proj()
                 module.fuse_input_projections()
+        for module in self.modules():
+            if isinstance(module, DeepseekDecoderLayer) and module.self_attn.input_proj is not None:
+                # The input norm now feeds one linear: the platform may fold it in (the
+                # instance's declaration; link_norm_consumers runs after loading).
+                module.norm_consumers = {"input_layernorm": "self_attn.input_proj"}
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
