@@ -274,7 +274,8 @@ def main() -> None:
                     help="which projections to run (default: all four; sums cover only these)")
     ap.add_argument("--without-pdl", action="store_true", help="also time the kernels launched without PDL")
     ap.add_argument("--old", action="store_true",
-                    help="also time decode batches with the token-parallel shrink (lora-triton.slot_shrink=false)")
+                    help="also time the token-parallel decode shrink and whole-K prefill shrink "
+                         "(lora-triton.slot_shrink=false, split_prefill=false)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each kernel alone (shrink, per-slot shrink, expand) per layer")
     args = ap.parse_args()
@@ -286,7 +287,7 @@ def main() -> None:
     # Extra columns: name -> backend.
     extra = {"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {}
     if args.old:
-        extra["old us"] = TritonLoraBackend(slot_shrink=False)
+        extra["old us"] = TritonLoraBackend(slot_shrink=False, split_prefill=False)
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
     print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'eager us':>9} "

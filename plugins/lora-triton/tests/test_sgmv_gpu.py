@@ -4,7 +4,7 @@ interpreted), against the float32 torch loop; the conformance kit
 on cuda; and CUDA graphs (one-token segments, and 16-token ones) replayed after the batch's
 segments change in place, as the engine's captured decode rewrites ``seg_indptr`` and
 ``weight_indices`` between replays; ``apply`` on decode batches of 64 (the per-slot shrink's
-partial sums, K 4096 and 14336), in a graph too."""
+partial sums, K 4096 and 14336, in a graph too) and prefills (a 128-token one split over K)."""
 
 from __future__ import annotations
 
@@ -77,27 +77,32 @@ def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
 
 @pytest.mark.parametrize("r", [16, 64])
 @pytest.mark.parametrize("layer", ["qkv", "gate_up", "down"])
-def test_apply_decode_llama_shapes(r: int, layer: str) -> None:
-    """``apply`` on a decode batch of 64 over 9 slots: the per-slot shrink's partial sums over K
-    chunks (down: K 14336), added up by the expand, against the float32 loop."""
+@pytest.mark.parametrize("lens", [[1] * 64, [128], [5, 0, 300, 60]], ids=["decode", "short-prefill", "prefill"])
+def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
+    """``apply`` against the float32 loop: a decode batch of 64 over 9 slots (the per-slot shrink's
+    partial sums over K chunks, added up by the expand), a 128-token prefill (the token-tile
+    shrink split over K chunks) and a prefill of several segments (whole-K programs)."""
     k, widths = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
                  "down": (14336, (4096,))}[layer]
-    torch.manual_seed(r + k)
+    torch.manual_seed(r + k + len(lens))
     ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
-    info = _info([1] * 64, [i * 5 % SLOTS for i in range(64)], ranks)
+    info = _info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks)
     a, b = _pool(ranks, r, k, widths)
-    x = torch.randn(64, k, device=DEV).bfloat16()
+    tokens = sum(lens)
+    x = torch.randn(tokens, k, device=DEV).bfloat16()
     offsets = [0]
     for w in widths:
         offsets.append(offsets[-1] + w)
-    out = torch.randn(64, offsets[-1], device=DEV).bfloat16()
+    out = torch.randn(tokens, offsets[-1], device=DEV).bfloat16()
     want = out.float()
     reference_expand(reference_shrink(x.float(), a.float(), info), b.float(), info, want, offsets)
     before = out.clone()
     TritonLoraBackend().apply(x, a, b, info, out, offsets)
     assert _rel(out - before.float(), want - before.float()) < 2e-2
-    base_rows = (info.weight_indices == 2).nonzero().flatten()
-    assert torch.equal(out[base_rows], before[base_rows]), "rows on the rank-0 slot changed"
+    bounds = info.seg_indptr.tolist()
+    for seg in (info.weight_indices == 2).nonzero().flatten().tolist():
+        rows = slice(bounds[seg], bounds[seg + 1])
+        assert torch.equal(out[rows], before[rows]), "rows on the rank-0 slot changed"
 
 
 def test_apply_graph_replay_follows_the_segments() -> None:

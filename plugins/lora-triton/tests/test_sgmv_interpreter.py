@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_lora_triton import interpreting
 from engine_lora_triton.backend import TritonLoraBackend
-from engine_lora_triton.launch import sgmv_expand, sgmv_shrink_slots
+from engine_lora_triton.launch import sgmv_expand, sgmv_shrink, sgmv_shrink_slots
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
 from engine.testing.conformance.lora import LoraBackendConformance
@@ -91,11 +91,13 @@ def test_kernels_match_the_loop(case: str) -> None:
     assert torch.equal(out[real:], before[real:])
 
 
-@pytest.mark.parametrize("case", ["decode-slots", "decode-slots-many", "decode-slots-qkv", "decode-qkv"])
+@pytest.mark.parametrize("case", ["decode-slots", "decode-slots-many", "decode-slots-qkv", "decode-qkv",
+                                  "prefill-gate-up", "prefill-o"])
 @pytest.mark.parametrize("chunk", [0, 32])
 def test_apply_matches_the_loop(case: str, chunk: int) -> None:
     """``apply``: decode batches of 16+ segments take the per-slot shrink's float32 partial sums
-    over K chunks (``chunk`` 32: three chunks of K 80, the last one short), others shrink + expand."""
+    over K chunks, others shrink + expand; ``chunk`` 32: three chunks of K 80, the last one short,
+    through the per-slot shrink or the split token-tile shrink (a short prefill's)."""
     torch.manual_seed(len(case) + chunk)
     lens, slots, ranks, r, _, offsets, pad, slack = CASES[case]
     k = 80
@@ -108,11 +110,16 @@ def test_apply_matches_the_loop(case: str, chunk: int) -> None:
     want = out.clone()
     reference_expand(reference_shrink(x, a, info), b, info, want, offsets)
     if chunk:
-        if info.num_segments < 16:
-            pytest.skip("partial sums are for decode batches of 16+ segments")
-        cfg = dict(BLOCK_R=16, BLOCK_K=16, K_CHUNK=chunk, num_warps=4, num_stages=1)
-        p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
-                              config=cfg)
+        if info.max_seg_len > 1:
+            cfg = dict(BLOCK_T=16, BLOCK_R=16, BLOCK_K=16, K_CHUNK=chunk, num_warps=4, num_stages=1)
+            p = sgmv_shrink(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                            info.max_seg_len, config=cfg, split=True)
+        elif info.num_segments >= 16:
+            cfg = dict(BLOCK_R=16, BLOCK_K=16, K_CHUNK=chunk, num_warps=4, num_stages=1)
+            p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                                  config=cfg)
+        else:
+            pytest.skip("decode batches of fewer than 16 segments have no partial sums")
         assert p.shape == (3, real + pad, n_slices * r) and p.dtype == torch.float32
         sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                     info.num_segments, info.max_seg_len, offsets)

@@ -29,12 +29,17 @@ def _compile_all() -> dict[str, dict[str, object]]:
     types = {a: "i32" for a in k._shrink_kernel.arg_names}
     types.update(x_ptr="*bf16", a_ptr="*bf16", y_ptr="*bf16", **INDEX)
     for name, (segments, seg_len, rows, width) in {"decode-1": (1, 1, 48, 4096), "decode-64": (64, 1, 48, 14336),
-                                                   "prefill": (4, 512, 48, 4096)}.items():
+                                                   "prefill": (4, 512, 48, 4096),
+                                                   "prefill-split": (1, 128, 16, 14336)}.items():
         cfg = launch.shrink_config(segments, seg_len, rows, width, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
-        kernel = compile_kernel(k._shrink_kernel, types, dict(ROWS=rows, K=width, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
-                                                              IEEE=False, PDL=True, **cfg), num_warps=warps)
+        chunk = launch.split_chunk(segments, seg_len, rows, width, 132) or width
+        assert (chunk < width) == (name == "prefill-split"), (name, chunk)
+        kernel = compile_kernel(k._shrink_kernel, {**types, "y_ptr": "*fp32" if chunk < width else "*bf16"},
+                                dict(ROWS=rows, K=width, K_CHUNK=chunk, ROW_TILES=-(-rows // cfg["BLOCK_R"]),
+                                     DOT=cfg["BLOCK_T"] > 1, WIDEN=False, IEEE=False, PDL=True, **cfg),
+                                num_warps=warps)
         facts[f"shrink-{name}"] = _facts(kernel)
     types = {a: "i32" for a in k._expand_kernel.arg_names}
     types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
@@ -51,9 +56,14 @@ def _compile_all() -> dict[str, dict[str, object]]:
                                                                              WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
         else:
-            kernel = compile_kernel(k._expand_kernel, types, dict(R=r, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
+            kernel = compile_kernel(k._expand_kernel, types, dict(R=r, SPLITS=1, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
                                                                   IEEE=False, PDL=True, **cfg), num_warps=warps)
         facts[f"expand-{name}"] = _facts(kernel)
+        if name == "prefill":  # the expand of a split shrink's partial sums (a short prefill)
+            kernel = compile_kernel(k._expand_kernel, {**types, "y_ptr": "*fp32"},
+                                    dict(R=r, SPLITS=16, DOT=True, WIDEN=False, IEEE=False, PDL=True, **cfg),
+                                    num_warps=warps)
+            facts["expand-prefill-partials"] = _facts(kernel)
         if cfg.get("BLOCK_N") and name == "decode-64":  # the expand of the per-slot shrink's partial sums
             slot_types.update(y_ptr="*fp32")
             kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(
@@ -75,7 +85,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     facts = compiled_facts(__file__, timeout=600)
-    assert len(facts) == 10, facts
+    assert len(facts) == 12, facts
     for name, got in facts.items():
         assert got["spill_bytes"] == 0, (name, got)
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)

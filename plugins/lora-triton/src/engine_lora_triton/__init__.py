@@ -36,3 +36,6 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(plugin="lora-triton", key="slot_shrink", default=True,
                           help="decode batches of 16+ requests: shrink with one program per (adapter slot, row tile, "
                                "K chunk), each adapter's A read once (false: one program per token)"))
+    register(PluginOption(plugin="lora-triton", key="split_prefill", default=True,
+                          help="batches of few token tiles (short prefills): split the shrink over K chunks, float32 "
+                               "partial sums that the expand adds up (false: whole-K programs)"))

@@ -22,9 +22,10 @@ class TritonLoraBackend:
 
     name = "triton"
 
-    def __init__(self, pdl: bool = True, slot_shrink: bool = True) -> None:
+    def __init__(self, pdl: bool = True, slot_shrink: bool = True, split_prefill: bool = True) -> None:
         self.pdl = pdl
         self.slot_shrink = slot_shrink
+        self.split_prefill = split_prefill
 
     def shrink(self, x: torch.Tensor, weights: torch.Tensor, info: Any) -> torch.Tensor:
         return sgmv_shrink(x, weights, info.seg_indptr, info.weight_indices, info.lora_ranks,
@@ -39,15 +40,19 @@ class TritonLoraBackend:
               slice_offsets: Sequence[int]) -> None:
         """``expand(shrink(x))``; a decode batch of 16+ one-token segments takes the per-slot shrink,
         whose float32 partial sums over K chunks the expand adds up (each adapter's A read once,
-        not once per token)."""
+        not once per token); a batch of few token tiles (a short prefill) splits the shrink over
+        K chunks the same way (``split_chunk``) instead of looping over all of K in few programs."""
+        pdl = self._pdl(info, x.device)
         if self.slot_shrink and info.max_seg_len <= 1 and info.num_segments >= 16:
-            pdl = self._pdl(info, x.device)
             p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
                                   pdl=pdl)
             sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                         info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl)
             return
-        self.expand(self.shrink(x, a, info), b, info, out, slice_offsets)
+        y = sgmv_shrink(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                        info.max_seg_len, pdl=pdl, split=self.split_prefill)
+        sgmv_expand(y, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                    info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl)
 
     def _pdl(self, info: Any, device: torch.device) -> bool:
         return self.pdl and info.max_seg_len <= 1 and has_pdl(device)
@@ -57,4 +62,5 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``);
     block sizes are chosen per call from the shapes."""
     options = options or {}
-    return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", True)))
+    return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", True)),
+                             split_prefill=bool(options.get("split_prefill", True)))

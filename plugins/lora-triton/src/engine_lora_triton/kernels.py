@@ -53,10 +53,13 @@ def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
-                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_yt, stride_yr,
-                   ROWS: tl.constexpr, K: tl.constexpr,
+                   stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ys, stride_yt, stride_yr,
+                   ROWS: tl.constexpr, K: tl.constexpr, K_CHUNK: tl.constexpr, ROW_TILES: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                    DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    # Axis 2 numbers (K chunk, row tile) pairs. With one chunk (K_CHUNK >= K) y is the result;
+    # with several (short prefills: few token tiles) each program stores its chunk's float32
+    # partial sums at y + chunk * stride_ys, which the expand adds up.
     if PDL:
         # Before its wait a program reads only the batch info and A (written before the forward),
         # and writes nothing: the previous kernel may still be running.
@@ -69,34 +72,39 @@ def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, rank
         return
     slot = tl.load(weight_indices_ptr + seg)
     live = tl.load(ranks_ptr + slot) > 0  # a rank-0 slot (base model) keeps zeros, reads nothing
+    chunk = tl.program_id(2) // ROW_TILES
+    k_left = K - chunk * K_CHUNK  # this chunk's columns of x and A start at chunk * K_CHUNK
     offs_t = t0 + tl.arange(0, BLOCK_T)
-    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_r = (tl.program_id(2) % ROW_TILES) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_k = tl.arange(0, BLOCK_K)
     t_ok = offs_t < end
     r_ok = (offs_r < ROWS) & live
-    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xk
-    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar + offs_k[None, :] * stride_ak
-    av = tl.load(a_ptrs, mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + (chunk * K_CHUNK + offs_k[None, :]) * stride_xk
+    a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar \
+        + (chunk * K_CHUNK + offs_k[None, :]) * stride_ak
+    av = tl.load(a_ptrs, mask=r_ok[:, None] & (offs_k < k_left)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
-    xv = tl.load(x_ptrs, mask=(t_ok & live)[:, None] & (offs_k < K)[None, :], other=0.0)
+    xv = tl.load(x_ptrs, mask=(t_ok & live)[:, None] & (offs_k < k_left)[None, :], other=0.0)
     acc = _product(xv, av, DOT, WIDEN, IEEE)
     if live:
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            k_ok = offs_k < K - k0
+        for k0 in range(BLOCK_K, K_CHUNK, BLOCK_K):
+            k_ok = offs_k < k_left - k0
             xv = tl.load(x_ptrs + k0 * stride_xk, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             av = tl.load(a_ptrs + k0 * stride_ak, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             acc += _product(xv, av, DOT, WIDEN, IEEE)
-    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_r[None, :] * stride_yr
+    y_ptrs = y_ptr + chunk.to(tl.int64) * stride_ys + offs_t[:, None].to(tl.int64) * stride_yt \
+        + offs_r[None, :] * stride_yr
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=t_ok[:, None] & (offs_r < ROWS)[None, :])
 
 
 @triton.jit
 def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
                    off0, off1, off2, off3, tiles0, tiles01,
-                   stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+                   stride_ys, stride_yt, stride_yr, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
                    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                   DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+                   SPLITS: tl.constexpr, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr,
+                   PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     seg = tl.program_id(0)
@@ -131,7 +139,13 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     offs_t = t0 + tl.arange(0, BLOCK_T)
     t_ok = offs_t < end
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
-    yv = tl.load(y_ptrs, mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+    y_mask = t_ok[:, None] & r_ok[None, :]
+    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    if SPLITS > 1:  # the shrink's float32 partial sums over K chunks, rounded as a finished y
+        ysum = yv.to(tl.float32)
+        for sp in range(1, SPLITS):
+            ysum += tl.load(y_ptrs + sp * stride_ys, mask=y_mask, other=0.0)
+        yv = ysum.to(b_ptr.dtype.element_ty)
     acc = _product(yv, bv, DOT, WIDEN, IEEE)
     mask = t_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + cols[None, :] * stride_on

@@ -148,31 +148,63 @@ def _slot_tiles(tiles: tuple[int, ...], num_slots: int, sms: int) -> int:
     return group
 
 
+def split_chunk(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> int:
+    """The K chunk of a split shrink (``sgmv_shrink(split=True)``) of a multi-token batch, or 0:
+    split only batches of fewer than half an SM count of (token tile, row tile) programs (a
+    128-token prefill: 8 programs, each looping over all of K), into chunks of 256 or more, about
+    one program per SM, at most 32 chunks. Batches of many token tiles keep whole-K programs."""
+    return _split_chunk(num_segments, max_seg_len, rows, k, sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_chunk(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> int:
+    if max_seg_len <= 1:
+        return 0
+    cfg = _shrink_config(num_segments, max_seg_len, rows, k, sms)
+    programs = num_segments * _cdiv(max_seg_len, cfg["BLOCK_T"]) * _cdiv(rows, cfg["BLOCK_R"])
+    if 2 * programs >= sms:
+        return 0
+    chunk = 256
+    while chunk < k and (_cdiv(k, chunk) > 32 or programs * _cdiv(k, chunk) > sms):
+        chunk *= 2
+    return chunk if chunk < k else 0
+
+
 def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                 ranks: torch.Tensor, num_segments: int, max_seg_len: int, pdl: bool = False,
-                config: dict[str, int] | None = None) -> torch.Tensor:
+                config: dict[str, int] | None = None, split: bool = False) -> torch.Tensor:
     """``[T, ROWS]`` in x's dtype: each token's row times its segment's ``a[slot]`` (``[ROWS, K]``)
     transposed; zeros for tokens of rank-0 slots (rows of tokens in no segment are unspecified).
     ``pdl``: launch with programmatic dependent launch (``has_pdl``). ``config`` overrides
-    ``shrink_config`` (the benchmark's sweeps)."""
+    ``shrink_config`` (the benchmark's sweeps). ``split``: where ``split_chunk`` (or the config's
+    ``K_CHUNK``) splits K, float32 partial sums ``[chunks, T, ROWS]`` instead, for ``sgmv_expand``
+    to add up."""
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
     if a.dtype != x.dtype:
         raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
     tokens, k = x.shape
     rows = a.shape[1]
+    sms = sm_count(x.device)
+    cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sms))
+    chunk = cfg.pop("K_CHUNK", 0) or (_split_chunk(num_segments, max_seg_len, rows, k, sms) if split else 0)
+    chunks = _cdiv(k, chunk) if chunk else 1
     # Rows of tokens outside every segment (the padding of a CUDA-graph batch) are left unwritten:
     # expand never reads them, and a memset per call would cost a launch in every LoRA layer.
-    y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
+    if chunks > 1:
+        y = torch.empty((chunks, tokens, rows), dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty((tokens, rows), dtype=x.dtype, device=x.device)
     if tokens == 0 or num_segments == 0 or max_seg_len == 0 or rows == 0:
         return y
-    cfg = config or _shrink_config(num_segments, max_seg_len, rows, k, sm_count(x.device))
-    grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), _cdiv(rows, cfg["BLOCK_R"]))
+    row_tiles = _cdiv(rows, cfg["BLOCK_R"])
+    grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), row_tiles * chunks)
     _shrink_kernel[grid](
         x, a, y, seg_indptr, weight_indices, ranks,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0), y.stride(1),
-        ROWS=rows, K=k, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl,
-        launch_pdl=pdl, **cfg)
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), y.stride(0) if chunks > 1 else 0,
+        y.stride(-2), y.stride(-1),
+        ROWS=rows, K=k, K_CHUNK=chunk if chunks > 1 else k, ROW_TILES=row_tiles, DOT=cfg["BLOCK_T"] > 1,
+        WIDEN=_INTERPRETED, IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, **cfg)
     return y
 
 
@@ -201,10 +233,9 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
     overrides ``expand_config``."""
     padded, widths, r = _slice_plan(tuple(slice_offsets), out.shape[1], tuple(b.shape))
-    partials = y.dim() == 3  # sgmv_shrink_slots's float32 sums per K chunk
-    if partials and not (max_seg_len <= 1 and num_segments >= 16 and y.dtype == torch.float32):
-        raise ValueError(f"expand: partial sums y {tuple(y.shape)} ({y.dtype}) are for decode batches of 16+ segments "
-                         f"in float32; got {num_segments} segments of up to {max_seg_len} tokens")
+    partials = y.dim() == 3  # float32 sums per K chunk (sgmv_shrink_slots, sgmv_shrink(split=True))
+    if partials and y.dtype != torch.float32:
+        raise ValueError(f"expand: partial sums y {tuple(y.shape)} must be float32, not {y.dtype}")
     if y.shape[-2:] != (out.shape[0], len(widths) * r):
         raise ValueError(f"expand: y {tuple(y.shape)} must be [T, n_slices * R] = [{out.shape[0]}, {len(widths) * r}]")
     if b.dtype != y.dtype and not partials:
@@ -235,9 +266,10 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), total)
     _expand_kernel[grid](
         y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
-        y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        R=r, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
-        **cfg)
+        y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        R=r, SPLITS=y.shape[0] if partials else 1, DOT=cfg["BLOCK_T"] > 1, WIDEN=_INTERPRETED,
+        IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, **cfg)
 
 
 @functools.lru_cache(maxsize=8)
