@@ -36,6 +36,7 @@ from test_server_e2e_harness import (  # noqa: E402
     free_port,
     inflight,
     launch,
+    running,
     wait_for,
     wait_idle,
 )
@@ -77,13 +78,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory, long_context_ckpt: str) ->
     }
     if grpc_port:
         started["group"].extra["grpc_port"] = grpc_port
-    try:
-        for server in started.values():
-            server.wait_ready()
+    with running(*started.values(), stop_signal=signal.SIGKILL):
         yield started
-    finally:
-        for server in started.values():
-            server.stop(signal.SIGKILL)
 
 
 def _stream_events(server: Server, path: str, body: dict[str, Any], out: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import Server, free_port, launch, server_info, shared_server  # noqa: E402
+from test_server_e2e_harness import Server, free_port, launch, running, server_info, shared_server  # noqa: E402
 
 _GREEDY = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
 
@@ -25,11 +25,8 @@ def dp_server(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> 
     # cache_threshold 0.5: a prompt goes by prefix only when more than half of it matches.
     server = launch(llama_ckpt_dir, str(tmp_path_factory.mktemp("dp-logs")), "--dp-size", "2",
                     "--router-policy", "cache-aware", "--plugin-option", "router_policies.cache_threshold=0.5")
-    try:
-        server.wait_ready()
+    with running(server, stop_signal=signal.SIGKILL):
         yield server
-    finally:
-        server.stop(signal.SIGKILL)
 
 
 def _generate(server: Server, input_ids: list[int]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import API_KEY, Server, free_port, shared_default_server  # noqa: E402
+from test_server_e2e_harness import API_KEY, Server, free_port, running, shared_default_server  # noqa: E402
 
 MAX_COSINE_DISTANCE = 1e-5
 SENTENCES = ["Hi.", "The cat sat on the mat.",
@@ -53,11 +53,8 @@ def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     srv = Server(proc, port, log_path)
     if grpc:
         srv.extra["grpc_port"] = int(grpc[1])
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 def _cosine_distance(a: Any, b: Any) -> float:

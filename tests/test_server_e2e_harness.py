@@ -15,7 +15,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,19 @@ def launch(model_path: str, log_dir: str, *args: str, api_key: str | None = API_
                             start_new_session=new_session)
     log.close()
     return Server(proc, port, log_path, api_key)
+
+
+@contextmanager
+def running(*servers: Server, stop_signal: int = signal.SIGTERM) -> Iterator[None]:
+    """Waits until every one of ``servers`` (launched already, so they start side by side) answers
+    /health, and stops them all with ``stop_signal`` when the block ends, however it ends."""
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield
+    finally:
+        for server in servers:
+            server.stop(stop_signal)
 
 
 def shared_server(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, model_path: str) -> Server:

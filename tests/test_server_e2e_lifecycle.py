@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import Server, alive, free_port, inflight, launch, wait_for  # noqa: E402
+from test_server_e2e_harness import Server, alive, free_port, inflight, launch, running, wait_for  # noqa: E402
 
 _CLI = [sys.executable, "-m", "engine"]
 
@@ -27,11 +27,8 @@ _CLI = [sys.executable, "-m", "engine"]
 def server(tmp_path_factory: pytest.TempPathFactory, llama_ckpt_dir: str) -> Iterator[Server]:
     """A private server: its test kills one of its engine processes."""
     srv = launch(llama_ckpt_dir, str(tmp_path_factory.mktemp("lifecycle-logs")), api_key=None)
-    try:
-        srv.wait_ready()
+    with running(srv, stop_signal=signal.SIGKILL):
         yield srv
-    finally:
-        srv.stop(signal.SIGKILL)
 
 
 def test_engine_process_death_fails_requests_and_exits(server: Server) -> None:

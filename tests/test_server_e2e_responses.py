@@ -19,7 +19,7 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import MODEL_NAME, Server, launch  # noqa: E402
+from test_server_e2e_harness import MODEL_NAME, Server, launch, running  # noqa: E402
 
 KEY = "e2e-responses-key"
 ORIGIN = "http://localhost:5173"
@@ -43,11 +43,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
             os.environ.pop("ENGINE_API_KEY")
         else:
             os.environ["ENGINE_API_KEY"] = saved
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

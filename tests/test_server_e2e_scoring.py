@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import MODEL_NAME, Server, launch  # noqa: E402
+from test_server_e2e_harness import MODEL_NAME, Server, launch, running  # noqa: E402
 
 # float32 on the CPU, through other kernels than transformers': summation order only.
 ATOL = 1e-4
@@ -59,11 +59,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Any]:
 @pytest.fixture(scope="module")
 def server(reference: tuple[str, Any, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = launch(reference[0], str(tmp_path_factory.mktemp("scoring-logs")))
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 def _logit(reference: tuple[str, Any, Any], *texts: str) -> float:

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_server_e2e_harness import MODEL_NAME, Server, launch  # noqa: E402
+from test_server_e2e_harness import MODEL_NAME, Server, launch, running  # noqa: E402
 
 # Bounded schemas (enums, short strings, few items): a 135M model under a grammar may otherwise
 # run on inside a free string until max_tokens.
@@ -54,11 +54,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model_dir = resolve_checkpoint(None)  # the default model, converted once into $ENGINE_CACHE_DIR
     srv = launch(model_dir, str(tmp_path_factory.mktemp("tools-e2e")), "--tool-call-parser", "hermes",
                  "--reasoning-parser", "deepseek-r1", "--max-total-tokens", "8192", api_key=None)
-    try:
-        srv.wait_ready()
+    with running(srv):
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")
