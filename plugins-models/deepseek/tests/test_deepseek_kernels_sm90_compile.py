@@ -47,12 +47,16 @@ def _compile_all() -> dict[str, object]:
                              RENORMALIZE=False, LIMIT_GROUPS=True, BLOCK_G=8, BLOCK_P=32, BLOCK_K=8), num_warps=4)
     from engine_models_deepseek import gate_kernel as gk
 
-    for pdl in (False, True):
-        gate = compile_kernel(gk._gate_kernel, _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32"}),
-                              dict(HIDDEN=2048, BLOCK_T=8, BLOCK_E=2, BLOCK_K=512, PDL=pdl), num_warps=4)
-        out["gate_pdl" if pdl else "gate"] = spill_bytes(gate.asm["ptx"])
+    gate_types = _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32", "R": "*bf16", "NW": "*bf16",
+                                          "Normed": "*bf16", "Res": "*bf16"}, ("eps",))
+    for name, pdl, norm, block_t in (("gate", False, False, 8), ("gate_pdl", True, False, 8),
+                                     ("gate_norm_pdl", True, True, 1)):
+        gate = compile_kernel(gk._gate_kernel, gate_types,
+                              dict(HIDDEN=2048, BLOCK_T=block_t, BLOCK_E=2, BLOCK_K=512, PDL=pdl, NORM=norm,
+                                   HAS_RES=norm), num_warps=4)
+        out[name] = spill_bytes(gate.asm["ptx"])
         if pdl:
-            out["gate_pdl_order"] = pdl_order(gate.asm["ptx"])
+            out[f"{name}_order"] = pdl_order(gate.asm["ptx"])
     from engine_models_deepseek import head_matvec as hm
 
     hm_types = _types(hm._head_matvec_kernel, {"X": "*bf16", "W": "*bf16", "Out": "*bf16"})
@@ -75,9 +79,9 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     once after the wait, and request weights before it."""
     facts = compiled_facts(__file__, timeout=600)
     orders = {k: facts.pop(k) for k in [k for k in facts if k.endswith("_pdl_order")]}
-    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "gate": 0, "gate_pdl": 0, "router_v3": 0,
-                     "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
-    assert sorted(orders) == ["gate_pdl_order", "w_uk_pdl_order", "w_uv_pdl_order"]
+    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
+                     "router_v3": 0, "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
+    assert sorted(orders) == ["gate_norm_pdl_order", "gate_pdl_order", "w_uk_pdl_order", "w_uv_pdl_order"]
     for name, order in orders.items():
         assert order["waits"] == 1 and order["triggers"] == 1 and not order["trigger_first"], (name, order)
         assert order["loads_before_wait"] >= 1, (name, order)

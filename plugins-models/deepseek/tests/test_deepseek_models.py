@@ -79,8 +79,11 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hit(checkpo
 
     mlas = [m for m in sched.runner.model.modules() if isinstance(m, DeepseekMLA)]
     assert mlas and all(m.input_proj is not None and not hasattr(m, "kv_a_proj_with_mqa") for m in mlas)
-    assert all(layer.norm_consumers == {"input_layernorm": "self_attn.input_proj"}
-               for layer in sched.runner.model.model.layers)
+    layers = list(sched.runner.model.model.layers)
+    assert layers[0].norm_consumers == {"input_layernorm": "self_attn.input_proj",
+                                        "post_attention_layernorm": "mlp.gate_up_proj"}  # the dense layer
+    assert all(layer.norm_consumers == {"input_layernorm": "self_attn.input_proj",
+                                        "post_attention_layernorm": "mlp.gate"} for layer in layers[1:])
     sp = {"max_new_tokens": MAX_NEW, "temperature": 0.0}
     col = OutputCollector()
     rounds = [prompts, [prompts[1] + [rng.randrange(4, VOCAB) for _ in range(6)]]]
@@ -188,6 +191,39 @@ def test_cuda_path_matches_transformers(checkpoint: tuple[str, str], kv_cache_dt
     else:
         expected = run()
         assert all(len(g) == MAX_NEW and g[:3] == e[:3] for g, e in zip(got, expected, strict=True)), (got, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_decode_with_folded_norms_and_fused_experts(checkpoint: tuple[str, str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on CUDA with graphs, batch 1: the input norm folded into the fused q/kv_a projection, the
+    post-attention norm into the router's launch (which writes the norm output the experts read),
+    the shared expert in the routed launches; greedy equal to the same engine with norm fusion
+    and PDL off, up to near-ties of bf16 logits. V2 only (the folds do not depend on the routing)."""
+    arch, path = checkpoint
+    if arch != "DeepseekV2ForCausalLM":
+        pytest.skip("the folds and fusions are the same for V3: checked with V2")
+    import engine_models_deepseek.gate_kernel as gate_module
+    from engine.testing.harness import assert_equal_up_to_near_ties, generate_greedy
+
+    folded: list[int] = []
+    real = gate_module.gate_logits
+    monkeypatch.setattr(gate_module, "gate_logits",
+                        lambda x, *a, **k: folded.append(not isinstance(x, torch.Tensor)) or real(x, *a, **k))
+    prompts = [list(range(40, 57))]
+
+    def run(on: bool) -> tuple[list[list[int]], object]:
+        sched = make_scheduler(path, platform="cuda", dtype="bfloat16", attention="triton", cuda_graph_max_bs=1,
+                               plugin_options={"cuda": {"norm_fusion": on, "pdl": on}})
+        return generate_greedy(sched, prompts, MAX_NEW, ignore_eos=True), sched
+
+    off, _ = run(False)
+    assert folded and not any(folded)
+    folded.clear()
+    on, sched = run(True)
+    assert any(folded), "the router's launch never took the norm"
+    assert_equal_up_to_near_ties(sched, prompts, off, on)
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

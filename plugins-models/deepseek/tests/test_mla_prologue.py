@@ -136,3 +136,32 @@ def test_head_matvec_matches_bmm(tokens: int, transposed: bool) -> None:
     assert dest_dev[..., n:].isnan().all()
     with pytest.raises(ValueError, match="head_matvec: .*accepted"):
         head_matvec(x.to(DEV), w.to(DEV), dest_dev[..., :n - 1], transposed=transposed)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_gate_kernel_takes_the_rmsnorm_before_it(residual: bool) -> None:
+    """With a ``PendingNorm`` the one launch computes the post-attention RMSNorm too: its logits are
+    the gate of ``RMSNorm(x, residual)``'s output, and it fills the norm output and ``x + residual``
+    as ``RMSNorm`` computes them (same roundings; 1 token, hidden 600: no tile divides it)."""
+    from engine.layers.layernorm import PendingNorm, RMSNorm
+    from engine_models_deepseek.gate_kernel import gate_logits
+
+    gen = torch.Generator().manual_seed(40 + residual)
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    x = torch.randn(1, 600, generator=gen).to(dtype).to(DEV)
+    res = torch.randn(1, 600, generator=gen).to(dtype).to(DEV) if residual else None
+    norm = RMSNorm(600, 1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_((torch.rand(600, generator=gen) + 0.5).to(norm.weight.dtype))
+    norm = norm.to(dtype)
+    weight = (torch.randn(11, 600, generator=gen) * 0.05).to(DEV)
+    normed = torch.full_like(x, float("nan"))
+    res_sum = torch.full_like(x, float("nan")) if residual else x
+    out = gate_logits(PendingNorm(x, res, norm.weight, 1e-6, normed, res_sum), weight)
+    ref_sum = (x.float() + res.float()).to(dtype) if residual else x
+    ref_normed = norm._norm(ref_sum)
+    torch.testing.assert_close(normed.float().cpu(), ref_normed.float().cpu(), atol=2e-3, rtol=2e-3)
+    if residual:
+        torch.testing.assert_close(res_sum.cpu(), ref_sum.cpu(), atol=0, rtol=0)
+    ref = torch.nn.functional.linear(ref_normed.float(), weight)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)

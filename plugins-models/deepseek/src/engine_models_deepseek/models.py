@@ -27,7 +27,7 @@ from torch import nn
 
 from engine.distributed import data_parallel_mlp, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from engine.errors import ModelLoadError
-from engine.layers.layernorm import RMSNorm
+from engine.layers.layernorm import PendingNorm, RMSNorm, normed_tensor
 from engine.layers.linear import UnquantizedLinearMethod
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import FusedMoE, GroupedTopK
@@ -70,12 +70,29 @@ class DeepseekGate(nn.Module):
         self.e_score_correction_bias = (nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
                                         if with_bias else None)
         self.pdl = False
+        self.norm_fusion = False
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        """Takes the platform's ``pdl`` entry: the one-launch logits as a programmatic dependent launch."""
+        """Takes the platform's ``pdl`` entry (the one-launch logits as a programmatic dependent
+        launch) and its skinny GEMM's ``norm_fusion`` (the kernel may take the norm before it)."""
         self.pdl = bool(kernels.get("pdl", False))
+        self.norm_fusion = bool(getattr(kernels.get("linear"), "norm_fusion", False))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def can_fuse_norm(self) -> bool:
+        """Whether the RMSNorm before the router may hand it ``PendingNorm`` inputs (the layer SDK's
+        ``norm_consumers`` linking asks once): where the platform folds norms into its GEMMs."""
+        return self.norm_fusion
+
+    def takes_pending_norm(self, x: torch.Tensor) -> bool:
+        """Per call: one 16-bit contiguous row on the GPU (batch-1 decode, as the skinny GEMM's fold)."""
+        return (self.norm_fusion and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
+                and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            from engine_models_deepseek.gate_kernel import gate_logits
+
+            return gate_logits(x, self.weight, pdl=self.pdl)  # the norm computed in the same launch
         if x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS and x.stride(-1) == 1:
             from engine_models_deepseek.gate_kernel import gate_logits
 
@@ -122,9 +139,11 @@ class DeepseekMoE(nn.Module):
         shared = (gate_up.weight, down.weight)
         return shared if self.experts.fuses_shared(x, shared) else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        logits = self.gate(x)
+        x = normed_tensor(x)  # a norm folded into the router: its output, written by the gate's launch
         shared = self._shared_weights(x)
-        out = self.experts(x, self.gate(x), self.gate.e_score_correction_bias, shared=shared)
+        out = self.experts(x, logits, self.gate.e_score_correction_bias, shared=shared)
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
@@ -139,8 +158,8 @@ def is_moe_layer(config: Any, layer_id: int) -> bool:
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     """The Llama decoder layer with MLA and a dense or mixture-of-experts MLP."""
 
-    # Both norms feed several linears (q and the latent; router, experts and shared experts), until
-    # post_load_weights fuses q and the latent into one (then the instance declares input_layernorm's).
+    # Both norms feed several layers (q and the latent; router, experts and shared experts): the
+    # instance declares their first readers once post_load_weights fused q and the latent.
     activation_consumers: dict[str, str] = {}
     norm_consumers: dict[str, str] = {}
 
@@ -198,10 +217,18 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                 module.absorb_kv_b_proj()
                 module.fuse_input_projections()
         for module in self.modules():
-            if isinstance(module, DeepseekDecoderLayer) and module.self_attn.input_proj is not None:
-                # The input norm now feeds one linear: the platform may fold it in (the
-                # instance's declaration; link_norm_consumers runs after loading).
-                module.norm_consumers = {"input_layernorm": "self_attn.input_proj"}
+            if isinstance(module, DeepseekDecoderLayer):
+                # Each norm's first reader, where there is one (the instance's declaration;
+                # link_norm_consumers runs after loading): the fused input projection; the router
+                # (the experts then read the norm output its launch wrote), or the dense MLP's gate_up.
+                consumers = {}
+                if module.self_attn.input_proj is not None:
+                    consumers["input_layernorm"] = "self_attn.input_proj"
+                if isinstance(module.mlp, DeepseekMoE):
+                    consumers["post_attention_layernorm"] = "mlp.gate"
+                elif isinstance(module.mlp, GatedMLP):
+                    consumers["post_attention_layernorm"] = "mlp.gate_up_proj"
+                module.norm_consumers = consumers
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
