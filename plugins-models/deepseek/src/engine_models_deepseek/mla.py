@@ -50,6 +50,8 @@ class DeepseekMLA(nn.Module):
     #: The per-head W_UK / W_UV products in one Triton launch each at decode batches on CUDA
     #: (``head_matvec``); False: batched GEMMs always (the comparison a benchmark makes).
     head_matvec_kernel = True
+    #: ``head_matvec`` as a programmatic dependent launch where the platform's ``pdl`` entry allows.
+    kernel_pdl = True
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -96,7 +98,7 @@ class DeepseekMLA(nn.Module):
         self.pdl = False
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
-        self.pdl = bool(kernels.get("pdl", False))
+        self.pdl = self.kernel_pdl and bool(kernels.get("pdl", False))
 
     @torch.no_grad()
     def absorb_kv_b_proj(self) -> None:

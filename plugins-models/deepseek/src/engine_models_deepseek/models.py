@@ -64,6 +64,11 @@ def routing_for(config: Any) -> GroupedTopK:
 class DeepseekGate(nn.Module):
     """The router: float32 logits (the checkpoints keep it unquantized) and V3's correction bias."""
 
+    #: Where the platform allows: the logits' launch as a programmatic dependent one, and the
+    #: RMSNorm before it folded in; False keeps each off (the comparison a benchmark makes).
+    kernel_pdl = True
+    fold_norm = True
+
     def __init__(self, num_experts: int, hidden_size: int, with_bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
@@ -75,8 +80,8 @@ class DeepseekGate(nn.Module):
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's ``pdl`` entry (the one-launch logits as a programmatic dependent
         launch) and its skinny GEMM's ``norm_fusion`` (the kernel may take the norm before it)."""
-        self.pdl = bool(kernels.get("pdl", False))
-        self.norm_fusion = bool(getattr(kernels.get("linear"), "norm_fusion", False))
+        self.pdl = self.kernel_pdl and bool(kernels.get("pdl", False))
+        self.norm_fusion = self.fold_norm and bool(getattr(kernels.get("linear"), "norm_fusion", False))
 
     def can_fuse_norm(self) -> bool:
         """Whether the RMSNorm before the router may hand it ``PendingNorm`` inputs (the layer SDK's
