@@ -18,8 +18,9 @@ docs/benchmarks.md (``"kind": "summary"``; a second one for the load phase); ``-
 appends the summaries.
 
     python3 benchmarks/bench_disaggregation.py --model-path docs/bench_configs/qwen3-0.6b \\
-        --load-format dummy --input-len 4096 --output-len 128 --num-prompts 4 --backend zmq \\
-        --mem-fraction-static 0 --extra "--attention triton --max-total-tokens 131072"
+        --load-format dummy --input-len 4096 --output-len 128 --num-prompts 2 --load-prompts 16 \\
+        --backend cuda_ipc --backend zmq --mem-fraction-static 0 \\
+        --extra "--attention triton --max-total-tokens 131072 --cuda-graph-max-bs 16 --max-running-requests 16"
 """
 
 from __future__ import annotations
