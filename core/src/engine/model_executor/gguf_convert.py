@@ -208,7 +208,7 @@ NAMES_FILE = "gguf_tensor_names.json"
 
 
 def _versions() -> dict[str, str]:
-    import importlib.metadata as md
+    import importlib_metadata as md
 
     return {"transformers": md.version("transformers"), "gguf": md.version("gguf"),
             "converter_version": str(CONVERTER_VERSION)}
