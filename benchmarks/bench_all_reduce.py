@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_platform_cuda.graph_timing import graph_median_us
+
+from engine.distributed.ranks import free_port
 
 
 def _time(fn, graph: bool, reps: int) -> float:
@@ -103,10 +104,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args.sizes_kb, args.reps), nprocs=args.world)
+    mp.spawn(_worker, args=(args.world, free_port(), args.sizes_kb, args.reps), nprocs=args.world)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ an exact float32 sum either way), on every rank, eagerly and replayed from a CUD
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 
@@ -79,8 +78,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 def test_one_shot_equals_nccl_on_two_gpus() -> None:
     import torch.multiprocessing as mp
 
+    from engine.distributed.ranks import free_port
+
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port), nprocs=2)
+    mp.spawn(_worker, args=(2, free_port()), nprocs=2)
