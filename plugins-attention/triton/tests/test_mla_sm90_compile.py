@@ -1,8 +1,9 @@
 """The MLA kernels compile for an H100/H200 (sm_90) at DeepSeek's shape (16 query heads, a latent of
 512 + 64 dims) with their default tiles, without register spills: over a bf16 pool (both loops),
 over an e4m3 pool gathered as int32 words (the slots-ahead loop, 3 stages; the default under bf16
-queries), whose widening must not go through Triton's f16 path (no ``cvt.bf16.f16``), and over an
-e4m3 pool widened to float16, one ``cvt.rn.f16x2.e4m3x2`` per pair.
+queries), whose widening must not go through Triton's f16 path (no ``cvt.bf16.f16``), over an
+e4m3 pool widened to float16, one ``cvt.rn.f16x2.e4m3x2`` per pair, and with programmatic dependent
+launch (the PDL rule of docs/cuda_kernels.md).
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a kernel that only
 Triton's interpreter accepts, or a tile choice that spills, fails here on a machine without a GPU.
@@ -14,7 +15,7 @@ import json
 
 import torch
 
-from engine.testing.aot import compiled_facts, compile_kernel, spill_bytes
+from engine.testing.aot import compiled_facts, compile_kernel, pdl_order, spill_bytes
 
 DEEPSEEK = dict(LORA=512, ROPE=64, BLOCK_C=512, BLOCK_R=64, HAS_CAP=False, DOT_PRECISION="tf32")
 
@@ -25,20 +26,21 @@ def _compile(fn, types: dict[str, str], consts: dict[str, object], num_warps: in
     return compile_kernel(fn, types, consts, num_warps=num_warps, num_stages=num_stages)
 
 
-def _compile_all() -> dict[str, int | bool]:
+def _compile_all() -> dict[str, object]:
     from engine_attention_triton import mla_attention as m
 
     scalars = dict(sm_scale="fp32", logit_cap="fp32", out_scale="fp32")
     ptx: dict[str, str] = {}
-    # name -> (pool dtype, WIDEN, SLOTS_AHEAD, num_warps, num_stages)
-    for name, (pool, widen, ahead, warps, stages) in {
-            "decode": ("bf16", 0, False, 4, 2), "ahead": ("bf16", 0, True, 4, 3),
-            "words": ("fp8e4nv", 1, True, 4, 3), "f16": ("fp8e4nv", 2, True, 8, 3)}.items():
+    # name -> (pool dtype, WIDEN, SLOTS_AHEAD, num_warps, num_stages, PDL)
+    for name, (pool, widen, ahead, warps, stages, pdl) in {
+            "decode": ("bf16", 0, False, 4, 2, False), "ahead": ("bf16", 0, True, 4, 3, False),
+            "words": ("fp8e4nv", 1, True, 4, 3, False), "f16": ("fp8e4nv", 2, True, 8, 3, False),
+            "pdl": ("bf16", 0, False, 4, 2, True)}.items():
         kernel = _compile(m._mla_decode_split_kernel,
                           dict(Q="*bf16", KV=f"*{pool}", Req_To_Token="*i32", Req_Pool_Indices="*i64",
                                Seq_Lens="*i64", Part_Out="*fp32", Part_Lse="*fp32", **scalars),
                           dict(NUM_HEADS=16, BLOCK_H=m.MLA_DECODE_BLOCK_H, BLOCK_N=32, DIRECT=False, WIDEN=widen,
-                               SLOTS_AHEAD=ahead, **DEEPSEEK),
+                               SLOTS_AHEAD=ahead, PDL=pdl, **DEEPSEEK),
                           num_warps=warps, num_stages=stages)
         ptx[name] = kernel.asm["ptx"]
     block_m, block_n, warps, stages = m.default_mla_extend_config(torch.bfloat16, torch.bfloat16)
@@ -53,14 +55,20 @@ def _compile_all() -> dict[str, int | bool]:
             "decode_fp8_words": spill_bytes(ptx["words"]),
             "fp8_words_f16_widening": "cvt.bf16.f16" in ptx["words"],
             "decode_fp8_f16": spill_bytes(ptx["f16"]),
-            "fp8_f16_pair_cvt": "cvt.rn.f16x2.e4m3x2" in ptx["f16"] and "cvt.bf16.f16" not in ptx["f16"]}
+            "fp8_f16_pair_cvt": "cvt.rn.f16x2.e4m3x2" in ptx["f16"] and "cvt.bf16.f16" not in ptx["f16"],
+            "decode_pdl": spill_bytes(ptx["pdl"]), "decode_pdl_order": pdl_order(ptx["pdl"])}
 
 
 def test_mla_kernels_compile_for_sm90_without_spills() -> None:
-    assert compiled_facts(__file__, timeout=600) == {"decode": 0, "extend": 0, "decode_slots_ahead": 0,
-                                                     "decode_fp8_words": 0,
-                                                     "fp8_words_f16_widening": False, "decode_fp8_f16": 0,
-                                                     "fp8_f16_pair_cvt": True}
+    """No spills; with PDL the decode kernel triggers first (the next launch may start at once) and
+    waits once, after reading the row's length, request and slots."""
+    facts = compiled_facts(__file__, timeout=600)
+    order = facts.pop("decode_pdl_order")
+    assert facts == {"decode": 0, "extend": 0, "decode_slots_ahead": 0, "decode_fp8_words": 0,
+                     "fp8_words_f16_widening": False, "decode_fp8_f16": 0, "fp8_f16_pair_cvt": True,
+                     "decode_pdl": 0}
+    assert order["waits"] == 1 and order["triggers"] == 1 and order["trigger_first"], order
+    assert order["loads_before_wait"] >= 2, order
 
 
 if __name__ == "__main__":

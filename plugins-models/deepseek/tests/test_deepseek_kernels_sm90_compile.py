@@ -27,7 +27,7 @@ def _compile_all() -> dict[str, object]:
     from engine_models_deepseek import mla_prologue as mp
 
     out: dict[str, object] = {}
-    for pool in ("bf16", "fp8e4nv"):
+    for pool, pdl in (("bf16", False), ("fp8e4nv", False), ("bf16", True)):
         kernel = compile_kernel(
             mp._mla_prologue_kernel,
             _types(mp._mla_prologue_kernel,
@@ -35,8 +35,10 @@ def _compile_all() -> dict[str, object]:
                     "Norm_W": "*bf16", "K_Out": "*bf16", "Q_Out": "*bf16", "Pool": f"*{pool}", "Out_Loc": "*i64"},
                    ("eps", "k_scale", "fp8_max")),
             dict(NUM_HEADS=16, NOPE=128, LORA=512, HALF=32, BLOCK_H=16, BLOCK_C=512, BLOCK_HALF=32,
-                 INTERLEAVE=True, FP8=pool != "bf16", WRITE_POOL=True), num_warps=4)
-        out[f"prologue_{pool}"] = spill_bytes(kernel.asm["ptx"])
+                 INTERLEAVE=True, FP8=pool != "bf16", WRITE_POOL=True, PDL=pdl), num_warps=4)
+        out[f"prologue_{pool}{'_pdl' if pdl else ''}"] = spill_bytes(kernel.asm["ptx"])
+        if pdl:
+            out["prologue_pdl_order"] = pdl_order(kernel.asm["ptx"])
     router_types = _types(rg._grouped_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32",
                                                     "weights_ptr": "*fp32", "ids_ptr": "*i32"}, ("scaling",))
     v3 = compile_kernel(rg._grouped_topk_kernel, router_types,
@@ -79,11 +81,15 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     once after the wait, and request weights before it."""
     facts = compiled_facts(__file__, timeout=600)
     orders = {k: facts.pop(k) for k in [k for k in facts if k.endswith("_pdl_order")]}
-    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
+    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "prologue_bf16_pdl": 0, "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
                      "router_v3": 0, "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
-    assert sorted(orders) == ["gate_norm_pdl_order", "gate_pdl_order", "w_uk_pdl_order", "w_uv_pdl_order"]
+    assert sorted(orders) == ["gate_norm_pdl_order", "gate_pdl_order", "prologue_pdl_order", "w_uk_pdl_order",
+                              "w_uv_pdl_order"]
     for name, order in orders.items():
-        assert order["waits"] == 1 and order["triggers"] == 1 and not order["trigger_first"], (name, order)
+        # The prologue lets the attention launch start at once (it reads nothing before its own
+        # wait that the prologue writes); the others trigger after their wait.
+        assert order["waits"] == 1 and order["triggers"] == 1, (name, order)
+        assert order["trigger_first"] == (name == "prologue_pdl_order"), (name, order)
         assert order["loads_before_wait"] >= 1, (name, order)
 
 

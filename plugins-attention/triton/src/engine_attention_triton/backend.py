@@ -253,7 +253,7 @@ class TritonAttnBackend(AttentionBackend):
             mla_decode_fwd(
                 q3, self.token_to_kv_pool.get_key_buffer(layer.layer_id), out, self.req_to_token,
                 metadata.req_pool_indices, metadata.seq_lens, metadata.part_out, metadata.part_lse,
-                metadata.num_kv_splits, layer.scaling, v_dim, layer.logit_cap, kv_scale=k_scale,
+                metadata.num_kv_splits, layer.scaling, v_dim, layer.logit_cap, kv_scale=k_scale, pdl=self.pdl,
             )
             return out.view(-1, layer.num_heads * v_dim)
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)

@@ -82,7 +82,7 @@ def _mla_decode_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-    WIDEN: tl.constexpr, SLOTS_AHEAD: tl.constexpr,
+    WIDEN: tl.constexpr, SLOTS_AHEAD: tl.constexpr, PDL: tl.constexpr,
 ):
     # DIRECT (one split): Part_Out is the output; no log-sum-exp, no merge pass.
     # WIDEN (an fp8 pool's tiles into the dots): 0, to q's dtype by Triton; 1, an e4m3 pool
@@ -91,9 +91,14 @@ def _mla_decode_split_kernel(
     # SLOTS_AHEAD: each block's slots are loaded one block early, so its rows' addresses are known
     # when the block starts and Triton's pipeliner keeps num_stages - 1 blocks of gathers in flight
     # (loading them in the same block makes the gathers wait on the slots: one buffer).
+    # PDL: the next launch (the merge, or the output's W_UV product) may start at once; the row's
+    # length, request and slots (written before the step's kernels) are read before the wait for
+    # the kernel before (the prologue, which writes q and the newest row).
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq_len = tl.load(Seq_Lens + row).to(tl.int32)
     req = tl.load(Req_Pool_Indices + row).to(tl.int64)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_kv_splits), BLOCK_N) * BLOCK_N
@@ -105,6 +110,14 @@ def _mla_decode_split_kernel(
     mask_c = offs_c < LORA
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < ROPE
+    token_row = Req_To_Token + req * stride_r2t
+    if SLOTS_AHEAD:
+        offs_nx = lo + tl.arange(0, BLOCK_N)
+        loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
+    else:
+        loc_nx = tl.zeros([BLOCK_N], dtype=tl.int32)  # unused
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     q_row = Q + row * stride_qb + heads[:, None] * stride_qh
     q_c = tl.load(q_row + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0)
     q_r = tl.load(q_row + LORA + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0)
@@ -115,18 +128,12 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    token_row = Req_To_Token + req * stride_r2t
     if WIDEN == 1:  # the tiles' columns counted in words of four values
         offs_cl = tl.arange(0, BLOCK_C // 4)
         offs_rl = tl.arange(0, BLOCK_R // 4)
     else:
         offs_cl = offs_c
         offs_rl = offs_r
-    if SLOTS_AHEAD:
-        offs_nx = lo + tl.arange(0, BLOCK_N)
-        loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
-    else:
-        loc_nx = tl.zeros([BLOCK_N], dtype=tl.int32)  # unused
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -171,7 +178,7 @@ def mla_decode_fwd(
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     num_kv_splits: int, sm_scale: float, kv_lora_rank: int, logit_cap: float = 0.0, *,
     kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int = 32, num_warps: int | None = None,
-    num_stages: int | None = None, slots_ahead: bool | None = None, widen: str | None = None,
+    num_stages: int | None = None, slots_ahead: bool | None = None, widen: str | None = None, pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` ``[batch, num_heads, lora + rope]`` over each row's whole sequence
     in the MLA pool ``kv_buffer`` ``[slots, 1, lora + rope]`` (the new token already saved there),
@@ -189,7 +196,9 @@ def mla_decode_fwd(
     one conversion per pair, with q converted to float16, exact in its range and saturated beyond
     (``"f16"``: 412.0 us for e4m3 at that size, slots-ahead, 8 warps: 4 spill). Both remain
     issue-bound well above the 70.9 us of reads. ``widen``, ``slots_ahead``, ``num_warps``,
-    ``num_stages``: overrides (benchmarks, tests)."""
+    ``num_stages``: overrides (benchmarks, tests). ``pdl`` (sm_90+, the backend's ``triton.pdl``):
+    both launches are programmatic dependent ones; the split kernel lets the next launch start at
+    once and reads the row's slots before its wait, the merge triggers and then waits."""
     check_kernel_dtype(q.dtype, "q")
     batch, num_heads, head_dim = q.shape
     _check_mla_shapes(q, kv_buffer, kv_lora_rank, "decode")
@@ -227,7 +236,8 @@ def mla_decode_fwd(
         NUM_HEADS=num_heads, BLOCK_H=max(16, block_h), BLOCK_N=block_n,
         LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_size(kv_lora_rank), BLOCK_R=block_size(rope),
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        WIDEN=_WIDEN[widen], SLOTS_AHEAD=slots_ahead, num_warps=num_warps, num_stages=num_stages,
+        WIDEN=_WIDEN[widen], SLOTS_AHEAD=slots_ahead, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if direct:
         return
@@ -236,7 +246,7 @@ def mla_decode_fwd(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1),
         V_DIM=kv_lora_rank, BLOCK_DV=block_size(kv_lora_rank),
-        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), PDL=False, num_warps=4,
+        BLOCK_S=max(2, triton.next_power_of_2(num_kv_splits)), PDL=pdl, num_warps=4, launch_pdl=pdl,
     )
 
 

@@ -50,7 +50,8 @@ class DeepseekMLA(nn.Module):
     #: The per-head W_UK / W_UV products in one Triton launch each at decode batches on CUDA
     #: (``head_matvec``); False: batched GEMMs always (the comparison a benchmark makes).
     head_matvec_kernel = True
-    #: ``head_matvec`` as a programmatic dependent launch where the platform's ``pdl`` entry allows.
+    #: ``head_matvec`` and the prologue as programmatic dependent launches where the platform's
+    #: ``pdl`` entry allows.
     kernel_pdl = True
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
@@ -94,7 +95,8 @@ class DeepseekMLA(nn.Module):
         self.input_proj: ReplicatedLinear | None = None
         self.input_split = (0, 0)
         self.prefix = prefix
-        #: The platform's ``pdl`` entry (``use_kernels``): ``head_matvec`` as a dependent launch.
+        #: The platform's ``pdl`` entry (``use_kernels``): ``head_matvec`` and the prologue as
+        #: programmatic dependent launches.
         self.pdl = False
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
@@ -209,6 +211,6 @@ class DeepseekMLA(nn.Module):
         mla_prologue(q, kv_a, positions, rope.cos_cache, rope.sin_cache, self.kv_a_layernorm.weight,
                      self.kv_a_layernorm.variance_epsilon, self.nope_dim, rope.interleave, q_full, k,
                      pool.get_key_buffer(self.attn.layer_id), forward_batch.out_cache_loc,
-                     float(self.attn.k_scale) if pool.is_fp8 else 1.0)
+                     float(self.attn.k_scale) if pool.is_fp8 else 1.0, pdl=self.pdl)
         # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
         return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)

@@ -42,21 +42,26 @@ def _mla_prologue_kernel(
     stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh, stride_pool, stride_cos,
     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, LORA: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    INTERLEAVE: tl.constexpr, FP8: tl.constexpr, WRITE_POOL: tl.constexpr,
+    INTERLEAVE: tl.constexpr, FP8: tl.constexpr, WRITE_POOL: tl.constexpr, PDL: tl.constexpr,
 ):
+    # With PDL the positions, their cos/sin rows and the norm weight (no kernel's output) are loaded
+    # before the wait for the kernel before (the W_UK product); the attention launch may start then.
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_half = tl.arange(0, BLOCK_HALF)
     mask_half = offs_half < HALF
     cos = tl.load(Cos + pos * stride_cos + offs_half, mask=mask_half, other=0.0)[None, :]
     sin = tl.load(Sin + pos * stride_cos + offs_half, mask=mask_half, other=0.0)[None, :]
-
-    # The latent: RMSNorm as engine.layers.layernorm.RMSNorm rounds it.
     offs_c = tl.arange(0, BLOCK_C)
     mask_c = offs_c < LORA
+    w = tl.load(Norm_W + offs_c, mask=mask_c, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+
+    # The latent: RMSNorm as engine.layers.layernorm.RMSNorm rounds it.
     x = tl.load(KV_A + t * stride_kvat + offs_c, mask=mask_c, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / LORA + eps)
-    w = tl.load(Norm_W + offs_c, mask=mask_c, other=0.0)
     c = (w.to(tl.float32) * (x * rstd).to(K_Out.dtype.element_ty).to(tl.float32)).to(K_Out.dtype.element_ty)
 
     # The rope key (one "head"), then every query head's rope dims.
@@ -92,7 +97,7 @@ def _mla_prologue_kernel(
 def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, nope_dim: int, interleave: bool,
                  q_out: torch.Tensor, k_out: torch.Tensor, pool: torch.Tensor | None = None,
-                 out_loc: torch.Tensor | None = None, k_scale: float = 1.0) -> None:
+                 out_loc: torch.Tensor | None = None, k_scale: float = 1.0, pdl: bool = False) -> None:
     """Token by token: ``k_out[t] = [rmsnorm(c_kv) || rope(k_pe)]`` (also stored in ``pool`` at
     ``out_loc[t]`` when given) and ``q_out[t, h, lora:] = rope(q[t, h, nope:])``.
 
@@ -105,6 +110,8 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
         q_out: ``[T, H, lora + rope]``; ``k_out``: ``[T, lora + rope]`` (row-contiguous).
         pool: the layer's MLA buffer ``[slots, 1, lora + rope]`` (any float or fp8 dtype).
         k_scale: an fp8 pool's scale (rows are stored divided by it).
+        pdl: a programmatic dependent launch (sm_90+): positions, cos/sin and the norm weight are
+            read before the wait for the kernel before it, and the next launch may start at once.
     """
     tokens, num_heads, qk_dim = q.shape
     rope = qk_dim - nope_dim
@@ -132,5 +139,5 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
         NUM_HEADS=num_heads, NOPE=nope_dim, LORA=lora, HALF=rope // 2,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=triton.next_power_of_2(lora),
         BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave, FP8=fp8, WRITE_POOL=write_pool,
-        num_warps=4 if lora >= 256 else 1,
+        PDL=pdl, num_warps=4 if lora >= 256 else 1, launch_pdl=pdl,
     )
