@@ -51,10 +51,11 @@ def _compile_all() -> dict[str, object]:
 
     gate_types = _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32", "R": "*bf16", "NW": "*bf16",
                                           "Normed": "*bf16", "Res": "*bf16"}, ("eps",))
-    for name, pdl, norm, block_t in (("gate", False, False, 8), ("gate_pdl", True, False, 8),
-                                     ("gate_norm_pdl", True, True, 1)):
+    # The tiles gate_logits picks: one expert a program, 512-wide steps at 8 tokens, the whole row at 1.
+    for name, pdl, norm, block_t, block_k in (("gate", False, False, 8, 512), ("gate_pdl", True, False, 8, 512),
+                                              ("gate_norm_pdl", True, True, 1, 2048)):
         gate = compile_kernel(gk._gate_kernel, gate_types,
-                              dict(HIDDEN=2048, BLOCK_T=block_t, BLOCK_E=2, BLOCK_K=512, PDL=pdl, NORM=norm,
+                              dict(HIDDEN=2048, BLOCK_T=block_t, BLOCK_E=1, BLOCK_K=block_k, PDL=pdl, NORM=norm,
                                    HAS_RES=norm), num_warps=4)
         out[name] = spill_bytes(gate.asm["ptx"])
         if pdl:
