@@ -229,7 +229,9 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                 consumers = {}
                 if module.self_attn.input_proj is not None:
                     consumers["input_layernorm"] = "self_attn.input_proj"
-                if isinstance(module.mlp, DeepseekMoE):
+                if getattr(module.mlp, "dp_attention_mlp", False):
+                    pass  # DP attention gathers the MLP's input across replicas: a tensor, not a pending norm
+                elif isinstance(module.mlp, DeepseekMoE):
                     consumers["post_attention_layernorm"] = "mlp.gate"
                 elif isinstance(module.mlp, GatedMLP):
                     consumers["post_attention_layernorm"] = "mlp.gate_up_proj"
