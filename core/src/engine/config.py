@@ -77,6 +77,7 @@ class ServerArgs:
     hicache_write_policy: str = opt("write_through", "When a prefix is copied to the tier: on insert (write_through) or when evicted from the device (write_back)", HICACHE_WRITE_POLICIES)
     hicache_storage_backend: str = opt("host", "KV storage tier plugin holding evicted prefixes: host (memory, built in), file (plugin kvtier-file), or another installed tier")
     schedule_conservativeness: float = opt(1.0, "Higher reserves more KV for future decode tokens when admitting requests")
+    disable_kv_plan: bool = opt(False, "Admit requests that cannot stop early (ignore_eos, no stop conditions) against all their remaining tokens at once, instead of the pool's exact future use and tail-first order for a queue larger than the pool")
     enable_mixed_chunk: bool = opt(False, "Run prefill chunks and decode rows in one mixed batch")
     enable_priority_preemption: bool = opt(False, "Let the schedule policy retract running requests for more urgent waiting ones (priority policy)")
     # -- device execution ---------------------------------------------------

@@ -71,6 +71,8 @@ class Req:
         # >0 while the request is being prefilled in chunks.
         self.is_chunked = 0
         self.cached_tokens = 0
+        # Cached prefix tokens matched at its latest admission (the scheduler's KV plan).
+        self.admitted_prefix_len = 0
         self.finished_reason: FinishReason | None = None
         self.stream = stream
         self.priority = priority

@@ -19,6 +19,7 @@ from engine.constrained.scheduling import GrammarQueue
 from engine.disaggregation.scheduler_mixin import DisaggregationMixin
 from engine.errors import ConfigError
 from engine.managers.io_struct import BatchTokenIDOut, TokenizedGenerateReqInput
+from engine.managers.kv_plan import KvPlan, tail_first_limit
 from engine.managers.logprobs import record_output_logprobs, record_prompt_logprobs
 from engine.managers.policy import PolicyContext
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory, Req, ScheduleBatch
@@ -37,6 +38,14 @@ logger = logging.getLogger(__name__)
 # Future decode tokens reserved per running request are clipped to this.
 _RESERVE_CLIP = 4096
 _INIT_NEW_TOKEN_RATIO = 0.7
+
+
+def _tokens_left(req: Req, inflight: int = 0) -> int:
+    """Tokens ``req`` may still generate (``inflight`` of them being sampled now), clipped to
+    ``_RESERVE_CLIP``: the most KV slots admission sets aside for its future."""
+    return min(max(req.sampling_params.max_new_tokens - len(req.output_ids) - inflight, 0), _RESERVE_CLIP)
+
+
 # In-batch prefix sharing: requests with at least this many uncached tokens whose next
 # _SHARE_PROBE tokens equal an admitted request's wait one round for the cache (n > 1, system prompts).
 _SHARE_MIN_PROMPT = 8
@@ -296,8 +305,34 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         before ``max_new_tokens`` (``ignore_eos`` and no stop conditions) will use all of it:
         reserving less only admits requests that must later be retracted and recomputed.
         """
-        left = min(max(req.sampling_params.max_new_tokens - len(req.output_ids), 0), _RESERVE_CLIP)
+        left = _tokens_left(req)
         return left if req.runs_to_length else int(left * self.new_token_ratio)
+
+    def _admission_plan(self) -> tuple[KvPlan | None, int]:
+        """The running requests' claim on the pool: run-to-length ones in a ``KvPlan`` (their
+        exact future; None with ``--disable-kv-plan``), the others' reserves summed."""
+        plan = None if self.args.disable_kv_plan else KvPlan(self.args.page_size)
+        reserved = 0
+        for r in self.running_batch.reqs:
+            if plan is not None and r.runs_to_length:
+                # Slots: the prefilled tokens, then one per launched decode step (the last
+                # sampled token has none yet); each token still to sample takes one more. The
+                # cached prefix it was admitted with is not its own (``claim``).
+                held = r.seqlen - 1 + r.inflight_steps - r.admitted_prefix_len
+                plan.add(held, _tokens_left(r, r.inflight_steps), held)
+            else:
+                reserved += self._reserve(r)
+        return plan, reserved
+
+    def _tail_first_limit(self, plan: KvPlan, free: int) -> int | None:
+        """How many waiting requests this round may admit (``kv_plan.tail_first_limit``; ``free``:
+        slots free now beside the requests outside ``plan``); None: no limit (also when a waiting
+        request may stop early: its length is a guess)."""
+        if len(self.waiting_queue) < 2 or not all(r.runs_to_length for r in self.waiting_queue):
+            return None
+        bases = [r.seqlen for r in self.waiting_queue]
+        lefts = [_tokens_left(r) for r in self.waiting_queue]
+        return tail_first_limit(plan, bases, lefts, free, free + plan.held)
 
     def _order_waiting(self) -> None:
         if self.policy.needs_prefix_match(len(self.waiting_queue)):
@@ -318,13 +353,23 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
         if running >= self.max_running_requests and self.chunked_req is None:
             return None
         page = self.args.page_size
-        reserved = sum(self._reserve(r) for r in self.running_batch.reqs)
+        plan, reserved = self._admission_plan()
         admitted_cost = 0
 
         def rem_total() -> int:
             # Live: locking an admitted request's prefix makes it unevictable.
             return (self.allocator.available_size() + self.tree_cache.evictable_size()
-                    - reserved - admitted_cost)
+                    - reserved - admitted_cost - (plan.need() if plan is not None else 0))
+
+        def claim(req: Req, cost: int) -> None:
+            """Counts an admitted request's claim on the pool: its slots in ``plan`` (those past
+            the cached prefix it was admitted with: a prefix may be shared and outlive it), else ``cost``."""
+            nonlocal admitted_cost
+            if plan is not None and req.runs_to_length:
+                own = len(req.prefix_indices) - req.admitted_prefix_len
+                plan.add(req.seqlen - req.admitted_prefix_len, _tokens_left(req), own)
+            else:
+                admitted_cost += cost
 
         rem_input = self.args.max_prefill_tokens
         # Bidirectional (encoder) models see the whole prompt in one forward: no chunks.
@@ -351,7 +396,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
             else:
                 req.is_chunked = 0
             can_run.append(req)
-            admitted_cost += req.extend_input_len + self._reserve(req)
+            claim(req, req.extend_input_len + self._reserve(req))
             rem_input -= req.extend_input_len
             rem_chunk -= req.extend_input_len
 
@@ -362,9 +407,12 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
             # prefix in the cache instead of computing it twice in one batch.
             admitted_prefixes: set[tuple[int | None, int, tuple[int, ...]]] = set()
             share = not self.args.disable_radix_cache
+            limit = None if plan is None else self._tail_first_limit(plan, rem_total() + plan.need())
             for req in list(self.waiting_queue):
                 if running + len(can_run) >= self.max_running_requests:
                     break
+                if limit is not None and len(can_run) - (self.chunked_req is not None) >= limit:
+                    break  # the rest start later, together (tail first)
                 if req.lora_uid is not None and self._lora_blocks(req, self.running_batch.reqs + can_run):
                     continue  # its adapter would exceed --max-loras-per-batch: a later batch
                 req.init_next_round_input(self.tree_cache)
@@ -380,7 +428,10 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
                 if rem_chunk < max(page, 1):
                     break
                 self.tree_cache.inc_lock_ref(req.last_node)
-                cost = req.extend_input_len + self._reserve(req)
+                if plan is not None and req.runs_to_length:
+                    cost = plan.extra_need(req.seqlen - len(req.prefix_indices), _tokens_left(req), 0)
+                else:
+                    cost = req.extend_input_len + self._reserve(req)
                 nothing_else = not can_run and running == 0
                 # Whole pages: a row's first and last pages may be partly empty.
                 need = cost + (2 * page if page > 1 else 0)
@@ -390,6 +441,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
                 if req.retractions == 0 and not req.output_ids:
                     req.cached_tokens = len(req.prefix_indices)
                 self.tree_cache.note_admitted()
+                req.admitted_prefix_len = len(req.prefix_indices)
                 if take_chunk(req, min(rem_chunk, rem_input) if can_run else rem_chunk):
                     req.is_chunked = 1
                     new_chunked = req
@@ -398,7 +450,7 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
                 mark(req, "scheduled")
                 if key is not None:
                     admitted_prefixes.add(key)
-                admitted_cost += cost
+                claim(req, cost)
                 rem_input -= req.extend_input_len
                 rem_chunk -= req.extend_input_len
                 if new_chunked is not None:
