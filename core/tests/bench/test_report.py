@@ -92,6 +92,11 @@ def test_rows_as_benchmarks_write_them_find_their_area_and_configuration(tmp_pat
     assert _table(page, "Parallelism")[0][2] == "2x H100 80GB HBM3"
     assert _table(page, "Structured output")[0][4] == "7.688 ms/step (8,325 tok/s)"
     assert _table(page, "Quantization")[0][0] == "default model, fp8, triton, random, 1000 prompts"
+    assert _table(page, "Quantization")[0][4] == "9,631 output tok/s (106.3 s)"
+    # A row with the run's split (engine bench offline reports one) shows it.
+    split = {**fp8, "date": "2026-11-24", "extend_time_s": 16.08, "decode_time_s": 61.06, "decode_steps": 2047}
+    page = build_page([_write(tmp_path / "split.jsonl", split)])
+    assert _table(page, "Quantization")[0][4] == "9,631 output tok/s (106.3 s: prefill 16.1 s, decode 61.1 s in 2,047 steps)"
     hf = {"bench": "hf-baseline", "device": "NVIDIA H100 80GB HBM3", "model_path": "docs/bench_configs/llama-3-8b",
           "hf_eager_bs1_tok_s": 10.0, "command": "python3 benchmarks/bench_hf_baseline.py", "date": "2026-11-22",
           "weight_gb": 16.06}

@@ -275,8 +275,14 @@ def _one_batch(row: dict[str, Any]) -> Figure:
 
 
 def _offline(row: dict[str, Any]) -> Figure:
+    """Output tokens a second and the run's seconds; where the row carries the split (``engine
+    bench offline`` since it reports one), the prefill and decode seconds and the decode steps."""
     rate = row["output_throughput"]
-    return Figure(f"{_rate(rate)} output tok/s ({row['duration_s']:.1f} s)", rate)
+    split = ""
+    if all(k in row for k in ("extend_time_s", "decode_time_s", "decode_steps")):
+        split = (f": prefill {row['extend_time_s']:.1f} s, decode {row['decode_time_s']:.1f} s in "
+                 f"{row['decode_steps']:,} steps")
+    return Figure(f"{_rate(rate)} output tok/s ({row['duration_s']:.1f} s{split})", rate)
 
 
 def _spec(row: dict[str, Any]) -> Figure:
