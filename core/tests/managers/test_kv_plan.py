@@ -94,3 +94,13 @@ def test_a_queue_larger_than_the_pool_decodes_in_fewer_steps_with_the_same_outpu
     # (41 against 58 steps without a shared prefix; 53 against 60 with one: the queue's own
     # sizes are taken without their cached prefixes, so the group starts later.)
     assert planned_steps <= reserved_steps - (5 if shared else 10), (planned_steps, reserved_steps)
+
+
+def test_no_tail_first_hold_when_request_slots_bound_the_batch(llama_ckpt: str) -> None:
+    rng = random.Random(8)
+    prompts = [[rng.randrange(4, 2048) for _ in range(20)] for _ in range(8)]
+    # Four slots for eight requests: the pool is not what limits the batch, so holding a group
+    # back for memory would only leave slots idle. Both admissions run four, then four.
+    planned = _run(llama_ckpt, prompts, 30, False, max_running_requests=4)
+    reserved = _run(llama_ckpt, prompts, 30, False, max_running_requests=4, disable_kv_plan=True)
+    assert planned == reserved

@@ -327,11 +327,14 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
     def _tail_first_limit(self, plan: KvPlan, free: int) -> int | None:
         """How many waiting requests this round may admit (``kv_plan.tail_first_limit``; ``free``:
         slots free now beside the requests outside ``plan``); None: no limit (also when a waiting
-        request may stop early: its length is a guess)."""
-        if len(self.waiting_queue) < 2 or not all(r.runs_to_length for r in self.waiting_queue):
+        request may stop early: its length is a guess, and when request slots, not KV, bound how
+        many run: --max-running-requests)."""
+        waiting = self.waiting_queue
+        if (len(waiting) < 2 or len(waiting) > self.max_running_requests - len(self.running_batch.reqs)
+                or not all(r.runs_to_length for r in waiting)):
             return None
-        bases = [r.seqlen for r in self.waiting_queue]
-        lefts = [_tokens_left(r) for r in self.waiting_queue]
+        bases = [r.seqlen for r in waiting]
+        lefts = [_tokens_left(r) for r in waiting]
         return tail_first_limit(plan, bases, lefts, free, free + plan.held)
 
     def _order_waiting(self) -> None:
