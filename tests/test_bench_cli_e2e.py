@@ -53,6 +53,7 @@ def test_offline_random_and_shared_prefix(tmp_path: pathlib.Path, llama_ckpt_dir
     assert sum(b["steps"] for b in random_row["decode_by_batch"]) == random_row["decode_steps"], random_row
     assert 0 <= random_row["max_running"] <= 12 and random_row["timeline"], random_row
     assert 0 <= random_row["graph_decode_steps"] <= random_row["decode_steps"]
+    assert random_row["device"].startswith("cpu (") and "torch" in random_row["device"], random_row["device"]
     assert gsp_row["num_prompts"] == 8 and gsp_row["cached_tokens"] >= 6 * 64  # later questions reuse the system prompt
 
 

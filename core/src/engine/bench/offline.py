@@ -95,7 +95,7 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens, "cached_tokens": cached,
         "request_throughput": len(prompts) / duration, "input_throughput": in_tokens / duration,
         "output_throughput": out_tokens / duration, "total_throughput": (in_tokens + out_tokens) / duration,
-        "attention": info["attention_backend"], "device": info["device"], "platform": info["platform"],
+        "attention": info["attention_backend"], "device": info.get("device_description") or info["device"], "platform": info["platform"],
         "disable_radix_cache": args.disable_radix_cache, "model_path": args.model_path, "quant": args.quant,
         "tp_size": args.tp_size,
         **(_lora_fields(args, lora_names, len(prompts)) if lora_names else {}),

@@ -115,6 +115,7 @@ class OutputMixin:
             "overlapped_decode_steps": self.overlapped_decode_steps,
             "overlap_schedule": self.enable_overlap,
             "cuda_graph_batch_sizes": list(getattr(self.runner.cuda_graph_runner, "batch_sizes", None) or []),
+            "device_description": self.runner.platform.describe(),  # what result rows name the device by
             "graph_decode_steps": getattr(self.runner.cuda_graph_runner, "replays", 0),
             "decode_rows": self.decode_rows,
             "extend_tokens": self.extend_tokens,
