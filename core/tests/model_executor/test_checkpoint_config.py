@@ -1,5 +1,6 @@
 """Reading a checkpoint's config imports none of transformers' model-loading machinery
-(``checkpoint._import_config_validators``), and the configs read are the ones transformers reads."""
+(``checkpoint._import_config_validators``) and reads transformers' model sources once
+(``checkpoint._import_models_package``), and the configs read are the ones transformers reads."""
 
 from __future__ import annotations
 
@@ -24,7 +25,19 @@ try:
     refused = False
 except ValueError:
     refused = True
-print(json.dumps({"configs": configs, "activations_before": before, "refused": refused}, default=str))
+# transformers.models got the table derived from transformers' own (_import_models_package): it
+# must be the one the package builds by reading the model sources.
+from transformers.utils import import_utils
+models = sys.modules["transformers.models"]
+own = import_utils._LazyModule(models.__name__, models.__file__,
+                               import_utils.define_import_structure.__wrapped__(models.__file__))
+same = all(getattr(models, a) == getattr(own, a) for a in
+           ("_modules", "_class_to_module", "_object_missing_backend", "_explicit_import_shortcut"))
+# Its lists of names come from sets: their order is no part of the table.
+same = same and ({k: sorted(v) for k, v in models._import_structure.items()}
+                 == {k: sorted(v) for k, v in own._import_structure.items()})
+print(json.dumps({"configs": configs, "activations_before": before, "refused": refused,
+                  "models_table_same": same and sorted(models.__all__) == sorted(own.__all__)}, default=str))
 """
 
 
@@ -41,6 +54,7 @@ def test_configs_read_without_model_loading_imports(tmp_path: Path) -> None:
     got = json.loads(ran.stdout.strip().splitlines()[-1])
     assert got["activations_before"] is False
     assert got["refused"] is True
+    assert got["models_table_same"] is True
     import transformers.activations  # noqa: F401  # in already: this process reads them the plain way
 
     from engine.model_executor.checkpoint import load_hf_config
