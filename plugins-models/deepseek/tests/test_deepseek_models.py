@@ -105,11 +105,14 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
     (torch_native) reads the rows from the pool, the gate's logits and the grouped routing are the
     one-launch kernels, the per-head W_UK / W_UV products the one-launch kernel at small batches, the
     experts the fused ones (at a decode batch of one, the shared expert in the routed experts'
-    launches); greedy equal to transformers, with chunked prefill."""
+    launches, and the post-attention norm folded into the router's launch, which writes the norm
+    output the experts read and the next residual); greedy equal to transformers, with chunked prefill."""
     import engine.layers.moe.fused_moe as fused_module
     import engine.layers.moe.layer as moe_layer
     from engine.layers.moe.router_grouped_kernel import grouped_topk_triton
     from engine_models_deepseek.gate_kernel import gate_logits
+    import engine_models_deepseek.gate_kernel as gate_module
+    from engine.layers.layernorm import PendingNorm
     from engine_models_deepseek.head_matvec import MAX_TOKENS
     from engine_models_deepseek.mla import HEAD_MATVEC_MAX_TOKENS, DeepseekMLA
     from engine_models_deepseek.models import DeepseekGate
@@ -126,7 +129,17 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
     monkeypatch.setattr(DeepseekMLA, "_prologue_applies", lambda self, kv_a, forward_batch: True)
     monkeypatch.setattr(DeepseekMLA, "_head_matvec_applies", lambda self, x: x.shape[0] <= HEAD_MATVEC_MAX_TOKENS)
     monkeypatch.setattr(DeepseekMLA, "_attend_fused", counted)
-    monkeypatch.setattr(DeepseekGate, "forward", lambda self, x: gate_logits(x, self.weight))  # chunks of <= 8
+    real_gate = DeepseekGate.forward
+    # Chunks of <= 8 tokens through the one-launch logits; a pending post-attention norm (batch 1,
+    # linked below as the CUDA platform links it) through the real forward's folded path.
+    monkeypatch.setattr(DeepseekGate, "forward",
+                        lambda self, x: real_gate(self, x) if isinstance(x, PendingNorm) else gate_logits(x, self.weight))
+    monkeypatch.setattr(DeepseekGate, "can_fuse_norm", lambda self: True)
+    monkeypatch.setattr(DeepseekGate, "takes_pending_norm", lambda self, x: x.shape[0] == 1)
+    folded: list[int] = []
+    real_logits = gate_module.gate_logits
+    monkeypatch.setattr(gate_module, "gate_logits",
+                        lambda x, *a, **k: folded.append(isinstance(x, PendingNorm)) or real_logits(x, *a, **k))
     monkeypatch.setattr(moe_layer, "grouped_topk", grouped_topk_triton)
     monkeypatch.setattr(moe_layer, "triton_available", lambda x: True)
     shared_calls: list[int] = []
@@ -151,6 +164,7 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
             assert col.ids[rid] == hf_greedy(hf, prompt, 4), f"{arch}: prompt of {len(prompt)} tokens differs"
     assert calls, "the fused path did not run"
     assert shared_calls and all(shared_calls), shared_calls
+    assert any(folded), "the router's launch never took the post-attention norm"
 
 
 @pytest.mark.gpu
