@@ -142,10 +142,10 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
 def _slot_tiles(tiles: tuple[int, ...], num_slots: int, sms: int) -> int:
     """Column tiles a per-slot expand program loops over: the largest power of two up to 16 that
     still gives every SM a program and a half over (slots, groups of each slice's tiles)."""
-    group = 1
-    while group < 16 and 2 * num_slots * sum(_cdiv(t, 2 * group) for t in tiles) >= 3 * sms:
-        group *= 2
-    return group
+    # H200, bench_sgmv.py --sweep decode 64 x 8 adapters: one tile a program from a finished y
+    # (groups of 4 and 16 took qkv 4.1 -> 7.2 us, gate_up 13.0 -> 23.1 us: a group's tiles run one
+    # after another, each store before the next tile's loads).
+    return 1
 
 
 def split_chunk(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> int:
