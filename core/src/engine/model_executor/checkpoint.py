@@ -46,6 +46,7 @@ def resolve_checkpoint(model_path: str | None, disabled: Iterable[str] = (), wei
 
 def load_hf_config(model_path: str, trust_remote_code: bool = False) -> Any:
     """Reads config.json with transformers; every problem becomes a ModelLoadError."""
+    _import_transformers()
     _import_config_validators()
     _import_models_package()
     from transformers import AutoConfig
@@ -127,6 +128,131 @@ def _import_config_validators() -> None:
     validators.ACT2FN = _DeferredActivations()
 
 
+# The table of transformers' model modules that `import transformers` got from the cache, or built.
+_models_table: dict[frozenset[str], dict[str, set[str]]] | None = None
+
+
+def _import_transformers() -> None:
+    """Imports transformers with the table of its model modules kept in the engine's cache.
+
+    ``import transformers`` builds a lazy table of every model module by reading the ~1,700
+    sources under ``transformers/models`` (``define_import_structure(models, prefix="models")``):
+    ~0.45 CPU-s in every process that reads a config. The table is kept under
+    ``<cache>/transformers/`` with a key of those sources' names, sizes and modification times
+    and of transformers' own ``__init__`` and ``import_utils`` (~30 ms to take): the next process
+    reads it back, and where there is none (or it cannot be read) transformers builds it as
+    before and it is written.
+    """
+    if "transformers" in sys.modules:
+        return
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    package = list(spec.submodule_search_locations)[0]
+    try:
+        key = _sources_key(package)
+    except OSError:
+        return
+    from engine.default_model import cache_root
+
+    finder = _CachedModelsTable(os.path.join(package, "models"),
+                                os.path.join(cache_root(), "transformers", f"models-table-{key}.json"))
+    sys.meta_path.insert(0, finder)
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return
+    finally:
+        if finder in sys.meta_path:
+            sys.meta_path.remove(finder)
+        finder.restore()
+
+
+def _sources_key(package: str) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(package.encode())
+    for path in (os.path.join(package, "__init__.py"), os.path.join(package, "utils", "import_utils.py")):
+        st = os.stat(path)
+        digest.update(f"{path}:{st.st_size}:{st.st_mtime_ns};".encode())
+    pending = [os.path.join(package, "models")]
+    while pending:
+        directory = pending.pop()
+        with os.scandir(directory) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                if entry.name == "__pycache__":
+                    continue
+                if entry.is_dir():
+                    pending.append(entry.path)
+                    digest.update(f"{entry.path}/;".encode())
+                else:
+                    st = entry.stat()
+                    digest.update(f"{entry.path}:{st.st_size}:{st.st_mtime_ns};".encode())
+    return digest.hexdigest()[:32]
+
+
+class _CachedModelsTable:
+    """A one-shot import hook: once ``transformers.utils.import_utils`` is loaded (transformers'
+    ``__init__`` loads it before it builds its table), its ``define_import_structure`` answers
+    for the models directory from the cache file, and writes that file where it is missing."""
+
+    def __init__(self, models_dir: str, cache_file: str) -> None:
+        self.models_dir = models_dir
+        self.cache_file = cache_file
+        self._module: Any = None
+        self._define: Any = None
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "transformers.utils.import_utils":
+            return None
+        from importlib.machinery import PathFinder, SourceFileLoader
+
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or type(spec.loader) is not SourceFileLoader:
+            return None
+        loader = spec.loader
+
+        def exec_module(module: Any) -> None:
+            SourceFileLoader.exec_module(loader, module)
+            self._module, self._define = module, module.define_import_structure
+            module.define_import_structure = self._table
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def restore(self) -> None:
+        """transformers' own function back (its ``__init__`` has called the hook by now)."""
+        if self._module is not None:
+            self._module.define_import_structure = self._define
+
+    def _table(self, module_path: Any, prefix: str | None = None) -> Any:
+        global _models_table
+        if prefix != "models" or os.fspath(module_path) != self.models_dir:
+            return self._define(module_path, prefix)
+        import json
+
+        try:
+            with open(self.cache_file, encoding="utf-8") as f:
+                table = {frozenset(backends): {name: set(objects) for name, objects in modules.items()}
+                         for backends, modules in json.load(f)}
+        except (OSError, ValueError, TypeError, AttributeError):
+            table = self._define(module_path, prefix)
+            rows = [[sorted(backends), {name: sorted(objects) for name, objects in modules.items()}]
+                    for backends, modules in table.items()]
+            try:
+                os.makedirs(os.path.dirname(self.cache_file), exist_ok=True)
+                partial = f"{self.cache_file}.{os.getpid()}.tmp"
+                with open(partial, "w", encoding="utf-8") as f:
+                    json.dump(rows, f)
+                os.replace(partial, self.cache_file)
+            except OSError:
+                pass
+        _models_table = table
+        return table
+
+
 def _import_models_package() -> None:
     """Imports ``transformers.models`` without reading transformers' model sources a second time.
 
@@ -154,8 +280,9 @@ def _import_models_package() -> None:
             return define(module_path, prefix)
         from pathlib import Path
 
-        # The argument transformers' __init__ gave: the same key, so the memoised table.
-        prefixed = define(Path(transformers.__file__).parent / "models", prefix="models")
+        # The table `import transformers` got: from the cache (_import_transformers), else
+        # memoised under the argument transformers' __init__ gave.
+        prefixed = _models_table or define(Path(transformers.__file__).parent / "models", prefix="models")
         table = {backends: {name[len("models."):]: set(objects) for name, objects in modules.items()
                             if name.startswith("models.")} for backends, modules in prefixed.items()}
         packages = {name.split(".", 1)[0] for modules in table.values() for name in modules}
