@@ -422,11 +422,12 @@ def main() -> None:
             print(json.dumps({"kind": "skipped", "backend": backend, "left_s": round(left, 1)}), flush=True)
             continue
         t = time.perf_counter()
+        earlier = set(os.listdir(log_dir))  # the logs of backends before this one were printed already
         try:
             _run_backend(a, backend, log_dir)
         except Exception as exc:  # noqa: BLE001 - report and go on with the next backend
             print(json.dumps({"kind": "error", "backend": backend, "error": f"{type(exc).__name__}: {exc}"}), flush=True)
-            for name in sorted(os.listdir(log_dir)):
+            for name in sorted(set(os.listdir(log_dir)) - earlier):
                 print(f"--- {name}\n{_tail(os.path.join(log_dir, name))}", flush=True)
             if isinstance(exc, TimeoutError):
                 break
