@@ -20,7 +20,7 @@ WHEELS=(
   gguf==0.19.0                                                                    # GGUF checkpoints
   xgrammar==0.2.8 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
   rpds-py==2026.9.1                                                               # structured output
-  importlib-metadata==10.2.0 zipp==4.1.2                                          # entry-point discovery
+  importlib-metadata==10.2.0 zipp==4.1.2 lazy-importer==0.1.0                     # entry-point discovery
 )
 python3 -m pip download -q --no-deps "${PLAT[@]}" -d .whl "${WHEELS[@]}"
 # llguidance publishes only a manylinux_2_31 wheel (pip matches that tag exactly).
