@@ -225,6 +225,9 @@ def breakdown(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: to
          "expand": graph_time_us(functools.partial(sgmv_expand, y, b, out, *args, info.scalings, info.num_segments,
                                                    info.max_seg_len, offsets, pdl), reps)}
     if info.max_seg_len <= 1 and info.num_segments >= 16:
+        t["per-slot expand"] = graph_time_us(functools.partial(
+            sgmv_expand, y, b, out, *args, info.scalings, info.num_segments, info.max_seg_len, offsets, pdl,
+            dense=False), reps)
         p = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl)
         t["slot shrink"] = graph_time_us(functools.partial(sgmv_shrink_slots, x, a, *args, info.num_segments, pdl),
                                          reps)
@@ -274,8 +277,8 @@ def main() -> None:
                     help="which projections to run (default: all four; sums cover only these)")
     ap.add_argument("--without-pdl", action="store_true", help="also time the kernels launched without PDL")
     ap.add_argument("--old", action="store_true",
-                    help="also time the token-parallel decode shrink and whole-K prefill shrink "
-                         "(lora-triton.slot_shrink=false, split_prefill=false)")
+                    help="also time the token-parallel decode shrink, per-slot decode expand and whole-K "
+                         "prefill shrink (lora-triton.slot_shrink=false, dense_expand=false, split_prefill=false)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each kernel alone (shrink, per-slot shrink, expand) per layer")
     args = ap.parse_args()
@@ -287,7 +290,7 @@ def main() -> None:
     # Extra columns: name -> backend.
     extra = {"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {}
     if args.old:
-        extra["old us"] = TritonLoraBackend(slot_shrink=False, split_prefill=False)
+        extra["old us"] = TritonLoraBackend(slot_shrink=False, split_prefill=False, dense_expand=False)
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
     print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'eager us':>9} "

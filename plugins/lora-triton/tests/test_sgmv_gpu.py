@@ -77,11 +77,13 @@ def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
 
 @pytest.mark.parametrize("r", [16, 64])
 @pytest.mark.parametrize("layer", ["qkv", "gate_up", "down"])
-@pytest.mark.parametrize("lens", [[1] * 64, [128], [5, 0, 300, 60]], ids=["decode", "short-prefill", "prefill"])
+@pytest.mark.parametrize("lens", [[1] * 64, [128], [5, 0, 300, 60], [1] * 63 + [0]],
+                         ids=["decode", "short-prefill", "prefill", "decode-per-slot-expand"])
 def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
     """``apply`` against the float32 loop: a decode batch of 64 over 9 slots (the per-slot shrink's
-    partial sums over K chunks, added up by the expand), a 128-token prefill (the token-tile
-    shrink split over K chunks) and a prefill of several segments (whole-K programs)."""
+    partial sums over K chunks, added up by the dense expand, or by the per-slot expand), a
+    128-token prefill (the token-tile shrink split over K chunks) and a prefill of several segments
+    (whole-K programs)."""
     k, widths = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)),
                  "down": (14336, (4096,))}[layer]
     torch.manual_seed(r + k + len(lens))
@@ -97,7 +99,8 @@ def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
     want = out.float()
     reference_expand(reference_shrink(x.float(), a.float(), info), b.float(), info, want, offsets)
     before = out.clone()
-    TritonLoraBackend().apply(x, a, b, info, out, offsets)
+    # The last case: the per-slot expand (lora-triton.dense_expand=false) and an empty segment.
+    TritonLoraBackend(dense_expand=lens[-1] != 0).apply(x, a, b, info, out, offsets)
     assert _rel(out - before.float(), want - before.float()) < 2e-2
     bounds = info.seg_indptr.tolist()
     for seg in (info.weight_indices == 2).nonzero().flatten().tolist():

@@ -58,6 +58,9 @@ CASES = {
     "prefill-o": ([0, 17, 6], [0, 1, 0], [16, 0], 16, 64, [0, 40], 0, 0),
     # More segments than one pass of the per-slot expand (64 a pass).
     "decode-slots-many": ([1] * 70, [i * 7 % 3 for i in range(70)], [8, 0, 4], 8, 24, [0, 20], 0, 0),
+    # More pool slots than the dense expand unrolls (32): it loops over them.
+    "decode-40-slots": ([1] * 20, [i * 7 % 40 for i in range(20)], [8 * (i % 3 > 0) for i in range(40)], 8, 16,
+                        [0, 24], 0, 0),
     "decode-slots-qkv": ([1] * 11 + [0] + [1] * 8, [i * 3 % 5 for i in range(20)], [16, 0, 8, 16, 4], 16, 24,
                          [3, 43, 59, 75], 1, 0),
 }

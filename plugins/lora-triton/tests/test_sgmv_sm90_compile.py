@@ -45,31 +45,36 @@ def _compile_all() -> dict[str, dict[str, object]]:
     types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     slot_types = {a: "i32" for a in k._expand_slots_kernel.arg_names}
     slot_types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
+    dense_types = {a: "i32" for a in k._expand_dense_kernel.arg_names}
+    dense_types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     for name, (segments, seg_len, r) in {"decode-1": (1, 1, 16), "decode-64": (64, 1, 64),
                                          "prefill": (4, 512, 64)}.items():
         cfg = launch.expand_config(segments, seg_len, 6144, r, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
-        if cfg.pop("SLOTS", 0):  # a decode batch: one program per (slot, column tile)
-            cfg.pop("BLOCK_T")
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(R=r, SEGS=segments, BLOCK_S=64, SPLITS=1, TILES=4,
-                                                                             WIDEN=False, IEEE=False, PDL=True, **cfg),
-                                    num_warps=warps)
-        else:
-            kernel = compile_kernel(k._expand_kernel, types, dict(R=r, SPLITS=1, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
-                                                                  IEEE=False, PDL=True, **cfg), num_warps=warps)
+        if cfg.pop("DENSE", 0):  # a decode batch: one program per column tile over every slot
+            # From y and from 14 chunks' partial sums; 9 slots unrolled, 40 in a loop.
+            for variant, (y_type, splits, slots) in {"": ("*bf16", 1, 9), "-partials": ("*fp32", 14, 9),
+                                                     "-40-slots": ("*bf16", 1, 40)}.items():
+                kernel = compile_kernel(k._expand_dense_kernel, {**dense_types, "y_ptr": y_type},
+                                        dict(R=r, NUM_SLOTS=slots, SEGS=segments, BLOCK_S=64, SPLITS=splits,
+                                             WIDEN=False, IEEE=False, PDL=True, **cfg), num_warps=warps)
+                facts[f"expand-{name}{variant}"] = _facts(kernel)
+            # The per-slot expand (lora-triton.dense_expand=false).
+            slot_cfg = launch.expand_config(segments, seg_len, 6144, r, 132, dense=False)
+            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(
+                R=r, SEGS=segments, BLOCK_S=64, SPLITS=1, TILES=1, WIDEN=False, IEEE=False, PDL=True,
+                BLOCK_N=slot_cfg["BLOCK_N"], BLOCK_R=slot_cfg["BLOCK_R"]), num_warps=slot_cfg["num_warps"])
+            facts[f"expand-{name}-slots"] = _facts(kernel)
+            continue
+        kernel = compile_kernel(k._expand_kernel, types, dict(R=r, SPLITS=1, DOT=cfg["BLOCK_T"] > 1, WIDEN=False,
+                                                              IEEE=False, PDL=True, **cfg), num_warps=warps)
         facts[f"expand-{name}"] = _facts(kernel)
         if name == "prefill":  # the expand of a split shrink's partial sums (a short prefill)
             kernel = compile_kernel(k._expand_kernel, {**types, "y_ptr": "*fp32"},
                                     dict(R=r, SPLITS=16, DOT=True, WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
             facts["expand-prefill-partials"] = _facts(kernel)
-        if cfg.get("BLOCK_N") and name == "decode-64":  # the expand of the per-slot shrink's partial sums
-            slot_types.update(y_ptr="*fp32")
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(
-                R=r, SEGS=segments, BLOCK_S=64, WIDEN=False, IEEE=False, PDL=True, **{**cfg, "SPLITS": 8, "TILES": 16}),
-                num_warps=warps)
-            facts["expand-decode-64-partials"] = _facts(kernel)
     slot_shrink = {a: "i32" for a in k._shrink_slots_kernel.arg_names}
     slot_shrink.update(x_ptr="*bf16", a_ptr="*bf16", p_ptr="*fp32", **INDEX)
     for name, (rows, width) in {"qkv": (48, 4096), "down": (16, 14336), "rank-64-qkv": (192, 4096)}.items():
@@ -85,7 +90,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     facts = compiled_facts(__file__, timeout=600)
-    assert len(facts) == 12, facts
+    assert len(facts) == 14, facts
     for name, got in facts.items():
         assert got["spill_bytes"] == 0, (name, got)
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)

@@ -39,3 +39,6 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(plugin="lora-triton", key="split_prefill", default=True,
                           help="batches of few token tiles (short prefills): split the shrink over K chunks, float32 "
                                "partial sums that the expand adds up (false: whole-K programs)"))
+    register(PluginOption(plugin="lora-triton", key="dense_expand", default=True,
+                          help="decode batches of 16+ requests: expand with one program per column tile over every "
+                               "token and adapter slot (false: one program per slot and column tile)"))

@@ -22,8 +22,10 @@ class TritonLoraBackend:
 
     name = "triton"
 
-    def __init__(self, pdl: bool = True, slot_shrink: bool = True, split_prefill: bool = True) -> None:
+    def __init__(self, pdl: bool = True, slot_shrink: bool = True, split_prefill: bool = True,
+                 dense_expand: bool = True) -> None:
         self.pdl = pdl
+        self.dense_expand = dense_expand
         self.slot_shrink = slot_shrink
         self.split_prefill = split_prefill
 
@@ -34,7 +36,8 @@ class TritonLoraBackend:
     def expand(self, y: torch.Tensor, weights: torch.Tensor, info: Any, out: torch.Tensor,
                slice_offsets: Sequence[int]) -> None:
         sgmv_expand(y, weights, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                    info.num_segments, info.max_seg_len, slice_offsets, pdl=self._pdl(info, out.device))
+                    info.num_segments, info.max_seg_len, slice_offsets, pdl=self._pdl(info, out.device),
+                    dense=self.dense_expand)
 
     def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: Any, out: torch.Tensor,
               slice_offsets: Sequence[int]) -> None:
@@ -47,12 +50,12 @@ class TritonLoraBackend:
             p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
                                   pdl=pdl)
             sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                        info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl)
+                        info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl, dense=self.dense_expand)
             return
         y = sgmv_shrink(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
                         info.max_seg_len, pdl=pdl, split=self.split_prefill)
         sgmv_expand(y, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                    info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl)
+                    info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl, dense=self.dense_expand)
 
     def _pdl(self, info: Any, device: torch.device) -> bool:
         return self.pdl and info.max_seg_len <= 1 and has_pdl(device)
@@ -63,4 +66,5 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     block sizes are chosen per call from the shapes."""
     options = options or {}
     return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", True)),
-                             split_prefill=bool(options.get("split_prefill", True)))
+                             split_prefill=bool(options.get("split_prefill", True)),
+                             dense_expand=bool(options.get("dense_expand", True)))

@@ -14,6 +14,7 @@ import triton
 
 from engine_lora_triton.kernels import (
     _INTERPRETED,
+    _expand_dense_kernel,
     _expand_kernel,
     _expand_slots_kernel,
     _shrink_kernel,
@@ -72,20 +73,17 @@ def _shrink_config(num_segments: int, max_seg_len: int, rows: int, k: int, sms: 
 
 
 def slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
-    """Block sizes of ``_shrink_slots_kernel``: 16-row tiles of A and K chunks of 256 (more where
-    that would make over 32 chunks: the expand adds one partial sum per chunk). Short chunks keep
-    each program's loop short; on an H200 the shrink of o (16 chunks) took 2.9 us at decode batch
-    64 over 8 adapters, qkv in 8 chunks of 512 5.4 us (bench_sgmv.py --breakdown)."""
+    """Block sizes of ``_shrink_slots_kernel``: 16-row tiles of A, K chunks of 1024 in 128-wide
+    tiles. On an H200 (bench_sgmv.py --sweep, decode 64 x 8 adapters) that took qkv/o/gate_up/down
+    4.3/2.8/4.0/4.5 us, against 4.1/2.8/3.9/4.1 us for the fastest, chunks of 256, which leave the
+    expand 4 times the partial sums to add (K 4096: 4 chunks; down's 14336: 14)."""
     return dict(_slot_shrink_config(num_slots, rows, k, sms))
 
 
 @functools.lru_cache(maxsize=256)
 def _slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
-    chunk = 256
-    while _cdiv(k, chunk) > 32:
-        chunk *= 2
-    chunk = min(chunk, max(16, triton.next_power_of_2(k)))
-    return dict(BLOCK_R=16, BLOCK_K=min(64, chunk), K_CHUNK=chunk, num_warps=4, num_stages=2)
+    chunk = min(1024, max(16, triton.next_power_of_2(k)))
+    return dict(BLOCK_R=16, BLOCK_K=min(128, chunk), K_CHUNK=chunk, num_warps=4, num_stages=3)
 
 
 def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
@@ -115,13 +113,22 @@ def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor
     return p
 
 
-def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
-    """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes."""
-    return dict(_expand_config(num_segments, max_seg_len, width, r, sms))
+def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int,
+                  dense: bool = True) -> dict[str, int]:
+    """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes (``dense``: decode
+    batches of 16+ segments take ``_expand_dense_kernel``, else ``_expand_slots_kernel``)."""
+    return dict(_expand_config(num_segments, max_seg_len, width, r, sms, dense))
 
 
 @functools.lru_cache(maxsize=256)
-def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int) -> dict[str, int]:
+def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int,
+                   dense: bool = True) -> dict[str, int]:
+    if max_seg_len <= 1 and num_segments >= 16 and dense:
+        # A decode batch: one program per column tile over every token and slot, 32 columns
+        # where 64 would leave SMs without a program.
+        block_r = max(16, triton.next_power_of_2(r))
+        return dict(DENSE=1, BLOCK_N=64 if _cdiv(width, 64) >= sms else 32, BLOCK_R=block_r,
+                    num_warps=8 if block_r >= 64 else 4, num_stages=1)
     if max_seg_len <= 1 and num_segments >= 16:
         # A decode batch: one program per (slot, group of column tiles) over the batch's tokens on
         # that slot (``_expand_slots_kernel``), so each adapter's B is read once, not once per
@@ -228,10 +235,10 @@ def _slice_plan(offsets: tuple[int, ...], out_cols: int, b_shape: tuple[int, ...
 def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                 num_segments: int, max_seg_len: int, slice_offsets: Sequence[int], pdl: bool = False,
-                config: dict[str, int] | None = None) -> None:
+                config: dict[str, int] | None = None, dense: bool = True) -> None:
     """``out[t, off_i:off_i+1] += scalings[w] * y[t, i*R:(i+1)*R] @ b[w, off_i:off_i+1].T`` in
     place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
-    overrides ``expand_config``."""
+    overrides ``expand_config`` (``dense`` passed on to it)."""
     padded, widths, r = _slice_plan(tuple(slice_offsets), out.shape[1], tuple(b.shape))
     partials = y.dim() == 3  # float32 sums per K chunk (sgmv_shrink_slots, sgmv_shrink(split=True))
     if partials and y.dtype != torch.float32:
@@ -242,8 +249,21 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
         raise ValueError(f"expand: weights dtype {b.dtype} must be y's dtype {y.dtype}")
     if out.shape[0] == 0 or num_segments == 0 or max_seg_len == 0 or sum(widths) == 0 or r == 0:
         return
-    cfg = config or _expand_config(num_segments, max_seg_len, sum(widths), r, sm_count(out.device))
+    cfg = config or _expand_config(num_segments, max_seg_len, sum(widths), r, sm_count(out.device), dense)
     tiles = [_cdiv(w, cfg["BLOCK_N"]) for w in widths]
+    if cfg.get("DENSE"):
+        total = sum(tiles)
+        segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
+        _expand_dense_kernel[(total,)](
+            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded,
+            tiles[0] if len(tiles) > 1 else total, tiles[0] + tiles[1] if len(tiles) > 2 else total,
+            y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
+            out.stride(0), out.stride(1),
+            R=r, NUM_SLOTS=ranks.shape[0], SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_R=cfg["BLOCK_R"], SPLITS=y.shape[0] if partials else 1, WIDEN=_INTERPRETED,
+            IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"])
+        return
     if cfg.get("SLOTS"):
         group = cfg.get("TILES") or _slot_tiles(tuple(tiles), ranks.shape[0], sm_count(out.device))
         groups = [_cdiv(t, group) for t in tiles]
