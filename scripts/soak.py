@@ -21,7 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,13 +30,9 @@ from typing import Any
 
 import httpx
 
+from engine.bench.startup import free_port
+
 MODEL = "default"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rss_mb(pid: int) -> float:
@@ -248,7 +243,7 @@ def main() -> int:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--server-args", default="", help="extra engine serve flags")
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--host", "127.0.0.1", "--port", str(port),
            *(["--model-path", args.model_path] if args.model_path else []), *args.server_args.split()]
     log = open(f"/tmp/soak-server-{port}.log", "wb")  # noqa: SIM115 - the server writes it for its life

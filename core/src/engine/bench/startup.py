@@ -96,7 +96,8 @@ def _run_until(cmd: list[str], marker: str | None, timeout: float) -> float:
                 proc.wait()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a server this benchmark (or a benchmark script) starts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -104,7 +105,7 @@ def _free_port() -> int:
 
 def _serve_seconds(overrides: dict[str, Any], timeout: float) -> float:
     """Seconds from ``engine serve``'s launch to a 200 answer to a one-token completion."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "engine", "serve", "--port", str(port), "--served-model-name", _SERVED_NAME]
     for key, value in overrides.items():
         flag = f"--{key.replace('_', '-')}"
