@@ -163,7 +163,7 @@ class DeepseekMLA(nn.Module):
         return self.o_proj(out.view(tokens, self.num_heads * self.v_dim))
 
     def _head_matvec_applies(self, x: torch.Tensor) -> bool:
-        return self.head_matvec_kernel and x.is_cuda and x.shape[0] <= HEAD_MATVEC_MAX_TOKENS
+        return self.head_matvec_kernel and x.is_cuda and 0 < x.shape[0] <= HEAD_MATVEC_MAX_TOKENS
 
     def _per_head(self, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> None:
         """``out[t, h] = x[t, h] @ w[h]`` (``w[h].T`` when ``transposed``): one Triton launch at decode
