@@ -335,6 +335,10 @@ class Scheduler(DecodeMixin, OutputMixin, PoolingMixin, LoraMixin, Disaggregatio
             return None
         bases = [r.seqlen for r in waiting]
         lefts = [_tokens_left(r) for r in waiting]
+        # Each admission check keeps two pages spare (a row's partly empty first and last page):
+        # a group that fits only without them would be admitted all but its last request.
+        page = self.args.page_size
+        free -= 2 * page if page > 1 else 0
         return tail_first_limit(plan, bases, lefts, free, free + plan.held)
 
     def _order_waiting(self) -> None:
