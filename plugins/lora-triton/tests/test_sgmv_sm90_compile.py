@@ -24,6 +24,7 @@ def _facts(kernel: object) -> dict[str, object]:
 def _compile_all() -> dict[str, dict[str, object]]:
     from engine_lora_triton import kernels as k
     from engine_lora_triton import launch
+    from engine_lora_triton import slot_kernels as sk
 
     facts: dict[str, dict[str, object]] = {}
     types = {a: "i32" for a in k._shrink_kernel.arg_names}
@@ -43,9 +44,9 @@ def _compile_all() -> dict[str, dict[str, object]]:
         facts[f"shrink-{name}"] = _facts(kernel)
     types = {a: "i32" for a in k._expand_kernel.arg_names}
     types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
-    slot_types = {a: "i32" for a in k._expand_slots_kernel.arg_names}
+    slot_types = {a: "i32" for a in sk._expand_slots_kernel.arg_names}
     slot_types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
-    dense_types = {a: "i32" for a in k._expand_dense_kernel.arg_names}
+    dense_types = {a: "i32" for a in sk._expand_dense_kernel.arg_names}
     dense_types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     for name, (segments, seg_len, r) in {"decode-1": (1, 1, 16), "decode-64": (64, 1, 64),
                                          "prefill": (4, 512, 64)}.items():
@@ -56,13 +57,13 @@ def _compile_all() -> dict[str, dict[str, object]]:
             # From y and from 14 chunks' partial sums; 9 slots unrolled, 40 in a loop.
             for variant, (y_type, splits, slots) in {"": ("*bf16", 1, 9), "-partials": ("*fp32", 14, 9),
                                                      "-40-slots": ("*bf16", 1, 40)}.items():
-                kernel = compile_kernel(k._expand_dense_kernel, {**dense_types, "y_ptr": y_type},
+                kernel = compile_kernel(sk._expand_dense_kernel, {**dense_types, "y_ptr": y_type},
                                         dict(R=r, NUM_SLOTS=slots, SEGS=segments, BLOCK_S=64, SPLITS=splits,
                                              WIDEN=False, IEEE=False, PDL=True, **cfg), num_warps=warps)
                 facts[f"expand-{name}{variant}"] = _facts(kernel)
             # The per-slot expand (lora-triton.dense_expand=false).
             slot_cfg = launch.expand_config(segments, seg_len, 6144, r, 132, dense=False)
-            kernel = compile_kernel(k._expand_slots_kernel, slot_types, dict(
+            kernel = compile_kernel(sk._expand_slots_kernel, slot_types, dict(
                 R=r, SEGS=segments, BLOCK_S=64, SPLITS=1, TILES=1, WIDEN=False, IEEE=False, PDL=True,
                 BLOCK_N=slot_cfg["BLOCK_N"], BLOCK_R=slot_cfg["BLOCK_R"]), num_warps=slot_cfg["num_warps"])
             facts[f"expand-{name}-slots"] = _facts(kernel)
@@ -75,13 +76,13 @@ def _compile_all() -> dict[str, dict[str, object]]:
                                     dict(R=r, SPLITS=16, DOT=True, WIDEN=False, IEEE=False, PDL=True, **cfg),
                                     num_warps=warps)
             facts["expand-prefill-partials"] = _facts(kernel)
-    slot_shrink = {a: "i32" for a in k._shrink_slots_kernel.arg_names}
+    slot_shrink = {a: "i32" for a in sk._shrink_slots_kernel.arg_names}
     slot_shrink.update(x_ptr="*bf16", a_ptr="*bf16", p_ptr="*fp32", **INDEX)
     for name, (rows, width) in {"qkv": (48, 4096), "down": (16, 14336), "rank-64-qkv": (192, 4096)}.items():
         cfg = launch.slot_shrink_config(9, rows, width, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
-        kernel = compile_kernel(k._shrink_slots_kernel, slot_shrink, dict(ROWS=rows, K=width, SEGS=64, BLOCK_S=64,
+        kernel = compile_kernel(sk._shrink_slots_kernel, slot_shrink, dict(ROWS=rows, K=width, SEGS=64, BLOCK_S=64,
                                                                           WIDEN=False, IEEE=False, PDL=True, **cfg),
                                 num_warps=warps)
         facts[f"slot-shrink-{name}"] = _facts(kernel)

@@ -12,12 +12,10 @@ from collections.abc import Sequence
 import torch
 import triton
 
-from engine_lora_triton.kernels import (
-    _INTERPRETED,
+from engine_lora_triton.kernels import _INTERPRETED, _expand_kernel, _shrink_kernel
+from engine_lora_triton.slot_kernels import (
     _expand_dense_kernel,
-    _expand_kernel,
     _expand_slots_kernel,
-    _shrink_kernel,
     _shrink_slots_kernel,
 )
 
