@@ -61,6 +61,14 @@ def test_tail_first_admits_the_remainder_first_and_then_the_group_whole() -> Non
         assert got == limit, (steps_on, got)
 
 
+def test_no_tail_first_when_the_group_could_only_start_after_the_remainder_ended() -> None:
+    # 8 requests of 40 prompt slots and 10 to go: six fit in 320 slots, but beside the other two
+    # (100 slots at their end) six 40-slot prompts never fit before those two finish. Starting
+    # the two first would change no step count and only make six requests wait instead of two.
+    bases, lefts = [40] * 8, [10] * 8
+    assert tail_first_limit(KvPlan(), bases, lefts, free=320, capacity=320) is None
+
+
 def _run(llama_ckpt: str, prompts: list[list[int]], max_new: int, overlap: bool, **kwargs: object) -> tuple:
     sched = make_scheduler(llama_ckpt, max_total_tokens=320, **kwargs)
     sched.enable_overlap = overlap
