@@ -248,9 +248,16 @@ def _run_backend(a: argparse.Namespace, backend: str, log_dir: str) -> None:
             greedy = {"temperature": 0, "max_new_tokens": a.output_len, "ignore_eos": True}
             vocab = int(_info(d_url)["vocab_size"])
             prompts, load_prompts = _prompts(a, vocab)
-            warm = [random.Random(99).randrange(3, min(vocab, 20000)) for _ in range(a.input_len)]
-            _stream(d_url, {"input_ids": warm, "sampling_params": {**greedy, "max_new_tokens": 4}})
-            _stream(r_url, {"input_ids": warm[::-1], "sampling_params": {**greedy, "max_new_tokens": 4}})
+            # Warm-up: one prompt, then (before a load phase) a burst of 4 at once on each path, so
+            # kernels first compiled for batched prefills and decodes are not timed in either run.
+            rng = random.Random(99)
+            warm = [[rng.randrange(3, min(vocab, 20000)) for _ in range(a.input_len)] for _ in range(10)]
+            short = {**greedy, "max_new_tokens": 8}
+            _stream(d_url, {"input_ids": warm[0], "sampling_params": short})
+            _stream(r_url, {"input_ids": warm[1], "sampling_params": short})
+            if a.load_prompts:
+                _load_phase(d_url, warm[2:6], short, 0.0)
+                _load_phase(r_url, warm[6:10], short, 0.0)
             _say(f"{backend}: warmed up")
             whole = [_stream(d_url, {"input_ids": p, "sampling_params": greedy}) for p in prompts]
             _say(f"{backend}: reference (whole) done")
