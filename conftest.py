@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 
 import pytest
 
@@ -136,6 +137,65 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             rank[group] = min(rank.get(group, len(SLOW_MODULES)), SLOW_MODULES.index(_module_of(item)))
     # sort is stable: within a group, and for every group not ranked, collection order stays.
     items.sort(key=lambda item: rank.get(_group_of(item), len(SLOW_MODULES)))
+
+
+def _speed_up_triton_interpreter() -> None:
+    """Two lookups of Triton's interpreter (``triton.runtime.interpreter``) answered from a table.
+
+    Every kernel launch under the interpreter patches triton.language's builtins for its duration,
+    finding them with ``inspect.getmembers`` over ``tl``, ``tl.tensor``, ``tl.math`` and more, and
+    converting a Triton dtype to numpy's (``_get_np_dtype``) builds a dict of every dtype on each
+    call: together ~20% of a kernel-test module's CPU. Here the names of each package's builtins
+    are found once (each launch still patches what those names hold, and only builtins), and a
+    dtype's numpy dtype is kept once converted; what the kernels compute is unchanged.
+    """
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    if interpreter is None or getattr(interpreter, "_suite_tables", False):
+        return
+    patch_builtin, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
+    np_dtype = getattr(interpreter, "_get_np_dtype", None)
+    if patch_builtin is None or patch_attr is None or np_dtype is None:
+        return
+    import inspect
+
+    tl = interpreter.tl
+    builtin_names: dict[object, tuple[str, ...]] = {}
+
+    def patch_builtins(pkg: object, builder: object, scope: object) -> None:
+        names = builtin_names.get(pkg)
+        if names is None:  # the first launch finds them before it patches anything of pkg
+            names = builtin_names[pkg] = tuple(name for name, member in inspect.getmembers(pkg)
+                                               if tl.core.is_builtin(member))
+        for name in names:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                patch_attr(pkg, name, member, builder, scope)
+
+    converted: dict[object, object] = {}
+
+    def get_np_dtype(tt_dtype: object) -> object:
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty  # a block converts as its element type does
+        if isinstance(tt_dtype, tl.pointer_type):
+            return np_dtype(tt_dtype)
+        try:
+            found = converted.get(tt_dtype)
+        except TypeError:  # unhashable
+            return np_dtype(tt_dtype)
+        if found is None:
+            found = converted[tt_dtype] = np_dtype(tt_dtype)
+        return found
+
+    interpreter._patch_builtin = patch_builtins
+    interpreter._get_np_dtype = get_np_dtype
+    interpreter._suite_tables = True
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Kernel modules decorate their kernels at import, which imports Triton's interpreter (with
+    TRITON_INTERPRET=1): by a test's set-up it is in where the test launches a kernel (this
+    costs a dict lookup where it is not, or is set up already)."""
+    _speed_up_triton_interpreter()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
