@@ -261,8 +261,9 @@ def _import_models_package() -> None:
     Importing ``transformers.models`` (AutoConfig does) builds the same table without the prefix
     and reads them all again: transformers' per-directory cache keeps 128 of ~560 directories.
     That is ~0.4 CPU-s in every process reading a config. Here the package gets the first table
-    with "models." taken off its entries (memoised by transformers: no reading), where every entry
-    names a directory there; otherwise it builds its own as before.
+    (from the cache, ``_import_transformers``, or memoised by transformers: no reading) with
+    "models." taken off its entries, where every entry names a directory there; otherwise it
+    builds its own as before.
     """
     if "transformers.models" in sys.modules:
         return
