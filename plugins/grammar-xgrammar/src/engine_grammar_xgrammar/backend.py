@@ -8,12 +8,16 @@ import re
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from engine.constrained import GrammarBackend, GrammarError, GrammarKey, GrammarMatcher, TokenizerInfo
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+# xgrammar itself (~0.3 CPU-s to import) is imported where it is first used: a server builds this
+# backend at start-up, off the first request's path, but most servers never see a grammar.
 
 # Batches smaller than this are filled matcher by matcher (the thread pool costs more than it saves).
 _BATCH_FILL_MIN = 4
@@ -92,6 +96,8 @@ class XGrammarBackend(GrammarBackend):
                 ids = max([_tokenizer_ids(info.tokenizer), *(t + 1 for t in info.stop_token_ids)])
                 self._vocab = min(info.vocab_size, -(-ids // 32) * 32)
                 self._words = (self._vocab + 31) // 32
+                import xgrammar as xgr
+
                 xinfo = xgr.TokenizerInfo.from_huggingface(
                     info.tokenizer, vocab_size=self._vocab, stop_token_ids=list(info.stop_token_ids) or None)
                 # The engine caches compiled grammars by key; xgrammar's own cache would double it.
@@ -110,6 +116,8 @@ class XGrammarBackend(GrammarBackend):
             raise GrammarError(f"{key.field}: {_clean(exc)}", key.field) from None
 
     def _grammar(self, key: GrammarKey) -> xgr.Grammar:
+        import xgrammar as xgr
+
         try:
             if key.kind == "json_schema":
                 return xgr.Grammar.from_json_schema(key.text, any_whitespace=self.any_whitespace)
@@ -124,6 +132,8 @@ class XGrammarBackend(GrammarBackend):
         raise GrammarError(f"{key.field}: grammar kind '{key.kind}' is not supported by xgrammar", key.field)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
+        import xgrammar as xgr
+
         return XGrammarMatcher(xgr.GrammarMatcher(compiled), self._vocab, self._words)
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: torch.Tensor, rows: list[int]) -> None:
@@ -134,6 +144,8 @@ class XGrammarBackend(GrammarBackend):
             super().fill_bitmasks(matchers, bitmask, rows)
             return
         if self._batch is None:
+            import xgrammar as xgr
+
             self._batch = xgr.BatchGrammarMatcher(max_threads=self.fill_threads)
         handles = [m._m for m in matchers]  # type: ignore[attr-defined]
         if bitmask.shape[1] == self._words:
@@ -160,6 +172,8 @@ class XGrammarBackend(GrammarBackend):
         if any(not 0 <= t < self._vocab for t in ids):  # padding ids: refused here, not by xgrammar
             return [m.accept_token(t) for m, t in zip(matchers, ids)]
         handles = [m._m for m in matchers]  # type: ignore[attr-defined]
+        import xgrammar as xgr
+
         accept = xgr.BatchGrammarMatcher.batch_accept_token
         slices = min(self.accept_threads, len(handles) // _ACCEPT_ROWS_PER_THREAD)
         if slices <= 1:
@@ -183,6 +197,8 @@ class XGrammarBackend(GrammarBackend):
             super().apply_bitmask(logits, bitmask)
             return
         width = min(logits.shape[-1], bitmask.shape[-1] * 32)
+        import xgrammar as xgr
+
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=width)
         if logits.shape[-1] > width:
             logits[:, width:] = float("-inf")
@@ -198,6 +214,8 @@ def _tokenizer_ids(tokenizer: Any) -> int:
 def _structural_tag(text: str) -> Any:
     """xgrammar's structural tag; SGLang's older form ``{"structures": [{"begin", "schema",
     "end"}], "triggers": [...]}`` is accepted too."""
+    import xgrammar as xgr
+
     spec = json.loads(text)
     if isinstance(spec, dict) and "structures" in spec and "triggers" in spec:
         tags = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]) if not isinstance(s["schema"], str)
