@@ -33,7 +33,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,9 @@ from contextlib import contextmanager
 from typing import Any
 
 import httpx
+
+from engine.bench.results import append_rows
+from engine.bench.startup import free_port
 
 _BEGIN = time.perf_counter()
 # Server log lines worth printing once both are up (where start-up time went).
@@ -68,12 +70,6 @@ def _device() -> tuple[str, str]:
     except (OSError, subprocess.SubprocessError):
         pass
     return f"CPU: {platform.machine()}, {os.cpu_count()} cores", "cpu"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait(urls: list[str], procs: list[subprocess.Popen[bytes]], logs: list[str], timeout_s: float) -> list[float]:
@@ -215,7 +211,7 @@ def _prompts(a: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[l
 
 
 def _run_backend(a: argparse.Namespace, backend: str, log_dir: str) -> None:
-    p_port, d_port, r_port, boot = _port(), _port(), _port(), _port()
+    p_port, d_port, r_port, boot = free_port(), free_port(), free_port(), free_port()
     model = ["--model-path", a.model_path] if a.model_path else []
     common = [sys.executable, "-m", "engine", "serve", *model, "--load-format", a.load_format,
               "--skip-tokenizer-init", "--log-level", a.server_log_level,
@@ -304,9 +300,7 @@ def _model_name(a: argparse.Namespace) -> str:
 def _emit(a: argparse.Namespace, row: dict[str, Any], t0: float) -> None:
     row["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(row), flush=True)
-    if a.result_file:
-        with open(a.result_file, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    append_rows(a.result_file, row)  # the row's own command and date stand
 
 
 def _names(a: argparse.Namespace, backend: str) -> tuple[str, str]:
