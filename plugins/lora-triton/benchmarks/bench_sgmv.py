@@ -12,11 +12,11 @@ prefill pays, launch overhead included).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
         [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-1x128 prefill-4x512]
-        [--without-pdl] [--old] [--breakdown]
+        [--without-pdl] [--old] [--slot-forms] [--breakdown]
 
 ``--without-pdl`` also times the same kernels launched without programmatic dependent launch;
-``--old`` decode batches with the token-parallel shrink (``slot_shrink=False``); ``--breakdown``
-each kernel alone.
+``--old`` without the split prefill shrink; ``--slot-forms`` decode batches with the per-slot
+shrink and the dense expand; ``--breakdown`` each kernel alone.
 
 ``--result-file`` appends, per scenario, the four projections' shrink + expand time (the torch_native
 backend as its peer) and the base matmuls' time, as rows of the benchmarks page's ``lora`` area.
@@ -225,15 +225,16 @@ def breakdown(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: to
          "expand": graph_time_us(functools.partial(sgmv_expand, y, b, out, *args, info.scalings, info.num_segments,
                                                    info.max_seg_len, offsets, pdl), reps)}
     if info.max_seg_len <= 1 and info.num_segments >= 16:
-        t["per-slot expand"] = graph_time_us(functools.partial(
+        t["dense expand"] = graph_time_us(functools.partial(
             sgmv_expand, y, b, out, *args, info.scalings, info.num_segments, info.max_seg_len, offsets, pdl,
-            dense=False), reps)
+            dense=True), reps)
         p = sgmv_shrink_slots(x, a, *args, info.num_segments, pdl)
         t["slot shrink"] = graph_time_us(functools.partial(sgmv_shrink_slots, x, a, *args, info.num_segments, pdl),
                                          reps)
-        t[f"expand of {p.shape[0]} partials"] = graph_time_us(
-            functools.partial(sgmv_expand, p, b, out, *args, info.scalings, info.num_segments, info.max_seg_len,
-                              offsets, pdl), reps)
+        for dense in (False, True):
+            t[f"{'dense ' if dense else ''}expand of {p.shape[0]} partials"] = graph_time_us(
+                functools.partial(sgmv_expand, p, b, out, *args, info.scalings, info.num_segments, info.max_seg_len,
+                                  offsets, pdl, dense=dense), reps)
     print(f"alone {scen:<14} {layer:<8} " + "; ".join(f"{k} {v:.1f} us" for k, v in t.items()), flush=True)
 
 
@@ -279,6 +280,9 @@ def main() -> None:
     ap.add_argument("--old", action="store_true",
                     help="also time the token-parallel decode shrink, per-slot decode expand and whole-K "
                          "prefill shrink (lora-triton.slot_shrink=false, dense_expand=false, split_prefill=false)")
+    ap.add_argument("--slot-forms", action="store_true",
+                    help="also time decode batches with the per-slot shrink and the dense expand "
+                         "(lora-triton.slot_shrink=true, dense_expand=true)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each kernel alone (shrink, per-slot shrink, expand) per layer")
     args = ap.parse_args()
@@ -291,6 +295,8 @@ def main() -> None:
     extra = {"no-pdl us": TritonLoraBackend(pdl=False)} if args.without_pdl else {}
     if args.old:
         extra["old us"] = TritonLoraBackend(slot_shrink=False, split_prefill=False, dense_expand=False)
+    if args.slot_forms:
+        extra["slot us"] = TritonLoraBackend(slot_shrink=True, dense_expand=True)
     print(f"# {torch.cuda.get_device_name(dev)}, bf16, rank {args.rank}, {SLOTS} pool slots, "
           f"CUDA graphs of {args.reps} calls")
     print(f"{'scenario':<14} {'layer':<8} {'base us':>8} {'triton us':>9} {'GB/s':>6} {'eager us':>9} "

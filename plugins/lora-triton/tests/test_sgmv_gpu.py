@@ -99,8 +99,9 @@ def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
     want = out.float()
     reference_expand(reference_shrink(x.float(), a.float(), info), b.float(), info, want, offsets)
     before = out.clone()
-    # The last case: the per-slot expand (lora-triton.dense_expand=false) and an empty segment.
-    TritonLoraBackend(dense_expand=lens[-1] != 0).apply(x, a, b, info, out, offsets)
+    # Decode batches: the per-slot shrink (lora-triton.slot_shrink) with the dense expand, and
+    # (with an empty segment) with the per-slot expand.
+    TritonLoraBackend(slot_shrink=True, dense_expand=lens[-1] != 0).apply(x, a, b, info, out, offsets)
     assert _rel(out - before.float(), want - before.float()) < 2e-2
     bounds = info.seg_indptr.tolist()
     for seg in (info.weight_indices == 2).nonzero().flatten().tolist():
@@ -118,7 +119,7 @@ def test_apply_graph_replay_follows_the_segments() -> None:
     info = _info([1] * 32, [i % 4 for i in range(32)], ranks)
     x = torch.randn(32, 4096, device=DEV).bfloat16()
     out = torch.zeros(32, 6144, device=DEV).bfloat16()
-    backend = TritonLoraBackend()
+    backend = TritonLoraBackend(slot_shrink=True, dense_expand=True)
     backend.apply(x, a, b, info, out, offsets)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -88,6 +88,11 @@ def test_kernels_match_the_loop(case: str) -> None:
     want = before.clone()
     reference_expand(want_y, b, info, want, offsets)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    if info.max_seg_len <= 1 and info.num_segments >= 16:  # the dense expand (lora-triton.dense_expand)
+        dense = before.clone()
+        TritonLoraBackend(dense_expand=True).expand(want_y, b, info, dense, offsets)
+        torch.testing.assert_close(dense, want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(dense[real:], before[real:])
     # Columns outside the slices, padding tokens and rank-0 segments keep their exact bits.
     assert torch.equal(out[:, :offsets[0]], before[:, :offsets[0]])
     assert torch.equal(out[:, offsets[-1]:], before[:, offsets[-1]:])
@@ -124,10 +129,18 @@ def test_apply_matches_the_loop(case: str, chunk: int) -> None:
         else:
             pytest.skip("decode batches of fewer than 16 segments have no partial sums")
         assert p.shape == (3, real + pad, n_slices * r) and p.dtype == torch.float32
+        dense = out.clone()
+        sgmv_expand(p, b, dense, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                    info.num_segments, info.max_seg_len, offsets, dense=True)
+        torch.testing.assert_close(dense, want, atol=1e-5, rtol=1e-5)
         sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                     info.num_segments, info.max_seg_len, offsets)
     else:
-        TritonLoraBackend().apply(x, a, b, info, out, offsets)
+        # The default forms, then the per-slot shrink with the dense expand (both options on).
+        plain = out.clone()
+        TritonLoraBackend().apply(x, a, b, info, plain, offsets)
+        torch.testing.assert_close(plain, want, atol=1e-5, rtol=1e-5)
+        TritonLoraBackend(slot_shrink=True, dense_expand=True).apply(x, a, b, info, out, offsets)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[real:], want[real:])
 

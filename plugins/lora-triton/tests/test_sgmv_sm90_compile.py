@@ -50,7 +50,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
     dense_types.update(y_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
     for name, (segments, seg_len, r) in {"decode-1": (1, 1, 16), "decode-64": (64, 1, 64),
                                          "prefill": (4, 512, 64)}.items():
-        cfg = launch.expand_config(segments, seg_len, 6144, r, 132)
+        cfg = launch.expand_config(segments, seg_len, 6144, r, 132, dense=True)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
         if cfg.pop("DENSE", 0):  # a decode batch: one program per column tile over every slot

@@ -33,12 +33,12 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           help="sm_90+: launch decode batches' shrink and expand with programmatic dependent launch "
                                "(each starts while the kernel before it drains, reading the batch info and its "
                                "first weights)"))
-    register(PluginOption(plugin="lora-triton", key="slot_shrink", default=True,
+    register(PluginOption(plugin="lora-triton", key="slot_shrink", default=False,
                           help="decode batches of 16+ requests: shrink with one program per (adapter slot, row tile, "
-                               "K chunk), each adapter's A read once (false: one program per token)"))
+                               "K chunk) into float32 partial sums (default: one program per token, a finished y)"))
     register(PluginOption(plugin="lora-triton", key="split_prefill", default=True,
                           help="batches of few token tiles (short prefills): split the shrink over K chunks, float32 "
                                "partial sums that the expand adds up (false: whole-K programs)"))
-    register(PluginOption(plugin="lora-triton", key="dense_expand", default=True,
+    register(PluginOption(plugin="lora-triton", key="dense_expand", default=False,
                           help="decode batches of 16+ requests: expand with one program per column tile over every "
-                               "token and adapter slot (false: one program per slot and column tile)"))
+                               "token and adapter slot (default: one program per slot and column tile)"))

@@ -22,8 +22,8 @@ class TritonLoraBackend:
 
     name = "triton"
 
-    def __init__(self, pdl: bool = True, slot_shrink: bool = True, split_prefill: bool = True,
-                 dense_expand: bool = True) -> None:
+    def __init__(self, pdl: bool = True, slot_shrink: bool = False, split_prefill: bool = True,
+                 dense_expand: bool = False) -> None:
         self.pdl = pdl
         self.dense_expand = dense_expand
         self.slot_shrink = slot_shrink
@@ -41,10 +41,10 @@ class TritonLoraBackend:
 
     def apply(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: Any, out: torch.Tensor,
               slice_offsets: Sequence[int]) -> None:
-        """``expand(shrink(x))``; a decode batch of 16+ one-token segments takes the per-slot shrink,
-        whose float32 partial sums over K chunks the expand adds up (each adapter's A read once,
-        not once per token); a batch of few token tiles (a short prefill) splits the shrink over
-        K chunks the same way (``split_chunk``) instead of looping over all of K in few programs."""
+        """``expand(shrink(x))``; a batch of few token tiles (a short prefill) splits the shrink over
+        K chunks (``split_chunk``) into float32 partial sums that the expand adds up, instead of
+        looping over all of K in few programs. With ``slot_shrink`` a decode batch of 16+ one-token
+        segments takes the per-slot shrink, whose partial sums the expand adds up likewise."""
         pdl = self._pdl(info, x.device)
         if self.slot_shrink and info.max_seg_len <= 1 and info.num_segments >= 16:
             p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
@@ -65,6 +65,6 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``);
     block sizes are chosen per call from the shapes."""
     options = options or {}
-    return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", True)),
+    return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", False)),
                              split_prefill=bool(options.get("split_prefill", True)),
-                             dense_expand=bool(options.get("dense_expand", True)))
+                             dense_expand=bool(options.get("dense_expand", False)))

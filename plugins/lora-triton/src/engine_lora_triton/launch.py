@@ -112,7 +112,7 @@ def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor
 
 
 def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int,
-                  dense: bool = True) -> dict[str, int]:
+                  dense: bool = False) -> dict[str, int]:
     """Block sizes and warps of ``_expand_kernel`` for a call's host-side sizes (``dense``: decode
     batches of 16+ segments take ``_expand_dense_kernel``, else ``_expand_slots_kernel``)."""
     return dict(_expand_config(num_segments, max_seg_len, width, r, sms, dense))
@@ -120,7 +120,7 @@ def expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: 
 
 @functools.lru_cache(maxsize=256)
 def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms: int,
-                   dense: bool = True) -> dict[str, int]:
+                   dense: bool = False) -> dict[str, int]:
     if max_seg_len <= 1 and num_segments >= 16 and dense:
         # A decode batch: one program per column tile over every token and slot, 32 columns
         # where 64 would leave SMs without a program.
@@ -233,7 +233,7 @@ def _slice_plan(offsets: tuple[int, ...], out_cols: int, b_shape: tuple[int, ...
 def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                 num_segments: int, max_seg_len: int, slice_offsets: Sequence[int], pdl: bool = False,
-                config: dict[str, int] | None = None, dense: bool = True) -> None:
+                config: dict[str, int] | None = None, dense: bool = False) -> None:
     """``out[t, off_i:off_i+1] += scalings[w] * y[t, i*R:(i+1)*R] @ b[w, off_i:off_i+1].T`` in
     place, ``w`` the slot of t's segment; rows of rank-0 slots are left as they are. ``config``
     overrides ``expand_config`` (``dense`` passed on to it)."""
