@@ -43,6 +43,12 @@ HEAD_MATVEC_MAX_TOKENS = 4
 _LATENT_NORM_EPS = 1e-6
 
 
+def plain_linear(lin: nn.Module) -> bool:
+    """Whether ``lin`` is a bare weight a fused kernel may read in its place: the unquantized
+    method exactly, no bias, no LoRA slots."""
+    return type(lin.quant_method) is UnquantizedLinearMethod and lin.bias is None and getattr(lin, "lora", None) is None
+
+
 class DeepseekMLA(nn.Module):
     #: One linear for the two projections of the hidden state where ``fuse_input_projections``
     #: allows; False keeps them apart (the comparison a benchmark makes).
@@ -122,9 +128,7 @@ class DeepseekMLA(nn.Module):
         also take the input RMSNorm folded in (``norm_consumers``, set by the model)."""
         first_name = "q_a_proj" if self.q_lora_rank else "q_proj"
         first, kv_a = getattr(self, first_name), self.kv_a_proj_with_mqa
-        if not self.fuse_projections or not all(
-                type(lin.quant_method) is UnquantizedLinearMethod and lin.bias is None
-                and getattr(lin, "lora", None) is None for lin in (first, kv_a)):
+        if not self.fuse_projections or not (plain_linear(first) and plain_linear(kv_a)):
             return
         if first.weight.dtype != kv_a.weight.dtype:
             return

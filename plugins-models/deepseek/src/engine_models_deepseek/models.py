@@ -28,11 +28,10 @@ from torch import nn
 from engine.distributed import data_parallel_mlp, get_tensor_model_parallel_world_size, tensor_model_parallel_all_reduce
 from engine.errors import ModelLoadError
 from engine.layers.layernorm import PendingNorm, RMSNorm, normed_tensor
-from engine.layers.linear import UnquantizedLinearMethod
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import FusedMoE, GroupedTopK
 from engine.layers.quantization import QuantizationConfig
-from engine_models_deepseek.mla import DeepseekMLA
+from engine_models_deepseek.mla import DeepseekMLA, plain_linear
 
 _TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 #: Decode batches up to this many tokens compute the router's logits in one launch
@@ -138,8 +137,7 @@ class DeepseekMoE(nn.Module):
         if mlp is None or not self.fuse_shared_experts or not self.silu:
             return None
         gate_up, down = mlp.gate_up_proj, mlp.down_proj
-        if not all(type(lin.quant_method) is UnquantizedLinearMethod and lin.bias is None
-                   and getattr(lin, "lora", None) is None for lin in (gate_up, down)):
+        if not (plain_linear(gate_up) and plain_linear(down)):
             return None
         shared = (gate_up.weight, down.weight)
         return shared if self.experts.fuses_shared(x, shared) else None
