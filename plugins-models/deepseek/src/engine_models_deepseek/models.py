@@ -93,14 +93,11 @@ class DeepseekGate(nn.Module):
                 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        if isinstance(x, PendingNorm):
+        # One launch instead of a cast and a two-kernel GEMV; a pending norm is computed in it too.
+        if isinstance(x, PendingNorm) or (x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS
+                                          and x.stride(-1) == 1):
             from engine_models_deepseek.gate_kernel import gate_logits
 
-            return gate_logits(x, self.weight, pdl=self.pdl)  # the norm computed in the same launch
-        if x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS and x.stride(-1) == 1:
-            from engine_models_deepseek.gate_kernel import gate_logits
-
-            # One launch instead of a cast and a two-kernel GEMV.
             return gate_logits(x, self.weight, pdl=self.pdl)
         return F.linear(x.float(), self.weight)
 
