@@ -153,7 +153,9 @@ def _import_transformers() -> None:
     package = list(spec.submodule_search_locations)[0]
     try:
         key = _sources_key(package)
-    except OSError:
+    except OSError as exc:
+        logger.warning("transformers' model sources could not be listed (%s): its table of model modules is "
+                       "built, not taken from the cache", exc)
         return
     from engine.default_model import cache_root
 
@@ -247,8 +249,9 @@ class _CachedModelsTable:
                 with open(partial, "w", encoding="utf-8") as f:
                     json.dump(rows, f)
                 os.replace(partial, self.cache_file)
-            except OSError:
-                pass
+            except OSError as exc:
+                logger.warning("transformers' table of model modules not cached at %s (%s): the next process "
+                               "builds it again", self.cache_file, exc)
         _models_table = table
         return table
 
