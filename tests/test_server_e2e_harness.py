@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,17 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
+from engine.bench.startup import free_port  # the e2e modules import it from here too
+
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"
 _START_TIMEOUT_S = 180.0
 _SERVER_KEY = pytest.StashKey["Server"]()
 _DEFAULT_SERVER_KEY = pytest.StashKey["Server"]()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
