@@ -157,6 +157,12 @@ def _speed_up_triton_interpreter() -> None:
     patch_builtin, patch_attr = getattr(interpreter, "_patch_builtin", None), getattr(interpreter, "_patch_attr", None)
     np_dtype = getattr(interpreter, "_get_np_dtype", None)
     if patch_builtin is None or patch_attr is None or np_dtype is None:
+        interpreter._suite_tables = True  # looked at: warned once, not at every test's set-up
+        import warnings
+
+        warnings.warn("conftest: triton.runtime.interpreter has no _patch_builtin, _patch_attr or _get_np_dtype "
+                      "(another Triton version?): its lookups are not answered from tables, so kernel tests under "
+                      "the interpreter run ~20% slower", stacklevel=1)
         return
     import inspect
 
