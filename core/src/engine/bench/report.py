@@ -322,10 +322,10 @@ def _disaggregation(row: dict[str, Any]) -> Figure:
     ``figure: itl_p99`` (a run under load) adds throughput and compares ITL p99, else TTFT."""
     text = f"TTFT {_n(row['ttft_ms'])} ms, ITL {row['itl_ms']:.2f} ms"
     if "transfer_ms" in row:
+        upload = row.get("decode_upload_ms")  # GPU pools: the host-to-device copy before the write
+        uploaded = f"uploaded {_n(upload)} ms, " if upload is not None else ""
         text = (f"KV {_n(row['kv_mib'], 0)} MiB a request: staged {_n(row['prefill_stage_ms'])} ms, sent "
-                f"{_n(row['transfer_ms'])} ms, " + (f"uploaded {_n(row['decode_upload_ms'])} ms, "
-                                                     if row.get("decode_upload_ms") is not None else "")
-                + f"written {_n(row['decode_write_ms'])} ms; " + text)
+                f"{_n(row['transfer_ms'])} ms, {uploaded}written {_n(row['decode_write_ms'])} ms; " + text)
     if row.get("figure") == "itl_p99":
         text += f" (p99 {row['itl_p99_ms']:.2f} ms), {_rate(row['output_tok_s'])} output tok/s"
         return Figure(text, row["itl_p99_ms"], higher_is_better=False)
