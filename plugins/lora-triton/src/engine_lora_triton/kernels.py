@@ -51,6 +51,20 @@ def _product(a, b, DOT: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R: tl.constexpr):
+    """The slice that program ``tile`` of an expand's column axis falls in: its output columns
+    ``[lo, hi)``, the slice's first tile, and its first column of y. Tiles never straddle slices:
+    tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice 1, the rest slice 2 (the host passes
+    the tile count as both bounds when there are fewer slices)."""
+    in1 = tile >= tiles0
+    in2 = tile >= tiles01
+    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
+    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
+    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
+    return lo, hi, first, (in1.to(tl.int32) + in2.to(tl.int32)) * R
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ys, stride_yt, stride_yr,
                    ROWS: tl.constexpr, K: tl.constexpr, K_CHUNK: tl.constexpr, ROW_TILES: tl.constexpr,
@@ -116,16 +130,9 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:  # the base model: its rows of out stay as they are
         return
-    # Column tiles never straddle slices: tiles [0, tiles0) cover slice 0, [tiles0, tiles01) slice 1,
-    # the rest slice 2 (the host passes the tile count as both bounds when there are fewer slices);
-    # each tile reads its own slice's R columns of y.
+    # Each column tile reads its own slice's R columns of y.
     tile = tl.program_id(2)
-    in1 = tile >= tiles0
-    in2 = tile >= tiles01
-    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
-    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
-    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
     cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < hi
     offs_r = tl.arange(0, BLOCK_R)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine_lora_triton.kernels import _product
+from engine_lora_triton.kernels import _product, _slice_of
 
 
 @triton.jit
@@ -37,15 +37,9 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
     rank = tl.load(ranks_ptr + slot)
     if rank == 0:
         return
-    # Groups never straddle slices: groups [0, groups0) cover slice 0, [groups0, groups01) slice 1,
-    # the rest slice 2 (the host passes the group count as both bounds when there are fewer slices).
+    # Groups never straddle slices (``_slice_of``, with groups for tiles).
     group = tl.program_id(1)
-    in1 = group >= groups0
-    in2 = group >= groups01
-    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
-    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, groups01, tl.where(in1, groups0, 0))
-    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    lo, hi, first, y_col0 = _slice_of(group, groups0, groups01, off0, off1, off2, off3, R)
     col0 = lo + (group - first) * (TILES * BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
@@ -155,12 +149,7 @@ def _expand_dense_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
-    in1 = tile >= tiles0
-    in2 = tile >= tiles01
-    lo = tl.where(in2, off2, tl.where(in1, off1, off0))
-    hi = tl.where(in2, off3, tl.where(in1, off2, off1))
-    first = tl.where(in2, tiles01, tl.where(in1, tiles0, 0))
-    y_col0 = (in1.to(tl.int32) + in2.to(tl.int32)) * R
+    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
     cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = cols < hi
     offs_r = tl.arange(0, BLOCK_R)
