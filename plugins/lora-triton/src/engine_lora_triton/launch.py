@@ -84,6 +84,13 @@ def _slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str
     return dict(BLOCK_R=16, BLOCK_K=min(128, chunk), K_CHUNK=chunk, num_warps=4, num_stages=3)
 
 
+def _check_shrink(x: torch.Tensor, a: torch.Tensor) -> None:
+    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+        raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
+    if a.dtype != x.dtype:
+        raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
+
+
 def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                       ranks: torch.Tensor, num_segments: int, pdl: bool = False,
                       config: dict[str, int] | None = None) -> torch.Tensor:
@@ -91,10 +98,7 @@ def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor
     chunks, ``[chunks, T, ROWS]``, for ``sgmv_expand`` to add up: a program per (slot, row tile,
     chunk) reads its tile of ``a`` once for all the slot's tokens. Entries of tokens in no segment
     or on rank-0 slots are unspecified (the expand never reads them)."""
-    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
-        raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
-    if a.dtype != x.dtype:
-        raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
+    _check_shrink(x, a)
     tokens, k = x.shape
     rows = a.shape[1]
     cfg = config or _slot_shrink_config(a.shape[0], rows, k, sm_count(x.device))
@@ -184,10 +188,7 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     ``shrink_config`` (the benchmark's sweeps). ``split``: where ``split_chunk`` (or the config's
     ``K_CHUNK``) splits K, float32 partial sums ``[chunks, T, ROWS]`` instead, for ``sgmv_expand``
     to add up."""
-    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
-        raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
-    if a.dtype != x.dtype:
-        raise ValueError(f"shrink: weights dtype {a.dtype} must be x's dtype {x.dtype}")
+    _check_shrink(x, a)
     tokens, k = x.shape
     rows = a.shape[1]
     sms = sm_count(x.device)
