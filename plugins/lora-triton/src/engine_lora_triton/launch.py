@@ -231,6 +231,13 @@ def _slice_plan(offsets: tuple[int, ...], out_cols: int, b_shape: tuple[int, ...
     return list(offsets) + [offsets[-1]] * (4 - len(offsets)), widths, r
 
 
+def _slice_bounds(counts: list[int]) -> tuple[int, int, int]:
+    """``_slice_of``'s bounds from each slice's count of column tiles (or groups): the end of
+    slice 0's, the end of slice 1's (the total where there are fewer slices), and the total."""
+    total = sum(counts)
+    return (counts[0] if len(counts) > 1 else total, counts[0] + counts[1] if len(counts) > 2 else total, total)
+
+
 def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr: torch.Tensor,
                 weight_indices: torch.Tensor, ranks: torch.Tensor, scalings: torch.Tensor,
                 num_segments: int, max_seg_len: int, slice_offsets: Sequence[int], pdl: bool = False,
@@ -251,11 +258,10 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     cfg = config or _expand_config(num_segments, max_seg_len, sum(widths), r, sm_count(out.device), dense)
     tiles = [_cdiv(w, cfg["BLOCK_N"]) for w in widths]
     if cfg.get("DENSE"):
-        total = sum(tiles)
+        tiles0, tiles01, total = _slice_bounds(tiles)
         segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_dense_kernel[(total,)](
-            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded,
-            tiles[0] if len(tiles) > 1 else total, tiles[0] + tiles[1] if len(tiles) > 2 else total,
+            y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
             y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
             out.stride(0), out.stride(1),
             R=r, NUM_SLOTS=ranks.shape[0], SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"],
@@ -265,10 +271,7 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
         return
     if cfg.get("SLOTS"):
         group = cfg.get("TILES") or _slot_tiles(tuple(tiles), ranks.shape[0], sm_count(out.device))
-        groups = [_cdiv(t, group) for t in tiles]
-        total = sum(groups)
-        groups0 = groups[0] if len(groups) > 1 else total
-        groups01 = groups[0] + groups[1] if len(groups) > 2 else total
+        groups0, groups01, total = _slice_bounds([_cdiv(t, group) for t in tiles])
         segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_slots_kernel[(ranks.shape[0], total)](
             y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, groups0, groups01,
@@ -279,9 +282,7 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
             WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return
-    total = sum(tiles)
-    tiles0 = tiles[0] if len(tiles) > 1 else total
-    tiles01 = tiles[0] + tiles[1] if len(tiles) > 2 else total
+    tiles0, tiles01, total = _slice_bounds(tiles)
     grid = (num_segments, _cdiv(max_seg_len, cfg["BLOCK_T"]), total)
     _expand_kernel[grid](
         y, b, out, seg_indptr, weight_indices, ranks, scalings, *padded, tiles0, tiles01,
