@@ -134,7 +134,7 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
     if max_seg_len <= 1 and num_segments >= 16:
         # A decode batch: one program per (slot, group of column tiles) over the batch's tokens on
         # that slot (``_expand_slots_kernel``), so each adapter's B is read once, not once per
-        # token; the group's size comes from the slices and slots (``_slot_tiles``).
+        # token (one column tile a program unless the config's TILES groups them).
         # Rank 64 takes 8 warps: with 4, y of 64 tokens and its partial sums spilled (sm_90 compile).
         block_r = max(16, triton.next_power_of_2(r))
         return dict(SLOTS=1, BLOCK_T=1, BLOCK_N=64, BLOCK_R=block_r, num_warps=8 if block_r >= 64 else 4,
@@ -145,16 +145,6 @@ def _expand_config(num_segments: int, max_seg_len: int, width: int, r: int, sms:
     block_n = 64 if width >= 64 else max(16, triton.next_power_of_2(width))
     return dict(BLOCK_T=_token_tile(num_segments, max_seg_len, _cdiv(width, block_n), sms), BLOCK_N=block_n,
                 BLOCK_R=max(16, triton.next_power_of_2(r)), num_warps=4, num_stages=1)
-
-
-@functools.lru_cache(maxsize=64)
-def _slot_tiles(tiles: tuple[int, ...], num_slots: int, sms: int) -> int:
-    """Column tiles a per-slot expand program loops over: the largest power of two up to 16 that
-    still gives every SM a program and a half over (slots, groups of each slice's tiles)."""
-    # H200, bench_sgmv.py --sweep decode 64 x 8 adapters: one tile a program from a finished y
-    # (groups of 4 and 16 took qkv 4.1 -> 7.2 us, gate_up 13.0 -> 23.1 us: a group's tiles run one
-    # after another, each store before the next tile's loads).
-    return 1
 
 
 def split_chunk(num_segments: int, max_seg_len: int, rows: int, k: int, sms: int) -> int:
@@ -270,7 +260,11 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
             num_stages=cfg["num_stages"])
         return
     if cfg.get("SLOTS"):
-        group = cfg.get("TILES") or _slot_tiles(tuple(tiles), ranks.shape[0], sm_count(out.device))
+        # One column tile a program unless the config groups them (TILES): on an H200 (bench_sgmv.py
+        # --sweep, decode 64 x 8 adapters, from a finished y) groups of 4 and 16 took qkv 4.1 -> 7.2 us,
+        # gate_up 13.0 -> 23.1 us: a group's tiles run one after another, each store before the next
+        # tile's loads.
+        group = cfg.get("TILES") or 1
         groups0, groups01, total = _slice_bounds([_cdiv(t, group) for t in tiles])
         segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_slots_kernel[(ranks.shape[0], total)](
