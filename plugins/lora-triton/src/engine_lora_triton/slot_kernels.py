@@ -1,12 +1,14 @@
 """LoRA kernels for decode batches of 16 or more one-token segments (see ``kernels`` for the rest).
 
-- ``_shrink_slots_kernel``: a program per (adapter slot, row tile of A, K chunk) reads its tile of
-  A once and multiplies it by every token of the batch on that slot; it stores float32 partial
-  sums ``p[chunk, token, row]`` (one writer per entry, no atomics) that the expands add up.
-- ``_expand_dense_kernel`` (the default expand): a program per column tile of one slice takes
+- ``_shrink_slots_kernel`` (option ``slot_shrink``): a program per (adapter slot, row tile of A,
+  K chunk) reads its tile of A once and multiplies it by every token of the batch on that slot;
+  it stores float32 partial sums ``p[chunk, token, row]`` (one writer per entry, no atomics) that
+  the expands add up.
+- ``_expand_dense_kernel`` (option ``dense_expand``): a program per column tile of one slice takes
   every token, loads (or adds up) their y once, and sums each pool slot's B tile times y with the
   other slots' tokens zeroed; one read-modify-write of out at the end.
-- ``_expand_slots_kernel``: a program per (slot, group of column tiles) over the slot's tokens.
+- ``_expand_slots_kernel`` (the default expand): a program per (slot, group of column tiles) over
+  the slot's tokens.
 
 Same conventions as ``kernels``: CUDA-graph safe grids from host sizes, no host sync, rows of
 tokens outside every segment never read or written, PDL wait before reading activations.
