@@ -47,13 +47,11 @@ class TritonLoraBackend:
         segments takes the per-slot shrink, whose partial sums the expand adds up likewise."""
         pdl = self._pdl(info, x.device)
         if self.slot_shrink and info.max_seg_len <= 1 and info.num_segments >= 16:
-            p = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+            y = sgmv_shrink_slots(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
                                   pdl=pdl)
-            sgmv_expand(p, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                        info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl, dense=self.dense_expand)
-            return
-        y = sgmv_shrink(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
-                        info.max_seg_len, pdl=pdl, split=self.split_prefill)
+        else:
+            y = sgmv_shrink(x, a, info.seg_indptr, info.weight_indices, info.lora_ranks, info.num_segments,
+                            info.max_seg_len, pdl=pdl, split=self.split_prefill)
         sgmv_expand(y, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                     info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl, dense=self.dense_expand)
 
