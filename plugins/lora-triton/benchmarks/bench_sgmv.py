@@ -50,7 +50,7 @@ from engine_lora_triton.launch import (
 )
 
 from engine.bench.results import append_rows
-from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
+from engine.lora.backend import LoraBatchInfo, lora_apply, reference_expand, reference_shrink
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 #: layer -> (K, slice widths of the output)
@@ -242,16 +242,6 @@ def triton_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def lora_call(backend: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoraBatchInfo,
-              out: torch.Tensor, offsets: list[int]) -> None:
-    """What a LoRA layer runs: the backend's ``apply`` where it has one, else shrink then expand."""
-    fused = getattr(backend, "apply", None)
-    if fused is not None:
-        fused(x, a, b, info, out, offsets)
-        return
-    backend.expand(backend.shrink(x, a, info), b, info, out, offsets)
-
-
 def build(lens: list[int], distinct: int, rank: int, dev: torch.device) -> LoraBatchInfo:
     indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
     indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
@@ -331,7 +321,7 @@ def main() -> None:
                 err_y = float((y.float() - ref_y.float()).abs().max() / ref_y.float().abs().max().clamp_min(1e-6))
                 err_o = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
                 both = out.clone()
-                lora_call(be, x, a, b, info, both, offsets)
+                lora_apply(be, x, a, b, info, both, offsets)
                 err_a = float((both.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
                 assert err_y < 2e-2 and err_o < 2e-2 and err_a < 2e-2, \
                     f"{scen} {layer} {type(be).__name__}: relative error shrink {err_y:.3g}, expand {err_o:.3g}, " \
@@ -339,7 +329,7 @@ def main() -> None:
             if args.breakdown:
                 breakdown(scen, layer, info, x, a, b, out, offsets, args.reps)
 
-            call = functools.partial(functools.partial, lora_call)
+            call = functools.partial(functools.partial, lora_apply)
             tensors = (x, a, b, info, out, offsets)
             t = {"base": graph_time_us(functools.partial(torch.matmul, x, w_base.T), args.reps),
                  "triton": graph_time_us(call(triton_be, *tensors), args.reps),

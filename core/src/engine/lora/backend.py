@@ -60,6 +60,17 @@ class LoraBackend(Protocol):
         ...
 
 
+def lora_apply(backend: LoraBackend, x: torch.Tensor, a_weights: torch.Tensor, b_weights: torch.Tensor,
+               info: LoraBatchInfo, out: torch.Tensor, slice_offsets: Sequence[int]) -> None:
+    """What a LoRA layer runs: the backend's optional ``apply`` where it has one, else ``shrink``
+    then ``expand``."""
+    fused = getattr(backend, "apply", None)
+    if fused is not None:
+        fused(x, a_weights, b_weights, info, out, slice_offsets)
+        return
+    backend.expand(backend.shrink(x, a_weights, info), b_weights, info, out, slice_offsets)
+
+
 def reference_shrink(x: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo) -> torch.Tensor:
     """``LoraBackend.shrink`` as a plain loop over segments, in float32 (the kit's oracle)."""
     out = torch.zeros(x.shape[0], weights.shape[1], dtype=torch.float32, device=x.device)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.lora.backend import LoraBackend, LoraBatchInfo
+from engine.lora.backend import LoraBackend, LoraBatchInfo, lora_apply
 
 #: fused projection -> the PEFT modules it stacks, in output order.
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -102,15 +102,8 @@ class LoraLayer(nn.Module):
         info = self.state.batch_info
         if info is None:
             return
-        x2 = x.reshape(-1, x.shape[-1])
-        out2 = out.view(-1, out.shape[-1])
-        backend = self.state.backend
-        fused = getattr(backend, "apply", None)
-        if fused is not None:
-            fused(x2, self.a_buffer, self.b_buffer, info, out2, self.slice_offsets)
-            return
-        y = backend.shrink(x2, self.a_buffer, info)
-        backend.expand(y, self.b_buffer, info, out2, self.slice_offsets)
+        lora_apply(self.state.backend, x.reshape(-1, x.shape[-1]), self.a_buffer, self.b_buffer, info,
+                   out.view(-1, out.shape[-1]), self.slice_offsets)
 
 
 def lora_target_layers(model: nn.Module, targets: set[str]) -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
