@@ -84,6 +84,14 @@ def _slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str
     return dict(BLOCK_R=16, BLOCK_K=min(128, chunk), K_CHUNK=chunk, num_warps=4, num_stages=3)
 
 
+@functools.lru_cache(maxsize=256)
+def _segment_passes(num_segments: int) -> dict[str, int]:
+    """The slot kernels' SEGS (segments rounded up to a power of two) and BLOCK_S (segments a pass,
+    16 to 64)."""
+    segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
+    return dict(SEGS=segs, BLOCK_S=min(64, max(16, segs)))
+
+
 def _check_shrink(x: torch.Tensor, a: torch.Tensor) -> None:
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"shrink: x {tuple(x.shape)} must be [T, K] and weights {tuple(a.shape)} [slots, rows, K]")
@@ -106,11 +114,10 @@ def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor
     p = torch.empty((chunks, tokens, rows), dtype=torch.float32, device=x.device)
     if tokens == 0 or num_segments == 0 or rows == 0:
         return p
-    segs = 1 << (num_segments - 1).bit_length()
     _shrink_slots_kernel[(a.shape[0], _cdiv(rows, cfg["BLOCK_R"]), chunks)](
         x, a, p, seg_indptr, weight_indices, ranks, num_segments,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2), p.stride(0), p.stride(1), p.stride(2),
-        ROWS=rows, K=k, SEGS=segs, BLOCK_S=min(64, max(16, segs)), WIDEN=_INTERPRETED,
+        ROWS=rows, K=k, **_segment_passes(num_segments), WIDEN=_INTERPRETED,
         IEEE=x.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, **cfg)
     return p
 
@@ -249,12 +256,11 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
     tiles = [_cdiv(w, cfg["BLOCK_N"]) for w in widths]
     if cfg.get("DENSE"):
         tiles0, tiles01, total = _slice_bounds(tiles)
-        segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_dense_kernel[(total,)](
             y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, tiles0, tiles01,
             y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
             out.stride(0), out.stride(1),
-            R=r, NUM_SLOTS=ranks.shape[0], SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"],
+            R=r, NUM_SLOTS=ranks.shape[0], **_segment_passes(num_segments), BLOCK_N=cfg["BLOCK_N"],
             BLOCK_R=cfg["BLOCK_R"], SPLITS=y.shape[0] if partials else 1, WIDEN=_INTERPRETED,
             IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
@@ -266,12 +272,11 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
         # tile's loads.
         group = cfg.get("TILES") or 1
         groups0, groups01, total = _slice_bounds([_cdiv(t, group) for t in tiles])
-        segs = 1 << (num_segments - 1).bit_length()  # triton.next_power_of_2, without its call cost
         _expand_slots_kernel[(ranks.shape[0], total)](
             y, b, out, seg_indptr, weight_indices, ranks, scalings, num_segments, *padded, groups0, groups01,
             y.stride(0) if partials else 0, y.stride(-2), y.stride(-1), b.stride(0), b.stride(1), b.stride(2),
             out.stride(0), out.stride(1),
-            R=r, SEGS=segs, BLOCK_S=min(64, max(16, segs)), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
+            R=r, **_segment_passes(num_segments), BLOCK_N=cfg["BLOCK_N"], BLOCK_R=cfg["BLOCK_R"],
             TILES=group, SPLITS=y.shape[0] if partials else 1,
             WIDEN=_INTERPRETED, IEEE=out.dtype == torch.float32, PDL=pdl, launch_pdl=pdl,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
