@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from engine.layers.moe import UnquantizedFusedMoEMethod, fused_moe_reference
-from engine.layers.moe.layer import triton_available
+from engine.layers.moe.router import triton_available
 from engine.layers.quantization import FusedMoEMethodBase
 from engine_quant_fp8.quantize import quantize_per_channel
 
