@@ -59,6 +59,11 @@ def main() -> None:
                          "on CUDA): each step launched before the previous one's tokens reach the host")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON, e.g. '{\"kv_cache_dtype\": \"fp8_e4m3\"}' "
                     "(plugin switches are JSON true/false: '{\"plugin_options\": {\"cuda\": {\"pdl\": false}}}')")
+    ap.add_argument("--warm-input-len", type=int, default=None,
+                    help="prompt length of the unprofiled warm-up (default --input-len); shorter compiles the same "
+                         "kernels sooner, but then the warm-up's step time is not the profiled context's")
+    ap.add_argument("--prefill-table", action="store_true",
+                    help="also print the profiled prefill's kernel time by class and its top kernels")
     ap.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process each; rank 0 prints)")
     ap.add_argument("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
                     help="LoRA adapters loaded at start, as engine serve --lora-paths")
@@ -105,7 +110,8 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     sched = Scheduler(args, a.config_dir, platform)
     # The warm-up runs the steps unprofiled, as engine bench one-batch does (overlap as the scheduler
     # has it): its median step is the wall time the kernel table below is compared with.
-    warm = run_one(sched, a.batch_size, a.input_len, max(4, a.steps + 1), lora_names=a.lora_name)
+    warm_len = a.warm_input_len or a.input_len
+    warm = run_one(sched, a.batch_size, warm_len, max(4, a.steps + 1), lora_names=a.lora_name)
     # Profile the prefill alone, then prefill + decode; the difference is the decode steps.
     on_gpu = sched.runner.device.type == "cuda"
     activity = ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU  # CPU: a dry run of the script
@@ -130,12 +136,16 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
         return out
 
     base, full = kernels(pre), kernels(prof)
+    if a.prefill_table:
+        print_table(f"prefill of {a.batch_size} x {a.input_len} tokens (chunks of at most "
+                    f"{args.chunked_prefill_size}), GPU kernel time", base, a.batch_size * a.input_len)
     per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
     total = sum(per_step.values())
     graphs = "graphs" if sched.runner.cuda_graph_runner is not None else "eager"
     print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}, "
           f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms; unprofiled step "
-          f"{warm.median_decode_latency_s * 1e3:.3f} ms ({graphs}, overlap {'on' if warm.overlap else 'off'})")
+          f"{warm.median_decode_latency_s * 1e3:.3f} ms ({graphs}, overlap {'on' if warm.overlap else 'off'}"
+          f"{'' if warm_len == a.input_len else f', warm-up context ~{warm_len}'})")
     groups: dict[str, float] = collections.defaultdict(float)
     for k, v in per_step.items():
         groups[classify(k)] += v
@@ -146,6 +156,19 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
         print(f"  {v:9.1f} us  {k[:110]}")
     if a.timeline and on_gpu:
         print_timeline(prof, a.timeline, a.steps + 1, a.timeline_at)
+
+
+def print_table(title: str, times: dict[str, float], tokens: int) -> None:
+    """Kernel time (microseconds by kernel name) by class and the top kernels, with tokens a second."""
+    total = sum(times.values())
+    print(f"{title}: {total / 1e3:.3f} ms ({tokens / max(total, 1e-9) * 1e6:,.0f} tokens/s of kernel time)")
+    groups: dict[str, float] = collections.defaultdict(float)
+    for k, v in times.items():
+        groups[classify(k)] += v
+    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {g:<22}{v / 1e3:9.3f} ms  {100 * v / total:5.1f}%")
+    for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:12]:
+        print(f"  {v / 1e3:9.3f} ms  {k[:110]}")
 
 
 def print_timeline(prof, count: int, steps: int, at: str = "middle") -> None:

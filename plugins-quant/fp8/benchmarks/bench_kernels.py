@@ -2,6 +2,12 @@
 
     python plugins-quant/fp8/benchmarks/bench_kernels.py                 # one JSON line per (shape, M)
     python plugins-quant/fp8/benchmarks/bench_kernels.py --sweep 120     # tune launch configs (seconds per shape)
+    python plugins-quant/fp8/benchmarks/bench_kernels.py --large 1024,8192  # fp8 x fp8 GEMMs at batch/prefill M
+
+``--large``: per shape and M, TFLOPS and the fraction of the dense peak (``--peak-fp8``,
+``--peak-bf16``) of bf16 ``F.linear``, ``torch._scaled_mm`` on activations already quantized (what
+a layer with a fused producer runs), the per-token quantization launch alone, and the Triton fp8 x
+fp8 GEMM at its default config and at the ``LARGE_CONFIGS`` tiles.
 
 Each line: the time of ``fp8_linear`` as dispatched (``fp8_us``, ``path``), of bf16 ``F.linear``
 on the same shape (``bf16_us``), the GB/s achieved over the bytes each must read (weights +
@@ -296,6 +302,52 @@ def run_w8a8_sweep(seconds: float, workers: int, ms: tuple[int, ...]) -> None:
         torch.cuda.empty_cache()
 
 
+#: Larger Triton fp8 x fp8 tiles tried by --large (128-row tiles: two warpgroups of wgmma).
+LARGE_CONFIGS = (
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+)
+
+
+def run_large(ms: tuple[int, ...], peak_fp8: float, peak_bf16: float, triton_configs: bool) -> None:
+    import torch
+    from engine_quant_fp8.kernels import quantize_per_token_triton
+    from engine_quant_fp8.w8a8 import w8a8_gemm
+
+    for name, (n, k) in SHAPES.items():
+        ops = _Operands(n, k)
+        _spin_up()
+        for m in ms:
+            x = ops.x(m)
+            qx, sx = quantize_per_token_triton(x)
+            flop = 2.0 * m * n * k
+            row: dict[str, Any] = {"large": name, "M": m, "N": n, "K": k}
+
+            def put(key: str, us: float, peak: float) -> None:
+                tflops = flop / (us * 1e-6) / 1e12
+                row[key] = [round(us, 1), round(tflops), round(tflops / peak, 3)]  # us, TFLOPS, of peak
+
+            put("bf16", _time_us(lambda i: torch.nn.functional.linear(x, ops.bf16[i]), ops.copies), peak_bf16)
+            put("scaled_mm", _time_us(lambda i: torch._scaled_mm(qx, ops.fp8[i][0].t(), scale_a=sx,
+                                                                 scale_b=ops.fp8[i][1][None, :],
+                                                                 out_dtype=torch.bfloat16), ops.copies), peak_fp8)
+            row["quant_us"] = round(_time_us(lambda i: quantize_per_token_triton(x), 2), 1)
+            put("w8a8_default", _time_us(lambda i: w8a8_gemm(qx, sx, *ops.fp8[i], None, torch.bfloat16),
+                                         ops.copies), peak_fp8)
+            for j, cfg in enumerate(LARGE_CONFIGS if triton_configs else ()):
+                try:
+                    put(f"w8a8_cfg{j}", _time_us(lambda i, c=cfg: w8a8_gemm(qx, sx, *ops.fp8[i], None,
+                                                                            torch.bfloat16, config=c), ops.copies),
+                        peak_fp8)
+                except Exception as exc:  # noqa: BLE001 - a tile the GPU cannot run (shared memory)
+                    row[f"w8a8_cfg{j}"] = str(exc)[:60]
+            row["device"] = torch.cuda.get_device_name()
+            print(json.dumps(row), flush=True)
+            del x, qx, sx
+        del ops
+        torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="token counts, comma separated")
@@ -304,7 +356,15 @@ def main() -> None:
                         help="tune the fp8 x fp8 Triton GEMM: seconds of timing in all")
     parser.add_argument("--sweep-ms", default=None, help="token counts of a sweep, comma separated")
     parser.add_argument("--workers", type=int, default=12, help="processes compiling kernels before a sweep")
+    parser.add_argument("--large", default=None, help="token counts for the fp8 x fp8 GEMM table, comma separated")
+    parser.add_argument("--no-triton-configs", action="store_true", help="--large: only the Triton default config")
+    parser.add_argument("--peak-fp8", type=float, default=1979.0, help="dense fp8 TFLOPS (H200/H100 SXM: 1979)")
+    parser.add_argument("--peak-bf16", type=float, default=989.0, help="dense bf16 TFLOPS (H200/H100 SXM: 989)")
     args = parser.parse_args()
+    if args.large:
+        run_large(tuple(int(m) for m in args.large.split(",")), args.peak_fp8, args.peak_bf16,
+                  not args.no_triton_configs)
+        return
     sweep_ms = tuple(int(m) for m in args.sweep_ms.split(",")) if args.sweep_ms else None
     if args.sweep_w8a8:
         run_w8a8_sweep(args.sweep_w8a8, args.workers, sweep_ms or W8A8_MS)
