@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from engine.bench.startup import free_port
+from engine.ports import free_port
 
 MODEL = "default"
 

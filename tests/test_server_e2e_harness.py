@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
-from engine.bench.startup import free_port  # the e2e modules import it from here too
+from engine.ports import free_port  # the e2e modules import it from here too
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny-llama"

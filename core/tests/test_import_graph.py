@@ -204,7 +204,7 @@ LAYERS: list[list[str]] = [
      "engine.default_model",
      "engine.pooling"],
     ["engine.hookspecs", "engine.platforms", "engine.errors", "engine.version", "engine.deprecation",
-     "engine.cpu_threads"],
+     "engine.cpu_threads", "engine.ports"],
 ]
 
 

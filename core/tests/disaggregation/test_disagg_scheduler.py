@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from engine.config import ServerArgs
-from engine.distributed.ranks import free_port
 from engine.errors import EngineError
 from engine.managers.scheduler import check_no_leak
+from engine.ports import free_port
 from engine.testing.harness import OutputCollector, generate_greedy, make_scheduler, submit
 
 _GREEDY = {"max_new_tokens": 9, "temperature": 0.0, "ignore_eos": True}

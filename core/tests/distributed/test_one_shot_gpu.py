@@ -78,7 +78,7 @@ def _worker(rank: int, world: int, port: int) -> None:
 def test_one_shot_equals_nccl_on_two_gpus() -> None:
     import torch.multiprocessing as mp
 
-    from engine.distributed.ranks import free_port
+    from engine.ports import free_port
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     mp.spawn(_worker, args=(2, free_port()), nprocs=2)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import ServerArgs
+from engine.ports import free_port
 
 _FLOOR = ("import sys, torch, transformers\n"
           "from transformers import AutoTokenizer\n"
@@ -94,13 +94,6 @@ def _run_until(cmd: list[str], marker: str | None, timeout: float) -> float:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now, for a server this benchmark (or a benchmark script) starts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _serve_seconds(overrides: dict[str, Any], timeout: float) -> float:

@@ -8,21 +8,15 @@ runs ranks ``n * per_node .. (n + 1) * per_node - 1``, on its local devices star
 
 from __future__ import annotations
 
-import socket
 from typing import TYPE_CHECKING
 
 from engine.distributed.placement import RankPlacement
+from engine.ports import free_port
 
 if TYPE_CHECKING:
     from engine.config import ServerArgs
 
 _DEFAULT_DIST_PORT = 29500
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def init_method(args: ServerArgs, dp_rank: int) -> str:

@@ -184,7 +184,7 @@ class KvTransferConformance:
 
     def test_fetch_from_nobody_times_out(self) -> None:
         """A dead (or never started) prefill server: the fetch ends with a message by its deadline."""
-        from engine.distributed.ranks import free_port
+        from engine.ports import free_port
 
         decode = self._create("decode")
         try:
