@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
     parser.add_argument("--sweep", action="store_true", help="also time the tile grid and split counts")
     parser.add_argument("--check", action="store_true", help="compare with the torch reference first")
+    parser.add_argument("--splits", type=int, nargs="+", default=[],
+                        help="also time these split counts (1..64) with the default tiles (1: no merge launch)")
     parser.add_argument("--variants", action="store_true",
                         help="also time the loop and widening variants of VARIANTS at the default split count")
     args = parser.parse_args()
@@ -171,6 +173,10 @@ def main() -> None:
         prob = Problem(DTYPES[name], bs, ctx, heads=args.heads)
         default = choose_num_kv_splits(bs, programs, num_sms, 16, ctx)
         print(line(name, prob, "default", default, prob.time_ms(default, {}), args.peak), flush=True)
+        for splits in args.splits:
+            if not 1 <= splits <= MAX_SPLITS:
+                raise SystemExit(f"--splits: invalid value {splits}; accepted: 1..{MAX_SPLITS}")
+            print(line(name, prob, "split count", splits, prob.time_ms(splits, {}), args.peak), flush=True)
         if args.variants:
             for label, tiles in VARIANTS.get(name, {}).items():
                 print(line(name, prob, label, default, prob.time_ms(default, tiles), args.peak), flush=True)
