@@ -85,4 +85,9 @@ def test_bench_serving_against_the_real_server(server: Server, tmp_path: pathlib
     (row,) = _lines(out)
     assert row["completed"] == 16 and row["total_output_tokens"] == 16 * 5, row
     assert row["mean_ttft_ms"] > 0 and row["mean_e2e_latency_ms"] >= row["mean_ttft_ms"]
+    # The server's side of the run, from its scheduler counters: 16 x 5 tokens are 16 first tokens
+    # (prefill) and 64 decode rows; the client's own CPU time is kept beside it.
+    assert row["decode_steps"] >= 4 and row["mean_decode_batch"] * row["decode_steps"] == pytest.approx(64), row
+    assert sum(b["steps"] for b in row["decode_by_batch"]) == row["decode_steps"], row
+    assert 0 < row["client_cpu_s"] and "Server (scheduler counters over the run)" in res.output
     assert_no_kv_leak(wait_idle(server))

@@ -29,6 +29,13 @@ from engine.bench.metrics import (
     to_json_line,
 )
 from engine.bench.results import run_command
+from engine.bench.server_stats import (
+    SAMPLE_INTERVAL_S,
+    has_counters,
+    print_breakdown,
+    run_breakdown,
+    sample_point,
+)
 from engine.bench.serving_args import BenchServingArgs
 
 __all__ = [
@@ -40,6 +47,7 @@ __all__ = [
     "resolve_model",
     "run_benchmark",
     "run_requests",
+    "server_info",
 ]
 
 # Warmup only has to touch every code path (compile, CUDA graphs), not run long.
@@ -68,6 +76,12 @@ async def _benchmark_serving(
         if name is None:
             raise ValueError("no tokenizer: pass --tokenizer, --model, or --skip-tokenizer-init")
         tokenizer = load_tokenizer(name)
+    if tokenizer is None and args.vocab_size is None:
+        # Token-id prompts without a tokenizer draw from the served model's vocabulary.
+        async with httpx.AsyncClient(trust_env=False, timeout=30.0) as client:
+            info = await server_info(client, args.server_url(), auth_headers(args.api_key))
+        if info is not None and isinstance(info.get("vocab_size"), int):
+            args = dataclasses.replace(args, vocab_size=info["vocab_size"])
     return await run_benchmark(args, build_requests(args, tokenizer), tokenizer)
 
 
@@ -143,7 +157,10 @@ async def run_benchmark(
     if not requests:
         raise ValueError("no requests to send: the dataset produced none")
     args = await resolve_model(args)
-    results, duration = await run_requests(args, requests, tokenizer)
+    server: dict[str, Any] = {}
+    cpu = time.process_time()
+    results, duration = await run_requests(args, requests, tokenizer, server)
+    client_cpu_s = time.process_time() - cpu
     metrics = compute_metrics(results, duration)
     settings = {
         "Backend": args.backend,
@@ -151,17 +168,30 @@ async def run_benchmark(
         "Max request concurrency": args.max_concurrency or "not set",
     }
     print(format_report(metrics, settings=settings))
+    # A client that used its whole core measured its own delays as well as the server's.
+    print(f"{'client CPU':<28}{client_cpu_s:>14.1f}  s ({100 * client_cpu_s / duration:.0f}% of the run: "
+          "near 100% means the client, not the server, set the pace)")
+    if server:
+        print(" Server (scheduler counters over the run) ".center(50, "-"))
+        print_breakdown(server)
     _print_errors(results)
     if args.result_file:
+        extra = {**_result_extra(args, results), "client_cpu_s": client_cpu_s, **server}
         with open(args.result_file, "a", encoding="utf-8") as f:
-            f.write(to_json_line(metrics, _result_extra(args, results)) + "\n")
+            f.write(to_json_line(metrics, extra) + "\n")
     return metrics
 
 
 async def run_requests(
-    args: BenchServingArgs, requests: list[BenchRequest], tokenizer: TokenizerLike | None = None
+    args: BenchServingArgs, requests: list[BenchRequest], tokenizer: TokenizerLike | None = None,
+    server: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Warm up, then send ``requests`` on schedule.
+
+    Args:
+        server: when given and the server reports its scheduler's counters (GET /get_server_info,
+            as this engine's servers do; ``--disable-server-stats`` skips it), filled with where the
+            run's time went on the server (``server_stats.run_breakdown``).
 
     Returns:
         Per-request results in ``requests`` order, and the seconds the measured part took.
@@ -212,17 +242,55 @@ async def run_requests(
             progress.update(result)
             return result
 
+        before = None
+        if server is not None and not args.disable_server_stats:
+            before = await server_info(client, base_url, opts.headers)
+            before = before if before is not None and has_counters(before) else None
+        samples: list[dict[str, float]] = []
         offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
         start = time.perf_counter()
+        sampler = (asyncio.create_task(_sample(client, base_url, opts.headers, start, samples))
+                   if before is not None else None)
         tasks = []
-        for req, offset in zip(requests, offsets):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(limited(req)))
-        results = list(await asyncio.gather(*tasks))
-        duration = time.perf_counter() - start
+        try:
+            for req, offset in zip(requests, offsets):
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(limited(req)))
+            results = list(await asyncio.gather(*tasks))
+            duration = time.perf_counter() - start
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+                await asyncio.gather(sampler, return_exceptions=True)
+        if before is not None:
+            after = await server_info(client, base_url, opts.headers)
+            if after is not None and has_counters(after):
+                server.update(run_breakdown(before, samples, after, duration))
     return results, duration
+
+
+async def server_info(client: httpx.AsyncClient, base_url: str, headers: dict[str, str]) -> dict[str, Any] | None:
+    """The server's GET /get_server_info reply; None where it has none (another engine) or fails."""
+    try:
+        response = await client.get(base_url + "/get_server_info", headers=headers, timeout=10.0)
+        if response.status_code != 200:
+            return None
+        info = response.json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+async def _sample(client: httpx.AsyncClient, base_url: str, headers: dict[str, str], start: float,
+                  samples: list[dict[str, float]]) -> None:
+    """Appends the scheduler's counters to ``samples`` every ``SAMPLE_INTERVAL_S`` until cancelled."""
+    while True:
+        await asyncio.sleep(SAMPLE_INTERVAL_S)
+        info = await server_info(client, base_url, headers)
+        if info is not None and has_counters(info):
+            samples.append(sample_point(time.perf_counter() - start, info))
 
 
 def arrival_offsets(num_requests: int, request_rate: float, seed: int) -> list[float]:

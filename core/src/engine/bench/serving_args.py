@@ -64,6 +64,9 @@ class BenchServingArgs(DatasetArgs):
     warmup_requests: int = 1
     # No progress lines on stderr (--disable-tqdm).
     disable_tqdm: bool = False
+    # Do not sample the server's scheduler counters (GET /get_server_info every 0.5 s) for the
+    # report's server section (not an SGLang flag; servers without them are skipped anyway).
+    disable_server_stats: bool = False
     # Bearer token; None reads OPENAI_API_KEY (not an SGLang flag).
     api_key: str | None = None
     # Per-request HTTP timeout in seconds; long generations under load can take hours
