@@ -39,6 +39,18 @@ def _compile_all() -> dict[str, object]:
         out[f"prologue_{pool}{'_pdl' if pdl else ''}"] = spill_bytes(kernel.asm["ptx"])
         if pdl:
             out["prologue_pdl_order"] = pdl_order(kernel.asm["ptx"])
+    # The prologue with the W_UK product's programs (1 token: head_matvec's tile at 128 x 64).
+    absorb = compile_kernel(
+        mp._mla_prologue_absorb_kernel,
+        _types(mp._mla_prologue_absorb_kernel,
+               {"Q": "*bf16", "KV_A": "*bf16", "Positions": "*i64", "Cos": "*fp32", "Sin": "*fp32",
+                "Norm_W": "*bf16", "K_Out": "*bf16", "Q_Out": "*bf16", "Pool": "*bf16", "Out_Loc": "*i64",
+                "W_UK": "*bf16"}, ("eps", "k_scale", "fp8_max")),
+        dict(stride_wn=1, NUM_HEADS=16, NOPE=128, LORA=512, HALF=32, BLOCK_H=16, BLOCK_C=512, BLOCK_HALF=32,
+             INTERLEAVE=True, FP8=False, WRITE_POOL=True, PDL=True, N_BLOCKS=8, BLOCK_T=1, BLOCK_K=128,
+             BLOCK_N=64), num_warps=4)
+    out["prologue_absorb_pdl"] = spill_bytes(absorb.asm["ptx"])
+    out["prologue_absorb_order"] = pdl_order(absorb.asm["ptx"])
     router_types = _types(rg._grouped_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32",
                                                     "weights_ptr": "*fp32", "ids_ptr": "*i32"}, ("scaling",))
     v3 = compile_kernel(rg._grouped_topk_kernel, router_types,
@@ -82,7 +94,11 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     once after the wait, and request weights before it."""
     facts = compiled_facts(__file__, timeout=600)
     orders = {k: facts.pop(k) for k in [k for k in facts if k.endswith("_pdl_order")]}
-    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "prologue_bf16_pdl": 0, "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
+    # Two branches (the prologue's programs, the W_UK product's), each with its wait and trigger.
+    absorb = facts.pop("prologue_absorb_order")
+    assert absorb["waits"] == 2 and absorb["triggers"] == 2 and absorb["loads_before_wait"] >= 1, absorb
+    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "prologue_bf16_pdl": 0, "prologue_absorb_pdl": 0,
+                     "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
                      "router_v3": 0, "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
     assert sorted(orders) == ["gate_norm_pdl_order", "gate_pdl_order", "prologue_pdl_order", "w_uk_pdl_order",
                               "w_uv_pdl_order"]

@@ -101,7 +101,8 @@ def test_greedy_matches_transformers_with_chunked_prefill_and_prefix_hit(checkpo
 def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, str],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The model's CUDA wiring on the CPU, its kernels under Triton's interpreter: the fused prologue
-    writes the pool and the query rows, the bmm writes the latent part in place, the backend
+    writes the pool and the query rows (at decode batches of up to 4 with the W_UK product's programs in
+    the same launch, else after the bmm wrote the latent part in place), the backend
     (torch_native) reads the rows from the pool, the gate's logits and the grouped routing are the
     one-launch kernels, the per-head W_UK / W_UV products the one-launch kernel at small batches, the
     experts the fused ones (at a decode batch of one, the shared expert in the routed experts'
@@ -150,6 +151,12 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
         return real_small(*args, **kwargs)
 
     monkeypatch.setattr(fused_module, "fused_moe_small_batch", small)
+    import engine_models_deepseek.mla_prologue as prologue_module
+
+    absorbed: list[bool] = []
+    real_prologue = prologue_module.mla_prologue
+    monkeypatch.setattr(prologue_module, "mla_prologue",
+                        lambda *a, **k: absorbed.append(k.get("w_uk") is not None) or real_prologue(*a, **k))
     hf = load_hf_model(path, reference=arch)
     prompts = [[7, 99, 300, 41, 8], list(range(20, 41))]
     sched = make_scheduler(path, dtype="float32", chunked_prefill_size=8, max_total_tokens=1024)
@@ -165,6 +172,7 @@ def test_fused_prologue_path_matches_transformers_on_cpu(checkpoint: tuple[str, 
     assert calls, "the fused path did not run"
     assert shared_calls and all(shared_calls), shared_calls
     assert any(folded), "the router's launch never took the post-attention norm"
+    assert any(absorbed) and not all(absorbed), "prefill chunks apart, decode steps in one launch"
 
 
 @pytest.mark.gpu

@@ -30,14 +30,18 @@ def _config(interleave: bool) -> SimpleNamespace:
                            rope_interleave=interleave, rope_scaling=None, rope_parameters=None)
 
 
+@pytest.mark.parametrize("absorb", [False, True], ids=["apart", "with_w_uk"])
 @pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("pool_dtype, k_scale", [(None, 1.0), (torch.float8_e4m3fn, 0.37)])
-def test_prologue_matches_torch(interleave: bool, pool_dtype: torch.dtype | None, k_scale: float) -> None:
+def test_prologue_matches_torch(interleave: bool, pool_dtype: torch.dtype | None, k_scale: float,
+                                absorb: bool) -> None:
+    """``with_w_uk``: the W_UK product's programs in the same launch (3 tokens, the decode sizes
+    it takes) also fill the query rows' latent part, as the batched GEMM would."""
     from engine_models_deepseek.mla_prologue import mla_prologue
 
     dtype = torch.float16 if DEV == "cpu" else torch.bfloat16  # the interpreter's bf16 is not faithful
     gen = torch.Generator().manual_seed(7 + interleave)
-    tokens = 5
+    tokens = 3 if absorb else 5
     q = (torch.randn(tokens, HEADS, NOPE + ROPE, generator=gen) * 2).to(dtype)
     kv_a = (torch.randn(tokens, LORA + ROPE + 3, generator=gen) * 2).to(dtype)[:, :LORA + ROPE]  # row stride != width
     kv_a[1, LORA] = 600.0  # past e4m3's 448 once divided by the scale: saturates
@@ -58,13 +62,19 @@ def test_prologue_matches_torch(interleave: bool, pool_dtype: torch.dtype | None
     k_out = torch.full((tokens, LORA + ROPE), float("nan"), dtype=dtype)
     args = [t.to(DEV) for t in (q, kv_a, positions, rotary.cos_cache, rotary.sin_cache, norm.weight.data)]
     q_dev, k_dev, pool_dev = q_out.to(DEV), k_out.to(DEV), pool.to(DEV)
-    mla_prologue(*args, 1e-6, NOPE, interleave, q_dev, k_dev, pool_dev, slots.to(DEV), k_scale)
+    w_uk = (torch.randn(HEADS, NOPE, LORA, generator=gen) * 0.1).to(dtype) if absorb else None
+    mla_prologue(*args, 1e-6, NOPE, interleave, q_dev, k_dev, pool_dev, slots.to(DEV), k_scale,
+                 w_uk=w_uk.to(DEV) if absorb else None)
 
     # Rounding may differ by one unit of the 16-bit dtype (fused multiply-adds, rsqrt).
     tol = dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(k_dev.cpu(), k_ref, **tol)
     torch.testing.assert_close(q_dev[..., LORA:].cpu(), q_pe, **tol)
-    assert torch.isnan(q_dev[..., :LORA].float()).all(), "the latent part of q is the bmm's, not the prologue's"
+    if absorb:
+        q_lat = torch.bmm(q[..., :NOPE].float().transpose(0, 1), w_uk.float()).transpose(0, 1)
+        torch.testing.assert_close(q_dev[..., :LORA].float().cpu(), q_lat, **tol)
+    else:
+        assert torch.isnan(q_dev[..., :LORA].float()).all(), "the latent part of q is the bmm's, not the prologue's"
     stored = pool_dev.cpu()[slots, 0].float()
     expected = quantize_kv(k_ref, pool_dtype, k_scale).float()
     if pool_dtype.itemsize == 1:

@@ -26,11 +26,13 @@ MAX_TOKENS = 4
 
 
 @triton.jit
-def _head_matvec_kernel(X, W, Out, tokens, stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot,
-                        stride_oh, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    head = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _head_matvec_tile(X, W, Out, head, pid_n, tokens, stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot,
+                      stride_oh, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """Columns ``pid_n * BLOCK_N ..`` of head ``head``'s product for every token (one program's
+    work; also run by the fused MLA prologue's programs, ``mla_prologue``)."""
+    head = head.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     mask_n = offs_n < N
     mask_t = offs_t < tokens
@@ -52,13 +54,18 @@ def _head_matvec_kernel(X, W, Out, tokens, stride_xt, stride_xh, stride_wh, stri
              mask=mask_t[:, None] & mask_n[None, :])
 
 
-def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False,
-                pdl: bool = False) -> None:
-    """``out[t, h] = x[t, h] @ w[h]`` (``transposed``: ``x[t, h] @ w[h].T``) for ``x`` ``[T, H, K]``,
-    ``w`` ``[H, K, N]`` (``[H, N, K]`` when transposed) and ``out`` ``[T, H, N]``: what
-    ``torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))`` computes. ``T`` at most
-    ``MAX_TOKENS``; each tensor's last dim contiguous (rows may be strided). ``pdl``: launched as a
-    programmatic dependent launch (sm_90+; results unchanged)."""
+@triton.jit
+def _head_matvec_kernel(X, W, Out, tokens, stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot,
+                        stride_oh, K: tl.constexpr, N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    _head_matvec_tile(X, W, Out, tl.program_id(0), tl.program_id(1), tokens, stride_xt, stride_xh, stride_wh,
+                      stride_wk, stride_wn, stride_ot, stride_oh, K, N, BLOCK_T, BLOCK_K, BLOCK_N, PDL)
+
+
+def head_matvec_plan(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool) -> dict[str, int]:
+    """The launch of ``head_matvec(x, w, out, transposed)`` after its checks: ``n_blocks`` (programs
+    a head), the weight's ``stride_wk`` / ``stride_wn`` and the tile constexprs (``K``, ``N``,
+    ``BLOCK_T``, ``BLOCK_K``, ``BLOCK_N``). Raises ValueError for the shapes it does not take."""
     tokens, heads, k = x.shape
     n = w.shape[1] if transposed else w.shape[2]
     w_k = w.shape[2] if transposed else w.shape[1]
@@ -74,7 +81,21 @@ def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed:
     block_n = min(8 if transposed else 64, triton.next_power_of_2(n))
     # The [T, K, N] product stays at 8192 values a program (64 registers a thread at 4 warps).
     block_k = min(8192 // (block_t * block_n), triton.next_power_of_2(k))
-    _head_matvec_kernel[(heads, triton.cdiv(n, block_n))](
-        x, w, out, tokens, x.stride(0), x.stride(1), w.stride(0), stride_wk, stride_wn, out.stride(0), out.stride(1),
-        K=k, N=n, BLOCK_T=block_t, BLOCK_K=block_k, BLOCK_N=block_n, PDL=pdl, num_warps=4, launch_pdl=pdl,
+    return {"n_blocks": triton.cdiv(n, block_n), "stride_wk": stride_wk, "stride_wn": stride_wn, "K": k, "N": n,
+            "BLOCK_T": block_t, "BLOCK_K": block_k, "BLOCK_N": block_n}
+
+
+def head_matvec(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, transposed: bool = False,
+                pdl: bool = False) -> None:
+    """``out[t, h] = x[t, h] @ w[h]`` (``transposed``: ``x[t, h] @ w[h].T``) for ``x`` ``[T, H, K]``,
+    ``w`` ``[H, K, N]`` (``[H, N, K]`` when transposed) and ``out`` ``[T, H, N]``: what
+    ``torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))`` computes. ``T`` at most
+    ``MAX_TOKENS``; each tensor's last dim contiguous (rows may be strided). ``pdl``: launched as a
+    programmatic dependent launch (sm_90+; results unchanged)."""
+    plan = head_matvec_plan(x, w, out, transposed)
+    tokens, heads, _ = x.shape
+    _head_matvec_kernel[(heads, plan["n_blocks"])](
+        x, w, out, tokens, x.stride(0), x.stride(1), w.stride(0), plan["stride_wk"], plan["stride_wn"], out.stride(0),
+        out.stride(1), K=plan["K"], N=plan["N"], BLOCK_T=plan["BLOCK_T"], BLOCK_K=plan["BLOCK_K"],
+        BLOCK_N=plan["BLOCK_N"], PDL=pdl, num_warps=4, launch_pdl=pdl,
     )

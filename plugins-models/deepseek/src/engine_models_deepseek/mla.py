@@ -59,6 +59,9 @@ class DeepseekMLA(nn.Module):
     #: ``head_matvec`` and the prologue as programmatic dependent launches where the platform's
     #: ``pdl`` entry allows.
     kernel_pdl = True
+    #: Where ``head_matvec`` applies, the W_UK product's programs in the prologue's launch
+    #: (``mla_prologue(..., w_uk=...)``); False: two launches (the comparison a benchmark makes).
+    fuse_prologue = True
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -202,19 +205,23 @@ class DeepseekMLA(nn.Module):
     def _attend_fused(self, positions: torch.Tensor, q: torch.Tensor, kv_a: torch.Tensor,
                       forward_batch: ForwardBatch) -> torch.Tensor:
         """``_attend`` with the norm, rope, cats and pool store in one launch (``mla_prologue``) and
-        the absorbed ``q_nope @ W_UK`` written straight into the query rows' latent part."""
+        the absorbed ``q_nope @ W_UK`` written straight into the query rows' latent part (by the
+        same launch at decode batches, ``fuse_prologue``)."""
         from engine_models_deepseek.mla_prologue import mla_prologue
 
         tokens = q.shape[0]
         latent_dim = self.kv_lora_rank + self.rope_dim
         q_full = q.new_empty(tokens, self.num_heads, latent_dim)
         k = kv_a.new_empty(tokens, latent_dim)
-        self._per_head(q[..., :self.nope_dim], self.w_uk, q_full[..., :self.kv_lora_rank], transposed=False)
+        one_launch = self.fuse_prologue and self._head_matvec_applies(q)
+        if not one_launch:
+            self._per_head(q[..., :self.nope_dim], self.w_uk, q_full[..., :self.kv_lora_rank], transposed=False)
         pool = forward_batch.token_to_kv_pool
         rope = self.rotary_emb
         mla_prologue(q, kv_a, positions, rope.cos_cache, rope.sin_cache, self.kv_a_layernorm.weight,
                      self.kv_a_layernorm.variance_epsilon, self.nope_dim, rope.interleave, q_full, k,
                      pool.get_key_buffer(self.attn.layer_id), forward_batch.out_cache_loc,
-                     float(self.attn.k_scale) if pool.is_fp8 else 1.0, pdl=self.pdl)
+                     float(self.attn.k_scale) if pool.is_fp8 else 1.0, pdl=self.pdl,
+                     w_uk=self.w_uk if one_launch else None)
         # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
         return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)

@@ -11,8 +11,11 @@ the work. Here program ``t`` does token ``t``'s:
   ``DeepseekRotaryEmbedding`` does (output in the half-split layout);
 * the writes: the key row ``[c_kv || k_pe]`` to ``k_out`` and to the MLA pool at ``out_loc``
   (``row / k_scale`` saturated, for an fp8 pool, as ``quantize_kv``), and the roped query dims to
-  ``q_out[:, :, lora:]``. The absorbed ``q_nope @ W_UK`` goes to ``q_out[:, :, :lora]`` from one
-  ``torch.bmm`` writing there directly.
+  ``q_out[:, :, lora:]``.
+
+The absorbed ``q_nope @ W_UK`` goes to ``q_out[:, :, :lora]``: at decode batches (``w_uk`` given)
+from programs of the same launch (``head_matvec``'s tiles, beside the prologue's programs: both
+read only the projections' output), else from a batched GEMM writing there directly.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine_models_deepseek.head_matvec import _head_matvec_tile, head_matvec_plan
 
 
 @triton.jit
@@ -36,17 +41,19 @@ def _rope_pair(base, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERLEAVE: t
 
 
 @triton.jit
-def _mla_prologue_kernel(
-    Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
+def _prologue_token(
+    t, Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
     eps, k_scale, fp8_max,
     stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh, stride_pool, stride_cos,
     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, LORA: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr, FP8: tl.constexpr, WRITE_POOL: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Token ``t``'s prologue (one program's work)."""
     # With PDL the positions, their cos/sin rows and the norm weight (no kernel's output) are loaded
-    # before the wait for the kernel before (the W_UK product); the attention launch may start then.
-    t = tl.program_id(0).to(tl.int64)
+    # before the wait for the kernel before (the projections, or the W_UK product launched apart);
+    # the attention launch may start then.
+    t = t.to(tl.int64)
     pos = tl.load(Positions + t).to(tl.int64)
     offs_half = tl.arange(0, BLOCK_HALF)
     mask_half = offs_half < HALF
@@ -94,10 +101,52 @@ def _mla_prologue_kernel(
     tl.store(qo + HALF, (q2 * cos + q1 * sin).to(Q_Out.dtype.element_ty), mask=mask_qh)
 
 
+@triton.jit
+def _mla_prologue_kernel(
+    Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
+    eps, k_scale, fp8_max,
+    stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh, stride_pool, stride_cos,
+    NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, LORA: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr, FP8: tl.constexpr, WRITE_POOL: tl.constexpr, PDL: tl.constexpr,
+):
+    _prologue_token(tl.program_id(0), Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
+                    eps, k_scale, fp8_max, stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh,
+                    stride_pool, stride_cos, NUM_HEADS, NOPE, LORA, HALF, BLOCK_H, BLOCK_C, BLOCK_HALF,
+                    INTERLEAVE, FP8, WRITE_POOL, PDL)
+
+
+@triton.jit
+def _mla_prologue_absorb_kernel(
+    Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc, W_UK,
+    eps, k_scale, fp8_max, tokens,
+    stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh, stride_pool, stride_cos,
+    stride_wh, stride_wk, stride_wn,
+    NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, LORA: tl.constexpr, HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    INTERLEAVE: tl.constexpr, FP8: tl.constexpr, WRITE_POOL: tl.constexpr, PDL: tl.constexpr,
+    N_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Programs 0 .. tokens - 1: the prologue of one token each; the others: one (head, column
+    # block) of q_nope @ W_UK each, written into the query rows' latent part. The two read only
+    # the projections' output, so they run side by side in one launch.
+    pid = tl.program_id(0)
+    if pid < tokens:
+        _prologue_token(pid, Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
+                        eps, k_scale, fp8_max, stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh,
+                        stride_pool, stride_cos, NUM_HEADS, NOPE, LORA, HALF, BLOCK_H, BLOCK_C, BLOCK_HALF,
+                        INTERLEAVE, FP8, WRITE_POOL, PDL)
+    else:
+        p = pid - tokens
+        _head_matvec_tile(Q, W_UK, Q_Out, p // N_BLOCKS, p % N_BLOCKS, tokens, stride_qt, stride_qh, stride_wh,
+                          stride_wk, stride_wn, stride_qot, stride_qoh, NOPE, LORA, BLOCK_T, BLOCK_K, BLOCK_N, PDL)
+
+
 def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, nope_dim: int, interleave: bool,
                  q_out: torch.Tensor, k_out: torch.Tensor, pool: torch.Tensor | None = None,
-                 out_loc: torch.Tensor | None = None, k_scale: float = 1.0, pdl: bool = False) -> None:
+                 out_loc: torch.Tensor | None = None, k_scale: float = 1.0, pdl: bool = False,
+                 w_uk: torch.Tensor | None = None) -> None:
     """Token by token: ``k_out[t] = [rmsnorm(c_kv) || rope(k_pe)]`` (also stored in ``pool`` at
     ``out_loc[t]`` when given) and ``q_out[t, h, lora:] = rope(q[t, h, nope:])``.
 
@@ -112,6 +161,9 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
         k_scale: an fp8 pool's scale (rows are stored divided by it).
         pdl: a programmatic dependent launch (sm_90+): positions, cos/sin and the norm weight are
             read before the wait for the kernel before it, and the next launch may start at once.
+        w_uk: ``[H, nope, lora]``: the same launch also writes ``q_out[t, h, :lora] = q[t, h, :nope]
+            @ w_uk[h]`` (``head_matvec``'s programs beside the prologue's; at most
+            ``head_matvec.MAX_TOKENS`` tokens), one launch instead of two.
     """
     tokens, num_heads, qk_dim = q.shape
     rope = qk_dim - nope_dim
@@ -131,13 +183,19 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
     fp8 = write_pool and pool.element_size() == 1
     fp8_max = float(torch.finfo(pool.dtype).max) if fp8 else 0.0
     target = pool if write_pool else k_out
-    _mla_prologue_kernel[(tokens,)](
-        q, kv_a, positions, cos, sin, norm_weight, k_out, q_out, target, out_loc if write_pool else positions,
-        float(eps), float(k_scale), fp8_max,
-        q.stride(0), q.stride(1), kv_a.stride(0), k_out.stride(0), q_out.stride(0), q_out.stride(1),
-        target.stride(0), cos.stride(0),
-        NUM_HEADS=num_heads, NOPE=nope_dim, LORA=lora, HALF=rope // 2,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=triton.next_power_of_2(lora),
-        BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave, FP8=fp8, WRITE_POOL=write_pool,
-        PDL=pdl, num_warps=4 if lora >= 256 else 1, launch_pdl=pdl,
-    )
+    common = (float(eps), float(k_scale), fp8_max)
+    strides = (q.stride(0), q.stride(1), kv_a.stride(0), k_out.stride(0), q_out.stride(0), q_out.stride(1),
+               target.stride(0), cos.stride(0))
+    meta = dict(NUM_HEADS=num_heads, NOPE=nope_dim, LORA=lora, HALF=rope // 2,
+                BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_C=triton.next_power_of_2(lora),
+                BLOCK_HALF=triton.next_power_of_2(rope // 2), INTERLEAVE=interleave, FP8=fp8, WRITE_POOL=write_pool,
+                PDL=pdl, launch_pdl=pdl)
+    tensors = (q, kv_a, positions, cos, sin, norm_weight, k_out, q_out, target, out_loc if write_pool else positions)
+    if w_uk is None:
+        _mla_prologue_kernel[(tokens,)](*tensors, *common, *strides, **meta, num_warps=4 if lora >= 256 else 1)
+        return
+    plan = head_matvec_plan(q[..., :nope_dim], w_uk, q_out[..., :lora], transposed=False)
+    _mla_prologue_absorb_kernel[(tokens + num_heads * plan["n_blocks"],)](
+        *tensors, w_uk, *common, tokens, *strides, w_uk.stride(0), plan["stride_wk"], plan["stride_wn"], **meta,
+        N_BLOCKS=plan["n_blocks"], BLOCK_T=plan["BLOCK_T"], BLOCK_K=plan["BLOCK_K"], BLOCK_N=plan["BLOCK_N"],
+        num_warps=4)
