@@ -12,7 +12,11 @@ prefill pays, launch overhead included).
 
     python3 plugins/lora-triton/benchmarks/bench_sgmv.py [--rank 16] [--reps 50] [--sweep FILE.json]
         [--result-file F.jsonl] [--scenarios decode-1 decode-64x8 prefill-1x128 prefill-4x512]
-        [--without-pdl] [--old] [--slot-forms] [--breakdown]
+        [--without-pdl] [--old] [--slot-forms] [--breakdown] [--fold]
+
+``--fold`` also times the folded shrink per layer: the base GEMM over ``[W; A_0; ...]`` (the
+slots' A as extra output rows) against ``W`` alone, the folded expand alone, and their sum
+against the base GEMM plus shrink + expand (``lora-triton.fold_max_rows``).
 
 ``--without-pdl`` also times the same kernels launched without programmatic dependent launch;
 ``--old`` without the split prefill shrink; ``--slot-forms`` decode batches with the per-slot
@@ -36,8 +40,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from engine_lora_torch_native.backend import TorchNativeLoraBackend
 from engine_lora_triton.backend import TritonLoraBackend
+from engine_lora_triton.fold import sgmv_expand_folded
 from engine_lora_triton.launch import (
     expand_config,
     has_pdl,
@@ -50,7 +56,7 @@ from engine_lora_triton.launch import (
 )
 
 from engine.bench.results import append_rows
-from engine.lora.backend import LoraBatchInfo, lora_apply, reference_expand, reference_shrink
+from engine.lora.backend import LoraBatchInfo, lora_apply, reference_expand, reference_fold_expand, reference_shrink
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 #: layer -> (K, slice widths of the output)
@@ -238,6 +244,39 @@ def breakdown(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: to
     print(f"alone {scen:<14} {layer:<8} " + "; ".join(f"{k} {v:.1f} us" for k, v in t.items()), flush=True)
 
 
+def fold_times(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, offsets: list[int], reps: int, unfolded_us: float) -> dict[str, float]:
+    """The folded form of one layer: ``F.linear`` over ``W' = [W; A_0; ...]`` against ``W``, the
+    folded expand alone, and GEMM + expand against ``unfolded_us`` (base GEMM + shrink + expand).
+    The output is checked against the torch loop first."""
+    w_fold = torch.cat([w, a.reshape(-1, a.shape[-1])])
+    h = F.linear(x, w_fold)
+    pdl = has_pdl(x.device) and info.max_seg_len <= 1
+    expand = functools.partial(sgmv_expand_folded, h, b, info.seg_indptr, info.weight_indices, info.lora_ranks,
+                               info.scalings, info.num_segments, offsets, pdl)
+    got, want = expand(), reference_fold_expand(h, b, info, offsets)
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
+    assert err < 2e-2, f"{scen} {layer} folded expand: relative error {err:.3g}"
+
+    def both() -> torch.Tensor:
+        return sgmv_expand_folded(F.linear(x, w_fold), b, info.seg_indptr, info.weight_indices, info.lora_ranks,
+                                  info.scalings, info.num_segments, offsets, pdl)
+
+    block_r = max(16, triton_pow2(b.shape[2]))
+    swept = [(graph_time_us(functools.partial(expand.func, *expand.args, config=dict(
+        BLOCK_T=min(64, max(16, triton_pow2(x.shape[0]))), BLOCK_N=bn, BLOCK_R=block_r, num_warps=wp, num_stages=1)),
+        reps), bn, wp) for bn, wp in ((32, 4), (64, 4), (128, 4), (128, 8))]
+    print(f"fold {scen:<14} {layer:<8} folded expand (BLOCK_N, warps): "
+          + ", ".join(f"({bn}, {wp}) {us:.1f} us" for us, bn, wp in swept), flush=True)
+    t = {"W": graph_time_us(functools.partial(F.linear, x, w), reps),
+         "Wf": graph_time_us(functools.partial(F.linear, x, w_fold), reps),
+         "expand": graph_time_us(expand, reps), "fold": graph_time_us(both, reps), "unfolded": unfolded_us}
+    print(f"fold {scen:<14} {layer:<8} GEMM W {t['W']:6.1f} us, W' (+{w_fold.shape[0] - w.shape[0]} rows) "
+          f"{t['Wf']:6.1f} us; folded expand {t['expand']:5.1f} us; W' + expand {t['fold']:6.1f} us against "
+          f"W + shrink + expand {unfolded_us:6.1f} us", flush=True)
+    return t
+
+
 def triton_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -273,6 +312,8 @@ def main() -> None:
     ap.add_argument("--slot-forms", action="store_true",
                     help="also time decode batches with the per-slot shrink and the dense expand "
                          "(lora-triton.slot_shrink=true, dense_expand=true)")
+    ap.add_argument("--fold", action="store_true",
+                    help="also time the folded shrink (A rows under the base weight) and its expand per layer")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each kernel alone (shrink, per-slot shrink, expand) per layer")
     args = ap.parse_args()
@@ -297,6 +338,7 @@ def main() -> None:
         info = build(lens, distinct, args.rank, dev)
         tokens = sum(lens)
         totals: dict[str, float] = {}
+        fold_totals: dict[str, float] = {}
         for layer, (k, widths) in LAYERS.items():
             if layer not in args.layers:
                 continue
@@ -341,6 +383,10 @@ def main() -> None:
                          + used * n * args.rank + 2 * tokens * n)
             for key, v in t.items():
                 totals[key] = totals.get(key, 0.0) + v
+            if args.fold:
+                for key, v in fold_times(scen, layer, info, x, w_base, a, b, offsets, args.reps,
+                                         t["base"] + t["triton"]).items():
+                    fold_totals[key] = fold_totals.get(key, 0.0) + v
             if args.sweep:
                 swept += sweep(scen, layer, info, x, a, b, out, offsets, args.rank, args.reps, tuple(args.sweep_ops))
             print(f"{scen:<14} {layer:<8} {t['base']:8.1f} {t['triton']:9.1f} {moved / t['triton'] / 1e3:6.0f} "
@@ -350,6 +396,10 @@ def main() -> None:
               + "".join(f"{totals[name]:10.1f}" for name in extra)
               + f" {totals['native']:9.1f} {totals['triton'] / totals['base']:11.2f} "
               f"{totals['native'] / totals['base']:11.2f}", flush=True)
+        if fold_totals:
+            print(f"fold {scen:<14} {'sum':<8} GEMM W {fold_totals['W']:6.1f} us, W' {fold_totals['Wf']:6.1f} us; "
+                  f"folded expand {fold_totals['expand']:5.1f} us; W' + expand {fold_totals['fold']:6.1f} us against "
+                  f"W + shrink + expand {fold_totals['unfolded']:6.1f} us", flush=True)
         what = f"Llama-3-8B {', '.join(args.layers)} of one layer, {SCENARIO_WORDS[scen]}"
         device = torch.cuda.get_device_name(dev)
         append_rows(args.result_file,

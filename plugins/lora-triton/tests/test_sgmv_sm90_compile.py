@@ -1,6 +1,6 @@
 """The SGMV kernels compile for an H100/H200 (sm_90) in the forms the launchers pick for
 Llama-3-8B's projections (decode: one token a program; prefill: token tiles with ``tl.dot``), in
-bfloat16 with programmatic dependent launch, without register spills, each with one PDL trigger
+bfloat16 with programmatic dependent launch (the folded expand too), without register spills, each with one PDL trigger
 before its one wait. The interpreter tests check the arithmetic; this checks that the code the GPU
 runs (early returns, the slice selection, the constexpr branches) compiles.
 
@@ -86,12 +86,26 @@ def _compile_all() -> dict[str, dict[str, object]]:
                                                                           WIDEN=False, IEEE=False, PDL=True, **cfg),
                                 num_warps=warps)
         facts[f"slot-shrink-{name}"] = _facts(kernel)
+    from engine_lora_triton import fold
+
+    fold_types = {a: "i32" for a in fold._expand_folded_kernel.arg_names}
+    fold_types.update(h_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
+    for name, (tokens, r, slots) in {"decode-1": (1, 16, 9), "decode-64": (64, 16, 9), "rank-64": (64, 64, 9),
+                                     "40-slots": (64, 16, 40)}.items():
+        cfg = fold.folded_config(tokens, 6144, r, 132)
+        warps = cfg.pop("num_warps")
+        cfg.pop("num_stages")
+        segs = max(16, 1 << (tokens - 1).bit_length())
+        kernel = compile_kernel(fold._expand_folded_kernel, fold_types,
+                                dict(R=r, NUM_SLOTS=slots, SEGS=segs, BLOCK_S=min(64, segs), WIDEN=False, IEEE=False,
+                                     PDL=True, **cfg), num_warps=warps)
+        facts[f"fold-{name}"] = _facts(kernel)
     return facts
 
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     facts = compiled_facts(__file__, timeout=600)
-    assert len(facts) == 14, facts
+    assert len(facts) == 18, facts
     for name, got in facts.items():
         assert got["spill_bytes"] == 0, (name, got)
         assert got["waits"] == 1 and got["triggers"] == 1 and got["trigger_first"], (name, got)

@@ -41,7 +41,15 @@ class LoraBackend(Protocol):
     A backend may also offer ``apply(x, a_weights, b_weights, info, out, slice_offsets)``, the
     same as ``expand(shrink(x, a_weights, info), b_weights, info, out, slice_offsets)`` computed
     its own way (an intermediate other than ``shrink``'s ``y``); LoRA layers call it when present,
-    and the conformance kit holds it to the reference too."""
+    and the conformance kit holds it to the reference too.
+
+    A backend may also offer ``fold_expand(h, b_weights, info, slice_offsets) -> out`` with an int
+    ``fold_max_rows``: for batches of up to that many tokens on an unquantized layer without bias,
+    the layer stacks its slots' A matrices under the weight (``W' = [W; A_0; ...; A_{S-1}]``) and
+    one GEMM gives ``h = x @ W'^T``, ``[T, N + S * n_slices * R]``; ``fold_expand`` returns a new
+    contiguous ``[T, N]`` (``N = slice_offsets[-1]``): ``h[:, :N]`` plus, for each token t on slot
+    w with rank > 0, ``expand`` of ``y[t] = h[t, N + w*n_slices*R : N + (w+1)*n_slices*R]``
+    (``reference_fold_expand``). Rows of tokens past the last segment are ``h``'s base columns."""
 
     name: str
 
@@ -98,4 +106,20 @@ def reference_expand(y: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo
             out[lo:hi, a:b] = (out[lo:hi, a:b].float() + scale * delta).to(out.dtype)
 
 
-__all__ = ["LoraBackend", "LoraBatchInfo", "reference_expand", "reference_shrink"]
+def reference_fold_expand(h: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo,
+                          slice_offsets: Sequence[int]) -> torch.Tensor:
+    """``LoraBackend.fold_expand`` as a plain loop: each token's own slot's columns of ``h`` are
+    its shrink, expanded onto a copy of ``h``'s first ``slice_offsets[-1]`` columns."""
+    n_base, slots = int(slice_offsets[-1]), weights.shape[0]
+    slot_cols = (h.shape[1] - n_base) // slots
+    y = torch.zeros(h.shape[0], slot_cols, dtype=h.dtype, device=h.device)
+    bounds = info.seg_indptr.tolist()
+    for seg, slot in enumerate(info.weight_indices.tolist()):
+        lo, hi = bounds[seg], bounds[seg + 1]
+        y[lo:hi] = h[lo:hi, n_base + slot * slot_cols:n_base + (slot + 1) * slot_cols]
+    out = h[:, :n_base].clone()
+    reference_expand(y, weights, info, out, slice_offsets)
+    return out
+
+
+__all__ = ["LoraBackend", "LoraBatchInfo", "reference_expand", "reference_fold_expand", "reference_shrink"]

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine_lora_triton.fold import sgmv_expand_folded
 from engine_lora_triton.launch import has_pdl, sgmv_expand, sgmv_shrink, sgmv_shrink_slots
 
 
@@ -23,8 +24,10 @@ class TritonLoraBackend:
     name = "triton"
 
     def __init__(self, pdl: bool = True, slot_shrink: bool = False, split_prefill: bool = True,
-                 dense_expand: bool = False) -> None:
+                 dense_expand: bool = False, fold_max_rows: int = 256) -> None:
         self.pdl = pdl
+        #: batches of up to this many tokens take the folded shrink (``fold_expand``); 0: never.
+        self.fold_max_rows = fold_max_rows
         self.dense_expand = dense_expand
         self.slot_shrink = slot_shrink
         self.split_prefill = split_prefill
@@ -55,6 +58,12 @@ class TritonLoraBackend:
         sgmv_expand(y, b, out, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                     info.num_segments, info.max_seg_len, slice_offsets, pdl=pdl, dense=self.dense_expand)
 
+    def fold_expand(self, h: torch.Tensor, weights: torch.Tensor, info: Any,
+                    slice_offsets: Sequence[int]) -> torch.Tensor:
+        """The layer's output from ``h = x @ [W; A_0; ...]^T`` (``engine_lora_triton.fold``)."""
+        return sgmv_expand_folded(h, weights, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                                  info.num_segments, slice_offsets, pdl=self._pdl(info, h.device))
+
     def _pdl(self, info: Any, device: torch.device) -> bool:
         return self.pdl and info.max_seg_len <= 1 and has_pdl(device)
 
@@ -65,4 +74,5 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     options = options or {}
     return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", False)),
                              split_prefill=bool(options.get("split_prefill", True)),
-                             dense_expand=bool(options.get("dense_expand", False)))
+                             dense_expand=bool(options.get("dense_expand", False)),
+                             fold_max_rows=int(options.get("fold_max_rows", 256)))

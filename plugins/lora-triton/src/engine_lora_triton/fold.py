@@ -1,0 +1,138 @@
+"""The expand of a folded shrink: the base layer's GEMM already computed every slot's ``x @ A^T``.
+
+A LoRA layer over an unquantized weight may keep its slots' A matrices as extra output rows of
+the weight, ``W' = [W; A_0; ...; A_{S-1}]`` (``engine.lora.layers``), so that one GEMM
+``h = x @ W'^T`` gives the base output (columns ``[0, N)``) and every slot's shrink (slot ``w``'s
+``n_slices * R`` columns from ``N + w * n_slices * R``). ``_expand_folded_kernel`` then writes
+a contiguous ``out[t, :N] = h[t, :N] + scaling[w] * h[t, slot w's slice i] @ B[w, slice i]^T``,
+``w`` the slot of t's segment: one launch instead of a shrink and an expand.
+
+A program owns one column tile of one slice and one tile of tokens; it finds each token's segment
+from ``seg_indptr``, gathers the tokens' own slot's columns of h, and adds up, slot by slot, that
+slot's B tile times its tokens' rows (other tokens zeroed), loading only the B tiles of slots some
+token of the tile uses. Tokens in no segment (a graph's padding) or on rank-0 slots get the base
+columns alone. CUDA-graph safe: the grid comes from the shapes and ``num_segments``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from engine_lora_triton.kernels import _INTERPRETED, _product, _slice_of
+from engine_lora_triton.launch import _cdiv, _segment_passes, _slice_bounds, _slice_plan, sm_count
+
+
+@triton.jit
+def _folded_slot_term(acc, yv, mine, b_ptr, ranks_ptr, scalings_ptr, s, cols, n_ok, offs_r,
+                      stride_bs, stride_bn, stride_br, WIDEN: tl.constexpr, IEEE: tl.constexpr):
+    """``acc`` plus slot ``s``'s share where some token of the tile uses it."""
+    if tl.sum(mine.to(tl.int32), axis=0) > 0:
+        rank = tl.load(ranks_ptr + s)
+        scale = tl.load(scalings_ptr + s)
+        b_ptrs = b_ptr + s.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn \
+            + offs_r[None, :] * stride_br
+        bv = tl.load(b_ptrs, mask=n_ok[:, None] & (offs_r < rank)[None, :], other=0.0)
+        ym = tl.where(mine[:, None], yv, tl.zeros_like(yv))
+        acc += scale * _product(ym, bv, True, WIDEN, IEEE)
+    return acc
+
+
+@triton.jit
+def _expand_folded_kernel(h_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
+                          num_tokens, num_segments, n_base, slot_cols, off0, off1, off2, off3, tiles0, tiles01,
+                          stride_ht, stride_hn, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+                          R: tl.constexpr, NUM_SLOTS: tl.constexpr, SEGS: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                          WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    tile = tl.program_id(0)
+    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = cols < hi
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = toks < num_tokens
+    # A token's segment: the number of segments ending at or before it (empty ones included).
+    seg = tl.zeros((BLOCK_T,), dtype=tl.int32)
+    for s0 in tl.static_range(0, SEGS, BLOCK_S):
+        segs = s0 + tl.arange(0, BLOCK_S)
+        ends = tl.load(seg_indptr_ptr + 1 + segs, mask=segs < num_segments, other=2147483647)
+        seg += tl.sum((ends[None, :] <= toks[:, None]).to(tl.int32), axis=1)
+    live = t_ok & (seg < num_segments)
+    owner = tl.load(weight_indices_ptr + seg, mask=live, other=0)
+    live = live & (tl.load(ranks_ptr + owner, mask=live, other=0) > 0)
+    if PDL:
+        # The batch info, B and the scalings were written before the forward; h is the GEMM's.
+        tl.extra.cuda.gdc_wait()
+    rows = toks.to(tl.int64) * stride_ht
+    offs_r = tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    if tl.sum(live.to(tl.int32), axis=0) > 0:
+        y_cols = n_base + owner * slot_cols + y_col0
+        yv = tl.load(h_ptr + rows[:, None] + (y_cols[:, None] + offs_r[None, :]).to(tl.int64) * stride_hn,
+                     mask=live[:, None] & (offs_r < R)[None, :], other=0.0)
+        if NUM_SLOTS <= 32:
+            for s in tl.static_range(NUM_SLOTS):
+                acc = _folded_slot_term(acc, yv, live & (owner == s), b_ptr, ranks_ptr, scalings_ptr,
+                                        tl.full((), s, tl.int32), cols, n_ok, offs_r, stride_bs, stride_bn, stride_br,
+                                        WIDEN, IEEE)
+        else:
+            for s in range(NUM_SLOTS):  # (the interpreter's s is a Python int)
+                acc = _folded_slot_term(acc, yv, live & (owner == s), b_ptr, ranks_ptr, scalings_ptr,
+                                        tl.zeros((), tl.int32) + s, cols, n_ok, offs_r, stride_bs, stride_bn,
+                                        stride_br, WIDEN, IEEE)
+    mask = t_ok[:, None] & n_ok[None, :]
+    base = tl.load(h_ptr + rows[:, None] + cols[None, :].to(tl.int64) * stride_hn, mask=mask, other=0.0)
+    tl.store(out_ptr + toks.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on,
+             (base.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def folded_config(tokens: int, width: int, r: int, sms: int) -> dict[str, int]:
+    """Block sizes of ``_expand_folded_kernel``: every token of a decode batch in one tile (up to
+    64), 32-column tiles where 64 would leave SMs without a program."""
+    return dict(_folded_config(tokens, width, r, sms))
+
+
+@functools.lru_cache(maxsize=256)
+def _folded_config(tokens: int, width: int, r: int, sms: int) -> dict[str, int]:
+    block_r = max(16, 1 << max(0, (r - 1).bit_length()))
+    block_t = min(64, max(16, 1 << max(0, (tokens - 1).bit_length())))
+    return dict(BLOCK_T=block_t, BLOCK_N=64 if _cdiv(width, 64) >= sms else 32, BLOCK_R=block_r,
+                num_warps=8 if block_r >= 64 else 4, num_stages=1)
+
+
+def sgmv_expand_folded(h: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
+                       ranks: torch.Tensor, scalings: torch.Tensor, num_segments: int,
+                       slice_offsets: Sequence[int], pdl: bool = False,
+                       config: dict[str, int] | None = None) -> torch.Tensor:
+    """A new contiguous ``[T, N]``: ``h[:, :N]`` plus each token's adapter, from ``h = x @ W'^T``
+    (``[T, N + slots * n_slices * R]``, slot w's shrink in its columns from ``N + w * n_slices * R``);
+    ``N`` is ``slice_offsets[-1]`` and the slices must start at column 0."""
+    padded, widths, r = _slice_plan(tuple(slice_offsets), int(slice_offsets[-1]), tuple(b.shape))
+    n_base, slots = int(slice_offsets[-1]), b.shape[0]
+    slot_cols = len(widths) * r
+    if int(slice_offsets[0]) != 0:
+        raise ValueError(f"expand_folded: slice_offsets {list(slice_offsets)} must start at column 0")
+    if h.dim() != 2 or h.shape[1] != n_base + slots * slot_cols:
+        raise ValueError(f"expand_folded: h {tuple(h.shape)} must be [T, N + slots * n_slices * R] = "
+                         f"[T, {n_base + slots * slot_cols}]")
+    if b.dtype != h.dtype:
+        raise ValueError(f"expand_folded: weights dtype {b.dtype} must be h's dtype {h.dtype}")
+    tokens = h.shape[0]
+    out = torch.empty((tokens, n_base), dtype=h.dtype, device=h.device)
+    if tokens == 0 or n_base == 0:
+        return out
+    cfg = config or _folded_config(tokens, n_base, r, sm_count(h.device))
+    tiles0, tiles01, total = _slice_bounds([_cdiv(w, cfg["BLOCK_N"]) for w in widths])
+    _expand_folded_kernel[(total, _cdiv(tokens, cfg["BLOCK_T"]))](
+        h, b, out, seg_indptr, weight_indices, ranks, scalings, tokens, num_segments, n_base, slot_cols,
+        *padded, tiles0, tiles01, h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2),
+        out.stride(0), out.stride(1),
+        R=r, NUM_SLOTS=slots, **_segment_passes(max(1, num_segments)), WIDEN=_INTERPRETED,
+        IEEE=h.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, **cfg)
+    return out

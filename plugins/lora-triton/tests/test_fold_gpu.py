@@ -1,0 +1,98 @@
+"""The folded expand on a CUDA GPU at Llama-3-8B's shapes (qkv, gate_up, down; ranks 16 and 64;
+bfloat16), compiled, against the float32 torch loop of shrink-then-expand on the unfolded layer:
+decode batches of 64 and 1, a padded decode batch, a 128-token prefill and a mixed batch; and in
+a CUDA graph replayed after the batch's slots change in place, as the engine's decode does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_lora_triton.backend import TritonLoraBackend
+
+from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DEV = "cuda"
+SLOTS = 9
+LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
+
+
+def _info(lens: list[int], slots: list[int], ranks: list[int]) -> LoraBatchInfo:
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    return LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr.to(DEV),
+                         weight_indices=torch.tensor(slots, dtype=torch.int32, device=DEV),
+                         lora_ranks=torch.tensor(ranks, dtype=torch.int32, device=DEV),
+                         scalings=torch.rand(len(ranks), device=DEV) + 0.5, max_seg_len=max(lens))
+
+
+def _layer(r: int, k: int, widths: tuple[int, ...], ranks: list[int]) -> tuple[torch.Tensor, ...]:
+    n, s = sum(widths), len(widths)
+    w = torch.randn(n, k, device=DEV) / k ** 0.5
+    a = torch.randn(SLOTS, s * r, k, device=DEV) / k ** 0.5
+    b = torch.randn(SLOTS, n, r, device=DEV) / r ** 0.5
+    for slot, rank in enumerate(ranks):
+        if rank:  # a rank-0 slot keeps stale weights (an unloaded adapter's)
+            for i in range(s):
+                a[slot, i * r + rank:(i + 1) * r] = 0
+            b[slot, :, rank:] = 0
+    offsets = [0]
+    for width in widths:
+        offsets.append(offsets[-1] + width)
+    return w.bfloat16(), a.bfloat16(), b.bfloat16(), offsets
+
+
+def _unfolded(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoraBatchInfo,
+              offsets: list[int]) -> torch.Tensor:
+    out = F.linear(x, w).float()
+    reference_expand(reference_shrink(x, a, info), b, info, out, offsets)
+    return out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor, rows: int) -> float:
+    got, want = got[:rows].float(), want[:rows].float()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+
+
+@pytest.mark.parametrize("r", [16, 64])
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+@pytest.mark.parametrize("lens", [[1] * 64, [1], [1] * 60 + [0] * 4, [128], [5, 0, 60, 1]],
+                         ids=["decode-64", "decode-1", "decode-padded", "prefill-128", "mixed"])
+def test_fold_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
+    torch.manual_seed(r + len(lens))
+    ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
+    k, widths = LAYERS[layer]
+    w, a, b, offsets = _layer(r, k, widths, ranks)
+    info = _info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks)
+    tokens = sum(lens) + (4 if lens[-1] == 0 else 0)  # padding rows past the last segment
+    x = torch.randn(tokens, k, device=DEV).bfloat16()
+    h = F.linear(x, torch.cat([w, a.reshape(-1, k)]))
+    got = TritonLoraBackend().fold_expand(h, b, info, offsets)
+    assert got.shape == (tokens, offsets[-1]) and got.is_contiguous()
+    assert _rel(got, _unfolded(x, w, a, b, info, offsets), tokens) < 2e-2
+    # Padding rows keep the base output.
+    torch.testing.assert_close(got[sum(lens):], h[sum(lens):, :offsets[-1]])
+
+
+def test_fold_graph_replay_follows_the_slots() -> None:
+    torch.manual_seed(1)
+    ranks = [16] * (SLOTS - 1) + [0]
+    k, widths = LAYERS["qkv"]
+    w, a, b, offsets = _layer(16, k, widths, ranks)
+    info = _info([1] * 64, [i % 8 for i in range(64)], ranks)
+    x = torch.randn(64, k, device=DEV).bfloat16()
+    w_fold = torch.cat([w, a.reshape(-1, k)])
+    backend = TritonLoraBackend()
+    backend.fold_expand(F.linear(x, w_fold), b, info, offsets)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.fold_expand(F.linear(x, w_fold), b, info, offsets)
+    for step in range(3):
+        info.weight_indices.copy_(torch.randint(0, SLOTS, (64,), device=DEV, dtype=torch.int32))
+        x.copy_(torch.randn(64, k, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel(out, _unfolded(x, w, a, b, info, offsets), 64) < 2e-2, step

@@ -1,0 +1,72 @@
+"""The folded expand (``engine_lora_triton.fold``) against the torch loop, under Triton's interpreter.
+
+``h`` is built as the layer's GEMM makes it, ``x @ [W; A_0; ...]^T``; the kernel's output must
+equal ``reference_fold_expand`` and, through it, shrink-then-expand on the base output: empty
+segments, rank-0 slots with stale weights, padding tokens after the last segment, one to three
+slices, segments of several tokens, more tokens than one token tile, and more pool slots than
+the kernel unrolls.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_lora_triton import interpreting
+from engine_lora_triton.fold import sgmv_expand_folded
+
+from engine.lora.backend import LoraBatchInfo, reference_expand, reference_fold_expand, reference_shrink
+
+pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (set where no GPU is present)")
+
+# (segment lengths, slots, slot ranks, R, K, slice offsets, padding tokens)
+CASES = {
+    "decode-qkv": ([1] * 6, [2, 0, 2, 1, 3, 1], [0, 4, 16, 8], 16, 40, [0, 16, 24, 32], 0),
+    "decode-padded-empty": ([1, 1, 0, 1, 0], [1, 0, 1, 1, 0], [0, 8], 8, 24, [0, 24], 3),
+    "mixed-gate-up": ([5, 0, 19, 1, 0, 3], [1, 2, 0, 1, 1, 2], [0, 8, 4], 8, 48, [0, 21, 37], 2),
+    "two-token-tiles": ([1] * 70, [i * 7 % 3 for i in range(70)], [8, 0, 4], 8, 24, [0, 20], 0),
+    "40-slots": ([1] * 20, [i * 7 % 40 for i in range(20)], [8 * (i % 3 > 0) for i in range(40)], 8, 16, [0, 24], 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_folded_expand_matches_the_loop(case: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(sorted(CASES).index(case))
+    lens, slots, ranks, r, k, offsets, pad = CASES[case]
+    n_slices, n = len(offsets) - 1, offsets[-1]
+    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    info = LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr, weight_indices=torch.tensor(slots, dtype=torch.int32),
+                         lora_ranks=torch.tensor(ranks, dtype=torch.int32), scalings=torch.rand(len(ranks)) + 0.5,
+                         max_seg_len=max(lens))
+    a = torch.randn(len(ranks), n_slices * r, k) / k ** 0.5
+    b = torch.randn(len(ranks), n, r) / r ** 0.5
+    for slot, rank in enumerate(ranks):
+        if rank:
+            for i in range(n_slices):
+                a[slot, i * r + rank:(i + 1) * r] = 0
+            b[slot, :, rank:] = 0
+    a, b = a.to(dtype), b.to(dtype)
+    w = (torch.randn(n, k) / k ** 0.5).to(dtype)
+    x = torch.randn(sum(lens) + pad, k).to(dtype)
+    h = x @ torch.cat([w, a.reshape(-1, k)]).T
+    got = sgmv_expand_folded(h, b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                             info.num_segments, offsets)
+    want = reference_fold_expand(h, b, info, offsets)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == (x.shape[0], n) and got.is_contiguous()
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    # The fold is the shrink-then-expand of the unfolded layer.
+    unfolded = h[:, :n].clone()
+    reference_expand(reference_shrink(x, a, info), b, info, unfolded, offsets)
+    torch.testing.assert_close(want.float(), unfolded.float(), rtol=tol * 4, atol=tol * 4)
+
+
+def test_folded_expand_refuses_mismatched_h() -> None:
+    info = LoraBatchInfo(num_segments=1, seg_indptr=torch.tensor([0, 2], dtype=torch.int32),
+                         weight_indices=torch.tensor([0], dtype=torch.int32),
+                         lora_ranks=torch.tensor([4, 0], dtype=torch.int32), scalings=torch.ones(2), max_seg_len=2)
+    b = torch.randn(2, 8, 4)
+    with pytest.raises(ValueError, match=r"h \(2, 15\) must be \[T, N \+ slots \* n_slices \* R\] = \[T, 16\]"):
+        sgmv_expand_folded(torch.randn(2, 15), b, info.seg_indptr, info.weight_indices, info.lora_ranks,
+                           info.scalings, 1, [0, 8])
