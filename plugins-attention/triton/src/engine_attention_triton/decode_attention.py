@@ -44,6 +44,8 @@ from engine_attention_triton.jit_math import (
     widen,
 )
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 #: A split shorter than this costs more in workspace traffic and merging than it saves.
 #: (H100, Llama-3-8B heads, batch 1, 1k context, in a CUDA graph: 16 splits of 64
 #: tokens ran in 7.9 us, 8 splits in 8.9 us, 4 in 12.9 us.)
@@ -350,6 +352,8 @@ class DecodeTiles(NamedTuple):
     #: An e4m3 pool under bf16 queries widens to float16 by the hardware's paired conversion
     #: (``words`` 2, sm_89+) instead of to bf16 on the integer pipe (``widen_e4m3_words``).
     widen_f16: bool = False
+    #: An e4m3 pool's stage 1 from ``decode_fp8`` (1: scores on the fp8 tensor cores, 2: P V too).
+    fp8_mma: int = 0
 
 
 def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool) -> DecodeTiles:
@@ -403,6 +407,7 @@ def decode_attention_fwd(
     words: int | None = None,
     heads_inner: bool | None = None,
     kv_per_program: int | None = None,
+    fp8_mma: int | None = None,
     pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
@@ -427,6 +432,9 @@ def decode_attention_fwd(
         heads_inner: launch a row's KV heads as consecutive programs (default: ``decode_tiles``).
         kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
             shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
+        fp8_mma: over an e4m3 pool, stage 1 from ``decode_fp8`` (scores on the fp8 tensor cores; 2:
+            P times V there too; 0: the widening kernel); default ``decode_tiles``' choice. Needs
+            16-bit q, no logit cap or window, power-of-two head dims of at least 32, GQA of at most 16.
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
             position, while the previous kernel drains, and stage 2 lets the next kernel start.
@@ -475,6 +483,26 @@ def decode_attention_fwd(
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
 
+    fp8_mma = tiles.fp8_mma if fp8_mma is None else fp8_mma
+    if fp8_mma:
+        if not fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size):
+            raise ValueError(f"decode attention: fp8_mma={fp8_mma} needs an e4m3 pool, 16-bit q, no logit cap or "
+                             f"sliding window, power-of-two head dims >= 32 and at most 16 query heads a KV head; "
+                             f"got {k_buffer.dtype} under {q.dtype}, head dims {head_dim}/{v_dim}, group {group}")
+        from engine_attention_triton.decode_fp8 import _decode_fp8_split_kernel
+
+        _decode_fp8_split_kernel[(num_kv_heads, batch, num_kv_splits)](
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
+            sm_scale * k_scale, float(v_scale), num_kv_splits,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+            *dest_strides, part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, BLOCK_H=16, BLOCK_N=block_n or 64, HEAD_DIM=head_dim, V_DIM=v_dim, DIRECT=direct,
+            PDL=pdl, PV_FP8=fp8_mma == 2, UPCAST=_INTERPRETED, num_warps=num_warps or 4,
+            num_stages=num_stages or 3, launch_pdl=pdl)
+        if not direct:
+            _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
+        return
     kv_groups = num_kv_heads // per_program
     grid = (kv_groups, batch, num_kv_splits) if heads_inner else (batch, kv_groups, num_kv_splits)
     _decode_split_kernel[grid](
@@ -506,8 +534,12 @@ def decode_attention_fwd(
         num_stages=num_stages,
         launch_pdl=pdl,
     )
-    if direct:
-        return
+    if not direct:
+        _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
+
+
+def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, batch: int, num_heads: int,
+           num_kv_splits: int, v_dim: int, pdl: bool) -> None:
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out,
         num_kv_splits,
@@ -521,6 +553,17 @@ def decode_attention_fwd(
         num_warps=4,
         launch_pdl=pdl,
     )
+
+
+def fp8_mma_fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, logit_cap: float,
+                 sliding_window_size: int) -> bool:
+    """Whether ``decode_fp8``'s kernel can attend these operands (it has no cap or window, and its
+    tiles are 16 query heads by power-of-two head dims)."""
+    head_dim, v_dim = k_buffer.shape[2], v_buffer.shape[2]
+    group = q.shape[1] // k_buffer.shape[1]
+    return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
+            and logit_cap <= 0 and sliding_window_size < 0 and group <= 16
+            and all(d >= 32 and d & (d - 1) == 0 for d in (head_dim, v_dim)))
 
 
 @functools.cache
@@ -542,5 +585,5 @@ def has_pdl(device: torch.device) -> bool:
     return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words", "has_pdl",
-           "kv_heads_per_program"]
+__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "fp8_mma_fits",
+           "gathers_words", "has_pdl", "kv_heads_per_program"]
