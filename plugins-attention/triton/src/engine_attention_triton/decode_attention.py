@@ -56,6 +56,10 @@ TARGET_PROGRAMS_PER_SM = 4
 HEADS_INNER = False
 #: KV heads one stage-1 program attends where the shapes allow (``kv_heads_per_program``).
 KV_PER_PROGRAM = 1
+#: ``decode_fp8``'s mode where ``decode_tiles`` picks it (0: the widening kernel), and its tiles
+#: (keys a block, warps, stages).
+FP8_MMA = 0
+FP8_MMA_TILES = (64, 4, 3)
 
 
 def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None,
@@ -379,7 +383,7 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
     if num_kv_splits > 4:
         return DecodeTiles(False, 64, 4, 3)
     if words:
-        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True)
+        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True, fp8_mma=FP8_MMA)
     return DecodeTiles(True, 32, 4, 4)
 
 
@@ -466,6 +470,34 @@ def decode_attention_fwd(
         raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
                          f"under {q.dtype}")
     tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, bool(words))
+    # One split (large batches fill the GPU without splitting): stage 1 writes the output.
+    direct = num_kv_splits == 1
+    dest = out if direct else part_out
+    dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
+        part_out.stride(0), part_out.stride(1), part_out.stride(2))
+    if fp8_mma is None:  # the tiles' choice where the kernel applies: sm_90+ (fp8 wgmma), chosen words
+        fp8_mma = tiles.fp8_mma if (chosen and tiles.fp8_mma and _sm90(q.device)
+                                    and fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size)) else 0
+    if fp8_mma:
+        if not fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size):
+            raise ValueError(f"decode attention: fp8_mma={fp8_mma} needs an e4m3 pool, 16-bit q, no logit cap or "
+                             f"sliding window, power-of-two head dims >= 32 and at most 16 query heads a KV head; "
+                             f"got {k_buffer.dtype} under {q.dtype}, head dims {head_dim}/{v_dim}, group {group}")
+        from engine_attention_triton.decode_fp8 import _decode_fp8_split_kernel
+
+        bn, warps, stages = FP8_MMA_TILES
+        _decode_fp8_split_kernel[(num_kv_heads, batch, num_kv_splits)](
+            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
+            sm_scale * k_scale, float(v_scale), num_kv_splits,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+            v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
+            *dest_strides, part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, BLOCK_H=16, BLOCK_N=block_n or bn, HEAD_DIM=head_dim, V_DIM=v_dim, DIRECT=direct,
+            PDL=pdl, PV_FP8=fp8_mma == 2, UPCAST=_INTERPRETED, num_warps=num_warps or warps,
+            num_stages=num_stages or stages, launch_pdl=pdl)
+        if not direct:
+            _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
+        return
     if chosen and words == 1 and tiles.widen_f16 and _sm89(q.device.index if q.device.index is not None
                                                            else torch.cuda.current_device()):
         words = 2
@@ -477,32 +509,6 @@ def decode_attention_fwd(
     num_warps = num_warps or tiles.num_warps
     num_stages = num_stages or tiles.num_stages
     precision = dot_precision(q.dtype)
-    # One split (large batches fill the GPU without splitting): stage 1 writes the output.
-    direct = num_kv_splits == 1
-    dest = out if direct else part_out
-    dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
-        part_out.stride(0), part_out.stride(1), part_out.stride(2))
-
-    fp8_mma = tiles.fp8_mma if fp8_mma is None else fp8_mma
-    if fp8_mma:
-        if not fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size):
-            raise ValueError(f"decode attention: fp8_mma={fp8_mma} needs an e4m3 pool, 16-bit q, no logit cap or "
-                             f"sliding window, power-of-two head dims >= 32 and at most 16 query heads a KV head; "
-                             f"got {k_buffer.dtype} under {q.dtype}, head dims {head_dim}/{v_dim}, group {group}")
-        from engine_attention_triton.decode_fp8 import _decode_fp8_split_kernel
-
-        _decode_fp8_split_kernel[(num_kv_heads, batch, num_kv_splits)](
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
-            sm_scale * k_scale, float(v_scale), num_kv_splits,
-            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-            v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-            *dest_strides, part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, BLOCK_H=16, BLOCK_N=block_n or 64, HEAD_DIM=head_dim, V_DIM=v_dim, DIRECT=direct,
-            PDL=pdl, PV_FP8=fp8_mma == 2, UPCAST=_INTERPRETED, num_warps=num_warps or 4,
-            num_stages=num_stages or 3, launch_pdl=pdl)
-        if not direct:
-            _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
-        return
     kv_groups = num_kv_heads // per_program
     grid = (kv_groups, batch, num_kv_splits) if heads_inner else (batch, kv_groups, num_kv_splits)
     _decode_split_kernel[grid](
@@ -564,6 +570,18 @@ def fp8_mma_fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
             and logit_cap <= 0 and sliding_window_size < 0 and group <= 16
             and all(d >= 32 and d & (d - 1) == 0 for d in (head_dim, v_dim)))
+
+
+def _sm90(device: torch.device) -> bool:
+    """Whether the CUDA device has Hopper's fp8 wgmma (sm_90+; not under Triton's interpreter)."""
+    if device.type != "cuda" or _INTERPRETED:
+        return False
+    return _sm90_index(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm90_index(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.cache
