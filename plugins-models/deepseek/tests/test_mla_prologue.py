@@ -175,3 +175,46 @@ def test_gate_kernel_takes_the_rmsnorm_before_it(residual: bool) -> None:
         torch.testing.assert_close(res_sum.cpu(), ref_sum.cpu(), atol=0, rtol=0)
     ref = torch.nn.functional.linear(ref_normed.float(), weight)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=2e-3)
+
+
+def test_stage_plan_takes_whole_chunks_in_order_up_to_the_cap() -> None:
+    from engine_models_deepseek.l2_stage import CHUNK, PER_PROGRAM, stage_plan
+
+    a = torch.empty(3 * CHUNK + 5, dtype=torch.uint8)  # 3 whole chunks
+    b = torch.empty(300 * CHUNK // 2, dtype=torch.bfloat16)  # 300 chunks
+    c = torch.empty(10, 8)[:, :4]  # not contiguous: skipped
+    plan = stage_plan([a, c, b], 200 * CHUNK)
+    assert plan is not None and plan.ranges == ((a.data_ptr(), 3), (b.data_ptr(), 197), (0, 0))
+    assert plan.programs == -(-200 // PER_PROGRAM) and plan.args()[:2] == [a.data_ptr(), 3]
+    assert stage_plan([a], CHUNK - 1) is None and stage_plan([c], 1 << 30) is None
+    with pytest.raises(ValueError, match="at most 3"):
+        stage_plan([a, a, a, a], 1 << 30)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEV == "cpu" or torch.cuda.get_device_capability()[0] < 9, reason="bulk L2 prefetch: sm_90+")
+def test_prologue_with_l2_staging_writes_the_same() -> None:
+    """Staging programs in the launch (20 MiB of two weights) change nothing the launch writes."""
+    from engine_models_deepseek.l2_stage import stage_plan, supports_staging
+    from engine_models_deepseek.mla_prologue import mla_prologue
+
+    assert supports_staging(torch.device(DEV))
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, nope, lora, rope = 1, 16, 128, 512, 64
+    q = torch.randn(tokens, heads, nope + rope, generator=gen).to(torch.bfloat16).to(DEV)
+    kv_a = torch.randn(tokens, lora + rope, generator=gen).to(torch.bfloat16).to(DEV)
+    w_uk = (torch.randn(heads, nope, lora, generator=gen) * 0.1).to(torch.bfloat16).to(DEV)
+    cos, sin = torch.rand(64, rope // 2, device=DEV), torch.rand(64, rope // 2, device=DEV)
+    weights = [torch.empty(8 << 20, dtype=torch.bfloat16, device=DEV), torch.empty(6 << 20, device=DEV)]
+    outs = []
+    for stage in (None, stage_plan(weights, 20 << 20)):
+        q_out = torch.full((tokens, heads, lora + rope), float("nan"), dtype=torch.bfloat16, device=DEV)
+        k_out = torch.full((tokens, lora + rope), float("nan"), dtype=torch.bfloat16, device=DEV)
+        pool = torch.zeros(8, 1, lora + rope, dtype=torch.bfloat16, device=DEV)
+        mla_prologue(q, kv_a, torch.tensor([5], device=DEV), cos, sin, torch.ones(lora, dtype=torch.bfloat16,
+                     device=DEV), 1e-6, nope, True, q_out, k_out, pool, torch.tensor([3], device=DEV), w_uk=w_uk,
+                     stage=stage)
+        outs.append((q_out, k_out, pool))
+    assert stage is not None and stage.programs == 10
+    for before, after in zip(outs[0], outs[1], strict=True):
+        assert torch.equal(before, after)

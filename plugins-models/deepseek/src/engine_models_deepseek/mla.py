@@ -62,6 +62,10 @@ class DeepseekMLA(nn.Module):
     #: Where ``head_matvec`` applies, the W_UK product's programs in the prologue's launch
     #: (``mla_prologue(..., w_uk=...)``); False: two launches (the comparison a benchmark makes).
     fuse_prologue = True
+    #: MiB of the weights this layer streams after attention (``o_proj``'s, then the shared
+    #: experts' ``stage_targets``) that the prologue's launch asks L2 for at decode batches on
+    #: sm_90+ (``l2_stage``); 0 or False: none.
+    l2_stage_mb = 32
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -107,6 +111,12 @@ class DeepseekMLA(nn.Module):
         #: The platform's ``pdl`` entry (``use_kernels``): ``head_matvec`` and the prologue as
         #: programmatic dependent launches.
         self.pdl = False
+        #: Layers read after attention whose weights the prologue's launch stages in L2 after
+        #: ``o_proj``'s, in order (the model sets the shared experts' projections after loading);
+        #: the plan is made at the first decode step.
+        self.stage_targets: list[nn.Module] = []
+        self._stage: Any = None
+        self._stage_made = False
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         self.pdl = self.kernel_pdl and bool(kernels.get("pdl", False))
@@ -214,6 +224,7 @@ class DeepseekMLA(nn.Module):
         q_full = q.new_empty(tokens, self.num_heads, latent_dim)
         k = kv_a.new_empty(tokens, latent_dim)
         one_launch = self.fuse_prologue and self._head_matvec_applies(q)
+        stage = self._stage_plan(q.device) if one_launch else None
         if not one_launch:
             self._per_head(q[..., :self.nope_dim], self.w_uk, q_full[..., :self.kv_lora_rank], transposed=False)
         pool = forward_batch.token_to_kv_pool
@@ -222,6 +233,19 @@ class DeepseekMLA(nn.Module):
                      self.kv_a_layernorm.variance_epsilon, self.nope_dim, rope.interleave, q_full, k,
                      pool.get_key_buffer(self.attn.layer_id), forward_batch.out_cache_loc,
                      float(self.attn.k_scale) if pool.is_fp8 else 1.0, pdl=self.pdl,
-                     w_uk=self.w_uk if one_launch else None)
+                     w_uk=self.w_uk if one_launch else None, stage=stage)
         # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
         return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)
+
+    def _stage_plan(self, device: torch.device) -> Any:
+        """The L2 staging plan of ``o_proj``'s weight and ``stage_targets`` (``l2_stage_mb``), made
+        once the weights are final (the first decode step); None where nothing is staged."""
+        if not self._stage_made:
+            from engine_models_deepseek.l2_stage import stage_plan, supports_staging
+
+            weights = [getattr(layer, "weight", None) for layer in (self.o_proj, *self.stage_targets)]
+            targets = [w for w in weights if isinstance(w, torch.Tensor)]
+            mb = int(self.l2_stage_mb or 0)
+            self._stage = stage_plan(targets, mb << 20) if mb > 0 and supports_staging(device) else None
+            self._stage_made = True
+        return self._stage

@@ -228,6 +228,10 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                     pass  # DP attention gathers the MLP's input across replicas: a tensor, not a pending norm
                 elif isinstance(module.mlp, DeepseekMoE):
                     consumers["post_attention_layernorm"] = "mlp.gate"
+                    shared = module.mlp.shared_experts
+                    if shared is not None:
+                        # Read after attention at decode: staged in L2 during it (mla.l2_stage_mb).
+                        module.self_attn.stage_targets = [shared.gate_up_proj, shared.down_proj]
                 elif isinstance(module.mlp, GatedMLP):
                     consumers["post_attention_layernorm"] = "mlp.gate_up_proj"
                 module.norm_consumers = consumers
