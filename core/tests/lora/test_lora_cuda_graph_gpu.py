@@ -1,7 +1,8 @@
 """LoRA decode under CUDA graphs on a GPU (run by the lead on a GPU): a tiny float32 Llama with
 the triton LoRA backend, 13 requests over three adapters and the base model decoded from a
-16-row graph (the per-slot expand, and three padding rows), give PEFT's greedy
-tokens. Kept small (one scheduler, two LoRA layers per decoder layer, graphs up to 16 rows) so
+16-row graph (three padding rows), give PEFT's greedy tokens: with the shrink folded into the
+base GEMM (``fold_expand``; 3 adapter slots, so the slots' A rows fit ``FOLD_MAX_EXTRA``) and
+without (``lora-triton.fold_max_rows=0``: shrink and the per-slot expand). Kept small (one scheduler, two LoRA layers per decoder layer, graphs up to 16 rows) so
 that the kernels' compiles and the captures stay few."""
 
 from __future__ import annotations
@@ -51,7 +52,13 @@ def _run(ckpt: str, adapters: dict[str, str], prompts: list[list[int]], **kw: An
     return sched, [col.ids[r] for r in rids]
 
 
-def test_graph_decode_equals_peft(ckpt: str, adapters: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+FORMS = {"folded": dict(max_loras_per_batch=3),
+         "unfolded": dict(plugin_options={"lora-triton": {"fold_max_rows": 0}})}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_graph_decode_equals_peft(ckpt: str, adapters: dict[str, str], monkeypatch: pytest.MonkeyPatch,
+                                  form: str) -> None:
     from engine.model_executor.cuda_graph_runner import CudaGraphRunner
 
     rng = random.Random(9)
@@ -64,8 +71,10 @@ def test_graph_decode_equals_peft(ckpt: str, adapters: dict[str, str], monkeypat
         return original(self, fb)
 
     monkeypatch.setattr(CudaGraphRunner, "replay", replay)
-    sched, graphed = _run(ckpt, adapters, prompts)
+    sched, graphed = _run(ckpt, adapters, prompts, **FORMS[form])
     assert max(replays, default=0) == 13, f"decode steps of 13 rows ran from a graph: {replays}"
+    folds = [layer.fold_weight is not None for layer in sched.runner.lora.layers.values()]
+    assert all(folds) if form == "folded" else not any(folds), folds
     check_no_leak(sched)
     for i, p in enumerate(prompts):
         name = NAMES[i % 4]

@@ -56,7 +56,13 @@ from engine_lora_triton.launch import (
 )
 
 from engine.bench.results import append_rows
-from engine.lora.backend import LoraBatchInfo, lora_apply, reference_expand, reference_fold_expand, reference_shrink
+from engine.lora.backend import (
+    LoraBatchInfo,
+    lora_apply,
+    reference_expand,
+    reference_fold_expand,
+    reference_shrink,
+)
 
 HIDDEN, KV, MLP = 4096, 1024, 14336
 #: layer -> (K, slice widths of the output)

@@ -14,7 +14,12 @@ import torch
 from engine_lora_triton import interpreting
 from engine_lora_triton.fold import sgmv_expand_folded
 
-from engine.lora.backend import LoraBatchInfo, reference_expand, reference_fold_expand, reference_shrink
+from engine.lora.backend import (
+    LoraBatchInfo,
+    reference_expand,
+    reference_fold_expand,
+    reference_shrink,
+)
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (set where no GPU is present)")
 

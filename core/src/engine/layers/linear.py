@@ -112,8 +112,8 @@ class LinearBase(nn.Module):
         #: method for inputs of few rows; None: always ``F.linear``.
         self.skinny_linear: Any = None
         #: LoRA adapters' slots for this projection (``engine.lora.layers.LoraLayer``), set by the
-        #: model runner when LoRA is on: ``lora.apply(x, out)`` adds the batch's adapters to the
-        #: output before any all-reduce or gather. None: no LoRA.
+        #: model runner when LoRA is on: ``lora.forward(self, x, bias)`` computes the layer's product
+        #: with the batch's adapters added, before any all-reduce or gather. None: no LoRA.
         self.lora: Any = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
@@ -204,9 +204,10 @@ class ColumnParallelLinear(LinearBase):
         _copy_into(dst, src)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.quant_method.apply(self, x, self.bias)
         if self.lora is not None:
-            self.lora.apply(x, out)
+            out = self.lora.forward(self, x, self.bias)  # the layer's product plus the batch's adapters
+        else:
+            out = self.quant_method.apply(self, x, self.bias)
         return tensor_model_parallel_all_gather(out) if self.gather_output else out
 
 
@@ -306,10 +307,11 @@ class RowParallelLinear(LinearBase):
         if not self.input_is_parallel and self.tp_size > 1:
             x = x.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
         # The bias is added once, after the reduction.
-        out = self.quant_method.apply(self, x, None)
         if self.lora is not None:
             # This rank's share (A sharded by input like the weight): summed by the all-reduce.
-            self.lora.apply(x, out)
+            out = self.lora.forward(self, x, None)
+        else:
+            out = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

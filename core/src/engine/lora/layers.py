@@ -13,6 +13,15 @@ K]`` and B ``[slots, N, R]`` in this rank's shard, and adds ``shrink``/``expand`
 adapters through the LoRA backend. Column-parallel layers keep A whole and shard B by output
 like the layer; row-parallel layers shard A by input like the layer and keep B whole, so each
 rank's part is summed by the layer's own all-reduce.
+
+Folded shrink: where the backend offers ``fold_expand`` (with ``fold_max_rows`` > 0) and the layer
+is unquantized, without a bias added before the reduction, and its slots' A rows are at most
+``FOLD_MAX_EXTRA`` of its output rows, A lives under the weight: one buffer ``W' = [W; A]`` whose
+first rows are the layer's weight (a view, so checkpoint loads still write into it) and the rest
+the slots' A. A batch of up to ``fold_max_rows`` tokens then runs one GEMM ``x @ W'^T`` (the base
+output and every slot's shrink) and the backend's ``fold_expand``; larger batches run the plain
+GEMM over ``W`` and shrink/expand as before. Row-parallel layers fold too: each rank's partial
+shrink expands to a partial output that the all-reduce sums, as without the fold.
 """
 
 from __future__ import annotations
@@ -24,6 +33,9 @@ import torch
 from torch import nn
 
 from engine.lora.backend import LoraBackend, LoraBatchInfo, lora_apply
+
+#: the most extra GEMM rows (slots' A rows) a fold may add, as a share of the layer's output rows.
+FOLD_MAX_EXTRA = 0.5
 
 #: fused projection -> the PEFT modules it stacks, in output order.
 STACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -72,6 +84,35 @@ class LoraLayer(nn.Module):
                              persistent=False)
         self.register_buffer("b_buffer", torch.zeros(num_slots, offsets[-1], max_rank, dtype=dtype, device=device),
                              persistent=False)
+        #: ``[W; A]`` when the shrink is folded into the base GEMM (``fold_into``), else None.
+        self.fold_weight: torch.Tensor | None = None
+        self.fold_max_rows = 0
+
+    def fold_into(self, module: Any, max_rows: int) -> bool:
+        """Moves the layer's weight and this layer's A slots into one buffer ``[W; A]`` (the
+        weight becomes a view of its first rows); False, changing nothing, where the layer does
+        not take it: quantized, a bias before the reduction, other dtypes, or more A rows than
+        ``FOLD_MAX_EXTRA`` of its output rows."""
+        from engine.layers.linear import UnquantizedLinearMethod, linear_with_kernel
+
+        weight = getattr(module, "weight", None)
+        a = self.a_buffer
+        if (max_rows <= 0 or not isinstance(module.quant_method, UnquantizedLinearMethod) or weight is None
+                or (module.bias is not None and not self.row_parallel) or weight.dim() != 2
+                or weight.dtype != a.dtype or weight.device != a.device
+                or tuple(weight.shape) != (self.slice_offsets[-1], a.shape[2])):
+            return False
+        n, extra = weight.shape[0], a.shape[0] * a.shape[1]
+        if extra > FOLD_MAX_EXTRA * n:
+            return False
+        folded = torch.zeros(n + extra, a.shape[2], dtype=a.dtype, device=a.device)
+        folded[:n].copy_(weight.data)
+        folded[n:].copy_(a.reshape(extra, -1))
+        weight.data = folded[:n]
+        self.a_buffer = folded[n:].view(a.shape)
+        self.fold_weight, self.fold_max_rows = folded, max_rows
+        self._linear = linear_with_kernel  # the layer's own GEMM path (its skinny kernel for few rows)
+        return True
 
     def shard(self, slice_index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of one slice's full (A [r, in], B [out, r])."""
@@ -96,6 +137,23 @@ class LoraLayer(nn.Module):
             a_buf[i * r_max:i * r_max + r].copy_(a, non_blocking=True)
             lo, hi = self.slice_offsets[i], self.slice_offsets[i + 1]
             b_buf[lo:hi, :r].copy_(b, non_blocking=True)
+
+    def forward(self, module: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The linear layer's output with the batch's adapters: the folded GEMM and
+        ``fold_expand`` for a batch of up to ``fold_max_rows`` tokens, else the layer's own
+        method and ``apply``. ``bias`` is what the layer adds before any reduction."""
+        info = self.state.batch_info
+        fold = self.fold_weight
+        if info is not None and fold is not None and bias is None:
+            x2 = x.reshape(-1, x.shape[-1])
+            # (a weight swapped for a new tensor since, e.g. by a weight update, ends the fold)
+            if x2.shape[0] <= self.fold_max_rows and module.weight.data_ptr() == fold.data_ptr():
+                h = self._linear(module.skinny_linear, x2, fold)
+                out = self.state.backend.fold_expand(h, self.b_buffer, info, self.slice_offsets)  # type: ignore[attr-defined]
+                return out.view(*x.shape[:-1], out.shape[-1])
+        out = module.quant_method.apply(module, x, bias)
+        self.apply(x, out)
+        return out
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """Adds the batch's adapters' ``scaling * (x @ A^T) @ B^T`` to ``out`` in place."""
@@ -158,8 +216,10 @@ def attach_lora(model: nn.Module, targets: set[str], state: LoraState, num_slots
     """Gives every target layer of ``model`` its ``LoraLayer`` (``layer.lora``); returns them by
     the PEFT module path of each slice's parent (``model.layers.0.self_attn``) + layer name."""
     layers: dict[str, LoraLayer] = {}
+    fold_rows = int(getattr(state.backend, "fold_max_rows", 0)) if hasattr(state.backend, "fold_expand") else 0
     for name, (module, peft_names) in lora_target_layers(model, targets).items():
         lora = build_lora_layer(module, peft_names, state, num_slots, max_rank, dtype, device)
+        lora.fold_into(module, fold_rows)
         module.lora = lora
         layers[name] = lora
     return layers

@@ -41,6 +41,10 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
                      for buf in (layer.a_buffer, layer.b_buffer))
     logger.info("LoRA: backend %s, %d slots of rank %d on %s (%d layers, %.1f MiB)", backend.name,
                 args.max_loras_per_batch, max_rank, " ".join(sorted(targets)), len(manager.layers), slot_bytes / 2**20)
+    folded = sum(layer.fold_weight is not None for layer in manager.layers.values())
+    if folded:
+        logger.info("LoRA: shrink folded into the base GEMM on %d of %d layers, for batches of up to %d tokens",
+                    folded, len(manager.layers), max(layer.fold_max_rows for layer in manager.layers.values()))
     return manager
 
 

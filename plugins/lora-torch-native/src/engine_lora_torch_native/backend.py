@@ -11,6 +11,7 @@ round trip and shapes fixed by the batch size alone.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -22,13 +23,19 @@ class TorchNativeLoraBackend:
     False one masked matmul per slot; None (the default) chooses by the tensors' device. On the
     host path, batches of several segments and at most ``gather_max_tokens`` tokens (decode
     steps) gather each token's matrices and run one batched product instead: a decode step of
-    many adapters is then two products per layer, not two per row."""
+    many adapters is then two products per layer, not two per row.
+
+    ``fold_max_rows`` (option ``lora_torch_native.fold_max_rows``, default 0: never): batches of up
+    to that many tokens take the folded shrink (``fold_expand``), the reference form of what the
+    ``triton`` backend runs there."""
 
     name = "torch_native"
 
-    def __init__(self, per_segment: bool | None = None, gather_max_tokens: int = 32) -> None:
+    def __init__(self, per_segment: bool | None = None, gather_max_tokens: int = 32, fold_max_rows: int = 0,
+                 options: dict[str, Any] | None = None) -> None:
         self.per_segment = per_segment
         self.gather_max_tokens = gather_max_tokens
+        self.fold_max_rows = int((options or {}).get("fold_max_rows", fold_max_rows))
         # Every LoRA layer of one forward gets the same info: its segments are read once.
         self._segments_of: tuple[LoraBatchInfo | None, list[tuple[int, int, int, float]]] = (None, [])
         self._gather_of: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -113,6 +120,21 @@ class TorchNativeLoraBackend:
             for i in range(n_slices):
                 a, b = slice_offsets[i], slice_offsets[i + 1]
                 out[:, a:b].add_((y[:, i * rank:(i + 1) * rank] @ weights[slot, a:b].T) * weight)
+
+
+    # -- folded shrink: h = x @ [W; A_0; ...]^T from the layer's GEMM --------------------------
+    def fold_expand(self, h: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo,
+                    slice_offsets: Sequence[int]) -> torch.Tensor:
+        """The base columns of ``h`` plus each token's adapter: its own slot's columns of ``h``
+        are its shrink (gathered on the device), expanded by ``expand``."""
+        n, num_slots = int(slice_offsets[-1]), weights.shape[0]
+        cols = (h.shape[1] - n) // num_slots
+        slots = _token_slots(info, h.shape[0])
+        every = h[:, n:].reshape(h.shape[0], num_slots, cols)
+        y = every[torch.arange(h.shape[0], device=h.device), slots.clamp(min=0)]
+        out = h[:, :n].contiguous()
+        self.expand(y, weights, info, out, slice_offsets)
+        return out
 
 
 def _host_segments(info: LoraBatchInfo) -> list[tuple[int, int, int, float]]:

@@ -2,7 +2,8 @@
 with the plain torch loop of ``engine.lora.backend`` on random segmented batches (empty segments,
 rank-0 slots, ranks 8 and 16, one to three slices, float32 and bfloat16 where the device has it),
 and so does its optional ``apply`` (shrink then expand in one call), on those batches and on a
-decode batch of one-token segments."""
+decode batch of one-token segments, and its optional ``fold_expand`` (the expand of a shrink folded
+into the base GEMM), on those batches with padding rows after the last segment."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from engine.lora.backend import LoraBackend, LoraBatchInfo, reference_expand, reference_shrink
+from engine.lora.backend import (
+    LoraBackend,
+    LoraBatchInfo,
+    reference_expand,
+    reference_fold_expand,
+    reference_shrink,
+)
 from engine.platforms import device_supports_bf16
 from engine.testing.conformance._common import (
     KIT_SEED,
@@ -137,6 +144,28 @@ def check_lora_backend(spec_or_backend: Any, device: str | torch.device = "cpu",
                 decode_slots = [int(v) for v in torch.randint(0, len(SLOT_RANKS), (20,), generator=gen)]
                 decode = random_batch_info(gen, decode_lens, decode_slots, dev)
                 _check_apply(backend, gen, decode, a, b, offsets, dev, dtype, f"{case}, decode batch")
+            if callable(getattr(backend, "fold_expand", None)):
+                decode = random_batch_info(gen, [1] * 18 + [0, 0], [int(v) for v in torch.randint(
+                    0, len(SLOT_RANKS), (20,), generator=gen)], dev)
+                for batch, what in ((info, ""), (decode, ", decode batch")):
+                    _check_fold(backend, gen, batch, b, offsets, dev, dtype, f"{case}{what}")
+
+
+def _check_fold(backend: Any, gen: torch.Generator, info: LoraBatchInfo, b: torch.Tensor, offsets: list[int],
+                dev: torch.device, dtype: torch.dtype, case: str) -> None:
+    """A backend's optional ``fold_expand`` equals the reference on ``h`` with two padding rows;
+    rows of rank-0 segments and padding rows are ``h``'s base columns."""
+    tokens = int(info.seg_indptr[-1]) + 2
+    n = offsets[-1]
+    h = randn(gen, tokens, n + b.shape[0] * (len(offsets) - 1) * b.shape[2], device=dev, dtype=dtype)
+    got = backend.fold_expand(h, b, info, offsets)
+    assert tuple(got.shape) == (tokens, n) and got.dtype == dtype, \
+        f"{case}: fold_expand returned {tuple(got.shape)} {got.dtype}, not ({tokens}, {n}) {dtype}"
+    assert got.is_contiguous(), f"{case}: fold_expand returned a non-contiguous tensor"
+    _close(got, reference_fold_expand(h, b, info, offsets), dtype, f"{case}: fold_expand")
+    keep = torch.ones(tokens, dtype=torch.bool, device=dev)
+    keep[:tokens - 2] = _rank0_rows(info)
+    assert torch.equal(got[keep], h[keep, :n]), f"{case}: fold_expand changed rows of rank-0 segments or padding"
 
 
 def _check_apply(backend: Any, gen: torch.Generator, info: LoraBatchInfo, a: torch.Tensor, b: torch.Tensor,
