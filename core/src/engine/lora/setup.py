@@ -43,6 +43,9 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
                 args.max_loras_per_batch, max_rank, " ".join(sorted(targets)), len(manager.layers), slot_bytes / 2**20)
     folded = sum(layer.fold_weight is not None for layer in manager.layers.values())
     if folded:
+        # The weights the folded buffers replaced went to the allocator's cache: give them back
+        # before the KV pool is sized from the device's free memory.
+        platform.empty_cache()
         logger.info("LoRA: shrink folded into the base GEMM on %d of %d layers, for batches of up to %d tokens",
                     folded, len(manager.layers), max(layer.fold_max_rows for layer in manager.layers.values()))
     return manager
