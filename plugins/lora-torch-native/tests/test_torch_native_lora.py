@@ -38,3 +38,15 @@ def test_padding_tokens_beyond_the_segments_are_untouched() -> None:
     backend.expand(y, b, info, out, [0, 8])
     assert torch.equal(out[5:], before[5:])
     assert not torch.equal(out[:5], before[:5])
+
+
+def test_fold_max_rows_option() -> None:
+    import pytest
+    from engine_lora_torch_native.backend import TorchNativeLoraBackend
+
+    from engine.errors import ConfigError
+
+    assert TorchNativeLoraBackend().fold_max_rows == 0
+    assert TorchNativeLoraBackend(options={"fold_max_rows": 32}).fold_max_rows == 32
+    with pytest.raises(ConfigError, match=r"lora_torch_native.fold_max_rows: invalid value -1; accepted"):
+        TorchNativeLoraBackend(options={"fold_max_rows": -1})

@@ -75,3 +75,14 @@ def test_folded_expand_refuses_mismatched_h() -> None:
     with pytest.raises(ValueError, match=r"h \(2, 15\) must be \[T, N \+ slots \* n_slices \* R\] = \[T, 16\]"):
         sgmv_expand_folded(torch.randn(2, 15), b, info.seg_indptr, info.weight_indices, info.lora_ranks,
                            info.scalings, 1, [0, 8])
+
+
+@pytest.mark.parametrize("value", [-1, "8", True])
+def test_fold_max_rows_option_is_checked(value: object) -> None:
+    from engine_lora_triton.backend import create
+
+    from engine.errors import ConfigError
+
+    assert create({"fold_max_rows": 0}).fold_max_rows == 0
+    with pytest.raises(ConfigError, match=r"lora-triton.fold_max_rows: invalid value .*; accepted: an integer >= 0"):
+        create({"fold_max_rows": value})

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import ConfigError
 from engine.lora.backend import LoraBatchInfo
 
 
@@ -35,7 +36,11 @@ class TorchNativeLoraBackend:
                  options: dict[str, Any] | None = None) -> None:
         self.per_segment = per_segment
         self.gather_max_tokens = gather_max_tokens
-        self.fold_max_rows = int((options or {}).get("fold_max_rows", fold_max_rows))
+        fold_rows = (options or {}).get("fold_max_rows", fold_max_rows)
+        if isinstance(fold_rows, bool) or not isinstance(fold_rows, int) or fold_rows < 0:
+            raise ConfigError(f"lora_torch_native.fold_max_rows: invalid value {fold_rows!r}; accepted: an integer >= 0 "
+                             "(0: never fold the shrink into the base GEMM)")
+        self.fold_max_rows = fold_rows
         # Every LoRA layer of one forward gets the same info: its segments are read once.
         self._segments_of: tuple[LoraBatchInfo | None, list[tuple[int, int, int, float]]] = (None, [])
         self._gather_of: tuple[torch.Tensor, torch.Tensor] | None = None

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from engine.errors import ConfigError
 from engine_lora_triton.fold import sgmv_expand_folded
 from engine_lora_triton.launch import has_pdl, sgmv_expand, sgmv_shrink, sgmv_shrink_slots
 
@@ -72,7 +73,11 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``);
     block sizes are chosen per call from the shapes."""
     options = options or {}
+    fold_rows = options.get("fold_max_rows", 256)
+    if isinstance(fold_rows, bool) or not isinstance(fold_rows, int) or fold_rows < 0:
+        raise ConfigError(f"lora-triton.fold_max_rows: invalid value {fold_rows!r}; accepted: an integer >= 0 "
+                         "(0: never fold the shrink into the base GEMM)")
     return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", False)),
                              split_prefill=bool(options.get("split_prefill", True)),
                              dense_expand=bool(options.get("dense_expand", False)),
-                             fold_max_rows=int(options.get("fold_max_rows", 256)))
+                             fold_max_rows=fold_rows)
