@@ -2,9 +2,9 @@
 
 Llama-3-8B heads (32 query heads on 8 KV heads, head dim 128) and GQA 8 at head dim 64, e4m3
 pools on shuffled pages filled with random data, rows of 1..1500 tokens, one split (the output
-written directly) and several (merged), with and without programmatic dependent launch, both
-modes (1: scores on the fp8 tensor cores; 2: P times V there too); q of magnitude 1 and 3e4
-(scores kept O(1) by the softmax scale). Then a CUDA graph replayed on new rows and lengths.
+written directly) and several (merged), with and without programmatic dependent launch, every
+mode (scores on the fp8 tensor cores; P times V: 1 float16 mma, 2 fp8 wgmma, 3 float16 wgmma),
+q of magnitude 1 and 3e4 (scores kept O(1) by the softmax scale). Then a CUDA graph replayed on new rows and lengths.
 Tolerances as for bf16 in test_triton_kernels.py.
 """
 
@@ -68,7 +68,7 @@ def seed() -> int:
     return value
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("group,kv_heads,head_dim,bs,splits,pdl,q_scale", [
     (4, 8, 128, 37, 1, True, 1.0), (4, 8, 128, 37, 3, False, 1.0), (4, 8, 128, 5, 16, True, 3e4),
     (8, 2, 64, 19, 2, True, 1.0),
@@ -90,7 +90,7 @@ def test_fp8_mma_matches_reference(seed: int, mode: int, group: int, kv_heads: i
     assert_matches(out, ref, f"fp8_mma={mode} splits={splits} pdl={pdl} q_scale={q_scale} seed={seed}")
 
 
-@pytest.mark.parametrize("mode", [1, 2])
+@pytest.mark.parametrize("mode", [1, 2, 3])
 def test_fp8_mma_in_a_cuda_graph_replays_new_lengths(seed: int, mode: int) -> None:
     bs, heads, kv_heads, head_dim = 64, 32, 8, 128
     capacity = random_lens(96, 1, 1200)

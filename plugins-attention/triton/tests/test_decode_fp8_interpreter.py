@@ -6,7 +6,8 @@ e4m3 pools at GQA groups 4 and 8 and head dims 64 and 128, rows of 1..150 tokens
 with partly masked last blocks) on shuffled slots, with and without splits, bf16 queries, outputs
 poisoned with NaN first. The reference reads the same e4m3 values in float64 with the query
 rounded to bf16, so the kernel differs from it only by its two-term query (~2^-8 of a row's
-largest component) and, with ``fp8_mma`` 2, two-term P (~2^-8 of the largest probability).
+largest component), with ``fp8_mma`` 2 two-term P (~2^-8 of the largest probability), and with 1
+and 3 P rounded to float16.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _run(group: int, kv_heads: int, head_dim: int, splits: int, fp8_mma: int, se
 
 
 @pytest.mark.parametrize("group,kv_heads,head_dim,splits,fp8_mma", [
-    (4, 2, 128, 1, 1), (4, 2, 128, 3, 2), (8, 1, 64, 2, 1), (4, 2, 64, 1, 2),
+    (4, 2, 128, 1, 1), (4, 2, 128, 3, 2), (8, 1, 64, 2, 1), (4, 2, 64, 1, 2), (4, 2, 128, 2, 3), (8, 1, 64, 1, 3),
 ])
 def test_fp8_mma_matches_reference(group: int, kv_heads: int, head_dim: int, splits: int, fp8_mma: int) -> None:
     out, ref, _ = _run(group, kv_heads, head_dim, splits, fp8_mma, seed=head_dim + splits * 7 + fp8_mma)

@@ -356,7 +356,7 @@ class DecodeTiles(NamedTuple):
     #: An e4m3 pool under bf16 queries widens to float16 by the hardware's paired conversion
     #: (``words`` 2, sm_89+) instead of to bf16 on the integer pipe (``widen_e4m3_words``).
     widen_f16: bool = False
-    #: An e4m3 pool's stage 1 from ``decode_fp8`` (1: scores on the fp8 tensor cores, 2: P V too).
+    #: An e4m3 pool's stage 1 from ``decode_fp8`` (its ``PV`` mode plus one; 0: the widening kernel).
     fp8_mma: int = 0
 
 
@@ -436,8 +436,9 @@ def decode_attention_fwd(
         heads_inner: launch a row's KV heads as consecutive programs (default: ``decode_tiles``).
         kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
             shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
-        fp8_mma: over an e4m3 pool, stage 1 from ``decode_fp8`` (scores on the fp8 tensor cores; 2:
-            P times V there too; 0: the widening kernel); default ``decode_tiles``' choice. Needs
+        fp8_mma: over an e4m3 pool, stage 1 from ``decode_fp8`` (scores on the fp8 tensor cores; P times
+            V: 1 in float16 on mma, 2 on the fp8 tensor cores too, 3 in float16 on wgmma; 0: the
+            widening kernel); default ``decode_tiles``' choice. Needs
             16-bit q, no logit cap or window, power-of-two head dims of at least 32, GQA of at most 16.
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
@@ -493,7 +494,7 @@ def decode_attention_fwd(
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             *dest_strides, part_lse.stride(0), part_lse.stride(1),
             GROUP=group, BLOCK_H=16, BLOCK_N=block_n or bn, HEAD_DIM=head_dim, V_DIM=v_dim, DIRECT=direct,
-            PDL=pdl, PV_FP8=fp8_mma == 2, UPCAST=_INTERPRETED, num_warps=num_warps or warps,
+            PDL=pdl, PV=fp8_mma - 1, UPCAST=_INTERPRETED, num_warps=num_warps or warps,
             num_stages=num_stages or stages, launch_pdl=pdl)
         if not direct:
             _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)

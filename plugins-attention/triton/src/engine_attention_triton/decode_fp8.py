@@ -12,11 +12,14 @@ reduction; K's rows are head-dim-contiguous, as are q's. q is bf16, so it is spl
 terms (``jit_math.q_to_e4m3_pair``: ``q = row * (16 hi + lo)``, within about 2^-8
 of the row's largest component, where the e4m3 keys themselves hold 2^-4): two fp8 dots.
 
-``PV_FP8`` also multiplies P by V there: ``o^T = V^T p^T``, the head dim of V as M (128), the keys
-as the reduction, P (at most 1) split into two e4m3 terms the same way (``p = (16 hi + lo) / 4096``
-with ``hi = e4m3(256 p)``). V's rows are not K-major for this product, so Triton transposes the
-tile on its way to the tensor cores. Without it, V is widened to float16 and multiplied by P in
-float16 (as the widening kernel does).
+P times V (``PV``, ``decode_attention_fwd``'s ``fp8_mma`` minus one):
+
+- 0: V widened to float16 and multiplied by P (float16, query heads as M) on ``mma.sync``, as the
+  widening kernel does;
+- 1: on the fp8 tensor cores too, transposed, ``o^T = V^T p^T`` (V's head dim as M, the keys as the
+  reduction), P (at most 1) as two e4m3 terms (``p = (16 hi + lo) / 4096``, ``hi = e4m3(256 p)``);
+  V's rows are not K-major for it, so Triton transposes the tile on its way to the tensor cores;
+- 2: transposed too, V widened to float16 (16-bit wgmma operands may be MN-major).
 
 One program per (KV head, row, split), a row's KV heads consecutive; no logit cap and no sliding
 window (``decode_attention_fwd`` takes the widening kernel for those).
@@ -47,7 +50,7 @@ def _decode_fp8_split_kernel(
     V_DIM: tl.constexpr,
     DIRECT: tl.constexpr,
     PDL: tl.constexpr,
-    PV_FP8: tl.constexpr,
+    PV: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
@@ -78,7 +81,7 @@ def _decode_fp8_split_kernel(
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    if PV_FP8:
+    if PV > 0:  # transposed: o^T = V^T p^T
         acc = tl.zeros([V_DIM, BLOCK_H], tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, V_DIM], tl.float32)
@@ -108,7 +111,14 @@ def _decode_fp8_split_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[None, :])
         l_i = l_i * alpha + tl.sum(p, 0)
-        if PV_FP8:
+        if PV == 2:
+            # o^T = V^T p^T in float16 on wgmma (V^T, 128 rows, as M; float16 operands may be MN-major).
+            if UPCAST:
+                pv = tl.dot(tl.trans(v.to(tl.float32)), p, input_precision="ieee")
+            else:
+                pv = tl.dot(tl.trans(v.to(tl.float16)), p.to(tl.float16))
+            acc = acc * alpha[None, :] + pv  # [V_DIM, BLOCK_H]
+        elif PV == 1:
             ps = p * 256.0
             p_hi = to_e4m3(ps, UPCAST)
             p_lo = to_e4m3((ps - p_hi.to(tl.float32)) * 16.0, UPCAST)
@@ -132,7 +142,7 @@ def _decode_fp8_split_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     lse = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     out_base = Part_Out + row * stride_pob + split * stride_pos
-    if PV_FP8:
+    if PV > 0:
         out = tl.trans(acc) / l_safe[:, None] * v_scale
     else:
         out = acc / l_safe[:, None] * v_scale
