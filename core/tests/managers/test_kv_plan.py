@@ -69,6 +69,24 @@ def test_no_tail_first_when_the_group_could_only_start_after_the_remainder_ended
     assert tail_first_limit(KvPlan(), bases, lefts, free=320, capacity=320) is None
 
 
+def test_no_hold_of_the_last_group_when_it_could_only_start_after_the_running_ended() -> None:
+    # Two rounds into a burst of 8 x (40 + 10) in 320 slots: two run (40 slots, 10 to go), six
+    # wait, and six fit the empty pool. Beside the two they never fit before the two end, so
+    # holding them back to start together saves no step: admission takes what fits.
+    running = KvPlan()
+    for _ in range(2):
+        running.add(40, 10, 40)
+    assert tail_first_limit(running, [40] * 6, [10] * 6, free=320 - 80, capacity=320) is None
+    # Nor when the longer of two running requests holds 100 slots at its last step (60 to go):
+    # 240 + 100 > 320. With 30 to go it holds 70 then, and the six fit beside it (240 + 70):
+    # they are held until they fit whole, and start together while it still runs (limit 0).
+    for longer, limit in ((60, None), (30, 0)):
+        running = KvPlan()
+        running.add(40, 10, 40)
+        running.add(40, longer, 40)
+        assert tail_first_limit(running, [40] * 6, [10] * 6, free=320 - 80, capacity=320) == limit, longer
+
+
 def _run(llama_ckpt: str, prompts: list[list[int]], max_new: int, overlap: bool, **kwargs: object) -> tuple:
     sched = make_scheduler(llama_ckpt, max_total_tokens=320, **kwargs)
     sched.enable_overlap = overlap
@@ -116,3 +134,28 @@ def test_no_tail_first_hold_when_request_slots_bound_the_batch(llama_ckpt: str) 
     planned = _run(llama_ckpt, prompts, 30, False, max_running_requests=4)
     reserved = _run(llama_ckpt, prompts, 30, False, max_running_requests=4, disable_kv_plan=True)
     assert planned == reserved
+
+
+def test_a_burst_admitted_over_many_rounds_fills_the_pool_as_without_the_plan(llama_ckpt: str) -> None:
+    # 24 x (16 + 4) in 330 slots, 4 prompts a round (64-token chunks): 16 fit at once. Rounds
+    # after the first see running requests; the 16 still waiting fit the empty pool but not
+    # beside them, so they must not be held until the first ones end (two waves of 8 and 16
+    # instead of 16 and 8: the same steps, twice as many requests waiting).
+    rng = random.Random(9)
+    prompts = [[rng.randrange(4, 2048) for _ in range(16)] for _ in range(24)]
+    most = []
+    for disable in (False, True):
+        sched = make_scheduler(llama_ckpt, max_total_tokens=330, chunked_prefill_size=64, max_prefill_tokens=64,
+                               disable_kv_plan=disable)
+        sched.enable_overlap = False
+        col = OutputCollector()
+        rids = [submit(sched, p, {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}) for p in prompts]
+        running = 0
+        while sched.step():
+            running = max(running, len(sched.running_batch.reqs))
+            col.collect(sched)
+        col.collect(sched)
+        check_no_leak(sched)
+        most.append((running, sched.decode_steps, [col.ids[r] for r in rids]))
+    assert most[0] == most[1]
+    assert most[0][0] >= 15, most[0][:2]

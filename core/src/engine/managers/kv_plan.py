@@ -107,10 +107,12 @@ def tail_first_limit(plan: KvPlan, bases: Sequence[int], lefts: Sequence[int], f
     slots they would have once the running requests finished. When all of them fit now, no
     limit. Otherwise the last ``g`` that fit together in ``capacity`` are kept back as one group:
     only the ones before them are admitted now (they start first and finish first), and once
-    no others are left, the group is admitted only when all of it fits. Starting the ones
-    before first pays only if the group can start while they still run; when it could start
-    only after they ended, the order changes no step count and the larger group first serves
-    more requests sooner: no limit then.
+    no others are left, the group is admitted only when all of it fits. Either hold pays only
+    if the group can start while the requests before it still run; when it could start only
+    after they ended, holding changes no step count and only makes more requests wait: no
+    limit then (admission takes whatever fits, in queue order). That check is made every round,
+    not only on the first: admission takes a chunk's worth of prompts a round, so a burst is
+    admitted over many rounds, and the rounds after the first see running requests.
     """
     base, left = np.asarray(bases, dtype=np.int64), np.asarray(lefts, dtype=np.int64)
     if not base.size or plan.fits_with(base, left, free):
@@ -119,7 +121,7 @@ def tail_first_limit(plan: KvPlan, bases: Sequence[int], lefts: Sequence[int], f
     if group == 0:
         return None  # not even one fits an empty pool: admission's own checks decide
     if len(base) <= group:
-        return 0
+        return 0 if _overlaps(plan, _EMPTY, _EMPTY, base, left, free + plan.held) else None
     front = len(base) - group
     if not _overlaps(plan, base[:front], left[:front], base[front:], left[front:], free + plan.held):
         return None
@@ -128,10 +130,14 @@ def tail_first_limit(plan: KvPlan, bases: Sequence[int], lefts: Sequence[int], f
 
 def _overlaps(plan: KvPlan, front_base: np.ndarray, front_left: np.ndarray, group_base: np.ndarray,
               group_left: np.ndarray, total: int) -> bool:
-    """Whether the group, started at the last step the front (started now) still runs, fits
-    beside the front and the plan within ``total`` slots. That is the latest start that overlaps
-    them, and the easiest: the later it starts, the less of its growth meets theirs."""
-    at = int(front_left.max())
+    """Whether the group, started at the last step the front (started now) or else the plan still
+    runs, fits beside them within ``total`` slots. That is the latest start that overlaps them,
+    and the easiest: the later it starts, the less of its growth meets theirs. With neither a
+    front nor a plan there is nothing to overlap: True."""
+    lefts = front_left if front_left.size else np.asarray(plan.left, dtype=np.int64)
+    if not lefts.size:
+        return True
+    at = int(lefts.max())
     base = np.concatenate([np.asarray(plan.base, dtype=np.int64), front_base]) + at
     left = np.concatenate([np.asarray(plan.left, dtype=np.int64), front_left]) - at
     alive = left >= 0
