@@ -147,10 +147,45 @@ def bench_extend(bs: int, prefix: int, ext: int, sweep: bool) -> list[str]:
     return lines
 
 
+def bench_extend_fp8(bs: int, ext: int) -> list[str]:
+    """A prefill chunk over an e4m3 pool without prefix: the new tokens' K/V as the backend passes
+    them (gathered back from the pool, e4m3, widened inside the kernel) against the same values
+    widened to bf16 first (exact), with that widening's own time."""
+    tokens = bs * ext
+    q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
+    k8 = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device=DEV).to(torch.float8_e4m3fn)
+    v8 = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device=DEV).to(torch.float8_e4m3fn)
+    k_pool, v_pool, req_to_token, reqs = paged_rows([ext] * bs)
+    k_pool8, v_pool8 = k_pool.to(k8.dtype), v_pool.to(k8.dtype)
+    out = torch.empty_like(q)
+    lens = torch.full((bs,), ext, dtype=torch.int64, device=DEV)
+    zeros = torch.zeros_like(lens)
+    starts = torch.arange(bs, device=DEV) * ext
+    flops = 4 * NUM_HEADS * HEAD_DIM * bs * ext * (ext + 1) / 2
+    lines = []
+    for name, fn in (
+        ("e4m3 k/v", lambda: extend_attention_fwd(q, k8, v8, out, k_pool8, v_pool8, req_to_token, reqs, zeros, lens,
+                                                  starts, ext, HEAD_DIM**-0.5)),
+        ("bf16 k/v (widened first)", lambda: extend_attention_fwd(q, k8.to(DTYPE), v8.to(DTYPE), out, k_pool, v_pool,
+                                                                  req_to_token, reqs, zeros, lens, starts, ext,
+                                                                  HEAD_DIM**-0.5)),
+        ("the widening alone", lambda: (k8.to(DTYPE), v8.to(DTYPE))),
+    ):
+        ms = median_ms(fn)
+        lines.append(f"extend-fp8 bs={bs:<3} ext={ext:<5} {name:<26} {ms * 1e3:9.1f} us  "
+                     f"{flops / (ms * 1e-3) / 1e12:6.1f} TFLOP/s")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time split counts and tiles")
+    parser.add_argument("--extend-fp8", action="store_true",
+                        help="only a prefill chunk (8 x 1,024 tokens) over an e4m3 pool: k/v as e4m3 or widened first")
     args = parser.parse_args()
+    if args.extend_fp8:
+        print("\n".join(bench_extend_fp8(8, 1024)), flush=True)
+        return
     props = torch.cuda.get_device_properties(0)
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
