@@ -314,3 +314,24 @@ def test_args_validation() -> None:
         BenchServingArgs(max_concurrency=0)
     assert BenchServingArgs(backend="vllm").server_url() == "http://127.0.0.1:8000"
     assert BenchServingArgs(base_url="http://h:1/").server_url() == "http://h:1"
+
+
+def test_client_processes_split_the_requests_and_keep_one_clock(server: FakeServer) -> None:
+    # Three spawned senders: every request is answered once, results come back in request order,
+    # and the paced arrivals (one clock for all processes) keep their span.
+    n, rate = 9, 30.0
+    expected_last = arrival_offsets(n, rate, seed=0)[-1]
+    run: dict[str, Any] = {}
+    requests = [BenchRequest(f"hello number {i}", 3, 2 + i % 3) for i in range(n)]
+    args = _args(server, request_rate=rate, warmup_requests=0, client_processes=3)
+    results, duration = asyncio.run(run_requests(args, requests, run=run))
+    assert [r.output_len for r in results] == [2 + i % 3 for i in range(n)] and all(r.success for r in results)
+    assert sorted(p["text"] for p in server.payloads) == sorted(r.prompt for r in requests)
+    span = max(r.start_time for r in results) - min(r.start_time for r in results)
+    assert 0.8 * expected_last <= span <= expected_last + 2.0
+    assert duration >= max(r.start_time + r.latency for r in results) - min(r.start_time for r in results) - 0.25
+    assert len(run["client_cpu_s_by_process"]) == 4  # the parent and three senders
+    with pytest.raises(ValueError, match="--client-processes 2: not with --max-concurrency"):
+        BenchServingArgs(client_processes=2, max_concurrency=4)
+    with pytest.raises(ValueError, match="--client-processes must be >= 1"):
+        BenchServingArgs(client_processes=0)

@@ -18,9 +18,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from engine.bench.backends import BACKENDS, RequestOptions, auth_headers, send_request
+from engine.bench.backends import BACKENDS, auth_headers, send_request
 from engine.bench.datasets import BenchRequest, TokenizerLike, sample_requests
-from engine.bench.json_schema import load_bench_schema
 from engine.bench.metrics import (
     BenchMetrics,
     RequestResult,
@@ -37,6 +36,12 @@ from engine.bench.server_stats import (
     sample_point,
 )
 from engine.bench.serving_args import BenchServingArgs
+from engine.bench.serving_clients import (
+    make_client,
+    request_options,
+    send_in_processes,
+    send_on_schedule,
+)
 
 __all__ = [
     "BenchServingArgs",
@@ -157,10 +162,8 @@ async def run_benchmark(
     if not requests:
         raise ValueError("no requests to send: the dataset produced none")
     args = await resolve_model(args)
-    server: dict[str, Any] = {}
-    cpu = time.process_time()
-    results, duration = await run_requests(args, requests, tokenizer, server)
-    client_cpu_s = time.process_time() - cpu
+    run: dict[str, Any] = {}
+    results, duration = await run_requests(args, requests, tokenizer, run)
     metrics = compute_metrics(results, duration)
     settings = {
         "Backend": args.backend,
@@ -168,15 +171,18 @@ async def run_benchmark(
         "Max request concurrency": args.max_concurrency or "not set",
     }
     print(format_report(metrics, settings=settings))
-    # A client that used its whole core measured its own delays as well as the server's.
-    print(f"{'client CPU':<28}{client_cpu_s:>14.1f}  s ({100 * client_cpu_s / duration:.0f}% of the run: "
-          "near 100% means the client, not the server, set the pace)")
-    if server:
+    # A client process that used its whole core measured its own delays as well as the server's.
+    cpu = run.pop("client_cpu_s_by_process")
+    senders = f"{len(cpu) - 1} sending processes and the parent" if len(cpu) > 1 else "1 process"
+    print(f"{'client CPU':<28}{sum(cpu):>14.1f}  s ({senders}; the busiest {100 * max(cpu) / duration:.0f}% of "
+          "the run: near 100% means the client set the pace, --client-processes splits it)")
+    if "decode_steps" in run:
         print(" Server (scheduler counters over the run) ".center(50, "-"))
-        print_breakdown(server)
+        print_breakdown(run)
     _print_errors(results)
     if args.result_file:
-        extra = {**_result_extra(args, results), "client_cpu_s": client_cpu_s, **server}
+        extra = {**_result_extra(args, results), "client_cpu_s": sum(cpu), "client_processes": len(cpu),
+                 "client_busiest_cpu_share": max(cpu) / duration, **run}
         with open(args.result_file, "a", encoding="utf-8") as f:
             f.write(to_json_line(metrics, extra) + "\n")
     return metrics
@@ -184,90 +190,71 @@ async def run_benchmark(
 
 async def run_requests(
     args: BenchServingArgs, requests: list[BenchRequest], tokenizer: TokenizerLike | None = None,
-    server: dict[str, Any] | None = None,
+    run: dict[str, Any] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Warm up, then send ``requests`` on schedule.
+    """Warm up, then send ``requests`` on schedule (from ``args.client_processes`` processes).
 
     Args:
-        server: when given and the server reports its scheduler's counters (GET /get_server_info,
-            as this engine's servers do; ``--disable-server-stats`` skips it), filled with where the
-            run's time went on the server (``server_stats.run_breakdown``).
+        run: when given, filled with ``client_cpu_s_by_process`` (each sending process's CPU
+            seconds over the measured part) and, when the server reports its scheduler's counters
+            (GET /get_server_info, as this engine's servers do; ``--disable-server-stats`` skips
+            it), where the run's time went on the server (``server_stats.run_breakdown``).
 
     Returns:
         Per-request results in ``requests`` order, and the seconds the measured part took.
     """
     if args.model is None and BACKENDS[args.backend].needs_model:
         args = await resolve_model(args)
-    opts = RequestOptions(
-        model=args.model,
-        stream=not args.disable_stream,
-        ignore_eos=not args.disable_ignore_eos,
-        extra_body=dict(args.extra_request_body or {}),
-        headers=auth_headers(args.api_key),
-        json_schema=load_bench_schema(args.json_schema),
-        json_schema_unique=args.json_schema_unique,
-    )
+    opts = request_options(args)
     backend = BACKENDS[args.backend]
     base_url = args.server_url()
-    # No pool cap: httpx's default of 100 connections would silently queue requests and
-    # hide the server's queueing behind the client's. trust_env=False keeps proxies out
-    # of the measured path.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(args.request_timeout_s)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-
-        async def send(req: BenchRequest) -> RequestResult:
-            return await send_request(client, base_url, backend, req, opts, tokenizer)
-
+    async with make_client(args) as client:
         if args.warmup_requests > 0:
             first = requests[0]
-            warm_len = min(first.output_len, WARMUP_MAX_OUTPUT_LEN)
-            warm = dataclasses.replace(first, output_len=warm_len)
-            outputs = await asyncio.gather(*(send(warm) for _ in range(args.warmup_requests)))
+            warm = dataclasses.replace(first, output_len=min(first.output_len, WARMUP_MAX_OUTPUT_LEN))
+            outputs = await asyncio.gather(*(send_request(client, base_url, backend, warm, opts, tokenizer)
+                                             for _ in range(args.warmup_requests)))
             if not any(o.success for o in outputs):
                 raise RuntimeError(
                     f"all {args.warmup_requests} warmup requests to {base_url}{backend.path} "
                     f"failed; check --backend, --host/--port. First error: {outputs[0].error}"
                 )
 
-        semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        progress = _ProgressPrinter(len(requests), enabled=not args.disable_tqdm)
-
-        async def limited(req: BenchRequest) -> RequestResult:
-            if semaphore is None:
-                result = await send(req)
-            else:
-                async with semaphore:
-                    result = await send(req)
-            progress.update(result)
-            return result
-
         before = None
-        if server is not None and not args.disable_server_stats:
+        if run is not None and not args.disable_server_stats:
             before = await server_info(client, base_url, opts.headers)
             before = before if before is not None and has_counters(before) else None
         samples: list[dict[str, float]] = []
+        sampler: asyncio.Task[None] | None = None
+
+        def sample_from(start: float) -> None:
+            nonlocal sampler
+            if before is not None:
+                sampler = asyncio.create_task(_sample(client, base_url, opts.headers, start, samples))
+
         offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
-        start = time.perf_counter()
-        sampler = (asyncio.create_task(_sample(client, base_url, opts.headers, start, samples))
-                   if before is not None else None)
-        tasks = []
+        progress = _ProgressPrinter(len(requests), enabled=not args.disable_tqdm)
+        cpu = time.process_time()
         try:
-            for req, offset in zip(requests, offsets):
-                delay = start + offset - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(limited(req)))
-            results = list(await asyncio.gather(*tasks))
-            duration = time.perf_counter() - start
+            if args.client_processes > 1:
+                results, start, end, cpus = await send_in_processes(
+                    args, requests, offsets, args.client_processes, tokenizer, on_start=sample_from)
+            else:
+                start = time.perf_counter()
+                sample_from(start)
+                results = await send_on_schedule(client, args, requests, offsets, start, tokenizer, progress.update)
+                end, cpus = time.perf_counter(), []
         finally:
             if sampler is not None:
                 sampler.cancel()
                 await asyncio.gather(sampler, return_exceptions=True)
+        duration = end - start
+        if run is not None:
+            run["client_cpu_s_by_process"] = [time.process_time() - cpu, *cpus]
         if before is not None:
             after = await server_info(client, base_url, opts.headers)
             if after is not None and has_counters(after):
-                server.update(run_breakdown(before, samples, after, duration))
+                run.update(run_breakdown(before, samples, after, duration))  # type: ignore[union-attr]
     return results, duration
 
 

@@ -64,6 +64,9 @@ class BenchServingArgs(DatasetArgs):
     warmup_requests: int = 1
     # No progress lines on stderr (--disable-tqdm).
     disable_tqdm: bool = False
+    # Processes sending the requests (request i from process i % N), each with its own event loop
+    # and connections: one process parses ~10k streamed events a second at most (not an SGLang flag).
+    client_processes: int = 1
     # Do not sample the server's scheduler counters (GET /get_server_info every 0.5 s) for the
     # report's server section (not an SGLang flag; servers without them are skipped anyway).
     disable_server_stats: bool = False
@@ -102,6 +105,12 @@ class BenchServingArgs(DatasetArgs):
             raise ValueError(f"--warmup-requests must be >= 0, got {self.warmup_requests}")
         if self.lora_name is not None and not self.lora_name:
             raise ValueError("--lora-name: expected one or more adapter names, got none")
+        if self.client_processes < 1:
+            raise ValueError(f"--client-processes must be >= 1, got {self.client_processes}")
+        if self.client_processes > 1 and (self.max_concurrency or self.json_schema_unique):
+            flag = "--max-concurrency" if self.max_concurrency else "--json-schema-unique"
+            raise ValueError(f"--client-processes {self.client_processes}: not with {flag} (it needs one "
+                             "process that sees every request); accepted: --client-processes 1")
         if self.dataset_name == "image" and self.backend != "openai-chat":
             raise ValueError(f"--dataset-name image: images go through the chat API; accepted --backend: "
                              f"openai-chat (got {self.backend!r})")
