@@ -270,8 +270,9 @@ def fold_times(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, w: t
 
     block_r = max(16, triton_pow2(b.shape[2]))
     swept = [(graph_time_us(functools.partial(expand.func, *expand.args, config=dict(
-        BLOCK_T=min(64, max(16, triton_pow2(x.shape[0]))), BLOCK_N=bn, BLOCK_R=block_r, num_warps=wp, num_stages=1)),
-        reps), bn, wp) for bn, wp in ((32, 4), (64, 4), (128, 4), (128, 8))]
+        BLOCK_T=min(64, max(16, triton_pow2(x.shape[0]))), BLOCK_N=bn, BLOCK_R=block_r,
+        SLOT_GROUP=max(1, 64 // block_r), num_warps=wp, num_stages=1)), reps), bn, wp)
+        for bn, wp in ((32, 4), (64, 4), (32, 8), (64, 8))]
     print(f"fold {scen:<14} {layer:<8} folded expand (BLOCK_N, warps): "
           + ", ".join(f"({bn}, {wp}) {us:.1f} us" for us, bn, wp in swept), flush=True)
     t = {"W": graph_time_us(functools.partial(F.linear, x, w), reps),

@@ -44,7 +44,8 @@ class LoraBackend(Protocol):
     and the conformance kit holds it to the reference too.
 
     A backend may also offer ``fold_expand(h, b_weights, info, slice_offsets) -> out`` with an int
-    ``fold_max_rows``: for batches of up to that many tokens on an unquantized layer without bias,
+    ``fold_max_rows`` (and optionally ``fold_min_rows``, default 1): for batches of
+    ``fold_min_rows`` to ``fold_max_rows`` tokens on an unquantized layer without bias,
     the layer stacks its slots' A matrices under the weight (``W' = [W; A_0; ...; A_{S-1}]``) and
     one GEMM gives ``h = x @ W'^T``, ``[T, N + S * n_slices * R]``; ``fold_expand`` returns a new
     contiguous ``[T, N]`` (``N = slice_offsets[-1]``): ``h[:, :N]`` plus, for each token t on slot

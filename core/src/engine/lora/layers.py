@@ -18,9 +18,9 @@ Folded shrink: where the backend offers ``fold_expand`` (with ``fold_max_rows`` 
 is unquantized, without a bias added before the reduction, and its slots' A rows are at most
 ``FOLD_MAX_EXTRA`` of its output rows, A lives under the weight: one buffer ``W' = [W; A]`` whose
 first rows are the layer's weight (a view, so checkpoint loads still write into it) and the rest
-the slots' A. A batch of up to ``fold_max_rows`` tokens then runs one GEMM ``x @ W'^T`` (the base
-output and every slot's shrink) and the backend's ``fold_expand``; larger batches run the plain
-GEMM over ``W`` and shrink/expand as before. Row-parallel layers fold too: each rank's partial
+the slots' A. A batch of ``fold_min_rows`` (the backend's, default 1) to ``fold_max_rows`` tokens
+then runs one GEMM ``x @ W'^T`` (the base output and every slot's shrink) and the backend's
+``fold_expand``; other batches run the plain GEMM over ``W`` and shrink/expand as before. Row-parallel layers fold too: each rank's partial
 shrink expands to a partial output that the all-reduce sums, as without the fold.
 """
 
@@ -86,9 +86,9 @@ class LoraLayer(nn.Module):
                              persistent=False)
         #: ``[W; A]`` when the shrink is folded into the base GEMM (``fold_into``), else None.
         self.fold_weight: torch.Tensor | None = None
-        self.fold_max_rows = 0
+        self.fold_min_rows, self.fold_max_rows = 1, 0
 
-    def fold_into(self, module: Any, max_rows: int) -> bool:
+    def fold_into(self, module: Any, max_rows: int, min_rows: int = 1) -> bool:
         """Moves the layer's weight and this layer's A slots into one buffer ``[W; A]`` (the
         weight becomes a view of its first rows); False, changing nothing, where the layer does
         not take it: quantized, a bias before the reduction, other dtypes, or more A rows than
@@ -110,7 +110,7 @@ class LoraLayer(nn.Module):
         folded[n:].copy_(a.reshape(extra, -1))
         weight.data = folded[:n]
         self.a_buffer = folded[n:].view(a.shape)
-        self.fold_weight, self.fold_max_rows = folded, max_rows
+        self.fold_weight, self.fold_min_rows, self.fold_max_rows = folded, max(1, min_rows), max_rows
         self._linear = linear_with_kernel  # the layer's own GEMM path (its skinny kernel for few rows)
         return True
 
@@ -147,7 +147,8 @@ class LoraLayer(nn.Module):
         if info is not None and fold is not None and bias is None:
             x2 = x.reshape(-1, x.shape[-1])
             # (a weight swapped for a new tensor since, e.g. by a weight update, ends the fold)
-            if x2.shape[0] <= self.fold_max_rows and module.weight.data_ptr() == fold.data_ptr():
+            rows_ok = self.fold_min_rows <= x2.shape[0] <= self.fold_max_rows
+            if rows_ok and module.weight.data_ptr() == fold.data_ptr():
                 h = self._linear(module.skinny_linear, x2, fold)
                 out = self.state.backend.fold_expand(h, self.b_buffer, info, self.slice_offsets)  # type: ignore[attr-defined]
                 return out.view(*x.shape[:-1], out.shape[-1])
@@ -217,9 +218,10 @@ def attach_lora(model: nn.Module, targets: set[str], state: LoraState, num_slots
     the PEFT module path of each slice's parent (``model.layers.0.self_attn``) + layer name."""
     layers: dict[str, LoraLayer] = {}
     fold_rows = int(getattr(state.backend, "fold_max_rows", 0)) if hasattr(state.backend, "fold_expand") else 0
+    fold_min = int(getattr(state.backend, "fold_min_rows", 1))
     for name, (module, peft_names) in lora_target_layers(model, targets).items():
         lora = build_lora_layer(module, peft_names, state, num_slots, max_rank, dtype, device)
-        lora.fold_into(module, fold_rows)
+        lora.fold_into(module, fold_rows, fold_min)
         module.lora = lora
         layers[name] = lora
     return layers

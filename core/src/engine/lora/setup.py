@@ -46,8 +46,10 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
         # The weights the folded buffers replaced went to the allocator's cache: give them back
         # before the KV pool is sized from the device's free memory.
         platform.empty_cache()
-        logger.info("LoRA: shrink folded into the base GEMM on %d of %d layers, for batches of up to %d tokens",
-                    folded, len(manager.layers), max(layer.fold_max_rows for layer in manager.layers.values()))
+        rows = [(layer.fold_min_rows, layer.fold_max_rows) for layer in manager.layers.values()
+                if layer.fold_weight is not None]
+        logger.info("LoRA: shrink folded into the base GEMM on %d of %d layers, for batches of %d to %d tokens",
+                    folded, len(manager.layers), rows[0][0], rows[0][1])
     return manager
 
 

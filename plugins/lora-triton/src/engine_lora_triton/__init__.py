@@ -43,6 +43,9 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                           help="decode batches of 16+ requests: expand with one program per column tile over every "
                                "token and adapter slot (default: one program per slot and column tile)"))
     register(PluginOption(plugin="lora-triton", key="fold_max_rows", default=256,
-                          help="batches of up to this many tokens on unquantized layers fold the shrink into the "
-                               "base GEMM (the slots' A rows stacked under the weight) and run one expand kernel; "
-                               "0: never (shrink and expand kernels)"))
+                          help="batches of fold_min_rows up to this many tokens on unquantized layers fold the "
+                               "shrink into the base GEMM (the slots' A rows stacked under the weight) and run one "
+                               "expand kernel; 0: never (shrink and expand kernels)"))
+    register(PluginOption(plugin="lora-triton", key="fold_min_rows", default=16,
+                          help="the fewest tokens a batch folds the shrink into the base GEMM for (smaller batches: "
+                               "shrink and expand kernels)"))

@@ -25,10 +25,13 @@ class TritonLoraBackend:
     name = "triton"
 
     def __init__(self, pdl: bool = True, slot_shrink: bool = False, split_prefill: bool = True,
-                 dense_expand: bool = False, fold_max_rows: int = 256) -> None:
+                 dense_expand: bool = False, fold_max_rows: int = 256, fold_min_rows: int = 16) -> None:
         self.pdl = pdl
-        #: batches of up to this many tokens take the folded shrink (``fold_expand``); 0: never.
+        #: batches of fold_min_rows..fold_max_rows tokens take the folded shrink (``fold_expand``);
+        #: fold_max_rows 0: never. On an H200 (bench_sgmv.py --fold) a decode batch of 1 lost with it:
+        #: the extra GEMM rows and the expand's launch cost more than the small shrink and expand.
         self.fold_max_rows = fold_max_rows
+        self.fold_min_rows = fold_min_rows
         self.dense_expand = dense_expand
         self.slot_shrink = slot_shrink
         self.split_prefill = split_prefill
@@ -73,11 +76,14 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
     """The backend (``LoraBackendSpec.factory``) with the plugin's options (``lora-triton.pdl``);
     block sizes are chosen per call from the shapes."""
     options = options or {}
-    fold_rows = options.get("fold_max_rows", 256)
-    if isinstance(fold_rows, bool) or not isinstance(fold_rows, int) or fold_rows < 0:
-        raise ConfigError(f"lora-triton.fold_max_rows: invalid value {fold_rows!r}; accepted: an integer >= 0 "
-                         "(0: never fold the shrink into the base GEMM)")
+    fold = {}
+    for key, default in (("fold_max_rows", 256), ("fold_min_rows", 16)):
+        value = options.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"lora-triton.{key}: invalid value {value!r}; accepted: an integer >= 0 "
+                              "(fold_max_rows 0: never fold the shrink into the base GEMM)")
+        fold[key] = value
     return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", False)),
                              split_prefill=bool(options.get("split_prefill", True)),
                              dense_expand=bool(options.get("dense_expand", False)),
-                             fold_max_rows=fold_rows)
+                             **fold)
