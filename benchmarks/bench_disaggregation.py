@@ -8,7 +8,10 @@ TTFT/ITL. Both prefix caches are flushed, then the same prompts run through the 
 time: greedy outputs must match the reference token for token, and each request's KV transfer
 is read from both servers' ``/get_server_info`` (``disaggregation.recent``): bytes, the prefill
 side's staging (device to host), the transfer (send to arrival), the decode side's write into
-its pool, and the decode server's wait from the request's arrival to its KV. Then, with
+its pool, and the decode server's wait from the request's arrival to its KV. The prefill side's
+figures are ``stage_s`` (its scheduler thread's time on the KV: the gather and queuing its
+copy) and ``copy_s`` (how long the copy to host memory ran on after the batch ended, overlapped
+with the next batches; null where the payload stays on the device). Then, with
 ``--load-prompts N``, N other prompts arriving ``--arrival-interval-s`` apart, first whole on the
 decode server and then through the router (caches flushed before each): throughput, TTFT and ITL
 (mean and p99 over every gap), where each new prompt's prefill competes with running decodes.
@@ -182,6 +185,18 @@ def _recent(url: str) -> dict[str, dict[str, Any]]:
     return {row["rid"]: row for row in block.get("recent", [])}
 
 
+def _prefill_side(url: str, n: int) -> dict[str, Any]:
+    """The prefill server's staging figures of its last ``n`` requests (the load phase's): the
+    scheduler thread's seconds per request and the host copy's run after the batch ended (ms)."""
+    rows = ((_info(url).get("disaggregation") or {}).get("recent") or [])[-n:]
+
+    def ms(key: str) -> float | None:
+        mean = _mean([r.get(key) for r in rows])
+        return None if mean is None else round(mean * 1e3, 3)
+
+    return {"prefill_stage_ms": ms("stage_s"), "prefill_copy_ms": ms("copy_s")}
+
+
 def _flush(*urls: str) -> None:
     """Empties the servers' prefix caches (retried while a just-finished request is still leaving)."""
     for url in urls:
@@ -287,6 +302,7 @@ def _run_backend(a: argparse.Namespace, backend: str, log_dir: str) -> None:
                     _flush(p_url, d_url)
                     load[mode] = _load_phase(url, load_prompts, greedy, a.arrival_interval_s)
                     _say(f"{backend}: load phase {mode} done")
+                load["disaggregated"].update(_prefill_side(p_url, len(load_prompts)))
                 _emit(a, _under_load(a, summary, load), t0)
 
 
@@ -330,6 +346,7 @@ def _summary(a: argparse.Namespace, backend: str, rows: list[dict[str, Any]], st
         "all_match": all(r["match"] for r in rows),
         "kv_mib": (_mean([r.get("bytes") for r in dec_rows]) or 0) / 2**20,
         "prefill_stage_ms": ms([r.get("stage_s") for r in pre_rows]),
+        "prefill_copy_ms": ms([r.get("copy_s") for r in pre_rows]),
         "transfer_ms": ms([r.get("transfer_s") for r in dec_rows]),
         "decode_upload_ms": ms([r.get("upload_s") for r in dec_rows]),
         "decode_write_ms": ms([r.get("write_s") for r in dec_rows]),

@@ -3,7 +3,7 @@
 One prefill server and one decode server (module-scoped, started side by side) behind the
 router, which runs in this process (uvicorn in a thread: no engine). The decode server also
 serves as the single-server reference: a request without a bootstrap room runs there whole.
-The last test kills the decode server.
+The last tests kill the decode server and stop the prefill server.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -160,3 +161,15 @@ def test_killing_the_decode_server_fails_its_requests_within_seconds(servers: tu
     after = _post(router, "/generate", {"input_ids": [1, 2, 3], "sampling_params": _GREEDY})
     assert after.status_code == 502 and "decode server" in after.json()["error"]["message"], after.text
     assert time.monotonic() - started < 10
+
+
+def test_stopping_the_prefill_server_closes_its_transfer_promptly(servers: tuple[Server, Server]) -> None:
+    prefill, _ = servers
+    port = prefill.get("/get_server_info").json()["disaggregation"]["backend"]["port"]
+    started = time.monotonic()
+    assert prefill.stop() == 0
+    assert time.monotonic() - started < 15
+    assert "KV transfer 'zmq' closed" in prefill.log(), prefill.log()[-2000:]
+    with socket.socket() as sock:  # as zmq binds: TIME_WAIT of closed connections is no obstacle, a listener is
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))

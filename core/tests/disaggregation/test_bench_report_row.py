@@ -29,6 +29,11 @@ def test_a_disaggregation_row_shows_its_transfer_and_its_whole_server_peer(tmp_p
     path.write_text(json.dumps(row) + "\n", encoding="utf-8")
     section = build_page([path]).split("## Disaggregation\n", 1)[1].split("\n## ", 1)[0]
     assert "sent 95.5 ms, uploaded 30.5 ms, written 12.2 ms; " in section.splitlines()[-1]
+    # A host copy run off the prefill server's scheduler thread is named beside its staging.
+    row["prefill_copy_ms"] = 9.61
+    path.write_text(json.dumps(row) + "\n", encoding="utf-8")
+    section = build_page([path]).split("## Disaggregation\n", 1)[1].split("\n## ", 1)[0]
+    assert "staged 21.0 ms (+ 9.6 ms copy beside the next batch), sent 95.5 ms" in section.splitlines()[-1]
 
 
 def test_a_row_under_load_compares_itl_p99(tmp_path: pathlib.Path) -> None:

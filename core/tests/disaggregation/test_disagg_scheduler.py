@@ -28,8 +28,8 @@ def pair(llama_ckpt: str) -> Iterator[tuple[Any, Any]]:
     # A generous time-out: on a loaded machine the in-process prefill of all prompts takes seconds.
     decode = make_scheduler(llama_ckpt, disaggregation_mode="decode", disaggregation_timeout_s=60.0)
     yield prefill, decode
-    prefill.kv_transfer.close()
-    decode.kv_transfer.close()
+    prefill.close_disaggregation()
+    decode.close_disaggregation()
 
 
 def _port(prefill: Any) -> int:
@@ -97,7 +97,7 @@ def test_greedy_output_equals_a_whole_server(pair: tuple[Any, Any]) -> None:
     for rid, prompt in zip(rids, prompts, strict=True):
         assert got[rid]["bytes"] == sent[rid]["bytes"] > 0 and got[rid]["tokens"] == len(prompt)
         assert got[rid]["wait_s"] > 0 and got[rid]["transfer_s"] >= 0 and got[rid]["write_s"] >= 0
-        assert sent[rid]["stage_s"] >= 0
+        assert sent[rid]["stage_s"] >= 0 and "copy_s" in sent[rid]
         names = [name for name, _, _ in col.stages[rid]]
         assert names.index("scheduled") <= names.index("kv_fetch") < names.index("kv_arrived") < names.index("first_token")
         assert names.count("first_token") == 1 and "prefill_chunk" not in names
@@ -147,7 +147,7 @@ def test_a_full_decode_pool_waits_and_retracts_with_the_same_output(pair: tuple[
         small.flush_cache()
         check_no_leak(small)
     finally:
-        small.kv_transfer.close()
+        small.close_disaggregation()
 
 
 def test_a_stop_token_from_the_prefill_side_ends_the_request(pair: tuple[Any, Any]) -> None:

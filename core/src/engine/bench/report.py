@@ -324,7 +324,9 @@ def _disaggregation(row: dict[str, Any]) -> Figure:
     if "transfer_ms" in row:
         upload = row.get("decode_upload_ms")  # GPU pools: the host-to-device copy before the write
         uploaded = f"uploaded {_n(upload)} ms, " if upload is not None else ""
-        text = (f"KV {_n(row['kv_mib'], 0)} MiB a request: staged {_n(row['prefill_stage_ms'])} ms, sent "
+        copy = row.get("prefill_copy_ms")  # the host copy, off the prefill server's scheduler thread
+        copied = f" (+ {_n(copy)} ms copy beside the next batch)" if copy is not None else ""
+        text = (f"KV {_n(row['kv_mib'], 0)} MiB a request: staged {_n(row['prefill_stage_ms'])} ms{copied}, sent "
                 f"{_n(row['transfer_ms'])} ms, {uploaded}written {_n(row['decode_write_ms'])} ms; " + text)
     if row.get("figure") == "itl_p99":
         text += f" (p99 {row['itl_p99_ms']:.2f} ms), {_rate(row['output_tok_s'])} output tok/s"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.disaggregation.stage import HostCopy, KvStager
 from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferContext, transfer_key
 from engine.disaggregation.upload import KvUploader
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory
@@ -73,6 +74,7 @@ class DisaggregationMixin:
     # Class defaults: a scheduler built without ``_init_disaggregation`` (tests' stand-ins) is a whole server.
     kv_transfer: Any = None
     disagg_uploader: KvUploader | None = None
+    disagg_stager: KvStager | None = None
     disagg_mode = "null"
     _disagg_stage_s = 0.0  # the last prefill batch's staging seconds (``_disagg_stage`` sets it)
 
@@ -102,6 +104,10 @@ class DisaggregationMixin:
             args.disable_plugin, args.plugin_options)
         if self.disagg_mode == "decode":
             self.disagg_uploader = KvUploader(self.runner.platform, torch.device(self.runner.device))
+        elif self._disagg_pins():
+            # Host payloads of a device pool: copied out on a copy stream, published by a thread.
+            self.disagg_stager = KvStager(self.runner.platform, torch.device(self.runner.device),
+                                          self.kv_transfer.publish)
         where = f" on {args.host}:{getattr(self.kv_transfer, 'port', ctx.port)}" if self.disagg_mode == "prefill" else ""
         logger.info("disaggregation: %s server, KV transfer '%s'%s", self.disagg_mode,
                     args.disaggregation_transfer_backend, where)
@@ -271,39 +277,46 @@ class DisaggregationMixin:
         return time.perf_counter() - started
 
     # -- prefill: stage and publish ------------------------------------------------------
-    def _disagg_stage(self, batch: ScheduleBatch) -> list[tuple[Req, torch.Tensor, torch.Tensor]]:
-        """Host copies of the prompt KV of the batch's disaggregated rows whose prefill ends now
-        (taken before the finish hands their slots to the prefix cache)."""
+    def _disagg_pins(self) -> bool:
+        """Whether published payloads go to pinned host memory through ``KvStager`` (a device
+        pool whose backend takes host tensors)."""
+        where = getattr(self.kv_transfer, "payload_device", "cpu")
+        return where == "cpu" and torch.device(self.runner.device).type != "cpu" and self.runner.platform.pin_host_memory()
+
+    def _disagg_stage(self, batch: ScheduleBatch) -> list[tuple[Req, Any, Any]]:
+        """The prompt KV of the batch's disaggregated rows whose prefill ends now, gathered out of
+        the pool before the finish hands their slots to the prefix cache: ``(req, k, v)``, or
+        ``(req, HostCopy, None)`` where the stager copies it to pinned host memory."""
         if self.kv_transfer is None or self.disagg_mode != "prefill":
             return []
         pool = self.runner.token_to_kv_pool
         r2t = self.req_to_token_pool.req_to_token  # type: ignore[attr-defined]
-        # Host memory unless the backend moves device tensors itself (NCCL).
+        # Host memory unless the backend moves device tensors itself (NCCL, CUDA IPC).
         where = getattr(self.kv_transfer, "payload_device", "cpu")
-        # Device pools stage into pinned host memory (torch's caching host allocator reuses the
-        # blocks once payloads are sent), copied asynchronously and waited for once per batch.
-        pin = where == "cpu" and self.runner.platform.pin_host_memory()
-        staged = []
+        stager = self.disagg_stager
+        mla = getattr(pool, "kv_layout", "mha") == "mla"
+        staged: list[tuple[Req, Any, Any]] = []
         started = time.perf_counter()
         for req in batch.reqs:
             if getattr(req, "disagg_key", None) is None or req.is_chunked:
                 continue
             index = r2t[req.req_pool_idx, : len(req.origin_input_ids)].to(torch.int64)
-            k = _gather(pool.k_buffer, index, where, pin)
-            if getattr(pool, "kv_layout", "mha") == "mla":
-                v = k.new_empty((*k.shape[:3], 0))
+            # On the pool's device and its current stream: a later batch that reuses the slots
+            # is queued after this gather.
+            k = _gather(pool.k_buffer, index)
+            v = k.new_empty((*k.shape[:3], 0)) if mla else _gather(pool.v_buffer, index)
+            if stager is not None:
+                staged.append((req, stager.gathered(k, v), None))
             else:
-                v = _gather(pool.v_buffer, index, where, pin)
-            staged.append((req, k, v))
-        if pin and staged:
-            self.runner.platform.synchronize()
+                staged.append((req, k.to(where), v.to(where)))
         self._disagg_stage_s = time.perf_counter() - started
         return staged
 
-    def _disagg_publish(self, staged: list[tuple[Req, torch.Tensor, torch.Tensor]]) -> None:
+    def _disagg_publish(self, staged: list[tuple[Req, Any, Any]]) -> None:
         # The batch's staging time, shared by its rows in proportion to their bytes.
-        total = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for _, k, v in staged)
-        for req, k, v in staged:
+        sizes = [k.nbytes if isinstance(k, HostCopy) else k.nbytes + v.nbytes for _, k, v in staged]
+        total = sum(sizes)
+        for (req, k, v), nbytes in zip(staged, sizes, strict=True):
             if not req.output_ids or (req.finished_reason is not None and req.finished_reason.kind == "abort"):
                 continue  # nothing to continue from: the decode server's fetch fails by its deadline
             meta: dict[str, Any] = {"prompt_tokens": len(req.origin_input_ids)}
@@ -312,18 +325,42 @@ class DisaggregationMixin:
                                     "output_top_logprobs": req.output_top_logprobs[:1],
                                     "input_token_logprobs": req.input_token_logprobs,
                                     "input_top_logprobs": req.input_top_logprobs}
+            copy = k if isinstance(k, HostCopy) else None
+            if copy is not None:
+                k, v = copy.sources  # on the device: the stager publishes its host copy
             payload = KvPayload(req.output_ids[0], k, v, meta)
-            self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
             self.disagg_counts["transferred"] += 1
-            self.disagg_counts["transfer_bytes"] += payload.nbytes
-            stage_s = self._disagg_stage_s * payload.nbytes / max(total, 1)
-            self.disagg_recent.append({"rid": req.rid, "tokens": payload.num_tokens, "bytes": payload.nbytes,
-                                       "stage_s": round(stage_s, 6)})
+            self.disagg_counts["transfer_bytes"] += nbytes
+            record: dict[str, Any] = {"rid": req.rid, "tokens": payload.num_tokens, "bytes": nbytes,
+                                      "stage_s": round(self._disagg_stage_s * nbytes / max(total, 1), 6),
+                                      "copy_s": None}
+            self.disagg_recent.append(record)
+            if copy is not None and self.disagg_stager is not None:
+                self.disagg_stager.publish_after(copy, req.disagg_key, payload, record)  # type: ignore[attr-defined]
+            else:
+                self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
 
     # -- bookkeeping ---------------------------------------------------------------------
     def disagg_busy(self) -> bool:
+        """Whether the loop must keep stepping for disaggregation: fetches, arrivals, uploads,
+        and written payloads whose device copies wait for their write's event (``_disagg_reap``
+        releases them; an idle loop that stopped stepping would keep them)."""
+        if self.kv_transfer is None:
+            return False
         uploading = self.disagg_uploader is not None and self.disagg_uploader.busy()
-        return self.kv_transfer is not None and bool(self.disagg_waiting or self.disagg_arrived or uploading)
+        return bool(self.disagg_waiting or self.disagg_arrived or uploading or self._disagg_writing)
+
+    def close_disaggregation(self) -> None:
+        """Stops the stager's and uploader's threads and closes the transfer backend (its
+        threads, sockets and process groups); idempotent. The server calls it when it stops."""
+        for part in (self.disagg_stager, self.disagg_uploader):
+            if part is not None:
+                part.close()
+        self.disagg_stager = self.disagg_uploader = None
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            logger.info("disaggregation: KV transfer '%s' closed", self.args.disaggregation_transfer_backend)
+        self.kv_transfer = None
 
     def _disagg_stats(self) -> dict[str, Any]:
         if self.kv_transfer is None:
@@ -337,14 +374,17 @@ def _rounded(value: Any) -> float | None:
     return None if value is None else round(float(value), 6)
 
 
-def _gather(buffers: list[torch.Tensor], index: torch.Tensor, where: str, pin: bool) -> torch.Tensor:
-    """``[num_layers, len(index), ...]``: the rows ``index`` of every layer's buffer, on ``where``
-    (into pinned host memory, asynchronously, when ``pin``)."""
-    if not pin:
-        return torch.stack([buf[index] for buf in buffers]).to(where)
-    # Layer by layer into pinned memory: the device holds one layer's rows at a time, not all.
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """One-byte float types as uint8: index kernels take bytes, not every float8 type."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype not in (torch.uint8, torch.int8) else t
+
+
+def _gather(buffers: list[torch.Tensor], index: torch.Tensor) -> torch.Tensor:
+    """``[num_layers, len(index), ...]``: the rows ``index`` of every layer's buffer, gathered on
+    the buffers' device (one copy per layer, into one tensor)."""
     first = buffers[0]
-    host = torch.empty((len(buffers), index.numel(), *first.shape[1:]), dtype=first.dtype, pin_memory=True)
+    out = torch.empty((len(buffers), index.numel(), *first.shape[1:]), dtype=first.dtype, device=first.device)
+    dest = _bytes(out)
     for layer, buf in enumerate(buffers):
-        host[layer].copy_(buf[index], non_blocking=True)
-    return host
+        torch.index_select(_bytes(buf), 0, index, out=dest[layer])
+    return out

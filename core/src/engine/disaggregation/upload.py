@@ -80,6 +80,8 @@ class KvUploader:
     def close(self) -> None:
         with self._cv:
             self._stopped = True
+            self._todo.clear()
+            self._done.clear()
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(5)
@@ -99,6 +101,9 @@ class KvUploader:
             with self._cv:
                 self._done.append((item, payload))
                 self._cv.notify_all()
+            # The scheduler owns it now: this thread's names would keep the device copy of the
+            # last payload allocated while the server is idle.
+            del item, payload
 
     def _upload(self, payload: KvPayload) -> KvPayload:
         if payload.k.device == self.device:

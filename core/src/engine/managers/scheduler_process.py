@@ -220,6 +220,7 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
                         continue
                     logger.info("stopping: the server asked")
                     _finish_sends(pending)
+                    _close_transfers(scheduler)
                     os._exit(0)
                 reply = _dispatch(scheduler, msg)
                 if reply is not None:
@@ -240,6 +241,15 @@ def _serve(scheduler: Any, ipc: IpcNames, parent_pid: int, placement: RankPlacem
         # The parent's watchdog sees the exit code and fails pending requests.
         _crashed(exc, placement)
     os._exit(0)
+
+
+def _close_transfers(scheduler: Any) -> None:
+    """Stops the KV transfer of ``--disaggregation-mode`` before the process exits (``os._exit``
+    runs no finalisers): its threads end and its sockets and process groups close in order."""
+    try:
+        scheduler.close_disaggregation()
+    except Exception:  # noqa: BLE001 - the process exits either way
+        logger.exception("closing the KV transfer failed")
 
 
 def _follow(scheduler: Any, parent_pid: int, placement: RankPlacement) -> None:

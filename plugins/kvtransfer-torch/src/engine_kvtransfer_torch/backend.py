@@ -197,3 +197,6 @@ class TorchKvTransfer(ZmqKvTransfer):
         for pair in list(self._pairs.values()):
             pair.stop()
         self._pairs.clear()
+        with self._stash_lock:
+            self._stash.clear()
+        self._store = None  # the prefill side's TCPStore server stops with it

@@ -157,6 +157,11 @@ class CudaIpcKvTransfer(ZmqKvTransfer):
         del theirs_k, theirs_v
         return k, v, time.perf_counter() - started
 
+    def close(self) -> None:
+        super().close()
+        with self._lent_lock:
+            self._lent.clear()  # the prefill side's device copies of payloads served
+
     def stats(self) -> dict[str, Any]:
         with self._lent_lock:
             lent = len(self._lent)

@@ -147,6 +147,9 @@ class ZmqKvTransfer(KvTransferBackend):
         return {"backend": "zmq", "port": self.port, **self._counts}
 
     def close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         if getattr(self, "_thread", None) is not None and not self._stopped:
             self._command(b"stop")
             self._thread.join(5)

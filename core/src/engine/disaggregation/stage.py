@@ -1,0 +1,154 @@
+"""A prefill server's copies of finished prompts' KV to host memory, off the scheduler's thread.
+
+A 4,096-token prompt of a small model carries hundreds of MiB of KV (Qwen3-0.6B: 448 MiB); its
+device-to-host copy takes ~10 ms on an H200. Waited for in the scheduler's thread, that copy
+stalls the next batch's prefill. Here the scheduler only gathers the prompt's rows out of the
+pool into a device staging tensor (on the compute stream, so a later batch that reuses the slots
+is queued after the gather) and records an event behind the gather. One thread per prefill
+server then, payload by payload in hand-over order: takes pinned host memory, queues the copy on
+a copy stream that waits for that event, waits for the copy alone, lets the device staging go
+and hands the payload to the transfer backend (``publish``).
+
+``max_bytes`` bounds the device staging of handed-over copies not yet complete: beyond it the
+scheduler waits for the oldest ones before gathering more. The pinned host tensors come from
+torch's caching host allocator (allocated in the thread, not the scheduler's): a payload's
+blocks go back to it when the transfer backend lets the payload go, and later payloads reuse them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.disaggregation.transfer import KvPayload
+
+logger = logging.getLogger(__name__)
+
+# Device staging of handed-over copies in flight at most, before the scheduler waits for the
+# oldest ones (two 4,096-token prompts of an 8B model with 8 KV heads).
+MAX_STAGING_BYTES = 1 << 30
+
+
+@dataclass
+class HostCopy:
+    """One payload's KV on its way to host memory: ``sources`` (K and V on the device) are
+    complete once ``marker`` (recorded on the compute stream) has passed."""
+
+    marker: Any
+    sources: tuple[torch.Tensor, torch.Tensor]
+    nbytes: int
+    # Seconds from the hand-over to the end of the copy (the stager's thread sets it).
+    copy_s: float | None = None
+
+
+class KvStager:
+    """``gathered(k, v)`` (scheduler's thread, behind the gather) makes a ``HostCopy``;
+    ``publish_after`` (once the batch has finished) hands it over with the payload to publish."""
+
+    def __init__(self, platform: Any, device: torch.device, publish: Callable[[str, KvPayload], None],
+                 max_bytes: int = MAX_STAGING_BYTES) -> None:
+        self.platform = platform
+        self.device = torch.device(device)
+        self._publish = publish
+        self.max_bytes = max_bytes
+        self._stream = platform.create_stream()
+        self._todo: deque[tuple[HostCopy, str, KvPayload, dict[str, Any] | None, float]] = deque()
+        self._inflight = 0  # handed over and not yet copied: their count and device bytes
+        self._inflight_bytes = 0
+        self._cv = threading.Condition()
+        self._stopped = False
+        self.waits = 0  # how often the bound made the scheduler wait for copies
+        self._thread = threading.Thread(target=self._run, name="kv-stage", daemon=True)
+        self._thread.start()
+
+    # -- the scheduler's thread ------------------------------------------------------------
+    def gathered(self, k: torch.Tensor, v: torch.Tensor) -> HostCopy:
+        """Marks the device tensors ``k`` and ``v`` just gathered on the current stream as a
+        copy to make (waits first while the bound's worth of copies is in flight)."""
+        nbytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        with self._cv:
+            if self._inflight and self._inflight_bytes + nbytes > self.max_bytes:
+                self.waits += 1
+                while not self._stopped and self._inflight and self._inflight_bytes + nbytes > self.max_bytes:
+                    self._cv.wait()
+        marker = self.platform.create_event()
+        marker.record()  # on the current (compute) stream, behind the gather
+        return HostCopy(marker, (k, v), nbytes)
+
+    def publish_after(self, copy: HostCopy, key: str, payload: KvPayload,
+                      record: dict[str, Any] | None = None) -> None:
+        """Publishes ``payload`` with ``copy``'s K and V (in place of its own) in host memory once
+        copied; ``record["copy_s"]`` then gets the seconds from this call to the end of the copy.
+        (A copy never handed over is simply dropped: only the compute stream has used it.)"""
+        with self._cv:
+            self._inflight += 1
+            self._inflight_bytes += copy.nbytes
+            self._todo.append((copy, key, payload, record, time.perf_counter()))
+            self._cv.notify_all()
+
+    def busy(self) -> bool:
+        """Payloads handed over and not yet published."""
+        return self._inflight > 0
+
+    def close(self) -> None:
+        """Stops the thread; payloads not yet published are dropped (the server is stopping:
+        their decode servers' fetches fail)."""
+        with self._cv:
+            self._stopped = True
+            self._todo.clear()
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(2)
+        with self._cv:
+            self._inflight = self._inflight_bytes = 0
+
+    # -- the stager's thread -------------------------------------------------------------
+    def _run(self) -> None:
+        if self.device.type != "cpu":
+            self.platform.set_device(self.device)
+        while True:
+            with self._cv:
+                while not self._stopped and not self._todo:
+                    self._cv.wait()
+                if self._stopped:
+                    return
+                copy, key, payload, record, handed = self._todo.popleft()
+            nbytes = copy.nbytes
+            try:
+                payload = self._copy(copy, payload)
+                copy.copy_s = time.perf_counter() - handed
+                if record is not None:
+                    record["copy_s"] = round(copy.copy_s, 6)
+                self._publish(key, payload)
+            except Exception:  # noqa: BLE001 - one payload lost (its fetch fails by its deadline), not the thread
+                logger.exception("KV transfer: staging %s failed", key)
+            finally:
+                copy.sources = ()  # the device staging may go
+                # Nothing of this payload stays referenced here while the thread waits for the next.
+                del copy, payload, record
+                with self._cv:
+                    self._inflight = max(self._inflight - 1, 0)
+                    self._inflight_bytes = max(self._inflight_bytes - nbytes, 0)
+                    self._cv.notify_all()
+
+    def _copy(self, copy: HostCopy, payload: KvPayload) -> KvPayload:
+        """``payload`` with ``copy``'s K and V copied into pinned host memory (this thread waits
+        for the copy alone; the compute stream runs on)."""
+        pin = self.platform.pin_host_memory()
+        k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in copy.sources)
+        with self.platform.stream_context(self._stream):
+            self._stream.wait_event(copy.marker)
+            for dst, src in ((k, copy.sources[0]), (v, copy.sources[1])):
+                if src.numel():
+                    dst.copy_(src, non_blocking=True)
+            done = self.platform.create_event()
+            done.record(self._stream)
+        done.synchronize()
+        return KvPayload(payload.first_token, k, v, payload.meta)

@@ -1,0 +1,210 @@
+"""KvStager (a prefill server's copies of prompt KV to host memory, published by a thread when
+each copy's event completes) and the threads' release of what they held, with events that the
+test completes by hand; the gpu test copies real KV on a CUDA copy stream."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import threading
+import time
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+from engine.disaggregation.stage import KvStager
+from engine.disaggregation.transfer import KvPayload
+from engine.disaggregation.upload import KvUploader
+
+
+class _Event:
+    """A device event the test completes: ``synchronize`` blocks until ``complete``."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.by = threading.current_thread().name
+        self.waited = threading.Event()
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self.waited.set()
+        assert self._done.wait(10), "an event nobody completed"
+
+    def complete(self) -> None:
+        self._done.set()
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.waited_for: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waited_for.append(event)
+
+
+class _Platform:
+    """Streams and events without a device; the events the stager's thread makes (one per
+    copy, in order) are kept in ``copies``."""
+
+    def __init__(self) -> None:
+        self.copies: list[_Event] = []
+        self.stream = _Stream()
+
+    def create_stream(self) -> _Stream:
+        return self.stream
+
+    def stream_context(self, stream: Any) -> Any:
+        return contextlib.nullcontext()
+
+    def create_event(self) -> _Event:
+        event = _Event()
+        if event.by == "kv-stage":
+            self.copies.append(event)
+        return event
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def pin_host_memory(self) -> bool:
+        return False
+
+
+def _wait(cond: Any, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(cond())
+
+
+def _kv(i: int, tokens: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((2, tokens, 1, 4), float(i)), torch.full((2, tokens, 1, 4), -float(i))
+
+
+def _copying(platform: _Platform, n: int) -> _Event:
+    """The stager's ``n``-th copy event (0-based), once its thread waits for it."""
+    assert _wait(lambda: len(platform.copies) > n and platform.copies[n].waited.is_set())
+    return platform.copies[n]
+
+
+def test_payloads_are_published_in_hand_over_order_once_copied_to_host_memory() -> None:
+    platform, published = _Platform(), []
+    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append((key, p)))
+    try:
+        copies = [stager.gathered(*_kv(i)) for i in range(2)]
+        sources = [c.sources for c in copies]
+        records: list[dict[str, Any]] = [{"copy_s": None}, {"copy_s": None}]
+        for i, copy in enumerate(copies):
+            stager.publish_after(copy, f"k{i}", KvPayload(i, *copy.sources, {"i": i}), records[i])
+        first = _copying(platform, 0)
+        assert platform.stream.waited_for[0] is copies[0].marker, "the copy did not wait for its gather"
+        time.sleep(0.1)
+        assert published == [] and stager.busy(), "published before its copy completed"
+        first.complete()
+        _copying(platform, 1).complete()
+        assert _wait(lambda: len(published) == 2) and _wait(lambda: not stager.busy())
+        assert [key for key, _ in published] == ["k0", "k1"]
+        for i, (_, p) in enumerate(published):
+            k, v = _kv(i)
+            assert torch.equal(p.k, k) and torch.equal(p.v, v) and p.meta == {"i": i} and p.first_token == i
+        assert published[0][1].k is not sources[0][0], "the device staging was published, not its host copy"
+        assert all(r["copy_s"] >= 0 for r in records)
+        assert all(c.sources == () for c in copies), "device staging kept after its copy"
+    finally:
+        stager.close()
+
+
+def test_the_bound_waits_for_handed_over_copies_to_end() -> None:
+    platform = _Platform()
+    k, v = _kv(1)
+    stager = KvStager(platform, torch.device("cpu"), lambda key, p: None, max_bytes=2 * (k.nbytes + v.nbytes))
+    try:
+        for i in range(2):
+            copy = stager.gathered(k, v)
+            stager.publish_after(copy, f"k{i}", KvPayload(i, k, v))
+        assert stager.waits == 0
+        third: list[Any] = []
+        side = threading.Thread(target=lambda: third.append(stager.gathered(k, v)))
+        side.start()
+        time.sleep(0.2)
+        assert third == [] and stager.waits == 1, "a third copy in flight passes the bound"
+        _copying(platform, 0).complete()
+        side.join(5)
+        assert len(third) == 1
+        _copying(platform, 1).complete()
+    finally:
+        stager.close()
+
+
+def test_close_stops_the_thread_and_drops_what_was_not_published() -> None:
+    platform, published = _Platform(), []
+    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(key))
+    for key in ("first", "second"):
+        copy = stager.gathered(*_kv(2))
+        stager.publish_after(copy, key, KvPayload(2, *copy.sources))
+    first = _copying(platform, 0)
+    started = time.monotonic()
+    threading.Timer(0.1, first.complete).start()
+    stager.close()
+    assert time.monotonic() - started < 3
+    assert published == ["first"] and not stager.busy()
+    assert not any(t.name == "kv-stage" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_uploader_keeps_nothing_once_the_scheduler_released_it() -> None:
+    """An idle decode server holds no payload: the upload thread lets go of the last one it
+    handed over (its device copy, on a GPU)."""
+    up = KvUploader(None, torch.device("cpu"), threaded=True)
+    try:
+        payload = KvPayload(1, *_kv(3))
+        gone = weakref.ref(payload.k)
+        up.submit("r", payload)
+        deadline = time.monotonic() + 5
+        while not up.done(0.05) and time.monotonic() < deadline:
+            pass  # the scheduler takes the uploaded payload (and drops it: written into the pool)
+        assert not up.busy()
+        up.release(1)
+        del payload
+        gc.collect()
+        assert _wait(lambda: gone() is None), "the upload thread still holds the last payload"
+    finally:
+        up.close()
+    assert not any(t.name == "kv-upload" and t.is_alive() for t in threading.enumerate())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_copies_prompt_kv_to_pinned_host_memory_on_a_copy_stream() -> None:
+    from engine.platforms import TorchCudaPlatform
+
+    class _Cuda(TorchCudaPlatform):  # its streams and events; no plugin needed
+        def is_available(self) -> bool:
+            return True
+
+        def default_attention_backend(self, available: object) -> str:
+            return "triton"
+
+    published: list[tuple[str, KvPayload]] = []
+    stager = KvStager(_Cuda(), torch.device("cuda:0"), lambda key, p: published.append((key, p)))
+    try:
+        pool = torch.randn(4, 4096, 8, 128, device="cuda:0", dtype=torch.bfloat16)  # 4 layers of slots
+        index = torch.randperm(4096, device="cuda:0")[:1000]
+        want_k, want_v = pool[:, index].cpu(), (pool[:, index] * 2).cpu()
+        k = pool[:, index].contiguous()  # the gather, on the current stream
+        v = (pool[:, index] * 2).contiguous()
+        copy = stager.gathered(k, v)
+        stager.publish_after(copy, "a", KvPayload(0, k, v))
+        del k, v
+        pool[:, index] = 0  # a later batch's write, queued after the gather: not in the payload
+        assert _wait(lambda: len(published) == 1)
+        got = published[0][1]
+        assert got.k.is_pinned() and got.k.device.type == "cpu" and copy.copy_s is not None
+        assert torch.equal(got.k, want_k) and torch.equal(got.v, want_v)
+    finally:
+        stager.close()
