@@ -147,6 +147,10 @@ def bench_extend(bs: int, prefix: int, ext: int, sweep: bool) -> list[str]:
     return lines
 
 
+#: Extend tiles --extend-fp8 also times on the bf16 K/V: (BLOCK_M, BLOCK_N, warps, stages).
+EXTEND_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3), (128, 32, 4, 3))
+
+
 def bench_extend_fp8(bs: int, ext: int) -> list[str]:
     """A prefill chunk over an e4m3 pool without prefix: the new tokens' K/V as the backend passes
     them (gathered back from the pool, e4m3, widened inside the kernel) against the same values
@@ -162,6 +166,7 @@ def bench_extend_fp8(bs: int, ext: int) -> list[str]:
     zeros = torch.zeros_like(lens)
     starts = torch.arange(bs, device=DEV) * ext
     flops = 4 * NUM_HEADS * HEAD_DIM * bs * ext * (ext + 1) / 2
+    kb, vb = k8.to(DTYPE), v8.to(DTYPE)
     lines = []
     for name, fn in (
         ("e4m3 k/v", lambda: extend_attention_fwd(q, k8, v8, out, k_pool8, v_pool8, req_to_token, reqs, zeros, lens,
@@ -170,6 +175,9 @@ def bench_extend_fp8(bs: int, ext: int) -> list[str]:
                                                                   req_to_token, reqs, zeros, lens, starts, ext,
                                                                   HEAD_DIM**-0.5)),
         ("the widening alone", lambda: (k8.to(DTYPE), v8.to(DTYPE))),
+        *((f"bf16 k/v cfg {cfg}", lambda cfg=cfg: extend_attention_fwd(
+            q, kb, vb, out, k_pool, v_pool, req_to_token, reqs, zeros, lens, starts, ext, HEAD_DIM**-0.5, config=cfg))
+          for cfg in EXTEND_CONFIGS),
     ):
         ms = median_ms(fn)
         lines.append(f"extend-fp8 bs={bs:<3} ext={ext:<5} {name:<26} {ms * 1e3:9.1f} us  "
