@@ -275,6 +275,13 @@ def fold_times(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, w: t
         for bn, wp in ((32, 4), (64, 4), (32, 8), (64, 8))]
     print(f"fold {scen:<14} {layer:<8} folded expand (BLOCK_N, warps): "
           + ", ".join(f"({bn}, {wp}) {us:.1f} us" for us, bn, wp in swept), flush=True)
+    # The GEMM's shape variants: without the last slot (the base model's, rank 0) and padded to a
+    # multiple of 256 rows.
+    no_base = w_fold[:w.shape[0] + (a.shape[0] - 1) * a.shape[1]]
+    padded = torch.cat([w_fold, w_fold.new_zeros(-w_fold.shape[0] % 256, w_fold.shape[1])])
+    shapes = {f"{m.shape[0]} rows": graph_time_us(functools.partial(F.linear, x, m), reps) for m in (no_base, padded)}
+    print(f"fold {scen:<14} {layer:<8} GEMM variants: " + ", ".join(f"{k} {v:.1f} us" for k, v in shapes.items()),
+          flush=True)
     t = {"W": graph_time_us(functools.partial(F.linear, x, w), reps),
          "Wf": graph_time_us(functools.partial(F.linear, x, w_fold), reps),
          "expand": graph_time_us(expand, reps), "fold": graph_time_us(both, reps), "unfolded": unfolded_us}

@@ -83,7 +83,8 @@ def test_fold_graph_replay_follows_the_slots() -> None:
     w, a, b, offsets = _layer(16, k, widths, ranks)
     info = _info([1] * 64, [i % 8 for i in range(64)], ranks)
     x = torch.randn(64, k, device=DEV).bfloat16()
-    w_fold = torch.cat([w, a.reshape(-1, k)])
+    # As LoRA layers run it: the last slot, the base model's (rank 0), left out of the GEMM.
+    w_fold = torch.cat([w, a[:-1].reshape(-1, k)])
     backend = TritonLoraBackend()
     backend.fold_expand(F.linear(x, w_fold), b, info, offsets)
     torch.cuda.synchronize()

@@ -29,6 +29,8 @@ CASES = {
     "decode-padded-empty": ([1, 1, 0, 1, 0], [1, 0, 1, 1, 0], [0, 8], 8, 24, [0, 24], 3),
     "mixed-gate-up": ([5, 0, 19, 1, 0, 3], [1, 2, 0, 1, 1, 2], [0, 8, 4], 8, 48, [0, 21, 37], 2),
     "two-token-tiles": ([1] * 70, [i * 7 % 3 for i in range(70)], [8, 0, 4], 8, 24, [0, 20], 0),
+    # The last slot is the base model's (rank 0): the layer's GEMM leaves its columns out of h.
+    "qkv-base-last": ([1] * 9 + [2, 0, 4], [i % 4 for i in range(12)], [8, 4, 16, 0], 16, 40, [0, 16, 24, 32], 2),
     "40-slots": ([1] * 20, [i * 7 % 40 for i in range(20)], [8 * (i % 3 > 0) for i in range(40)], 8, 16, [0, 24], 1),
 }
 
@@ -55,6 +57,8 @@ def test_folded_expand_matches_the_loop(case: str, dtype: torch.dtype) -> None:
     w = (torch.randn(n, k) / k ** 0.5).to(dtype)
     x = torch.randn(sum(lens) + pad, k).to(dtype)
     h = x @ torch.cat([w, a.reshape(-1, k)]).T
+    if ranks[-1] == 0:  # as LoRA layers run it: without the last (base) slot's columns
+        h = h[:, :h.shape[1] - n_slices * r]
     got = sgmv_expand_folded(h, b, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                              info.num_segments, offsets)
     want = reference_fold_expand(h, b, info, offsets)
@@ -72,7 +76,7 @@ def test_folded_expand_refuses_mismatched_h() -> None:
                          weight_indices=torch.tensor([0], dtype=torch.int32),
                          lora_ranks=torch.tensor([4, 0], dtype=torch.int32), scalings=torch.ones(2), max_seg_len=2)
     b = torch.randn(2, 8, 4)
-    with pytest.raises(ValueError, match=r"h \(2, 15\) must be \[T, N \+ slots \* n_slices \* R\] = \[T, 16\]"):
+    with pytest.raises(ValueError, match=r"h \(2, 15\) must be \[T, N \+ k \* n_slices \* R\] for k <= 2 slots"):
         sgmv_expand_folded(torch.randn(2, 15), b, info.seg_indptr, info.weight_indices, info.lora_ranks,
                            info.scalings, 1, [0, 8])
 

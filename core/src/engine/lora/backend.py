@@ -47,7 +47,8 @@ class LoraBackend(Protocol):
     ``fold_max_rows`` (and optionally ``fold_min_rows``, default 1): for batches of
     ``fold_min_rows`` to ``fold_max_rows`` tokens on an unquantized layer without bias,
     the layer stacks its slots' A matrices under the weight (``W' = [W; A_0; ...; A_{S-1}]``) and
-    one GEMM gives ``h = x @ W'^T``, ``[T, N + S * n_slices * R]``; ``fold_expand`` returns a new
+    one GEMM gives ``h = x @ W'^T``, ``[T, N + k * n_slices * R]`` (k <= S: the layers leave out the
+    last slot, the base model's, of rank 0); ``fold_expand`` returns a new
     contiguous ``[T, N]`` (``N = slice_offsets[-1]``): ``h[:, :N]`` plus, for each token t on slot
     w with rank > 0, ``expand`` of ``y[t] = h[t, N + w*n_slices*R : N + (w+1)*n_slices*R]``
     (``reference_fold_expand``). Rows of tokens past the last segment are ``h``'s base columns."""
@@ -110,14 +111,16 @@ def reference_expand(y: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo
 def reference_fold_expand(h: torch.Tensor, weights: torch.Tensor, info: LoraBatchInfo,
                           slice_offsets: Sequence[int]) -> torch.Tensor:
     """``LoraBackend.fold_expand`` as a plain loop: each token's own slot's columns of ``h`` are
-    its shrink, expanded onto a copy of ``h``'s first ``slice_offsets[-1]`` columns."""
-    n_base, slots = int(slice_offsets[-1]), weights.shape[0]
-    slot_cols = (h.shape[1] - n_base) // slots
+    its shrink, expanded onto a copy of ``h``'s first ``slice_offsets[-1]`` columns (``h`` may
+    leave out the last slots, which must then have rank 0)."""
+    n_base = int(slice_offsets[-1])
+    slot_cols = (len(slice_offsets) - 1) * weights.shape[2]
     y = torch.zeros(h.shape[0], slot_cols, dtype=h.dtype, device=h.device)
     bounds = info.seg_indptr.tolist()
     for seg, slot in enumerate(info.weight_indices.tolist()):
         lo, hi = bounds[seg], bounds[seg + 1]
-        y[lo:hi] = h[lo:hi, n_base + slot * slot_cols:n_base + (slot + 1) * slot_cols]
+        if n_base + (slot + 1) * slot_cols <= h.shape[1]:
+            y[lo:hi] = h[lo:hi, n_base + slot * slot_cols:n_base + (slot + 1) * slot_cols]
     out = h[:, :n_base].clone()
     reference_expand(y, weights, info, out, slice_offsets)
     return out

@@ -19,9 +19,10 @@ is unquantized, without a bias added before the reduction, and its slots' A rows
 ``FOLD_MAX_EXTRA`` of its output rows, A lives under the weight: one buffer ``W' = [W; A]`` whose
 first rows are the layer's weight (a view, so checkpoint loads still write into it) and the rest
 the slots' A. A batch of ``fold_min_rows`` (the backend's, default 1) to ``fold_max_rows`` tokens
-then runs one GEMM ``x @ W'^T`` (the base output and every slot's shrink) and the backend's
-``fold_expand``; other batches run the plain GEMM over ``W`` and shrink/expand as before. Row-parallel layers fold too: each rank's partial
-shrink expands to a partial output that the all-reduce sums, as without the fold.
+then runs one GEMM ``x @ W'^T`` (the base output and every slot's shrink; the last slot, the base
+model's, always rank 0, is left out of it) and the backend's ``fold_expand``; other batches run
+the plain GEMM over ``W`` and shrink/expand as before. Row-parallel layers fold too: each rank's
+partial shrink expands to a partial output that the all-reduce sums, as without the fold.
 """
 
 from __future__ import annotations
@@ -88,11 +89,12 @@ class LoraLayer(nn.Module):
         self.fold_weight: torch.Tensor | None = None
         self.fold_min_rows, self.fold_max_rows = 1, 0
 
-    def fold_into(self, module: Any, max_rows: int, min_rows: int = 1) -> bool:
+    def fold_into(self, module: Any, max_rows: int, min_rows: int = 1, gemm_slots: int | None = None) -> bool:
         """Moves the layer's weight and this layer's A slots into one buffer ``[W; A]`` (the
         weight becomes a view of its first rows); False, changing nothing, where the layer does
         not take it: quantized, a bias before the reduction, other dtypes, or more A rows than
-        ``FOLD_MAX_EXTRA`` of its output rows."""
+        ``FOLD_MAX_EXTRA`` of its output rows. ``gemm_slots``: the GEMM multiplies the first so many
+        slots' A (the rest must keep rank 0: the base model's slot); None: all."""
         from engine.layers.linear import UnquantizedLinearMethod, linear_with_kernel
 
         weight = getattr(module, "weight", None)
@@ -103,7 +105,8 @@ class LoraLayer(nn.Module):
                 or tuple(weight.shape) != (self.slice_offsets[-1], a.shape[2])):
             return False
         n, extra = weight.shape[0], a.shape[0] * a.shape[1]
-        if extra > FOLD_MAX_EXTRA * n:
+        used = a.shape[0] if gemm_slots is None else max(0, min(gemm_slots, a.shape[0]))
+        if used * a.shape[1] > FOLD_MAX_EXTRA * n:
             return False
         folded = torch.zeros(n + extra, a.shape[2], dtype=a.dtype, device=a.device)
         folded[:n].copy_(weight.data)
@@ -111,6 +114,8 @@ class LoraLayer(nn.Module):
         weight.data = folded[:n]
         self.a_buffer = folded[n:].view(a.shape)
         self.fold_weight, self.fold_min_rows, self.fold_max_rows = folded, max(1, min_rows), max_rows
+        #: the rows the folded GEMM reads: W and the A of the slots that can hold an adapter.
+        self.fold_gemm = folded[:n + used * a.shape[1]]
         self._linear = linear_with_kernel  # the layer's own GEMM path (its skinny kernel for few rows)
         return True
 
@@ -149,7 +154,7 @@ class LoraLayer(nn.Module):
             # (a weight swapped for a new tensor since, e.g. by a weight update, ends the fold)
             rows_ok = self.fold_min_rows <= x2.shape[0] <= self.fold_max_rows
             if rows_ok and module.weight.data_ptr() == fold.data_ptr():
-                h = self._linear(module.skinny_linear, x2, fold)
+                h = self._linear(module.skinny_linear, x2, self.fold_gemm)
                 out = self.state.backend.fold_expand(h, self.b_buffer, info, self.slice_offsets)  # type: ignore[attr-defined]
                 return out.view(*x.shape[:-1], out.shape[-1])
         out = module.quant_method.apply(module, x, bias)
@@ -221,7 +226,8 @@ def attach_lora(model: nn.Module, targets: set[str], state: LoraState, num_slots
     fold_min = int(getattr(state.backend, "fold_min_rows", 1))
     for name, (module, peft_names) in lora_target_layers(model, targets).items():
         lora = build_lora_layer(module, peft_names, state, num_slots, max_rank, dtype, device)
-        lora.fold_into(module, fold_rows, fold_min)
+        # The last slot is the base model's (rank 0 for good): the folded GEMM leaves it out.
+        lora.fold_into(module, fold_rows, fold_min, gemm_slots=num_slots - 1)
         module.lora = lora
         layers[name] = lora
     return layers

@@ -132,11 +132,11 @@ class TorchNativeLoraBackend:
                     slice_offsets: Sequence[int]) -> torch.Tensor:
         """The base columns of ``h`` plus each token's adapter: its own slot's columns of ``h``
         are its shrink (gathered on the device), expanded by ``expand``."""
-        n, num_slots = int(slice_offsets[-1]), weights.shape[0]
-        cols = (h.shape[1] - n) // num_slots
+        n, cols = int(slice_offsets[-1]), (len(slice_offsets) - 1) * weights.shape[2]
+        h_slots = (h.shape[1] - n) // cols  # the slots past these have rank 0: expand skips their tokens
         slots = _token_slots(info, h.shape[0])
-        every = h[:, n:].reshape(h.shape[0], num_slots, cols)
-        y = every[torch.arange(h.shape[0], device=h.device), slots.clamp(min=0)]
+        every = h[:, n:].reshape(h.shape[0], h_slots, cols)
+        y = every[torch.arange(h.shape[0], device=h.device), slots.clamp(min=0, max=max(h_slots - 1, 0))]
         out = h[:, :n].contiguous()
         self.expand(y, weights, info, out, slice_offsets)
         return out

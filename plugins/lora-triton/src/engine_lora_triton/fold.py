@@ -32,7 +32,8 @@ from engine_lora_triton.launch import _cdiv, _segment_passes, _slice_bounds, _sl
 
 @triton.jit
 def _expand_folded_kernel(h_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
-                          num_tokens, num_segments, n_base, slot_cols, off0, off1, off2, off3, tiles0, tiles01,
+                          num_tokens, num_segments, n_base, slot_cols, h_slots, off0, off1, off2, off3, tiles0,
+                          tiles01,
                           stride_ht, stride_hn, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
                           R: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT_GROUP: tl.constexpr, SEGS: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -53,7 +54,8 @@ def _expand_folded_kernel(h_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_
         seg += tl.sum((ends[None, :] <= toks[:, None]).to(tl.int32), axis=1)
     live = t_ok & (seg < num_segments)
     owner = tl.load(weight_indices_ptr + seg, mask=live, other=0)
-    live = live & (tl.load(ranks_ptr + owner, mask=live, other=0) > 0)
+    # (a slot past h's columns has rank 0 by the caller's contract; masked all the same)
+    live = live & (tl.load(ranks_ptr + owner, mask=live, other=0) > 0) & (owner < h_slots)
     owner = tl.where(live, owner, -1)  # -1: the token adds nothing (base model, padding)
     scale = tl.load(scalings_ptr + owner, mask=live, other=0.0)
     if PDL:
@@ -122,16 +124,18 @@ def sgmv_expand_folded(h: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tenso
                        slice_offsets: Sequence[int], pdl: bool = False,
                        config: dict[str, int] | None = None) -> torch.Tensor:
     """A new contiguous ``[T, N]``: ``h[:, :N]`` plus each token's adapter, from ``h = x @ W'^T``
-    (``[T, N + slots * n_slices * R]``, slot w's shrink in its columns from ``N + w * n_slices * R``);
-    ``N`` is ``slice_offsets[-1]`` and the slices must start at column 0."""
+    (``[T, N + k * n_slices * R]``, slot w's shrink in its columns from ``N + w * n_slices * R``, for
+    the first k slots; tokens on later slots must have rank 0); ``N`` is ``slice_offsets[-1]`` and
+    the slices must start at column 0."""
     padded, widths, r = _slice_plan(tuple(slice_offsets), int(slice_offsets[-1]), tuple(b.shape))
     n_base, slots = int(slice_offsets[-1]), b.shape[0]
     slot_cols = len(widths) * r
     if int(slice_offsets[0]) != 0:
         raise ValueError(f"expand_folded: slice_offsets {list(slice_offsets)} must start at column 0")
-    if h.dim() != 2 or h.shape[1] != n_base + slots * slot_cols:
-        raise ValueError(f"expand_folded: h {tuple(h.shape)} must be [T, N + slots * n_slices * R] = "
-                         f"[T, {n_base + slots * slot_cols}]")
+    h_slots = (h.shape[1] - n_base) // slot_cols if h.dim() == 2 else -1
+    if h.dim() != 2 or not 0 <= h_slots <= slots or h.shape[1] != n_base + h_slots * slot_cols:
+        raise ValueError(f"expand_folded: h {tuple(h.shape)} must be [T, N + k * n_slices * R] for k <= {slots} "
+                         f"slots, N {n_base}, n_slices * R {slot_cols}")
     if b.dtype != h.dtype:
         raise ValueError(f"expand_folded: weights dtype {b.dtype} must be h's dtype {h.dtype}")
     tokens = h.shape[0]
@@ -141,7 +145,7 @@ def sgmv_expand_folded(h: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tenso
     cfg = config or _folded_config(tokens, n_base, r, sm_count(h.device))
     tiles0, tiles01, total = _slice_bounds([_cdiv(w, cfg["BLOCK_N"]) for w in widths])
     _expand_folded_kernel[(total, _cdiv(tokens, cfg["BLOCK_T"]))](
-        h, b, out, seg_indptr, weight_indices, ranks, scalings, tokens, num_segments, n_base, slot_cols,
+        h, b, out, seg_indptr, weight_indices, ranks, scalings, tokens, num_segments, n_base, slot_cols, h_slots,
         *padded, tiles0, tiles01, h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
         R=r, NUM_SLOTS=slots, **_segment_passes(max(1, num_segments)), WIDEN=_INTERPRETED,
