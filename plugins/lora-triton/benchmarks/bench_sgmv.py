@@ -252,10 +252,11 @@ def breakdown(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, a: to
 
 def fold_times(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, w: torch.Tensor, a: torch.Tensor,
                b: torch.Tensor, offsets: list[int], reps: int, unfolded_us: float) -> dict[str, float]:
-    """The folded form of one layer: ``F.linear`` over ``W' = [W; A_0; ...]`` against ``W``, the
+    """The folded form of one layer: ``F.linear`` over ``W' = [W; A_0; ...; A_7]`` against ``W``, the
     folded expand alone, and GEMM + expand against ``unfolded_us`` (base GEMM + shrink + expand).
     The output is checked against the torch loop first."""
-    w_fold = torch.cat([w, a.reshape(-1, a.shape[-1])])
+    # As LoRA layers run it: the last slot (the base model's, rank 0) left out of the GEMM.
+    w_fold = torch.cat([w, a[:-1].reshape(-1, a.shape[-1])])
     h = F.linear(x, w_fold)
     pdl = has_pdl(x.device) and info.max_seg_len <= 1
     expand = functools.partial(sgmv_expand_folded, h, b, info.seg_indptr, info.weight_indices, info.lora_ranks,
@@ -275,11 +276,10 @@ def fold_times(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, w: t
         for bn, wp in ((32, 4), (64, 4), (32, 8), (64, 8))]
     print(f"fold {scen:<14} {layer:<8} folded expand (BLOCK_N, warps): "
           + ", ".join(f"({bn}, {wp}) {us:.1f} us" for us, bn, wp in swept), flush=True)
-    # The GEMM's shape variants: without the last slot (the base model's, rank 0) and padded to a
-    # multiple of 256 rows.
-    no_base = w_fold[:w.shape[0] + (a.shape[0] - 1) * a.shape[1]]
+    # The GEMM's shape variants: with every slot's rows, and padded to a multiple of 256 rows.
+    every = torch.cat([w, a.reshape(-1, a.shape[-1])])
     padded = torch.cat([w_fold, w_fold.new_zeros(-w_fold.shape[0] % 256, w_fold.shape[1])])
-    shapes = {f"{m.shape[0]} rows": graph_time_us(functools.partial(F.linear, x, m), reps) for m in (no_base, padded)}
+    shapes = {f"{m.shape[0]} rows": graph_time_us(functools.partial(F.linear, x, m), reps) for m in (every, padded)}
     print(f"fold {scen:<14} {layer:<8} GEMM variants: " + ", ".join(f"{k} {v:.1f} us" for k, v in shapes.items()),
           flush=True)
     t = {"W": graph_time_us(functools.partial(F.linear, x, w), reps),
@@ -422,6 +422,13 @@ def main() -> None:
                      "peer": {"config": "torch_native backend, same run", "us": round(totals["native"], 2)}},
                     {"area": "lora", "bench": "kernel", "device": device, "us": round(totals["base"], 2),
                      "config": f"base layers' bf16 matmuls (no LoRA), {what}"})
+        if fold_totals:
+            append_rows(args.result_file,
+                        {"area": "lora", "bench": "kernel", "device": device, "us": round(fold_totals["fold"], 2),
+                         "config": f"base layers with the folded shrink: bf16 GEMM over [W; A of {SLOTS - 1} slots] + "
+                                   f"folded expand (triton), rank {args.rank}, {what}",
+                         "peer": {"config": "base bf16 matmuls + shrink + expand, same run",
+                                  "us": round(fold_totals["unfolded"], 2)}})
     if args.sweep:
         with open(args.sweep, "w") as f:
             json.dump(swept, f, indent=0)
