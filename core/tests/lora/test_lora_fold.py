@@ -132,3 +132,32 @@ def test_folded_shards_add_up_to_the_full_update(tp: int, monkeypatch: pytest.Mo
     v_parts = [p[:, q_cols // tp + kv_cols // tp:] for p in qkv_parts]
     torch.testing.assert_close(torch.cat(q_parts + k_parts + v_parts, dim=1), want_qkv, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(o_sum, x @ w_o.T + full["o"], rtol=1e-4, atol=1e-4)
+
+
+def test_a_replaced_weight_ends_the_fold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight swapped for a new tensor after folding (not copied into) is used as it is: the
+    layer runs its own product and the shrink, whose A still lives in the folded buffer."""
+    import engine.layers.linear as linear
+    import engine.lora.layers
+    from engine.lora.backend import LoraBatchInfo
+    from engine.lora.layers import LoraState, build_lora_layer
+
+    monkeypatch.setattr(engine.lora.layers, "FOLD_MAX_EXTRA", 1.0)
+    gen = torch.Generator().manual_seed(3)
+    r, hidden, tokens = 4, 32, 3
+    o_proj = linear.RowParallelLinear(hidden, hidden)
+    o_proj.weight.data.copy_(torch.randn(hidden, hidden, generator=gen))
+    a, b = torch.randn(r, hidden, generator=gen), torch.randn(hidden, r, generator=gen)
+    state = LoraState(_Reference())
+    state.batch_info = LoraBatchInfo(1, torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+                                     torch.tensor([r, 0], dtype=torch.int32), torch.tensor([0.5, 0.0]), tokens)
+    layer = build_lora_layer(o_proj, ("o_proj",), state, 2, r, torch.float32, torch.device("cpu"))
+    assert layer.fold_into(o_proj, 8, gemm_slots=1)
+    layer.load_slot(0, [(a, b)])
+    o_proj.lora = layer
+    x = torch.randn(tokens, hidden, generator=gen)
+    update = 0.5 * (x @ a.T) @ b.T
+    torch.testing.assert_close(o_proj(x), x @ o_proj.weight.T + update, rtol=1e-4, atol=1e-4)
+    new = torch.randn(hidden, hidden, generator=gen)
+    o_proj.weight.data = new.clone()
+    torch.testing.assert_close(o_proj(x), x @ new.T + update, rtol=1e-4, atol=1e-4)
