@@ -207,3 +207,13 @@ def test_a_multi_turn_row_goes_to_kv_cache_tiers_against_its_tier_off_peer(tmp_p
     assert cells[0] == "64 conversations x 4 turns, 2048-token histories, 128 in / 32 out a turn, concurrency 16"
     assert cells[4] == "12.50 turns/s (30,000 prompt tok/s), median TTFT 812 ms, 71% of prompt tokens cached"
     assert cells[5] == "2.50x tier off"
+
+
+def test_a_serving_load_row_shows_throughput_with_its_latencies_against_offline(tmp_path: pathlib.Path) -> None:
+    row = {"bench": "serving", "area": "serving", "config": "burst", "figure": "load", "device": H200,
+           "command": "engine bench serving", "date": "2026-11-29 06:10", "output_throughput": 9012.4,
+           "median_ttft_ms": 8123.4, "p99_ttft_ms": 16020.0, "mean_ttft_ms": 8000.0, "median_itl_ms": 42.04,
+           "p99_itl_ms": 61.5, "peer": {"config": "engine bench offline, same data", "output_throughput": 9500.0}}
+    [cells] = _table(build_page([_write(tmp_path / "serving.jsonl", row)]), "Serving")
+    assert cells[4] == "9,012 output tok/s; TTFT p50 8,123 / p99 16,020 ms; ITL p50 42.0 / p99 61.5 ms"
+    assert cells[5] == "0.95x engine bench offline, same data"

@@ -307,6 +307,12 @@ def _startup(row: dict[str, Any]) -> Figure:
 def _serving(row: dict[str, Any]) -> Figure:
     if row.get("figure") == "throughput":
         return Figure(f"{_rate(row['output_throughput'])} output tok/s", row["output_throughput"])
+    if row.get("figure") == "load":  # throughput under a load with the latencies it costs (a peer may have none)
+        text = f"{_rate(row['output_throughput'])} output tok/s"
+        if "median_ttft_ms" in row:
+            text += (f"; TTFT p50 {_n(row['median_ttft_ms'], 0)} / p99 {_n(row['p99_ttft_ms'], 0)} ms; "
+                     f"ITL p50 {row['median_itl_ms']:.1f} / p99 {_n(row['p99_itl_ms'])} ms")
+        return Figure(text, row["output_throughput"])
     return Figure(f"mean TTFT {row['mean_ttft_ms']:.1f} ms", row["mean_ttft_ms"], higher_is_better=False)
 
 
