@@ -30,6 +30,11 @@ def _grid() -> list[dict[str, int]]:
     return out
 
 
+#: (BLOCK, num_warps) of the SiLU-and-mul quantization timed by --producers-only (d = 14336:
+#: BLOCK 16384 is one pass from registers, smaller blocks the two-pass kernel).
+SILU_CONFIGS = ((16384, 8), (16384, 32), (8192, 8), (4096, 8), (2048, 4))
+
+
 def main() -> None:
     import torch
     import torch.nn.functional as F
@@ -41,10 +46,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ms", default="48,64,128")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--producers-only", action="store_true",
+                        help="only the producers, and the SiLU-and-mul quantization at SILU_CONFIGS")
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     _spin_up()
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in () if args.producers_only else SHAPES.items():
         ops = _Operands(n, k)
         for m in ms:
             x = ops.x(m)
@@ -77,7 +84,11 @@ def main() -> None:
                                                         4), 2),
                "rms_norm_quant_fused_us": round(_time_us(lambda i: fused.rms_norm_quant(h, w, 1e-5, r), 4), 2),
                "silu_then_quant_us": round(_time_us(lambda i: quantize_per_token_triton(silu_and_mul(gu)), 4), 2),
-               "silu_quant_fused_us": round(_time_us(lambda i: fused.silu_and_mul_quant(gu), 4), 2)}
+               "silu_quant_fused_us": round(_time_us(lambda i: fused.silu_and_mul_quant(gu), 4), 2),
+               "silu_quant_read_bound_us": round(m * 28672 * 2.5 / 4.29e6, 2)}  # gate/up read, codes written
+        for block, warps in SILU_CONFIGS if args.producers_only else ():
+            row[f"silu_quant_b{block}_w{warps}_us"] = round(_time_us(
+                lambda i, b=block, w=warps: fused.silu_and_mul_quant(gu, block=b, num_warps=w), 4), 2)
         print(json.dumps(row), flush=True)
 
 

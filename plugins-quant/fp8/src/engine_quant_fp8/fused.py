@@ -125,19 +125,21 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
     return out if res_out is None else (out, res_out.view(x.shape))
 
 
-def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype = FP8_DTYPE,
-                       qmax: float = FP8_MAX) -> QuantizedActivation:
-    """``silu(x[:, :d]) * x[:, d:]`` quantized per token."""
+def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype = FP8_DTYPE, qmax: float = FP8_MAX,
+                       block: int | None = None, num_warps: int | None = None) -> QuantizedActivation:
+    """``silu(x[:, :d]) * x[:, d:]`` quantized per token (``block``, ``num_warps``: launch overrides
+    for benchmarks; a block below ``d``'s power of two takes the two-pass kernel)."""
     x2 = _rows(x)
     m, d = x2.shape[0], x2.shape[1] // 2
     q = torch.empty((m, d), dtype=qdtype, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
-        block = triton.next_power_of_2(d)
-        if block > SINGLE_PASS_MAX_D:
-            block = TWO_PASS_BLOCK
-        _silu_mul_quant_kernel[(m,)](x2, q, scale, x2.stride(0), d, BLOCK=block, QMAX=qmax,
-                                     MIN_SCALE=_MIN_SCALE, num_warps=min(max(block // 512, 4), 16))
+        if block is None:
+            block = triton.next_power_of_2(d)
+            if block > SINGLE_PASS_MAX_D:
+                block = TWO_PASS_BLOCK
+        _silu_mul_quant_kernel[(m,)](x2, q, scale, x2.stride(0), d, BLOCK=block, QMAX=qmax, MIN_SCALE=_MIN_SCALE,
+                                     num_warps=num_warps or min(max(block // 512, 4), 16))
     return QuantizedActivation(q, scale, x.dtype)
 
 
