@@ -87,7 +87,6 @@ class DisaggregationMixin:
         self._disagg_writing: list[tuple[Any, KvPayload]] = []
         self.disagg_counts = {"requests": 0, "transferred": 0, "failed": 0, "transfer_bytes": 0,
                               "transfer_wait_s": 0.0}
-        self._disagg_started: dict[str, float] = {}
         # The newest requests' transfers: bytes and seconds on this side (``_disagg_stats``).
         self.disagg_recent: deque[dict[str, Any]] = deque(maxlen=_RECENT)
         if self.disagg_mode == "null":
@@ -126,7 +125,8 @@ class DisaggregationMixin:
         if self.disagg_mode == "prefill":
             req.sampling_params.max_new_tokens = 1  # the decode server generates the rest
         else:
-            self._disagg_started[req.rid] = time.monotonic()
+            # On the request, not in a table: one aborted before its fetch leaves nothing behind.
+            req.disagg_since = time.monotonic()  # type: ignore[attr-defined]
         return None
 
     # -- decode: fetch, receive, admit -----------------------------------------------------
@@ -139,7 +139,7 @@ class DisaggregationMixin:
             queue.remove(req)
             self.disagg_waiting[req.disagg_key] = req  # type: ignore[attr-defined]
             host, port = req.disagg_source  # type: ignore[attr-defined]
-            left = self.args.disaggregation_timeout_s - (time.monotonic() - self._disagg_started.get(req.rid, time.monotonic()))
+            left = self.args.disaggregation_timeout_s - (time.monotonic() - req.disagg_since)  # type: ignore[attr-defined]
             self.kv_transfer.fetch(req.disagg_key, host, port, max(left, 0.0))  # type: ignore[attr-defined]
             # Its prefill runs elsewhere from here: queue and prefill phases (metrics, tracing) split here.
             mark(req, "scheduled")
@@ -148,7 +148,6 @@ class DisaggregationMixin:
             if req.finished():  # aborted while its KV was on the way
                 del self.disagg_waiting[key]
                 self.kv_transfer.cancel(key)
-                self._disagg_started.pop(req.rid, None)
         self._disagg_reap()
         uploader = self.disagg_uploader
         assert uploader is not None
@@ -166,7 +165,7 @@ class DisaggregationMixin:
                 failed.append(self._disagg_fail(req, f"KV transfer failed: the prefill server sent KV for "
                                                      f"{result.num_tokens} tokens, the prompt has {len(req.origin_input_ids)}"))
             else:
-                waited = time.monotonic() - self._disagg_started.pop(req.rid, time.monotonic())
+                waited = time.monotonic() - req.disagg_since  # type: ignore[attr-defined]
                 self.disagg_counts["transferred"] += 1
                 self.disagg_counts["transfer_bytes"] += result.nbytes
                 self.disagg_counts["transfer_wait_s"] += waited
@@ -198,7 +197,6 @@ class DisaggregationMixin:
 
     def _disagg_fail(self, req: Req, message: str) -> Req:
         self.disagg_counts["failed"] += 1
-        self._disagg_started.pop(req.rid, None)
         req.finished_reason = FinishReason("abort", message=message)
         return req
 
