@@ -20,10 +20,10 @@ bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and p
 the shape's shared experts in the launches).
 
 usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
-       [--launch gate_up down] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512] [--unroll 0 1]
+       [--launch gate_up down] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512]
        [--result-file out/results.jsonl]
 
-``--launch``, ``--warps``, ``--stages``, ``--block-n``, ``--block-k`` and ``--unroll`` narrow or widen the sweep
+``--launch``, ``--warps``, ``--stages``, ``--block-n`` and ``--block-k`` narrow or widen the sweep
 (each tile is a Triton compile of about a second).
 """
 
@@ -127,7 +127,7 @@ def _shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: list[t
 
 def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_counts: tuple[int, ...] = (4, 8),
           stage_counts: tuple[int, ...] = (1,), block_n: tuple[int, ...] | None = None,
-          block_k: tuple[int, ...] | None = None, unrolls: tuple[int, ...] = (0,)) -> list[dict[str, object]]:
+          block_k: tuple[int, ...] | None = None) -> list[dict[str, object]]:
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import launch_down, launch_gate_up, small_batch_tiles
 
@@ -143,9 +143,8 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_coun
     def up(ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> None:
         launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps, shared_w13=gate_up, chunks=chunks, num_stages=stages)
 
-    def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int, unroll: int) -> None:
-        launch_down(act, w2, None, ids, w, out, bn, bk, warps, shared_w2=down_w, chunks=chunks, num_stages=stages,
-                    unroll=bool(unroll))
+    def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> None:
+        launch_down(act, w2, None, ids, w, out, bn, bk, warps, shared_w2=down_w, chunks=chunks, num_stages=stages)
 
     slots = top_k + chunks
     default = small_batch_tiles(slots, hidden, inter)
@@ -155,27 +154,24 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_coun
         grid_n, grid_k = block_n or grids[launch][0], block_k or grids[launch][1]
         nbytes = slots * (2 if launch == "gate_up" else 1) * hidden * inter * 2
         results = []
-        unroll_counts = unrolls if launch == "down" else (0,)
-        for bn, bk, warps, stages, unroll in itertools.product(grid_n, grid_k, warp_counts, stage_counts, unroll_counts):
+        for bn, bk, warps, stages in itertools.product(grid_n, grid_k, warp_counts, stage_counts):
             if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(slots)) > 16384:
                 continue
             if launch == "gate_up":
                 calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages: up(r[1], a, b, c, d) for r in routes]
             else:
-                calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages, u=unroll: down(r[0], r[1], a, b, c, d, u)
-                         for r in routes]
+                calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages: down(r[0], r[1], a, b, c, d) for r in routes]
             us = graph_median_us(calls)
-            results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "unroll": unroll,
-                            "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1)})
+            results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "us": round(us, 2),
+                            "gbs": round(nbytes / us / 1e3, 1)})
             # Each tile as it is timed: a run cut by a time limit still tells.
-            print(f"# {launch} {bn} x {bk}, {warps} warps, {stages} stages{', unrolled' if unroll else ''}: {us:.2f} us "
+            print(f"# {launch} {bn} x {bk}, {warps} warps, {stages} stages: {us:.2f} us "
                   f"({nbytes / us / 1e3:.0f} GB/s)", flush=True)
         results.sort(key=lambda r: r["us"])
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
                      and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]
-                     and r["stages"] == default.get(f"{prefix}_STAGES", 1)
-                     and r["unroll"] == default.get(f"{prefix}_UNROLL", 0)), None)
+                     and r["stages"] == default.get(f"{prefix}_STAGES", 1)), None)
         row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "shared_chunks": chunks,
                "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -194,13 +190,11 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", type=int, default=[1], help="--sweep: software-pipeline stages to time")
     ap.add_argument("--block-n", nargs="+", type=int, default=None, help="--sweep: BLOCK_N values (default: a grid)")
     ap.add_argument("--block-k", nargs="+", type=int, default=None, help="--sweep: BLOCK_K values (default: a grid)")
-    ap.add_argument("--unroll", nargs="+", type=int, default=[0], choices=[0, 1],
-                    help="--sweep: the down launch's K loop as a loop (0) or written out step by step (1)")
     ap.add_argument("--result-file", default=None)
     a = ap.parse_args()
     if a.sweep:
         rows = sweep(a.shape, tuple(a.launch), tuple(a.warps), tuple(a.stages), a.block_n and tuple(a.block_n),
-                     a.block_k and tuple(a.block_k), tuple(a.unroll))
+                     a.block_k and tuple(a.block_k))
     else:
         rows = [compare(a.shape, t) for t in a.tokens]
     for row in rows:

@@ -115,20 +115,11 @@ def _small_gate_up_kernel(
 
 
 @triton.jit
-def _down_step(acc, a_ptrs, w_ptrs, kk, k3, held3, K: tl.constexpr):
-    """One K step of the down launch: columns ``kk ..`` of every slot's activation and weight rows."""
-    ok = (k3 + kk < K) & held3
-    a = tl.load(a_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
-    return acc + a * tl.load(w_ptrs + kk, mask=ok, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _small_down_kernel(
     act_ptr, w_ptr, scale_ptr, ids_ptr, topk_w_ptr, out_ptr, ws_ptr,
     N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_wsn,
     K: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
     # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
     # weights (written before it) and the first weight tile are loaded then; the activations (its
@@ -166,15 +157,16 @@ def _small_down_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
         acc += tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32) * w.to(tl.float32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     # K is a compile-time constant (the trip count known to the compiler); with PDL the first
-    # step ran above. UNROLL: every step written out, so the compiler may issue later steps'
-    # loads before earlier steps' products (more bytes in flight a program).
-    if UNROLL:
-        for kk in tl.static_range(BLOCK_K * PDL, K, BLOCK_K):
-            acc = _down_step(acc, a_ptrs, w_ptrs, kk, k3, held3, K)
-    else:
-        for kk in range(BLOCK_K * PDL, K, BLOCK_K):
-            acc = _down_step(acc, a_ptrs, w_ptrs, kk, k3, held3, K)
+    # step ran above.
+    for kk in range(BLOCK_K * PDL, K, BLOCK_K):
+        ok = (k3 + kk < K) & held3
+        a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
+        acc += a * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)  # [BLOCK_TK, BLOCK_N]: each slot's down row
     if HAS_SCALE:
         s_ptrs = scale_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None] * stride_se + rows[None, :] * stride_sn
@@ -239,8 +231,7 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     """``fused_moe`` (SwiGLU experts) in two launches with no alignment: same arguments and result
     as ``fused_moe_reference``. Correct for any batch; fast where slots do not share experts
     (``small_batch_applies``). ``tiles`` overrides ``small_batch_tiles`` (tests, sweeps; optional
-    ``UP_WARPS`` / ``DOWN_WARPS``, default 4, ``UP_STAGES`` / ``DOWN_STAGES``, default 1, and
-    ``DOWN_UNROLL``, default 0).
+    ``UP_WARPS`` / ``DOWN_WARPS``, default 4, and ``UP_STAGES`` / ``DOWN_STAGES``, default 1).
 
     ``pdl`` (sm_90+; the ``pdl`` layer kernel entry): both launches use programmatic dependent
     launch. Gate/up waits for the previous kernel (the router's top-k) at once and then lets the down
@@ -283,7 +274,7 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                    num_stages=t.get("UP_STAGES", 1))
     launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
                 pdl=pdl, shared_w2=shared[1] if shared is not None else None, chunks=chunks,
-                num_stages=t.get("DOWN_STAGES", 1), unroll=bool(t.get("DOWN_UNROLL", 0)))
+                num_stages=t.get("DOWN_STAGES", 1))
     return out
 
 
@@ -310,11 +301,10 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | Non
 def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
                 weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
                 pdl: bool = False, shared_w2: torch.Tensor | None = None, chunks: int = 0,
-                num_stages: int = 1, unroll: bool = False) -> None:
+                num_stages: int = 1) -> None:
     """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
     ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``;
-    ``shared_w2`` with ``chunks``: the shared experts' down rows too, their sum added; ``unroll``:
-    the K loop written out step by step."""
+    ``shared_w2`` with ``chunks``: the shared experts' down rows too, their sum added."""
     tokens, top_k = ids.shape
     hidden = w2.shape[1]
     ws = shared_w2 if chunks else w2
@@ -322,4 +312,4 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None,
         act, w2, scale if scale is not None else w2, ids, weights, out, ws, hidden, act.stride(0), w2.stride(0),
         w2.stride(1), *_scale_strides(scale), out.stride(0), ws.stride(0) if chunks else 0, K=w2.shape[2], TOP_K=top_k,
         SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_TK=triton.next_power_of_2(top_k + chunks), BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl, UNROLL=unroll, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
