@@ -5,10 +5,10 @@ Off by default: the shared experts in the routed experts' launches (``DeepseekMo
 the input projections as one linear (``DeepseekMLA.fuse_projections``; the input norm folded into it
 goes with it), the per-head W_UK / W_UV kernel (``DeepseekMLA.head_matvec_kernel``) and its PDL
 (``kernel_pdl``), the W_UK product in the prologue's launch (``fuse_prologue``) and the L2 staging of
-the weights read after attention (``l2_stage_mb``), the router's PDL, its folded norm and its
-top-k in the same launch (``DeepseekGate.kernel_pdl`` / ``fold_norm`` / ``route_in_launch``);
-``--keep NAME`` leaves one on. Everything else is passed to ``engine bench one-batch`` unchanged
-(one process: the switches are class attributes the model reads when it loads and runs).
+the weights read after attention (``l2_stage_mb``), the router's PDL and its folded norm
+(``DeepseekGate.kernel_pdl`` / ``fold_norm``); ``--keep NAME`` leaves one on. Everything else is
+passed to ``engine bench one-batch`` unchanged (one process: the switches are class attributes the
+model reads when it loads and runs).
 
 usage: python plugins-models/deepseek/benchmarks/bench_unfused.py [--keep shared] -- ONE_BATCH_ARGS...
 """
@@ -25,8 +25,7 @@ SWITCHES = {"shared": ("engine_models_deepseek.models", "DeepseekMoE", "fuse_sha
             "prologue": ("engine_models_deepseek.mla", "DeepseekMLA", "fuse_prologue"),
             "l2_stage": ("engine_models_deepseek.mla", "DeepseekMLA", "l2_stage_mb"),
             "gate_pdl": ("engine_models_deepseek.models", "DeepseekGate", "kernel_pdl"),
-            "gate_norm": ("engine_models_deepseek.models", "DeepseekGate", "fold_norm"),
-            "gate_route": ("engine_models_deepseek.models", "DeepseekGate", "route_in_launch")}
+            "gate_norm": ("engine_models_deepseek.models", "DeepseekGate", "fold_norm")}
 
 
 def main() -> None:

@@ -65,17 +65,13 @@ def _compile_all() -> dict[str, object]:
     from engine_models_deepseek import gate_kernel as gk
 
     gate_types = _types(gk._gate_kernel, {"X": "*bf16", "W": "*fp32", "Out": "*fp32", "R": "*bf16", "NW": "*bf16",
-                                          "Normed": "*bf16", "Res": "*bf16", "Ticket": "*i32", "TopW": "*fp32",
-                                          "TopIds": "*i32"}, ("eps",))
+                                          "Normed": "*bf16", "Res": "*bf16"}, ("eps",))
     # The tiles gate_logits picks: one expert a program, 512-wide steps at 8 tokens, the whole row at 1.
-    # With route: V2-Lite's softmax top 6 of 64 in the last program.
-    for name, pdl, norm, block_t, block_k, route in (
-            ("gate", False, False, 8, 512, False), ("gate_pdl", True, False, 8, 512, False),
-            ("gate_norm_pdl", True, True, 1, 2048, False), ("gate_norm_route_pdl", True, True, 1, 2048, True)):
+    for name, pdl, norm, block_t, block_k in (("gate", False, False, 8, 512), ("gate_pdl", True, False, 8, 512),
+                                              ("gate_norm_pdl", True, True, 1, 2048)):
         gate = compile_kernel(gk._gate_kernel, gate_types,
                               dict(HIDDEN=2048, BLOCK_T=block_t, BLOCK_E=1, BLOCK_K=block_k, PDL=pdl, NORM=norm,
-                                   HAS_RES=norm, ROUTE=route, TOP_K=6, RENORMALIZE=False, BLOCK_ALL=64, BLOCK_TK=8),
-                              num_warps=4)
+                                   HAS_RES=norm), num_warps=4)
         out[name] = spill_bytes(gate.asm["ptx"])
         if pdl:
             out[f"{name}_order"] = pdl_order(gate.asm["ptx"])
@@ -107,10 +103,10 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     assert absorb["waits"] == 3 and absorb["triggers"] == 3, absorb
     assert facts.pop("prologue_absorb_prefetches") >= 1
     assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "prologue_bf16_pdl": 0, "prologue_absorb_pdl": 0,
-                     "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0, "gate_norm_route_pdl": 0,
+                     "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
                      "router_v3": 0, "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
-    assert sorted(orders) == ["gate_norm_pdl_order", "gate_norm_route_pdl_order", "gate_pdl_order",
-                              "prologue_pdl_order", "w_uk_pdl_order", "w_uv_pdl_order"]
+    assert sorted(orders) == ["gate_norm_pdl_order", "gate_pdl_order", "prologue_pdl_order", "w_uk_pdl_order",
+                              "w_uv_pdl_order"]
     for name, order in orders.items():
         # The prologue lets the attention launch start at once (it reads nothing before its own
         # wait that the prologue writes); the others trigger after their wait.

@@ -329,31 +329,3 @@ def test_unknown_topk_method_is_refused() -> None:
     with pytest.raises(Exception, match=r"config topk_method: invalid value 'random'; accepted: greedy, "
                                         r"group_limited_greedy, noaux_tc"):
         routing_for(config)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_router_launch_routes_plain_top_k(checkpoint: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """With plain softmax top-k routing (V2-Lite's ``greedy``; the tiny V2's groups switched off here),
-    the router's launch also routes at decode batches (``gate_logits_and_topk``): float32 on CUDA
-    with graphs, greedy equal to the engine routing in a launch of its own, token for token."""
-    arch, path = checkpoint
-    if arch != "DeepseekV2ForCausalLM":
-        pytest.skip("V3 routes by groups with a bias: its own router")
-    import engine_models_deepseek.gate_kernel as gate_module
-    from engine.layers.moe import FusedMoE
-    from engine.testing.harness import generate_greedy
-    from engine_models_deepseek.models import DeepseekGate
-
-    monkeypatch.setattr(FusedMoE, "_grouped", lambda self, bias: False)
-    routed: list[int] = []
-    real = gate_module.gate_logits_and_topk
-    monkeypatch.setattr(gate_module, "gate_logits_and_topk", lambda *a, **k: routed.append(1) or real(*a, **k))
-    prompts = [[3, 77, 150, 9, 402, 18]]
-    got = {}
-    for on in (False, True):
-        monkeypatch.setattr(DeepseekGate, "route_in_launch", on)
-        sched = make_scheduler(path, platform="cuda", dtype="float32", attention="triton", cuda_graph_max_bs=1)
-        got[on] = generate_greedy(sched, prompts, MAX_NEW, ignore_eos=True)
-        assert bool(routed) == on
-    assert got[True] == got[False]

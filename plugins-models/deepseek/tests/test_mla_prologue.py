@@ -122,29 +122,6 @@ def test_gate_kernel_matches_float32_linear(tokens: int) -> None:
     torch.testing.assert_close(out.cpu(), torch.nn.functional.linear(x.float(), weight), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("tokens, renormalize", [(1, False), (3, True)])
-def test_gate_kernel_routes_in_the_same_launch(tokens: int, renormalize: bool) -> None:
-    """``gate_logits_and_topk``: the same logits, and the top-k of the router's own kernel (weights,
-    ids, order) from the launch's last program; its ticket is 0 again after each call (two calls)."""
-    from engine.layers.moe.router_kernel import select_experts_triton
-    from engine_models_deepseek.gate_kernel import gate_logits, gate_logits_and_topk
-
-    gen = torch.Generator().manual_seed(20 + tokens)
-    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
-    weight = (torch.randn(11, 600, generator=gen) * 0.05).to(DEV)
-    ticket = torch.zeros(1, dtype=torch.int32, device=DEV)
-    for _ in range(2):
-        x = torch.randn(tokens, 600, generator=gen).to(dtype).to(DEV)
-        logits, w, ids = gate_logits_and_topk(x, weight, 3, renormalize, ticket)
-        torch.testing.assert_close(logits, gate_logits(x, weight), atol=0, rtol=0)
-        ref_w, ref_ids = select_experts_triton(logits, 3, renormalize)
-        assert torch.equal(ids, ref_ids) and ids.dtype == torch.int32
-        torch.testing.assert_close(w, ref_w, atol=0, rtol=0)
-        assert ticket.item() == 0
-    with pytest.raises(ValueError, match="top_k=12 of 11"):
-        gate_logits_and_topk(x, weight, 12, renormalize, ticket)
-
-
 @pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w_uk", "w_uv"])
 def test_head_matvec_matches_bmm(tokens: int, transposed: bool) -> None:

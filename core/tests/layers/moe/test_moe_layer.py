@@ -115,26 +115,6 @@ def test_kernel_path_routes_and_aligns_in_one_step(triton_path: list[tuple[str, 
         assert shard.expert_blocks is None
 
 
-@pytest.mark.parametrize("tp, ep", [(1, 1), (2, 2)], ids=["one-rank", "tp2-ep2"])
-def test_caller_routing_replaces_select_experts_where_it_routes_alone(triton_path: list[tuple[str, object]],
-                                                                      tp: int, ep: int) -> None:
-    """``topk=(weights, ids)`` (global ids, as a model's own router launch computes them) stands for
-    ``select_experts`` where ``routes_by_select_experts`` (one token: the small-batch kernels);
-    each rank maps the ids to its experts. Where routing is aligned in its launch it is refused."""
-    gen = torch.Generator().manual_seed(31 + tp)
-    x = torch.randn(1, H, generator=gen)
-    logits = torch.randn(1, E, generator=gen)
-    topk = select_experts_reference(logits, TOP_K, True)
-    shards = [_layer(r, tp, ep) for r in range(tp)]
-    assert all(s.routes_by_select_experts(x) for s in shards)
-    out = sum(s(x, torch.full_like(logits, float("nan")), topk=topk) for s in shards)  # logits unread
-    torch.testing.assert_close(out, _reference_layer(x, logits), atol=1e-4, rtol=1e-4)
-    wide = torch.randn(5, H, generator=gen)
-    assert not shards[0].routes_by_select_experts(wide)
-    with pytest.raises(ValueError, match="routes_by_select_experts"):
-        shards[0](wide, torch.randn(5, E, generator=gen), topk=select_experts_reference(logits.expand(5, E), TOP_K, True))
-
-
 def test_quant_method_without_blocks_aligns_in_the_kernel(triton_path: list[tuple[str, object]]) -> None:
     """A quant method that does not declare ``takes_expert_blocks`` gets the routing alone."""
 

@@ -8,10 +8,7 @@ It may also take the RMSNorm before it (``PendingNorm``, ``cuda.norm_fusion``): 
 normalizes the rows itself, and one stores the norm output the experts read after it. With ``pdl``
 (sm_90+) it is a programmatic dependent launch: each program requests its first weight
 tile before it waits for the kernel before it (the RMSNorm that writes ``x``), and lets the
-router's top-k launch start after its wait. ``gate_logits_and_topk`` also routes in the same
-launch (plain softmax top-k, DeepSeek-V2-Lite's ``greedy``): the last program to finish, counted by
-an int32 ticket, takes the top-k of all logits as the core's router kernel does
-(``softmax_topk_rows``), so the experts' launches need no router launch before them.
+router's top-k launch start after its wait.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import triton
 import triton.language as tl
 
 from engine.layers.layernorm import PendingNorm
-from engine.layers.moe.router_kernel import softmax_topk_rows
 
 #: Batches up to this many tokens take the kernel (its tile holds every token); larger ones are
 #: GEMMs that cuBLAS does better.
@@ -39,11 +35,9 @@ def _sum_rows(X, R, offs_t, offs_k, mask, stride_xt, stride_rt, HAS_RES: tl.cons
 
 
 @triton.jit
-def _gate_kernel(X, W, Out, R, NW, Normed, Res, Ticket, TopW, TopIds, tokens, num_experts, stride_xt, stride_we,
-                 stride_ot, stride_rt, eps,
+def _gate_kernel(X, W, Out, R, NW, Normed, Res, tokens, num_experts, stride_xt, stride_we, stride_ot, stride_rt, eps,
                  HIDDEN: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, ROUTE: tl.constexpr,
-                 TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_ALL: tl.constexpr, BLOCK_TK: tl.constexpr):
+                 PDL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     # NORM: X is an RMSNorm's input (R added first when HAS_RES, NW its weight): every program
     # normalizes its own copy (a few KB), program 0 also stores the sum (Res) and the norm output
     # (Normed) for the experts, which read it after this launch.
@@ -87,25 +81,6 @@ def _gate_kernel(X, W, Out, R, NW, Normed, Res, Ticket, TopW, TopIds, tokens, nu
                         other=0.0).to(tl.float32)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
     tl.store(Out + offs_t[:, None] * stride_ot + offs_e[None, :], acc, mask=mask_t[:, None] & mask_e[None, :])
-    if ROUTE:
-        # The last program to finish (an int32 ticket, acquire/release: every other program's
-        # logits are visible to it) routes: softmax top-k as select_experts' kernel picks, then
-        # puts the ticket back to 0 for the next call on the stream.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(Ticket, 1, sem="acq_rel")
-        if ticket == tl.num_programs(0) - 1:
-            tl.debug_barrier()
-            offs_a = tl.arange(0, BLOCK_ALL)
-            in_range = (offs_a < num_experts)[None, :]
-            # .cg: from L2, where the other programs' logits are, not this SM's L1.
-            logits = tl.load(Out + offs_t[:, None] * stride_ot + offs_a[None, :], mask=mask_t[:, None] & in_range,
-                             other=0.0, cache_modifier=".cg")
-            top_w, top_ids = softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_ALL, BLOCK_TK)
-            slots = tl.arange(0, BLOCK_TK)[None, :]
-            ok = mask_t[:, None] & (slots < TOP_K)
-            tl.store(TopW + offs_t[:, None] * TOP_K + slots, top_w, mask=ok)
-            tl.store(TopIds + offs_t[:, None] * TOP_K + slots, top_ids, mask=ok)
-            tl.store(Ticket, 0)
 
 
 def gate_logits(x: torch.Tensor | PendingNorm, weight: torch.Tensor, pdl: bool = False) -> torch.Tensor:
@@ -114,23 +89,6 @@ def gate_logits(x: torch.Tensor | PendingNorm, weight: torch.Tensor, pdl: bool =
     ``x`` may be an RMSNorm's ``PendingNorm`` (16-bit, contiguous rows): the launch computes the norm
     too and fills its ``normed`` and ``res_sum``. ``pdl``: a programmatic dependent launch (sm_90+;
     results unchanged)."""
-    return _launch(x, weight, pdl, None)[0]
-
-
-def gate_logits_and_topk(x: torch.Tensor | PendingNorm, weight: torch.Tensor, top_k: int, renormalize: bool,
-                         ticket: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``gate_logits`` and, in the same launch, ``select_experts(logits, top_k, renormalize)``:
-    ``(logits, weights, ids)`` (float32, float32 and int32 ``[tokens, top_k]``; the softmax top-k
-    of the router kernel, ``engine.layers.moe.router_kernel.softmax_topk_rows``). ``ticket``: an
-    int32 ``[1]`` tensor on the device, 0 before the call and after it (one a caller, reused)."""
-    if not 0 < top_k <= weight.shape[0] or ticket.dtype != torch.int32 or ticket.numel() != 1:
-        raise ValueError(f"gate_logits_and_topk: top_k={top_k} of {weight.shape[0]} experts, ticket "
-                         f"{ticket.dtype} x {ticket.numel()}; accepted: 1 <= top_k <= experts, one int32 ticket")
-    return _launch(x, weight, pdl, (top_k, renormalize, ticket))
-
-
-def _launch(x: torch.Tensor | PendingNorm, weight: torch.Tensor, pdl: bool,
-            route: tuple[int, bool, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     pending = x if isinstance(x, PendingNorm) else None
     rows = pending.x if pending is not None else x
     tokens, hidden = rows.shape
@@ -143,9 +101,6 @@ def _launch(x: torch.Tensor | PendingNorm, weight: torch.Tensor, pdl: bool,
     if pending is not None and (not pending.normed.is_contiguous() or (residual is not None and (
             residual.stride(1) != 1 or not pending.res_sum.is_contiguous()))):
         raise ValueError("gate_logits: a pending norm needs contiguous normed / res_sum buffers and residual rows")
-    top_k, renormalize, ticket = route if route is not None else (1, False, out)
-    top_w = torch.empty(tokens, top_k, dtype=torch.float32, device=rows.device) if route is not None else out
-    top_ids = torch.empty(tokens, top_k, dtype=torch.int32, device=rows.device) if route is not None else out
     # One expert a program (64 programs for 64 experts), its whole row a step at one token: at
     # 2 experts a program and 512-wide steps the launch took 4.5 us at batch 1 on an H200 (32
     # programs each waiting on four dependent loads) for 512 KB of weights.
@@ -155,12 +110,10 @@ def _launch(x: torch.Tensor | PendingNorm, weight: torch.Tensor, pdl: bool,
     _gate_kernel[(triton.cdiv(num_experts, block_e),)](
         rows, weight, out, residual if residual is not None else rows,
         pending.weight if pending is not None else rows, pending.normed if pending is not None else rows,
-        pending.res_sum if residual is not None else rows, ticket, top_w, top_ids, tokens, num_experts,
-        rows.stride(0), weight.stride(0), out.stride(0), residual.stride(0) if residual is not None else 0,
+        pending.res_sum if residual is not None else rows, tokens, num_experts, rows.stride(0), weight.stride(0),
+        out.stride(0), residual.stride(0) if residual is not None else 0,
         float(pending.eps) if pending is not None else 0.0, HIDDEN=hidden,
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, PDL=pdl, NORM=pending is not None,
-        HAS_RES=residual is not None, ROUTE=route is not None, TOP_K=top_k, RENORMALIZE=renormalize,
-        BLOCK_ALL=triton.next_power_of_2(num_experts), BLOCK_TK=triton.next_power_of_2(top_k),
-        num_warps=4, launch_pdl=pdl,
+        HAS_RES=residual is not None, num_warps=4, launch_pdl=pdl,
     )
-    return out, top_w, top_ids
+    return out

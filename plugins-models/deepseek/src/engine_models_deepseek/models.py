@@ -67,9 +67,6 @@ class DeepseekGate(nn.Module):
     #: RMSNorm before it folded in; False keeps each off (the comparison a benchmark makes).
     kernel_pdl = True
     fold_norm = True
-    #: Where the experts route by plain softmax top-k (``FusedMoE.routes_by_select_experts``), the
-    #: logits' launch routes too (``gate_logits_and_topk``); False: a launch of its own.
-    route_in_launch = True
 
     def __init__(self, num_experts: int, hidden_size: int, with_bias: bool) -> None:
         super().__init__()
@@ -78,8 +75,6 @@ class DeepseekGate(nn.Module):
                                         if with_bias else None)
         self.pdl = False
         self.norm_fusion = False
-        #: ``gate_logits_and_topk``'s int32 ticket on the device, made at the first such call.
-        self.ticket: torch.Tensor | None = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's ``pdl`` entry (the one-launch logits as a programmatic dependent
@@ -97,31 +92,14 @@ class DeepseekGate(nn.Module):
         return (self.norm_fusion and x.is_cuda and x.dim() == 2 and x.shape[0] == 1
                 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1)
 
-    def one_launch(self, x: torch.Tensor | PendingNorm) -> bool:
-        """Whether the logits of ``x`` take the gate kernel: a pending norm, or a CUDA batch of up
-        to ``GATE_KERNEL_MAX_TOKENS`` contiguous rows."""
-        return isinstance(x, PendingNorm) or (x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS
-                                              and x.stride(-1) == 1)
-
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         # One launch instead of a cast and a two-kernel GEMV; a pending norm is computed in it too.
-        if self.one_launch(x):
+        if isinstance(x, PendingNorm) or (x.is_cuda and 0 < x.shape[0] <= GATE_KERNEL_MAX_TOKENS
+                                          and x.stride(-1) == 1):
             from engine_models_deepseek.gate_kernel import gate_logits
 
             return gate_logits(x, self.weight, pdl=self.pdl)
         return F.linear(x.float(), self.weight)
-
-    def logits_and_topk(self, x: torch.Tensor | PendingNorm, top_k: int,
-                        renormalize: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """``forward``'s logits and their softmax top-k ``(weights, ids)`` from one launch (only
-        where ``one_launch``)."""
-        from engine_models_deepseek.gate_kernel import gate_logits_and_topk
-
-        device = self.weight.device
-        if self.ticket is None or self.ticket.device != device:
-            self.ticket = torch.zeros(1, dtype=torch.int32, device=device)
-        logits, weights, ids = gate_logits_and_topk(x, self.weight, top_k, renormalize, self.ticket, pdl=self.pdl)
-        return logits, (weights, ids)
 
 
 class DeepseekMoE(nn.Module):
@@ -162,17 +140,10 @@ class DeepseekMoE(nn.Module):
         return shared if self.experts.fuses_shared(x, shared) else None
 
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
-        rows = x.x if isinstance(x, PendingNorm) else x
-        bias = self.gate.e_score_correction_bias
-        topk = None
-        if (self.gate.route_in_launch and self.gate.one_launch(x)
-                and self.experts.routes_by_select_experts(rows, bias)):
-            logits, topk = self.gate.logits_and_topk(x, self.experts.top_k, self.experts.renormalize)
-        else:
-            logits = self.gate(x)
+        logits = self.gate(x)
         x = normed_tensor(x)  # a norm folded into the router: its output, written by the gate's launch
         shared = self._shared_weights(x)
-        out = self.experts(x, logits, bias, shared=shared, topk=topk)
+        out = self.experts(x, logits, self.gate.e_score_correction_bias, shared=shared)
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts(x)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out

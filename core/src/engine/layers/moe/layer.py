@@ -184,21 +184,20 @@ class FusedMoE(nn.Module):
         softmax top-k (DeepSeek-V2-Lite's "greedy" is; it then takes the one-launch router)."""
         return self.routing is not None and (correction_bias is not None or not self.routing.is_softmax_topk)
 
-    def _route_align_block_m(self, rows: torch.Tensor, grouped: bool) -> int | None:
-        """``BLOCK_M`` of the kernel's tiles when routing and alignment take one launch for the
-        batch of ``rows`` (its router logits or hidden states: CUDA, decode sizes, a quant method
-        that takes the blocks); None otherwise."""
+    def _route_align_block_m(self, router_logits: torch.Tensor, grouped: bool) -> int | None:
+        """``BLOCK_M`` of the kernel's tiles when routing and alignment take one launch for this
+        batch (CUDA, decode sizes, a quant method that takes the blocks); None otherwise."""
         if grouped or not (getattr(self.quant_method, "takes_expert_blocks", False)
-                           and triton_available(rows)):
+                           and triton_available(router_logits)):
             return None  # grouped routing has its own router
         from engine.layers.moe.fused_moe import pick_blocks
         from engine.layers.moe.small_batch import small_batch_applies
 
-        tokens = rows.shape[0]
+        tokens = router_logits.shape[0]
         if small_batch_applies(tokens, self.top_k, self.num_local_experts):
             return None  # fused_moe takes its small-batch path: no alignment to compute
         block_m = pick_blocks(tokens * self.top_k, self.num_local_experts)["BLOCK_M"]
-        applies = route_align_applies(tokens, self.num_experts, self.top_k, block_m)
+        applies = route_align_applies(tokens, router_logits.shape[1], self.top_k, block_m)
         return block_m if applies else None
 
     def fuses_shared(self, hidden: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
@@ -215,36 +214,20 @@ class FusedMoE(nn.Module):
         return (small_batch_applies(hidden.shape[0], self.top_k, self.num_local_experts)
                 and shared_chunks(shared[0], shared[1], self.w13_weight) > 0)
 
-    def routes_by_select_experts(self, rows: torch.Tensor, correction_bias: torch.Tensor | None = None) -> bool:
-        """Whether ``forward`` would route the batch of ``rows`` (its hidden states or router
-        logits) by ``select_experts`` alone (softmax top-k, no alignment in the router's launch):
-        where a caller may pass ``topk`` it computed itself."""
-        grouped = self._grouped(correction_bias)
-        return not grouped and self._route_align_block_m(rows, grouped) is None
-
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor,
                 correction_bias: torch.Tensor | None = None,
-                shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """``correction_bias``: with grouped routing, the per-expert bias added to the scores for
         the choice (DeepSeek-V3's ``e_score_correction_bias``). ``shared``: shared experts' weights
         to add in the same launches, only where ``fuses_shared`` says so (a ValueError otherwise);
-        the output is then the routed experts' plus the shared MLP's. ``topk``: ``(weights, ids)``
-        as ``select_experts(router_logits, top_k, renormalize)`` gives them, computed by the caller
-        (in its router launch), only where ``routes_by_select_experts`` says so."""
+        the output is then the routed experts' plus the shared MLP's."""
         if shared is not None and not self.fuses_shared(hidden, shared):
             raise ValueError(f"FusedMoE: shared experts {tuple(shared[0].shape)}, {tuple(shared[1].shape)} for "
                              f"{hidden.shape[0]} tokens on {hidden.device.type}; accepted only where fuses_shared "
                              "is true (CUDA, unquantized SwiGLU experts, small batches, whole chunks)")
         grouped = self._grouped(correction_bias)
         block_m = self._route_align_block_m(router_logits, grouped)
-        if topk is not None:
-            if grouped or block_m is not None:
-                raise ValueError(f"FusedMoE: topk given for {router_logits.shape[0]} tokens with "
-                                 f"{'grouped routing' if grouped else 'routing aligned in its launch'}; accepted only "
-                                 "where routes_by_select_experts is true")
-            topk_weights, topk_ids = topk[0], self.local_expert_ids(topk[1])
-        elif grouped:
+        if grouped:
             assert self.routing is not None
             topk_weights, topk_ids = grouped_topk(router_logits, self.top_k, self.routing, correction_bias)
             topk_ids = self.local_expert_ids(topk_ids)

@@ -1,7 +1,7 @@
 """``route_and_align`` in one Triton launch: router, local ids and slot alignment (decode sizes).
 
 One program holds the logits of every token (``[BLOCK_T, BLOCK_E]``), takes each row's float32
-softmax top-k (``router_kernel.softmax_topk_rows``, the router kernel's own code, so weights and
+softmax top-k (``router_kernel._softmax_topk_rows``, the router kernel's own code, so weights and
 ids come out as ``select_experts`` gives them on CUDA), writes the weights and the local ids
 (global id minus ``expert_start``; ``-1`` outside this rank's ``num_local`` experts), and hands
 the ``[BLOCK_T, BLOCK_K]`` slot tile (slot ``t * top_k + k``) to the alignment
@@ -22,7 +22,7 @@ from engine.layers.moe.route_align_sizes import (
     ROUTE_ALIGN_MAX_SLOTS,
     route_align_fits,
 )
-from engine.layers.moe.router_kernel import softmax_topk_rows
+from engine.layers.moe.router_kernel import _softmax_topk_rows
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _route_align_kernel(
     # Rows past the last token read zeros: a finite softmax whose picks are never stored.
     logits = tl.load(logits_ptr + rows.to(tl.int64) * stride_lt + offs_e * stride_le,
                      mask=(rows < tokens) & in_range, other=0.0).to(tl.float32)
-    top_w, top_ids = softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    top_w, top_ids = _softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
 
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     slot_ok = (rows < tokens) & (offs_k < TOP_K)

@@ -18,12 +18,11 @@ import triton.language as tl
 
 
 @triton.jit
-def softmax_topk_rows(logits, in_range, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+def _softmax_topk_rows(logits, in_range, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Softmax top-k of each row of a ``[rows, BLOCK_E]`` float32 tile (``in_range``: the lanes
     that are experts) -> ``(weights, ids)``, ``[rows, BLOCK_K]``, the first ``TOP_K`` columns
-    used, highest weight first. Shared with the fused router (``route_align_kernel``) and with
-    model plugins whose router launch also routes (DeepSeek's gate), so every path picks alike."""
+    used, highest weight first. Shared with the fused router (``route_align_kernel``)."""
     shifted = logits - tl.max(tl.where(in_range, logits, -float("inf")), axis=1)[:, None]
     numer = tl.where(in_range, tl.exp(shifted), 0.0)
     probs = numer / tl.sum(numer, axis=1)[:, None]
@@ -68,7 +67,7 @@ def _softmax_topk_kernel(
     offs_e = tl.arange(0, BLOCK_E)[None, :]
     in_range = offs_e < num_experts
     logits = tl.load(logits_ptr + token * stride_lt + offs_e * stride_le, mask=in_range, other=0.0).to(tl.float32)
-    top_w, top_ids = softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
+    top_w, top_ids = _softmax_topk_rows(logits, in_range, TOP_K, RENORMALIZE, BLOCK_E, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)[None, :]
     out_ok = offs_k < TOP_K
     tl.store(weights_ptr + token * TOP_K + offs_k, top_w, mask=out_ok)
