@@ -125,7 +125,7 @@ def bench_extend(bs: int, prefix: int, ext: int, sweep: bool) -> list[str]:
 
     starts = torch.arange(bs, device=DEV) * ext
     flops = 4 * NUM_HEADS * HEAD_DIM * bs * (ext * prefix + ext * (ext + 1) / 2)
-    configs = [default_extend_config(HEAD_DIM, DTYPE)]
+    configs = [default_extend_config(HEAD_DIM, DTYPE, ext)]
     if sweep:
         configs += [(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 4),
                     (64, 32, 4, 3), (128, 64, 4, 2)]

@@ -211,7 +211,7 @@ def test_extend_kernel_matches_reference(
 
 
 @pytest.mark.parametrize("window", [-1, 90])
-@pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3),
+@pytest.mark.parametrize("config", [(64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (128, 64, 8, 3),
                                     (128, 128, 8, 2), (64, 128, 4, 2), (32, 32, 4, 2)])
 def test_extend_tile_configs(seed: int, config: tuple[int, int, int, int], window: int) -> None:
     # (64, 128) has BLOCK_N > BLOCK_M: the causal loop cannot skip its mask there.

@@ -192,13 +192,28 @@ def _extend_kernel(
     )
 
 
-def default_extend_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+#: Widen an fp8 pool's new-token K/V to q's dtype before the kernel (``extend_attention_fwd``).
+#: H200, 8 x 1,024 new tokens at Llama-3-8B heads over an e4m3 pool: 313 us + 58 us for the
+#: widening against 403 us widening in the kernel (benchmarks/bench_kernels.py --extend-fp8).
+WIDEN_NEW_KV_FIRST = True
+
+
+#: Extends at least this long (prefill chunks) take 128-row tiles (``default_extend_config``).
+LONG_EXTEND = 512
+
+
+def default_extend_config(head_dim: int, dtype: torch.dtype,
+                          max_extend_len: int = 0) -> tuple[int, int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` for the extend kernel on this shape."""
     if dtype == torch.float32:
         # Full-precision tiles are twice the bytes and registers of 16-bit ones.
         return 32, 32, 4, 2
     if head_dim > 128:
         return 64, 32, 4, 2
+    if max_extend_len >= LONG_EXTEND:
+        # H200, a prefill chunk of 8 x 1,024 new tokens at Llama-3-8B heads (benchmarks/bench_kernels.py
+        # --extend-fp8): 265 us with 128-row tiles and 8 warps against 313 us with the tiles below.
+        return 128, 64, 8, 3
     # Measured on an H100 at Llama-3-8B shapes (benchmarks/bench_kernels.py --sweep): 64x64 tiles,
     # 4 warps, 3 pipeline stages beat 128-row tiles and 8 warps at every shape tried.
     return 64, 64, 4, 3
@@ -266,7 +281,11 @@ def extend_attention_fwd(
     batch = extend_seq_lens.shape[0]
     if batch == 0 or num_tokens == 0 or max_extend_len <= 0:
         return
-    block_m, block_n, num_warps, num_stages = config or default_extend_config(head_dim, q.dtype)
+    block_m, block_n, num_warps, num_stages = config or default_extend_config(head_dim, q.dtype, max_extend_len)
+    if WIDEN_NEW_KV_FIRST and k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        # An fp8 pool's new tokens, widened once here (exact) instead of in the kernel, where every
+        # query head of a GQA group and every block of queries converts each block of keys again.
+        k, v = k.to(q.dtype), v.to(q.dtype)
     has_tree = tree_mask is not None
     if has_tree:
         if tree_mask_indptr is None:
