@@ -56,9 +56,7 @@ TARGET_PROGRAMS_PER_SM = 4
 HEADS_INNER = False
 #: KV heads one stage-1 program attends where the shapes allow (``kv_heads_per_program``).
 KV_PER_PROGRAM = 1
-#: ``decode_fp8``'s mode where ``decode_tiles`` picks it (0: the widening kernel), and its tiles
-#: (keys a block, warps, stages).
-FP8_MMA = 0
+#: ``decode_fp8``'s tiles (keys a block, warps, stages) where ``decode_attention_fwd`` is asked for it.
 FP8_MMA_TILES = (64, 4, 3)
 
 
@@ -356,8 +354,6 @@ class DecodeTiles(NamedTuple):
     #: An e4m3 pool under bf16 queries widens to float16 by the hardware's paired conversion
     #: (``words`` 2, sm_89+) instead of to bf16 on the integer pipe (``widen_e4m3_words``).
     widen_f16: bool = False
-    #: An e4m3 pool's stage 1 from ``decode_fp8`` (its ``PV`` mode plus one; 0: the widening kernel).
-    fp8_mma: int = 0
 
 
 def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool) -> DecodeTiles:
@@ -383,7 +379,7 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
     if num_kv_splits > 4:
         return DecodeTiles(False, 64, 4, 3)
     if words:
-        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True, fp8_mma=FP8_MMA)
+        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True)
     return DecodeTiles(True, 32, 4, 4)
 
 
@@ -411,7 +407,7 @@ def decode_attention_fwd(
     words: int | None = None,
     heads_inner: bool | None = None,
     kv_per_program: int | None = None,
-    fp8_mma: int | None = None,
+    fp8_mma: int = 0,
     pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
@@ -437,8 +433,8 @@ def decode_attention_fwd(
         kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
             shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
         fp8_mma: over an e4m3 pool, stage 1 from ``decode_fp8`` (scores on the fp8 tensor cores; P times
-            V: 1 in float16 on mma, 2 on the fp8 tensor cores too, 3 in float16 on wgmma; 0: the
-            widening kernel); default ``decode_tiles``' choice. Needs
+            V: 1 in float16 on mma, 2 on the fp8 tensor cores too, 3 in float16 on wgmma; 0, the
+            default: the widening kernel, faster on the H200 at every batch measured). Needs
             16-bit q, no logit cap or window, power-of-two head dims of at least 32, GQA of at most 16.
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
@@ -476,9 +472,8 @@ def decode_attention_fwd(
     dest = out if direct else part_out
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
-    if fp8_mma is None:  # the tiles' choice where the kernel applies: sm_90+ (fp8 wgmma), chosen words
-        fp8_mma = tiles.fp8_mma if (chosen and tiles.fp8_mma and _sm90(q.device)
-                                    and fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size)) else 0
+    if fp8_mma not in (0, 1, 2, 3):
+        raise ValueError(f"decode attention: fp8_mma={fp8_mma}; accepted: 0 (the widening kernel), 1, 2, 3")
     if fp8_mma:
         if not fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size):
             raise ValueError(f"decode attention: fp8_mma={fp8_mma} needs an e4m3 pool, 16-bit q, no logit cap or "
@@ -571,18 +566,6 @@ def fp8_mma_fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor
     return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
             and logit_cap <= 0 and sliding_window_size < 0 and group <= 16
             and all(d >= 32 and d & (d - 1) == 0 for d in (head_dim, v_dim)))
-
-
-def _sm90(device: torch.device) -> bool:
-    """Whether the CUDA device has Hopper's fp8 wgmma (sm_90+; not under Triton's interpreter)."""
-    if device.type != "cuda" or _INTERPRETED:
-        return False
-    return _sm90_index(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm90_index(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @functools.cache

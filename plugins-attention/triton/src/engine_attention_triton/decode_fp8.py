@@ -22,7 +22,12 @@ P times V (``PV``, ``decode_attention_fwd``'s ``fp8_mma`` minus one):
 - 2: transposed too, V widened to float16 (16-bit wgmma operands may be MN-major).
 
 One program per (KV head, row, split), a row's KV heads consecutive; no logit cap and no sliding
-window (``decode_attention_fwd`` takes the widening kernel for those).
+window. ``decode_attention_fwd`` runs it only when asked (``fp8_mma``): on an H200 it is slower
+than the widening kernel at every batch measured (``benchmarks/bench_decode.py --fp8-mma``,
+Llama-3-8B heads, 1,536-token rows; batch 1,024: mode 1 1,176 us, 3 1,540 us, 2 2,562 us against
+1,118 us; batch 256: 316 / 416 / 667 against 292 us; batch 64: 93 / 121 / 182 against 90 us). Taking
+the conversion of K off the widening path (mode 1) did not speed it up, so the conversions are not
+what holds the fp8 decode at ~0.67 of the KV-read bound.
 """
 
 from __future__ import annotations
