@@ -259,20 +259,21 @@ def fold_times(scen: str, layer: str, info: LoraBatchInfo, x: torch.Tensor, w: t
     w_fold = torch.cat([w, a[:-1].reshape(-1, a.shape[-1])])
     h = F.linear(x, w_fold)
     pdl = has_pdl(x.device) and info.max_seg_len <= 1
+    one = info.max_seg_len <= 1 and info.num_segments == x.shape[0]  # segment t is token t (decode)
     expand = functools.partial(sgmv_expand_folded, h, b, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                               info.scalings, info.num_segments, offsets, pdl)
+                               info.scalings, info.num_segments, offsets, pdl, one)
     got, want = expand(), reference_fold_expand(h, b, info, offsets)
     err = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6))
     assert err < 2e-2, f"{scen} {layer} folded expand: relative error {err:.3g}"
 
     def both() -> torch.Tensor:
         return sgmv_expand_folded(F.linear(x, w_fold), b, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                                  info.scalings, info.num_segments, offsets, pdl)
+                                  info.scalings, info.num_segments, offsets, pdl, one)
 
     block_r = max(16, triton_pow2(b.shape[2]))
     swept = [(graph_time_us(functools.partial(expand.func, *expand.args, config=dict(
-        BLOCK_T=min(64, max(16, triton_pow2(x.shape[0]))), BLOCK_N=bn, BLOCK_R=block_r,
-        SLOT_GROUP=max(1, 64 // block_r), num_warps=wp, num_stages=1)), reps), bn, wp)
+        BLOCK_T=min(64, max(16, triton_pow2(x.shape[0]))), BLOCK_N=bn, BLOCK_R=block_r, num_warps=wp,
+        num_stages=1)), reps), bn, wp)
         for bn, wp in ((32, 4), (64, 4), (32, 8), (64, 8))]
     print(f"fold {scen:<14} {layer:<8} folded expand (BLOCK_N, warps): "
           + ", ".join(f"({bn}, {wp}) {us:.1f} us" for us, bn, wp in swept), flush=True)

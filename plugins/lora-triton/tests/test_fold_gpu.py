@@ -66,6 +66,7 @@ def test_fold_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
     k, widths = LAYERS[layer]
     w, a, b, offsets = _layer(r, k, widths, ranks)
     info = _info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks)
+    info.one_token_segments = set(lens) == {1}  # the engine's decode batches
     tokens = sum(lens) + (4 if lens[-1] == 0 else 0)  # padding rows past the last segment
     x = torch.randn(tokens, k, device=DEV).bfloat16()
     h = F.linear(x, torch.cat([w, a.reshape(-1, k)]))
@@ -82,6 +83,7 @@ def test_fold_graph_replay_follows_the_slots() -> None:
     k, widths = LAYERS["qkv"]
     w, a, b, offsets = _layer(16, k, widths, ranks)
     info = _info([1] * 64, [i % 8 for i in range(64)], ranks)
+    info.one_token_segments = True
     x = torch.randn(64, k, device=DEV).bfloat16()
     # As LoRA layers run it: the last slot, the base model's (rank 0), left out of the GEMM.
     w_fold = torch.cat([w, a[:-1].reshape(-1, k)])

@@ -90,15 +90,16 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
     fold_types = {a: "i32" for a in fold._expand_folded_kernel.arg_names}
     fold_types.update(h_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", scalings_ptr="*fp32", **INDEX)
-    for name, (tokens, r, slots) in {"decode-1": (1, 16, 9), "decode-64": (64, 16, 9), "rank-64": (64, 64, 9),
-                                     "40-slots": (64, 16, 40)}.items():
+    # (tokens, rank, slots, one-token segments): the engine's decode batches take the one-token form.
+    for name, (tokens, r, slots, one) in {"decode-1": (1, 16, 9, True), "decode-64": (64, 16, 9, True),
+                                          "rank-64": (64, 64, 9, True), "40-slots": (64, 16, 40, False)}.items():
         cfg = fold.folded_config(tokens, 6144, r, 132)
         warps = cfg.pop("num_warps")
         cfg.pop("num_stages")
         segs = max(16, 1 << (tokens - 1).bit_length())
         kernel = compile_kernel(fold._expand_folded_kernel, fold_types,
-                                dict(R=r, NUM_SLOTS=slots, SEGS=segs, BLOCK_S=min(64, segs), WIDEN=False, IEEE=False,
-                                     PDL=True, **cfg), num_warps=warps)
+                                dict(R=r, NUM_SLOTS=slots, ONE_TOKEN=one, SEGS=segs, BLOCK_S=min(64, segs), WIDEN=False,
+                                     IEEE=False, PDL=True, **cfg), num_warps=warps)
         facts[f"fold-{name}"] = _facts(kernel)
     return facts
 

@@ -31,6 +31,9 @@ class LoraBatchInfo:
     scalings: torch.Tensor
     #: the longest segment in tokens, a host int (kernels size grids with it; may be an upper bound).
     max_seg_len: int
+    #: True when segment t is exactly token t for every segment (decode batches as the engine
+    #: builds them: one segment per row); kernels may then skip finding each token's segment.
+    one_token_segments: bool = False
 
 
 @runtime_checkable

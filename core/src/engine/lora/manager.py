@@ -207,7 +207,7 @@ class LoraManager:
         indices[bs:].fill_(self.base_slot)
         indices[:bs].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         return LoraBatchInfo(num_segments=bs, seg_indptr=indptr[:bs + 1], weight_indices=indices[:bs],
-                             lora_ranks=self.ranks, scalings=self.scalings, max_seg_len=1)
+                             lora_ranks=self.ranks, scalings=self.scalings, max_seg_len=1, one_token_segments=True)
 
     def static_info(self, bs: int) -> LoraBatchInfo:
         """The info a decode graph of ``bs`` rows runs on: views of the static buffers, as the
@@ -216,4 +216,4 @@ class LoraManager:
             self.static_rows(bs)
         return LoraBatchInfo(num_segments=bs, seg_indptr=self._static["indptr"][:bs + 1],
                              weight_indices=self._static["indices"][:bs], lora_ranks=self.ranks,
-                             scalings=self.scalings, max_seg_len=1)
+                             scalings=self.scalings, max_seg_len=1, one_token_segments=True)

@@ -66,7 +66,8 @@ class TritonLoraBackend:
                     slice_offsets: Sequence[int]) -> torch.Tensor:
         """The layer's output from ``h = x @ [W; A_0; ...]^T`` (``engine_lora_triton.fold``)."""
         return sgmv_expand_folded(h, weights, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
-                                  info.num_segments, slice_offsets, pdl=self._pdl(info, h.device))
+                                  info.num_segments, slice_offsets, pdl=self._pdl(info, h.device),
+                                  one_token=getattr(info, "one_token_segments", False))
 
     def _pdl(self, info: Any, device: torch.device) -> bool:
         return self.pdl and info.max_seg_len <= 1 and has_pdl(device)

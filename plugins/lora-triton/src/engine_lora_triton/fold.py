@@ -7,14 +7,14 @@ the weight, ``W' = [W; A_0; ...; A_{S-1}]`` (``engine.lora.layers``), so that on
 a contiguous ``out[t, :N] = h[t, :N] + scaling[w] * h[t, slot w's slice i] @ B[w, slice i]^T``,
 ``w`` the slot of t's segment: one launch instead of a shrink and an expand.
 
-A program owns one column tile of one slice and one tile of tokens; it finds each token's segment
-from ``seg_indptr`` and multiplies, a group of slots at a time, the tokens' rows of h (each
-token's own slot's columns, zeros for the group's other slots) by the group's B tiles stacked:
-one ``tl.dot`` over (slot, rank) pairs, no branch between the loads, and no B tile read that no
-token of the tile uses. (Slot by slot behind a branch on "any token of this slot", the
-expand took 5.6-8.7 us at decode batch 64 on an H200 against 2.4-3.5 us at batch 1: the slots ran
-one after another.) Tokens in no segment (a graph's padding) or on rank-0 slots get the base
-columns alone. CUDA-graph safe: the grid comes from the shapes and ``num_segments``.
+A program owns one column tile of one slice and one tile of tokens. It finds each token's slot
+(a decode batch of one-token segments reads it directly, else from ``seg_indptr``), loads the
+base columns and each token's own slot's columns of h once, and adds, for every slot, that
+slot's B tile times its tokens' rows (``tl.dot``, the other tokens zeroed); the scaling is
+applied per token at the end. Nothing branches between the loads, so they can all be in flight
+together; a slot no token of the tile uses has its B tile masked off (never read). Tokens in no
+segment (a graph's padding) or on rank-0 slots get the base columns alone. CUDA-graph safe: the
+grid comes from the shapes and ``num_segments``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from engine_lora_triton.launch import _cdiv, _segment_passes, _slice_bounds, _sl
 @triton.jit
 def _expand_folded_kernel(h_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr, scalings_ptr,
                           num_tokens, num_segments, n_base, slot_cols, h_slots, off0, off1, off2, off3, tiles0,
-                          tiles01,
-                          stride_ht, stride_hn, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
-                          R: tl.constexpr, NUM_SLOTS: tl.constexpr, SLOT_GROUP: tl.constexpr, SEGS: tl.constexpr,
+                          tiles01, stride_ht, stride_hn, stride_bs, stride_bn, stride_br, stride_ot, stride_on,
+                          R: tl.constexpr, NUM_SLOTS: tl.constexpr, ONE_TOKEN: tl.constexpr, SEGS: tl.constexpr,
                           BLOCK_S: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_R: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -46,61 +45,58 @@ def _expand_folded_kernel(h_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_
     n_ok = cols < hi
     toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
-    # A token's segment: the number of segments ending at or before it (empty ones included).
-    seg = tl.zeros((BLOCK_T,), dtype=tl.int32)
-    for s0 in tl.static_range(0, SEGS, BLOCK_S):
-        segs = s0 + tl.arange(0, BLOCK_S)
-        ends = tl.load(seg_indptr_ptr + 1 + segs, mask=segs < num_segments, other=2147483647)
-        seg += tl.sum((ends[None, :] <= toks[:, None]).to(tl.int32), axis=1)
-    live = t_ok & (seg < num_segments)
-    owner = tl.load(weight_indices_ptr + seg, mask=live, other=0)
-    # (a slot past h's columns has rank 0 by the caller's contract; masked all the same)
-    live = live & (tl.load(ranks_ptr + owner, mask=live, other=0) > 0) & (owner < h_slots)
-    owner = tl.where(live, owner, -1)  # -1: the token adds nothing (base model, padding)
-    scale = tl.load(scalings_ptr + owner, mask=live, other=0.0)
+    if ONE_TOKEN:
+        # Every segment is one token (a decode batch): token t's slot is segment t's.
+        owner = tl.load(weight_indices_ptr + toks, mask=toks < num_segments, other=-1)
+    else:
+        # A token's segment: the number of segments ending at or before it (empty ones included).
+        seg = tl.zeros((BLOCK_T,), dtype=tl.int32)
+        for s0 in tl.static_range(0, SEGS, BLOCK_S):
+            segs = s0 + tl.arange(0, BLOCK_S)
+            ends = tl.load(seg_indptr_ptr + 1 + segs, mask=segs < num_segments, other=2147483647)
+            seg += tl.sum((ends[None, :] <= toks[:, None]).to(tl.int32), axis=1)
+        owner = tl.load(weight_indices_ptr + seg, mask=t_ok & (seg < num_segments), other=-1)
+    # (slots past h's columns have rank 0 by the caller's contract; masked all the same)
+    owner = tl.where(t_ok & (owner < h_slots), owner, -1)
+    has = owner >= 0
+    # A rank-0 slot's scaling may be stale (an unloaded adapter's): its tokens get 0.
+    scale = tl.where(tl.load(ranks_ptr + owner, mask=has, other=0) > 0,
+                     tl.load(scalings_ptr + owner, mask=has, other=0.0), 0.0)
+    offs_r = tl.arange(0, BLOCK_R)
     if PDL:
         # The batch info, B and the scalings were written before the forward; h is the GEMM's.
         tl.extra.cuda.gdc_wait()
     rows = toks.to(tl.int64) * stride_ht
-    # SLOT_GROUP slots at a time as one product over (slot, rank) pairs: each token's row of y holds
-    # its own slot's columns of h and zeros elsewhere, B the group's tiles stacked. No branches:
-    # the loads of every group can be in flight together; B tiles no token of the tile uses, and
-    # columns past a slot's rank, are masked off (never read).
-    offs_j = tl.arange(0, SLOT_GROUP * BLOCK_R)
-    j_slot = offs_j // BLOCK_R
-    j_r = offs_j % BLOCK_R
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    if NUM_SLOTS <= 32:
-        for g in tl.static_range(0, NUM_SLOTS, SLOT_GROUP):
-            acc = _folded_group(acc, h_ptr, b_ptr, ranks_ptr, rows, owner, g + j_slot, j_r, cols, n_ok,
-                                n_base + y_col0, slot_cols, stride_hn, stride_bs, stride_bn, stride_br,
-                                NUM_SLOTS, WIDEN, IEEE)
-    else:
-        for g in range(0, NUM_SLOTS, SLOT_GROUP):
-            acc = _folded_group(acc, h_ptr, b_ptr, ranks_ptr, rows, owner, g + j_slot, j_r, cols, n_ok,
-                                n_base + y_col0, slot_cols, stride_hn, stride_bs, stride_bn, stride_br,
-                                NUM_SLOTS, WIDEN, IEEE)
     mask = t_ok[:, None] & n_ok[None, :]
     base = tl.load(h_ptr + rows[:, None] + cols[None, :].to(tl.int64) * stride_hn, mask=mask, other=0.0)
+    # Each token's own slot's columns of h, loaded once; then, for every slot, its B tile times the
+    # rows of its tokens (the others zeroed). No branch: all the loads can be in flight together,
+    # and a slot no token of the tile uses has its B tile masked off (never read).
+    yv = tl.load(h_ptr + rows[:, None] + (n_base + owner * slot_cols + y_col0)[:, None].to(tl.int64) * stride_hn
+                 + offs_r[None, :] * stride_hn, mask=has[:, None] & (offs_r < R)[None, :], other=0.0)
+    b_ptrs = b_ptr + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    if NUM_SLOTS <= 32:
+        for s in tl.static_range(NUM_SLOTS):
+            acc = _folded_slot(acc, yv, owner, b_ptrs, ranks_ptr, tl.full((), s, tl.int32), n_ok, offs_r,
+                               stride_bs, WIDEN, IEEE)
+    else:
+        for s in range(NUM_SLOTS):  # (the interpreter's s is a Python int)
+            acc = _folded_slot(acc, yv, owner, b_ptrs, ranks_ptr, tl.zeros((), tl.int32) + s, n_ok, offs_r,
+                               stride_bs, WIDEN, IEEE)
     tl.store(out_ptr + toks.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on,
              (base.to(tl.float32) + scale[:, None] * acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _folded_group(acc, h_ptr, b_ptr, ranks_ptr, rows, owner, s_j, j_r, cols, n_ok, y_col0, slot_cols,
-                  stride_hn, stride_bs, stride_bn, stride_br, NUM_SLOTS: tl.constexpr, WIDEN: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """``acc`` plus one group of slots: ``s_j``/``j_r`` are the slot and rank column of each
-    (slot, rank) pair of the group."""
-    s_ok = s_j < NUM_SLOTS
-    mine = owner[:, None] == s_j[None, :]
+def _folded_slot(acc, yv, owner, b_ptrs, ranks_ptr, s, n_ok, offs_r, stride_bs, WIDEN: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """``acc`` plus slot ``s``'s B tile times its tokens' rows of ``yv``."""
+    mine = owner == s
     used = tl.max(mine.to(tl.int32), axis=0) > 0
-    j_ok = (j_r < tl.load(ranks_ptr + s_j, mask=s_ok, other=0)) & used & s_ok
-    yv = tl.load(h_ptr + rows[:, None] + (y_col0 + s_j[None, :] * slot_cols + j_r[None, :]).to(tl.int64) * stride_hn,
-                 mask=mine & j_ok[None, :], other=0.0)
-    bv = tl.load(b_ptr + s_j[None, :].to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn
-                 + j_r[None, :] * stride_br, mask=n_ok[:, None] & j_ok[None, :], other=0.0)
-    return acc + _product(yv, bv, True, WIDEN, IEEE)
+    bv = tl.load(b_ptrs + s.to(tl.int64) * stride_bs,
+                 mask=n_ok[:, None] & ((offs_r < tl.load(ranks_ptr + s)) & used)[None, :], other=0.0)
+    return acc + _product(tl.where(mine[:, None], yv, tl.zeros_like(yv)), bv, True, WIDEN, IEEE)
 
 
 def folded_config(tokens: int, width: int, r: int, sms: int) -> dict[str, int]:
@@ -116,17 +112,18 @@ def _folded_config(tokens: int, width: int, r: int, sms: int) -> dict[str, int]:
     block_r = max(16, 1 << max(0, (r - 1).bit_length()))
     block_t = min(64, max(16, 1 << max(0, (tokens - 1).bit_length())))
     return dict(BLOCK_T=block_t, BLOCK_N=64 if _cdiv(width, 64) >= sms else 32, BLOCK_R=block_r,
-                SLOT_GROUP=max(1, 64 // block_r), num_warps=4, num_stages=1)
+                num_warps=8 if block_r >= 64 else 4, num_stages=1)
 
 
 def sgmv_expand_folded(h: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tensor, weight_indices: torch.Tensor,
                        ranks: torch.Tensor, scalings: torch.Tensor, num_segments: int,
-                       slice_offsets: Sequence[int], pdl: bool = False,
+                       slice_offsets: Sequence[int], pdl: bool = False, one_token: bool = False,
                        config: dict[str, int] | None = None) -> torch.Tensor:
     """A new contiguous ``[T, N]``: ``h[:, :N]`` plus each token's adapter, from ``h = x @ W'^T``
     (``[T, N + k * n_slices * R]``, slot w's shrink in its columns from ``N + w * n_slices * R``, for
     the first k slots; tokens on later slots must have rank 0); ``N`` is ``slice_offsets[-1]`` and
-    the slices must start at column 0."""
+    the slices must start at column 0. ``one_token``: segment t is exactly token t, for every
+    segment (``LoraBatchInfo.one_token_segments``)."""
     padded, widths, r = _slice_plan(tuple(slice_offsets), int(slice_offsets[-1]), tuple(b.shape))
     n_base, slots = int(slice_offsets[-1]), b.shape[0]
     slot_cols = len(widths) * r
@@ -148,6 +145,7 @@ def sgmv_expand_folded(h: torch.Tensor, b: torch.Tensor, seg_indptr: torch.Tenso
         h, b, out, seg_indptr, weight_indices, ranks, scalings, tokens, num_segments, n_base, slot_cols, h_slots,
         *padded, tiles0, tiles01, h.stride(0), h.stride(1), b.stride(0), b.stride(1), b.stride(2),
         out.stride(0), out.stride(1),
-        R=r, NUM_SLOTS=slots, **_segment_passes(max(1, num_segments)), WIDEN=_INTERPRETED,
+        R=r, NUM_SLOTS=slots, ONE_TOKEN=one_token,
+        **_segment_passes(max(1, num_segments)), WIDEN=_INTERPRETED,
         IEEE=h.dtype == torch.float32, PDL=pdl, launch_pdl=pdl, **cfg)
     return out
