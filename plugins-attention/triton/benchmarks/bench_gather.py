@@ -27,6 +27,8 @@ import triton.language as tl
 from triton.testing import do_bench
 
 KV_HEADS, ROWS_PER_PROGRAM = 8, 1536
+#: Rows a loop step gathers (the decode kernel's fp8 tiles take 32).
+BLOCKS = (32,)
 
 
 @triton.jit
@@ -59,7 +61,7 @@ def main() -> None:
         k = torch.randint(0, 1 << 20, (seqs * ROWS_PER_PROGRAM, KV_HEADS, words), dtype=torch.int32, device="cuda")
         v = torch.randint_like(k, 0, 1 << 20) if two else k
         out = torch.empty(seqs, KV_HEADS, words, dtype=torch.int32, device="cuda")
-        for block_n in (32, 64):
+        for block_n in BLOCKS:
             ms = do_bench(lambda bn=block_n: _gather_kernel[(KV_HEADS, seqs)](
                 k, v, slots, out, k.stride(0), k.stride(1), WORDS=words, TWO=two, ROWS=ROWS_PER_PROGRAM,
                 BLOCK_N=bn, num_warps=4, num_stages=3), warmup=10, rep=50, return_mode="median")
