@@ -6,7 +6,7 @@ router's float32 GEMV at 8 tokens of hidden 2048, and the per-head W_UK / W_UV p
 tokens (V2-Lite: 16 heads, nope and v 128, latent 512; the tiles ``head_matvec`` picks); the gate's
 and the per-head products' programmatic-dependent-launch variants keep the PDL rule
 (docs/cuda_kernels.md): weights requested before the one wait, the trigger after it. The prologue
-with the W_UK product's and L2-staging programs in its launch compiles too.
+with the W_UK product's programs in its launch and the L2 staging kernel compile too.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a construct only
 Triton's interpreter accepts fails here on a machine without a GPU.
@@ -40,20 +40,22 @@ def _compile_all() -> dict[str, object]:
         out[f"prologue_{pool}{'_pdl' if pdl else ''}"] = spill_bytes(kernel.asm["ptx"])
         if pdl:
             out["prologue_pdl_order"] = pdl_order(kernel.asm["ptx"])
-    # The prologue with the W_UK product's programs (1 token: head_matvec's tile at 128 x 64) and
-    # 20 programs staging weights in L2.
+    # The prologue with the W_UK product's programs (1 token: head_matvec's tile at 128 x 64).
     types = {"Q": "*bf16", "KV_A": "*bf16", "Positions": "*i64", "Cos": "*fp32", "Sin": "*fp32", "Norm_W": "*bf16",
-             "K_Out": "*bf16", "Q_Out": "*bf16", "Pool": "*bf16", "Out_Loc": "*i64", "W_UK": "*bf16",
-             **{f"pf_a{i}": "i64" for i in range(3)}}
+             "K_Out": "*bf16", "Q_Out": "*bf16", "Pool": "*bf16", "Out_Loc": "*i64", "W_UK": "*bf16"}
     absorb = compile_kernel(
         mp._mla_prologue_absorb_kernel, _types(mp._mla_prologue_absorb_kernel, types, ("eps", "k_scale", "fp8_max")),
         dict(stride_wn=1, NUM_HEADS=16, NOPE=128, LORA=512, HALF=32, BLOCK_H=16, BLOCK_C=512, BLOCK_HALF=32,
              INTERLEAVE=True, FP8=False, WRITE_POOL=True, PDL=True, N_BLOCKS=8, BLOCK_T=1, BLOCK_K=128,
-             BLOCK_N=64, STAGE_PROGRAMS=20), num_warps=4)
-    ptx = absorb.asm["ptx"]
-    out["prologue_absorb_pdl"] = spill_bytes(ptx)
-    out["prologue_absorb_order"] = pdl_order(ptx)
-    out["prologue_absorb_prefetches"] = ptx.count("cp.async.bulk.prefetch.L2")
+             BLOCK_N=64), num_warps=4)
+    out["prologue_absorb_pdl"] = spill_bytes(absorb.asm["ptx"])
+    out["prologue_absorb_order"] = pdl_order(absorb.asm["ptx"])
+    from engine_models_deepseek import l2_stage
+
+    stage = compile_kernel(l2_stage._stage_kernel, {f"{k}{i}": "i64" if k == "a" else "i32"
+                                                    for i in range(3) for k in "an"}, {}, num_warps=4)
+    out["stage"] = spill_bytes(stage.asm["ptx"])
+    out["stage_prefetches"] = stage.asm["ptx"].count("cp.async.bulk.prefetch.L2")
     router_types = _types(rg._grouped_topk_kernel, {"logits_ptr": "*fp32", "bias_ptr": "*fp32",
                                                     "weights_ptr": "*fp32", "ids_ptr": "*i32"}, ("scaling",))
     v3 = compile_kernel(rg._grouped_topk_kernel, router_types,
@@ -97,12 +99,12 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
     once after the wait, and request weights before it."""
     facts = compiled_facts(__file__, timeout=600)
     orders = {k: facts.pop(k) for k in [k for k in facts if k.endswith("_pdl_order")]}
-    # Three branches (the staging programs, the prologue's, the W_UK product's), each with its wait
-    # and trigger; the staging programs' asm survives compilation.
+    # Two branches (the prologue's programs, the W_UK product's), each with its wait and trigger;
+    # the L2 staging kernel's prefetch asm survives compilation.
     absorb = facts.pop("prologue_absorb_order")
-    assert absorb["waits"] == 3 and absorb["triggers"] == 3, absorb
-    assert facts.pop("prologue_absorb_prefetches") >= 1
-    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "prologue_bf16_pdl": 0, "prologue_absorb_pdl": 0,
+    assert absorb["waits"] == 2 and absorb["triggers"] == 2 and absorb["loads_before_wait"] >= 1, absorb
+    assert facts.pop("stage_prefetches") >= 1
+    assert facts == {"prologue_bf16": 0, "prologue_fp8e4nv": 0, "prologue_bf16_pdl": 0, "prologue_absorb_pdl": 0, "stage": 0,
                      "gate": 0, "gate_pdl": 0, "gate_norm_pdl": 0,
                      "router_v3": 0, "router_v2": 0, "w_uk_1": 0, "w_uv_1": 0, "w_uk_4": 0, "w_uv_4": 0}
     assert sorted(orders) == ["gate_norm_pdl_order", "gate_pdl_order", "prologue_pdl_order", "w_uk_pdl_order",

@@ -193,9 +193,11 @@ def test_stage_plan_takes_whole_chunks_in_order_up_to_the_cap() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEV == "cpu" or torch.cuda.get_device_capability()[0] < 9, reason="bulk L2 prefetch: sm_90+")
-def test_prologue_with_l2_staging_writes_the_same() -> None:
-    """Staging programs in the launch (20 MiB of two weights) change nothing the launch writes."""
-    from engine_models_deepseek.l2_stage import stage_plan, supports_staging
+def test_l2_staging_in_a_graph_changes_nothing() -> None:
+    """A CUDA graph of the prologue with 20 MiB of two weights staged from the side stream (forked
+    before it, joined after; the plan's counts include a 1, which Triton must not make a constant)
+    writes what the prologue alone writes, replay after replay."""
+    from engine_models_deepseek.l2_stage import CHUNK, stage_plan, stager_for, supports_staging
     from engine_models_deepseek.mla_prologue import mla_prologue
 
     assert supports_staging(torch.device(DEV))
@@ -205,16 +207,31 @@ def test_prologue_with_l2_staging_writes_the_same() -> None:
     kv_a = torch.randn(tokens, lora + rope, generator=gen).to(torch.bfloat16).to(DEV)
     w_uk = (torch.randn(heads, nope, lora, generator=gen) * 0.1).to(torch.bfloat16).to(DEV)
     cos, sin = torch.rand(64, rope // 2, device=DEV), torch.rand(64, rope // 2, device=DEV)
-    weights = [torch.empty(8 << 20, dtype=torch.bfloat16, device=DEV), torch.empty(6 << 20, device=DEV)]
-    outs = []
-    for stage in (None, stage_plan(weights, 20 << 20)):
+    norm_w = torch.ones(lora, dtype=torch.bfloat16, device=DEV)
+    weights = [torch.empty(CHUNK, dtype=torch.uint8, device=DEV), torch.empty(8 << 20, dtype=torch.bfloat16,
+                                                                              device=DEV)]
+    plan = stage_plan(weights, 20 << 20)
+    assert plan is not None and plan.ranges[0][1] == 1 and plan.programs == 8
+    stager = stager_for(q.device)
+    positions, loc = torch.tensor([5], device=DEV), torch.tensor([3], device=DEV)  # no host copy in the capture
+
+    def run(staged: bool) -> list[torch.Tensor]:
         q_out = torch.full((tokens, heads, lora + rope), float("nan"), dtype=torch.bfloat16, device=DEV)
         k_out = torch.full((tokens, lora + rope), float("nan"), dtype=torch.bfloat16, device=DEV)
         pool = torch.zeros(8, 1, lora + rope, dtype=torch.bfloat16, device=DEV)
-        mla_prologue(q, kv_a, torch.tensor([5], device=DEV), cos, sin, torch.ones(lora, dtype=torch.bfloat16,
-                     device=DEV), 1e-6, nope, True, q_out, k_out, pool, torch.tensor([3], device=DEV), w_uk=w_uk,
-                     stage=stage)
-        outs.append((q_out, k_out, pool))
-    assert stage is not None and stage.programs == 10
-    for before, after in zip(outs[0], outs[1], strict=True):
-        assert torch.equal(before, after)
+        if staged:
+            stager.stage(plan)
+        mla_prologue(q, kv_a, positions, cos, sin, norm_w, 1e-6, nope, True, q_out, k_out, pool, loc, w_uk=w_uk)
+        stager.join()
+        return [q_out, k_out, pool]
+
+    expected = run(False)
+    run(True)  # eager once (compiles), then in a graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = run(True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        for e, g in zip(expected, got, strict=True):
+            assert torch.equal(e, g)

@@ -1,17 +1,21 @@
-"""Asking L2 for weights a decode step reads a little later, from programs of an earlier launch
-(CUDA, sm_90+).
+"""Asking L2 for weights a decode step reads a little later, from a side stream inside the decode
+CUDA graphs (sm_90+).
 
 Between a DeepSeek layer's input projection and its output projection the GPU runs latency-bound
 kernels (the MLA prologue, the split attention and its merge, the ``W_UV`` product) that move a
-few hundred KB; HBM idles for about 10 us of each layer at batch 1. Programs added to the first
-of those launches (``mla_prologue``) ask L2 for the weights the layer streams next: ``o_proj``'s,
-then the shared experts' (read again by the routed experts' launches at batch 1), so those kernels
-find them in L2 instead of HBM.
+few hundred KB; HBM idles for about 10 us of each layer at batch 1. While a decode graph is
+captured, each MLA layer forks a side stream after its input projection and launches one kernel
+there that asks L2 for the weights the layer streams next (``o_proj``'s, then the shared
+experts', read again by the routed experts' launches at batch 1), so those kernels find them in L2
+instead of HBM. The model joins the side stream back after its last layer (``Stager.join``).
 
-Each program's threads issue one ``cp.async.bulk.prefetch.L2`` of 16 KiB each under an
-``evict_last`` cache policy (kept over the streamed expert weights, which take the normal one).
-A prefetch reads and writes nothing a kernel sees: results are unchanged, only when bytes move.
-The asm needs a GPU: under Triton's interpreter nothing is staged (``stage_plan`` is never made).
+The staging kernel is on a stream of its own because a kernel with bulk prefetches in flight does
+not complete before they do: as programs of the prologue's own launch (measured on an H200 at
+31 MB a layer) they held the attention after it back by 15 us a layer. Each of its threads issues
+one ``cp.async.bulk.prefetch.L2`` of 16 KiB under an ``evict_last`` cache policy (kept over the
+streamed expert weights, which take the normal one). A prefetch reads and writes nothing a kernel
+sees: results are unchanged, only when bytes move. The asm needs a GPU: under Triton's interpreter
+nothing is staged (``supports_staging``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,13 @@ def stage_chunks(program, a0, n0, a1, n1, a2, n2):
     tl.inline_asm_elementwise(_PREFETCH, "=r,l,r,r", [addr, size, live], dtype=tl.int32, is_pure=False, pack=1)
 
 
+# Chunk counts and addresses stay run-time values: Triton would make an argument equal to 1 a
+# constant, which has no .to().
+@triton.jit(do_not_specialize=["a0", "n0", "a1", "n1", "a2", "n2"])
+def _stage_kernel(a0, n0, a1, n1, a2, n2):
+    stage_chunks(tl.program_id(0), a0, n0, a1, n1, a2, n2)
+
+
 @dataclass(frozen=True)
 class StagePlan:
     """What the staging programs of a launch ask for: ``ranges`` three ``(address, chunks)`` pairs
@@ -93,3 +104,40 @@ def supports_staging(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+class Stager:
+    """One device's side stream for staging launches inside graph capture; ``join`` merges it
+    back into the current stream (every fork must be joined before a capture ends)."""
+
+    def __init__(self, device: torch.device) -> None:
+        # Made outside any capture (the first decode step runs eagerly before graphs are captured).
+        self.stream = torch.cuda.Stream(device=device)
+        self.pending = False
+
+    def stage(self, plan: StagePlan) -> None:
+        """After the work queued so far on the current stream, launches ``plan`` on the side stream."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            _stage_kernel[(plan.programs,)](*plan.args(), num_warps=PER_PROGRAM // 32)
+        self.pending = True
+
+    def join(self) -> None:
+        if self.pending:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.pending = False
+
+
+_STAGERS: dict[torch.device, Stager] = {}
+
+
+def stager_for(device: torch.device) -> Stager:
+    if device not in _STAGERS:
+        _STAGERS[device] = Stager(device)
+    return _STAGERS[device]
+
+
+def join_all() -> None:
+    """Joins every device's pending side stream into that device's current stream."""
+    for stager in _STAGERS.values():
+        stager.join()

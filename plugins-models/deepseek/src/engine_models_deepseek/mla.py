@@ -63,8 +63,9 @@ class DeepseekMLA(nn.Module):
     #: (``mla_prologue(..., w_uk=...)``); False: two launches (the comparison a benchmark makes).
     fuse_prologue = True
     #: MiB of the weights this layer streams after attention (``o_proj``'s, then the shared
-    #: experts' ``stage_targets``) that the prologue's launch asks L2 for at decode batches on
-    #: sm_90+ (``l2_stage``); 0 or False: none.
+    #: experts' ``stage_targets``) that a side stream asks L2 for while the attention kernels run,
+    #: in decode CUDA graphs of up to ``HEAD_MATVEC_MAX_TOKENS`` tokens on sm_90+ (``l2_stage``);
+    #: 0 or False: none.
     l2_stage_mb = 32
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
@@ -224,7 +225,8 @@ class DeepseekMLA(nn.Module):
         q_full = q.new_empty(tokens, self.num_heads, latent_dim)
         k = kv_a.new_empty(tokens, latent_dim)
         one_launch = self.fuse_prologue and self._head_matvec_applies(q)
-        stage = self._stage_plan(q.device) if one_launch else None
+        if one_launch:
+            self._stage_weights(q.device)
         if not one_launch:
             self._per_head(q[..., :self.nope_dim], self.w_uk, q_full[..., :self.kv_lora_rank], transposed=False)
         pool = forward_batch.token_to_kv_pool
@@ -233,19 +235,24 @@ class DeepseekMLA(nn.Module):
                      self.kv_a_layernorm.variance_epsilon, self.nope_dim, rope.interleave, q_full, k,
                      pool.get_key_buffer(self.attn.layer_id), forward_batch.out_cache_loc,
                      float(self.attn.k_scale) if pool.is_fp8 else 1.0, pdl=self.pdl,
-                     w_uk=self.w_uk if one_launch else None, stage=stage)
+                     w_uk=self.w_uk if one_launch else None)
         # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
         return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)
 
-    def _stage_plan(self, device: torch.device) -> Any:
-        """The L2 staging plan of ``o_proj``'s weight and ``stage_targets`` (``l2_stage_mb``), made
-        once the weights are final (the first decode step); None where nothing is staged."""
+    def _stage_weights(self, device: torch.device) -> None:
+        """Inside a decode graph's capture: forks the device's side stream here (after the input
+        projection) and stages ``o_proj``'s weight and ``stage_targets``' in L2 there, up to
+        ``l2_stage_mb`` (``l2_stage.Stager``; the model joins it after its last layer). The plan
+        and the stream are made at the first eager decode step, once the weights are final."""
         if not self._stage_made:
-            from engine_models_deepseek.l2_stage import stage_plan, supports_staging
+            from engine_models_deepseek.l2_stage import stage_plan, stager_for, supports_staging
 
             weights = [getattr(layer, "weight", None) for layer in (self.o_proj, *self.stage_targets)]
             targets = [w for w in weights if isinstance(w, torch.Tensor)]
             mb = int(self.l2_stage_mb or 0)
-            self._stage = stage_plan(targets, mb << 20) if mb > 0 and supports_staging(device) else None
+            plan = stage_plan(targets, mb << 20) if mb > 0 and supports_staging(device) else None
+            self._stage = (plan, stager_for(device)) if plan is not None else None
             self._stage_made = True
-        return self._stage
+        if self._stage is not None and torch.cuda.is_current_stream_capturing():
+            plan, stager = self._stage
+            stager.stage(plan)

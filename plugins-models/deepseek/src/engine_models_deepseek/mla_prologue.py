@@ -25,7 +25,6 @@ import triton
 import triton.language as tl
 
 from engine_models_deepseek.head_matvec import _head_matvec_tile, head_matvec_plan
-from engine_models_deepseek.l2_stage import StagePlan, stage_chunks
 
 
 @triton.jit
@@ -122,31 +121,23 @@ def _mla_prologue_absorb_kernel(
     Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc, W_UK,
     eps, k_scale, fp8_max, tokens,
     stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh, stride_pool, stride_cos,
-    stride_wh, stride_wk, stride_wn, pf_a0, pf_n0, pf_a1, pf_n1, pf_a2, pf_n2,
+    stride_wh, stride_wk, stride_wn,
     NUM_HEADS: tl.constexpr, NOPE: tl.constexpr, LORA: tl.constexpr, HALF: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr, FP8: tl.constexpr, WRITE_POOL: tl.constexpr, PDL: tl.constexpr,
     N_BLOCKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGE_PROGRAMS: tl.constexpr,
 ):
-    # Programs 0 .. STAGE_PROGRAMS - 1 ask L2 for weights the layer reads later (l2_stage; with
-    # PDL after the wait, so they do not compete with the projections' stream); then one program a
-    # token does its prologue; the others one (head, column block) of q_nope @ W_UK each, written
-    # into the query rows' latent part. All read only the projections' output, so they run side by
-    # side in one launch.
+    # Programs 0 .. tokens - 1: the prologue of one token each; the others: one (head, column
+    # block) of q_nope @ W_UK each, written into the query rows' latent part. The two read only
+    # the projections' output, so they run side by side in one launch.
     pid = tl.program_id(0)
-    if pid < STAGE_PROGRAMS:
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        stage_chunks(pid, pf_a0, pf_n0, pf_a1, pf_n1, pf_a2, pf_n2)
-    elif pid < STAGE_PROGRAMS + tokens:
-        _prologue_token(pid - STAGE_PROGRAMS, Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
+    if pid < tokens:
+        _prologue_token(pid, Q, KV_A, Positions, Cos, Sin, Norm_W, K_Out, Q_Out, Pool, Out_Loc,
                         eps, k_scale, fp8_max, stride_qt, stride_qh, stride_kvat, stride_kot, stride_qot, stride_qoh,
                         stride_pool, stride_cos, NUM_HEADS, NOPE, LORA, HALF, BLOCK_H, BLOCK_C, BLOCK_HALF,
                         INTERLEAVE, FP8, WRITE_POOL, PDL)
     else:
-        p = pid - STAGE_PROGRAMS - tokens
+        p = pid - tokens
         _head_matvec_tile(Q, W_UK, Q_Out, p // N_BLOCKS, p % N_BLOCKS, tokens, stride_qt, stride_qh, stride_wh,
                           stride_wk, stride_wn, stride_qot, stride_qoh, NOPE, LORA, BLOCK_T, BLOCK_K, BLOCK_N, PDL)
 
@@ -155,7 +146,7 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
                  sin: torch.Tensor, norm_weight: torch.Tensor, eps: float, nope_dim: int, interleave: bool,
                  q_out: torch.Tensor, k_out: torch.Tensor, pool: torch.Tensor | None = None,
                  out_loc: torch.Tensor | None = None, k_scale: float = 1.0, pdl: bool = False,
-                 w_uk: torch.Tensor | None = None, stage: StagePlan | None = None) -> None:
+                 w_uk: torch.Tensor | None = None) -> None:
     """Token by token: ``k_out[t] = [rmsnorm(c_kv) || rope(k_pe)]`` (also stored in ``pool`` at
     ``out_loc[t]`` when given) and ``q_out[t, h, lora:] = rope(q[t, h, nope:])``.
 
@@ -173,8 +164,6 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
         w_uk: ``[H, nope, lora]``: the same launch also writes ``q_out[t, h, :lora] = q[t, h, :nope]
             @ w_uk[h]`` (``head_matvec``'s programs beside the prologue's; at most
             ``head_matvec.MAX_TOKENS`` tokens), one launch instead of two.
-        stage: with ``w_uk`` on an sm_90+ GPU, weights the same launch asks L2 for
-            (``l2_stage.stage_plan``); results are unchanged.
     """
     tokens, num_heads, qk_dim = q.shape
     rope = qk_dim - nope_dim
@@ -206,9 +195,7 @@ def mla_prologue(q: torch.Tensor, kv_a: torch.Tensor, positions: torch.Tensor, c
         _mla_prologue_kernel[(tokens,)](*tensors, *common, *strides, **meta, num_warps=4 if lora >= 256 else 1)
         return
     plan = head_matvec_plan(q[..., :nope_dim], w_uk, q_out[..., :lora], transposed=False)
-    staged = stage.programs if stage is not None else 0
-    _mla_prologue_absorb_kernel[(staged + tokens + num_heads * plan["n_blocks"],)](
-        *tensors, w_uk, *common, tokens, *strides, w_uk.stride(0), plan["stride_wk"], plan["stride_wn"],
-        *(stage.args() if stage is not None else [0] * 6), **meta, N_BLOCKS=plan["n_blocks"],
-        BLOCK_T=plan["BLOCK_T"], BLOCK_K=plan["BLOCK_K"], BLOCK_N=plan["BLOCK_N"], STAGE_PROGRAMS=staged,
+    _mla_prologue_absorb_kernel[(tokens + num_heads * plan["n_blocks"],)](
+        *tensors, w_uk, *common, tokens, *strides, w_uk.stride(0), plan["stride_wk"], plan["stride_wn"], **meta,
+        N_BLOCKS=plan["n_blocks"], BLOCK_T=plan["BLOCK_T"], BLOCK_K=plan["BLOCK_K"], BLOCK_N=plan["BLOCK_N"],
         num_warps=4)

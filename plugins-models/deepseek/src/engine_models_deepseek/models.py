@@ -178,6 +178,14 @@ class DeepseekModel(LlamaModel):
     def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
         super().__init__(config, quant_config, DeepseekDecoderLayer)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> Any:
+        out = super().forward(input_ids, positions, forward_batch)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            from engine_models_deepseek.l2_stage import join_all
+
+            join_all()  # the layers' L2 staging forks (DeepseekMLA.l2_stage_mb) rejoin the capture
+        return out
+
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
     """DeepSeek-V2 (and V2-Lite: no ``q_lora_rank``)."""
