@@ -62,14 +62,16 @@ def main() -> None:
         v = torch.randint_like(k, 0, 1 << 20) if two else k
         out = torch.empty(seqs, KV_HEADS, words, dtype=torch.int32, device="cuda")
         for block_n in BLOCKS:
-            ms = do_bench(lambda bn=block_n: _gather_kernel[(KV_HEADS, seqs)](
-                k, v, slots, out, k.stride(0), k.stride(1), WORDS=words, TWO=two, ROWS=ROWS_PER_PROGRAM,
-                BLOCK_N=bn, num_warps=4, num_stages=3), warmup=10, rep=50, return_mode="median")
+            def gather(k: torch.Tensor = k, v: torch.Tensor = v, out: torch.Tensor = out, words: int = words,
+                       two: bool = two, bn: int = block_n) -> None:
+                _gather_kernel[(KV_HEADS, seqs)](k, v, slots, out, k.stride(0), k.stride(1), WORDS=words, TWO=two,
+                                                 ROWS=ROWS_PER_PROGRAM, BLOCK_N=bn, num_warps=4, num_stages=3)
+
+            ms = do_bench(gather, warmup=10, rep=50, return_mode="median")
             moved = seqs * ROWS_PER_PROGRAM * KV_HEADS * (row_bytes * (2 if two else 1) + 4)
             gbs = moved / (ms * 1e-3) / 1e9
             print(f"{name:<18} {row_bytes:>4} B rows x{2 if two else 1}  block {block_n:<3} {ms * 1e3:9.1f} us "
                   f"{gbs:7.0f} GB/s {gbs / args.peak:5.2f} of peak", flush=True)
-        del k, v
         torch.cuda.empty_cache()
 
 
