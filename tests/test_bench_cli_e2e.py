@@ -90,4 +90,5 @@ def test_bench_serving_against_the_real_server(server: Server, tmp_path: pathlib
     assert row["decode_steps"] >= 4 and row["mean_decode_batch"] * row["decode_steps"] == pytest.approx(64), row
     assert sum(b["steps"] for b in row["decode_by_batch"]) == row["decode_steps"], row
     assert 0 < row["client_cpu_s"] and "Server (scheduler counters over the run)" in res.output
+    assert row["device"].startswith("cpu"), row["device"]
     assert_no_kv_leak(wait_idle(server))

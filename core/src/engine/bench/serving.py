@@ -255,6 +255,8 @@ async def run_requests(
             after = await server_info(client, base_url, opts.headers)
             if after is not None and has_counters(after):
                 run.update(run_breakdown(before, samples, after, duration))  # type: ignore[union-attr]
+                # The device as the server's platform names it: what the benchmarks page files the row under.
+                run["device"] = after.get("device_description") or after.get("device")  # type: ignore[index]
     return results, duration
 
 
