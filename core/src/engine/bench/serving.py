@@ -181,7 +181,7 @@ async def run_benchmark(
         print_breakdown(run)
     _print_errors(results)
     if args.result_file:
-        extra = {**_result_extra(args, results), "client_cpu_s": sum(cpu), "client_processes": len(cpu),
+        extra = {**_result_extra(args, results), "client_cpu_s": sum(cpu), "client_processes": args.client_processes,
                  "client_busiest_cpu_share": max(cpu) / duration, **run}
         with open(args.result_file, "a", encoding="utf-8") as f:
             f.write(to_json_line(metrics, extra) + "\n")
