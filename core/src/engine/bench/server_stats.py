@@ -67,6 +67,11 @@ def timeline(before: dict[str, Any], samples: list[dict[str, float]], after: dic
     # The first sample with nothing waiting after prefill began (before it, the requests may not have arrived).
     admitted = next((p["t"] for p in samples if p["num_waiting_reqs"] == 0
                      and p["extend_tokens"] > points[0]["extend_tokens"]), None)
+    # The first sample after which the scheduler had nothing left: what follows is the outputs'
+    # way to the client (HTTP streaming), not the scheduler's work.
+    last = points[-1]
+    done = next((p["t"] for p in samples if p["num_running_reqs"] == 0 and p["num_waiting_reqs"] == 0
+                 and p["decode_steps"] == last["decode_steps"] and p["extend_tokens"] == last["extend_tokens"]), None)
     # About 16 rows of (time, running, waiting, KV use, decode steps/s, mean batch) over the run.
     stride = max(1, (len(points) - 1) // 16)
     coarse = []
@@ -80,6 +85,7 @@ def timeline(before: dict[str, Any], samples: list[dict[str, float]], after: dic
         "decode_by_batch": [{"batch_from": band, "steps": int(v[0]), "rows": int(v[1]), "time_s": round(v[2], 3)}
                             for band, v in bands.items() if v[0]],
         "all_admitted_s": admitted,
+        "scheduler_done_s": done,
         "max_running": int(max((p["num_running_reqs"] for p in samples), default=0)),
         "cuda_graph_max_bs": max(after.get("cuda_graph_batch_sizes") or [0]),
         "timeline": coarse,
@@ -92,8 +98,9 @@ def run_breakdown(before: dict[str, Any], samples: list[dict[str, float]], after
     return {**step_breakdown(before, after, duration), **timeline(before, samples, after, duration)}
 
 
-def print_breakdown(result: dict[str, Any]) -> None:
-    """The server-side part of a result (``run_breakdown``'s fields), as lines under its summary."""
+def print_breakdown(result: dict[str, Any], duration: float | None = None) -> None:
+    """The server-side part of a result (``run_breakdown``'s fields), as lines under its summary;
+    ``duration``: the run's seconds (default: the result's ``duration_s``)."""
     print(f"{'decode steps':<28}{result['decode_steps']:>14}  (mean batch {result['mean_decode_batch']:.1f}, "
           f"{result['mean_decode_step_ms']:.2f} ms, {result['overlapped_decode_steps']} overlapped)")
     print(f"{'prefill tokens computed':<28}{result['extend_tokens']:>14}  ({result['retractions']} retractions)")
@@ -106,6 +113,10 @@ def print_breakdown(result: dict[str, Any]) -> None:
     admitted = result["all_admitted_s"]
     print(f"{'most running at once':<28}{result['max_running']:>14}  (last request admitted at "
           + (f"{admitted:.1f} s)" if admitted is not None else "the end)"))
+    done, duration = result.get("scheduler_done_s"), duration or result.get("duration_s")
+    if done is not None and duration:
+        print(f"{'scheduler idle from':<28}{done:>14.1f}  s (sampled) of the run's {duration:.1f} s: the rest is "
+              "the outputs' way to the client")
     print("decode time by batch size:")
     for band in result["decode_by_batch"]:
         steps = band["steps"]

@@ -178,7 +178,7 @@ async def run_benchmark(
           "the run: near 100% means the client set the pace, --client-processes splits it)")
     if "decode_steps" in run:
         print(" Server (scheduler counters over the run) ".center(50, "-"))
-        print_breakdown(run)
+        print_breakdown(run, duration)
     _print_errors(results)
     if args.result_file:
         extra = {**_result_extra(args, results), "client_cpu_s": sum(cpu), "client_processes": args.client_processes,
