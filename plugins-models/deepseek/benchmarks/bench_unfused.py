@@ -4,11 +4,10 @@ of the figures in docs/benchmarks.md ("DeepSeek (MLA)"), run in the same way as 
 Off by default: the shared experts in the routed experts' launches (``DeepseekMoE.fuse_shared_experts``),
 the input projections as one linear (``DeepseekMLA.fuse_projections``; the input norm folded into it
 goes with it), the per-head W_UK / W_UV kernel (``DeepseekMLA.head_matvec_kernel``) and its PDL
-(``kernel_pdl``), the W_UK product in the prologue's launch (``fuse_prologue``) and the L2 staging of
-the weights read after attention (``l2_stage_mb``), the router's PDL and its folded norm
-(``DeepseekGate.kernel_pdl`` / ``fold_norm``); ``--keep NAME`` leaves one on. Everything else is
-passed to ``engine bench one-batch`` unchanged (one process: the switches are class attributes the
-model reads when it loads and runs).
+(``kernel_pdl``), the W_UK product in the prologue's launch (``fuse_prologue``), the router's PDL and
+its folded norm (``DeepseekGate.kernel_pdl`` / ``fold_norm``); ``--keep NAME`` leaves one on.
+Everything else is passed to ``engine bench one-batch`` unchanged (one process: the switches are
+class attributes the model reads when it loads and runs).
 
 usage: python plugins-models/deepseek/benchmarks/bench_unfused.py [--keep shared] -- ONE_BATCH_ARGS...
 """
@@ -23,7 +22,6 @@ SWITCHES = {"shared": ("engine_models_deepseek.models", "DeepseekMoE", "fuse_sha
             "head_matvec": ("engine_models_deepseek.mla", "DeepseekMLA", "head_matvec_kernel"),
             "head_pdl": ("engine_models_deepseek.mla", "DeepseekMLA", "kernel_pdl"),
             "prologue": ("engine_models_deepseek.mla", "DeepseekMLA", "fuse_prologue"),
-            "l2_stage": ("engine_models_deepseek.mla", "DeepseekMLA", "l2_stage_mb"),
             "gate_pdl": ("engine_models_deepseek.models", "DeepseekGate", "kernel_pdl"),
             "gate_norm": ("engine_models_deepseek.models", "DeepseekGate", "fold_norm")}
 

@@ -62,11 +62,6 @@ class DeepseekMLA(nn.Module):
     #: Where ``head_matvec`` applies, the W_UK product's programs in the prologue's launch
     #: (``mla_prologue(..., w_uk=...)``); False: two launches (the comparison a benchmark makes).
     fuse_prologue = True
-    #: MiB of the weights this layer streams after attention (``o_proj``'s, then the shared
-    #: experts' ``stage_targets``) that a side stream asks L2 for while the attention kernels run,
-    #: in decode CUDA graphs of up to ``HEAD_MATVEC_MAX_TOKENS`` tokens on sm_90+ (``l2_stage``);
-    #: 0 or False: none.
-    l2_stage_mb = 32
 
     def __init__(self, config: Any, layer_id: int, quant_config: QuantizationConfig | None, prefix: str) -> None:
         super().__init__()
@@ -112,12 +107,6 @@ class DeepseekMLA(nn.Module):
         #: The platform's ``pdl`` entry (``use_kernels``): ``head_matvec`` and the prologue as
         #: programmatic dependent launches.
         self.pdl = False
-        #: Layers read after attention whose weights the prologue's launch stages in L2 after
-        #: ``o_proj``'s, in order (the model sets the shared experts' projections after loading);
-        #: the plan is made at the first decode step.
-        self.stage_targets: list[nn.Module] = []
-        self._stage: Any = None
-        self._stage_made = False
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         self.pdl = self.kernel_pdl and bool(kernels.get("pdl", False))
@@ -225,8 +214,6 @@ class DeepseekMLA(nn.Module):
         q_full = q.new_empty(tokens, self.num_heads, latent_dim)
         k = kv_a.new_empty(tokens, latent_dim)
         one_launch = self.fuse_prologue and self._head_matvec_applies(q)
-        if one_launch:
-            self._stage_weights(q.device)
         if not one_launch:
             self._per_head(q[..., :self.nope_dim], self.w_uk, q_full[..., :self.kv_lora_rank], transposed=False)
         pool = forward_batch.token_to_kv_pool
@@ -238,21 +225,3 @@ class DeepseekMLA(nn.Module):
                      w_uk=self.w_uk if one_launch else None)
         # The rows are in the pool: the backend reads them there, or k (extend, 16-bit pool).
         return self.attn(q_full.view(tokens, -1), k, k[:, :self.kv_lora_rank], forward_batch, save_kv_cache=False)
-
-    def _stage_weights(self, device: torch.device) -> None:
-        """Inside a decode graph's capture: forks the device's side stream here (after the input
-        projection) and stages ``o_proj``'s weight and ``stage_targets``' in L2 there, up to
-        ``l2_stage_mb`` (``l2_stage.Stager``; the model joins it after its last layer). The plan
-        and the stream are made at the first eager decode step, once the weights are final."""
-        if not self._stage_made:
-            from engine_models_deepseek.l2_stage import stage_plan, stager_for, supports_staging
-
-            weights = [getattr(layer, "weight", None) for layer in (self.o_proj, *self.stage_targets)]
-            targets = [w for w in weights if isinstance(w, torch.Tensor)]
-            mb = int(self.l2_stage_mb or 0)
-            plan = stage_plan(targets, mb << 20) if mb > 0 and supports_staging(device) else None
-            self._stage = (plan, stager_for(device)) if plan is not None else None
-            self._stage_made = True
-        if self._stage is not None and torch.cuda.is_current_stream_capturing():
-            plan, stager = self._stage
-            stager.stage(plan)

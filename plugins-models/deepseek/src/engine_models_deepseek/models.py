@@ -178,14 +178,6 @@ class DeepseekModel(LlamaModel):
     def __init__(self, config: Any, quant_config: QuantizationConfig | None) -> None:
         super().__init__(config, quant_config, DeepseekDecoderLayer)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: Any) -> Any:
-        out = super().forward(input_ids, positions, forward_batch)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            from engine_models_deepseek.l2_stage import join_all
-
-            join_all()  # the layers' L2 staging forks (DeepseekMLA.l2_stage_mb) rejoin the capture
-        return out
-
 
 class DeepseekV2ForCausalLM(MoeForCausalLM):
     """DeepSeek-V2 (and V2-Lite: no ``q_lora_rank``)."""
@@ -236,10 +228,6 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
                     pass  # DP attention gathers the MLP's input across replicas: a tensor, not a pending norm
                 elif isinstance(module.mlp, DeepseekMoE):
                     consumers["post_attention_layernorm"] = "mlp.gate"
-                    shared = module.mlp.shared_experts
-                    if shared is not None:
-                        # Read after attention at decode: staged in L2 during it (mla.l2_stage_mb).
-                        module.self_attn.stage_targets = [shared.gate_up_proj, shared.down_proj]
                 elif isinstance(module.mlp, GatedMLP):
                     consumers["post_attention_layernorm"] = "mlp.gate_up_proj"
                 module.norm_consumers = consumers
