@@ -340,6 +340,39 @@ def test_backend_mixed_batch(seed: int, dtype: torch.dtype, page_size: int, wind
     assert_matches(out.view(-1, num_heads, head_dim), ref, dtype, f"mixed seed={seed}")
 
 
+def test_backend_warmup_compiles_the_extend_kernels(seed: int) -> None:
+    """After ``warmup``, a prefill chunk (512+ new tokens) and a short extend compile nothing more.
+    A window no other test uses keeps the variants this test's own (the first count must grow)."""
+    from engine_attention_triton.extend_attention import _extend_kernel
+
+    def compiled() -> int:
+        return sum(len(cache[0]) for cache in _extend_kernel.device_caches.values())
+
+    num_heads, kv_heads, head_dim, window = 32, 8, 128, 53
+    layer = layer_info(num_heads, kv_heads, head_dim, window=window)
+    for extend_lens, label in (([600, 20], "chunk"), ([20, 30], "short")):
+        pools = PagedPools(extend_lens, 1, kv_heads, head_dim, BF16)
+        backend = create(pools.context(num_heads, BF16))
+        if label == "chunk":
+            before = compiled()
+            backend.warmup([layer])
+            warmed = compiled()
+            assert warmed >= before + 2, f"warmup compiled {warmed - before} extend variants, expected 2"
+        out_cache_loc = torch.cat(pools.row_slots)
+        fb = ForwardBatch.build(ForwardMode.EXTEND, [0] * len(out_cache_loc), pools.req_slots, extend_lens,
+                                [0] * len(extend_lens), out_cache_loc, DEV, num_extend_reqs=len(extend_lens))
+        fb.token_to_kv_pool, fb.req_to_token_pool = pools.kv, pools.req
+        q, k, v = split_qkv(len(out_cache_loc), num_heads, kv_heads, head_dim, BF16)
+        backend.init_forward_metadata(fb)
+        out = backend.forward(q, k, v, layer, fb)
+        assert compiled() == warmed, f"{label}: the extend kernel compiled after warmup"
+        shape = (-1, kv_heads, head_dim)
+        ref = reference_extend(q.reshape(-1, num_heads, head_dim), k.reshape(shape), v.reshape(shape),
+                               pools.k_buffer, pools.v_buffer, pools.req.req_to_token, pools.req_slots,
+                               [0] * len(extend_lens), extend_lens, layer.scaling, 0.0, window - 1)
+        assert_matches(out.view(-1, num_heads, head_dim), ref, BF16, f"{label} seed={seed}")
+
+
 @pytest.mark.parametrize("bs,page_size,cap", [(1, 1, 0.0), (64, 16, 0.0), (5, 16, 25.0)])
 def test_backend_decode(seed: int, bs: int, page_size: int, cap: float) -> None:
     num_heads, kv_heads, head_dim, dtype = 32, 8, 128, BF16

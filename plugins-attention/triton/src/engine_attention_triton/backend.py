@@ -38,7 +38,7 @@ from engine_attention_triton.decode_attention import (
     decode_attention_fwd,
     has_pdl,
 )
-from engine_attention_triton.extend_attention import extend_attention_fwd
+from engine_attention_triton.extend_attention import extend_attention_fwd, warm_extend
 from engine_attention_triton.mla_attention import mla_decode_fwd, mla_extend_fwd, mla_head_blocks
 
 if TYPE_CHECKING:
@@ -117,6 +117,7 @@ class TritonAttnBackend(AttentionBackend):
     def __init__(self, ctx: AttentionContext) -> None:
         options = _parse_options(ctx.options)
         self.device = torch.device(ctx.device)
+        self.q_dtype = ctx.dtype
         if self.device.type != "cuda" and not (self.device.type == "cpu" and interpreting()):
             raise ValueError(
                 f"attention backend 'triton' needs a CUDA device (or the CPU under "
@@ -177,6 +178,17 @@ class TritonAttnBackend(AttentionBackend):
             (bs, self.num_heads, splits), dtype=torch.float32, device=self.device
         )
         return part_out, part_lse
+
+    def warmup(self, layers: Any = None) -> None:
+        """Compiles the extend kernels the layers will use (``warm_extend``) before serving."""
+        if self.mla or self.device.type != "cuda" or not layers:
+            return
+        # One layer for each distinct set of the kernel's compile-time choices (heads, dims, cap, window).
+        first = {(ly.num_heads, ly.head_dim, ly.v_head_dim, ly.logit_cap > 0, _kernel_window(ly)): ly for ly in layers}
+        for ly in first.values():
+            k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(ly.layer_id)
+            warm_extend(self.q_dtype, ly.num_heads, ly.head_dim, v_buffer.shape[2], k_buffer, v_buffer,
+                        self.req_to_token, ly.logit_cap, _kernel_window(ly))
 
     # -- forward ------------------------------------------------------------
     def forward_extend(

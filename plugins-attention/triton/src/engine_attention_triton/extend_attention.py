@@ -326,4 +326,25 @@ def extend_attention_fwd(
     )
 
 
-__all__ = ["default_extend_config", "extend_attention_fwd"]
+@torch.no_grad()
+def warm_extend(q_dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int, k_buffer: torch.Tensor,
+                v_buffer: torch.Tensor, req_to_token: torch.Tensor, logit_cap: float = 0.0,
+                sliding_window_size: int = -1) -> None:
+    """Compiles the extend kernel's variants for these heads before serving: a prefill chunk's
+    (``LONG_EXTEND`` new tokens and more) and a short extend's tiles, on scratch queries and new
+    K/V over the real pool (no prefix: the pool and ``req_to_token`` are passed, not read), with the
+    argument dtypes and alignments the backend's calls have. Triton otherwise compiles each on its
+    first use, inside the first requests (a second or so each on an H200 host)."""
+    device = k_buffer.device
+    num_kv_heads = k_buffer.shape[1]
+    for n in (LONG_EXTEND, 16):
+        q = torch.zeros(n, num_heads, head_dim, dtype=q_dtype, device=device)
+        k = torch.zeros(n, num_kv_heads, head_dim, dtype=k_buffer.dtype, device=device)
+        v = torch.zeros(n, num_kv_heads, v_dim, dtype=v_buffer.dtype, device=device)
+        ints = torch.tensor([[0], [0], [n], [0]], dtype=torch.int64, device=device)
+        extend_attention_fwd(q, k, v, torch.empty(n, num_heads, v_dim, dtype=q_dtype, device=device), k_buffer,
+                             v_buffer, req_to_token, ints[0], ints[1], ints[2], ints[3], n, head_dim**-0.5,
+                             logit_cap, sliding_window_size)
+
+
+__all__ = ["default_extend_config", "extend_attention_fwd", "warm_extend"]
