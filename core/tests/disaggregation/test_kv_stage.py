@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from engine.disaggregation.stage import KvStager
+from engine.disaggregation.stage import HELD_WAIT_S, KvStager
 from engine.disaggregation.transfer import KvPayload
 from engine.disaggregation.upload import KvUploader
 
@@ -138,6 +138,34 @@ def test_the_bound_waits_for_handed_over_copies_to_end() -> None:
         side.join(5)
         assert len(third) == 1
         _copying(platform, 1).complete()
+    finally:
+        stager.close()
+
+
+def test_a_payload_waits_a_bounded_time_for_the_backend_to_let_pinned_memory_go() -> None:
+    """Published payloads the backend still holds count against ``max_held``: the next one waits
+    until one goes (its pinned block is then reused, not a fresh one taken), at most HELD_WAIT_S."""
+    platform, published = _Platform(), []
+    k, v = _kv(0)
+    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), max_held=k.nbytes + v.nbytes)
+    try:
+        for i in range(3):
+            copy = stager.gathered(*_kv(i))
+            stager.publish_after(copy, f"k{i}", KvPayload(i, *copy.sources))
+        _copying(platform, 0).complete()
+        assert _wait(lambda: len(published) == 1)
+        time.sleep(0.2)
+        assert len(platform.copies) == 1 and stager.held_waits == 1, "the second copy did not wait for room"
+        published.clear()  # the backend sent the first payload and let it go
+        started = time.monotonic()
+        _copying(platform, 1).complete()
+        assert _wait(lambda: len(published) == 1) and time.monotonic() - started < HELD_WAIT_S
+        assert stager.held_bytes() == k.nbytes + v.nbytes
+        # Nothing is let go now: the third waits HELD_WAIT_S at most, then takes fresh memory.
+        started = time.monotonic()
+        _copying(platform, 2).complete()
+        assert _wait(lambda: len(published) == 2) and stager.held_waits == 2
+        assert HELD_WAIT_S * 0.8 < time.monotonic() - started < HELD_WAIT_S + 3
     finally:
         stager.close()
 

@@ -11,8 +11,12 @@ and hands the payload to the transfer backend (``publish``).
 
 ``max_bytes`` bounds the device staging of handed-over copies not yet complete: beyond it the
 scheduler waits for the oldest ones before gathering more. The pinned host tensors come from
-torch's caching host allocator (allocated in the thread, not the scheduler's): a payload's
-blocks go back to it when the transfer backend lets the payload go, and later payloads reuse them.
+torch's caching host allocator: a payload's blocks go back to it when the transfer backend lets
+the payload go (sent, or expired), and later payloads reuse them. A fresh pinned block is
+expensive (on an H200 host ~100 ms per 224 MiB, during which another thread's kernel launches
+stall for up to ~150 ms), so ``max_held`` bounds the pinned bytes of published payloads the
+backend still holds: a payload beyond it waits (up to ``HELD_WAIT_S``) for one to go and reuses
+its block, which also bounds pinned memory while a slow transfer falls behind.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from engine.disaggregation.transfer import KvPayload
 
@@ -34,6 +39,11 @@ logger = logging.getLogger(__name__)
 # Device staging of handed-over copies in flight at most, before the scheduler waits for the
 # oldest ones (two 4,096-token prompts of an 8B model with 8 KV heads).
 MAX_STAGING_BYTES = 1 << 30
+# Pinned bytes of published payloads still held by the backend before a new payload waits for one
+# to go (four 4,096-token prompts of an 8B model with 8 KV heads), and how long it waits at most
+# (a decode server that stopped fetching must not hold the prefill side up for longer).
+MAX_HELD_BYTES = 2 << 30
+HELD_WAIT_S = 0.5
 
 
 @dataclass
@@ -53,11 +63,15 @@ class KvStager:
     ``publish_after`` (once the batch has finished) hands it over with the payload to publish."""
 
     def __init__(self, platform: Any, device: torch.device, publish: Callable[[str, KvPayload], None],
-                 max_bytes: int = MAX_STAGING_BYTES) -> None:
+                 max_bytes: int = MAX_STAGING_BYTES, max_held: int = MAX_HELD_BYTES) -> None:
         self.platform = platform
         self.device = torch.device(device)
         self._publish = publish
         self.max_bytes = max_bytes
+        self.max_held = max_held
+        # Published payloads' host storages (the staging thread's own): (K, V, bytes).
+        self._held: list[tuple[StorageWeakRef, StorageWeakRef, int]] = []
+        self.held_waits = 0  # payloads that waited for the backend to let one go
         self._stream = platform.create_stream()
         self._todo: deque[tuple[HostCopy, str, KvPayload, dict[str, Any] | None, float]] = deque()
         self._inflight = 0  # handed over and not yet copied: their count and device bytes
@@ -122,10 +136,13 @@ class KvStager:
                 copy, key, payload, record, handed = self._todo.popleft()
             nbytes = copy.nbytes
             try:
+                self._room_for(nbytes)
                 payload = self._copy(copy, payload)
                 copy.copy_s = time.perf_counter() - handed
                 if record is not None:
                     record["copy_s"] = round(copy.copy_s, 6)
+                self._held.append((StorageWeakRef(payload.k.untyped_storage()),
+                                   StorageWeakRef(payload.v.untyped_storage()), nbytes))
                 self._publish(key, payload)
             except Exception:  # noqa: BLE001 - one payload lost (its fetch fails by its deadline), not the thread
                 logger.exception("KV transfer: staging %s failed", key)
@@ -137,6 +154,22 @@ class KvStager:
                     self._inflight = max(self._inflight - 1, 0)
                     self._inflight_bytes = max(self._inflight_bytes - nbytes, 0)
                     self._cv.notify_all()
+
+    def held_bytes(self) -> int:
+        """Pinned bytes of published payloads that the backend still holds."""
+        self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
+        return sum(h[2] for h in self._held)
+
+    def _room_for(self, nbytes: int) -> None:
+        """Waits (up to ``HELD_WAIT_S``) until ``nbytes`` more pinned memory stays within ``max_held``."""
+        if not self._held or self.held_bytes() + nbytes <= self.max_held:
+            return
+        self.held_waits += 1
+        deadline = time.monotonic() + HELD_WAIT_S
+        while self._held and self.held_bytes() + nbytes > self.max_held and time.monotonic() < deadline:
+            if self._stopped:
+                return
+            time.sleep(0.002)
 
     def _copy(self, copy: HostCopy, payload: KvPayload) -> KvPayload:
         """``payload`` with ``copy``'s K and V copied into pinned host memory (this thread waits
