@@ -98,6 +98,7 @@ def test_an_idle_pair_holds_nothing_and_closes_cleanly(llama_ckpt: str) -> None:
         assert _pair_run(prefill, decode, prompt, "staged-0") == want
         assert prefill.stats()["disaggregation"]["recent"][-1]["copy_s"] is not None
         assert _wait(lambda: not prefill.disagg_stager.busy())
+        assert prefill.stats()["disaggregation"]["staging"]["copying"] == 0
 
         # A GPU write's payload stays until its event has passed (on the CPU the write is done
         # at once, so the pending event is set up here): the loop keeps stepping until then,

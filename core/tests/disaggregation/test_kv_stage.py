@@ -165,6 +165,8 @@ def test_a_payload_waits_a_bounded_time_for_the_backend_to_let_pinned_memory_go(
         started = time.monotonic()
         _copying(platform, 2).complete()
         assert _wait(lambda: len(published) == 2) and stager.held_waits == 2
+        assert stager.stats() == {"copying": 0, "held_bytes": 2 * (k.nbytes + v.nbytes), "staging_waits": 0,
+                                  "held_waits": 2}
         assert HELD_WAIT_S * 0.8 < time.monotonic() - started < HELD_WAIT_S + 3
     finally:
         stager.close()

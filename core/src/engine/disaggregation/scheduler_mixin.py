@@ -363,8 +363,9 @@ class DisaggregationMixin:
     def _disagg_stats(self) -> dict[str, Any]:
         if self.kv_transfer is None:
             return {}
+        staging = {} if self.disagg_stager is None else {"staging": self.disagg_stager.stats()}
         return {"disaggregation": {"mode": self.disagg_mode, "waiting_for_kv": len(self.disagg_waiting),
-                                   "kv_arrived": len(self.disagg_arrived), **self.disagg_counts,
+                                   "kv_arrived": len(self.disagg_arrived), **self.disagg_counts, **staging,
                                    "backend": self.kv_transfer.stats(), "recent": list(self.disagg_recent)}}
 
 

@@ -155,6 +155,13 @@ class KvStager:
                     self._inflight_bytes = max(self._inflight_bytes - nbytes, 0)
                     self._cv.notify_all()
 
+    def stats(self) -> dict[str, Any]:
+        """For /get_server_info (any thread): payloads copying, pinned bytes the backend holds,
+        and how often the two bounds made the scheduler or this thread wait."""
+        held = sum(n for k, v, n in list(self._held) if not (k.expired() and v.expired()))
+        return {"copying": self._inflight, "held_bytes": held, "staging_waits": self.waits,
+                "held_waits": self.held_waits}
+
     def held_bytes(self) -> int:
         """Pinned bytes of published payloads that the backend still holds."""
         self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
