@@ -126,6 +126,15 @@ def test_lora_name_must_be_a_loaded_adapter(tmp_path: Path) -> None:
     assert "--lora-name: invalid value 'x'; accepted: the --lora-paths adapters: none" in out.output
 
 
+def test_one_batch_refuses_more_adapters_than_slots(tmp_path: Path) -> None:
+    paths = [f"a{i}={tmp_path}" for i in range(3)]
+    argv = ["bench", "one-batch", "--model-path", str(tmp_path), "--lora-paths", *paths, "--max-loras-per-batch", "2",
+            "--lora-name", "a0", "a1", "a2", "--batch-size", "1 4"]
+    out = CliRunner().invoke(app, split_multi_value_flags(argv))
+    assert out.exit_code == 2, out.output
+    assert "--lora-name: 3 distinct adapters in a batch of 4; accepted: at most --max-loras-per-batch (2)" in out.output
+
+
 def test_report_places_lora_and_vision_rows() -> None:
     base = {"bench": "one-batch", "device": "cuda:0 NVIDIA H200 (sm_90)", "date": "2026-11-28", "command": "c",
             "attention": "triton", "batch_size": 64, "input_len": 128, "output_len": 128, "model_path": "m",
