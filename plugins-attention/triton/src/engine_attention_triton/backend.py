@@ -26,6 +26,7 @@ then splits each row over ``mla_head_blocks`` programs per split instead of one 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ from engine_attention_triton.decode_attention import (
 )
 from engine_attention_triton.extend_attention import extend_attention_fwd, warm_extend
 from engine_attention_triton.mla_attention import mla_decode_fwd, mla_extend_fwd, mla_head_blocks
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch import ForwardBatch
@@ -187,8 +190,13 @@ class TritonAttnBackend(AttentionBackend):
         first = {(ly.num_heads, ly.head_dim, ly.v_head_dim, ly.logit_cap > 0, _kernel_window(ly)): ly for ly in layers}
         for ly in first.values():
             k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(ly.layer_id)
-            warm_extend(self.q_dtype, ly.num_heads, ly.head_dim, v_buffer.shape[2], k_buffer, v_buffer,
-                        self.req_to_token, ly.logit_cap, _kernel_window(ly))
+            try:
+                warm_extend(self.q_dtype, ly.num_heads, ly.head_dim, v_buffer.shape[2], k_buffer, v_buffer,
+                            self.req_to_token, ly.logit_cap, _kernel_window(ly))
+            except Exception as exc:  # noqa: BLE001 - a warm-up is an optimisation: serving compiles on first use
+                logger.warning("triton attention: extend warm-up failed (%s: %s); the kernels compile on their first "
+                               "use instead", type(exc).__name__, exc)
+                return
 
     # -- forward ------------------------------------------------------------
     def forward_extend(
