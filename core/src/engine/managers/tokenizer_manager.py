@@ -47,6 +47,9 @@ from engine.sampling.sampling_params import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger(__name__)
 
+# The most queued scheduler messages applied in one turn of the event loop (the streams then run).
+_DRAIN_MAX = 64
+
 
 @dataclass
 class GenerateRequest:
@@ -127,16 +130,32 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
         self._tasks = [loop.create_task(self._handle_loop()), loop.create_task(self._watchdog())]
 
     async def _handle_loop(self) -> None:
+        import zmq
+
+        # The receiving socket read without waiting (the same socket; only this loop reads it).
+        recv_now = zmq.Socket.shadow(self.recv.underlying)
         while True:
-            msg = await self.recv.recv_pyobj()
-            if isinstance(msg, BatchStrOut):
-                self._handle_str_out(msg)
-            elif isinstance(msg, BatchEmbeddingOut):
-                self._handle_embedding_out(msg)
-            elif isinstance(msg, (ControlReply, LoraAdapterReqOutput)):
-                fut = self.control_waiters.pop(msg.token, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            self._dispatch(await self.recv.recv_pyobj())
+            # Apply every message that has already arrived before the streams run: a stream then
+            # wakes once for all its new tokens (one event) rather than once per message. An HTTP
+            # process that falls behind a fast scheduler so sends fewer, larger events, instead
+            # of falling further behind one event per token.
+            for _ in range(_DRAIN_MAX):
+                try:
+                    msg = recv_now.recv_pyobj(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._dispatch(msg)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchStrOut):
+            self._handle_str_out(msg)
+        elif isinstance(msg, BatchEmbeddingOut):
+            self._handle_embedding_out(msg)
+        elif isinstance(msg, (ControlReply, LoraAdapterReqOutput)):
+            fut = self.control_waiters.pop(msg.token, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
 
     async def _watchdog(self) -> None:
         while self.dead is None:

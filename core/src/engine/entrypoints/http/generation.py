@@ -247,8 +247,25 @@ async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> Asyn
             task.cancel()
 
 
+# Built once: json.dumps with arguments builds a new encoder on every call (every streamed event).
+encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
 def sse(data: dict[str, Any] | list[Any]) -> bytes:
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return f"data: {encode_json(data)}\n\n".encode()
+
+
+class ChunkSSE:
+    """``sse({**head, **tail})`` for the chunks of one stream, ``head`` (id, object, created,
+    model) encoded once per stream instead of once per chunk. ``head`` and ``tail`` are not empty."""
+
+    __slots__ = ("_prefix",)
+
+    def __init__(self, head: dict[str, Any]) -> None:
+        self._prefix = f"data: {encode_json(head)[:-1]},"
+
+    def __call__(self, tail: dict[str, Any]) -> bytes:
+        return f"{self._prefix}{encode_json(tail)[1:]}\n\n".encode()
 
 
 def log_stream_failure(what: str, exc: BaseException) -> None:

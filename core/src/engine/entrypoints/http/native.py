@@ -23,10 +23,10 @@ from engine.entrypoints.http.generation import (
     Choice,
     SSEResponse,
     aborted_error,
+    encode_json,
     log_stream_failure,
     make_choices,
     run_to_completion,
-    sse,
     sse_error,
     stream_finish_reason,
     stream_outputs,
@@ -83,8 +83,39 @@ def _output(ctx: ServingContext, req: GenerateReqInput, out: dict[str, Any]) -> 
     return {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
 
 
+class _IdsJSON:
+    """A stream's cumulative ``output_ids`` as JSON, extended by each event's new ids.
+
+    Every event of a /generate stream carries all ids so far; encoding only the new ones keeps
+    an event's cost independent of how long the stream has run (re-encoding the whole list made
+    it the largest cost of the HTTP process per streamed token)."""
+
+    __slots__ = ("count", "text")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.text = ""
+
+    def encode(self, ids: list[int]) -> str:
+        if len(ids) < self.count:  # never happens (ids only grow); stay correct if it did
+            self.count, self.text = 0, ""
+        if len(ids) > self.count:
+            new = ",".join(map(str, ids[self.count:]))
+            self.text = f"{self.text},{new}" if self.count else new
+            self.count = len(ids)
+        return self.text
+
+
+def _sse_event(body: dict[str, Any], ids: _IdsJSON) -> bytes:
+    """``sse(body)``'s bytes, with ``output_ids`` encoded incrementally."""
+    parts = [f'"{key}":[{ids.encode(value)}]' if key == "output_ids" else f"{encode_json(key)}:{encode_json(value)}"
+             for key, value in body.items()]
+    return f"data: {{{','.join(parts)}}}\n\n".encode()
+
+
 async def _stream(ctx: ServingContext, req: GenerateReqInput, choices: list[Choice], batch: bool) -> AsyncIterator[bytes]:
     aborted: list[dict[str, Any]] = []
+    ids = {choice.index: _IdsJSON() for choice in choices}
     try:
         async for choice, out in stream_outputs(ctx, choices):
             body = _output(ctx, req, out)
@@ -93,7 +124,7 @@ async def _stream(ctx: ServingContext, req: GenerateReqInput, choices: list[Choi
             # An aborted choice's last event carries finish_reason {"type": "abort"}, as SGLang's.
             if stream_finish_reason(out["meta_info"]) == "abort":
                 aborted.append(out["meta_info"])
-            yield sse(body)
+            yield _sse_event(body, ids[choice.index])
         if aborted:
             yield sse_error(aborted_error(aborted))
     except Exception as exc:

@@ -15,6 +15,7 @@ from engine.entrypoints.http.errors import APIError, parse_body
 from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
+    ChunkSSE,
     SSEResponse,
     aborted_error,
     finish_reason,
@@ -23,7 +24,6 @@ from engine.entrypoints.http.generation import (
     matched_stop,
     response_model,
     run_to_completion,
-    sse,
     sse_error,
     stream_finish_reason,
     stream_outputs,
@@ -185,12 +185,13 @@ async def _stream(ctx: ServingContext, req: ChatCompletionRequest, choices: list
     with_reasoning = ctx.reasoning_parser is not None
     model = response_model(ctx, req.model, choices[0].request.lora_path)
 
+    encode_chunk = ChunkSSE({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model})
+
     def chunk(parts: list[dict[str, Any]], usage_block: dict[str, Any] | None = None) -> bytes:
-        data: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                                "model": model, "choices": parts}
+        data: dict[str, Any] = {"choices": parts}
         if with_usage:
             data["usage"] = usage_block  # null on every chunk but the last, as OpenAI does
-        return sse(data)
+        return encode_chunk(data)
 
     for choice in choices:
         yield chunk([{"index": choice.index, "delta": {"role": "assistant", "content": ""},

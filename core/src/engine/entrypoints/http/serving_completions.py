@@ -15,6 +15,7 @@ from engine.entrypoints.http.errors import APIError, parse_body
 from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
+    ChunkSSE,
     SSEResponse,
     aborted_error,
     finish_reason,
@@ -23,7 +24,6 @@ from engine.entrypoints.http.generation import (
     matched_stop,
     response_model,
     run_to_completion,
-    sse,
     sse_error,
     stream_finish_reason,
     stream_outputs,
@@ -168,12 +168,13 @@ async def _stream(ctx: ServingContext, req: CompletionRequest, choices: list[Cho
     with_usage = stream_usage_wanted(req)
     model = response_model(ctx, req.model, choices[0].request.lora_path)
 
+    encode_chunk = ChunkSSE({"id": response_id, "object": "text_completion", "created": created, "model": model})
+
     def chunk(parts: list[dict[str, Any]], usage_block: dict[str, Any] | None = None) -> bytes:
-        data: dict[str, Any] = {"id": response_id, "object": "text_completion", "created": created,
-                                "model": model, "choices": parts}
+        data: dict[str, Any] = {"choices": parts}
         if with_usage:
             data["usage"] = usage_block
-        return sse(data)
+        return encode_chunk(data)
 
     sent_chars = {c.index: 0 for c in choices}
     sent_logprobs = {c.index: 0 for c in choices}

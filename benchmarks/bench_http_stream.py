@@ -1,0 +1,223 @@
+"""CPU cost of the server's HTTP process per streamed token, without a model.
+
+Runs the real ASGI app and tokenizer manager (``create_app``, uvicorn, ZeroMQ) in one process,
+a stand-in for the scheduler and detokenizer in a second (every ``--step-ms`` it sends one
+``BatchStrOut`` holding one new token for every running request, as the detokenizer does at
+``--stream-interval 1``), and ``--streams`` concurrent streaming clients in a third. It prints
+the HTTP process's CPU seconds over the run (user + system, from /proc) divided by the tokens
+the clients received, per route. Linux only; runs on the CPU.
+
+    python3 benchmarks/bench_http_stream.py --streams 64 --output-len 256 --routes generate completions chat
+
+``--profile FILE`` records the HTTP process with py-spy (``--format raw``: collapsed stacks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+from typing import Any
+
+ROUTES = {
+    "generate": "/generate",
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+}
+
+
+def _body(route: str, output_len: int, prompt_len: int) -> dict[str, Any]:
+    ids = [5 + i % 40 for i in range(prompt_len)]
+    if route == "generate":
+        return {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": output_len}}
+    if route == "completions":
+        return {"prompt": ids, "stream": True, "max_tokens": output_len}
+    return {"messages": [{"role": "user", "content": "hello"}], "stream": True, "max_tokens": output_len}
+
+
+def _serve(port: int, ipc_dir: str, ckpt: str, extra: dict[str, Any]) -> None:
+    import uvicorn
+
+    from engine.config import ServerArgs
+    from engine.entrypoints.http_server import create_app
+    from engine.managers.io_struct import SchedulerReady
+    from engine.managers.tokenizer_utils import load_tokenizer
+
+    args = ServerArgs(model_path=ckpt, **extra)
+    tokenizer = load_tokenizer(ckpt)
+    ready = SchedulerReady(max_total_num_tokens=1 << 20, max_running_requests=4096, context_len=1 << 16,
+                           vocab_size=len(tokenizer), device="cpu", attention_backend="torch_native", platform="cpu",
+                           dtype="float32", eos_token_ids=[3], plugins=[])
+    ipc = SimpleNamespace(tokenizer=f"ipc://{ipc_dir}/tok", replica_scheduler=lambda r: f"ipc://{ipc_dir}/s{r}")
+    runtime = SimpleNamespace(args=args, model_path=ckpt, ipc=ipc, ready=ready, processes=[])
+    app = create_app(runtime, tokenizer)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+
+
+def _scheduler(ipc_dir: str, step_s: float) -> None:
+    """One token for every running request each step, finishing each at its max_new_tokens."""
+    import zmq
+
+    from engine.managers.io_struct import (
+        AbortReq,
+        BatchStrOut,
+        ControlReply,
+        ControlReq,
+        TokenizedGenerateReqInput,
+    )
+
+    ctx = zmq.Context()
+    recv, send = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    recv.bind(f"ipc://{ipc_dir}/s0")
+    send.connect(f"ipc://{ipc_dir}/tok")
+    running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, max_new_tokens]
+    next_step = time.perf_counter()
+    while True:
+        timeout = max(0.0, next_step - time.perf_counter()) if running else 100.0
+        while recv.poll(int(timeout * 1000)):
+            msg = recv.recv_pyobj()
+            if isinstance(msg, TokenizedGenerateReqInput):
+                if not running:  # the first request after an idle spell: steps start now
+                    next_step = time.perf_counter() + step_s
+                running[msg.rid] = [len(msg.input_ids), 0, int(msg.sampling_params.get("max_new_tokens") or 16)]
+            elif isinstance(msg, AbortReq):
+                running.pop(msg.rid, None)
+            elif isinstance(msg, ControlReq):
+                send.send_pyobj(ControlReply(msg.kind, msg.token, True, {}))
+            timeout = max(0.0, next_step - time.perf_counter()) if running else 0.0
+        if not running:
+            next_step = time.perf_counter()
+            continue
+        rids = list(running)
+        reasons: list[dict[str, Any] | None] = []
+        for rid in rids:
+            entry = running[rid]
+            entry[1] += 1
+            reasons.append({"type": "length", "length": entry[1]} if entry[1] >= entry[2] else None)
+        send.send_pyobj(BatchStrOut(
+            rids, [" tok"] * len(rids), [[7 + running[r][1] % 50] for r in rids], reasons,
+            [running[r][0] for r in rids], [running[r][1] for r in rids], [0] * len(rids)))
+        for rid, reason in zip(rids, reasons, strict=True):
+            if reason is not None:
+                del running[rid]
+        next_step += step_s
+
+
+async def _one_stream(port: int, path: str, body: bytes) -> tuple[int, int]:
+    """Sends one request; returns (events, bytes) of its SSE response."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    await writer.drain()
+    events = size = 0
+    tail = b""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if not head.startswith(b"HTTP/1.1 200"):
+        raise SystemExit(f"{path}: {head.decode(errors='replace')}{(await reader.read(2000)).decode(errors='replace')}")
+    while chunk := await reader.read(1 << 16):
+        size += len(chunk)
+        data = tail + chunk
+        events += data.count(b"data: ") - tail.count(b"data: ")
+        tail = data[-8:]
+    writer.close()
+    return events, size
+
+
+def _clients(port: int, path: str, body: bytes, streams: int, result: Any) -> None:
+    async def run() -> list[tuple[int, int]]:
+        return await asyncio.gather(*(_one_stream(port, path, body) for _ in range(streams)))
+
+    result.put(asyncio.run(run()))
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_port(port: int, timeout: float = 120.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit(f"the server did not listen on port {port} within {timeout:g} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=64, help="concurrent streaming requests per route")
+    parser.add_argument("--output-len", type=int, default=256, help="tokens each request streams")
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--step-ms", type=float, default=20.0, help="time between the stand-in's decode steps")
+    parser.add_argument("--routes", nargs="+", default=["generate"], choices=sorted(ROUTES))
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
+    parser.add_argument("--extra", default="{}", help="more ServerArgs fields, as a JSON object")
+    parser.add_argument("--profile", help="record the HTTP process with py-spy into this file (raw format)")
+    a = parser.parse_args()
+
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    spawn = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = make_tiny_checkpoint(os.path.join(tmp, "ckpt"), "LlamaForCausalLM")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = {"stream_interval": a.stream_interval, **json.loads(a.extra)}
+        server = spawn.Process(target=_serve, args=(port, tmp, ckpt, extra), daemon=True)
+        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000), daemon=True)
+        server.start()
+        scheduler.start()
+        try:
+            _wait_port(port)
+            for route in a.routes:
+                body = json.dumps(_body(route, a.output_len, a.prompt_len)).encode()
+                result = spawn.Queue()
+                # A short warm-up (imports, first requests), then the measured run.
+                warm = spawn.Process(target=_clients, args=(port, ROUTES[route], body, 2, result))
+                warm.start()
+                result.get()
+                warm.join()
+                spy = None
+                if a.profile:
+                    spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--format", "raw",
+                                            "--rate", "200", "--output", f"{a.profile}.{route}"],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    time.sleep(1.0)
+                cpu0, t0 = _cpu_s(server.pid), time.perf_counter()
+                clients = spawn.Process(target=_clients, args=(port, ROUTES[route], body, a.streams, result))
+                clients.start()
+                outs = result.get()
+                clients.join()
+                cpu, wall = _cpu_s(server.pid) - cpu0, time.perf_counter() - t0
+                if spy is not None:
+                    spy.send_signal(2)
+                    spy.wait(60)
+                events = sum(e for e, _ in outs)
+                tokens = a.streams * a.output_len
+                print(json.dumps({
+                    "route": route, "streams": a.streams, "output_len": a.output_len, "step_ms": a.step_ms,
+                    "stream_interval": a.stream_interval, "tokens": tokens, "events": events,
+                    "bytes": sum(b for _, b in outs), "wall_s": round(wall, 3), "server_cpu_s": round(cpu, 3),
+                    "us_per_token": round(cpu / tokens * 1e6, 2), "us_per_event": round(cpu / events * 1e6, 2),
+                }), flush=True)
+        finally:
+            for proc in (server, scheduler):
+                proc.terminate()
+                proc.join(10)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
