@@ -74,12 +74,13 @@ def slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str,
     """Block sizes of ``_shrink_slots_kernel``: 16-row tiles of A, K chunks of 1024 in 128-wide
     tiles. On an H200 (bench_sgmv.py --sweep, decode 64 x 8 adapters) that took qkv/o/gate_up/down
     4.3/2.8/4.0/4.5 us, against 4.1/2.8/3.9/4.1 us for the fastest, chunks of 256, which leave the
-    expand 4 times the partial sums to add (K 4096: 4 chunks; down's 14336: 14)."""
-    return dict(_slot_shrink_config(num_slots, rows, k, sms))
+    expand 4 times the partial sums to add (K 4096: 4 chunks; down's 14336: 14). Only ``k``
+    decides them; the other arguments keep the signature of ``shrink_config``."""
+    return dict(_slot_shrink_config(k))
 
 
 @functools.lru_cache(maxsize=256)
-def _slot_shrink_config(num_slots: int, rows: int, k: int, sms: int) -> dict[str, int]:
+def _slot_shrink_config(k: int) -> dict[str, int]:
     chunk = min(1024, max(16, triton.next_power_of_2(k)))
     return dict(BLOCK_R=16, BLOCK_K=min(128, chunk), K_CHUNK=chunk, num_warps=4, num_stages=3)
 
@@ -109,7 +110,7 @@ def sgmv_shrink_slots(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor
     _check_shrink(x, a)
     tokens, k = x.shape
     rows = a.shape[1]
-    cfg = config or _slot_shrink_config(a.shape[0], rows, k, sm_count(x.device))
+    cfg = config or _slot_shrink_config(k)
     chunks = _cdiv(k, cfg["K_CHUNK"])
     p = torch.empty((chunks, tokens, rows), dtype=torch.float32, device=x.device)
     if tokens == 0 or num_segments == 0 or rows == 0:
@@ -189,8 +190,10 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, seg_indptr: torch.Tensor, weig
     tokens, k = x.shape
     rows = a.shape[1]
     sms = sm_count(x.device)
-    cfg = dict(config or _shrink_config(num_segments, max_seg_len, rows, k, sms))
-    chunk = cfg.pop("K_CHUNK", 0) or (_split_chunk(num_segments, max_seg_len, rows, k, sms) if split else 0)
+    cfg = config or _shrink_config(num_segments, max_seg_len, rows, k, sms)  # the cached dict, not a copy
+    chunk = cfg.get("K_CHUNK", 0) or (_split_chunk(num_segments, max_seg_len, rows, k, sms) if split else 0)
+    if "K_CHUNK" in cfg:  # a sweep's config: the launch passes K_CHUNK itself, so it leaves **cfg
+        cfg = {key: value for key, value in cfg.items() if key != "K_CHUNK"}
     chunks = _cdiv(k, chunk) if chunk else 1
     # Rows of tokens outside every segment (the padding of a CUDA-graph batch) are left unwritten:
     # expand never reads them, and a memset per call would cost a launch in every LoRA layer.
