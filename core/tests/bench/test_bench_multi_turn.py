@@ -6,7 +6,6 @@ the hierarchical cache's host tier, and the report and result line say so."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,15 +18,14 @@ from typer.testing import CliRunner
 
 from engine.bench.multi_turn import MultiTurnArgs, bench_multi_turn
 from engine.cli import app
+from engine.ports import free_port
 
 CONVS, TURNS, HISTORY, USER, OUT = 3, 3, 48, 8, 4
 
 
 @pytest.fixture(scope="module")
 def server_url(llama_ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     log_path = tmp_path_factory.mktemp("multi-turn") / "server.log"
     # 128 slots hold about two conversations: the third evicts the first before it returns.
     cmd = [sys.executable, "-m", "engine", "serve", "--model-path", llama_ckpt, "--host", "127.0.0.1",
@@ -92,8 +90,6 @@ def test_bad_flags_exit_2_with_one_line() -> None:
 
 
 def test_an_unreachable_server_is_a_clear_error() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     result = CliRunner().invoke(app, ["bench", "multi-turn", "--port", str(port)])
     assert result.exit_code == 2 and "pass --vocab-size" in result.output, result.output

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +14,7 @@ from engine_grpc import plugserve_pb2_grpc as pb_grpc
 from engine_grpc.server import start
 
 from engine.entrypoints.frontend import APIError
+from engine.ports import free_port
 
 KEY = (("authorization", "Bearer k"),)
 
@@ -71,15 +71,9 @@ class FakeAPI:
         return {"num_running_reqs": 0}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _with_server(check: Any) -> FakeAPI:
     api = FakeAPI()
-    port = _port()
+    port = free_port()
     frontend = await start(api, "127.0.0.1", port)  # type: ignore[arg-type]
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -144,7 +138,7 @@ def test_a_cancelled_stream_closes_the_generation_at_once() -> None:
 def test_stop_refuses_new_calls_and_lets_those_in_flight_finish() -> None:
     async def main() -> None:
         api = FakeAPI()
-        port = _port()
+        port = free_port()
         frontend = await start(api, "127.0.0.1", port)  # type: ignore[arg-type]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = pb_grpc.EngineStub(channel)
