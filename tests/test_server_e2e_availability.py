@@ -316,7 +316,8 @@ def test_sigterm_while_the_model_loads_exits_zero_and_leaves_no_process(long_con
             server.log()[-3000:]
         children = server.descendants()
         os.killpg(server.proc.pid, signal.SIGTERM)
-        assert server.proc.wait(60) == 0, server.log()[-3000:]
+        # Generous: on a loaded 2-core machine the children's imports can hold the exit up past a minute.
+        assert server.proc.wait(150) == 0, server.log()[-3000:]
     finally:
         server.stop(signal.SIGKILL)
     assert "interrupted during start-up" in server.log() or "serving" in server.log(), server.log()[-3000:]
