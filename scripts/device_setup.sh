@@ -22,4 +22,7 @@ for d in plugins/*/ plugins-attention/*/ plugins-quant/*/ plugins-models/*/; do
   case "$d" in *_template*) continue ;; esac
   pkgs+=(-e "$d")
 done
-python3 -m pip install -q --no-deps --no-build-isolation --no-index "${pkgs[@]}"
+# The editable installs without pip first (seconds instead of ~100 s); pip when the check fails.
+if ! { python3 scripts/device_editable.py && python3 scripts/device_editable.py --check; }; then
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index "${pkgs[@]}"
+fi
