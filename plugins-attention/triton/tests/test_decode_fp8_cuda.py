@@ -60,14 +60,6 @@ def random_lens(n: int, low: int, high: int) -> list[int]:
     return lens
 
 
-@pytest.fixture
-def seed() -> int:
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    random.seed(value)
-    return value
-
-
 @pytest.mark.parametrize("mode", [1, 2, 3])
 @pytest.mark.parametrize("group,kv_heads,head_dim,bs,splits,pdl,q_scale", [
     (4, 8, 128, 37, 1, True, 1.0), (4, 8, 128, 37, 3, False, 1.0), (4, 8, 128, 5, 16, True, 3e4),

@@ -36,15 +36,6 @@ TOLERANCE = {BF16: (2e-2, 1e-2), FP16: (5e-3, 3e-3), FP32: (1e-4, 1e-5)}
 DEV = "cuda"
 
 
-@pytest.fixture
-def seed() -> int:
-    """A fresh seed per test, applied to torch and random; quoted in failure messages."""
-    value = random.SystemRandom().randrange(2**31)
-    torch.manual_seed(value)
-    random.seed(value)
-    return value
-
-
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or bad math)"
     err = (out.double() - ref.double()).abs()
