@@ -242,7 +242,8 @@ async def run_requests(
             else:
                 start = time.perf_counter()
                 sample_from(start)
-                results = await send_on_schedule(client, args, requests, offsets, start, tokenizer, progress.update)
+                results = await send_on_schedule(client, args, requests, offsets, start, tokenizer, progress.update,
+                                                 opts)
                 end, cpus = time.perf_counter(), []
         finally:
             if sampler is not None:

@@ -53,10 +53,12 @@ def make_client(args: BenchServingArgs) -> httpx.AsyncClient:
 
 async def send_on_schedule(client: httpx.AsyncClient, args: BenchServingArgs, requests: list[BenchRequest],
                            offsets: list[float], start: float, tokenizer: TokenizerLike | None = None,
-                           on_done: Callable[[RequestResult], None] | None = None) -> list[RequestResult]:
+                           on_done: Callable[[RequestResult], None] | None = None,
+                           opts: RequestOptions | None = None) -> list[RequestResult]:
     """Sends request ``i`` at ``start + offsets[i]`` (perf_counter seconds), at most
-    ``args.max_concurrency`` at once; the results in ``requests`` order."""
-    opts = request_options(args)
+    ``args.max_concurrency`` at once; the results in ``requests`` order. ``opts``: the caller's
+    ``request_options(args)`` when it has them (default: built here)."""
+    opts = opts if opts is not None else request_options(args)
     backend, base_url = BACKENDS[args.backend], args.server_url()
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
 
