@@ -167,14 +167,13 @@ def main() -> None:
     parser.add_argument("--profile", help="record the HTTP process with py-spy into this file (raw format)")
     a = parser.parse_args()
 
+    from engine.ports import free_port
     from engine.testing.checkpoints import make_tiny_checkpoint
 
     spawn = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = make_tiny_checkpoint(os.path.join(tmp, "ckpt"), "LlamaForCausalLM")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         extra = {"stream_interval": a.stream_interval, **json.loads(a.extra)}
         server = spawn.Process(target=_serve, args=(port, tmp, ckpt, extra), daemon=True)
         scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000), daemon=True)
