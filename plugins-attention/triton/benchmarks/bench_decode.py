@@ -150,8 +150,8 @@ def main() -> None:
                              "(2: hardware widening to float16), launch order 0/1 (1: a row's KV heads together), "
                              "KV heads per program)")
     parser.add_argument("--fp8-mma", nargs="*", default=[], metavar="MODE,N,W,S",
-                        help="fp8 pools: also time decode_fp8's kernel (mode 1: scores on the fp8 tensor cores, "
-                             "2: P V too; block_n, warps, stages)")
+                        help="fp8 pools: also time decode_fp8's kernel (scores on the fp8 tensor cores; P V in mode 1 "
+                             "on float16 mma, 2 on the fp8 tensor cores, 3 on float16 wgmma; block_n, warps, stages)")
     parser.add_argument("--both-orders", action="store_true",
                         help="also time the default tiles in both launch orders (heads_inner 0 and 1)")
     parser.add_argument("--top", type=int, default=5, help="--sweep: tiles carried to every batch size")
