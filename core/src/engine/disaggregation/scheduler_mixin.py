@@ -333,10 +333,11 @@ class DisaggregationMixin:
                                       "stage_s": round(self._disagg_stage_s * nbytes / max(total, 1), 6),
                                       "copy_s": None}
             self.disagg_recent.append(record)
-            if copy is not None and self.disagg_stager is not None:
-                self.disagg_stager.publish_after(copy, req.disagg_key, payload, record)  # type: ignore[attr-defined]
-            else:
+            if copy is None:
                 self.kv_transfer.publish(req.disagg_key, payload)  # type: ignore[attr-defined]
+            else:  # only the stager makes a HostCopy: never the device staging to a host backend
+                assert self.disagg_stager is not None
+                self.disagg_stager.publish_after(copy, req.disagg_key, payload, record)  # type: ignore[attr-defined]
 
     # -- bookkeeping ---------------------------------------------------------------------
     def disagg_busy(self) -> bool:
