@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_attention_triton import interpreting
 from engine_attention_triton.jit_math import (
     base2_scores,
     block_size,
@@ -43,8 +44,6 @@ from engine_attention_triton.jit_math import (
     gathers_words,
     widen,
 )
-
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 #: A split shorter than this costs more in workspace traffic and merging than it saves.
 #: (H100, Llama-3-8B heads, batch 1, 1k context, in a CUDA graph: 16 splits of 64
@@ -489,7 +488,7 @@ def decode_attention_fwd(
             v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
             *dest_strides, part_lse.stride(0), part_lse.stride(1),
             GROUP=group, BLOCK_H=16, BLOCK_N=block_n or bn, HEAD_DIM=head_dim, V_DIM=v_dim, DIRECT=direct,
-            PDL=pdl, PV=fp8_mma - 1, UPCAST=_INTERPRETED, num_warps=num_warps or warps,
+            PDL=pdl, PV=fp8_mma - 1, UPCAST=interpreting(), num_warps=num_warps or warps,
             num_stages=num_stages or stages, launch_pdl=pdl)
         if not direct:
             _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
