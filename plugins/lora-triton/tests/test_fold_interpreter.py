@@ -20,6 +20,7 @@ from engine.lora.backend import (
     reference_fold_expand,
     reference_shrink,
 )
+from engine.testing.conformance.lora import random_pool_weights
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (set where no GPU is present)")
 
@@ -46,14 +47,7 @@ def test_folded_expand_matches_the_loop(case: str, dtype: torch.dtype) -> None:
     info = LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr, weight_indices=torch.tensor(slots, dtype=torch.int32),
                          lora_ranks=torch.tensor(ranks, dtype=torch.int32), scalings=torch.rand(len(ranks)) + 0.5,
                          max_seg_len=max(lens))
-    a = torch.randn(len(ranks), n_slices * r, k) / k ** 0.5
-    b = torch.randn(len(ranks), n, r) / r ** 0.5
-    for slot, rank in enumerate(ranks):
-        if rank:
-            for i in range(n_slices):
-                a[slot, i * r + rank:(i + 1) * r] = 0
-            b[slot, :, rank:] = 0
-    a, b = a.to(dtype), b.to(dtype)
+    a, b = random_pool_weights(torch.default_generator, n_slices, k, n, torch.device("cpu"), dtype, tuple(ranks), r)
     w = (torch.randn(n, k) / k ** 0.5).to(dtype)
     x = torch.randn(sum(lens) + pad, k).to(dtype)
     h = x @ torch.cat([w, a.reshape(-1, k)]).T

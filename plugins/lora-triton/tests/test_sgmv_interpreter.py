@@ -18,7 +18,7 @@ from engine_lora_triton.backend import TritonLoraBackend
 from engine_lora_triton.launch import sgmv_expand, sgmv_shrink, sgmv_shrink_slots
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
-from engine.testing.conformance.lora import LoraBackendConformance
+from engine.testing.conformance.lora import LoraBackendConformance, random_pool_weights
 
 pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1 (set where no GPU is present)")
 
@@ -37,15 +37,9 @@ def _info(lens: list[int], slots: list[int], ranks: list[int], slack: int = 0) -
 
 
 def _pool(ranks: list[int], n_slices: int, r: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """A and B with zeros beyond each slot's rank; rank-0 slots keep stale values."""
-    a = torch.randn(len(ranks), n_slices * r, k) / k ** 0.5
-    b = torch.randn(len(ranks), n, r) / r ** 0.5
-    for slot, rank in enumerate(ranks):
-        if rank:
-            for i in range(n_slices):
-                a[slot, i * r + rank:(i + 1) * r] = 0
-            b[slot, :, rank:] = 0
-    return a.to(dtype), b.to(dtype)
+    """A and B with zeros beyond each slot's rank; rank-0 slots keep stale values (drawn from the
+    global generator, which the tests seed)."""
+    return random_pool_weights(torch.default_generator, n_slices, k, n, torch.device("cpu"), dtype, tuple(ranks), r)
 
 
 # (segment lengths, slots, slot ranks, R, K, slice offsets, padding tokens, max_seg_len slack)
