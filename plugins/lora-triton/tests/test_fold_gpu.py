@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from engine_lora_triton.backend import TritonLoraBackend
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
+from engine.testing.conformance.lora import random_pool_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -31,17 +32,12 @@ def _info(lens: list[int], slots: list[int], ranks: list[int]) -> LoraBatchInfo:
 def _layer(r: int, k: int, widths: tuple[int, ...], ranks: list[int]) -> tuple[torch.Tensor, ...]:
     n, s = sum(widths), len(widths)
     w = torch.randn(n, k, device=DEV) / k ** 0.5
-    a = torch.randn(SLOTS, s * r, k, device=DEV) / k ** 0.5
-    b = torch.randn(SLOTS, n, r, device=DEV) / r ** 0.5
-    for slot, rank in enumerate(ranks):
-        if rank:  # a rank-0 slot keeps stale weights (an unloaded adapter's)
-            for i in range(s):
-                a[slot, i * r + rank:(i + 1) * r] = 0
-            b[slot, :, rank:] = 0
+    # (a rank-0 slot keeps stale weights, an unloaded adapter's)
+    a, b = random_pool_weights(torch.default_generator, s, k, n, torch.device(DEV), torch.bfloat16, tuple(ranks), r)
     offsets = [0]
     for width in widths:
         offsets.append(offsets[-1] + width)
-    return w.bfloat16(), a.bfloat16(), b.bfloat16(), offsets
+    return w.bfloat16(), a, b, offsets
 
 
 def _unfolded(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, info: LoraBatchInfo,

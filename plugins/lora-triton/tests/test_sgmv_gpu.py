@@ -13,7 +13,7 @@ import torch
 from engine_lora_triton.backend import TritonLoraBackend
 
 from engine.lora.backend import LoraBatchInfo, reference_expand, reference_shrink
-from engine.testing.conformance.lora import LoraBackendConformance
+from engine.testing.conformance.lora import LoraBackendConformance, random_pool_weights
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -37,15 +37,8 @@ def _info(lens: list[int], slots: list[int], ranks: list[int], max_seg_len: int 
 
 
 def _pool(ranks: list[int], r: int, k: int, widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    s, n = len(widths), sum(widths)
-    a = torch.randn(len(ranks), s * r, k, device=DEV) / k ** 0.5
-    b = torch.randn(len(ranks), n, r, device=DEV) / r ** 0.5
-    for slot, rank in enumerate(ranks):
-        if rank:
-            for i in range(s):
-                a[slot, i * r + rank:(i + 1) * r] = 0
-            b[slot, :, rank:] = 0
-    return a.bfloat16(), b.bfloat16()
+    return random_pool_weights(torch.default_generator, len(widths), k, sum(widths), torch.device(DEV),
+                               torch.bfloat16, tuple(ranks), r)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
