@@ -141,6 +141,8 @@ class KvStager:
                 copy.copy_s = time.perf_counter() - handed
                 if record is not None:
                     record["copy_s"] = round(copy.copy_s, 6)
+                # Only this thread changes the list: drop what the backend let go, add this one.
+                self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
                 self._held.append((StorageWeakRef(payload.k.untyped_storage()),
                                    StorageWeakRef(payload.v.untyped_storage()), nbytes))
                 self._publish(key, payload)
@@ -158,25 +160,26 @@ class KvStager:
     def stats(self) -> dict[str, Any]:
         """For /get_server_info (any thread): payloads copying, pinned bytes the backend holds,
         and how often the two bounds made the scheduler or this thread wait."""
-        held = sum(n for k, v, n in list(self._held) if not (k.expired() and v.expired()))
-        return {"copying": self._inflight, "held_bytes": held, "staging_waits": self.waits,
+        return {"copying": self._inflight, "held_bytes": self.held_bytes(), "staging_waits": self.waits,
                 "held_waits": self.held_waits}
 
     def held_bytes(self) -> int:
-        """Pinned bytes of published payloads that the backend still holds."""
-        self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
-        return sum(h[2] for h in self._held)
+        """Pinned bytes of published payloads that the backend still holds (any thread: reads only)."""
+        return sum(n for k, v, n in list(self._held) if not (k.expired() and v.expired()))
 
     def _room_for(self, nbytes: int) -> None:
-        """Waits (up to ``HELD_WAIT_S``) until ``nbytes`` more pinned memory stays within ``max_held``."""
-        if not self._held or self.held_bytes() + nbytes <= self.max_held:
+        """Waits (up to ``HELD_WAIT_S``) until ``nbytes`` more pinned memory stays within ``max_held``
+        (at once when the backend holds nothing: a payload larger than the bound still goes)."""
+        held = self.held_bytes()
+        if not held or held + nbytes <= self.max_held:
             return
         self.held_waits += 1
         deadline = time.monotonic() + HELD_WAIT_S
-        while self._held and self.held_bytes() + nbytes > self.max_held and time.monotonic() < deadline:
+        while held and held + nbytes > self.max_held and time.monotonic() < deadline:
             if self._stopped:
                 return
             time.sleep(0.002)
+            held = self.held_bytes()
 
     def _copy(self, copy: HostCopy, payload: KvPayload) -> KvPayload:
         """``payload`` with ``copy``'s K and V copied into pinned host memory (this thread waits
