@@ -120,6 +120,8 @@ class KvStager:
             self._cv.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(2)
+            if self._thread.is_alive():  # a daemon: it does not hold the process's exit up
+                logger.warning("KV transfer: the staging thread did not stop within 2 s (a copy still running)")
         with self._cv:
             self._inflight = self._inflight_bytes = 0
 

@@ -12,6 +12,7 @@ Payloads already on the pool's device (NCCL transfers) and pools on the CPU pass
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -20,6 +21,8 @@ from typing import Any
 import torch
 
 from engine.disaggregation.transfer import KvPayload
+
+logger = logging.getLogger(__name__)
 
 # Uploaded payloads waiting for admission at most (each holds its KV on the device twice over
 # until it is written: a bound on that memory when the pool has no room for them yet).
@@ -85,6 +88,8 @@ class KvUploader:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(5)
+            if self._thread.is_alive():  # a daemon: it does not hold the process's exit up
+                logger.warning("KV transfer: the upload thread did not stop within 5 s (an upload still running)")
 
     def _run(self) -> None:
         if self.platform is not None and self.device.type != "cpu":
