@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+import engine_attention_triton.extend_attention as extend_module
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
 from engine_attention_triton.extend_attention import default_extend_config, extend_attention_fwd
 
@@ -153,8 +154,9 @@ EXTEND_CONFIGS = ((128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 128, 
 
 def bench_extend_fp8(bs: int, ext: int) -> list[str]:
     """A prefill chunk over an e4m3 pool without prefix: the new tokens' K/V as the backend passes
-    them (gathered back from the pool, e4m3, widened inside the kernel) against the same values
-    widened to bf16 first (exact), with that widening's own time."""
+    them (gathered back from the pool, e4m3) widened inside the kernel (``WIDEN_NEW_KV_FIRST``
+    switched off for that row) against the same values widened to bf16 first (exact), with that
+    widening's own time; all at the default tiles, then the bf16 K/V at ``EXTEND_CONFIGS``."""
     tokens = bs * ext
     q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
     k8 = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device=DEV).to(torch.float8_e4m3fn)
@@ -167,10 +169,18 @@ def bench_extend_fp8(bs: int, ext: int) -> list[str]:
     starts = torch.arange(bs, device=DEV) * ext
     flops = 4 * NUM_HEADS * HEAD_DIM * bs * ext * (ext + 1) / 2
     kb, vb = k8.to(DTYPE), v8.to(DTYPE)
+
+    def widened_inside() -> None:
+        saved, extend_module.WIDEN_NEW_KV_FIRST = extend_module.WIDEN_NEW_KV_FIRST, False
+        try:
+            extend_attention_fwd(q, k8, v8, out, k_pool8, v_pool8, req_to_token, reqs, zeros, lens, starts, ext,
+                                 HEAD_DIM**-0.5)
+        finally:
+            extend_module.WIDEN_NEW_KV_FIRST = saved
+
     lines = []
     for name, fn in (
-        ("e4m3 k/v", lambda: extend_attention_fwd(q, k8, v8, out, k_pool8, v_pool8, req_to_token, reqs, zeros, lens,
-                                                  starts, ext, HEAD_DIM**-0.5)),
+        ("e4m3 k/v (in the kernel)", widened_inside),
         ("bf16 k/v (widened first)", lambda: extend_attention_fwd(q, k8.to(DTYPE), v8.to(DTYPE), out, k_pool, v_pool,
                                                                   req_to_token, reqs, zeros, lens, starts, ext,
                                                                   HEAD_DIM**-0.5)),
@@ -189,7 +199,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time split counts and tiles")
     parser.add_argument("--extend-fp8", action="store_true",
-                        help="only a prefill chunk (8 x 1,024 tokens) over an e4m3 pool: k/v as e4m3 or widened first")
+                        help="only a prefill chunk (8 x 1,024 tokens) over an e4m3 pool: k/v widened in the kernel or first")
     args = parser.parse_args()
     if args.extend_fp8:
         print("\n".join(bench_extend_fp8(8, 1024)), flush=True)
