@@ -108,9 +108,7 @@ class LoraLayer(nn.Module):
         used = a.shape[0] if gemm_slots is None else max(0, min(gemm_slots, a.shape[0]))
         if used * a.shape[1] > FOLD_MAX_EXTRA * n:
             return False
-        folded = torch.zeros(n + extra, a.shape[2], dtype=a.dtype, device=a.device)
-        folded[:n].copy_(weight.data)
-        folded[n:].copy_(a.reshape(extra, -1))
+        folded = torch.cat([weight.data, a.reshape(extra, -1)])  # (same dtype and device: checked above)
         weight.data = folded[:n]
         self.a_buffer = folded[n:].view(a.shape)
         self.fold_weight, self.fold_min_rows, self.fold_max_rows = folded, max(1, min_rows), max_rows
