@@ -41,15 +41,13 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
                      for buf in (layer.a_buffer, layer.b_buffer))
     logger.info("LoRA: backend %s, %d slots of rank %d on %s (%d layers, %.1f MiB)", backend.name,
                 args.max_loras_per_batch, max_rank, " ".join(sorted(targets)), len(manager.layers), slot_bytes / 2**20)
-    folded = sum(layer.fold_weight is not None for layer in manager.layers.values())
+    folded = [layer for layer in manager.layers.values() if layer.fold_weight is not None]
     if folded:
         # The weights the folded buffers replaced went to the allocator's cache: give them back
         # before the KV pool is sized from the device's free memory.
         platform.empty_cache()
-        rows = [(layer.fold_min_rows, layer.fold_max_rows) for layer in manager.layers.values()
-                if layer.fold_weight is not None]
         logger.info("LoRA: shrink folded into the base GEMM on %d of %d layers, for batches of %d to %d tokens",
-                    folded, len(manager.layers), rows[0][0], rows[0][1])
+                    len(folded), len(manager.layers), folded[0].fold_min_rows, folded[0].fold_max_rows)
     return manager
 
 
