@@ -189,12 +189,8 @@ def _prefill_side(url: str, n: int) -> dict[str, Any]:
     """The prefill server's staging figures of its last ``n`` requests (the load phase's): the
     scheduler thread's seconds per request and the host copy's run after the batch ended (ms)."""
     rows = ((_info(url).get("disaggregation") or {}).get("recent") or [])[-n:]
-
-    def ms(key: str) -> float | None:
-        mean = _mean([r.get(key) for r in rows])
-        return None if mean is None else round(mean * 1e3, 3)
-
-    return {"prefill_stage_ms": ms("stage_s"), "prefill_copy_ms": ms("copy_s")}
+    return {"prefill_stage_ms": _mean_ms([r.get("stage_s") for r in rows]),
+            "prefill_copy_ms": _mean_ms([r.get("copy_s") for r in rows])}
 
 
 def _flush(*urls: str) -> None:
@@ -215,6 +211,12 @@ def _p99(xs: list[float]) -> float | None:
 def _mean(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def _mean_ms(seconds: list[Any]) -> float | None:
+    """The mean of the given seconds (None ignored) in milliseconds, 3 decimals; None if none."""
+    mean = _mean(seconds)
+    return None if mean is None else round(mean * 1e3, 3)
 
 
 def _prompts(a: argparse.Namespace, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -330,10 +332,6 @@ def _summary(a: argparse.Namespace, backend: str, rows: list[dict[str, Any]], st
     """The one-at-a-time phase's row for docs/benchmarks.md (the whole-server run as its peer)."""
     dec_rows = [r["decode_side"] or {} for r in rows]
     pre_rows = [r["prefill_side"] or {} for r in rows]
-    def ms(values: list[Any]) -> float | None:
-        mean = _mean(values)
-        return None if mean is None else round(mean * 1e3, 3)
-
     transfer, where = _names(a, backend)
     return {
         "kind": "summary", "bench": "disaggregation", "area": "disaggregation",
@@ -345,18 +343,19 @@ def _summary(a: argparse.Namespace, backend: str, rows: list[dict[str, Any]], st
         "num_prompts": len(rows), "servers_start_s": round(started_s, 1),
         "all_match": all(r["match"] for r in rows),
         "kv_mib": (_mean([r.get("bytes") for r in dec_rows]) or 0) / 2**20,
-        "prefill_stage_ms": ms([r.get("stage_s") for r in pre_rows]),
-        "prefill_copy_ms": ms([r.get("copy_s") for r in pre_rows]),
-        "transfer_ms": ms([r.get("transfer_s") for r in dec_rows]),
-        "decode_upload_ms": ms([r.get("upload_s") for r in dec_rows]),
-        "decode_write_ms": ms([r.get("write_s") for r in dec_rows]),
-        "decode_wait_ms": ms([r.get("wait_s") for r in dec_rows]),
-        "ttft_ms": ms([r["disaggregated"]["ttft_s"] for r in rows]),
-        "itl_ms": ms([r["disaggregated"]["itl_s"] for r in rows]),
-        "itl_p99_ms": ms([r["disaggregated"]["itl_p99_s"] for r in rows]),
+        "prefill_stage_ms": _mean_ms([r.get("stage_s") for r in pre_rows]),
+        "prefill_copy_ms": _mean_ms([r.get("copy_s") for r in pre_rows]),
+        "transfer_ms": _mean_ms([r.get("transfer_s") for r in dec_rows]),
+        "decode_upload_ms": _mean_ms([r.get("upload_s") for r in dec_rows]),
+        "decode_write_ms": _mean_ms([r.get("write_s") for r in dec_rows]),
+        "decode_wait_ms": _mean_ms([r.get("wait_s") for r in dec_rows]),
+        "ttft_ms": _mean_ms([r["disaggregated"]["ttft_s"] for r in rows]),
+        "itl_ms": _mean_ms([r["disaggregated"]["itl_s"] for r in rows]),
+        "itl_p99_ms": _mean_ms([r["disaggregated"]["itl_p99_s"] for r in rows]),
         "peer": {"config": "the decode server serving the same prompts whole, same run",
-                 "ttft_ms": ms([r["whole"]["ttft_s"] for r in rows]), "itl_ms": ms([r["whole"]["itl_s"] for r in rows]),
-                 "itl_p99_ms": ms([r["whole"]["itl_p99_s"] for r in rows])},
+                 "ttft_ms": _mean_ms([r["whole"]["ttft_s"] for r in rows]),
+                 "itl_ms": _mean_ms([r["whole"]["itl_s"] for r in rows]),
+                 "itl_p99_ms": _mean_ms([r["whole"]["itl_p99_s"] for r in rows])},
         "prefill_counts": info_p, "decode_counts": info_d,
     }
 
