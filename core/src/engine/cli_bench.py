@@ -60,8 +60,9 @@ def one_batch_cmd(server_args: ServerArgs, batch_size: str, input_len: str, outp
     # Flags are checked before the benchmark (and torch) is imported: a typo answers at once.
     sizes = _ints(batch_size, "--batch-size"), _ints(input_len, "--input-len"), _ints(output_len, "--output-len")
     _check_lora_names(server_args, lora_name)
-    # One batch is one forward: its requests' distinct adapters must fit the adapter slots.
-    distinct = min(len(set(lora_name or ())), max(sizes[0]))
+    # One batch is one forward: its requests' distinct adapters must fit the adapter slots. Request
+    # i runs lora_name[i % len] (round-robin), so the largest batch uses the first so many names.
+    distinct = len(set((lora_name or [])[:max(sizes[0])]))
     if distinct > server_args.max_loras_per_batch:
         fail(f"--lora-name: {distinct} distinct adapters in a batch of {max(sizes[0])}; accepted: at most "
              f"--max-loras-per-batch ({server_args.max_loras_per_batch}) in one-batch, which runs each batch as one forward")

@@ -135,6 +135,17 @@ def test_one_batch_refuses_more_adapters_than_slots(tmp_path: Path) -> None:
     assert "--lora-name: 3 distinct adapters in a batch of 4; accepted: at most --max-loras-per-batch (2)" in out.output
 
 
+def test_one_batch_counts_the_adapters_the_largest_batch_uses(tmp_path: Path) -> None:
+    # Round-robin: a batch of 2 runs a0, a0 (one adapter), within --max-loras-per-batch 1; the run
+    # then stops at the next check, the missing --json-schema file.
+    argv = ["bench", "one-batch", "--model-path", str(tmp_path), "--lora-paths", f"a0={tmp_path}", f"a1={tmp_path}",
+            "--max-loras-per-batch", "1", "--lora-name", "a0", "a0", "a1", "--batch-size", "1 2",
+            "--json-schema", str(tmp_path / "missing.json")]
+    out = CliRunner().invoke(app, split_multi_value_flags(argv))
+    assert out.exit_code == 2, out.output
+    assert "distinct adapters" not in out.output and "--json-schema: cannot read" in out.output, out.output
+
+
 def test_report_places_lora_and_vision_rows() -> None:
     base = {"bench": "one-batch", "device": "cuda:0 NVIDIA H200 (sm_90)", "date": "2026-11-28", "command": "c",
             "attention": "triton", "batch_size": 64, "input_len": 128, "output_len": 128, "model_path": "m",
