@@ -32,11 +32,11 @@ class TorchNativeLoraBackend:
 
     name = "torch_native"
 
-    def __init__(self, per_segment: bool | None = None, gather_max_tokens: int = 32, fold_max_rows: int = 0,
+    def __init__(self, per_segment: bool | None = None, gather_max_tokens: int = 32,
                  options: dict[str, Any] | None = None) -> None:
         self.per_segment = per_segment
         self.gather_max_tokens = gather_max_tokens
-        fold_rows = (options or {}).get("fold_max_rows", fold_max_rows)
+        fold_rows = (options or {}).get("fold_max_rows", 0)
         if isinstance(fold_rows, bool) or not isinstance(fold_rows, int) or fold_rows < 0:
             raise ConfigError(f"lora_torch_native.fold_max_rows: invalid value {fold_rows!r}; accepted: an integer >= 0 "
                              "(0: never fold the shrink into the base GEMM)")
