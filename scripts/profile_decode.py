@@ -146,11 +146,7 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
           f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms; unprofiled step "
           f"{warm.median_decode_latency_s * 1e3:.3f} ms ({graphs}, overlap {'on' if warm.overlap else 'off'}"
           f"{'' if warm_len == a.input_len else f', warm-up context ~{warm_len}'})")
-    groups: dict[str, float] = collections.defaultdict(float)
-    for k, v in per_step.items():
-        groups[classify(k)] += v
-    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
-        print(f"  {g:<22}{v / 1e3:8.3f} ms  {100 * v / total:5.1f}%")
+    print_classes(per_step, total, width=8)
     print("top kernels (per step):")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {v:9.1f} us  {k[:110]}")
@@ -158,15 +154,21 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
         print_timeline(prof, a.timeline, a.steps + 1, a.timeline_at)
 
 
-def print_table(title: str, times: dict[str, float], tokens: int) -> None:
-    """Kernel time (microseconds by kernel name) by class and the top kernels, with tokens a second."""
-    total = sum(times.values())
-    print(f"{title}: {total / 1e3:.3f} ms ({tokens / max(total, 1e-9) * 1e6:,.0f} tokens/s of kernel time)")
+def print_classes(times: dict[str, float], total: float, width: int = 9) -> None:
+    """Kernel time (microseconds by kernel name) summed by ``classify``'s class, largest first, as ms
+    and a share of ``total``."""
     groups: dict[str, float] = collections.defaultdict(float)
     for k, v in times.items():
         groups[classify(k)] += v
     for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
-        print(f"  {g:<22}{v / 1e3:9.3f} ms  {100 * v / total:5.1f}%")
+        print(f"  {g:<22}{v / 1e3:{width}.3f} ms  {100 * v / total:5.1f}%")
+
+
+def print_table(title: str, times: dict[str, float], tokens: int) -> None:
+    """Kernel time (microseconds by kernel name) by class and the top kernels, with tokens a second."""
+    total = sum(times.values())
+    print(f"{title}: {total / 1e3:.3f} ms ({tokens / max(total, 1e-9) * 1e6:,.0f} tokens/s of kernel time)")
+    print_classes(times, total)
     for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {v / 1e3:9.3f} ms  {k[:110]}")
 
