@@ -120,6 +120,29 @@ def test_payloads_are_published_in_hand_over_order_once_copied_to_host_memory() 
         stager.close()
 
 
+def test_a_staging_thread_that_cannot_start_never_leaves_the_scheduler_waiting() -> None:
+    class _NoDevice(_Platform):
+        def set_device(self, device: Any) -> None:
+            raise RuntimeError("no such device")
+
+    k, v = _kv(1)
+    stager = KvStager(_NoDevice(), torch.device("meta"), lambda key, p: None, max_bytes=k.nbytes + v.nbytes)
+    try:
+        assert _wait(lambda: not stager._thread.is_alive())
+        done = threading.Event()
+
+        def hand_over_twice() -> None:  # the second would wait for the first's copy under the bound
+            for i in range(2):
+                stager.publish_after(stager.gathered(k, v), f"k{i}", KvPayload(i, k, v))
+            done.set()
+
+        threading.Thread(target=hand_over_twice, daemon=True).start()
+        assert done.wait(5), "the scheduler's thread waits on a stager without a thread"
+        assert not stager.busy()
+    finally:
+        stager.close()
+
+
 def test_the_bound_waits_for_handed_over_copies_to_end() -> None:
     platform = _Platform()
     k, v = _kv(1)

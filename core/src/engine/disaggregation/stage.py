@@ -102,6 +102,8 @@ class KvStager:
         copied; ``record["copy_s"]`` then gets the seconds from this call to the end of the copy.
         (A copy never handed over is simply dropped: only the compute stream has used it.)"""
         with self._cv:
+            if self._stopped:  # closed, or the thread could not start: nothing would ever copy it
+                return
             self._inflight += 1
             self._inflight_bytes += copy.nbytes
             self._todo.append((copy, key, payload, record, time.perf_counter()))
@@ -127,8 +129,18 @@ class KvStager:
 
     # -- the stager's thread -------------------------------------------------------------
     def _run(self) -> None:
-        if self.device.type != "cpu":
-            self.platform.set_device(self.device)
+        try:
+            if self.device.type != "cpu":
+                self.platform.set_device(self.device)
+        except Exception:  # noqa: BLE001 - without its thread the stager stops: no caller may wait on it
+            logger.exception("KV transfer: the staging thread could not start on %s; prompts' KV is not published "
+                             "(their decode servers' fetches fail by their deadline)", self.device)
+            with self._cv:
+                self._stopped = True
+                self._todo.clear()
+                self._inflight = self._inflight_bytes = 0
+                self._cv.notify_all()
+            return
         while True:
             with self._cv:
                 while not self._stopped and not self._todo:
