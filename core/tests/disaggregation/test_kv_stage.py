@@ -196,17 +196,24 @@ def test_a_payload_waits_a_bounded_time_for_the_backend_to_let_pinned_memory_go(
 
 
 def test_close_stops_the_thread_and_drops_what_was_not_published() -> None:
+    """A copy under way when close() runs ends unpublished, like the payloads queued behind it:
+    the backend is closed right after, and nothing reaches it once close() returned."""
     platform, published = _Platform(), []
     stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(key))
+    stager.publish_after(stager.gathered(*_kv(1)), "done", KvPayload(1, *_kv(1)))
+    _copying(platform, 0).complete()
+    assert _wait(lambda: published == ["done"])
     for key in ("first", "second"):
         copy = stager.gathered(*_kv(2))
         stager.publish_after(copy, key, KvPayload(2, *copy.sources))
-    first = _copying(platform, 0)
+    first = _copying(platform, 1)
     started = time.monotonic()
-    threading.Timer(0.1, first.complete).start()
+    threading.Timer(0.1, first.complete).start()  # the copy ends while close() waits for the thread
     stager.close()
     assert time.monotonic() - started < 3
-    assert published == ["first"] and not stager.busy()
+    time.sleep(0.1)
+    assert published == ["done"], "a copy under way when close() ran was published"
+    assert not stager.busy()
     assert not any(t.name == "kv-stage" and t.is_alive() for t in threading.enumerate())
 
 
@@ -252,12 +259,13 @@ def test_copies_prompt_kv_to_pinned_host_memory_on_a_copy_stream() -> None:
         k = pool[:, index].contiguous()  # the gather, on the current stream
         v = (pool[:, index] * 2).contiguous()
         copy = stager.gathered(k, v)
-        stager.publish_after(copy, "a", KvPayload(0, k, v))
+        record: dict[str, Any] = {"copy_s": None}
+        stager.publish_after(copy, "a", KvPayload(0, k, v), record)
         del k, v
         pool[:, index] = 0  # a later batch's write, queued after the gather: not in the payload
         assert _wait(lambda: len(published) == 1)
         got = published[0][1]
-        assert got.k.is_pinned() and got.k.device.type == "cpu" and copy.copy_s is not None
+        assert got.k.is_pinned() and got.k.device.type == "cpu" and record["copy_s"] is not None
         assert torch.equal(got.k, want_k) and torch.equal(got.v, want_v)
     finally:
         stager.close()

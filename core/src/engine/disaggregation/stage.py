@@ -54,8 +54,6 @@ class HostCopy:
     marker: Any
     sources: tuple[torch.Tensor, torch.Tensor]
     nbytes: int
-    # Seconds from the hand-over to the end of the copy (the stager's thread sets it).
-    copy_s: float | None = None
 
 
 class KvStager:
@@ -78,6 +76,9 @@ class KvStager:
         self._inflight_bytes = 0
         self._cv = threading.Condition()
         self._stopped = False
+        # Held by the thread from its last look at ``_stopped`` through ``publish``: once close()
+        # has taken it, nothing more is published.
+        self._gate = threading.Lock()
         self.waits = 0  # how often the bound made the scheduler wait for copies
         self._thread = threading.Thread(target=self._run, name="kv-stage", daemon=True)
         self._thread.start()
@@ -99,7 +100,8 @@ class KvStager:
     def publish_after(self, copy: HostCopy, key: str, payload: KvPayload,
                       record: dict[str, Any] | None = None) -> None:
         """Publishes ``payload`` with ``copy``'s K and V (in place of its own) in host memory once
-        copied; ``record["copy_s"]`` then gets the seconds from this call to the end of the copy.
+        copied; ``record["copy_s"]`` (the one place it is kept) then gets the seconds from this
+        call to the end of the copy.
         (A copy never handed over is simply dropped: only the compute stream has used it.)"""
         with self._cv:
             if self._stopped:  # closed, or the thread could not start: nothing would ever copy it
@@ -114,12 +116,18 @@ class KvStager:
         return self._inflight > 0
 
     def close(self) -> None:
-        """Stops the thread; payloads not yet published are dropped (the server is stopping:
-        their decode servers' fetches fail)."""
+        """Stops the thread; payloads not yet published, a copy under way included, are dropped
+        (the server is stopping: their decode servers' fetches fail). Nothing is published once
+        this returns (the backend is closed next)."""
         with self._cv:
             self._stopped = True
             self._todo.clear()
             self._cv.notify_all()
+        # A publish under way ends first; a copy under way sees ``_stopped`` when it ends.
+        if not self._gate.acquire(timeout=2):
+            logger.warning("KV transfer: a publish did not end within 2 s of closing the staging thread")
+        else:
+            self._gate.release()
         if self._thread is not threading.current_thread():
             self._thread.join(2)
             if self._thread.is_alive():  # a daemon: it does not hold the process's exit up
@@ -152,14 +160,16 @@ class KvStager:
             try:
                 self._room_for(nbytes)
                 payload = self._copy(copy, payload)
-                copy.copy_s = time.perf_counter() - handed
                 if record is not None:
-                    record["copy_s"] = round(copy.copy_s, 6)
-                # Only this thread changes the list: drop what the backend let go, add this one.
-                self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
-                self._held.append((StorageWeakRef(payload.k.untyped_storage()),
-                                   StorageWeakRef(payload.v.untyped_storage()), nbytes))
-                self._publish(key, payload)
+                    record["copy_s"] = round(time.perf_counter() - handed, 6)
+                with self._gate:
+                    if self._stopped:  # closed while this one copied: the backend is going
+                        continue
+                    # Only this thread changes the list: drop what the backend let go, add this one.
+                    self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
+                    self._held.append((StorageWeakRef(payload.k.untyped_storage()),
+                                       StorageWeakRef(payload.v.untyped_storage()), nbytes))
+                    self._publish(key, payload)
             except Exception:  # noqa: BLE001 - one payload lost (its fetch fails by its deadline), not the thread
                 logger.exception("KV transfer: staging %s failed", key)
             finally:
