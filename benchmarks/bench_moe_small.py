@@ -17,10 +17,13 @@ router, the two routed launches, then the shared MLP as the engine's CUDA platfo
 
 GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
 bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best (with
-the shape's shared experts in the launches).
+the shape's shared experts in the launches; one copy of their weights per routing, so they are cold
+too). ``--launch both`` times the default gate/up tile followed by each down tile reading its output
+(less the gate/up launch's own time: what the down launch costs in a decode step's sequence);
+``--pdl`` launches with programmatic dependent launch, as the engine does on sm_90+.
 
 usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
-       [--launch gate_up down] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512]
+       [--launch gate_up down both] [--pdl] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512]
        [--result-file out/results.jsonl]
 
 ``--launch``, ``--warps``, ``--stages``, ``--block-n`` and ``--block-k`` narrow or widen the sweep
@@ -104,75 +107,91 @@ def _shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: list[t
     from engine.layers.moe.small_batch import fused_moe_small_batch
 
     hidden = x.shape[1]
-    gate_up = torch.randn(2 * width, hidden, device=x.device, dtype=x.dtype) * 0.02
-    down = torch.randn(hidden, width, device=x.device, dtype=x.dtype) * 0.02
+    # One copy of the shared MLP per routing: as cold as the routed experts (one copy stays in L2).
+    gate_ups = [torch.randn(2 * width, hidden, device=x.device, dtype=x.dtype) * 0.02 for _ in logits]
+    downs = [torch.randn(hidden, width, device=x.device, dtype=x.dtype) * 0.02 for _ in logits]
 
-    def fused(lg: torch.Tensor) -> torch.Tensor:
-        w, ids = select_experts(lg, top_k, True)
-        return fused_moe_small_batch(x, w13, w2, w, ids, shared=(gate_up, down))
+    def fused(i: int) -> torch.Tensor:
+        w, ids = select_experts(logits[i], top_k, True)
+        return fused_moe_small_batch(x, w13, w2, w, ids, shared=(gate_ups[i], downs[i]))
 
-    def separate(lg: torch.Tensor) -> torch.Tensor:
-        w, ids = select_experts(lg, top_k, True)
-        return fused_moe_small_batch(x, w13, w2, w, ids) + skinny_linear(silu_and_mul(skinny_linear(x, gate_up)), down)
+    def separate(i: int) -> torch.Tensor:
+        w, ids = select_experts(logits[i], top_k, True)
+        shared = skinny_linear(silu_and_mul(skinny_linear(x, gate_ups[i])), downs[i])
+        return fused_moe_small_batch(x, w13, w2, w, ids) + shared
 
     nbytes = routed_bytes + 3 * hidden * width * 2
     row: dict[str, object] = {}
     for name, fn in (("shared_fused", fused), ("shared_separate", separate)):
-        us = graph_median_us([lambda lg=lg, f=fn: f(lg) for lg in logits])
+        us = graph_median_us([lambda i=i, f=fn: f(i) for i in range(len(logits))])
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_gbs"] = round(nbytes / us / 1e3, 1)
-    torch.testing.assert_close(fused(logits[0]), separate(logits[0]), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused(0), separate(0), atol=2e-2, rtol=2e-2)
     return row
 
 
 def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_counts: tuple[int, ...] = (4, 8),
           stage_counts: tuple[int, ...] = (1,), block_n: tuple[int, ...] | None = None,
-          block_k: tuple[int, ...] | None = None) -> list[dict[str, object]]:
+          block_k: tuple[int, ...] | None = None, pdl: bool = False) -> list[dict[str, object]]:
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import launch_down, launch_gate_up, small_batch_tiles
 
     experts, hidden, inter, top_k, w13, w2, x, logits = _setup(shape, 1)
     routes = [select_experts(lg, top_k, True) for lg in logits]
     chunks = SHARED.get(shape, 0)  # the shared experts ride in the same launches
-    gate_up = torch.randn(2 * chunks * inter, hidden, device="cuda", dtype=x.dtype) * 0.02 if chunks else None
-    down_w = torch.randn(hidden, chunks * inter, device="cuda", dtype=x.dtype) * 0.02 if chunks else None
+    # One copy of the shared experts' weights per routing, so they are as cold as the routed ones
+    # (one copy would stay in L2 from call to call: a quarter of DeepSeek-V2-Lite's bytes).
+    gate_ups = [torch.randn(2 * chunks * inter, hidden, device="cuda", dtype=x.dtype) * 0.02 if chunks else None
+                for _ in routes]
+    downs = [torch.randn(hidden, chunks * inter, device="cuda", dtype=x.dtype) * 0.02 if chunks else None
+             for _ in routes]
     act = torch.randn(top_k + chunks, inter, device="cuda", dtype=x.dtype)
     out_act = torch.empty_like(act)
     out = torch.empty(1, hidden, device="cuda", dtype=x.dtype)
-
-    def up(ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> None:
-        launch_gate_up(x, w13, None, ids, out_act, bn, bk, warps, shared_w13=gate_up, chunks=chunks, num_stages=stages)
-
-    def down(w: torch.Tensor, ids: torch.Tensor, bn: int, bk: int, warps: int, stages: int) -> None:
-        launch_down(act, w2, None, ids, w, out, bn, bk, warps, shared_w2=down_w, chunks=chunks, num_stages=stages)
-
     slots = top_k + chunks
     default = small_batch_tiles(slots, hidden, inter)
+
+    def up(i: int, bn: int, bk: int, warps: int, stages: int) -> None:
+        launch_gate_up(x, w13, None, routes[i][1], out_act, bn, bk, warps, pdl=pdl, shared_w13=gate_ups[i],
+                       chunks=chunks, num_stages=stages)
+
+    def down(i: int, bn: int, bk: int, warps: int, stages: int, src: torch.Tensor = act) -> None:
+        launch_down(src, w2, None, routes[i][1], routes[i][0], out, bn, bk, warps, pdl=pdl, shared_w2=downs[i],
+                    chunks=chunks, num_stages=stages)
+
+    def both(i: int, bn: int, bk: int, warps: int, stages: int) -> None:
+        # The default gate/up tile, then the down tile reading its output, as a decode step runs them.
+        up(i, default["UP_BLOCK_N"], default["UP_BLOCK_K"], default["UP_WARPS"], 1)
+        down(i, bn, bk, warps, stages, src=out_act)
+
     rows = []
     grids = {"gate_up": ((2, 4, 8, 16, 32), (64, 128, 256, 512)), "down": ((1, 2, 4, 8, 16), (64, 128, 256, 512))}
+    grids["both"] = grids["down"]
     for launch in launches:
         grid_n, grid_k = block_n or grids[launch][0], block_k or grids[launch][1]
-        nbytes = slots * (2 if launch == "gate_up" else 1) * hidden * inter * 2
+        nbytes = slots * {"gate_up": 2, "down": 1, "both": 3}[launch] * hidden * inter * 2
+        fn = {"gate_up": up, "down": down, "both": both}[launch]
         results = []
+        if launch == "both":
+            alone = graph_median_us([lambda i=i: up(i, default["UP_BLOCK_N"], default["UP_BLOCK_K"],
+                                                    default["UP_WARPS"], 1) for i in range(len(routes))])
+            print(f"# gate_up{' (pdl)' if pdl else ''} default tile alone: {alone:.2f} us", flush=True)
         for bn, bk, warps, stages in itertools.product(grid_n, grid_k, warp_counts, stage_counts):
             if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(slots)) > 16384:
                 continue
-            if launch == "gate_up":
-                calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages: up(r[1], a, b, c, d) for r in routes]
-            else:
-                calls = [lambda r=r, a=bn, b=bk, c=warps, d=stages: down(r[0], r[1], a, b, c, d) for r in routes]
+            calls = [lambda i=i, a=bn, b=bk, c=warps, d=stages, f=fn: f(i, a, b, c, d) for i in range(len(routes))]
             us = graph_median_us(calls)
             results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "us": round(us, 2),
                             "gbs": round(nbytes / us / 1e3, 1)})
             # Each tile as it is timed: a run cut by a time limit still tells.
-            print(f"# {launch} {bn} x {bk}, {warps} warps, {stages} stages: {us:.2f} us "
+            print(f"# {launch}{' (pdl)' if pdl else ''} {bn} x {bk}, {warps} warps, {stages} stages: {us:.2f} us "
                   f"({nbytes / us / 1e3:.0f} GB/s)", flush=True)
         results.sort(key=lambda r: r["us"])
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
                      and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]
                      and r["stages"] == default.get(f"{prefix}_STAGES", 1)), None)
-        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "shared_chunks": chunks,
+        row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "shared_chunks": chunks, "pdl": pdl,
                "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         rows.append(row)
@@ -184,8 +203,10 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8])
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--launch", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down"],
-                    help="--sweep: which launches' tiles to time")
+    ap.add_argument("--launch", nargs="+", default=["gate_up", "down"], choices=["gate_up", "down", "both"],
+                    help="--sweep: which launches' tiles to time (both: the default gate/up tile, then each down "
+                         "tile reading its output)")
+    ap.add_argument("--pdl", action="store_true", help="--sweep: launch with programmatic dependent launch")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8], help="--sweep: warp counts to time")
     ap.add_argument("--stages", nargs="+", type=int, default=[1], help="--sweep: software-pipeline stages to time")
     ap.add_argument("--block-n", nargs="+", type=int, default=None, help="--sweep: BLOCK_N values (default: a grid)")
@@ -194,7 +215,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.sweep:
         rows = sweep(a.shape, tuple(a.launch), tuple(a.warps), tuple(a.stages), a.block_n and tuple(a.block_n),
-                     a.block_k and tuple(a.block_k))
+                     a.block_k and tuple(a.block_k), a.pdl)
     else:
         rows = [compare(a.shape, t) for t in a.tokens]
     for row in rows:
