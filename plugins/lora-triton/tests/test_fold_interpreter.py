@@ -9,6 +9,8 @@ the kernel unrolls.
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 from engine_lora_triton import interpreting
@@ -88,3 +90,37 @@ def test_fold_max_rows_option_is_checked(value: object) -> None:
     assert create({"fold_max_rows": 0}).fold_max_rows == 0
     with pytest.raises(ConfigError, match=r"lora-triton.fold_max_rows: invalid value .*; accepted: an integer >= 0"):
         create({"fold_max_rows": value})
+
+
+def test_fold_min_rows_above_fold_max_rows_is_refused() -> None:
+    from engine_lora_triton.backend import create
+
+    from engine.errors import ConfigError
+
+    assert create({"fold_min_rows": 300, "fold_max_rows": 0}).fold_max_rows == 0  # never folds: no conflict
+    assert create({"fold_min_rows": 32, "fold_max_rows": 32}).fold_min_rows == 32
+    with pytest.raises(ConfigError, match=r"^lora-triton.fold_min_rows: invalid value 300 with "
+                                          r"lora-triton.fold_max_rows 256; accepted: fold_min_rows <= fold_max_rows"):
+        create({"fold_min_rows": 300})
+
+
+def test_fold_rows_conflict_exits_2_with_one_line(tmp_path: pathlib.Path) -> None:
+    """Start-up through the CLI: the backend is built with the model runner, and its error is the
+    command's one-line answer (exit status 2)."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    ckpt = make_tiny_checkpoint(str(tmp_path), "LlamaForCausalLM")
+    res = subprocess.run([sys.executable, "-m", "engine", "generate", "--model-path", ckpt, "--prompt", "Hi",
+                          "--max-new-tokens", "2", "--enable-lora", "--lora-backend", "triton",
+                          "--plugin-option", "lora-triton.fold_min_rows=64",
+                          "--plugin-option", "lora-triton.fold_max_rows=32"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    errors = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert errors == ["error: lora-triton.fold_min_rows: invalid value 64 with lora-triton.fold_max_rows 32; "
+                      "accepted: fold_min_rows <= fold_max_rows (or fold_max_rows 0: never fold the shrink into "
+                      "the base GEMM)"], res.stderr[-2000:]

@@ -48,4 +48,4 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
                                "expand kernel; 0: never (shrink and expand kernels)"))
     register(PluginOption(plugin="lora-triton", key="fold_min_rows", default=16,
                           help="the fewest tokens a batch folds the shrink into the base GEMM for (smaller batches: "
-                               "shrink and expand kernels)"))
+                               "shrink and expand kernels); at most fold_max_rows unless that is 0"))

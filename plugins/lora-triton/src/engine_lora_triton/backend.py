@@ -84,6 +84,10 @@ def create(options: dict[str, Any] | None = None) -> TritonLoraBackend:
             raise ConfigError(f"lora-triton.{key}: invalid value {value!r}; accepted: an integer >= 0 "
                               "(fold_max_rows 0: never fold the shrink into the base GEMM)")
         fold[key] = value
+    if 0 < fold["fold_max_rows"] < fold["fold_min_rows"]:
+        raise ConfigError(f"lora-triton.fold_min_rows: invalid value {fold['fold_min_rows']} with "
+                          f"lora-triton.fold_max_rows {fold['fold_max_rows']}; accepted: fold_min_rows <= "
+                          "fold_max_rows (or fold_max_rows 0: never fold the shrink into the base GEMM)")
     return TritonLoraBackend(pdl=bool(options.get("pdl", True)), slot_shrink=bool(options.get("slot_shrink", False)),
                              split_prefill=bool(options.get("split_prefill", True)),
                              dense_expand=bool(options.get("dense_expand", False)),
