@@ -6,7 +6,8 @@
 
 ``--large``: per shape and M, TFLOPS and the fraction of the dense peak (``--peak-fp8``,
 ``--peak-bf16``) of bf16 ``F.linear``, ``torch._scaled_mm`` on activations already quantized (what
-a layer with a fused producer runs), the per-token quantization launch alone, and the Triton fp8 x
+a layer with a fused producer runs), the same with ``use_fast_accum`` (both products' relative L2
+error against float32 maths on the same codes), the per-token quantization launch alone, and the Triton fp8 x
 fp8 GEMM at its default config and at the ``LARGE_CONFIGS`` tiles.
 
 Each line: the time of ``fp8_linear`` as dispatched (``fp8_us``, ``path``), of bf16 ``F.linear``
@@ -331,6 +332,21 @@ def run_large(ms: tuple[int, ...], peak_fp8: float, peak_bf16: float, triton_con
             put("scaled_mm", _time_us(lambda i: torch._scaled_mm(qx, ops.fp8[i][0].t(), scale_a=sx,
                                                                  scale_b=ops.fp8[i][1][None, :],
                                                                  out_dtype=torch.bfloat16), ops.copies), peak_fp8)
+            try:
+                put("scaled_mm_fast", _time_us(lambda i: torch._scaled_mm(
+                    qx, ops.fp8[i][0].t(), scale_a=sx, scale_b=ops.fp8[i][1][None, :], out_dtype=torch.bfloat16,
+                    use_fast_accum=True), ops.copies), peak_fp8)
+                # Both products' relative L2 error against float32 maths on the same codes (row-wise
+                # scales take a bf16 output only).
+                w, ws = ops.fp8[0]
+                ref = (qx.float() * sx) @ (w.float() * ws[:, None]).t()
+                for key, fast in (("slow_rel_l2", False), ("fast_rel_l2", True)):
+                    got = torch._scaled_mm(qx, w.t(), scale_a=sx, scale_b=ws[None, :], out_dtype=torch.bfloat16,
+                                           use_fast_accum=fast)
+                    row[key] = float(f"{((got.float() - ref).norm() / ref.norm()).item():.2e}")
+                del ref, got
+            except RuntimeError as exc:  # a torch build or scaling mode without it
+                row["scaled_mm_fast"] = str(exc)[:80]
             row["quant_us"] = round(_time_us(lambda i: quantize_per_token_triton(x), 2), 1)
             put("w8a8_default", _time_us(lambda i: w8a8_gemm(qx, sx, *ops.fp8[i], None, torch.bfloat16),
                                          ops.copies), peak_fp8)

@@ -56,6 +56,9 @@ W8A8_TRITON_MAX_M = 128
 #: Block-wise scales: the weight-only kernel up to this many tokens, above it per-token-group (1 x bk)
 #: activation quantization and the block-scaled Triton fp8 x fp8 GEMM.
 BLOCK_WEIGHT_ONLY_MAX_M = 32
+#: ``torch._scaled_mm``'s ``use_fast_accum``: accumulate in the fp8 tensor cores' own accumulator
+#: instead of promoting partial sums to float32 along K.
+SCALED_MM_FAST_ACCUM = False
 
 
 def _native_fp8_dtype(index: int) -> torch.dtype | None:
@@ -145,7 +148,8 @@ def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor, weight_sc
     m = x.q.shape[0]
     if m > W8A8_TRITON_MAX_M and hasattr(torch, "_scaled_mm") and not (
             x.q.shape[1] % _SCALED_MM_ALIGN or weight.shape[0] % _SCALED_MM_ALIGN):
-        out = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+        out = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale[None, :], out_dtype=x.dtype,
+                               use_fast_accum=SCALED_MM_FAST_ACCUM)
         return out + bias if bias is not None else out
     from engine_quant_fp8.w8a8 import w8a8_gemm
 
@@ -174,4 +178,4 @@ def _scaled_mm_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     # unit-scale GEMM followed by a separate rescale. ``weight.t()`` is the column-major
     # [in, out] operand cuBLASLt/CUTLASS want, without a copy.
     return torch._scaled_mm(qx, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
-                            out_dtype=x2d.dtype)
+                            out_dtype=x2d.dtype, use_fast_accum=SCALED_MM_FAST_ACCUM)

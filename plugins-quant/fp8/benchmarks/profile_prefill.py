@@ -1,0 +1,164 @@
+"""GPU time of one prefill chunk by kernel class, the GEMMs by projection (needs a CUDA GPU for the
+kernel table; on the CPU it runs the same steps and prints the aten ops' CPU time).
+
+    python plugins-quant/fp8/benchmarks/profile_prefill.py docs/bench_configs/llama-3-8b --quant fp8 \\
+        --extra '{"kv_cache_dtype": "fp8_e4m3"}' --chunks 8192,16384
+
+Each chunk is ``chunk / --input-len`` whole prompts of ``--input-len`` random tokens with no cached
+prefix, prefilled in one forward (``--chunked-prefill-size`` is raised to the largest chunk), as
+``engine bench offline`` prefills 1,024-token prompts eight at a time at the default 8,192. CUDA
+graphs are off (a prefill runs eagerly anyway). Per chunk: the unprofiled wall time of the forward
+and its sampling (median of ``--reps``), the sum of its kernel times, then milliseconds by class and
+the GEMMs by projection (from the shapes of the aten op that launched each GEMM kernel).
+
+``--fast-accum`` also profiles each chunk with ``gemm.SCALED_MM_FAST_ACCUM`` set (the fp8 GEMMs
+accumulate without float32 promotion), in the same process, after the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+from typing import Any
+
+import torch
+
+# Kernel name fragments -> class, first match wins (lower case).
+CLASSES = (
+    ("activation quantization", ("_quantize_per_token",)),
+    ("rmsnorm (+quant)", ("rmsnorm", "rms_norm")),
+    ("silu-mul (+quant)", ("silu",)),
+    ("rope + kv write", ("prologue", "rotary", "rope", "store_kv", "set_kv")),
+    ("kv widening", ("widen",)),
+    ("attention", ("extend", "attn", "attention", "flash", "prefill")),
+    ("gemm", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "splitk", "_w8a8", "_dot_kernel")),
+    ("copies, gathers", ("copy", "gather", "memset", "memcpy", "cat", "index", "elementwise", "fill")),
+)
+
+
+def classify(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def projections(config_dir: str) -> dict[tuple[int, int], str]:
+    """(N, K) of each linear of a Llama-style layer -> its name, from the model's config.json."""
+    with open(f"{config_dir}/config.json") as f:
+        cfg = json.load(f)
+    h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv, hd = cfg.get("num_key_value_heads", heads), cfg.get("head_dim", h // heads)
+    inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
+    return {((heads + 2 * kv) * hd, h): "qkv_proj", (h, heads * hd): "o_proj",
+            (2 * inter, h): "gate_up_proj", (h, inter): "down_proj", (vocab, h): "lm_head",
+            (0, 0): str(cfg["num_hidden_layers"])}  # the layer count, for the GEMMs' FLOP/s
+
+
+def gemm_split(prof: Any, names: dict[tuple[int, int], str]) -> dict[str, float]:
+    """Microseconds of GEMM kernels by projection: each aten GEMM op's kernels, named by its
+    weight operand's shape (``[K, N]`` as ``weight.t()`` or ``[N, K]`` for ``F.linear``)."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CPU or not evt.kernels:
+            continue
+        if evt.name not in ("aten::_scaled_mm", "aten::mm", "aten::addmm", "aten::matmul", "aten::linear"):
+            continue
+        shapes = [s for s in evt.input_shapes if isinstance(s, list) and len(s) == 2]
+        label = evt.name
+        if len(shapes) >= 2:
+            k, n = shapes[1]
+            label = names.get((n, k)) or names.get((k, n)) or f"{evt.name} {shapes[0]}x{shapes[1]}"
+            if len(shapes[0]) == 2 and names.get((n, k)) is None and names.get((k, n)) is None:
+                label = f"{evt.name} M={shapes[0][0]} {shapes[1]}"
+        for kern in evt.kernels:
+            out[label] += kern.duration
+    return out
+
+
+def profile_chunk(sched: Any, tokens: int, input_len: int, reps: int, on_gpu: bool,
+                  names: dict[tuple[int, int], str], tag: str) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.bench.one_batch import run_one
+
+    rows = max(1, tokens // input_len)
+    walls = [run_one(sched, rows, input_len, 1, overlap=False, seed=r).prefill_latency_s for r in range(reps + 1)]
+    wall = statistics.median(walls[1:])  # the first may compile
+    # CPU activity too: the aten ops that launched the GEMM kernels carry the weight shapes.
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        run_one(sched, rows, input_len, 1, overlap=False, seed=reps + 1)
+    times: dict[str, float] = collections.defaultdict(float)
+    for evt in prof.key_averages():
+        if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
+            times[evt.key] += evt.self_device_time_total
+        elif not on_gpu and evt.key.startswith("aten::"):
+            times[evt.key] += evt.self_cpu_time_total
+    total = sum(times.values())
+    n = rows * input_len
+    print(f"== {tag}: chunk of {rows} x {input_len} = {n} tokens: wall {wall * 1e3:.2f} ms "
+          f"({n / wall:,.0f} tok/s; reps {', '.join(f'{w * 1e3:.1f}' for w in walls)}), kernels "
+          f"{total / 1e3:.2f} ms ({n / max(total, 1e-9) * 1e6:,.0f} tok/s of kernel time)", flush=True)
+    groups: dict[str, float] = collections.defaultdict(float)
+    for k, v in times.items():
+        groups[classify(k)] += v
+    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"  {g:<26}{v / 1e3:9.3f} ms  {100 * v / max(total, 1e-9):5.1f}%")
+    if on_gpu:
+        split = gemm_split(prof, names)
+        per_layer = {v: k for k, v in names.items()}
+        for label, v in sorted(split.items(), key=lambda kv: -kv[1]):
+            nk = per_layer.get(label)
+            flop = 2.0 * n * nk[0] * nk[1] if nk else 0.0
+            layers = names.get((0, 0), "32") if label != "lm_head" else 1
+            rate = f"  {flop * int(layers) / (v * 1e-6) / 1e12:7.0f} TFLOP/s" if nk and label != "lm_head" else ""
+            print(f"    gemm {label:<22}{v / 1e3:9.3f} ms{rate}")
+    for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"  {v / 1e3:9.3f} ms  {k[:100]}")
+    print(flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("config_dir")
+    ap.add_argument("--attention", default="triton")
+    ap.add_argument("--quant", default=None)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--chunks", default="8192", help="prefill chunk sizes in tokens, comma separated")
+    ap.add_argument("--reps", type=int, default=3, help="unprofiled runs of each chunk (the median is printed)")
+    ap.add_argument("--fast-accum", action="store_true",
+                    help="also profile each chunk with the fp8 GEMMs' use_fast_accum on")
+    ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON")
+    a = ap.parse_args()
+    chunks = [int(c) for c in a.chunks.split(",")]
+    from engine.config import ServerArgs
+    from engine.managers.scheduler import Scheduler
+
+    biggest = max(chunks)
+    args = ServerArgs.from_dict({"model_path": a.config_dir, "load_format": "dummy", "skip_tokenizer_init": True,
+                                 "attention": a.attention, "disable_cuda_graph": True, "quant": a.quant,
+                                 "chunked_prefill_size": biggest, "max_prefill_tokens": max(biggest, 16384),
+                                 **json.loads(a.extra)})
+    sched = Scheduler(args, a.config_dir, None)
+    on_gpu = sched.runner.device.type == "cuda"
+    names = projections(a.config_dir)
+    for tokens in chunks:
+        profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, "default")
+    if a.fast_accum:
+        from engine_quant_fp8 import gemm
+
+        gemm.SCALED_MM_FAST_ACCUM = True
+        for tokens in chunks:
+            try:
+                profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, "use_fast_accum")
+            except RuntimeError as exc:
+                print(f"use_fast_accum: {str(exc)[:200]}", flush=True)
+                break
+
+
+if __name__ == "__main__":
+    main()
