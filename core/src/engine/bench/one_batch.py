@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -213,19 +214,35 @@ def bench_one_batch(args: ServerArgs, batch_sizes: list[int], input_lens: list[i
     return results
 
 
+def lora_rows(names: list[str] | None, batch_size: int) -> dict[str, int]:
+    """The adapters a batch of ``batch_size`` rows runs with ``names`` (row ``i`` on
+    ``names[i % len]``, as ``run_one`` attaches them) and each one's row count, in first-use
+    order: a name given twice is one adapter, and names past the batch size run on no row."""
+    return dict(Counter(names[i % len(names)] for i in range(batch_size))) if names else {}
+
+
 def _lora_note(names: list[str] | None, batch_size: int) -> str:
-    return f" (LoRA: {min(len(names), batch_size)} adapter(s))" if names else ""
+    rows = lora_rows(names, batch_size)
+    if not rows:
+        return ""
+    counts = sorted(set(rows.values()))
+    each = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
+    return (f" (LoRA: {len(rows)} adapter{'s' if len(rows) > 1 else ''} {', '.join(rows)}, round-robin: "
+            f"{each} row{'s' if counts[-1] > 1 else ''} each)")
 
 
 def _lora_fields(scheduler: Any, names: list[str] | None, batch_size: int) -> dict[str, Any]:
-    """A LoRA run's row fields: the adapters used and the rank the slots are sized for."""
-    if not names:
+    """A LoRA run's row fields: the adapters the batch ran (distinct), the largest rank among them,
+    the rank the device slots are sized for (``--max-lora-rank``) and the backend."""
+    rows = lora_rows(names, batch_size)
+    if not rows:
         return {}
     from engine.lora.adapter import startup_lora_shape
 
-    rank, _ = startup_lora_shape({n: scheduler.args.lora_paths[n] for n in names})
-    return {"lora_adapters": min(len(names), batch_size), "lora_rank": rank,
-            "lora_backend": getattr(scheduler.runner.lora.state.backend, "name", None)}
+    rank, _ = startup_lora_shape({n: scheduler.args.lora_paths[n] for n in rows})
+    manager = scheduler.runner.lora
+    return {"lora_adapters": len(rows), "lora_names": list(rows), "lora_rank": rank,
+            "lora_slot_rank": manager.max_rank, "lora_backend": getattr(manager.state.backend, "name", None)}
 
 
 def _bench_in_ranks(args: ServerArgs, batch_sizes: list[int], input_lens: list[int], output_lens: list[int],
