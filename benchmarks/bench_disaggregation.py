@@ -187,10 +187,12 @@ def _recent(url: str) -> dict[str, dict[str, Any]]:
 
 def _prefill_side(url: str, n: int) -> dict[str, Any]:
     """The prefill server's staging figures of its last ``n`` requests (the load phase's): the
-    scheduler thread's seconds per request and the host copy's run after the batch ended (ms)."""
-    rows = ((_info(url).get("disaggregation") or {}).get("recent") or [])[-n:]
+    scheduler thread's seconds per request and the host copy's run after the batch ended (ms),
+    and its staging counters so far (the pinned pool: payloads that took fresh memory, waits)."""
+    block = _info(url).get("disaggregation") or {}
+    rows = (block.get("recent") or [])[-n:]
     return {"prefill_stage_ms": _mean_ms([r.get("stage_s") for r in rows]),
-            "prefill_copy_ms": _mean_ms([r.get("copy_s") for r in rows])}
+            "prefill_copy_ms": _mean_ms([r.get("copy_s") for r in rows]), "prefill_staging": block.get("staging")}
 
 
 def _flush(*urls: str) -> None:

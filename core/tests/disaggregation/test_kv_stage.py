@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine.disaggregation.host_pool import ALIGN
 from engine.disaggregation.stage import HELD_WAIT_S, KvStager
 from engine.disaggregation.transfer import KvPayload
 from engine.disaggregation.upload import KvUploader
@@ -165,31 +166,33 @@ def test_the_bound_waits_for_handed_over_copies_to_end() -> None:
         stager.close()
 
 
-def test_a_payload_waits_a_bounded_time_for_the_backend_to_let_pinned_memory_go() -> None:
-    """Published payloads the backend still holds count against ``max_held``: the next one waits
-    until one goes (its pinned block is then reused, not a fresh one taken), at most HELD_WAIT_S."""
+def test_payloads_reuse_the_pool_once_let_go_and_wait_a_bounded_time_for_room() -> None:
+    """The pool holds the payloads the backend has not let go: the next one waits until one goes
+    and then reuses its bytes (no fresh memory), at most HELD_WAIT_S, then takes fresh memory."""
     platform, published = _Platform(), []
-    k, v = _kv(0)
-    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), max_held=k.nbytes + v.nbytes)
+    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), pool_bytes=2 * ALIGN)
     try:
         for i in range(3):
             copy = stager.gathered(*_kv(i))
             stager.publish_after(copy, f"k{i}", KvPayload(i, *copy.sources))
         _copying(platform, 0).complete()
         assert _wait(lambda: len(published) == 1)
+        first_at = published[0].k.data_ptr()
         time.sleep(0.2)
         assert len(platform.copies) == 1 and stager.held_waits == 1, "the second copy did not wait for room"
         published.clear()  # the backend sent the first payload and let it go
         started = time.monotonic()
         _copying(platform, 1).complete()
         assert _wait(lambda: len(published) == 1) and time.monotonic() - started < HELD_WAIT_S
-        assert stager.held_bytes() == k.nbytes + v.nbytes
+        assert published[0].k.data_ptr() == first_at, "the second payload did not reuse the first's bytes"
+        assert torch.equal(published[0].k, _kv(1)[0]) and torch.equal(published[0].v, _kv(1)[1])
         # Nothing is let go now: the third waits HELD_WAIT_S at most, then takes fresh memory.
         started = time.monotonic()
         _copying(platform, 2).complete()
         assert _wait(lambda: len(published) == 2) and stager.held_waits == 2
-        assert stager.stats() == {"copying": 0, "held_bytes": 2 * (k.nbytes + v.nbytes), "staging_waits": 0,
-                                  "held_waits": 2}
+        assert torch.equal(published[1].k, _kv(2)[0])
+        assert stager.stats() == {"copying": 0, "pool_bytes": 2 * ALIGN, "held_bytes": 2 * ALIGN, "fresh": 1,
+                                  "staging_waits": 0, "held_waits": 2}
         assert HELD_WAIT_S * 0.8 < time.monotonic() - started < HELD_WAIT_S + 3
     finally:
         stager.close()
@@ -265,7 +268,9 @@ def test_copies_prompt_kv_to_pinned_host_memory_on_a_copy_stream() -> None:
         pool[:, index] = 0  # a later batch's write, queued after the gather: not in the payload
         assert _wait(lambda: len(published) == 1)
         got = published[0][1]
+        # Out of the pinned pool taken at start-up (a tensor of its own over it), not fresh memory.
         assert got.k.is_pinned() and got.k.device.type == "cpu" and record["copy_s"] is not None
         assert torch.equal(got.k, want_k) and torch.equal(got.v, want_v)
+        assert stager.stats()["fresh"] == 0 and stager.stats()["held_bytes"] >= got.nbytes
     finally:
         stager.close()

@@ -1,4 +1,4 @@
-"""``kvtransfer_torch.process_group``: its values, and the refusals naming the option."""
+"""``kvtransfer_torch.process_group`` and ``host_pool_gb``: their values, and the refusals naming the option."""
 
 from __future__ import annotations
 
@@ -32,6 +32,21 @@ def test_a_cpu_pool_uses_gloo(value: str) -> None:
         assert backend.stats()["process_group"] == "gloo" and backend.payload_device == "cpu"
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize(("value", "pool"), [(None, None), (0, 0), (0.5, 1 << 29), (3, 3 << 30)])
+def test_host_pool_gb_sizes_the_prefill_sides_pinned_pool(value: float | None, pool: int | None) -> None:
+    backend = TorchKvTransfer(_ctx(), options={} if value is None else {"host_pool_gb": value})
+    try:
+        assert backend.host_pool_bytes == pool  # None: the core's default
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("value", [-1, True, "2"])
+def test_a_bad_host_pool_gb_is_refused_naming_the_option(value: object) -> None:
+    with pytest.raises(ValueError, match=f"kvtransfer_torch.host_pool_gb: invalid value {value!r}; accepted: a number"):
+        TorchKvTransfer(_ctx(), options={"host_pool_gb": value})
 
 
 def _refusal(prefill_as: Callable[[TorchKvTransfer], None], decode_as: Callable[[TorchKvTransfer], None]) -> str:

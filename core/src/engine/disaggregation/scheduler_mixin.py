@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.disaggregation.stage import HostCopy, KvStager
+from engine.disaggregation.stage import POOL_BYTES, HostCopy, KvStager
 from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferContext, transfer_key
 from engine.disaggregation.upload import KvUploader
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory
@@ -104,10 +104,14 @@ class DisaggregationMixin:
         if self.disagg_mode == "decode":
             self.disagg_uploader = KvUploader(self.runner.platform, torch.device(self.runner.device))
         elif self._disagg_pins():
-            # Host payloads of a device pool: copied out on a copy stream, published by a thread.
+            # Host payloads of a device pool: copied out on a copy stream, published by a thread,
+            # into a pinned pool taken now (the backend may size it: ``host_pool_bytes``).
+            asked = getattr(self.kv_transfer, "host_pool_bytes", None)
             self.disagg_stager = KvStager(self.runner.platform, torch.device(self.runner.device),
-                                          self.kv_transfer.publish)
+                                          self.kv_transfer.publish, pool_bytes=POOL_BYTES if asked is None else asked)
         where = f" on {args.host}:{getattr(self.kv_transfer, 'port', ctx.port)}" if self.disagg_mode == "prefill" else ""
+        if self.disagg_stager is not None:
+            where += f", pinned pool {self.disagg_stager.stats()['pool_bytes'] / (1 << 30):.2f} GiB"
         logger.info("disaggregation: %s server, KV transfer '%s'%s", self.disagg_mode,
                     args.disaggregation_transfer_backend, where)
 

@@ -5,18 +5,18 @@ device-to-host copy takes ~10 ms on an H200. Waited for in the scheduler's threa
 stalls the next batch's prefill. Here the scheduler only gathers the prompt's rows out of the
 pool into a device staging tensor (on the compute stream, so a later batch that reuses the slots
 is queued after the gather) and records an event behind the gather. One thread per prefill
-server then, payload by payload in hand-over order: takes pinned host memory, queues the copy on
-a copy stream that waits for that event, waits for the copy alone, lets the device staging go
-and hands the payload to the transfer backend (``publish``).
+server then, payload by payload in hand-over order: takes host memory for it out of the pinned
+pool (``HostPool``), queues the copy on a copy stream that waits for that event, waits for the
+copy alone, lets the device staging go and hands the payload to the transfer backend
+(``publish``).
 
 ``max_bytes`` bounds the device staging of handed-over copies not yet complete: beyond it the
-scheduler waits for the oldest ones before gathering more. The pinned host tensors come from
-torch's caching host allocator: a payload's blocks go back to it when the transfer backend lets
-the payload go (sent, or expired), and later payloads reuse them. A fresh pinned block is
-expensive (on an H200 host ~100 ms per 224 MiB, during which another thread's kernel launches
-stall for up to ~150 ms), so ``max_held`` bounds the pinned bytes of published payloads the
-backend still holds: a payload beyond it waits (up to ``HELD_WAIT_S``) for one to go and reuses
-its block, which also bounds pinned memory while a slow transfer falls behind.
+scheduler waits for the oldest ones before gathering more. The pinned pool (``pool_bytes``,
+taken when the stager starts: a fresh pinned block costs ~100 ms per 224 MiB on an H200 host,
+during which another thread's kernel launches stall for up to ~150 ms) holds the payloads the
+backend has not let go yet (sent, expired or discarded); its bytes are reused after that. A
+payload that finds no room waits (up to ``HELD_WAIT_S``) for the backend to let one go, which
+also paces the copies to a slow transfer, then takes fresh memory.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from engine.disaggregation.host_pool import HostPool
 from engine.disaggregation.transfer import KvPayload
 
 logger = logging.getLogger(__name__)
@@ -39,10 +39,11 @@ logger = logging.getLogger(__name__)
 # Device staging of handed-over copies in flight at most, before the scheduler waits for the
 # oldest ones (two 4,096-token prompts of an 8B model with 8 KV heads).
 MAX_STAGING_BYTES = 1 << 30
-# Pinned bytes of published payloads still held by the backend before a new payload waits for one
-# to go (four 4,096-token prompts of an 8B model with 8 KV heads), and how long it waits at most
-# (a decode server that stopped fetching must not hold the prefill side up for longer).
-MAX_HELD_BYTES = 2 << 30
+# The pinned pool for payloads the backend holds, unless the backend asks for another size
+# (``KvTransferBackend.host_pool_bytes``): four 4,096-token prompts of an 8B model with 8 KV
+# heads. How long a payload waits for room in it at most (a decode server that stopped fetching
+# must not hold the prefill side up for longer).
+POOL_BYTES = 2 << 30
 HELD_WAIT_S = 0.5
 
 
@@ -61,14 +62,13 @@ class KvStager:
     ``publish_after`` (once the batch has finished) hands it over with the payload to publish."""
 
     def __init__(self, platform: Any, device: torch.device, publish: Callable[[str, KvPayload], None],
-                 max_bytes: int = MAX_STAGING_BYTES, max_held: int = MAX_HELD_BYTES) -> None:
+                 max_bytes: int = MAX_STAGING_BYTES, pool_bytes: int = POOL_BYTES) -> None:
         self.platform = platform
         self.device = torch.device(device)
         self._publish = publish
         self.max_bytes = max_bytes
-        self.max_held = max_held
-        # Published payloads' host storages (the staging thread's own): (K, V, bytes).
-        self._held: list[tuple[StorageWeakRef, StorageWeakRef, int]] = []
+        # Taken here, before the server serves: never beside the scheduler's launches.
+        self._pool = HostPool(pool_bytes, pin=bool(platform.pin_host_memory()))
         self.held_waits = 0  # payloads that waited for the backend to let one go
         self._stream = platform.create_stream()
         self._todo: deque[tuple[HostCopy, str, KvPayload, dict[str, Any] | None, float]] = deque()
@@ -158,17 +158,12 @@ class KvStager:
                 copy, key, payload, record, handed = self._todo.popleft()
             nbytes = copy.nbytes
             try:
-                self._room_for(nbytes)
                 payload = self._copy(copy, payload)
                 if record is not None:
                     record["copy_s"] = round(time.perf_counter() - handed, 6)
                 with self._gate:
                     if self._stopped:  # closed while this one copied: the backend is going
                         continue
-                    # Only this thread changes the list: drop what the backend let go, add this one.
-                    self._held = [h for h in self._held if not (h[0].expired() and h[1].expired())]
-                    self._held.append((StorageWeakRef(payload.k.untyped_storage()),
-                                       StorageWeakRef(payload.v.untyped_storage()), nbytes))
                     self._publish(key, payload)
             except Exception:  # noqa: BLE001 - one payload lost (its fetch fails by its deadline), not the thread
                 logger.exception("KV transfer: staging %s failed", key)
@@ -182,34 +177,31 @@ class KvStager:
                     self._cv.notify_all()
 
     def stats(self) -> dict[str, Any]:
-        """For /get_server_info (any thread): payloads copying, pinned bytes the backend holds,
-        and how often the two bounds made the scheduler or this thread wait."""
-        return {"copying": self._inflight, "held_bytes": self.held_bytes(), "staging_waits": self.waits,
-                "held_waits": self.held_waits}
+        """For /get_server_info (any thread): payloads copying, the pinned pool (its size, the
+        bytes of payloads the backend still holds, payloads that found no room and took fresh
+        memory), and how often the two bounds made the scheduler or this thread wait."""
+        return {"copying": self._inflight, "pool_bytes": self._pool.size, "held_bytes": self._pool.used_bytes(),
+                "fresh": self._pool.fresh, "staging_waits": self.waits, "held_waits": self.held_waits}
 
-    def held_bytes(self) -> int:
-        """Pinned bytes of published payloads that the backend still holds (any thread: reads only)."""
-        return sum(n for k, v, n in list(self._held) if not (k.expired() and v.expired()))
-
-    def _room_for(self, nbytes: int) -> None:
-        """Waits (up to ``HELD_WAIT_S``) until ``nbytes`` more pinned memory stays within ``max_held``
-        (at once when the backend holds nothing: a payload larger than the bound still goes)."""
-        held = self.held_bytes()
-        if not held or held + nbytes <= self.max_held:
-            return
-        self.held_waits += 1
-        deadline = time.monotonic() + HELD_WAIT_S
-        while held and held + nbytes > self.max_held and time.monotonic() < deadline:
-            if self._stopped:
-                return
-            time.sleep(0.002)
-            held = self.held_bytes()
+    def _host_for(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Host tensors for one payload: out of the pool, waiting up to ``HELD_WAIT_S`` for the
+        backend to let payloads go when it is full; fresh memory past that (or when the payload
+        is larger than the whole pool)."""
+        if not self._pool.fits(k, v):
+            return self._pool.take_fresh(k, v)
+        got = self._pool.take(k, v)
+        if got is None:
+            self.held_waits += 1
+            deadline = time.monotonic() + HELD_WAIT_S
+            while got is None and not self._stopped and time.monotonic() < deadline:
+                time.sleep(0.002)
+                got = self._pool.take(k, v)
+        return got if got is not None else self._pool.take_fresh(k, v)
 
     def _copy(self, copy: HostCopy, payload: KvPayload) -> KvPayload:
         """``payload`` with ``copy``'s K and V copied into pinned host memory (this thread waits
         for the copy alone; the compute stream runs on)."""
-        pin = self.platform.pin_host_memory()
-        k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=pin) for t in copy.sources)
+        k, v = self._host_for(*copy.sources)
         with self.platform.stream_context(self._stream):
             self._stream.wait_event(copy.marker)
             for dst, src in ((k, copy.sources[0]), (v, copy.sources[1])):

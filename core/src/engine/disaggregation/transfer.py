@@ -103,6 +103,11 @@ class KvTransferContext:
 class KvTransferBackend(ABC):
     """Moves ``KvPayload``s from a prefill server's rank to a decode server's rank."""
 
+    #: Pinned host memory (bytes) a GPU prefill server takes at start-up for the host payloads
+    #: this backend holds until sent (None: the core's default, 2 GiB; 0: none, every payload
+    #: takes fresh memory). Backends whose payloads stay on the device ignore it.
+    host_pool_bytes: int | None = None
+
     def __init__(self, ctx: KvTransferContext) -> None:
         self.ctx = ctx
 

@@ -70,6 +70,8 @@ class _Pair:
 
 
 class TorchKvTransfer(ZmqKvTransfer):
+    plugin = "kvtransfer_torch"
+
     def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
         self._device = torch.device(ctx.device)
         group = str((options or {}).get("process_group", "auto"))

@@ -65,6 +65,8 @@ def open_shared(desc: dict[str, Any] | None, dtype: torch.dtype, shape: list[int
 
 
 class CudaIpcKvTransfer(ZmqKvTransfer):
+    plugin = "kvtransfer_torch"  # its payloads stay on the device: ``host_pool_gb`` is not used
+
     def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
         self._device = torch.device(ctx.device)
         if self._device.type != "cuda":

@@ -65,11 +65,25 @@ def received_meta(header: dict[str, Any]) -> dict[str, Any]:
     return meta
 
 
+def host_pool_bytes(options: dict[str, Any] | None, plugin: str) -> int | None:
+    """The ``host_pool_gb`` option in bytes (None: not given, the core's default)."""
+    value = (options or {}).get("host_pool_gb")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"{plugin}.host_pool_gb: invalid value {value!r}; accepted: a number of GiB >= 0 (0: no pool)")
+    return int(value * (1 << 30))
+
+
 class ZmqKvTransfer(KvTransferBackend):
+    #: the plugin whose options these are (error messages name it).
+    plugin = "kvtransfer_zmq"
+
     def __init__(self, ctx: KvTransferContext, options: dict[str, Any] | None = None) -> None:
         super().__init__(ctx)
         if ctx.role not in ("prefill", "decode"):
             raise ValueError(f"role: invalid value {ctx.role!r}; accepted: prefill, decode")
+        self.host_pool_bytes = host_pool_bytes(options, self.plugin)
         self._zmq = zmq.Context()
         wake = f"inproc://kv-transfer-{id(self)}"
         self._commands = self._socket(zmq.PULL)
