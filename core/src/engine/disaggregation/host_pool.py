@@ -53,8 +53,8 @@ class HostPool:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             region = torch.frombuffer(self._bytes[offset:offset + need], dtype=torch.uint8)
-        self._live.append((offset, need, StorageWeakRef(region.untyped_storage())))
-        self._live.sort(key=lambda r: r[0])
+        # A new list, not sorted in place: ``used_bytes`` may be reading the old one.
+        self._live = sorted([*self._live, (offset, need, StorageWeakRef(region.untyped_storage()))], key=lambda r: r[0])
         self.taken += 1
         v_at = _round_up(k_bytes)
         return _typed(region[:k_bytes], k), _typed(region[v_at:v_at + v.numel() * v.element_size()], v)
