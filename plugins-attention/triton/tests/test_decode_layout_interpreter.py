@@ -64,3 +64,17 @@ def test_kv_heads_per_program_refuses_shapes_it_cannot_tile() -> None:
     for heads, dim, wanted in ((8, 96, 2), (6, 128, 4), (8, 128, 3)):
         with pytest.raises(ValueError, match="kv_per_program"):
             kv_heads_per_program(heads, dim, dim, wanted)
+
+
+def test_words_override_names_what_it_needs() -> None:
+    """``words`` 3 (words widened by inline PTX) needs a compiled CUDA kernel over an aligned e4m3 pool
+    and bf16 q; anything else is refused with the reason, as is a mode that does not exist."""
+    q = torch.randn(1, 4, 32, dtype=torch.bfloat16)
+    k = torch.randn(8, 1, 32).to(torch.float8_e4m3fn)
+    out = torch.empty_like(q)
+    args = (q, k, k, out, torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64), torch.empty(1, 4, 1, 32), torch.empty(1, 4, 1), 1, SCALE)
+    with pytest.raises(ValueError, match=r"words=3 needs an e4m3 pool with 4-byte aligned rows under bf16 q on CUDA"):
+        decode_attention_fwd(*args, words=3)
+    with pytest.raises(ValueError, match=r"words=5; accepted: 0, 1, 2, 3"):
+        decode_attention_fwd(*args, words=5)

@@ -14,6 +14,8 @@ the order the PDL rule needs (docs/cuda_kernels.md, "Programmatic dependent laun
   round trip (no ``cvt.bf16.f16``, one F2F per value on a slow pipe), in the plain loop (batch 1)
   and in the slots-ahead loop (large batches), whose K/V gathers are double-buffered (async copies
   waited on with one group still in flight).
+- Gathered as words and widened to float16 by the paired hardware conversion (``words`` 3), no
+  operand reaches the tensor cores' layout as single bytes from shared memory, as ``words`` 2's V does.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``) at Qwen3-30B-A3B's
 heads (32 query heads on 4 KV heads, head_dim 128) with 16 splits, as a CUDA graph at batch 1
@@ -30,7 +32,7 @@ from engine.testing.aot import compiled_facts, compile_kernel, pdl_order, spill_
 #: name -> (pool dtype, SLOTS_AHEAD, WORDS, HEADS_INNER)
 POOLS = {"bf16": ("bf16", False, 0, False), "fp8e4nv": ("fp8e4nv", False, 1, False),
          "fp8e4nv-ahead": ("fp8e4nv", True, 1, True), "bf16-ahead": ("bf16", True, 0, True),
-         "fp8e4nv-f16": ("fp8e4nv", True, 2, True)}
+         "fp8e4nv-f16": ("fp8e4nv", True, 2, True), "fp8e4nv-words-f16": ("fp8e4nv", True, 3, True)}
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
@@ -51,6 +53,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
         out[f"split-{name}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx),
                                 "cvt_bf16_f16": ptx.count("cvt.bf16.f16"),
                                 "cvt_f16x2_e4m3x2": ptx.count("cvt.rn.f16x2.e4m3x2"),
+                                "ld_shared_b8": ptx.count("ld.shared.b8"),
                                 "async_waits": re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
     from engine_attention_triton import decode_fp8
 
@@ -85,7 +88,12 @@ def test_pdl_decode_kernels_compile_to_the_rule() -> None:
     # words=2: the pool widens to float16 by the paired hardware conversion, never through bf16.
     f16 = info["split-fp8e4nv-f16"]
     assert f16["cvt_bf16_f16"] == 0 and f16["cvt_f16x2_e4m3x2"] > 0, f16
-    for name in ("fp8e4nv-ahead", "bf16-ahead", "fp8e4nv-f16"):  # three stages: a group still in flight at each wait
+    # words=3: the same conversion on the words gathered, before the tiles reach shared memory for the
+    # tensor cores' layout, so no operand is read from there a byte at a time (words=2's V is).
+    words_f16 = info["split-fp8e4nv-words-f16"]
+    assert words_f16["cvt_bf16_f16"] == 0 and words_f16["cvt_f16x2_e4m3x2"] > 0, words_f16
+    assert words_f16["ld_shared_b8"] == 0 < f16["ld_shared_b8"], (words_f16, f16)
+    for name in ("fp8e4nv-ahead", "bf16-ahead", "fp8e4nv-f16", "fp8e4nv-words-f16"):  # three stages: a group still in flight at each wait
         assert any(int(n) > 0 for n in info[f"split-{name}"]["async_waits"]), (name, info[f"split-{name}"])
     assert {k: v for k, v in info["merge"].items() if k != "spill_bytes"} == {
         "waits": 1, "triggers": 1, "trigger_first": True, "loads_before_wait": 0}, info["merge"]

@@ -214,8 +214,8 @@ FP8 = torch.float8_e4m3fn
 
 
 @pytest.mark.parametrize("heads_inner", [False, True], ids=["rows-inner", "heads-inner"])
-@pytest.mark.parametrize("pool_dtype,words", [(BF16, 0), (FP8, 1), (FP8, 0), (FP8, 2)],
-                         ids=["bf16", "fp8-words", "fp8-widen", "fp8-f16"])
+@pytest.mark.parametrize("pool_dtype,words", [(BF16, 0), (FP8, 1), (FP8, 0), (FP8, 2), (FP8, 3)],
+                         ids=["bf16", "fp8-words", "fp8-widen", "fp8-f16", "fp8-words-f16"])
 @pytest.mark.parametrize("block_n,num_warps,num_stages,slots_ahead",
                          [(16, 4, 3, False), (32, 4, 2, False), (128, 4, 3, False), (64, 8, 3, False),
                           (64, 4, 2, False), (32, 4, 4, True), (32, 2, 3, True), (16, 1, 2, True),
@@ -243,10 +243,11 @@ def test_decode_tile_configs(seed: int, block_n: int, num_warps: int, num_stages
                                        f"heads_inner={heads_inner} seed={seed}")
 
 
+@pytest.mark.parametrize("words", [2, 3])
 @pytest.mark.parametrize("q_scale", [1.0, 3e4, 1e6], ids=["q1", "q3e4", "q1e6"])
-def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale: float) -> None:
-    """words=2 attends with q in float16: a row whose q exceeds float16's range (65504) must still match
-    (the kernel scales such a tile by 2^-16 and its scores by 2^16)."""
+def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale: float, words: int) -> None:
+    """words=2 and 3 attend with q in float16: a row whose q exceeds float16's range (65504) must still
+    match (the kernel scales such a tile by 2^-16 and its scores by 2^16)."""
     seq_lens = random_lens(5, 1, 900)
     pools = PagedPools(seq_lens, 1, 2, 128, BF16)
     k, v = pools.k_buffer.to(FP8), pools.v_buffer.to(FP8)
@@ -256,9 +257,9 @@ def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale:
     out = torch.full_like(q, float("nan"))
     part = torch.full((5, 8, 1, 128), float("nan"), device=DEV)
     decode_attention_fwd(q, k, v, out, pools.req.req_to_token, pools.indices(), torch.tensor(seq_lens, device=DEV),
-                         part, part[..., 0], 1, scale, words=2)
+                         part, part[..., 0], 1, scale, words=words)
     ref = reference_decode(q, k.float(), v.float(), pools.req.req_to_token, pools.req_slots, seq_lens, scale)
-    assert_matches(out, ref, BF16, f"words=2 q_scale={q_scale} seed={seed}")
+    assert_matches(out, ref, BF16, f"words={words} q_scale={q_scale} seed={seed}")
 
 
 def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
@@ -274,7 +275,7 @@ def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
     req_to_token = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
     req_to_token[:, 0] = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
     q = torch.randn(n, 1, 128, dtype=BF16, device=DEV)
-    for slots_ahead, words in ((False, 1), (True, 1), (True, 2)):
+    for slots_ahead, words in ((False, 1), (True, 1), (True, 2), (False, 3), (True, 3)):
         out = torch.full_like(q, float("nan"))
         part = torch.empty(n, 1, 1, 128, device=DEV)
         decode_attention_fwd(q, k, v, out, req_to_token, torch.arange(n, device=DEV),

@@ -81,16 +81,17 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP: 
     """One block of keys (``mask_n``: the live ones, at least one) into the online softmax state.
 
     ``k`` and ``v`` are the gathered tiles as loaded (``WORDS`` 1: int32 words of four e4m3 values;
-    2: e4m3 values and ``q`` in float16, which they widen to with one conversion per pair).
+    2: e4m3 values and ``q`` in float16, which they widen to with one conversion per pair; 3: int32
+    words widened to float16 with one conversion per pair, in inline PTX, and ``q`` in float16).
     """
     # An fp8 pool widens exactly to q's dtype; its k_scale is folded into sm_scale.
-    qk = tl.dot(q, tl.trans(widen(k, q.dtype, WORDS == 1)), input_precision=DOT_PRECISION)
+    qk = tl.dot(q, tl.trans(widen(k, q.dtype, WORDS)), input_precision=DOT_PRECISION)
     qk = base2_scores(qk, sm_scale, logit_cap, HAS_CAP)
     qk = tl.where(mask_n[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    v = widen(v, q.dtype, WORDS == 1)
+    v = widen(v, q.dtype, WORDS)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     l_i = l_i * alpha + tl.sum(p, 1)
     return m_new, l_i, acc
@@ -98,7 +99,7 @@ def _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP: 
 
 @triton.jit
 def _q_to_f16(q):
-    """q (bf16) in float16 for the ``WORDS == 2`` path, and the factor its scores must be multiplied by.
+    """q (bf16) in float16 for the ``WORDS`` 2 and 3 paths, and the factor its scores must be multiplied by.
 
     float16 holds every bf16 value of magnitude below 65504 exactly (more mantissa, less range); a
     tile holding a larger one is scaled by 2^-16 first (exact but for components under 2^-8, there
@@ -183,7 +184,7 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     token_row = Req_To_Token + req * stride_r2t
-    if WORDS == 1:
+    if WORDS == 1 or WORDS == 3:
         # The fp8 pool gathered as int32 words of four values (strides in bytes are multiples of 4).
         offs_kc = tl.arange(0, BLOCK_D // 4)
         mask_kc = offs_kc < HEAD_DIM // 4 * KV_PER_PROGRAM
@@ -218,7 +219,7 @@ def _decode_split_kernel(
         v_old = tl.load(v_base + loc[:, None] * vt, mask=old[:, None] & mask_vc[None, :], other=0.0)
         tl.extra.cuda.gdc_wait()
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-        if WORDS == 2:
+        if WORDS >= 2:
             q, q_fac = _q_to_f16(q)
             sm_scale = sm_scale * q_fac
         new = mask_n & (offs_n == seq_len - 1)
@@ -230,7 +231,7 @@ def _decode_split_kernel(
         first = lo + BLOCK_N
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-        if WORDS == 2:
+        if WORDS >= 2:
             q, q_fac = _q_to_f16(q)
             sm_scale = sm_scale * q_fac
 
@@ -427,7 +428,8 @@ def decode_attention_fwd(
         k_scale, v_scale: an fp8 pool's per-tensor scales (the kernel reads ``stored * scale``).
         block_n, num_warps, num_stages, slots_ahead, words: overrides of ``decode_tiles`` and
             ``gathers_words`` (benchmarks and tests); ``words`` 2 widens an e4m3 pool to float16
-            with the hardware conversion and attends with q in float16 (benchmarks).
+            with the hardware conversion and attends with q in float16 (benchmarks); 3 does so on the
+            pool gathered as words, the conversion in inline PTX (sm_89+).
         heads_inner: launch a row's KV heads as consecutive programs (default: ``decode_tiles``).
         kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
             shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
@@ -465,6 +467,12 @@ def decode_attention_fwd(
     elif words == 2 and not (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype != torch.float32):
         raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
                          f"under {q.dtype}")
+    elif words == 3 and not (gathers_words(q, k_buffer, v_buffer) and _sm89(q.device.index if q.device.index
+                                                                             is not None else torch.cuda.current_device())):
+        raise ValueError(f"decode attention: words=3 needs an e4m3 pool with 4-byte aligned rows under bf16 q on "
+                         f"CUDA sm_89+, not {k_buffer.dtype} under {q.dtype} on {q.device}")
+    elif words not in (0, 1, 2, 3):
+        raise ValueError(f"decode attention: words={words}; accepted: 0, 1, 2, 3")
     tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, bool(words))
     # One split (large batches fill the GPU without splitting): stage 1 writes the output.
     direct = num_kv_splits == 1

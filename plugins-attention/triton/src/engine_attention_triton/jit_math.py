@@ -100,10 +100,42 @@ def widen_e4m3_words(w):
 
 
 @triton.jit
+def widen_e4m3_words_f16(w):
+    """int32 words, each four float8 e4m3fn values, -> ``[rows, 4 * cols]`` float16, exactly, by the
+    hardware's paired conversion (``cvt.rn.f16x2.e4m3x2``, sm_89+), two a word.
+
+    Triton's own ``.to(tl.float16)`` of an e4m3 tile headed for ``tl.dot`` is moved past the
+    tile's trip through shared memory into the tensor-core layout, so the operand arrives there as
+    single bytes (one ``ld.shared.b8`` per value of V, whose keys run down the operand's columns);
+    as inline PTX the conversion stays where it is written, and the widened tile takes the
+    16-bit route (``stmatrix``, ``ldmatrix``). Inline PTX: NVIDIA sm_89+ only.
+    """
+    e0, e1, e2, e3 = tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b16 lo, hi;
+        .reg .b32 r0, r1;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 r0, lo;
+        cvt.rn.f16x2.e4m3x2 r1, hi;
+        mov.b32 {$0, $1}, r0;
+        mov.b32 {$2, $3}, r1;
+        }
+        """,
+        constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=1)
+    return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (w.shape[0], w.shape[1] * 4))
+
+
+@triton.jit
 def widen(raw, dtype: tl.constexpr, WORDS: tl.constexpr):
-    """A gathered K/V tile in q's dtype (exact: fp8 and q's own dtype widen without rounding)."""
-    if WORDS:
+    """A gathered K/V tile in q's dtype (exact: fp8 and q's own dtype widen without rounding).
+    ``WORDS`` 1: int32 words of e4m3 values to bfloat16 (``widen_e4m3_words``); 3: to float16
+    (``widen_e4m3_words_f16``); else the tile as loaded, converted by Triton."""
+    if WORDS == 1:
         return widen_e4m3_words(raw)
+    elif WORDS == 3:
+        return widen_e4m3_words_f16(raw)
     else:
         return raw.to(dtype)
 
