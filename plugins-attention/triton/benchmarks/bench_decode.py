@@ -18,8 +18,7 @@ ones run eagerly (``triton.testing.do_bench``, which clears L2 first).
 Each batch size times the kernel's default tiles and split count for the pool's dtype (see
 ``decode_tiles``), and the tiles given with ``--tiles`` (each also reports its output's largest
 difference from the default's). ``--both-orders`` also times the default tiles in both launch
-orders (``heads_inner`` 0 and 1); ``--fp8-mma`` times ``decode_fp8``'s kernel on fp8 pools.
-``--sweep`` first times every tile in ``GRID`` at the largest batch size, then also the best
+orders (``heads_inner`` 0 and 1). ``--sweep`` first times every tile in ``GRID`` at the largest batch size, then also the best
 ``--top`` of them at every batch size; batches of 128 rows or more also try one and two splits.
 """
 
@@ -146,12 +145,9 @@ def main() -> None:
                         help="rows: each row's tokens in consecutive pool slots instead of shuffled ones")
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
     parser.add_argument("--tiles", nargs="*", default=[], metavar="A,N,W,S[,WORDS[,HEADS_INNER[,P]]]",
-                        help="also time these tiles (slots_ahead 0/1, block_n, warps, stages, fp8 words 0/1/2 "
-                             "(2: hardware widening to float16), launch order 0/1 (1: a row's KV heads together), "
+                        help="also time these tiles (slots_ahead 0/1, block_n, warps, stages, fp8 words 0/1/2/3 "
+                             "(2: hardware widening to float16, 3: the same on words, in inline PTX), launch order 0/1 (1: a row's KV heads together), "
                              "KV heads per program)")
-    parser.add_argument("--fp8-mma", nargs="*", default=[], metavar="MODE,N,W,S",
-                        help="fp8 pools: also time decode_fp8's kernel (scores on the fp8 tensor cores; P V in mode 1 "
-                             "on float16 mma, 2 on the fp8 tensor cores, 3 on float16 wgmma; block_n, warps, stages)")
     parser.add_argument("--both-orders", action="store_true",
                         help="also time the default tiles in both launch orders (heads_inner 0 and 1)")
     parser.add_argument("--top", type=int, default=5, help="--sweep: tiles carried to every batch size")
@@ -188,11 +184,6 @@ def main() -> None:
                 print(line(name, prob, f"default heads_inner={order}", default,
                            prob.time_ms(default, {"heads_inner": bool(order)}), peak,
                            prob.diff(default, {"heads_inner": bool(order)})), flush=True)
-            for spec in args.fp8_mma if dtype == torch.float8_e4m3fn else ():
-                mode, bn, warps, stages = (int(x) for x in spec.split(","))
-                tiles = {"fp8_mma": mode, "block_n": bn, "num_warps": warps, "num_stages": stages}
-                ms = prob.time_ms(default, tiles)
-                print(line(name, prob, f"fp8_mma {spec}", default, ms, peak, prob.diff(default, tiles)), flush=True)
             for cfg in best:
                 for splits in sorted({default, 1, 2} if bs >= 128 else {default}):
                     ms = prob.time_ms(splits, tiles_of(cfg))

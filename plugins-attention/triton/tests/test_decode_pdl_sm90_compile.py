@@ -7,9 +7,6 @@ the order the PDL rule needs (docs/cuda_kernels.md, "Programmatic dependent laun
 - Stage 2 (merge) triggers first (the output projection after it reads only weights before its
   own wait) and loads nothing before its wait.
 - Neither spills registers.
-- ``decode_fp8``'s stage 1 over an e4m3 pool multiplies on the fp8 ``wgmma`` (the scores; with
-  mode 2 also P by V; mode 1 multiplies P by V on float16 ``mma``, mode 3 on float16 ``wgmma``),
-  triggers first and waits once.
 - An e4m3 pool gathered as words (the default under bf16 queries) widens without the float16
   round trip (no ``cvt.bf16.f16``, one F2F per value on a slow pipe), in the plain loop (batch 1)
   and in the slots-ahead loop (large batches), whose K/V gathers are double-buffered (async copies
@@ -55,21 +52,6 @@ def _compile_all() -> dict[str, dict[str, object]]:
                                 "cvt_f16x2_e4m3x2": ptx.count("cvt.rn.f16x2.e4m3x2"),
                                 "ld_shared_b8": ptx.count("ld.shared.b8"),
                                 "async_waits": re.findall(r"cp\.async\.wait_group\s+(\d+)", ptx)}
-    from engine_attention_triton import decode_fp8
-
-    for mode in (1, 2, 3):  # decode_fp8's kernel at Llama-3-8B's heads (GQA 4), as decode_attention_fwd launches it
-        types = {a: "i32" for a in decode_fp8._decode_fp8_split_kernel.arg_names}
-        types.update(Q="*bf16", K_Buf="*fp8e4nv", V_Buf="*fp8e4nv", Req_To_Token="*i32", Req_Pool_Indices="*i64",
-                     Seq_Lens="*i64", Part_Out="*bf16", Part_Lse="*fp32", sm_scale="fp32", v_scale="fp32")
-        fp8 = compile_kernel(decode_fp8._decode_fp8_split_kernel, types,
-                             dict(GROUP=4, BLOCK_H=16, BLOCK_N=64, HEAD_DIM=128, V_DIM=128, DIRECT=True, PDL=True,
-                                  PV=mode - 1, UPCAST=False), num_warps=4, num_stages=3)
-        ptx = fp8.asm["ptx"]
-        out[f"fp8-mma-{mode}"] = {**pdl_order(ptx), "spill_bytes": spill_bytes(ptx),
-                                  "wgmma_e4m3": len(re.findall(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
-                                  "mma_f16": ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16"),
-                                  "wgmma_f16": len(re.findall(r"wgmma\.mma_async\S*\.f16\.f16", ptx)),
-                                  "cvt_f16x2_e4m3x2": ptx.count("cvt.rn.f16x2.e4m3x2")}
     types = {a: "i32" for a in da._decode_merge_kernel.arg_names}
     types.update(Part_Out="*fp32", Part_Lse="*fp32", Out="*bf16")
     merge = compile_kernel(da._decode_merge_kernel, types, dict(V_DIM=128, BLOCK_DV=128, BLOCK_S=16, PDL=True),
@@ -97,12 +79,6 @@ def test_pdl_decode_kernels_compile_to_the_rule() -> None:
         assert any(int(n) > 0 for n in info[f"split-{name}"]["async_waits"]), (name, info[f"split-{name}"])
     assert {k: v for k, v in info["merge"].items() if k != "spill_bytes"} == {
         "waits": 1, "triggers": 1, "trigger_first": True, "loads_before_wait": 0}, info["merge"]
-    # decode_fp8: the scores (and with mode 2 P V) on Hopper's fp8 wgmma; trigger and wait first.
-    for mode in (1, 2, 3):
-        got = info[f"fp8-mma-{mode}"]
-        assert got["wgmma_e4m3"] > 0 and got["waits"] == 1 and got["trigger_first"], (mode, got)
-    assert info["fp8-mma-1"]["mma_f16"] > 0 and info["fp8-mma-2"]["mma_f16"] == 0, info
-    assert info["fp8-mma-3"]["wgmma_f16"] > 0 and info["fp8-mma-3"]["mma_f16"] == 0, info
     assert all(v["spill_bytes"] == 0 for v in info.values()), info
 
 

@@ -35,7 +35,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_attention_triton import interpreting
 from engine_attention_triton.jit_math import (
     base2_scores,
     block_size,
@@ -55,8 +54,6 @@ TARGET_PROGRAMS_PER_SM = 4
 HEADS_INNER = False
 #: KV heads one stage-1 program attends where the shapes allow (``kv_heads_per_program``).
 KV_PER_PROGRAM = 1
-#: ``decode_fp8``'s tiles (keys a block, warps, stages) where ``decode_attention_fwd`` is asked for it.
-FP8_MMA_TILES = (64, 4, 3)
 
 
 def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None,
@@ -407,7 +404,6 @@ def decode_attention_fwd(
     words: int | None = None,
     heads_inner: bool | None = None,
     kv_per_program: int | None = None,
-    fp8_mma: int = 0,
     pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
@@ -433,10 +429,6 @@ def decode_attention_fwd(
         heads_inner: launch a row's KV heads as consecutive programs (default: ``decode_tiles``).
         kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
             shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
-        fp8_mma: over an e4m3 pool, stage 1 from ``decode_fp8`` (scores on the fp8 tensor cores; P times
-            V: 1 in float16 on mma, 2 on the fp8 tensor cores too, 3 in float16 on wgmma; 0, the
-            default: the widening kernel, faster on the H200 at every batch measured). Needs
-            16-bit q, no logit cap or window, power-of-two head dims of at least 32, GQA of at most 16.
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
             ``has_pdl``): stage 1 gathers its first block of keys and values, all but the newest
             position, while the previous kernel drains, and stage 2 lets the next kernel start.
@@ -479,28 +471,6 @@ def decode_attention_fwd(
     dest = out if direct else part_out
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
-    if fp8_mma not in (0, 1, 2, 3):
-        raise ValueError(f"decode attention: fp8_mma={fp8_mma}; accepted: 0 (the widening kernel), 1, 2, 3")
-    if fp8_mma:
-        if not fp8_mma_fits(q, k_buffer, v_buffer, logit_cap, sliding_window_size):
-            raise ValueError(f"decode attention: fp8_mma={fp8_mma} needs an e4m3 pool, 16-bit q, no logit cap or "
-                             f"sliding window, power-of-two head dims >= 32 and at most 16 query heads a KV head; "
-                             f"got {k_buffer.dtype} under {q.dtype}, head dims {head_dim}/{v_dim}, group {group}")
-        from engine_attention_triton.decode_fp8 import _decode_fp8_split_kernel
-
-        bn, warps, stages = FP8_MMA_TILES
-        _decode_fp8_split_kernel[(num_kv_heads, batch, num_kv_splits)](
-            q, k_buffer, v_buffer, req_to_token, req_pool_indices, seq_lens, dest, part_lse,
-            sm_scale * k_scale, float(v_scale), num_kv_splits,
-            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-            v_buffer.stride(0), v_buffer.stride(1), req_to_token.stride(0),
-            *dest_strides, part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, BLOCK_H=16, BLOCK_N=block_n or bn, HEAD_DIM=head_dim, V_DIM=v_dim, DIRECT=direct,
-            PDL=pdl, PV=fp8_mma - 1, UPCAST=interpreting(), num_warps=num_warps or warps,
-            num_stages=num_stages or stages, launch_pdl=pdl)
-        if not direct:
-            _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
-        return
     if chosen and words == 1 and tiles.widen_f16 and _sm89(q.device.index if q.device.index is not None
                                                            else torch.cuda.current_device()):
         words = 2
@@ -564,17 +534,6 @@ def _merge(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, ba
     )
 
 
-def fp8_mma_fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, logit_cap: float,
-                 sliding_window_size: int) -> bool:
-    """Whether ``decode_fp8``'s kernel can attend these operands (it has no cap or window, and its
-    tiles are 16 query heads by power-of-two head dims)."""
-    head_dim, v_dim = k_buffer.shape[2], v_buffer.shape[2]
-    group = q.shape[1] // k_buffer.shape[1]
-    return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype in (torch.bfloat16, torch.float16)
-            and logit_cap <= 0 and sliding_window_size < 0 and group <= 16
-            and all(d >= 32 and d & (d - 1) == 0 for d in (head_dim, v_dim)))
-
-
 @functools.cache
 def _sm89(index: int) -> bool:
     """Whether the CUDA device converts e4m3 to float16 in hardware (sm_89+)."""
@@ -594,5 +553,5 @@ def has_pdl(device: torch.device) -> bool:
     return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
-__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "fp8_mma_fits",
-           "gathers_words", "has_pdl", "kv_heads_per_program"]
+__all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words",
+           "has_pdl", "kv_heads_per_program"]

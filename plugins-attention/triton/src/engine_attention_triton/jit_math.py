@@ -140,38 +140,6 @@ def widen(raw, dtype: tl.constexpr, WORDS: tl.constexpr):
         return raw.to(dtype)
 
 
-@triton.jit
-def to_e4m3(x, EMULATE: tl.constexpr):
-    """float32 ``x`` (within e4m3's range) rounded to e4m3: the e4m3 tile, or with ``EMULATE`` its
-    values in float32, rounded to nearest in float arithmetic (Triton's interpreter converts to fp8
-    by truncation, so its fp8 paths run on float32 tiles holding e4m3 values)."""
-    if EMULATE:
-        # The spacing of e4m3 values around x: 2^(exponent - 3), the exponent at least -6 (subnormals).
-        exp = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        ulp = ((tl.maximum(exp, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
-        return tl.floor(x / ulp + 0.5) * ulp
-    else:
-        return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def q_to_e4m3_pair(q, EMULATE: tl.constexpr):
-    """A 16-bit ``q`` tile as two e4m3 tiles and a factor per row: ``q = row * (16 * hi + lo)``,
-    within about 2^-8 of the row's largest component (bf16 keeps 2^-8 of each component; an e4m3
-    pool's keys themselves hold 2^-4).
-
-    ``hi`` is the row scaled to e4m3's range (largest 448) and rounded; ``lo`` is 16 times its
-    rounding error (at most 16 times half an ulp of 448, 256), rounded again. Scores over e4m3
-    keys are then two fp8 dots: ``(16 * dot(hi, k) + dot(lo, k)) * row``. ``EMULATE``: see ``to_e4m3``.
-    """
-    qf = q.to(tl.float32)
-    row = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-30)
-    qs = qf / row[:, None]
-    hi = to_e4m3(qs, EMULATE)
-    lo = to_e4m3((qs - hi.to(tl.float32)) * 16.0, EMULATE)
-    return hi, lo, row * (1.0 / 16.0)
-
-
 def gathers_words(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
     """Whether stage 1 gathers the pool as int32 words and widens them itself (``widen_e4m3_words``):
     an e4m3 pool under bf16 queries, every stride and the base 4-byte aligned."""
