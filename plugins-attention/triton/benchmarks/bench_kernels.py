@@ -29,7 +29,7 @@ from triton.testing import do_bench
 
 import engine_attention_triton.extend_attention as extend_module
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
-from engine_attention_triton.extend_attention import default_extend_config, extend_attention_fwd
+from engine_attention_triton.extend_attention import default_extend_config, extend_attention_fwd, gather_widened
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 DTYPE = torch.bfloat16
@@ -156,7 +156,10 @@ def bench_extend_fp8(bs: int, ext: int) -> list[str]:
     """A prefill chunk over an e4m3 pool without prefix: the new tokens' K/V as the backend passes
     them (gathered back from the pool, e4m3) widened inside the kernel (``WIDEN_NEW_KV_FIRST``
     switched off for that row) against the same values widened to bf16 first (exact), with that
-    widening's own time; all at the default tiles, then the bf16 K/V at ``EXTEND_CONFIGS``."""
+    widening's own time; all at the default tiles, then the bf16 K/V at ``EXTEND_CONFIGS``. First the
+    bf16 K/V in the plain launch order and with the last query blocks first (``HEAVY_BLOCKS_FIRST``),
+    and the new tokens' read-back from the e4m3 pool: gather and cast in torch ops against
+    ``gather_widened``."""
     tokens = bs * ext
     q = torch.randn(tokens, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=DEV)
     k8 = torch.randn(tokens, NUM_KV_HEADS, HEAD_DIM, device=DEV).to(torch.float8_e4m3fn)
@@ -178,8 +181,22 @@ def bench_extend_fp8(bs: int, ext: int) -> list[str]:
         finally:
             extend_module.WIDEN_NEW_KV_FIRST = saved
 
+    def plain_order() -> None:
+        saved, extend_module.HEAVY_BLOCKS_FIRST = extend_module.HEAVY_BLOCKS_FIRST, False
+        try:
+            extend_attention_fwd(q, kb, vb, out, k_pool, v_pool, req_to_token, reqs, zeros, lens, starts, ext,
+                                 HEAD_DIM**-0.5)
+        finally:
+            extend_module.HEAVY_BLOCKS_FIRST = saved
+
+    loc = req_to_token[:, :ext].reshape(-1).long()  # the new tokens' slots, as out_cache_loc
     lines = []
     for name, fn in (
+        ("bf16 k/v plain block order", plain_order),
+        ("bf16 k/v heavy blocks first", lambda: extend_attention_fwd(q, kb, vb, out, k_pool, v_pool, req_to_token,
+                                                                     reqs, zeros, lens, starts, ext, HEAD_DIM**-0.5)),
+        ("gather + widen (torch ops)", lambda: (k_pool8[loc].to(DTYPE), v_pool8[loc].to(DTYPE))),
+        ("gather_widened (one launch)", lambda: gather_widened(k_pool8, v_pool8, loc, DTYPE)),
         ("e4m3 k/v (in the kernel)", widened_inside),
         ("bf16 k/v (widened first)", lambda: extend_attention_fwd(q, k8.to(DTYPE), v8.to(DTYPE), out, k_pool, v_pool,
                                                                   req_to_token, reqs, zeros, lens, starts, ext,

@@ -11,8 +11,9 @@ graphs are off (a prefill runs eagerly anyway). Per chunk: the unprofiled wall t
 and its sampling (median of ``--reps``), the sum of its kernel times, then milliseconds by class and
 the GEMMs by projection (from the shapes of the aten op that launched each GEMM kernel).
 
-``--fast-accum`` also profiles each chunk with ``gemm.SCALED_MM_FAST_ACCUM`` set (the fp8 GEMMs
-accumulate without float32 promotion), in the same process, after the default.
+``--variant LABEL:module.ATTR=VALUE`` profiles each chunk again with module switches set (a
+before/after in one process, one model load), e.g. ``--fast-accum``: ``gemm.SCALED_MM_FAST_ACCUM``
+(the fp8 GEMMs accumulate without float32 promotion).
 """
 
 from __future__ import annotations
@@ -130,8 +131,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--chunks", default="8192", help="prefill chunk sizes in tokens, comma separated")
     ap.add_argument("--reps", type=int, default=3, help="unprofiled runs of each chunk (the median is printed)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL:MODULE.ATTR=VALUE[;...]",
+                    help="after the default, profile each chunk again with these module attributes set (a Python "
+                         "literal each; restored after), e.g. 'plain:engine_attention_triton.extend_attention."
+                         "HEAVY_BLOCKS_FIRST=False'; repeatable")
     ap.add_argument("--fast-accum", action="store_true",
-                    help="also profile each chunk with the fp8 GEMMs' use_fast_accum on")
+                    help="shorthand for --variant 'use_fast_accum:engine_quant_fp8.gemm.SCALED_MM_FAST_ACCUM=True'")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON")
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -146,19 +151,40 @@ def main() -> None:
     sched = Scheduler(args, a.config_dir, None)
     on_gpu = sched.runner.device.type == "cuda"
     names = projections(a.config_dir)
-    for tokens in chunks:
-        profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, "default")
+    variants = [("default", [])] + [parse_variant(v) for v in a.variant]
     if a.fast_accum:
-        from engine_quant_fp8 import gemm
+        variants.append(parse_variant("use_fast_accum:engine_quant_fp8.gemm.SCALED_MM_FAST_ACCUM=True"))
+    for label, sets in variants:
+        saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
+        try:
+            for mod, attr, value in sets:
+                setattr(mod, attr, value)
+            for tokens in chunks:
+                profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, label)
+        except RuntimeError as exc:  # a variant the device or torch build cannot run
+            print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+        finally:
+            for mod, attr, value in saved:
+                setattr(mod, attr, value)
 
-        gemm.SCALED_MM_FAST_ACCUM = True
-        for tokens in chunks:
-            try:
-                profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, "use_fast_accum")
-            except RuntimeError as exc:
-                print(f"use_fast_accum: {str(exc)[:200]}", flush=True)
-                break
 
+def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
+    """``LABEL:pkg.module.ATTR=VALUE;...`` -> (label, [(module, attr, value), ...])."""
+    import ast
+    import importlib
+
+    label, _, body = text.partition(":")
+    sets = []
+    for item in filter(None, body.split(";")):
+        path, eq, value = item.partition("=")
+        module, _, attr = path.strip().rpartition(".")
+        if not eq or not module:
+            raise SystemExit(f"profile_prefill.py: error: --variant {text!r}: expected LABEL:module.ATTR=VALUE")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, attr):
+            raise SystemExit(f"profile_prefill.py: error: --variant {text!r}: {module} has no attribute {attr}")
+        sets.append((mod, attr, ast.literal_eval(value.strip())))
+    return label, sets
 
 if __name__ == "__main__":
     main()

@@ -33,13 +33,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.attention import AttentionBackend, AttentionContext, AttentionLayerInfo
-from engine_attention_triton import interpreting
+from engine_attention_triton import extend_attention, interpreting
 from engine_attention_triton.decode_attention import (
     choose_num_kv_splits,
     decode_attention_fwd,
     has_pdl,
 )
-from engine_attention_triton.extend_attention import extend_attention_fwd, warm_extend
+from engine_attention_triton.extend_attention import (
+    extend_attention_fwd,
+    gather_widened,
+    warm_extend,
+)
 from engine_attention_triton.mla_attention import mla_decode_fwd, mla_extend_fwd, mla_head_blocks
 
 logger = logging.getLogger(__name__)
@@ -218,7 +222,10 @@ class TritonAttnBackend(AttentionBackend):
         k_buffer, v_buffer = self.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         if k is not None and v is not None and save_kv_cache:
             self.save_kv(layer, forward_batch, k, v)
-        if k is None or v is None or self.kv_fp8:
+        if self.kv_fp8 and extend_attention.WIDEN_NEW_KV_FIRST and extend_attention.GATHER_WIDENED:
+            # The new tokens are attended as stored (quantized): read back and widened in one launch.
+            k_new, v_new = gather_widened(k_buffer, v_buffer, forward_batch.out_cache_loc, q.dtype)
+        elif k is None or v is None or self.kv_fp8:
             # The layer re-uses K/V already in the pool, or the pool is fp8 and the new tokens
             # are attended as stored (quantized): read them from there.
             loc = forward_batch.out_cache_loc

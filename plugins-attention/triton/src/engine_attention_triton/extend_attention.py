@@ -78,10 +78,17 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TREE_MASK: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr,
 ):
     head = tl.program_id(0)
-    m_start = tl.program_id(1) * BLOCK_M
-    row = tl.program_id(2).to(tl.int64)
+    if HEAVY_FIRST:
+        # Grid (heads, rows, query blocks), the last query blocks (the most causal work) launched
+        # first, so the light ones fill the end of the launch instead of a few heavy ones alone.
+        row = tl.program_id(1).to(tl.int64)
+        m_start = (tl.num_programs(2) - 1 - tl.program_id(2)) * BLOCK_M
+    else:
+        m_start = tl.program_id(1) * BLOCK_M
+        row = tl.program_id(2).to(tl.int64)
 
     ext_len = tl.load(Extend_Lens + row).to(tl.int32)
     # The grid covers the longest row; shorter rows have nothing in their later blocks.
@@ -196,6 +203,14 @@ def _extend_kernel(
 #: H200, 8 x 1,024 new tokens at Llama-3-8B heads over an e4m3 pool: 313 us + 58 us for the
 #: widening against 403 us widening in the kernel (benchmarks/bench_kernels.py --extend-fp8).
 WIDEN_NEW_KV_FIRST = True
+#: ... and the backend reads them back from the pool widened in one launch (``gather_widened``)
+#: instead of a gather and a cast of K and of V.
+GATHER_WIDENED = True
+
+
+#: Launch each row's last query blocks first (``_extend_kernel``'s HEAVY_FIRST): under the causal
+#: mask block j of a row attends to j + 1 blocks of keys.
+HEAVY_BLOCKS_FIRST = True
 
 
 #: Extends at least this long (prefill chunks) take 128-row tiles (``default_extend_config``).
@@ -297,7 +312,8 @@ def extend_attention_fwd(
         # Unused (TREE_MASK is off); any tensor stands in for the pointers.
         tree_mask = tree_mask_indptr = extend_seq_lens
 
-    grid = (num_heads, triton.cdiv(max_extend_len, block_m), batch)
+    m_blocks = triton.cdiv(max_extend_len, block_m)
+    grid = (num_heads, batch, m_blocks) if HEAVY_BLOCKS_FIRST else (num_heads, m_blocks, batch)
     _extend_kernel[grid](
         q, k, v, out, k_buffer, v_buffer, req_to_token,
         req_pool_indices, prefix_lens, extend_seq_lens, extend_start_loc,
@@ -321,9 +337,42 @@ def extend_attention_fwd(
         HAS_CAP=logit_cap > 0,
         DOT_PRECISION=dot_precision(q.dtype),
         TREE_MASK=has_tree,
+        HEAVY_FIRST=HEAVY_BLOCKS_FIRST,
         num_warps=num_warps,
         num_stages=num_stages,
     )
+
+
+@triton.jit
+def _gather_widen_kernel(K_Buf, V_Buf, Loc, K_Out, V_Out, stride_kbt, stride_vbt,
+                         K_ROW: tl.constexpr, V_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    # One program per new token: its pool row of K and of V (all KV heads), widened.
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Loc + t).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    k = tl.load(K_Buf + slot * stride_kbt + offs, mask=offs < K_ROW)
+    tl.store(K_Out + t * K_ROW + offs, k.to(K_Out.dtype.element_ty), mask=offs < K_ROW)
+    offs = tl.arange(0, BLOCK_V)
+    v = tl.load(V_Buf + slot * stride_vbt + offs, mask=offs < V_ROW)
+    tl.store(V_Out + t * V_ROW + offs, v.to(V_Out.dtype.element_ty), mask=offs < V_ROW)
+
+
+def gather_widened(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
+                   dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``k_buffer[loc].to(dtype), v_buffer[loc].to(dtype)`` in one launch: an fp8 pool's new tokens
+    read back and widened (exact) for the extend kernel, instead of two gathers and two casts.
+    Pool rows whose heads are not back to back take the torch ops."""
+    n = loc.shape[0]
+    k_out = torch.empty((n, *k_buffer.shape[1:]), dtype=dtype, device=k_buffer.device)
+    v_out = torch.empty((n, *v_buffer.shape[1:]), dtype=dtype, device=v_buffer.device)
+    if not (k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous()):
+        return k_buffer[loc].to(dtype), v_buffer[loc].to(dtype)
+    if n:
+        k_row, v_row = k_buffer[0].numel(), v_buffer[0].numel()
+        _gather_widen_kernel[(n,)](k_buffer, v_buffer, loc, k_out, v_out, k_buffer.stride(0), v_buffer.stride(0),
+                                   K_ROW=k_row, V_ROW=v_row, BLOCK_K=triton.next_power_of_2(k_row),
+                                   BLOCK_V=triton.next_power_of_2(v_row), num_warps=4)
+    return k_out, v_out
 
 
 @torch.no_grad()
@@ -337,6 +386,8 @@ def warm_extend(q_dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int,
     first use, inside the first requests (a second or so each on an H200 host)."""
     device = k_buffer.device
     num_kv_heads = k_buffer.shape[1]
+    if k_buffer.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        gather_widened(k_buffer, v_buffer, torch.zeros(16, dtype=torch.int64, device=device), q_dtype)
     for n in (LONG_EXTEND, 16):
         q = torch.zeros(n, num_heads, head_dim, dtype=q_dtype, device=device)
         k = torch.zeros(n, num_kv_heads, head_dim, dtype=k_buffer.dtype, device=device)
@@ -347,4 +398,4 @@ def warm_extend(q_dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int,
                              logit_cap, sliding_window_size)
 
 
-__all__ = ["default_extend_config", "extend_attention_fwd", "warm_extend"]
+__all__ = ["default_extend_config", "extend_attention_fwd", "gather_widened", "warm_extend"]
