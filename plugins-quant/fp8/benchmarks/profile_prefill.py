@@ -161,7 +161,7 @@ def main() -> None:
                 setattr(mod, attr, value)
             for tokens in chunks:
                 profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, label)
-        except RuntimeError as exc:  # a variant the device or torch build cannot run
+        except Exception as exc:  # noqa: BLE001 - a variant the device or torch build cannot run: the next one
             print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         finally:
             for mod, attr, value in saved:
