@@ -209,13 +209,7 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
             ids, req.mm_items = self.process_media_sync(text, media, True, "text")
             return ids
         if req.input_ids is not None:
-            ids = req.input_ids
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise RequestError("input_ids: expected a list of integers", "input_ids")
-            bad = next((t for t in ids if not 0 <= t < self.ready.vocab_size), None)
-            if bad is not None:
-                raise RequestError(f"input_ids: token id {bad} is outside the vocabulary (0..{self.ready.vocab_size - 1})", "input_ids")
-            return list(ids)
+            return self._checked_ids(req.input_ids)
         if req.text is None:
             raise RequestError("either text or input_ids is required", "text")
         if not isinstance(req.text, str):
@@ -226,6 +220,23 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
             return self.pool.encode_sync(req.text)
         except TextTooLongError as exc:
             raise RequestError(f"text: {exc}", "text") from None
+
+    def _checked_ids(self, ids: Any) -> list[int]:
+        """A copy of a prompt's token ids after checking they are ints (not bools) in the vocabulary.
+
+        The common case is checked by C-level passes (map, count, min, max) rather than a Python
+        loop per id: a burst of 1,000 prompts of 1,024 ids spent ~0.5 ms a prompt here on the HTTP
+        process's one core, while the scheduler waited for its first prefill chunk."""
+        vocab = self.ready.vocab_size
+        if not isinstance(ids, list):
+            raise RequestError("input_ids: expected a list of integers", "input_ids")
+        if list(map(type, ids)).count(int) != len(ids):  # some id is not exactly an int: the full check
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise RequestError("input_ids: expected a list of integers", "input_ids")
+        if ids and (min(ids) < 0 or max(ids) >= vocab):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise RequestError(f"input_ids: token id {bad} is outside the vocabulary (0..{vocab - 1})", "input_ids")
+        return list(ids)
 
     async def tokenize_async(self, req: GenerateRequest) -> list[int]:
         """``tokenize`` with long texts on the tokenizer pool (the event loop stays free)."""
