@@ -22,7 +22,10 @@ a fraction of ``--peak``, for:
   ``qk`` 0 (``tl.dot``, the group's query heads padded to 16 rows) or 1 (broadcast multiply and sum
   in float32 over the 4 heads, also for P times V); ``n`` keys a block; ``nw`` warps; ``ns`` stages;
   ``vl`` 1: V's gather issued after the scores instead of beside K's; ``mr`` a register cap per thread
-  (Triton's ``maxnreg``: more programs resident on an SM, perhaps with spills; 0: none).
+  (Triton's ``maxnreg``: more programs resident on an SM, perhaps with spills; 0: none); ``pf`` 1: the
+  next block's K/V gathered into registers (the loop carries them) instead of Triton's pipelining
+  through shared memory (use with ``ns=1``): the widened tile's trip to the tensor-core layout is
+  then the only one through shared memory.
 
 Attending variants also report their output's largest difference from ``fp8 default``'s.
 """
@@ -47,6 +50,8 @@ GROUP = NUM_HEADS // NUM_KV_HEADS
 DEFAULT_VARIANTS = [
     "work=0,cvt=3", "work=1,cvt=0", "work=1,cvt=1", "work=1,cvt=3",
     "cvt=1", "cvt=0", "cvt=3", "cvt=2",
+    "work=0,cvt=3,pf=1,ns=1", "cvt=3,pf=1,ns=1", "cvt=3,pf=1,ns=1,nw=4", "cvt=3,pf=1,ns=1,n=16",
+    "cvt=3,pf=1,ns=1,n=64,nw=4", "cvt=0,pf=1,ns=1", "cvt=3,pf=1,ns=1,n=16,nw=4",
     "cvt=3,nw=4", "cvt=3,n=16", "cvt=3,n=16,nw=4", "cvt=3,n=64,nw=4", "cvt=3,ns=4", "cvt=3,ns=2", "cvt=3,mr=128",
     "cvt=3,n=64,nw=4,ns=4", "cvt=3,vl=1", "cvt=3,n=16,ns=4", "cvt=3,nw=1,n=16",
     "cvt=1,mr=128", "cvt=1,n=16", "cvt=1,nw=4", "cvt=0,nw=4", "cvt=0,mr=96",
@@ -74,7 +79,7 @@ def _widen(x, CVT: tl.constexpr):
 def _variant_kernel(Q, K, V, Slots, Out, sm_scale, stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                     stride_ob, stride_oh, CTX: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_N: tl.constexpr, D: tl.constexpr, WORK: tl.constexpr, CVT: tl.constexpr,
-                    QK: tl.constexpr, VL: tl.constexpr):
+                    QK: tl.constexpr, VL: tl.constexpr, PF: tl.constexpr):
     kv_head = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -98,13 +103,30 @@ def _variant_kernel(Q, K, V, Slots, Out, sm_scale, stride_qb, stride_qh, stride_
     raw = tl.zeros([D // 4], tl.int32)
     wide = tl.zeros([BLOCK_N, D], tl.float16 if CVT == 1 or CVT == 3 else tl.bfloat16)
     scale = sm_scale * 1.4426950408889634
-    for start in range(0, CTX, BLOCK_N):
+    if PF:
         loc = loc_nx.to(tl.int64)
-        offs_nx = start + BLOCK_N + tl.arange(0, BLOCK_N)
+        k_nx = tl.load(k_base + loc[:, None] * stride_kt)
+        v_nx = tl.load(v_base + loc[:, None] * stride_vt)
+        offs_nx = BLOCK_N + tl.arange(0, BLOCK_N)
         loc_nx = tl.load(slots + offs_nx, mask=offs_nx < CTX, other=0)
-        k = tl.load(k_base + loc[:, None] * stride_kt)
-        if VL == 0:
-            v = tl.load(v_base + loc[:, None] * stride_vt)
+    for start in range(0, CTX, BLOCK_N):
+        if PF:
+            # The next block's K/V gathered into registers while this one is attended.
+            k = k_nx
+            v = v_nx
+            live = (start + BLOCK_N + tl.arange(0, BLOCK_N)) < CTX
+            loc = loc_nx.to(tl.int64)
+            k_nx = tl.load(k_base + loc[:, None] * stride_kt, mask=live[:, None], other=0)
+            v_nx = tl.load(v_base + loc[:, None] * stride_vt, mask=live[:, None], other=0)
+            offs_nx = start + 2 * BLOCK_N + tl.arange(0, BLOCK_N)
+            loc_nx = tl.load(slots + offs_nx, mask=offs_nx < CTX, other=0)
+        else:
+            loc = loc_nx.to(tl.int64)
+            offs_nx = start + BLOCK_N + tl.arange(0, BLOCK_N)
+            loc_nx = tl.load(slots + offs_nx, mask=offs_nx < CTX, other=0)
+            k = tl.load(k_base + loc[:, None] * stride_kt)
+            if VL == 0:
+                v = tl.load(v_base + loc[:, None] * stride_vt)
         if WORK == 0:
             raw += tl.sum(k + v, 0)
         else:
@@ -139,12 +161,14 @@ def _variant_kernel(Q, K, V, Slots, Out, sm_scale, stride_qb, stride_qh, stride_
 
 
 def parse_variant(spec: str) -> dict[str, int]:
-    cfg = {"work": 2, "cvt": 1, "qk": 0, "n": 32, "nw": 2, "ns": 3, "vl": 0, "mr": 0}
+    cfg = {"work": 2, "cvt": 1, "qk": 0, "n": 32, "nw": 2, "ns": 3, "vl": 0, "mr": 0, "pf": 0}
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key not in cfg:
             raise SystemExit(f"variant {spec!r}: unknown key {key!r}; accepted: {', '.join(cfg)}")
         cfg[key] = int(value)
+    if cfg["pf"] and cfg["vl"]:
+        raise SystemExit(f"variant {spec!r}: pf=1 gathers V beside K")
     if cfg["work"] == 0 and cfg["cvt"] not in (0, 3):
         raise SystemExit(f"variant {spec!r}: work=0 sums the raw words: it needs cvt=0 or 3")
     return cfg
@@ -180,7 +204,7 @@ class Pool:
             self.q, k, v, self.slots, self.out, HEAD_DIM**-0.5, self.q.stride(0), self.q.stride(1), k.stride(0),
             k.stride(1), v.stride(0), v.stride(1), self.out.stride(0), self.out.stride(1), CTX=self.ctx, GROUP=GROUP,
             BLOCK_H=block_h, BLOCK_N=cfg["n"], D=HEAD_DIM, WORK=cfg["work"], CVT=cfg["cvt"], QK=cfg["qk"],
-            VL=cfg["vl"], num_warps=cfg["nw"], num_stages=cfg["ns"], **({"maxnreg": cfg["mr"]} if cfg["mr"] else {}))
+            VL=cfg["vl"], PF=cfg["pf"], num_warps=cfg["nw"], num_stages=cfg["ns"], **({"maxnreg": cfg["mr"]} if cfg["mr"] else {}))
 
     def gather(self):
         words = self.k.view(torch.int32)
