@@ -161,3 +161,40 @@ def test_a_replaced_weight_ends_the_fold(monkeypatch: pytest.MonkeyPatch) -> Non
     new = torch.randn(hidden, hidden, generator=gen)
     o_proj.weight.data = new.clone()
     torch.testing.assert_close(o_proj(x), x @ new.T + update, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fold_rows", [8, 0])
+def test_each_fold_releases_the_replaced_weight(fold_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``attach_lora``'s ``release`` (the platform's ``empty_cache``) runs right after each layer
+    folds, when that layer's weight already lives in its ``[W; A]`` and the next layer has not
+    folded yet (a cached old weight would take the next layers' smaller buffers and could then not
+    be given back); layers that do not fold release nothing."""
+    import engine.layers.linear as linear
+    import engine.lora.layers
+    from engine.lora.layers import LoraState, attach_lora
+
+    monkeypatch.setattr(engine.lora.layers, "FOLD_MAX_EXTRA", 1.0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList()
+    for _ in range(2):
+        block = torch.nn.Module()
+        block.qkv_proj = linear.QKVParallelLinear(32, 8, 4, 2)
+        block.o_proj = linear.RowParallelLinear(32, 32)
+        model.layers.append(block)
+    modules = [m for block in model.layers for m in (block.qkv_proj, block.o_proj)]
+    before = [m.weight.data_ptr() for m in modules]
+    moved: list[list[bool]] = []
+
+    def release() -> None:
+        moved.append([m.weight.data_ptr() != ptr for m, ptr in zip(modules, before, strict=True)])
+
+    backend = _Reference()
+    backend.fold_max_rows = fold_rows
+    layers = attach_lora(model, {"q_proj", "k_proj", "v_proj", "o_proj"}, LoraState(backend), 2, 4,
+                         torch.float32, torch.device("cpu"), release)
+    assert len(layers) == 4
+    if not fold_rows:
+        assert moved == [] and all(layer.fold_weight is None for layer in layers.values())
+        return
+    assert moved == [[i < k for i in range(4)] for k in range(1, 5)]
+    assert [m.weight.data_ptr() for m in modules] == [layer.fold_weight.data_ptr() for layer in layers.values()]

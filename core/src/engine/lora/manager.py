@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,8 @@ class HostAdapter:
 
 class LoraManager:
     def __init__(self, model: Any, backend: LoraBackend, targets: set[str], max_rank: int, num_slots: int,
-                 dtype: torch.dtype, device: torch.device, layer_range: tuple[int, int]) -> None:
+                 dtype: torch.dtype, device: torch.device, layer_range: tuple[int, int],
+                 release: Callable[[], None] | None = None) -> None:
         self.state = LoraState(backend)
         self.targets = set(targets)
         self.max_rank = max_rank
@@ -51,7 +53,7 @@ class LoraManager:
         #: decoder layers on this rank's pipeline stage: [start, end).
         self.layer_range = layer_range
         self.layers: dict[str, LoraLayer] = attach_lora(model, self.targets, self.state, num_slots + 1,
-                                                         max_rank, dtype, device)
+                                                         max_rank, dtype, device, release)
         if not self.layers:
             raise LoraAdapterError(f"--lora-target-modules {' '.join(sorted(targets))}: the model has no such "
                                    "projection that takes LoRA weights")

@@ -35,7 +35,11 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
     max_rank, targets = served_rank_and_targets(args)
     backend = plugins.create_lora_backend(args.lora_backend, platform.device_type, args.disable_plugin,
                                           args.plugin_options)
-    manager = LoraManager(model, backend, targets, max_rank, args.max_loras_per_batch, dtype, device, layer_range)
+    free_before = platform.memory_info(device)[0] if device.type != "cpu" else 0
+    # Each folded layer's replaced weight is given back at once (attach_lora's ``release``), before
+    # the KV pool is sized from the device's free memory.
+    manager = LoraManager(model, backend, targets, max_rank, args.max_loras_per_batch, dtype, device, layer_range,
+                          release=platform.empty_cache)
     _unfuse_activation_quant(model)
     slot_bytes = sum(buf.numel() * buf.element_size() for layer in manager.layers.values()
                      for buf in (layer.a_buffer, layer.b_buffer))
@@ -43,11 +47,15 @@ def create_lora_manager(args: Any, model: torch.nn.Module, platform: Any, dtype:
                 args.max_loras_per_batch, max_rank, " ".join(sorted(targets)), len(manager.layers), slot_bytes / 2**20)
     folded = [layer for layer in manager.layers.values() if layer.fold_weight is not None]
     if folded:
-        # The weights the folded buffers replaced went to the allocator's cache: give them back
-        # before the KV pool is sized from the device's free memory.
-        platform.empty_cache()
         logger.info("LoRA: shrink folded into the base GEMM on %d of %d layers, for batches of %d to %d tokens",
                     len(folded), len(manager.layers), folded[0].fold_min_rows, folded[0].fold_max_rows)
+    if device.type != "cpu":
+        platform.empty_cache()
+        # What the slots (and the folds) took from the device: the slots' bytes when nothing is
+        # left behind in the allocator's cache.
+        taken = free_before - platform.memory_info(device)[0]
+        logger.info("LoRA: device memory taken by the slots%s: %.2f GiB for %.2f GiB of slots",
+                    " and folds" if folded else "", taken / 2**30, slot_bytes / 2**30)
     return manager
 
 
