@@ -235,7 +235,15 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
         else:
-            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
+            # With shared experts in the launches, gate/up reads only their weights before its
+            # wait: the top-k lets it start at once.
+            first = False
+            if shared is not None:  # fuses_shared: CUDA with Triton, the small-batch kernels
+                from engine.layers.moe import small_batch
+
+                first = small_batch.SHARED_FIRST
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl,
+                                                    trigger_first=first)
             topk_ids = self.local_expert_ids(topk_ids)
         self.shared_weights = shared
         try:
