@@ -12,8 +12,9 @@ and its sampling (median of ``--reps``), the sum of its kernel times, then milli
 the GEMMs by projection (from the shapes of the aten op that launched each GEMM kernel).
 
 ``--variant LABEL:module.ATTR=VALUE`` profiles each chunk again with module switches set (a
-before/after in one process, one model load), e.g. ``--fast-accum``: ``gemm.SCALED_MM_FAST_ACCUM``
-(the fp8 GEMMs accumulate without float32 promotion).
+before/after in one process, one model load), ``quant_config.ATTR`` sets it on the model's quantization
+config, e.g. ``--fast-accum``: ``fast_accum`` (the fp8 plugin option: the fp8 GEMMs accumulate
+without float32 promotion).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def main() -> None:
                          "literal each; restored after), e.g. 'plain:engine_attention_triton.extend_attention."
                          "HEAVY_BLOCKS_FIRST=False'; repeatable")
     ap.add_argument("--fast-accum", action="store_true",
-                    help="shorthand for --variant 'use_fast_accum:engine_quant_fp8.gemm.SCALED_MM_FAST_ACCUM=True'")
+                    help="shorthand for --variant 'use_fast_accum:quant_config.fast_accum=True' (the fp8 plugin's "
+                         "fast_accum option on the loaded model)")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON")
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -151,9 +153,11 @@ def main() -> None:
     sched = Scheduler(args, a.config_dir, None)
     on_gpu = sched.runner.device.type == "cuda"
     names = projections(a.config_dir)
-    variants = [("default", [])] + [parse_variant(v) for v in a.variant]
+    quant_configs = {id(c): c for m in sched.runner.model.modules()
+                     for c in [getattr(getattr(m, "quant_method", None), "config", None)] if c is not None}
+    variants = [("default", [])] + [parse_variant(v, list(quant_configs.values())) for v in a.variant]
     if a.fast_accum:
-        variants.append(parse_variant("use_fast_accum:engine_quant_fp8.gemm.SCALED_MM_FAST_ACCUM=True"))
+        variants.append(parse_variant("use_fast_accum:quant_config.fast_accum=True", list(quant_configs.values())))
     for label, sets in variants:
         saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
         try:
@@ -168,8 +172,10 @@ def main() -> None:
                 setattr(mod, attr, value)
 
 
-def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
-    """``LABEL:pkg.module.ATTR=VALUE;...`` -> (label, [(module, attr, value), ...])."""
+def parse_variant(text: str, quant_configs: list[Any]) -> tuple[str, list[tuple[Any, str, Any]]]:
+    """``LABEL:pkg.module.ATTR=VALUE;...`` -> (label, [(object, attr, value), ...]); the module
+    ``quant_config`` stands for the model's quantization config objects (every linear's
+    ``quant_method.config``), e.g. ``quant_config.fast_accum=True``."""
     import ast
     import importlib
 
@@ -180,10 +186,10 @@ def parse_variant(text: str) -> tuple[str, list[tuple[Any, str, Any]]]:
         module, _, attr = path.strip().rpartition(".")
         if not eq or not module:
             raise SystemExit(f"profile_prefill.py: error: --variant {text!r}: expected LABEL:module.ATTR=VALUE")
-        mod = importlib.import_module(module)
-        if not hasattr(mod, attr):
+        targets = quant_configs if module == "quant_config" else [importlib.import_module(module)]
+        if not targets or not all(hasattr(t, attr) for t in targets):
             raise SystemExit(f"profile_prefill.py: error: --variant {text!r}: {module} has no attribute {attr}")
-        sets.append((mod, attr, ast.literal_eval(value.strip())))
+        sets.extend((t, attr, ast.literal_eval(value.strip())) for t in targets)
     return label, sets
 
 if __name__ == "__main__":

@@ -64,6 +64,9 @@ class Fp8Config(QuantizationConfig):
     #: activations of the linears they feed (``engine_quant_fp8.fused``) instead of a separate
     #: launch per linear (plugin option ``fp8.fuse_activation_quant``).
     fuse_activation_quant: bool = True
+    #: ``torch._scaled_mm``'s ``use_fast_accum`` for the fp8 x fp8 GEMMs above
+    #: ``gemm.W8A8_TRITON_MAX_M`` tokens (plugin option ``fp8.fast_accum``).
+    fast_accum: bool = False
 
     name = "fp8"
 
@@ -96,8 +99,9 @@ class Fp8Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any], options: dict[str, Any] | None = None) -> Fp8Config:
         """``{}`` (on-the-fly) or a checkpoint's ``quantization_config``; ``options``: the plugin's."""
         fuse = bool((options or {}).get("fuse_activation_quant", True))
+        fast = bool((options or {}).get("fast_accum", False))
         if not config:
-            return cls(fuse_activation_quant=fuse)
+            return cls(fuse_activation_quant=fuse, fast_accum=fast)
         method = config.get("quant_method", "fp8")
         if method != "fp8":
             raise ModelLoadError(f"plugserve-quant-fp8: quantization_config.quant_method is '{method}'; accepted: fp8")
@@ -112,7 +116,8 @@ class Fp8Config(QuantizationConfig):
                                  "accepted: [rows, cols], e.g. [128, 128]")
         return cls(checkpoint_serialized=True, activation_scheme=scheme, ignored=tuple(ignored),
                    weight_strategy="block" if block is not None else "tensor",
-                   weight_block_size=tuple(block) if block is not None else None, fuse_activation_quant=fuse)
+                   weight_block_size=tuple(block) if block is not None else None, fuse_activation_quant=fuse,
+                   fast_accum=fast)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         # Layers in ignored_layers() never get here: the layer SDK leaves them unquantized.

@@ -56,8 +56,9 @@ W8A8_TRITON_MAX_M = 128
 #: Block-wise scales: the weight-only kernel up to this many tokens, above it per-token-group (1 x bk)
 #: activation quantization and the block-scaled Triton fp8 x fp8 GEMM.
 BLOCK_WEIGHT_ONLY_MAX_M = 32
-#: ``torch._scaled_mm``'s ``use_fast_accum``: accumulate in the fp8 tensor cores' own accumulator
-#: instead of promoting partial sums to float32 along K.
+#: ``torch._scaled_mm``'s ``use_fast_accum`` where the caller passes none (``fast_accum=None``):
+#: accumulate in the fp8 tensor cores' own accumulator instead of promoting partial sums to float32
+#: along K. ``Fp8LinearMethod`` passes its plugin option ``fp8.fast_accum``.
 SCALED_MM_FAST_ACCUM = False
 
 
@@ -108,7 +109,7 @@ def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-               block_size: tuple[int, int] | None = None) -> torch.Tensor:
+               block_size: tuple[int, int] | None = None, fast_accum: bool | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` in ``x.dtype``.
 
     Args:
@@ -120,6 +121,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         input_scale: a static per-tensor activation scale; None quantizes per token.
             Only the ``torch._scaled_mm`` path quantizes activations at all.
         block_size: ``(bn, bk)`` for block-wise scales, else None.
+        fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` (None: ``SCALED_MM_FAST_ACCUM``).
     """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
@@ -134,14 +136,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
         out = w8a8_linear(x2d, weight, weight_scale, bias, block_size, input_scale)
     else:
-        out = _scaled_mm_linear(x2d.contiguous(), weight, weight_scale, input_scale)
+        out = _scaled_mm_linear(x2d.contiguous(), weight, weight_scale, input_scale, fast_accum)
         if bias is not None:
             out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, fast_accum: bool | None = None) -> torch.Tensor:
     """``fp8_linear`` for activations its producer already quantized per token
     (``engine_quant_fp8.fused``): the fp8 x fp8 GEMM without the quantization launch; per-channel
     weights only, at the token counts above ``WEIGHT_ONLY_MAX_M``."""
@@ -149,7 +151,7 @@ def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor, weight_sc
     if m > W8A8_TRITON_MAX_M and hasattr(torch, "_scaled_mm") and not (
             x.q.shape[1] % _SCALED_MM_ALIGN or weight.shape[0] % _SCALED_MM_ALIGN):
         out = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale[None, :], out_dtype=x.dtype,
-                               use_fast_accum=SCALED_MM_FAST_ACCUM)
+                               use_fast_accum=SCALED_MM_FAST_ACCUM if fast_accum is None else fast_accum)
         return out + bias if bias is not None else out
     from engine_quant_fp8.w8a8 import w8a8_gemm
 
@@ -171,11 +173,12 @@ def reference_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 def _scaled_mm_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      input_scale: torch.Tensor | None) -> torch.Tensor:
+                      input_scale: torch.Tensor | None, fast_accum: bool | None = None) -> torch.Tensor:
     qx, x_scale = quantize_per_token(x2d, input_scale)
     # Row-wise scales ([M, 1] per token, [1, N] per channel) are applied in the GEMM's
     # float32 epilogue: measured on an H100 (torch 2.11) this is ~2.4x faster than a
     # unit-scale GEMM followed by a separate rescale. ``weight.t()`` is the column-major
     # [in, out] operand cuBLASLt/CUTLASS want, without a copy.
     return torch._scaled_mm(qx, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
-                            out_dtype=x2d.dtype, use_fast_accum=SCALED_MM_FAST_ACCUM)
+                            out_dtype=x2d.dtype,
+                            use_fast_accum=SCALED_MM_FAST_ACCUM if fast_accum is None else fast_accum)

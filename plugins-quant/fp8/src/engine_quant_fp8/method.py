@@ -155,6 +155,6 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(x, QuantizedActivation):
-            return fp8_linear_quantized(x, layer.weight, layer.weight_scale, bias)
+            return fp8_linear_quantized(x, layer.weight, layer.weight_scale, bias, self.config.fast_accum)
         return fp8_linear(x, layer.weight, layer.weight_scale, bias, getattr(layer, "input_scale", None),
-                          self.config.weight_block_size)
+                          self.config.weight_block_size, self.config.fast_accum)
