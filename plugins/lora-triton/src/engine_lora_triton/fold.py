@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_lora_triton.kernels import _INTERPRETED, _product, _slice_of
+from engine_lora_triton.kernels import _INTERPRETED, _product, _tile_columns
 from engine_lora_triton.launch import _cdiv, _segment_passes, _slice_bounds, _slice_plan, sm_count
 
 
@@ -39,10 +39,7 @@ def _expand_folded_kernel(h_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_
                           BLOCK_R: tl.constexpr, WIDEN: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tile = tl.program_id(0)
-    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
+    cols, n_ok, y_col0 = _tile_columns(tl.program_id(0), tiles0, tiles01, off0, off1, off2, off3, R, BLOCK_N)
     toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = toks < num_tokens
     if ONE_TOKEN:

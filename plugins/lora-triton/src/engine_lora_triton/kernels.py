@@ -65,6 +65,16 @@ def _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R: tl.constexpr):
 
 
 @triton.jit
+def _tile_columns(tile, tiles0, tiles01, off0, off1, off2, off3, R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program ``tile`` of an expand whose programs each own ``BLOCK_N`` columns of one slice
+    (``_slice_of``): its output columns, which of them are inside the slice, and the slice's first
+    column of y."""
+    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
+    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return cols, cols < hi, y_col0
+
+
+@triton.jit
 def _shrink_kernel(x_ptr, a_ptr, y_ptr, seg_indptr_ptr, weight_indices_ptr, ranks_ptr,
                    stride_xt, stride_xk, stride_as, stride_ar, stride_ak, stride_ys, stride_yt, stride_yr,
                    ROWS: tl.constexpr, K: tl.constexpr, K_CHUNK: tl.constexpr, ROW_TILES: tl.constexpr,

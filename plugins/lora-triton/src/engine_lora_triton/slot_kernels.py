@@ -19,7 +19,30 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine_lora_triton.kernels import _product, _slice_of
+from engine_lora_triton.kernels import _product, _slice_of, _tile_columns
+
+
+@triton.jit
+def _segment_block(s0, num_segments, seg_indptr_ptr, weight_indices_ptr, BLOCK_S: tl.constexpr):
+    """Segments ``[s0, s0 + BLOCK_S)`` of the batch: which exist, their slots (-1 past the last
+    segment), and their first and end tokens (a decode batch's segments hold at most one)."""
+    segs = s0 + tl.arange(0, BLOCK_S)
+    s_ok = segs < num_segments
+    owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
+    tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
+    end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+    return s_ok, owner, tok, end
+
+
+@triton.jit
+def _gather_y(y_ptr, rows, y_col0, offs_r, y_mask, stride_ys, stride_yt, stride_yr, SPLITS: tl.constexpr):
+    """The tokens' ``rows`` of y from column ``y_col0`` (zero where ``y_mask`` is off), in float32:
+    y itself, or the per-slot shrink's ``SPLITS`` float32 partial sums of it added up."""
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
+    ysum = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    for sp in range(1, SPLITS):
+        ysum += tl.load(y_ptrs + sp * stride_ys, mask=y_mask, other=0.0)
+    return ysum
 
 
 @triton.jit
@@ -50,11 +73,7 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
         + offs_r[None, :] * stride_br
     scale = tl.load(scalings_ptr + slot)
     for s0 in tl.static_range(0, SEGS, BLOCK_S):
-        segs = s0 + tl.arange(0, BLOCK_S)
-        s_ok = segs < num_segments
-        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
-        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
-        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+        s_ok, owner, tok, end = _segment_block(s0, num_segments, seg_indptr_ptr, weight_indices_ptr, BLOCK_S)
         mine = s_ok & (owner == slot) & (end > tok)
         if PDL and s0 == 0:
             # The batch info, B and the scalings were written before the forward; y and out are
@@ -62,14 +81,9 @@ def _expand_slots_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
             tl.extra.cuda.gdc_wait()
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             rows = tok.to(tl.int64)
-            # y, or the per-slot shrink's SPLITS float32 partial sums of it (added here, rounded
-            # to B's dtype as a finished y would be).
-            y_ptrs = y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
-            y_mask = mine[:, None] & r_ok[None, :]
-            ysum = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            for sp in range(1, SPLITS):
-                ysum += tl.load(y_ptrs + sp * stride_ys, mask=y_mask, other=0.0)
-            yv = ysum.to(b_ptr.dtype.element_ty)
+            # (rounded to B's dtype as a finished y would be)
+            yv = _gather_y(y_ptr, rows, y_col0, offs_r, mine[:, None] & r_ok[None, :], stride_ys, stride_yt,
+                           stride_yr, SPLITS).to(b_ptr.dtype.element_ty)
             out_ptrs = out_ptr + rows[:, None] * stride_ot + (col0 + offs_n[None, :]) * stride_on
             for t in range(TILES):
                 n_ok = col0 + t * BLOCK_N + offs_n < hi
@@ -103,11 +117,7 @@ def _shrink_slots_kernel(x_ptr, a_ptr, p_ptr, seg_indptr_ptr, weight_indices_ptr
     a_ptrs = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar \
         + (chunk * K_CHUNK + offs_k[None, :]).to(tl.int64) * stride_ak
     for s0 in tl.static_range(0, SEGS, BLOCK_S):
-        segs = s0 + tl.arange(0, BLOCK_S)
-        s_ok = segs < num_segments
-        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=-1)
-        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
-        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+        s_ok, owner, tok, end = _segment_block(s0, num_segments, seg_indptr_ptr, weight_indices_ptr, BLOCK_S)
         mine = s_ok & (owner == slot) & (end > tok)
         if PDL and s0 == 0:
             # The batch info and A were written before the forward; x is the previous kernel's.
@@ -150,17 +160,10 @@ def _expand_dense_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
     # end. No store precedes a load, so the slots' B loads all go out together.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    tile = tl.program_id(0)
-    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
+    cols, n_ok, y_col0 = _tile_columns(tl.program_id(0), tiles0, tiles01, off0, off1, off2, off3, R, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     for s0 in tl.static_range(0, SEGS, BLOCK_S):
-        segs = s0 + tl.arange(0, BLOCK_S)
-        s_ok = segs < num_segments
-        owner = tl.load(weight_indices_ptr + segs, mask=s_ok, other=0)
-        tok = tl.load(seg_indptr_ptr + segs, mask=s_ok, other=0)
-        end = tl.load(seg_indptr_ptr + segs + 1, mask=s_ok, other=0)
+        s_ok, owner, tok, end = _segment_block(s0, num_segments, seg_indptr_ptr, weight_indices_ptr, BLOCK_S)
         # A token on a rank-0 slot (the base model) keeps its row of out as it is.
         live = s_ok & (end > tok) & (tl.load(ranks_ptr + owner, mask=s_ok, other=0) > 0)
         if PDL and s0 == 0:
@@ -169,12 +172,8 @@ def _expand_dense_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_p
             tl.extra.cuda.gdc_wait()
         if tl.sum(live.to(tl.int32), axis=0) > 0:
             rows = tok.to(tl.int64)
-            y_ptrs = y_ptr + rows[:, None] * stride_yt + (y_col0 + offs_r[None, :]) * stride_yr
-            y_mask = live[:, None] & (offs_r < R)[None, :]
-            ysum = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
-            for sp in range(1, SPLITS):  # the per-slot shrink's partial sums over K chunks
-                ysum += tl.load(y_ptrs + sp * stride_ys, mask=y_mask, other=0.0)
-            yv = ysum.to(b_ptr.dtype.element_ty)
+            yv = _gather_y(y_ptr, rows, y_col0, offs_r, live[:, None] & (offs_r < R)[None, :], stride_ys, stride_yt,
+                           stride_yr, SPLITS).to(b_ptr.dtype.element_ty)
             acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
             if NUM_SLOTS <= 32:
                 for s in tl.static_range(NUM_SLOTS):
