@@ -5,6 +5,8 @@ a CUDA graph replayed after the batch's slots change in place, as the engine's d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,15 +20,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEV = "cuda"
 SLOTS = 9
 LAYERS = {"qkv": (4096, (4096, 1024, 1024)), "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,))}
-
-
-def _info(lens: list[int], slots: list[int], ranks: list[int]) -> LoraBatchInfo:
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    return LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr.to(DEV),
-                         weight_indices=torch.tensor(slots, dtype=torch.int32, device=DEV),
-                         lora_ranks=torch.tensor(ranks, dtype=torch.int32, device=DEV),
-                         scalings=torch.rand(len(ranks), device=DEV) + 0.5, max_seg_len=max(lens))
 
 
 def _layer(r: int, k: int, widths: tuple[int, ...], ranks: list[int]) -> tuple[torch.Tensor, ...]:
@@ -56,12 +49,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor, rows: int) -> float:
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 @pytest.mark.parametrize("lens", [[1] * 64, [1], [1] * 60 + [0] * 4, [128], [5, 0, 60, 1]],
                          ids=["decode-64", "decode-1", "decode-padded", "prefill-128", "mixed"])
-def test_fold_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
+def test_fold_llama_shapes(r: int, layer: str, lens: list[int], batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(r + len(lens))
     ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
     k, widths = LAYERS[layer]
     w, a, b, offsets = _layer(r, k, widths, ranks)
-    info = _info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks)
+    info = batch_info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks, DEV)
     info.one_token_segments = set(lens) == {1}  # the engine's decode batches
     tokens = sum(lens) + (4 if lens[-1] == 0 else 0)  # padding rows past the last segment
     x = torch.randn(tokens, k, device=DEV).bfloat16()
@@ -73,12 +66,12 @@ def test_fold_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
     torch.testing.assert_close(got[sum(lens):], h[sum(lens):, :offsets[-1]])
 
 
-def test_fold_graph_replay_follows_the_slots() -> None:
+def test_fold_graph_replay_follows_the_slots(batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(1)
     ranks = [16] * (SLOTS - 1) + [0]
     k, widths = LAYERS["qkv"]
     w, a, b, offsets = _layer(16, k, widths, ranks)
-    info = _info([1] * 64, [i % 8 for i in range(64)], ranks)
+    info = batch_info([1] * 64, [i % 8 for i in range(64)], ranks, DEV)
     info.one_token_segments = True
     x = torch.randn(64, k, device=DEV).bfloat16()
     # As LoRA layers run it: the last slot, the base model's (rank 0), left out of the GEMM.

@@ -10,6 +10,7 @@ the kernel unrolls.
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -40,15 +41,11 @@ CASES = {
 
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_folded_expand_matches_the_loop(case: str, dtype: torch.dtype) -> None:
+def test_folded_expand_matches_the_loop(case: str, dtype: torch.dtype, batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(sorted(CASES).index(case))
     lens, slots, ranks, r, k, offsets, pad = CASES[case]
     n_slices, n = len(offsets) - 1, offsets[-1]
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    info = LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr, weight_indices=torch.tensor(slots, dtype=torch.int32),
-                         lora_ranks=torch.tensor(ranks, dtype=torch.int32), scalings=torch.rand(len(ranks)) + 0.5,
-                         max_seg_len=max(lens))
+    info = batch_info(lens, slots, ranks)
     a, b = random_pool_weights(torch.default_generator, n_slices, k, n, torch.device("cpu"), dtype, tuple(ranks), r)
     w = (torch.randn(n, k) / k ** 0.5).to(dtype)
     x = torch.randn(sum(lens) + pad, k).to(dtype)

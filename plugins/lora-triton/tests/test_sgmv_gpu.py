@@ -8,6 +8,8 @@ partial sums, K 4096 and 14336, in a graph too) and prefills (a 128-token one sp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from engine_lora_triton.backend import TritonLoraBackend
@@ -26,16 +28,6 @@ class TestTritonLoraCuda(LoraBackendConformance):
     device = "cuda"
 
 
-def _info(lens: list[int], slots: list[int], ranks: list[int], max_seg_len: int | None = None) -> LoraBatchInfo:
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    return LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr.to(DEV),
-                         weight_indices=torch.tensor(slots, dtype=torch.int32, device=DEV),
-                         lora_ranks=torch.tensor(ranks, dtype=torch.int32, device=DEV),
-                         scalings=torch.rand(len(ranks), device=DEV) + 0.5,
-                         max_seg_len=max(lens) if max_seg_len is None else max_seg_len)
-
-
 def _pool(ranks: list[int], r: int, k: int, widths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return random_pool_weights(torch.default_generator, len(widths), k, sum(widths), torch.device(DEV),
                                torch.bfloat16, tuple(ranks), r)
@@ -48,11 +40,11 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("r", [16, 64])
 @pytest.mark.parametrize("widths", [(4096, 1024, 1024), (4096,), (1024, 1024)], ids=["qkv", "o", "kv"])
 @pytest.mark.parametrize("lens", [[1] * 64, [300, 0, 1, 211, 17], [128]], ids=["decode", "prefill", "short-prefill"])
-def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
+def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int], batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(r + len(widths) + len(lens))
     ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
     slots = [i % SLOTS for i in range(len(lens))]
-    info = _info(lens, slots, ranks)
+    info = batch_info(lens, slots, ranks, DEV)
     a, b = _pool(ranks, r, 4096, widths)
     x = torch.randn(sum(lens), 4096, device=DEV).bfloat16()
     backend = TritonLoraBackend()
@@ -72,7 +64,7 @@ def test_llama_shapes(r: int, widths: tuple[int, ...], lens: list[int]) -> None:
 @pytest.mark.parametrize("layer", ["qkv", "gate_up", "down"])
 @pytest.mark.parametrize("lens", [[1] * 64, [128], [5, 0, 300, 60], [1] * 63 + [0]],
                          ids=["decode", "short-prefill", "prefill", "decode-per-slot-expand"])
-def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
+def test_apply_llama_shapes(r: int, layer: str, lens: list[int], batch_info: Callable[..., LoraBatchInfo]) -> None:
     """``apply`` against the float32 loop: a decode batch of 64 over 9 slots (the per-slot shrink's
     partial sums over K chunks, added up by the dense expand, or by the per-slot expand), a
     128-token prefill (the token-tile shrink split over K chunks) and a prefill of several segments
@@ -81,7 +73,7 @@ def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
                  "down": (14336, (4096,))}[layer]
     torch.manual_seed(r + k + len(lens))
     ranks = [r, r // 2, 0] + [r] * (SLOTS - 3)
-    info = _info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks)
+    info = batch_info(lens, [i * 5 % SLOTS for i in range(len(lens))], ranks, DEV)
     a, b = _pool(ranks, r, k, widths)
     tokens = sum(lens)
     x = torch.randn(tokens, k, device=DEV).bfloat16()
@@ -102,14 +94,14 @@ def test_apply_llama_shapes(r: int, layer: str, lens: list[int]) -> None:
         assert torch.equal(out[rows], before[rows]), "rows on the rank-0 slot changed"
 
 
-def test_apply_graph_replay_follows_the_segments() -> None:
+def test_apply_graph_replay_follows_the_segments(batch_info: Callable[..., LoraBatchInfo]) -> None:
     """The per-slot shrink and the expand of its partial sums captured in a CUDA graph of 32 rows,
     replayed with 20 one-token segments on other slots and 12 empty ones (padding rows)."""
     torch.manual_seed(4)
     ranks = [16, 8, 0, 16]
     a, b = _pool(ranks, 16, 4096, (4096, 1024, 1024))
     offsets = [0, 4096, 5120, 6144]
-    info = _info([1] * 32, [i % 4 for i in range(32)], ranks)
+    info = batch_info([1] * 32, [i % 4 for i in range(32)], ranks, DEV)
     x = torch.randn(32, 4096, device=DEV).bfloat16()
     out = torch.zeros(32, 6144, device=DEV).bfloat16()
     backend = TritonLoraBackend(slot_shrink=True, dense_expand=True)
@@ -138,14 +130,14 @@ GRAPH_CASES = {"decode": ([1] * 32, [1] * 20 + [0] * 12), "chunks": ([16, 16], [
 
 
 @pytest.mark.parametrize("case", sorted(GRAPH_CASES))
-def test_cuda_graph_replay_follows_the_segments(case: str) -> None:
+def test_cuda_graph_replay_follows_the_segments(case: str, batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(3)
     captured, replayed = GRAPH_CASES[case]
     ranks = [16, 8, 0, 16]
     a, b = _pool(ranks, 16, 4096, (4096, 1024, 1024))
     offsets = [0, 4096, 5120, 6144]
     tokens = sum(captured)
-    info = _info(captured, [i % 4 for i in range(len(captured))], ranks)
+    info = batch_info(captured, [i % 4 for i in range(len(captured))], ranks, DEV)
     x = torch.randn(tokens, 4096, device=DEV).bfloat16()
     out = torch.zeros(tokens, 6144, device=DEV).bfloat16()
     backend = TritonLoraBackend()

@@ -11,6 +11,8 @@ captured CUDA-graph batch has).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from engine_lora_triton import interpreting
@@ -26,14 +28,6 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPR
 class TestTritonLoraInterpreted(LoraBackendConformance):
     backend_name = "triton"
     device = "cpu"
-
-
-def _info(lens: list[int], slots: list[int], ranks: list[int], slack: int = 0) -> LoraBatchInfo:
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    return LoraBatchInfo(num_segments=len(lens), seg_indptr=indptr, weight_indices=torch.tensor(slots, dtype=torch.int32),
-                         lora_ranks=torch.tensor(ranks, dtype=torch.int32), scalings=torch.rand(len(ranks)) + 0.5,
-                         max_seg_len=max(lens) + slack)
 
 
 def _pool(ranks: list[int], n_slices: int, r: int, k: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -61,10 +55,10 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernels_match_the_loop(case: str) -> None:
+def test_kernels_match_the_loop(case: str, batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(sorted(CASES).index(case))
     lens, slots, ranks, r, k, offsets, pad, slack = CASES[case]
-    info = _info(lens, slots, ranks, slack)
+    info = batch_info(lens, slots, ranks, max_seg_len=max(lens) + slack)
     backend = TritonLoraBackend()
     n_slices = len(offsets) - 1
     real = sum(lens)
@@ -96,14 +90,14 @@ def test_kernels_match_the_loop(case: str) -> None:
 @pytest.mark.parametrize("case", ["decode-slots", "decode-slots-many", "decode-slots-qkv", "decode-qkv",
                                   "prefill-gate-up", "prefill-o"])
 @pytest.mark.parametrize("chunk", [0, 32])
-def test_apply_matches_the_loop(case: str, chunk: int) -> None:
+def test_apply_matches_the_loop(case: str, chunk: int, batch_info: Callable[..., LoraBatchInfo]) -> None:
     """``apply``: decode batches of 16+ segments take the per-slot shrink's float32 partial sums
     over K chunks, others shrink + expand; ``chunk`` 32: three chunks of K 80, the last one short,
     through the per-slot shrink or the split token-tile shrink (a short prefill's)."""
     torch.manual_seed(len(case) + chunk)
     lens, slots, ranks, r, _, offsets, pad, slack = CASES[case]
     k = 80
-    info = _info(lens, slots, ranks, slack)
+    info = batch_info(lens, slots, ranks, max_seg_len=max(lens) + slack)
     n_slices = len(offsets) - 1
     real = sum(lens)
     a, b = _pool(ranks, n_slices, r, k, offsets[-1] + 3, torch.float32)
@@ -141,12 +135,12 @@ def test_apply_matches_the_loop(case: str, chunk: int) -> None:
 
 @pytest.mark.parametrize("case", ["decode-slots", "decode-slots-qkv"])
 @pytest.mark.parametrize("partials", [False, True])
-def test_slot_expand_tile_groups(case: str, partials: bool) -> None:
+def test_slot_expand_tile_groups(case: str, partials: bool, batch_info: Callable[..., LoraBatchInfo]) -> None:
     """The per-slot expand with programs over groups of 4 column tiles of 16: groups end at slice
     ends (a last group with tiles past its slice), from y or from two chunks of partial sums."""
     torch.manual_seed(11 + partials)
     lens, slots, ranks, r, k, offsets, pad, slack = CASES[case]
-    info = _info(lens, slots, ranks, slack)
+    info = batch_info(lens, slots, ranks, max_seg_len=max(lens) + slack)
     n_slices = len(offsets) - 1
     real = sum(lens)
     a, b = _pool(ranks, n_slices, r, k, offsets[-1] + 3, torch.float32)
@@ -166,13 +160,13 @@ def test_slot_expand_tile_groups(case: str, partials: bool) -> None:
     assert torch.equal(out[:, offsets[-1]:], want[:, offsets[-1]:])
 
 
-def test_bfloat16_decode_and_prefill() -> None:
+def test_bfloat16_decode_and_prefill(batch_info: Callable[..., LoraBatchInfo]) -> None:
     torch.manual_seed(7)
     ranks = [16, 0, 8]
     a, b = _pool(ranks, 3, 16, 32, 48, torch.bfloat16)
     backend = TritonLoraBackend()
     for lens, slots in (([1, 1, 1, 1], [0, 1, 2, 0]), ([9, 0, 7], [2, 1, 0])):
-        info = _info(lens, slots, ranks)
+        info = batch_info(lens, slots, ranks)
         x = torch.randn(sum(lens), 32).to(torch.bfloat16)
         y = backend.shrink(x, a, info)
         assert y.dtype == torch.bfloat16
@@ -184,8 +178,8 @@ def test_bfloat16_decode_and_prefill() -> None:
         torch.testing.assert_close(out, want, atol=5e-2, rtol=2e-2)
 
 
-def test_bad_shapes_are_named() -> None:
-    info = _info([2], [0], [4])
+def test_bad_shapes_are_named(batch_info: Callable[..., LoraBatchInfo]) -> None:
+    info = batch_info([2], [0], [4])
     backend = TritonLoraBackend()
     y = torch.zeros(2, 8)
     out = torch.zeros(2, 16)
