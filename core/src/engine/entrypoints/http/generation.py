@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import StreamingResponse
 
 from engine.entrypoints.http.errors import APIError, engine_dead_error, from_request_error, shutting_down_error
+from engine.entrypoints.http.jsonenc import encode_json
 from engine.managers.tokenizer_manager import (
     EngineDeadError,
     GenerateRequest,
@@ -245,10 +245,6 @@ async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> Asyn
     finally:
         for task in tasks:
             task.cancel()
-
-
-# Built once: json.dumps with arguments builds a new encoder on every call (every streamed event).
-encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse(data: dict[str, Any] | list[Any]) -> bytes:
