@@ -5,7 +5,9 @@ a stand-in for the scheduler and detokenizer in a second (every ``--step-ms`` it
 ``BatchStrOut`` holding one new token for every running request, as the detokenizer does at
 ``--stream-interval 1``), and ``--streams`` concurrent streaming clients in a third. It prints
 the HTTP process's CPU seconds over the run (user + system, from /proc) divided by the tokens
-the clients received, per route. Linux only; runs on the CPU.
+the clients received, per route, and ``tail_s``: how long after the stand-in's last step the
+clients received their last byte (an HTTP process that falls behind delivers the end late).
+Linux only; runs on the CPU.
 
     python3 benchmarks/bench_http_stream.py --streams 64 --output-len 256 --routes generate completions chat
 
@@ -62,8 +64,9 @@ def _serve(port: int, ipc_dir: str, ckpt: str, extra: dict[str, Any]) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
 
 
-def _scheduler(ipc_dir: str, step_s: float) -> None:
-    """One token for every running request each step, finishing each at its max_new_tokens."""
+def _scheduler(ipc_dir: str, step_s: float, last_step: Any) -> None:
+    """One token for every running request each step, finishing each at its max_new_tokens;
+    ``last_step.value``: the monotonic time of the step that finished the last running request."""
     import zmq
 
     from engine.managers.io_struct import (
@@ -108,11 +111,13 @@ def _scheduler(ipc_dir: str, step_s: float) -> None:
         for rid, reason in zip(rids, reasons, strict=True):
             if reason is not None:
                 del running[rid]
+        if not running:
+            last_step.value = time.monotonic()
         next_step += step_s
 
 
-async def _one_stream(port: int, path: str, body: bytes) -> tuple[int, int]:
-    """Sends one request; returns (events, bytes) of its SSE response."""
+async def _one_stream(port: int, path: str, body: bytes) -> tuple[int, int, float]:
+    """Sends one request; returns (events, bytes) of its SSE response and when it ended (monotonic)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -128,11 +133,11 @@ async def _one_stream(port: int, path: str, body: bytes) -> tuple[int, int]:
         events += data.count(b"data: ") - tail.count(b"data: ")
         tail = data[-8:]
     writer.close()
-    return events, size
+    return events, size, time.monotonic()
 
 
 def _clients(port: int, path: str, body: bytes, streams: int, result: Any) -> None:
-    async def run() -> list[tuple[int, int]]:
+    async def run() -> list[tuple[int, int, float]]:
         return await asyncio.gather(*(_one_stream(port, path, body) for _ in range(streams)))
 
     result.put(asyncio.run(run()))
@@ -176,7 +181,8 @@ def main() -> None:
         port = free_port()
         extra = {"stream_interval": a.stream_interval, **json.loads(a.extra)}
         server = spawn.Process(target=_serve, args=(port, tmp, ckpt, extra), daemon=True)
-        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000), daemon=True)
+        last_step = spawn.Value("d", 0.0)
+        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000, last_step), daemon=True)
         server.start()
         scheduler.start()
         try:
@@ -204,12 +210,13 @@ def main() -> None:
                 if spy is not None:
                     spy.send_signal(2)
                     spy.wait(60)
-                events = sum(e for e, _ in outs)
+                events = sum(e for e, _, _ in outs)
                 tokens = a.streams * a.output_len
                 print(json.dumps({
                     "route": route, "streams": a.streams, "output_len": a.output_len, "step_ms": a.step_ms,
                     "stream_interval": a.stream_interval, "tokens": tokens, "events": events,
-                    "bytes": sum(b for _, b in outs), "wall_s": round(wall, 3), "server_cpu_s": round(cpu, 3),
+                    "bytes": sum(b for _, b, _ in outs), "wall_s": round(wall, 3),
+                    "tail_s": round(max(end for _, _, end in outs) - last_step.value, 3), "server_cpu_s": round(cpu, 3),
                     "us_per_token": round(cpu / tokens * 1e6, 2), "us_per_event": round(cpu / events * 1e6, 2),
                 }), flush=True)
         finally:
