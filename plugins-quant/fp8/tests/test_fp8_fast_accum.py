@@ -63,9 +63,8 @@ def test_callers_without_the_option_take_the_module_default(calls: list[dict[str
 def test_option_default_and_plumbing() -> None:
     from engine.plugins import check_plugin_options, get_registry
 
-    assert Fp8Config.from_config({}).fast_accum is False
-    assert Fp8Config.from_config({"quant_method": "fp8"}, {"fast_accum": True}).fast_accum is True
-    options = get_registry().options_for("fp8", {})
-    assert options["fast_accum"] is False
-    assert get_registry().options_for("fp8", {"fp8": {"fast_accum": True}})["fast_accum"] is True
-    check_plugin_options({"fp8": {"fast_accum": True}})  # declared: accepted
+    assert Fp8Config.from_config({}).fast_accum is True
+    assert Fp8Config.from_config({"quant_method": "fp8"}, {"fast_accum": False}).fast_accum is False
+    assert get_registry().options_for("fp8", {})["fast_accum"] is True
+    assert get_registry().options_for("fp8", {"fp8": {"fast_accum": False}})["fast_accum"] is False
+    check_plugin_options({"fp8": {"fast_accum": False}})  # declared: accepted

@@ -26,6 +26,6 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
         help="quantize a per-channel fp8 linear's activations in the RMSNorm / SiLU-and-mul that "
              "produces them (one launch fewer per linear above 32 tokens); false: a separate launch"))
     register(PluginOption(
-        plugin="fp8", key="fast_accum", default=False,
+        plugin="fp8", key="fast_accum", default=True,
         help="the fp8 x fp8 GEMMs above 128 tokens (torch._scaled_mm) accumulate in the tensor cores' own "
-             "accumulator (use_fast_accum) instead of promoting partial sums to float32"))
+             "accumulator (use_fast_accum); false: partial sums promoted to float32 along K (slower)"))

@@ -66,7 +66,7 @@ class Fp8Config(QuantizationConfig):
     fuse_activation_quant: bool = True
     #: ``torch._scaled_mm``'s ``use_fast_accum`` for the fp8 x fp8 GEMMs above
     #: ``gemm.W8A8_TRITON_MAX_M`` tokens (plugin option ``fp8.fast_accum``).
-    fast_accum: bool = False
+    fast_accum: bool = True
 
     name = "fp8"
 
@@ -99,7 +99,7 @@ class Fp8Config(QuantizationConfig):
     def from_config(cls, config: dict[str, Any], options: dict[str, Any] | None = None) -> Fp8Config:
         """``{}`` (on-the-fly) or a checkpoint's ``quantization_config``; ``options``: the plugin's."""
         fuse = bool((options or {}).get("fuse_activation_quant", True))
-        fast = bool((options or {}).get("fast_accum", False))
+        fast = bool((options or {}).get("fast_accum", True))
         if not config:
             return cls(fuse_activation_quant=fuse, fast_accum=fast)
         method = config.get("quant_method", "fp8")
