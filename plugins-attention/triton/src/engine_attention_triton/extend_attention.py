@@ -54,7 +54,11 @@ def _fold_block(q, k, v, keep, m_i, l_i, acc, sm_scale, logit_cap,
     return m_new, l_i, acc
 
 
-@triton.jit
+# The per-row index and length vectors are read as scalars: their 16-byte alignment buys nothing,
+# and specializing on it compiles a second variant whenever a caller's vector is a slice at an odd
+# offset (as warm_extend's were, or a sub-batch's).
+@triton.jit(do_not_specialize_on_alignment=["Req_Pool_Indices", "Prefix_Lens", "Extend_Lens", "Extend_Start",
+                                            "Tree_Mask", "Tree_Mask_Indptr"])
 def _extend_kernel(
     Q, K_New, V_New, Out, K_Buf, V_Buf, Req_To_Token,
     Req_Pool_Indices, Prefix_Lens, Extend_Lens, Extend_Start,
@@ -343,7 +347,7 @@ def extend_attention_fwd(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Loc"])
 def _gather_widen_kernel(K_Buf, V_Buf, Loc, K_Out, V_Out, stride_kbt, stride_vbt,
                          K_ROW: tl.constexpr, V_ROW: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     # One program per new token: its pool row of K and of V (all KV heads), widened.
@@ -392,9 +396,10 @@ def warm_extend(q_dtype: torch.dtype, num_heads: int, head_dim: int, v_dim: int,
         q = torch.zeros(n, num_heads, head_dim, dtype=q_dtype, device=device)
         k = torch.zeros(n, num_kv_heads, head_dim, dtype=k_buffer.dtype, device=device)
         v = torch.zeros(n, num_kv_heads, v_dim, dtype=v_buffer.dtype, device=device)
-        ints = torch.tensor([[0], [0], [n], [0]], dtype=torch.int64, device=device)
+        # One tensor each, as ForwardBatch.build makes them (see the kernel's alignment note).
+        rows, prefix, lens, start = (torch.tensor([v], dtype=torch.int64, device=device) for v in (0, 0, n, 0))
         extend_attention_fwd(q, k, v, torch.empty(n, num_heads, v_dim, dtype=q_dtype, device=device), k_buffer,
-                             v_buffer, req_to_token, ints[0], ints[1], ints[2], ints[3], n, head_dim**-0.5,
+                             v_buffer, req_to_token, rows, prefix, lens, start, n, head_dim**-0.5,
                              logit_cap, sliding_window_size)
 
 
