@@ -23,7 +23,7 @@ SCALE = 0.2
 
 
 def _run(group: int, kv_heads: int, head_dim: int, per_program: int, heads_inner: bool, splits: int,
-         seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+         seed: int, slots_ahead: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     patch_interpreter_index()
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [1, 70, 33, 17]
@@ -44,7 +44,8 @@ def _run(group: int, kv_heads: int, head_dim: int, per_program: int, heads_inner
     part_lse = torch.full((len(seq_lens), num_heads, splits + 1), float("nan"))
     reqs, lens = torch.tensor(rows), torch.tensor(seq_lens)
     decode_attention_fwd(q, k, v, out, req_to_token, reqs, lens, part_out, part_lse, splits, SCALE,
-                         block_n=16, heads_inner=heads_inner, kv_per_program=per_program)
+                         block_n=16, heads_inner=heads_inner, kv_per_program=per_program, slots_ahead=slots_ahead,
+                         num_stages=1 if slots_ahead == 2 else None)
     return out, reference_decode(q, k, v, req_to_token, rows, seq_lens, SCALE)
 
 
@@ -57,6 +58,17 @@ def test_heads_per_program_and_order_match_reference(group: int, kv_heads: int, 
     assert not torch.isnan(out).any(), "unwritten output"
     err = (out.double() - ref).abs().max().item()
     assert err < 1e-4, f"per_program={per_program} heads_inner={heads_inner} splits={splits}: max err {err:.3g}"
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("slots_ahead", [0, 1, 2])
+def test_each_loop_matches_reference(slots_ahead: int, splits: int) -> None:
+    """The plain, slots-ahead and K/V-ahead loops (rows of 1..70 tokens: none to five blocks of 16,
+    the last one partial, and empty splits)."""
+    out, ref = _run(4, 2, 32, 1, True, splits, seed=slots_ahead * 10 + splits, slots_ahead=slots_ahead)
+    assert not torch.isnan(out).any(), "unwritten output"
+    err = (out.double() - ref).abs().max().item()
+    assert err < 1e-4, f"slots_ahead={slots_ahead} splits={splits}: max err {err:.3g}"
 
 
 def test_kv_heads_per_program_refuses_shapes_it_cannot_tile() -> None:
@@ -78,3 +90,5 @@ def test_words_override_names_what_it_needs() -> None:
         decode_attention_fwd(*args, words=3)
     with pytest.raises(ValueError, match=r"words=5; accepted: 0, 1, 2, 3"):
         decode_attention_fwd(*args, words=5)
+    with pytest.raises(ValueError, match=r"slots_ahead=3; accepted: 0 \(plain loop\), 1"):
+        decode_attention_fwd(*args, slots_ahead=3)
