@@ -132,7 +132,8 @@ def _shared(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, logits: list[t
 
 def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_counts: tuple[int, ...] = (4, 8),
           stage_counts: tuple[int, ...] = (1,), block_n: tuple[int, ...] | None = None,
-          block_k: tuple[int, ...] | None = None, pdl: bool = False) -> list[dict[str, object]]:
+          block_k: tuple[int, ...] | None = None, pdl: bool = False,
+          ahead: tuple[int, ...] = (0,)) -> list[dict[str, object]]:
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import launch_down, launch_gate_up, small_batch_tiles
 
@@ -155,14 +156,14 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_coun
         launch_gate_up(x, w13, None, routes[i][1], out_act, bn, bk, warps, pdl=pdl, shared_w13=gate_ups[i],
                        chunks=chunks, num_stages=stages)
 
-    def down(i: int, bn: int, bk: int, warps: int, stages: int, src: torch.Tensor = act) -> None:
+    def down(i: int, bn: int, bk: int, warps: int, stages: int, ah: int = 0, src: torch.Tensor = act) -> None:
         launch_down(src, w2, None, routes[i][1], routes[i][0], out, bn, bk, warps, pdl=pdl, shared_w2=downs[i],
-                    chunks=chunks, num_stages=stages)
+                    chunks=chunks, num_stages=stages, ahead=bool(ah))
 
-    def both(i: int, bn: int, bk: int, warps: int, stages: int) -> None:
+    def both(i: int, bn: int, bk: int, warps: int, stages: int, ah: int = 0) -> None:
         # The default gate/up tile, then the down tile reading its output, as a decode step runs them.
         up(i, default["UP_BLOCK_N"], default["UP_BLOCK_K"], default["UP_WARPS"], 1)
-        down(i, bn, bk, warps, stages, src=out_act)
+        down(i, bn, bk, warps, stages, ah, src=out_act)
 
     rows = []
     grids = {"gate_up": ((2, 4, 8, 16, 32), (64, 128, 256, 512)), "down": ((1, 2, 4, 8, 16), (64, 128, 256, 512))}
@@ -176,21 +177,27 @@ def sweep(shape: str, launches: tuple[str, ...] = ("gate_up", "down"), warp_coun
             alone = graph_median_us([lambda i=i: up(i, default["UP_BLOCK_N"], default["UP_BLOCK_K"],
                                                     default["UP_WARPS"], 1) for i in range(len(routes))])
             print(f"# gate_up{' (pdl)' if pdl else ''} default tile alone: {alone:.2f} us", flush=True)
-        for bn, bk, warps, stages in itertools.product(grid_n, grid_k, warp_counts, stage_counts):
+        aheads = (0,) if launch == "gate_up" else ahead
+        for bn, bk, warps, stages, ah in itertools.product(grid_n, grid_k, warp_counts, stage_counts, aheads):
             if bn * bk * (2 if launch == "gate_up" else triton.next_power_of_2(slots)) > 16384:
                 continue
-            calls = [lambda i=i, a=bn, b=bk, c=warps, d=stages, f=fn: f(i, a, b, c, d) for i in range(len(routes))]
+            if launch == "gate_up":
+                calls = [lambda i=i, a=bn, b=bk, c=warps, d=stages: up(i, a, b, c, d) for i in range(len(routes))]
+            else:
+                calls = [lambda i=i, a=bn, b=bk, c=warps, d=stages, e=ah, f=fn: f(i, a, b, c, d, e)
+                         for i in range(len(routes))]
             us = graph_median_us(calls)
-            results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "us": round(us, 2),
-                            "gbs": round(nbytes / us / 1e3, 1)})
+            results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages, "ahead": ah,
+                            "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1)})
             # Each tile as it is timed: a run cut by a time limit still tells.
-            print(f"# {launch}{' (pdl)' if pdl else ''} {bn} x {bk}, {warps} warps, {stages} stages: {us:.2f} us "
-                  f"({nbytes / us / 1e3:.0f} GB/s)", flush=True)
+            print(f"# {launch}{' (pdl)' if pdl else ''} {bn} x {bk}, {warps} warps, {stages} stages"
+                  f"{', weights a step ahead' if ah else ''}: {us:.2f} us ({nbytes / us / 1e3:.0f} GB/s)", flush=True)
         results.sort(key=lambda r: r["us"])
         prefix = "UP" if launch == "gate_up" else "DOWN"
         mine = next((r for r in results if r["block_n"] == default[f"{prefix}_BLOCK_N"]
                      and r["block_k"] == default[f"{prefix}_BLOCK_K"] and r["warps"] == default[f"{prefix}_WARPS"]
-                     and r["stages"] == default.get(f"{prefix}_STAGES", 1)), None)
+                     and r["stages"] == default.get(f"{prefix}_STAGES", 1)
+                     and r["ahead"] == default.get(f"{prefix}_AHEAD", 0)), None)
         row = {"bench": "moe_small_sweep", "shape": shape, "launch": launch, "shared_chunks": chunks, "pdl": pdl,
                "default": mine, "best": results[:5],
                "gpu": torch.cuda.get_device_name(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -207,6 +214,8 @@ def main() -> None:
                     help="--sweep: which launches' tiles to time (both: the default gate/up tile, then each down "
                          "tile reading its output)")
     ap.add_argument("--pdl", action="store_true", help="--sweep: launch with programmatic dependent launch")
+    ap.add_argument("--ahead", nargs="+", type=int, default=[0], choices=[0, 1],
+                    help="--sweep: down weights requested a K step ahead (1) or not (0)")
     ap.add_argument("--warps", nargs="+", type=int, default=[4, 8], help="--sweep: warp counts to time")
     ap.add_argument("--stages", nargs="+", type=int, default=[1], help="--sweep: software-pipeline stages to time")
     ap.add_argument("--block-n", nargs="+", type=int, default=None, help="--sweep: BLOCK_N values (default: a grid)")
@@ -215,7 +224,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.sweep:
         rows = sweep(a.shape, tuple(a.launch), tuple(a.warps), tuple(a.stages), a.block_n and tuple(a.block_n),
-                     a.block_k and tuple(a.block_k), a.pdl)
+                     a.block_k and tuple(a.block_k), a.pdl, tuple(a.ahead))
     else:
         rows = [compare(a.shape, t) for t in a.tokens]
     for row in rows:

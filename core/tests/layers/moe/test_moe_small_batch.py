@@ -85,8 +85,10 @@ def test_per_channel_scales(triton_device: str) -> None:
 
 
 @pytest.mark.parametrize("tiles", [{"UP_BLOCK_N": 4, "UP_BLOCK_K": 16, "DOWN_BLOCK_N": 2, "DOWN_BLOCK_K": 16},
+                                   {"UP_BLOCK_N": 4, "UP_BLOCK_K": 16, "DOWN_BLOCK_N": 2, "DOWN_BLOCK_K": 16,
+                                    "DOWN_AHEAD": 1},
                                    {"UP_BLOCK_N": 64, "UP_BLOCK_K": 64, "DOWN_BLOCK_N": 64, "DOWN_BLOCK_K": 64}],
-                         ids=["many-k-steps", "one-tile"])
+                         ids=["many-k-steps", "many-k-steps-ahead", "one-tile"])
 def test_tile_sizes_do_not_change_the_result(triton_device: str, tiles: dict[str, int]) -> None:
     from engine.layers.moe.small_batch import fused_moe_small_batch
 

@@ -152,6 +152,7 @@ def _small_down_kernel(
     N, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_om, stride_wsn,
     K: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
     BLOCK_TK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     # With PDL everything up to gdc_wait runs while the gate/up launch drains: the ids and routing
     # weights (written before it) and the first weight tile are loaded then; the activations (its
@@ -183,22 +184,37 @@ def _small_down_kernel(
         held = held | shared
     held3 = held[:, None, None]
     acc = tl.zeros([BLOCK_TK, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PDL:
-        ok = (k3 < K) & held3
-        w = tl.load(w_ptrs, mask=ok, other=0.0)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-        acc += tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32) * w.to(tl.float32)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    # K is a compile-time constant (the trip count known to the compiler); with PDL the first
-    # step ran above.
-    for kk in range(BLOCK_K * PDL, K, BLOCK_K):
-        ok = (k3 + kk < K) & held3
-        a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
-        acc += a * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if AHEAD:
+        # Each step's weights are requested one step ahead (the first before the PDL wait), so a
+        # program has two K steps of loads in flight instead of waiting on every step's.
+        w = tl.load(w_ptrs, mask=(k3 < K) & held3, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        for kk in range(0, K, BLOCK_K):
+            w_next = tl.load(w_ptrs + BLOCK_K, mask=(k3 + kk + BLOCK_K < K) & held3, other=0.0)
+            a = tl.load(a_ptrs, mask=(k3 + kk < K) & held3, other=0.0).to(tl.float32)
+            acc += a * w.to(tl.float32)
+            w = w_next
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    else:
+        if PDL:
+            ok = (k3 < K) & held3
+            w = tl.load(w_ptrs, mask=ok, other=0.0)
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+            acc += tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32) * w.to(tl.float32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        # K is a compile-time constant (the trip count known to the compiler); with PDL the first
+        # step ran above.
+        for kk in range(BLOCK_K * PDL, K, BLOCK_K):
+            ok = (k3 + kk < K) & held3
+            a = tl.load(a_ptrs, mask=ok, other=0.0).to(tl.float32)
+            acc += a * tl.load(w_ptrs, mask=ok, other=0.0).to(tl.float32)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     y = tl.sum(acc, axis=2)  # [BLOCK_TK, BLOCK_N]: each slot's down row
     if HAS_SCALE:
         s_ptrs = scale_ptr + tl.maximum(expert, 0).to(tl.int64)[:, None] * stride_se + rows[None, :] * stride_sn
@@ -263,7 +279,8 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     """``fused_moe`` (SwiGLU experts) in two launches with no alignment: same arguments and result
     as ``fused_moe_reference``. Correct for any batch; fast where slots do not share experts
     (``small_batch_applies``). ``tiles`` overrides ``small_batch_tiles`` (tests, sweeps; optional
-    ``UP_WARPS`` / ``DOWN_WARPS``, default 4, and ``UP_STAGES`` / ``DOWN_STAGES``, default 1).
+    ``UP_WARPS`` / ``DOWN_WARPS``, default 4, ``UP_STAGES`` / ``DOWN_STAGES``, default 1, and
+    ``DOWN_AHEAD``, default 0: 1 requests each K step's down weights one step ahead).
 
     ``pdl`` (sm_90+; the ``pdl`` layer kernel entry): both launches use programmatic dependent
     launch. Gate/up waits for the previous kernel (the router's top-k) at once and then lets the down
@@ -306,7 +323,7 @@ def fused_moe_small_batch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                    num_stages=t.get("UP_STAGES", 1))
     launch_down(act, w2, w2_scale, ids, weights, out, t["DOWN_BLOCK_N"], t["DOWN_BLOCK_K"], t.get("DOWN_WARPS", 4),
                 pdl=pdl, shared_w2=shared[1] if shared is not None else None, chunks=chunks,
-                num_stages=t.get("DOWN_STAGES", 1))
+                num_stages=t.get("DOWN_STAGES", 1), ahead=bool(t.get("DOWN_AHEAD", 0)))
     return out
 
 
@@ -337,7 +354,7 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | Non
 def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None, ids: torch.Tensor,
                 weights: torch.Tensor, out: torch.Tensor, block_n: int, block_k: int, num_warps: int,
                 pdl: bool = False, shared_w2: torch.Tensor | None = None, chunks: int = 0,
-                num_stages: int = 1) -> None:
+                num_stages: int = 1, ahead: bool = False) -> None:
     """The down launch alone (``out [tokens, H]`` written, routing weights and top-k sum applied):
     ``fused_moe_small_batch``'s second step. ``weights``: contiguous float32 ``[tokens, top_k]``;
     ``shared_w2`` with ``chunks``: the shared experts' down rows too, their sum added."""
@@ -348,4 +365,4 @@ def launch_down(act: torch.Tensor, w2: torch.Tensor, scale: torch.Tensor | None,
         act, w2, scale if scale is not None else w2, ids, weights, out, ws, hidden, act.stride(0), w2.stride(0),
         w2.stride(1), *_scale_strides(scale), out.stride(0), ws.stride(0) if chunks else 0, K=w2.shape[2], TOP_K=top_k,
         SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_TK=triton.next_power_of_2(top_k + chunks), BLOCK_N=block_n,
-        BLOCK_K=block_k, PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
+        BLOCK_K=block_k, PDL=pdl, AHEAD=ahead, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl)
