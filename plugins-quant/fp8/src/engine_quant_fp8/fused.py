@@ -57,24 +57,32 @@ def _rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, stride
 
 
 @triton.jit
-def _silu_y(x_ptr, row, stride_x, cols, mask, d: tl.constexpr):
+def _silu_y(x_ptr, row, stride_x, cols, mask, d: tl.constexpr, FAST_MATH: tl.constexpr = False):
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the activation dtype
+    if FAST_MATH:  # approximate division: not bit-identical to the unfused kernels (benchmarks only)
+        act = tl.fdiv(gf, 1.0 + tl.exp(-gf), ieee_rounding=False).to(g.dtype)
+    else:
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the activation dtype
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
 
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, d: tl.constexpr, BLOCK: tl.constexpr,
-                           QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+                           QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, FAST_MATH: tl.constexpr = False):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if BLOCK >= d:
         # The whole row in registers: one read of gate/up, one write of the codes.
         mask = offs < d
-        y = _silu_y(x_ptr, row, stride_x, offs, mask, d)
-        q, scale = _quantize_row(y, mask, QMAX, MIN_SCALE)
+        y = _silu_y(x_ptr, row, stride_x, offs, mask, d, FAST_MATH)
+        if FAST_MATH:  # codes as value times the scale's reciprocal (benchmarks only)
+            amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+            scale = tl.maximum(amax / QMAX, MIN_SCALE)
+            q = tl.clamp(y * (1.0 / scale), -QMAX, QMAX)
+        else:
+            q, scale = _quantize_row(y, mask, QMAX, MIN_SCALE)
         tl.store(q_ptr + row * d + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
     else:
@@ -126,9 +134,11 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 
 
 def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype = FP8_DTYPE, qmax: float = FP8_MAX,
-                       block: int | None = None, num_warps: int | None = None) -> QuantizedActivation:
+                       block: int | None = None, num_warps: int | None = None,
+                       fast_math: bool = False) -> QuantizedActivation:
     """``silu(x[:, :d]) * x[:, d:]`` quantized per token (``block``, ``num_warps``: launch overrides
-    for benchmarks; a block below ``d``'s power of two takes the two-pass kernel)."""
+    for benchmarks; a block below ``d``'s power of two takes the two-pass kernel; ``fast_math``, for
+    benchmarks: approximate divisions in the one-pass kernel, not bit-identical to the unfused path)."""
     x2 = _rows(x)
     m, d = x2.shape[0], x2.shape[1] // 2
     q = torch.empty((m, d), dtype=qdtype, device=x.device)
@@ -139,7 +149,7 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype = FP8_DTYPE, qmax: f
             if block > SINGLE_PASS_MAX_D:
                 block = TWO_PASS_BLOCK
         _silu_mul_quant_kernel[(m,)](x2, q, scale, x2.stride(0), d, BLOCK=block, QMAX=qmax, MIN_SCALE=_MIN_SCALE,
-                                     num_warps=num_warps or min(max(block // 512, 4), 16))
+                                     FAST_MATH=fast_math, num_warps=num_warps or min(max(block // 512, 4), 16))
     return QuantizedActivation(q, scale, x.dtype)
 
 
