@@ -320,6 +320,16 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
         Streaming requests yield after every increment; others yield once at the end.
         The caller aborts by closing the generator (e.g. on client disconnect).
         """
+        stream = self.submit(req, prepared)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def submit(self, req: GenerateRequest, prepared: tuple[list[int], SamplingParams] | None = None) -> RequestStream:
+        """Sends one request to the scheduler now and returns its outputs as a ``RequestStream``
+        (``generate`` sends when first iterated). Raises what ``generate`` raises before its first output."""
         self._check_alive()
         if self.refuses_new():
             raise ServerShuttingDownError("the server is shutting down and accepts no new requests")
@@ -347,27 +357,19 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
             return_logprob=req.return_logprob, logprob_start_len=logprob_start,
             top_logprobs_num=req.top_logprobs_num, stream=req.stream, priority=req.priority, mm_items=req.mm_items, lora_name=lora_name,
             bootstrap_host=req.bootstrap_host, bootstrap_port=req.bootstrap_port, bootstrap_room=req.bootstrap_room))
-        finished = False
-        try:
-            while True:
-                await state.event.wait()
-                state.event.clear()
-                if state.error is not None:
-                    raise state.error
-                finished = state.finished_reason is not None
-                if req.stream or finished:
-                    yield self._output(state)
-                if finished:
-                    break
-        finally:
-            self.states.pop(rid, None)
-            self._leave_groups(rid)
-            if not finished and self.dead is None:
-                self._send_for(rid, AbortReq(rid, "client disconnected"))
-            self.router.finish(rid)
-            if finished:
-                for callback in self.on_finish:
-                    callback(state)
+        return RequestStream(self, state, req.stream)
+
+    def _release(self, state: ReqState, finished: bool) -> None:
+        """A request's stream ended: forget it; abort it if it had not finished."""
+        rid = state.rid
+        self.states.pop(rid, None)
+        self._leave_groups(rid)
+        if not finished and self.dead is None:
+            self._send_for(rid, AbortReq(rid, "client disconnected"))
+        self.router.finish(rid)
+        if finished:
+            for callback in self.on_finish:
+                callback(state)
 
     def _output(self, state: ReqState) -> dict[str, Any]:
         meta: dict[str, Any] = {
@@ -506,6 +508,46 @@ class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
         for sock in self.sends:
             sock.close(0)
         self.zmq_ctx.term()
+
+
+class RequestStream:
+    """The outputs of a request ``TokenizerManager.submit`` sent: async-iterate for its output dicts
+    (cumulative ``text``/``output_ids``; after every increment when streaming, else once at the end).
+
+    ``aclose`` ends it, sending the scheduler an abort if the request has not finished; unlike an
+    async generator's, it also ends a stream that was never iterated (a client that went away
+    before its response started)."""
+
+    __slots__ = ("_manager", "_state", "_stream", "_finished", "_closed")
+
+    def __init__(self, manager: TokenizerManager, state: ReqState, stream: bool) -> None:
+        self._manager = manager
+        self._state = state
+        self._stream = stream
+        self._finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> dict[str, Any]:
+        if self._finished or self._closed:
+            await self.aclose()
+            raise StopAsyncIteration
+        state = self._state
+        while True:
+            await state.event.wait()
+            state.event.clear()
+            if state.error is not None:
+                raise state.error
+            self._finished = state.finished_reason is not None
+            if self._stream or self._finished:
+                return self._manager._output(state)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._manager._release(self._state, self._finished)
 
 
 def _make_router(args: Any) -> Router:

@@ -29,6 +29,7 @@ from engine.managers.tokenizer_manager import (
     GenerateRequest,
     RequestError,
     ServerShuttingDownError,
+    TokenizerManager,
 )
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ class Choice:
     request: GenerateRequest
     # Token ids and validated sampling params from TokenizerManager.prepare.
     prepared: tuple[list[int], SamplingParams]
+    # Set by ``start_streams``: the request already sent (a RequestStream), or why sending failed.
+    started: Any = None
+    start_error: BaseException | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -205,6 +209,42 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
+def start_streams(ctx: ServingContext, choices: Sequence[Choice]) -> None:
+    """Sends a streamed response's requests to the scheduler now, from its request handler.
+
+    Otherwise they go out when the response body starts, and on a burst the event loop first
+    runs the handler of every request that has arrived, then the responses: no request of the
+    batch reaches the scheduler before all of them are parsed. A failure to send is raised in-band
+    by ``stream_outputs``, as when sent there; ``SSEResponse(..., choices)`` ends streams that
+    never ran. A manager that generates its own way (overrides ``generate``, which sends with
+    ``submit``) sends when the body starts."""
+    manager = ctx.manager
+    if getattr(type(manager), "generate", None) is not TokenizerManager.generate:
+        return
+    for choice in choices:
+        choice.request.stream = True
+        try:
+            choice.started = manager.submit(choice.request, choice.prepared)
+        except Exception as exc:
+            choice.start_error = exc
+            return
+
+
+def _follow(ctx: ServingContext, choice: Choice) -> Any:
+    """The choice's outputs: its started stream, else its request sent now."""
+    if choice.start_error is not None:
+        raise choice.start_error
+    if choice.started is not None:
+        return choice.started
+    return ctx.manager.generate(choice.request, choice.prepared)
+
+
+async def _close_started(choices: Sequence[Choice]) -> None:
+    for choice in choices:
+        if choice.started is not None:
+            await choice.started.aclose()  # no-op when it finished or was closed; else the abort
+
+
 async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> AsyncIterator[tuple[Choice, dict[str, Any]]]:
     """Every choice's cumulative outputs as they arrive, interleaved.
 
@@ -212,8 +252,12 @@ async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> Asyn
     """
     for choice in choices:
         choice.request.stream = True
+    failed = next((c.start_error for c in choices if c.start_error is not None), None)
+    if failed is not None:
+        await _close_started(choices)
+        raise failed
     if len(choices) == 1:
-        agen = ctx.manager.generate(choices[0].request, choices[0].prepared)
+        agen = _follow(ctx, choices[0])
         try:
             async for out in agen:
                 yield choices[0], out
@@ -223,12 +267,15 @@ async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> Asyn
     queue: asyncio.Queue[tuple[Choice, dict[str, Any] | None, BaseException | None]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
+        outputs = _follow(ctx, choice)
         try:
-            async for out in ctx.manager.generate(choice.request, choice.prepared):
+            async for out in outputs:
                 queue.put_nowait((choice, out, None))
         except Exception as exc:
             queue.put_nowait((choice, None, exc))
             return
+        finally:
+            await outputs.aclose()
         queue.put_nowait((choice, None, None))
 
     tasks = [asyncio.ensure_future(pump(c)) for c in choices]
@@ -245,6 +292,7 @@ async def stream_outputs(ctx: ServingContext, choices: Sequence[Choice]) -> Asyn
     finally:
         for task in tasks:
             task.cancel()
+        await _close_started(choices)  # a pump cancelled before it ran does not close its stream
 
 
 def sse(data: dict[str, Any] | list[Any]) -> bytes:
@@ -291,12 +339,14 @@ class SSEResponse(StreamingResponse):
     Starlette cancels the sending task when the client disconnects; if that
     happens while a chunk is being written, the generator is left suspended and
     would only be closed by the garbage collector. Closing it here makes the
-    abort (and the freeing of the request's KV) immediate.
+    abort (and the freeing of the request's KV) immediate. ``choices``: those whose
+    requests ``start_streams`` sent, ended here too (the body may never have run).
     """
 
-    def __init__(self, content: AsyncIterator[bytes]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], choices: Sequence[Choice] = ()) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._generator = content
+        self._choices = choices
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -305,3 +355,4 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(self._generator, "aclose", None)
             if aclose is not None:
                 await aclose()
+            await _close_started(self._choices)

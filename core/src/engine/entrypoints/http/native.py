@@ -29,6 +29,7 @@ from engine.entrypoints.http.generation import (
     run_to_completion,
     sse_error,
     stream_finish_reason,
+    start_streams,
     stream_outputs,
 )
 from engine.entrypoints.http.logprobs import native_logprobs, native_top_logprobs
@@ -59,7 +60,8 @@ async def generate(request: Request) -> Response:
     choices = await make_choices(ctx, prompts, copies)
     batch = batch or len(choices) > 1
     if req.stream:
-        return SSEResponse(_stream(ctx, req, choices, batch))
+        start_streams(ctx, choices)
+        return SSEResponse(_stream(ctx, req, choices, batch), choices)
     outputs = await run_to_completion(ctx, choices, request)
     bodies = [_output(ctx, req, out) for out in outputs]
     aborted = [out["meta_info"] for out in outputs if stream_finish_reason(out["meta_info"]) == "abort"]

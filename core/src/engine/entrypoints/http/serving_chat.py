@@ -26,6 +26,7 @@ from engine.entrypoints.http.generation import (
     run_to_completion,
     sse_error,
     stream_finish_reason,
+    start_streams,
     stream_outputs,
     usage,
 )
@@ -93,7 +94,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reader = output_parser(ctx, plan, base.sampling_params)
     created = int(time.time())
     if req.stream:
-        return SSEResponse(_stream(ctx, req, choices, response_id, created, plan, reader))
+        start_streams(ctx, choices)
+        return SSEResponse(_stream(ctx, req, choices, response_id, created, plan, reader), choices)
     outputs = await run_to_completion(ctx, choices, request)
     by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}
     body_choices = []

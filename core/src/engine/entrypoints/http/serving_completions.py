@@ -26,6 +26,7 @@ from engine.entrypoints.http.generation import (
     run_to_completion,
     sse_error,
     stream_finish_reason,
+    start_streams,
     stream_outputs,
     usage,
 )
@@ -85,7 +86,8 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     created = int(time.time())
     echoes = [_echo_text(ctx, req, prompts, c) for c in choices]
     if req.stream:
-        return SSEResponse(_stream(ctx, req, choices, echoes, response_id, created))
+        start_streams(ctx, choices)
+        return SSEResponse(_stream(ctx, req, choices, echoes, response_id, created), choices)
     outputs = await run_to_completion(ctx, choices, request)
     body_choices = []
     for choice, out, echo in zip(choices, outputs, echoes, strict=True):

@@ -1,0 +1,123 @@
+"""``start_streams``: a streamed response's requests go to the scheduler from the request handler,
+and every request sent is ended (an abort when unfinished) however its response ends."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from engine.entrypoints.http.generation import Choice, SSEResponse, start_streams, stream_outputs
+from engine.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
+from engine.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
+from engine.router.router import Router
+from engine.sampling.sampling_params import SamplingParams
+
+
+class _Sock:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send_pyobj(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+class _Manager(TokenizerManager):
+    """The real manager's request path, with a recording socket for the scheduler's."""
+
+    def __init__(self) -> None:
+        self.sock = _Sock()
+        self.sends = [self.sock]
+        self.send = self.sock
+        self.states: dict[str, Any] = {}
+        self.groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, list[str]] = {}
+        self.router = Router(1)
+        self.on_route: list[Any] = []
+        self.on_finish: list[Any] = []
+        self.dead: str | None = None
+        self.draining = False
+        self.lora = SimpleNamespace(resolve=lambda path: None)
+        self._tasks = [object()]  # start() is a no-op: no receive loop, outputs are fed by hand
+
+    def kinds(self) -> list[str]:
+        return [type(m).__name__ for m in self.sock.sent]
+
+    def feed(self, rid: str, token: int, finished: bool) -> None:
+        reason = {"type": "length", "length": 2} if finished else None
+        self._handle_str_out(BatchStrOut([rid], ["x"], [[token]], [reason], [3], [1], [0]))
+
+
+def _choice(index: int, rid: str) -> Choice:
+    return Choice(index, 0, GenerateRequest(input_ids=[1, 2, 3], rid=rid), ([1, 2, 3], SamplingParams(max_new_tokens=2)))
+
+
+def test_sent_from_the_handler_and_streamed() -> None:
+    async def run() -> list[list[int]]:
+        manager = _Manager()
+        choices = [_choice(0, "a")]
+        start_streams(SimpleNamespace(manager=manager), choices)
+        assert manager.kinds() == ["TokenizedGenerateReqInput"] and "a" in manager.states
+        assert manager.sock.sent[0].stream is True
+        outs = stream_outputs(SimpleNamespace(manager=manager), choices)
+        manager.feed("a", 7, False)
+        first = await outs.__anext__()
+        manager.feed("a", 8, True)
+        last = await outs.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await outs.__anext__()
+        assert manager.states == {} and "AbortReq" not in manager.kinds()
+        return [first[1]["output_ids"], last[1]["output_ids"]]
+
+    assert asyncio.run(run()) == [[7], [7, 8]]
+
+
+def test_a_response_that_never_ran_its_body_aborts_its_requests() -> None:
+    async def run() -> None:
+        manager = _Manager()
+        choices = [_choice(0, "a"), _choice(1, "b")]
+        start_streams(SimpleNamespace(manager=manager), choices)
+        assert set(manager.states) == {"a", "b"}
+
+        async def body() -> Any:
+            yield b"never"
+
+        async def send(message: Any) -> None:
+            raise OSError("the client went away")
+
+        async def receive() -> Any:
+            return {"type": "http.disconnect"}
+
+        scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}
+        with pytest.raises(Exception):
+            await SSEResponse(body(), choices)(scope, receive, send)
+        assert manager.states == {}
+        assert sorted(m.rid for m in manager.sock.sent if isinstance(m, AbortReq)) == ["a", "b"]
+
+    asyncio.run(run())
+
+
+def test_a_failed_send_is_raised_by_the_stream_and_ends_the_others() -> None:
+    async def run() -> None:
+        manager = _Manager()
+        choices = [_choice(0, "same"), _choice(1, "same")]  # the second send is refused: rid in use
+        start_streams(SimpleNamespace(manager=manager), choices)
+        assert choices[1].start_error is not None
+        with pytest.raises(RequestError, match="already running"):
+            await stream_outputs(SimpleNamespace(manager=manager), choices).__anext__()
+        assert manager.states == {} and [type(m) for m in manager.sock.sent] == [TokenizedGenerateReqInput, AbortReq]
+
+    asyncio.run(run())
+
+
+def test_a_manager_overriding_generate_is_followed_lazily() -> None:
+    class Own(_Manager):
+        async def generate(self, req: GenerateRequest, prepared: Any = None) -> Any:
+            yield {"text": "", "output_ids": [], "meta_info": {}}
+
+    manager = Own()
+    choices = [_choice(0, "a")]
+    start_streams(SimpleNamespace(manager=manager), choices)
+    assert choices[0].started is None and manager.sock.sent == []
