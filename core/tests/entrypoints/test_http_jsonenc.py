@@ -13,7 +13,7 @@ CASES: list[Any] = [
     "plain", "ünï\u2028\"\\\n\x00", 1, -0.0, 1.5e-300, 0.1 + 0.2, float("nan"), float("inf"), None, True, [], {},
     [1, "a", None, [2.5, {"k": "v"}]], (1, 2), 10**30,
     {"id": "x", "n": 3, "none": None, "b": False, "nested": {"l": [1, 2], "s": "é"}},
-    {1: "int key", 2.5: "float key", None: "null key", True: "bool key"},
+    {1: "int key", 2.5: "float key", None: "null key", False: "bool key"},
 ]
 
 

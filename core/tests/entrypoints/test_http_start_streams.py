@@ -1,5 +1,5 @@
-"""``start_streams``: a streamed response's requests go to the scheduler from the request handler,
-and every request sent is ended (an abort when unfinished) however its response ends."""
+"""``start_requests``: a response's requests go to the scheduler from the request handler (streamed
+or not), and every request sent is ended (an abort when unfinished) however its response ends."""
 
 from __future__ import annotations
 
@@ -8,8 +8,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from starlette.requests import ClientDisconnect
 
-from engine.entrypoints.http.generation import Choice, SSEResponse, start_streams, stream_outputs
+from engine.entrypoints.http.generation import (
+    Choice,
+    SSEResponse,
+    run_to_completion,
+    start_requests,
+    stream_outputs,
+)
 from engine.managers.io_struct import AbortReq, BatchStrOut, TokenizedGenerateReqInput
 from engine.managers.tokenizer_manager import GenerateRequest, RequestError, TokenizerManager
 from engine.router.router import Router
@@ -58,7 +65,7 @@ def test_sent_from_the_handler_and_streamed() -> None:
     async def run() -> list[list[int]]:
         manager = _Manager()
         choices = [_choice(0, "a")]
-        start_streams(SimpleNamespace(manager=manager), choices)
+        start_requests(SimpleNamespace(manager=manager), choices, stream=True)
         assert manager.kinds() == ["TokenizedGenerateReqInput"] and "a" in manager.states
         assert manager.sock.sent[0].stream is True
         outs = stream_outputs(SimpleNamespace(manager=manager), choices)
@@ -78,7 +85,7 @@ def test_a_response_that_never_ran_its_body_aborts_its_requests() -> None:
     async def run() -> None:
         manager = _Manager()
         choices = [_choice(0, "a"), _choice(1, "b")]
-        start_streams(SimpleNamespace(manager=manager), choices)
+        start_requests(SimpleNamespace(manager=manager), choices, stream=True)
         assert set(manager.states) == {"a", "b"}
 
         async def body() -> Any:
@@ -91,7 +98,7 @@ def test_a_response_that_never_ran_its_body_aborts_its_requests() -> None:
             return {"type": "http.disconnect"}
 
         scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}
-        with pytest.raises(Exception):
+        with pytest.raises(ClientDisconnect):
             await SSEResponse(body(), choices)(scope, receive, send)
         assert manager.states == {}
         assert sorted(m.rid for m in manager.sock.sent if isinstance(m, AbortReq)) == ["a", "b"]
@@ -103,7 +110,7 @@ def test_a_failed_send_is_raised_by_the_stream_and_ends_the_others() -> None:
     async def run() -> None:
         manager = _Manager()
         choices = [_choice(0, "same"), _choice(1, "same")]  # the second send is refused: rid in use
-        start_streams(SimpleNamespace(manager=manager), choices)
+        start_requests(SimpleNamespace(manager=manager), choices, stream=True)
         assert choices[1].start_error is not None
         with pytest.raises(RequestError, match="already running"):
             await stream_outputs(SimpleNamespace(manager=manager), choices).__anext__()
@@ -119,5 +126,27 @@ def test_a_manager_overriding_generate_is_followed_lazily() -> None:
 
     manager = Own()
     choices = [_choice(0, "a")]
-    start_streams(SimpleNamespace(manager=manager), choices)
+    start_requests(SimpleNamespace(manager=manager), choices, stream=True)
     assert choices[0].started is None and manager.sock.sent == []
+
+
+def test_a_non_streamed_response_sends_at_once_and_returns_the_final_output() -> None:
+    async def run() -> dict[str, Any]:
+        manager = _Manager()
+        choices = [_choice(0, "a")]
+        never = asyncio.Event()
+
+        async def receive() -> Any:
+            await never.wait()  # the client stays
+
+        task = asyncio.ensure_future(run_to_completion(SimpleNamespace(manager=manager), choices,
+                                                       SimpleNamespace(receive=receive)))
+        await asyncio.sleep(0)
+        assert manager.kinds() == ["TokenizedGenerateReqInput"] and manager.sock.sent[0].stream is False
+        manager.feed("a", 7, False)
+        manager.feed("a", 8, True)
+        (out,) = await task
+        assert manager.states == {} and "AbortReq" not in manager.kinds()
+        return out
+
+    assert asyncio.run(run())["output_ids"] == [7, 8]

@@ -56,7 +56,7 @@ class Choice:
     request: GenerateRequest
     # Token ids and validated sampling params from TokenizerManager.prepare.
     prepared: tuple[list[int], SamplingParams]
-    # Set by ``start_streams``: the request already sent (a RequestStream), or why sending failed.
+    # Set by ``start_requests``: the request already sent (a RequestStream), or why sending failed.
     started: Any = None
     start_error: BaseException | None = None
 
@@ -168,6 +168,7 @@ def usage(choices: Sequence[Choice], outputs: dict[int, dict[str, Any]]) -> dict
 
 async def run_to_completion(ctx: ServingContext, choices: Sequence[Choice], request: Request) -> list[dict[str, Any]]:
     """Final output of every choice, in order. Aborts them all if the client disconnects."""
+    start_requests(ctx, choices, stream=False)
     tasks = [asyncio.ensure_future(_last_output(ctx, c)) for c in choices]
     everything = asyncio.gather(*tasks)
     # A gather left holding a CancelledError logs "exception was never retrieved": retrieve it.
@@ -192,12 +193,17 @@ async def run_to_completion(ctx: ServingContext, choices: Sequence[Choice], requ
         watcher.cancel()
         # Let the cancellations run, so the aborts are sent before the response goes out.
         await asyncio.gather(*tasks, watcher, return_exceptions=True)
+        await _close_started(choices)  # a task cancelled before it ran does not close its request
 
 
 async def _last_output(ctx: ServingContext, choice: Choice) -> dict[str, Any]:
     last: dict[str, Any] = {}
-    async for out in ctx.manager.generate(choice.request, choice.prepared):
-        last = out  # non-streamed: the one and only output
+    outputs = _follow(ctx, choice)
+    try:
+        async for out in outputs:
+            last = out  # non-streamed: the one and only output
+    finally:
+        await outputs.aclose()
     return last
 
 
@@ -209,20 +215,21 @@ async def _wait_for_disconnect(request: Request) -> None:
             return
 
 
-def start_streams(ctx: ServingContext, choices: Sequence[Choice]) -> None:
-    """Sends a streamed response's requests to the scheduler now, from its request handler.
+def start_requests(ctx: ServingContext, choices: Sequence[Choice], stream: bool) -> None:
+    """Sends a response's requests to the scheduler now, from its request handler.
 
-    Otherwise they go out when the response body starts, and on a burst the event loop first
-    runs the handler of every request that has arrived, then the responses: no request of the
-    batch reaches the scheduler before all of them are parsed. A failure to send is raised in-band
-    by ``stream_outputs``, as when sent there; ``SSEResponse(..., choices)`` ends streams that
-    never ran. A manager that generates its own way (overrides ``generate``, which sends with
-    ``submit``) sends when the body starts."""
+    Otherwise they go out when a streamed response's body starts (or a task of
+    ``run_to_completion`` runs), and on a burst the event loop first runs the handler of every
+    request that has arrived, then the responses: no request of the batch reaches the scheduler
+    before all of them are parsed. A failure to send is raised where the outputs are read
+    (``stream_outputs`` in-band, ``run_to_completion``), as when sent there; ``SSEResponse(...,
+    choices)`` ends streams whose body never ran. A manager that generates its own way (overrides
+    ``generate``, which sends with ``submit``) sends when the outputs are first read."""
     manager = ctx.manager
     if getattr(type(manager), "generate", None) is not TokenizerManager.generate:
         return
     for choice in choices:
-        choice.request.stream = True
+        choice.request.stream = stream
         try:
             choice.started = manager.submit(choice.request, choice.prepared)
         except Exception as exc:
@@ -340,7 +347,7 @@ class SSEResponse(StreamingResponse):
     happens while a chunk is being written, the generator is left suspended and
     would only be closed by the garbage collector. Closing it here makes the
     abort (and the freeing of the request's KV) immediate. ``choices``: those whose
-    requests ``start_streams`` sent, ended here too (the body may never have run).
+    requests ``start_requests`` sent, ended here too (the body may never have run).
     """
 
     def __init__(self, content: AsyncIterator[bytes], choices: Sequence[Choice] = ()) -> None:

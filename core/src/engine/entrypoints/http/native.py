@@ -28,8 +28,8 @@ from engine.entrypoints.http.generation import (
     make_choices,
     run_to_completion,
     sse_error,
+    start_requests,
     stream_finish_reason,
-    start_streams,
     stream_outputs,
 )
 from engine.entrypoints.http.logprobs import native_logprobs, native_top_logprobs
@@ -60,7 +60,7 @@ async def generate(request: Request) -> Response:
     choices = await make_choices(ctx, prompts, copies)
     batch = batch or len(choices) > 1
     if req.stream:
-        start_streams(ctx, choices)
+        start_requests(ctx, choices, stream=True)
         return SSEResponse(_stream(ctx, req, choices, batch), choices)
     outputs = await run_to_completion(ctx, choices, request)
     bodies = [_output(ctx, req, out) for out in outputs]

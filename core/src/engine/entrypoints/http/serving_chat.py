@@ -25,8 +25,8 @@ from engine.entrypoints.http.generation import (
     response_model,
     run_to_completion,
     sse_error,
+    start_requests,
     stream_finish_reason,
-    start_streams,
     stream_outputs,
     usage,
 )
@@ -94,7 +94,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reader = output_parser(ctx, plan, base.sampling_params)
     created = int(time.time())
     if req.stream:
-        start_streams(ctx, choices)
+        start_requests(ctx, choices, stream=True)
         return SSEResponse(_stream(ctx, req, choices, response_id, created, plan, reader), choices)
     outputs = await run_to_completion(ctx, choices, request)
     by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}

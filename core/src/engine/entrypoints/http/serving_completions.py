@@ -25,8 +25,8 @@ from engine.entrypoints.http.generation import (
     response_model,
     run_to_completion,
     sse_error,
+    start_requests,
     stream_finish_reason,
-    start_streams,
     stream_outputs,
     usage,
 )
@@ -86,7 +86,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     created = int(time.time())
     echoes = [_echo_text(ctx, req, prompts, c) for c in choices]
     if req.stream:
-        start_streams(ctx, choices)
+        start_requests(ctx, choices, stream=True)
         return SSEResponse(_stream(ctx, req, choices, echoes, response_id, created), choices)
     outputs = await run_to_completion(ctx, choices, request)
     body_choices = []
