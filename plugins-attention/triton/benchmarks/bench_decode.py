@@ -101,15 +101,13 @@ class Problem:
 
 
 def tiles_of(cfg: tuple) -> dict:
-    tiles = dict(slots_ahead=int(cfg[0]), block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
+    tiles = dict(slots_ahead=bool(cfg[0]), block_n=cfg[1], num_warps=cfg[2], num_stages=cfg[3])
     if len(cfg) > 4:
         tiles["words"] = int(cfg[4])
     if len(cfg) > 5:
         tiles["heads_inner"] = bool(cfg[5])
     if len(cfg) > 6:
         tiles["kv_per_program"] = int(cfg[6])
-    if len(cfg) > 7:
-        tiles["max_regs"] = int(cfg[7])
     return tiles
 
 
@@ -146,10 +144,10 @@ def main() -> None:
     parser.add_argument("--slots", choices=("shuffled", "rows"), default="shuffled",
                         help="rows: each row's tokens in consecutive pool slots instead of shuffled ones")
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
-    parser.add_argument("--tiles", nargs="*", default=[], metavar="A,N,W,S[,WORDS[,HEADS_INNER[,P[,R]]]]",
-                        help="also time these tiles (slots_ahead 0/1/2 (2: K/V a block ahead in registers), block_n, warps, stages, fp8 words 0/1/2/3 "
+    parser.add_argument("--tiles", nargs="*", default=[], metavar="A,N,W,S[,WORDS[,HEADS_INNER[,P]]]",
+                        help="also time these tiles (slots_ahead 0/1, block_n, warps, stages, fp8 words 0/1/2/3 "
                              "(2: hardware widening to float16, 3: the same on words, in inline PTX), launch order 0/1 (1: a row's KV heads together), "
-                             "KV heads per program, registers a thread (0: no cap))")
+                             "KV heads per program)")
     parser.add_argument("--both-orders", action="store_true",
                         help="also time the default tiles in both launch orders (heads_inner 0 and 1)")
     parser.add_argument("--top", type=int, default=5, help="--sweep: tiles carried to every batch size")

@@ -23,7 +23,7 @@ SCALE = 0.2
 
 
 def _run(group: int, kv_heads: int, head_dim: int, per_program: int, heads_inner: bool, splits: int,
-         seed: int, slots_ahead: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+         seed: int, slots_ahead: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     patch_interpreter_index()
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [1, 70, 33, 17]
@@ -44,8 +44,7 @@ def _run(group: int, kv_heads: int, head_dim: int, per_program: int, heads_inner
     part_lse = torch.full((len(seq_lens), num_heads, splits + 1), float("nan"))
     reqs, lens = torch.tensor(rows), torch.tensor(seq_lens)
     decode_attention_fwd(q, k, v, out, req_to_token, reqs, lens, part_out, part_lse, splits, SCALE,
-                         block_n=16, heads_inner=heads_inner, kv_per_program=per_program, slots_ahead=slots_ahead,
-                         num_stages=1 if slots_ahead == 2 else None)
+                         block_n=16, heads_inner=heads_inner, kv_per_program=per_program, slots_ahead=slots_ahead)
     return out, reference_decode(q, k, v, req_to_token, rows, seq_lens, SCALE)
 
 
@@ -61,11 +60,11 @@ def test_heads_per_program_and_order_match_reference(group: int, kv_heads: int, 
 
 
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("slots_ahead", [0, 1, 2])
-def test_each_loop_matches_reference(slots_ahead: int, splits: int) -> None:
-    """The plain, slots-ahead and K/V-ahead loops (rows of 1..70 tokens: none to five blocks of 16,
-    the last one partial, and empty splits)."""
-    out, ref = _run(4, 2, 32, 1, True, splits, seed=slots_ahead * 10 + splits, slots_ahead=slots_ahead)
+@pytest.mark.parametrize("slots_ahead", [False, True])
+def test_each_loop_matches_reference(slots_ahead: bool, splits: int) -> None:
+    """The plain and the slots-ahead loops (rows of 1..70 tokens: one to five blocks of 16, the last
+    one partial, and empty splits)."""
+    out, ref = _run(4, 2, 32, 1, True, splits, seed=int(slots_ahead) * 10 + splits, slots_ahead=slots_ahead)
     assert not torch.isnan(out).any(), "unwritten output"
     err = (out.double() - ref).abs().max().item()
     assert err < 1e-4, f"slots_ahead={slots_ahead} splits={splits}: max err {err:.3g}"
@@ -90,5 +89,17 @@ def test_words_override_names_what_it_needs() -> None:
         decode_attention_fwd(*args, words=3)
     with pytest.raises(ValueError, match=r"words=5; accepted: 0, 1, 2, 3"):
         decode_attention_fwd(*args, words=5)
-    with pytest.raises(ValueError, match=r"slots_ahead=3; accepted: 0 \(plain loop\), 1"):
-        decode_attention_fwd(*args, slots_ahead=3)
+
+
+def test_one_split_tiles_follow_the_programs() -> None:
+    """An e4m3 pool (words) with one split takes one-warp, 16-key tiles from ``ONE_WARP_PROGRAMS``
+    programs (batch 896 at 8 KV heads), two warps and 32 keys below; the widening to float16 either way."""
+    from engine_attention_triton.decode_attention import ONE_WARP_PROGRAMS, decode_tiles
+
+    big = decode_tiles(torch.bfloat16, 128, 1, True, ONE_WARP_PROGRAMS)
+    small = decode_tiles(torch.bfloat16, 128, 1, True, ONE_WARP_PROGRAMS - 8)
+    two = decode_tiles(torch.bfloat16, 128, 2, True, ONE_WARP_PROGRAMS)
+    assert (big.block_n, big.num_warps, big.num_stages, big.slots_ahead) == (16, 1, 3, True), big
+    assert (small.block_n, small.num_warps) == (32, 2) == (two.block_n, two.num_warps), (small, two)
+    assert big.widen_f16 and small.widen_f16 and two.widen_f16
+    assert decode_tiles(torch.bfloat16, 128, 1, False, ONE_WARP_PROGRAMS).num_warps == 4  # a bf16 pool

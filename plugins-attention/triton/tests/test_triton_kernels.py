@@ -219,8 +219,8 @@ FP8 = torch.float8_e4m3fn
 @pytest.mark.parametrize("block_n,num_warps,num_stages,slots_ahead",
                          [(16, 4, 3, False), (32, 4, 2, False), (128, 4, 3, False), (64, 8, 3, False),
                           (64, 4, 2, False), (32, 4, 4, True), (32, 2, 3, True), (16, 1, 2, True),
-                          (64, 8, 3, True), (32, 2, 1, 2), (16, 1, 1, 2), (32, 1, 3, True)])
-def test_decode_tile_configs(seed: int, block_n: int, num_warps: int, num_stages: int, slots_ahead: int,
+                          (64, 8, 3, True), (16, 1, 3, True), (32, 1, 3, True)])
+def test_decode_tile_configs(seed: int, block_n: int, num_warps: int, num_stages: int, slots_ahead: bool,
                              pool_dtype: torch.dtype, words: int, heads_inner: bool) -> None:
     seq_lens = random_lens(6, 1, 1700)
     pools = PagedPools(seq_lens, 16, 2, 128, BF16)
@@ -275,7 +275,7 @@ def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
     req_to_token = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
     req_to_token[:, 0] = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
     q = torch.randn(n, 1, 128, dtype=BF16, device=DEV)
-    for slots_ahead, words in ((False, 1), (True, 1), (True, 2), (False, 3), (True, 3), (2, 3)):
+    for slots_ahead, words in ((False, 1), (True, 1), (True, 2), (False, 3), (True, 3)):
         out = torch.full_like(q, float("nan"))
         part = torch.empty(n, 1, 1, 128, device=DEV)
         decode_attention_fwd(q, k, v, out, req_to_token, torch.arange(n, device=DEV),

@@ -17,12 +17,10 @@ every replay of a CUDA graph; splits past a short row's end are empty and write
 enough to fill the GPU on their own) stage 1 writes the output directly and stage 2
 is skipped.
 
-Stage 1 has three loops (``decode_tiles`` picks one by the split count). The plain loop loads a
+Stage 1 has two loops (``decode_tiles`` picks one by the split count). The plain loop loads a
 block's slots and then its K/V. The slots-ahead loop loads each block's slots one block early,
 so the K/V addresses are known when the block starts and Triton's pipeliner double-buffers the
 gathers (async copies); it wins where programs walk long sequences (few splits, large batches).
-The K/V-ahead loop gathers the next block's K/V into registers while the current one is attended
-(no async copies through shared memory).
 An e4m3 pool under bf16 queries is gathered as int32 words and widened by ``jit_math.widen_e4m3_words``,
 or, at few splits on sm_89+, widened to float16 by the hardware conversion (``widen_e4m3_words_f16``)
 with q in float16.
@@ -57,6 +55,9 @@ TARGET_PROGRAMS_PER_SM = 4
 HEADS_INNER = False
 #: KV heads one stage-1 program attends where the shapes allow (``kv_heads_per_program``).
 KV_PER_PROGRAM = 1
+#: Stage-1 programs of one split from which an e4m3 pool under bf16 queries takes one-warp, 16-key
+#: tiles (``decode_tiles``; measured faster at 8,192 programs, not below).
+ONE_WARP_PROGRAMS = 7168
 
 
 def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None,
@@ -236,32 +237,7 @@ def _decode_split_kernel(
             sm_scale = sm_scale * q_fac
 
     # Every block starts below hi, so it holds at least one live key and m_new stays finite.
-    if SLOTS_AHEAD == 2:
-        # The next block's K/V are gathered into registers (the loop carries them) while this one is
-        # attended, its slots two blocks ahead; run with num_stages 1, so Triton does not also stage
-        # the gathers through shared memory (async copies): the widened tiles' trip into the tensor
-        # cores' layout is then the only shared-memory traffic.
-        offs_nx = first + tl.arange(0, BLOCK_N)
-        live = offs_nx < hi
-        loc_nx = tl.load(token_row + offs_nx, mask=live, other=0).to(tl.int64)
-        k_nx = tl.load(k_base + loc_nx[:, None] * kt, mask=live[:, None] & mask_kc[None, :], other=0.0)
-        v_nx = tl.load(v_base + loc_nx[:, None] * vt, mask=live[:, None] & mask_vc[None, :], other=0.0)
-        offs_nx = offs_nx + BLOCK_N
-        loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
-        for start in range(first, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < hi
-            k = k_nx
-            v = v_nx
-            live = (offs_n + BLOCK_N) < hi
-            loc = loc_nx.to(tl.int64)
-            k_nx = tl.load(k_base + loc[:, None] * kt, mask=live[:, None] & mask_kc[None, :], other=0.0)
-            v_nx = tl.load(v_base + loc[:, None] * vt, mask=live[:, None] & mask_vc[None, :], other=0.0)
-            offs_nx = offs_n + 2 * BLOCK_N
-            loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
-            m_i, l_i, acc = _attend_block(q, k, v, mask_n, m_i, l_i, acc, sm_scale, logit_cap, HAS_CAP,
-                                          DOT_PRECISION, WORDS)
-    elif SLOTS_AHEAD:
+    if SLOTS_AHEAD:
         # Each block's slots are loaded one block ahead, so its K/V addresses are known when the
         # block starts: Triton's pipeliner then keeps NUM_STAGES - 1 blocks of K/V in flight
         # (async copies into shared memory) while the current one is attended. Loading the slots
@@ -370,24 +346,22 @@ def choose_num_kv_splits(
 
 
 class DecodeTiles(NamedTuple):
-    #: Stage 1's loop: 0 plain, 1 slots a block ahead (Triton pipelines the K/V gathers through
-    #: shared memory), 2 K/V a block ahead in registers (with ``num_stages`` 1).
-    slots_ahead: int
+    slots_ahead: bool
     block_n: int
     num_warps: int
     num_stages: int
     heads_inner: bool = HEADS_INNER
     kv_per_program: int = KV_PER_PROGRAM
     #: An e4m3 pool under bf16 queries widens to float16 by the hardware's paired conversion
-    #: (``words`` 3, sm_89+) instead of to bf16 on the integer pipe (``widen_e4m3_words``).
+    #: (sm_89+; ``words`` 3 with one split, else 2) instead of to bf16 on the integer pipe
+    #: (``widen_e4m3_words``).
     widen_f16: bool = False
-    #: A cap on stage 1's registers a thread (Triton's ``maxnreg``; 0: none): more programs resident
-    #: on an SM where registers, not shared memory, bound them.
-    max_regs: int = 0
 
 
-def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool) -> DecodeTiles:
-    """Stage 1's tiles: by the split count (so by the batch size alone, as CUDA graphs need).
+def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool,
+                 programs: int = 0) -> DecodeTiles:
+    """Stage 1's tiles: by the split count and the ``programs`` a split (rows times KV heads), so by
+    the batch size alone, as CUDA graphs need.
 
     Few splits (batch >= ~16 at 8 KV heads on 132 SMs) mean long loops per program: there the
     slots-ahead loop keeps ``num_stages - 1`` blocks in flight and small blocks keep more programs
@@ -398,21 +372,27 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
 
     At few splits an e4m3 pool widens to float16 by the hardware conversion (``widen_f16``), q in
     float16: on the H200 at batch 512 / 256 / 128, 583 / 296 / 154 us against 606 / 308 / 170 us
-    for the integer-pipe widening to bf16 (``--tiles 1,32,2,3,2,1,1``). It converts the words
-    gathered in inline PTX (``words`` 3): Triton's own conversion (``words`` 2) reads V's tensor-core
-    operand from shared memory a byte at a time; at batch 1,024, 1,036 us against 1,123 us
-    (``benchmarks/bench_decode_variants.py``, where a copy of this loop that gathers and widens but
-    does not attend takes 756 us, the KV-read bound 763 us). The heads-inner launch order
-    it runs with was neither faster nor slower there; neither was a row's slots being consecutive
-    instead of shuffled, and several KV heads a program (``kv_per_program`` 2, 4, 8) was slower at
-    every tile tried (645 us at best for 2 heads, 825 us for 4), so the fp8 kernel's distance to the
-    KV-read bound (0.65 of it) is not the gathers' access pattern.
+    for the integer-pipe widening to bf16 (``--tiles 1,32,2,3,2,1,1``). With one split it converts
+    the words gathered, in inline PTX (``words`` 3): Triton's own conversion (``words`` 2) reads V's
+    tensor-core operand from shared memory a byte at a time. At batch 1,024 (8,192 programs): 1,037 us
+    against 1,123 us, and 953 us with one warp and 16 keys a block, which has the most programs
+    resident on an SM (``benchmarks/bench_decode_variants.py``, where a copy of this loop that gathers
+    and widens but does not attend takes 757 us, the KV-read bound 763 us); batch 512 / 256, 537 / 276
+    us against 570 / 293 us. At two splits (batch 64) ``words`` 2 measured faster (128 against 141 us).
+    The heads-inner launch order was neither faster nor slower at batch 512; neither was a row's slots
+    being consecutive instead of shuffled, and several KV heads a program (``kv_per_program`` 2, 4, 8)
+    was slower at every tile tried (645 us at best for 2 heads, 825 us for 4): the fp8 kernel's
+    distance to the KV-read bound is not the gathers' access pattern. Neither did gathering the next
+    block's K/V into registers instead of async copies help (1,306-1,608 us at batch 1,024), nor a
+    register cap (Triton's ``maxnreg`` 96 / 128: 1,104 / 1,041 us at 2 warps, 1,007 us at 1 warp).
     """
     if head_dim > 128 or q_dtype == torch.float32:
         return DecodeTiles(False, 32, 4, 3)
     if num_kv_splits > 4:
         return DecodeTiles(False, 64, 4, 3)
     if words:
+        if num_kv_splits == 1 and programs >= ONE_WARP_PROGRAMS:
+            return DecodeTiles(True, 16, 1, 3, heads_inner=True, widen_f16=True)
         return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True)
     return DecodeTiles(True, 32, 4, 4)
 
@@ -437,11 +417,10 @@ def decode_attention_fwd(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    slots_ahead: int | None = None,
+    slots_ahead: bool | None = None,
     words: int | None = None,
     heads_inner: bool | None = None,
     kv_per_program: int | None = None,
-    max_regs: int | None = None,
     pdl: bool = False,
 ) -> None:
     """Decode attention of ``q`` over each row's whole sequence in the paged pool.
@@ -463,10 +442,8 @@ def decode_attention_fwd(
         block_n, num_warps, num_stages, slots_ahead, words: overrides of ``decode_tiles`` and
             ``gathers_words`` (benchmarks and tests); ``words`` 2 widens an e4m3 pool to float16
             with the hardware conversion and attends with q in float16 (benchmarks); 3 does so on the
-            pool gathered as words, the conversion in inline PTX (sm_89+). ``slots_ahead``: the loop
-            (``DecodeTiles.slots_ahead``: 0, 1, or 2 with ``num_stages`` 1).
+            pool gathered as words, the conversion in inline PTX (sm_89+).
         heads_inner: launch a row's KV heads as consecutive programs (default: ``decode_tiles``).
-        max_regs: registers a stage-1 thread may use (default: ``decode_tiles``; 0: no cap).
         kv_per_program: KV heads one stage-1 program attends (default: ``decode_tiles``, where the
             shapes allow; given, a power of two dividing the KV heads, over power-of-two head dims).
         pdl: launch both stages with programmatic dependent launch (sm_90+ CUDA only; see
@@ -505,10 +482,7 @@ def decode_attention_fwd(
                          f"CUDA sm_89+, not {k_buffer.dtype} under {q.dtype} on {q.device}")
     elif words not in (0, 1, 2, 3):
         raise ValueError(f"decode attention: words={words}; accepted: 0, 1, 2, 3")
-    if slots_ahead is not None and int(slots_ahead) not in (0, 1, 2):
-        raise ValueError(f"decode attention: slots_ahead={slots_ahead}; accepted: 0 (plain loop), 1 (slots a "
-                         f"block ahead), 2 (K/V a block ahead in registers)")
-    tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, bool(words))
+    tiles = decode_tiles(q.dtype, head_dim, num_kv_splits, bool(words), batch * num_kv_heads)
     # One split (large batches fill the GPU without splitting): stage 1 writes the output.
     direct = num_kv_splits == 1
     dest = out if direct else part_out
@@ -516,7 +490,7 @@ def decode_attention_fwd(
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
     if chosen and words == 1 and tiles.widen_f16 and _sm89(q.device.index if q.device.index is not None
                                                            else torch.cuda.current_device()):
-        words = 3
+        words = 3 if num_kv_splits == 1 else 2
     heads_inner = tiles.heads_inner if heads_inner is None else heads_inner
     # The tiles' choice falls back to one KV head a program where the shapes do not allow more.
     per_program = kv_heads_per_program(num_kv_heads, head_dim, v_dim, kv_per_program or None, tiles.kv_per_program)
@@ -524,7 +498,6 @@ def decode_attention_fwd(
     block_n = block_n or tiles.block_n
     num_warps = num_warps or tiles.num_warps
     num_stages = num_stages or tiles.num_stages
-    max_regs = tiles.max_regs if max_regs is None else max_regs
     precision = dot_precision(q.dtype)
     kv_groups = num_kv_heads // per_program
     grid = (kv_groups, batch, num_kv_splits) if heads_inner else (batch, kv_groups, num_kv_splits)
@@ -549,14 +522,13 @@ def decode_attention_fwd(
         DOT_PRECISION=precision,
         DIRECT=direct,
         PDL=pdl,
-        SLOTS_AHEAD=int(slots_ahead),
+        SLOTS_AHEAD=bool(slots_ahead),
         WORDS=int(words),
         HEADS_INNER=bool(heads_inner),
         KV_PER_PROGRAM=per_program,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
-        **({"maxnreg": max_regs} if max_regs else {}),
     )
     if not direct:
         _merge(part_out, part_lse, out, batch, num_heads, num_kv_splits, v_dim, pdl)
