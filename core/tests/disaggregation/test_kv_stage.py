@@ -198,6 +198,28 @@ def test_payloads_reuse_the_pool_once_let_go_and_wait_a_bounded_time_for_room() 
         stager.close()
 
 
+def test_a_pool_the_host_refuses_leaves_the_stager_without_one(caplog: pytest.LogCaptureFixture) -> None:
+    class _Refused(_Platform):
+        def pin_host_memory(self) -> bool:
+            return True
+
+    real = torch.empty
+
+    def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("out of pinned memory")
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "empty", empty)
+        stager = KvStager(_Refused(), torch.device("cpu"), lambda key, p: None, pool_bytes=1 << 30)
+    try:
+        assert stager.stats()["pool_bytes"] == 0
+        assert "no pinned pool of 1.00 GiB (out of pinned memory)" in caplog.text
+    finally:
+        stager.close()
+
+
 def test_close_stops_the_thread_and_drops_what_was_not_published() -> None:
     """A copy under way when close() runs ends unpublished, like the payloads queued behind it:
     the backend is closed right after, and nothing reaches it once close() returned."""

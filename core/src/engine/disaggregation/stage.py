@@ -68,7 +68,13 @@ class KvStager:
         self._publish = publish
         self.max_bytes = max_bytes
         # Taken here, before the server serves: never beside the scheduler's launches.
-        self._pool = HostPool(pool_bytes, pin=bool(platform.pin_host_memory()))
+        pin = bool(platform.pin_host_memory())
+        try:
+            self._pool = HostPool(pool_bytes, pin=pin)
+        except RuntimeError as exc:  # the host refused that much pinned memory: serve without the pool
+            logger.warning("KV transfer: no pinned pool of %.2f GiB (%s); each payload takes fresh pinned memory, "
+                           "which stalls kernel launches: lower host_pool_gb", pool_bytes / (1 << 30), exc)
+            self._pool = HostPool(0, pin=pin)
         self.held_waits = 0  # payloads that waited for the backend to let one go
         self._stream = platform.create_stream()
         self._todo: deque[tuple[HostCopy, str, KvPayload, dict[str, Any] | None, float]] = deque()
