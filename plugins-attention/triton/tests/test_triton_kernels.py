@@ -27,7 +27,7 @@ from engine.attention import AttentionContext, AttentionLayerInfo  # noqa: E402
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from engine_attention_triton.backend import create  # noqa: E402
-from engine_attention_triton.decode_attention import decode_attention_fwd  # noqa: E402
+from engine_attention_triton.decode_attention import decode_attention_fwd, has_pdl  # noqa: E402
 from engine_attention_triton.extend_attention import extend_attention_fwd  # noqa: E402
 from engine_attention_triton.reference import reference_decode, reference_extend  # noqa: E402
 
@@ -260,6 +260,25 @@ def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale:
                          part, part[..., 0], 1, scale, words=words)
     ref = reference_decode(q, k.float(), v.float(), pools.req.req_to_token, pools.req_slots, seq_lens, scale)
     assert_matches(out, ref, BF16, f"words={words} q_scale={q_scale} seed={seed}")
+
+
+def test_fp8_default_tiles_at_a_large_batch(seed: int) -> None:
+    """One split at ``ONE_WARP_PROGRAMS`` programs or more (900 rows, 8 KV heads): the default one-warp,
+    16-key tiles over words widened to float16 (``words`` 3), as a decode graph at that batch runs them."""
+    from engine_attention_triton.decode_attention import ONE_WARP_PROGRAMS
+
+    seq_lens = random_lens(900, 1, 100)
+    assert 900 * 8 >= ONE_WARP_PROGRAMS
+    pools = PagedPools(seq_lens, 1, 8, 128, BF16)
+    k, v = pools.k_buffer.to(FP8), pools.v_buffer.to(FP8)
+    q = torch.randn(900, 32, 128, dtype=BF16, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    part = torch.full((900, 32, 1, 128), float("nan"), device=DEV)
+    decode_attention_fwd(q, k, v, out, pools.req.req_to_token, pools.indices(), torch.tensor(seq_lens, device=DEV),
+                         part, part[..., 0], 1, 128**-0.5, k_scale=0.5, v_scale=2.0, pdl=has_pdl(q.device))
+    ref = reference_decode(q, k.float() * 0.5, v.float() * 2.0, pools.req.req_to_token, pools.req_slots, seq_lens,
+                           128**-0.5)
+    assert_matches(out, ref, BF16, f"900 rows, default tiles, seed={seed}")
 
 
 def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
