@@ -15,7 +15,6 @@ are reduced in a fixed order, so the result does not depend on which program fin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -107,13 +106,6 @@ class _Workspace:
 
 _WORKSPACES: dict[torch.device, _Workspace] = {}
 _PROGRAMS: dict[torch.device, int] = {}
-#: The compiled kernel of each launch signature seen: (device, dtype, split, n, row stride, whether
-#: the logits are 16-byte aligned, PARTS_BLOCK) fixes everything Triton specializes this kernel on
-#: (the other pointers are fresh or cached torch allocations, always aligned; ``tiles_per_part`` is
-#: not specialized), so a later call with it launches the compiled kernel through Triton's launcher
-#: directly, skipping ``JITFunction.run``'s per-call argument binding and cache key (about 20 of its
-#: 27 us of host time a call on an H200 machine, against torch.argmax's 9).
-_COMPILED: dict[tuple, Any] = {}
 
 
 def _target_programs(device: torch.device) -> int:
@@ -180,16 +172,8 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     split = parts > 1
     # Without a split the workspace is never read, only passed: it is not grown for such calls.
     ws = _workspace(logits.device, rows if split else 1, rows * parts if split else 1)
-    # parts <= programs: a PARTS_BLOCK from the device alone compiles once for every batch size.
-    parts_block = triton.next_power_of_2(programs)
-    args = (logits, out, ws.part_val, ws.part_idx, ws.tickets, n, logits.stride(0), tiles_per_part)
-    key = (logits.device, logits.dtype, split, n, logits.stride(0), logits.data_ptr() % 16 == 0, parts_block)
-    compiled = _COMPILED.get(key)
-    if compiled is not None:
-        stream = torch.cuda.current_stream(logits.device).cuda_stream
-        compiled[(rows, parts, 1)](*args, BLOCK, split, parts_block, stream=stream)
-        return out
-    compiled = _argmax_kernel[(rows, parts)](*args, BLOCK=BLOCK, SPLIT=split, PARTS_BLOCK=parts_block, num_warps=4)
-    if logits.device.type == "cuda" and hasattr(compiled, "packed_metadata"):  # not Triton's interpreter
-        _COMPILED[key] = compiled
+    _argmax_kernel[(rows, parts)](
+        logits, out, ws.part_val, ws.part_idx, ws.tickets, n, logits.stride(0), tiles_per_part,
+        # parts <= programs: a PARTS_BLOCK from the device alone compiles once for every batch size.
+        BLOCK=BLOCK, SPLIT=split, PARTS_BLOCK=triton.next_power_of_2(programs), num_warps=4)
     return out
