@@ -245,16 +245,20 @@ def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
     - Mixtral-8x7B shape on an H200: gate/up 110.7 us at 2 x 512 with 8 warps (117.0 with 4, best
       107.5 at 2 x 256); down 56.5 us (4.16 TB/s) at 1 row of each of the 2 experts x 512 against
       67.3 at 4 x 256.
-    - DeepSeek-V2-Lite shape (6 routed + 2 shared slots, I = 1408) on an H200, 2026-11-29: down
-      14.2 us (3.25 TB/s) at 1 row x 128 against 18.7 at 1 x 256, whose sixth step is half masked
-      (1408 = 5.5 x 256 = 11 x 128): the step is halved until it divides I.
+    - DeepSeek-V2-Lite shape (6 routed + 2 shared slots, I = 1408) on an H200, 2026-11-29, every
+      weight cold, PDL, after the gate/up launch: down 17.2 us (2.67 TB/s) at 1 row x 128 a step
+      (1408 = 11 x 128; the step is halved until it divides I: no half-masked last step), 14.3 us
+      (3.2 TB/s) with each step's weights requested a step ahead (``DOWN_AHEAD``), which long K loops
+      (8 steps or more) take: a program then has two steps of loads in flight, where one step of
+      16-byte loads across the GPU's one wave of programs (about 4 MB) left HBM waiting on latency.
+      The 8-warp and wider tiles (1 x 512 .. 2 x 1024) ran slower.
     """
     block_tk = triton.next_power_of_2(top_k)
     down_k = min(512, triton.next_power_of_2(inter), max(16, 2048 // block_tk))
     while down_k > 16 and inter % down_k:
         down_k //= 2  # a step that divides I: no half-masked last step
     return {"UP_BLOCK_N": 2, "UP_BLOCK_K": min(512, triton.next_power_of_2(hidden)), "UP_WARPS": 8,
-            "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4}
+            "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4, "DOWN_AHEAD": int(inter // down_k >= 8)}
 
 
 def shared_chunks(shared_w13: torch.Tensor, shared_w2: torch.Tensor, w13: torch.Tensor) -> int:
