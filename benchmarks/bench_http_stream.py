@@ -5,8 +5,11 @@ a stand-in for the scheduler and detokenizer in a second (every ``--step-ms`` it
 ``BatchStrOut`` holding one new token for every running request, as the detokenizer does at
 ``--stream-interval 1``), and ``--streams`` concurrent streaming clients in a third. It prints
 the HTTP process's CPU seconds over the run (user + system, from /proc) divided by the tokens
-the clients received, per route, and ``tail_s``: how long after the stand-in's last step the
-clients received their last byte (an HTTP process that falls behind delivers the end late).
+the clients received, per route; ``tail_s``: how long after the stand-in's last step the
+clients received their last byte (an HTTP process that falls behind delivers the end late);
+``arrivals_s``: when the stand-in received the first, the middle and the last request, in seconds
+from the clients' start (how fast the HTTP process takes in a burst; ``--prompt-len`` sets the
+size of each request).
 Linux only; runs on the CPU.
 
     python3 benchmarks/bench_http_stream.py --streams 64 --output-len 256 --routes generate completions chat
@@ -64,9 +67,11 @@ def _serve(port: int, ipc_dir: str, ckpt: str, extra: dict[str, Any]) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
 
 
-def _scheduler(ipc_dir: str, step_s: float, last_step: Any) -> None:
+def _scheduler(ipc_dir: str, step_s: float, last_step: Any, arrivals: Any) -> None:
     """One token for every running request each step, finishing each at its max_new_tokens;
-    ``last_step.value``: the monotonic time of the step that finished the last running request."""
+    ``last_step.value``: the monotonic time of the step that finished the last running request;
+    ``arrivals``: the monotonic times requests arrived at, in order (a shared array, filled
+    from the start again when ``arrivals[0]`` is reset to 0)."""
     import zmq
 
     from engine.managers.io_struct import (
@@ -82,12 +87,17 @@ def _scheduler(ipc_dir: str, step_s: float, last_step: Any) -> None:
     recv.bind(f"ipc://{ipc_dir}/s0")
     send.connect(f"ipc://{ipc_dir}/tok")
     running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, max_new_tokens]
+    arrived = 0
     next_step = time.perf_counter()
     while True:
         timeout = max(0.0, next_step - time.perf_counter()) if running else 100.0
         while recv.poll(int(timeout * 1000)):
             msg = recv.recv_pyobj()
             if isinstance(msg, TokenizedGenerateReqInput):
+                arrived = 0 if arrivals[0] == 0.0 else arrived
+                if arrived < len(arrivals):
+                    arrivals[arrived] = time.monotonic()
+                    arrived += 1
                 if not running:  # the first request after an idle spell: steps start now
                     next_step = time.perf_counter() + step_s
                 running[msg.rid] = [len(msg.input_ids), 0, int(msg.sampling_params.get("max_new_tokens") or 16)]
@@ -99,6 +109,7 @@ def _scheduler(ipc_dir: str, step_s: float, last_step: Any) -> None:
         if not running:
             next_step = time.perf_counter()
             continue
+        step_time = time.monotonic()
         rids = list(running)
         reasons: list[dict[str, Any] | None] = []
         for rid in rids:
@@ -112,7 +123,7 @@ def _scheduler(ipc_dir: str, step_s: float, last_step: Any) -> None:
             if reason is not None:
                 del running[rid]
         if not running:
-            last_step.value = time.monotonic()
+            last_step.value = step_time
         next_step += step_s
 
 
@@ -140,7 +151,8 @@ def _clients(port: int, path: str, body: bytes, streams: int, result: Any) -> No
     async def run() -> list[tuple[int, int, float]]:
         return await asyncio.gather(*(_one_stream(port, path, body) for _ in range(streams)))
 
-    result.put(asyncio.run(run()))
+    start = time.monotonic()
+    result.put((start, asyncio.run(run())))
 
 
 def _cpu_s(pid: int) -> float:
@@ -182,7 +194,8 @@ def main() -> None:
         extra = {"stream_interval": a.stream_interval, **json.loads(a.extra)}
         server = spawn.Process(target=_serve, args=(port, tmp, ckpt, extra), daemon=True)
         last_step = spawn.Value("d", 0.0)
-        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000, last_step), daemon=True)
+        arrivals = spawn.Array("d", a.streams, lock=False)
+        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000, last_step, arrivals), daemon=True)
         server.start()
         scheduler.start()
         try:
@@ -201,10 +214,11 @@ def main() -> None:
                                             "--rate", "200", "--output", f"{a.profile}.{route}"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     time.sleep(1.0)
+                arrivals[0] = 0.0  # the stand-in records this run's arrivals from the first
                 cpu0, t0 = _cpu_s(server.pid), time.perf_counter()
                 clients = spawn.Process(target=_clients, args=(port, ROUTES[route], body, a.streams, result))
                 clients.start()
-                outs = result.get()
+                m0, outs = result.get()
                 clients.join()
                 cpu, wall = _cpu_s(server.pid) - cpu0, time.perf_counter() - t0
                 if spy is not None:
@@ -216,7 +230,9 @@ def main() -> None:
                     "route": route, "streams": a.streams, "output_len": a.output_len, "step_ms": a.step_ms,
                     "stream_interval": a.stream_interval, "tokens": tokens, "events": events,
                     "bytes": sum(b for _, b, _ in outs), "wall_s": round(wall, 3),
-                    "tail_s": round(max(end for _, _, end in outs) - last_step.value, 3), "server_cpu_s": round(cpu, 3),
+                    "tail_s": round(max(end for _, _, end in outs) - last_step.value, 3),
+                    "arrivals_s": [round(arrivals[i] - m0, 3) for i in (0, a.streams // 2, a.streams - 1)],
+                    "server_cpu_s": round(cpu, 3),
                     "us_per_token": round(cpu / tokens * 1e6, 2), "us_per_event": round(cpu / events * 1e6, 2),
                 }), flush=True)
         finally:
