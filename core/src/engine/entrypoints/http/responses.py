@@ -38,6 +38,7 @@ from engine.entrypoints.http.generation import (
     log_stream_failure,
     make_choices,
     response_model,
+    start_requests,
     stream_finish_reason,
     stream_outputs,
 )
@@ -116,7 +117,8 @@ async def create_response(request: Request) -> Response:
     except APIError as exc:
         raise renamed(exc) from None
     if req.stream:
-        return SSEResponse(_sse(ctx, run))
+        start_requests(ctx, run.choices, stream=True)
+        return SSEResponse(_sse(ctx, run), run.choices)
     if req.background:
         run.entry = StoredResponse(run.writer.response, rid=run.choices[0].request.rid, input_items=run.input_items)
         run.writer.response["status"] = "queued"
