@@ -239,9 +239,9 @@ class FusedMoE(nn.Module):
             # wait: the top-k lets it start at once.
             first = False
             if shared is not None:  # fuses_shared: CUDA with Triton, the small-batch kernels
-                from engine.layers.moe import small_batch
+                from engine.layers.moe.small_batch import SHARED_FIRST
 
-                first = small_batch.SHARED_FIRST
+                first = SHARED_FIRST
             topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl,
                                                     trigger_first=first)
             topk_ids = self.local_expert_ids(topk_ids)
