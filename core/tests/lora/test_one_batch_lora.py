@@ -65,3 +65,22 @@ def test_reported_adapters_are_the_ones_attached(tmp_path: Path, monkeypatch: py
     assert attached == ["a"] + ["a", "a"] + ["a", "a", "b"] + ["a", "a", "b", "c", "a", "a"]
     assert [r["lora_adapters"] for r in rows] == [1, 1, 2, 3]  # min(names, batch) said 1, 2, 3, 4
     assert printed[-1].endswith("round-robin: 1-4 rows each)")
+
+
+def test_offline_row_counts_the_adapters_its_prompts_ran(tmp_path: Path) -> None:
+    """``engine bench offline --lora-name``: prompt ``i`` runs on ``names[i % len]``; the row counts
+    the distinct adapters that ran and the largest rank among them, not every name given."""
+    from transformers import AutoConfig
+
+    from engine.bench.offline import _lora_fields
+    from engine.lora.adapter import write_random_adapter
+    from engine.testing.checkpoints import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(str(tmp_path / "base"), "LlamaForCausalLM")
+    config = AutoConfig.from_pretrained(path)
+    loras = {name: write_random_adapter(config, str(tmp_path / name), r, ["q_proj", "v_proj"], seed=r)
+             for name, r in RANKS.items()}
+    args = ServerArgs.from_dict({"model_path": path, "lora_paths": loras, "max_lora_rank": 32})
+    assert _lora_fields(args, NAMES, 2) == {"lora_adapters": 1, "lora_rank": 4}
+    assert _lora_fields(args, NAMES, 3) == {"lora_adapters": 2, "lora_rank": 8}
+    assert _lora_fields(args, NAMES, 100) == {"lora_adapters": 3, "lora_rank": 16}

@@ -117,11 +117,13 @@ def bench_offline(args: ServerArgs, data: DatasetArgs, result_file: str | None =
 
 
 def _lora_fields(args: ServerArgs, names: list[str], num_prompts: int) -> dict[str, Any]:
-    """A LoRA run's row fields: the adapters used and their largest rank."""
+    """A LoRA run's row fields: the distinct adapters the prompts ran and their largest rank."""
+    from engine.bench.one_batch import lora_rows
     from engine.lora.adapter import startup_lora_shape
 
-    rank, _ = startup_lora_shape({n: args.lora_paths[n] for n in names})
-    return {"lora_adapters": min(len(names), num_prompts), "lora_rank": rank}
+    used = lora_rows(names, num_prompts)
+    rank, _ = startup_lora_shape({n: args.lora_paths[n] for n in used})
+    return {"lora_adapters": len(used), "lora_rank": rank}
 
 
 def _decisions_diff(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
