@@ -48,16 +48,16 @@ def classify(name: str) -> str:
     return "other"
 
 
-def projections(config_dir: str) -> dict[tuple[int, int], str]:
-    """(N, K) of each linear of a Llama-style layer -> its name, from the model's config.json."""
+def projections(config_dir: str) -> tuple[dict[tuple[int, int], str], int]:
+    """(N, K) of each linear of a Llama-style layer -> its name, and the layer count, from the
+    model's config.json."""
     with open(f"{config_dir}/config.json") as f:
         cfg = json.load(f)
     h, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv, hd = cfg.get("num_key_value_heads", heads), cfg.get("head_dim", h // heads)
     inter, vocab = cfg["intermediate_size"], cfg["vocab_size"]
     return {((heads + 2 * kv) * hd, h): "qkv_proj", (h, heads * hd): "o_proj",
-            (2 * inter, h): "gate_up_proj", (h, inter): "down_proj", (vocab, h): "lm_head",
-            (0, 0): str(cfg["num_hidden_layers"])}  # the layer count, for the GEMMs' FLOP/s
+            (2 * inter, h): "gate_up_proj", (h, inter): "down_proj", (vocab, h): "lm_head"}, cfg["num_hidden_layers"]
 
 
 def gemm_split(prof: Any, names: dict[tuple[int, int], str]) -> dict[str, float]:
@@ -82,7 +82,7 @@ def gemm_split(prof: Any, names: dict[tuple[int, int], str]) -> dict[str, float]
 
 
 def profile_chunk(sched: Any, tokens: int, input_len: int, reps: int, on_gpu: bool,
-                  names: dict[tuple[int, int], str], tag: str) -> None:
+                  names: dict[tuple[int, int], str], layers: int, tag: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from engine.bench.one_batch import run_one
@@ -112,12 +112,12 @@ def profile_chunk(sched: Any, tokens: int, input_len: int, reps: int, on_gpu: bo
         print(f"  {g:<26}{v / 1e3:9.3f} ms  {100 * v / max(total, 1e-9):5.1f}%")
     if on_gpu:
         split = gemm_split(prof, names)
-        per_layer = {v: k for k, v in names.items()}
+        shape_of = {v: k for k, v in names.items()}
         for label, v in sorted(split.items(), key=lambda kv: -kv[1]):
-            nk = per_layer.get(label)
-            flop = 2.0 * n * nk[0] * nk[1] if nk else 0.0
-            layers = names.get((0, 0), "32") if label != "lm_head" else 1
-            rate = f"  {flop * int(layers) / (v * 1e-6) / 1e12:7.0f} TFLOP/s" if nk and label != "lm_head" else ""
+            nk = shape_of.get(label)
+            # Every layer's GEMM of that projection was summed; the LM head runs on the last tokens only.
+            rate = (f"  {2.0 * n * nk[0] * nk[1] * layers / (v * 1e-6) / 1e12:7.0f} TFLOP/s"
+                    if nk and label != "lm_head" else "")
             print(f"    gemm {label:<22}{v / 1e3:9.3f} ms{rate}")
     for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:14]:
         print(f"  {v / 1e3:9.3f} ms  {k[:100]}")
@@ -152,7 +152,7 @@ def main() -> None:
                                  **json.loads(a.extra)})
     sched = Scheduler(args, a.config_dir, None)
     on_gpu = sched.runner.device.type == "cuda"
-    names = projections(a.config_dir)
+    names, layers = projections(a.config_dir)
     quant_configs = {id(c): c for m in sched.runner.model.modules()
                      for c in [getattr(getattr(m, "quant_method", None), "config", None)] if c is not None}
     variants = [("default", [])] + [parse_variant(v, list(quant_configs.values())) for v in a.variant]
@@ -164,7 +164,7 @@ def main() -> None:
             for mod, attr, value in sets:
                 setattr(mod, attr, value)
             for tokens in chunks:
-                profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, label)
+                profile_chunk(sched, tokens, a.input_len, a.reps, on_gpu, names, layers, label)
         except Exception as exc:  # noqa: BLE001 - a variant the device or torch build cannot run: the next one
             print(f"{label}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         finally:
