@@ -5,8 +5,7 @@ sigmoid with correction bias and top-2 group scores) and V2's (160 experts, 8 gr
 router's float32 GEMV at 8 tokens of hidden 2048, and the per-head W_UK / W_UV products at 1 and 4
 tokens (V2-Lite: 16 heads, nope and v 128, latent 512; the tiles ``head_matvec`` picks); the gate's
 and the per-head products' programmatic-dependent-launch variants keep the PDL rule
-(docs/cuda_kernels.md): weights requested before the one wait; the trigger after it, except in
-the gate (its next launch, the router's top-k, reads nothing before its own wait). The prologue
+(docs/cuda_kernels.md): weights requested before the one wait, the trigger after it. The prologue
 with the W_UK product's programs in its launch compiles too.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot``), so a construct only
@@ -91,7 +90,7 @@ def _compile_all() -> dict[str, object]:
 
 def test_kernels_compile_for_sm90_without_spills() -> None:
     """No spills; the PDL variants (gate logits, per-head products at one token) wait once, trigger
-    once (after the wait, but first in the gate and the prologue), and request weights before it."""
+    once after the wait, and request weights before it."""
     facts = compiled_facts(__file__, timeout=600)
     orders = {k: facts.pop(k) for k in [k for k in facts if k.endswith("_pdl_order")]}
     # Two branches (the prologue's programs, the W_UK product's), each with its wait and trigger.
@@ -104,11 +103,9 @@ def test_kernels_compile_for_sm90_without_spills() -> None:
                               "w_uv_pdl_order"]
     for name, order in orders.items():
         # The prologue lets the attention launch start at once (it reads nothing before its own
-        # wait that the prologue writes), the gate the top-k (likewise); the others trigger after
-        # their wait.
+        # wait that the prologue writes); the others trigger after their wait.
         assert order["waits"] == 1 and order["triggers"] == 1, (name, order)
-        assert order["trigger_first"] == (name in ("prologue_pdl_order", "gate_pdl_order", "gate_norm_pdl_order")), (
-            name, order)
+        assert order["trigger_first"] == (name == "prologue_pdl_order"), (name, order)
         assert order["loads_before_wait"] >= 1, (name, order)
 
 

@@ -112,16 +112,10 @@ def _swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch
 # top_k 2 + 2 chunks fills the down launch's 4-lane slot tile; 3 + 2 leaves 3 lanes of 8 empty.
 @pytest.mark.parametrize("tokens, top_k, chunks", [(1, 2, 2), (1, 3, 2), (2, 2, 1)],
                          ids=["one-top2-two-chunks", "one-top3-two-chunks", "two-tokens-one-chunk"])
-@pytest.mark.parametrize("shared_first", [True, False], ids=["shared-first", "slot-order"])
-def test_shared_experts_in_the_same_launches(triton_device: str, tokens: int, top_k: int, chunks: int,
-                                             shared_first: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shared_experts_in_the_same_launches(triton_device: str, tokens: int, top_k: int, chunks: int) -> None:
     """Shared experts (one SwiGLU MLP of ``chunks * I`` features) as extra slots of the two launches:
-    the routed result plus the MLP's, each rounded as separate layers round them; gate/up's
-    programs in either order (``SHARED_FIRST``)."""
-    from engine.layers.moe import small_batch
+    the routed result plus the MLP's, each rounded as separate layers round them."""
     from engine.layers.moe.small_batch import fused_moe_small_batch, shared_chunks
-
-    monkeypatch.setattr(small_batch, "SHARED_FIRST", shared_first)
 
     x, w13, w2, w, ids = _case(triton_device, tokens, top_k, torch.float32, seed=30 + top_k)
     gate_up, down = _shared_mlp(triton_device, torch.float32, chunks, seed=31)
@@ -247,9 +241,9 @@ def test_pdl_launches_equal_plain_ones_in_a_graph(tokens: int, replays_like_eage
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_pdl_with_shared_experts_equals_plain_launches_in_a_graph(tokens: int,
                                                                  replays_like_eager: Callable[..., None]) -> None:
-    """DeepSeek-V2-Lite shape (top 6 of 64, two shared chunks, bf16): with ``pdl`` the top-k lets
-    gate/up start before its wait and gate/up's shared programs request their weights before theirs;
-    the graph of the three replays bit-equal to eager calls, and both equal the launches without PDL."""
+    """DeepSeek-V2-Lite shape (top 6 of 64, two shared chunks, bf16; the down launch's weights a
+    step ahead): with ``pdl`` the graph of the three launches replays bit-equal to eager calls, and
+    both equal the launches without PDL."""
     from engine.layers.moe.router import select_experts
     from engine.layers.moe.small_batch import fused_moe_small_batch
 
@@ -260,7 +254,7 @@ def test_pdl_with_shared_experts_equals_plain_launches_in_a_graph(tokens: int,
     logits = torch.randn(tokens, 64, device="cuda")
 
     def step(pdl: bool = True) -> torch.Tensor:
-        wt, i = select_experts(logits, 6, False, pdl=pdl, trigger_first=pdl)
+        wt, i = select_experts(logits, 6, False, pdl=pdl)
         return fused_moe_small_batch(x, w13, w2, wt, i, pdl=pdl, shared=shared)
 
     torch.testing.assert_close(step(True), step(False), atol=0, rtol=0)

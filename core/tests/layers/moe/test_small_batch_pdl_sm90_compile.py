@@ -4,9 +4,7 @@
 - The router's top-k (its arg-max rounds warp reductions of one instruction each, ``redux.sync``)
   and the gate/up launch read their predecessor's output at once: one wait,
   no global load before it, and the trigger only after it (the down launch reads the routing
-  before its own wait, which is safe only once gate/up has waited). With shared experts in the
-  launches the top-k's ``TRIGGER_FIRST`` variant triggers before its wait, and gate/up requests
-  the shared experts' first weight step (two loads: gate and up rows) before its wait.
+  before its own wait, which is safe only once gate/up has waited).
 - The down launch loads the routing and its first weight tile before its wait (that is its gain)
   and triggers after it.
 - None spills registers.
@@ -37,16 +35,9 @@ def _compile_all() -> dict[str, dict[str, object]]:
     topk = compile_kernel(router_kernel._softmax_topk_kernel,
                           _types(router_kernel._softmax_topk_kernel,
                                  {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}),
-                          dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_K=8, PDL=True, TRIGGER_FIRST=False),
-                          num_warps=1)
+                          dict(TOP_K=8, RENORMALIZE=True, BLOCK_E=128, BLOCK_K=8, PDL=True), num_warps=1)
     out["topk"] = {**pdl_order(topk.asm["ptx"]), "spill_bytes": spill_bytes(topk.asm["ptx"]),
                    "redux": topk.asm["ptx"].count("redux.sync")}
-    first = compile_kernel(router_kernel._softmax_topk_kernel,
-                           _types(router_kernel._softmax_topk_kernel,
-                                  {"logits_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i32"}),
-                           dict(TOP_K=6, RENORMALIZE=False, BLOCK_E=64, BLOCK_K=8, PDL=True, TRIGGER_FIRST=True),
-                           num_warps=1)
-    out["topk_first"] = {**pdl_order(first.asm["ptx"]), "spill_bytes": spill_bytes(first.asm["ptx"])}
     shapes = [(w, 8, 0, 2048, 768) for w in WEIGHTS] + [("bf16", 6, 2, 2048, 1408)]
     for w, top_k, shared, hidden, inter in shapes:
         scale = w != "bf16"
@@ -56,8 +47,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
                                    {"x_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
                                     "act_ptr": "*bf16", "ws_ptr": "*" + w}),
                             dict(K=hidden, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_N=tiles["UP_BLOCK_N"],
-                                 BLOCK_K=tiles["UP_BLOCK_K"], PDL=True, SHARED_FIRST=bool(shared)),
-                            num_warps=tiles["UP_WARPS"])
+                                 BLOCK_K=tiles["UP_BLOCK_K"], PDL=True), num_warps=tiles["UP_WARPS"])
         down = compile_kernel(small_batch._small_down_kernel,
                               _types(small_batch._small_down_kernel,
                                      {"act_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
@@ -88,12 +78,9 @@ def test_pdl_launches_compile_to_the_rule() -> None:
     assert {k: v for k, v in info["topk"].items() if k not in ("spill_bytes", "redux")} == waits_first, info["topk"]
     # Each of the 8 arg-max rounds is two single-instruction warp reductions (int32 max, id min).
     assert info["topk"]["redux"] >= 2 * 8, info["topk"]
-    first = {k: v for k, v in info["topk_first"].items() if k != "spill_bytes"}
-    assert first == {**waits_first, "trigger_first": True}, first
     for w in (*WEIGHTS, "bf16-shared"):
         up, down = info[f"gate_up-{w}"], info[f"down-{w}"]
-        shared_pre = {"loads_before_wait": 2} if w.endswith("shared") else {}
-        assert {k: v for k, v in up.items() if k != "spill_bytes"} == {**waits_first, **shared_pre}, (w, up)
+        assert {k: v for k, v in up.items() if k != "spill_bytes"} == waits_first, (w, up)
         assert down["waits"] == 1 and down["triggers"] == 1 and not down["trigger_first"], (w, down)
         # The routing ids and weights and the first weight tile: several loads before the wait.
         assert down["loads_before_wait"] >= 3, (w, down)

@@ -6,9 +6,9 @@ a 64 x 2048 weight. Here each program reads one expert's weight row once for eve
 batch (at most ``MAX_TOKENS``), widening ``x`` in registers and accumulating in float32.
 It may also take the RMSNorm before it (``PendingNorm``, ``cuda.norm_fusion``): every program
 normalizes the rows itself, and one stores the norm output the experts read after it. With ``pdl``
-(sm_90+) it is a programmatic dependent launch: each program lets the router's top-k launch
-start at once (the top-k reads nothing before its own wait), then requests its first weight tile
-before it waits for the kernel before it (the one that writes ``x``).
+(sm_90+) it is a programmatic dependent launch: each program requests its first weight
+tile before it waits for the kernel before it (the RMSNorm that writes ``x``), and lets the
+router's top-k launch start after its wait.
 """
 
 from __future__ import annotations
@@ -46,15 +46,11 @@ def _gate_kernel(X, W, Out, R, NW, Normed, Res, tokens, num_experts, stride_xt, 
     mask_e = offs_e < num_experts
     mask_t = offs_t < tokens
     acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
-    if PDL:
-        # The next launch (the router's top-k) waits for this one before it reads anything, so it
-        # may start at once, and with it the experts' launch after it (whose programs stream the
-        # shared experts' weights meanwhile).
-        tl.extra.cuda.gdc_launch_dependents()
     w_first = tl.load(W + offs_e[:, None] * stride_we + tl.arange(0, BLOCK_K)[None, :],
                       mask=mask_e[:, None] & (tl.arange(0, BLOCK_K) < HIDDEN)[None, :], other=0.0)
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     first = tl.program_id(0) == 0
     rstd = tl.full([BLOCK_T], 1.0, dtype=tl.float32)
     if NORM:

@@ -235,15 +235,7 @@ class FusedMoE(nn.Module):
             topk_weights, topk_ids, self.expert_blocks = route_and_align(
                 router_logits, self.top_k, self.renormalize, block_m, self.expert_start, self.num_local_experts)
         else:
-            # With shared experts in the launches, gate/up reads only their weights before its
-            # wait: the top-k lets it start at once.
-            first = False
-            if shared is not None:  # fuses_shared: CUDA with Triton, the small-batch kernels
-                from engine.layers.moe.small_batch import SHARED_FIRST
-
-                first = SHARED_FIRST
-            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl,
-                                                    trigger_first=first)
+            topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize, pdl=self.pdl)
             topk_ids = self.local_expert_ids(topk_ids)
         self.shared_weights = shared
         try:

@@ -27,7 +27,7 @@ def triton_available(x: torch.Tensor) -> bool:
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                   pdl: bool = False, trigger_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax top-k routing.
 
     Args:
@@ -36,9 +36,6 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
         renormalize: rescale the ``top_k`` probabilities of each token to sum to one.
         pdl: (CUDA, sm_90+) launch with programmatic dependent launch: the kernel waits for the
             previous one (the router's GEMM) and then lets the next one start.
-        trigger_first: with ``pdl``, let the next launch start before the wait instead: only for
-            a next launch that reads nothing but weights before its own wait (the small-batch
-            gate/up with shared experts, whose shared programs stream their weights meanwhile).
 
     Returns:
         ``(topk_weights, topk_ids)``: ``[tokens, top_k]`` float32 weights and int32 global
@@ -47,7 +44,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     if triton_available(router_logits):
         from engine.layers.moe.router_kernel import select_experts_triton
 
-        return select_experts_triton(router_logits, top_k, renormalize, pdl=pdl, trigger_first=trigger_first)
+        return select_experts_triton(router_logits, top_k, renormalize, pdl=pdl)
     return select_experts_reference(router_logits, top_k, renormalize)
 
 

@@ -56,18 +56,13 @@ def _softmax_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr,
     num_experts, stride_lt, stride_le,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, TRIGGER_FIRST: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         # Launched with PDL: wait for the router's logits, then let the next kernel (the experts'
         # gate/up, launched with PDL too) take SM slots; it waits for these results in turn.
-        # TRIGGER_FIRST: let it start before the wait (it reads only weights before its own wait),
-        # so its programs stream weights that need no routing while the router runs.
-        if TRIGGER_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-        if not TRIGGER_FIRST:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)[None, :]
     in_range = offs_e < num_experts
@@ -80,10 +75,10 @@ def _softmax_topk_kernel(
 
 
 def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-                          pdl: bool = False, trigger_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``select_experts`` in one launch: same arguments, same result (see the module docstring for
     ties). Runs wherever Triton does: CUDA, or CPU tensors under ``TRITON_INTERPRET=1``.
-    ``pdl`` (sm_90+ only) and ``trigger_first``: as ``select_experts``'s."""
+    ``pdl`` (sm_90+ only): as ``select_experts``'s."""
     tokens, num_experts = router_logits.shape
     if not 0 < top_k <= num_experts:
         raise ValueError(f"select_experts: top_k {top_k} out of range for {num_experts} experts; "
@@ -96,6 +91,6 @@ def select_experts_triton(router_logits: torch.Tensor, top_k: int, renormalize: 
     _softmax_topk_kernel[(tokens,)](
         router_logits, weights, ids, num_experts, router_logits.stride(0), router_logits.stride(1),
         TOP_K=top_k, RENORMALIZE=renormalize, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(top_k), PDL=pdl,
-        TRIGGER_FIRST=pdl and trigger_first, num_warps=1 if block_e <= 128 else 4 if block_e <= 1024 else 8, launch_pdl=pdl,
+        num_warps=1 if block_e <= 128 else 4 if block_e <= 1024 else 8, launch_pdl=pdl,
     )
     return weights, ids

@@ -38,11 +38,6 @@ import triton.language as tl
 #: H100, Qwen3-30B-A3B shape, cold weights, router included (``benchmarks/bench_moe_small.py``,
 #: 2026-11-23): 34.4 us against the grouped path's 37.9 at one token, 58.0 against 62.3 at two.
 SMALL_BATCH_MAX_TOKENS = 2
-#: With shared experts in the launches: gate/up's programs start shared chunks first, and with PDL
-#: those request their first weight step before their wait (the router's top-k then lets gate/up
-#: start before its own wait: ``FusedMoE.forward``). False: programs in slot order, every one
-#: waiting first (benchmarks switch it).
-SHARED_FIRST = True
 
 
 def small_batch_applies(tokens: int, top_k: int, num_experts: int) -> bool:
@@ -61,42 +56,16 @@ def _small_gate_up_kernel(
     x_ptr, w_ptr, scale_ptr, ids_ptr, act_ptr, ws_ptr,
     N, stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_am, stride_wsn,
     K: tl.constexpr, TOP_K: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, SHARED_FIRST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
-    # Program (p, n) is token p // (TOP_K + SHARED)'s slot j = p % (TOP_K + SHARED): a routed slot
-    # (j < TOP_K), or chunk j - TOP_K of the shared experts' N-row pieces. SHARED_FIRST (with
-    # shared chunks): the grid is (n, q, token) instead, so the GPU starts programs slot by slot,
-    # the shared chunks first (q < SHARED: j = TOP_K + q; then the routed slots, j = q - SHARED),
-    # and with PDL the first programs to be resident read shared weights, which need no routing,
-    # before their wait.
-    if SHARED_FIRST:
-        pid_n = tl.program_id(0)
-        j = (tl.program_id(1) + TOP_K) % (TOP_K + SHARED)
-        token = tl.program_id(2)
-        p = token * (TOP_K + SHARED) + j
-    else:
-        p = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        token = p // (TOP_K + SHARED)
-        j = p % (TOP_K + SHARED)
+    # Program row p is token p // (TOP_K + SHARED)'s slot j = p % (TOP_K + SHARED): a routed slot
+    # (j < TOP_K), or chunk j - TOP_K of the shared experts' N-row pieces.
+    p = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = p // (TOP_K + SHARED)
+    j = p % (TOP_K + SHARED)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    up_rows = N * stride_wn
-    if SHARED:
-        # The shared experts' [gate (SHARED * N rows); up (SHARED * N rows)] weight: chunk c's gate
-        # rows c * N .., its up rows (SHARED + c) * N ...
-        shared = j >= TOP_K
-        chunk_rows = (tl.maximum(j - TOP_K, 0) * N + rows).to(tl.int64)
-        s_ptrs = ws_ptr + chunk_rows[:, None] * stride_wsn + offs_k[None, :]
-        up_rows = tl.where(shared, SHARED * N * stride_wsn, up_rows)
-        if PDL and SHARED_FIRST:
-            # Weights are no kernel's output: a shared program requests its first K step now.
-            pre_ok = (offs_k[None, :] < K) & shared
-            g_pre = tl.load(s_ptrs, mask=pre_ok, other=0.0)
-            u_pre = tl.load(s_ptrs + SHARED * N * stride_wsn, mask=pre_ok, other=0.0)
     if PDL:
         # The ids are the previous kernel's output: wait for it. Then let the down launch start:
         # its programs read the ids before they wait, which is safe once this program has waited.
@@ -104,41 +73,40 @@ def _small_gate_up_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     expert = tl.load(ids_ptr + token * TOP_K + tl.minimum(j, TOP_K - 1))
     held = expert >= 0
+    # Rows past N read row N-1 again (unmasked 16-byte vectors; the store drops them).
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
     # x is addressed with the tile's full [BLOCK_N, BLOCK_K] shape (stride 0 along N), so it lands
     # in the weights' register layout; the repeated addresses are served by L1.
     zero_n = tl.zeros([BLOCK_N], dtype=tl.int64)[:, None]
     x_ptrs = x_ptr + token.to(tl.int64) * stride_xm + zero_n + offs_k[None, :]
     g_ptrs = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we + rows[:, None] * stride_wn + offs_k[None, :]
+    up_rows = N * stride_wn
     if SHARED:
-        g_ptrs = tl.where(shared, s_ptrs, g_ptrs)
+        # The shared experts' [gate (SHARED * N rows); up (SHARED * N rows)] weight: chunk c's gate
+        # rows c * N .., its up rows (SHARED + c) * N ...
+        shared = j >= TOP_K
+        chunk_rows = (tl.maximum(j - TOP_K, 0) * N + rows).to(tl.int64)
+        g_ptrs = tl.where(shared, ws_ptr + chunk_rows[:, None] * stride_wsn + offs_k[None, :], g_ptrs)
+        up_rows = tl.where(shared, SHARED * N * stride_wsn, up_rows)
         held = held | shared
     u_ptrs = g_ptrs + up_rows
-    # The first K step (a shared program's weights already requested with PDL), then the rest.
-    k_ok = (offs_k[None, :] < K) & held  # a slot held elsewhere: no memory request
-    x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-    if SHARED and PDL and SHARED_FIRST:
-        routed_ok = k_ok & (j < TOP_K)
-        g = tl.where(shared, g_pre, tl.load(g_ptrs, mask=routed_ok, other=0.0))
-        u = tl.where(shared, u_pre, tl.load(u_ptrs, mask=routed_ok, other=0.0))
-    else:
-        g = tl.load(g_ptrs, mask=k_ok, other=0.0)
-        u = tl.load(u_ptrs, mask=k_ok, other=0.0)
-    acc_g = x * g.to(tl.float32)
-    acc_u = x * u.to(tl.float32)
-    for kk in range(BLOCK_K, K, BLOCK_K):
-        x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-        k_ok = (offs_k[None, :] + kk < K) & held
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kk in range(0, K, BLOCK_K):
+        k_ok = (offs_k[None, :] + kk < K) & held  # a slot held elsewhere: no memory request
         x = tl.load(x_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         acc_g += x * tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
         acc_u += x * tl.load(u_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+        x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
     gate = tl.sum(acc_g, axis=1)
     up = tl.sum(acc_u, axis=1)
     if HAS_SCALE:
-        sc_ptrs = scale_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se + rows * stride_sn
-        gate = gate * tl.load(sc_ptrs, mask=held, other=0.0)
-        up = up * tl.load(sc_ptrs + N * stride_sn, mask=held, other=0.0)
+        s_ptrs = scale_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_se + rows * stride_sn
+        gate = gate * tl.load(s_ptrs, mask=held, other=0.0)
+        up = up * tl.load(s_ptrs + N * stride_sn, mask=held, other=0.0)
     # Rounded where the grouped kernel's epilogue rounds (gate and up, then SiLU, then the product).
     out_ty = act_ptr.dtype.element_ty
     gate = gate.to(out_ty).to(tl.float32)
@@ -248,17 +216,19 @@ def small_batch_tiles(top_k: int, hidden: int, inter: int) -> dict[str, int]:
     - DeepSeek-V2-Lite shape (6 routed + 2 shared slots, I = 1408) on an H200, 2026-11-29, every
       weight cold, PDL, after the gate/up launch: down 17.2 us (2.67 TB/s) at 1 row x 128 a step
       (1408 = 11 x 128; the step is halved until it divides I: no half-masked last step), 14.3 us
-      (3.2 TB/s) with each step's weights requested a step ahead (``DOWN_AHEAD``), which long K loops
-      (8 steps or more) take: a program then has two steps of loads in flight, where one step of
-      16-byte loads across the GPU's one wave of programs (about 4 MB) left HBM waiting on latency.
-      The 8-warp and wider tiles (1 x 512 .. 2 x 1024) ran slower.
+      (3.2 TB/s) with each step's weights requested a step ahead (``DOWN_AHEAD``), which loops of 8
+      or more short steps (128 columns or fewer) take: a program then has two steps of loads in
+      flight, where one short step of 16-byte loads across the GPU's one wave of programs (about
+      4 MB) left HBM waiting on latency. The 8-warp and wider tiles (1 x 512 .. 2 x 1024) ran
+      slower. Mixtral-8x7B's 28 steps of 512 columns (H200, same day) do not take it: 55.1 us
+      (4.27 TB/s) without, 58.8 us with.
     """
     block_tk = triton.next_power_of_2(top_k)
     down_k = min(512, triton.next_power_of_2(inter), max(16, 2048 // block_tk))
     while down_k > 16 and inter % down_k:
         down_k //= 2  # a step that divides I: no half-masked last step
     return {"UP_BLOCK_N": 2, "UP_BLOCK_K": min(512, triton.next_power_of_2(hidden)), "UP_WARPS": 8,
-            "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4, "DOWN_AHEAD": int(inter // down_k >= 8)}
+            "DOWN_BLOCK_N": 1, "DOWN_BLOCK_K": down_k, "DOWN_WARPS": 4, "DOWN_AHEAD": int(down_k <= 128 and inter // down_k >= 8)}
 
 
 def shared_chunks(shared_w13: torch.Tensor, shared_w2: torch.Tensor, w13: torch.Tensor) -> int:
@@ -344,14 +314,10 @@ def launch_gate_up(x: torch.Tensor, w13: torch.Tensor, scale: torch.Tensor | Non
     inter = w13.shape[1] // 2
     tokens, top_k = ids.shape
     ws = shared_w13 if chunks else w13
-    n_blocks = triton.cdiv(inter, block_n)
-    first = bool(chunks) and SHARED_FIRST
-    grid = (n_blocks, top_k + chunks, tokens) if first else (tokens * (top_k + chunks), n_blocks)
-    _small_gate_up_kernel[grid](
+    _small_gate_up_kernel[(tokens * (top_k + chunks), triton.cdiv(inter, block_n))](
         x, w13, scale if scale is not None else w13, ids, act, ws, inter, x.stride(0), w13.stride(0), w13.stride(1),
         *_scale_strides(scale), act.stride(0), ws.stride(0) if chunks else 0, K=w13.shape[2], TOP_K=top_k,
-        SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, SHARED_FIRST=first,
-        num_warps=num_warps,
+        SHARED=chunks, HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, PDL=pdl, num_warps=num_warps,
         num_stages=num_stages, launch_pdl=pdl)
 
 
