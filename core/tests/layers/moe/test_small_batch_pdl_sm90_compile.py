@@ -29,7 +29,7 @@ def _types(fn: object, pointers: dict[str, str]) -> dict[str, str]:
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
-    from engine.layers.moe import router_kernel, small_batch
+    from engine.layers.moe import router_kernel, small_batch, small_batch_kernel
 
     out: dict[str, dict[str, object]] = {}
     topk = compile_kernel(router_kernel._softmax_topk_kernel,
@@ -42,14 +42,14 @@ def _compile_all() -> dict[str, dict[str, object]]:
     for w, top_k, shared, hidden, inter in shapes:
         scale = w != "bf16"
         tiles = small_batch.small_batch_tiles(top_k + shared, hidden, inter)
-        up = compile_kernel(small_batch._small_gate_up_kernel,
-                            _types(small_batch._small_gate_up_kernel,
+        up = compile_kernel(small_batch_kernel._small_gate_up_kernel,
+                            _types(small_batch_kernel._small_gate_up_kernel,
                                    {"x_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
                                     "act_ptr": "*bf16", "ws_ptr": "*" + w}),
                             dict(K=hidden, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_N=tiles["UP_BLOCK_N"],
                                  BLOCK_K=tiles["UP_BLOCK_K"], PDL=True), num_warps=tiles["UP_WARPS"])
-        down = compile_kernel(small_batch._small_down_kernel,
-                              _types(small_batch._small_down_kernel,
+        down = compile_kernel(small_batch_kernel._small_down_kernel,
+                              _types(small_batch_kernel._small_down_kernel,
                                      {"act_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
                                       "topk_w_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*" + w}),
                               dict(K=inter, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_TK=8,
@@ -60,7 +60,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
             # The down launch the other way round: DOWN_AHEAD (each step's weights requested a
             # step ahead) where the default tile does not take it, and the reverse.
             kernels.append(("down_other", compile_kernel(
-                small_batch._small_down_kernel, _types(small_batch._small_down_kernel, {
+                small_batch_kernel._small_down_kernel, _types(small_batch_kernel._small_down_kernel, {
                     "act_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
                     "topk_w_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*" + w}),
                 dict(K=inter, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_TK=8, BLOCK_N=tiles["DOWN_BLOCK_N"],
