@@ -197,6 +197,89 @@ def _speed_up_triton_interpreter() -> None:
     interpreter._patch_builtin = patch_builtins
     interpreter._get_np_dtype = get_np_dtype
     interpreter._suite_tables = True
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):  # a GPU's compiles keep Triton's own
+        _speed_up_triton_types(tl.core)
+
+
+def _speed_up_triton_types(core: object) -> None:
+    """Two constructors of triton.language's types that every interpreted operation calls, kept from
+    redoing what depends only on a shape of plain ints.
+
+    Each op builds a ``block_type`` (most do) and a ``tensor``; both hold their shape as a
+    ``tl.tuple`` (of ints, of constexprs) whose ``tuple_type`` makes an element type per dimension and
+    formats its name from them, and the block type also unwraps its shape as if it held constexprs
+    and checks it again: a fifth of the CPU of the suite's interpreted kernel modules. Here a shape of ints takes its checked numel, its tuple's element types and names
+    from a table; every object is still a new one with the same fields, and any other shape takes
+    Triton's own path. Installed only where the objects built both ways are equal, field for field.
+    """
+    block_type, tensor, tuple_type, constexpr, tl_tuple = (core.block_type, core.tensor, core.tuple_type,
+                                                           core.constexpr, core.tuple)
+    block_init, tensor_init = block_type.__init__, tensor.__init__
+    # shape -> its numel (checked), its tuple's element types and name, and the tuple's str
+    known: dict[tuple[int, ...], tuple[int, list[object], str, str]] = {}
+
+    def shape_tuple(values: list[object], entry: tuple[int, list[object], str, str]) -> object:
+        typed = tuple_type.__new__(tuple_type)
+        typed.types, typed.fields, typed.name = list(entry[1]), [""] * len(values), entry[2]
+        return tl_tuple(values, typed)
+
+    def fast_block_init(self: object, element_ty: object, shape: object) -> None:
+        # A list or a tl.tuple of ints (Triton's ops pass both); constexprs take its own path.
+        dims = shape if type(shape) is list else shape.values if type(shape) is tl_tuple else None
+        if not dims or any(type(d) is not int for d in dims):
+            return block_init(self, element_ty, shape)
+        entry = known.get(tuple(dims))
+        if entry is None:
+            return block_init(self, element_ty, shape)  # checks it (raising where Triton does)
+        self.element_ty, self.shape, self.numel = element_ty, shape_tuple(list(dims), entry), entry[0]
+        self.name = f"<{entry[3]}, {element_ty}>"
+
+    def fast_tensor_init(self: object, handle: object, ty: object) -> None:
+        if not ty.is_block():
+            key: tuple[int, ...] | None = ()  # a scalar: an empty shape
+        else:
+            dims = ty.shape.values if type(ty.shape) is tl_tuple else None
+            key = tuple(dims) if dims and all(type(d) is int for d in dims) else None
+        entry = known.get(key) if key is not None else None
+        if entry is None:
+            tensor_init(self, handle, ty)
+            if key is not None and self.type is ty:  # learnt from what Triton built (and checked)
+                made = ty.shape if key else self.shape
+                known[key] = (self.numel.value, list(made.type.types), made.type.name, str(made))
+            return
+        self.handle, self.type, self.dtype = handle, ty, ty.scalar
+        self.numel = constexpr(entry[0])
+        self.shape = shape_tuple([constexpr(d) for d in key], entry)
+
+    # The check: block types (from a list, from another's tl.tuple shape), a tensor of one and a
+    # scalar, built by Triton, then both ways from the table.
+    def built(make_block: object, make_tensor: object) -> tuple[object, ...]:
+        block, twin = block_type.__new__(block_type), block_type.__new__(block_type)
+        value, scalar = tensor.__new__(tensor), tensor.__new__(tensor)
+        make_block(block, core.int32, [4, 8])
+        make_block(twin, core.float16, block.shape)
+        make_tensor(value, None, block)
+        make_tensor(scalar, None, core.int32)
+        return block, twin, value, scalar
+
+    def fields(block: object, twin: object, value: object, scalar: object) -> tuple[object, ...]:
+        kinds = tuple((vars(b).keys(), b.element_ty, b.shape.values, b.numel, b.name, b.shape.type.name,
+                       [str(t) for t in b.shape.type.types]) for b in (block, twin))
+        values = tuple((vars(v).keys(), v.type, str(v.shape), v.shape.type.name, v.numel.value, v.dtype)
+                       for v in (value, scalar))
+        return kinds + values
+
+    want = fields(*built(block_init, tensor_init))
+    for _ in range(2):  # the first time learns the shape, the second takes it from the table
+        if fields(*built(fast_block_init, fast_tensor_init)) != want:
+            known.clear()
+            import warnings
+
+            warnings.warn("conftest: triton.language's block_type or tensor differs from what the suite's tables "
+                          "build (another Triton version?): kept as Triton has them", stacklevel=1)
+            return
+    block_type.__init__ = fast_block_init
+    tensor.__init__ = fast_tensor_init
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
