@@ -93,7 +93,7 @@ def test_words_override_names_what_it_needs() -> None:
 
 def test_one_split_tiles_follow_the_programs() -> None:
     """An e4m3 pool (words) with one split takes one-warp, 16-key tiles from ``ONE_WARP_PROGRAMS``
-    programs (batch 512 at 8 KV heads), two warps and 32 keys below; the widening to float16 either way."""
+    programs (batch 384 at 8 KV heads), two warps and 32 keys below; the widening to float16 either way."""
     from engine_attention_triton.decode_attention import ONE_WARP_PROGRAMS, decode_tiles
 
     big = decode_tiles(torch.bfloat16, 128, 1, True, ONE_WARP_PROGRAMS)

@@ -56,8 +56,8 @@ HEADS_INNER = False
 #: KV heads one stage-1 program attends where the shapes allow (``kv_heads_per_program``).
 KV_PER_PROGRAM = 1
 #: Stage-1 programs of one split from which an e4m3 pool under bf16 queries takes one-warp, 16-key
-#: tiles (``decode_tiles``; measured faster at 4,096, 6,144 and 8,192 programs).
-ONE_WARP_PROGRAMS = 4096
+#: tiles (``decode_tiles``; measured faster at 3,072 to 8,192 programs, not at 2,048).
+ONE_WARP_PROGRAMS = 3072
 
 
 def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None,
@@ -377,10 +377,10 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
     tensor-core operand from shared memory a byte at a time. At batch 1,024 (8,192 programs): 1,037 us
     against 1,123 us, and 953 us with one warp and 16 keys a block, which has the most programs
     resident on an SM (``benchmarks/bench_decode_variants.py``, where a copy of this loop that gathers
-    and widens but does not attend takes 757 us, the KV-read bound 763 us); batch 768 / 512, 677 /
-    458 us with one warp against 784 / 536 us with two (``bench_decode.py``); batch 256, 276 us with
-    two warps against 293 us for ``words`` 2. At two splits (batch 64) ``words`` 2 measured faster
-    (128 against 141 us).
+    and widens but does not attend takes 757 us, the KV-read bound 763 us); batch 768 / 512 / 384,
+    677 / 458 / 347 us with one warp against 784 / 536 / 400 us with two (``bench_decode.py``); batch
+    256, 279 us with one warp, 273-276 us with two, against 293 us for ``words`` 2. At two splits
+    (batch 64) ``words`` 2 measured faster (128 against 141 us).
     The heads-inner launch order was neither faster nor slower at batch 512; neither was a row's slots
     being consecutive instead of shuffled, and several KV heads a program (``kv_per_program`` 2, 4, 8)
     was slower at every tile tried (645 us at best for 2 heads, 825 us for 4): the fp8 kernel's
