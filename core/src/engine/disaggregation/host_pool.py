@@ -45,8 +45,8 @@ class HostPool:
     def take(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Host tensors for ``k`` and ``v`` (shapes and dtypes) in one free region of the slab,
         or ``None`` when no free region is large enough for both."""
-        k_bytes = k.numel() * k.element_size()
-        need = _round_up(k_bytes) + _round_up(v.numel() * v.element_size())
+        k_bytes, v_bytes = _nbytes(k), _nbytes(v)
+        need = _round_up(k_bytes) + _round_up(v_bytes)
         offset = self._gap(need)
         if offset is None:
             return None
@@ -57,7 +57,7 @@ class HostPool:
         self._live = sorted([*self._live, (offset, need, StorageWeakRef(region.untyped_storage()))], key=lambda r: r[0])
         self.taken += 1
         v_at = _round_up(k_bytes)
-        return _typed(region[:k_bytes], k), _typed(region[v_at:v_at + v.numel() * v.element_size()], v)
+        return _typed(region[:k_bytes], k), _typed(region[v_at:v_at + v_bytes], v)
 
     def take_fresh(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host tensors for ``k`` and ``v`` outside the slab (torch's caching host allocator)."""
@@ -66,7 +66,7 @@ class HostPool:
 
     def fits(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the pair can ever be placed in the slab (a larger one gets fresh memory at once)."""
-        need = _round_up(k.numel() * k.element_size()) + _round_up(v.numel() * v.element_size())
+        need = _round_up(_nbytes(k)) + _round_up(_nbytes(v))
         return 0 < need <= self.size
 
     def used_bytes(self) -> int:
@@ -84,6 +84,10 @@ class HostPool:
                 return start
             start = offset + size
         return start if self.size - start >= need else None
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
