@@ -55,7 +55,7 @@ def test_reported_adapters_are_the_ones_attached(tmp_path: Path, monkeypatch: py
     printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("batch ")]
     assert len(rows) == len(printed) == len(sizes)
     start = 0
-    for bs, row, line in zip(sizes, rows, printed):
+    for bs, row, line in zip(sizes, rows, printed, strict=True):
         ran = attached[start : start + bs]
         start += bs
         used = list(dict.fromkeys(ran))
