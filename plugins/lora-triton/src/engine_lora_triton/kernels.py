@@ -141,10 +141,7 @@ def _expand_kernel(y_ptr, b_ptr, out_ptr, seg_indptr_ptr, weight_indices_ptr, ra
     if rank == 0:  # the base model: its rows of out stay as they are
         return
     # Each column tile reads its own slice's R columns of y.
-    tile = tl.program_id(2)
-    lo, hi, first, y_col0 = _slice_of(tile, tiles0, tiles01, off0, off1, off2, off3, R)
-    cols = lo + (tile - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = cols < hi
+    cols, n_ok, y_col0 = _tile_columns(tl.program_id(2), tiles0, tiles01, off0, off1, off2, off3, R, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     b_ptrs = b_ptr + slot.to(tl.int64) * stride_bs + cols[:, None].to(tl.int64) * stride_bn + offs_r[None, :] * stride_br
