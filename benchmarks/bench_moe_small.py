@@ -18,15 +18,17 @@ router, the two routed launches, then the shared MLP as the engine's CUDA platfo
 GB/s counts the bytes of the experts a call touches (weights only): comparable with the card's copy
 bandwidth. ``--sweep`` times the small kernels' tiles at one token instead and prints the best (with
 the shape's shared experts in the launches; one copy of their weights per routing, so they are cold
-too). ``--launch both`` times the default gate/up tile followed by each down tile reading its output
-(less the gate/up launch's own time: what the down launch costs in a decode step's sequence);
-``--pdl`` launches with programmatic dependent launch, as the engine does on sm_90+.
+too). ``--launch both`` times the default gate/up tile followed by each down tile reading its output,
+and prints the gate/up tile's time alone first: the difference is what the down launch costs in a
+decode step's sequence. ``--pdl`` launches with programmatic dependent launch, as the engine does
+on sm_90+; ``--ahead 0 1`` times each down tile without and with its weights requested a K step
+ahead.
 
 usage: python benchmarks/bench_moe_small.py [--shape qwen3-30b-a3b] [--tokens 1 2 4 8] [--sweep]
-       [--launch gate_up down both] [--pdl] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512]
+       [--launch gate_up down both] [--pdl] [--ahead 0 1] [--warps 4 8] [--stages 1 2] [--block-n 1 2] [--block-k 256 512]
        [--result-file out/results.jsonl]
 
-``--launch``, ``--warps``, ``--stages``, ``--block-n`` and ``--block-k`` narrow or widen the sweep
+``--launch``, ``--ahead``, ``--warps``, ``--stages``, ``--block-n`` and ``--block-k`` narrow or widen the sweep
 (each tile is a Triton compile of about a second).
 """
 
