@@ -74,3 +74,18 @@ def test_gather_widened_equals_the_torch_ops(fp8: torch.dtype, dtype: torch.dtyp
         assert same.all(), f"{int((~same).sum())} values differ from the torch widening"
     empty_k, empty_v = gather_widened(k_buf, v_buf, loc[:0], dtype)
     assert empty_k.shape == (0, kv_heads, head_dim) and empty_v.shape == (0, kv_heads, v_dim)
+
+
+def test_gather_widened_strided_pool_rows_take_the_torch_ops(caplog: pytest.LogCaptureFixture) -> None:
+    """A pool whose rows do not hold their KV heads back to back (a view with heads and slots
+    swapped) is read back by the torch ops, with a warning, and gives the same values."""
+    patch_interpreter_index()
+    gen = torch.Generator().manual_seed(5)
+    pool = torch.randint(0, 120, (2, 12, 16), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    k_buf = v_buf = pool.transpose(0, 1)  # [slots 12, heads 2, dim 16], each row's heads 12 * 16 apart
+    loc = torch.tensor([4, 0, 4, 11])
+    extend_module._warn_strided_pool_rows.cache_clear()
+    with caplog.at_level("WARNING", logger=extend_module.__name__):
+        k_new, v_new = gather_widened(k_buf, v_buf, loc, torch.float32)
+    assert "gather_widened" in caplog.text
+    assert torch.equal(k_new, k_buf[loc].float()) and torch.equal(v_new, v_buf[loc].float())

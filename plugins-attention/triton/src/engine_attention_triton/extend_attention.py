@@ -20,6 +20,9 @@ MIXED batch are rows with one new token and need nothing special.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
@@ -30,6 +33,8 @@ from engine_attention_triton.jit_math import (
     check_kernel_dtype,
     dot_precision,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -361,16 +366,23 @@ def _gather_widen_kernel(K_Buf, V_Buf, Loc, K_Out, V_Out, stride_kbt, stride_vbt
     tl.store(V_Out + t * V_ROW + offs, v.to(V_Out.dtype.element_ty), mask=offs < V_ROW)
 
 
+@functools.cache
+def _warn_strided_pool_rows() -> None:
+    logger.warning("triton extend: the fp8 pool's rows do not hold their KV heads back to back; its new "
+                   "tokens are read back by torch gathers and casts instead of gather_widened's one launch")
+
+
 def gather_widened(k_buffer: torch.Tensor, v_buffer: torch.Tensor, loc: torch.Tensor,
                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``k_buffer[loc].to(dtype), v_buffer[loc].to(dtype)`` in one launch: an fp8 pool's new tokens
     read back and widened (exact) for the extend kernel, instead of two gathers and two casts.
     Pool rows whose heads are not back to back take the torch ops."""
+    if not (k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous()):
+        _warn_strided_pool_rows()
+        return k_buffer[loc].to(dtype), v_buffer[loc].to(dtype)
     n = loc.shape[0]
     k_out = torch.empty((n, *k_buffer.shape[1:]), dtype=dtype, device=k_buffer.device)
     v_out = torch.empty((n, *v_buffer.shape[1:]), dtype=dtype, device=v_buffer.device)
-    if not (k_buffer[0].is_contiguous() and v_buffer[0].is_contiguous()):
-        return k_buffer[loc].to(dtype), v_buffer[loc].to(dtype)
     if n:
         k_row, v_row = k_buffer[0].numel(), v_buffer[0].numel()
         _gather_widen_kernel[(n,)](k_buffer, v_buffer, loc, k_out, v_out, k_buffer.stride(0), v_buffer.stride(0),
