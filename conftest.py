@@ -208,9 +208,10 @@ def _speed_up_triton_types(core: object) -> None:
     Each op builds a ``block_type`` (most do) and a ``tensor``; both hold their shape as a
     ``tl.tuple`` (of ints, of constexprs) whose ``tuple_type`` makes an element type per dimension and
     formats its name from them, and the block type also unwraps its shape as if it held constexprs
-    and checks it again: a fifth of the CPU of the suite's interpreted kernel modules. Here a shape of ints takes its checked numel, its tuple's element types and names
-    from a table; every object is still a new one with the same fields, and any other shape takes
-    Triton's own path. Installed only where the objects built both ways are equal, field for field.
+    and checks it again: a fifth of the CPU of the suite's interpreted kernel modules. Here a shape
+    of ints takes its checked numel, its tuple's element types and names from a table; every object
+    is still a new one with the same fields, and any other shape takes Triton's own path. Installed
+    only where the objects built both ways are equal, field for field.
     """
     block_type, tensor, tuple_type, constexpr, tl_tuple = (core.block_type, core.tensor, core.tuple_type,
                                                            core.constexpr, core.tuple)
