@@ -140,6 +140,21 @@ def test_shared_experts_that_do_not_split_are_refused(triton_device: str) -> Non
         fused_moe_small_batch(x, w13, w2, w, ids, shared=(odd_up, odd_down))
 
 
+@pytest.mark.parametrize("shape,tile", [
+    ((6 + 2, 2048, 1408), (128, 1)),  # DeepSeek-V2-Lite (6 routed + 2 shared slots): 11 steps of 128
+    ((2, 4096, 14336), (512, 0)),  # Mixtral-8x7B: 28 steps of 512
+    ((8, 2048, 768), (256, 0)),  # Qwen3-30B-A3B: 3 steps of 256
+], ids=["deepseek-v2-lite", "mixtral-8x7b", "qwen3-30b-a3b"])
+def test_down_weights_a_step_ahead_only_in_long_loops_of_short_steps(shape: tuple[int, int, int],
+                                                                     tile: tuple[int, int]) -> None:
+    """``small_batch_tiles``: the down launch's step divides I, and loops of 8 or more steps of at
+    most 128 columns request each step's weights one step ahead (``DOWN_AHEAD``)."""
+    from engine.layers.moe.small_batch import small_batch_tiles
+
+    tiles = small_batch_tiles(*shape)
+    assert (tiles["DOWN_BLOCK_K"], tiles["DOWN_AHEAD"]) == tile, tiles
+
+
 def test_bad_shapes_name_the_tensors() -> None:
     from engine.layers.moe.small_batch import fused_moe_small_batch
 
