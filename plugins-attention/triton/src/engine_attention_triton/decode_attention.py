@@ -40,6 +40,7 @@ from engine_attention_triton.jit_math import (
     base2_scores,
     block_size,
     check_kernel_dtype,
+    cuda_index,
     dot_precision,
     gathers_words,
     widen,
@@ -478,8 +479,7 @@ def decode_attention_fwd(
     elif words == 2 and not (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype != torch.float32):
         raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
                          f"under {q.dtype}")
-    elif words == 3 and not (gathers_words(q, k_buffer, v_buffer) and _sm89(q.device.index if q.device.index
-                                                                             is not None else torch.cuda.current_device())):
+    elif words == 3 and not (gathers_words(q, k_buffer, v_buffer) and _sm89(cuda_index(q.device))):
         raise ValueError(f"decode attention: words=3 needs an e4m3 pool with 4-byte aligned rows under bf16 q on "
                          f"CUDA sm_89+, not {k_buffer.dtype} under {q.dtype} on {q.device}")
     elif words not in (0, 1, 2, 3):
@@ -490,8 +490,7 @@ def decode_attention_fwd(
     dest = out if direct else part_out
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
-    if chosen and words == 1 and tiles.widen_f16 and _sm89(q.device.index if q.device.index is not None
-                                                           else torch.cuda.current_device()):
+    if chosen and words == 1 and tiles.widen_f16 and _sm89(cuda_index(q.device)):
         words = 3 if num_kv_splits == 1 else 2
     heads_inner = tiles.heads_inner if heads_inner is None else heads_inner
     # The tiles' choice falls back to one KV head a program where the shapes do not allow more.
@@ -569,7 +568,7 @@ def has_pdl(device: torch.device) -> bool:
     Triton's interpreter)."""
     if device.type != "cuda":
         return False
-    return _has_pdl_index(device.index if device.index is not None else torch.cuda.current_device())
+    return _has_pdl_index(cuda_index(device))
 
 
 __all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words",

@@ -146,8 +146,12 @@ def gathers_words(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     aligned = all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr()))
     return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
             and aligned and k_buffer.shape[2] % 4 == 0 and v_buffer.shape[2] % 4 == 0
-            and q.device.type == "cuda" and _ptx_sm80(q.device.index if q.device.index is not None
-                                                        else torch.cuda.current_device()))
+            and q.device.type == "cuda" and _ptx_sm80(cuda_index(q.device)))
+
+
+def cuda_index(device: torch.device) -> int:
+    """A CUDA device's index (the current device's for a bare ``cuda``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.cache
