@@ -14,6 +14,7 @@ from engine.entrypoints.http.generation import (
     Choice,
     SSEResponse,
     run_to_completion,
+    sse_response,
     start_requests,
     stream_outputs,
 )
@@ -150,3 +151,26 @@ def test_a_non_streamed_response_sends_at_once_and_returns_the_final_output() ->
         return out
 
     assert asyncio.run(run())["output_ids"] == [7, 8]
+
+
+def test_sse_response_sends_now_and_ends_its_requests_with_the_response() -> None:
+    async def run() -> None:
+        manager = _Manager()
+        choices = [_choice(0, "a")]
+
+        async def body() -> Any:
+            yield b"never"
+
+        async def send(message: Any) -> None:
+            raise OSError("the client went away")
+
+        async def receive() -> Any:
+            return {"type": "http.disconnect"}
+
+        response = sse_response(SimpleNamespace(manager=manager), choices, body())
+        assert manager.kinds() == ["TokenizedGenerateReqInput"] and manager.sock.sent[0].stream is True
+        with pytest.raises(ClientDisconnect):
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}, receive, send)
+        assert manager.states == {} and manager.kinds() == ["TokenizedGenerateReqInput", "AbortReq"]
+
+    asyncio.run(run())

@@ -222,9 +222,10 @@ def start_requests(ctx: ServingContext, choices: Sequence[Choice], stream: bool)
     ``run_to_completion`` runs), and on a burst the event loop first runs the handler of every
     request that has arrived, then the responses: no request of the batch reaches the scheduler
     before all of them are parsed. A failure to send is raised where the outputs are read
-    (``stream_outputs`` in-band, ``run_to_completion``), as when sent there; ``SSEResponse(...,
-    choices)`` ends streams whose body never ran. A manager that generates its own way (overrides
-    ``generate``, which sends with ``submit``) sends when the outputs are first read."""
+    (``stream_outputs`` in-band, ``run_to_completion``), as when sent there; a streamed response
+    comes from ``sse_response``, whose ``SSEResponse`` ends streams whose body never ran. A manager
+    that generates its own way (overrides ``generate``, which sends with ``submit``) sends when the
+    outputs are first read."""
     manager = ctx.manager
     if getattr(type(manager), "generate", None) is not TokenizerManager.generate:
         return
@@ -363,3 +364,10 @@ class SSEResponse(StreamingResponse):
             if aclose is not None:
                 await aclose()
             await _close_started(self._choices)
+
+
+def sse_response(ctx: ServingContext, choices: Sequence[Choice], content: AsyncIterator[bytes]) -> SSEResponse:
+    """A streamed response of ``content``: its choices' requests sent now (``start_requests``) and
+    ended with the response, however it ends (the pair every streaming route needs)."""
+    start_requests(ctx, choices, stream=True)
+    return SSEResponse(content, choices)

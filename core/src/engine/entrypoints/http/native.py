@@ -21,14 +21,13 @@ from engine.entrypoints.http.errors import APIError, engine_dead_error, parse_bo
 from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
-    SSEResponse,
     aborted_error,
     encode_json,
     log_stream_failure,
     make_choices,
     run_to_completion,
     sse_error,
-    start_requests,
+    sse_response,
     stream_finish_reason,
     stream_outputs,
 )
@@ -60,8 +59,7 @@ async def generate(request: Request) -> Response:
     choices = await make_choices(ctx, prompts, copies)
     batch = batch or len(choices) > 1
     if req.stream:
-        start_requests(ctx, choices, stream=True)
-        return SSEResponse(_stream(ctx, req, choices, batch), choices)
+        return sse_response(ctx, choices, _stream(ctx, req, choices, batch))
     outputs = await run_to_completion(ctx, choices, request)
     bodies = [_output(ctx, req, out) for out in outputs]
     aborted = [out["meta_info"] for out in outputs if stream_finish_reason(out["meta_info"]) == "abort"]

@@ -33,12 +33,11 @@ from engine.entrypoints.http.errors import (
 )
 from engine.entrypoints.http.generation import (
     Choice,
-    SSEResponse,
     aborted_error,
     log_stream_failure,
     make_choices,
     response_model,
-    start_requests,
+    sse_response,
     stream_finish_reason,
     stream_outputs,
 )
@@ -117,8 +116,7 @@ async def create_response(request: Request) -> Response:
     except APIError as exc:
         raise renamed(exc) from None
     if req.stream:
-        start_requests(ctx, run.choices, stream=True)
-        return SSEResponse(_sse(ctx, run), run.choices)
+        return sse_response(ctx, run.choices, _sse(ctx, run))
     if req.background:
         run.entry = StoredResponse(run.writer.response, rid=run.choices[0].request.rid, input_items=run.input_items)
         run.writer.response["status"] = "queued"

@@ -16,7 +16,6 @@ from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     ChunkSSE,
-    SSEResponse,
     aborted_error,
     finish_reason,
     log_stream_failure,
@@ -25,7 +24,7 @@ from engine.entrypoints.http.generation import (
     response_model,
     run_to_completion,
     sse_error,
-    start_requests,
+    sse_response,
     stream_finish_reason,
     stream_outputs,
     usage,
@@ -94,8 +93,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     reader = output_parser(ctx, plan, base.sampling_params)
     created = int(time.time())
     if req.stream:
-        start_requests(ctx, choices, stream=True)
-        return SSEResponse(_stream(ctx, req, choices, response_id, created, plan, reader), choices)
+        return sse_response(ctx, choices, _stream(ctx, req, choices, response_id, created, plan, reader))
     outputs = await run_to_completion(ctx, choices, request)
     by_index = {c.index: out for c, out in zip(choices, outputs, strict=True)}
     body_choices = []

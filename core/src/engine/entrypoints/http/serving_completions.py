@@ -16,7 +16,6 @@ from engine.entrypoints.http.generation import (
     SSE_DONE,
     Choice,
     ChunkSSE,
-    SSEResponse,
     aborted_error,
     finish_reason,
     log_stream_failure,
@@ -25,7 +24,7 @@ from engine.entrypoints.http.generation import (
     response_model,
     run_to_completion,
     sse_error,
-    start_requests,
+    sse_response,
     stream_finish_reason,
     stream_outputs,
     usage,
@@ -86,8 +85,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     created = int(time.time())
     echoes = [_echo_text(ctx, req, prompts, c) for c in choices]
     if req.stream:
-        start_requests(ctx, choices, stream=True)
-        return SSEResponse(_stream(ctx, req, choices, echoes, response_id, created), choices)
+        return sse_response(ctx, choices, _stream(ctx, req, choices, echoes, response_id, created))
     outputs = await run_to_completion(ctx, choices, request)
     body_choices = []
     for choice, out, echo in zip(choices, outputs, echoes, strict=True):
