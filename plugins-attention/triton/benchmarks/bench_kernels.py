@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -174,20 +175,14 @@ def bench_extend_fp8(bs: int, ext: int) -> list[str]:
     kb, vb = k8.to(DTYPE), v8.to(DTYPE)
 
     def widened_inside() -> None:
-        saved, extend_module.WIDEN_NEW_KV_FIRST = extend_module.WIDEN_NEW_KV_FIRST, False
-        try:
+        with mock.patch.object(extend_module, "WIDEN_NEW_KV_FIRST", False):
             extend_attention_fwd(q, k8, v8, out, k_pool8, v_pool8, req_to_token, reqs, zeros, lens, starts, ext,
                                  HEAD_DIM**-0.5)
-        finally:
-            extend_module.WIDEN_NEW_KV_FIRST = saved
 
     def plain_order() -> None:
-        saved, extend_module.HEAVY_BLOCKS_FIRST = extend_module.HEAVY_BLOCKS_FIRST, False
-        try:
+        with mock.patch.object(extend_module, "HEAVY_BLOCKS_FIRST", False):
             extend_attention_fwd(q, kb, vb, out, k_pool, v_pool, req_to_token, reqs, zeros, lens, starts, ext,
                                  HEAD_DIM**-0.5)
-        finally:
-            extend_module.HEAVY_BLOCKS_FIRST = saved
 
     loc = req_to_token[:, :ext].reshape(-1).long()  # the new tokens' slots, as out_cache_loc
     lines = []
