@@ -174,3 +174,19 @@ def test_sse_response_sends_now_and_ends_its_requests_with_the_response() -> Non
         assert manager.states == {} and manager.kinds() == ["TokenizedGenerateReqInput", "AbortReq"]
 
     asyncio.run(run())
+
+
+def test_a_failed_send_fails_a_non_streamed_response_without_sending_the_rest() -> None:
+    async def run() -> None:
+        manager = _Manager()
+        choices = [_choice(0, "same"), _choice(1, "same"), _choice(2, "c")]  # the second send is refused
+
+        async def receive() -> Any:
+            await asyncio.Event().wait()  # the client stays
+
+        with pytest.raises(RequestError, match="already running"):
+            await run_to_completion(SimpleNamespace(manager=manager), choices, SimpleNamespace(receive=receive))
+        assert manager.states == {} and [(type(m), m.rid) for m in manager.sock.sent] == [
+            (TokenizedGenerateReqInput, "same"), (AbortReq, "same")]
+
+    asyncio.run(run())

@@ -56,7 +56,8 @@ class Choice:
     request: GenerateRequest
     # Token ids and validated sampling params from TokenizerManager.prepare.
     prepared: tuple[list[int], SamplingParams]
-    # Set by ``start_requests``: the request already sent (a RequestStream), or why sending failed.
+    # Set by ``start_requests``: the request already sent (a RequestStream), or why sending it or a
+    # choice before it failed (then it is not sent).
     started: Any = None
     start_error: BaseException | None = None
 
@@ -229,12 +230,13 @@ def start_requests(ctx: ServingContext, choices: Sequence[Choice], stream: bool)
     manager = ctx.manager
     if getattr(type(manager), "generate", None) is not TokenizerManager.generate:
         return
-    for choice in choices:
+    for i, choice in enumerate(choices):
         choice.request.stream = stream
         try:
             choice.started = manager.submit(choice.request, choice.prepared)
         except Exception as exc:
-            choice.start_error = exc
+            for unsent in choices[i:]:  # the rest are not sent: the response fails with this error
+                unsent.start_error = exc
             return
 
 
