@@ -32,6 +32,19 @@ class _Sock:
         self.sent.append(msg)
 
 
+async def _never_body() -> Any:
+    """A response body whose first chunk is never sent (the client left first)."""
+    yield b"never"
+
+
+async def _gone_send(message: Any) -> None:
+    raise OSError("the client went away")
+
+
+async def _gone_receive() -> Any:
+    return {"type": "http.disconnect"}
+
+
 class _Manager(TokenizerManager):
     """The real manager's request path, with a recording socket for the scheduler's."""
 
@@ -89,18 +102,9 @@ def test_a_response_that_never_ran_its_body_aborts_its_requests() -> None:
         start_requests(SimpleNamespace(manager=manager), choices, stream=True)
         assert set(manager.states) == {"a", "b"}
 
-        async def body() -> Any:
-            yield b"never"
-
-        async def send(message: Any) -> None:
-            raise OSError("the client went away")
-
-        async def receive() -> Any:
-            return {"type": "http.disconnect"}
-
         scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}
         with pytest.raises(ClientDisconnect):
-            await SSEResponse(body(), choices)(scope, receive, send)
+            await SSEResponse(_never_body(), choices)(scope, _gone_receive, _gone_send)
         assert manager.states == {}
         assert sorted(m.rid for m in manager.sock.sent if isinstance(m, AbortReq)) == ["a", "b"]
 
@@ -158,19 +162,11 @@ def test_sse_response_sends_now_and_ends_its_requests_with_the_response() -> Non
         manager = _Manager()
         choices = [_choice(0, "a")]
 
-        async def body() -> Any:
-            yield b"never"
-
-        async def send(message: Any) -> None:
-            raise OSError("the client went away")
-
-        async def receive() -> Any:
-            return {"type": "http.disconnect"}
-
-        response = sse_response(SimpleNamespace(manager=manager), choices, body())
+        response = sse_response(SimpleNamespace(manager=manager), choices, _never_body())
         assert manager.kinds() == ["TokenizedGenerateReqInput"] and manager.sock.sent[0].stream is True
         with pytest.raises(ClientDisconnect):
-            await response({"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}, receive, send)
+            scope = {"type": "http", "asgi": {"spec_version": "2.4"}, "method": "POST"}
+            await response(scope, _gone_receive, _gone_send)
         assert manager.states == {} and manager.kinds() == ["TokenizedGenerateReqInput", "AbortReq"]
 
     asyncio.run(run())
