@@ -47,6 +47,10 @@ POOL_BYTES = 2 << 30
 HELD_WAIT_S = 0.5
 
 
+class _Closed(Exception):
+    """The stager was closed while a payload waited for host memory."""
+
+
 @dataclass
 class HostCopy:
     """One payload's KV on its way to host memory: ``sources`` (K and V on the device) are
@@ -171,6 +175,8 @@ class KvStager:
                     if self._stopped:  # closed while this one copied: the backend is going
                         continue
                     self._publish(key, payload)
+            except _Closed:  # closed while it waited for host memory: dropped, like the queued ones
+                continue
             except Exception:  # noqa: BLE001 - one payload lost (its fetch fails by its deadline), not the thread
                 logger.exception("KV transfer: staging %s failed", key)
             finally:
@@ -192,7 +198,9 @@ class KvStager:
     def _host_for(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Host tensors for one payload: out of the pool, waiting up to ``HELD_WAIT_S`` for the
         backend to let payloads go when it is full; fresh memory past that (or when the payload
-        is larger than the whole pool)."""
+        is larger than the whole pool). Raises ``_Closed`` when the stager is closed during the
+        wait: the payload is dropped unpublished, so it takes no fresh pinned memory (whose
+        allocation stalls the scheduler's launches) on the way out."""
         if not self._pool.fits(k, v):
             return self._pool.take_fresh(k, v)
         got = self._pool.take(k, v)
@@ -202,6 +210,8 @@ class KvStager:
             while got is None and not self._stopped and time.monotonic() < deadline:
                 time.sleep(0.002)
                 got = self._pool.take(k, v)
+        if got is None and self._stopped:
+            raise _Closed
         return got if got is not None else self._pool.take_fresh(k, v)
 
     def _copy(self, copy: HostCopy, payload: KvPayload) -> KvPayload:
