@@ -3,7 +3,8 @@
 ``Fp8LinearMethod.apply`` passes the config's ``fast_accum`` to both fp8 x fp8 entry points: the
 GEMM after a fused producer (``fp8_linear_quantized``) and the one that quantizes its own input
 (``fp8_linear``'s ``torch._scaled_mm`` path, taken on CUDA sm89+ only: its device check is bypassed
-here). The option's default and the engine's plugin-option plumbing are checked too.
+here). The option's one default (``engine_quant_fp8.FAST_ACCUM``, also what ``gemm``'s callers without
+the option get) and the engine's plugin-option plumbing are checked too.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from engine.layers.quantization import QuantizedActivation
-from engine_quant_fp8 import gemm
+from engine_quant_fp8 import FAST_ACCUM, gemm
 from engine_quant_fp8.config import Fp8Config
 from engine_quant_fp8.method import Fp8LinearMethod
 from engine_quant_fp8.quantize import FP8_DTYPE
@@ -51,19 +52,22 @@ def test_the_option_reaches_both_scaled_mm_calls(calls: list[dict[str, Any]], fa
     assert [c["use_fast_accum"] for c in calls] == [fast, fast]
 
 
-def test_callers_without_the_option_take_the_module_default(calls: list[dict[str, Any]],
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_callers_without_the_option_take_the_plugin_default(calls: list[dict[str, Any]]) -> None:
     layer = _Layer()
-    for default in (False, True):
-        monkeypatch.setattr(gemm, "SCALED_MM_FAST_ACCUM", default)
-        gemm.fp8_linear(torch.randn(M, K, dtype=torch.bfloat16), layer.weight, layer.weight_scale)
-    assert [c["use_fast_accum"] for c in calls] == [False, True]
+    x = torch.randn(M, K, dtype=torch.bfloat16)
+    gemm.fp8_linear(x, layer.weight, layer.weight_scale)
+    gemm.fp8_linear_quantized(QuantizedActivation(x.to(FP8_DTYPE), torch.rand(M, 1), torch.bfloat16),
+                              layer.weight, layer.weight_scale)
+    gemm.fp8_linear(x, layer.weight, layer.weight_scale, fast_accum=not FAST_ACCUM)
+    assert [c["use_fast_accum"] for c in calls] == [FAST_ACCUM, FAST_ACCUM, not FAST_ACCUM]
 
 
 def test_option_default_and_plumbing() -> None:
     from engine.plugins import check_plugin_options, get_registry
 
-    assert Fp8Config.from_config({}).fast_accum is True
+    assert FAST_ACCUM is True  # the documented default (README, docs/quantization.md)
+    assert Fp8Config.from_config({}).fast_accum is FAST_ACCUM
+    assert Fp8Config().fast_accum is FAST_ACCUM
     assert Fp8Config.from_config({"quant_method": "fp8"}, {"fast_accum": False}).fast_accum is False
     assert get_registry().options_for("fp8", {})["fast_accum"] is True
     assert get_registry().options_for("fp8", {"fp8": {"fast_accum": False}})["fast_accum"] is False

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 from engine.errors import ModelLoadError
 from engine.layers.quantization import FusedMoEMethodBase, LinearMethodBase, QuantizationConfig
 
+from engine_quant_fp8 import FAST_ACCUM, FUSE_ACTIVATION_QUANT
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -63,10 +65,10 @@ class Fp8Config(QuantizationConfig):
     #: per-channel weights with dynamic activations: RMSNorm and SiLU-and-mul quantize the
     #: activations of the linears they feed (``engine_quant_fp8.fused``) instead of a separate
     #: launch per linear (plugin option ``fp8.fuse_activation_quant``).
-    fuse_activation_quant: bool = True
+    fuse_activation_quant: bool = FUSE_ACTIVATION_QUANT
     #: ``torch._scaled_mm``'s ``use_fast_accum`` for the fp8 x fp8 GEMMs above
     #: ``gemm.W8A8_TRITON_MAX_M`` tokens (plugin option ``fp8.fast_accum``).
-    fast_accum: bool = True
+    fast_accum: bool = FAST_ACCUM
 
     name = "fp8"
 
@@ -98,8 +100,8 @@ class Fp8Config(QuantizationConfig):
     @classmethod
     def from_config(cls, config: dict[str, Any], options: dict[str, Any] | None = None) -> Fp8Config:
         """``{}`` (on-the-fly) or a checkpoint's ``quantization_config``; ``options``: the plugin's."""
-        fuse = bool((options or {}).get("fuse_activation_quant", True))
-        fast = bool((options or {}).get("fast_accum", True))
+        fuse = bool((options or {}).get("fuse_activation_quant", FUSE_ACTIVATION_QUANT))
+        fast = bool((options or {}).get("fast_accum", FAST_ACCUM))
         if not config:
             return cls(fuse_activation_quant=fuse, fast_accum=fast)
         method = config.get("quant_method", "fp8")

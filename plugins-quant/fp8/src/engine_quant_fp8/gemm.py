@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from engine.layers.quantization import QuantizedActivation
 
+from engine_quant_fp8 import FAST_ACCUM
 from engine_quant_fp8.quantize import FP8_DTYPE, dequantize_per_block, dequantize_per_channel, quantize_per_token
 
 logger = logging.getLogger(__name__)
@@ -56,15 +57,6 @@ W8A8_TRITON_MAX_M = 128
 #: Block-wise scales: the weight-only kernel up to this many tokens, above it per-token-group (1 x bk)
 #: activation quantization and the block-scaled Triton fp8 x fp8 GEMM.
 BLOCK_WEIGHT_ONLY_MAX_M = 32
-#: ``torch._scaled_mm``'s ``use_fast_accum`` where the caller passes none (``fast_accum=None``):
-#: accumulate in the fp8 tensor cores' own accumulator instead of promoting partial sums to float32
-#: along K. ``Fp8LinearMethod`` passes its plugin option ``fp8.fast_accum``. H200, 2026-11-29
-#: (benchmarks/bench_kernels.py --large): the four Llama-3-8B linears take 2,527 us a layer at
-#: M = 8,192 against 2,847 us promoting (1,190-1,354 -> 1,362-1,494 TFLOP/s), 356 against 398 us
-#: at M = 1,024; relative L2 error against float32 maths on the same codes 2.1e-3 (K = 4,096) and
-#: 3.3e-3 (K = 14,336) against 1.7e-3 promoting (the fp8 GEMM tests allow 8e-3 against the
-#: dequantized-weight reference, whose activations are not quantized).
-SCALED_MM_FAST_ACCUM = True
 
 
 def _native_fp8_dtype(index: int) -> torch.dtype | None:
@@ -114,7 +106,7 @@ def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
-               block_size: tuple[int, int] | None = None, fast_accum: bool | None = None) -> torch.Tensor:
+               block_size: tuple[int, int] | None = None, fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
     """``x @ dequant(weight).T + bias`` in ``x.dtype``.
 
     Args:
@@ -126,7 +118,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         input_scale: a static per-tensor activation scale; None quantizes per token.
             Only the ``torch._scaled_mm`` path quantizes activations at all.
         block_size: ``(bn, bk)`` for block-wise scales, else None.
-        fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` (None: ``SCALED_MM_FAST_ACCUM``).
+        fast_accum: ``torch._scaled_mm``'s ``use_fast_accum`` (the plugin option ``fp8.fast_accum``'s default).
     """
     x2d = x.reshape(-1, x.shape[-1])
     m = x2d.shape[0]
@@ -148,7 +140,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
 
 
 def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None = None, fast_accum: bool | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
     """``fp8_linear`` for activations its producer already quantized per token
     (``engine_quant_fp8.fused``): the fp8 x fp8 GEMM without the quantization launch; per-channel
     weights only, at the token counts above ``WEIGHT_ONLY_MAX_M``."""
@@ -156,7 +148,7 @@ def fp8_linear_quantized(x: QuantizedActivation, weight: torch.Tensor, weight_sc
     if m > W8A8_TRITON_MAX_M and hasattr(torch, "_scaled_mm") and not (
             x.q.shape[1] % _SCALED_MM_ALIGN or weight.shape[0] % _SCALED_MM_ALIGN):
         out = torch._scaled_mm(x.q, weight.t(), scale_a=x.scale, scale_b=weight_scale[None, :], out_dtype=x.dtype,
-                               use_fast_accum=SCALED_MM_FAST_ACCUM if fast_accum is None else fast_accum)
+                               use_fast_accum=fast_accum)
         return out + bias if bias is not None else out
     from engine_quant_fp8.w8a8 import w8a8_gemm
 
@@ -178,7 +170,7 @@ def reference_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torc
 
 
 def _scaled_mm_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                      input_scale: torch.Tensor | None, fast_accum: bool | None = None) -> torch.Tensor:
+                      input_scale: torch.Tensor | None, fast_accum: bool = FAST_ACCUM) -> torch.Tensor:
     qx, x_scale = quantize_per_token(x2d, input_scale)
     # Row-wise scales ([M, 1] per token, [1, N] per channel) are applied in the GEMM's
     # float32 epilogue: measured on an H100 (torch 2.11) this is ~2.4x faster than a
@@ -186,4 +178,4 @@ def _scaled_mm_linear(x2d: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     # [in, out] operand cuBLASLt/CUTLASS want, without a copy.
     return torch._scaled_mm(qx, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
                             out_dtype=x2d.dtype,
-                            use_fast_accum=SCALED_MM_FAST_ACCUM if fast_accum is None else fast_accum)
+                            use_fast_accum=fast_accum)
