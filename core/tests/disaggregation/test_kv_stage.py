@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.disaggregation.host_pool import ALIGN
-from engine.disaggregation.stage import HELD_WAIT_S, KvStager
-from engine.disaggregation.transfer import KvPayload
+from engine.disaggregation.stage import KvStager
+from engine.disaggregation.transfer import HOST_POOL_WAIT_S, KvPayload
 from engine.disaggregation.upload import KvUploader
 
 
@@ -168,7 +168,7 @@ def test_the_bound_waits_for_handed_over_copies_to_end() -> None:
 
 def test_payloads_reuse_the_pool_once_let_go_and_wait_a_bounded_time_for_room() -> None:
     """The pool holds the payloads the backend has not let go: the next one waits until one goes
-    and then reuses its bytes (no fresh memory), at most HELD_WAIT_S, then takes fresh memory."""
+    and then reuses its bytes (no fresh memory), at most HOST_POOL_WAIT_S, then takes fresh memory."""
     platform, published = _Platform(), []
     stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), pool_bytes=2 * ALIGN)
     try:
@@ -183,17 +183,17 @@ def test_payloads_reuse_the_pool_once_let_go_and_wait_a_bounded_time_for_room() 
         published.clear()  # the backend sent the first payload and let it go
         started = time.monotonic()
         _copying(platform, 1).complete()
-        assert _wait(lambda: len(published) == 1) and time.monotonic() - started < HELD_WAIT_S
+        assert _wait(lambda: len(published) == 1) and time.monotonic() - started < HOST_POOL_WAIT_S
         assert published[0].k.data_ptr() == first_at, "the second payload did not reuse the first's bytes"
         assert torch.equal(published[0].k, _kv(1)[0]) and torch.equal(published[0].v, _kv(1)[1])
-        # Nothing is let go now: the third waits HELD_WAIT_S at most, then takes fresh memory.
+        # Nothing is let go now: the third waits HOST_POOL_WAIT_S at most, then takes fresh memory.
         started = time.monotonic()
         _copying(platform, 2).complete()
         assert _wait(lambda: len(published) == 2) and stager.held_waits == 2
         assert torch.equal(published[1].k, _kv(2)[0])
         assert stager.stats() == {"copying": 0, "pool_bytes": 2 * ALIGN, "held_bytes": 2 * ALIGN, "fresh": 1,
                                   "staging_waits": 0, "held_waits": 2}
-        assert HELD_WAIT_S * 0.8 < time.monotonic() - started < HELD_WAIT_S + 3
+        assert HOST_POOL_WAIT_S * 0.8 < time.monotonic() - started < HOST_POOL_WAIT_S + 3
     finally:
         stager.close()
 
@@ -211,8 +211,8 @@ def test_a_payload_waiting_for_room_when_the_stager_closes_takes_no_fresh_memory
     assert _wait(lambda: stager.held_waits == 1), "the second payload did not wait for room"
     started = time.monotonic()
     stager.close()
-    assert time.monotonic() - started < HELD_WAIT_S, "close() waited for the wait for room to run out"
-    time.sleep(HELD_WAIT_S + 0.1)
+    assert time.monotonic() - started < HOST_POOL_WAIT_S, "close() waited for the wait for room to run out"
+    time.sleep(HOST_POOL_WAIT_S + 0.1)
     assert stager.stats()["fresh"] == 0, "a payload of a closed stager took fresh pinned memory"
     assert len(platform.copies) == 1 and len(published) == 1, "a payload of a closed stager was copied"
     assert not any(t.name == "kv-stage" and t.is_alive() for t in threading.enumerate())

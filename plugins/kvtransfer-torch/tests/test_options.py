@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from engine_kvtransfer_torch.backend import TorchKvTransfer
@@ -91,3 +92,16 @@ def test_a_pair_with_different_process_groups_is_refused_naming_the_option() -> 
 def test_nccl_servers_sharing_a_gpu_are_told_to_use_gloo() -> None:
     error = _refusal(_as_nccl_on_one_gpu, _as_nccl_on_one_gpu)
     assert "share one GPU" in error and "process_group=gloo" in error
+
+
+def test_both_plugins_default_host_pool_gb_to_the_cores_pool_size() -> None:
+    import engine_kvtransfer_torch
+    import engine_kvtransfer_zmq
+
+    from engine.disaggregation.transfer import HOST_POOL_BYTES
+
+    options: list[Any] = []
+    for plugin in (engine_kvtransfer_zmq, engine_kvtransfer_torch):
+        plugin.register_plugin_options(options.append)
+    defaults = {o.plugin: o.default for o in options if o.key == "host_pool_gb"}
+    assert defaults == {"kvtransfer_zmq": HOST_POOL_BYTES / (1 << 30), "kvtransfer_torch": HOST_POOL_BYTES / (1 << 30)}

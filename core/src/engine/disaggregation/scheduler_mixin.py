@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.disaggregation.stage import POOL_BYTES, HostCopy, KvStager
-from engine.disaggregation.transfer import KvLayout, KvPayload, KvTransferContext, transfer_key
+from engine.disaggregation.stage import HostCopy, KvStager
+from engine.disaggregation.transfer import HOST_POOL_BYTES, KvLayout, KvPayload, KvTransferContext, transfer_key
 from engine.disaggregation.upload import KvUploader
 from engine.managers.schedule_batch import FinishReason, OutOfKVMemory
 from engine.managers.timeline import mark
@@ -108,7 +108,7 @@ class DisaggregationMixin:
             # into a pinned pool taken now (the backend may size it: ``host_pool_bytes``).
             asked = getattr(self.kv_transfer, "host_pool_bytes", None)
             self.disagg_stager = KvStager(self.runner.platform, torch.device(self.runner.device),
-                                          self.kv_transfer.publish, pool_bytes=POOL_BYTES if asked is None else asked)
+                                          self.kv_transfer.publish, pool_bytes=HOST_POOL_BYTES if asked is None else asked)
         where = f" on {args.host}:{getattr(self.kv_transfer, 'port', ctx.port)}" if self.disagg_mode == "prefill" else ""
         if self.disagg_stager is not None:
             where += f", pinned pool {self.disagg_stager.stats()['pool_bytes'] / (1 << 30):.2f} GiB"

@@ -15,7 +15,7 @@ scheduler waits for the oldest ones before gathering more. The pinned pool (``po
 taken when the stager starts: a fresh pinned block costs ~100 ms per 224 MiB on an H200 host,
 during which another thread's kernel launches stall for up to ~150 ms) holds the payloads the
 backend has not let go yet (sent, expired or discarded); its bytes are reused after that. A
-payload that finds no room waits (up to ``HELD_WAIT_S``) for the backend to let one go, which
+payload that finds no room waits (up to ``HOST_POOL_WAIT_S``) for the backend to let one go, which
 also paces the copies to a slow transfer, then takes fresh memory.
 """
 
@@ -32,19 +32,13 @@ from typing import Any
 import torch
 
 from engine.disaggregation.host_pool import HostPool
-from engine.disaggregation.transfer import KvPayload
+from engine.disaggregation.transfer import HOST_POOL_BYTES, HOST_POOL_WAIT_S, KvPayload
 
 logger = logging.getLogger(__name__)
 
 # Device staging of handed-over copies in flight at most, before the scheduler waits for the
 # oldest ones (two 4,096-token prompts of an 8B model with 8 KV heads).
 MAX_STAGING_BYTES = 1 << 30
-# The pinned pool for payloads the backend holds, unless the backend asks for another size
-# (``KvTransferBackend.host_pool_bytes``): four 4,096-token prompts of an 8B model with 8 KV
-# heads. How long a payload waits for room in it at most (a decode server that stopped fetching
-# must not hold the prefill side up for longer).
-POOL_BYTES = 2 << 30
-HELD_WAIT_S = 0.5
 
 
 class _Closed(Exception):
@@ -66,7 +60,7 @@ class KvStager:
     ``publish_after`` (once the batch has finished) hands it over with the payload to publish."""
 
     def __init__(self, platform: Any, device: torch.device, publish: Callable[[str, KvPayload], None],
-                 max_bytes: int = MAX_STAGING_BYTES, pool_bytes: int = POOL_BYTES) -> None:
+                 max_bytes: int = MAX_STAGING_BYTES, pool_bytes: int = HOST_POOL_BYTES) -> None:
         self.platform = platform
         self.device = torch.device(device)
         self._publish = publish
@@ -196,7 +190,7 @@ class KvStager:
                 "fresh": self._pool.fresh, "staging_waits": self.waits, "held_waits": self.held_waits}
 
     def _host_for(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host tensors for one payload: out of the pool, waiting up to ``HELD_WAIT_S`` for the
+        """Host tensors for one payload: out of the pool, waiting up to ``HOST_POOL_WAIT_S`` for the
         backend to let payloads go when it is full; fresh memory past that (or when the payload
         is larger than the whole pool). Raises ``_Closed`` when the stager is closed during the
         wait: the payload is dropped unpublished, so it takes no fresh pinned memory (whose
@@ -206,7 +200,7 @@ class KvStager:
         got = self._pool.take(k, v)
         if got is None:
             self.held_waits += 1
-            deadline = time.monotonic() + HELD_WAIT_S
+            deadline = time.monotonic() + HOST_POOL_WAIT_S
             while got is None and not self._stopped and time.monotonic() < deadline:
                 time.sleep(0.002)
                 got = self._pool.take(k, v)

@@ -22,6 +22,16 @@ if TYPE_CHECKING:
 
 ROLES = ("prefill", "decode")
 
+#: Pinned host memory (bytes) a GPU prefill server takes at start-up for the host payloads its
+#: backend holds until sent, unless the backend sets ``host_pool_bytes`` (the ``host_pool_gb``
+#: option of the ``zmq`` and ``torch`` plugins defaults to it): four 4,096-token prompts of an
+#: 8B model with 8 KV heads.
+HOST_POOL_BYTES = 2 << 30
+#: Seconds a payload that finds that pool full waits at most for the backend to let one go,
+#: before it takes fresh pinned memory (the wait paces the copies to a slow transfer; a decode
+#: server that stopped fetching must not hold the prefill side up for longer).
+HOST_POOL_WAIT_S = 0.5
+
 
 def transfer_key(bootstrap_room: int, rid: str) -> str:
     """The key both servers name one request's KV by: the router's room and the request id
@@ -104,7 +114,7 @@ class KvTransferBackend(ABC):
     """Moves ``KvPayload``s from a prefill server's rank to a decode server's rank."""
 
     #: Pinned host memory (bytes) a GPU prefill server takes at start-up for the host payloads
-    #: this backend holds until sent (None: the core's default, 2 GiB; 0: none, every payload
+    #: this backend holds until sent (None: ``HOST_POOL_BYTES``; 0: none, every payload
     #: takes fresh memory). Backends whose payloads stay on the device ignore it.
     host_pool_bytes: int | None = None
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine_kvtransfer_zmq import HOST_POOL_HELP
+from engine_kvtransfer_zmq import HOST_POOL_GB, HOST_POOL_HELP
 
 from engine.hookspecs import KvTransferSpec, PluginOption, hookimpl
 
@@ -29,4 +29,4 @@ def register_plugin_options(register):  # type: ignore[no-untyped-def]
     register(PluginOption(PLUGIN, "process_group", "auto",
                           "auto (NCCL for CUDA pools, gloo for CPU pools), nccl or gloo; gloo on CUDA pools stages "
                           "the KV in host memory and serves a prefill/decode pair on one GPU, which NCCL refuses"))
-    register(PluginOption(PLUGIN, "host_pool_gb", 2.0, HOST_POOL_HELP + " (process_group gloo on a GPU)"))
+    register(PluginOption(PLUGIN, "host_pool_gb", HOST_POOL_GB, HOST_POOL_HELP + " (process_group gloo on a GPU)"))

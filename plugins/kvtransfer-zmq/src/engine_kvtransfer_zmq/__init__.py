@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine.disaggregation.transfer import HOST_POOL_BYTES, HOST_POOL_WAIT_S
 from engine.hookspecs import KvTransferSpec, PluginOption, hookimpl
 
 PLUGIN = "kvtransfer_zmq"
 
-#: help of the ``host_pool_gb`` option (both kvtransfer plugins declare it).
+#: default and help of the ``host_pool_gb`` option (both kvtransfer plugins declare it).
+HOST_POOL_GB = HOST_POOL_BYTES / (1 << 30)
 HOST_POOL_HELP = ("GiB of pinned host memory a GPU prefill server takes at start-up for the KV payloads waiting "
-                  "to be sent (reused once sent; a payload that finds no room waits up to 0.5 s, then takes fresh "
-                  "pinned memory, which stalls kernel launches); 0: none")
+                  f"to be sent (reused once sent; a payload that finds no room waits up to {HOST_POOL_WAIT_S:g} s, "
+                  "then takes fresh pinned memory, which stalls kernel launches); 0: none")
 
 
 @hookimpl
@@ -23,4 +25,4 @@ def register_kv_transfer_backends(register: Callable[[KvTransferSpec], None]) ->
 
 @hookimpl
 def register_plugin_options(register):  # type: ignore[no-untyped-def]
-    register(PluginOption(PLUGIN, "host_pool_gb", 2.0, HOST_POOL_HELP))
+    register(PluginOption(PLUGIN, "host_pool_gb", HOST_POOL_GB, HOST_POOL_HELP))
