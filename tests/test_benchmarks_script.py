@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def _scripts() -> set[str]:
     found = {p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks").glob("*.py")}
-    for folder in ("plugins", "plugins-attention", "plugins-quant"):
+    for folder in ("plugins", "plugins-attention", "plugins-models", "plugins-quant"):
         found |= {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).glob("*/benchmarks/*.py")}
     return found
 

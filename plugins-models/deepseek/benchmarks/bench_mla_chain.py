@@ -1,0 +1,163 @@
+"""Times DeepSeek-V2-Lite's attention chain at batch-1 decode, launch by launch and as the layer runs it.
+
+Run from the repository root on a CUDA GPU (sm_90+ for PDL):
+
+    python3 plugins-models/deepseek/benchmarks/bench_mla_chain.py [--layers 26] [--ctx 192] [--no-pdl]
+
+One layer's attention at one token, with the functions the CUDA path calls: the input projection
+with the input RMSNorm folded in (``norm_skinny_linear``, 3,648 x 2,048), the MLA prologue with the
+``W_UK`` product (``mla_prologue``), the MLA decode split kernel and its merge (``mla_decode_fwd``,
+16 splits as a batch-1 CUDA graph runs it), the ``W_UV`` product (``head_matvec``) and ``o_proj``
+(``skinny_linear``, 2,048 x 2,048). ``--layers`` layers each have their own weights and pool
+(together far larger than L2, so weights come from HBM as in a decode step), and each layer's
+output is the next one's input. Everything runs in one CUDA graph, timed by replays (median).
+
+Lines: ``chain``, the whole chain a layer; ``<stage> alone``, ``--layers`` calls of one stage
+back to back (independent calls: with PDL they overlap, so this is the stage's cost in a stream
+of its own kind, not its latency); ``chain without <stage>``, the chain with that stage left out
+(its inputs are then stale values, which changes no launch shape): the difference to ``chain`` is
+what the stage costs on the layer's critical path. Bytes are the weights and the KV rows read; the
+bound is those bytes at ``--peak``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+from collections.abc import Callable
+
+import torch
+
+HIDDEN, HEADS, NOPE, ROPE, LORA, V = 2048, 16, 128, 64, 512, 128
+Q_DIM = HEADS * (NOPE + ROPE)
+SPLITS = 16  # choose_num_kv_splits at batch 1 (max_kv_splits 16): what a batch-1 graph runs
+STAGES = ("input_proj", "prologue", "decode", "w_uv", "o_proj")
+
+
+class Chain:
+    """``layers`` layers' weights, pools and the buffers one token's attention chain uses."""
+
+    def __init__(self, layers: int, ctx: int, pdl: bool, dev: str = "cuda") -> None:
+        bf = torch.bfloat16
+        self.layers, self.ctx, self.pdl = layers, ctx, pdl
+
+        def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+            return (torch.randn(*shape, device=dev) * scale).to(bf)
+
+        self.w_in = [rand(Q_DIM + LORA + ROPE, HIDDEN, scale=HIDDEN ** -0.5) for _ in range(layers)]
+        self.w_uk = [rand(HEADS, NOPE, LORA, scale=NOPE ** -0.5) for _ in range(layers)]
+        self.w_uv = [rand(HEADS, V, LORA, scale=LORA ** -0.5) for _ in range(layers)]
+        self.w_o = [rand(HIDDEN, HEADS * V, scale=(HEADS * V) ** -0.5) for _ in range(layers)]
+        self.pools = [rand(ctx + 8, 1, LORA + ROPE) for _ in range(layers)]
+        self.norm_in = rand(HIDDEN).abs() + 0.5
+        self.norm_kv = rand(LORA).abs() + 0.5
+        self.x = rand(1, HIDDEN)
+        self.residual = rand(1, HIDDEN)
+        self.normed = torch.empty_like(self.x)
+        self.res_sum = torch.empty_like(self.x)
+        self.positions = torch.tensor([ctx - 1], device=dev)
+        self.cos = torch.rand(4096, ROPE // 2, device=dev)
+        self.sin = torch.rand(4096, ROPE // 2, device=dev)
+        self.req_to_token = torch.randperm(ctx, device=dev).to(torch.int32).view(1, ctx)
+        self.out_loc = self.req_to_token[0, -1:].clone()
+        self.reqs = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((1,), ctx, dtype=torch.int64, device=dev)
+        self.part_out = torch.empty(1, HEADS, SPLITS, LORA, dtype=torch.float32, device=dev)
+        self.part_lse = torch.empty(1, HEADS, SPLITS, dtype=torch.float32, device=dev)
+        self.y = torch.zeros(1, Q_DIM + LORA + ROPE, dtype=bf, device=dev)
+        self.q_full = torch.zeros(1, HEADS, LORA + ROPE, dtype=bf, device=dev)
+        self.k = torch.zeros(1, LORA + ROPE, dtype=bf, device=dev)
+        self.o = torch.zeros(1, HEADS, LORA, dtype=bf, device=dev)
+        self.ov = torch.zeros(1, HEADS, V, dtype=bf, device=dev)
+        self.scale = (NOPE + ROPE) ** -0.5
+
+    def layer_bytes(self) -> int:
+        weights = (self.w_in[0].numel() + self.w_uk[0].numel() + self.w_uv[0].numel() + self.w_o[0].numel()) * 2
+        return weights + self.ctx * (LORA + ROPE) * 2
+
+    def stage(self, name: str, i: int) -> None:
+        """One launch (or two: the decode's split and merge) of layer ``i``'s chain."""
+        from engine_attention_triton.mla_attention import mla_decode_fwd
+        from engine_models_deepseek.head_matvec import head_matvec
+        from engine_models_deepseek.mla_prologue import mla_prologue
+        from engine_platform_cuda.gemv import norm_skinny_linear, skinny_linear
+
+        if name == "input_proj":
+            self.y, _, _ = norm_skinny_linear(self.x, self.residual, self.norm_in, 1e-6, self.w_in[i], pdl=self.pdl,
+                                              normed=self.normed, res_sum=self.res_sum)
+        elif name == "prologue":
+            q, kv_a = self.y.split([Q_DIM, LORA + ROPE], dim=-1)
+            mla_prologue(q.view(1, HEADS, NOPE + ROPE), kv_a, self.positions, self.cos, self.sin, self.norm_kv, 1e-6,
+                         NOPE, True, self.q_full, self.k, self.pools[i], self.out_loc, 1.0, pdl=self.pdl,
+                         w_uk=self.w_uk[i])
+        elif name == "decode":
+            mla_decode_fwd(self.q_full, self.pools[i], self.o, self.req_to_token, self.reqs, self.seq_lens,
+                           self.part_out, self.part_lse, SPLITS, self.scale, LORA, pdl=self.pdl)
+        elif name == "w_uv":
+            head_matvec(self.o, self.w_uv[i], self.ov, transposed=True, pdl=self.pdl)
+        elif name == "o_proj":
+            self.x = skinny_linear(self.ov.view(1, HEADS * V), self.w_o[i], pdl=self.pdl)
+        else:
+            raise ValueError(f"stage {name!r}; accepted: {', '.join(STAGES)}")
+
+    def time_us(self, body: Callable[[], None], reps: int) -> float:
+        """Median replay time of one CUDA graph of ``body``, in microseconds."""
+        body()  # compiles outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        for _ in range(3):
+            graph.replay()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=26, help="layers, each with its own weights (cold in L2)")
+    ap.add_argument("--ctx", type=int, default=192, help="tokens in the row (the new one included)")
+    ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--peak", type=float, default=4290.0, help="GB/s the bound is computed at")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_mla_chain.py needs a CUDA GPU")
+    if a.layers < 1 or a.ctx < 2:
+        raise SystemExit(f"--layers {a.layers}, --ctx {a.ctx}; accepted: layers >= 1, ctx >= 2")
+    from engine_platform_cuda.gemv import supports_pdl
+
+    pdl = not a.no_pdl and supports_pdl()
+    chain = Chain(a.layers, a.ctx, pdl)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {now:%Y-%m-%d %H:%M} UTC; "
+          f"{a.layers} layers, ctx {a.ctx}, pdl {pdl}; bound {chain.layer_bytes() / a.peak / 1e3:.2f} us a layer "
+          f"({chain.layer_bytes() / 1e6:.1f} MB at {a.peak:.0f} GB/s)", flush=True)
+
+    def run(stages: tuple[str, ...]) -> Callable[[], None]:
+        def body() -> None:
+            for i in range(a.layers):
+                for name in stages:
+                    chain.stage(name, i)
+        return body
+
+    full = chain.time_us(run(STAGES), a.reps) / a.layers
+    print(f"chain                      {full:7.2f} us a layer", flush=True)
+    for name in STAGES:
+        alone = chain.time_us(run((name,)), a.reps) / a.layers
+        without = chain.time_us(run(tuple(s for s in STAGES if s != name)), a.reps) / a.layers
+        print(f"{name:<11} alone {alone:7.2f} us; chain without it {without:7.2f} us (on the path: "
+              f"{full - without:5.2f} us)", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
