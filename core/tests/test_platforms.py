@@ -112,3 +112,23 @@ def test_device_event_asks_the_current_platform_of_that_device_type() -> None:
     with platforms.using_platform(Eventful()):
         assert platforms.device_event(torch.device("meta")) == "event"
         assert platforms.device_event(torch.device("cpu")) is None
+
+
+def test_device_index_is_the_devices_own_else_the_current_one_of_its_type(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[str] = []
+
+    class _Module:
+        def current_device(self) -> int:
+            return 3
+
+    def module(device_type: str) -> _Module | None:
+        asked.append(device_type)
+        return None if device_type in ("cpu", "meta") else _Module()
+
+    monkeypatch.setattr(platforms, "_device_module", module)
+    assert platforms.device_index(torch.device("cuda", 1)) == 1 and asked == []  # no device call
+    assert platforms.device_index(torch.device("cuda")) == 3
+    assert platforms.device_index(None) == 3 and platforms.device_index(None, "xpu") == 3
+    assert asked == ["cuda", "cuda", "xpu"]
+    with pytest.raises(ValueError, match="device type 'meta' has no current device; accepted: cuda"):
+        platforms.device_index(torch.device("meta"))

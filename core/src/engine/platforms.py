@@ -3,8 +3,8 @@
 Platform plugins subclass ``Platform``; the core asks it everything device
 specific so that no other module tests for CUDA by hand. This module is the only one
 in the core that may call a vendor device module (``torch.cuda``, ``torch.xpu``,
-``torch.npu``): the helpers at the bottom (``device_event``, ``synchronize_device``,
-``pin_host_memory``) go through ``torch.get_device_module`` for code that holds a
+``torch.npu``): the helpers at the bottom (``device_index``, ``device_event``,
+``synchronize_device``, ``pin_host_memory``) go through ``torch.get_device_module`` for code that holds a
 tensor but not the platform (a test asserts the rest of the core names no ``torch.cuda``).
 
 Hook API 5 added ``device_count``, ``fp8_dtype``, ``unsupported_attention_reason``,
@@ -347,6 +347,24 @@ def _device_module(device_type: str) -> Any:
         return torch.get_device_module(device_type)
     except (RuntimeError, AttributeError, ValueError):
         return None
+
+
+def device_index(device: torch.device | None = None, device_type: str = "cuda") -> int:
+    """``device``'s index, or for a device without one (a bare ``cuda``) or None the index of the
+    current device of its type (``device_type`` for None): what kernel plugins key their
+    per-device caches (SM counts, capabilities) on.
+
+    Raises:
+        ValueError: for a device type without a device module (``cpu``, ``meta``).
+    """
+    if device is not None and device.index is not None:
+        return int(device.index)
+    kind = device.type if device is not None else device_type
+    module = _device_module(kind)
+    if module is None:
+        raise ValueError(f"device_index: device type {kind!r} has no current device; accepted: cuda, xpu, npu "
+                         "or a device with an index")
+    return int(module.current_device())
 
 
 def device_type_available(device_type: str) -> bool:

@@ -25,6 +25,8 @@ import torch.nn.functional as F
 
 from engine_quant_int8.quantize import quantize_per_token
 
+from engine.platforms import device_index
+
 #: Most tokens for which ``int8_linear`` takes the weight-only (W8A16) path; more take W8A8.
 #: Measured on an H100 (``python plugins-quant/int8/benchmarks/bench_kernels.py``, 2026-11-23), summed over
 #: the four Llama-3-8B linears: M=32 weight-only 138 us vs W8A8 145 us; M=64 222 vs 147 us. A
@@ -53,7 +55,7 @@ def num_sms(device: torch.device) -> int:
     """The device's SM count (cached host query; no sync), which sizes split-K and tiles."""
     if device.type != "cuda":
         return _DEFAULT_SMS
-    return _cuda_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return _cuda_sms(device_index(device))
 
 
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -42,6 +42,8 @@ import triton.language as tl
 
 from engine_quant_wna16.layout import KernelWeight, plane_words
 
+from engine.platforms import device_index
+
 # Triton 3.6's interpreter (CPU tests) computes 16-bit tl.dot wrongly: there the tiles are widened
 # to float32 first (on a GPU that is the float32-activation path: exact IEEE products).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -389,7 +391,7 @@ def _sm_count(index: int) -> int:
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132  # interpreter runs: pretend an H100, so CPU tests take the GPU's choices
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(device_index(device))
 
 
 def fit_block_k(group_size: int, block_k: int, inside_group: bool) -> int:

@@ -19,6 +19,8 @@ from engine_lora_triton.slot_kernels import (
     _shrink_slots_kernel,
 )
 
+from engine.platforms import device_index
+
 
 def _cdiv(a: int, b: int) -> int:
     # triton.cdiv is a Triton ConstexprFunction: called from Python it costs about 3.6 us a call
@@ -27,8 +29,8 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def sm_count(device: torch.device) -> int:
@@ -36,7 +38,7 @@ def sm_count(device: torch.device) -> int:
     tests take the block sizes a GPU would."""
     if device.type != "cuda":
         return 132
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return _sm_count(device_index(device))
 
 
 def _token_tile(num_segments: int, max_seg_len: int, col_tiles: int, sms: int) -> int:
@@ -295,8 +297,8 @@ def sgmv_expand(y: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seg_indptr:
 
 
 @functools.lru_cache(maxsize=8)
-def _pdl_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def has_pdl(device: torch.device) -> bool:
@@ -304,4 +306,4 @@ def has_pdl(device: torch.device) -> bool:
     not under Triton's interpreter, not on ROCm)."""
     if device.type != "cuda" or _INTERPRETED or torch.version.hip is not None:
         return False
-    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _pdl_capable(device_index(device))

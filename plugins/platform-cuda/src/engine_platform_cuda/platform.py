@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
-from engine.platforms import TorchCudaPlatform
+from engine.platforms import TorchCudaPlatform, device_index
 from engine_platform_cuda import DEFAULT_OPTIONS
 
 #: Attention backend preferred when its plugin is registered and ``flashinfer`` imports.
@@ -118,8 +118,7 @@ class CudaPlatform(TorchCudaPlatform):
         """``float8_e4m3fn`` on sm_89+ (Ada, Hopper, Blackwell), None on older GPUs."""
         if not self.is_available():
             return None
-        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-        return torch.float8_e4m3fn if torch.cuda.get_device_capability(index) >= _FP8_MIN_CAPABILITY else None
+        return torch.float8_e4m3fn if torch.cuda.get_device_capability(device_index(device)) >= _FP8_MIN_CAPABILITY else None
 
     # -- housekeeping --------------------------------------------------------
     def layer_kernels(self) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.platforms import TorchCudaPlatform
+from engine.platforms import TorchCudaPlatform, device_index
 
 DEFAULT_ATTENTION = "triton"
 # Same reasoning as the cuda platform's 0.88 (SGLang's value for large-memory GPUs): the rest
@@ -108,8 +108,7 @@ class RocmPlatform(TorchCudaPlatform):
 
     def arch(self, device: torch.device | None = None) -> str:
         """The gfx architecture of ``device`` (default: the current one), e.g. ``gfx942``."""
-        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-        return gfx_arch(torch.cuda.get_device_properties(index))
+        return gfx_arch(torch.cuda.get_device_properties(device_index(device)))
 
     def fp8_dtype(self, device: torch.device | None = None) -> torch.dtype | None:
         """``float8_e4m3fnuz`` on gfx942, ``float8_e4m3fn`` on gfx950 / gfx12, else None."""
