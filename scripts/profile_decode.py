@@ -20,7 +20,6 @@ kernel time against its total idle time between kernels.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 
@@ -104,6 +103,7 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
 
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.bench.kernel_times import kernel_times
     from engine.bench.one_batch import run_one
     from engine.managers.scheduler import Scheduler
 
@@ -126,27 +126,20 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     if not lead:
         return
 
-    def kernels(p: profile) -> dict[str, float]:
-        out: dict[str, float] = collections.defaultdict(float)
-        for evt in p.key_averages():
-            if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
-                out[evt.key] += evt.self_device_time_total
-            elif not on_gpu and evt.key.startswith("aten::"):
-                out[evt.key] += evt.self_cpu_time_total
-        return out
-
-    base, full = kernels(pre), kernels(prof)
+    base, full = kernel_times(pre, on_gpu), kernel_times(prof, on_gpu)
     if a.prefill_table:
         print_table(f"prefill of {a.batch_size} x {a.input_len} tokens (chunks of at most "
                     f"{args.chunked_prefill_size}), GPU kernel time", base, a.batch_size * a.input_len)
     per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
     total = sum(per_step.values())
     graphs = "graphs" if sched.runner.cuda_graph_runner is not None else "eager"
+    from engine.bench.kernel_times import print_by_class
+
     print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}, "
           f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms; unprofiled step "
           f"{warm.median_decode_latency_s * 1e3:.3f} ms ({graphs}, overlap {'on' if warm.overlap else 'off'}"
           f"{'' if warm_len == a.input_len else f', warm-up context ~{warm_len}'})")
-    print_classes(per_step, total, width=8)
+    print_by_class(per_step, classify, total, width=8)
     print("top kernels (per step):")
     for k, v in sorted(per_step.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {v:9.1f} us  {k[:110]}")
@@ -154,21 +147,13 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
         print_timeline(prof, a.timeline, a.steps + 1, a.timeline_at)
 
 
-def print_classes(times: dict[str, float], total: float, width: int = 9) -> None:
-    """Kernel time (microseconds by kernel name) summed by ``classify``'s class, largest first, as ms
-    and a share of ``total``."""
-    groups: dict[str, float] = collections.defaultdict(float)
-    for k, v in times.items():
-        groups[classify(k)] += v
-    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
-        print(f"  {g:<22}{v / 1e3:{width}.3f} ms  {100 * v / total:5.1f}%")
-
-
 def print_table(title: str, times: dict[str, float], tokens: int) -> None:
     """Kernel time (microseconds by kernel name) by class and the top kernels, with tokens a second."""
+    from engine.bench.kernel_times import print_by_class
+
     total = sum(times.values())
     print(f"{title}: {total / 1e3:.3f} ms ({tokens / max(total, 1e-9) * 1e6:,.0f} tokens/s of kernel time)")
-    print_classes(times, total)
+    print_by_class(times, classify, total)
     for k, v in sorted(times.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {v / 1e3:9.3f} ms  {k[:110]}")
 

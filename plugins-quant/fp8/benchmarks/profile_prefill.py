@@ -13,8 +13,8 @@ the GEMMs by projection (from the shapes of the aten op that launched each GEMM 
 
 ``--variant LABEL:module.ATTR=VALUE`` profiles each chunk again with module switches set (a
 before/after in one process, one model load), ``quant_config.ATTR`` sets it on the model's quantization
-config, e.g. ``--fast-accum``: ``fast_accum`` (the fp8 plugin option: the fp8 GEMMs accumulate
-without float32 promotion).
+config, e.g. ``--no-fast-accum``: ``fast_accum=False`` (the fp8 plugin option, on by default: off, the
+fp8 GEMMs promote their partial sums to float32).
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ def profile_chunk(sched: Any, tokens: int, input_len: int, reps: int, on_gpu: bo
                   names: dict[tuple[int, int], str], layers: int, tag: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
+    from engine.bench.kernel_times import kernel_times, print_by_class
     from engine.bench.one_batch import run_one
 
     rows = max(1, tokens // input_len)
@@ -94,22 +95,13 @@ def profile_chunk(sched: Any, tokens: int, input_len: int, reps: int, on_gpu: bo
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities, record_shapes=True) as prof:
         run_one(sched, rows, input_len, 1, overlap=False, seed=reps + 1)
-    times: dict[str, float] = collections.defaultdict(float)
-    for evt in prof.key_averages():
-        if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
-            times[evt.key] += evt.self_device_time_total
-        elif not on_gpu and evt.key.startswith("aten::"):
-            times[evt.key] += evt.self_cpu_time_total
+    times = kernel_times(prof, on_gpu)
     total = sum(times.values())
     n = rows * input_len
     print(f"== {tag}: chunk of {rows} x {input_len} = {n} tokens: wall {wall * 1e3:.2f} ms "
           f"({n / wall:,.0f} tok/s; reps {', '.join(f'{w * 1e3:.1f}' for w in walls)}), kernels "
           f"{total / 1e3:.2f} ms ({n / max(total, 1e-9) * 1e6:,.0f} tok/s of kernel time)", flush=True)
-    groups: dict[str, float] = collections.defaultdict(float)
-    for k, v in times.items():
-        groups[classify(k)] += v
-    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
-        print(f"  {g:<26}{v / 1e3:9.3f} ms  {100 * v / max(total, 1e-9):5.1f}%")
+    print_by_class(times, classify, total, label_width=26)
     if on_gpu:
         split = gemm_split(prof, names)
         shape_of = {v: k for k, v in names.items()}
@@ -136,9 +128,9 @@ def main() -> None:
                     help="after the default, profile each chunk again with these module attributes set (a Python "
                          "literal each; restored after), e.g. 'plain:engine_attention_triton.extend_attention."
                          "HEAVY_BLOCKS_FIRST=False'; repeatable")
-    ap.add_argument("--fast-accum", action="store_true",
-                    help="shorthand for --variant 'use_fast_accum:quant_config.fast_accum=True' (the fp8 plugin's "
-                         "fast_accum option on the loaded model)")
+    ap.add_argument("--no-fast-accum", action="store_true",
+                    help="shorthand for --variant 'promoted:quant_config.fast_accum=False' (the fp8 plugin's "
+                         "fast_accum option, on by default, off on the loaded model)")
     ap.add_argument("--extra", default="{}", help="more ServerArgs as JSON")
     a = ap.parse_args()
     chunks = [int(c) for c in a.chunks.split(",")]
@@ -156,8 +148,8 @@ def main() -> None:
     quant_configs = {id(c): c for m in sched.runner.model.modules()
                      for c in [getattr(getattr(m, "quant_method", None), "config", None)] if c is not None}
     variants = [("default", [])] + [parse_variant(v, list(quant_configs.values())) for v in a.variant]
-    if a.fast_accum:
-        variants.append(parse_variant("use_fast_accum:quant_config.fast_accum=True", list(quant_configs.values())))
+    if a.no_fast_accum:
+        variants.append(parse_variant("promoted:quant_config.fast_accum=False", list(quant_configs.values())))
     for label, sets in variants:
         saved = [(mod, attr, getattr(mod, attr)) for mod, attr, _ in sets]
         try:
