@@ -27,6 +27,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from engine.layers.quantization import QuantizedActivation
+from engine.platforms import device_index
 
 from engine_quant_fp8 import FAST_ACCUM
 from engine_quant_fp8.quantize import FP8_DTYPE, dequantize_per_block, dequantize_per_channel, quantize_per_token
@@ -90,7 +91,7 @@ def on_fp8_cuda(x: torch.Tensor) -> bool:
     """Whether ``x`` lives on a CUDA device with fp8 GEMMs (compute capability 8.9+, not ROCm)."""
     if x.device.type != "cuda":
         return False
-    return _device_has_fp8_gemm(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return _device_has_fp8_gemm(device_index(x.device))
 
 
 def uses_fp8_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
