@@ -7,9 +7,9 @@ a stand-in for the scheduler and detokenizer in a second (every ``--step-ms`` it
 the HTTP process's CPU seconds over the run (user + system, from /proc) divided by the tokens
 the clients received, per route; ``tail_s``: how long after the stand-in's last step the
 clients received their last byte (an HTTP process that falls behind delivers the end late);
-``arrivals_s``: when the stand-in received the first, the middle and the last request, in seconds
-from the clients' start (how fast the HTTP process takes in a burst; ``--prompt-len`` sets the
-size of each request).
+``arrivals_s``: when the stand-in received the first, the middle and the last request of those
+that reached it (``arrived``), in seconds from the clients' start (how fast the HTTP process takes
+in a burst; ``--prompt-len`` sets the size of each request).
 Linux only; runs on the CPU.
 
     python3 benchmarks/bench_http_stream.py --streams 64 --output-len 256 --routes generate completions chat
@@ -67,11 +67,12 @@ def _serve(port: int, ipc_dir: str, ckpt: str, extra: dict[str, Any]) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
 
 
-def _scheduler(ipc_dir: str, step_s: float, last_step: Any, arrivals: Any) -> None:
+def _scheduler(ipc_dir: str, step_s: float, last_step: Any, arrivals: Any, arrived: Any) -> None:
     """One token for every running request each step, finishing each at its max_new_tokens;
     ``last_step.value``: the monotonic time of the step that finished the last running request;
-    ``arrivals``: the monotonic times requests arrived at, in order (a shared array, filled
-    from the start again when ``arrivals[0]`` is reset to 0)."""
+    ``arrivals``: the monotonic times requests arrived at, in order (a shared array);
+    ``arrived.value``: how many requests arrived since the parent last set it to 0 (the first
+    ``len(arrivals)`` of them have their time recorded)."""
     import zmq
 
     from engine.managers.io_struct import (
@@ -87,17 +88,15 @@ def _scheduler(ipc_dir: str, step_s: float, last_step: Any, arrivals: Any) -> No
     recv.bind(f"ipc://{ipc_dir}/s0")
     send.connect(f"ipc://{ipc_dir}/tok")
     running: dict[str, list[int]] = {}  # rid -> [prompt tokens, produced, max_new_tokens]
-    arrived = 0
     next_step = time.perf_counter()
     while True:
         timeout = max(0.0, next_step - time.perf_counter()) if running else 100.0
         while recv.poll(int(timeout * 1000)):
             msg = recv.recv_pyobj()
             if isinstance(msg, TokenizedGenerateReqInput):
-                arrived = 0 if arrivals[0] == 0.0 else arrived
-                if arrived < len(arrivals):
-                    arrivals[arrived] = time.monotonic()
-                    arrived += 1
+                if arrived.value < len(arrivals):
+                    arrivals[arrived.value] = time.monotonic()
+                arrived.value += 1
                 if not running:  # the first request after an idle spell: steps start now
                     next_step = time.perf_counter() + step_s
                 running[msg.rid] = [len(msg.input_ids), 0, int(msg.sampling_params.get("max_new_tokens") or 16)]
@@ -148,11 +147,23 @@ async def _one_stream(port: int, path: str, body: bytes) -> tuple[int, int, floa
 
 
 def _clients(port: int, path: str, body: bytes, streams: int, result: Any) -> None:
+    """Puts (start, each stream's (events, bytes, end)) into ``result``, or (start, why) when a
+    stream failed (the parent then stops rather than wait for a result that never comes)."""
     async def run() -> list[tuple[int, int, float]]:
         return await asyncio.gather(*(_one_stream(port, path, body) for _ in range(streams)))
 
     start = time.monotonic()
-    result.put((start, asyncio.run(run())))
+    try:
+        result.put((start, asyncio.run(run())))
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - reported by the parent, which exits
+        result.put((start, str(exc) or type(exc).__name__))
+
+
+def arrival_times(arrivals: Any, arrived: int, start: float) -> list[float]:
+    """Seconds from ``start`` to the first, the middle and the last of the ``arrived`` requests
+    whose times ``arrivals`` holds (entries past them are an earlier run's); [] for none."""
+    n = min(arrived, len(arrivals))
+    return [round(arrivals[i] - start, 3) for i in (0, n // 2, n - 1)] if n else []
 
 
 def _cpu_s(pid: int) -> float:
@@ -195,7 +206,9 @@ def main() -> None:
         server = spawn.Process(target=_serve, args=(port, tmp, ckpt, extra), daemon=True)
         last_step = spawn.Value("d", 0.0)
         arrivals = spawn.Array("d", a.streams, lock=False)
-        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000, last_step, arrivals), daemon=True)
+        arrived = spawn.Value("i", 0, lock=False)
+        scheduler = spawn.Process(target=_scheduler, args=(tmp, a.step_ms / 1000, last_step, arrivals, arrived),
+                                  daemon=True)
         server.start()
         scheduler.start()
         try:
@@ -206,20 +219,24 @@ def main() -> None:
                 # A short warm-up (imports, first requests), then the measured run.
                 warm = spawn.Process(target=_clients, args=(port, ROUTES[route], body, 2, result))
                 warm.start()
-                result.get()
+                _, warm_outs = result.get()
                 warm.join()
+                if isinstance(warm_outs, str):
+                    raise SystemExit(f"{route} (warm-up): {warm_outs}")
                 spy = None
                 if a.profile:
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--format", "raw",
                                             "--rate", "200", "--output", f"{a.profile}.{route}"],
                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                     time.sleep(1.0)
-                arrivals[0] = 0.0  # the stand-in records this run's arrivals from the first
+                arrived.value = 0  # the stand-in records this run's arrivals from the first
                 cpu0, t0 = _cpu_s(server.pid), time.perf_counter()
                 clients = spawn.Process(target=_clients, args=(port, ROUTES[route], body, a.streams, result))
                 clients.start()
                 m0, outs = result.get()
                 clients.join()
+                if isinstance(outs, str):
+                    raise SystemExit(f"{route}: {outs}")
                 cpu, wall = _cpu_s(server.pid) - cpu0, time.perf_counter() - t0
                 if spy is not None:
                     spy.send_signal(2)
@@ -231,7 +248,7 @@ def main() -> None:
                     "stream_interval": a.stream_interval, "tokens": tokens, "events": events,
                     "bytes": sum(b for _, b, _ in outs), "wall_s": round(wall, 3),
                     "tail_s": round(max(end for _, _, end in outs) - last_step.value, 3),
-                    "arrivals_s": [round(arrivals[i] - m0, 3) for i in (0, a.streams // 2, a.streams - 1)],
+                    "arrived": arrived.value, "arrivals_s": arrival_times(arrivals, arrived.value, m0),
                     "server_cpu_s": round(cpu, 3),
                     "us_per_token": round(cpu / tokens * 1e6, 2), "us_per_event": round(cpu / events * 1e6, 2),
                 }), flush=True)
