@@ -12,7 +12,7 @@ with the input RMSNorm folded in (``norm_skinny_linear``, 3,648 x 2,048), the ML
 (together far larger than L2, so weights come from HBM as in a decode step), and each layer's
 output is the next one's input. Everything runs in one CUDA graph, timed by replays (median).
 
-Lines: ``chain``, the whole chain a layer; ``<stage> alone``, ``--layers`` calls of one stage
+Lines: ``chain``, the whole chain a layer; with ``--stages`` also ``<stage> alone``, ``--layers`` calls of one stage
 back to back (independent calls: with PDL they overlap, so this is the stage's cost in a stream
 of its own kind, not its latency); ``chain without <stage>``, the chain with that stage left out
 (its inputs are then stale values, which changes no launch shape): the difference to ``chain`` is
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import statistics
 import sys
 from collections.abc import Callable
@@ -39,9 +40,10 @@ STAGES = ("input_proj", "prologue", "decode", "w_uv", "o_proj")
 class Chain:
     """``layers`` layers' weights, pools and the buffers one token's attention chain uses."""
 
-    def __init__(self, layers: int, ctx: int, pdl: bool, dev: str = "cuda") -> None:
+    def __init__(self, layers: int, ctx: int, pdl: bool, dev: str = "cuda", decode_options: dict | None = None) -> None:
         bf = torch.bfloat16
         self.layers, self.ctx, self.pdl = layers, ctx, pdl
+        self.decode_options = decode_options or {}
 
         def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*shape, device=dev) * scale).to(bf)
@@ -94,7 +96,8 @@ class Chain:
                          w_uk=self.w_uk[i])
         elif name == "decode":
             mla_decode_fwd(self.q_full, self.pools[i], self.o, self.req_to_token, self.reqs, self.seq_lens,
-                           self.part_out, self.part_lse, SPLITS, self.scale, LORA, pdl=self.pdl)
+                           self.part_out, self.part_lse, SPLITS, self.scale, LORA, pdl=self.pdl,
+                           **self.decode_options)
         elif name == "w_uv":
             head_matvec(self.o, self.w_uv[i], self.ov, transposed=True, pdl=self.pdl)
         elif name == "o_proj":
@@ -128,6 +131,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=192, help="tokens in the row (the new one included)")
     ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--decode-options", type=json.loads, default={},
+                    help="mla_decode_fwd keyword arguments as JSON, e.g. '{\"early_kv\": false}'")
+    ap.add_argument("--stages", action="store_true", help="also time each stage alone and the chain without it")
     ap.add_argument("--peak", type=float, default=4290.0, help="GB/s the bound is computed at")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -137,10 +143,10 @@ def main() -> None:
     from engine_platform_cuda.gemv import supports_pdl
 
     pdl = not a.no_pdl and supports_pdl()
-    chain = Chain(a.layers, a.ctx, pdl)
+    chain = Chain(a.layers, a.ctx, pdl, decode_options=a.decode_options)
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {now:%Y-%m-%d %H:%M} UTC; "
-          f"{a.layers} layers, ctx {a.ctx}, pdl {pdl}; bound {chain.layer_bytes() / a.peak / 1e3:.2f} us a layer "
+          f"{a.layers} layers, ctx {a.ctx}, pdl {pdl}, decode options {a.decode_options}; bound {chain.layer_bytes() / a.peak / 1e3:.2f} us a layer "
           f"({chain.layer_bytes() / 1e6:.1f} MB at {a.peak:.0f} GB/s)", flush=True)
 
     def run(stages: tuple[str, ...]) -> Callable[[], None]:
@@ -152,7 +158,7 @@ def main() -> None:
 
     full = chain.time_us(run(STAGES), a.reps) / a.layers
     print(f"chain                      {full:7.2f} us a layer", flush=True)
-    for name in STAGES:
+    for name in STAGES if a.stages else ():
         alone = chain.time_us(run((name,)), a.reps) / a.layers
         without = chain.time_us(run(tuple(s for s in STAGES if s != name)), a.reps) / a.layers
         print(f"{name:<11} alone {alone:7.2f} us; chain without it {without:7.2f} us (on the path: "
