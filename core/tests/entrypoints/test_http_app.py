@@ -35,6 +35,8 @@ VOCAB = 2048
 class ScriptedManager(TokenizerManager):
     """Real validation (prepare), scripted generation: token k of a request is (last prompt id + k + 1)."""
 
+    sends_on_submit = False  # no scheduler: requests go through ``generate``
+
     def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady, processes: list[Any],
                  tokenizer: Any) -> None:
         self.args, self.ready, self.tokenizer, self.processes = args, ready, tokenizer, processes

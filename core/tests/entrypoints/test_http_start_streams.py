@@ -124,15 +124,21 @@ def test_a_failed_send_is_raised_by_the_stream_and_ends_the_others() -> None:
     asyncio.run(run())
 
 
-def test_a_manager_overriding_generate_is_followed_lazily() -> None:
+def test_a_manager_that_does_not_send_on_submit_is_followed_through_generate() -> None:
     class Own(_Manager):
-        async def generate(self, req: GenerateRequest, prepared: Any = None) -> Any:
-            yield {"text": "", "output_ids": [], "meta_info": {}}
+        sends_on_submit = False
 
-    manager = Own()
-    choices = [_choice(0, "a")]
-    start_requests(SimpleNamespace(manager=manager), choices, stream=True)
-    assert choices[0].started is None and manager.sock.sent == []
+        async def generate(self, req: GenerateRequest, prepared: Any = None) -> Any:
+            yield {"text": "own", "output_ids": [5], "meta_info": {}}
+
+    async def run() -> list[Any]:
+        manager = Own()
+        choices = [_choice(0, "a")]
+        start_requests(SimpleNamespace(manager=manager), choices, stream=True)
+        assert choices[0].started is None and manager.sock.sent == []
+        return [out async for _, out in stream_outputs(SimpleNamespace(manager=manager), choices)]
+
+    assert asyncio.run(run()) == [{"text": "own", "output_ids": [5], "meta_info": {}}]
 
 
 def test_a_non_streamed_response_sends_at_once_and_returns_the_final_output() -> None:

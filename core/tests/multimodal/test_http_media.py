@@ -25,6 +25,8 @@ from .conftest import IMAGE_TOKENS, png_data_url
 class RecordingManager(TokenizerManager):
     """Real tokenizing and media processing; generation answers one token and records the request."""
 
+    sends_on_submit = False  # no scheduler: requests go through ``generate``
+
     def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady, processes: list[Any],
                  tokenizer: Any) -> None:
         self.args, self.model_path, self.ready, self.tokenizer, self.processes = args, model_path, ready, tokenizer, processes

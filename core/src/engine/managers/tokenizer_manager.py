@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from engine.managers.arrivals import Arrivals
 from engine.managers.io_struct import (
@@ -80,6 +80,12 @@ class GenerateRequest:
 
 
 class TokenizerManager(MultimodalMixin, EmbedMixin, LoraMixin):
+    #: Whether ``submit`` sends a request to the scheduler at once: the HTTP routes then send a
+    #: response's requests from its handler (``start_requests``). A subclass that produces
+    #: outputs in its own ``generate`` without a scheduler (the HTTP tests' scripted managers)
+    #: sets it False: its requests go through ``generate`` when their outputs are first read.
+    sends_on_submit: ClassVar[bool] = True
+
     def __init__(self, args: Any, model_path: str, ipc: Any, ready: SchedulerReady,
                  processes: list[Any], tokenizer: Any | None) -> None:
         import zmq

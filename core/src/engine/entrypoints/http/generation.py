@@ -29,7 +29,6 @@ from engine.managers.tokenizer_manager import (
     GenerateRequest,
     RequestError,
     ServerShuttingDownError,
-    TokenizerManager,
 )
 
 if TYPE_CHECKING:
@@ -225,10 +224,10 @@ def start_requests(ctx: ServingContext, choices: Sequence[Choice], stream: bool)
     before all of them are parsed. A failure to send is raised where the outputs are read
     (``stream_outputs`` in-band, ``run_to_completion``), as when sent there; a streamed response
     comes from ``sse_response``, whose ``SSEResponse`` ends streams whose body never ran. A manager
-    that generates its own way (overrides ``generate``, which sends with ``submit``) sends when the
-    outputs are first read."""
+    whose ``sends_on_submit`` is False (one that generates its own way) is sent nothing here: its
+    requests go through its ``generate`` when the outputs are first read."""
     manager = ctx.manager
-    if getattr(type(manager), "generate", None) is not TokenizerManager.generate:
+    if not manager.sends_on_submit:
         return
     for i, choice in enumerate(choices):
         choice.request.stream = stream
