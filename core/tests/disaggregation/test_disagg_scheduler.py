@@ -113,8 +113,10 @@ def test_torch_distributed_backend_gives_the_same_output(pair: tuple[Any, Any]) 
 
     prefill, decode = pair
     saved = prefill.kv_transfer, decode.kv_transfer
-    prefill.kv_transfer = TorchKvTransfer(dataclasses.replace(saved[0].ctx, port=0))
-    decode.kv_transfer = TorchKvTransfer(saved[1].ctx)
+    # Each backend is told the name it is selected by: the handshake refuses two different ones.
+    assert saved[0].ctx.backend == saved[1].ctx.backend == "zmq"
+    prefill.kv_transfer = TorchKvTransfer(dataclasses.replace(saved[0].ctx, port=0, backend="torch"))
+    decode.kv_transfer = TorchKvTransfer(dataclasses.replace(saved[1].ctx, backend="torch"))
     try:
         prompts = [[11 + i, 4, 40 + i, 8] * (1 + 3 * i) for i in range(3)]
         want = generate_greedy(decode, prompts, _GREEDY["max_new_tokens"], ignore_eos=True)

@@ -97,7 +97,8 @@ class DisaggregationMixin:
         ctx = KvTransferContext(
             role=self.disagg_mode, layout=kv_layout_of(self.runner, args), host=args.host,
             port=args.disaggregation_bootstrap_port if self.disagg_mode == "prefill" else 0,
-            timeout_s=args.disaggregation_timeout_s, device=str(self.runner.device))
+            timeout_s=args.disaggregation_timeout_s, device=str(self.runner.device),
+            backend=args.disaggregation_transfer_backend)
         self.kv_transfer = plugins.create_kv_transfer_backend(
             args.disaggregation_transfer_backend, ctx, torch.device(self.runner.device).type,
             args.disable_plugin, args.plugin_options)

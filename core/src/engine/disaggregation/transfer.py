@@ -108,6 +108,9 @@ class KvTransferContext:
     timeout_s: float = 60.0
     # The KV pool's device ("cpu", "cuda:0", ...): payloads are host tensors either way.
     device: str = "cpu"
+    # The name the backend was selected by (--disaggregation-transfer-backend). Both servers
+    # must use the same; a backend compares the two at the handshake ("": unknown, not compared).
+    backend: str = ""
 
 
 class KvTransferBackend(ABC):

@@ -189,7 +189,7 @@ class ZmqKvTransfer(KvTransferBackend):
                     self._drain(self._router, self._on_fetch_request)
                 for address, dealer in list(self._dealers.items()):
                     if dealer in events:
-                        self._drain(dealer, lambda frames, address=address: self._on_reply(frames, address))
+                        self._drain(dealer, lambda frames, address=address: self._reply(frames, address))
                 for monitor, address in list(self._monitors.items()):
                     if monitor in events:
                         self._on_monitor(monitor, address)
@@ -228,7 +228,7 @@ class ZmqKvTransfer(KvTransferBackend):
             host, port, deadline = json.loads(frames[2])
             with self._pending_lock:
                 self._pending[key] = ((host, port), deadline)
-            request = {"op": "fetch", "key": key, "layout": self.ctx.layout.to_dict(),
+            request = {"op": "fetch", "key": key, "layout": self.ctx.layout.to_dict(), "backend": self.ctx.backend,
                        "timeout_s": max(deadline - time.monotonic(), 0.0), **self._handshake()}
             self._dealer(host, port).send(json.dumps(request).encode())
         elif op == b"cancel":
@@ -298,6 +298,11 @@ class ZmqKvTransfer(KvTransferBackend):
         if why is not None:
             error = (f"KV layouts differ between the prefill server ({self.ctx.host}:{self.port}) and this decode "
                      f"server: {why} (decode vs prefill); both need the same model, --tp-size and --kv-cache-dtype")
+        backend = body.get("backend") or ""
+        if backend and self.ctx.backend and backend != self.ctx.backend:  # their data paths do not meet
+            error = (f"KV transfer backends differ: the prefill server ({self.ctx.host}:{self.port}) uses "
+                     f"'{self.ctx.backend}', this decode server '{backend}'; start both with the same "
+                     "--disaggregation-transfer-backend")
         if error is not None:
             self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
             if self._ready.pop(key, None) is not None:
@@ -322,6 +327,22 @@ class ZmqKvTransfer(KvTransferBackend):
             self._counts["bytes_received"] += result.nbytes
         self._results.put((key, result))
         return True
+
+    def _reply(self, frames: list[Any], address: tuple[str, int]) -> None:
+        """``_on_reply``, where an answer this side cannot read fails its own fetch, not the
+        thread that serves every fetch."""
+        try:
+            self._on_reply(frames, address)
+        except Exception as exc:  # noqa: BLE001 - e.g. a peer of another backend or version
+            try:
+                key = str(json.loads(bytes(frames[0])).get("key", ""))
+            except (ValueError, AttributeError):
+                key = ""
+            logger.warning("KV transfer: an unreadable answer from %s:%s for %r: %s: %s", *address, key,
+                           type(exc).__name__, exc)
+            self._finish_fetch(key, f"the prefill server's transfer port {address[0]}:{address[1]} sent an answer "
+                                    f"this decode server cannot read ({type(exc).__name__}: {exc}); are both started "
+                                    "with the same --disaggregation-transfer-backend and version?")
 
     def _on_reply(self, frames: list[bytes], address: tuple[str, int]) -> None:
         header = json.loads(frames[0])

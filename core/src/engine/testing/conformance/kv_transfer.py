@@ -66,7 +66,7 @@ class KvTransferConformance:
         from engine.disaggregation import KvTransferContext
 
         ctx = KvTransferContext(role=role, layout=layout or _layout(), host="127.0.0.1", port=0,
-                                timeout_s=timeout_s, device=self.device)
+                                timeout_s=timeout_s, device=self.device, backend=self.backend_name)
         return plugins.create_kv_transfer_backend(self.backend_name, ctx, self.device)
 
     @pytest.fixture
