@@ -92,7 +92,7 @@ class ZmqKvTransfer(KvTransferBackend):
         self._to_thread = self._socket(zmq.PUSH)
         self._to_thread.connect(wake)
         self._results: queue.Queue[tuple[str, KvPayload | str]] = queue.Queue()
-        self._counts = {"published": 0, "served": 0, "fetched": 0, "failed": 0, "expired": 0,
+        self._counts = {"published": 0, "served": 0, "fetched": 0, "failed": 0, "expired": 0, "cancelled": 0,
                         "bytes_sent": 0, "bytes_received": 0}
         self.port = ctx.port
         self._router: Any = None
@@ -172,6 +172,9 @@ class ZmqKvTransfer(KvTransferBackend):
     # -- the backend's thread -------------------------------------------------------------
     def _run(self) -> None:
         self._ready: dict[str, tuple[list[Any], float]] = {}  # prefill: key -> (frames, expires)
+        # Prefill: keys whose fetch the decode side cancelled before they were published -> until
+        # when to remember them; their payloads are let go as they are published, not held.
+        self._cancelled: dict[str, float] = {}
         self._parked: dict[str, list[tuple[bytes, float]]] = {}  # prefill: key -> [(peer, expires)]
         self._dealers: dict[tuple[str, int], Any] = {}
         # Decode: each dealer's monitor, so a prefill server that goes away fails its fetches at once.
@@ -216,7 +219,10 @@ class ZmqKvTransfer(KvTransferBackend):
             key = frames[1].decode()
             self._counts["published"] += 1
             parked = self._parked.pop(key, [])
-            if parked:
+            if self._cancelled.pop(key, None) is not None:  # its request is gone on the decode side
+                self._counts["cancelled"] += 1
+                self._dropped(key)
+            elif parked:
                 self._serve(parked[0][0], key, frames[2:])
             else:
                 self._ready[key] = (frames[2:], time.monotonic() + self.ctx.timeout_s)
@@ -288,9 +294,12 @@ class ZmqKvTransfer(KvTransferBackend):
         peer, body = frames[0], json.loads(frames[-1])
         key = body.get("key", "")
         if body.get("op") == "discard":
-            if self._ready.pop(key, None) is not None:
-                self._dropped(key)
             self._parked.pop(key, None)
+            if self._ready.pop(key, None) is not None:
+                self._counts["cancelled"] += 1
+                self._dropped(key)
+            else:  # not published yet: let the payload go when it comes
+                self._cancelled[key] = time.monotonic() + self.ctx.timeout_s
             return
         theirs = KvLayout.from_dict(body.get("layout", {}))
         why = self.ctx.layout.mismatch(theirs)
@@ -355,6 +364,8 @@ class ZmqKvTransfer(KvTransferBackend):
         self._finish_fetch(key, KvPayload(int(header["first_token"]), k, v, received_meta(header)))
 
     def _expire(self, now: float) -> None:
+        for key in [k for k, until in self._cancelled.items() if until <= now]:
+            del self._cancelled[key]
         for key in [k for k, (_, expires) in self._ready.items() if expires <= now]:
             del self._ready[key]
             self._dropped(key)

@@ -1,0 +1,59 @@
+"""A fetch the decode side cancels (its request was aborted, or its deadline passed) before the
+prefill side has published the payload: the payload is let go as it is published, not held until
+``timeout_s`` (on a GPU prefill server it would hold the pinned pool meanwhile)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from engine_kvtransfer_zmq.backend import ZmqKvTransfer
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from engine.disaggregation import KvLayout, KvPayload, KvTransferContext
+
+_LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, v_head_dim=8, dtype="torch.float32")
+
+
+def _wait(cond: Callable[[], bool], within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def _torch_backend(ctx: KvTransferContext) -> Any:
+    """The torch backend (a subclass whose payloads wait in a stash of its own), where installed."""
+    backend = pytest.importorskip("engine_kvtransfer_torch.backend")
+    return backend.TorchKvTransfer(ctx, options={})
+
+
+@pytest.mark.parametrize("make", [ZmqKvTransfer, _torch_backend], ids=["zmq", "torch"])
+def test_a_payload_published_after_its_fetch_was_cancelled_is_let_go_at_once(make: Any) -> None:
+    prefill = make(KvTransferContext(role="prefill", layout=_LAYOUT, port=0, timeout_s=30.0))
+    decode = make(KvTransferContext(role="decode", layout=_LAYOUT, timeout_s=30.0))
+    try:
+        decode.fetch("a", "127.0.0.1", prefill.port, 20.0)
+        assert _wait(lambda: "a" in prefill._parked), "the fetch did not reach the prefill side"
+        decode.cancel("a")
+        assert _wait(lambda: "a" not in prefill._parked), "the cancel did not reach the prefill side"
+        k, v = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 2, 8)
+        held = StorageWeakRef(k.untyped_storage())
+        prefill.publish("a", KvPayload(1, k, v))
+        del k, v
+        assert _wait(lambda: prefill.stats()["cancelled"] == 1)
+        assert _wait(held.expired), "the prefill side holds a payload whose fetch was cancelled"
+        assert decode.poll(0.2) == []  # a cancelled fetch gives no result
+        # The key is forgotten once used: a later payload of another key is served as usual.
+        k2 = torch.randn(2, 3, 2, 8)
+        prefill.publish("b", KvPayload(2, k2, k2.clone()))
+        decode.fetch("b", "127.0.0.1", prefill.port, 10.0)
+        got: list[Any] = []
+        assert _wait(lambda: bool(got.extend(decode.poll(0.05)) or got), 10.0)
+        assert got[0][0] == "b" and torch.equal(got[0][1].k, k2)
+    finally:
+        decode.close()
+        prefill.close()
