@@ -28,6 +28,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,10 +41,13 @@ STAGES = ("input_proj", "prologue", "decode", "w_uv", "o_proj")
 class Chain:
     """``layers`` layers' weights, pools and the buffers one token's attention chain uses."""
 
-    def __init__(self, layers: int, ctx: int, pdl: bool, dev: str = "cuda", decode_options: dict | None = None) -> None:
+    def __init__(self, layers: int, ctx: int, pdl: bool, dev: str = "cuda", decode_options: dict | None = None,
+                 gemv_configs: dict[str, Any] | None = None) -> None:
         bf = torch.bfloat16
         self.layers, self.ctx, self.pdl = layers, ctx, pdl
         self.decode_options = decode_options or {}
+        #: "input_proj" / "o_proj": a GemvConfig for that projection (None: choose_config's).
+        self.gemv_configs = gemv_configs or {}
 
         def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
             return (torch.randn(*shape, device=dev) * scale).to(bf)
@@ -88,7 +92,8 @@ class Chain:
 
         if name == "input_proj":
             self.y, _, _ = norm_skinny_linear(self.x, self.residual, self.norm_in, 1e-6, self.w_in[i], pdl=self.pdl,
-                                              normed=self.normed, res_sum=self.res_sum)
+                                              normed=self.normed, res_sum=self.res_sum,
+                                              config=self.gemv_configs.get("input_proj"))
         elif name == "prologue":
             q, kv_a = self.y.split([Q_DIM, LORA + ROPE], dim=-1)
             mla_prologue(q.view(1, HEADS, NOPE + ROPE), kv_a, self.positions, self.cos, self.sin, self.norm_kv, 1e-6,
@@ -101,7 +106,8 @@ class Chain:
         elif name == "w_uv":
             head_matvec(self.o, self.w_uv[i], self.ov, transposed=True, pdl=self.pdl)
         elif name == "o_proj":
-            self.x = skinny_linear(self.ov.view(1, HEADS * V), self.w_o[i], pdl=self.pdl)
+            self.x = skinny_linear(self.ov.view(1, HEADS * V), self.w_o[i], pdl=self.pdl,
+                                   config=self.gemv_configs.get("o_proj"))
         else:
             raise ValueError(f"stage {name!r}; accepted: {', '.join(STAGES)}")
 
@@ -125,6 +131,20 @@ class Chain:
         return statistics.median(times)
 
 
+def parse_config(text: str) -> Any:
+    """``BLOCK_NxBLOCK_K[xWARPS]`` -> an "fma" ``GemvConfig`` (PDL steps as the rule's)."""
+    from engine_platform_cuda.gemv import RULE, GemvConfig
+
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+        config = GemvConfig("fma", parts[0], parts[1], num_warps=parts[2] if len(parts) > 2 else 4,
+                            pdl_steps=RULE.fma_pdl_steps)
+        config.validate()
+    except (ValueError, IndexError) as exc:
+        raise argparse.ArgumentTypeError(f"invalid launch shape {text!r} ({exc}); expected e.g. 8x512 or 4x1024x4") from None
+    return config
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=26, help="layers, each with its own weights (cold in L2)")
@@ -134,6 +154,10 @@ def main() -> None:
     ap.add_argument("--decode-options", type=json.loads, default={},
                     help="mla_decode_fwd keyword arguments as JSON, e.g. '{\"early_kv\": false}'")
     ap.add_argument("--stages", action="store_true", help="also time each stage alone and the chain without it")
+    ap.add_argument("--in-configs", type=parse_config, nargs="*", default=[],
+                    help="also time the chain with these launch shapes of the input projection (BLOCK_NxBLOCK_K[xWARPS])")
+    ap.add_argument("--o-configs", type=parse_config, nargs="*", default=[],
+                    help="also time the chain with these launch shapes of o_proj (BLOCK_NxBLOCK_K[xWARPS])")
     ap.add_argument("--peak", type=float, default=4290.0, help="GB/s the bound is computed at")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -158,6 +182,13 @@ def main() -> None:
 
     full = chain.time_us(run(STAGES), a.reps) / a.layers
     print(f"chain                      {full:7.2f} us a layer", flush=True)
+    for stage, configs in (("input_proj", a.in_configs), ("o_proj", a.o_configs)):
+        for config in configs:
+            chain.gemv_configs = {stage: config}
+            us = chain.time_us(run(STAGES), a.reps) / a.layers
+            print(f"chain, {stage} {config.block_n}x{config.block_k} {config.num_warps} warps: {us:7.2f} us a layer",
+                  flush=True)
+        chain.gemv_configs = {}
     for name in STAGES if a.stages else ():
         alone = chain.time_us(run((name,)), a.reps) / a.layers
         without = chain.time_us(run(tuple(s for s in STAGES if s != name)), a.reps) / a.layers
