@@ -5,27 +5,19 @@ serving other fetches."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 from engine_kvtransfer_torch.backend import TorchKvTransfer
 from engine_kvtransfer_zmq.backend import ZmqKvTransfer
 
 from engine.disaggregation import KvLayout, KvPayload, KvTransferContext
+from engine.testing.conformance.kv_transfer import wait_for
 
 _LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, v_head_dim=8, dtype="torch.float32")
 
 
 def _ctx(role: str, backend: str) -> KvTransferContext:
     return KvTransferContext(role=role, layout=_LAYOUT, port=0, timeout_s=10.0, backend=backend)
-
-
-def _result(decode: Any, within_s: float) -> list[tuple[str, Any]]:
-    deadline = time.monotonic() + within_s
-    out: list[tuple[str, Any]] = []
-    while not out and time.monotonic() < deadline:
-        out = decode.poll(0.05)
-    return out
 
 
 def test_a_zmq_decode_server_fetching_from_a_torch_prefill_server_is_refused_naming_both() -> None:
@@ -37,15 +29,15 @@ def test_a_zmq_decode_server_fetching_from_a_torch_prefill_server_is_refused_nam
         torch_prefill.publish("a", KvPayload(1, k, v))
         decode.fetch("a", "127.0.0.1", torch_prefill.port, 8.0)
         started = time.monotonic()
-        ((key, error),) = _result(decode, 8.0)
-        assert key == "a" and time.monotonic() - started < 3, "the mismatch waited for the fetch's deadline"
+        error = wait_for(decode, "a", 8.0)
+        assert time.monotonic() - started < 3, "the mismatch waited for the fetch's deadline"
         assert isinstance(error, str) and "KV transfer backends differ" in error
         assert "uses 'torch', this decode server 'zmq'" in error and "--disaggregation-transfer-backend" in error
         # The decode side's thread serves on: a fetch from a prefill server of its own backend arrives.
         zmq_prefill.publish("b", KvPayload(2, k, v))
         decode.fetch("b", "127.0.0.1", zmq_prefill.port, 8.0)
-        ((key, payload),) = _result(decode, 8.0)
-        assert key == "b" and isinstance(payload, KvPayload) and torch.equal(payload.k, k) and torch.equal(payload.v, v)
+        payload = wait_for(decode, "b", 8.0)
+        assert isinstance(payload, KvPayload) and torch.equal(payload.k, k) and torch.equal(payload.v, v)
     finally:
         decode.close()
         zmq_prefill.close()

@@ -14,6 +14,7 @@ from engine_kvtransfer_zmq.backend import ZmqKvTransfer
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from engine.disaggregation import KvLayout, KvPayload, KvTransferContext
+from engine.testing.conformance.kv_transfer import wait_for
 
 _LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, v_head_dim=8, dtype="torch.float32")
 
@@ -51,9 +52,7 @@ def test_a_payload_published_after_its_fetch_was_cancelled_is_let_go_at_once(mak
         k2 = torch.randn(2, 3, 2, 8)
         prefill.publish("b", KvPayload(2, k2, k2.clone()))
         decode.fetch("b", "127.0.0.1", prefill.port, 10.0)
-        got: list[Any] = []
-        assert _wait(lambda: bool(got.extend(decode.poll(0.05)) or got), 10.0)
-        assert got[0][0] == "b" and torch.equal(got[0][1].k, k2)
+        assert torch.equal(wait_for(decode, "b").k, k2)
     finally:
         decode.close()
         prefill.close()
