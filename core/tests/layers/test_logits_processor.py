@@ -56,3 +56,34 @@ def test_lm_head_uses_the_skinny_kernel_for_few_rows_only() -> None:
     plain = LogitsProcessor(vocab)
     plain.use_kernels({"rms_norm": object()})  # a platform without the kernel
     assert plain.skinny_linear is None
+
+
+def _decode_batch() -> Any:
+    from types import SimpleNamespace
+
+    from engine.model_executor.forward_batch import ForwardMode
+
+    return SimpleNamespace(forward_mode=ForwardMode.DECODE, return_logprob=False, capture_hidden=None)
+
+
+def test_decode_logits_are_written_into_decode_out() -> None:
+    """With ``decode_out`` set (a decode graph sharing its logits buffer), decode logits are the
+    buffer, with the values of the default path, logit scale and softcap applied in place."""
+    vocab, hidden, rows = 100, 32, 3
+    head = _head(vocab + 12, hidden)  # a padded vocabulary: the padding is cut off either way
+    h = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for scale, cap in ((1.0, 0.0), (0.5, 30.0)):
+        proc = LogitsProcessor(vocab, logit_scale=scale, final_logit_softcap=cap)
+        want = proc(h, head, _decode_batch()).next_token_logits
+        buf = torch.full((rows + 2, vocab), float("nan"))
+        proc.decode_out = buf[:rows]
+        got = proc(h, head, _decode_batch()).next_token_logits
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
+        assert torch.equal(buf[:rows], want) and buf[rows:].isnan().all()
+    proc.decode_out = torch.empty(rows, vocab + 12)
+    try:
+        proc(h, head, _decode_batch())
+    except ValueError as exc:
+        assert "decode_out" in str(exc) and "accepted: float32 of the logits' shape" in str(exc)
+    else:
+        raise AssertionError("a decode_out of the wrong shape was accepted")

@@ -70,3 +70,26 @@ def test_a_replaced_field_falls_back_to_field_copies(llama_ckpt: str) -> None:
     graphs.graphs[2] = SimpleNamespace(replay=lambda: graphs.seen.append(graphs.ints[:, :2].clone()))
     graphs.replay(fb)
     assert graphs.seen[-1].tolist() == [[0, 1], [40, 41], [4, 5], [6, 7]]
+
+
+def test_logits_into_sets_decode_out_for_the_capture_only() -> None:
+    """``_logits_into`` points every LogitsProcessor of the model at the shared buffer's rows while
+    a shared-buffer graph is captured, and resets them after (also when the capture fails)."""
+    from engine.layers.logits_processor import LogitsProcessor
+
+    model = torch.nn.Module()
+    model.head = LogitsProcessor(10)
+    model.inner = torch.nn.Sequential(LogitsProcessor(10))
+    procs = [model.head, model.inner[0]]
+    target = torch.empty(4, 10)
+    with cuda_graph_runner._logits_into(model, target):
+        assert all(p.decode_out is target for p in procs)
+    assert all(p.decode_out is None for p in procs)
+    try:
+        with cuda_graph_runner._logits_into(model, target):
+            raise RuntimeError("capture failed")
+    except RuntimeError:
+        pass
+    assert all(p.decode_out is None for p in procs)
+    with cuda_graph_runner._logits_into(model, None):  # a graph with its own logits
+        assert all(p.decode_out is None for p in procs)

@@ -37,6 +37,10 @@ class LogitsProcessor(nn.Module):
         #: the platform's skinny GEMM (``layer_kernels()['linear']``) for projections of few rows
         #: (decode at small batch: the LM head is the largest single weight read); None: matmul.
         self.skinny_linear: Any = None
+        #: a float32 ``[rows, vocab]`` buffer the decode logits are written into (set by the decode
+        #: graph runner while it captures the graphs that share one logits buffer): the widening to
+        #: float32 is that copy, instead of a float32 tensor of its own copied into the buffer after.
+        self.decode_out: torch.Tensor | None = None
 
     def use_kernels(self, kernels: dict[str, Any]) -> None:
         """Takes the platform's ``linear`` kernel when it offers one (``ModelRunner`` calls this)."""
@@ -50,22 +54,30 @@ class LogitsProcessor(nn.Module):
             assert forward_batch.extend_seq_lens is not None and forward_batch.extend_start_loc is not None
             last_index = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
             last = hidden_states[last_index]
-        logits = self._project(last, lm_head)
+        logits = self._project(last, lm_head, self.decode_out if forward_batch.forward_mode.is_decode() else None)
         full = None
         if forward_batch.return_logprob and forward_batch.forward_mode.is_extend():
             full = self._project(hidden_states, lm_head)
         return LogitsProcessorOutput(next_token_logits=logits, full_logits=full,
                                      hidden_states=captured_hidden_states(forward_batch, hidden_states))
 
-    def _project(self, h: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
+    def _project(self, h: torch.Tensor, lm_head: ParallelLMHead, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits ``[rows, vocab]`` of ``h``; with ``out`` (``[rows, vocab]`` float32) written
+        into it and returned."""
         # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,
         # then cut the padding off.
         projection = getattr(lm_head, "projection", None)
         local = projection(h) if projection is not None else linear_with_kernel(self.skinny_linear, h, lm_head.weight)
-        logits = tensor_model_parallel_all_gather(local)
-        logits = logits.float()[:, : self.vocab_size]
+        logits = tensor_model_parallel_all_gather(local)[:, : self.vocab_size]
+        if out is None:
+            logits = logits.float()
+        else:
+            if out.shape != logits.shape or out.dtype != torch.float32:
+                raise ValueError(f"LogitsProcessor.decode_out: {tuple(out.shape)} {out.dtype} for logits of "
+                                 f"{tuple(logits.shape)}; accepted: float32 of the logits' shape")
+            logits = out.copy_(logits)
         if self.logit_scale != 1.0:
-            logits = logits * self.logit_scale
+            logits.mul_(self.logit_scale)
         if self.final_logit_softcap:
-            logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
+            logits.div_(self.final_logit_softcap).tanh_().mul_(self.final_logit_softcap)
         return logits

@@ -10,9 +10,10 @@ hands out).
 Graphs share one memory pool, but each graph's output stays allocated in it: the float32
 logits of a graph of ``bs`` rows take ``bs * vocab * 4`` bytes (512 KiB a row at a 128k
 vocabulary). Graphs of up to ``OWN_LOGITS_MAX_BS`` rows keep their own output; the larger ones
-copy their logits into one buffer of ``max_bs`` rows that all of them share, which keeps
-captures up to 1024 rows at ~0.5 GiB of logits instead of ~17 GiB (the copy costs a large
-batch ~0.4% of its step).
+write their logits into one buffer of ``max_bs`` rows that all of them share, which keeps
+captures up to 1024 rows at ~0.5 GiB of logits instead of ~17 GiB. The model's
+``LogitsProcessor`` widens the LM head's output to float32 straight into that buffer
+(``decode_out``), so sharing it costs no copy of its own.
 Streams and graphs come from the platform (``create_stream``, ``create_graph``,
 ``graph_capture``): this module names no vendor API.
 """
@@ -20,12 +21,14 @@ Streams and graphs come from the platform (``create_stream``, ``create_graph``,
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -121,11 +124,14 @@ class CudaGraphRunner:
                 self._shared_logits = torch.empty((self.max_bs, warm.shape[1]), dtype=warm.dtype, device=d)
             del warm
             graph = platform.create_graph()
+            target = self._shared_logits[:bs] if shared else None
             with platform.graph_capture(graph, self.pool, stream):
-                with platform.decode_capture_context(self.runner.model):
+                with platform.decode_capture_context(self.runner.model), _logits_into(self.runner.model, target):
                     logits = self.runner.model(fb.input_ids, self._model_positions(fb), fb).next_token_logits
-                    if shared:  # the graph's own logits go back to the pool once captured
-                        logits = self._shared_logits[:bs].copy_(logits)
+                    if target is not None and logits.data_ptr() != target.data_ptr():
+                        # A model whose logits do not come from a LogitsProcessor: its own logits go
+                        # back to the pool once captured.
+                        logits = target.copy_(logits)
             self.pool = graph.pool()
             self.graphs[bs] = graph
             self.outputs[bs] = logits
@@ -162,6 +168,20 @@ class CudaGraphRunner:
         self.graphs[padded].replay()
         self.replays += 1
         return LogitsProcessorOutput(next_token_logits=self.outputs[padded][:bs])
+
+
+@contextlib.contextmanager
+def _logits_into(model: torch.nn.Module, target: torch.Tensor | None) -> Iterator[None]:
+    """While capturing a graph whose logits live in the shared buffer: the model's
+    ``LogitsProcessor`` writes its decode logits straight into ``target`` (None: its own tensor)."""
+    procs = [m for m in model.modules() if isinstance(m, LogitsProcessor)] if target is not None else []
+    for proc in procs:
+        proc.decode_out = target
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.decode_out = None
 
 
 def _decode_ints(fb: ForwardBatch) -> torch.Tensor | None:
