@@ -12,6 +12,8 @@ a fraction of ``--peak``, for:
 - ``bf16 default`` / ``fp8 default``: ``decode_attention_fwd`` with its own tiles and split count;
 - ``fp8 default tiles splits=P``: the default tiles at 2 and 4 splits (stage 2's merge after them);
 - ``fp8 tiles A,N,W,S,WORDS,HI``: the same kernel with tiles given (``bench_decode.py --tiles``), one split;
+- ``fp8 mma block_n=N maxnreg=R``: ``decode_fp8_mma_fwd`` (the operands widened in registers, Gluon),
+  ``--mma N,R ...``;
 - ``gather``: only the reads (``bench_gather.py``'s kernel, two 128-byte rows a token and head);
 - variants of a stand-alone copy of stage 1 (one split, slots loaded a block ahead, a row's KV heads
   as consecutive programs), named ``key=value`` joined by commas:
@@ -43,6 +45,7 @@ import triton.language as tl
 from bench_gather import _gather_kernel  # the script's folder is on sys.path
 from bench_kernels import median_ms
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd
 from engine_attention_triton.jit_math import widen_e4m3_words, widen_e4m3_words_f16
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -196,6 +199,10 @@ class Pool:
         return lambda: decode_attention_fwd(self.q, self.k, self.v, self.out, self.slots, self.reqs, self.seq_lens,
                                             self.part_out, self.part_lse, splits, HEAD_DIM**-0.5, pdl=True, **tiles)
 
+    def mma(self, block_n: int = 16, maxnreg: int = 0):
+        return lambda: decode_fp8_mma_fwd(self.q, self.k, self.v, self.out, self.slots, self.reqs, self.seq_lens,
+                                          HEAD_DIM**-0.5, pdl=True, block_n=block_n, maxnreg=maxnreg)
+
     def variant(self, cfg: dict[str, int]):
         k, v = (self.k.view(torch.int32), self.v.view(torch.int32)) if cfg["cvt"] in (0, 3) else (self.k, self.v)
         block_h = GROUP if cfg["qk"] == 1 else 16
@@ -239,6 +246,8 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1536)
     parser.add_argument("--tiles", nargs="*", default=DEFAULT_TILES, metavar="A,N,W,S,WORDS,HI",
                         help="decode_attention_fwd's kernel with these tiles, one split")
+    parser.add_argument("--mma", nargs="*", default=["16,0", "32,0"], metavar="N,R",
+                        help="decode_fp8_mma_fwd with N keys a block and a register cap R (0: none)")
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
     parser.add_argument("--procs", type=int, default=12, help="processes compiling the variants first")
     args = parser.parse_args()
@@ -273,6 +282,9 @@ def main() -> None:
     expected = fp8.out.float().clone()
     report("fp8 default", fp8, fp8.default())
     report("gather (reads only)", fp8, fp8.gather())
+    for spec in args.mma:
+        block_n, maxnreg = (int(x) for x in spec.split(","))
+        report(f"fp8 mma block_n={block_n} maxnreg={maxnreg}", fp8, fp8.mma(block_n, maxnreg), check=True)
     for splits in (2, 4):
         report(f"fp8 default tiles splits={splits}", fp8, fp8.default(splits), check=True)
     for spec in args.tiles:
