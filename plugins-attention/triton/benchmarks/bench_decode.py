@@ -17,7 +17,8 @@ ones run eagerly (``triton.testing.do_bench``, which clears L2 first).
 
 Each batch size times the kernel's default tiles and split count for the pool's dtype (see
 ``decode_tiles``), and the tiles given with ``--tiles`` (each also reports its output's largest
-difference from the default's). ``--both-orders`` also times the default tiles in both launch
+difference from the default's). ``--mma N,R`` also times ``decode_fp8_mma_fwd`` (an fp8 pool, one split) with N keys a block and
+a register cap R. ``--both-orders`` also times the default tiles in both launch
 orders (``heads_inner`` 0 and 1). ``--sweep`` first times every tile in ``GRID`` at the largest batch size, then also the best
 ``--top`` of them at every batch size; batches of 128 rows or more also try one and two splits.
 """
@@ -34,6 +35,7 @@ import torch
 import triton
 from bench_kernels import DEV, copy_bandwidth_gbs, median_ms  # the script's folder is on sys.path
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
+from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -74,6 +76,11 @@ class Problem:
         return lambda: decode_attention_fwd(q, k, v, out, slots, self.reqs, self.seq_lens, self.part_out,
                                             self.part_lse, splits, HEAD_DIM**-0.5, pdl=True, **tiles)
 
+    def call_mma(self, i: int, block_n: int, maxnreg: int):
+        q, k, v, out, slots = self.inputs[i]
+        return lambda: decode_fp8_mma_fwd(q, k, v, out, slots, self.reqs, self.seq_lens, HEAD_DIM**-0.5, pdl=True,
+                                          block_n=block_n, maxnreg=maxnreg)
+
     def diff(self, splits: int, tiles: dict) -> float:
         """Largest |difference| of the output from the default tiles' at the default split count
         (both round to bf16: a layout or masking error shows as O(1), rounding as ~1e-2)."""
@@ -83,11 +90,13 @@ class Problem:
                                               .multi_processor_count, MAX_SPLITS, self.ctx), {})()
             self.expected = out.float().clone()
         out.fill_(float("nan"))
-        self.call(0, splits, tiles)()
+        (self.call_mma(0, *tiles["mma"]) if "mma" in tiles else self.call(0, splits, tiles))()
         return float((out.float() - self.expected).abs().max())
 
     def time_ms(self, splits: int, tiles: dict) -> float:
-        calls = [self.call(i, splits, tiles) for i in range(self.copies)]
+        """Median ms of a call with ``tiles`` (``{"mma": (block_n, maxnreg)}``: ``decode_fp8_mma_fwd``)."""
+        calls = [self.call_mma(i, *tiles["mma"]) if "mma" in tiles else self.call(i, splits, tiles)
+                 for i in range(self.copies)]
         for call in calls:  # compile outside any capture
             call()
         torch.cuda.synchronize()
@@ -148,6 +157,9 @@ def main() -> None:
                         help="also time these tiles (slots_ahead 0/1, block_n, warps, stages, fp8 words 0/1/2/3 "
                              "(2: hardware widening to float16, 3: the same on words, in inline PTX), launch order 0/1 (1: a row's KV heads together), "
                              "KV heads per program)")
+    parser.add_argument("--mma", nargs="*", default=[], metavar="N,R",
+                        help="fp8: also time decode_fp8_mma_fwd (one split) with N keys a block and a register cap R "
+                             "(0: none)")
     parser.add_argument("--both-orders", action="store_true",
                         help="also time the default tiles in both launch orders (heads_inner 0 and 1)")
     parser.add_argument("--top", type=int, default=5, help="--sweep: tiles carried to every batch size")
@@ -184,6 +196,10 @@ def main() -> None:
                 print(line(name, prob, f"default heads_inner={order}", default,
                            prob.time_ms(default, {"heads_inner": bool(order)}), peak,
                            prob.diff(default, {"heads_inner": bool(order)})), flush=True)
+            for spec in args.mma if name == "fp8_e4m3" else ():
+                tiles = {"mma": tuple(int(x) for x in spec.split(","))}
+                print(line(name, prob, f"mma {spec}", 1, prob.time_ms(1, tiles), peak, prob.diff(1, tiles)),
+                      flush=True)
             for cfg in best:
                 for splits in sorted({default, 1, 2} if bs >= 128 else {default}):
                     ms = prob.time_ms(splits, tiles_of(cfg))
