@@ -35,6 +35,7 @@ import torch
 HIDDEN, HEADS, NOPE, ROPE, LORA, V = 2048, 16, 128, 64, 512, 128
 Q_DIM = HEADS * (NOPE + ROPE)
 SPLITS = 16  # choose_num_kv_splits at batch 1 (max_kv_splits 16): what a batch-1 graph runs
+MAX_SPLITS = 64
 STAGES = ("input_proj", "prologue", "decode", "w_uv", "o_proj")
 
 
@@ -70,8 +71,8 @@ class Chain:
         self.out_loc = self.req_to_token[0, -1:].clone()
         self.reqs = torch.zeros(1, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((1,), ctx, dtype=torch.int64, device=dev)
-        self.part_out = torch.empty(1, HEADS, SPLITS, LORA, dtype=torch.float32, device=dev)
-        self.part_lse = torch.empty(1, HEADS, SPLITS, dtype=torch.float32, device=dev)
+        self.part_out = torch.empty(1, HEADS, MAX_SPLITS, LORA, dtype=torch.float32, device=dev)
+        self.part_lse = torch.empty(1, HEADS, MAX_SPLITS, dtype=torch.float32, device=dev)
         self.y = torch.zeros(1, Q_DIM + LORA + ROPE, dtype=bf, device=dev)
         self.q_full = torch.zeros(1, HEADS, LORA + ROPE, dtype=bf, device=dev)
         self.k = torch.zeros(1, LORA + ROPE, dtype=bf, device=dev)
@@ -100,9 +101,10 @@ class Chain:
                          NOPE, True, self.q_full, self.k, self.pools[i], self.out_loc, 1.0, pdl=self.pdl,
                          w_uk=self.w_uk[i])
         elif name == "decode":
+            options = dict(self.decode_options)
+            splits = options.pop("splits", SPLITS)
             mla_decode_fwd(self.q_full, self.pools[i], self.o, self.req_to_token, self.reqs, self.seq_lens,
-                           self.part_out, self.part_lse, SPLITS, self.scale, LORA, pdl=self.pdl,
-                           **self.decode_options)
+                           self.part_out, self.part_lse, splits, self.scale, LORA, pdl=self.pdl, **options)
         elif name == "w_uv":
             head_matvec(self.o, self.w_uv[i], self.ov, transposed=True, pdl=self.pdl)
         elif name == "o_proj":
@@ -131,6 +133,34 @@ class Chain:
         return statistics.median(times)
 
 
+def set_carveout(pct: int) -> int:
+    """Sets ``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`` of every compiled kernel of the
+    chain's Triton functions (Triton itself prefers shared memory only for kernels over 48 KB);
+    returns how many kernels it set."""
+    import ctypes
+
+    from engine_attention_triton import decode_attention, mla_attention
+    from engine_models_deepseek import head_matvec, mla_prologue
+    from engine_platform_cuda import gemv
+
+    if not -1 <= pct <= 100:
+        raise SystemExit(f"--carveout: invalid value {pct}; accepted: -1..100")
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    functions = (gemv._gemv_fma_kernel, mla_prologue._mla_prologue_absorb_kernel,
+                 mla_attention._mla_decode_split_kernel, decode_attention._decode_merge_kernel,
+                 head_matvec._head_matvec_kernel)
+    count = 0
+    for fn in functions:
+        for cache in fn.device_caches.values():
+            for kernel in cache[0].values():
+                kernel._init_handles()
+                err = libcuda.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, ctypes.c_int(pct))
+                if err:
+                    raise SystemExit(f"cuFuncSetAttribute(carveout {pct}) failed: CUresult {err}")
+                count += 1
+    return count
+
+
 def parse_config(text: str) -> Any:
     """``BLOCK_NxBLOCK_K[xWARPS]`` -> an "fma" ``GemvConfig`` (PDL steps as the rule's)."""
     from engine_platform_cuda.gemv import RULE, GemvConfig
@@ -152,8 +182,14 @@ def main() -> None:
     ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--decode-options", type=json.loads, default={},
-                    help="mla_decode_fwd keyword arguments as JSON, e.g. '{\"early_kv\": false}'")
+                    help="mla_decode_fwd keyword arguments as JSON, e.g. '{\"early_kv\": false}' (\"splits\": "
+                         f"the split count, 1..{MAX_SPLITS}; default {SPLITS})")
+    ap.add_argument("--decode-variants", type=json.loads, nargs="*", default=[],
+                    help="also time the chain with each of these --decode-options instead")
     ap.add_argument("--stages", action="store_true", help="also time each stage alone and the chain without it")
+    ap.add_argument("--carveout", type=int, nargs="*", default=[],
+                    help="also time the chain with every one of its kernels' preferred shared-memory carveout "
+                         "set to each of these percentages (cuFuncSetAttribute; -1: the driver's choice)")
     ap.add_argument("--in-configs", type=parse_config, nargs="*", default=[],
                     help="also time the chain with these launch shapes of the input projection (BLOCK_NxBLOCK_K[xWARPS])")
     ap.add_argument("--o-configs", type=parse_config, nargs="*", default=[],
@@ -182,6 +218,11 @@ def main() -> None:
 
     full = chain.time_us(run(STAGES), a.reps) / a.layers
     print(f"chain                      {full:7.2f} us a layer", flush=True)
+    for options in a.decode_variants:
+        chain.decode_options = options
+        us = chain.time_us(run(STAGES), a.reps) / a.layers
+        print(f"chain, decode {options}: {us:7.2f} us a layer", flush=True)
+    chain.decode_options = a.decode_options
     for stage, configs in (("input_proj", a.in_configs), ("o_proj", a.o_configs)):
         for config in configs:
             chain.gemv_configs = {stage: config}
@@ -189,6 +230,10 @@ def main() -> None:
             print(f"chain, {stage} {config.block_n}x{config.block_k} {config.num_warps} warps: {us:7.2f} us a layer",
                   flush=True)
         chain.gemv_configs = {}
+    for pct in a.carveout:
+        kernels = set_carveout(pct)
+        us = chain.time_us(run(STAGES), a.reps) / a.layers
+        print(f"chain, carveout {pct}% on {kernels} kernels: {us:7.2f} us a layer", flush=True)
     for name in STAGES if a.stages else ():
         alone = chain.time_us(run((name,)), a.reps) / a.layers
         without = chain.time_us(run(tuple(s for s in STAGES if s != name)), a.reps) / a.layers
