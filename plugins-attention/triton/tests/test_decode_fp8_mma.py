@@ -1,8 +1,8 @@
 """``decode_fp8_mma`` (e4m3 pool, bf16 queries, one split, operands built in registers) against the
 float64 reference, on ragged rows of shuffled pages, everything else in the pool random, outputs
 poisoned with NaN first: GQA groups 1 to 8, head dims 64 and 128, a sliding window, K/V scales,
-PDL launches, queries beyond float16's range, every e4m3 value, and ``decode_attention_fwd``'s
-choice of it at a large batch. Tolerances as test_triton_kernels.py's for bf16.
+PDL launches, CUDA-graph replays over new rows and lengths, queries beyond float16's range, every
+e4m3 value, each value column's place, and ``decode_attention_fwd``'s choice of it at a large batch. Tolerances as test_triton_kernels.py's for bf16.
 """
 
 from __future__ import annotations
@@ -178,3 +178,40 @@ def test_shapes_it_does_not_take_are_a_clear_error() -> None:
     k128 = torch.zeros(4, 2, 128, dtype=FP8, device=DEV)
     assert not fits(q.new_zeros(2, 18, 128), k128, k128)  # 9 query heads a KV head
     assert not fits(q.new_zeros(2, 8, 128).half(), k128, k128)
+
+
+def test_cuda_graph_replays_new_rows_and_lengths(seed: int) -> None:
+    """Captured once in a CUDA graph (with PDL where the GPU has it), replayed over other rows, lengths
+    and queries: the lengths are read on the device, so each replay matches the reference."""
+    bs = 8
+    capacity = random_lens(16, 1, 2500)
+    pools = Pools(capacity, 16, 8, 128)
+    q = torch.randn(bs, 32, 128, dtype=BF16, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    reqs = torch.zeros(bs, dtype=torch.int64, device=DEV)
+    lens = torch.ones(bs, dtype=torch.int64, device=DEV)
+    pdl = has_pdl(q.device)
+
+    def call() -> None:
+        decode_fp8_mma_fwd(q, pools.k, pools.v, out, pools.req_to_token, reqs, lens, 128**-0.5, pdl=pdl)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile outside the capture
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for replay in range(3):
+        rows = random.sample(range(16), bs)
+        row_lens = [random.randint(1, capacity[r]) for r in rows]
+        reqs.copy_(torch.tensor([pools.req_slots[r] for r in rows]))
+        lens.copy_(torch.tensor(row_lens))
+        q.copy_(torch.randn_like(q))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_decode(q, pools.k.float(), pools.v.float(), pools.req_to_token,
+                               [pools.req_slots[r] for r in rows], row_lens, 128**-0.5)
+        assert_matches(out, ref, f"graph replay {replay} seed={seed}")
