@@ -245,6 +245,8 @@ def decode_fp8_mma_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
         raise ValueError(f"decode_fp8_mma: needs bf16 q, an e4m3 pool with 4-byte aligned rows, head dims 64 or 128 "
                          f"and at most 8 query heads a KV head; got q {tuple(q.shape)} {q.dtype}, "
                          f"pool {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} {k_buffer.dtype}")
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"decode_fp8_mma: out needs q's shape {tuple(q.shape)} and a contiguous last dim")
     if block_n not in (16, 32):
         raise ValueError(f"decode_fp8_mma: block_n={block_n}; accepted: 16, 32")
     if batch == 0:
@@ -271,11 +273,13 @@ def decode_fp8_mma_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
 
 
 def fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
-    """Whether this kernel takes these shapes: bf16 q over an e4m3 pool whose strides are whole words,
-    K and V of one head dim, 64 or 128, and at most 8 query heads a KV head (the operand's 8 columns)."""
+    """Whether this kernel takes these shapes: bf16 q over an e4m3 pool whose strides are whole words (the
+    last dims contiguous), K and V of one head dim, 64 or 128, and at most 8 query heads a KV head (the
+    operand's 8 columns)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     return (q.dtype == torch.bfloat16 and k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn
             and head_dim in (64, 128) and k_buffer.shape[2] == v_buffer.shape[2] == head_dim
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
-            and all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr())))
+            and all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr()))
+            and q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1)
