@@ -13,6 +13,7 @@ max |err| <= 2e-2 and ||err|| / ||ref|| <= 1e-2 for bf16; 5e-3 and 3e-3 for fp16
 from __future__ import annotations
 
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from engine.attention import AttentionContext, AttentionLayerInfo  # noqa: E402
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from engine_attention_triton.backend import create  # noqa: E402
+from engine_attention_triton import decode_attention  # noqa: E402
 from engine_attention_triton.decode_attention import decode_attention_fwd, has_pdl  # noqa: E402
 from engine_attention_triton.extend_attention import extend_attention_fwd  # noqa: E402
 from engine_attention_triton.reference import reference_decode, reference_extend  # noqa: E402
@@ -263,8 +265,9 @@ def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale:
 
 
 def test_fp8_default_tiles_at_a_large_batch(seed: int) -> None:
-    """One split at ``ONE_WARP_PROGRAMS`` programs or more (900 rows, 8 KV heads): the default one-warp,
-    16-key tiles over words widened to float16 (``words`` 3), as a decode graph at that batch runs them."""
+    """One split at ``ONE_WARP_PROGRAMS`` programs or more (900 rows, 8 KV heads), as a decode graph at that
+    batch runs it: ``decode_fp8_mma`` (``DecodeTiles.mma``), or with ``MMA_IN_REGISTERS`` off the one-warp,
+    16-key tiles over words widened to float16 (``words`` 3); both here."""
     from engine_attention_triton.decode_attention import ONE_WARP_PROGRAMS
 
     seq_lens = random_lens(900, 1, 100)
@@ -274,11 +277,15 @@ def test_fp8_default_tiles_at_a_large_batch(seed: int) -> None:
     q = torch.randn(900, 32, 128, dtype=BF16, device=DEV)
     out = torch.full_like(q, float("nan"))
     part = torch.full((900, 32, 1, 128), float("nan"), device=DEV)
-    decode_attention_fwd(q, k, v, out, pools.req.req_to_token, pools.indices(), torch.tensor(seq_lens, device=DEV),
-                         part, part[..., 0], 1, 128**-0.5, k_scale=0.5, v_scale=2.0, pdl=has_pdl(q.device))
     ref = reference_decode(q, k.float() * 0.5, v.float() * 2.0, pools.req.req_to_token, pools.req_slots, seq_lens,
                            128**-0.5)
-    assert_matches(out, ref, BF16, f"900 rows, default tiles, seed={seed}")
+    for mma in (True, False):
+        out.fill_(float("nan"))
+        with mock.patch.object(decode_attention, "MMA_IN_REGISTERS", mma):
+            decode_attention_fwd(q, k, v, out, pools.req.req_to_token, pools.indices(),
+                                 torch.tensor(seq_lens, device=DEV), part, part[..., 0], 1, 128**-0.5, k_scale=0.5,
+                                 v_scale=2.0, pdl=has_pdl(q.device))
+        assert_matches(out, ref, BF16, f"900 rows, default tiles, MMA_IN_REGISTERS={mma} seed={seed}")
 
 
 def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
