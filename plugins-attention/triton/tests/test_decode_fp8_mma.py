@@ -215,3 +215,16 @@ def test_cuda_graph_replays_new_rows_and_lengths(seed: int) -> None:
         ref = reference_decode(q, pools.k.float(), pools.v.float(), pools.req_to_token,
                                [pools.req_slots[r] for r in rows], row_lens, 128**-0.5)
         assert_matches(out, ref, f"graph replay {replay} seed={seed}")
+
+
+def test_a_row_of_length_zero_writes_zeros(seed: int) -> None:
+    """A row of length 0 (as a padded CUDA-graph row may be) writes zeros; the others are unaffected."""
+    pools = Pools([5, 300, 17], 1, 2, 128)
+    pools.seq_lens[0] = 0
+    q = torch.randn(3, 8, 128, dtype=BF16, device=DEV)
+    out = torch.full_like(q, float("nan"))
+    decode_fp8_mma_fwd(q, pools.k, pools.v, out, pools.req_to_token, pools.indices(), pools.seq_lens, 128**-0.5)
+    assert torch.equal(out[0], torch.zeros_like(out[0])), f"seed={seed}"
+    pools.lens = [300, 17]
+    pools.req_slots = pools.req_slots[1:]
+    assert_matches(out[1:], pools.reference(q[1:], 128**-0.5), f"seed={seed}")

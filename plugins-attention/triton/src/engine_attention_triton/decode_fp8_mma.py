@@ -223,7 +223,8 @@ def decode_fp8_mma_kernel(
         vw = vw_n
 
     l_i = gl.sum(l_acc, 0)
-    out = acc * (v_scale / l_i)[None, :]
+    # A row of length 0 (a padded CUDA-graph row may be one) attends to nothing and writes zeros.
+    out = acc * (v_scale / gl.where(l_i > 0, l_i, 1.0))[None, :]
     # Operand row m = 32w + 16h + 8l + g is value column g D/8 + 4w + 2h + l.
     om = gl.arange(0, D, layout=gl.SliceLayout(1, mma))
     dv = (om % 8) * (D // 8) + (om // 32) * 4 + ((om // 16) % 2) * 2 + (om // 8) % 2
