@@ -162,12 +162,15 @@ def set_carveout(pct: int) -> int:
 
 
 def parse_config(text: str) -> Any:
-    """``BLOCK_NxBLOCK_K[xWARPS]`` -> an "fma" ``GemvConfig`` (PDL steps as the rule's)."""
+    """``BLOCK_NxBLOCK_K[xWARPS[xSTAGES]]`` -> an "fma" ``GemvConfig`` (PDL steps as the rule's)."""
     from engine_platform_cuda.gemv import RULE, GemvConfig
 
     try:
         parts = [int(p) for p in text.lower().split("x")]
-        config = GemvConfig("fma", parts[0], parts[1], num_warps=parts[2] if len(parts) > 2 else 4,
+        if not 2 <= len(parts) <= 4:
+            raise ValueError("two to four numbers")
+        config = GemvConfig("fma", parts[0], parts[1], num_warps=parts[2] if len(parts) > 2 else RULE.fma_num_warps,
+                            num_stages=parts[3] if len(parts) > 3 else RULE.fma_num_stages,
                             pdl_steps=RULE.fma_pdl_steps)
         config.validate()
     except (ValueError, IndexError) as exc:
@@ -191,9 +194,10 @@ def main() -> None:
                     help="also time the chain with every one of its kernels' preferred shared-memory carveout "
                          "set to each of these percentages (cuFuncSetAttribute; -1: the driver's choice)")
     ap.add_argument("--in-configs", type=parse_config, nargs="*", default=[],
-                    help="also time the chain with these launch shapes of the input projection (BLOCK_NxBLOCK_K[xWARPS])")
+                    help="also time the chain with these launch shapes of the input projection "
+                         "(BLOCK_NxBLOCK_K[xWARPS[xSTAGES]])")
     ap.add_argument("--o-configs", type=parse_config, nargs="*", default=[],
-                    help="also time the chain with these launch shapes of o_proj (BLOCK_NxBLOCK_K[xWARPS])")
+                    help="also time the chain with these launch shapes of o_proj (BLOCK_NxBLOCK_K[xWARPS[xSTAGES]])")
     ap.add_argument("--peak", type=float, default=4290.0, help="GB/s the bound is computed at")
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -227,8 +231,8 @@ def main() -> None:
         for config in configs:
             chain.gemv_configs = {stage: config}
             us = chain.time_us(run(STAGES), a.reps) / a.layers
-            print(f"chain, {stage} {config.block_n}x{config.block_k} {config.num_warps} warps: {us:7.2f} us a layer",
-                  flush=True)
+            print(f"chain, {stage} {config.block_n}x{config.block_k} {config.num_warps} warps {config.num_stages} "
+                  f"stages: {us:7.2f} us a layer", flush=True)
         chain.gemv_configs = {}
     for pct in a.carveout:
         kernels = set_carveout(pct)
