@@ -47,8 +47,7 @@ def main() -> None:
     parser.add_argument("--ms", default="48,64,128")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--producers-only", action="store_true",
-                        help="only the producers, and the SiLU-and-mul quantization at SILU_CONFIGS and with "
-                             "approximate divisions (fast_math)")
+                        help="only the producers, and the SiLU-and-mul quantization at SILU_CONFIGS")
     args = parser.parse_args()
     ms = [int(v) for v in args.ms.split(",")]
     _spin_up()
@@ -90,10 +89,6 @@ def main() -> None:
         for block, warps in SILU_CONFIGS if args.producers_only else ():
             row[f"silu_quant_b{block}_w{warps}_us"] = round(_time_us(
                 lambda i, b=block, w=warps: fused.silu_and_mul_quant(gu, block=b, num_warps=w), 4), 2)
-        if args.producers_only:
-            # Approximate divisions (not bit-identical): how much of the time is arithmetic.
-            row["silu_quant_fast_math_us"] = round(_time_us(lambda i: fused.silu_and_mul_quant(gu, fast_math=True),
-                                                            4), 2)
         print(json.dumps(row), flush=True)
 
 

@@ -9,6 +9,11 @@ own. Instead the producing layer does it on the way out:
 - ``silu_and_mul_quant``: SiLU-and-mul, quantized in the same program (the row in registers up
   to ``SINGLE_PASS_MAX_D``; wider rows take two passes, the second re-reading gate/up from L2).
 
+Dividing each value by its row's scale is most of their arithmetic: they multiply by the scale's
+reciprocal and correct the product with two fmas (``_div_rn``), which rounds as IEEE division does.
+On an H200 at 8,192 x 14,336 the SiLU-and-mul quantization takes 161 us against 229 us with
+``tl.math.div_rn`` (137 us reads gate/up and writes the codes at 4.29 TB/s).
+
 Both round exactly where the unfused layers (``engine_platform_cuda.kernels``) round, then
 quantize with the maths of ``kernels.quantize_per_token_triton``, so the fp8 codes and scales are
 bit-identical to the unfused path's. ``Fp8ActivationQuantizer`` is what ``Fp8LinearMethod``
@@ -27,11 +32,25 @@ from engine_quant_fp8.quantize import _MIN_SCALE, FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
+def _div_rn(v, scale):
+    # ``tl.math.div_rn(v, scale)`` for a scalar ``scale``, in a multiply and two fmas an element
+    # instead of IEEE division's branching sequence (most of these kernels' arithmetic). With ``r``
+    # the correctly rounded 1 / scale and ``q0 = v * r`` within an ulp of v / scale, the residual
+    # ``v - q0 * scale`` is exact in an fma and ``q0 + residual * r`` rounds to the correctly rounded
+    # quotient (Markstein). Only quotients below float32's normal range (2**-126) may differ, and
+    # those quantize to 0 in any 8-bit format: the codes stay those of ``quantize_per_token_triton``.
+    # A zero keeps its sign as division keeps it (the correction would add +0 to -0).
+    r = tl.math.div_rn(1.0, scale)
+    q0 = v * r
+    return tl.where(q0 == 0.0, q0, tl.math.fma(tl.math.fma(-q0, scale, v), r, q0))
+
+
+@triton.jit
 def _quantize_row(v, mask, QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     # v: float32 values of one token's row (masked lanes hold 0).
     amax = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
     scale = tl.maximum(amax / QMAX, MIN_SCALE)
-    return tl.clamp(tl.math.div_rn(v, scale), -QMAX, QMAX), scale
+    return tl.clamp(_div_rn(v, scale), -QMAX, QMAX), scale
 
 
 @triton.jit
@@ -57,32 +76,24 @@ def _rmsnorm_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, res_out_ptr, stride
 
 
 @triton.jit
-def _silu_y(x_ptr, row, stride_x, cols, mask, d: tl.constexpr, FAST_MATH: tl.constexpr = False):
+def _silu_y(x_ptr, row, stride_x, cols, mask, d: tl.constexpr):
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    if FAST_MATH:  # approximate division: not bit-identical to the unfused kernels (benchmarks only)
-        act = tl.fdiv(gf, 1.0 + tl.exp(-gf), ieee_rounding=False).to(g.dtype)
-    else:
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the activation dtype
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # F.silu rounds to the activation dtype
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
 
 
 @triton.jit
 def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, d: tl.constexpr, BLOCK: tl.constexpr,
-                           QMAX: tl.constexpr, MIN_SCALE: tl.constexpr, FAST_MATH: tl.constexpr = False):
+                           QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if BLOCK >= d:
         # The whole row in registers: one read of gate/up, one write of the codes.
         mask = offs < d
-        y = _silu_y(x_ptr, row, stride_x, offs, mask, d, FAST_MATH)
-        if FAST_MATH:  # codes as value times the scale's reciprocal (benchmarks only)
-            amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-            scale = tl.maximum(amax / QMAX, MIN_SCALE)
-            q = tl.clamp(y * (1.0 / scale), -QMAX, QMAX)
-        else:
-            q, scale = _quantize_row(y, mask, QMAX, MIN_SCALE)
+        y = _silu_y(x_ptr, row, stride_x, offs, mask, d)
+        q, scale = _quantize_row(y, mask, QMAX, MIN_SCALE)
         tl.store(q_ptr + row * d + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + row, scale)
     else:
@@ -97,7 +108,7 @@ def _silu_mul_quant_kernel(x_ptr, q_ptr, s_ptr, stride_x, d: tl.constexpr, BLOCK
         for c in range(0, d, BLOCK):
             mask = c + offs < d
             y = _silu_y(x_ptr, row, stride_x, c + offs, mask, d)
-            q = tl.clamp(tl.math.div_rn(y, scale), -QMAX, QMAX)
+            q = tl.clamp(_div_rn(y, scale), -QMAX, QMAX)
             tl.store(q_ptr + row * d + c + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
@@ -134,11 +145,9 @@ def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: 
 
 
 def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype = FP8_DTYPE, qmax: float = FP8_MAX,
-                       block: int | None = None, num_warps: int | None = None,
-                       fast_math: bool = False) -> QuantizedActivation:
+                       block: int | None = None, num_warps: int | None = None) -> QuantizedActivation:
     """``silu(x[:, :d]) * x[:, d:]`` quantized per token (``block``, ``num_warps``: launch overrides
-    for benchmarks; a block below ``d``'s power of two takes the two-pass kernel; ``fast_math``, for
-    benchmarks: approximate divisions in the one-pass kernel, not bit-identical to the unfused path)."""
+    for benchmarks; a block below ``d``'s power of two takes the two-pass kernel)."""
     x2 = _rows(x)
     m, d = x2.shape[0], x2.shape[1] // 2
     q = torch.empty((m, d), dtype=qdtype, device=x.device)
@@ -148,8 +157,10 @@ def silu_and_mul_quant(x: torch.Tensor, qdtype: torch.dtype = FP8_DTYPE, qmax: f
             block = triton.next_power_of_2(d)
             if block > SINGLE_PASS_MAX_D:
                 block = TWO_PASS_BLOCK
+        # Up to 32 warps (Llama-3-8B's 14,336-wide rows: 16 values a thread, two rows resident an SM).
+        # H200, 8,192 rows: 161 us at 32 warps, 168 at 16, 180 at 8 (1,024 rows: 25.5 / 27.0 / 28.6).
         _silu_mul_quant_kernel[(m,)](x2, q, scale, x2.stride(0), d, BLOCK=block, QMAX=qmax, MIN_SCALE=_MIN_SCALE,
-                                     FAST_MATH=fast_math, num_warps=num_warps or min(max(block // 512, 4), 16))
+                                     num_warps=num_warps or min(max(block // 512, 4), 32))
     return QuantizedActivation(q, scale, x.dtype)
 
 
