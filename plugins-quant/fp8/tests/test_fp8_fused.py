@@ -64,23 +64,28 @@ def test_silu_and_mul_quant_equals_silu_then_quantize(d: int, two_pass: bool, mo
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_real_widths_equal_unfused_bit_for_bit() -> None:
-    """Llama-3-8B widths on the GPU (SiLU-and-mul 14,336 wide at its default launch, RMSNorm 4,096):
-    ~15M quantized values over rows of 1e-6 to 1e3, signed zeros included, against the unfused
-    kernels and ``quantize_per_token_triton`` (whose division is IEEE ``div_rn``: the fused kernels
-    divide by multiply-and-correct)."""
+    """Llama-3-8B widths on the GPU (SiLU-and-mul 14,336 wide at its default launch, RMSNorm and
+    the separate quantization 4,096): ~22M quantized values over rows of 1e-6 to 1e3, signed zeros
+    included. Scales equal the unfused path's; codes equal torch's IEEE division by those scales
+    (the kernels divide by multiply-and-correct, ``kernels._div_rn``)."""
+    from engine_quant_fp8.quantize import _to_fp8
+
     rows = 512
     gen = torch.Generator().manual_seed(5)
     mags = torch.logspace(-6, 3, rows)[:, None]
     gu = (torch.randn(rows, 2 * 14336, generator=gen) * mags).to(torch.bfloat16)
     gu[:, ::97] = -0.0
     gu = gu.to(DEV)
-    q, s = quantize_per_token_triton(silu_and_mul(gu))
+    y = silu_and_mul(gu)
+    q, s = quantize_per_token_triton(y)
+    assert torch.equal(q.view(torch.uint8), _to_fp8(y, s).view(torch.uint8))
     _assert_same_quant(fused.silu_and_mul_quant(gu), q, s)
     h = (torch.randn(rows, 4096, generator=gen) * mags).to(torch.bfloat16).to(DEV)
     r = (torch.randn(rows, 4096, generator=gen) * mags).to(torch.bfloat16).to(DEV)
     w = (torch.rand(4096, generator=gen) + 0.5).to(torch.bfloat16).to(DEV)
     normed, _ = rms_norm(h, w, 1e-5, r)
     q, s = quantize_per_token_triton(normed)
+    assert torch.equal(q.view(torch.uint8), _to_fp8(normed, s).view(torch.uint8))
     _assert_same_quant(fused.rms_norm_quant(h, w, 1e-5, r)[0], q, s)
 
 

@@ -15,7 +15,9 @@
   ``(bn, bk)`` weight tile (``scale [ceil(N/bn), ceil(K/bk)]``): the GEMV sums each bk-wide group
   of a K step before scaling it, the tl.dot kernel keeps BLOCK_K <= bk (one scale column per step).
 - ``quantize_per_token_triton``: dynamic (or static) per-token fp8 quantization of the
-  activations in one launch, for ``torch._scaled_mm`` at large M.
+  activations in one launch, for ``torch._scaled_mm`` at large M: a row of up to 4,096 values is
+  read once and kept in registers; each value's division by the scale is ``_div_rn`` (IEEE
+  rounding in a multiply and two fmas).
 
 ``K`` (the reduction length) is a compile-time constant: a model has two or three, the loop
 bounds are then known to the compiler, and Triton 3.6's interpreter cannot run a ``range`` over a
@@ -163,27 +165,51 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
 
 
 @triton.jit
+def _div_rn(v, scale):
+    # ``tl.math.div_rn(v, scale)`` for a scalar ``scale``, in a multiply and two fmas an element
+    # instead of IEEE division's branching sequence (most of these kernels' arithmetic). With ``r``
+    # the correctly rounded 1 / scale and ``q0 = v * r`` within an ulp of v / scale, the residual
+    # ``v - q0 * scale`` is exact in an fma and ``q0 + residual * r`` rounds to the correctly rounded
+    # quotient (Markstein). Only quotients below float32's normal range (2**-126) may differ, and
+    # those quantize to 0 in any 8-bit format: the codes are those of IEEE division (the torch
+    # reference, ``quantize.quantize_per_token_reference``). A zero keeps the sign division gives it
+    # (the correction would add +0 to -0).
+    r = tl.math.div_rn(1.0, scale)
+    q0 = v * r
+    return tl.where(q0 == 0.0, q0, tl.math.fma(tl.math.fma(-q0, scale, v), r, q0))
+
+
+@triton.jit
 def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K: tl.constexpr, stride_xm, stride_qm,
                                HAS_STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
                                QMAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
-    if HAS_STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
+    # Round-to-nearest division and a clamp: the torch reference's maths exactly
+    # (a float -> e4m3fn cast saturates to NaN, not to 448).
+    if not HAS_STATIC and BLOCK_K >= K:
+        # The row fits one block: read once, kept in registers for the codes.
+        mask = offs < K
+        v = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(v), axis=0) / QMAX, MIN_SCALE)
+        tl.store(s_ptr + row, scale)
+        q = tl.clamp(_div_rn(v, scale), -QMAX, QMAX)
+        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     else:
-        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        if HAS_STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+            scale = tl.maximum(tl.max(amax, axis=0) / QMAX, MIN_SCALE)
+        tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK_K):
-            v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=k0 + offs < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        scale = tl.maximum(tl.max(amax, axis=0) / QMAX, MIN_SCALE)
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK_K):
-        mask = k0 + offs < K
-        v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-        # Round-to-nearest division and a clamp: the torch reference's maths exactly
-        # (a float -> e4m3fn cast saturates to NaN, not to 448).
-        q = tl.clamp(tl.math.div_rn(v, scale), -QMAX, QMAX)
-        tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+            mask = k0 + offs < K
+            v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
+            q = tl.clamp(_div_rn(v, scale), -QMAX, QMAX)
+            tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def quantize_per_token_triton(x: torch.Tensor,
