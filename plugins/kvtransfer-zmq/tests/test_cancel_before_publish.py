@@ -56,3 +56,22 @@ def test_a_payload_published_after_its_fetch_was_cancelled_is_let_go_at_once(mak
     finally:
         decode.close()
         prefill.close()
+
+
+def test_a_payload_published_after_its_fetch_was_refused_is_let_go_at_once() -> None:
+    """A fetch refused at the handshake (here: layouts differ) before the payload is published."""
+    prefill = ZmqKvTransfer(KvTransferContext(role="prefill", layout=_LAYOUT, port=0, timeout_s=30.0))
+    other = KvLayout(num_layers=2, num_kv_heads=4, head_dim=8, v_head_dim=8, dtype="torch.float32")
+    decode = ZmqKvTransfer(KvTransferContext(role="decode", layout=other, timeout_s=30.0))
+    try:
+        decode.fetch("a", "127.0.0.1", prefill.port, 20.0)
+        assert "KV layouts differ" in wait_for(decode, "a")
+        k = torch.randn(2, 3, 2, 8)
+        held = StorageWeakRef(k.untyped_storage())
+        prefill.publish("a", KvPayload(1, k, k.clone()))
+        del k
+        assert _wait(lambda: prefill.stats()["cancelled"] == 1)
+        assert _wait(held.expired), "the prefill side holds a payload whose fetch was refused"
+    finally:
+        decode.close()
+        prefill.close()

@@ -295,11 +295,7 @@ class ZmqKvTransfer(KvTransferBackend):
         key = body.get("key", "")
         if body.get("op") == "discard":
             self._parked.pop(key, None)
-            if self._ready.pop(key, None) is not None:
-                self._counts["cancelled"] += 1
-                self._dropped(key)
-            else:  # not published yet: let the payload go when it comes
-                self._cancelled[key] = time.monotonic() + self.ctx.timeout_s
+            self._let_go(key)
             return
         theirs = KvLayout.from_dict(body.get("layout", {}))
         why = self.ctx.layout.mismatch(theirs)
@@ -314,8 +310,7 @@ class ZmqKvTransfer(KvTransferBackend):
                      "--disaggregation-transfer-backend")
         if error is not None:
             self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
-            if self._ready.pop(key, None) is not None:
-                self._dropped(key)
+            self._let_go(key)
             return
         ready = self._ready.pop(key, None)
         if ready is not None:
@@ -323,6 +318,15 @@ class ZmqKvTransfer(KvTransferBackend):
         else:
             wait = min(float(body.get("timeout_s", self.ctx.timeout_s)), self.ctx.timeout_s)
             self._parked.setdefault(key, []).append((peer, time.monotonic() + wait))
+
+    def _let_go(self, key: str) -> None:
+        """Prefill side: nobody will fetch ``key`` (its fetch was cancelled or refused): its
+        payload goes now, or as it is published if it has not been yet."""
+        if self._ready.pop(key, None) is not None:
+            self._counts["cancelled"] += 1
+            self._dropped(key)
+        else:
+            self._cancelled[key] = time.monotonic() + self.ctx.timeout_s
 
     def _finish_fetch(self, key: str, result: KvPayload | str) -> bool:
         """Ends a fetch with its payload or error (False: it was cancelled or timed out already)."""
