@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -87,3 +88,28 @@ def test_decode_logits_are_written_into_decode_out() -> None:
         assert "decode_out" in str(exc) and "accepted: float32 of the logits' shape" in str(exc)
     else:
         raise AssertionError("a decode_out of the wrong shape was accepted")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU")
+def test_float32_gemm_on_cuda() -> None:
+    """On an NVIDIA GPU, more rows than the skinny kernel takes: one GEMM with float32 output (into
+    ``decode_out`` when set), the bf16 path's logits up to their bf16 rounding; a padded vocabulary
+    keeps the bf16 GEMM, widened."""
+    vocab, hidden, rows = 1000, 64, 24
+    head = _head(vocab, hidden).cuda()
+    h = torch.randn(rows, hidden, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
+    proc = LogitsProcessor(vocab)
+    assert proc._float32_gemm_applies(h, head.weight)
+    want = torch.mm(h, head.weight.t(), out_dtype=torch.float32)
+    got = proc(h, head, _decode_batch()).next_token_logits
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    torch.testing.assert_close(got, F.linear(h, head.weight).float(), rtol=2**-8, atol=1e-3)
+    buf = torch.full((rows + 3, vocab), float("nan"), device="cuda")
+    proc.decode_out = buf[:rows]
+    assert proc(h, head, _decode_batch()).next_token_logits.data_ptr() == buf.data_ptr()
+    assert torch.equal(buf[:rows], want) and buf[rows:].isnan().all()
+    padded = LogitsProcessor(vocab - 8)
+    assert not padded._float32_gemm_applies(h, head.weight)
+    assert torch.equal(padded(h, head, _decode_batch()).next_token_logits, F.linear(h, head.weight).float()[:, :-8])
+    assert not proc._float32_gemm_applies(h[:0], head.weight) and not proc._float32_gemm_applies(h.float(), head.weight)
