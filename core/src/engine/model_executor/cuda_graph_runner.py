@@ -12,8 +12,8 @@ logits of a graph of ``bs`` rows take ``bs * vocab * 4`` bytes (512 KiB a row at
 vocabulary). Graphs of up to ``OWN_LOGITS_MAX_BS`` rows keep their own output; the larger ones
 write their logits into one buffer of ``max_bs`` rows that all of them share, which keeps
 captures up to 1024 rows at ~0.5 GiB of logits instead of ~17 GiB. The model's
-``LogitsProcessor`` widens the LM head's output to float32 straight into that buffer
-(``decode_out``), so sharing it costs no copy of its own.
+``LogitsProcessor`` writes its float32 logits straight into that buffer (``decode_out``), so
+sharing it costs no copy of its own.
 Streams and graphs come from the platform (``create_stream``, ``create_graph``,
 ``graph_capture``): this module names no vendor API.
 """
