@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.layers import logits_processor
 from engine.layers.logits_processor import LogitsProcessor
 from engine.layers.vocab_parallel_embedding import ParallelLMHead
 
@@ -113,3 +114,6 @@ def test_float32_gemm_on_cuda() -> None:
     assert not padded._float32_gemm_applies(h, head.weight)
     assert torch.equal(padded(h, head, _decode_batch()).next_token_logits, F.linear(h, head.weight).float()[:, :-8])
     assert not proc._float32_gemm_applies(h[:0], head.weight) and not proc._float32_gemm_applies(h.float(), head.weight)
+    with pytest.MonkeyPatch.context() as mp:  # the switch off: the bf16 GEMM, widened after
+        mp.setattr(logits_processor, "FLOAT32_LM_HEAD_GEMM", False)
+        assert torch.equal(proc(h, head, _decode_batch()).next_token_logits, F.linear(h, head.weight).float())

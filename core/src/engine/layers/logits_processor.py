@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from engine.layers.forward_batch import ForwardBatch
 
 
+#: On NVIDIA GPUs, project to the logits with one GEMM that outputs float32 where
+#: ``LogitsProcessor._float32_gemm_applies`` (False: the 16-bit GEMM, its logits widened after).
+FLOAT32_LM_HEAD_GEMM = True
+
+
 @dataclass
 class LogitsProcessorOutput:
     # [bs, vocab] float32 logits at each row's last new position.
@@ -93,7 +98,7 @@ class LogitsProcessor(nn.Module):
         an NVIDIA GPU, more rows than the platform's skinny kernel takes, an unpadded vocabulary
         and one tensor-parallel rank (gathering float32 slices would double the bytes sent)."""
         max_rows = getattr(self.skinny_linear, "max_rows", DEFAULT_SKINNY_MAX_ROWS) if self.skinny_linear else 0
-        return (h.device.type == "cuda" and torch.version.hip is None and h.dim() == 2 and h.shape[0] > max_rows
+        return (FLOAT32_LM_HEAD_GEMM and h.device.type == "cuda" and torch.version.hip is None and h.dim() == 2 and h.shape[0] > max_rows
                 and h.dtype in (torch.bfloat16, torch.float16) and weight.dtype == h.dtype
                 and weight.shape[0] == self.vocab_size and get_tensor_model_parallel_world_size() == 1)
 
