@@ -51,11 +51,13 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, what: str, atol: float = 
     assert err <= atol, f"{what}: max abs err {err:.3g} (limit {atol})"
 
 
+@pytest.mark.parametrize("early_kv", [False, True])
 @pytest.mark.parametrize("slots_ahead", [False, True])
 @pytest.mark.parametrize("splits, heads", [(1, HEADS), (3, 20)])
-def test_mla_decode_matches_reference(splits: int, heads: int, slots_ahead: bool) -> None:
+def test_mla_decode_matches_reference(splits: int, heads: int, slots_ahead: bool, early_kv: bool) -> None:
     """20 heads: two blocks of query heads, the second 4 of 16 live. Both loops (the slots-ahead
-    one is what an e4m3 pool runs on the GPU; here over a float32 pool)."""
+    one is what an e4m3 pool runs on the GPU; here over a float32 pool), each with the first block
+    gathered apart (``early_kv``, as with PDL: there before the wait, here in the same order)."""
     seq_lens = [1, 17, 40, 33]
     pool = MLAPool(seq_lens, seed=splits)
     bs = len(seq_lens)
@@ -64,9 +66,9 @@ def test_mla_decode_matches_reference(splits: int, heads: int, slots_ahead: bool
     part_out = torch.full((bs, heads, 4, LORA), float("nan"))
     part_lse = torch.full((bs, heads, 4), float("nan"))
     mla_decode_fwd(q, pool.kv, out, pool.req_to_token, torch.tensor(pool.rows), torch.tensor(seq_lens),
-                   part_out, part_lse, splits, SCALE, LORA, block_n=16, slots_ahead=slots_ahead)
+                   part_out, part_lse, splits, SCALE, LORA, block_n=16, slots_ahead=slots_ahead, early_kv=early_kv)
     ref = reference_decode(q, pool.kv, pool.kv[..., :LORA], pool.req_to_token, pool.rows, seq_lens, SCALE)
-    assert_close(out, ref, f"decode splits={splits} slots_ahead={slots_ahead}")
+    assert_close(out, ref, f"decode splits={splits} slots_ahead={slots_ahead} early_kv={early_kv}")
 
 
 def test_mla_decode_equals_the_unabsorbed_attention() -> None:
@@ -151,10 +153,12 @@ def test_mla_fp8_pool_reads_the_stored_latent_times_its_scale() -> None:
     assert_close(out, ref, "fp8 decode")
 
 
+@pytest.mark.parametrize("early_kv", [False, True])
 @pytest.mark.parametrize("widen", ["f16", "cvt"])
-def test_mla_fp8_pool_under_16_bit_queries(widen: str) -> None:
+def test_mla_fp8_pool_under_16_bit_queries(widen: str, early_kv: bool) -> None:
     """16-bit queries over an e4m3 pool: widened to float16 with q converted (the default) or to
-    q's dtype; the slots-ahead loop. (The interpreter's bfloat16 is not faithful: float16 here.)"""
+    q's dtype; the slots-ahead loop, with and without the first block gathered apart. (The
+    interpreter's bfloat16 is not faithful: float16 here.)"""
     seq_lens = [9, 23]
     pool = MLAPool(seq_lens, seed=12, dtype=torch.float8_e4m3fn)
     bs = len(seq_lens)
@@ -162,10 +166,11 @@ def test_mla_fp8_pool_under_16_bit_queries(widen: str) -> None:
     out = torch.full((bs, HEADS, LORA), float("nan"), dtype=torch.float16)
     part_out, part_lse = torch.empty(bs, HEADS, 2, LORA), torch.empty(bs, HEADS, 2)
     mla_decode_fwd(q, pool.kv, out, pool.req_to_token, torch.tensor(pool.rows), torch.tensor(seq_lens),
-                   part_out, part_lse, 2, SCALE, LORA, kv_scale=0.5, block_n=16, widen=widen, slots_ahead=True)
+                   part_out, part_lse, 2, SCALE, LORA, kv_scale=0.5, block_n=16, widen=widen, slots_ahead=True,
+                   early_kv=early_kv)
     wide = pool.kv.float() * 0.5
     ref = reference_decode(q.float(), wide, wide[..., :LORA], pool.req_to_token, pool.rows, seq_lens, SCALE)
-    assert_close(out, ref, f"fp8 decode widen={widen}", atol=3e-3)
+    assert_close(out, ref, f"fp8 decode widen={widen} early_kv={early_kv}", atol=3e-3)
 
 
 def test_mla_widen_is_checked() -> None:
@@ -175,6 +180,35 @@ def test_mla_widen_is_checked() -> None:
         mla_decode_fwd(q, pool.kv, torch.empty(1, HEADS, LORA, dtype=torch.float16), pool.req_to_token,
                        torch.tensor(pool.rows), torch.tensor([3]), torch.empty(1, HEADS, 1, LORA),
                        torch.empty(1, HEADS, 1), 1, SCALE, LORA, widen="words")
+
+
+@pytest.mark.parametrize("rows, dtype, pool_dtype, pdl, early", [
+    (1, torch.bfloat16, torch.bfloat16, True, True), (4, torch.float16, torch.float16, True, True),
+    (5, torch.bfloat16, torch.bfloat16, True, False), (1, torch.bfloat16, torch.bfloat16, False, False),
+    (1, torch.float32, torch.float32, True, False), (1, torch.bfloat16, torch.float8_e4m3fn, True, False)])
+def test_mla_decode_gathers_early_at_small_batches_with_pdl(monkeypatch: pytest.MonkeyPatch, rows: int,
+                                                           dtype: torch.dtype, pool_dtype: torch.dtype, pdl: bool,
+                                                           early: bool) -> None:
+    """The default: the first block gathered before the PDL wait, in 16-key blocks, only with PDL
+    over a 16-bit pool and queries at up to MLA_EARLY_KV_MAX_ROWS rows (the plain loop: 16 splits)."""
+    from engine_attention_triton import mla_attention
+
+    launches: list[dict] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple) -> object:
+            return lambda *args, **meta: launches.append(meta)
+
+    monkeypatch.setattr(mla_attention, "_mla_decode_split_kernel", Recorder())
+    monkeypatch.setattr(mla_attention, "_decode_merge_kernel", Recorder())
+    monkeypatch.setattr(mla_attention, "gathers_words", lambda *a: False)
+    q = torch.randn(rows, HEADS, DIM).to(dtype)
+    kv = torch.zeros(8, 1, DIM).to(pool_dtype)
+    mla_decode_fwd(q, kv, torch.empty(rows, HEADS, LORA, dtype=dtype), torch.zeros(rows, 4, dtype=torch.int32),
+                   torch.arange(rows), torch.ones(rows, dtype=torch.int64), torch.empty(rows, HEADS, 16, LORA),
+                   torch.empty(rows, HEADS, 16), 16, SCALE, LORA, pdl=pdl)
+    meta = launches[0]
+    assert (meta["EARLY_KV"], meta["BLOCK_N"]) == ((True, 16) if early else (False, 32)), meta
 
 
 def test_mla_shapes_are_checked() -> None:

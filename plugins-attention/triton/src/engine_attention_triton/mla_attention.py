@@ -55,22 +55,58 @@ def _mla_fold(q_c, q_r, c, r, keep, m_i, l_i, acc, sm_scale, logit_cap,
 
 
 @triton.jit
+def _kv_ptrs(KV, loc, stride_t, offs_c, offs_r, LORA: tl.constexpr, WORDS: tl.constexpr):
+    """Addresses of the latent and rope tiles of the slots ``loc`` (``WORDS``: as int32 words of
+    four e4m3 values; ``offs_c``/``offs_r`` then count words)."""
+    if WORDS:
+        base = KV.to(tl.pointer_type(tl.int32), bitcast=True) + loc[:, None] * (stride_t // 4)
+        return base + offs_c[None, :], base + LORA // 4 + offs_r[None, :]
+    else:
+        base = KV + loc[:, None] * stride_t
+        return base + offs_c[None, :], base + LORA + offs_r[None, :]
+
+
+@triton.jit
+def _kv_col_masks(offs_c, mask_c, offs_r, mask_r, LORA: tl.constexpr, ROPE: tl.constexpr, WORDS: tl.constexpr):
+    if WORDS:
+        return offs_c < LORA // 4, offs_r < ROPE // 4
+    else:
+        return mask_c, mask_r
+
+
+@triton.jit
+def _gather_kv(KV, loc, stride_t, mask_n, offs_c, mask_c, offs_r, mask_r, LORA: tl.constexpr, ROPE: tl.constexpr,
+               WORDS: tl.constexpr = False):
+    """The latent and rope tiles of the slots ``loc`` as stored (``WORDS``: int32 words)."""
+    c_ptrs, r_ptrs = _kv_ptrs(KV, loc, stride_t, offs_c, offs_r, LORA, WORDS)
+    cols_c, cols_r = _kv_col_masks(offs_c, mask_c, offs_r, mask_r, LORA, ROPE, WORDS)
+    if WORDS:
+        c = tl.load(c_ptrs, mask=mask_n[:, None] & cols_c[None, :], other=0)
+        r = tl.load(r_ptrs, mask=mask_n[:, None] & cols_r[None, :], other=0)
+    else:
+        c = tl.load(c_ptrs, mask=mask_n[:, None] & cols_c[None, :], other=0.0)
+        r = tl.load(r_ptrs, mask=mask_n[:, None] & cols_r[None, :], other=0.0)
+    return c, r
+
+
+@triton.jit
+def _widen_kv(c, r, dtype: tl.constexpr, WORDS: tl.constexpr = False):
+    """Gathered tiles in q's dtype: an e4m3 pool's int32 words widened on the integer pipe
+    (``widen_e4m3_words``, exact), else converted."""
+    if WORDS:
+        return widen_e4m3_words(c), widen_e4m3_words(r)
+    else:
+        return c.to(dtype), r.to(dtype)
+
+
+@triton.jit
 def _load_kv(KV, loc, stride_t, mask_n, offs_c, mask_c, offs_r, mask_r, LORA: tl.constexpr, ROPE: tl.constexpr,
              dtype: tl.constexpr, WORDS: tl.constexpr = False):
     """The latent and rope tiles of the slots ``loc``, in q's dtype. ``WORDS``: an e4m3 pool under
     bf16 queries, gathered as int32 words (four values each) and widened on the integer pipe
     (``widen_e4m3_words``), exactly; ``offs_c``/``offs_r`` then count words."""
-    if WORDS:
-        base = KV.to(tl.pointer_type(tl.int32), bitcast=True) + loc[:, None] * (stride_t // 4)
-        c = tl.load(base + offs_c[None, :], mask=mask_n[:, None] & (offs_c < LORA // 4)[None, :], other=0)
-        r = tl.load(base + LORA // 4 + offs_r[None, :], mask=mask_n[:, None] & (offs_r < ROPE // 4)[None, :],
-                    other=0)
-        return widen_e4m3_words(c), widen_e4m3_words(r)
-    else:
-        base = KV + loc[:, None] * stride_t
-        c = tl.load(base + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0).to(dtype)
-        r = tl.load(base + LORA + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0).to(dtype)
-        return c, r
+    c, r = _gather_kv(KV, loc, stride_t, mask_n, offs_c, mask_c, offs_r, mask_r, LORA, ROPE, WORDS)
+    return _widen_kv(c, r, dtype, WORDS)
 
 
 @triton.jit
@@ -82,7 +118,7 @@ def _mla_decode_split_kernel(
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     HAS_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DIRECT: tl.constexpr,
-    WIDEN: tl.constexpr, SLOTS_AHEAD: tl.constexpr, PDL: tl.constexpr,
+    WIDEN: tl.constexpr, SLOTS_AHEAD: tl.constexpr, PDL: tl.constexpr, EARLY_KV: tl.constexpr = False,
 ):
     # DIRECT (one split): Part_Out is the output; no log-sum-exp, no merge pass.
     # WIDEN (an fp8 pool's tiles into the dots): 0, to q's dtype by Triton; 1, an e4m3 pool
@@ -94,6 +130,10 @@ def _mla_decode_split_kernel(
     # PDL: the next launch (the merge, or the output's W_UV product) may start at once; the row's
     # length, request and slots (written before the step's kernels) are read before the wait for
     # the kernel before (the prologue, which writes q and the newest row).
+    # EARLY_KV: the split's first block of rows is gathered before that wait too, all but the
+    # row's newest token (the prologue's store), which is gathered into the tile after it; the
+    # older rows were stored by earlier steps. At batch 1 a split is often one block: its gathers
+    # then leave the chain's critical path.
     row = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -111,8 +151,23 @@ def _mla_decode_split_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < ROPE
     token_row = Req_To_Token + req * stride_r2t
+    if WIDEN == 1:  # the tiles' columns counted in words of four values
+        offs_cl = tl.arange(0, BLOCK_C // 4)
+        offs_rl = tl.arange(0, BLOCK_R // 4)
+    else:
+        offs_cl = offs_c
+        offs_rl = offs_r
+    # The loop's first block (past the peeled one with EARLY_KV).
+    first = lo
+    if EARLY_KV:
+        first = lo + BLOCK_N
+        offs_n0 = lo + tl.arange(0, BLOCK_N)
+        mask_n0 = offs_n0 < hi
+        loc0 = tl.load(token_row + offs_n0, mask=mask_n0, other=0).to(tl.int64)
+        c0, r0 = _gather_kv(KV, loc0, stride_kvt, mask_n0 & (offs_n0 < seq_len - 1), offs_cl, mask_c, offs_rl,
+                            mask_r, LORA, ROPE, WIDEN == 1)
     if SLOTS_AHEAD:
-        offs_nx = lo + tl.arange(0, BLOCK_N)
+        offs_nx = first + tl.arange(0, BLOCK_N)
         loc_nx = tl.load(token_row + offs_nx, mask=offs_nx < hi, other=0)
     else:
         loc_nx = tl.zeros([BLOCK_N], dtype=tl.int32)  # unused
@@ -128,13 +183,18 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
-    if WIDEN == 1:  # the tiles' columns counted in words of four values
-        offs_cl = tl.arange(0, BLOCK_C // 4)
-        offs_rl = tl.arange(0, BLOCK_R // 4)
-    else:
-        offs_cl = offs_c
-        offs_rl = offs_r
-    for start in range(lo, hi, BLOCK_N):
+    if EARLY_KV:
+        # The newest token's row into the gathered tile (the other rows keep their values), then
+        # the block folds as any other (an empty split's folds nothing: every score masked).
+        c_ptrs, r_ptrs = _kv_ptrs(KV, loc0, stride_kvt, offs_cl, offs_rl, LORA, WIDEN == 1)
+        cols_c, cols_r = _kv_col_masks(offs_cl, mask_c, offs_rl, mask_r, LORA, ROPE, WIDEN == 1)
+        newest = (mask_n0 & (offs_n0 == seq_len - 1))[:, None]
+        c0 = tl.load(c_ptrs, mask=newest & cols_c[None, :], other=c0)
+        r0 = tl.load(r_ptrs, mask=newest & cols_r[None, :], other=r0)
+        c, r = _widen_kv(c0, r0, q_c.dtype, WIDEN == 1)
+        m_i, l_i, acc = _mla_fold(q_c, q_r, c, r, mask_n0[None, :], m_i, l_i, acc, sm_scale, logit_cap,
+                                  HAS_CAP, DOT_PRECISION)
+    for start in range(first, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         if SLOTS_AHEAD:
@@ -166,6 +226,9 @@ _WIDEN = {"cvt": 0, "words": 1, "f16": 2}
 #: Query heads a decode program holds: DeepSeek-V2-Lite's 16 in one block; more heads (V3's 128,
 #: or fewer per rank under TP) take several blocks, each reading the latent once.
 MLA_DECODE_BLOCK_H = 16
+#: Decode batches of up to this many rows over a 16-bit pool with PDL gather each split's first
+#: block before the wait, in blocks of 16 keys (``mla_decode_fwd``'s ``early_kv``); measured at 1 row.
+MLA_EARLY_KV_MAX_ROWS = 4
 
 
 def mla_head_blocks(num_heads: int, block_h: int = MLA_DECODE_BLOCK_H) -> int:
@@ -177,8 +240,9 @@ def mla_decode_fwd(
     q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     num_kv_splits: int, sm_scale: float, kv_lora_rank: int, logit_cap: float = 0.0, *,
-    kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int = 32, num_warps: int | None = None,
+    kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, slots_ahead: bool | None = None, widen: str | None = None, pdl: bool = False,
+    early_kv: bool | None = None,
 ) -> None:
     """Decode attention of ``q`` ``[batch, num_heads, lora + rope]`` over each row's whole sequence
     in the MLA pool ``kv_buffer`` ``[slots, 1, lora + rope]`` (the new token already saved there),
@@ -198,7 +262,14 @@ def mla_decode_fwd(
     issue-bound well above the 70.9 us of reads. ``widen``, ``slots_ahead``, ``num_warps``,
     ``num_stages``: overrides (benchmarks, tests). ``pdl`` (sm_90+, the backend's ``triton.pdl``):
     both launches are programmatic dependent ones; the split kernel lets the next launch start at
-    once and reads the row's slots before its wait, the merge triggers and then waits."""
+    once and reads the row's slots before its wait, the merge triggers and then waits. ``early_kv``:
+    each split also gathers its first block of cached rows before that wait, all but the row's
+    newest token (stored by the kernel before), which it gathers after it; by default with PDL, a
+    16-bit pool, 16-bit queries and the plain loop at up to ``MLA_EARLY_KV_MAX_ROWS`` rows, in
+    blocks of 16 keys (``block_n``, else 32). DeepSeek-V2-Lite's attention chain at batch 1 (192
+    tokens, 16 splits, H200, ``bench_mla_chain.py``, 2026-11-29): 18.05 us a layer against 18.73-19.03
+    with 32-key blocks gathered after the wait, 18.52 with 16-key blocks alone, 18.93 with the early
+    gather alone (8 warps)."""
     check_kernel_dtype(q.dtype, "q")
     batch, num_heads, head_dim = q.shape
     _check_mla_shapes(q, kv_buffer, kv_lora_rank, "decode")
@@ -225,6 +296,12 @@ def mla_decode_fwd(
         slots_ahead = widen != "cvt" if fp8 else num_kv_splits <= 4 and q.dtype != torch.float32
     if num_stages is None:
         num_stages = 3 if slots_ahead else 2
+    if early_kv is None:
+        early_kv = (pdl and not fp8 and not slots_ahead and q.dtype != torch.float32
+                    and batch <= MLA_EARLY_KV_MAX_ROWS)
+    if block_n is None:
+        # Held across the wait, a 16-bit pool's 32-key block spills on sm_90 at 4 warps (24 bytes).
+        block_n = 16 if early_kv and not fp8 else 32
     if num_warps is None:
         # 4 warps spill registers on sm_90 widening to f16 (68-76 bytes) or with Triton's cvt.
         num_warps = 8 if fp8 and widen != "words" else 4
@@ -236,8 +313,8 @@ def mla_decode_fwd(
         NUM_HEADS=num_heads, BLOCK_H=max(16, block_h), BLOCK_N=block_n,
         LORA=kv_lora_rank, ROPE=rope, BLOCK_C=block_size(kv_lora_rank), BLOCK_R=block_size(rope),
         HAS_CAP=logit_cap > 0, DOT_PRECISION=dot_precision(q.dtype), DIRECT=direct,
-        WIDEN=_WIDEN[widen], SLOTS_AHEAD=slots_ahead, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        WIDEN=_WIDEN[widen], SLOTS_AHEAD=slots_ahead, PDL=pdl, EARLY_KV=early_kv,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if direct:
         return
@@ -384,4 +461,4 @@ def _check_mla_shapes(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, what
         raise ValueError(f"mla {what}: q and the KV tensor need a contiguous last dim")
 
 
-__all__ = ["MLA_DECODE_BLOCK_H", "default_mla_extend_config", "mla_decode_fwd", "mla_extend_fwd", "mla_head_blocks"]
+__all__ = ["MLA_DECODE_BLOCK_H", "MLA_EARLY_KV_MAX_ROWS", "default_mla_extend_config", "mla_decode_fwd", "mla_extend_fwd", "mla_head_blocks"]
