@@ -12,12 +12,19 @@ with the input RMSNorm folded in (``norm_skinny_linear``, 3,648 x 2,048), the ML
 (together far larger than L2, so weights come from HBM as in a decode step), and each layer's
 output is the next one's input. Everything runs in one CUDA graph, timed by replays (median).
 
-Lines: ``chain``, the whole chain a layer; with ``--stages`` also ``<stage> alone``, ``--layers`` calls of one stage
-back to back (independent calls: with PDL they overlap, so this is the stage's cost in a stream
-of its own kind, not its latency); ``chain without <stage>``, the chain with that stage left out
-(its inputs are then stale values, which changes no launch shape): the difference to ``chain`` is
-what the stage costs on the layer's critical path. Bytes are the weights and the KV rows read; the
-bound is those bytes at ``--peak``.
+Lines: ``chain``, the whole chain a layer. ``--stages``: also ``<stage> alone``, ``--layers`` calls
+of one stage back to back (independent calls, each waiting for the one before under PDL), and
+``chain without <stage>``, the chain with that stage left out (its inputs are then stale values,
+which changes no launch shape): the difference to ``chain`` is what the stage costs on the layer's
+critical path. ``--decode-variants`` (``mla_decode_fwd`` keywords, or ``"splits"``), ``--in-configs``
+/ ``--o-configs`` (the skinny GEMVs' launch shapes) and ``--carveout`` (every kernel's preferred
+shared-memory carveout) each time the chain again with one thing changed, in the same process.
+Bytes are the weights and the KV rows read; the bound is those bytes at ``--peak``. The figures in
+docs/models.md (DeepSeek) and ``mla_decode_fwd``'s ``early_kv`` default come from::
+
+    python3 plugins-models/deepseek/benchmarks/bench_mla_chain.py --decode-options '{"early_kv": false}' \
+        --decode-variants '{"early_kv": true, "block_n": 16, "num_warps": 4}' '{"early_kv": false, "block_n": 16}' \
+        --in-configs 4x1024 8x512x8 16x512x8 8x512x4x2 --o-configs 2x2048 8x512 4x1024x4x2 --carveout 100 25 -1
 """
 
 from __future__ import annotations
