@@ -199,7 +199,7 @@ class Pool:
         return lambda: decode_attention_fwd(self.q, self.k, self.v, self.out, self.slots, self.reqs, self.seq_lens,
                                             self.part_out, self.part_lse, splits, HEAD_DIM**-0.5, pdl=True, **tiles)
 
-    def mma(self, block_n: int = 16, maxnreg: int = 0):
+    def mma(self, block_n: int = 16, maxnreg: int | None = None):
         return lambda: decode_fp8_mma_fwd(self.q, self.k, self.v, self.out, self.slots, self.reqs, self.seq_lens,
                                           HEAD_DIM**-0.5, pdl=True, block_n=block_n, maxnreg=maxnreg)
 
@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1536)
     parser.add_argument("--tiles", nargs="*", default=DEFAULT_TILES, metavar="A,N,W,S,WORDS,HI",
                         help="decode_attention_fwd's kernel with these tiles, one split")
-    parser.add_argument("--mma", nargs="*", default=["16,0", "32,0"], metavar="N,R",
+    parser.add_argument("--mma", nargs="*", default=["16,128", "32,0"], metavar="N,R",
                         help="decode_fp8_mma_fwd with N keys a block and a register cap R (0: none)")
     parser.add_argument("--peak", type=float, default=4290.0, help="GB/s the fractions are of")
     parser.add_argument("--procs", type=int, default=12, help="processes compiling the variants first")

@@ -2,7 +2,7 @@
 float64 reference, on ragged rows of shuffled pages, everything else in the pool random, outputs
 poisoned with NaN first: GQA groups 1 to 8, head dims 64 and 128, a sliding window, K/V scales,
 PDL launches, CUDA-graph replays over new rows and lengths, queries beyond float16's range, every
-e4m3 value, each value column's place, and ``decode_attention_fwd``'s choice of it at a large batch. Tolerances as test_triton_kernels.py's for bf16.
+e4m3 value, each value column's place, and ``decode_attention_fwd``'s choice of it at one split. Tolerances as test_triton_kernels.py's for bf16.
 """
 
 from __future__ import annotations
@@ -154,18 +154,25 @@ def test_value_columns_land_in_place(head_dim: int) -> None:
     assert torch.equal(out[0].float(), want), f"head_dim={head_dim}: columns out of place"
 
 
-def test_decode_attention_fwd_takes_it_at_a_large_batch(seed: int) -> None:
-    """``decode_attention_fwd`` with its own tiles at one split and 900 rows of 8 KV heads (a decode
-    graph's batch) runs this kernel (``decode_tiles(...).mma``) and matches the reference."""
-    tiles = decode_tiles(BF16, 128, 1, True, 900 * 8)
-    assert tiles.mma, tiles
-    pools = Pools(random_lens(900, 1, 100), 1, 8, 128)
-    q = torch.randn(900, 32, 128, dtype=BF16, device=DEV)
+@pytest.mark.parametrize("bs,block_n", [(900, 16), (100, 32)])
+def test_decode_attention_fwd_takes_it_at_one_split(seed: int, bs: int, block_n: int) -> None:
+    """``decode_attention_fwd`` with its own tiles at one split over 8 KV heads (a decode graph's batch)
+    runs this kernel (``decode_tiles(...).mma_block_n``: 16-key blocks at 900 rows, 32-key ones at 100)
+    and matches the reference."""
+    from unittest import mock
+
+    from engine_attention_triton import decode_fp8_mma
+
+    assert decode_tiles(BF16, 128, 1, True, bs * 8).mma_block_n == block_n
+    pools = Pools(random_lens(bs, 1, 300), 1, 8, 128)
+    q = torch.randn(bs, 32, 128, dtype=BF16, device=DEV)
     out = torch.full_like(q, float("nan"))
-    part = torch.full((900, 32, 1, 128), float("nan"), device=DEV)
-    decode_attention_fwd(q, pools.k, pools.v, out, pools.req_to_token, pools.indices(), pools.seq_lens, part,
-                         part[..., 0], 1, 128**-0.5, k_scale=0.5, v_scale=2.0, pdl=has_pdl(q.device))
-    assert_matches(out, pools.reference(q, 128**-0.5, 0.5, 2.0), f"900 rows, default tiles, seed={seed}")
+    part = torch.full((bs, 32, 1, 128), float("nan"), device=DEV)
+    with mock.patch.object(decode_fp8_mma, "decode_fp8_mma_fwd", wraps=decode_fp8_mma_fwd) as mma_fwd:
+        decode_attention_fwd(q, pools.k, pools.v, out, pools.req_to_token, pools.indices(), pools.seq_lens, part,
+                             part[..., 0], 1, 128**-0.5, k_scale=0.5, v_scale=2.0, pdl=has_pdl(q.device))
+    assert mma_fwd.call_count == 1 and mma_fwd.call_args.kwargs["block_n"] == block_n, mma_fwd.call_args
+    assert_matches(out, pools.reference(q, 128**-0.5, 0.5, 2.0), f"{bs} rows, default tiles, seed={seed}")
 
 
 def test_shapes_it_does_not_take_are_a_clear_error() -> None:

@@ -6,7 +6,8 @@ registers, nothing through shared memory.
   trivial in the kernel; this checks what reaches the PTX).
 - K and V are gathered as vectors of words (``ld.global.v4`` / ``.v2``), widened by the paired hardware conversion
   (``cvt.rn.f16x2.e4m3x2``), never through bf16.
-- No register spills under the default register cap (``MAXNREG``); with PDL, one trigger before one wait and only lengths and slots read before it.
+- No register spills under each block size's register cap (``MAXNREG``); with PDL, one trigger before
+  one wait and only lengths and slots read before it.
 
 Compiled in a subprocess without the interpreter (``engine.testing.aot.compiled_facts``) at
 Llama-3-8B's heads (GQA group 4, head dim 128) and at head dim 64, 16- and 32-key blocks.
@@ -20,9 +21,9 @@ import re
 from engine.testing.aot import compiled_facts, pdl_order, spill_bytes
 from engine_attention_triton.decode_fp8_mma import MAXNREG
 
-#: name -> (D, BLOCK, PDL, maxnreg); 16-key blocks under the default register cap, 32-key ones uncapped.
-CONFIGS = {"d128": (128, 16, False, "default"), "d128-pdl": (128, 16, True, "default"), "d128-32": (128, 32, True, 0),
-           "d64": (64, 16, True, "default")}
+#: name -> (D, BLOCK, PDL), each under its block's register cap (``MAXNREG``).
+CONFIGS = {"d128": (128, 16, False), "d128-pdl": (128, 16, True), "d128-32": (128, 32, True), "d64": (64, 16, True),
+           "d64-32": (64, 32, False)}
 
 
 def _compile_all() -> dict[str, dict[str, object]]:
@@ -34,8 +35,8 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
     out: dict[str, dict[str, object]] = {}
     names = fn.arg_names
-    for name, (d, block, pdl, maxnreg) in CONFIGS.items():
-        maxnreg = MAXNREG if maxnreg == "default" else maxnreg
+    for name, (d, block, pdl) in CONFIGS.items():
+        maxnreg = MAXNREG[block]
         consts = dict(GROUP=4, D=d, BLOCK=block, SLIDING_WINDOW=-1, PDL=pdl)
         types = {a: "i32" for a in names}
         types.update(Q="*bf16", K_Buf="*i32", V_Buf="*i32", Req_To_Token="*i32", Req_Pool_Indices="*i64",
@@ -57,10 +58,10 @@ def _compile_all() -> dict[str, dict[str, object]]:
 
 def test_operands_are_built_in_registers() -> None:
     info = compiled_facts(__file__, timeout=600)
-    for name, (d, block, pdl, maxnreg) in CONFIGS.items():
+    for name, (d, block, pdl) in CONFIGS.items():
         got = info[name]
         assert got["shared"] == 0 and got["spill_bytes"] == 0, (name, got)
-        assert got["maxnreg"] == ([] if maxnreg == 0 else [str(MAXNREG)]), (name, got)  # ptxas obeys the PTX's cap
+        assert got["maxnreg"] == ([str(MAXNREG[block])] if MAXNREG[block] else []), (name, got)  # ptxas obeys it
         # A lane gathers block / 8 K rows and block / 4 V rows a block, each part as one vector load
         # (d / 4 and d / 8 contiguous bytes), in the loop and before it.
         assert got["vector_loads"] >= 2 * (block // 8 + block // 4), (name, got)

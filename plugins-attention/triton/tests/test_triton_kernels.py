@@ -266,7 +266,7 @@ def test_fp8_f16_path_keeps_queries_beyond_the_float16_range(seed: int, q_scale:
 
 def test_fp8_default_tiles_at_a_large_batch(seed: int) -> None:
     """One split at ``ONE_WARP_PROGRAMS`` programs or more (900 rows, 8 KV heads), as a decode graph at that
-    batch runs it: ``decode_fp8_mma`` (``DecodeTiles.mma``), or with ``MMA_IN_REGISTERS`` off the one-warp,
+    batch runs it: ``decode_fp8_mma`` (``DecodeTiles.mma_block_n``), or with ``MMA_IN_REGISTERS`` off the one-warp,
     16-key tiles over words widened to float16 (``words`` 3); both here."""
     from engine_attention_triton.decode_attention import ONE_WARP_PROGRAMS
 

@@ -23,8 +23,8 @@ so the K/V addresses are known when the block starts and Triton's pipeliner doub
 gathers (async copies); it wins where programs walk long sequences (few splits, large batches).
 An e4m3 pool under bf16 queries is gathered as int32 words and widened by ``jit_math.widen_e4m3_words``,
 or, at few splits on sm_89+, widened to float16 by the hardware conversion (``widen_e4m3_words_f16``)
-with q in float16. At one split and large batches such a pool goes to ``decode_fp8_mma`` instead (Gluon:
-the widened words are the tensor-core operands where they were gathered; ``DecodeTiles.mma``).
+with q in float16. At one split such a pool goes to ``decode_fp8_mma`` instead (Gluon: the widened words
+are the tensor-core operands where they were gathered; ``DecodeTiles.mma_block_n``).
 """
 
 from __future__ import annotations
@@ -61,9 +61,12 @@ KV_PER_PROGRAM = 1
 #: Stage-1 programs of one split from which an e4m3 pool under bf16 queries takes one-warp, 16-key
 #: tiles (``decode_tiles``; measured faster at 3,072 to 8,192 programs, not at 2,048).
 ONE_WARP_PROGRAMS = 3072
-#: Where ``decode_tiles`` says so (``DecodeTiles.mma``), an e4m3 pool under bf16 queries at one split runs
-#: ``decode_fp8_mma`` (operands widened in registers, no trip through shared memory); False: never.
+#: An e4m3 pool under bf16 queries at one split runs ``decode_fp8_mma`` (operands widened in registers, no
+#: trip through shared memory) where its shapes fit (``DecodeTiles.mma_block_n``); False: never.
 MMA_IN_REGISTERS = True
+#: Stage-1 programs from which ``decode_fp8_mma`` takes 16-key blocks (under a register cap: 16 programs an
+#: SM) instead of 32-key ones (9 an SM, twice the bytes in flight each); see ``decode_tiles``.
+MMA_16_KEY_PROGRAMS = 4096
 
 
 def kv_heads_per_program(num_kv_heads: int, head_dim: int, v_dim: int, wanted: int | None = None,
@@ -362,9 +365,9 @@ class DecodeTiles(NamedTuple):
     #: (sm_89+; ``words`` 3 with one split, else 2) instead of to bf16 on the integer pipe
     #: (``widen_e4m3_words``).
     widen_f16: bool = False
-    #: The one-split e4m3 kernel with its tensor-core operands built in registers (``decode_fp8_mma``),
-    #: where the shapes fit it and ``MMA_IN_REGISTERS`` is on; the other fields are then unused.
-    mma: bool = False
+    #: Keys a block of ``decode_fp8_mma`` (16 or 32), the one-split e4m3 kernel with its tensor-core
+    #: operands built in registers, which runs instead where its shapes fit; 0: not that kernel.
+    mma_block_n: int = 0
 
 
 def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words: bool,
@@ -397,20 +400,26 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
     block's K/V into registers instead of async copies help (1,306-1,608 us at batch 1,024), nor a
     register cap (Triton's ``maxnreg`` 96 / 128: 1,104 / 1,041 us at 2 warps, 1,007 us at 1 warp).
 
-    Where the one-warp tiles are chosen (one split, ``ONE_WARP_PROGRAMS`` programs or more), ``mma``
-    sends the call to ``decode_fp8_mma`` instead, which gathers the words straight into the tensor
-    cores' operand layout and so skips the widened tiles' trip through shared memory: at batch 1,024
-    on the H200, 780 us against 902 us for these tiles, where gathering alone takes 760 us
-    (``bench_decode_variants.py``, one run). ``MMA_IN_REGISTERS = False`` turns it off.
+    With one split (``MMA_IN_REGISTERS``), ``mma_block_n`` sends the call to ``decode_fp8_mma`` where its
+    shapes fit: it gathers the words straight into the tensor cores' operand layout, so the widened tiles
+    skip the trip through shared memory. On the H200 at 1,552-token rows, batch 1,024 / 768 / 512 / 384 /
+    256 / 128: 783 / 592 / 399 / 306 / 209 / 111 us, 0.97-0.85 of the KV-read bound, against 912 / 689 /
+    466 / 356 us for the one-warp tiles and 280 / 178 us for the two-warp ones at 256 / 128
+    (``bench_decode.py --mma``, one run). 16-key blocks from ``MMA_16_KEY_PROGRAMS`` programs (783 against
+    790 us at batch 1,024 for 32-key ones, 399 against 403 at 512), 32-key ones below (306 against 339 us
+    at 384, 111 against 137 at 128; 209 against 205 at 256).
     """
     if head_dim > 128 or q_dtype == torch.float32:
         return DecodeTiles(False, 32, 4, 3)
     if num_kv_splits > 4:
         return DecodeTiles(False, 64, 4, 3)
     if words:
+        mma_block_n = 0
+        if num_kv_splits == 1 and MMA_IN_REGISTERS:
+            mma_block_n = 16 if programs >= MMA_16_KEY_PROGRAMS else 32
         if num_kv_splits == 1 and programs >= ONE_WARP_PROGRAMS:
-            return DecodeTiles(True, 16, 1, 3, heads_inner=True, widen_f16=True, mma=MMA_IN_REGISTERS)
-        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True)
+            return DecodeTiles(True, 16, 1, 3, heads_inner=True, widen_f16=True, mma_block_n=mma_block_n)
+        return DecodeTiles(True, 32, 2, 3, heads_inner=True, widen_f16=True, mma_block_n=mma_block_n)
     return DecodeTiles(True, 32, 4, 4)
 
 
@@ -506,11 +515,11 @@ def decode_attention_fwd(
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
     if chosen and words == 1 and tiles.widen_f16 and _sm89(cuda_index(q.device)):
         words = 3 if num_kv_splits == 1 else 2
-        if (words == 3 and tiles.mma and logit_cap <= 0 and decode_fp8_mma.fits(q, k_buffer, v_buffer)
+        if (words == 3 and tiles.mma_block_n and logit_cap <= 0 and decode_fp8_mma.fits(q, k_buffer, v_buffer)
                 and all(t is None for t in (block_n, num_warps, num_stages, slots_ahead, heads_inner, kv_per_program))):
             decode_fp8_mma.decode_fp8_mma_fwd(q, k_buffer, v_buffer, out, req_to_token, req_pool_indices, seq_lens,
                                               sm_scale, sliding_window_size, k_scale=k_scale, v_scale=v_scale,
-                                              pdl=pdl)
+                                              pdl=pdl, block_n=tiles.mma_block_n)
             return
     heads_inner = tiles.heads_inner if heads_inner is None else heads_inner
     # The tiles' choice falls back to one KV head a program where the shapes do not allow more.

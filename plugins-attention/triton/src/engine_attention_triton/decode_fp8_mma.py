@@ -37,13 +37,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-#: Keys a block: 16 or 32 (one or two of the operands' 16-row tiles).
-BLOCK_N = 16
-#: Registers a thread (Triton's ``maxnreg``; 0: no cap). 16-key blocks need 136 uncapped, which leaves 12
-#: one-warp programs on an SM (registers are allotted 256 a warp); 128 (no spills) leaves 16. On an H200
-#: at batch 1,024 x 1,536 tokens, 8 KV heads: 780 us against 886 us uncapped; 32-key blocks uncapped
-#: (215 registers) 779 us (``benchmarks/bench_decode_variants.py --mma``).
-MAXNREG = 128
+#: Registers a thread (Triton's ``maxnreg``; 0: no cap) by keys a block (16 or 32, one or two of the
+#: operands' 16-row tiles). 16-key blocks need 136 uncapped, which leaves 12 one-warp programs on an SM
+#: (registers are allotted 256 a warp); 128 (no spills) leaves 16. 32-key blocks take 215 uncapped
+#: (9 programs an SM, each with twice the bytes in flight); capped, they spill. On an H200 (8 KV heads,
+#: 1,552-token rows, ``benchmarks/bench_decode.py --mma``): batch 1,024, 783 us (16 keys, capped) / 894
+#: (16, uncapped) / 790 (32); batch 128, 137 / 139 / 111 us.
+MAXNREG = {16: 128, 32: 0}
 
 
 @gluon.jit
@@ -236,10 +236,10 @@ def decode_fp8_mma_kernel(
 def decode_fp8_mma_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, out: torch.Tensor,
                        req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
                        sm_scale: float, sliding_window_size: int = -1, *, k_scale: float = 1.0,
-                       v_scale: float = 1.0, pdl: bool = False, block_n: int = BLOCK_N, maxnreg: int = MAXNREG) -> None:
+                       v_scale: float = 1.0, pdl: bool = False, block_n: int = 16, maxnreg: int | None = None) -> None:
     """Decode attention of bf16 ``q`` over an e4m3 pool in one split (``decode_attention_fwd``'s
-    arguments; ``fits`` says which shapes this kernel takes). ``block_n`` (16 or 32) and ``maxnreg`` (a
-    register cap a thread, 0: none) are for benchmarks."""
+    arguments; ``fits`` says which shapes this kernel takes). ``block_n``: keys a block, 16 or 32
+    (``decode_tiles`` picks); ``maxnreg``: a register cap a thread (0: none; default ``MAXNREG[block_n]``)."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if not fits(q, k_buffer, v_buffer):
@@ -252,6 +252,7 @@ def decode_fp8_mma_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
         raise ValueError(f"decode_fp8_mma: block_n={block_n}; accepted: 16, 32")
     if batch == 0:
         return
+    maxnreg = MAXNREG[block_n] if maxnreg is None else maxnreg
     kw = k_buffer.view(torch.int32)
     vw = v_buffer.view(torch.int32)
     decode_fp8_mma_kernel[(num_kv_heads, batch)](
