@@ -2,7 +2,8 @@
 float64 reference, on ragged rows of shuffled pages, everything else in the pool random, outputs
 poisoned with NaN first: GQA groups 1 to 8, head dims 64 and 128, a sliding window, K/V scales,
 PDL launches, CUDA-graph replays over new rows and lengths, queries beyond float16's range, every
-e4m3 value, each value column's place, and ``decode_attention_fwd``'s choice of it at one split. Tolerances as test_triton_kernels.py's for bf16.
+e4m3 value, each value column's place, and ``decode_attention_fwd``'s choice of it at one split.
+Tolerances as test_triton_kernels.py's for bf16.
 """
 
 from __future__ import annotations

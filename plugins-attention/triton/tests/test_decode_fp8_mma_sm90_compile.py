@@ -47,12 +47,14 @@ def _compile_all() -> dict[str, dict[str, object]]:
                  if a not in consts and (signature[a].startswith("*") or a.startswith("stride"))}
         src = GluonASTSource(fn=fn, signature=signature, attrs=attrs,
                              constexprs={(names.index(c),): v for c, v in consts.items()})
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg else {})}).asm["ptx"]
+        options = {"num_warps": 1, **({"maxnreg": maxnreg} if maxnreg else {})}
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
         out[name] = {"shared": len(re.findall(r"\b(ld|st)\.shared|ldmatrix|stmatrix|bar\.sync", ptx)),
                      "vector_loads": len(re.findall(r"ld\.global(\.\w+)*\.v[24]\.b32", ptx)),
                      "cvt_e4m3x2": ptx.count("cvt.rn.f16x2.e4m3x2"), "cvt_bf16": ptx.count("cvt.bf16.f16"),
                      "mma": ptx.count("mma.sync.aligned.m16n8k16"),
-                     "maxnreg": re.findall(r"\.maxnreg (\d+)", ptx), "spill_bytes": spill_bytes(ptx), **(pdl_order(ptx) if pdl else {})}
+                     "maxnreg": re.findall(r"\.maxnreg (\d+)", ptx), "spill_bytes": spill_bytes(ptx),
+                     **(pdl_order(ptx) if pdl else {})}
     return out
 
 

@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_attention_triton import decode_fp8_mma
 from engine_attention_triton.jit_math import (
     base2_scores,
     block_size,
@@ -47,6 +46,11 @@ from engine_attention_triton.jit_math import (
     gathers_words,
     widen,
 )
+
+try:  # Gluon (Triton 3.5+); without it the Triton kernel runs at every batch
+    from engine_attention_triton import decode_fp8_mma
+except ImportError:
+    decode_fp8_mma = None
 
 #: A split shorter than this costs more in workspace traffic and merging than it saves.
 #: (H100, Llama-3-8B heads, batch 1, 1k context, in a CUDA graph: 16 splits of 64
@@ -415,7 +419,7 @@ def decode_tiles(q_dtype: torch.dtype, head_dim: int, num_kv_splits: int, words:
         return DecodeTiles(False, 64, 4, 3)
     if words:
         mma_block_n = 0
-        if num_kv_splits == 1 and MMA_IN_REGISTERS:
+        if num_kv_splits == 1 and MMA_IN_REGISTERS and decode_fp8_mma is not None:
             mma_block_n = 16 if programs >= MMA_16_KEY_PROGRAMS else 32
         if num_kv_splits == 1 and programs >= ONE_WARP_PROGRAMS:
             return DecodeTiles(True, 16, 1, 3, heads_inner=True, widen_f16=True, mma_block_n=mma_block_n)
