@@ -19,6 +19,7 @@ pytestmark = [
                        reason="needs a CUDA GPU with the e4m3 conversion (sm_89+)"),
 ]
 pytest.importorskip("triton", reason="the triton backend needs the triton package")
+pytest.importorskip("triton.experimental.gluon", reason="decode_fp8_mma is a Gluon kernel")
 
 from engine_attention_triton.decode_attention import decode_attention_fwd, decode_tiles, has_pdl  # noqa: E402
 from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd, fits  # noqa: E402

@@ -18,8 +18,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from engine.testing.aot import compiled_facts, pdl_order, spill_bytes
-from engine_attention_triton.decode_fp8_mma import MAXNREG
+
+pytest.importorskip("triton.experimental.gluon", reason="decode_fp8_mma is a Gluon kernel")
+
+from engine_attention_triton.decode_fp8_mma import MAXNREG  # noqa: E402
 
 #: name -> (D, BLOCK, PDL), each under its block's register cap (``MAXNREG``).
 CONFIGS = {"d128": (128, 16, False), "d128-pdl": (128, 16, True), "d128-32": (128, 32, True), "d64": (64, 16, True),
