@@ -181,7 +181,8 @@ def parse_config(text: str) -> Any:
                             pdl_steps=RULE.fma_pdl_steps)
         config.validate()
     except (ValueError, IndexError) as exc:
-        raise argparse.ArgumentTypeError(f"invalid launch shape {text!r} ({exc}); expected e.g. 8x512 or 4x1024x4") from None
+        raise argparse.ArgumentTypeError(f"invalid launch shape {text!r} ({exc}); expected e.g. 8x512 or "
+                                         "4x1024x4") from None
     return config
 
 
@@ -217,7 +218,8 @@ def main() -> None:
     chain = Chain(a.layers, a.ctx, pdl, decode_options=a.decode_options)
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"# {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {now:%Y-%m-%d %H:%M} UTC; "
-          f"{a.layers} layers, ctx {a.ctx}, pdl {pdl}, decode options {a.decode_options}; bound {chain.layer_bytes() / a.peak / 1e3:.2f} us a layer "
+          f"{a.layers} layers, ctx {a.ctx}, pdl {pdl}, decode options {a.decode_options}; "
+          f"bound {chain.layer_bytes() / a.peak / 1e3:.2f} us a layer "
           f"({chain.layer_bytes() / 1e6:.1f} MB at {a.peak:.0f} GB/s)", flush=True)
 
     def run(stages: tuple[str, ...]) -> Callable[[], None]:

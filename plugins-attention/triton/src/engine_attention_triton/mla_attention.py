@@ -240,9 +240,9 @@ def mla_decode_fwd(
     q: torch.Tensor, kv_buffer: torch.Tensor, out: torch.Tensor, req_to_token: torch.Tensor,
     req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor,
     num_kv_splits: int, sm_scale: float, kv_lora_rank: int, logit_cap: float = 0.0, *,
-    kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, slots_ahead: bool | None = None, widen: str | None = None, pdl: bool = False,
-    early_kv: bool | None = None,
+    kv_scale: float = 1.0, block_h: int = MLA_DECODE_BLOCK_H, block_n: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, slots_ahead: bool | None = None,
+    widen: str | None = None, pdl: bool = False, early_kv: bool | None = None,
 ) -> None:
     """Decode attention of ``q`` ``[batch, num_heads, lora + rope]`` over each row's whole sequence
     in the MLA pool ``kv_buffer`` ``[slots, 1, lora + rope]`` (the new token already saved there),
@@ -461,4 +461,5 @@ def _check_mla_shapes(q: torch.Tensor, kv: torch.Tensor, kv_lora_rank: int, what
         raise ValueError(f"mla {what}: q and the KV tensor need a contiguous last dim")
 
 
-__all__ = ["MLA_DECODE_BLOCK_H", "MLA_EARLY_KV_MAX_ROWS", "default_mla_extend_config", "mla_decode_fwd", "mla_extend_fwd", "mla_head_blocks"]
+__all__ = ["MLA_DECODE_BLOCK_H", "MLA_EARLY_KV_MAX_ROWS", "default_mla_extend_config", "mla_decode_fwd",
+           "mla_extend_fwd", "mla_head_blocks"]
