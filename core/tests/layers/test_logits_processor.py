@@ -114,6 +114,8 @@ def test_float32_gemm_on_cuda() -> None:
     assert not padded._float32_gemm_applies(h, head.weight)
     assert torch.equal(padded(h, head, _decode_batch()).next_token_logits, F.linear(h, head.weight).float()[:, :-8])
     assert not proc._float32_gemm_applies(h[:0], head.weight) and not proc._float32_gemm_applies(h.float(), head.weight)
-    with pytest.MonkeyPatch.context() as mp:  # the switch off: the bf16 GEMM, widened after
-        mp.setattr(logits_processor, "FLOAT32_LM_HEAD_GEMM", False)
-        assert torch.equal(proc(h, head, _decode_batch()).next_token_logits, F.linear(h, head.weight).float())
+    for switch in ("FLOAT32_LM_HEAD_GEMM", "_MM_HAS_OUT_DTYPE"):  # off, or a torch without mm's out_dtype
+        with pytest.MonkeyPatch.context() as mp:  # the bf16 GEMM, widened after
+            mp.setattr(logits_processor, switch, False)
+            assert not proc._float32_gemm_applies(h, head.weight)
+            assert torch.equal(proc(h, head, _decode_batch()).next_token_logits, F.linear(h, head.weight).float())

@@ -1,7 +1,7 @@
 """Decode graphs on a CUDA GPU with the shared logits buffer of the large graphs.
 
-Graphs above ``OWN_LOGITS_MAX_BS`` rows copy their logits into one buffer they share (their own
-output goes back to the graph pool). With the threshold lowered to 2, a run whose batch shrinks
+Graphs above ``OWN_LOGITS_MAX_BS`` rows have the model's ``LogitsProcessor`` write their logits
+into one buffer they share (``decode_out``). With the threshold lowered to 2, a run whose batch shrinks
 from 7 rows (bucket 8) through 4 to 1 replays shared-buffer graphs and own-output graphs in turn;
 its greedy tokens equal the run with graphs off.
 """

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
 #: ``LogitsProcessor._float32_gemm_applies`` (False: the 16-bit GEMM, its logits widened after).
 FLOAT32_LM_HEAD_GEMM = True
 
+#: Whether this torch's ``mm`` takes ``out_dtype`` (float32 output of 16-bit operands, torch 2.8
+#: and later); without it the LM head is the 16-bit GEMM, widened after.
+_MM_HAS_OUT_DTYPE = {"dtype", "dtype_out"} <= set(torch.ops.aten.mm.overloads())
+
 
 @dataclass
 class LogitsProcessorOutput:
@@ -96,11 +100,13 @@ class LogitsProcessor(nn.Module):
     def _float32_gemm_applies(self, h: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the projection is one CUDA GEMM with float32 output: 16-bit ``h`` and weight on
         an NVIDIA GPU, more rows than the platform's skinny kernel takes, an unpadded vocabulary
-        and one tensor-parallel rank (gathering float32 slices would double the bytes sent)."""
+        and one tensor-parallel rank (gathering float32 slices would double the bytes sent), on a
+        torch whose ``mm`` takes ``out_dtype``."""
         max_rows = getattr(self.skinny_linear, "max_rows", DEFAULT_SKINNY_MAX_ROWS) if self.skinny_linear else 0
-        return (FLOAT32_LM_HEAD_GEMM and h.device.type == "cuda" and torch.version.hip is None and h.dim() == 2 and h.shape[0] > max_rows
-                and h.dtype in (torch.bfloat16, torch.float16) and weight.dtype == h.dtype
-                and weight.shape[0] == self.vocab_size and get_tensor_model_parallel_world_size() == 1)
+        return (FLOAT32_LM_HEAD_GEMM and _MM_HAS_OUT_DTYPE and h.device.type == "cuda" and torch.version.hip is None
+                and h.dim() == 2 and h.shape[0] > max_rows and h.dtype in (torch.bfloat16, torch.float16)
+                and weight.dtype == h.dtype and weight.shape[0] == self.vocab_size
+                and get_tensor_model_parallel_world_size() == 1)
 
     def _scale_and_cap(self, logits: torch.Tensor) -> torch.Tensor:
         if self.logit_scale != 1.0:
