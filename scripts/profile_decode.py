@@ -103,7 +103,7 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
 
     from torch.profiler import ProfilerActivity, profile
 
-    from engine.bench.kernel_times import kernel_times
+    from engine.bench.kernel_times import kernel_times, print_by_class
     from engine.bench.one_batch import run_one
     from engine.managers.scheduler import Scheduler
 
@@ -133,8 +133,6 @@ def profile_steps(a: argparse.Namespace, args: object, platform: object, lead: b
     per_step = {k: (v - base.get(k, 0.0)) / a.steps for k, v in full.items()}
     total = sum(per_step.values())
     graphs = "graphs" if sched.runner.cuda_graph_runner is not None else "eager"
-    from engine.bench.kernel_times import print_by_class
-
     print(f"decode, batch {a.batch_size}, context ~{a.input_len}, attention {a.attention}, quant {a.quant}, "
           f"tp {a.tp_size}: GPU kernel time per step {total / 1e3:.3f} ms; unprofiled step "
           f"{warm.median_decode_latency_s * 1e3:.3f} ms ({graphs}, overlap {'on' if warm.overlap else 'off'}"
