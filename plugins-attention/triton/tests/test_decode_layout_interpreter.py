@@ -103,3 +103,23 @@ def test_one_split_tiles_follow_the_programs() -> None:
     assert (small.block_n, small.num_warps) == (32, 2) == (two.block_n, two.num_warps), (small, two)
     assert big.widen_f16 and small.widen_f16 and two.widen_f16
     assert decode_tiles(torch.bfloat16, 128, 1, False, ONE_WARP_PROGRAMS).num_warps == 4  # a bf16 pool
+
+
+def test_one_split_e4m3_decode_goes_to_decode_fp8_mma(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An e4m3 pool (words) with one split names ``decode_fp8_mma``'s block (``mma_block_n``): 16 keys
+    from ``MMA_16_KEY_PROGRAMS`` programs, 32 below; 0 (the Triton tiles) with splits, over a 16-bit
+    pool, with ``MMA_IN_REGISTERS`` off, or where this Triton has no Gluon (the module is None)."""
+    from engine_attention_triton import decode_attention
+    from engine_attention_triton.decode_attention import MMA_16_KEY_PROGRAMS, decode_tiles
+
+    monkeypatch.setattr(decode_attention, "decode_fp8_mma", object())  # as where Gluon imports
+    assert decode_tiles(torch.bfloat16, 128, 1, True, MMA_16_KEY_PROGRAMS).mma_block_n == 16
+    assert decode_tiles(torch.bfloat16, 128, 1, True, MMA_16_KEY_PROGRAMS - 8).mma_block_n == 32
+    assert decode_tiles(torch.bfloat16, 128, 1, True, 8).mma_block_n == 32
+    assert decode_tiles(torch.bfloat16, 128, 2, True, MMA_16_KEY_PROGRAMS).mma_block_n == 0
+    assert decode_tiles(torch.bfloat16, 128, 1, False, MMA_16_KEY_PROGRAMS).mma_block_n == 0
+    monkeypatch.setattr(decode_attention, "MMA_IN_REGISTERS", False)
+    assert decode_tiles(torch.bfloat16, 128, 1, True, MMA_16_KEY_PROGRAMS).mma_block_n == 0
+    monkeypatch.setattr(decode_attention, "MMA_IN_REGISTERS", True)
+    monkeypatch.setattr(decode_attention, "decode_fp8_mma", None)
+    assert decode_tiles(torch.bfloat16, 128, 1, True, MMA_16_KEY_PROGRAMS).mma_block_n == 0
