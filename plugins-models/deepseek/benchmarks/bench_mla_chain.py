@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -120,25 +119,6 @@ class Chain:
         else:
             raise ValueError(f"stage {name!r}; accepted: {', '.join(STAGES)}")
 
-    def time_us(self, body: Callable[[], None], reps: int) -> float:
-        """Median replay time of one CUDA graph of ``body``, in microseconds."""
-        body()  # compiles outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        for _ in range(3):
-            graph.replay()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        return statistics.median(times)
-
 
 def set_carveout(pct: int) -> int:
     """Sets ``CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT`` of every compiled kernel of the
@@ -213,6 +193,7 @@ def main() -> None:
     if a.layers < 1 or a.ctx < 2:
         raise SystemExit(f"--layers {a.layers}, --ctx {a.ctx}; accepted: layers >= 1, ctx >= 2")
     from engine_platform_cuda.gemv import supports_pdl
+    from engine_platform_cuda.graph_timing import graph_median_us
 
     pdl = not a.no_pdl and supports_pdl()
     chain = Chain(a.layers, a.ctx, pdl, decode_options=a.decode_options)
@@ -229,27 +210,27 @@ def main() -> None:
                     chain.stage(name, i)
         return body
 
-    full = chain.time_us(run(STAGES), a.reps) / a.layers
+    full = graph_median_us([run(STAGES)], a.reps) / a.layers
     print(f"chain                      {full:7.2f} us a layer", flush=True)
     for options in a.decode_variants:
         chain.decode_options = options
-        us = chain.time_us(run(STAGES), a.reps) / a.layers
+        us = graph_median_us([run(STAGES)], a.reps) / a.layers
         print(f"chain, decode {options}: {us:7.2f} us a layer", flush=True)
     chain.decode_options = a.decode_options
     for stage, configs in (("input_proj", a.in_configs), ("o_proj", a.o_configs)):
         for config in configs:
             chain.gemv_configs = {stage: config}
-            us = chain.time_us(run(STAGES), a.reps) / a.layers
+            us = graph_median_us([run(STAGES)], a.reps) / a.layers
             print(f"chain, {stage} {config.block_n}x{config.block_k} {config.num_warps} warps {config.num_stages} "
                   f"stages: {us:7.2f} us a layer", flush=True)
         chain.gemv_configs = {}
     for pct in a.carveout:
         kernels = set_carveout(pct)
-        us = chain.time_us(run(STAGES), a.reps) / a.layers
+        us = graph_median_us([run(STAGES)], a.reps) / a.layers
         print(f"chain, carveout {pct}% on {kernels} kernels: {us:7.2f} us a layer", flush=True)
     for name in STAGES if a.stages else ():
-        alone = chain.time_us(run((name,)), a.reps) / a.layers
-        without = chain.time_us(run(tuple(s for s in STAGES if s != name)), a.reps) / a.layers
+        alone = graph_median_us([run((name,))], a.reps) / a.layers
+        without = graph_median_us([run(tuple(s for s in STAGES if s != name))], a.reps) / a.layers
         print(f"{name:<11} alone {alone:7.2f} us; chain without it {without:7.2f} us (on the path: "
               f"{full - without:5.2f} us)", flush=True)
 
