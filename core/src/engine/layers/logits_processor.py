@@ -73,28 +73,22 @@ class LogitsProcessor(nn.Module):
     def _project(self, h: torch.Tensor, lm_head: ParallelLMHead, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits ``[rows, vocab]`` of ``h``; with ``out`` (``[rows, vocab]`` float32) written
         into it and returned."""
+        if out is not None and (out.shape != (h.shape[0], self.vocab_size) or out.dtype != torch.float32):
+            raise ValueError(f"LogitsProcessor.decode_out: {tuple(out.shape)} {out.dtype} for logits of "
+                             f"{(h.shape[0], self.vocab_size)}; accepted: float32 of the logits' shape")
         projection = getattr(lm_head, "projection", None)
         if projection is None and self._float32_gemm_applies(h, lm_head.weight):
             # cuBLAS writes the float32 logits itself (into ``out`` when given): no 16-bit logits
             # widened in a pass of their own, and they are not rounded to 16 bits on the way.
             # H200, 1,024 rows x 128,256 x 4,096 bf16: 1,431 us against 1,770 us for the GEMM's
             # bf16 output widened into the buffer (2,017 us with a float32 tensor copied in).
-            if out is not None and (out.shape != (h.shape[0], self.vocab_size) or out.dtype != torch.float32):
-                raise ValueError(f"LogitsProcessor.decode_out: {tuple(out.shape)} {out.dtype} for logits of "
-                                 f"{(h.shape[0], self.vocab_size)}; accepted: float32 of the logits' shape")
             logits = torch.mm(h, lm_head.weight.t(), out_dtype=torch.float32, **({} if out is None else {"out": out}))
             return self._scale_and_cap(logits)
         # Each tensor-parallel rank holds a slice of the (padded) vocabulary: gather the slices,
         # then cut the padding off.
         local = projection(h) if projection is not None else linear_with_kernel(self.skinny_linear, h, lm_head.weight)
         logits = tensor_model_parallel_all_gather(local)[:, : self.vocab_size]
-        if out is None:
-            logits = logits.float()
-        else:
-            if out.shape != logits.shape or out.dtype != torch.float32:
-                raise ValueError(f"LogitsProcessor.decode_out: {tuple(out.shape)} {out.dtype} for logits of "
-                                 f"{tuple(logits.shape)}; accepted: float32 of the logits' shape")
-            logits = out.copy_(logits)
+        logits = logits.float() if out is None else out.copy_(logits)
         return self._scale_and_cap(logits)
 
     def _float32_gemm_applies(self, h: torch.Tensor, weight: torch.Tensor) -> bool:
