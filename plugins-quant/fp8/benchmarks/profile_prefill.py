@@ -167,7 +167,7 @@ def main() -> None:
 def parse_variant(text: str, quant_configs: list[Any]) -> tuple[str, list[tuple[Any, str, Any]]]:
     """``LABEL:pkg.module.ATTR=VALUE;...`` -> (label, [(object, attr, value), ...]); the module
     ``quant_config`` stands for the model's quantization config objects (every linear's
-    ``quant_method.config``), e.g. ``quant_config.fast_accum=True``."""
+    ``quant_method.config``), e.g. ``quant_config.fast_accum=False``."""
     import ast
     import importlib
 

@@ -165,7 +165,7 @@ def _w8a16_gemm_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
 
 
 @triton.jit
-def _div_rn(v, scale):
+def _div_rn(v, scale, MAY_OVERFLOW: tl.constexpr = False):
     # ``tl.math.div_rn(v, scale)`` for a scalar ``scale``, in a multiply and two fmas an element
     # instead of IEEE division's branching sequence (most of these kernels' arithmetic). With ``r``
     # the correctly rounded 1 / scale and ``q0 = v * r`` within an ulp of v / scale, the residual
@@ -173,10 +173,15 @@ def _div_rn(v, scale):
     # quotient (Markstein). Only quotients below float32's normal range (2**-126) may differ, and
     # those quantize to 0 in any 8-bit format: the codes are those of IEEE division (the torch
     # reference, ``quantize.quantize_per_token_reference``). A zero keeps the sign division gives it
-    # (the correction would add +0 to -0).
+    # (the correction would add +0 to -0). ``MAY_OVERFLOW`` (a static scale, which the row's values
+    # may exceed by more than float32's range, or an infinite value): an infinite ``q0`` is kept too
+    # (the correction would turn it into NaN, not the +-inf that clamps to +-QMAX).
     r = tl.math.div_rn(1.0, scale)
     q0 = v * r
-    return tl.where(q0 == 0.0, q0, tl.math.fma(tl.math.fma(-q0, scale, v), r, q0))
+    keep = q0 == 0.0
+    if MAY_OVERFLOW:
+        keep = keep | (tl.abs(q0) == float("inf"))
+    return tl.where(keep, q0, tl.math.fma(tl.math.fma(-q0, scale, v), r, q0))
 
 
 @triton.jit
@@ -208,7 +213,7 @@ def _quantize_per_token_kernel(x_ptr, q_ptr, s_ptr, static_ptr, K: tl.constexpr,
         for k0 in range(0, K, BLOCK_K):
             mask = k0 + offs < K
             v = tl.load(x_ptr + row * stride_xm + k0 + offs, mask=mask, other=0.0).to(tl.float32)
-            q = tl.clamp(_div_rn(v, scale), -QMAX, QMAX)
+            q = tl.clamp(_div_rn(v, scale, HAS_STATIC), -QMAX, QMAX)
             tl.store(q_ptr + row * stride_qm + k0 + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
