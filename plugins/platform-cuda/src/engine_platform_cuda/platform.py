@@ -118,7 +118,8 @@ class CudaPlatform(TorchCudaPlatform):
         """``float8_e4m3fn`` on sm_89+ (Ada, Hopper, Blackwell), None on older GPUs."""
         if not self.is_available():
             return None
-        return torch.float8_e4m3fn if torch.cuda.get_device_capability(device_index(device)) >= _FP8_MIN_CAPABILITY else None
+        capability = torch.cuda.get_device_capability(device_index(device))
+        return torch.float8_e4m3fn if capability >= _FP8_MIN_CAPABILITY else None
 
     # -- housekeeping --------------------------------------------------------
     def layer_kernels(self) -> dict[str, Any]:
