@@ -123,3 +123,30 @@ def test_one_split_e4m3_decode_goes_to_decode_fp8_mma(monkeypatch: pytest.Monkey
     monkeypatch.setattr(decode_attention, "MMA_IN_REGISTERS", True)
     monkeypatch.setattr(decode_attention, "decode_fp8_mma", None)
     assert decode_tiles(torch.bfloat16, 128, 1, True, MMA_16_KEY_PROGRAMS).mma_block_n == 0
+
+
+def test_decode_fp8_mma_refuses_what_it_does_not_take() -> None:
+    """``decode_fp8_mma.fits`` and ``decode_fp8_mma_fwd``'s checks (before any launch): bf16 q over an e4m3
+    pool, head dim 64 or 128, up to 8 query heads a KV head, whole-word strides and contiguous last dims;
+    an ``out`` of q's shape; 16- or 32-key blocks."""
+    pytest.importorskip("triton.experimental.gluon", reason="decode_fp8_mma is a Gluon kernel")
+    from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd, fits
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    q = torch.zeros(2, 8, 128, dtype=bf16)
+    k = torch.zeros(4, 2, 128, dtype=fp8)
+    assert fits(q, k, k) and fits(q[..., :64], k[..., :64].contiguous(), k[..., :64].contiguous())
+    assert not fits(q.half(), k, k)  # fp16 q
+    assert not fits(q, k.to(bf16), k.to(bf16))  # a 16-bit pool
+    assert not fits(q[..., :96], k[..., :96].contiguous(), k[..., :96].contiguous())  # head dim 96
+    assert not fits(torch.zeros(2, 18, 128, dtype=bf16), k, k)  # 9 query heads a KV head
+    assert not fits(torch.zeros(2, 128, 8, dtype=bf16).transpose(1, 2), k, k)  # q's last dim strided
+    odd_rows = torch.zeros(4, 2, 130, dtype=fp8)[..., :128]  # a head's row not 4-byte aligned
+    assert not fits(q, odd_rows, odd_rows)
+    slots = (torch.zeros(2, 4, dtype=torch.int32), torch.arange(2), torch.ones(2, dtype=torch.int64), 1.0)
+    with pytest.raises(ValueError, match=r"head dims 64 or 128.*got q \(2, 8, 96\)"):
+        decode_fp8_mma_fwd(q[..., :96], odd_rows[..., :96], odd_rows[..., :96], q[..., :96].clone(), *slots)
+    with pytest.raises(ValueError, match=r"out needs q's shape \(2, 8, 128\)"):
+        decode_fp8_mma_fwd(q, k, k, torch.zeros(2, 8, 64, dtype=bf16), *slots)
+    with pytest.raises(ValueError, match=r"block_n=8; accepted: 16, 32"):
+        decode_fp8_mma_fwd(q, k, k, q.clone(), *slots, block_n=8)
