@@ -380,8 +380,9 @@ class ZmqKvTransfer(KvTransferBackend):
                          f"within {self.ctx.timeout_s:g} s")
                 self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
                 peers.remove((peer, expires))
-            if not peers:
+            if not peers:  # every fetch of it has its error: its payload goes as it is published
                 del self._parked[key]
+                self._let_go(key)
         with self._pending_lock:
             late = [(key, address) for key, (address, deadline) in self._pending.items() if deadline <= now]
         for key, (host, port) in late:
