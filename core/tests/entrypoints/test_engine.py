@@ -49,10 +49,14 @@ def test_stream_equals_non_stream(engine: Engine) -> None:
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     full = engine.generate("The quick brown fox", params)
     chunks = list(engine.generate("The quick brown fox", params, stream=True))
-    assert len(chunks) >= 2
+    # A chunk carries every token ready when the stream's reader wakes: how many chunks arrive depends on
+    # the machine's load, so only their content is checked (each a prefix of the next, the last the whole).
+    assert chunks
     assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
     texts = [c["text"] for c in chunks]
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), "stream text must grow monotonically"
+    ids = [c["output_ids"] for c in chunks]
+    assert all(b[: len(a)] == a and len(b) > len(a) for a, b in zip(ids, ids[1:])), "each chunk adds tokens"
 
 
 def test_seeded_sampling_is_reproducible_and_n(engine: Engine) -> None:
