@@ -35,7 +35,6 @@ import torch
 import triton
 from bench_kernels import DEV, copy_bandwidth_gbs, median_ms  # the script's folder is on sys.path
 from engine_attention_triton.decode_attention import choose_num_kv_splits, decode_attention_fwd
-from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
 DTYPES = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -77,6 +76,8 @@ class Problem:
                                             self.part_lse, splits, HEAD_DIM**-0.5, pdl=True, **tiles)
 
     def call_mma(self, i: int, block_n: int, maxnreg: int):
+        from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd  # Gluon: --mma only
+
         q, k, v, out, slots = self.inputs[i]
         return lambda: decode_fp8_mma_fwd(q, k, v, out, slots, self.reqs, self.seq_lens, HEAD_DIM**-0.5, pdl=True,
                                           block_n=block_n, maxnreg=maxnreg)

@@ -27,8 +27,8 @@ pytest.importorskip("triton", reason="the triton backend needs the triton packag
 from engine.attention import AttentionContext, AttentionLayerInfo  # noqa: E402
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool  # noqa: E402
 from engine.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from engine_attention_triton.backend import create  # noqa: E402
 from engine_attention_triton import decode_attention  # noqa: E402
+from engine_attention_triton.backend import create  # noqa: E402
 from engine_attention_triton.decode_attention import decode_attention_fwd, has_pdl  # noqa: E402
 from engine_attention_triton.extend_attention import extend_attention_fwd  # noqa: E402
 from engine_attention_triton.reference import reference_decode, reference_extend  # noqa: E402

@@ -37,11 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.platforms import device_index
 from engine_attention_triton.jit_math import (
     base2_scores,
     block_size,
     check_kernel_dtype,
-    cuda_index,
     dot_precision,
     gathers_words,
     widen,
@@ -49,7 +49,9 @@ from engine_attention_triton.jit_math import (
 
 try:  # Gluon (Triton 3.5+); without it the Triton kernel runs at every batch
     from engine_attention_triton import decode_fp8_mma
-except ImportError:
+except ImportError as exc:
+    if not (exc.name or "").startswith("triton"):  # only Triton's Gluon modules may be missing
+        raise
     decode_fp8_mma = None
 
 #: A split shorter than this costs more in workspace traffic and merging than it saves.
@@ -506,7 +508,7 @@ def decode_attention_fwd(
     elif words == 2 and not (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype != torch.float32):
         raise ValueError(f"decode attention: words=2 needs an e4m3 pool and 16-bit q, not {k_buffer.dtype} "
                          f"under {q.dtype}")
-    elif words == 3 and not (gathers_words(q, k_buffer, v_buffer) and _sm89(cuda_index(q.device))):
+    elif words == 3 and not (gathers_words(q, k_buffer, v_buffer) and _sm89(device_index(q.device))):
         raise ValueError(f"decode attention: words=3 needs an e4m3 pool with 4-byte aligned rows under bf16 q on "
                          f"CUDA sm_89+, not {k_buffer.dtype} under {q.dtype} on {q.device}")
     elif words not in (0, 1, 2, 3):
@@ -517,7 +519,7 @@ def decode_attention_fwd(
     dest = out if direct else part_out
     dest_strides = (out.stride(0), out.stride(1), 0) if direct else (
         part_out.stride(0), part_out.stride(1), part_out.stride(2))
-    if chosen and words == 1 and tiles.widen_f16 and _sm89(cuda_index(q.device)):
+    if chosen and words == 1 and tiles.widen_f16 and _sm89(device_index(q.device)):
         words = 3 if num_kv_splits == 1 else 2
         if (words == 3 and tiles.mma_block_n and logit_cap <= 0 and decode_fp8_mma.fits(q, k_buffer, v_buffer)
                 and all(t is None for t in (block_n, num_warps, num_stages, slots_ahead, heads_inner, kv_per_program))):
@@ -601,7 +603,7 @@ def has_pdl(device: torch.device) -> bool:
     Triton's interpreter)."""
     if device.type != "cuda":
         return False
-    return _has_pdl_index(cuda_index(device))
+    return _has_pdl_index(device_index(device))
 
 
 __all__ = ["DecodeTiles", "choose_num_kv_splits", "decode_attention_fwd", "decode_tiles", "gathers_words",

@@ -37,12 +37,14 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
+from engine_attention_triton.jit_math import E4M3_WORD_TO_F16_ASM
+
 #: Registers a thread (Triton's ``maxnreg``; 0: no cap) by keys a block (16 or 32, one or two of the
 #: operands' 16-row tiles). 16-key blocks need 136 uncapped, which leaves 12 one-warp programs on an SM
 #: (registers are allotted 256 a warp); 128 (no spills) leaves 16. 32-key blocks take 215 uncapped
 #: (9 programs an SM, each with twice the bytes in flight); capped, they spill. On an H200 (8 KV heads,
-#: 1,552-token rows, ``benchmarks/bench_decode.py --mma``): batch 1,024, 783 us (16 keys, capped) / 894
-#: (16, uncapped) / 790 (32); batch 128, 137 / 139 / 111 us.
+#: 1,552-token rows, ``benchmarks/bench_decode.py --mma``, 2026-11-29): batch 1,024, 783 us (16 keys,
+#: capped) / 894 (16, uncapped) / 790 (32); batch 128, 137 / 139 / 111 us.
 MAXNREG = {16: 128, 32: 0}
 
 
@@ -50,19 +52,8 @@ MAXNREG = {16: 128, 32: 0}
 def _widen_pairs(x):
     """int32 words of four e4m3 values -> four float16 (the hardware's paired conversion, sm_89+)."""
     return gl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b16 lo, hi;
-        .reg .b32 r0, r1;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 r0, lo;
-        cvt.rn.f16x2.e4m3x2 r1, hi;
-        mov.b32 {$0, $1}, r0;
-        mov.b32 {$2, $3}, r1;
-        }
-        """,
-        constraints="=h,=h,=h,=h,r", args=[x], dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
-        is_pure=True, pack=1)
+        asm=E4M3_WORD_TO_F16_ASM, constraints="=h,=h,=h,=h,r", args=[x],
+        dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -243,9 +234,10 @@ def decode_fp8_mma_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     if not fits(q, k_buffer, v_buffer):
-        raise ValueError(f"decode_fp8_mma: needs bf16 q, an e4m3 pool with 4-byte aligned rows, head dims 64 or 128 "
-                         f"and at most 8 query heads a KV head; got q {tuple(q.shape)} {q.dtype}, "
-                         f"pool {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} {k_buffer.dtype}")
+        raise ValueError(f"decode_fp8_mma: needs bf16 q, an e4m3 pool with 4-byte aligned rows, head dims 64 or 128, "
+                         f"at most 8 query heads a KV head and contiguous last dims; got q {tuple(q.shape)} {q.dtype} "
+                         f"strides {q.stride()}, pool {tuple(k_buffer.shape)} / {tuple(v_buffer.shape)} "
+                         f"{k_buffer.dtype} strides {k_buffer.stride()} / {v_buffer.stride()}")
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"decode_fp8_mma: out needs q's shape {tuple(q.shape)} and a contiguous last dim")
     if block_n not in (16, 32):

@@ -15,6 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.platforms import device_index
+
+
 @triton.jit
 def soft_cap(x, cap):
     """Returns ``cap * tanh(x / cap)``, the logit soft cap of Gemma-2/Grok.
@@ -99,6 +102,21 @@ def widen_e4m3_words(w):
     return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (w.shape[0], w.shape[1] * 4))
 
 
+#: Inline PTX of ``widen_e4m3_words_f16`` (and ``decode_fp8_mma``'s K operand): one int32 word of four
+#: e4m3 values ($4) -> four float16 ($0-$3) by two paired conversions (``cvt.rn.f16x2.e4m3x2``, sm_89+).
+E4M3_WORD_TO_F16_ASM: tl.constexpr = tl.constexpr("""
+        {
+        .reg .b16 lo, hi;
+        .reg .b32 r0, r1;
+        mov.b32 {lo, hi}, $4;
+        cvt.rn.f16x2.e4m3x2 r0, lo;
+        cvt.rn.f16x2.e4m3x2 r1, hi;
+        mov.b32 {$0, $1}, r0;
+        mov.b32 {$2, $3}, r1;
+        }
+        """)
+
+
 @triton.jit
 def widen_e4m3_words_f16(w):
     """int32 words, each four float8 e4m3fn values, -> ``[rows, 4 * cols]`` float16, exactly, by the
@@ -111,19 +129,8 @@ def widen_e4m3_words_f16(w):
     16-bit route (``stmatrix``, ``ldmatrix``). Inline PTX: NVIDIA sm_89+ only.
     """
     e0, e1, e2, e3 = tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b16 lo, hi;
-        .reg .b32 r0, r1;
-        mov.b32 {lo, hi}, $4;
-        cvt.rn.f16x2.e4m3x2 r0, lo;
-        cvt.rn.f16x2.e4m3x2 r1, hi;
-        mov.b32 {$0, $1}, r0;
-        mov.b32 {$2, $3}, r1;
-        }
-        """,
-        constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True, pack=1)
+        asm=E4M3_WORD_TO_F16_ASM, constraints="=h,=h,=h,=h,r", args=[w],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=1)
     return tl.reshape(tl.join(tl.join(e0, e2), tl.join(e1, e3)), (w.shape[0], w.shape[1] * 4))
 
 
@@ -146,12 +153,7 @@ def gathers_words(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tenso
     aligned = all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr()))
     return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
             and aligned and k_buffer.shape[2] % 4 == 0 and v_buffer.shape[2] % 4 == 0
-            and q.device.type == "cuda" and _ptx_sm80(cuda_index(q.device)))
-
-
-def cuda_index(device: torch.device) -> int:
-    """A CUDA device's index (the current device's for a bare ``cuda``)."""
-    return device.index if device.index is not None else torch.cuda.current_device()
+            and q.device.type == "cuda" and _ptx_sm80(device_index(q.device)))
 
 
 @functools.cache
