@@ -8,7 +8,9 @@ Tolerances as test_triton_kernels.py's for bf16.
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 
 import pytest
 import torch
@@ -25,24 +27,16 @@ from engine_attention_triton.decode_attention import decode_attention_fwd, decod
 from engine_attention_triton.decode_fp8_mma import decode_fp8_mma_fwd, fits  # noqa: E402
 from engine_attention_triton.reference import reference_decode  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(__file__))
+import test_triton_kernels  # noqa: E402
+from test_triton_kernels import random_lens  # noqa: E402
+
 BF16, FP8, DEV = torch.bfloat16, torch.float8_e4m3fn, "cuda"
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     """bf16's tolerances of test_triton_kernels.py: max |err| <= 2e-2, ||err|| / ||ref|| <= 1e-2."""
-    assert not torch.isnan(out).any(), f"{what}: NaN in the output (unwritten or bad math)"
-    err = (out.double() - ref.double()).abs()
-    rel = (err.norm() / ref.double().norm().clamp_min(1e-30)).item()
-    assert err.max().item() <= 2e-2 and rel <= 1e-2, f"{what}: max abs err {err.max().item():.3g}, rel L2 err {rel:.3g}"
-
-
-def random_lens(n: int, low: int, high: int) -> list[int]:
-    """``n`` lengths in ``[low, high]`` that include both ends when n allows."""
-    lens = [random.randint(low, high) for _ in range(n)]
-    if n >= 2:
-        lens[0], lens[-1] = high, low
-    random.shuffle(lens)
-    return lens
+    test_triton_kernels.assert_matches(out, ref, BF16, what)
 
 
 class Pools:
