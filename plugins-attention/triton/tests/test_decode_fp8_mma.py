@@ -29,7 +29,7 @@ from engine_attention_triton.reference import reference_decode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 import test_triton_kernels  # noqa: E402
-from test_triton_kernels import random_lens  # noqa: E402
+from test_triton_kernels import one_e4m3_key_per_row, random_lens  # noqa: E402
 
 BF16, FP8, DEV = torch.bfloat16, torch.float8_e4m3fn, "cuda"
 
@@ -114,16 +114,8 @@ def test_queries_beyond_the_float16_range(seed: int, q_scale: float) -> None:
 def test_every_e4m3_value_widens_exactly() -> None:
     """Row i attends to one key whose K and V hold e4m3 bit pattern i (all 254 but NaN) in every
     dim: with one key the output is that value, which bf16 holds exactly (subnormals included)."""
-    bits = torch.arange(256, dtype=torch.int32, device=DEV).to(torch.uint8)
-    bits = bits[(bits & 0x7F) != 0x7F]
-    values = bits.view(FP8)
+    bits, values, k, v, req_to_token, q = one_e4m3_key_per_row(4)
     n = values.numel()
-    k = torch.zeros(n + 1, 1, 128, dtype=FP8, device=DEV)
-    k[1:] = values[:, None, None]
-    v = k.clone()
-    req_to_token = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
-    req_to_token[:, 0] = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
-    q = torch.randn(n, 4, 128, dtype=BF16, device=DEV)
     out = torch.full_like(q, float("nan"))
     decode_fp8_mma_fwd(q, k, v, out, req_to_token, torch.arange(n, device=DEV),
                        torch.ones(n, dtype=torch.int64, device=DEV), 1.0)

@@ -288,19 +288,27 @@ def test_fp8_default_tiles_at_a_large_batch(seed: int) -> None:
         assert_matches(out, ref, BF16, f"900 rows, default tiles, MMA_IN_REGISTERS={mma} seed={seed}")
 
 
-def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
-    """Row i attends to one key whose V holds e4m3 bit pattern i (all 254 but NaN) in every dim: with
-    one key the output is that value, which bf16 holds exactly (subnormals included)."""
+def one_e4m3_key_per_row(q_heads: int) -> tuple[torch.Tensor, ...]:
+    """Rows that attend to one key each, row i's K and V holding e4m3 bit pattern i (all 254 but NaN)
+    in every dim: (bits, their e4m3 values, K pool, V pool, req_to_token, bf16 q of ``q_heads`` heads);
+    slot 0 of the pools is unused. With one key a row's output is that value, which bf16 holds exactly."""
     bits = torch.arange(256, dtype=torch.int32, device=DEV).to(torch.uint8)
     bits = bits[(bits & 0x7F) != 0x7F]
     values = bits.view(FP8)
     n = values.numel()
     k = torch.zeros(n + 1, 1, 128, dtype=FP8, device=DEV)
     k[1:] = values[:, None, None]
-    v = k.clone()
     req_to_token = torch.zeros(n, 16, dtype=torch.int32, device=DEV)
     req_to_token[:, 0] = torch.arange(1, n + 1, dtype=torch.int32, device=DEV)
-    q = torch.randn(n, 1, 128, dtype=BF16, device=DEV)
+    q = torch.randn(n, q_heads, 128, dtype=BF16, device=DEV)
+    return bits, values, k, k.clone(), req_to_token, q
+
+
+def test_fp8_words_widen_every_e4m3_value_exactly() -> None:
+    """Row i attends to one key whose V holds e4m3 bit pattern i (all 254 but NaN) in every dim: with
+    one key the output is that value, which bf16 holds exactly (subnormals included)."""
+    bits, values, k, v, req_to_token, q = one_e4m3_key_per_row(1)
+    n = values.numel()
     for slots_ahead, words in ((False, 1), (True, 1), (True, 2), (False, 3), (True, 3)):
         out = torch.full_like(q, float("nan"))
         part = torch.empty(n, 1, 1, 128, device=DEV)
