@@ -166,15 +166,22 @@ def test_the_bound_waits_for_handed_over_copies_to_end() -> None:
         stager.close()
 
 
+def _pool_of_two(payloads: int) -> tuple[_Platform, list[KvPayload], KvStager]:
+    """A stager whose pinned pool holds two payloads, the list its publish callback fills, and
+    ``payloads`` payloads handed to it (their copies not complete yet)."""
+    platform, published = _Platform(), []
+    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), pool_bytes=2 * ALIGN)
+    for i in range(payloads):
+        copy = stager.gathered(*_kv(i))
+        stager.publish_after(copy, f"k{i}", KvPayload(i, *copy.sources))
+    return platform, published, stager
+
+
 def test_payloads_reuse_the_pool_once_let_go_and_wait_a_bounded_time_for_room() -> None:
     """The pool holds the payloads the backend has not let go: the next one waits until one goes
     and then reuses its bytes (no fresh memory), at most HOST_POOL_WAIT_S, then takes fresh memory."""
-    platform, published = _Platform(), []
-    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), pool_bytes=2 * ALIGN)
+    platform, published, stager = _pool_of_two(3)
     try:
-        for i in range(3):
-            copy = stager.gathered(*_kv(i))
-            stager.publish_after(copy, f"k{i}", KvPayload(i, *copy.sources))
         _copying(platform, 0).complete()
         assert _wait(lambda: len(published) == 1)
         first_at = published[0].k.data_ptr()
@@ -204,12 +211,8 @@ def test_a_payload_waiting_for_room_when_the_stager_closes_takes_no_fresh_memory
     the payload is dropped like the queued ones, without fresh pinned memory or a copy. (The wait
     is made a minute long here, so that only the close can end it, however slow the machine.)"""
     monkeypatch.setattr("engine.disaggregation.stage.HOST_POOL_WAIT_S", 60.0)
-    platform, published = _Platform(), []
-    stager = KvStager(platform, torch.device("cpu"), lambda key, p: published.append(p), pool_bytes=2 * ALIGN)
+    platform, published, stager = _pool_of_two(2)
     try:
-        for i in range(2):
-            copy = stager.gathered(*_kv(i))
-            stager.publish_after(copy, f"k{i}", KvPayload(i, *copy.sources))
         _copying(platform, 0).complete()
         assert _wait(lambda: len(published) == 1)  # the backend holds it: the pool is full
         assert _wait(lambda: stager.held_waits == 1), "the second payload did not wait for room"
