@@ -377,7 +377,8 @@ class ZmqKvTransfer(KvTransferBackend):
         for key, peers in list(self._parked.items()):
             for peer, expires in [p for p in peers if p[1] <= now]:
                 error = (f"the prefill server ({self.ctx.host}:{self.port}) produced no KV for this request "
-                         f"within {self.ctx.timeout_s:g} s")
+                         "before the decode server's deadline for it (at most --disaggregation-timeout-s, "
+                         f"{self.ctx.timeout_s:g} s)")
                 self._router.send_multipart([peer, json.dumps({"key": key, "error": error}).encode()])
                 peers.remove((peer, expires))
             if not peers:  # every fetch of it has its error: its payload goes as it is published
