@@ -40,9 +40,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from engine_attention_triton.jit_math import E4M3_WORD_TO_F16_ASM
 
 #: Registers a thread (Triton's ``maxnreg``; 0: no cap) by keys a block (16 or 32, one or two of the
-#: operands' 16-row tiles). 16-key blocks need 136 uncapped, which leaves 12 one-warp programs on an SM
-#: (registers are allotted 256 a warp); 128 (no spills) leaves 16. 32-key blocks take 215 uncapped
-#: (9 programs an SM, each with twice the bytes in flight); capped, they spill. On an H200 (8 KV heads,
+#: operands' 16-row tiles). 16-key blocks need 136 uncapped; the 128 cap (no spills) lets more one-warp
+#: programs share an SM. 32-key blocks take 215 uncapped (fewer programs an SM, each with twice the
+#: bytes in flight); capped, they spill. On an H200 (8 KV heads,
 #: 1,552-token rows, ``benchmarks/bench_decode.py --mma``, 2026-11-29): batch 1,024, 783 us (16 keys,
 #: capped) / 894 (16, uncapped) / 790 (32); batch 128, 137 / 139 / 111 us.
 MAXNREG = {16: 128, 32: 0}
