@@ -24,6 +24,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -172,6 +173,21 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _result_of(process: Any, result: Any, what: str) -> Any:
+    """The client process's result, or SystemExit naming ``what`` when the process ends without one
+    (killed by a signal, or an error before it could answer)."""
+    while True:
+        try:
+            return result.get(timeout=1.0)
+        except queue.Empty:
+            if not process.is_alive():
+                try:  # it may have answered just before it ended
+                    return result.get(timeout=1.0)
+                except queue.Empty:
+                    raise SystemExit(f"{what}: the client process ended without a result "
+                                     f"(exit code {process.exitcode})") from None
+
+
 def _wait_port(port: int, timeout: float = 120.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -219,7 +235,7 @@ def main() -> None:
                 # A short warm-up (imports, first requests), then the measured run.
                 warm = spawn.Process(target=_clients, args=(port, ROUTES[route], body, 2, result))
                 warm.start()
-                _, warm_outs = result.get()
+                _, warm_outs = _result_of(warm, result, f"{route} (warm-up)")
                 warm.join()
                 if isinstance(warm_outs, str):
                     raise SystemExit(f"{route} (warm-up): {warm_outs}")
@@ -233,14 +249,16 @@ def main() -> None:
                 cpu0, t0 = _cpu_s(server.pid), time.perf_counter()
                 clients = spawn.Process(target=_clients, args=(port, ROUTES[route], body, a.streams, result))
                 clients.start()
-                m0, outs = result.get()
+                try:
+                    m0, outs = _result_of(clients, result, route)
+                finally:
+                    if spy is not None:  # py-spy writes its profile on SIGINT, also when the run failed
+                        spy.send_signal(2)
+                        spy.wait(60)
                 clients.join()
                 if isinstance(outs, str):
                     raise SystemExit(f"{route}: {outs}")
                 cpu, wall = _cpu_s(server.pid) - cpu0, time.perf_counter() - t0
-                if spy is not None:
-                    spy.send_signal(2)
-                    spy.wait(60)
                 events = sum(e for e, _, _ in outs)
                 tokens = a.streams * a.output_len
                 print(json.dumps({

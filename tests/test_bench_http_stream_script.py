@@ -52,3 +52,23 @@ def test_a_refused_request_ends_the_run_naming_the_servers_answer() -> None:
     assert proc.returncode != 0
     assert "generate (warm-up): /generate: HTTP/1.1 400" in proc.stderr, proc.stderr[-3000:]
     assert "context length is 65536" in proc.stderr
+
+
+def test_a_client_process_that_ends_without_a_result_ends_the_run() -> None:
+    """A client process killed before it answers (a signal, an error before its queue put) ends the
+    run naming the route and its exit code, instead of the parent waiting on the queue forever."""
+    import multiprocessing
+    import os
+
+    import pytest
+
+    result_of = _bench()._result_of  # type: ignore[attr-defined]
+    ctx = multiprocessing.get_context("spawn")
+    result = ctx.Queue()
+    dead = ctx.Process(target=os._exit, args=(3,))
+    dead.start()
+    dead.join(60)
+    with pytest.raises(SystemExit, match=r"generate: the client process ended without a result \(exit code 3\)"):
+        result_of(dead, result, "generate")
+    result.put((0.0, [(1, 2, 3)]))  # an answer already queued is returned, whether or not the process lives
+    assert result_of(dead, result, "generate") == (0.0, [(1, 2, 3)])
