@@ -37,7 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from engine_attention_triton.jit_math import E4M3_WORD_TO_F16_ASM
+from engine_attention_triton.jit_math import E4M3_WORD_TO_F16_ASM, word_aligned
 
 #: Registers a thread (Triton's ``maxnreg``; 0: no cap) by keys a block (16 or 32, one or two of the
 #: operands' 16-row tiles). 16-key blocks need 136 uncapped; the 128 cap (no spills) lets more one-warp
@@ -275,5 +275,5 @@ def fits(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> boo
     return (q.dtype == torch.bfloat16 and k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn
             and head_dim in (64, 128) and k_buffer.shape[2] == v_buffer.shape[2] == head_dim
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= 8
-            and all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr()))
+            and word_aligned(k_buffer, v_buffer)
             and q.stride(-1) == k_buffer.stride(-1) == v_buffer.stride(-1) == 1)

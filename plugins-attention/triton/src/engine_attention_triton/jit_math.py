@@ -147,12 +147,17 @@ def widen(raw, dtype: tl.constexpr, WORDS: tl.constexpr):
         return raw.to(dtype)
 
 
+def word_aligned(k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
+    """Whether a one-byte pool's slot and head strides and bases are whole int32 words (4 bytes), so
+    its rows can be gathered as words."""
+    return all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr()))
+
+
 def gathers_words(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor) -> bool:
     """Whether stage 1 gathers the pool as int32 words and widens them itself (``widen_e4m3_words``):
     an e4m3 pool under bf16 queries, every stride and the base 4-byte aligned."""
-    aligned = all(n % 4 == 0 for t in (k_buffer, v_buffer) for n in (*t.stride()[:2], t.data_ptr()))
     return (k_buffer.dtype == v_buffer.dtype == torch.float8_e4m3fn and q.dtype == torch.bfloat16
-            and aligned and k_buffer.shape[2] % 4 == 0 and v_buffer.shape[2] % 4 == 0
+            and word_aligned(k_buffer, v_buffer) and k_buffer.shape[2] % 4 == 0 and v_buffer.shape[2] % 4 == 0
             and q.device.type == "cuda" and _ptx_sm80(device_index(q.device)))
 
 
