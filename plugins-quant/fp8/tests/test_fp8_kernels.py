@@ -120,7 +120,6 @@ def test_quantize_per_token_kernel_static_scale_clamps() -> None:
     torch.testing.assert_close(q.float(), q_ref.float(), rtol=0.07, atol=2**-9)
 
 
-
 def test_quantize_per_token_kernel_static_scale_saturates_overflowing_quotients() -> None:
     """Under a static scale a value may exceed it by more than float32's range (or be infinite):
     its quotient is +-inf and clamps to +-448 as IEEE division's does (``kernels._div_rn`` keeps an
@@ -129,6 +128,7 @@ def test_quantize_per_token_kernel_static_scale_saturates_overflowing_quotients(
     q, _ = quantize_per_token_triton(x, torch.tensor(0.5))
     q_ref, _ = quantize_per_token_reference(x, torch.tensor(0.5))
     assert q.float().tolist() == q_ref.float().tolist() == [[448.0, -448.0, 448.0, -448.0, 2.0, -0.0, 4.0, 448.0]]
+
 
 # ---- fp8 x fp8 (activations quantized too), for large M ------------------------------------------------
 
