@@ -174,18 +174,24 @@ def _cpu_s(pid: int) -> float:
 
 
 def _result_of(process: Any, result: Any, what: str) -> Any:
-    """The client process's result, or SystemExit naming ``what`` when the process ends without one
-    (killed by a signal, or an error before it could answer)."""
+    """The client process's result, or SystemExit naming ``what`` when a stream failed (its answer
+    says why) or the process ends without one (killed by a signal, or an error before it could
+    answer)."""
     while True:
         try:
-            return result.get(timeout=1.0)
+            answer = result.get(timeout=1.0)
+            break
         except queue.Empty:
             if not process.is_alive():
                 try:  # it may have answered just before it ended
-                    return result.get(timeout=1.0)
+                    answer = result.get(timeout=1.0)
+                    break
                 except queue.Empty:
                     raise SystemExit(f"{what}: the client process ended without a result "
                                      f"(exit code {process.exitcode})") from None
+    if isinstance(answer[1], str):
+        raise SystemExit(f"{what}: {answer[1]}")
+    return answer
 
 
 def _wait_port(port: int, timeout: float = 120.0) -> None:
@@ -235,10 +241,8 @@ def main() -> None:
                 # A short warm-up (imports, first requests), then the measured run.
                 warm = spawn.Process(target=_clients, args=(port, ROUTES[route], body, 2, result))
                 warm.start()
-                _, warm_outs = _result_of(warm, result, f"{route} (warm-up)")
+                _result_of(warm, result, f"{route} (warm-up)")
                 warm.join()
-                if isinstance(warm_outs, str):
-                    raise SystemExit(f"{route} (warm-up): {warm_outs}")
                 spy = None
                 if a.profile:
                     spy = subprocess.Popen(["py-spy", "record", "--pid", str(server.pid), "--format", "raw",
@@ -256,8 +260,6 @@ def main() -> None:
                         spy.send_signal(2)
                         spy.wait(60)
                 clients.join()
-                if isinstance(outs, str):
-                    raise SystemExit(f"{route}: {outs}")
                 cpu, wall = _cpu_s(server.pid) - cpu0, time.perf_counter() - t0
                 events = sum(e for e, _, _ in outs)
                 tokens = a.streams * a.output_len
