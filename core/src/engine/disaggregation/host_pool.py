@@ -45,7 +45,7 @@ class HostPool:
     def take(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Host tensors for ``k`` and ``v`` (shapes and dtypes) in one free region of the slab,
         or ``None`` when no free region is large enough for both."""
-        k_bytes, v_bytes = _nbytes(k), _nbytes(v)
+        k_bytes, v_bytes = k.nbytes, v.nbytes
         need = _round_up(k_bytes) + _round_up(v_bytes)
         offset = self._gap(need)
         if offset is None:
@@ -66,7 +66,7 @@ class HostPool:
 
     def fits(self, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Whether the pair can ever be placed in the slab (a larger one gets fresh memory at once)."""
-        need = _round_up(_nbytes(k)) + _round_up(_nbytes(v))
+        need = _round_up(k.nbytes) + _round_up(v.nbytes)
         return 0 < need <= self.size
 
     def used_bytes(self) -> int:
@@ -84,10 +84,6 @@ class HostPool:
                 return start
             start = offset + size
         return start if self.size - start >= need else None
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _typed(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
