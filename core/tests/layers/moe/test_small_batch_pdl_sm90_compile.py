@@ -54,7 +54,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
                                       "topk_w_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*" + w}),
                               dict(K=inter, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_TK=8,
                                    BLOCK_N=tiles["DOWN_BLOCK_N"], BLOCK_K=tiles["DOWN_BLOCK_K"], PDL=True,
-                                   AHEAD=bool(tiles.get("DOWN_AHEAD", 0))), num_warps=tiles["DOWN_WARPS"])
+                                   AHEAD=bool(tiles["DOWN_AHEAD"])), num_warps=tiles["DOWN_WARPS"])
         kernels = [("gate_up", up), ("down", down)]
         if shared:
             # The down launch the other way round: DOWN_AHEAD (each step's weights requested a
@@ -64,7 +64,7 @@ def _compile_all() -> dict[str, dict[str, object]]:
                     "act_ptr": "*bf16", "w_ptr": "*" + w, "scale_ptr": "*fp32", "ids_ptr": "*i32",
                     "topk_w_ptr": "*fp32", "out_ptr": "*bf16", "ws_ptr": "*" + w}),
                 dict(K=inter, TOP_K=top_k, SHARED=shared, HAS_SCALE=scale, BLOCK_TK=8, BLOCK_N=tiles["DOWN_BLOCK_N"],
-                     BLOCK_K=tiles["DOWN_BLOCK_K"], PDL=True, AHEAD=not tiles.get("DOWN_AHEAD", 0)),
+                     BLOCK_K=tiles["DOWN_BLOCK_K"], PDL=True, AHEAD=not tiles["DOWN_AHEAD"]),
                 num_warps=tiles["DOWN_WARPS"])))
         for name, kernel in kernels:
             ptx = kernel.asm["ptx"]
