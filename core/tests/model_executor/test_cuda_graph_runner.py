@@ -14,6 +14,7 @@ import random
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from engine.model_executor import cuda_graph_runner
@@ -85,11 +86,8 @@ def test_logits_into_sets_decode_out_for_the_capture_only() -> None:
     with cuda_graph_runner._logits_into(model, target):
         assert all(p.decode_out is target for p in procs)
     assert all(p.decode_out is None for p in procs)
-    try:
-        with cuda_graph_runner._logits_into(model, target):
-            raise RuntimeError("capture failed")
-    except RuntimeError:
-        pass
+    with pytest.raises(RuntimeError, match="capture failed"), cuda_graph_runner._logits_into(model, target):
+        raise RuntimeError("capture failed")
     assert all(p.decode_out is None for p in procs)
     with cuda_graph_runner._logits_into(model, None):  # a graph with its own logits
         assert all(p.decode_out is None for p in procs)
