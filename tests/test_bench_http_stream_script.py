@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import multiprocessing
+import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_http_stream.py"
@@ -57,11 +61,6 @@ def test_a_refused_request_ends_the_run_naming_the_servers_answer() -> None:
 def test_a_client_process_that_ends_without_a_result_ends_the_run() -> None:
     """A client process killed before it answers (a signal, an error before its queue put) ends the
     run naming the route and its exit code, instead of the parent waiting on the queue forever."""
-    import multiprocessing
-    import os
-
-    import pytest
-
     result_of = _bench()._result_of  # type: ignore[attr-defined]
     ctx = multiprocessing.get_context("spawn")
     result = ctx.Queue()
