@@ -5,10 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import engine_kvtransfer_torch
+import engine_kvtransfer_zmq
 import pytest
 from engine_kvtransfer_torch.backend import TorchKvTransfer
 
 from engine.disaggregation import KvLayout, KvTransferContext
+from engine.disaggregation.transfer import HOST_POOL_BYTES
 
 _LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, v_head_dim=8, dtype="torch.float32")
 
@@ -95,11 +98,6 @@ def test_nccl_servers_sharing_a_gpu_are_told_to_use_gloo() -> None:
 
 
 def test_both_plugins_default_host_pool_gb_to_the_cores_pool_size() -> None:
-    import engine_kvtransfer_torch
-    import engine_kvtransfer_zmq
-
-    from engine.disaggregation.transfer import HOST_POOL_BYTES
-
     options: list[Any] = []
     for plugin in (engine_kvtransfer_zmq, engine_kvtransfer_torch):
         plugin.register_plugin_options(options.append)
